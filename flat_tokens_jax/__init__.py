@@ -1,0 +1,25 @@
+"""flat_tokens_jax: feed JAX language-model training from flat-tokens stores."""
+
+from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
+from flat_tokens_jax.format import FormatError, Problem, decode, encode
+from flat_tokens_jax.store import StoreOptions
+from flat_tokens_jax.validation import summary, validate
+from flat_tokens_jax.writer import DatasetWriter, Layout, write_dataset
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Dataset",
+    "DatasetWriter",
+    "FlatTokens",
+    "FormatError",
+    "Layout",
+    "Problem",
+    "StoreOptions",
+    "decode",
+    "encode",
+    "open_dataset",
+    "summary",
+    "validate",
+    "write_dataset",
+]

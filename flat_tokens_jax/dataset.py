@@ -1,0 +1,215 @@
+"""Opening flat-tokens datasets and reading their splits."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from flat_tokens_jax.format import (
+    ENCODED_DTYPE,
+    LEGACY_TOKENS,
+    LOSS_MASK,
+    MAX_TOKEN_ID,
+    SEQ_STARTS,
+    SPLITS,
+    STARTS_DTYPE,
+    TOKENS,
+    FormatError,
+    decode,
+)
+from flat_tokens_jax.store import ArrayReader, Store, StoreOptions, describe_layout
+
+
+class FlatTokens:
+    """One split of a dataset: ``encoded_tokens``, ``seq_starts`` and ``max_token_id``.
+
+    ``check_end=False`` skips reading the last ``seq_starts`` entry on open
+    (:func:`validate` checks it while streaming). Reads are thread-safe; every
+    method that takes many indices or ranges requests them all before waiting.
+    """
+
+    def __init__(self, store: Store, split: str, *, check_end: bool = True) -> None:
+        found = store.group_attributes(split)
+        if found is None:
+            raise FormatError(f"{store.url}: split {split!r} is missing (no zarr group {split}/)")
+        self.store, self.split = store, split
+        self.zarr_format, attrs = found
+        self.max_token_id = _max_token_id(attrs, f"{store.url}/{split}")
+        self.tokens_name = TOKENS
+        meta = store.array_metadata(f"{split}/{TOKENS}")
+        if meta is None:
+            meta = store.array_metadata(f"{split}/{LEGACY_TOKENS}")
+            self.tokens_name = LEGACY_TOKENS
+        starts_meta = store.array_metadata(f"{split}/{SEQ_STARTS}")
+        if meta is None or starts_meta is None:
+            missing = TOKENS if meta is None else SEQ_STARTS
+            raise FormatError(f"{store.url}/{split}: array {missing!r} is missing")
+        self.metadata = {self.tokens_name: meta, SEQ_STARTS: starts_meta}
+        self.encoded: ArrayReader = store.open_array(f"{split}/{self.tokens_name}", meta[0])
+        self.starts: ArrayReader = store.open_array(f"{split}/{SEQ_STARTS}", starts_meta[0])
+        mask_meta = store.array_metadata(f"{split}/{LOSS_MASK}")
+        self.loss_mask: ArrayReader | None = (
+            None if mask_meta is None else store.open_array(f"{split}/{LOSS_MASK}", mask_meta[0])
+        )
+        self._check_shapes(check_end)
+
+    def _check_shapes(self, check_end: bool) -> None:
+        where = f"{self.store.url}/{self.split}"
+        for name, arr, dtype in (
+            (self.tokens_name, self.encoded, ENCODED_DTYPE),
+            (SEQ_STARTS, self.starts, STARTS_DTYPE),
+        ):
+            if arr.dtype != dtype:
+                raise FormatError(f"{where}/{name}: dtype is {arr.dtype}, expected {dtype}")
+        if self.starts.size < 1:
+            raise FormatError(f"{where}/{SEQ_STARTS}: empty; it needs num_sequences + 1 entries")
+        if check_end:
+            last = int(self.starts.read_points(np.array([self.starts.size - 1]))[0])
+            if last != self.encoded.size:
+                raise FormatError(
+                    f"{where}/{SEQ_STARTS}[{self.starts.size - 1}]: last entry is {last}, "
+                    f"expected the token count {self.encoded.size}"
+                )
+        if self.loss_mask is not None and self.loss_mask.size != self.encoded.size:
+            raise FormatError(
+                f"{where}/{LOSS_MASK}: {self.loss_mask.size} entries, expected "
+                f"one per token ({self.encoded.size})"
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"FlatTokens({self.store.url!r}, split={self.split!r}, "
+            f"num_tokens={self.num_tokens}, num_sequences={self.num_sequences})"
+        )
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    @property
+    def num_tokens(self) -> int:
+        return self.encoded.size
+
+    @property
+    def num_sequences(self) -> int:
+        return self.starts.size - 1
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Decoded token ids ``[stop - start] int32`` of tokens ``[start, stop)``."""
+        return decode(self.encoded_ranges([start], [stop])[0])
+
+    def encoded_ranges(
+        self, starts: Sequence[int] | np.ndarray, stops: Sequence[int] | np.ndarray
+    ) -> list[np.ndarray]:
+        """Encoded tokens (``uint32``) of each range ``[starts[i], stops[i])``, read at once."""
+        lo, hi = np.asarray(starts, np.int64), np.asarray(stops, np.int64)
+        bad = np.flatnonzero((lo < 0) | (hi < lo) | (hi > self.num_tokens))
+        if bad.size:
+            i = int(bad[0])
+            raise IndexError(
+                f"{self!r}: token range [{lo[i]}, {hi[i]}) is outside [0, {self.num_tokens})"
+            )
+        return self.encoded.read_ranges(lo, hi)
+
+    def sequence_bounds(self, indices: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(starts, stops)`` token offsets ``[k] int64`` of sequences ``indices``, one read."""
+        idx = np.asarray(indices, np.int64).reshape(-1)
+        bad = np.flatnonzero((idx < 0) | (idx >= self.num_sequences))
+        if bad.size:
+            raise IndexError(
+                f"{self!r}: sequence index {idx[bad[0]]} is outside [0, {self.num_sequences})"
+            )
+        both = self.starts.read_points(np.concatenate([idx, idx + 1])).astype(np.int64)
+        return both[: idx.size], both[idx.size :]
+
+    def sequences(self, indices: Sequence[int] | np.ndarray) -> list[np.ndarray]:
+        """Decoded token ids (``int32``) of each sequence in ``indices``.
+
+        Two batched requests: the bounds of every sequence, then every token range.
+        """
+        lo, hi = self.sequence_bounds(indices)
+        return [decode(e) for e in self.encoded.read_ranges(lo, hi)]
+
+    def layout(self) -> dict[str, dict[str, Any]]:
+        """Per array: zarr version, chunk and shard sizes, compression."""
+        return {name: describe_layout(fmt, meta) for name, (fmt, meta) in self.metadata.items()}
+
+
+class Dataset(Mapping[str, FlatTokens]):
+    """A flat-tokens dataset: a zarr group whose splits are :class:`FlatTokens`.
+
+    ``dataset["train"]``, ``dataset["validation"]``; ``splits`` lists those present.
+    """
+
+    def __init__(self, store: Store) -> None:
+        found = store.group_attributes("")
+        if found is None:
+            raise FormatError(
+                f"{store.url}: no flat-tokens dataset here (no zarr group metadata at its root); "
+                "the path is wrong, or a write to it did not finish"
+            )
+        self.store = store
+        self.zarr_format, self.attributes = found
+        self._splits = {
+            s: FlatTokens(store, s) for s in SPLITS if store.group_attributes(s) is not None
+        }
+        if not self._splits:
+            raise FormatError(
+                f"{store.url}: the group has neither a 'train' nor a 'validation' split"
+            )
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    @property
+    def splits(self) -> tuple[str, ...]:
+        return tuple(self._splits)
+
+    def __getitem__(self, split: str) -> FlatTokens:
+        try:
+            return self._splits[split]
+        except KeyError:
+            raise KeyError(f"{self.url} has no split {split!r}; it has {self.splits}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._splits)
+
+    def __len__(self) -> int:
+        return len(self._splits)
+
+    def __repr__(self) -> str:
+        return f"Dataset({self.url!r}, splits={self.splits})"
+
+
+def open_dataset(
+    url: str | os.PathLike[str], options: StoreOptions | None = None, **option_fields: Any
+) -> Dataset:
+    """Opens the flat-tokens dataset at ``url`` for reading.
+
+    Args:
+        url: a local path, or a ``file://``, ``memory://``, ``gs://`` or ``s3://`` URL.
+        options: how to reach the store (endpoint, region, credentials, context).
+        **option_fields: the same fields as keywords, e.g. ``endpoint=...``.
+
+    Raises:
+        FormatError: nothing valid at ``url``, or an array that breaks the format.
+    """
+    if options is not None and option_fields:
+        raise ValueError("pass either options=StoreOptions(...) or its fields as keywords")
+    return Dataset(Store(url, options or StoreOptions(**option_fields)))
+
+
+def _max_token_id(attrs: Mapping[str, Any], where: str) -> int:
+    value = attrs.get("max_token_id")
+    if value is None:
+        raise FormatError(f"{where}: attribute 'max_token_id' is missing")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKEN_ID:
+        raise FormatError(
+            f"{where}: attribute max_token_id must be an int in "
+            f"[0, {MAX_TOKEN_ID}], found {value!r}"
+        )
+    return value

@@ -1,0 +1,349 @@
+"""Where a store lives: URLs to tensorstore specs, group metadata, array handles.
+
+Every store is reached through tensorstore key-value stores, so local paths,
+``file://``, ``memory://``, ``gs://`` and ``s3://`` behave alike. Arrays open
+with tensorstore's ``zarr3`` or ``zarr`` (v2) driver; an array whose codecs
+tensorstore cannot decode (numcodecs filters such as ``Delta``) opens with
+zarr-python instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import urllib.parse
+from collections.abc import Mapping
+from typing import Any, Literal, Protocol
+
+import numpy as np
+import tensorstore as ts
+import zarr
+
+from flat_tokens_jax.format import FormatError
+
+SCHEMES = ("file", "memory", "gs", "s3")
+V3_META = "zarr.json"
+V2_GROUP = ".zgroup"
+V2_ARRAY = ".zarray"
+V2_ATTRS = ".zattrs"
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreOptions:
+    """How to reach a store. Each field applies only to the schemes it names.
+
+    Attributes:
+        endpoint: ``s3://`` only: URL of an S3-compatible endpoint, e.g.
+            ``"http://127.0.0.1:9000"``. ``None`` means AWS. (tensorstore does not
+            read ``AWS_ENDPOINT_URL``; pass it here.)
+        region: ``s3://`` only: the bucket's AWS region. ``None`` lets tensorstore
+            ask the bucket.
+        credentials: ``s3://`` only: a tensorstore ``aws_credentials`` spec, either
+            a type name (``"default"``, ``"anonymous"``, ``"environment"``,
+            ``"imds"``, ``"ecs"``) or a mapping such as ``{"type": "profile",
+            "profile": "p", "credentials_file": "/path"}``. ``None``: tensorstore's
+            default chain. ``gs://`` credentials come from the environment, as
+            tensorstore reads them.
+        context: a ``tensorstore.Context`` to share caches and concurrency limits
+            between datasets. ``None``: one new context per dataset (one shared
+            in-process store for ``memory://``).
+    """
+
+    endpoint: str | None = None
+    region: str | None = None
+    credentials: str | Mapping[str, Any] | None = None
+    context: ts.Context | None = None
+
+    def __post_init__(self) -> None:
+        if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
+            raise ValueError(
+                f"StoreOptions.endpoint must be an http:// or https:// URL, got {self.endpoint!r}"
+            )
+        if isinstance(self.credentials, str) and self.credentials not in (
+            "default",
+            "anonymous",
+            "environment",
+            "imds",
+            "ecs",
+        ):
+            raise ValueError(
+                f"StoreOptions.credentials {self.credentials!r} is not a credentials type: use "
+                "'default', 'anonymous', 'environment', 'imds', 'ecs' or a profile mapping"
+            )
+
+
+class _MemoryContext:
+    """The one in-process context behind ``memory://`` URLs, so a writer and a
+    later reader in the same process see the same bytes."""
+
+    lock = threading.Lock()
+    context: ts.Context | None = None
+
+    @classmethod
+    def get(cls) -> ts.Context:
+        with cls.lock:
+            if cls.context is None:
+                cls.context = ts.Context()
+            return cls.context
+
+
+def kvstore_spec(url: str | os.PathLike[str], options: StoreOptions) -> dict[str, Any]:
+    """The tensorstore kvstore spec of a store's root (its path ends with ``/``)."""
+    text = os.fspath(url)
+    parsed = urllib.parse.urlparse(text)
+    scheme = parsed.scheme if len(parsed.scheme) > 1 else ""
+    if scheme in ("", "file"):
+        path = parsed.path if scheme == "file" else text
+        return {"driver": "file", "path": os.path.abspath(os.path.expanduser(path)) + "/"}
+    if scheme not in SCHEMES:
+        raise ValueError(
+            f"unsupported URL scheme {scheme!r} in {text!r}: use a path or "
+            f"one of {', '.join(s + '://' for s in SCHEMES)}"
+        )
+    path = parsed.path.strip("/")
+    path = path + "/" if path else ""
+    if scheme == "memory":
+        return {"driver": "memory", "path": (parsed.netloc + "/" + path).lstrip("/")}
+    if not parsed.netloc:
+        raise ValueError(f"{text!r} names no bucket: expected {scheme}://BUCKET/PATH")
+    spec: dict[str, Any] = {
+        "driver": "gcs" if scheme == "gs" else "s3",
+        "bucket": parsed.netloc,
+        "path": path,
+    }
+    if scheme == "s3":
+        if options.endpoint is not None:
+            spec["endpoint"] = options.endpoint
+        if options.region is not None:
+            spec["aws_region"] = options.region
+        if options.credentials is not None:
+            creds = options.credentials
+            spec["aws_credentials"] = {"type": creds} if isinstance(creds, str) else dict(creds)
+    return spec
+
+
+def zarr_python_store(url: str | os.PathLike[str], options: StoreOptions) -> Any:
+    """A zarr-python store for the same URL, for arrays tensorstore cannot decode."""
+    text = os.fspath(url)
+    scheme = urllib.parse.urlparse(text).scheme
+    if len(scheme) <= 1 or scheme == "file":
+        return zarr.storage.LocalStore(kvstore_spec(text, options)["path"], read_only=True)
+    if scheme == "memory":
+        raise FormatError(
+            f"{text}: this array needs zarr-python (its codecs are not "
+            "supported by tensorstore), which cannot reach memory:// stores"
+        )
+    storage: dict[str, Any] = {}
+    if scheme == "s3" and options.endpoint:
+        storage["endpoint_url"] = options.endpoint
+    try:
+        return zarr.storage.FsspecStore.from_url(text, storage_options=storage, read_only=True)
+    except ImportError as e:
+        raise FormatError(
+            f"{text}: this array needs zarr-python with fsspec "
+            f"(pip install fsspec {'gcsfs' if scheme == 'gs' else 's3fs'}): {e}"
+        ) from e
+
+
+class Store:
+    """A store root: JSON metadata and array handles under one kvstore and context."""
+
+    def __init__(self, url: str | os.PathLike[str], options: StoreOptions | None = None) -> None:
+        self.url = os.fspath(url)
+        self.options = options or StoreOptions()
+        self.spec = kvstore_spec(url, self.options)
+        if self.options.context is not None:
+            self.context = self.options.context
+        elif self.spec["driver"] == "memory":
+            self.context = _MemoryContext.get()
+        else:
+            self.context = ts.Context()
+        self.kv = ts.KvStore.open(self.spec, context=self.context).result()
+
+    def __repr__(self) -> str:
+        return f"Store({self.url!r})"
+
+    def sub(self, key: str) -> dict[str, Any]:
+        """The kvstore spec of ``key`` (a folder) under the root."""
+        return {**self.spec, "path": self.spec["path"] + key.strip("/") + "/"}
+
+    def read_json(self, key: str) -> dict[str, Any] | None:
+        """Parsed JSON at ``key``, or ``None`` if there is no such key."""
+        got = self.kv.read(key).result()
+        if got.state != "value":
+            return None
+        try:
+            value = json.loads(bytes(got.value))
+        except ValueError as e:
+            raise FormatError(f"{self.url}/{key}: not valid JSON ({e})") from e
+        if not isinstance(value, dict):
+            raise FormatError(f"{self.url}/{key}: expected a JSON object")
+        return value
+
+    def write_json(self, key: str, value: Mapping[str, Any]) -> None:
+        self.kv.write(key, json.dumps(value, indent=2, sort_keys=True).encode()).result()
+
+    def keys(self) -> list[str]:
+        return [k.decode() for k in self.kv.list().result()]
+
+    def delete(self, key: str) -> None:
+        self.kv.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result()
+
+    def delete_all(self) -> None:
+        self.kv.delete_range(ts.KvStore.KeyRange()).result()
+
+    def group_attributes(self, key: str) -> tuple[int, dict[str, Any]] | None:
+        """``(zarr_format, attributes)`` of the group at ``key`` (``""`` is the root)."""
+        prefix = key + "/" if key else ""
+        meta = self.read_json(prefix + V3_META)
+        if meta is not None:
+            if meta.get("node_type") != "group":
+                raise FormatError(
+                    f"{self.url}/{prefix}{V3_META}: expected a zarr group, "
+                    f"found node_type {meta.get('node_type')!r}"
+                )
+            return 3, dict(meta.get("attributes") or {})
+        if self.read_json(prefix + V2_GROUP) is not None:
+            return 2, self.read_json(prefix + V2_ATTRS) or {}
+        return None
+
+    def write_group(self, key: str, zarr_format: int, attributes: Mapping[str, Any]) -> None:
+        prefix = key + "/" if key else ""
+        if zarr_format == 3:
+            meta = {"zarr_format": 3, "node_type": "group", "attributes": dict(attributes)}
+            self.write_json(prefix + V3_META, meta)
+        else:
+            if attributes:
+                self.write_json(prefix + V2_ATTRS, attributes)
+            self.write_json(prefix + V2_GROUP, {"zarr_format": 2})
+
+    def array_metadata(self, key: str) -> tuple[Literal[2, 3], dict[str, Any]] | None:
+        """``(zarr_format, metadata)`` of the array at ``key``, or ``None``."""
+        meta = self.read_json(f"{key}/{V3_META}")
+        if meta is not None:
+            if meta.get("node_type") != "array":
+                raise FormatError(
+                    f"{self.url}/{key}: expected a zarr array, "
+                    f"found node_type {meta.get('node_type')!r}"
+                )
+            return 3, meta
+        meta = self.read_json(f"{key}/{V2_ARRAY}")
+        return None if meta is None else (2, meta)
+
+    def open_array(self, key: str, zarr_format: Literal[2, 3]) -> ArrayReader:
+        """A reader of the array at ``key``: tensorstore, else zarr-python."""
+        driver = "zarr3" if zarr_format == 3 else "zarr"
+        spec = {"driver": driver, "kvstore": self.sub(key), "open": True}
+        try:
+            return TensorStoreArray(ts.open(spec, context=self.context, read=True).result())
+        except ValueError as ts_error:
+            try:
+                store = zarr_python_store(self.url, self.options)
+                arr = zarr.open_array(store, path=key, mode="r", zarr_format=zarr_format)
+            except Exception as zarr_error:
+                raise FormatError(
+                    f"{self.url}/{key}: cannot open the array with tensorstore "
+                    f"({ts_error}) nor zarr-python ({zarr_error})"
+                ) from zarr_error
+            return ZarrPythonArray(arr)
+
+
+class ArrayReader(Protocol):
+    """A 1-D array that reads many ranges at once. Thread-safe."""
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def dtype(self) -> np.dtype[Any]: ...
+
+    def read_ranges(self, starts: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
+        """Elements ``[starts[i], stops[i])`` for every i, all requested before any wait."""
+        ...
+
+    def read_points(self, indices: np.ndarray) -> np.ndarray:
+        """Elements at ``indices`` (``[k]``) in one request."""
+        ...
+
+
+class TensorStoreArray:
+    """An :class:`ArrayReader` over a tensorstore handle."""
+
+    def __init__(self, store: ts.TensorStore) -> None:
+        if store.rank != 1:
+            raise FormatError(f"expected a 1-D array, found shape {tuple(store.shape)}")
+        self.store = store
+
+    @property
+    def size(self) -> int:
+        return int(self.store.shape[0])
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return np.dtype(self.store.dtype.numpy_dtype)
+
+    def read_ranges(self, starts: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
+        futures = [self.store[int(a) : int(b)].read() for a, b in zip(starts, stops, strict=True)]
+        return [f.result() for f in futures]
+
+    def read_points(self, indices: np.ndarray) -> np.ndarray:
+        if len(indices) == 0:
+            return np.zeros(0, self.dtype)
+        return np.asarray(self.store.vindex[np.asarray(indices, np.int64)].read().result())
+
+
+class ZarrPythonArray:
+    """An :class:`ArrayReader` over a zarr-python array (synchronous reads)."""
+
+    def __init__(self, array: zarr.Array) -> None:
+        if array.ndim != 1:
+            raise FormatError(f"expected a 1-D array, found shape {array.shape}")
+        self.array = array
+
+    @property
+    def size(self) -> int:
+        return int(self.array.shape[0])
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return np.dtype(self.array.dtype)
+
+    def read_ranges(self, starts: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
+        return [np.asarray(self.array[int(a) : int(b)]) for a, b in zip(starts, stops, strict=True)]
+
+    def read_points(self, indices: np.ndarray) -> np.ndarray:
+        idx = np.asarray(indices, np.int64)
+        if idx.size == 0:
+            return np.zeros(0, self.dtype)
+        return np.asarray(self.array.get_coordinate_selection(idx))
+
+
+def describe_layout(zarr_format: int, meta: Mapping[str, Any]) -> dict[str, Any]:
+    """Chunking and compression of an array, from its zarr metadata, for ``info``."""
+    if zarr_format == 2:
+        comp = meta.get("compressor")
+        return {
+            "zarr_format": 2,
+            "chunk": meta.get("chunks", [None])[0],
+            "shard": None,
+            "compression": comp.get("id") if comp else None,
+            "filters": [f.get("id") for f in meta.get("filters") or []],
+        }
+    grid = meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape", [None])[0]
+    codecs = list(meta.get("codecs", []))
+    shard = None
+    chunk = grid
+    if codecs and codecs[0].get("name") == "sharding_indexed":
+        conf = codecs[0].get("configuration", {})
+        shard, chunk = grid, conf.get("chunk_shape", [None])[0]
+        codecs = conf.get("codecs", [])
+    names = [c.get("name") for c in codecs if c.get("name") not in ("bytes", "transpose")]
+    return {
+        "zarr_format": 3,
+        "chunk": chunk,
+        "shard": shard,
+        "compression": "+".join(names) if names else None,
+        "filters": [],
+    }

@@ -1,0 +1,175 @@
+"""Checking every invariant of a stored dataset, streaming, and summarising it."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from flat_tokens_jax.dataset import FlatTokens, open_dataset
+from flat_tokens_jax.format import (
+    LOSS_MASK,
+    SEQ_STARTS,
+    SPLITS,
+    FormatError,
+    Problem,
+    check_starts_block,
+    check_tokens_block,
+)
+from flat_tokens_jax.store import ArrayReader, Store, StoreOptions
+
+BLOCK = 1 << 22
+
+
+def validate(
+    url: str | os.PathLike[str], options: StoreOptions | None = None, block: int = BLOCK
+) -> None:
+    """Checks every invariant of the dataset at ``url``, reading it in blocks.
+
+    Checks both splits are present; dtypes and shapes; ``seq_starts`` starts at
+    0, strictly increases and ends at the token count; start bits sit exactly at
+    ``seq_starts``; every id is ``<= max_token_id``; an optional ``loss_mask``
+    has one ``uint8`` 0/1 entry per token.
+
+    Raises:
+        FormatError: listing every violation found, each with its array and index.
+    """
+    store = Store(url, options)
+    if store.group_attributes("") is None:
+        raise FormatError(
+            Problem(
+                store.url,
+                "no flat-tokens dataset here (no zarr group "
+                "metadata at the root; the path is wrong or a write did "
+                "not finish)",
+            )
+        )
+    problems: list[Problem] = []
+    for split in SPLITS:
+        try:
+            ft = FlatTokens(store, split, check_end=False)
+        except FormatError as e:
+            problems += e.problems
+            continue
+        problems += _check_split(ft, block)
+    if problems:
+        raise FormatError(problems)
+
+
+def _check_split(ft: FlatTokens, block: int) -> list[Problem]:
+    problems = _check_arrays(
+        f"{ft.split}/{ft.tokens_name}",
+        ft.encoded,
+        f"{ft.split}/{SEQ_STARTS}",
+        ft.starts,
+        ft.max_token_id,
+        block,
+    )
+    if ft.loss_mask is not None:
+        where = f"{ft.split}/{LOSS_MASK}"
+        if ft.loss_mask.dtype != np.uint8:
+            problems.append(Problem(where, f"dtype is {ft.loss_mask.dtype}, expected uint8"))
+        else:
+            for offset, values in _blocks(ft.loss_mask, block):
+                bad = np.flatnonzero(values > 1)
+                problems += [
+                    Problem(
+                        where, "loss mask entries must be 0 or 1", offset + int(i), int(values[i])
+                    )
+                    for i in bad[: FormatError.max_listed]
+                ]
+    return problems
+
+
+def _check_arrays(
+    tokens_where: str,
+    tokens: ArrayReader,
+    starts_where: str,
+    starts: ArrayReader,
+    max_token_id: int,
+    block: int,
+) -> list[Problem]:
+    """Streams both arrays once, side by side."""
+    problems: list[Problem] = []
+    num_tokens = tokens.size
+    if starts.size == 0:
+        return [Problem(starts_where, "empty; it needs num_sequences + 1 entries")]
+    previous: int | None = None
+    pending = np.zeros(0, np.uint64)
+    starts_iter = _blocks(starts, block)
+    starts_done = False
+    for t_offset, enc in _blocks(tokens, block):
+        t_end = t_offset + enc.size
+        while not starts_done and (pending.size == 0 or int(pending[-1]) < t_end):
+            nxt = next(starts_iter, None)
+            if nxt is None:
+                starts_done = True
+                break
+            s_offset, values = nxt
+            problems += check_starts_block(values, s_offset, previous, num_tokens, starts_where)
+            previous = int(values[-1])
+            pending = np.concatenate([pending, values])
+        in_block = pending[(pending >= np.uint64(t_offset)) & (pending < np.uint64(t_end))]
+        problems += check_tokens_block(enc, t_offset, in_block, max_token_id, tokens_where)
+        pending = pending[pending >= np.uint64(t_end)]
+    for s_offset, values in starts_iter:
+        problems += check_starts_block(values, s_offset, previous, num_tokens, starts_where)
+        previous = int(values[-1])
+    if previous is not None and previous != num_tokens:
+        problems.append(
+            Problem(
+                starts_where,
+                f"last entry must equal the token count {num_tokens}",
+                starts.size - 1,
+                previous,
+            )
+        )
+    return problems
+
+
+def _blocks(array: ArrayReader, block: int) -> Iterator[tuple[int, np.ndarray]]:
+    """``(offset, values)`` blocks of an array, in order."""
+    bounds = np.arange(0, array.size + block, block, dtype=np.int64).clip(max=array.size)
+    for lo, hi in itertools.pairwise(bounds):
+        if hi > lo:
+            yield int(lo), array.read_ranges(np.array([lo]), np.array([hi]))[0]
+
+
+def summary(
+    url: str | os.PathLike[str], options: StoreOptions | None = None, max_sampled: int = 1 << 20
+) -> dict[str, Any]:
+    """Counts, sequence-length statistics and layout of every split, as JSON-ready data.
+
+    Length quantiles are exact up to ``max_sampled`` sequences and taken over
+    evenly spaced sequences beyond that (``"lengths_sampled": true``).
+    """
+    ds = open_dataset(url, options)
+    out: dict[str, Any] = {"url": ds.url, "zarr_format": ds.zarr_format, "splits": {}}
+    for name, ft in ds.items():
+        n = ft.num_sequences
+        info: dict[str, Any] = {
+            "num_tokens": ft.num_tokens,
+            "num_sequences": n,
+            "max_token_id": ft.max_token_id,
+            "loss_mask": ft.loss_mask is not None,
+            "layout": ft.layout(),
+        }
+        if n:
+            idx = np.unique(np.linspace(0, n - 1, min(n, max_sampled)).astype(np.int64))
+            lo, hi = ft.sequence_bounds(idx)
+            lengths = hi - lo
+            q = np.quantile(lengths, [0.0, 0.5, 0.9, 0.99, 1.0])
+            info["lengths"] = {
+                "mean": ft.num_tokens / n,
+                "min": int(q[0]),
+                "median": float(q[1]),
+                "p90": float(q[2]),
+                "p99": float(q[3]),
+                "max": int(q[4]),
+            }
+            info["lengths_sampled"] = bool(idx.size < n)
+        out["splits"][name] = info
+    return out

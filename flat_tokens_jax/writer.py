@@ -1,0 +1,380 @@
+"""Writing flat-tokens datasets: streaming appends, bounded memory, atomic finish.
+
+A dataset becomes valid only when its root group metadata is written, and that
+is the last thing :meth:`DatasetWriter.close` does; anything interrupted before
+leaves a store that :func:`open_dataset` refuses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from flat_tokens_jax.format import (
+    ENCODED_DTYPE,
+    SEQ_STARTS,
+    SPLITS,
+    STARTS_DTYPE,
+    TOKENS,
+    check_token_ids,
+    encode_concatenated,
+)
+from flat_tokens_jax.store import V2_GROUP, V3_META, Store, StoreOptions
+
+log = logging.getLogger(__name__)
+
+_PROVISIONAL_SIZE = 1 << 50
+_MAX_PENDING_WRITES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How arrays are laid out on storage.
+
+    Attributes:
+        zarr_format: 3 (default) or 2, for readers that only know zarr v2.
+        shard_tokens: tokens per shard file (zarr v3) or per chunk file (zarr v2).
+            Each shard is written once, whole. Recommended: ``1 << 24`` (64 MiB).
+        chunk_tokens: tokens per inner chunk of a shard, the unit of a read in
+            zarr v3: a random read of ``L`` tokens fetches about ``L + chunk_tokens``.
+            Must divide ``shard_tokens``. Recommended: ``1 << 13`` uncompressed.
+        compression: ``None`` or ``"zstd"``.
+        zstd_level: zstd level, 1 (fast) to 22.
+    """
+
+    zarr_format: int = 3
+    shard_tokens: int = 1 << 24
+    chunk_tokens: int = 1 << 13
+    compression: str | None = None
+    zstd_level: int = 3
+
+    def __post_init__(self) -> None:
+        if self.zarr_format not in (2, 3):
+            raise ValueError(f"Layout.zarr_format must be 2 or 3, got {self.zarr_format!r}")
+        if self.chunk_tokens < 2 or self.shard_tokens < 2:
+            raise ValueError(
+                f"Layout.chunk_tokens ({self.chunk_tokens}) and shard_tokens "
+                f"({self.shard_tokens}) must be at least 2"
+            )
+        if self.shard_tokens % self.chunk_tokens:
+            raise ValueError(
+                f"Layout.chunk_tokens {self.chunk_tokens} must divide "
+                f"shard_tokens {self.shard_tokens}"
+            )
+        if self.compression not in (None, "zstd"):
+            raise ValueError(f"Layout.compression must be None or 'zstd', got {self.compression!r}")
+        if not 1 <= self.zstd_level <= 22:
+            raise ValueError(f"Layout.zstd_level must be in [1, 22], got {self.zstd_level}")
+
+    def array_spec(
+        self, dtype: np.dtype[Any], elements_per_shard: int, elements_per_chunk: int
+    ) -> dict[str, Any]:
+        """zarr metadata of a 1-D array of ``dtype`` (provisional shape)."""
+        if self.zarr_format == 2:
+            return {
+                "shape": [_PROVISIONAL_SIZE],
+                "chunks": [elements_per_shard],
+                "dtype": dtype.str,
+                "fill_value": 0,
+                "order": "C",
+                "filters": None,
+                "compressor": (
+                    {"id": "zstd", "level": self.zstd_level} if self.compression else None
+                ),
+            }
+        inner: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+        if self.compression:
+            inner.append(
+                {"name": "zstd", "configuration": {"level": self.zstd_level, "checksum": False}}
+            )
+        return {
+            "shape": [_PROVISIONAL_SIZE],
+            "data_type": dtype.name,
+            "fill_value": 0,
+            "chunk_grid": {
+                "name": "regular",
+                "configuration": {"chunk_shape": [elements_per_shard]},
+            },
+            "codecs": [
+                {
+                    "name": "sharding_indexed",
+                    "configuration": {
+                        "chunk_shape": [elements_per_chunk],
+                        "codecs": inner,
+                        "index_codecs": [
+                            {"name": "bytes", "configuration": {"endian": "little"}},
+                            {"name": "crc32c"},
+                        ],
+                    },
+                }
+            ],
+        }
+
+
+class _ArrayAppender:
+    """Appends to one 1-D array, writing whole shards from a bounded buffer."""
+
+    def __init__(
+        self,
+        store: Store,
+        key: str,
+        dtype: np.dtype[Any],
+        layout: Layout,
+        elements_per_shard: int,
+        elements_per_chunk: int,
+    ) -> None:
+        meta = layout.array_spec(dtype, elements_per_shard, elements_per_chunk)
+        spec = {
+            "driver": "zarr3" if layout.zarr_format == 3 else "zarr",
+            "kvstore": store.sub(key),
+            "metadata": meta,
+            "create": True,
+        }
+        self.array = ts.open(spec, context=store.context).result()
+        self.buffer = np.empty(elements_per_shard, dtype)
+        self.filled = 0
+        self.written = 0
+        self.pending: list[Any] = []
+
+    @property
+    def size(self) -> int:
+        return self.written + self.filled
+
+    def append(self, values: np.ndarray) -> None:
+        while values.size:
+            take = min(values.size, self.buffer.size - self.filled)
+            self.buffer[self.filled : self.filled + take] = values[:take]
+            self.filled += take
+            values = values[take:]
+            if self.filled == self.buffer.size:
+                self._flush()
+
+    def _flush(self) -> None:
+        if not self.filled:
+            return
+        end = self.written + self.filled
+        if end > _PROVISIONAL_SIZE:
+            raise ValueError(f"a split may hold at most {_PROVISIONAL_SIZE} elements")
+        data, self.buffer = self.buffer[: self.filled], np.empty_like(self.buffer)
+        self.pending.append(self.array[self.written : end].write(data))
+        self.written, self.filled = end, 0
+        while len(self.pending) > _MAX_PENDING_WRITES:
+            self.pending.pop(0).result()
+
+    def finish(self) -> None:
+        self._flush()
+        for f in self.pending:
+            f.result()
+        self.pending.clear()
+        self.array.resize(exclusive_max=[self.written], resize_metadata_only=True).result()
+
+
+class _SplitWriter:
+    def __init__(self, store: Store, split: str, layout: Layout) -> None:
+        starts_shard = max(layout.shard_tokens // 2, layout.chunk_tokens)
+        starts_chunk = max(layout.chunk_tokens // 2, 1)
+        self.tokens = _ArrayAppender(
+            store,
+            f"{split}/{TOKENS}",
+            ENCODED_DTYPE,
+            layout,
+            layout.shard_tokens,
+            layout.chunk_tokens,
+        )
+        self.starts = _ArrayAppender(
+            store, f"{split}/{SEQ_STARTS}", STARTS_DTYPE, layout, starts_shard, starts_chunk
+        )
+        self.starts.append(np.zeros(1, STARTS_DTYPE))
+        self.split = split
+        self.max_token_id = 0
+        self.num_sequences = 0
+
+    def extend(self, sequences: Sequence[np.ndarray]) -> None:
+        where = f"split {self.split!r}, sequence"
+        arrays = [
+            check_token_ids(s, f"{where} {self.num_sequences + i}") for i, s in enumerate(sequences)
+        ]
+        lengths = np.fromiter((a.size for a in arrays), np.int64, len(arrays))
+        empty = np.flatnonzero(lengths == 0)
+        if empty.size:
+            raise ValueError(
+                f"{where} {self.num_sequences + int(empty[0])} is empty; the format "
+                "cannot store empty sequences (drop them before writing)"
+            )
+        if not arrays:
+            return
+        ids = np.concatenate(arrays)
+        offsets = np.cumsum(lengths)
+        local_starts = offsets - lengths
+        self.tokens.append(encode_concatenated(ids, local_starts))
+        self.starts.append((offsets + self.tokens.size - ids.size).astype(STARTS_DTYPE))
+        self.max_token_id = max(self.max_token_id, int(ids.max()))
+        self.num_sequences += len(arrays)
+
+    def finish(self) -> None:
+        self.tokens.finish()
+        self.starts.finish()
+
+
+class DatasetWriter:
+    """Streams sequences into a new flat-tokens dataset.
+
+    Memory stays bounded by about two shards per array whatever the dataset
+    size. The dataset becomes valid only when :meth:`close` completes (the
+    ``with`` block ends without an error); until then, and after any failure,
+    :func:`open_dataset` refuses it.
+
+    Example:
+        >>> with DatasetWriter("memory://doc/example", overwrite=True) as w:
+        ...     w.append("train", [1, 2])
+        ...     w.extend("validation", [[3, 4, 5]])
+
+    Args:
+        url: where to write; a local path or a ``file://``, ``memory://``, ``gs://``
+            or ``s3://`` URL.
+        layout: chunking, sharding, compression and zarr version.
+        overwrite: replace an existing dataset (or the leftover of an
+            interrupted write) at ``url``. Without it such a ``url`` is refused.
+        options: how to reach the store (see :class:`StoreOptions`).
+        splits: the splits to create; each is written even if it stays empty.
+        attributes: extra JSON attributes for the root group.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        *,
+        layout: Layout | None = None,
+        overwrite: bool = False,
+        options: StoreOptions | None = None,
+        splits: Sequence[str] = SPLITS,
+        attributes: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.layout = layout or Layout()
+        self.store = Store(url, options)
+        self.attributes = dict(attributes or {})
+        self._prepare(overwrite)
+        self._splits = {s: _SplitWriter(self.store, s, self.layout) for s in splits}
+        self._closed = False
+
+    def _prepare(self, overwrite: bool) -> None:
+        keys = self.store.keys()
+        if not keys:
+            return
+        ours = any(k in (V3_META, V2_GROUP) or k.split("/")[0] in SPLITS for k in keys)
+        if not overwrite:
+            what = (
+                "a flat-tokens dataset or the leftover of an interrupted write"
+                if ours
+                else f"{len(keys)} other files"
+            )
+            raise FileExistsError(
+                f"{self.store.url} already holds {what}; pass overwrite=True to replace it"
+            )
+        if not ours:
+            raise FileExistsError(
+                f"{self.store.url} holds files that are not a flat-tokens "
+                "dataset; refusing to delete them: choose an empty location"
+            )
+        self.store.delete(V3_META)
+        self.store.delete(V2_GROUP)
+        self.store.delete_all()
+
+    def __repr__(self) -> str:
+        return f"DatasetWriter({self.store.url!r})"
+
+    def _split(self, split: str) -> _SplitWriter:
+        if self._closed:
+            raise ValueError(f"{self!r} is closed")
+        try:
+            return self._splits[split]
+        except KeyError:
+            raise KeyError(
+                f"unknown split {split!r}; this writer has {tuple(self._splits)}"
+            ) from None
+
+    def append(self, split: str, sequence: Sequence[int] | np.ndarray) -> None:
+        """Appends one sequence (token ids, any integer dtype) to ``split``."""
+        self._split(split).extend([np.asarray(sequence)])
+
+    def extend(
+        self,
+        split: str,
+        sequences: Iterable[Sequence[int] | np.ndarray],
+        batch_tokens: int = 1 << 20,
+    ) -> None:
+        """Appends many sequences to ``split``, encoding them in batches."""
+        writer = self._split(split)
+        batch: list[np.ndarray] = []
+        size = 0
+        for seq in sequences:
+            arr = np.asarray(seq)
+            batch.append(arr)
+            size += arr.size
+            if size >= batch_tokens:
+                writer.extend(batch)
+                batch, size = [], 0
+        writer.extend(batch)
+
+    def close(self) -> None:
+        """Finishes every split, then marks the dataset valid (the last write)."""
+        if self._closed:
+            return
+        self._closed = True
+        for w in self._splits.values():
+            w.finish()
+        for name, w in self._splits.items():
+            self.store.write_group(name, self.layout.zarr_format, {"max_token_id": w.max_token_id})
+        self.store.write_group("", self.layout.zarr_format, self.attributes)
+        log.info(
+            "wrote %s: %s",
+            self.store.url,
+            ", ".join(
+                f"{n} {w.num_sequences} sequences / {w.tokens.size} tokens"
+                for n, w in self._splits.items()
+            ),
+        )
+
+    def abort(self) -> None:
+        """Gives up: nothing is marked valid, and what was written is deleted."""
+        if self._closed:
+            return
+        self._closed = True
+        self.store.delete_all()
+
+    def __enter__(self) -> DatasetWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def write_dataset(
+    url: str | os.PathLike[str],
+    splits: Mapping[str, Iterable[Sequence[int] | np.ndarray]],
+    **writer_args: Any,
+) -> None:
+    """Writes a whole dataset: ``splits`` maps split names to iterables of sequences.
+
+    Splits of :data:`SPLITS` that ``splits`` omits are written empty. Keyword
+    arguments go to :class:`DatasetWriter`.
+    """
+    names = tuple(dict.fromkeys([*SPLITS, *splits]))
+    with DatasetWriter(url, splits=names, **writer_args) as w:
+        for name, seqs in splits.items():
+            w.extend(name, seqs)

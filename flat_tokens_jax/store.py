@@ -237,7 +237,7 @@ class Store:
         driver = "zarr3" if zarr_format == 3 else "zarr"
         spec = {"driver": driver, "kvstore": self.sub(key), "open": True}
         try:
-            return TensorStoreArray(ts.open(spec, context=self.context, read=True).result())
+            handle = ts.open(spec, context=self.context, read=True).result()
         except ValueError as ts_error:
             try:
                 store = zarr_python_store(self.url, self.options)
@@ -247,7 +247,16 @@ class Store:
                     f"{self.url}/{key}: cannot open the array with tensorstore "
                     f"({ts_error}) nor zarr-python ({zarr_error})"
                 ) from zarr_error
+            if arr.ndim != 1:
+                raise FormatError(
+                    f"{self.url}/{key}: expected a 1-D array, found shape {arr.shape}"
+                ) from None
             return ZarrPythonArray(arr)
+        if handle.rank != 1:
+            raise FormatError(
+                f"{self.url}/{key}: expected a 1-D array, found shape {tuple(handle.shape)}"
+            )
+        return TensorStoreArray(handle)
 
 
 class ArrayReader(Protocol):
@@ -272,8 +281,6 @@ class TensorStoreArray:
     """An :class:`ArrayReader` over a tensorstore handle."""
 
     def __init__(self, store: ts.TensorStore) -> None:
-        if store.rank != 1:
-            raise FormatError(f"expected a 1-D array, found shape {tuple(store.shape)}")
         self.store = store
 
     @property
@@ -298,8 +305,6 @@ class ZarrPythonArray:
     """An :class:`ArrayReader` over a zarr-python array (synchronous reads)."""
 
     def __init__(self, array: zarr.Array) -> None:
-        if array.ndim != 1:
-            raise FormatError(f"expected a 1-D array, found shape {array.shape}")
         self.array = array
 
     @property

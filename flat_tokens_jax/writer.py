@@ -168,6 +168,15 @@ class _ArrayAppender:
         while len(self.pending) > _MAX_PENDING_WRITES:
             self.pending.pop(0).result()
 
+    def settle(self) -> None:
+        """Waits for writes in flight, ignoring their outcome (before deleting them)."""
+        for f in self.pending:
+            try:
+                f.result()
+            except Exception as e:  # the write is being abandoned anyway
+                log.debug("abandoned write failed: %s", e)
+        self.pending.clear()
+
     def finish(self) -> None:
         self._flush()
         for f in self.pending:
@@ -347,6 +356,9 @@ class DatasetWriter:
         if self._closed:
             return
         self._closed = True
+        for w in self._splits.values():
+            w.tokens.settle()
+            w.starts.settle()
         self.store.delete_all()
 
     def __enter__(self) -> DatasetWriter:

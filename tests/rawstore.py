@@ -1,0 +1,47 @@
+"""Stores written directly with zarr-python, as other tools write them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numcodecs
+import numpy as np
+import zarr
+
+
+def write_raw(path: Path, splits: dict[str, dict[str, Any]], zarr_format: int = 3,
+              root: bool = True) -> None:
+    """Writes each split's arrays exactly as given.
+
+    ``splits`` maps a split name to ``{"arrays": {name: (values, create_kwargs)},
+    "attrs": {...}}``.
+    """
+    group = zarr.open_group(str(path), mode="w", zarr_format=zarr_format)  # type: ignore[arg-type]
+    for name, spec in splits.items():
+        sub = group.create_group(name)
+        sub.attrs.update(spec.get("attrs", {}))
+        for array_name, (values, kwargs) in spec["arrays"].items():
+            values = np.asarray(values)
+            arr = sub.create_array(array_name, shape=values.shape, dtype=values.dtype,
+                                   chunks=kwargs.pop("chunks", (4,)), **kwargs)
+            arr[:] = values
+    if not root:
+        (path / ("zarr.json" if zarr_format == 3 else ".zgroup")).unlink()
+
+
+def flat_split(tokens: list[int], starts: list[int], max_token_id: int,
+               tokens_name: str = "encoded_tokens", **kwargs: Any) -> dict[str, Any]:
+    return {
+        "arrays": {
+            tokens_name: (np.array(tokens, np.uint32), dict(kwargs.get("tokens_kwargs", {}))),
+            "seq_starts": (np.array(starts, np.uint64), dict(kwargs.get("starts_kwargs", {}))),
+        },
+        "attrs": {"max_token_id": max_token_id},
+    }
+
+
+SPEC_TOKENS = [3, 4, 7, 8, 10, 13, 14, 16]
+SPEC_STARTS = [0, 2, 5, 8]
+BLOSC = {"compressors": numcodecs.Blosc(cname="lz4", clevel=5, shuffle=numcodecs.Blosc.SHUFFLE)}
+DELTA = {"filters": [numcodecs.Delta(dtype="<u8")], "compressors": numcodecs.Blosc()}

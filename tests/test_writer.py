@@ -1,0 +1,198 @@
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+from conftest import memory_url
+from hypothesis import given
+from hypothesis import strategies as st
+
+import flat_tokens_jax as ftj
+
+MAX = ftj.format.MAX_TOKEN_ID
+SMALL = ftj.Layout(shard_tokens=16, chunk_tokens=4)
+layouts = st.sampled_from([
+    SMALL,
+    ftj.Layout(shard_tokens=8, chunk_tokens=8, compression="zstd"),
+    ftj.Layout(zarr_format=2, shard_tokens=8, chunk_tokens=2),
+    ftj.Layout(zarr_format=2, shard_tokens=32, chunk_tokens=2, compression="zstd"),
+    ftj.Layout(),
+])
+seqs = st.lists(st.lists(st.integers(0, MAX), min_size=1, max_size=40), max_size=30)
+
+
+@given(train=seqs, valid=seqs, layout=layouts)
+def test_write_open_read_round_trip(train: list[list[int]], valid: list[list[int]],
+                                    layout: ftj.Layout) -> None:
+    url = memory_url()
+    ftj.write_dataset(url, {"train": train, "validation": valid}, layout=layout)
+    ds = ftj.open_dataset(url)
+    assert ds.splits == ("train", "validation")
+    for name, expected in (("train", train), ("validation", valid)):
+        ft = ds[name]
+        assert ft.num_sequences == len(expected)
+        flat = [t for s in expected for t in s]
+        assert ft.num_tokens == len(flat)
+        assert ft.max_token_id == max(flat, default=0)
+        assert [s.tolist() for s in ft.sequences(np.arange(len(expected)))] == expected
+        assert ft.tokens(0, len(flat)).tolist() == flat
+        enc, starts = ftj.encode(expected)
+        assert ft.encoded_ranges([0], [len(flat)])[0].tolist() == enc.tolist()
+        assert ft.starts.read_points(np.arange(len(expected) + 1)).tolist() == starts.tolist()
+    ftj.validate(url)
+
+
+@given(data=st.data())
+def test_token_ranges_and_sequence_subsets(data: st.DataObject) -> None:
+    train = data.draw(st.lists(st.lists(st.integers(0, 1000), min_size=1, max_size=30),
+                               min_size=1, max_size=30))
+    url = memory_url()
+    ftj.write_dataset(url, {"train": train}, layout=SMALL)
+    ft = ftj.open_dataset(url)["train"]
+    flat = [t for s in train for t in s]
+    a = data.draw(st.integers(0, len(flat)))
+    b = data.draw(st.integers(a, len(flat)))
+    assert ft.tokens(a, b).tolist() == flat[a:b]
+    idx = data.draw(st.lists(st.integers(0, len(train) - 1), max_size=10))
+    assert [s.tolist() for s in ft.sequences(idx)] == [train[i] for i in idx]
+
+
+def test_out_of_range_reads_are_refused() -> None:
+    url = memory_url()
+    ftj.write_dataset(url, {"train": [[1, 2], [3]]})
+    ft = ftj.open_dataset(url)["train"]
+    with pytest.raises(IndexError, match=r"token range \[2, 4\) is outside \[0, 3\)"):
+        ft.tokens(2, 4)
+    with pytest.raises(IndexError, match=r"sequence index 2 is outside \[0, 2\)"):
+        ft.sequences([0, 2])
+
+
+def test_streams_with_bounded_memory_and_many_shards(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 300, size=2000)
+    data = [rng.integers(0, 50_000, size=n) for n in lengths]
+    layout = ftj.Layout(shard_tokens=1 << 12, chunk_tokens=1 << 8)
+    with ftj.DatasetWriter(tmp_path / "ds", layout=layout) as w:
+        for i, seq in enumerate(data):
+            w.append("train" if i % 10 else "validation", seq)
+    ds = ftj.open_dataset(tmp_path / "ds")
+    train = [s for i, s in enumerate(data) if i % 10]
+    got = ds["train"].sequences(np.arange(len(train)))
+    assert all(np.array_equal(a, b) for a, b in zip(got, train, strict=True))
+    shards = os.listdir(tmp_path / "ds" / "train" / "encoded_tokens" / "c")
+    assert len(shards) == -(-sum(map(len, train)) // (1 << 12))
+    ftj.validate(tmp_path / "ds")
+
+
+def test_zarr_python_reads_what_we_write(tmp_path: Path) -> None:
+    for fmt_version in (3, 2):
+        url = tmp_path / f"v{fmt_version}"
+        layout = ftj.Layout(zarr_format=fmt_version, shard_tokens=8, chunk_tokens=4,
+                            compression="zstd")
+        ftj.write_dataset(url, {"train": [[1, 2], [3, 4, 5], [6, 7, 8]]}, layout=layout)
+        group = zarr.open_group(str(url), mode="r")
+        assert sorted(group.group_keys()) == ["train", "validation"]
+        train = group["train"]
+        assert train.attrs["max_token_id"] == 8
+        assert train["encoded_tokens"][:].tolist() == [3, 4, 7, 8, 10, 13, 14, 16]
+        assert train["seq_starts"][:].tolist() == [0, 2, 5, 8]
+        assert group["validation"]["seq_starts"][:].tolist() == [0]
+
+
+def test_bad_input_names_the_sequence() -> None:
+    with ftj.DatasetWriter(memory_url()) as w, pytest.raises(ValueError) as info:
+        w.extend("train", [[1, 2], [3, -4]])
+    assert "split 'train', sequence 1" in str(info.value)
+    assert "token id -4 at position 1" in str(info.value)
+    url = memory_url()
+    with pytest.raises(ValueError, match="sequence 2 is empty"), ftj.DatasetWriter(url) as w:
+        w.append("train", [5])
+        w.extend("train", [[1], []])
+    with pytest.raises(ValueError, match="dtype float32"), ftj.DatasetWriter(url) as w:
+        w.append("train", np.ones(3, np.float32))
+    with pytest.raises(KeyError, match="unknown split 'test'"), ftj.DatasetWriter(url) as w:
+        w.append("test", [1])
+
+
+def test_failed_write_leaves_nothing(tmp_path: Path) -> None:
+    url = tmp_path / "ds"
+    with pytest.raises(RuntimeError), ftj.DatasetWriter(url, layout=SMALL) as w:
+        w.extend("train", [[1, 2, 3]] * 50)
+        raise RuntimeError("tokenizer crashed")
+    with pytest.raises(ftj.FormatError, match="no flat-tokens dataset here"):
+        ftj.open_dataset(url)
+    ftj.write_dataset(url, {"train": [[1]]})
+    assert ftj.open_dataset(url)["train"].num_tokens == 1
+
+
+def test_never_overwrites_unless_asked(tmp_path: Path) -> None:
+    url = tmp_path / "ds"
+    ftj.write_dataset(url, {"train": [[1, 2]]})
+    with pytest.raises(FileExistsError, match="already holds a flat-tokens dataset"):
+        ftj.write_dataset(url, {"train": [[3]]})
+    assert ftj.open_dataset(url)["train"].tokens(0, 2).tolist() == [1, 2]
+    ftj.write_dataset(url, {"train": [[3]]}, overwrite=True)
+    assert ftj.open_dataset(url)["train"].tokens(0, 1).tolist() == [3]
+    other = tmp_path / "home"
+    other.mkdir()
+    (other / "notes.txt").write_text("precious")
+    with pytest.raises(FileExistsError, match="not a flat-tokens dataset; refusing"):
+        ftj.write_dataset(other, {"train": [[1]]}, overwrite=True)
+    assert (other / "notes.txt").read_text() == "precious"
+
+
+def test_bad_layouts_are_refused() -> None:
+    with pytest.raises(ValueError, match="chunk_tokens 3 must divide shard_tokens 16"):
+        ftj.Layout(shard_tokens=16, chunk_tokens=3)
+    with pytest.raises(ValueError, match="compression must be None or 'zstd'"):
+        ftj.Layout(compression="gzip")
+    with pytest.raises(ValueError, match="zarr_format must be 2 or 3"):
+        ftj.Layout(zarr_format=4)
+
+
+KILLED_WRITER = textwrap.dedent("""
+    import itertools, sys
+    import flat_tokens_jax as ftj
+    from pathlib import Path
+    url, marker = sys.argv[1], Path(sys.argv[2])
+    def forever():
+        for i in itertools.count():
+            if i == 5000:
+                marker.write_text("writing")
+            yield [i % 1000 + 1] * 7
+    layout = ftj.Layout(shard_tokens=1 << 10, chunk_tokens=1 << 6)
+    ftj.write_dataset(url, {"train": forever()}, layout=layout)
+""")
+
+
+@pytest.mark.parametrize("zarr_format", [3, 2])
+def test_write_killed_midway_leaves_no_dataset(tmp_path: Path, zarr_format: int) -> None:
+    url, marker = tmp_path / "ds", tmp_path / "marker"
+    script = KILLED_WRITER.replace("1 << 6)", f"1 << 6, zarr_format={zarr_format})")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(url), str(marker)])
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert proc.poll() is None, "writer exited before it was killed"
+            assert time.monotonic() < deadline, "writer made no progress"
+            time.sleep(0.05)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert list((url / "train").iterdir()), "the writer wrote nothing before it was killed"
+    with pytest.raises(ftj.FormatError, match="did not finish"):
+        ftj.open_dataset(url)
+    with pytest.raises(ftj.FormatError, match="did not finish"):
+        ftj.validate(url)
+    with pytest.raises(FileExistsError, match="leftover of an interrupted write"):
+        ftj.write_dataset(url, {"train": [[1]]})
+    ftj.write_dataset(url, {"train": [[1]]}, overwrite=True)
+    assert ftj.open_dataset(url)["train"].num_tokens == 1

@@ -23,14 +23,17 @@ TEXTS = [
 def main() -> None:
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp()) / "quickstart"
     sequences = [list(t.encode()) for t in TEXTS]
-    ftj.write_dataset(out, {"train": sequences[:3] * 100, "validation": sequences[3:]},
-                      overwrite=True)
+    ftj.write_dataset(
+        out, {"train": sequences[:3] * 100, "validation": sequences[3:]}, overwrite=True
+    )
     ftj.validate(out)
     ds = ftj.open_dataset(out)
     train = ds["train"]
     print(f"wrote {out}")
-    print(f"train: {train.num_sequences} sequences, {train.num_tokens} tokens, "
-          f"max_token_id {train.max_token_id}")
+    print(
+        f"train: {train.num_sequences} sequences, {train.num_tokens} tokens, "
+        f"max_token_id {train.max_token_id}"
+    )
     first, second = train.sequences([0, 1])
     print("sequence 0:", bytes(first.astype("uint8")).decode())
     print("sequence 1:", bytes(second.astype("uint8")).decode())

@@ -10,8 +10,9 @@ import numpy as np
 import zarr
 
 
-def write_raw(path: Path, splits: dict[str, dict[str, Any]], zarr_format: int = 3,
-              root: bool = True) -> None:
+def write_raw(
+    path: Path, splits: dict[str, dict[str, Any]], zarr_format: int = 3, root: bool = True
+) -> None:
     """Writes each split's arrays exactly as given.
 
     ``splits`` maps a split name to ``{"arrays": {name: (values, create_kwargs)},
@@ -23,15 +24,25 @@ def write_raw(path: Path, splits: dict[str, dict[str, Any]], zarr_format: int = 
         sub.attrs.update(spec.get("attrs", {}))
         for array_name, (values, kwargs) in spec["arrays"].items():
             values = np.asarray(values)
-            arr = sub.create_array(array_name, shape=values.shape, dtype=values.dtype,
-                                   chunks=kwargs.pop("chunks", (4,)), **kwargs)
+            arr = sub.create_array(
+                array_name,
+                shape=values.shape,
+                dtype=values.dtype,
+                chunks=kwargs.pop("chunks", (4,)),
+                **kwargs,
+            )
             arr[:] = values
     if not root:
         (path / ("zarr.json" if zarr_format == 3 else ".zgroup")).unlink()
 
 
-def flat_split(tokens: list[int], starts: list[int], max_token_id: int,
-               tokens_name: str = "encoded_tokens", **kwargs: Any) -> dict[str, Any]:
+def flat_split(
+    tokens: list[int],
+    starts: list[int],
+    max_token_id: int,
+    tokens_name: str = "encoded_tokens",
+    **kwargs: Any,
+) -> dict[str, Any]:
     return {
         "arrays": {
             tokens_name: (np.array(tokens, np.uint32), dict(kwargs.get("tokens_kwargs", {}))),

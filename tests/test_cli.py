@@ -10,16 +10,22 @@ from flat_tokens_jax.cli import main
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "flat_tokens_jax.cli", *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "flat_tokens_jax.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_validate_exit_status_and_report(tmp_path: Path) -> None:
     ftj.write_dataset(tmp_path / "good", {"train": [[1, 2], [3]]})
     ok = run("validate", str(tmp_path / "good"))
     assert ok.returncode == 0 and "valid" in ok.stdout
-    write_raw(tmp_path / "bad", {"train": flat_split(SPEC_TOKENS, [0, 3, 5, 8], 8),
-                                 "validation": flat_split([], [0], 0)})
+    write_raw(
+        tmp_path / "bad",
+        {"train": flat_split(SPEC_TOKENS, [0, 3, 5, 8], 8), "validation": flat_split([], [0], 0)},
+    )
     bad = run("validate", str(tmp_path / "bad"))
     assert bad.returncode == 1
     assert "INVALID" in bad.stderr
@@ -28,8 +34,11 @@ def test_validate_exit_status_and_report(tmp_path: Path) -> None:
 
 
 def test_info_text_and_json(tmp_path: Path, capsys: object) -> None:
-    ftj.write_dataset(tmp_path, {"train": [[1, 2], [3, 4, 5]], "validation": [[9]]},
-                      layout=ftj.Layout(shard_tokens=1024, chunk_tokens=64, compression="zstd"))
+    ftj.write_dataset(
+        tmp_path,
+        {"train": [[1, 2], [3, 4, 5]], "validation": [[9]]},
+        layout=ftj.Layout(shard_tokens=1024, chunk_tokens=64, compression="zstd"),
+    )
     out = run("info", str(tmp_path), "--json")
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)

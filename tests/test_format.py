@@ -86,7 +86,8 @@ def test_tokens_block_checks_start_bits_and_max_id() -> None:
     bad[2] &= ~np.uint32(1)
     problems = fmt.check_tokens_block(bad, 100, starts[:-1] + 100, 4, "t")
     text = [str(p) for p in problems]
-    assert "t[102]: seq_starts marks a sequence start here but the start bit is clear (value 6)" in text
+    clear = "seq_starts marks a sequence start here but the start bit is clear"
+    assert f"t[102]: {clear} (value 6)" in text
     assert "t[101]: start bit set where seq_starts has no sequence start (value 5)" in text
     assert "t[104]: token id above max_token_id 4 (value 5)" in text
 

@@ -1,6 +1,5 @@
 from pathlib import Path
 
-import numpy as np
 import pytest
 import zarr
 from rawstore import BLOSC, DELTA, SPEC_STARTS, SPEC_TOKENS, flat_split, write_raw
@@ -48,8 +47,13 @@ def test_reads_zarr_v3_written_by_zarr_python(tmp_path: Path) -> None:
 
 
 def test_accepts_the_legacy_tokens_name(tmp_path: Path) -> None:
-    write_raw(tmp_path, {"train": flat_split(SPEC_TOKENS, SPEC_STARTS, 8, tokens_name="tokens"),
-                         "validation": EMPTY})
+    write_raw(
+        tmp_path,
+        {
+            "train": flat_split(SPEC_TOKENS, SPEC_STARTS, 8, tokens_name="tokens"),
+            "validation": EMPTY,
+        },
+    )
     ft = check_spec_train(tmp_path)
     assert ft.tokens_name == "tokens"
 
@@ -59,15 +63,27 @@ def test_kvstore_specs() -> None:
     assert kvstore_spec("/a/b", opts) == {"driver": "file", "path": "/a/b/"}
     assert kvstore_spec("file:///a/b/", opts) == {"driver": "file", "path": "/a/b/"}
     assert kvstore_spec("memory://x/y", opts) == {"driver": "memory", "path": "x/y/"}
-    assert kvstore_spec("gs://bucket/p/q", opts) == {"driver": "gcs", "bucket": "bucket",
-                                                     "path": "p/q/"}
-    s3 = StoreOptions(endpoint="http://127.0.0.1:9000", region="us-east-1",
-                      credentials={"type": "profile", "profile": "test"})
+    assert kvstore_spec("gs://bucket/p/q", opts) == {
+        "driver": "gcs",
+        "bucket": "bucket",
+        "path": "p/q/",
+    }
+    s3 = StoreOptions(
+        endpoint="http://127.0.0.1:9000",
+        region="us-east-1",
+        credentials={"type": "profile", "profile": "test"},
+    )
     assert kvstore_spec("s3://bucket/p", s3) == {
-        "driver": "s3", "bucket": "bucket", "path": "p/", "endpoint": "http://127.0.0.1:9000",
-        "aws_region": "us-east-1", "aws_credentials": {"type": "profile", "profile": "test"}}
+        "driver": "s3",
+        "bucket": "bucket",
+        "path": "p/",
+        "endpoint": "http://127.0.0.1:9000",
+        "aws_region": "us-east-1",
+        "aws_credentials": {"type": "profile", "profile": "test"},
+    }
     assert kvstore_spec("s3://bucket", StoreOptions(credentials="anonymous"))[
-        "aws_credentials"] == {"type": "anonymous"}
+        "aws_credentials"
+    ] == {"type": "anonymous"}
 
 
 def test_bad_urls_and_options_are_refused() -> None:

@@ -17,19 +17,22 @@ import flat_tokens_jax as ftj
 
 MAX = ftj.format.MAX_TOKEN_ID
 SMALL = ftj.Layout(shard_tokens=16, chunk_tokens=4)
-layouts = st.sampled_from([
-    SMALL,
-    ftj.Layout(shard_tokens=8, chunk_tokens=8, compression="zstd"),
-    ftj.Layout(zarr_format=2, shard_tokens=8, chunk_tokens=2),
-    ftj.Layout(zarr_format=2, shard_tokens=32, chunk_tokens=2, compression="zstd"),
-    ftj.Layout(),
-])
+layouts = st.sampled_from(
+    [
+        SMALL,
+        ftj.Layout(shard_tokens=8, chunk_tokens=8, compression="zstd"),
+        ftj.Layout(zarr_format=2, shard_tokens=8, chunk_tokens=2),
+        ftj.Layout(zarr_format=2, shard_tokens=32, chunk_tokens=2, compression="zstd"),
+        ftj.Layout(),
+    ]
+)
 seqs = st.lists(st.lists(st.integers(0, MAX), min_size=1, max_size=40), max_size=30)
 
 
 @given(train=seqs, valid=seqs, layout=layouts)
-def test_write_open_read_round_trip(train: list[list[int]], valid: list[list[int]],
-                                    layout: ftj.Layout) -> None:
+def test_write_open_read_round_trip(
+    train: list[list[int]], valid: list[list[int]], layout: ftj.Layout
+) -> None:
     url = memory_url()
     ftj.write_dataset(url, {"train": train, "validation": valid}, layout=layout)
     ds = ftj.open_dataset(url)
@@ -50,8 +53,9 @@ def test_write_open_read_round_trip(train: list[list[int]], valid: list[list[int
 
 @given(data=st.data())
 def test_token_ranges_and_sequence_subsets(data: st.DataObject) -> None:
-    train = data.draw(st.lists(st.lists(st.integers(0, 1000), min_size=1, max_size=30),
-                               min_size=1, max_size=30))
+    train = data.draw(
+        st.lists(st.lists(st.integers(0, 1000), min_size=1, max_size=30), min_size=1, max_size=30)
+    )
     url = memory_url()
     ftj.write_dataset(url, {"train": train}, layout=SMALL)
     ft = ftj.open_dataset(url)["train"]
@@ -93,8 +97,9 @@ def test_streams_with_bounded_memory_and_many_shards(tmp_path: Path) -> None:
 def test_zarr_python_reads_what_we_write(tmp_path: Path) -> None:
     for fmt_version in (3, 2):
         url = tmp_path / f"v{fmt_version}"
-        layout = ftj.Layout(zarr_format=fmt_version, shard_tokens=8, chunk_tokens=4,
-                            compression="zstd")
+        layout = ftj.Layout(
+            zarr_format=fmt_version, shard_tokens=8, chunk_tokens=4, compression="zstd"
+        )
         ftj.write_dataset(url, {"train": [[1, 2], [3, 4, 5], [6, 7, 8]]}, layout=layout)
         group = zarr.open_group(str(url), mode="r")
         assert sorted(group.group_keys()) == ["train", "validation"]

@@ -20,7 +20,7 @@ from flat_tokens_jax.format import (
     FormatError,
     decode,
 )
-from flat_tokens_jax.store import ArrayReader, Store, StoreOptions, describe_layout
+from flat_tokens_jax.store import ArrayReader, Pending, Store, StoreOptions, describe_layout
 
 
 class FlatTokens:
@@ -48,11 +48,11 @@ class FlatTokens:
             missing = TOKENS if meta is None else SEQ_STARTS
             raise FormatError(f"{store.url}/{split}: array {missing!r} is missing")
         self.metadata = {self.tokens_name: meta, SEQ_STARTS: starts_meta}
-        self.encoded: ArrayReader = store.open_array(f"{split}/{self.tokens_name}", meta[0])
-        self.starts: ArrayReader = store.open_array(f"{split}/{SEQ_STARTS}", starts_meta[0])
+        self.encoded: ArrayReader = store.open_array(f"{split}/{self.tokens_name}", *meta)
+        self.starts: ArrayReader = store.open_array(f"{split}/{SEQ_STARTS}", *starts_meta)
         mask_meta = store.array_metadata(f"{split}/{LOSS_MASK}")
         self.loss_mask: ArrayReader | None = (
-            None if mask_meta is None else store.open_array(f"{split}/{LOSS_MASK}", mask_meta[0])
+            None if mask_meta is None else store.open_array(f"{split}/{LOSS_MASK}", *mask_meta)
         )
         self._check_shapes(check_end)
 
@@ -105,6 +105,12 @@ class FlatTokens:
         self, starts: Sequence[int] | np.ndarray, stops: Sequence[int] | np.ndarray
     ) -> list[np.ndarray]:
         """Encoded tokens (``uint32``) of each range ``[starts[i], stops[i])``, read at once."""
+        return self.request_encoded(starts, stops).result()
+
+    def request_encoded(
+        self, starts: Sequence[int] | np.ndarray, stops: Sequence[int] | np.ndarray
+    ) -> Pending:
+        """Starts reading the ranges of :meth:`encoded_ranges`; ``.result()`` waits."""
         lo, hi = np.asarray(starts, np.int64), np.asarray(stops, np.int64)
         bad = np.flatnonzero((lo < 0) | (hi < lo) | (hi > self.num_tokens))
         if bad.size:
@@ -112,7 +118,7 @@ class FlatTokens:
             raise IndexError(
                 f"{self!r}: token range [{lo[i]}, {hi[i]}) is outside [0, {self.num_tokens})"
             )
-        return self.encoded.read_ranges(lo, hi)
+        return self.encoded.request_ranges(lo, hi)
 
     def sequence_bounds(self, indices: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(starts, stops)`` token offsets ``[k] int64`` of sequences ``indices``, one read."""

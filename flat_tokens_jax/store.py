@@ -22,6 +22,7 @@ import tensorstore as ts
 import zarr
 
 from flat_tokens_jax.format import FormatError
+from flat_tokens_jax.localshards import LocalShards, plain_shard_geometry
 
 SCHEMES = ("file", "memory", "gs", "s3")
 V3_META = "zarr.json"
@@ -232,8 +233,14 @@ class Store:
         meta = self.read_json(f"{key}/{V2_ARRAY}")
         return None if meta is None else (2, meta)
 
-    def open_array(self, key: str, zarr_format: Literal[2, 3]) -> ArrayReader:
-        """A reader of the array at ``key``: tensorstore, else zarr-python."""
+    def open_array(
+        self, key: str, zarr_format: Literal[2, 3], meta: Mapping[str, Any] | None = None
+    ) -> ArrayReader:
+        """A reader of the array at ``key``: tensorstore, else zarr-python.
+
+        Given the array's metadata ``meta``, uncompressed zarr v3 shards on local
+        disk are memory-mapped (see :mod:`flat_tokens_jax.localshards`).
+        """
         driver = "zarr3" if zarr_format == 3 else "zarr"
         spec = {"driver": driver, "kvstore": self.sub(key), "open": True}
         try:
@@ -256,7 +263,38 @@ class Store:
             raise FormatError(
                 f"{self.url}/{key}: expected a 1-D array, found shape {tuple(handle.shape)}"
             )
-        return TensorStoreArray(handle)
+        local = None
+        if self.spec["driver"] == "file" and zarr_format == 3 and meta is not None:
+            geometry = plain_shard_geometry(meta)
+            if geometry is not None:
+                folder = self.spec["path"] + key
+                dtype = np.dtype(handle.dtype.numpy_dtype)
+                local = LocalShards(folder, dtype, int(handle.shape[0]), geometry)
+        return TensorStoreArray(handle, local)
+
+
+class Pending(Protocol):
+    """Reads in flight."""
+
+    def result(self) -> list[np.ndarray]: ...
+
+
+class _Futures:
+    """Values read already, and tensorstore futures."""
+
+    def __init__(self, futures: list[Any]) -> None:
+        self.futures = futures
+
+    def result(self) -> list[np.ndarray]:
+        return [f if isinstance(f, np.ndarray) else f.result() for f in self.futures]
+
+
+class _Done:
+    def __init__(self, values: list[np.ndarray]) -> None:
+        self.values = values
+
+    def result(self) -> list[np.ndarray]:
+        return self.values
 
 
 class ArrayReader(Protocol):
@@ -268,8 +306,12 @@ class ArrayReader(Protocol):
     @property
     def dtype(self) -> np.dtype[Any]: ...
 
+    def request_ranges(self, starts: np.ndarray, stops: np.ndarray) -> Pending:
+        """Requests elements ``[starts[i], stops[i])`` for every i; wait with ``.result()``."""
+        ...
+
     def read_ranges(self, starts: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
-        """Elements ``[starts[i], stops[i])`` for every i, all requested before any wait."""
+        """``request_ranges(starts, stops).result()``."""
         ...
 
     def read_points(self, indices: np.ndarray) -> np.ndarray:
@@ -280,8 +322,9 @@ class ArrayReader(Protocol):
 class TensorStoreArray:
     """An :class:`ArrayReader` over a tensorstore handle."""
 
-    def __init__(self, store: ts.TensorStore) -> None:
+    def __init__(self, store: ts.TensorStore, local: LocalShards | None = None) -> None:
         self.store = store
+        self.local = local
 
     @property
     def size(self) -> int:
@@ -291,14 +334,27 @@ class TensorStoreArray:
     def dtype(self) -> np.dtype[Any]:
         return np.dtype(self.store.dtype.numpy_dtype)
 
+    def request_ranges(self, starts: np.ndarray, stops: np.ndarray) -> Pending:
+        pairs = zip(starts.tolist(), stops.tolist(), strict=True)
+        if self.local is None:
+            return _Futures([self.store[a:b].read() for a, b in pairs])
+        out = []
+        for a, b in pairs:
+            value = self.local.read(a, b)
+            out.append(self.store[a:b].read() if value is None else value)
+        return _Futures(out)
+
     def read_ranges(self, starts: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
-        futures = [self.store[int(a) : int(b)].read() for a, b in zip(starts, stops, strict=True)]
-        return [f.result() for f in futures]
+        return self.request_ranges(starts, stops).result()
 
     def read_points(self, indices: np.ndarray) -> np.ndarray:
-        if len(indices) == 0:
+        idx = np.asarray(indices, np.int64)
+        if idx.size == 0:
             return np.zeros(0, self.dtype)
-        return np.asarray(self.store.vindex[np.asarray(indices, np.int64)].read().result())
+        value = None if self.local is None else self.local.read_points(idx)
+        if value is None:
+            value = np.asarray(self.store.vindex[idx].read().result())
+        return value
 
 
 class ZarrPythonArray:
@@ -315,8 +371,12 @@ class ZarrPythonArray:
     def dtype(self) -> np.dtype[Any]:
         return np.dtype(self.array.dtype)
 
+    def request_ranges(self, starts: np.ndarray, stops: np.ndarray) -> Pending:
+        pairs = zip(starts.tolist(), stops.tolist(), strict=True)
+        return _Done([np.asarray(self.array[a:b]) for a, b in pairs])
+
     def read_ranges(self, starts: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
-        return [np.asarray(self.array[int(a) : int(b)]) for a, b in zip(starts, stops, strict=True)]
+        return self.request_ranges(starts, stops).result()
 
     def read_points(self, indices: np.ndarray) -> np.ndarray:
         idx = np.asarray(indices, np.int64)

@@ -52,7 +52,8 @@ def plant(
             [3, 4, 6, 8, 10, 13, 14, 16],
             SPEC_STARTS,
             8,
-            "train/encoded_tokens[2]: seq_starts marks a sequence start here but the start bit is clear",
+            "train/encoded_tokens[2]: seq_starts marks a sequence start here but the start bit"
+            " is clear",
         ),
         (
             [3, 5, 7, 8, 10, 13, 14, 16],

@@ -1,0 +1,82 @@
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flat_tokens_jax as ftj
+from flat_tokens_jax.localshards import plain_shard_geometry
+from flat_tokens_jax.store import TensorStoreArray
+
+
+def tokens_array(path: Path) -> TensorStoreArray:
+    reader = ftj.open_dataset(path)["train"].encoded
+    assert isinstance(reader, TensorStoreArray)
+    return reader
+
+
+@settings(max_examples=25)
+@given(
+    n=st.integers(1, 300),
+    chunk=st.sampled_from([2, 4, 8]),
+    per_shard=st.integers(1, 4),
+    data=st.data(),
+)
+def test_memory_mapped_reads_equal_tensorstore_reads(
+    tmp_path_factory: pytest.TempPathFactory,
+    n: int,
+    chunk: int,
+    per_shard: int,
+    data: st.DataObject,
+) -> None:
+    path = tmp_path_factory.mktemp("ds")
+    values = data.draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n))
+    ftj.write_dataset(
+        path,
+        {"train": [values]},
+        layout=ftj.Layout(shard_tokens=chunk * per_shard, chunk_tokens=chunk),
+    )
+    reader = tokens_array(path)
+    assert reader.local is not None
+    lo = np.array(data.draw(st.lists(st.integers(0, n), min_size=1, max_size=20)))
+    hi = np.minimum(
+        lo + np.array(data.draw(st.lists(st.integers(0, n), min_size=lo.size, max_size=lo.size))), n
+    )
+    expected = [reader.store[a:b].read().result() for a, b in zip(lo, hi, strict=True)]
+    got = reader.read_ranges(lo, hi)
+    assert [g.tolist() for g in got] == [e.tolist() for e in expected]
+    points = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=20)))
+    assert (
+        reader.read_points(points).tolist() == reader.store.vindex[points].read().result().tolist()
+    )
+
+
+def test_a_shard_that_is_not_plain_falls_back_to_tensorstore(tmp_path: Path) -> None:
+    # Token id 0 inside a sequence encodes to 0, the fill value: tensorstore leaves
+    # such all-zero inner chunks out of the shard, so shard 1 has holes.
+    values = [5] * 40 + [0] * 24 + [7] * 36
+    ftj.write_dataset(
+        tmp_path, {"train": [values]}, layout=ftj.Layout(shard_tokens=32, chunk_tokens=8)
+    )
+    reader = tokens_array(tmp_path)
+    assert reader.local is not None
+    assert reader.local.shard_array(0) is not None
+    assert reader.local.shard_array(1) is None
+    assert reader.local.read(30, 40) is None
+    got = reader.read_ranges(np.array([0, 30, 60]), np.array([10, 50, 100]))
+    assert [g.tolist() for g in got] == [[11] + [10] * 9, [10] * 10 + [0] * 10, [0] * 4 + [14] * 36]
+
+
+def test_compressed_or_foreign_layouts_are_not_memory_mapped(tmp_path: Path) -> None:
+    ftj.write_dataset(tmp_path / "z", {"train": [[1, 2, 3]]}, layout=ftj.Layout(compression="zstd"))
+    assert tokens_array(tmp_path / "z").local is None
+    ftj.write_dataset(tmp_path / "v2", {"train": [[1, 2, 3]]}, layout=ftj.Layout(zarr_format=2))
+    assert tokens_array(tmp_path / "v2").local is None
+    meta = {
+        "shape": [10],
+        "data_type": "uint32",
+        "chunk_grid": {"configuration": {"chunk_shape": [10]}},
+        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+    }
+    assert plain_shard_geometry(meta) is None

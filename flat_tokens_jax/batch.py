@@ -1,0 +1,411 @@
+"""Model fields from encoded tokens: packed windows and padded sequences.
+
+Every function returns the five batch fields, each ``[batch, seq_len]``:
+``inputs``, ``targets``, ``segment_ids``, ``positions`` (``int32``) and
+``loss_mask`` (``bool``). Encoded tokens are ``uint32`` ``token_id * 2 + 1`` at a
+sequence start, else ``token_id * 2``.
+
+Packed rows follow the spec's expansion: ``targets[t]`` is the decoded token at
+``t``; ``inputs[t]`` is ``start_token_id`` where ``t`` starts a sequence, else the
+token before it, including ``t = 0``, which reads the token before the record.
+``segment_ids`` are 1 for a row's first segment (a whole sequence or a leading
+fragment) and grow by one at each later sequence start; ``positions`` restart at
+0 at each sequence start, and a leading fragment counts from 0 too. Padded rows
+use the same input rule; padding has ``pad_id`` input and target, segment 0,
+position 0 and ``loss_mask`` False.
+
+``packed_fields`` and ``padded_fields`` run on the host in numpy;
+``packed_fields_jax`` and ``padded_fields_jax`` compute the same values with jax
+ops inside ``jax.jit``, for decoding on the accelerator.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.typing import ArrayLike
+
+FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+
+_INT32 = np.iinfo(np.int32)
+# Where the fields start in their shared allocation, modulo this: see `_empty_fields`.
+_PAGE = 4096
+# Slices OR-ed together when looking for sequence starts: see `_odd_indices`.
+_FOLD = 16
+# Runs per segment shorter than this on average make `packed_fields` scan every token.
+_SHORT_RUN = 8
+
+
+def packed_fields(
+    windows: np.ndarray,
+    *,
+    start_token_id: int = 0,
+    stored_mask: np.ndarray | None = None,
+) -> dict[str, np.ndarray]:
+    """Decodes packed records into model fields (numpy, on the host).
+
+    Args:
+        windows: ``[batch, seq_len + 1] uint32`` encoded tokens. Column 0 is the
+            token before the record; columns ``1..seq_len`` are the record. When
+            column 1 starts a sequence (always so for the record at token 0),
+            column 0 is ignored.
+        start_token_id: the input where a sequence starts.
+        stored_mask: optional ``[batch, seq_len]`` stored loss mask aligned with
+            the targets; nonzero means trained on. Without it every target is.
+
+    Returns:
+        The five fields, each ``[batch, seq_len]`` and C-contiguous: ``inputs``,
+        ``targets``, ``segment_ids``, ``positions`` (``int32``) and ``loss_mask``
+        (``bool``). All but ``segment_ids`` share one allocation.
+
+    Example:
+        >>> # sequences [1, 2], [3, 4, 5], [6, 7, 8]; packed record 1 of length 4
+        >>> w = np.array([[8, 10, 13, 14, 16]], np.uint32)
+        >>> f = packed_fields(w)
+        >>> f["inputs"].tolist(), f["targets"].tolist()
+        ([[4, 0, 6, 7]], [[5, 6, 7, 8]])
+        >>> f["segment_ids"].tolist(), f["positions"].tolist()
+        ([[1, 2, 2, 2]], [[0, 0, 1, 2]])
+    """
+    w = _encoded(windows, "windows", min_cols=2)
+    batch, seq_len = w.shape[0], w.shape[1] - 1
+    start = _int32("start_token_id", start_token_id)
+    _check_mask(stored_mask, (batch, seq_len))
+
+    inputs, targets, positions, loss_mask, flags = _empty_fields(batch, seq_len, flag_extra=batch)
+    np.right_shift(w[:, 1:], 1, out=targets.view(np.uint32))
+    np.copyto(inputs[:, 1:], targets[:, :-1])
+    np.right_shift(w[:, 0], 1, out=inputs[:, 0].view(np.uint32))
+
+    # Sequence starts are rare (one per ~1,000 tokens in typical data), so find
+    # them once as flat indices and build segment ids and positions run by run:
+    # np.repeat fills runs at memory speed, where a cumsum and a running maximum
+    # over every token cost ~7x more (see scripts/bench_decode.py).
+    hits = _odd_indices(w.reshape(-1), flags)
+    row = hits // (seq_len + 1)
+    hits -= row
+    starts = hits[hits != row * seq_len] - 1  # drop column 0; index into [batch * seq_len]
+    inputs.reshape(-1)[starts] = start
+
+    if stored_mask is None:
+        loss_mask.fill(True)
+    else:
+        np.not_equal(stored_mask, 0, out=loss_mask)
+
+    col = np.arange(seq_len, dtype=np.int32)
+    if starts.size * _SHORT_RUN < batch * seq_len:
+        run_len, run_segment, run_col = _runs(starts, batch, seq_len)
+        segment_ids = np.repeat(run_segment, run_len).reshape(batch, seq_len)
+        run_col_per_token = np.repeat(run_col, run_len).reshape(batch, seq_len)
+        np.subtract(col, run_col_per_token, out=positions)
+    else:  # np.repeat slows down on short runs: scan every token instead
+        is_start = np.zeros((batch, seq_len), np.bool_)
+        is_start.reshape(-1)[starts] = True
+        segment_ids = np.cumsum(is_start, axis=1, dtype=np.int32)
+        segment_ids += ~is_start[:, :1]
+        last_start = np.multiply(is_start, col, dtype=np.int32)
+        np.maximum.accumulate(last_start, axis=1, out=last_start)
+        np.subtract(col, last_start, out=positions)
+    return {
+        "inputs": inputs,
+        "targets": targets,
+        "segment_ids": segment_ids,
+        "positions": positions,
+        "loss_mask": loss_mask,
+    }
+
+
+def padded_fields(
+    tokens: np.ndarray,
+    lengths: np.ndarray,
+    *,
+    start_token_id: int = 0,
+    pad_id: int = 0,
+    stored_mask: np.ndarray | None = None,
+) -> dict[str, np.ndarray]:
+    """Decodes one truncated sequence per row into right-padded model fields.
+
+    Args:
+        tokens: ``[batch, seq_len] uint32`` encoded tokens; row ``b`` holds the
+            first ``lengths[b]`` tokens of sequence ``b``. Later columns are
+            ignored, whatever they hold.
+        lengths: ``[batch]`` integer tokens kept per row, ``0 <= lengths <= seq_len``
+            (a 0 row is all padding).
+        start_token_id: the input at each row's first token.
+        pad_id: the input and target at padding.
+        stored_mask: optional ``[batch, seq_len]`` stored loss mask aligned with
+            the targets, ANDed with the non-padding mask.
+
+    Returns:
+        The five fields, each ``[batch, seq_len]``: ``inputs`` is
+        ``start_token_id`` then ``seq[:len - 1]``, ``targets`` is ``seq[:len]``,
+        both then ``pad_id``; ``segment_ids`` 1 on the sequence, 0 on padding;
+        ``positions`` ``0..len-1`` then 0; ``loss_mask`` True on the sequence.
+
+    Example:
+        >>> f = padded_fields(np.array([[7, 8, 10, 0, 0]], np.uint32), np.array([3]), pad_id=7)
+        >>> f["inputs"].tolist(), f["targets"].tolist()
+        ([[0, 3, 4, 7, 7]], [[3, 4, 5, 7, 7]])
+        >>> f["segment_ids"].tolist(), f["positions"].tolist()
+        ([[1, 1, 1, 0, 0]], [[0, 1, 2, 0, 0]])
+    """
+    tok = _encoded(tokens, "tokens", min_cols=1)
+    batch, seq_len = tok.shape
+    start = _int32("start_token_id", start_token_id)
+    pad = _int32("pad_id", pad_id)
+    lens = _lengths(lengths, batch, seq_len)
+    _check_mask(stored_mask, (batch, seq_len))
+
+    inputs, targets, positions, loss_mask, _ = _empty_fields(batch, seq_len)
+    np.right_shift(tok, 1, out=targets.view(np.uint32))
+    np.copyto(inputs[:, 1:], targets[:, :-1])
+    inputs[:, 0] = start
+
+    col = np.arange(seq_len, dtype=np.int32)
+    np.less(col, lens[:, None], out=loss_mask)
+    padding = ~loss_mask
+    np.copyto(inputs, pad, where=padding)
+    np.copyto(targets, pad, where=padding)
+    np.multiply(col, loss_mask, out=positions)
+    segment_ids = loss_mask.astype(np.int32)
+    if stored_mask is not None:
+        loss_mask &= stored_mask != 0
+    return {
+        "inputs": inputs,
+        "targets": targets,
+        "segment_ids": segment_ids,
+        "positions": positions,
+        "loss_mask": loss_mask,
+    }
+
+
+def packed_fields_jax(
+    windows: ArrayLike,
+    *,
+    start_token_id: ArrayLike = 0,
+    stored_mask: ArrayLike | None = None,
+) -> dict[str, jax.Array]:
+    """``packed_fields`` in jax ops, to decode on the accelerator inside ``jax.jit``.
+
+    Static shapes throughout. Segment ids and positions come from ``lax.cumsum``
+    and ``lax.cummax`` along each row, so shard the batch axis only, not the
+    sequence axis. On the CPU backend these scans are slow (~10x
+    ``packed_fields``); use it where the batch is decoded on a GPU or TPU.
+
+    Args:
+        windows: ``[batch, seq_len + 1] uint32`` encoded tokens, as for
+            ``packed_fields``.
+        start_token_id: the input where a sequence starts (may be traced).
+        stored_mask: optional ``[batch, seq_len]`` stored loss mask.
+
+    Returns:
+        The same five fields with the same values as ``packed_fields``.
+    """
+    w = _encoded_jax(windows, "windows", min_cols=2)
+    encoded = w[:, 1:]
+    shape = encoded.shape
+    starts = (encoded & 1) == 1
+    targets = (encoded >> 1).astype(jnp.int32)
+    before = (w[:, :-1] >> 1).astype(jnp.int32)
+    inputs = jnp.where(starts, jnp.asarray(start_token_id, jnp.int32), before)
+    counts = starts.astype(jnp.int32)
+    # The first segment is 1 whether or not the row opens with a sequence start.
+    segment_ids = lax.cumsum(counts, axis=1) + (1 - counts[:, :1])
+    col = lax.broadcasted_iota(jnp.int32, shape, 1)
+    positions = col - lax.cummax(jnp.where(starts, col, 0), axis=1)
+    return {
+        "inputs": inputs,
+        "targets": targets,
+        "segment_ids": segment_ids,
+        "positions": positions,
+        "loss_mask": _loss_mask_jax(stored_mask, shape),
+    }
+
+
+def padded_fields_jax(
+    tokens: ArrayLike,
+    lengths: ArrayLike,
+    *,
+    start_token_id: ArrayLike = 0,
+    pad_id: ArrayLike = 0,
+    stored_mask: ArrayLike | None = None,
+) -> dict[str, jax.Array]:
+    """``padded_fields`` in jax ops, to decode on the accelerator inside ``jax.jit``.
+
+    Args:
+        tokens: ``[batch, seq_len] uint32`` encoded tokens, as for ``padded_fields``.
+        lengths: ``[batch]`` integer tokens kept per row; unlike ``padded_fields``
+            they are not checked (they may be traced): keep them in ``[0, seq_len]``.
+        start_token_id: the input at each row's first token.
+        pad_id: the input and target at padding.
+        stored_mask: optional ``[batch, seq_len]`` stored loss mask.
+
+    Returns:
+        The same five fields with the same values as ``padded_fields``.
+    """
+    tok = _encoded_jax(tokens, "tokens", min_cols=1)
+    shape = tok.shape
+    lens = jnp.asarray(lengths)
+    if lens.shape != shape[:1]:
+        raise ValueError(f"lengths must have shape {shape[:1]}, got {lens.shape}")
+    col = lax.broadcasted_iota(jnp.int32, shape, 1)
+    valid = col < lens[:, None].astype(jnp.int32)
+    pad = jnp.asarray(pad_id, jnp.int32)
+    targets = (tok >> 1).astype(jnp.int32)
+    first = jnp.full((shape[0], 1), start_token_id, jnp.int32)
+    inputs = jnp.concatenate([first, targets[:, :-1]], axis=1)
+    return {
+        "inputs": jnp.where(valid, inputs, pad),
+        "targets": jnp.where(valid, targets, pad),
+        "segment_ids": valid.astype(jnp.int32),
+        "positions": jnp.where(valid, col, 0),
+        "loss_mask": valid & _loss_mask_jax(stored_mask, shape),
+    }
+
+
+def _odd_indices(flat: np.ndarray, flags: np.ndarray) -> np.ndarray:
+    """Sorted indices ``[k] int64`` of the odd values (sequence starts) of ``flat``.
+
+    Args:
+        flat: ``[n] uint32`` encoded tokens.
+        flags: ``[n] bool`` scratch.
+    """
+    # OR-reduce `_FOLD` slices of the tokens into one (a read-only pass that runs
+    # at memory speed), then look only at the columns whose OR is odd. This
+    # beats testing every token when starts are sparse; when they are not, test
+    # every token.
+    width = flat.size // _FOLD
+    if width >= 1024:
+        folded = np.bitwise_or.reduce(flat[: _FOLD * width].reshape(_FOLD, width), axis=0)
+        cols = np.flatnonzero(np.bitwise_and(folded, 1, out=flags[:width], casting="unsafe"))
+        if cols.size * _FOLD * 8 <= flat.size:
+            candidates = (np.arange(0, _FOLD * width, width)[:, None] + cols).ravel()
+            tail = np.arange(_FOLD * width, flat.size)
+            candidates = np.concatenate((candidates, tail))
+            hits: np.ndarray = candidates[(flat[candidates] & 1) != 0]
+            hits.sort()
+            return hits
+    np.bitwise_and(flat, 1, out=flags, casting="unsafe")
+    return np.flatnonzero(flags)
+
+
+def _runs(
+    starts: np.ndarray, batch: int, seq_len: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Splits the flat ``[batch * seq_len]`` tokens into runs of one segment.
+
+    A run begins at each row start and at each sequence start inside a row.
+
+    Args:
+        starts: sorted flat indices ``[k] int64`` of the sequence starts.
+
+    Returns:
+        ``(run_len [r] int64, run_segment [r] int32, run_col [r] int32)`` in flat
+        order: each run's length, segment id within its row, and first column.
+    """
+    size = batch * seq_len
+    row_starts = np.arange(0, size, seq_len)
+    run_start = np.concatenate((row_starts, starts[starts % seq_len != 0]))
+    run_start.sort(kind="stable")  # merges two sorted halves in linear time
+    run_row = run_start // seq_len
+    first_run_of_row = np.searchsorted(run_start, row_starts)
+    run_segment = np.arange(1, run_start.size + 1) - first_run_of_row[run_row]
+    run_end = np.empty_like(run_start)
+    run_end[:-1] = run_start[1:]
+    run_end[-1:] = size
+    run_col = run_start - run_row * seq_len
+    return run_end - run_start, run_segment.astype(np.int32), run_col.astype(np.int32)
+
+
+def _empty_fields(
+    batch: int, seq_len: int, flag_extra: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Uninitialised ``inputs``, ``targets``, ``positions`` and ``loss_mask``.
+
+    They are carved out of one allocation: five separate 2 MiB arrays freed
+    together make glibc hand the memory back to the OS and fault it in again on
+    the next batch, which measured 5 ms a batch where writing them takes 0.25 ms.
+    Each field starts at a different offset modulo 4 KiB: copying ``targets``
+    into ``inputs`` at the same offset measured 10x slower (4K aliasing of
+    loads and stores).
+
+    Returns:
+        ``(inputs, targets, positions, loss_mask, flags)``: three ``[batch,
+        seq_len] int32``, one ``[batch, seq_len] bool``, and ``flags``, a
+        ``[batch * seq_len + flag_extra] bool`` scratch that overlaps
+        ``loss_mask``.
+    """
+    n = batch * seq_len
+    sizes = (4 * n, 4 * n, 4 * n, n + flag_extra)
+    buf = np.empty(sum(sizes) + _PAGE * len(sizes), np.uint8)
+    base = buf.ctypes.data
+    views = []
+    offset = 0
+    for i, size in enumerate(sizes):
+        offset += (i * _PAGE // len(sizes) - (base + offset)) % _PAGE
+        views.append(buf[offset : offset + size])
+        offset += size
+    ints = [v.view(np.int32).reshape(batch, seq_len) for v in views[:3]]
+    flags = views[3].view(np.bool_)
+    return ints[0], ints[1], ints[2], flags[:n].reshape(batch, seq_len), flags
+
+
+def _encoded(x: np.ndarray, name: str, min_cols: int) -> np.ndarray:
+    """``x`` as a C-contiguous native ``uint32`` 2-D array, or a ValueError."""
+    a = np.asarray(x)
+    if a.ndim != 2 or a.shape[1] < min_cols:
+        raise ValueError(
+            f"{name} must be 2-D [batch, {'seq_len + 1' if min_cols == 2 else 'seq_len'}] "
+            f"with at least {min_cols} column(s), got shape {a.shape}"
+        )
+    if a.dtype.kind != "u" or a.dtype.itemsize != 4:
+        raise ValueError(
+            f"{name} must hold uint32 encoded tokens, got dtype {a.dtype}: "
+            "pass the store's encoded_tokens unchanged"
+        )
+    return np.ascontiguousarray(a, dtype=np.uint32)
+
+
+def _encoded_jax(x: ArrayLike, name: str, min_cols: int) -> jax.Array:
+    a = jnp.asarray(x)
+    if a.ndim != 2 or a.shape[1] < min_cols:
+        raise ValueError(f"{name} must be 2-D with at least {min_cols} column(s), got {a.shape}")
+    if a.dtype != jnp.uint32:
+        raise ValueError(f"{name} must hold uint32 encoded tokens, got dtype {a.dtype}")
+    return a
+
+
+def _loss_mask_jax(stored_mask: ArrayLike | None, shape: tuple[int, ...]) -> jax.Array:
+    if stored_mask is None:
+        return jnp.ones(shape, jnp.bool_)
+    mask = jnp.asarray(stored_mask)
+    if mask.shape != shape:
+        raise ValueError(f"stored_mask must have shape {shape}, got {mask.shape}")
+    return mask != 0
+
+
+def _int32(name: str, value: int) -> int:
+    if not _INT32.min <= int(value) <= _INT32.max:
+        raise ValueError(f"{name} must fit in int32, got {value}")
+    return int(value)
+
+
+def _lengths(lengths: np.ndarray, batch: int, seq_len: int) -> np.ndarray:
+    lens = np.asarray(lengths)
+    if lens.shape != (batch,) or lens.dtype.kind not in "iu":
+        raise ValueError(
+            f"lengths must be integers of shape ({batch},), got {lens.dtype} {lens.shape}"
+        )
+    if batch and (lens.min() < 0 or lens.max() > seq_len):
+        raise ValueError(
+            f"lengths must lie in [0, {seq_len}] (the row length), got "
+            f"[{lens.min()}, {lens.max()}]: truncate with np.minimum(lengths, {seq_len})"
+        )
+    return lens.astype(np.int32)
+
+
+def _check_mask(mask: np.ndarray | None, shape: tuple[int, int]) -> None:
+    if mask is not None and np.shape(mask) != shape:
+        raise ValueError(f"stored_mask must have the targets' shape {shape}, got {np.shape(mask)}")

@@ -2,6 +2,9 @@
 
 from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.format import FormatError, Problem, decode, encode
+from flat_tokens_jax.loader import Loader, LoaderConfig, StateMismatch
+from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records
+from flat_tokens_jax.sampling import EpochsExhausted, IndexSampler, permute
 from flat_tokens_jax.store import StoreOptions
 from flat_tokens_jax.validation import summary, validate
 from flat_tokens_jax.writer import DatasetWriter, Layout, write_dataset
@@ -11,14 +14,23 @@ __version__ = "0.1.0"
 __all__ = [
     "Dataset",
     "DatasetWriter",
+    "EpochsExhausted",
     "FlatTokens",
     "FormatError",
+    "IndexSampler",
     "Layout",
+    "Loader",
+    "LoaderConfig",
+    "PackedRecords",
+    "PaddedRecords",
     "Problem",
+    "Records",
+    "StateMismatch",
     "StoreOptions",
     "decode",
     "encode",
     "open_dataset",
+    "permute",
     "summary",
     "validate",
     "write_dataset",

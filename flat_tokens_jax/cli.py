@@ -8,7 +8,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from flat_tokens_jax.dataset import open_dataset
 from flat_tokens_jax.format import FormatError
+from flat_tokens_jax.loader import Loader, LoaderConfig
 from flat_tokens_jax.store import StoreOptions
 from flat_tokens_jax.validation import summary, validate
 
@@ -73,6 +75,44 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_show(args: argparse.Namespace) -> int:
+    config = LoaderConfig(
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        packing=not args.padded,
+        shuffle=not args.no_shuffle,
+        seed=args.seed,
+        num_epochs=args.num_epochs,
+        prefetch=0,
+    )
+    try:
+        loader = Loader(open_dataset(args.url, _options(args))[args.split], config)
+        batch = loader.host_batch(args.step)
+        provenance = loader.provenance(args.step)
+    except (FormatError, IndexError, KeyError, ValueError) as e:
+        print(f"{args.url}: {e}", file=sys.stderr)
+        return 1
+    rows = [
+        {**prov, **{k: v[i].astype(int).tolist() for k, v in batch.items()}}
+        for i, prov in enumerate(provenance)
+    ]
+    if args.json:
+        print(json.dumps({"step": args.step, "config": config.batch_defining(), "rows": rows}))
+        return 0
+    print(f"step {args.step} of {args.url} [{args.split}], {config}")
+    for row in rows:
+        where = (
+            "padding"
+            if row.get("padding")
+            else f"sample {row['sample']}, epoch {row['epoch']}, record {row['record']}, "
+            f"tokens [{row['tokens'][0]}, {row['tokens'][1]})"
+        )
+        print(f"row {row['row']}: {where}")
+        for key in ("inputs", "targets", "segment_ids", "positions", "loss_mask"):
+            print(f"  {key:<12}{row[key]}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flat-tokens", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,6 +123,18 @@ def build_parser() -> argparse.ArgumentParser:
     _store_args(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_cmd_info)
+    p = sub.add_parser("show", help="print the batch of a step and where each row came from")
+    _store_args(p)
+    p.add_argument("--step", type=int, required=True)
+    p.add_argument("--batch-size", type=int, required=True, help="global batch size")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--split", default="train")
+    p.add_argument("--padded", action="store_true", help="one sequence per row, padded")
+    p.add_argument("--no-shuffle", action="store_true", help="records in order")
+    p.add_argument("--num-epochs", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=_cmd_show)
     return parser
 
 

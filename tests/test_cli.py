@@ -52,3 +52,39 @@ def test_info_text_and_json(tmp_path: Path, capsys: object) -> None:
 def test_info_on_missing_dataset_fails_cleanly(tmp_path: Path) -> None:
     assert main(["info", str(tmp_path / "nothing")]) == 1
     assert main(["validate", str(tmp_path / "nothing")]) == 1
+
+
+def test_show_prints_the_batch_and_its_provenance(tmp_path: Path) -> None:
+    ftj.write_dataset(tmp_path, {"train": [[1, 2], [3, 4, 5], [6, 7, 8]]})
+    out = run(
+        "show",
+        str(tmp_path),
+        "--step",
+        "0",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "4",
+        "--no-shuffle",
+        "--json",
+    )
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["rows"]
+    assert rows[1]["targets"] == [5, 6, 7, 8] and rows[1]["inputs"] == [4, 0, 6, 7]
+    assert rows[1]["tokens"] == [4, 8] and rows[1]["record"] == 1
+    text = run(
+        "show",
+        str(tmp_path),
+        "--step",
+        "0",
+        "--batch-size",
+        "1",
+        "--seq-len",
+        "4",
+        "--padded",
+        "--no-shuffle",
+    ).stdout
+    assert "row 0: sample 0, epoch 0, record 0, tokens [0, 2)" in text
+    assert "targets     [1, 2, 0, 0]" in text
+    bad = run("show", str(tmp_path), "--step", "0", "--batch-size", "1", "--seq-len", "9")
+    assert bad.returncode == 1 and "has no records" in bad.stderr

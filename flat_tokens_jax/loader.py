@@ -1,0 +1,349 @@
+"""Batches from any step: ``LoaderConfig`` and ``Loader``.
+
+``Loader.batch(step)`` is a pure function of (data, config, step): global
+sample ``g = step * batch_size + row`` goes through the stateless sampler to a
+record, the record's tokens are read, and the model fields are decoded.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from flat_tokens_jax import batch as fields
+from flat_tokens_jax.dataset import FlatTokens
+from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records
+from flat_tokens_jax.sampling import IndexSampler
+
+log = logging.getLogger(__name__)
+
+FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderConfig:
+    """What a batch is. Every field but ``prefetch`` changes the batches.
+
+    Attributes:
+        batch_size: global rows per step, over all hosts.
+        seq_len: tokens per row.
+        packing: True: rows are consecutive windows of the concatenated tokens
+            (no padding, sequences cut at window edges). False: one sequence per
+            row, truncated to ``seq_len`` and right-padded with ``pad_id``.
+        shuffle: visit records in a fresh pseudo-random order each epoch.
+            False: in order (evaluation).
+        seed: the shuffle's key. Recommended: one per training run.
+        num_epochs: passes over the records; ``None``: unbounded. With a bound,
+            the last batch is completed with padding rows (``loss_mask`` 0).
+        prefetch: steps prepared ahead by ``iterate`` in background threads.
+            Recommended: 2 locally, 4-8 on object stores.
+        start_token_id: the input token where a sequence starts (0 in the spec).
+        pad_id: input and target id of padding.
+        vocab_size: if given, the dataset's ``max_token_id`` must be below it.
+    """
+
+    batch_size: int
+    seq_len: int
+    packing: bool = True
+    shuffle: bool = True
+    seed: int = 0
+    num_epochs: int | None = None
+    prefetch: int = 2
+    start_token_id: int = 0
+    pad_id: int = 0
+    vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, low in (
+            ("batch_size", 1),
+            ("seq_len", 1),
+            ("prefetch", 0),
+            ("seed", 0),
+            ("start_token_id", 0),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"LoaderConfig.{name} must be an int >= {low}, got {value!r}")
+        for name in ("num_epochs", "vocab_size"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"LoaderConfig.{name} must be None or an int >= 1, got {value!r}")
+        if not isinstance(self.pad_id, int) or isinstance(self.pad_id, bool):
+            raise ValueError(f"LoaderConfig.pad_id must be an int, got {self.pad_id!r}")
+        if self.vocab_size is not None:
+            for name in ("start_token_id", "pad_id"):
+                if not 0 <= getattr(self, name) < self.vocab_size:
+                    raise ValueError(
+                        f"LoaderConfig.{name} {getattr(self, name)} is outside "
+                        f"the vocabulary [0, {self.vocab_size})"
+                    )
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> LoaderConfig:
+        """Builds a config from a mapping, refusing keys it does not know."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown LoaderConfig field(s) {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str], key: str | None = "loader") -> LoaderConfig:
+        """Reads a config from YAML (needs PyYAML: ``pip install flat-tokens-jax[yaml]``).
+
+        Args:
+            path: the YAML file.
+            key: the mapping inside the file that holds the fields (``None``: the
+                whole file). The file may then hold other sections too.
+        """
+        try:
+            import yaml
+        except ImportError as e:
+            raise ImportError(
+                "LoaderConfig.from_yaml needs PyYAML: pip install 'flat-tokens-jax[yaml]'"
+            ) from e
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+        values = doc.get(key) if key is not None and isinstance(doc, dict) else doc
+        if not isinstance(values, dict):
+            where = f"section {key!r} of " if key else ""
+            raise ValueError(f"{where}{os.fspath(path)} is not a mapping of LoaderConfig fields")
+        return cls.from_dict(values)
+
+    def batch_defining(self) -> dict[str, Any]:
+        """The fields that decide batch contents (all but ``prefetch``)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "prefetch"}
+
+
+class StateMismatch(ValueError):
+    """A saved loader state does not belong to this loader's data or config."""
+
+
+class Loader:
+    """Batches of model fields for any step, with background prefetching.
+
+    Every batch holds ``inputs``, ``targets``, ``segment_ids``, ``positions``
+    (``[batch_size, seq_len] int32``) and ``loss_mask`` (``[batch_size, seq_len]
+    bool``; multiply the per-token loss by it).
+
+    Args:
+        source: a :class:`FlatTokens` split (records made per ``config.packing``)
+            or any :class:`Records` source, e.g. a ``Mixture``.
+        config: the batch definition.
+        sharding: reserved for global arrays over a mesh; ``None`` puts whole
+            batches on the default device.
+    """
+
+    def __init__(
+        self,
+        source: FlatTokens | Records,
+        config: LoaderConfig,
+        sharding: jax.sharding.Sharding | None = None,
+    ) -> None:
+        if isinstance(source, FlatTokens):
+            kind = PackedRecords if config.packing else PaddedRecords
+            records: Records = kind(source, config.seq_len)
+        else:
+            records = source
+            if records.seq_len != config.seq_len or records.packed != config.packing:
+                raise ValueError(
+                    f"{records!r} has seq_len {records.seq_len} and packing "
+                    f"{records.packed}, but the config asks for seq_len "
+                    f"{config.seq_len} and packing {config.packing}"
+                )
+        if len(records) == 0:
+            raise ValueError(
+                f"{records!r} has no records: the split holds fewer than "
+                f"seq_len={config.seq_len} tokens or no sequences"
+            )
+        max_id = records.fingerprint()["max_token_id"]
+        if config.vocab_size is not None and config.vocab_size <= max_id:
+            raise ValueError(
+                f"dataset max_token_id is {max_id} but vocab_size is "
+                f"{config.vocab_size}: set vocab_size >= {max_id + 1}"
+            )
+        self.records, self.config, self.sharding = records, config, sharding
+        self.sampler = IndexSampler(
+            len(records), seed=config.seed, shuffle=config.shuffle, num_epochs=config.num_epochs
+        )
+        self.host_rows = np.arange(config.batch_size, dtype=np.int64)
+        self.next_step = 0
+        self.wait_seconds = 0.0
+        self._fingerprint: dict[str, Any] | None = None
+
+    def __repr__(self) -> str:
+        return f"Loader({self.records!r}, {self.config!r})"
+
+    @property
+    def num_batches(self) -> int | None:
+        """Steps in the run (``None`` when ``num_epochs`` is ``None``)."""
+        total = self.sampler.num_samples
+        return None if total is None else -(-total // self.config.batch_size)
+
+    def _samples(self, step: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Global sample index ``[k] int64`` of ``rows`` at ``step`` and which are real."""
+        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if self.num_batches is not None and step >= self.num_batches:
+            raise IndexError(
+                f"step {step} is past the end: this run has {self.num_batches} "
+                f"steps ({self.config.num_epochs} epoch(s) of "
+                f"{len(self.records)} records)"
+            )
+        g = np.int64(step) * self.config.batch_size + rows
+        total = self.sampler.num_samples
+        return g, (np.ones(g.shape, bool) if total is None else g < total)
+
+    def _fields(self, step: int, rows: np.ndarray) -> dict[str, np.ndarray]:
+        cfg = self.config
+        g, real = self._samples(step, rows)
+        records = self.sampler.records(g[real])
+        windows = self.records.read(records)
+        if self.records.packed:
+            out = fields.packed_fields(
+                windows.encoded, start_token_id=cfg.start_token_id, stored_mask=windows.stored_mask
+            )
+        else:
+            assert windows.lengths is not None
+            out = fields.padded_fields(
+                windows.encoded,
+                windows.lengths,
+                start_token_id=cfg.start_token_id,
+                pad_id=cfg.pad_id,
+                stored_mask=windows.stored_mask,
+            )
+        if real.all():
+            return out
+        return _pad_rows(out, real, cfg.pad_id)
+
+    def host_batch(self, step: int) -> dict[str, np.ndarray]:
+        """This host's rows of the batch at ``step``, in global row order (numpy)."""
+        return self._fields(step, self.host_rows)
+
+    def batch(self, step: int) -> dict[str, jax.Array]:
+        """The global batch at ``step`` as ``jax.Array``\\ s ``[batch_size, seq_len]``."""
+        host = self.host_batch(step)
+        return {k: jax.device_put(v) for k, v in host.items()}
+
+    def iterate(self, start_step: int | None = None) -> Iterator[tuple[int, dict[str, jax.Array]]]:
+        """Yields ``(step, batch)`` from ``start_step`` (default: the restored step).
+
+        The next ``config.prefetch`` steps are read, decoded and placed on device
+        in background threads while the caller trains. ``wait_seconds`` holds how
+        long the last step waited for its batch: near zero when input keeps up.
+        """
+        step = self.next_step if start_step is None else start_step
+        end = self.num_batches
+        depth = self.config.prefetch
+        if depth == 0:
+            while end is None or step < end:
+                began = time.perf_counter()
+                batch = self.batch(step)
+                self.wait_seconds = time.perf_counter() - began
+                self.next_step = step + 1
+                yield step, batch
+                step += 1
+            return
+        pool = concurrent.futures.ThreadPoolExecutor(depth, thread_name_prefix="ftj-prefetch")
+        ahead: collections.deque[concurrent.futures.Future[dict[str, jax.Array]]] = (
+            collections.deque()
+        )
+        scheduled = step
+        try:
+            while end is None or step < end:
+                while len(ahead) <= depth and (end is None or scheduled < end):
+                    ahead.append(pool.submit(self.batch, scheduled))
+                    scheduled += 1
+                began = time.perf_counter()
+                batch = ahead.popleft().result()
+                self.wait_seconds = time.perf_counter() - began
+                self.next_step = step + 1
+                yield step, batch
+                step += 1
+        finally:
+            for f in ahead:
+                f.cancel()
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What the batches depend on: the data's identity and the batch-defining config."""
+        if self._fingerprint is None:
+            self._fingerprint = {
+                "data": self.records.fingerprint(),
+                "config": self.config.batch_defining(),
+            }
+        return self._fingerprint
+
+    def state(self) -> dict[str, Any]:
+        """``{"step": next step to run, "fingerprint": ...}``, JSON-ready, for checkpoints."""
+        return {"step": self.next_step, "fingerprint": self.fingerprint()}
+
+    def restore(self, state: Mapping[str, Any]) -> int:
+        """Continues from a saved :meth:`state`; returns the step ``iterate`` resumes at.
+
+        Raises:
+            StateMismatch: the state was saved with other data or another config;
+                the message lists what differs.
+        """
+        saved = state.get("fingerprint", {})
+        now = self.fingerprint()
+        diffs = [
+            f"{part}.{key}: saved {saved.get(part, {}).get(key)!r}, now {value!r}"
+            for part, fields_now in now.items()
+            for key, value in fields_now.items()
+            if saved.get(part, {}).get(key) != value
+        ]
+        if diffs:
+            raise StateMismatch(
+                "the saved loader state is for different data or config:\n  " + "\n  ".join(diffs)
+            )
+        step = state.get("step")
+        if not isinstance(step, int) or step < 0:
+            raise StateMismatch(f"saved loader state has no valid step: {step!r}")
+        self.next_step = step
+        return step
+
+    def provenance(self, step: int) -> list[dict[str, Any]]:
+        """Where each of this host's rows at ``step`` came from.
+
+        One dict per row: ``row``, ``sample`` (global index), ``epoch``, ``record``
+        and ``tokens`` (``[start, stop)`` of its targets in the split); padding
+        rows are ``{"row": r, "padding": True}``.
+        """
+        rows = self.host_rows
+        g, real = self._samples(step, rows)
+        records = self.sampler.records(g[real])
+        epochs = self.sampler.epochs(g[real])
+        starts, stops = self.records.token_ranges(records)
+        out: list[dict[str, Any]] = [{"row": int(r), "padding": True} for r in rows]
+        for i, pos in enumerate(np.flatnonzero(real).tolist()):
+            out[pos] = {
+                "row": int(rows[pos]),
+                "sample": int(g[pos]),
+                "epoch": int(epochs[i]),
+                "record": int(records[i]),
+                "tokens": [int(starts[i]), int(stops[i])],
+            }
+        return out
+
+
+def _pad_rows(out: dict[str, np.ndarray], real: np.ndarray, pad_id: int) -> dict[str, np.ndarray]:
+    """Places the real rows' fields among padding rows (loss_mask 0, segment 0)."""
+    padded = {}
+    for key, value in out.items():
+        fill = pad_id if key in ("inputs", "targets") else 0
+        full = np.full((real.size, *value.shape[1:]), fill, value.dtype)
+        full[real] = value
+        padded[key] = full
+    return padded

@@ -1,0 +1,166 @@
+"""Records of fixed length over one split: packed windows or padded sequences.
+
+A record source maps a record index to the encoded tokens it needs and reads
+only those: one token range per packed record; for padded records the bounds
+from ``seq_starts``, then the tokens, each stage one batched request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any, Protocol
+
+import numpy as np
+
+from flat_tokens_jax.dataset import FlatTokens
+from flat_tokens_jax.format import ENCODED_DTYPE
+
+
+@dataclasses.dataclass(frozen=True)
+class Windows:
+    """Encoded tokens of a batch of records, before decoding into model fields.
+
+    Attributes:
+        encoded: ``uint32``; packed ``[k, L + 1]`` (column 0 is the token before
+            the record, 0 for record 0), padded ``[k, L]``.
+        lengths: padded only: ``[k] int64`` tokens of each row's sequence kept.
+        stored_mask: ``[k, L] uint8`` stored loss mask aligned with the targets,
+            or ``None`` when the split has none.
+    """
+
+    encoded: np.ndarray
+    lengths: np.ndarray | None = None
+    stored_mask: np.ndarray | None = None
+
+
+class Records(Protocol):
+    """Random access to fixed-length records.
+
+    Contract: deterministic (the same index gives the same record every time),
+    thread-safe, and ``repr`` tells two sources apart.
+    """
+
+    seq_len: int
+    packed: bool
+
+    def __len__(self) -> int: ...
+
+    def read(self, indices: np.ndarray) -> Windows:
+        """Encoded tokens of records ``indices`` (``[k] int64``)."""
+        ...
+
+    def token_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(start, stop)`` ``[k] int64`` of the tokens each record's targets come from."""
+        ...
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What identifies the data behind the records (for checkpoint checks)."""
+        ...
+
+
+def _data_fingerprint(ft: FlatTokens) -> dict[str, Any]:
+    """Counts plus a digest of 64 evenly spaced tokens and sequence starts.
+
+    Cheap (two batched reads) and it changes when the data does, in practice.
+    """
+    digest = hashlib.sha256()
+    for reader in (ft.encoded, ft.starts):
+        n = reader.size
+        probes = np.unique(np.linspace(0, n - 1, 64).astype(np.int64)) if n else np.zeros(0, int)
+        digest.update(np.ascontiguousarray(reader.read_points(probes)).tobytes())
+    return {
+        "num_tokens": ft.num_tokens,
+        "num_sequences": ft.num_sequences,
+        "max_token_id": ft.max_token_id,
+        "sample_digest": digest.hexdigest()[:16],
+    }
+
+
+class PackedRecords:
+    """Record ``i`` is tokens ``[i*L, (i+1)*L)`` of a split, plus the token before it.
+
+    ``num_tokens // L`` records; a tail shorter than ``L`` is never used.
+    """
+
+    packed = True
+
+    def __init__(self, ft: FlatTokens, seq_len: int) -> None:
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        self.ft, self.seq_len = ft, seq_len
+
+    def __len__(self) -> int:
+        return self.ft.num_tokens // self.seq_len
+
+    def __repr__(self) -> str:
+        return f"PackedRecords({self.ft!r}, seq_len={self.seq_len})"
+
+    def token_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        start = np.asarray(indices, np.int64) * self.seq_len
+        return start, start + self.seq_len
+
+    def read(self, indices: np.ndarray) -> Windows:
+        idx = _check_indices(indices, len(self), self)
+        start, stop = self.token_ranges(idx)
+        tokens = self.ft.request_encoded(np.maximum(start - 1, 0), stop)
+        masks = None if self.ft.loss_mask is None else self.ft.loss_mask.request_ranges(start, stop)
+        out = np.zeros((idx.size, self.seq_len + 1), ENCODED_DTYPE)
+        for row, piece in enumerate(tokens.result()):
+            out[row, out.shape[1] - piece.size :] = piece
+        mask = None
+        if masks is not None:
+            mask = np.zeros((idx.size, self.seq_len), np.uint8)
+            for row, piece in enumerate(masks.result()):
+                mask[row] = piece
+        return Windows(out, stored_mask=mask)
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"records": "packed", "seq_len": self.seq_len, **_data_fingerprint(self.ft)}
+
+
+class PaddedRecords:
+    """Record ``i`` is sequence ``i``, truncated to ``L`` tokens, padded on the right."""
+
+    packed = False
+
+    def __init__(self, ft: FlatTokens, seq_len: int) -> None:
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        self.ft, self.seq_len = ft, seq_len
+
+    def __len__(self) -> int:
+        return self.ft.num_sequences
+
+    def __repr__(self) -> str:
+        return f"PaddedRecords({self.ft!r}, seq_len={self.seq_len})"
+
+    def token_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        start, stop = self.ft.sequence_bounds(np.asarray(indices, np.int64))
+        return start, np.minimum(stop, start + self.seq_len)
+
+    def read(self, indices: np.ndarray) -> Windows:
+        idx = _check_indices(indices, len(self), self)
+        start, stop = self.token_ranges(idx)
+        tokens = self.ft.request_encoded(start, stop)
+        masks = None if self.ft.loss_mask is None else self.ft.loss_mask.request_ranges(start, stop)
+        out = np.zeros((idx.size, self.seq_len), ENCODED_DTYPE)
+        for row, piece in enumerate(tokens.result()):
+            out[row, : piece.size] = piece
+        mask = None
+        if masks is not None:
+            mask = np.zeros((idx.size, self.seq_len), np.uint8)
+            for row, piece in enumerate(masks.result()):
+                mask[row, : piece.size] = piece
+        return Windows(out, lengths=stop - start, stored_mask=mask)
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"records": "padded", "seq_len": self.seq_len, **_data_fingerprint(self.ft)}
+
+
+def _check_indices(indices: np.ndarray, n: int, source: object) -> np.ndarray:
+    idx = np.asarray(indices, np.int64).reshape(-1)
+    bad = np.flatnonzero((idx < 0) | (idx >= n))
+    if bad.size:
+        raise IndexError(f"{source!r}: record {idx[bad[0]]} is outside [0, {n})")
+    return idx

@@ -1,0 +1,137 @@
+"""Benchmark: packed batches from a local dataset against a raw np.memmap copy.
+
+For each layout, writes a synthetic dataset (Zipf-distributed ids, which
+compress like text) and a flat raw file of the same encoded tokens, then
+measures side by side, in one run, over the same random steps:
+
+* ``memmap``: copying each row's encoded window (``L + 1`` tokens) out of the
+  raw file into a ``[B, L + 1]`` array: the floor any reader pays;
+* ``host_batch``: ``Loader.host_batch`` (all five fields as numpy);
+* ``batch``: ``Loader.batch`` (all five fields as global ``jax.Array``\\ s);
+
+reporting tokens/s, the ratio to memmap, and CPU seconds per million tokens.
+Also time-to-first-batch at step 0 and at step 10**9 (fresh loaders).
+
+Run: ``python scripts/bench_loader.py [--tokens 200_000_000] [--steps 20]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+import flat_tokens_jax as ftj
+
+
+def synthetic(num_tokens: int, seed: int = 0) -> Iterator[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    left = num_tokens
+    while left > 0:
+        n = int(min(left, max(1, rng.lognormal(6.8, 0.8))))
+        left -= n
+        yield np.minimum(rng.zipf(1.2, n), 50_000)
+
+
+def write(path: Path, layout: ftj.Layout, num_tokens: int) -> float:
+    began = time.perf_counter()
+    with ftj.DatasetWriter(path, layout=layout, overwrite=True) as w:
+        w.extend("train", synthetic(num_tokens))
+    return time.perf_counter() - began
+
+
+def timed(fn: Callable[[int], object], steps: list[int]) -> tuple[float, float]:
+    """(wall, cpu) seconds for fn over every step, best of three passes."""
+    best = (float("inf"), float("inf"))
+    for _ in range(3):
+        wall, cpu = time.perf_counter(), time.process_time()
+        for s in steps:
+            fn(s)
+        best = min(best, (time.perf_counter() - wall, time.process_time() - cpu))
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=200_000_000)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--dir", type=Path, default=None)
+    args = parser.parse_args()
+    root = args.dir or Path(tempfile.mkdtemp(prefix="ftj-bench-"))
+    layouts = {
+        "uncompressed": ftj.Layout(),
+        "zstd": ftj.Layout(compression="zstd", chunk_tokens=1 << 14),
+    }
+    B, L = args.batch, args.seq_len
+    rows = []
+    try:
+        for name, layout in layouts.items():
+            path = root / name
+            write_s = write(path, layout, args.tokens)
+            ft = ftj.open_dataset(path)["train"]
+            raw = root / f"{name}.u32"
+            ft.encoded_ranges([0], [ft.num_tokens])[0].tofile(raw)
+            mm = np.memmap(raw, np.uint32, "r")
+            cfg = ftj.LoaderConfig(batch_size=B, seq_len=L, seed=1, prefetch=0)
+            loader = ftj.Loader(ft, cfg)
+            steps = list(range(1000, 1000 + args.steps))
+            out = np.empty((B, L + 1), np.uint32)
+
+            def memmap_copy(
+                step: int, loader: ftj.Loader = loader, mm: np.ndarray = mm, out: np.ndarray = out
+            ) -> None:
+                g = np.arange(B, dtype=np.int64) + step * B
+                starts = loader.sampler.records(g) * L
+                for row, s in enumerate(np.maximum(starts - 1, 0).tolist()):
+                    out[row] = mm[s : s + L + 1]
+
+            def device(step: int, loader: ftj.Loader = loader) -> None:
+                for v in loader.batch(step).values():
+                    v.block_until_ready()
+
+            for fn in (memmap_copy, loader.host_batch, device):
+                fn(steps[0])
+            base_wall, base_cpu = timed(memmap_copy, steps)
+            tokens = B * L * len(steps)
+            for label, fn in (
+                ("memmap copy of windows", memmap_copy),
+                ("Loader.host_batch", loader.host_batch),
+                ("Loader.batch (jax.Array)", device),
+            ):
+                wall, cpu = (base_wall, base_cpu) if fn is memmap_copy else timed(fn, steps)
+                rows.append(
+                    (name, label, tokens / wall / 1e6, base_wall / wall, cpu / tokens * 1e6)
+                )
+            for step in (0, 10**9):
+                fresh = ftj.Loader(ftj.open_dataset(path)["train"], cfg)
+                began = time.perf_counter()
+                device(step, fresh)
+                rows.append(
+                    (name, f"first batch at step {step:,}", time.perf_counter() - began, None, None)
+                )
+            print(
+                f"{name}: wrote {args.tokens:,} tokens in {write_s:.1f}s "
+                f"({args.tokens * 4 / write_s / 1e6:.0f} MB/s)"
+            )
+        print(f"\nB={B}, L={L}, {args.steps} random steps, best of 3, page cache warm\n")
+        print("| layout | path | M tokens/s (or s) | vs memmap | CPU s / M tokens |")
+        print("| --- | --- | ---: | ---: | ---: |")
+        for name, label, rate, ratio, cpu in rows:
+            if ratio is None:
+                print(f"| {name} | {label} | {rate:.3f} s | | |")
+            else:
+                print(f"| {name} | {label} | {rate:.1f} | {ratio:.2f}x | {cpu:.4f} |")
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+from conftest import memory_url
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import reference_batch
+
+import flat_tokens_jax as ftj
+from flat_tokens_jax.loader import LoaderConfig, StateMismatch
+
+SPEC = [[1, 2], [3, 4, 5], [6, 7, 8]]
+
+
+def split_of(seqs: list[list[int]], **layout: int) -> ftj.FlatTokens:
+    url = memory_url()
+    lay = ftj.Layout(**layout) if layout else ftj.Layout(shard_tokens=64, chunk_tokens=8)
+    ftj.write_dataset(url, {"train": seqs}, layout=lay)
+    return ftj.open_dataset(url)["train"]
+
+
+def as_lists(batch: dict) -> dict:
+    return {k: np.asarray(v).astype(int).tolist() for k, v in batch.items()}
+
+
+def test_spec_golden_rows() -> None:
+    ft = split_of(SPEC)
+    b = ftj.Loader(ft, LoaderConfig(batch_size=1, seq_len=8, shuffle=False)).host_batch(0)
+    assert b["inputs"].tolist() == [[0, 1, 0, 3, 4, 0, 6, 7]]
+    assert b["targets"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 8]]
+    b = ftj.Loader(ft, LoaderConfig(batch_size=2, seq_len=4, shuffle=False)).host_batch(0)
+    assert b["targets"][1].tolist() == [5, 6, 7, 8]
+    assert b["inputs"][1].tolist() == [4, 0, 6, 7]
+    assert b["segment_ids"][1].tolist() == [1, 2, 2, 2]
+    assert b["positions"][1].tolist() == [0, 0, 1, 2]
+    cfg = LoaderConfig(batch_size=3, seq_len=5, packing=False, shuffle=False, pad_id=9)
+    b = ftj.Loader(ft, cfg).host_batch(0)
+    assert b["targets"][1].tolist() == [3, 4, 5, 9, 9]
+    assert b["inputs"][1].tolist() == [0, 3, 4, 9, 9]
+    assert b["loss_mask"][1].tolist() == [True, True, True, False, False]
+    assert b["segment_ids"][1].tolist() == [1, 1, 1, 0, 0]
+
+
+def test_field_dtypes_and_shapes() -> None:
+    batch = ftj.Loader(split_of(SPEC), LoaderConfig(batch_size=2, seq_len=3)).batch(0)
+    for key in ("inputs", "targets", "segment_ids", "positions"):
+        assert batch[key].dtype == np.int32 and batch[key].shape == (2, 3)
+    assert batch["loss_mask"].dtype == np.bool_
+
+
+datasets = st.lists(
+    st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=15), min_size=1, max_size=25
+)
+
+
+@settings(max_examples=40)
+@given(seqs=datasets, data=st.data())
+def test_batches_equal_brute_force_reference(seqs: list[list[int]], data: st.DataObject) -> None:
+    packing = data.draw(st.booleans())
+    num_tokens = sum(map(len, seqs))
+    seq_len = data.draw(st.integers(1, max(1, num_tokens if packing else 20)))
+    if packing and num_tokens < seq_len:
+        return
+    cfg = LoaderConfig(
+        batch_size=data.draw(st.integers(1, 9)),
+        seq_len=seq_len,
+        packing=packing,
+        shuffle=data.draw(st.booleans()),
+        seed=data.draw(st.integers(0, 2**64 - 1)),
+        num_epochs=data.draw(st.sampled_from([None, 1, 2])),
+        start_token_id=data.draw(st.integers(0, 5)),
+        pad_id=data.draw(st.integers(0, 5)),
+        prefetch=0,
+    )
+    loader = ftj.Loader(split_of(seqs), cfg)
+    last = (loader.num_batches or 50) - 1
+    for step in sorted({0, last, data.draw(st.integers(0, last))}):
+        expected = reference_batch(
+            seqs,
+            step,
+            cfg.batch_size,
+            seq_len,
+            packing=packing,
+            shuffle=cfg.shuffle,
+            seed=cfg.seed,
+            num_epochs=cfg.num_epochs,
+            start_token_id=cfg.start_token_id,
+            pad_id=cfg.pad_id,
+        )
+        assert as_lists(loader.host_batch(step)) == as_lists(expected), step
+
+
+def test_restart_and_prefetch_never_change_a_batch() -> None:
+    rng = np.random.default_rng(1)
+    seqs = [rng.integers(0, 1000, rng.integers(1, 50)).tolist() for _ in range(300)]
+    ft = split_of(seqs)
+    base = LoaderConfig(batch_size=4, seq_len=16, seed=3, prefetch=0)
+    straight = [
+        as_lists(b) for _, (_, b) in zip(range(30), ftj.Loader(ft, base).iterate(0), strict=False)
+    ]
+    for k in (0, 1, 7, 29):
+        for depth in (1, 3, 8):
+            cfg = LoaderConfig(batch_size=4, seq_len=16, seed=3, prefetch=depth)
+            it = ftj.Loader(ft, cfg).iterate(k)
+            for step, batch in it:
+                assert as_lists(batch) == straight[step]
+                if step == 29:
+                    break
+            it.close()
+
+
+def test_state_restore_and_fingerprint() -> None:
+    ft = split_of([[i % 7 + 1] * (i % 5 + 1) for i in range(200)])
+    cfg = LoaderConfig(batch_size=2, seq_len=8, seed=5)
+    loader = ftj.Loader(ft, cfg)
+    for step, _ in loader.iterate(0):
+        if step == 4:
+            break
+    state = loader.state()
+    assert state["step"] == 5
+    again = ftj.Loader(ft, cfg)
+    assert again.restore(state) == 5
+    assert next(again.iterate())[0] == 5
+    with pytest.raises(StateMismatch, match=r"config.seed: saved 5, now 6"):
+        ftj.Loader(ft, LoaderConfig(batch_size=2, seq_len=8, seed=6)).restore(state)
+    other = split_of([[i % 7 + 2] * (i % 5 + 1) for i in range(200)])
+    with pytest.raises(StateMismatch, match=r"data.sample_digest"):
+        ftj.Loader(other, cfg).restore(state)
+    shorter = split_of([[i % 7 + 1] * (i % 5 + 1) for i in range(199)])
+    with pytest.raises(StateMismatch, match=r"data.num_tokens"):
+        ftj.Loader(shorter, cfg).restore(state)
+    prefetch_only = LoaderConfig(batch_size=2, seq_len=8, seed=5, prefetch=7)
+    assert ftj.Loader(ft, prefetch_only).restore(state) == 5
+
+
+def test_epoch_covers_every_record_once_and_epochs_differ() -> None:
+    seqs = [[i + 1] for i in range(103)]
+    ft = split_of(seqs)
+    loader = ftj.Loader(ft, LoaderConfig(batch_size=103, seq_len=1, seed=11))
+    first = loader.host_batch(0)["targets"][:, 0]
+    second = loader.host_batch(1)["targets"][:, 0]
+    assert sorted(first.tolist()) == sorted(second.tolist()) == list(range(1, 104))
+    assert first.tolist() != second.tolist()
+    assert first.tolist() != sorted(first.tolist())
+
+
+def test_validation_pass_pads_the_last_batch() -> None:
+    seqs = [[i + 1, i + 2] for i in range(10)]
+    cfg = LoaderConfig(
+        batch_size=4, seq_len=3, packing=False, shuffle=False, num_epochs=1, pad_id=0
+    )
+    loader = ftj.Loader(split_of(seqs), cfg)
+    assert loader.num_batches == 3
+    batches = [b for _, b in loader.iterate(0)]
+    assert len(batches) == 3
+    targets = np.concatenate([np.asarray(b["targets"]) for b in batches])
+    mask = np.concatenate([np.asarray(b["loss_mask"]) for b in batches])
+    assert targets[:10, 0].tolist() == [i + 1 for i in range(10)]
+    assert not mask[10:].any() and mask[:10, :2].all()
+    with pytest.raises(IndexError, match="step 3 is past the end: this run has 3 steps"):
+        loader.batch(3)
+
+
+def test_config_errors_name_the_field(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"LoaderConfig\.batch_size must be an int >= 1, got 0"):
+        LoaderConfig(batch_size=0, seq_len=4)
+    with pytest.raises(ValueError, match="unknown LoaderConfig field"):
+        LoaderConfig.from_dict({"batch_size": 1, "seq_len": 2, "seqlen": 3})
+    with pytest.raises(ValueError, match="pad_id 40 is outside the vocabulary"):
+        LoaderConfig(batch_size=1, seq_len=2, vocab_size=32, pad_id=40)
+    ft = split_of(SPEC)
+    with pytest.raises(
+        ValueError, match="max_token_id is 8 but vocab_size is 8: set vocab_size >= 9"
+    ):
+        ftj.Loader(ft, LoaderConfig(batch_size=1, seq_len=2, vocab_size=8))
+    with pytest.raises(ValueError, match="has no records"):
+        ftj.Loader(ft, LoaderConfig(batch_size=1, seq_len=9))
+
+
+def test_config_from_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("loader:\n  batch_size: 8  # rows\n  seq_len: 128\n  packing: false\n")
+    assert LoaderConfig.from_yaml(path) == LoaderConfig(batch_size=8, seq_len=128, packing=False)
+    repo_config = Path(__file__).parent.parent / "configs" / "loader.yaml"
+    assert LoaderConfig.from_yaml(repo_config).seq_len > 0
+
+
+def test_provenance_names_records_and_token_ranges() -> None:
+    ft = split_of(SPEC)
+    loader = ftj.Loader(ft, LoaderConfig(batch_size=2, seq_len=4, shuffle=False))
+    prov = loader.provenance(0)
+    assert prov == [
+        {"row": 0, "sample": 0, "epoch": 0, "record": 0, "tokens": [0, 4]},
+        {"row": 1, "sample": 1, "epoch": 0, "record": 1, "tokens": [4, 8]},
+    ]
+    padded = ftj.Loader(
+        ft, LoaderConfig(batch_size=2, seq_len=2, packing=False, shuffle=False, num_epochs=1)
+    )
+    assert padded.provenance(1) == [
+        {"row": 0, "sample": 2, "epoch": 0, "record": 2, "tokens": [5, 7]},
+        {"row": 1, "padding": True},
+    ]
+
+
+def test_any_step_is_cheap_on_a_huge_sparse_array(tmp_path: Path) -> None:
+    """10^12 tokens declared but never written: batch(step) costs the same at any step."""
+    n = 10**12
+    group = zarr.open_group(str(tmp_path), mode="w")
+    for split in ("train", "validation"):
+        sub = group.create_group(split)
+        sub.attrs["max_token_id"] = 0
+        sub.create_array(
+            "encoded_tokens", shape=(n,), dtype="uint32", chunks=(1 << 16,), fill_value=0
+        )
+        starts = sub.create_array("seq_starts", shape=(2,), dtype="uint64", chunks=(2,))
+        starts[:] = [0, n]
+    ft = ftj.open_dataset(tmp_path)["train"]
+    loader = ftj.Loader(ft, LoaderConfig(batch_size=16, seq_len=2048, seed=1))
+
+    def measure(step: int) -> tuple[float, int]:
+        tracemalloc.start()
+        began = time.perf_counter()
+        batch = loader.host_batch(step)
+        took = time.perf_counter() - began
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert batch["targets"].shape == (16, 2048)
+        return took, peak
+
+    measure(0)
+    t0, m0 = min(measure(0) for _ in range(3))
+    far = 10**12 // 16
+    t1, m1 = min(measure(far) for _ in range(3))
+    assert t1 < 10 * t0 + 0.05, (t0, t1)
+    assert m1 < 2 * m0 + (1 << 20), (m0, m1)
+    assert loader.provenance(far)[0]["epoch"] == far * 16 // len(loader.records)
+
+
+def test_iterate_runs_prefetch_in_background_threads() -> None:
+    ft = split_of([[1, 2, 3]] * 50)
+    loader = ftj.Loader(ft, LoaderConfig(batch_size=2, seq_len=4, prefetch=2))
+    it = loader.iterate(0)
+    next(it)
+    names = {t.name for t in threading.enumerate()}
+    assert any(n.startswith("ftj-prefetch") for n in names)
+    it.close()
+    time.sleep(0.1)
+    assert not any(t.name.startswith("ftj-prefetch") for t in threading.enumerate())

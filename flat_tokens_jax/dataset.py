@@ -90,6 +90,12 @@ class FlatTokens:
         return self.store.url
 
     @property
+    def bytes_read(self) -> int:
+        """Bytes requested so far from this split's arrays (tokens, starts, mask)."""
+        readers = (self.encoded, self.starts, self.loss_mask)
+        return sum(r.bytes_read.value for r in readers if r is not None)
+
+    @property
     def num_tokens(self) -> int:
         return self.encoded.size
 

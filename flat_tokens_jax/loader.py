@@ -23,6 +23,7 @@ from flat_tokens_jax import batch as fields
 from flat_tokens_jax.dataset import FlatTokens
 from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records
 from flat_tokens_jax.sampling import IndexSampler
+from flat_tokens_jax.sharding import Block, BlockData, HostPlan
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +142,15 @@ class Loader:
         source: a :class:`FlatTokens` split (records made per ``config.packing``)
             or any :class:`Records` source, e.g. a ``Mixture``.
         config: the batch definition.
-        sharding: reserved for global arrays over a mesh; ``None`` puts whole
-            batches on the default device.
+        sharding: how the global batch is laid out over devices, e.g.
+            ``NamedSharding(mesh, P("data"))``, ``P(("data", "fsdp"))`` or
+            ``P("data", "seq")`` (sequence dimension sharded too). Each host then
+            reads only the blocks its own devices hold. ``None``: whole batches on
+            the default device.
+
+    Raises:
+        ValueError: the sharding cannot split ``[batch_size, seq_len]`` evenly,
+            or ``vocab_size`` is too small for the data.
     """
 
     def __init__(
@@ -177,7 +185,12 @@ class Loader:
         self.sampler = IndexSampler(
             len(records), seed=config.seed, shuffle=config.shuffle, num_epochs=config.num_epochs
         )
-        self.host_rows = np.arange(config.batch_size, dtype=np.int64)
+        self.plan = (
+            None if sharding is None else HostPlan(sharding, config.batch_size, config.seq_len)
+        )
+        self.host_rows = (
+            np.arange(config.batch_size, dtype=np.int64) if self.plan is None else self.plan.rows
+        )
         self.next_step = 0
         self.wait_seconds = 0.0
         self._fingerprint: dict[str, Any] | None = None
@@ -228,13 +241,40 @@ class Loader:
         return _pad_rows(out, real, cfg.pad_id)
 
     def host_batch(self, step: int) -> dict[str, np.ndarray]:
-        """This host's rows of the batch at ``step``, in global row order (numpy)."""
+        """This host's rows of the batch at ``step``, whole, in global row order (numpy)."""
         return self._fields(step, self.host_rows)
 
     def batch(self, step: int) -> dict[str, jax.Array]:
         """The global batch at ``step`` as ``jax.Array``\\ s ``[batch_size, seq_len]``."""
-        host = self.host_batch(step)
-        return {k: jax.device_put(v) for k, v in host.items()}
+        if self.plan is None:
+            return {k: jax.device_put(v) for k, v in self.host_batch(step).items()}
+        if not self.plan.columns_sharded:
+            return self.plan.assemble_rows(self.host_batch(step))
+        data = {b: self._block_data(step, b) for b in self.plan.blocks}
+        return self.plan.assemble_blocks(
+            data,
+            packed=self.records.packed,
+            start_token_id=self.config.start_token_id,
+            pad_id=self.config.pad_id,
+        )
+
+    def _block_data(self, step: int, block: Block) -> BlockData:
+        """Encoded tokens of one block (its columns only) for decoding on device."""
+        g, real = self._samples(step, np.arange(*block.rows, dtype=np.int64))
+        windows = self.records.read(self.sampler.records(g[real]), columns=block.cols)
+        n, width = g.size, block.cols[1] - block.cols[0]
+        encoded = np.zeros((n, width), np.uint32)
+        before = np.zeros((n, 1), np.uint32)
+        lengths = np.zeros(n, np.int32)
+        mask = np.ones((n, width), np.uint8)
+        if self.records.packed:
+            encoded[real], before[real, 0] = windows.encoded[:, 1:], windows.encoded[:, 0]
+        else:
+            assert windows.lengths is not None
+            encoded[real], lengths[real] = windows.encoded, windows.lengths
+        if windows.stored_mask is not None:
+            mask[real] = windows.stored_mask
+        return BlockData(encoded, before, lengths, mask, real)
 
     def iterate(self, start_step: int | None = None) -> Iterator[tuple[int, dict[str, jax.Array]]]:
         """Yields ``(step, batch)`` from ``start_step`` (default: the restored step).

@@ -23,7 +23,8 @@ class Windows:
 
     Attributes:
         encoded: ``uint32``; packed ``[k, L + 1]`` (column 0 is the token before
-            the record, 0 for record 0), padded ``[k, L]``.
+            the record, 0 for record 0), padded ``[k, L]`` (0 past the sequence).
+            When only columns ``c0 .. c1`` are read, ``L`` is ``c1 - c0``.
         lengths: padded only: ``[k] int64`` tokens of each row's sequence kept.
         stored_mask: ``[k, L] uint8`` stored loss mask aligned with the targets,
             or ``None`` when the split has none.
@@ -46,8 +47,13 @@ class Records(Protocol):
 
     def __len__(self) -> int: ...
 
-    def read(self, indices: np.ndarray) -> Windows:
-        """Encoded tokens of records ``indices`` (``[k] int64``)."""
+    def read(self, indices: np.ndarray, columns: tuple[int, int] | None = None) -> Windows:
+        """Encoded tokens of records ``indices`` (``[k] int64``).
+
+        ``columns=(c0, c1)`` reads only those columns of each record (for a
+        sequence-sharded batch): packed windows then hold tokens ``c0 - 1 .. c1``
+        of the record, padded rows columns ``c0 .. c1`` (``lengths`` stay whole).
+        """
         ...
 
     def token_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -100,17 +106,19 @@ class PackedRecords:
         start = np.asarray(indices, np.int64) * self.seq_len
         return start, start + self.seq_len
 
-    def read(self, indices: np.ndarray) -> Windows:
+    def read(self, indices: np.ndarray, columns: tuple[int, int] | None = None) -> Windows:
         idx = _check_indices(indices, len(self), self)
-        start, stop = self.token_ranges(idx)
+        c0, c1 = _check_columns(columns, self.seq_len)
+        base = idx * self.seq_len
+        start, stop = base + c0, base + c1
         tokens = self.ft.request_encoded(np.maximum(start - 1, 0), stop)
         masks = None if self.ft.loss_mask is None else self.ft.loss_mask.request_ranges(start, stop)
-        out = np.zeros((idx.size, self.seq_len + 1), ENCODED_DTYPE)
+        out = np.zeros((idx.size, c1 - c0 + 1), ENCODED_DTYPE)
         for row, piece in enumerate(tokens.result()):
             out[row, out.shape[1] - piece.size :] = piece
         mask = None
         if masks is not None:
-            mask = np.zeros((idx.size, self.seq_len), np.uint8)
+            mask = np.zeros((idx.size, c1 - c0), np.uint8)
             for row, piece in enumerate(masks.result()):
                 mask[row] = piece
         return Windows(out, stored_mask=mask)
@@ -139,23 +147,33 @@ class PaddedRecords:
         start, stop = self.ft.sequence_bounds(np.asarray(indices, np.int64))
         return start, np.minimum(stop, start + self.seq_len)
 
-    def read(self, indices: np.ndarray) -> Windows:
+    def read(self, indices: np.ndarray, columns: tuple[int, int] | None = None) -> Windows:
         idx = _check_indices(indices, len(self), self)
+        c0, c1 = _check_columns(columns, self.seq_len)
         start, stop = self.token_ranges(idx)
-        tokens = self.ft.request_encoded(start, stop)
-        masks = None if self.ft.loss_mask is None else self.ft.loss_mask.request_ranges(start, stop)
-        out = np.zeros((idx.size, self.seq_len), ENCODED_DTYPE)
+        lo = np.minimum(start + c0, stop)
+        hi = np.minimum(start + c1, stop)
+        tokens = self.ft.request_encoded(lo, hi)
+        masks = None if self.ft.loss_mask is None else self.ft.loss_mask.request_ranges(lo, hi)
+        out = np.zeros((idx.size, c1 - c0), ENCODED_DTYPE)
         for row, piece in enumerate(tokens.result()):
             out[row, : piece.size] = piece
         mask = None
         if masks is not None:
-            mask = np.zeros((idx.size, self.seq_len), np.uint8)
+            mask = np.zeros((idx.size, c1 - c0), np.uint8)
             for row, piece in enumerate(masks.result()):
                 mask[row, : piece.size] = piece
         return Windows(out, lengths=stop - start, stored_mask=mask)
 
     def fingerprint(self) -> dict[str, Any]:
         return {"records": "padded", "seq_len": self.seq_len, **_data_fingerprint(self.ft)}
+
+
+def _check_columns(columns: tuple[int, int] | None, seq_len: int) -> tuple[int, int]:
+    c0, c1 = (0, seq_len) if columns is None else columns
+    if not 0 <= c0 < c1 <= seq_len:
+        raise ValueError(f"columns ({c0}, {c1}) are not a range within [0, {seq_len}]")
+    return c0, c1
 
 
 def _check_indices(indices: np.ndarray, n: int, source: object) -> np.ndarray:

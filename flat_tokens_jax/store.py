@@ -273,6 +273,18 @@ class Store:
         return TensorStoreArray(handle, local)
 
 
+class ByteCounter:
+    """Bytes read so far, counted from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.value = 0
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.value += n
+
+
 class Pending(Protocol):
     """Reads in flight."""
 
@@ -306,6 +318,11 @@ class ArrayReader(Protocol):
     @property
     def dtype(self) -> np.dtype[Any]: ...
 
+    @property
+    def bytes_read(self) -> ByteCounter:
+        """Bytes of elements requested so far through this reader."""
+        ...
+
     def request_ranges(self, starts: np.ndarray, stops: np.ndarray) -> Pending:
         """Requests elements ``[starts[i], stops[i])`` for every i; wait with ``.result()``."""
         ...
@@ -325,6 +342,7 @@ class TensorStoreArray:
     def __init__(self, store: ts.TensorStore, local: LocalShards | None = None) -> None:
         self.store = store
         self.local = local
+        self.bytes_read = ByteCounter()
 
     @property
     def size(self) -> int:
@@ -335,6 +353,7 @@ class TensorStoreArray:
         return np.dtype(self.store.dtype.numpy_dtype)
 
     def request_ranges(self, starts: np.ndarray, stops: np.ndarray) -> Pending:
+        self.bytes_read.add(int(np.sum(stops - starts)) * self.dtype.itemsize)
         pairs = zip(starts.tolist(), stops.tolist(), strict=True)
         if self.local is None:
             return _Futures([self.store[a:b].read() for a, b in pairs])
@@ -349,6 +368,7 @@ class TensorStoreArray:
 
     def read_points(self, indices: np.ndarray) -> np.ndarray:
         idx = np.asarray(indices, np.int64)
+        self.bytes_read.add(idx.size * self.dtype.itemsize)
         if idx.size == 0:
             return np.zeros(0, self.dtype)
         value = None if self.local is None else self.local.read_points(idx)
@@ -362,6 +382,7 @@ class ZarrPythonArray:
 
     def __init__(self, array: zarr.Array) -> None:
         self.array = array
+        self.bytes_read = ByteCounter()
 
     @property
     def size(self) -> int:
@@ -372,6 +393,7 @@ class ZarrPythonArray:
         return np.dtype(self.array.dtype)
 
     def request_ranges(self, starts: np.ndarray, stops: np.ndarray) -> Pending:
+        self.bytes_read.add(int(np.sum(stops - starts)) * self.dtype.itemsize)
         pairs = zip(starts.tolist(), stops.tolist(), strict=True)
         return _Done([np.asarray(self.array[a:b]) for a, b in pairs])
 
@@ -380,6 +402,7 @@ class ZarrPythonArray:
 
     def read_points(self, indices: np.ndarray) -> np.ndarray:
         idx = np.asarray(indices, np.int64)
+        self.bytes_read.add(idx.size * self.dtype.itemsize)
         if idx.size == 0:
             return np.zeros(0, self.dtype)
         return np.asarray(self.array.get_coordinate_selection(idx))

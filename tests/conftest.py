@@ -1,9 +1,14 @@
-"""Shared test settings: hypothesis profiles and small dataset helpers."""
+"""Shared test settings: 8 CPU devices, hypothesis profiles, small dataset helpers."""
 
 from __future__ import annotations
 
 import os
 import uuid
+
+# Before anything imports jax: every test sees 8 CPU devices.
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 
 import hypothesis
 

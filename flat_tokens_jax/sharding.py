@@ -1,0 +1,225 @@
+"""Global ``jax.Array`` batches in which each host loaded only its own blocks.
+
+A sharding of the ``[batch_size, seq_len]`` batch gives every addressable
+device a (row range, column range) block. A host reads each distinct block once,
+however many of its devices hold it, and builds the global arrays with
+``jax.make_array_from_callback``; no host ever holds the global batch.
+
+When the sequence dimension is sharded too (context parallelism), a host reads
+only its columns (plus the one token before them); segment ids and positions
+depend on the whole row, so those batches are decoded on the devices, inside
+``jax.jit``, from the encoded tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from flat_tokens_jax.batch import packed_fields_jax, padded_fields_jax
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Block:
+    """Rows ``[rows[0], rows[1])`` and columns ``[cols[0], cols[1])`` of a batch."""
+
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows[1] - self.rows[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockData:
+    """What a host read for one block, ready to become device buffers.
+
+    Attributes:
+        encoded: ``[rows, cols] uint32`` encoded tokens of the block.
+        before: ``[rows, 1] uint32``: packed, the token before the block's first
+            column; padded, unused zeros.
+        lengths: ``[rows] int32`` tokens kept per row (padded; packed: unused).
+        stored_mask: ``[rows, cols] uint8`` stored loss mask (ones if none).
+        real: ``[rows] bool``: False for padding rows past the last epoch.
+    """
+
+    encoded: np.ndarray
+    before: np.ndarray
+    lengths: np.ndarray
+    stored_mask: np.ndarray
+    real: np.ndarray
+
+
+def _block(index: tuple[slice, ...] | None, shape: tuple[int, int]) -> Block:
+    spans = [s.indices(n)[:2] for s, n in zip(index or (), shape, strict=False)]
+    spans += [(0, n) for n in shape[len(spans) :]]
+    return Block(rows=spans[0], cols=spans[1])
+
+
+def _axis_shards(sharding: NamedSharding, dim: int) -> tuple[int, tuple[str, ...]]:
+    spec = tuple(sharding.spec) + (None,) * 2
+    entry = spec[dim]
+    names: tuple[str, ...] = (
+        () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+    )
+    return math.prod(sharding.mesh.shape[n] for n in names), names
+
+
+def check_divisible(sharding: jax.sharding.Sharding, batch_size: int, seq_len: int) -> None:
+    """Refuses a batch shape that the sharding cannot split evenly."""
+    shape = (batch_size, seq_len)
+    if isinstance(sharding, NamedSharding):
+        if len(sharding.spec) > 2:
+            raise ValueError(
+                f"the partition spec {sharding.spec} has more than the 2 "
+                "dimensions of a batch [batch_size, seq_len]"
+            )
+        for dim, (name, size) in enumerate((("global batch", batch_size), ("seq_len", seq_len))):
+            shards, axes = _axis_shards(sharding, dim)
+            if size % shards:
+                raise ValueError(
+                    f"{name} {size} does not divide over {shards} shards (mesh "
+                    f"axes {axes} of sizes "
+                    f"{tuple(sharding.mesh.shape[a] for a in axes)})"
+                )
+        return
+    sizes = {
+        (b.num_rows, b.cols[1] - b.cols[0])
+        for b in (_block(i, shape) for i in sharding.devices_indices_map(shape).values())
+    }
+    if len(sizes) > 1:
+        raise ValueError(
+            f"the sharding splits a [{batch_size}, {seq_len}] batch unevenly: "
+            f"block shapes {sorted(sizes)}"
+        )
+
+
+class HostPlan:
+    """The blocks of a ``[batch_size, seq_len]`` batch that this host's devices hold.
+
+    Attributes:
+        blocks: distinct blocks, sorted; replicas held by several devices once.
+        rows: ``[k] int64`` every row any of those blocks covers, ascending.
+        columns_sharded: True when some block is less than whole rows.
+    """
+
+    def __init__(self, sharding: jax.sharding.Sharding, batch_size: int, seq_len: int) -> None:
+        check_divisible(sharding, batch_size, seq_len)
+        self.sharding, self.shape = sharding, (batch_size, seq_len)
+        index_map = sharding.addressable_devices_indices_map(self.shape)
+        self.blocks = sorted({_block(idx, self.shape) for idx in index_map.values()})
+        self.rows = np.unique(np.concatenate([np.arange(*b.rows) for b in self.blocks]))
+        self.columns_sharded = any(b.cols != (0, seq_len) for b in self.blocks)
+        if self.columns_sharded and not isinstance(sharding, NamedSharding):
+            raise ValueError("sharding the sequence dimension needs a NamedSharding")
+        self._decode: dict[tuple[bool, int, int], Callable[..., Any]] = {}
+
+    def __repr__(self) -> str:
+        return f"HostPlan({len(self.blocks)} blocks, {self.rows.size} rows of {self.shape})"
+
+    def assemble_rows(self, host: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Global arrays from this host's whole rows (``host[k]`` is ``[rows.size, L]``)."""
+
+        def make(values: np.ndarray) -> jax.Array:
+            def piece(index: tuple[slice, ...] | None) -> np.ndarray:
+                b = _block(index, self.shape)
+                at = int(np.searchsorted(self.rows, b.rows[0]))
+                return values[at : at + b.num_rows, b.cols[0] : b.cols[1]]
+
+            return jax.make_array_from_callback(self.shape, self.sharding, piece)
+
+        return {k: make(v) for k, v in host.items()}
+
+    def assemble_blocks(
+        self, data: Mapping[Block, BlockData], *, packed: bool, start_token_id: int, pad_id: int
+    ) -> dict[str, jax.Array]:
+        """Global fields decoded on the devices from per-block encoded tokens."""
+        assert isinstance(self.sharding, NamedSharding)
+        mesh, spec = self.sharding.mesh, tuple(self.sharding.spec) + (None,) * 2
+        col_shards, _ = _axis_shards(self.sharding, 1)
+        by_rows = {b.rows: d for b, d in data.items()}
+        width = self.shape[1] // col_shards
+
+        def make(
+            shape: tuple[int, ...], part: PartitionSpec, take: Callable[[Block], np.ndarray]
+        ) -> jax.Array:
+            def piece(index: tuple[slice, ...] | None) -> np.ndarray:
+                full = _block(index, (shape[0], shape[1] if len(shape) > 1 else 1))
+                if len(shape) == 1:
+                    return take(Block(full.rows, (-1, -1)))
+                cols = (
+                    full.cols
+                    if shape[1] == self.shape[1]
+                    else (full.cols[0] * width, full.cols[0] * width + width)
+                )
+                return take(Block(full.rows, cols))
+
+            return jax.make_array_from_callback(shape, NamedSharding(mesh, part), piece)
+
+        batch, seq = self.shape
+        rows_part = PartitionSpec(spec[0])
+        args = (
+            make((batch, seq), PartitionSpec(spec[0], spec[1]), lambda b: data[b].encoded),
+            make((batch, col_shards), PartitionSpec(spec[0], spec[1]), lambda b: data[b].before),
+            make((batch,), rows_part, lambda b: by_rows[b.rows].lengths),
+            make((batch, seq), PartitionSpec(spec[0], spec[1]), lambda b: data[b].stored_mask),
+            make((batch,), rows_part, lambda b: by_rows[b.rows].real),
+        )
+        key = (packed, start_token_id, pad_id)
+        if key not in self._decode:
+            # Segment ids and positions scan whole rows: decode on row-sharded
+            # copies (columns gathered on device), then lay the fields out as asked.
+            whole_rows = NamedSharding(mesh, PartitionSpec(spec[0], None))
+            decode = functools.partial(
+                _decode, packed=packed, start_token_id=start_token_id, pad_id=pad_id
+            )
+
+            explicit = jax.sharding.AxisType.Explicit in mesh.axis_types
+            lay_out = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
+
+            def run(
+                encoded: jax.Array,
+                before: jax.Array,
+                lengths: jax.Array,
+                stored_mask: jax.Array,
+                real: jax.Array,
+            ) -> dict[str, jax.Array]:
+                gathered = [lay_out(x, whole_rows) for x in (encoded, before, stored_mask)]
+                fields = decode(gathered[0], gathered[1], lengths, gathered[2], real)
+                return {k: lay_out(v, self.sharding) for k, v in fields.items()}
+
+            self._decode[key] = jax.jit(run)
+        out: dict[str, jax.Array] = self._decode[key](*args)
+        return out
+
+
+def _decode(
+    encoded: jax.Array,
+    before: jax.Array,
+    lengths: jax.Array,
+    stored_mask: jax.Array,
+    real: jax.Array,
+    *,
+    packed: bool,
+    start_token_id: int,
+    pad_id: int,
+) -> dict[str, jax.Array]:
+    if packed:
+        windows = jnp.concatenate([before[:, :1], encoded], axis=1)
+        fields = packed_fields_jax(windows, start_token_id=start_token_id, stored_mask=stored_mask)
+    else:
+        fields = padded_fields_jax(
+            encoded, lengths, start_token_id=start_token_id, pad_id=pad_id, stored_mask=stored_mask
+        )
+    keep = real[:, None]
+    fills = {"inputs": pad_id, "targets": pad_id}
+    return {k: jnp.where(keep, v, jnp.asarray(fills.get(k, 0), v.dtype)) for k, v in fields.items()}

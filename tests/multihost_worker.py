@@ -1,0 +1,80 @@
+"""One process of a multi-host run on CPU: builds global batches, checks them with collectives.
+
+Started by ``tests/test_multihost.py`` (and ``scripts/launch_multihost.py``) as
+``python multihost_worker.py CONFIG_JSON PROCESS_ID``; writes its report to
+``CONFIG["out"] + f".{process_id}.json"``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+
+
+def digest(arrays: dict) -> str:
+    h = hashlib.sha256()
+    for key in sorted(arrays):
+        h.update(key.encode())
+        h.update(arrays[key].astype("int64").tobytes())
+    return h.hexdigest()
+
+
+def main() -> None:
+    config = json.loads(sys.argv[1])
+    pid = int(sys.argv[2])
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={config['devices']}"
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{config['port']}",
+        num_processes=config["processes"],
+        process_id=pid,
+    )
+    import flat_tokens_jax as ftj
+
+    ft = ftj.open_dataset(config["dataset"])["train"]
+    devices = np.array(jax.devices()).reshape(config["mesh_shape"])
+    mesh = Mesh(devices, tuple(config["mesh_axes"]))
+    spec = P(*[tuple(a) if isinstance(a, list) else a for a in config["spec"]])
+    loader = ftj.Loader(
+        ft, ftj.LoaderConfig(**config["loader"]), sharding=NamedSharding(mesh, spec)
+    )
+    if config.get("restore_from"):
+        with open(config["restore_from"]) as f:
+            loader.restore(json.load(f))
+    row_sums = jax.jit(lambda x: x.astype("int64").sum(axis=1))
+    report: dict = {
+        "rows": loader.host_rows.tolist(),
+        "steps": {},
+        "blocks": [[list(b.rows), list(b.cols)] for b in loader.plan.blocks],
+    }
+    start = loader.next_step
+    before = ft.bytes_read
+    loader.batch(start)
+    report["bytes_read_one_step"] = ft.bytes_read - before
+    for step, batch in loader.iterate():
+        gathered = {
+            k: np.asarray(multihost_utils.process_allgather(v, tiled=True))
+            for k, v in batch.items()
+        }
+        sums = np.asarray(multihost_utils.process_allgather(row_sums(batch["targets"]), tiled=True))
+        report["steps"][step] = {"digest": digest(gathered), "target_row_sums": sums.tolist()}
+        if step + 1 == start + config["num_steps"]:
+            break
+    if pid == 0 and config.get("save_state"):
+        with open(config["save_state"], "w") as f:
+            json.dump(loader.state(), f)
+    with open(f"{config['out']}.{pid}.json", "w") as f:
+        json.dump(report, f)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -127,6 +127,13 @@ class LoaderConfig:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "prefetch"}
 
 
+@dataclasses.dataclass(frozen=True)
+class _Blocks:
+    """A step's blocks read on this host, still to be decoded on the devices."""
+
+    data: dict[Block, BlockData]
+
+
 class StateMismatch(ValueError):
     """A saved loader state does not belong to this loader's data or config."""
 
@@ -246,13 +253,24 @@ class Loader:
 
     def batch(self, step: int) -> dict[str, jax.Array]:
         """The global batch at ``step`` as ``jax.Array``\\ s ``[batch_size, seq_len]``."""
+        return self._on_devices(self._read(step))
+
+    def _read(self, step: int) -> dict[str, jax.Array] | _Blocks:
+        """Everything of a step that involves no collective: safe in any thread."""
         if self.plan is None:
-            return {k: jax.device_put(v) for k, v in self.host_batch(step).items()}
+            placed: dict[str, jax.Array] = jax.device_put(self.host_batch(step))
+            return placed
         if not self.plan.columns_sharded:
             return self.plan.assemble_rows(self.host_batch(step))
-        data = {b: self._block_data(step, b) for b in self.plan.blocks}
+        return _Blocks({b: self._block_data(step, b) for b in self.plan.blocks})
+
+    def _on_devices(self, part: dict[str, jax.Array] | _Blocks) -> dict[str, jax.Array]:
+        """Finishes a step; decoding across hosts runs collectives, so call it in step order."""
+        if not isinstance(part, _Blocks):
+            return part
+        assert self.plan is not None
         return self.plan.assemble_blocks(
-            data,
+            part.data,
             packed=self.records.packed,
             start_token_id=self.config.start_token_id,
             pad_id=self.config.pad_id,
@@ -280,7 +298,8 @@ class Loader:
         """Yields ``(step, batch)`` from ``start_step`` (default: the restored step).
 
         The next ``config.prefetch`` steps are read, decoded and placed on device
-        in background threads while the caller trains. ``wait_seconds`` holds how
+        in background threads while the caller trains (work that needs
+        collectives across hosts is dispatched here, in step order). ``wait_seconds`` holds how
         long the last step waited for its batch: near zero when input keeps up.
         """
         step = self.next_step if start_step is None else start_step
@@ -296,17 +315,15 @@ class Loader:
                 step += 1
             return
         pool = concurrent.futures.ThreadPoolExecutor(depth, thread_name_prefix="ftj-prefetch")
-        ahead: collections.deque[concurrent.futures.Future[dict[str, jax.Array]]] = (
-            collections.deque()
-        )
+        ahead: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
         scheduled = step
         try:
             while end is None or step < end:
                 while len(ahead) <= depth and (end is None or scheduled < end):
-                    ahead.append(pool.submit(self.batch, scheduled))
+                    ahead.append(pool.submit(self._read, scheduled))
                     scheduled += 1
                 began = time.perf_counter()
-                batch = ahead.popleft().result()
+                batch = self._on_devices(ahead.popleft().result())
                 self.wait_seconds = time.perf_counter() - began
                 self.next_step = step + 1
                 yield step, batch

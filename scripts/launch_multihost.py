@@ -27,6 +27,7 @@ def worker(args: argparse.Namespace) -> None:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     import jax
     import numpy as np
+    from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -42,7 +43,7 @@ def worker(args: argparse.Namespace) -> None:
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
     cfg = ftj.LoaderConfig(batch_size=args.batch_size, seq_len=args.seq_len, prefetch=0)
     loader = ftj.Loader(ft, cfg, sharding=NamedSharding(mesh, P("data")))
-    checksum = jax.jit(lambda x: x.astype(np.int64).sum())
+    checksum = jax.jit(lambda x: x.astype(np.uint32).sum(dtype=np.uint32))
     for step in range(2):
         total = int(checksum(loader.batch(step)["targets"]))
         print(
@@ -51,7 +52,7 @@ def worker(args: argparse.Namespace) -> None:
             f"global targets checksum {total}",
             flush=True,
         )
-    jax.experimental.multihost_utils.sync_global_devices("timed")
+    multihost_utils.sync_global_devices("timed")
     before, began = ft.bytes_read, time.perf_counter()
     for step in range(2, 2 + args.steps):
         for v in loader.batch(step).values():

@@ -3,6 +3,7 @@
 from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.format import FormatError, Problem, decode, encode
 from flat_tokens_jax.loader import Loader, LoaderConfig, StateMismatch
+from flat_tokens_jax.mixture import Mixture, mixture_from_config
 from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records
 from flat_tokens_jax.sampling import EpochsExhausted, IndexSampler, permute
 from flat_tokens_jax.store import StoreOptions
@@ -21,6 +22,7 @@ __all__ = [
     "Layout",
     "Loader",
     "LoaderConfig",
+    "Mixture",
     "PackedRecords",
     "PaddedRecords",
     "Problem",
@@ -29,6 +31,7 @@ __all__ = [
     "StoreOptions",
     "decode",
     "encode",
+    "mixture_from_config",
     "open_dataset",
     "permute",
     "summary",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import itertools
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -35,7 +37,7 @@ class FlatTokens:
         found = store.group_attributes(split)
         if found is None:
             raise FormatError(f"{store.url}: split {split!r} is missing (no zarr group {split}/)")
-        self.store, self.split = store, split
+        self.store, self.split_name = store, split
         self.zarr_format, attrs = found
         self.max_token_id = _max_token_id(attrs, f"{store.url}/{split}")
         self.tokens_name = TOKENS
@@ -55,9 +57,11 @@ class FlatTokens:
             None if mask_meta is None else store.open_array(f"{split}/{LOSS_MASK}", *mask_meta)
         )
         self._check_shapes(check_end)
+        self.seq_range = (0, self.starts.size - 1)
+        self.token_range = (0, self.encoded.size)
 
     def _check_shapes(self, check_end: bool) -> None:
-        where = f"{self.store.url}/{self.split}"
+        where = f"{self.store.url}/{self.split_name}"
         for name, arr, dtype in (
             (self.tokens_name, self.encoded, ENCODED_DTYPE),
             (SEQ_STARTS, self.starts, STARTS_DTYPE),
@@ -80,8 +84,13 @@ class FlatTokens:
             )
 
     def __repr__(self) -> str:
+        view = (
+            ""
+            if self.seq_range == (0, self.starts.size - 1)
+            else (f", sequences={list(self.seq_range)}")
+        )
         return (
-            f"FlatTokens({self.store.url!r}, split={self.split!r}, "
+            f"FlatTokens({self.store.url!r}, split={self.split_name!r}{view}, "
             f"num_tokens={self.num_tokens}, num_sequences={self.num_sequences})"
         )
 
@@ -97,11 +106,11 @@ class FlatTokens:
 
     @property
     def num_tokens(self) -> int:
-        return self.encoded.size
+        return self.token_range[1] - self.token_range[0]
 
     @property
     def num_sequences(self) -> int:
-        return self.starts.size - 1
+        return self.seq_range[1] - self.seq_range[0]
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
         """Decoded token ids ``[stop - start] int32`` of tokens ``[start, stop)``."""
@@ -124,7 +133,15 @@ class FlatTokens:
             raise IndexError(
                 f"{self!r}: token range [{lo[i]}, {hi[i]}) is outside [0, {self.num_tokens})"
             )
-        return self.encoded.request_ranges(lo, hi)
+        base = self.token_range[0]
+        return self.encoded.request_ranges(lo + base, hi + base)
+
+    def request_loss_mask(self, starts: np.ndarray, stops: np.ndarray) -> Pending | None:
+        """Starts reading the stored loss mask (``uint8``) of token ranges; ``None`` if none."""
+        if self.loss_mask is None:
+            return None
+        base = self.token_range[0]
+        return self.loss_mask.request_ranges(np.asarray(starts) + base, np.asarray(stops) + base)
 
     def sequence_bounds(self, indices: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(starts, stops)`` token offsets ``[k] int64`` of sequences ``indices``, one read."""
@@ -134,7 +151,9 @@ class FlatTokens:
             raise IndexError(
                 f"{self!r}: sequence index {idx[bad[0]]} is outside [0, {self.num_sequences})"
             )
-        both = self.starts.read_points(np.concatenate([idx, idx + 1])).astype(np.int64)
+        at = idx + self.seq_range[0]
+        both = self.starts.read_points(np.concatenate([at, at + 1])).astype(np.int64)
+        both -= self.token_range[0]
         return both[: idx.size], both[idx.size :]
 
     def sequences(self, indices: Sequence[int] | np.ndarray) -> list[np.ndarray]:
@@ -143,7 +162,32 @@ class FlatTokens:
         Two batched requests: the bounds of every sequence, then every token range.
         """
         lo, hi = self.sequence_bounds(indices)
-        return [decode(e) for e in self.encoded.read_ranges(lo, hi)]
+        return [decode(e) for e in self.encoded_ranges(lo, hi)]
+
+    def split(self, fractions: str | Sequence[float]) -> tuple[FlatTokens, ...]:
+        """Contiguous sequence-range views, e.g. ``ft.split("949,50,1")`` -> (train, valid, test).
+
+        Sizes follow Megatron's rule (also Nanoset's): weights are normalised,
+        each boundary is the previous one plus ``round(weight * num_sequences)``,
+        and every boundary after the first is shifted so the last equals
+        ``num_sequences``. A view works wherever a ``FlatTokens`` does; packed
+        records of a view never cross its ends.
+        """
+        bounds = split_boundaries(fractions, self.num_sequences)
+        return tuple(self.view(a, b) for a, b in itertools.pairwise(bounds))
+
+    def view(self, first: int, stop: int) -> FlatTokens:
+        """Sequences ``[first, stop)`` of this split (or view) as a ``FlatTokens``."""
+        if not 0 <= first <= stop <= self.num_sequences:
+            raise IndexError(
+                f"{self!r}: sequence range [{first}, {stop}) is outside [0, {self.num_sequences}]"
+            )
+        at = np.array([first, stop], np.int64) + self.seq_range[0]
+        lo, hi = self.starts.read_points(at).astype(np.int64).tolist()
+        out = copy.copy(self)
+        out.seq_range = (int(at[0]), int(at[1]))
+        out.token_range = (lo, hi)
+        return out
 
     def layout(self) -> dict[str, dict[str, Any]]:
         """Per array: zarr version, chunk and shard sizes, compression."""
@@ -213,6 +257,28 @@ def open_dataset(
     if options is not None and option_fields:
         raise ValueError("pass either options=StoreOptions(...) or its fields as keywords")
     return Dataset(Store(url, options or StoreOptions(**option_fields)))
+
+
+def split_boundaries(fractions: str | Sequence[float], n: int) -> list[int]:
+    """Boundaries ``[0, ..., n]`` of a Megatron-style split of ``n`` items.
+
+    Example:
+        >>> split_boundaries("949,50,1", 1000)
+        [0, 949, 999, 1000]
+    """
+    text = fractions if isinstance(fractions, str) else ",".join(map(str, fractions))
+    try:
+        weights = [float(x) for x in text.replace("/", ",").split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"split {fractions!r}: expected numbers such as '949,50,1'") from None
+    if not weights or any(w < 0 or w != w for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"split {fractions!r}: weights must be non-negative with a positive sum")
+    total = sum(weights)
+    bounds = [0]
+    for w in weights:
+        bounds.append(bounds[-1] + round(w / total * float(n)))
+    excess = bounds[-1] - n
+    return [bounds[0], *(b - excess for b in bounds[1:])]
 
 
 def _max_token_id(attrs: Mapping[str, Any], where: str) -> int:

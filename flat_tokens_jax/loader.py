@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import hashlib
 import logging
 import os
 import time
@@ -21,6 +22,7 @@ import numpy as np
 
 from flat_tokens_jax import batch as fields
 from flat_tokens_jax.dataset import FlatTokens
+from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records
 from flat_tokens_jax.sampling import IndexSampler
 from flat_tokens_jax.sharding import Block, BlockData, HostPlan
@@ -162,39 +164,70 @@ class Loader:
 
     def __init__(
         self,
-        source: FlatTokens | Records,
+        source: FlatTokens | Records | Mixture,
         config: LoaderConfig,
         sharding: jax.sharding.Sharding | None = None,
     ) -> None:
-        if isinstance(source, FlatTokens):
-            kind = PackedRecords if config.packing else PaddedRecords
-            records: Records = kind(source, config.seq_len)
-        else:
-            records = source
-            if records.seq_len != config.seq_len or records.packed != config.packing:
+        self.mixture = source if isinstance(source, Mixture) else None
+        if isinstance(source, Mixture):
+            if config.num_epochs is not None:
                 raise ValueError(
-                    f"{records!r} has seq_len {records.seq_len} and packing "
-                    f"{records.packed}, but the config asks for seq_len "
+                    "num_epochs does not apply to a Mixture: each component "
+                    "runs its own epochs, without end; set num_epochs=None"
+                )
+            if source.seq_len != config.seq_len:
+                raise ValueError(
+                    f"{source!r} has seq_len {source.seq_len}, but the config "
+                    f"asks for seq_len {config.seq_len}"
+                )
+            components = source.components
+        elif isinstance(source, FlatTokens):
+            kind = PackedRecords if config.packing else PaddedRecords
+            components = (kind(source, config.seq_len),)
+        else:
+            components = (source,)
+            if source.seq_len != config.seq_len or source.packed != config.packing:
+                raise ValueError(
+                    f"{source!r} has seq_len {source.seq_len} and packing "
+                    f"{source.packed}, but the config asks for seq_len "
                     f"{config.seq_len} and packing {config.packing}"
                 )
-        if len(records) == 0:
-            raise ValueError(
-                f"{records!r} has no records: the split holds fewer than "
-                f"seq_len={config.seq_len} tokens or no sequences"
-            )
-        max_id = records.fingerprint()["max_token_id"]
+        for records in components:
+            if len(records) == 0:
+                raise ValueError(
+                    f"{records!r} has no records: the split holds fewer than "
+                    f"seq_len={config.seq_len} tokens or no sequences"
+                )
+        max_id = max(int(r.fingerprint()["max_token_id"]) for r in components)
         if config.vocab_size is not None and config.vocab_size <= max_id:
             raise ValueError(
                 f"dataset max_token_id is {max_id} but vocab_size is "
                 f"{config.vocab_size}: set vocab_size >= {max_id + 1}"
             )
-        self.records, self.config, self.sharding = records, config, sharding
-        self.sampler = IndexSampler(
-            len(records), seed=config.seed, shuffle=config.shuffle, num_epochs=config.num_epochs
-        )
+        self.components, self.config, self.sharding = components, config, sharding
+        self.records: Records | Mixture = components[0] if self.mixture is None else self.mixture
+        self.samplers = [
+            IndexSampler(
+                len(r),
+                seed=_component_seed(config.seed, self.mixture, c),
+                shuffle=config.shuffle,
+                num_epochs=config.num_epochs,
+            )
+            for c, r in enumerate(components)
+        ]
+        self.sampler = self.samplers[0]
         self.plan = (
             None if sharding is None else HostPlan(sharding, config.batch_size, config.seq_len)
         )
+        if (
+            self.plan is not None
+            and self.plan.columns_sharded
+            and len({r.packed for r in components}) > 1
+        ):
+            raise ValueError(
+                "a sequence-sharded batch needs every component of the Mixture "
+                "to have the same packing"
+            )
         self.host_rows = (
             np.arange(config.batch_size, dtype=np.int64) if self.plan is None else self.plan.rows
         )
@@ -225,27 +258,48 @@ class Loader:
         total = self.sampler.num_samples
         return g, (np.ones(g.shape, bool) if total is None else g < total)
 
-    def _fields(self, step: int, rows: np.ndarray) -> dict[str, np.ndarray]:
-        cfg = self.config
-        g, real = self._samples(step, rows)
-        records = self.sampler.records(g[real])
-        windows = self.records.read(records)
-        if self.records.packed:
-            out = fields.packed_fields(
+    def _lookup(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(component, record, epoch)`` ``[k] int64`` of global samples ``g``."""
+        if self.mixture is None:
+            zeros = np.zeros(g.shape, np.int64)
+            return zeros, self.sampler.records(g), self.sampler.epochs(g)
+        comp, sample = self.mixture.route(g, self.config.batch_size)
+        record, epoch = np.empty_like(sample), np.empty_like(sample)
+        for c in np.unique(comp).tolist():
+            here = comp == c
+            record[here] = self.samplers[c].records(sample[here])
+            epoch[here] = self.samplers[c].epochs(sample[here])
+        return comp, record, epoch
+
+    def _decode(self, component: int, records: np.ndarray) -> dict[str, np.ndarray]:
+        cfg, source = self.config, self.components[component]
+        windows = source.read(records)
+        if source.packed:
+            return fields.packed_fields(
                 windows.encoded, start_token_id=cfg.start_token_id, stored_mask=windows.stored_mask
             )
-        else:
-            assert windows.lengths is not None
-            out = fields.padded_fields(
-                windows.encoded,
-                windows.lengths,
-                start_token_id=cfg.start_token_id,
-                pad_id=cfg.pad_id,
-                stored_mask=windows.stored_mask,
-            )
-        if real.all():
-            return out
-        return _pad_rows(out, real, cfg.pad_id)
+        assert windows.lengths is not None
+        return fields.padded_fields(
+            windows.encoded,
+            windows.lengths,
+            start_token_id=cfg.start_token_id,
+            pad_id=cfg.pad_id,
+            stored_mask=windows.stored_mask,
+        )
+
+    def _fields(self, step: int, rows: np.ndarray) -> dict[str, np.ndarray]:
+        g, real = self._samples(step, rows)
+        comp, records, _ = self._lookup(g[real])
+        present = np.unique(comp).tolist()
+        if real.all() and len(present) == 1:
+            return self._decode(present[0], records)
+        out = _padding(rows.size, self.config.seq_len, self.config.pad_id)
+        at = np.flatnonzero(real)
+        for c in present:
+            here = comp == c
+            for key, value in self._decode(c, records[here]).items():
+                out[key][at[here]] = value
+        return out
 
     def host_batch(self, step: int) -> dict[str, np.ndarray]:
         """This host's rows of the batch at ``step``, whole, in global row order (numpy)."""
@@ -271,7 +325,7 @@ class Loader:
         assert self.plan is not None
         return self.plan.assemble_blocks(
             part.data,
-            packed=self.records.packed,
+            packed=self.components[0].packed,
             start_token_id=self.config.start_token_id,
             pad_id=self.config.pad_id,
         )
@@ -279,19 +333,23 @@ class Loader:
     def _block_data(self, step: int, block: Block) -> BlockData:
         """Encoded tokens of one block (its columns only) for decoding on device."""
         g, real = self._samples(step, np.arange(*block.rows, dtype=np.int64))
-        windows = self.records.read(self.sampler.records(g[real]), columns=block.cols)
+        comp, records, _ = self._lookup(g[real])
         n, width = g.size, block.cols[1] - block.cols[0]
         encoded = np.zeros((n, width), np.uint32)
         before = np.zeros((n, 1), np.uint32)
         lengths = np.zeros(n, np.int32)
         mask = np.ones((n, width), np.uint8)
-        if self.records.packed:
-            encoded[real], before[real, 0] = windows.encoded[:, 1:], windows.encoded[:, 0]
-        else:
-            assert windows.lengths is not None
-            encoded[real], lengths[real] = windows.encoded, windows.lengths
-        if windows.stored_mask is not None:
-            mask[real] = windows.stored_mask
+        at = np.flatnonzero(real)
+        for c in np.unique(comp).tolist():
+            rows = at[comp == c]
+            windows = self.components[c].read(records[comp == c], columns=block.cols)
+            if self.components[c].packed:
+                encoded[rows], before[rows, 0] = windows.encoded[:, 1:], windows.encoded[:, 0]
+            else:
+                assert windows.lengths is not None
+                encoded[rows], lengths[rows] = windows.encoded, windows.lengths
+            if windows.stored_mask is not None:
+                mask[rows] = windows.stored_mask
         return BlockData(encoded, before, lengths, mask, real)
 
     def iterate(self, start_step: int | None = None) -> Iterator[tuple[int, dict[str, jax.Array]]]:
@@ -380,27 +438,41 @@ class Loader:
         """
         rows = self.host_rows
         g, real = self._samples(step, rows)
-        records = self.sampler.records(g[real])
-        epochs = self.sampler.epochs(g[real])
-        starts, stops = self.records.token_ranges(records)
+        comp, records, epochs = self._lookup(g[real])
         out: list[dict[str, Any]] = [{"row": int(r), "padding": True} for r in rows]
-        for i, pos in enumerate(np.flatnonzero(real).tolist()):
-            out[pos] = {
-                "row": int(rows[pos]),
-                "sample": int(g[pos]),
-                "epoch": int(epochs[i]),
-                "record": int(records[i]),
-                "tokens": [int(starts[i]), int(stops[i])],
-            }
+        at = np.flatnonzero(real)
+        for c in np.unique(comp).tolist():
+            mine = np.flatnonzero(comp == c)
+            starts, stops = self.components[c].token_ranges(records[mine])
+            for i, k in enumerate(mine.tolist()):
+                pos = int(at[k])
+                row: dict[str, Any] = {"row": int(rows[pos]), "sample": int(g[pos])}
+                if self.mixture is not None:
+                    row["component"] = c
+                out[pos] = {
+                    **row,
+                    "epoch": int(epochs[k]),
+                    "record": int(records[k]),
+                    "tokens": [int(starts[i]), int(stops[i])],
+                }
         return out
 
 
-def _pad_rows(out: dict[str, np.ndarray], real: np.ndarray, pad_id: int) -> dict[str, np.ndarray]:
-    """Places the real rows' fields among padding rows (loss_mask 0, segment 0)."""
-    padded = {}
-    for key, value in out.items():
-        fill = pad_id if key in ("inputs", "targets") else 0
-        full = np.full((real.size, *value.shape[1:]), fill, value.dtype)
-        full[real] = value
-        padded[key] = full
-    return padded
+def _padding(num_rows: int, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+    """Fields of padding rows: ``pad_id`` inputs and targets, the rest 0."""
+    shape = (num_rows, seq_len)
+    return {
+        "inputs": np.full(shape, pad_id, np.int32),
+        "targets": np.full(shape, pad_id, np.int32),
+        "segment_ids": np.zeros(shape, np.int32),
+        "positions": np.zeros(shape, np.int32),
+        "loss_mask": np.zeros(shape, bool),
+    }
+
+
+def _component_seed(seed: int, mixture: Mixture | None, component: int) -> int:
+    """The shuffle key of one component: the config's seed alone without a mixture."""
+    if mixture is None:
+        return seed
+    text = f"{seed}/{mixture.seed}/{component}".encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little")

@@ -66,15 +66,18 @@ class Records(Protocol):
 
 
 def _data_fingerprint(ft: FlatTokens) -> dict[str, Any]:
-    """Counts plus a digest of 64 evenly spaced tokens and sequence starts.
+    """Counts plus a digest of 64 evenly spaced tokens and sequence bounds.
 
-    Cheap (two batched reads) and it changes when the data does, in practice.
+    Cheap (three batched reads) and it changes when the data does, in practice.
     """
     digest = hashlib.sha256()
-    for reader in (ft.encoded, ft.starts):
-        n = reader.size
+    for n, read in (
+        (ft.num_tokens, lambda i: ft.encoded_ranges(i, i + 1)),
+        (ft.num_sequences, lambda i: list(ft.sequence_bounds(i))),
+    ):
         probes = np.unique(np.linspace(0, n - 1, 64).astype(np.int64)) if n else np.zeros(0, int)
-        digest.update(np.ascontiguousarray(reader.read_points(probes)).tobytes())
+        for part in read(probes):
+            digest.update(np.ascontiguousarray(part).tobytes())
     return {
         "num_tokens": ft.num_tokens,
         "num_sequences": ft.num_sequences,
@@ -112,7 +115,7 @@ class PackedRecords:
         base = idx * self.seq_len
         start, stop = base + c0, base + c1
         tokens = self.ft.request_encoded(np.maximum(start - 1, 0), stop)
-        masks = None if self.ft.loss_mask is None else self.ft.loss_mask.request_ranges(start, stop)
+        masks = self.ft.request_loss_mask(start, stop)
         out = np.zeros((idx.size, c1 - c0 + 1), ENCODED_DTYPE)
         for row, piece in enumerate(tokens.result()):
             out[row, out.shape[1] - piece.size :] = piece
@@ -154,7 +157,7 @@ class PaddedRecords:
         lo = np.minimum(start + c0, stop)
         hi = np.minimum(start + c1, stop)
         tokens = self.ft.request_encoded(lo, hi)
-        masks = None if self.ft.loss_mask is None else self.ft.loss_mask.request_ranges(lo, hi)
+        masks = self.ft.request_loss_mask(lo, hi)
         out = np.zeros((idx.size, c1 - c0), ENCODED_DTYPE)
         for row, piece in enumerate(tokens.result()):
             out[row, : piece.size] = piece

@@ -61,15 +61,15 @@ def validate(
 
 def _check_split(ft: FlatTokens, block: int) -> list[Problem]:
     problems = _check_arrays(
-        f"{ft.split}/{ft.tokens_name}",
+        f"{ft.split_name}/{ft.tokens_name}",
         ft.encoded,
-        f"{ft.split}/{SEQ_STARTS}",
+        f"{ft.split_name}/{SEQ_STARTS}",
         ft.starts,
         ft.max_token_id,
         block,
     )
     if ft.loss_mask is not None:
-        where = f"{ft.split}/{LOSS_MASK}"
+        where = f"{ft.split_name}/{LOSS_MASK}"
         if ft.loss_mask.dtype != np.uint8:
             problems.append(Problem(where, f"dtype is {ft.loss_mask.dtype}, expected uint8"))
         else:

@@ -1,0 +1,280 @@
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import memory_url
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flat_tokens_jax as ftj
+from flat_tokens_jax.dataset import split_boundaries
+from flat_tokens_jax.mixture import Mixture, mixture_from_config
+
+
+def make_split(num_seqs: int, length: int = 4, base: int = 1) -> ftj.FlatTokens:
+    url = memory_url()
+    seqs = [[base + i] * length for i in range(num_seqs)]
+    ftj.write_dataset(url, {"train": seqs}, layout=ftj.Layout(shard_tokens=256, chunk_tokens=16))
+    return ftj.open_dataset(url)["train"]
+
+
+def reference_counts(weights: list[float], period: int) -> list[int]:
+    """Largest remainder with exact fractions."""
+    total = sum(Fraction(w) for w in weights)
+    shares = [Fraction(w) / total * period for w in weights]
+    counts = [int(s) for s in shares]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (-(shares[i] - counts[i]), i))
+    for i in by_remainder[: period - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def reference_schedule(
+    weights_by_segment: list[list[float]], starts: list[int], period: int, total: int
+) -> tuple[list[int], list[int]]:
+    """Materialises (component, component sample) for samples 0..total-1, one at a time."""
+    drawn = [0] * len(weights_by_segment[0])
+    comps, samples = [], []
+    for g in range(total):
+        seg = max(j for j, s in enumerate(starts) if s <= g)
+        counts = reference_counts(weights_by_segment[seg], period)
+        slots = sorted(
+            (Fraction(2 * k + 1, 2 * n), c) for c, n in enumerate(counts) for k in range(n)
+        )
+        c = slots[(g - starts[seg]) % period][1]
+        comps.append(c)
+        samples.append(drawn[c])
+        drawn[c] += 1
+    return comps, samples
+
+
+weight_lists = st.lists(st.sampled_from([0, 0.5, 1, 2, 3, 7, 0.1]), min_size=1, max_size=4).filter(
+    lambda w: sum(w) > 0
+)
+
+
+@settings(max_examples=30)
+@given(weights=weight_lists, period=st.integers(1, 23), data=st.data())
+def test_route_equals_materialised_reference(
+    weights: list[float], period: int, data: st.DataObject
+) -> None:
+    k = len(weights)
+    later = data.draw(st.lists(weight_lists.filter(lambda w: len(w) == k), max_size=2))
+    steps = sorted(data.draw(st.sets(st.integers(1, 12), min_size=len(later), max_size=len(later))))
+    batch = data.draw(st.integers(1, 5))
+    positive = [w for w in [weights, *later]]
+    if any(
+        c == 0 and w > 0
+        for ws in positive
+        for c, w in zip(reference_counts(ws, period), ws, strict=True)
+    ):
+        return  # a positive weight that gets no slot is refused; tested below
+    comps = [make_split(3)] * k
+    mix = Mixture(
+        list(zip(comps, weights, strict=True)),
+        seq_len=2,
+        period=period,
+        schedule=list(zip(steps, later, strict=True)),
+    )
+    total = 15 * batch + 7
+    want = reference_schedule([weights, *later], [0, *(s * batch for s in steps)], period, total)
+    comp, sample = mix.route(np.arange(total), batch)
+    assert (comp.tolist(), sample.tolist()) == want
+
+
+def test_whole_periods_are_exact_and_long_runs_track_weights() -> None:
+    weights = [0.5, 0.3, 0.15, 0.05]
+    mix = Mixture([(make_split(5), w) for w in weights], seq_len=2, period=997)
+    comp, _ = mix.route(np.arange(997 * 13), 1)
+    assert np.bincount(comp).tolist() == [13 * c for c in reference_counts(weights, 997)]
+    n = 10**6
+    comp, sample = mix.route(np.arange(n), 7)
+    share = np.bincount(comp, minlength=4) / n
+    assert np.all(np.abs(share - weights) <= 1 / 997 + 1 / n)
+    for c in range(4):  # every component draws its samples 0, 1, 2, ... in order
+        assert np.array_equal(sample[comp == c], np.arange((comp == c).sum()))
+
+
+def test_tiny_weights_are_drawn_at_their_rate() -> None:
+    mix = Mixture([(make_split(5), 1.0), (make_split(5), 1e-4)], seq_len=2)
+    comp, _ = mix.route(np.arange(2 * 10**6), 1)
+    drawn = int((comp == 1).sum())
+    assert abs(drawn - 2 * 10**6 * 1e-4 / (1 + 1e-4)) <= 2 * 10**6 / mix.periods[0].period + 1
+
+
+def test_bad_weights_are_refused() -> None:
+    ft = make_split(3)
+    with pytest.raises(ValueError, match="non-negative"):
+        Mixture([(ft, 1.0), (ft, -0.5)], seq_len=2)
+    with pytest.raises(ValueError, match="all zero"):
+        Mixture([(ft, 0.0), (ft, 0.0)], seq_len=2)
+    with pytest.raises(ValueError, match=r"component\(s\) \[1\] get no sample in a period of 10"):
+        Mixture([(ft, 1.0), (ft, 0.001)], seq_len=2, period=10)
+    with pytest.raises(ValueError, match="expected 2 weights"):
+        Mixture([(ft, 1.0), (ft, 1.0)], seq_len=2, schedule=[(5, [1.0])])
+    with pytest.raises(ValueError, match="strictly increasing"):
+        Mixture([(ft, 1.0)], seq_len=2, schedule=[(5, [1.0]), (5, [2.0])])
+    with pytest.raises(ValueError, match="pass seq_len"):
+        Mixture([(ft, 1.0)])
+    assert Mixture([(ft, 0.0), (ft, 1.0)], seq_len=2).route(np.arange(50), 1)[0].tolist() == (
+        [1] * 50
+    )
+
+
+def test_small_component_repeats_and_reshuffles() -> None:
+    small, big = make_split(10, length=2, base=1), make_split(100, length=2, base=100)
+    mix = Mixture([(small, 0.5), (big, 0.5)], seq_len=2)
+    loader = ftj.Loader(mix, ftj.LoaderConfig(batch_size=100, seq_len=2, seed=3))
+    rows = loader.provenance(0)
+    mine = [r for r in rows if r["component"] == 0]
+    assert len(mine) == 50
+    assert np.bincount([r["record"] for r in mine]).tolist() == [5] * 10
+    epochs = [[r["record"] for r in mine if r["epoch"] == e] for e in range(5)]
+    assert all(sorted(e) == list(range(10)) for e in epochs)
+    assert len({tuple(e) for e in epochs}) == 5, "each epoch has its own order"
+    targets = loader.host_batch(0)["targets"]
+    for r in rows:
+        assert targets[r["row"], 0] == (1 if r["component"] == 0 else 100) + r["record"]
+
+
+def test_unshuffled_components_stay_in_order_but_interleave() -> None:
+    a, b = make_split(50, length=2, base=1), make_split(50, length=2, base=1000)
+    loader = ftj.Loader(
+        Mixture([(a, 3), (b, 1)], seq_len=2),
+        ftj.LoaderConfig(batch_size=40, seq_len=2, shuffle=False),
+    )
+    first = loader.host_batch(0)["targets"][:, 0]
+    from_a = first[first < 1000]
+    assert from_a.tolist() == list(range(1, 31))
+    assert (first >= 1000).sum() == 10
+    assert first[:4].tolist().count(1000) == 1
+
+
+def test_any_step_is_cheap() -> None:
+    mix = Mixture(
+        [(make_split(40), 0.7), (make_split(30), 0.3)],
+        seq_len=2,
+        schedule=[(10, [0.2, 0.8]), (1000, [0.5, 0.5])],
+    )
+    loader = ftj.Loader(mix, ftj.LoaderConfig(batch_size=8, seq_len=2))
+
+    def took(step: int) -> float:
+        began = time.perf_counter()
+        loader.host_batch(step)
+        return time.perf_counter() - began
+
+    took(0)
+    assert min(took(10**9) for _ in range(3)) < 10 * min(took(0) for _ in range(3)) + 0.01
+
+
+def test_schedule_change_keeps_earlier_steps_and_follows_new_weights() -> None:
+    a, b = make_split(20), make_split(20, base=500)
+    plain = Mixture([(a, 1), (b, 1)], seq_len=2, period=4)
+    changed = Mixture([(a, 1), (b, 1)], seq_len=2, period=4, schedule=[(6, [3, 1])])
+    batch = 4
+    before = np.arange(6 * batch)
+    assert all(
+        np.array_equal(x, y)
+        for x, y in zip(plain.route(before, batch), changed.route(before, batch), strict=True)
+    )
+    after = np.arange(6 * batch, 6 * batch + 40)
+    comp, sample = changed.route(after, batch)
+    assert np.bincount(comp).tolist() == [30, 10]
+    drawn_before = np.bincount(plain.route(before, batch)[0])
+    assert sample[comp == 0][0] == drawn_before[0]
+    cfg = ftj.LoaderConfig(batch_size=batch, seq_len=2, seed=1, prefetch=2)
+    straight = [
+        np.asarray(b["targets"])
+        for _, (_, b) in zip(range(12), ftj.Loader(changed, cfg).iterate(0), strict=False)
+    ]
+    for k in (3, 6, 9):
+        it = ftj.Loader(changed, cfg).iterate(k)
+        for step, batch_k in it:
+            assert np.array_equal(np.asarray(batch_k["targets"]), straight[step])
+            if step == 11:
+                break
+        it.close()
+
+
+def test_mixed_packing_components() -> None:
+    a = ftj.PackedRecords(make_split(10, length=5), 4)
+    b = ftj.PaddedRecords(make_split(10, length=3, base=50), 4)
+    loader = ftj.Loader(Mixture([(a, 1), (b, 1)]), ftj.LoaderConfig(batch_size=8, seq_len=4))
+    batch = loader.host_batch(0)
+    for r in loader.provenance(0):
+        row = batch["loss_mask"][r["row"]].tolist()
+        assert row == ([True] * 4 if r["component"] == 0 else [True] * 3 + [False])
+
+
+def megatron_split(weights: list[float], n: int) -> list[int]:
+    """Megatron-LM's split indices, as its dataset builder computes them."""
+    weights = [w / sum(weights) for w in weights]
+    idx = [0]
+    for i, w in enumerate(weights):
+        idx.append(idx[i] + int(round(w * float(n))))  # noqa: RUF046 (as Megatron writes it)
+    return [idx[0], *[i - (idx[-1] - n) for i in idx[1:]]]
+
+
+@given(
+    weights=st.lists(st.integers(0, 1000), min_size=1, max_size=4).filter(sum),
+    n=st.integers(0, 10000),
+)
+def test_split_boundaries_follow_megatron(weights: list[int], n: int) -> None:
+    assert split_boundaries(",".join(map(str, weights)), n) == megatron_split(weights, n)
+
+
+def test_split_views_are_exact_sequence_ranges() -> None:
+    ft = make_split(1000, length=3)
+    train, valid, test = ft.split("949,50,1")
+    assert (train.num_sequences, valid.num_sequences, test.num_sequences) == (949, 50, 1)
+    assert valid.sequences([0])[0].tolist() == [1 + 949] * 3
+    assert valid.tokens(0, 3).tolist() == [950] * 3
+    assert test.num_tokens == 3 and valid.num_tokens == 150
+    assert [v.num_sequences for v in ft.split([0.5, 0.5])] == [500, 500]
+    with pytest.raises(IndexError, match="token range"):
+        valid.tokens(0, 151)
+    with pytest.raises(ValueError, match="expected numbers"):
+        ft.split("a,b")
+
+
+@settings(max_examples=30)
+@given(
+    lengths=st.lists(st.integers(1, 9), min_size=3, max_size=40),
+    seq_len=st.integers(1, 6),
+    cut=st.floats(0.1, 0.9),
+)
+def test_packed_records_never_cross_a_view(lengths: list[int], seq_len: int, cut: float) -> None:
+    url = memory_url()
+    seqs = [[i + 1] * n for i, n in enumerate(lengths)]
+    ftj.write_dataset(url, {"train": seqs}, layout=ftj.Layout(shard_tokens=64, chunk_tokens=8))
+    first, second = ftj.open_dataset(url)["train"].split([cut, 1 - cut])
+    for view in (first, second):
+        records = ftj.PackedRecords(view, seq_len)
+        expected = [t for s in seqs[view.seq_range[0] : view.seq_range[1]] for t in s]
+        assert len(records) == len(expected) // seq_len
+        if len(records):
+            windows = records.read(np.arange(len(records))).encoded[:, 1:] >> 1
+            assert windows.reshape(-1).tolist() == expected[: len(records) * seq_len]
+
+
+def test_mixture_from_yaml_config(tmp_path: Path) -> None:
+    for name, base in (("web", 1), ("books", 100)):
+        ftj.write_dataset(tmp_path / name, {"train": [[base + i] * 4 for i in range(100)]})
+    config = {
+        "datasets": {str(tmp_path / "web"): 0.8, str(tmp_path / "books"): 0.2},
+        "split": "90,10",
+        "seq_len": 4,
+        "seed": 5,
+    }
+    train = mixture_from_config(config, "train")
+    valid = mixture_from_config(config, "valid")
+    assert [c.ft.num_sequences for c in train.components] == [90, 90]  # type: ignore[attr-defined]
+    assert [c.ft.num_sequences for c in valid.components] == [10, 10]  # type: ignore[attr-defined]
+    loader = ftj.Loader(train, ftj.LoaderConfig(batch_size=10, seq_len=4))
+    assert sorted(r["component"] for r in loader.provenance(0)) == [0] * 8 + [1] * 2
+    with pytest.raises(ValueError, match="unknown mixture config key"):
+        mixture_from_config({**config, "weights": 1})
+    repo = Path(__file__).parent.parent / "configs" / "mixture.yaml"
+    assert "datasets" in repo.read_text()

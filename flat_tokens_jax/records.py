@@ -86,7 +86,25 @@ def _data_fingerprint(ft: FlatTokens) -> dict[str, Any]:
     }
 
 
-class PackedRecords:
+class _SplitRecords:
+    """Records over one split; subclasses say how a record maps to tokens."""
+
+    packed: bool
+
+    def __init__(self, ft: FlatTokens, seq_len: int) -> None:
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        self.ft, self.seq_len = ft, seq_len
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.ft!r}, seq_len={self.seq_len})"
+
+    def fingerprint(self) -> dict[str, Any]:
+        kind = "packed" if self.packed else "padded"
+        return {"records": kind, "seq_len": self.seq_len, **_data_fingerprint(self.ft)}
+
+
+class PackedRecords(_SplitRecords):
     """Record ``i`` is tokens ``[i*L, (i+1)*L)`` of a split, plus the token before it.
 
     ``num_tokens // L`` records; a tail shorter than ``L`` is never used.
@@ -94,16 +112,8 @@ class PackedRecords:
 
     packed = True
 
-    def __init__(self, ft: FlatTokens, seq_len: int) -> None:
-        if seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-        self.ft, self.seq_len = ft, seq_len
-
     def __len__(self) -> int:
         return self.ft.num_tokens // self.seq_len
-
-    def __repr__(self) -> str:
-        return f"PackedRecords({self.ft!r}, seq_len={self.seq_len})"
 
     def token_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         start = np.asarray(indices, np.int64) * self.seq_len
@@ -116,35 +126,19 @@ class PackedRecords:
         start, stop = base + c0, base + c1
         tokens = self.ft.request_encoded(np.maximum(start - 1, 0), stop)
         masks = self.ft.request_loss_mask(start, stop)
-        out = np.zeros((idx.size, c1 - c0 + 1), ENCODED_DTYPE)
-        for row, piece in enumerate(tokens.result()):
-            out[row, out.shape[1] - piece.size :] = piece
-        mask = None
-        if masks is not None:
-            mask = np.zeros((idx.size, c1 - c0), np.uint8)
-            for row, piece in enumerate(masks.result()):
-                mask[row] = piece
+        # Record 0 has no token before it: its row is right-aligned, column 0 stays 0.
+        out = _rows(tokens.result(), c1 - c0 + 1, ENCODED_DTYPE, right=True)
+        mask = None if masks is None else _rows(masks.result(), c1 - c0, np.uint8)
         return Windows(out, stored_mask=mask)
 
-    def fingerprint(self) -> dict[str, Any]:
-        return {"records": "packed", "seq_len": self.seq_len, **_data_fingerprint(self.ft)}
 
-
-class PaddedRecords:
+class PaddedRecords(_SplitRecords):
     """Record ``i`` is sequence ``i``, truncated to ``L`` tokens, padded on the right."""
 
     packed = False
 
-    def __init__(self, ft: FlatTokens, seq_len: int) -> None:
-        if seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-        self.ft, self.seq_len = ft, seq_len
-
     def __len__(self) -> int:
         return self.ft.num_sequences
-
-    def __repr__(self) -> str:
-        return f"PaddedRecords({self.ft!r}, seq_len={self.seq_len})"
 
     def token_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         start, stop = self.ft.sequence_bounds(np.asarray(indices, np.int64))
@@ -158,18 +152,20 @@ class PaddedRecords:
         hi = np.minimum(start + c1, stop)
         tokens = self.ft.request_encoded(lo, hi)
         masks = self.ft.request_loss_mask(lo, hi)
-        out = np.zeros((idx.size, c1 - c0), ENCODED_DTYPE)
-        for row, piece in enumerate(tokens.result()):
-            out[row, : piece.size] = piece
-        mask = None
-        if masks is not None:
-            mask = np.zeros((idx.size, c1 - c0), np.uint8)
-            for row, piece in enumerate(masks.result()):
-                mask[row, : piece.size] = piece
+        out = _rows(tokens.result(), c1 - c0, ENCODED_DTYPE)
+        mask = None if masks is None else _rows(masks.result(), c1 - c0, np.uint8)
         return Windows(out, lengths=stop - start, stored_mask=mask)
 
-    def fingerprint(self) -> dict[str, Any]:
-        return {"records": "padded", "seq_len": self.seq_len, **_data_fingerprint(self.ft)}
+
+def _rows(pieces: list[np.ndarray], width: int, dtype: Any, right: bool = False) -> np.ndarray:
+    """Stacks ranges of at most ``width`` elements into ``[k, width]``, zero-filled."""
+    out = np.zeros((len(pieces), width), dtype)
+    for row, piece in enumerate(pieces):
+        if right:
+            out[row, width - piece.size :] = piece
+        else:
+            out[row, : piece.size] = piece
+    return out
 
 
 def _check_columns(columns: tuple[int, int] | None, seq_len: int) -> tuple[int, int]:

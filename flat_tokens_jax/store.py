@@ -336,24 +336,35 @@ class ArrayReader(Protocol):
         ...
 
 
-class TensorStoreArray:
+class _Reader:
+    """What every :class:`ArrayReader` shares: byte counting and sync reads."""
+
+    dtype: np.dtype[Any]
+
+    def __init__(self, size: int, dtype: np.dtype[Any]) -> None:
+        self.size, self.dtype = size, dtype
+        self.bytes_read = ByteCounter()
+
+    def _count(self, elements: int) -> None:
+        self.bytes_read.add(elements * self.dtype.itemsize)
+
+    def request_ranges(self, starts: np.ndarray, stops: np.ndarray) -> Pending:
+        raise NotImplementedError
+
+    def read_ranges(self, starts: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
+        return self.request_ranges(starts, stops).result()
+
+
+class TensorStoreArray(_Reader):
     """An :class:`ArrayReader` over a tensorstore handle."""
 
     def __init__(self, store: ts.TensorStore, local: LocalShards | None = None) -> None:
+        super().__init__(int(store.shape[0]), np.dtype(store.dtype.numpy_dtype))
         self.store = store
         self.local = local
-        self.bytes_read = ByteCounter()
-
-    @property
-    def size(self) -> int:
-        return int(self.store.shape[0])
-
-    @property
-    def dtype(self) -> np.dtype[Any]:
-        return np.dtype(self.store.dtype.numpy_dtype)
 
     def request_ranges(self, starts: np.ndarray, stops: np.ndarray) -> Pending:
-        self.bytes_read.add(int(np.sum(stops - starts)) * self.dtype.itemsize)
+        self._count(int(np.sum(stops - starts)))
         pairs = zip(starts.tolist(), stops.tolist(), strict=True)
         if self.local is None:
             return _Futures([self.store[a:b].read() for a, b in pairs])
@@ -363,12 +374,9 @@ class TensorStoreArray:
             out.append(self.store[a:b].read() if value is None else value)
         return _Futures(out)
 
-    def read_ranges(self, starts: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
-        return self.request_ranges(starts, stops).result()
-
     def read_points(self, indices: np.ndarray) -> np.ndarray:
         idx = np.asarray(indices, np.int64)
-        self.bytes_read.add(idx.size * self.dtype.itemsize)
+        self._count(idx.size)
         if idx.size == 0:
             return np.zeros(0, self.dtype)
         value = None if self.local is None else self.local.read_points(idx)
@@ -377,32 +385,21 @@ class TensorStoreArray:
         return value
 
 
-class ZarrPythonArray:
+class ZarrPythonArray(_Reader):
     """An :class:`ArrayReader` over a zarr-python array (synchronous reads)."""
 
     def __init__(self, array: zarr.Array) -> None:
+        super().__init__(int(array.shape[0]), np.dtype(array.dtype))
         self.array = array
-        self.bytes_read = ByteCounter()
-
-    @property
-    def size(self) -> int:
-        return int(self.array.shape[0])
-
-    @property
-    def dtype(self) -> np.dtype[Any]:
-        return np.dtype(self.array.dtype)
 
     def request_ranges(self, starts: np.ndarray, stops: np.ndarray) -> Pending:
-        self.bytes_read.add(int(np.sum(stops - starts)) * self.dtype.itemsize)
+        self._count(int(np.sum(stops - starts)))
         pairs = zip(starts.tolist(), stops.tolist(), strict=True)
         return _Done([np.asarray(self.array[a:b]) for a, b in pairs])
 
-    def read_ranges(self, starts: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
-        return self.request_ranges(starts, stops).result()
-
     def read_points(self, indices: np.ndarray) -> np.ndarray:
         idx = np.asarray(indices, np.int64)
-        self.bytes_read.add(idx.size * self.dtype.itemsize)
+        self._count(idx.size)
         if idx.size == 0:
             return np.zeros(0, self.dtype)
         return np.asarray(self.array.get_coordinate_selection(idx))

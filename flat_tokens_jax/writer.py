@@ -227,6 +227,29 @@ class _SplitWriter:
         self.max_token_id = max(self.max_token_id, int(ids.max()))
         self.num_sequences += len(arrays)
 
+    def extend_encoded(self, encoded: np.ndarray, lengths: np.ndarray) -> None:
+        enc = np.asarray(encoded)
+        sizes = np.asarray(lengths, np.int64)
+        where = f"split {self.split!r}, encoded block at sequence {self.num_sequences}"
+        if enc.dtype != ENCODED_DTYPE or enc.ndim != 1:
+            raise ValueError(
+                f"{where}: expected 1-D uint32 encoded tokens, got {enc.dtype} {enc.shape}"
+            )
+        if (sizes <= 0).any() or int(sizes.sum()) != enc.size:
+            raise ValueError(
+                f"{where}: lengths must be positive and sum to the {enc.size} tokens given"
+            )
+        offsets = np.cumsum(sizes)
+        flagged = np.flatnonzero(enc & np.uint32(1))
+        if not np.array_equal(flagged, offsets - sizes):
+            raise ValueError(f"{where}: start bits do not sit exactly at the sequence starts")
+        if not sizes.size:
+            return
+        self.tokens.append(enc)
+        self.starts.append((offsets + self.tokens.size - enc.size).astype(STARTS_DTYPE))
+        self.max_token_id = max(self.max_token_id, int(enc.max()) >> 1)
+        self.num_sequences += sizes.size
+
     def finish(self) -> None:
         self.tokens.finish()
         self.starts.finish()
@@ -331,6 +354,20 @@ class DatasetWriter:
                 writer.extend(batch)
                 batch, size = [], 0
         writer.extend(batch)
+
+    def extend_encoded(self, split: str, encoded: np.ndarray, lengths: np.ndarray) -> None:
+        """Appends whole sequences already encoded (``uint32``, start bits set).
+
+        Args:
+            split: the split to append to.
+            encoded: ``[n] uint32`` the sequences' encoded tokens, concatenated.
+            lengths: ``[k]`` their lengths, all positive, summing to ``n``.
+
+        Raises:
+            ValueError: wrong dtype, lengths that do not add up, or start bits
+                anywhere but at the sequence starts.
+        """
+        self._split(split).extend_encoded(encoded, lengths)
 
     def close(self) -> None:
         """Finishes every split, then marks the dataset valid (the last write)."""

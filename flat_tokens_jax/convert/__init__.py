@@ -1,0 +1,1 @@
+"""Converters from other data into flat-tokens stores."""

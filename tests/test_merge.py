@@ -1,0 +1,62 @@
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import memory_url
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flat_tokens_jax as ftj
+from flat_tokens_jax.cli import main
+from flat_tokens_jax.convert.merge import merge
+
+seqs = st.lists(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=12), max_size=12)
+
+
+@settings(max_examples=30)
+@given(parts=st.lists(st.tuples(seqs, seqs), min_size=1, max_size=3), block=st.integers(1, 30))
+def test_merge_concatenates_every_split_in_order(
+    parts: list[tuple[list, list]], block: int
+) -> None:
+    urls = []
+    for train, valid in parts:
+        urls.append(memory_url("part"))
+        ftj.write_dataset(
+            urls[-1],
+            {"train": train, "validation": valid},
+            layout=ftj.Layout(shard_tokens=16, chunk_tokens=4),
+        )
+    out = memory_url("merged")
+    summary = merge(urls, out, block_tokens=block)
+    ds = ftj.open_dataset(out)
+    for i, split in enumerate(("train", "validation")):
+        expected = [s for part in parts for s in part[i]]
+        ft = ds[split]
+        assert [s.tolist() for s in ft.sequences(np.arange(ft.num_sequences))] == expected
+        assert ft.max_token_id == max((t for s in expected for t in s), default=0)
+        assert summary["splits"][split]["sequences"] == len(expected)
+    ftj.validate(out)
+
+
+def test_merge_command_and_refusals(tmp_path: Path) -> None:
+    ftj.write_dataset(tmp_path / "a", {"train": [[1, 2]], "validation": [[3]]})
+    ftj.write_dataset(tmp_path / "b", {"train": [[4]]})
+    assert main(["merge", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "m")]) == 0
+    train = ftj.open_dataset(tmp_path / "m")["train"]
+    assert [s.tolist() for s in train.sequences([0, 1])] == [[1, 2], [4]]
+    assert main(["merge", str(tmp_path / "a"), str(tmp_path / "m")]) == 1
+    assert (
+        main(["merge", str(tmp_path / "a"), str(tmp_path / "missing"), str(tmp_path / "m2")]) == 1
+    )
+    with pytest.raises(ftj.FormatError):
+        ftj.open_dataset(tmp_path / "m2")
+
+
+def test_extend_encoded_refuses_misplaced_start_bits() -> None:
+    enc, _ = ftj.encode([[1, 2], [3]])
+    with ftj.DatasetWriter(memory_url()) as w:
+        w.extend_encoded("train", enc, np.array([2, 1]))
+        with pytest.raises(ValueError, match="start bits do not sit exactly"):
+            w.extend_encoded("train", enc, np.array([1, 2]))
+        with pytest.raises(ValueError, match="sum to the 3 tokens"):
+            w.extend_encoded("train", enc, np.array([2, 2]))

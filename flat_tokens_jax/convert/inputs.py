@@ -1,0 +1,282 @@
+"""Reading one field of every record from JSONL, Parquet and saved Hugging Face datasets.
+
+Formats, by name: ``.jsonl`` and ``.json`` (JSON Lines, one object per line),
+either optionally compressed as ``.gz`` or ``.zst``; ``.parquet``; and a
+directory written by ``datasets.Dataset.save_to_disk`` (it holds
+``dataset_info.json`` or ``state.json``). Records come out in file order, files
+in the order :func:`expand_inputs` gives. Optional libraries (pyarrow,
+zstandard, datasets) are imported only when a file needs them.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import importlib
+import io
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import IO, Any, cast
+
+import numpy as np
+
+from flat_tokens_jax.format import MAX_TOKEN_ID
+
+log = logging.getLogger(__name__)
+
+JSONL_SUFFIXES = (".jsonl", ".json")
+COMPRESSION_SUFFIXES = ("", ".gz", ".zst")
+HF_MARKERS = ("dataset_info.json", "state.json")
+ARROW_BATCH_ROWS = 1024
+_WARN_BAD = 5  # bad records logged one by one before the rest are only counted
+
+
+Where = tuple[Path, str, int]  # (file, "line" or "row", 1-based number; 0: the whole file)
+
+
+class InputError(ValueError):
+    """A bad input file or record; the message names the file and its line or row."""
+
+
+def require(module: str, extra: str) -> ModuleType:
+    """Imports an optional dependency, or says which extra installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(
+            f"{module.split('.')[0]} is not installed: pip install 'flat-tokens-jax[{extra}]'"
+        ) from e
+
+
+def input_kind(path: Path) -> str:
+    """``"jsonl"``, ``"parquet"`` or ``"hf"`` (a ``save_to_disk`` directory) for ``path``.
+
+    Raises:
+        InputError: a format this module cannot read.
+    """
+    if path.is_dir():
+        if any((path / m).is_file() for m in HF_MARKERS):
+            return "hf"
+        if (path / "dataset_dict.json").is_file():
+            splits = sorted(p.name for p in path.iterdir() if p.is_dir())
+            raise InputError(
+                f"{path} holds a DatasetDict with splits {splits}: name one split's "
+                f"directory, e.g. {path / (splits[0] if splits else 'train')}"
+            )
+        raise InputError(
+            f"{path} is a directory but not a dataset saved with save_to_disk (it has "
+            f"no {' or '.join(HF_MARKERS)}): name its files, e.g. '{path}/*.jsonl'"
+        )
+    name = path.name.lower()
+    if name.endswith(".parquet"):
+        return "parquet"
+    if any(name.endswith(s + c) for s in JSONL_SUFFIXES for c in COMPRESSION_SUFFIXES):
+        return "jsonl"
+    raise InputError(
+        f"{path}: unknown input format; expected .jsonl or .json (optionally .gz or .zst), "
+        ".parquet, or a directory saved by datasets' save_to_disk"
+    )
+
+
+def expand_inputs(patterns: Iterable[str | os.PathLike[str]]) -> list[Path]:
+    """Paths of ``patterns``: globs expanded and sorted per pattern, pattern order kept.
+
+    Raises:
+        FileNotFoundError: a path that does not exist, or a glob that matches nothing.
+        InputError: a file of an unknown format.
+    """
+    paths: list[Path] = []
+    for pattern in patterns:
+        text = os.fspath(pattern)
+        if any(c in text for c in "*?["):
+            matches = sorted(glob.glob(text, recursive=True))
+            if not matches:
+                raise FileNotFoundError(f"no file matches {text!r}")
+        elif not os.path.exists(text):
+            raise FileNotFoundError(f"{text}: no such file or directory")
+        else:
+            matches = [text]
+        for m in matches:
+            input_kind(Path(m))
+            paths.append(Path(m))
+    return paths
+
+
+def _open_jsonl(path: Path) -> tuple[IO[bytes], tuple[type[Exception], ...]]:
+    """The decompressed file, and the errors that mean it cannot be read."""
+    name = path.name.lower()
+    unreadable: tuple[type[Exception], ...] = (OSError, EOFError)
+    if name.endswith(".gz"):
+        return cast(IO[bytes], gzip.open(path, "rb")), unreadable
+    if name.endswith(".zst"):
+        zstandard = require("zstandard", "convert")
+        raw = open(path, "rb")  # noqa: SIM115 (closed with the reader, closefd)
+        reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
+        return io.BufferedReader(reader, buffer_size=1 << 20), (*unreadable, zstandard.ZstdError)
+    return open(path, "rb", buffering=1 << 20), unreadable
+
+
+def _is_text_type(pa: ModuleType, t: Any) -> bool:
+    is_view = getattr(pa.types, "is_string_view", None)  # pyarrow >= 16
+    return bool(pa.types.is_string(t) or pa.types.is_large_string(t) or (is_view and is_view(t)))
+
+
+class RecordReader:
+    """Iterates over one field of every record of ``paths``: texts, or token ids.
+
+    Yields each non-empty value in order: a ``str`` when reading text, an
+    ``int32`` array ``[n]`` of token ids when ``tokens=True``. Empty values are
+    counted in :attr:`skipped_empty`. A bad record (unparsable line, not an
+    object, missing key, wrong type, token id outside ``[0, 2**31 - 1]``) raises
+    :class:`InputError` naming the file and 1-based line (JSONL) or row (Parquet,
+    datasets); with ``skip_bad`` it is counted in :attr:`skipped_bad` instead.
+    A file that cannot be read at all (corrupt compression) always raises.
+    """
+
+    def __init__(
+        self, paths: Sequence[Path], key: str, *, tokens: bool = False, skip_bad: bool = False
+    ) -> None:
+        self.paths = list(paths)
+        self.key = key
+        self.tokens = tokens
+        self.skip_bad = skip_bad
+        self.skipped_bad = 0
+        self.skipped_empty = 0
+        self.check: Callable[[Any, Where], Any] = self._check_tokens if tokens else self._check_text
+
+    def __repr__(self) -> str:
+        what = "tokens" if self.tokens else "text"
+        return f"RecordReader({len(self.paths)} files, {what} key {self.key!r})"
+
+    def __iter__(self) -> Iterator[str | np.ndarray]:
+        for path in self.paths:
+            kind = input_kind(path)
+            if kind == "jsonl":
+                yield from self._jsonl(path)
+            elif kind == "parquet":
+                yield from self._parquet(path)
+            else:
+                yield from self._hf(path)
+
+    def _bad(self, where: Where, why: str, count: int = 1) -> None:
+        path, unit, number = where
+        at = f"{path} {unit} {number}" if number else str(path)
+        if not self.skip_bad:
+            raise InputError(f"{at}: {why} (skip_bad skips such records)")
+        if self.skipped_bad < _WARN_BAD:
+            log.warning("skipping %s: %s", at, why)
+        self.skipped_bad += count
+
+    def _check_text(self, value: Any, where: Where) -> str | None:
+        if not isinstance(value, str):
+            self._bad(where, f"{self.key!r} is {type(value).__name__}, not a string")
+            return None
+        if not value:
+            self.skipped_empty += 1
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            self._bad(where, f"{self.key!r} is not valid Unicode ({e})")
+            return None
+        return value
+
+    def _check_tokens(self, value: Any, where: Where) -> np.ndarray | None:
+        if not isinstance(value, list | np.ndarray):
+            self._bad(where, f"{self.key!r} is {type(value).__name__}, not a list of token ids")
+            return None
+        if len(value) == 0:
+            self.skipped_empty += 1
+            return None
+        try:
+            arr = np.asarray(value)
+        except ValueError as e:
+            self._bad(where, f"{self.key!r} is not a flat list of token ids ({e})")
+            return None
+        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+            self._bad(where, f"{self.key!r} must be a flat list of integers, got {value!r:.60}")
+            return None
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi > MAX_TOKEN_ID:
+            self._bad(where, f"token id {lo if lo < 0 else hi} is outside [0, {MAX_TOKEN_ID}]")
+            return None
+        return arr.astype(np.int32)
+
+    def _jsonl(self, path: Path) -> Iterator[str | np.ndarray]:
+        key, check = self.key, self.check
+        line = 0
+        file, unreadable = _open_jsonl(path)
+        try:
+            with file as f:
+                for line, raw in enumerate(f, 1):
+                    try:
+                        record = json.loads(raw)
+                    except ValueError as e:
+                        if raw.strip():
+                            why = f"not valid JSON ({e}); expected one JSON object per line"
+                            self._bad((path, "line", line), why)
+                        continue
+                    if not isinstance(record, dict):
+                        self._bad((path, "line", line), "not a JSON object")
+                        continue
+                    if key not in record:
+                        keys = sorted(record)[:10]
+                        self._bad((path, "line", line), f"no key {key!r} (keys: {keys})")
+                        continue
+                    value = check(record[key], (path, "line", line))
+                    if value is not None:
+                        yield value
+        except unreadable as e:
+            raise InputError(f"{path}: cannot read past line {line}: {e}") from e
+
+    def _column(
+        self, column: Any, path: Path, first_row: int, pa: ModuleType
+    ) -> Iterator[str | np.ndarray]:
+        """Checks and yields one Arrow column chunk whose first row is ``first_row`` (0-based)."""
+        if not self.tokens and not _is_text_type(pa, column.type):
+            self._bad(
+                (path, "row", first_row + 1),
+                f"column {self.key!r} is of type {column.type}, not a string",
+                count=len(column),
+            )
+            return
+        check = self.check
+        for i, value in enumerate(column.to_pylist(), first_row + 1):
+            if value is None:
+                self._bad((path, "row", i), f"{self.key!r} is null")
+                continue
+            checked = check(value, (path, "row", i))
+            if checked is not None:
+                yield checked
+
+    def _missing_column(self, path: Path, names: Sequence[str], rows: int) -> None:
+        self._bad((path, "", 0), f"no column {self.key!r} (columns: {list(names)})", count=rows)
+
+    def _parquet(self, path: Path) -> Iterator[str | np.ndarray]:
+        pa = require("pyarrow", "convert")
+        pq = require("pyarrow.parquet", "convert")
+        pf = pq.ParquetFile(path)
+        if self.key not in pf.schema_arrow.names:
+            self._missing_column(path, pf.schema_arrow.names, pf.metadata.num_rows)
+            return
+        row = 0
+        for batch in pf.iter_batches(batch_size=ARROW_BATCH_ROWS, columns=[self.key]):
+            yield from self._column(batch.column(0), path, row, pa)
+            row += batch.num_rows
+
+    def _hf(self, path: Path) -> Iterator[str | np.ndarray]:
+        pa = require("pyarrow", "convert")
+        datasets = require("datasets", "hf")
+        ds = datasets.load_from_disk(str(path))
+        if self.key not in ds.column_names:
+            self._missing_column(path, ds.column_names, len(ds))
+            return
+        row = 0
+        table_batches = ds.select_columns([self.key]).with_format("arrow")
+        for table in table_batches.iter(batch_size=ARROW_BATCH_ROWS):
+            yield from self._column(table.column(0).combine_chunks(), path, row, pa)
+            row += table.num_rows

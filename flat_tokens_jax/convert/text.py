@@ -1,0 +1,397 @@
+"""Tokenize text corpora (JSONL, Parquet, saved datasets) into a flat-tokens dataset.
+
+:func:`convert` runs the pure core of :mod:`flat_tokens_jax.convert.tokenizer`
+over batches of documents that :mod:`flat_tokens_jax.convert.inputs` reads,
+in threads or worker processes, and writes the results in input order with
+:class:`DatasetWriter`, routing documents to the validation split and stopping
+at a token budget. ``add_commands`` adds ``flat-tokens convert``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import BrokenExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from flat_tokens_jax.convert.inputs import RecordReader, expand_inputs, require
+from flat_tokens_jax.convert.tokenizer import (
+    BOS_CANDIDATES,
+    EOS_CANDIDATES,
+    Batch,
+    BatchTokenizer,
+    LoadedTokenizer,
+    Packed,
+    batch_encoder,
+    load_tokenizer,
+    validation_mask,
+)
+from flat_tokens_jax.format import encode_concatenated
+from flat_tokens_jax.writer import DatasetWriter, Layout
+
+log = logging.getLogger(__name__)
+
+# A tokenization batch ends at BATCH_DOCS documents or BATCH_CHARS characters
+# (tokens, for pre-tokenized input): enough work for the tokenizer's threads,
+# little memory per task. Batches never depend on `workers`, so neither does the output.
+BATCH_DOCS = 1024
+BATCH_CHARS = 1 << 20
+
+
+def _batches(docs: Iterable[str | np.ndarray], fraction: float) -> Iterator[Batch]:
+    batch: list[Any] = []
+    size = 0
+    for doc in docs:
+        batch.append(doc)
+        size += len(doc)
+        if len(batch) >= BATCH_DOCS or size >= BATCH_CHARS:
+            yield batch, validation_mask(batch, fraction)
+            batch, size = [], 0
+    if batch:
+        yield batch, validation_mask(batch, fraction)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertOptions:
+    """What :func:`convert` does besides where it reads and writes; see there."""
+
+    tokenizer: str | None = None
+    text_key: str = "text"
+    tokens_key: str | None = None
+    validation_fraction: float = 0.0
+    workers: int = 1
+    append_eos: bool = False
+    prepend_bos: bool = False
+    add_special_tokens: bool = False
+    max_tokens: int | None = None
+    skip_bad: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tokenizer is None and self.tokens_key is None:
+            raise ValueError(
+                "pass tokenizer= (a tokenizers JSON file or a transformers tokenizer "
+                "directory), or tokens_key= to read token ids that are already there"
+            )
+        if self.tokenizer is None and (self.append_eos or self.prepend_bos):
+            raise ValueError("append_eos and prepend_bos need tokenizer= to find the ids")
+        if not 0.0 <= self.validation_fraction < 1.0:
+            raise ValueError(
+                f"validation_fraction must be in [0, 1), got {self.validation_fraction}"
+            )
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {self.workers}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be positive or None, got {self.max_tokens}")
+
+
+def _special_ids(tok: LoadedTokenizer | None, opts: ConvertOptions) -> tuple[Any, Any]:
+    bos = tok.bos_id if tok and opts.prepend_bos else None
+    eos = tok.eos_id if tok and opts.append_eos else None
+    for asked, found, what, names in (
+        (opts.prepend_bos, bos, "prepend_bos: no beginning-of-sequence", BOS_CANDIDATES),
+        (opts.append_eos, eos, "append_eos: no end-of-sequence", EOS_CANDIDATES),
+    ):
+        if asked and found is None:
+            name = tok.name if tok else "?"
+            raise ValueError(
+                f"{what} token in {name} (looked for {', '.join(names)}); use a "
+                "transformers tokenizer directory whose config names it"
+            )
+    return bos, eos
+
+
+@dataclasses.dataclass
+class _Totals:
+    """Running counts of one conversion, and the writing of each tokenized batch."""
+
+    max_tokens: int | None
+    documents: dict[str, int] = dataclasses.field(
+        default_factory=lambda: {"train": 0, "validation": 0}
+    )
+    tokens: dict[str, int] = dataclasses.field(
+        default_factory=lambda: {"train": 0, "validation": 0}
+    )
+    skipped_empty: int = 0
+    skipped_bad: int = 0
+    stopped_early: bool = False
+
+    def write(self, writer: DatasetWriter, packed: Packed, validation: np.ndarray) -> int:
+        """Writes one batch, cut at the token budget; returns the tokens written."""
+        ids, lengths = packed
+        if self.max_tokens is not None:
+            room = self.max_tokens - sum(self.tokens.values())
+            over = np.flatnonzero(np.cumsum(lengths) > room)
+            if over.size:
+                self.stopped_early = True
+                lengths, validation = lengths[: over[0]], validation[: over[0]]
+                ids = ids[: int(lengths.sum())]
+        nonempty = lengths > 0
+        self.skipped_empty += int(lengths.size - np.count_nonzero(nonempty))
+        for split, chosen in (
+            ("train", nonempty & ~validation),
+            ("validation", nonempty & validation),
+        ):
+            if not chosen.any():
+                continue
+            sizes = lengths[chosen]
+            part = ids if chosen.all() else ids[np.repeat(chosen, lengths)]
+            writer.extend_encoded(split, encode_concatenated(part, np.cumsum(sizes) - sizes), sizes)
+            self.documents[split] += int(sizes.size)
+            self.tokens[split] += int(part.size)
+        return int(ids.size)
+
+
+def _progress_bar(progress: bool | None) -> Any:
+    if progress is False or (progress is None and not sys.stderr.isatty()):
+        return None
+    try:
+        tqdm = require("tqdm", "convert")
+    except ImportError:
+        if progress:
+            log.warning("no progress bar: tqdm is not installed")
+        return None
+    return tqdm.tqdm(desc="convert", unit="tok", unit_scale=True, file=sys.stderr)
+
+
+def _paths(x: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Any]:
+    return [x] if isinstance(x, str | os.PathLike) else list(x)
+
+
+def convert(
+    inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    output: str | os.PathLike[str],
+    *,
+    tokenizer: str | os.PathLike[str] | None = None,
+    text_key: str = "text",
+    tokens_key: str | None = None,
+    validation_fraction: float = 0.0,
+    validation_inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] = (),
+    workers: int = 1,
+    append_eos: bool = False,
+    prepend_bos: bool = False,
+    add_special_tokens: bool = False,
+    max_tokens: int | None = None,
+    skip_bad: bool = False,
+    layout: Layout | None = None,
+    overwrite: bool = False,
+    progress: bool | None = None,
+) -> dict[str, Any]:
+    """Tokenizes documents into a new flat-tokens dataset, one sequence per document.
+
+    Documents keep their input order within each split, and the output is the
+    same, byte for byte, whatever ``workers``. The dataset becomes valid only at
+    the end: an error or Ctrl-C leaves nothing that :func:`open_dataset` accepts.
+
+    Args:
+        inputs: files or globs (each expanded and sorted; pattern order kept):
+            ``.jsonl``/``.json`` (optionally ``.gz``/``.zst``), ``.parquet``, or
+            directories written by ``datasets``' ``save_to_disk``.
+        output: the new dataset's path or URL.
+        tokenizer: a ``tokenizers`` JSON file or ``transformers`` tokenizer directory.
+        text_key: the field holding each document's text.
+        tokens_key: read token ids (a list of ints per record) from this field
+            instead of tokenizing text; ``tokenizer`` is then only needed for
+            ``append_eos``/``prepend_bos``.
+        validation_fraction: send about this fraction of documents to
+            "validation", chosen by a hash of each one (:func:`validation_mask`).
+        validation_inputs: or read "validation" from these files (after "train").
+        workers: tokenize in this many processes (1: in this one, on the
+            tokenizer's own thread pool).
+        append_eos: end every document with the tokenizer's eos id.
+        prepend_bos: start every document with the tokenizer's bos id.
+        add_special_tokens: let the tokenizer's post-processor add its tokens.
+        max_tokens: stop before the first document that would take the total
+            (both splits) past this; documents are never cut.
+        skip_bad: count and skip bad records instead of stopping at the first.
+        layout: chunking and compression of the output.
+        overwrite: replace an existing dataset at ``output``.
+        progress: a tqdm bar on stderr; ``None``: when stderr is a terminal.
+
+    Returns:
+        A JSON-ready summary: ``documents``, ``tokens``, ``skipped_empty``,
+        ``skipped_bad``, ``splits`` (``documents`` and ``tokens`` of each),
+        ``stopped_early``, ``seconds``, ``tokens_per_s`` and the settings.
+
+    Raises:
+        InputError: a bad record (naming its file and line or row) or input file.
+        ValueError: bad arguments, or a tokenizer that cannot be used.
+        FileExistsError: ``output`` exists and ``overwrite`` is off.
+    """
+    opts = ConvertOptions(
+        tokenizer=None if tokenizer is None else os.fspath(tokenizer),
+        text_key=text_key,
+        tokens_key=tokens_key,
+        validation_fraction=validation_fraction,
+        workers=workers,
+        append_eos=append_eos,
+        prepend_bos=prepend_bos,
+        add_special_tokens=add_special_tokens,
+        max_tokens=max_tokens,
+        skip_bad=skip_bad,
+    )
+    started = time.perf_counter()
+    train_paths = expand_inputs(_paths(inputs))
+    valid_paths = expand_inputs(_paths(validation_inputs))
+    if not train_paths:
+        raise ValueError("no inputs given")
+    if valid_paths and opts.validation_fraction:
+        raise ValueError("pass validation_fraction or validation_inputs, not both")
+    tok = load_tokenizer(opts.tokenizer) if opts.tokenizer else None
+    bos, eos = _special_ids(tok, opts)
+    text_tokenizer = None if tok is None or opts.tokens_key else tok.tokenizer
+    tokenize = BatchTokenizer(text_tokenizer, bos, eos, opts.add_special_tokens)
+    passes = [(train_paths, opts.validation_fraction, False)]
+    if valid_paths:
+        passes.append((valid_paths, 0.0, True))
+    totals = _Totals(opts.max_tokens)
+    with DatasetWriter(output, layout=layout, overwrite=overwrite) as writer:
+        _write_all(writer, passes, tokenize, opts, totals, _progress_bar(progress))
+    seconds = time.perf_counter() - started
+    tokens = sum(totals.tokens.values())
+    return {
+        "output": os.fspath(output),
+        "input_files": len(train_paths),
+        "validation_files": len(valid_paths),
+        "tokenizer": tok.name if tok else None,
+        "documents": sum(totals.documents.values()),
+        "tokens": tokens,
+        "skipped_empty": totals.skipped_empty,
+        "skipped_bad": totals.skipped_bad,
+        "splits": {
+            s: {"documents": totals.documents[s], "tokens": totals.tokens[s]}
+            for s in totals.documents
+        },
+        "stopped_early": totals.stopped_early,
+        "max_tokens": opts.max_tokens,
+        "workers": opts.workers,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1),
+    }
+
+
+def _write_all(
+    writer: DatasetWriter,
+    passes: Sequence[tuple[list[Path], float, bool]],
+    tokenize: BatchTokenizer,
+    opts: ConvertOptions,
+    totals: _Totals,
+    bar: Any,
+) -> None:
+    """Reads, tokenizes and writes each pass: (files, validation fraction, all validation)."""
+    key = opts.tokens_key or opts.text_key
+    try:
+        with batch_encoder(tokenize, opts.workers) as encode:
+            for paths, fraction, all_validation in passes:
+                reader = RecordReader(
+                    paths, key, tokens=opts.tokens_key is not None, skip_bad=opts.skip_bad
+                )
+                try:
+                    with contextlib.closing(encode(_batches(reader, fraction))) as results:
+                        for mask, packed in results:
+                            written = totals.write(writer, packed, mask | all_validation)
+                            if bar is not None:
+                                bar.update(written)
+                                bar.set_postfix(docs=sum(totals.documents.values()))
+                            if totals.stopped_early:
+                                return
+                finally:
+                    totals.skipped_bad += reader.skipped_bad
+                    totals.skipped_empty += reader.skipped_empty
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def add_commands(subparsers: Any) -> None:
+    """Registers ``flat-tokens convert``."""
+    p = subparsers.add_parser(
+        "convert", help="tokenize JSONL, Parquet or saved datasets into a new dataset"
+    )
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="files or globs: .jsonl/.json (.gz, .zst), .parquet, save_to_disk directories",
+    )
+    p.add_argument("output", metavar="OUTPUT", help="the new dataset")
+    p.add_argument("--tokenizer", help="tokenizers JSON file or transformers tokenizer directory")
+    p.add_argument("--text-key", default="text", help="field with the text (default: text)")
+    p.add_argument("--tokens-key", help="field with token ids, for input already tokenized")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--validation-fraction",
+        type=float,
+        default=0.0,
+        help="send about this fraction of documents, chosen by a hash of each, to validation",
+    )
+    g.add_argument(
+        "--validation",
+        nargs="+",
+        default=[],
+        metavar="INPUT",
+        help="inputs of the validation split",
+    )
+    p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
+    p.add_argument("--append-eos", action="store_true", help="end each document with eos")
+    p.add_argument("--prepend-bos", action="store_true", help="start each document with bos")
+    p.add_argument(
+        "--add-special-tokens", action="store_true", help="let the tokenizer add its own"
+    )
+    p.add_argument("--max-tokens", type=int, help="stop before passing this many tokens")
+    p.add_argument("--skip-bad", action="store_true", help="skip and count bad records")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(run=_cmd_convert)
+
+
+def _format_summary(s: dict[str, Any]) -> str:
+    parts = ", ".join(
+        f"{name} {v['documents']:,} documents / {v['tokens']:,} tokens"
+        for name, v in s["splits"].items()
+    )
+    early = f"; stopped at max_tokens {s['max_tokens']:,}" if s["stopped_early"] else ""
+    return (
+        f"wrote {s['output']}: {parts}; skipped {s['skipped_empty']:,} empty, "
+        f"{s['skipped_bad']:,} bad{early}; {s['seconds']:.1f}s, "
+        f"{s['tokens_per_s'] / 1e6:.2f}M tokens/s"
+    )
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    try:
+        summary = convert(
+            args.inputs,
+            args.output,
+            tokenizer=args.tokenizer,
+            text_key=args.text_key,
+            tokens_key=args.tokens_key,
+            validation_fraction=args.validation_fraction,
+            validation_inputs=args.validation,
+            workers=args.workers,
+            append_eos=args.append_eos,
+            prepend_bos=args.prepend_bos,
+            add_special_tokens=args.add_special_tokens,
+            max_tokens=args.max_tokens,
+            skip_bad=args.skip_bad,
+            overwrite=args.overwrite,
+            progress=False if args.no_progress else None,
+        )
+    except (ValueError, OSError, ImportError, BrokenExecutor) as e:  # InputError, FileExistsError
+        print(f"convert: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"convert: interrupted; {args.output} was not written", file=sys.stderr)
+        return 130
+    print(json.dumps(summary) if args.json else _format_summary(summary))
+    return 0

@@ -1,0 +1,326 @@
+"""Tokenizing: load a tokenizer, tokenize batches, choose the validation split.
+
+The core is pure, apart from reading inputs and writing datasets, so that a
+distributed runner (an Apache Beam ``DoFn``, say) can call it as it is:
+:func:`load_tokenizer` once per worker, then :func:`tokenize_batch`,
+:func:`validation_mask` and :func:`pack` on each batch of documents.
+:func:`batch_encoder` runs batches through threads or worker processes, in
+order. ``tokenizers`` (and ``transformers`` for a tokenizer directory) are
+imported only when a tokenizer is loaded.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import multiprocessing
+import os
+import signal
+import tempfile
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from concurrent.futures import (
+    BrokenExecutor,
+    Executor,
+    Future,
+    ProcessPoolExecutor,
+    ThreadPoolExecutor,
+)
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from flat_tokens_jax.convert.inputs import require
+from flat_tokens_jax.format import MAX_TOKEN_ID
+
+log = logging.getLogger(__name__)
+
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")
+
+Packed = tuple[np.ndarray, np.ndarray]  # (ids [num_tokens] int32, lengths [num_docs] int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedTokenizer:
+    """A ``tokenizers.Tokenizer`` (truncation and padding off) and its special ids.
+
+    Attributes:
+        tokenizer: the ``tokenizers.Tokenizer``.
+        name: where it came from, for messages.
+        bos_id: beginning-of-sequence id, ``None`` if it has none.
+        eos_id: end-of-sequence id, ``None`` if it has none.
+    """
+
+    tokenizer: Any
+    name: str
+    bos_id: int | None
+    eos_id: int | None
+
+
+def _find_token(tokenizer: Any, candidates: Sequence[str]) -> int | None:
+    for token in candidates:
+        found = tokenizer.token_to_id(token)
+        if found is not None:
+            return int(found)
+    return None
+
+
+def _check_vocabulary(tokenizer: Any, name: str) -> None:
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    token, top = max(vocab.items(), key=lambda kv: kv[1], default=("", 0))
+    if top > MAX_TOKEN_ID:
+        raise ValueError(
+            f"{name}: token {token!r} has id {top}, above {MAX_TOKEN_ID}, the largest id "
+            "the flat-tokens format stores; use a tokenizer with a smaller vocabulary"
+        )
+    zero = tokenizer.id_to_token(0)
+    special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    if zero is not None and 0 not in special:
+        log.warning(
+            "%s: token id 0 (%r) is an ordinary token, but flat-tokens readers feed id 0 as "
+            "the input where a sequence starts, so a model cannot tell a start from %r: "
+            "train with LoaderConfig(start_token_id=<a special id, e.g. the eos id>)",
+            name,
+            zero,
+            zero,
+        )
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> LoadedTokenizer:
+    """Loads a ``tokenizers`` JSON file or a ``transformers`` tokenizer directory.
+
+    A directory is read with ``AutoTokenizer.from_pretrained(path,
+    local_files_only=True)`` and must hold a fast tokenizer; its backend
+    ``tokenizers.Tokenizer`` does the work, with the directory's
+    ``bos_token_id`` and ``eos_token_id``. A JSON file's special ids are the
+    first of :data:`BOS_CANDIDATES` / :data:`EOS_CANDIDATES` in its vocabulary.
+    Truncation and padding stored in the tokenizer are turned off.
+
+    Raises:
+        FileNotFoundError: no such file or directory.
+        ValueError: a slow tokenizer, or ids above ``2**31 - 1``.
+        ImportError: ``tokenizers`` (or ``transformers`` for a directory) missing.
+    """
+    p = Path(path)
+    tokenizers = require("tokenizers", "convert")
+    if p.is_dir():
+        transformers = require("transformers", "hf")
+        hf = transformers.AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+        if not getattr(hf, "is_fast", False):
+            raise ValueError(
+                f"{p}: {type(hf).__name__} is a slow (Python) tokenizer; save a fast one "
+                "(with tokenizer.json) there, e.g. AutoTokenizer.from_pretrained(..., "
+                "use_fast=True).save_pretrained(dir)"
+            )
+        tok = tokenizers.Tokenizer.from_str(hf.backend_tokenizer.to_str())
+        bos, eos = hf.bos_token_id, hf.eos_token_id
+    elif p.is_file():
+        tok = tokenizers.Tokenizer.from_file(str(p))
+        bos, eos = _find_token(tok, BOS_CANDIDATES), _find_token(tok, EOS_CANDIDATES)
+    else:
+        raise FileNotFoundError(f"tokenizer {p}: no such file or directory")
+    tok.no_truncation()
+    tok.no_padding()
+    _check_vocabulary(tok, str(p))
+    return LoadedTokenizer(tok, str(p), bos, eos)
+
+
+def tokenize_batch(
+    texts: Sequence[str],
+    tokenizer: Any,
+    *,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
+    add_special_tokens: bool = False,
+) -> list[np.ndarray]:
+    """Token ids of each text, in order: ``[n_i] int32`` arrays.
+
+    A pure function of its arguments, safe to call from several threads. It
+    uses ``encode_batch_fast`` (the same ids, without character offsets) where
+    ``tokenizers`` has it, else ``encode_batch``; either spreads the batch over
+    the tokenizer's thread pool.
+
+    Args:
+        texts: the documents.
+        tokenizer: a ``tokenizers.Tokenizer``.
+        bos_id: prepended to every document when not ``None``.
+        eos_id: appended to every document when not ``None``.
+        add_special_tokens: let the tokenizer's post-processor add its own.
+    """
+    encode = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
+    encodings = encode(list(texts), add_special_tokens=add_special_tokens)
+    if bos_id is None and eos_id is None:
+        return [np.array(e.ids, np.int32) for e in encodings]
+    pre = [] if bos_id is None else [bos_id]
+    post = [] if eos_id is None else [eos_id]
+    return [np.array(pre + e.ids + post, np.int32) for e in encodings]
+
+
+def _digest(doc: str | np.ndarray) -> bytes:
+    data = doc.encode("utf-8") if isinstance(doc, str) else doc.astype("<u4").tobytes()
+    return hashlib.blake2b(data, digest_size=8).digest()
+
+
+def validation_mask(docs: Sequence[str | np.ndarray], fraction: float) -> np.ndarray:
+    """``[len(docs)] bool``: which documents belong to the validation split.
+
+    Document ``d`` does when ``h(d) / 2**64 < fraction``, where ``h(d)`` is
+    blake2b with an 8-byte digest (``digest_size=8``) of its UTF-8 text, or of
+    its token ids as little-endian ``uint32`` for pre-tokenized input, read as a
+    big-endian integer. A pure function of each document: the same whatever its
+    position, file, worker count or machine.
+
+    Example:
+        >>> validation_mask(["a", "b", "c", "d", "e", "f"], 0.5).tolist()
+        [True, False, True, False, True, True]
+    """
+    if fraction <= 0:
+        return np.zeros(len(docs), bool)
+    limit = int(fraction * 2**64)
+    return np.fromiter(
+        (int.from_bytes(_digest(d), "big") < limit for d in docs), bool, count=len(docs)
+    )
+
+
+def pack(arrays: Sequence[np.ndarray]) -> Packed:
+    """``(ids [sum n_i] int32, lengths [k] int64)`` of ``k`` token arrays."""
+    lengths = np.fromiter((a.size for a in arrays), np.int64, count=len(arrays))
+    ids = np.concatenate(arrays).astype(np.int32, copy=False) if arrays else np.zeros(0, np.int32)
+    return ids, lengths
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchTokenizer:
+    """Turns a batch of documents into :data:`Packed` token ids.
+
+    The documents are texts, or ``int32`` token arrays when ``tokenizer`` is
+    ``None``; ``bos_id``/``eos_id`` (when not ``None``) go around each one.
+    """
+
+    tokenizer: Any
+    bos_id: int | None
+    eos_id: int | None
+    add_special_tokens: bool
+
+    def __call__(self, docs: list[Any]) -> Packed:
+        if self.tokenizer is not None:
+            return pack(
+                tokenize_batch(
+                    docs,
+                    self.tokenizer,
+                    bos_id=self.bos_id,
+                    eos_id=self.eos_id,
+                    add_special_tokens=self.add_special_tokens,
+                )
+            )
+        pre = [] if self.bos_id is None else [np.array([self.bos_id], np.int32)]
+        post = [] if self.eos_id is None else [np.array([self.eos_id], np.int32)]
+        return pack([np.concatenate([*pre, d, *post]) for d in docs] if pre or post else docs)
+
+
+# Set by _init_worker in each worker process of the pool, and only there: the
+# pool's tasks carry documents, not the tokenizer, which every task would re-send.
+_worker_tokenize: BatchTokenizer | None = None
+
+
+def _init_worker(tokenizer_file: str, settings: tuple[Any, ...], threads: int) -> None:
+    global _worker_tokenize
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops the pool
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
+    os.environ["RAYON_NUM_THREADS"] = str(threads)
+    tokenizers = require("tokenizers", "convert")
+    _worker_tokenize = BatchTokenizer(tokenizers.Tokenizer.from_file(tokenizer_file), *settings)
+
+
+def _work(docs: list[str]) -> Packed:
+    if _worker_tokenize is None:
+        raise RuntimeError("_work runs only in a worker started by _init_worker")
+    return _worker_tokenize(docs)
+
+
+def _cpu_count() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+Batch = tuple[list[Any], np.ndarray]  # (documents, validation mask [k] bool)
+Encoder = Callable[[Iterable[Batch]], Generator[tuple[np.ndarray, Packed], None, None]]
+
+
+def _ordered(
+    pool: Executor, fn: Callable[[list[Any]], Packed], batches: Iterable[Batch], depth: int
+) -> Generator[tuple[np.ndarray, Packed], None, None]:
+    """Results of ``fn`` on each batch's documents, in order, at most ``depth`` in flight.
+
+    The bound keeps reading from running far ahead of tokenizing (``Pool.imap``
+    would read the whole input into memory).
+    """
+    window: collections.deque[tuple[np.ndarray, Future[Packed]]] = collections.deque()
+    try:
+        for docs, mask in batches:
+            window.append((mask, pool.submit(fn, docs)))
+            if len(window) >= depth:
+                done_mask, future = window.popleft()
+                yield done_mask, future.result()
+        while window:
+            done_mask, future = window.popleft()
+            yield done_mask, future.result()
+    except BrokenExecutor as e:
+        raise BrokenExecutor(
+            "a tokenizer worker process died (out of memory? or a script that starts "
+            "workers=N without `if __name__ == '__main__':`)"
+        ) from e
+    finally:
+        for _, future in window:
+            future.cancel()
+
+
+@contextlib.contextmanager
+def batch_encoder(tokenize: BatchTokenizer, workers: int) -> Iterator[Encoder]:
+    """Yields a function from batches to their (validation mask, Packed), in order.
+
+    With ``workers == 1`` the work runs in this process's threads; otherwise in
+    ``workers`` processes started with "spawn", each loading the tokenizer once
+    (so a script that converts with workers must guard its top level with
+    ``if __name__ == "__main__":``). Either way the results, and so the
+    output, are the same.
+    """
+    if tokenize.tokenizer is None:
+        yield lambda batches: ((mask, tokenize(docs)) for docs, mask in batches)
+        return
+    pool: Executor
+    fn: Callable[[list[Any]], Packed]
+    stack = contextlib.ExitStack()
+    if workers == 1:
+        # Two batches in flight on the tokenizer's one thread pool (encode releases
+        # the GIL) keep its threads busy through each batch's last, longest
+        # documents, and reading and writing overlap tokenizing.
+        pool = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
+        fn, depth = tokenize, 2
+    else:
+        # The tokenizer travels as a file: spawn pipes its arguments to each
+        # child, and CPython (3.11) blocks for good writing more than a pipe's
+        # buffer to a child that died before reading it.
+        scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="flat-tokens-"))
+        tokenizer_file = os.path.join(scratch, "tokenizer.json")
+        tokenize.tokenizer.save(tokenizer_file)
+        settings = (tokenize.bos_id, tokenize.eos_id, tokenize.add_special_tokens)
+        threads = max(1, _cpu_count() // workers)
+        # spawn: the parent may hold tensorstore and jax threads, which fork would copy broken.
+        pool = ProcessPoolExecutor(
+            workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker,
+            initargs=(tokenizer_file, settings, threads),
+        )
+        fn, depth = _work, 2 * workers
+    with stack:
+        try:
+            yield lambda batches: _ordered(pool, fn, batches, depth)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)

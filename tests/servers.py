@@ -131,6 +131,8 @@ class DelayProxy:
         self._ready.set()
         self._loop.run_forever()
         server.close()
+        self._loop.run_until_complete(server.wait_closed())
+        self._loop.close()
 
     async def _pipe(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delayed: bool

@@ -108,13 +108,7 @@ def packed_fields(
         last_start = np.multiply(is_start, col, dtype=np.int32)
         np.maximum.accumulate(last_start, axis=1, out=last_start)
         np.subtract(col, last_start, out=positions)
-    return {
-        "inputs": inputs,
-        "targets": targets,
-        "segment_ids": segment_ids,
-        "positions": positions,
-        "loss_mask": loss_mask,
-    }
+    return dict(zip(FIELDS, (inputs, targets, segment_ids, positions, loss_mask), strict=True))
 
 
 def padded_fields(
@@ -172,13 +166,7 @@ def padded_fields(
     segment_ids = loss_mask.astype(np.int32)
     if stored_mask is not None:
         loss_mask &= stored_mask != 0
-    return {
-        "inputs": inputs,
-        "targets": targets,
-        "segment_ids": segment_ids,
-        "positions": positions,
-        "loss_mask": loss_mask,
-    }
+    return dict(zip(FIELDS, (inputs, targets, segment_ids, positions, loss_mask), strict=True))
 
 
 def packed_fields_jax(

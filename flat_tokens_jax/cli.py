@@ -9,33 +9,29 @@ from collections.abc import Sequence
 from typing import Any
 
 from flat_tokens_jax.convert import megatron, merge, text
+from flat_tokens_jax.convert.commands import add_store_flags, store_options
 from flat_tokens_jax.dataset import open_dataset
 from flat_tokens_jax.format import FormatError
 from flat_tokens_jax.loader import Loader, LoaderConfig
-from flat_tokens_jax.store import StoreOptions
+from flat_tokens_jax.store import StoreError
 from flat_tokens_jax.validation import summary, validate
 
 
 def _store_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("url", help="dataset path or URL (file://, memory://, gs://, s3://)")
-    parser.add_argument("--endpoint", help="s3:// only: S3-compatible endpoint URL")
-    parser.add_argument("--region", help="s3:// only: AWS region of the bucket")
-    parser.add_argument(
-        "--credentials", help="s3:// only: default, anonymous, environment, imds or ecs"
-    )
-
-
-def _options(args: argparse.Namespace) -> StoreOptions:
-    return StoreOptions(endpoint=args.endpoint, region=args.region, credentials=args.credentials)
+    add_store_flags(parser)
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     try:
-        validate(args.url, _options(args))
+        validate(args.url, store_options(args))
     except FormatError as e:
         print(f"{args.url}: INVALID, {len(e.problems)} problem(s):", file=sys.stderr)
         for p in e.problems:
             print(f"  {p}", file=sys.stderr)
+        return 1
+    except StoreError as e:
+        print(f"cannot read it: {e}", file=sys.stderr)
         return 1
     print(f"{args.url}: valid")
     return 0
@@ -68,8 +64,8 @@ def _format_info(info: dict[str, Any]) -> str:
 
 def _cmd_info(args: argparse.Namespace) -> int:
     try:
-        info = summary(args.url, _options(args))
-    except FormatError as e:
+        info = summary(args.url, store_options(args))
+    except (FormatError, StoreError) as e:
         print(f"{args.url}: {e}", file=sys.stderr)
         return 1
     print(json.dumps(info, indent=2) if args.json else _format_info(info))
@@ -87,10 +83,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
         prefetch=0,
     )
     try:
-        loader = Loader(open_dataset(args.url, _options(args))[args.split], config)
+        loader = Loader(open_dataset(args.url, store_options(args))[args.split], config)
         batch = loader.host_batch(args.step)
         provenance = loader.provenance(args.step)
-    except (FormatError, IndexError, KeyError, ValueError) as e:
+    except (FormatError, StoreError, IndexError, KeyError, ValueError) as e:
         print(f"{args.url}: {e}", file=sys.stderr)
         return 1
     rows = [

@@ -205,7 +205,7 @@ class Dataset(Mapping[str, FlatTokens]):
         if found is None:
             raise FormatError(
                 f"{store.url}: no flat-tokens dataset here (no zarr group metadata at its root); "
-                "the path is wrong, or a write to it did not finish"
+                "the bucket or path is wrong, or a write to it did not finish"
             )
         self.store = store
         self.zarr_format, self.attributes = found

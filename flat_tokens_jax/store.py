@@ -25,14 +25,10 @@ from flat_tokens_jax.format import FormatError
 from flat_tokens_jax.localshards import LocalShards, plain_shard_geometry
 
 SCHEMES = ("file", "memory", "gs", "s3")
-# A training batch is hundreds of small range reads, and prefetching keeps
-# several batches in flight: allow more concurrent requests than tensorstore's
-# default so that per-request latency overlaps instead of queueing.
-REMOTE_CONTEXT = {
-    "gcs_request_concurrency": {"limit": 128},
-    "s3_request_concurrency": {"limit": 128},
-}
 V3_META = "zarr.json"
+# zarr v3 array attribute: every chunk was written, fill values included, so
+# a missing chunk means a missing object, never a chunk of fill values.
+EVERY_CHUNK_STORED = "every_chunk_stored"
 V2_GROUP = ".zgroup"
 V2_ARRAY = ".zarray"
 V2_ATTRS = ".zattrs"
@@ -54,17 +50,53 @@ class StoreOptions:
             "profile": "p", "credentials_file": "/path"}``. ``None``: tensorstore's
             default chain. ``gs://`` credentials come from the environment, as
             tensorstore reads them.
+        concurrency: ``gs://``/``s3://``: HTTP requests in flight at once. A
+            batch is about one request per row, and prefetching keeps several
+            batches in flight, so this is what hides per-request latency.
+        retries: ``gs://``/``s3://``: attempts per request before a read fails
+            (throttling, 5xx answers, refused or dropped connections). A server
+            that stays down fails a read after the waits between attempts:
+            ``min(retry_delay * 2**k, max_retry_delay)`` for ``k < retries - 1``,
+            each plus up to ``min(1, retry_delay)`` seconds of jitter (at most
+            102 s with the defaults).
+        retry_delay: seconds before the first retry; doubling after each.
+        max_retry_delay: the longest wait between two attempts, in seconds.
+        timeout: seconds any one wait for data may take, retries included,
+            before :class:`StoreError` (a server that accepts connections but
+            never answers). ``None``: no limit.
+        cache_bytes: memory for cached shard indexes and chunks, per dataset.
+            Shard indexes are read once while they fit: ``16 * shard / chunk``
+            bytes per shard (32 KiB with the default layout).
         context: a ``tensorstore.Context`` to share caches and concurrency limits
-            between datasets. ``None``: one new context per dataset (one shared
-            in-process store for ``memory://``).
+            between datasets; it replaces ``concurrency``, ``retries``, the delays
+            and ``cache_bytes`` (see :func:`context_spec`). ``None``: one new
+            context per dataset (one shared in-process store for ``memory://``).
     """
 
     endpoint: str | None = None
     region: str | None = None
     credentials: str | Mapping[str, Any] | None = None
+    concurrency: int = 128
+    retries: int = 8
+    retry_delay: float = 1.0
+    max_retry_delay: float = 32.0
+    timeout: float | None = 600.0
+    cache_bytes: int = 256 << 20
     context: ts.Context | None = None
 
     def __post_init__(self) -> None:
+        for name in ("concurrency", "retries"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"StoreOptions.{name} must be at least 1")
+        if not 0 < self.retry_delay <= self.max_retry_delay:
+            raise ValueError(
+                "StoreOptions needs 0 < retry_delay <= max_retry_delay, got "
+                f"{self.retry_delay} and {self.max_retry_delay}"
+            )
+        if self.timeout is not None and self.timeout <= 0:
+            raise ValueError(f"StoreOptions.timeout must be positive or None, got {self.timeout}")
+        if self.cache_bytes < 0:
+            raise ValueError(f"StoreOptions.cache_bytes must be >= 0, got {self.cache_bytes}")
         if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
             raise ValueError(
                 f"StoreOptions.endpoint must be an http:// or https:// URL, got {self.endpoint!r}"
@@ -80,6 +112,71 @@ class StoreOptions:
                 f"StoreOptions.credentials {self.credentials!r} is not a credentials type: use "
                 "'default', 'anonymous', 'environment', 'imds', 'ecs' or a profile mapping"
             )
+
+
+class StoreError(OSError):
+    """Reading or writing a store failed: the server is unreachable or keeps
+    failing, access is denied, an object is missing, or a read timed out. The
+    message names the URL and what to check."""
+
+
+def _millis(seconds: float) -> str:
+    return f"{round(seconds * 1000)}ms"
+
+
+def context_spec(options: StoreOptions) -> dict[str, Any]:
+    """The tensorstore context spec of ``options``: request concurrency and
+    retries for GCS and S3, and the cache pool."""
+    retries = {
+        "max_retries": options.retries,
+        "initial_delay": _millis(options.retry_delay),
+        "max_delay": _millis(options.max_retry_delay),
+    }
+    return {
+        "gcs_request_concurrency": {"limit": options.concurrency},
+        "s3_request_concurrency": {"limit": options.concurrency},
+        "gcs_request_retries": retries,
+        "s3_request_retries": retries,
+        "cache_pool": {"total_bytes_limit": options.cache_bytes},
+    }
+
+
+_HINTS = {
+    "PERMISSION_DENIED": "access denied: check the credentials and their permissions",
+    "UNAUTHENTICATED": "not authenticated: check the credentials",
+    "NOT_FOUND": "an object of the store is missing (the store is incomplete or was deleted)",
+    "DEADLINE_EXCEEDED": "the server did not answer in time",
+}
+
+
+def store_error(url: str, error: BaseException, options: StoreOptions) -> StoreError:
+    """A :class:`StoreError` for a tensorstore failure at ``url``, saying what to check."""
+    text = str(error)
+    code = text.split(":", 1)[0]
+    if isinstance(error, TimeoutError):
+        hint = f"no answer within StoreOptions.timeout={options.timeout}s"
+    elif code in _HINTS:
+        hint = _HINTS[code]
+    elif "retry attempts failed" in text or code in ("UNAVAILABLE", "ABORTED"):
+        hint = (
+            f"the server failed {options.retries} attempts (StoreOptions.retries, "
+            "retry_delay, max_retry_delay): is it reachable?"
+        )
+    else:
+        hint = "read failed"
+    return StoreError(f"{url}: {hint}: {text}")
+
+
+def remote_reads() -> dict[str, int]:
+    """HTTP read requests sent to GCS and S3 by tensorstore in this process so
+    far (its ``/tensorstore/kvstore/{gcs,s3}/batch_read`` metrics), by scheme."""
+    counts = {}
+    for scheme, driver in (("gs", "gcs"), ("s3", "s3")):
+        found = ts.experimental_collect_matching_metrics(
+            f"/tensorstore/kvstore/{driver}/batch_read"
+        )
+        counts[scheme] = sum(int(v.get("value", 0)) for m in found for v in m["values"])
+    return counts
 
 
 class _MemoryContext:
@@ -167,8 +264,13 @@ class Store:
         elif self.spec["driver"] == "memory":
             self.context = _MemoryContext.get()
         else:
-            self.context = ts.Context(REMOTE_CONTEXT)
-        self.kv = ts.KvStore.open(self.spec, context=self.context).result()
+            self.context = ts.Context(context_spec(self.options))
+        self.kv = self.wait(ts.KvStore.open(self.spec, context=self.context))
+
+    def wait(self, future: Any) -> Any:
+        """The result of a tensorstore future, within the timeout; failures as
+        :class:`StoreError`."""
+        return wait(future, self.url, self.options)
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -179,7 +281,7 @@ class Store:
 
     def read_json(self, key: str) -> dict[str, Any] | None:
         """Parsed JSON at ``key``, or ``None`` if there is no such key."""
-        got = self.kv.read(key).result()
+        got = self.wait(self.kv.read(key))
         if got.state != "value":
             return None
         try:
@@ -191,16 +293,16 @@ class Store:
         return value
 
     def write_json(self, key: str, value: Mapping[str, Any]) -> None:
-        self.kv.write(key, json.dumps(value, indent=2, sort_keys=True).encode()).result()
+        self.wait(self.kv.write(key, json.dumps(value, indent=2, sort_keys=True).encode()))
 
     def keys(self) -> list[str]:
-        return [k.decode() for k in self.kv.list().result()]
+        return [k.decode() for k in self.wait(self.kv.list())]
 
     def delete(self, key: str) -> None:
-        self.kv.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result()
+        self.wait(self.kv.delete_range(ts.KvStore.KeyRange(key, key + "\0")))
 
     def delete_all(self) -> None:
-        self.kv.delete_range(ts.KvStore.KeyRange()).result()
+        self.wait(self.kv.delete_range(ts.KvStore.KeyRange()))
 
     def group_attributes(self, key: str) -> tuple[int, dict[str, Any]] | None:
         """``(zarr_format, attributes)`` of the group at ``key`` (``""`` is the root)."""
@@ -241,18 +343,35 @@ class Store:
         return None if meta is None else (2, meta)
 
     def open_array(
-        self, key: str, zarr_format: Literal[2, 3], meta: Mapping[str, Any] | None = None
+        self,
+        key: str,
+        zarr_format: Literal[2, 3],
+        meta: Mapping[str, Any] | None = None,
     ) -> ArrayReader:
         """A reader of the array at ``key``: tensorstore, else zarr-python.
 
-        Given the array's metadata ``meta``, uncompressed zarr v3 shards on local
-        disk are memory-mapped (see :mod:`flat_tokens_jax.localshards`).
+        Missing chunks read as the fill value (zarr's rule, for writers that
+        skip chunks of fill values), except in arrays whose metadata marks
+        every chunk as stored (ours): there, a missing chunk fails the read.
+        Arrays are immutable once written, so cached chunks and shard indexes
+        are used without asking the server again. Given the array's metadata
+        ``meta``, uncompressed zarr v3 shards on local disk are memory-mapped
+        (see :mod:`flat_tokens_jax.localshards`).
         """
         driver = "zarr3" if zarr_format == 3 else "zarr"
-        spec = {"driver": driver, "kvstore": self.sub(key), "open": True}
+        complete = bool(meta and (meta.get("attributes") or {}).get(EVERY_CHUNK_STORED))
+        spec = {
+            "driver": driver,
+            "kvstore": self.sub(key),
+            "open": True,
+            "recheck_cached_data": False,
+            "fill_missing_data_reads": not complete,
+        }
         try:
             handle = ts.open(spec, context=self.context, read=True).result()
         except ValueError as ts_error:
+            if not _unsupported_codec(ts_error):
+                raise store_error(f"{self.url}/{key}", ts_error, self.options) from ts_error
             try:
                 store = zarr_python_store(self.url, self.options)
                 arr = zarr.open_array(store, path=key, mode="r", zarr_format=zarr_format)
@@ -277,7 +396,21 @@ class Store:
                 folder = self.spec["path"] + key
                 dtype = np.dtype(handle.dtype.numpy_dtype)
                 local = LocalShards(folder, dtype, int(handle.shape[0]), geometry)
-        return TensorStoreArray(handle, local)
+        return TensorStoreArray(handle, local, f"{self.url}/{key}", self.options)
+
+
+def _unsupported_codec(error: ValueError) -> bool:
+    """Whether tensorstore refused an array's metadata (so zarr-python may open it),
+    rather than failed to reach it."""
+    return str(error).startswith(("INVALID_ARGUMENT", "FAILED_PRECONDITION"))
+
+
+def wait(future: Any, url: str, options: StoreOptions) -> Any:
+    """``future.result()`` within ``options.timeout``; failures as :class:`StoreError`."""
+    try:
+        return future.result(timeout=options.timeout)
+    except (ValueError, TimeoutError) as e:
+        raise store_error(url, e, options) from e
 
 
 class ByteCounter:
@@ -301,11 +434,14 @@ class Pending(Protocol):
 class _Futures:
     """Values read already, and tensorstore futures."""
 
-    def __init__(self, futures: list[Any]) -> None:
-        self.futures = futures
+    def __init__(self, futures: list[Any], url: str, options: StoreOptions) -> None:
+        self.futures, self.url, self.options = futures, url, options
 
     def result(self) -> list[np.ndarray]:
-        return [f if isinstance(f, np.ndarray) else f.result() for f in self.futures]
+        return [
+            f if isinstance(f, np.ndarray) else wait(f, self.url, self.options)
+            for f in self.futures
+        ]
 
 
 class _Done:
@@ -365,21 +501,28 @@ class _Reader:
 class TensorStoreArray(_Reader):
     """An :class:`ArrayReader` over a tensorstore handle."""
 
-    def __init__(self, store: ts.TensorStore, local: LocalShards | None = None) -> None:
+    def __init__(
+        self,
+        store: ts.TensorStore,
+        local: LocalShards | None = None,
+        url: str = "",
+        options: StoreOptions | None = None,
+    ) -> None:
         super().__init__(int(store.shape[0]), np.dtype(store.dtype.numpy_dtype))
         self.store = store
         self.local = local
+        self.url, self.options = url, options or StoreOptions()
 
     def request_ranges(self, starts: np.ndarray, stops: np.ndarray) -> Pending:
         self._count(int(np.sum(stops - starts)))
         pairs = zip(starts.tolist(), stops.tolist(), strict=True)
         if self.local is None:
-            return _Futures([self.store[a:b].read() for a, b in pairs])
+            return _Futures([self.store[a:b].read() for a, b in pairs], self.url, self.options)
         out = []
         for a, b in pairs:
             value = self.local.read(a, b)
             out.append(self.store[a:b].read() if value is None else value)
-        return _Futures(out)
+        return _Futures(out, self.url, self.options)
 
     def read_points(self, indices: np.ndarray) -> np.ndarray:
         idx = np.asarray(indices, np.int64)
@@ -388,7 +531,7 @@ class TensorStoreArray(_Reader):
             return np.zeros(0, self.dtype)
         value = None if self.local is None else self.local.read_points(idx)
         if value is None:
-            value = np.asarray(self.store.vindex[idx].read().result())
+            value = np.asarray(wait(self.store.vindex[idx].read(), self.url, self.options))
         return value
 
 

@@ -26,7 +26,7 @@ from flat_tokens_jax.format import (
     check_token_ids,
     encode_concatenated,
 )
-from flat_tokens_jax.store import V2_GROUP, V3_META, Store, StoreOptions
+from flat_tokens_jax.store import EVERY_CHUNK_STORED, V2_GROUP, V3_META, Store, StoreOptions
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ class Layout:
             "shape": [_PROVISIONAL_SIZE],
             "data_type": dtype.name,
             "fill_value": 0,
+            "attributes": {EVERY_CHUNK_STORED: True},
             "chunk_grid": {
                 "name": "regular",
                 "configuration": {"chunk_shape": [elements_per_shard]},
@@ -136,6 +137,7 @@ class _ArrayAppender:
             "kvstore": store.sub(key),
             "metadata": meta,
             "create": True,
+            "store_data_equal_to_fill_value": True,
         }
         self.array = ts.open(spec, context=store.context).result()
         self.buffer = np.empty(elements_per_shard, dtype)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
+import http.server
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -93,10 +96,49 @@ def moto_s3(bucket: str = "bucket") -> Iterator[str]:
         proc.wait()
 
 
-def aws_profile(folder: Path) -> dict[str, str]:
-    """A tensorstore ``aws_credentials`` spec for moto's test keys."""
+@contextlib.contextmanager
+def moto_s3_with_auth(bucket: str = "bucket") -> Iterator[tuple[str, str, str]]:
+    """moto's S3 server checking signatures, with ``bucket`` and one IAM user
+    allowed everything; yields ``(base URL, access key id, secret key)``."""
+    import boto3
+
+    port = free_port()
+    server = Path(sys.executable).with_name("moto_server")
+    # moto lets the first requests through unsigned: the start-up probe and
+    # the three IAM calls that create the user, its key and its policy.
+    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "4"}
+    proc = subprocess.Popen(
+        [str(server), "-H", "127.0.0.1", "-p", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait_for(base, proc)
+        anyone = {"endpoint_url": base, "region_name": "us-east-1"}
+        iam = boto3.client("iam", aws_access_key_id="x", aws_secret_access_key="x", **anyone)
+        iam.create_user(UserName="trainer")
+        key = iam.create_access_key(UserName="trainer")["AccessKey"]
+        policy = {
+            "Version": "2012-10-17",
+            "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}],
+        }
+        iam.put_user_policy(UserName="trainer", PolicyName="all", PolicyDocument=json.dumps(policy))
+        key_id, secret = key["AccessKeyId"], key["SecretAccessKey"]
+        s3 = boto3.client("s3", aws_access_key_id=key_id, aws_secret_access_key=secret, **anyone)
+        s3.create_bucket(Bucket=bucket)
+        yield base, key_id, secret
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def aws_profile(folder: Path, key_id: str = "testing", secret: str = "testing") -> dict[str, str]:
+    """A tensorstore ``aws_credentials`` spec for a profile with these keys
+    (moto's test keys by default)."""
     (folder / "credentials").write_text(
-        "[test]\naws_access_key_id = testing\naws_secret_access_key = testing\n"
+        f"[test]\naws_access_key_id = {key_id}\naws_secret_access_key = {secret}\n"
     )
     (folder / "config").write_text("[profile test]\nregion = us-east-1\n")
     return {
@@ -166,4 +208,84 @@ class DelayProxy:
 
     def close(self) -> None:
         asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
+        self._thread.join(5)
+
+
+class FaultProxy:
+    """An HTTP proxy on 127.0.0.1 that counts requests and answers some with errors.
+
+    ``fail(n, status)`` makes the next ``n`` requests get ``status`` (with an
+    empty body) instead of reaching the server. ``requests`` lists
+    ``(method, path, range header)`` of every request forwarded or failed;
+    ``failed`` counts the failed ones.
+    ``target_port`` may change at any time: each request opens a new
+    connection to the server.
+    """
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.requests: list[tuple[str, str, str | None]] = []
+        self.failed = 0
+        self._failures: list[int] = []
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+            def _any(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                with proxy._lock:
+                    proxy.requests.append((self.command, self.path, self.headers.get("Range")))
+                    status = proxy._failures.pop(0) if proxy._failures else None
+                    proxy.failed += status is not None
+                if status is not None:
+                    self.send_response(status)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                conn = http.client.HTTPConnection("127.0.0.1", proxy.target_port, timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                headers["Host"] = f"127.0.0.1:{proxy.target_port}"
+                try:
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    reply = conn.getresponse()
+                    data = reply.read()
+                except OSError:
+                    self.close_connection = True  # the server is gone: hang up, as it would
+                    return
+                self.send_response(reply.status, reply.reason)
+                for key, value in reply.getheaders():
+                    if key.lower() not in ("content-length", "transfer-encoding", "connection"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.port = int(self._server.server_address[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def fail(self, n: int, status: int = 503) -> None:
+        with self._lock:
+            self._failures.extend([status] * n)
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self.requests)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
         self._thread.join(5)

@@ -1,13 +1,15 @@
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tensorstore as ts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.localshards import plain_shard_geometry
-from flat_tokens_jax.store import TensorStoreArray
+from flat_tokens_jax.store import StoreError, TensorStoreArray
 
 
 def tokens_array(path: Path) -> TensorStoreArray:
@@ -52,20 +54,47 @@ def test_memory_mapped_reads_equal_tensorstore_reads(
     )
 
 
+def punch_hole(path: Path, start: int, stop: int) -> None:
+    """Writes zeros (the fill value) over ``[start, stop)`` of train's tokens the
+    way writers that skip fill values do: the chunk leaves its shard."""
+    spec = {
+        "driver": "zarr3",
+        "kvstore": {"driver": "file", "path": str(path / "train" / "encoded_tokens")},
+        "open": True,
+    }
+    array = ts.open(spec).result()
+    array[start:stop].write(np.zeros(stop - start, np.uint32)).result()
+
+
 def test_a_shard_that_is_not_plain_falls_back_to_tensorstore(tmp_path: Path) -> None:
-    # Token id 0 inside a sequence encodes to 0, the fill value: tensorstore leaves
-    # such all-zero inner chunks out of the shard, so shard 1 has holes.
-    values = [5] * 40 + [0] * 24 + [7] * 36
     ftj.write_dataset(
-        tmp_path, {"train": [values]}, layout=ftj.Layout(shard_tokens=32, chunk_tokens=8)
+        tmp_path, {"train": [[5] * 100]}, layout=ftj.Layout(shard_tokens=32, chunk_tokens=8)
     )
+    punch_hole(tmp_path, 40, 48)
+    meta_path = tmp_path / "train" / "encoded_tokens" / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["attributes"]["every_chunk_stored"]  # as zarr-python would write it
+    meta_path.write_text(json.dumps(meta))
     reader = tokens_array(tmp_path)
     assert reader.local is not None
     assert reader.local.shard_array(0) is not None
     assert reader.local.shard_array(1) is None
     assert reader.local.read(30, 40) is None
     got = reader.read_ranges(np.array([0, 30, 60]), np.array([10, 50, 100]))
-    assert [g.tolist() for g in got] == [[11] + [10] * 9, [10] * 10 + [0] * 10, [0] * 4 + [14] * 36]
+    assert [g.tolist() for g in got] == [[11] + [10] * 9, [10] * 10 + [0] * 8 + [10] * 2, [10] * 40]
+
+
+def test_a_chunk_missing_from_our_own_store_fails_the_read(tmp_path: Path) -> None:
+    ftj.write_dataset(
+        tmp_path, {"train": [[5] * 100]}, layout=ftj.Layout(shard_tokens=32, chunk_tokens=8)
+    )
+    reader = tokens_array(tmp_path)
+    assert reader.read_ranges(np.array([40]), np.array([48]))[0].tolist() == [10] * 8
+    punch_hole(tmp_path, 40, 48)
+    reader = tokens_array(tmp_path)
+    assert reader.read_ranges(np.array([0]), np.array([40]))[0].tolist() == [11] + [10] * 39
+    with pytest.raises(StoreError, match=r"missing.*encoded_tokens"):
+        reader.read_ranges(np.array([30]), np.array([50]))
 
 
 def test_compressed_or_foreign_layouts_are_not_memory_mapped(tmp_path: Path) -> None:

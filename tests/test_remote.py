@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -9,43 +12,85 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from servers import DelayProxy, aws_profile, fake_gcs, moto_s3
+from servers import DelayProxy, FaultProxy, aws_profile, fake_gcs, moto_s3, moto_s3_with_auth
 
 import flat_tokens_jax as ftj
+from flat_tokens_jax import cli
+from flat_tokens_jax.store import Store, StoreError
 
 pytestmark = pytest.mark.remote
 SEQS = [[i % 500 + 1] * (i % 37 + 1) for i in range(400)]
+SMALL = ftj.Layout(shard_tokens=1 << 10, chunk_tokens=1 << 6)
+# Retries that give up fast: 3 attempts, 0.05 s then 0.1 s apart.
+FAST = {"retries": 3, "retry_delay": 0.05, "max_retry_delay": 0.2}
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+@dataclasses.dataclass
+class Remote:
+    """A bucket behind a :class:`FaultProxy`: ``root`` is ``gs://bucket`` or
+    ``s3://bucket``, ``options`` reach it through the proxy."""
+
+    root: str
+    proxy: FaultProxy
+    options: ftj.StoreOptions
+
+    def with_options(self, **changes: object) -> ftj.StoreOptions:
+        return dataclasses.replace(self.options, **changes)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
-def gcs_bucket() -> Iterator[str]:
+def gcs() -> Iterator[Remote]:
     with fake_gcs() as base:
+        proxy = FaultProxy(port_of(base))
         # tensorstore reads these at its first gcs open in this process.
-        os.environ["TENSORSTORE_GCS_HTTP_URL"] = base
+        os.environ["TENSORSTORE_GCS_HTTP_URL"] = proxy.url
         os.environ["GOOGLE_AUTH_TOKEN_FOR_TESTING"] = "test"
-        yield "gs://bucket"
+        try:
+            yield Remote("gs://bucket", proxy, ftj.StoreOptions())
+        finally:
+            proxy.close()
 
 
 @pytest.fixture(scope="module")
-def s3_options(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ftj.StoreOptions]:
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Remote]:
     with moto_s3() as base:
-        yield ftj.StoreOptions(
-            endpoint=base,
+        proxy = FaultProxy(port_of(base))
+        options = ftj.StoreOptions(
+            endpoint=proxy.url,
             region="us-east-1",
             credentials=aws_profile(tmp_path_factory.mktemp("aws")),
         )
+        try:
+            yield Remote("s3://bucket", proxy, options)
+        finally:
+            proxy.close()
 
 
-def check_remote_copy(url: str, options: ftj.StoreOptions, local: Path) -> None:
-    layout = ftj.Layout(shard_tokens=1 << 10, chunk_tokens=1 << 6)
-    ftj.write_dataset(local, {"train": SEQS, "validation": SEQS[:9]}, layout=layout)
-    ftj.write_dataset(url, {"train": SEQS, "validation": SEQS[:9]}, layout=layout, options=options)
-    ftj.validate(url, options)
-    assert ftj.summary(url, options)["splits"]["train"]["num_tokens"] == sum(map(len, SEQS))
-    with pytest.raises(FileExistsError):
-        ftj.write_dataset(url, {"train": SEQS}, options=options)
+@pytest.fixture(params=["gcs", "s3"])
+def remote(request: pytest.FixtureRequest) -> Remote:
+    found: Remote = request.getfixturevalue(request.param)
+    return found
+
+
+def unique(remote: Remote, name: str) -> str:
+    """A URL under the bucket that no other test uses."""
+    return f"{remote.root}/{name}-{time.monotonic_ns()}"
+
+
+def local_and_remote(remote: Remote, tmp_path: Path, options: ftj.StoreOptions) -> tuple[str, Path]:
+    url = unique(remote, "ds")
+    ftj.write_dataset(tmp_path, {"train": SEQS, "validation": SEQS[:9]}, layout=SMALL)
+    ftj.write_dataset(url, {"train": SEQS, "validation": SEQS[:9]}, layout=SMALL, options=options)
+    return url, tmp_path
+
+
+def assert_same_batches(url: str, options: ftj.StoreOptions, local: Path, **config: int) -> None:
     for packing in (True, False):
-        cfg = ftj.LoaderConfig(batch_size=8, seq_len=32, packing=packing, seed=2)
+        cfg = ftj.LoaderConfig(batch_size=8, seq_len=32, packing=packing, seed=2, **config)
         remote = ftj.Loader(ftj.open_dataset(url, options)["train"], cfg)
         here = ftj.Loader(ftj.open_dataset(local)["train"], cfg)
         for step in (0, 3, 17):
@@ -53,39 +98,193 @@ def check_remote_copy(url: str, options: ftj.StoreOptions, local: Path) -> None:
                 np.testing.assert_array_equal(value, here.host_batch(step)[key])
 
 
-def test_gcs_round_trip_equals_local(gcs_bucket: str, tmp_path: Path) -> None:
-    check_remote_copy(f"{gcs_bucket}/ds", ftj.StoreOptions(), tmp_path / "local")
+def test_round_trip_equals_local(remote: Remote, tmp_path: Path) -> None:
+    url, local = local_and_remote(remote, tmp_path, remote.options)
+    ftj.validate(url, remote.options)
+    assert ftj.summary(url, remote.options)["splits"]["train"]["num_tokens"] == sum(map(len, SEQS))
+    with pytest.raises(FileExistsError):
+        ftj.write_dataset(url, {"train": SEQS}, options=remote.options)
+    assert_same_batches(url, remote.options, local)
 
 
-def test_s3_round_trip_equals_local(s3_options: ftj.StoreOptions, tmp_path: Path) -> None:
-    check_remote_copy("s3://bucket/ds", s3_options, tmp_path / "local")
+def store_flags(remote: Remote) -> list[str]:
+    if remote.root.startswith("gs://"):
+        return []
+    assert remote.options.endpoint is not None
+    endpoint = ["--endpoint", remote.options.endpoint, "--region", "us-east-1"]
+    return [*endpoint, "--credentials", "environment"]
 
 
-def test_interrupted_remote_write_does_not_open(s3_options: ftj.StoreOptions) -> None:
-    with (
-        pytest.raises(RuntimeError),
-        ftj.DatasetWriter("s3://bucket/broken", options=s3_options) as w,
-    ):
-        w.extend("train", SEQS)
-        raise RuntimeError("stop")
-    with pytest.raises(ftj.FormatError, match="did not finish"):
-        ftj.open_dataset("s3://bucket/broken", s3_options)
+def test_commands_read_and_write_remote_stores(
+    remote: Remote,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"tokens": s}) + "\n" for s in SEQS))
+    converted, merged = unique(remote, "converted"), unique(remote, "merged")
+    flags = store_flags(remote)
+    command = ["convert", str(docs), converted, "--tokens-key", "tokens", "--no-progress"]
+    assert cli.main(command + flags) == 0
+    assert cli.main(["merge", converted, converted, merged, *flags]) == 0
+    assert cli.main(["validate", merged, *flags]) == 0
+    capsys.readouterr()
+    assert cli.main(["info", merged, "--json", *flags]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["splits"]["train"]["num_sequences"] == 2 * len(SEQS)
+    ft = ftj.open_dataset(merged, remote.options)["train"]
+    got = [s.tolist() for s in ft.sequences(np.arange(ft.num_sequences))]
+    assert got == SEQS + SEQS
 
 
-def test_delay_proxy_delays_each_request(s3_options: ftj.StoreOptions) -> None:
-    assert s3_options.endpoint is not None
-    port = int(s3_options.endpoint.rsplit(":", 1)[1])
-    proxy = DelayProxy(port, 0.2)
-    try:
-        slow = ftj.StoreOptions(
-            endpoint=f"http://127.0.0.1:{proxy.port}",
-            region="us-east-1",
-            credentials=s3_options.credentials,
+@pytest.mark.parametrize("status", [503, 500, 429])
+def test_transient_errors_are_retried_with_identical_batches(
+    remote: Remote, tmp_path: Path, status: int
+) -> None:
+    url, local = local_and_remote(remote, tmp_path, remote.options)
+    failed = remote.proxy.failed
+    remote.proxy.fail(3, status)
+    assert_same_batches(url, remote.with_options(retries=5, retry_delay=0.01), local)
+    assert remote.proxy.failed == failed + 3
+
+
+def iterate_until_error(loader: ftj.Loader, steps: int) -> float:
+    """Seconds from the first failing step's request to its error; fails if none comes."""
+    began = time.perf_counter()
+    with pytest.raises(StoreError, match="attempts") as caught:
+        for step, _ in loader.iterate(2):
+            began = time.perf_counter()
+            assert step < steps
+    assert "is it reachable" in str(caught.value)
+    return time.perf_counter() - began
+
+
+def test_s3_server_stopped_mid_run_fails_within_the_retry_budget(tmp_path: Path) -> None:
+    with contextlib.ExitStack() as server:
+        base = server.enter_context(moto_s3())
+        options = ftj.StoreOptions(
+            endpoint=base, region="us-east-1", credentials=aws_profile(tmp_path), **FAST
         )
-        ftj.write_dataset("s3://bucket/slow", {"train": SEQS[:20]}, options=s3_options)
+        ftj.write_dataset("s3://bucket/ds", {"train": SEQS}, layout=SMALL, options=options)
+        cfg = ftj.LoaderConfig(batch_size=8, seq_len=32, seed=1, prefetch=4)
+        loader = ftj.Loader(ftj.open_dataset("s3://bucket/ds", options)["train"], cfg)
+        loader.host_batch(0)
+        loader.host_batch(1)
+        server.close()
+        assert iterate_until_error(loader, 40) < 5
+
+
+def test_gcs_server_stopped_mid_run_fails_within_the_retry_budget(gcs: Remote) -> None:
+    kept = gcs.proxy.target_port
+    try:
+        with contextlib.ExitStack() as server:
+            gcs.proxy.target_port = port_of(server.enter_context(fake_gcs()))
+            options = gcs.with_options(**FAST)
+            ftj.write_dataset("gs://bucket/ds", {"train": SEQS}, layout=SMALL, options=options)
+            cfg = ftj.LoaderConfig(batch_size=8, seq_len=32, seed=1, prefetch=4)
+            loader = ftj.Loader(ftj.open_dataset("gs://bucket/ds", options)["train"], cfg)
+            loader.host_batch(0)
+            server.close()
+            assert iterate_until_error(loader, 40) < 5
+    finally:
+        gcs.proxy.target_port = kept
+
+
+def test_a_server_that_never_answers_times_out(s3: Remote, tmp_path: Path) -> None:
+    url, _ = local_and_remote(s3, tmp_path, s3.options)
+    proxy = DelayProxy(s3.proxy.port, 0)
+    try:
+        options = s3.with_options(endpoint=f"http://127.0.0.1:{proxy.port}", timeout=1.0)
+        ft = ftj.open_dataset(url, options)["train"]
+        proxy.delay = 60
         began = time.perf_counter()
-        ft = ftj.open_dataset("s3://bucket/slow", slow)["train"]
-        assert ft.tokens(0, 3).tolist() == SEQS[0] + SEQS[1]
-        assert time.perf_counter() - began >= 0.2
+        with pytest.raises(StoreError, match=r"no answer within StoreOptions.timeout=1.0s"):
+            ft.tokens(1000, 2000)
+        assert time.perf_counter() - began < 5
     finally:
         proxy.close()
+
+
+def test_a_missing_object_fails_the_read_naming_it(remote: Remote, tmp_path: Path) -> None:
+    url, _ = local_and_remote(remote, tmp_path, remote.options)
+    Store(url, remote.options).delete("train/encoded_tokens/c/2")
+    ft = ftj.open_dataset(url, remote.options)["train"]
+    assert ft.tokens(0, 2048).size == 2048
+    with pytest.raises(StoreError, match=rf"{url}/train/encoded_tokens: .*missing"):
+        ft.tokens(2048, 3072)
+    cfg = ftj.LoaderConfig(batch_size=64, seq_len=32, shuffle=False)
+    with pytest.raises(StoreError, match="missing"):
+        ftj.Loader(ft, cfg).host_batch(1)
+
+
+def test_a_missing_bucket_or_dataset_is_named(remote: Remote) -> None:
+    scheme = remote.root.split("://")[0]
+    for url in (f"{scheme}://no-such-bucket/ds", f"{remote.root}/no-such-dataset"):
+        with pytest.raises(ftj.FormatError, match=f"{url}: no flat-tokens dataset.*bucket"):
+            ftj.open_dataset(url, remote.options)
+
+
+def test_wrong_s3_credentials_are_named(tmp_path: Path) -> None:
+    with moto_s3_with_auth() as (base, key_id, secret):
+        good = ftj.StoreOptions(
+            endpoint=base, region="us-east-1", credentials=aws_profile(tmp_path, key_id, secret)
+        )
+        ftj.write_dataset("s3://bucket/ds", {"train": SEQS}, options=good)
+        assert ftj.open_dataset("s3://bucket/ds", good)["train"].tokens(0, 1).tolist() == [1]
+        for folder, wrong_id, wrong_secret in (
+            ("secret", key_id, "not-the-secret"),
+            ("key", "AKIANOSUCHKEY0000000", secret),
+        ):
+            (tmp_path / folder).mkdir()
+            bad = dataclasses.replace(
+                good, credentials=aws_profile(tmp_path / folder, wrong_id, wrong_secret)
+            )
+            with pytest.raises(
+                StoreError, match="s3://bucket/ds: access denied: check the credentials"
+            ):
+                ftj.open_dataset("s3://bucket/ds", bad)
+
+
+def test_refused_gcs_credentials_are_named(gcs: Remote, tmp_path: Path) -> None:
+    url, _ = local_and_remote(gcs, tmp_path, gcs.options)
+    ft = ftj.open_dataset(url, gcs.options)["train"]
+    for status, hint in ((401, "not authenticated|access denied"), (403, "access denied")):
+        gcs.proxy.fail(1, status)
+        with pytest.raises(StoreError, match=f"({hint}): check the credentials"):
+            ft.tokens(0, 100 + status)
+
+
+def test_a_packed_batch_costs_about_one_request_per_row_and_each_index_one_read(
+    s3: Remote,
+) -> None:
+    rng = np.random.default_rng(5)
+    seqs = [rng.integers(1, 1000, int(n)).tolist() for n in rng.integers(20, 600, 300)]
+    url = unique(s3, "requests")
+    layout = ftj.Layout(shard_tokens=1 << 13, chunk_tokens=1 << 10)
+    ftj.write_dataset(url, {"train": seqs}, layout=layout, options=s3.options)
+    cfg = ftj.LoaderConfig(batch_size=16, seq_len=64, seed=3, prefetch=0)
+    opened = s3.proxy.count()
+    ft = ftj.open_dataset(url, s3.options)["train"]
+    loader = ftj.Loader(ft, cfg)
+    key = url.split("://", 1)[1].split("/", 1)[1] + "/train/encoded_tokens/c/"
+    data_reads = rows = 0
+    for step in range(12):
+        first = s3.proxy.count()
+        loader.host_batch(step)
+        chunks = set()
+        for row in loader.provenance(step):
+            lo, hi = row["tokens"]
+            chunks.update(range(max(lo - 1, 0) >> 10, ((hi - 1) >> 10) + 1))
+        reads = [r for r in s3.proxy.requests[first:] if key in r[1]]
+        batch_data = sum(1 for r in reads if not (r[2] or "").startswith("bytes=-"))
+        assert batch_data <= len(chunks)  # one request per chunk at most, cached ones free
+        data_reads += batch_data
+        rows += cfg.batch_size
+    index_reads = [r[1] for r in s3.proxy.requests[opened:] if (r[2] or "").startswith("bytes=-")]
+    shards = [p for p in index_reads if key in p]
+    # Every shard's index is read once, and only once.
+    assert len(shards) == len(set(shards)) == -(-ft.num_tokens // layout.shard_tokens)
+    assert data_reads <= rows * 1.25

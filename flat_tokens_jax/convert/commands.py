@@ -1,11 +1,49 @@
-"""What every converter command does around its work: errors, summary, JSON."""
+"""What every command shares: store flags, errors, summary, JSON."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections.abc import Callable
 from typing import Any
+
+from flat_tokens_jax.store import StoreOptions
+
+_DEFAULTS = StoreOptions()
+
+
+def add_store_flags(parser: argparse.ArgumentParser) -> None:
+    """Adds the flags of :class:`StoreOptions` that reach remote stores."""
+    group = parser.add_argument_group("remote stores")
+    group.add_argument("--endpoint", help="s3:// only: S3-compatible endpoint URL")
+    group.add_argument("--region", help="s3:// only: AWS region of the bucket")
+    group.add_argument(
+        "--credentials", help="s3:// only: default, anonymous, environment, imds or ecs"
+    )
+    group.add_argument(
+        "--retries",
+        type=int,
+        default=_DEFAULTS.retries,
+        help=f"attempts per gs:// or s3:// request (default {_DEFAULTS.retries})",
+    )
+    group.add_argument(
+        "--timeout",
+        type=float,
+        default=_DEFAULTS.timeout,
+        help=f"seconds any one read may wait, retries included (default {_DEFAULTS.timeout})",
+    )
+
+
+def store_options(args: argparse.Namespace) -> StoreOptions:
+    """The :class:`StoreOptions` of the flags of :func:`add_store_flags`."""
+    return StoreOptions(
+        endpoint=args.endpoint,
+        region=args.region,
+        credentials=args.credentials,
+        retries=args.retries,
+        timeout=args.timeout,
+    )
 
 
 def run_command(

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from flat_tokens_jax.convert.commands import run_command
+from flat_tokens_jax.convert.commands import add_store_flags, run_command, store_options
 from flat_tokens_jax.dataset import open_dataset
 from flat_tokens_jax.format import MAX_TOKEN_ID, SPLITS, decode, encode_concatenated
 from flat_tokens_jax.store import StoreOptions
@@ -412,6 +412,7 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--split", default="train", choices=SPLITS, help="the split to write")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_store_flags(p)
     p.set_defaults(run=_cmd_import)
     p = subparsers.add_parser("export-megatron", help="one split to Megatron PREFIX.idx/.bin")
     p.add_argument("url", metavar="URL", help="dataset path or URL")
@@ -425,6 +426,7 @@ def add_commands(subparsers: Any) -> None:
         "(default: the imported one, else 8 if max_token_id < 65500, else 4)",
     )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_store_flags(p)
     p.set_defaults(run=_cmd_export)
 
 
@@ -444,6 +446,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
             per_sequence=args.per_sequence,
             overwrite=args.overwrite,
             split=args.split,
+            options=store_options(args),
         ),
         as_json=args.json,
         describe=describe,
@@ -461,7 +464,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return run_command(
         "export-megatron",
         lambda: export_megatron(
-            args.url, args.prefix, split=args.split, dtype_code=args.dtype_code
+            args.url,
+            args.prefix,
+            split=args.split,
+            dtype_code=args.dtype_code,
+            options=store_options(args),
         ),
         as_json=args.json,
         describe=describe,

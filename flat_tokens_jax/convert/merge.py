@@ -10,9 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from flat_tokens_jax.convert.commands import run_command
+from flat_tokens_jax.convert.commands import add_store_flags, run_command, store_options
 from flat_tokens_jax.dataset import FlatTokens, open_dataset
 from flat_tokens_jax.format import SPLITS
+from flat_tokens_jax.store import StoreOptions
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
 BLOCK_TOKENS = 1 << 22
@@ -25,25 +26,26 @@ def merge(
     layout: Layout | None = None,
     overwrite: bool = False,
     block_tokens: int = BLOCK_TOKENS,
+    options: StoreOptions | None = None,
 ) -> dict[str, Any]:
     """Writes every split of ``inputs``, in order, into one new dataset at ``output``.
 
     Sequence offsets are rebased and ``max_token_id`` is the largest of the
     inputs'. Data moves in blocks of whole sequences of about ``block_tokens``
     tokens, still encoded: memory stays bounded and no token passes through a
-    Python list.
+    Python list. ``options`` reach the inputs and the output alike.
 
     Returns:
         A JSON-ready summary: inputs, and sequences and tokens per split.
     """
     began = time.perf_counter()
-    datasets = [open_dataset(url) for url in inputs]
+    datasets = [open_dataset(url, options) for url in inputs]
     for ds in datasets:
         for ft in ds.values():
             if ft.loss_mask is not None:
                 raise ValueError(f"{ft!r} has a loss_mask, which merge does not carry over")
     summary: dict[str, Any] = {"inputs": [ds.url for ds in datasets], "splits": {}}
-    with DatasetWriter(output, layout=layout, overwrite=overwrite) as writer:
+    with DatasetWriter(output, layout=layout, overwrite=overwrite, options=options) as writer:
         for split in SPLITS:
             sequences = tokens = 0
             for ds in datasets:
@@ -79,6 +81,7 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("output", metavar="OUTPUT", help="the new dataset")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_store_flags(p)
     p.set_defaults(run=_cmd_merge)
 
 
@@ -95,7 +98,9 @@ def _cmd_merge(args: argparse.Namespace) -> int:
 
     return run_command(
         "merge",
-        lambda: merge(args.inputs, args.output, overwrite=args.overwrite),
+        lambda: merge(
+            args.inputs, args.output, overwrite=args.overwrite, options=store_options(args)
+        ),
         as_json=args.json,
         describe=describe,
     )

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from flat_tokens_jax.convert.commands import run_command
+from flat_tokens_jax.convert.commands import add_store_flags, run_command, store_options
 from flat_tokens_jax.convert.inputs import RecordReader, expand_inputs, require
 from flat_tokens_jax.convert.tokenizer import (
     BOS_CANDIDATES,
@@ -37,6 +37,7 @@ from flat_tokens_jax.convert.tokenizer import (
     validation_mask,
 )
 from flat_tokens_jax.format import encode_concatenated
+from flat_tokens_jax.store import StoreOptions
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
 log = logging.getLogger(__name__)
@@ -185,6 +186,7 @@ def convert(
     layout: Layout | None = None,
     overwrite: bool = False,
     progress: bool | None = None,
+    options: StoreOptions | None = None,
 ) -> dict[str, Any]:
     """Tokenizes documents into a new flat-tokens dataset, one sequence per document.
 
@@ -216,6 +218,7 @@ def convert(
         layout: chunking and compression of the output.
         overwrite: replace an existing dataset at ``output``.
         progress: a tqdm bar on stderr; ``None``: when stderr is a terminal.
+        options: how to reach ``output`` (e.g. an S3 endpoint and credentials).
 
     Returns:
         A JSON-ready summary: ``documents``, ``tokens``, ``skipped_empty``,
@@ -254,7 +257,7 @@ def convert(
     if valid_paths:
         passes.append((valid_paths, 0.0, True))
     totals = _Totals(opts.max_tokens)
-    with DatasetWriter(output, layout=layout, overwrite=overwrite) as writer:
+    with DatasetWriter(output, layout=layout, overwrite=overwrite, options=options) as writer:
         _write_all(writer, passes, tokenize, opts, totals, _progress_bar(progress))
     seconds = time.perf_counter() - started
     tokens = sum(totals.tokens.values())
@@ -352,6 +355,7 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_store_flags(p)
     p.set_defaults(run=_cmd_convert)
 
 
@@ -386,6 +390,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             skip_bad=args.skip_bad,
             overwrite=args.overwrite,
             progress=False if args.no_progress else None,
+            options=store_options(args),
         )
 
     try:

@@ -51,7 +51,10 @@ class Period:
     @classmethod
     def layout(cls, weights: Sequence[float] | np.ndarray, period: int) -> Period:
         w = np.asarray(weights, np.float64)
-        share = w / w.sum() * period
+        # Rounded so that weights meant as exact ratios split as their decimal
+        # values do, whatever the float error: 0.5 and 0.1 over 3 slots are a
+        # tie (2.5 and 0.5), not 2.5 and 0.49999999999999994.
+        share = np.round(w / w.sum() * period, 9)
         counts = np.floor(share).astype(np.int64)
         short = period - int(counts.sum())
         if short:  # largest remainder; ties to the lower index

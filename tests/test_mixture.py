@@ -21,9 +21,9 @@ def make_split(num_seqs: int, length: int = 4, base: int = 1) -> ftj.FlatTokens:
 
 
 def reference_counts(weights: list[float], period: int) -> list[int]:
-    """Largest remainder with exact fractions."""
-    total = sum(Fraction(w) for w in weights)
-    shares = [Fraction(w) / total * period for w in weights]
+    """Largest remainder with exact fractions of the weights' decimal values."""
+    total = sum(Fraction(str(w)) for w in weights)
+    shares = [Fraction(str(w)) / total * period for w in weights]
     counts = [int(s) for s in shares]
     by_remainder = sorted(range(len(weights)), key=lambda i: (-(shares[i] - counts[i]), i))
     for i in by_remainder[: period - sum(counts)]:
@@ -112,6 +112,10 @@ def test_bad_weights_are_refused() -> None:
         Mixture([(ft, 0.0), (ft, 0.0)], seq_len=2)
     with pytest.raises(ValueError, match=r"component\(s\) \[1\] get no sample in a period of 10"):
         Mixture([(ft, 1.0), (ft, 0.001)], seq_len=2, period=10)
+    # 0.5 and 0.1 over 3 slots is a tie of remainders (2.5, 0.5), to the lower index,
+    # though 0.1 / 0.6 * 3 is 0.49999999999999994 in floats.
+    with pytest.raises(ValueError, match=r"component\(s\) \[1\] get no sample in a period of 3"):
+        Mixture([(ft, 0.5), (ft, 0.1)], seq_len=2, period=3)
     with pytest.raises(ValueError, match="expected 2 weights"):
         Mixture([(ft, 1.0), (ft, 1.0)], seq_len=2, schedule=[(5, [1.0])])
     with pytest.raises(ValueError, match="strictly increasing"):

@@ -58,7 +58,7 @@ class Period:
         counts = np.floor(share).astype(np.int64)
         short = period - int(counts.sum())
         if short:  # largest remainder; ties to the lower index
-            order = np.lexsort((np.arange(w.size), -(share - counts)))
+            order = np.lexsort((np.arange(w.size), -np.round(share - counts, 9)))
             counts[order[:short]] += 1
         component = np.repeat(np.arange(w.size, dtype=np.int32), counts)
         rank = np.concatenate([np.arange(n, dtype=np.int32) for n in counts])

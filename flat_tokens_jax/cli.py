@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from flat_tokens_jax.convert import megatron, merge, text
+from flat_tokens_jax.convert import chat, megatron, merge, text
 from flat_tokens_jax.convert.commands import add_store_flags, store_options
 from flat_tokens_jax.dataset import open_dataset
 from flat_tokens_jax.format import FormatError
@@ -133,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_cmd_show)
     text.add_commands(sub)
+    chat.add_commands(sub)
     merge.add_commands(sub)
     megatron.add_commands(sub)
     return parser

@@ -17,6 +17,7 @@ import numpy as np
 MAX_TOKEN_ID = 2**31 - 1
 ENCODED_DTYPE = np.dtype(np.uint32)
 STARTS_DTYPE = np.dtype(np.uint64)
+MASK_DTYPE = np.dtype(np.uint8)
 TOKENS = "encoded_tokens"
 LEGACY_TOKENS = "tokens"
 SEQ_STARTS = "seq_starts"
@@ -88,6 +89,31 @@ def check_token_ids(ids: np.ndarray, where: str) -> np.ndarray:
             f"[0, {MAX_TOKEN_ID}], the range the format can store"
         )
     return arr.astype(np.int64, copy=False)
+
+
+def check_loss_mask(mask: np.ndarray, num_tokens: int, where: str) -> np.ndarray:
+    """Returns a loss mask as ``[num_tokens] uint8`` after checking it.
+
+    Args:
+        mask: ``[num_tokens]`` bool, or integers that are all 0 or 1.
+        num_tokens: the length of the tokens it belongs to.
+        where: names the sequence in error messages.
+
+    Raises:
+        ValueError: wrong shape or length, not bool or integer, or an entry other than 0 and 1.
+    """
+    arr = np.asarray(mask)
+    if arr.ndim != 1 or arr.size != num_tokens:
+        raise ValueError(
+            f"{where}: loss mask of shape {arr.shape}, expected one entry per token ({num_tokens},)"
+        )
+    if arr.size and arr.dtype.kind not in "biu":
+        raise ValueError(f"{where}: loss mask must be bool or integers, got dtype {arr.dtype}")
+    bad = np.flatnonzero((arr != 0) & (arr != 1))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{where}: loss mask entry {i} is {arr[i]}; entries must be 0 or 1")
+    return arr.astype(MASK_DTYPE, copy=False)
 
 
 def encode_concatenated(ids: np.ndarray, starts: np.ndarray) -> np.ndarray:

@@ -1,16 +1,18 @@
 """Writing flat-tokens datasets: streaming appends, bounded memory, atomic finish.
 
 A dataset becomes valid only when its root group metadata is written, and that
-is the last thing :meth:`DatasetWriter.close` does; anything interrupted before
-leaves a store that :func:`open_dataset` refuses.
+is the last thing :meth:`DatasetWriter.close` does, after every array (loss
+masks included); anything interrupted before leaves a store that
+:func:`open_dataset` refuses.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -19,10 +21,13 @@ import tensorstore as ts
 
 from flat_tokens_jax.format import (
     ENCODED_DTYPE,
+    LOSS_MASK,
+    MASK_DTYPE,
     SEQ_STARTS,
     SPLITS,
     STARTS_DTYPE,
     TOKENS,
+    check_loss_mask,
     check_token_ids,
     encode_concatenated,
 )
@@ -139,7 +144,8 @@ class _ArrayAppender:
             "create": True,
             "store_data_equal_to_fill_value": True,
         }
-        self.array = ts.open(spec, context=store.context).result()
+        self.wait = store.wait
+        self.array = self.wait(ts.open(spec, context=store.context))
         self.buffer = np.empty(elements_per_shard, dtype)
         self.filled = 0
         self.written = 0
@@ -168,7 +174,7 @@ class _ArrayAppender:
         self.pending.append(self.array[self.written : end].write(data))
         self.written, self.filled = end, 0
         while len(self.pending) > _MAX_PENDING_WRITES:
-            self.pending.pop(0).result()
+            self.wait(self.pending.pop(0))
 
     def settle(self) -> None:
         """Waits for writes in flight, ignoring their outcome (before deleting them)."""
@@ -182,9 +188,9 @@ class _ArrayAppender:
     def finish(self) -> None:
         self._flush()
         for f in self.pending:
-            f.result()
+            self.wait(f)
         self.pending.clear()
-        self.array.resize(exclusive_max=[self.written], resize_metadata_only=True).result()
+        self.wait(self.array.resize(exclusive_max=[self.written], resize_metadata_only=True))
 
 
 class _SplitWriter:
@@ -203,11 +209,40 @@ class _SplitWriter:
             store, f"{split}/{SEQ_STARTS}", STARTS_DTYPE, layout, starts_shard, starts_chunk
         )
         self.starts.append(np.zeros(1, STARTS_DTYPE))
-        self.split = split
+        self.store, self.split, self.layout = store, split, layout
+        # Created by the first sequences written with a loss mask; `masked` records
+        # whether the first sequences came with one, and every later one must agree.
+        self.mask: _ArrayAppender | None = None
+        self.masked: bool | None = None
         self.max_token_id = 0
         self.num_sequences = 0
 
-    def extend(self, sequences: Sequence[np.ndarray]) -> None:
+    @property
+    def arrays(self) -> list[_ArrayAppender]:
+        return [self.tokens, self.starts, *([self.mask] if self.mask else [])]
+
+    def _start_mask(self, masked: bool) -> None:
+        """Settles on the first call whether the split has a loss mask; refuses mixing."""
+        if self.masked is None:
+            self.masked = masked
+            if masked:
+                self.mask = _ArrayAppender(
+                    self.store,
+                    f"{self.split}/{LOSS_MASK}",
+                    MASK_DTYPE,
+                    self.layout,
+                    self.layout.shard_tokens,
+                    self.layout.chunk_tokens,
+                )
+        elif masked != self.masked:
+            given, earlier = ("a", "none") if masked else ("no", "one")
+            raise ValueError(
+                f"split {self.split!r}, sequence {self.num_sequences}: {given} loss mask "
+                f"given, but the split's earlier sequences have {earlier}; a split has a "
+                "loss mask for every sequence or for none"
+            )
+
+    def extend(self, sequences: Sequence[np.ndarray], masks: Sequence[Any] | None) -> None:
         where = f"split {self.split!r}, sequence"
         arrays = [
             check_token_ids(s, f"{where} {self.num_sequences + i}") for i, s in enumerate(sequences)
@@ -221,15 +256,19 @@ class _SplitWriter:
             )
         if not arrays:
             return
+        mask = None
+        if masks is not None:
+            mask = np.concatenate(
+                [
+                    check_loss_mask(m, a.size, f"{where} {self.num_sequences + i}")
+                    for i, (a, m) in enumerate(zip(arrays, masks, strict=True))
+                ]
+            )
         ids = np.concatenate(arrays)
         offsets = np.cumsum(lengths)
-        local_starts = offsets - lengths
-        self.tokens.append(encode_concatenated(ids, local_starts))
-        self.starts.append((offsets + self.tokens.size - ids.size).astype(STARTS_DTYPE))
-        self.max_token_id = max(self.max_token_id, int(ids.max()))
-        self.num_sequences += len(arrays)
+        self._write(encode_concatenated(ids, offsets - lengths), offsets, mask, int(ids.max()))
 
-    def extend_encoded(self, encoded: np.ndarray, lengths: np.ndarray) -> None:
+    def extend_encoded(self, encoded: np.ndarray, lengths: np.ndarray, mask: Any | None) -> None:
         enc = np.asarray(encoded)
         sizes = np.asarray(lengths, np.int64)
         where = f"split {self.split!r}, encoded block at sequence {self.num_sequences}"
@@ -247,14 +286,24 @@ class _SplitWriter:
             raise ValueError(f"{where}: start bits do not sit exactly at the sequence starts")
         if not sizes.size:
             return
-        self.tokens.append(enc)
-        self.starts.append((offsets + self.tokens.size - enc.size).astype(STARTS_DTYPE))
-        self.max_token_id = max(self.max_token_id, int(enc.max()) >> 1)
-        self.num_sequences += sizes.size
+        checked = None if mask is None else check_loss_mask(mask, enc.size, where)
+        self._write(enc, offsets, checked, int(enc.max()) >> 1)
+
+    def _write(
+        self, encoded: np.ndarray, offsets: np.ndarray, mask: np.ndarray | None, max_id: int
+    ) -> None:
+        """Appends checked sequences: ``offsets`` ``[k]`` are their ends within ``encoded``."""
+        self._start_mask(mask is not None)
+        self.tokens.append(encoded)
+        if self.mask is not None and mask is not None:
+            self.mask.append(mask)
+        self.starts.append((offsets + self.tokens.size - encoded.size).astype(STARTS_DTYPE))
+        self.max_token_id = max(self.max_token_id, max_id)
+        self.num_sequences += offsets.size
 
     def finish(self) -> None:
-        self.tokens.finish()
-        self.starts.finish()
+        for array in self.arrays:
+            array.finish()
 
 
 class DatasetWriter:
@@ -265,10 +314,14 @@ class DatasetWriter:
     ``with`` block ends without an error); until then, and after any failure,
     :func:`open_dataset` refuses it.
 
+    A split may also store a loss mask (``loss_mask``, ``uint8``, one entry per
+    token, 1 where the token is trained on as a target): pass one with every
+    sequence of that split, or with none.
+
     Example:
         >>> with DatasetWriter("memory://doc/example", overwrite=True) as w:
         ...     w.append("train", [1, 2])
-        ...     w.extend("validation", [[3, 4, 5]])
+        ...     w.extend("validation", [[3, 4, 5]], loss_masks=[[0, 1, 1]])
 
     Args:
         url: where to write; a local path or a ``file://``, ``memory://``, ``gs://``
@@ -334,42 +387,79 @@ class DatasetWriter:
                 f"unknown split {split!r}; this writer has {tuple(self._splits)}"
             ) from None
 
-    def append(self, split: str, sequence: Sequence[int] | np.ndarray) -> None:
-        """Appends one sequence (token ids, any integer dtype) to ``split``."""
-        self._split(split).extend([np.asarray(sequence)])
+    def append(
+        self,
+        split: str,
+        sequence: Sequence[int] | np.ndarray,
+        loss_mask: Sequence[int] | np.ndarray | None = None,
+    ) -> None:
+        """Appends one sequence (token ids, any integer dtype) to ``split``.
+
+        Args:
+            split: the split to append to.
+            sequence: ``[n]`` token ids.
+            loss_mask: ``[n]`` bool or 0/1 integers, 1 where the token is trained
+                on as a target. The first sequence written to a split decides
+                whether the split stores a loss mask; every later one must agree.
+
+        Raises:
+            ValueError: bad ids, an empty sequence, a mask of the wrong length or
+                with entries other than 0 and 1, or a mask given to a split
+                written without one (or the reverse).
+        """
+        masks = None if loss_mask is None else [loss_mask]
+        self._split(split).extend([np.asarray(sequence)], masks)
 
     def extend(
         self,
         split: str,
         sequences: Iterable[Sequence[int] | np.ndarray],
         batch_tokens: int = 1 << 20,
+        *,
+        loss_masks: Iterable[Sequence[int] | np.ndarray] | None = None,
     ) -> None:
-        """Appends many sequences to ``split``, encoding them in batches."""
+        """Appends many sequences to ``split``, encoding them in batches.
+
+        ``loss_masks``, when given, holds one mask per sequence, in order (see
+        :meth:`append`); it must yield exactly as many as ``sequences`` does.
+        """
         writer = self._split(split)
         batch: list[np.ndarray] = []
+        masks: list[Any] | None = None if loss_masks is None else []
         size = 0
-        for seq in sequences:
+        for seq, mask in _paired(sequences, loss_masks, split):
             arr = np.asarray(seq)
             batch.append(arr)
+            if masks is not None:
+                masks.append(mask)
             size += arr.size
             if size >= batch_tokens:
-                writer.extend(batch)
+                writer.extend(batch, masks)
                 batch, size = [], 0
-        writer.extend(batch)
+                masks = None if masks is None else []
+        writer.extend(batch, masks)
 
-    def extend_encoded(self, split: str, encoded: np.ndarray, lengths: np.ndarray) -> None:
+    def extend_encoded(
+        self,
+        split: str,
+        encoded: np.ndarray,
+        lengths: np.ndarray,
+        loss_mask: np.ndarray | None = None,
+    ) -> None:
         """Appends whole sequences already encoded (``uint32``, start bits set).
 
         Args:
             split: the split to append to.
             encoded: ``[n] uint32`` the sequences' encoded tokens, concatenated.
             lengths: ``[k]`` their lengths, all positive, summing to ``n``.
+            loss_mask: ``[n]`` bool or 0/1 integers, the sequences' loss masks
+                concatenated (see :meth:`append`).
 
         Raises:
-            ValueError: wrong dtype, lengths that do not add up, or start bits
-                anywhere but at the sequence starts.
+            ValueError: wrong dtype, lengths that do not add up, start bits
+                anywhere but at the sequence starts, or a bad or mixed-in mask.
         """
-        self._split(split).extend_encoded(encoded, lengths)
+        self._split(split).extend_encoded(encoded, lengths, loss_mask)
 
     def close(self) -> None:
         """Finishes every split, then marks the dataset valid (the last write)."""
@@ -396,8 +486,8 @@ class DatasetWriter:
             return
         self._closed = True
         for w in self._splits.values():
-            w.tokens.settle()
-            w.starts.settle()
+            for array in w.arrays:
+                array.settle()
         self.store.delete_all()
 
     def __enter__(self) -> DatasetWriter:
@@ -418,14 +508,43 @@ class DatasetWriter:
 def write_dataset(
     url: str | os.PathLike[str],
     splits: Mapping[str, Iterable[Sequence[int] | np.ndarray]],
+    *,
+    loss_masks: Mapping[str, Iterable[Sequence[int] | np.ndarray]] | None = None,
     **writer_args: Any,
 ) -> None:
     """Writes a whole dataset: ``splits`` maps split names to iterables of sequences.
 
-    Splits of :data:`SPLITS` that ``splits`` omits are written empty. Keyword
-    arguments go to :class:`DatasetWriter`.
+    Splits of :data:`SPLITS` that ``splits`` omits are written empty. ``loss_masks``
+    maps some of the split names to one loss mask per sequence (see
+    :meth:`DatasetWriter.append`). Other keyword arguments go to :class:`DatasetWriter`.
+
+    Example:
+        >>> write_dataset("memory://doc/masked", {"train": [[1, 2, 3]]},
+        ...               loss_masks={"train": [[0, 1, 1]]}, overwrite=True)
     """
+    masks = dict(loss_masks or {})
+    unknown = sorted(set(masks) - set(splits))
+    if unknown:
+        raise KeyError(f"loss_masks names splits {unknown} that splits does not have")
     names = tuple(dict.fromkeys([*SPLITS, *splits]))
     with DatasetWriter(url, splits=names, **writer_args) as w:
         for name, seqs in splits.items():
-            w.extend(name, seqs)
+            w.extend(name, seqs, loss_masks=masks.get(name))
+
+
+_END = object()
+
+
+def _paired(
+    sequences: Iterable[Any], masks: Iterable[Any] | None, split: str
+) -> Iterator[tuple[Any, Any]]:
+    """``(sequence, mask)`` pairs, the mask ``None`` when ``masks`` is; refuses unequal counts."""
+    if masks is None:
+        for seq in sequences:
+            yield seq, None
+        return
+    for i, (seq, mask) in enumerate(itertools.zip_longest(sequences, masks, fillvalue=_END)):
+        if seq is _END or mask is _END:
+            more = "loss masks than sequences" if seq is _END else "sequences than loss masks"
+            raise ValueError(f"split {split!r}: more {more} (the first unmatched is number {i})")
+        yield seq, mask

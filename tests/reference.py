@@ -12,9 +12,15 @@ from flat_tokens_jax.sampling import permute
 
 
 def packed_row(
-    seqs: list[list[int]], record: int, seq_len: int, start_token_id: int = 0
+    seqs: list[list[int]],
+    record: int,
+    seq_len: int,
+    start_token_id: int = 0,
+    masks: list[list[int]] | None = None,
 ) -> dict[str, list[int]]:
+    """``masks``: the stored loss mask of each sequence, or ``None`` (all trained)."""
     tokens = [t for s in seqs for t in s]
+    stored = [m for s in masks for m in s] if masks is not None else [1] * len(tokens)
     is_start = [j == 0 for s in seqs for j in range(len(s))]
     row: dict[str, list[int]] = {
         k: [] for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -29,21 +35,27 @@ def packed_row(
         position = 0 if is_start[p] or t == 0 else position + 1
         row["segment_ids"].append(segment)
         row["positions"].append(position)
-        row["loss_mask"].append(1)
+        row["loss_mask"].append(stored[p])
     return row
 
 
 def padded_row(
-    seqs: list[list[int]], record: int, seq_len: int, start_token_id: int = 0, pad_id: int = 0
+    seqs: list[list[int]],
+    record: int,
+    seq_len: int,
+    start_token_id: int = 0,
+    pad_id: int = 0,
+    masks: list[list[int]] | None = None,
 ) -> dict[str, list[int]]:
     seq = seqs[record][:seq_len]
     pad = seq_len - len(seq)
+    stored = masks[record][:seq_len] if masks is not None else [1] * len(seq)
     return {
         "inputs": [start_token_id, *seq[:-1]] + [pad_id] * pad,
         "targets": seq + [pad_id] * pad,
         "segment_ids": [1] * len(seq) + [0] * pad,
         "positions": list(range(len(seq))) + [0] * pad,
-        "loss_mask": [1] * len(seq) + [0] * pad,
+        "loss_mask": stored + [0] * pad,
     }
 
 
@@ -69,8 +81,9 @@ def reference_batch(
     num_epochs: int | None = None,
     start_token_id: int = 0,
     pad_id: int = 0,
+    masks: list[list[int]] | None = None,
 ) -> dict[str, np.ndarray]:
-    """The whole global batch at ``step``, one row at a time."""
+    """The whole global batch at ``step``, one row at a time (``masks``: stored loss masks)."""
     n = sum(map(len, seqs)) // seq_len if packing else len(seqs)
     rows = []
     for row in range(batch_size):
@@ -81,8 +94,8 @@ def reference_batch(
         epoch, pos = divmod(g, n)
         record = int(permute([pos], n, seed=seed, epoch=epoch)[0]) if shuffle else pos
         rows.append(
-            packed_row(seqs, record, seq_len, start_token_id)
+            packed_row(seqs, record, seq_len, start_token_id, masks)
             if packing
-            else padded_row(seqs, record, seq_len, start_token_id, pad_id)
+            else padded_row(seqs, record, seq_len, start_token_id, pad_id, masks)
         )
     return {k: np.array([r[k] for r in rows]) for k in rows[0]}

@@ -3,12 +3,14 @@ import time
 import tracemalloc
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import zarr
 from conftest import memory_url
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.sharding import NamedSharding, PartitionSpec
 from reference import reference_batch
 
 import flat_tokens_jax as ftj
@@ -61,6 +63,28 @@ datasets = st.lists(
 @settings(max_examples=40)
 @given(seqs=datasets, data=st.data())
 def test_batches_equal_brute_force_reference(seqs: list[list[int]], data: st.DataObject) -> None:
+    ft = split_of(seqs)
+    assert ft.loss_mask is None
+    assert_matches_reference(ft, seqs, None, data)
+
+
+@settings(max_examples=40)
+@given(seqs=datasets, data=st.data())
+def test_stored_loss_mask_batches_equal_brute_force_reference(
+    seqs: list[list[int]], data: st.DataObject
+) -> None:
+    masks = [data.draw(st.lists(st.integers(0, 1), min_size=len(s), max_size=len(s))) for s in seqs]
+    url = memory_url()
+    layout = ftj.Layout(shard_tokens=16, chunk_tokens=4)
+    ftj.write_dataset(url, {"train": seqs}, loss_masks={"train": masks}, layout=layout)
+    ft = ftj.open_dataset(url)["train"]
+    assert ft.loss_mask is not None
+    assert_matches_reference(ft, seqs, masks, data)
+
+
+def assert_matches_reference(
+    ft: ftj.FlatTokens, seqs: list[list[int]], masks: list[list[int]] | None, data: st.DataObject
+) -> None:
     packing = data.draw(st.booleans())
     num_tokens = sum(map(len, seqs))
     seq_len = data.draw(st.integers(1, max(1, num_tokens if packing else 20)))
@@ -77,7 +101,7 @@ def test_batches_equal_brute_force_reference(seqs: list[list[int]], data: st.Dat
         pad_id=data.draw(st.integers(0, 5)),
         prefetch=0,
     )
-    loader = ftj.Loader(split_of(seqs), cfg)
+    loader = ftj.Loader(ft, cfg)
     last = (loader.num_batches or 50) - 1
     for step in sorted({0, last, data.draw(st.integers(0, last))}):
         expected = reference_batch(
@@ -91,8 +115,31 @@ def test_batches_equal_brute_force_reference(seqs: list[list[int]], data: st.Dat
             num_epochs=cfg.num_epochs,
             start_token_id=cfg.start_token_id,
             pad_id=cfg.pad_id,
+            masks=masks,
         )
         assert as_lists(loader.host_batch(step)) == as_lists(expected), step
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_stored_loss_mask_on_disk_and_sequence_sharded(tmp_path: Path, packing: bool) -> None:
+    """Memory-mapped local shards, and rows split over devices along the sequence axis."""
+    rng = np.random.default_rng(7)
+    seqs = [rng.integers(0, 5000, rng.integers(1, 40)).tolist() for _ in range(300)]
+    masks = [rng.integers(0, 2, len(s)).tolist() for s in seqs]
+    layout = ftj.Layout(shard_tokens=256, chunk_tokens=32)
+    ftj.write_dataset(tmp_path, {"train": seqs}, loss_masks={"train": masks}, layout=layout)
+    assert (tmp_path / "train" / "loss_mask" / "zarr.json").is_file()
+    ft = ftj.open_dataset(tmp_path)["train"]
+    cfg = LoaderConfig(batch_size=8, seq_len=16, packing=packing, seed=2, pad_id=3)
+    mesh = jax.make_mesh((2, 4), ("data", "seq"))
+    sharding = NamedSharding(mesh, PartitionSpec("data", "seq"))
+    sharded = ftj.Loader(ft, cfg, sharding=sharding)
+    for step in (0, 3, 11):
+        want = reference_batch(seqs, step, 8, 16, packing=packing, seed=2, pad_id=3, masks=masks)
+        got = sharded.batch(step)
+        assert got["loss_mask"].sharding == sharding
+        assert as_lists(got) == as_lists(want), step
+        assert not np.asarray(got["loss_mask"]).all()
 
 
 def test_restart_and_prefetch_never_change_a_batch() -> None:

@@ -60,3 +60,42 @@ def test_extend_encoded_refuses_misplaced_start_bits() -> None:
             w.extend_encoded("train", enc, np.array([1, 2]))
         with pytest.raises(ValueError, match="sum to the 3 tokens"):
             w.extend_encoded("train", enc, np.array([2, 2]))
+
+
+@settings(max_examples=20)
+@given(
+    parts=st.lists(
+        st.lists(st.lists(st.booleans(), min_size=1, max_size=10), min_size=1, max_size=6),
+        min_size=1,
+        max_size=3,
+    ),
+    block=st.integers(1, 20),
+)
+def test_merge_carries_loss_masks(parts: list[list[list[bool]]], block: int) -> None:
+    urls = []
+    for k, masks in enumerate(parts):
+        urls.append(memory_url("masked"))
+        seqs = [[k + 1] * len(m) for m in masks]
+        ftj.write_dataset(
+            urls[-1],
+            {"train": seqs},
+            loss_masks={"train": masks},
+            layout=ftj.Layout(shard_tokens=16, chunk_tokens=4),
+        )
+    out = memory_url("merged")
+    merge(urls, out, block_tokens=block)
+    ft = ftj.open_dataset(out)["train"]
+    pending = ft.request_loss_mask(np.array([0]), np.array([ft.num_tokens]))
+    assert pending is not None
+    expected = [int(b) for masks in parts for m in masks for b in m]
+    assert pending.result()[0].tolist() == expected
+    ftj.validate(out)
+
+
+def test_merge_refuses_inputs_with_and_without_masks(tmp_path: Path) -> None:
+    ftj.write_dataset(tmp_path / "a", {"train": [[1, 2]]}, loss_masks={"train": [[0, 1]]})
+    ftj.write_dataset(tmp_path / "b", {"train": [[4]]})
+    with pytest.raises(ValueError, match=r"split 'train': some inputs have a loss_mask.*without"):
+        merge([tmp_path / "a", tmp_path / "b"], tmp_path / "m")
+    with pytest.raises(ftj.FormatError):
+        ftj.open_dataset(tmp_path / "m")

@@ -1,3 +1,4 @@
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -237,3 +238,46 @@ def test_summary_reports_counts_lengths_and_layout(tmp_path: Path) -> None:
         "filters": [],
     }
     assert info["splits"]["validation"]["num_sequences"] == 0
+
+
+@given(
+    mask=st.lists(st.integers(0, 1), min_size=1, max_size=60),
+    bad=st.lists(st.tuples(st.integers(0, 59), st.integers(2, 255)), max_size=5),
+    block=st.integers(1, 16),
+)
+def test_loss_mask_values_are_checked_in_blocks(
+    mask: list[int], bad: list[tuple[int, int]], block: int
+) -> None:
+    """Every entry other than 0 or 1 is reported at its index, whatever the block size."""
+    values = list(mask)
+    for i, v in bad:
+        if i < len(values):
+            values[i] = v
+    expected = {i for i, v in enumerate(values) if v > 1}
+    split = flat_split([3] + [2] * (len(values) - 1), [0, len(values)], 1)
+    split["arrays"]["loss_mask"] = (np.array(values, np.uint8), {"chunks": (5,)})
+    with tempfile.TemporaryDirectory() as tmp:
+        write_raw(Path(tmp), {"train": split, "validation": EMPTY})
+        if not expected:
+            ftj.validate(tmp, block=block)
+            return
+        with pytest.raises(ftj.FormatError) as info:
+            ftj.validate(tmp, block=block)
+    found = info.value.problems
+    assert {p.index for p in found} == expected
+    assert {(p.where, p.message) for p in found} == {
+        ("train/loss_mask", "loss mask entries must be 0 or 1")
+    }
+
+
+def test_written_loss_mask_validates_on_both_zarr_versions(tmp_path: Path) -> None:
+    for zarr_format in (3, 2):
+        url = tmp_path / f"v{zarr_format}"
+        ftj.write_dataset(
+            url,
+            {"train": [[1, 2], [3, 4, 5]], "validation": [[6]]},
+            loss_masks={"train": [[0, 1], [1, 0, 1]], "validation": [[1]]},
+            layout=ftj.Layout(zarr_format=zarr_format, shard_tokens=4, chunk_tokens=2),
+        )
+        ftj.validate(url, block=2)
+        assert ftj.summary(url)["splits"]["train"]["loss_mask"] is True

@@ -172,15 +172,24 @@ KILLED_WRITER = textwrap.dedent("""
                 marker.write_text("writing")
             yield [i % 1000 + 1] * 7
     layout = ftj.Layout(shard_tokens=1 << 10, chunk_tokens=1 << 6)
-    ftj.write_dataset(url, {"train": forever()}, layout=layout)
+    if len(sys.argv) > 3:
+        with ftj.DatasetWriter(url, layout=layout) as w:
+            for seq in forever():
+                w.append("train", seq, loss_mask=[0, 0, 1, 1, 1, 1, 1])
+    else:
+        ftj.write_dataset(url, {"train": forever()}, layout=layout)
 """)
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["tokens", "with_loss_mask"])
 @pytest.mark.parametrize("zarr_format", [3, 2])
-def test_write_killed_midway_leaves_no_dataset(tmp_path: Path, zarr_format: int) -> None:
+def test_write_killed_midway_leaves_no_dataset(
+    tmp_path: Path, zarr_format: int, masked: bool
+) -> None:
     url, marker = tmp_path / "ds", tmp_path / "marker"
     script = KILLED_WRITER.replace("1 << 6)", f"1 << 6, zarr_format={zarr_format})")
-    proc = subprocess.Popen([sys.executable, "-c", script, str(url), str(marker)])
+    args = [str(url), str(marker), *(["masked"] if masked else [])]
+    proc = subprocess.Popen([sys.executable, "-c", script, *args])
     try:
         deadline = time.monotonic() + 60
         while not marker.exists():
@@ -193,6 +202,9 @@ def test_write_killed_midway_leaves_no_dataset(tmp_path: Path, zarr_format: int)
         proc.kill()
         proc.wait()
     assert list((url / "train").iterdir()), "the writer wrote nothing before it was killed"
+    if masked:
+        written = list((url / "train" / "loss_mask").iterdir())
+        assert len(written) > 1, f"no loss mask data was written: {written}"
     with pytest.raises(ftj.FormatError, match="did not finish"):
         ftj.open_dataset(url)
     with pytest.raises(ftj.FormatError, match="did not finish"):
@@ -201,3 +213,125 @@ def test_write_killed_midway_leaves_no_dataset(tmp_path: Path, zarr_format: int)
         ftj.write_dataset(url, {"train": [[1]]})
     ftj.write_dataset(url, {"train": [[1]]}, overwrite=True)
     assert ftj.open_dataset(url)["train"].num_tokens == 1
+
+
+# -- Loss masks. -------------------------------------------------------------------
+
+masked_seqs = st.lists(
+    st.lists(st.tuples(st.integers(0, MAX), st.integers(0, 1)), min_size=1, max_size=40),
+    max_size=30,
+)
+
+
+@given(train=masked_seqs, valid=seqs, layout=layouts, data=st.data())
+def test_loss_mask_round_trip_through_every_write_method(
+    train: list[list[tuple[int, int]]],
+    valid: list[list[int]],
+    layout: ftj.Layout,
+    data: st.DataObject,
+) -> None:
+    tokens = [[t for t, _ in s] for s in train]
+    masks = [[m for _, m in s] for s in train]
+    url = memory_url()
+    with ftj.DatasetWriter(url, layout=layout) as w:
+        i = 0
+        while i < len(tokens):
+            n = data.draw(st.integers(1, len(tokens) - i))
+            how = data.draw(st.sampled_from(["append", "extend", "extend_encoded"]))
+            if how == "append":
+                n = 1
+                w.append("train", tokens[i], np.array(masks[i], bool))
+            elif how == "extend":
+                w.extend("train", tokens[i : i + n], loss_masks=iter(masks[i : i + n]))
+            else:
+                enc, starts = ftj.encode(tokens[i : i + n])
+                flat = np.array([m for s in masks[i : i + n] for m in s], np.int64)
+                w.extend_encoded("train", enc, np.diff(starts), loss_mask=flat)
+            i += n
+        w.extend("validation", valid)
+    ds = ftj.open_dataset(url)
+    ft = ds["train"]
+    assert [s.tolist() for s in ft.sequences(np.arange(len(tokens)))] == tokens
+    flat_masks = [m for s in masks for m in s]
+    if tokens:
+        assert ft.loss_mask is not None and ft.loss_mask.dtype == np.uint8
+        stored = ft.request_loss_mask(np.array([0]), np.array([ft.num_tokens]))
+        assert stored is not None and stored.result()[0].tolist() == flat_masks
+    else:
+        assert ft.loss_mask is None
+    assert ds["validation"].loss_mask is None
+    ftj.validate(url)
+
+
+def test_a_split_has_a_mask_for_every_sequence_or_for_none() -> None:
+    url = memory_url()
+    with pytest.raises(ValueError) as info, ftj.DatasetWriter(url) as w:
+        w.extend("train", [[1, 2], [3]], loss_masks=[[0, 1], [1]])
+        w.append("train", [4, 5])
+    assert "split 'train', sequence 2: no loss mask given, but the split's earlier" in str(
+        info.value
+    )
+    with (
+        pytest.raises(
+            ValueError,
+            match=r"sequence 1: a loss mask given, but the split's earlier "
+            r"sequences have none",
+        ),
+        ftj.DatasetWriter(url) as w,
+    ):
+        w.extend("validation", [])
+        w.append("validation", [1])
+        enc, _ = ftj.encode([[7, 8]])
+        w.extend_encoded("validation", enc, np.array([2]), loss_mask=np.ones(2, np.uint8))
+    with pytest.raises(
+        ValueError, match="sequence 1: loss mask entry 0 is 2; entries must be 0 or 1"
+    ):
+        ftj.write_dataset(url, {"train": [[1], [2]]}, loss_masks={"train": [[1], [2]]})
+    with pytest.raises(
+        ValueError,
+        match=r"sequence 0: loss mask of shape \(3,\), expected one "
+        r"entry per token \(2,\)",
+    ):
+        ftj.write_dataset(url, {"train": [[1, 2]]}, loss_masks={"train": [[1, 1, 1]]})
+    with pytest.raises(ValueError, match="must be bool or integers, got dtype float64"):
+        ftj.write_dataset(url, {"train": [[1, 2]]}, loss_masks={"train": [[1.0, 0.0]]})
+    with pytest.raises(ValueError, match="split 'train': more sequences than loss masks"):
+        ftj.write_dataset(url, {"train": [[1], [2]]}, loss_masks={"train": [[1]]})
+    with pytest.raises(ValueError, match="split 'train': more loss masks than sequences"):
+        ftj.write_dataset(url, {"train": [[1]]}, loss_masks={"train": [[1], [0]]})
+    with pytest.raises(KeyError, match=r"loss_masks names splits \['test'\]"):
+        ftj.write_dataset(url, {"train": [[1]]}, loss_masks={"test": [[1]]})
+    with pytest.raises(ftj.FormatError, match="did not finish"):
+        ftj.open_dataset(url)
+
+
+def test_zarr_python_reads_a_dataset_with_a_loss_mask(tmp_path: Path) -> None:
+    """An older reader that knows only zarr opens the extended dataset and its base arrays."""
+    for fmt_version in (3, 2):
+        url = tmp_path / f"v{fmt_version}"
+        layout = ftj.Layout(zarr_format=fmt_version, shard_tokens=8, chunk_tokens=4)
+        masks = [[0, 1], [0, 0, 1], [1, 1, 1]]
+        ftj.write_dataset(
+            url,
+            {"train": [[1, 2], [3, 4, 5], [6, 7, 8]]},
+            loss_masks={"train": masks},
+            layout=layout,
+        )
+        group = zarr.open_group(str(url), mode="r")
+        train = group["train"]
+        assert train["encoded_tokens"][:].tolist() == [3, 4, 7, 8, 10, 13, 14, 16]
+        assert train["seq_starts"][:].tolist() == [0, 2, 5, 8]
+        assert train["loss_mask"].dtype == np.uint8
+        assert train["loss_mask"][:].tolist() == [0, 1, 0, 0, 1, 1, 1, 1]
+        assert "loss_mask" not in group["validation"]
+
+
+def test_failed_masked_write_leaves_nothing(tmp_path: Path) -> None:
+    url = tmp_path / "ds"
+    with pytest.raises(RuntimeError), ftj.DatasetWriter(url, layout=SMALL) as w:
+        w.extend("train", [[1, 2, 3]] * 50, loss_masks=[[0, 1, 1]] * 50)
+        assert (url / "train" / "loss_mask").is_dir()
+        raise RuntimeError("tokenizer crashed")
+    assert not url.exists() or not any(url.rglob("*.json"))
+    with pytest.raises(ftj.FormatError, match="no flat-tokens dataset here"):
+        ftj.open_dataset(url)

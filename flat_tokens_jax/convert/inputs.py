@@ -42,6 +42,10 @@ class InputError(ValueError):
     """A bad input file or record; the message names the file and its line or row."""
 
 
+class BadRecord(ValueError):
+    """Raised by a :class:`RecordReader` ``check`` for a record it refuses; says why."""
+
+
 def require(module: str, extra: str) -> ModuleType:
     """Imports an optional dependency, or says which extra installs it."""
     try:
@@ -135,10 +139,20 @@ class RecordReader:
     :class:`InputError` naming the file and 1-based line (JSONL) or row (Parquet,
     datasets); with ``skip_bad`` it is counted in :attr:`skipped_bad` instead.
     A file that cannot be read at all (corrupt compression) always raises.
+
+    ``key=None`` reads whole records instead (a JSON object, or a row as a
+    ``dict``), which ``check(record, where)`` turns into what is yielded, raising
+    :class:`BadRecord` for a record it refuses (handled like any bad record).
     """
 
     def __init__(
-        self, paths: Sequence[Path], key: str, *, tokens: bool = False, skip_bad: bool = False
+        self,
+        paths: Sequence[Path],
+        key: str | None,
+        *,
+        tokens: bool = False,
+        skip_bad: bool = False,
+        check: Callable[[Any, Where], Any] | None = None,
     ) -> None:
         self.paths = list(paths)
         self.key = key
@@ -147,6 +161,10 @@ class RecordReader:
         self.skipped_bad = 0
         self.skipped_empty = 0
         self.check: Callable[[Any, Where], Any] = self._check_tokens if tokens else self._check_text
+        if check is not None:
+            self.check = self._caller_check(check)
+        elif key is None:
+            raise ValueError("RecordReader(key=None) reads whole records and needs a check")
 
     def __repr__(self) -> str:
         what = "tokens" if self.tokens else "text"
@@ -161,6 +179,20 @@ class RecordReader:
                 yield from self._parquet(path)
             else:
                 yield from self._hf(path)
+
+    def _caller_check(self, check: Callable[[Any, Where], Any]) -> Callable[[Any, Where], Any]:
+        def checked(value: Any, where: Where) -> Any:
+            try:
+                return check(value, where)
+            except BadRecord as e:
+                self._bad(where, str(e))
+                return None
+
+        return checked
+
+    def reject(self, where: Where, why: str) -> None:
+        """A record found bad after it was read: counted with ``skip_bad``, else InputError."""
+        self._bad(where, why)
 
     def _bad(self, where: Where, why: str, count: int = 1) -> None:
         path, unit, number = where
@@ -223,11 +255,11 @@ class RecordReader:
                     if not isinstance(record, dict):
                         self._bad((path, "line", line), "not a JSON object")
                         continue
-                    if key not in record:
+                    if key is not None and key not in record:
                         keys = sorted(record)[:10]
                         self._bad((path, "line", line), f"no key {key!r} (keys: {keys})")
                         continue
-                    value = check(record[key], (path, "line", line))
+                    value = check(record if key is None else record[key], (path, "line", line))
                     if value is not None:
                         yield value
         except unreadable as e:
@@ -253,6 +285,13 @@ class RecordReader:
             if checked is not None:
                 yield checked
 
+    def _rows(self, table: Any, path: Path, first_row: int) -> Iterator[Any]:
+        """Checks and yields the rows (as dicts) of an Arrow table or batch."""
+        for i, row in enumerate(table.to_pylist(), first_row + 1):
+            checked = self.check(row, (path, "row", i))
+            if checked is not None:
+                yield checked
+
     def _missing_column(self, path: Path, names: Sequence[str], rows: int) -> None:
         self._bad((path, "", 0), f"no column {self.key!r} (columns: {list(names)})", count=rows)
 
@@ -260,23 +299,30 @@ class RecordReader:
         pa = require("pyarrow", "convert")
         pq = require("pyarrow.parquet", "convert")
         pf = pq.ParquetFile(path)
-        if self.key not in pf.schema_arrow.names:
+        if self.key is not None and self.key not in pf.schema_arrow.names:
             self._missing_column(path, pf.schema_arrow.names, pf.metadata.num_rows)
             return
         row = 0
-        for batch in pf.iter_batches(batch_size=ARROW_BATCH_ROWS, columns=[self.key]):
-            yield from self._column(batch.column(0), path, row, pa)
+        columns = None if self.key is None else [self.key]
+        for batch in pf.iter_batches(batch_size=ARROW_BATCH_ROWS, columns=columns):
+            if self.key is None:
+                yield from self._rows(batch, path, row)
+            else:
+                yield from self._column(batch.column(0), path, row, pa)
             row += batch.num_rows
 
     def _hf(self, path: Path) -> Iterator[str | np.ndarray]:
         pa = require("pyarrow", "convert")
         datasets = require("datasets", "hf")
         ds = datasets.load_from_disk(str(path))
-        if self.key not in ds.column_names:
+        if self.key is not None and self.key not in ds.column_names:
             self._missing_column(path, ds.column_names, len(ds))
             return
         row = 0
-        table_batches = ds.select_columns([self.key]).with_format("arrow")
-        for table in table_batches.iter(batch_size=ARROW_BATCH_ROWS):
-            yield from self._column(table.column(0).combine_chunks(), path, row, pa)
+        selected = ds if self.key is None else ds.select_columns([self.key])
+        for table in selected.with_format("arrow").iter(batch_size=ARROW_BATCH_ROWS):
+            if self.key is None:
+                yield from self._rows(table, path, row)
+            else:
+                yield from self._column(table.column(0).combine_chunks(), path, row, pa)
             row += table.num_rows

@@ -33,17 +33,25 @@ def merge(
     Sequence offsets are rebased and ``max_token_id`` is the largest of the
     inputs'. Data moves in blocks of whole sequences of about ``block_tokens``
     tokens, still encoded: memory stays bounded and no token passes through a
-    Python list. ``options`` reach the inputs and the output alike.
+    Python list. Loss masks are carried over when every input of a split has
+    one. ``options`` reach the inputs and the output alike.
 
     Returns:
         A JSON-ready summary: inputs, and sequences and tokens per split.
     """
     began = time.perf_counter()
     datasets = [open_dataset(url, options) for url in inputs]
-    for ds in datasets:
-        for ft in ds.values():
-            if ft.loss_mask is not None:
-                raise ValueError(f"{ft!r} has a loss_mask, which merge does not carry over")
+    for split in SPLITS:
+        masked = {ds[split].loss_mask is not None for ds in datasets if split in ds}
+        if len(masked) > 1:
+            listed = ", ".join(
+                f"{ds.url} ({'with' if ds[split].loss_mask is not None else 'without'})"
+                for ds in datasets
+                if split in ds
+            )
+            raise ValueError(
+                f"split {split!r}: some inputs have a loss_mask and some do not: {listed}"
+            )
     summary: dict[str, Any] = {"inputs": [ds.url for ds in datasets], "splits": {}}
     with DatasetWriter(output, layout=layout, overwrite=overwrite, options=options) as writer:
         for split in SPLITS:
@@ -51,8 +59,8 @@ def merge(
             for ds in datasets:
                 if split not in ds:
                     continue
-                for encoded, lengths in _blocks(ds[split], block_tokens):
-                    writer.extend_encoded(split, encoded, lengths)
+                for encoded, lengths, mask in _blocks(ds[split], block_tokens):
+                    writer.extend_encoded(split, encoded, lengths, mask)
                     sequences += lengths.size
                     tokens += encoded.size
             summary["splits"][split] = {"sequences": sequences, "tokens": tokens}
@@ -60,8 +68,10 @@ def merge(
     return summary
 
 
-def _blocks(ft: FlatTokens, block_tokens: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """``(encoded, lengths)`` of consecutive runs of whole sequences."""
+def _blocks(
+    ft: FlatTokens, block_tokens: int
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+    """``(encoded, lengths, loss mask or None)`` of consecutive runs of whole sequences."""
     first = 0
     per_read = 1 << 16
     while first < ft.num_sequences:
@@ -69,8 +79,11 @@ def _blocks(ft: FlatTokens, block_tokens: int) -> Iterator[tuple[np.ndarray, np.
         lo, hi = ft.sequence_bounds(np.arange(first, stop))
         # Take sequences while the run stays within the block (always at least one).
         cut = max(1, int(np.searchsorted(hi - lo[0], block_tokens, side="right")))
-        encoded = ft.encoded_ranges([lo[0]], [hi[cut - 1]])[0]
-        yield np.asarray(encoded, np.uint32), hi[:cut] - lo[:cut]
+        span = (np.array([lo[0]]), np.array([hi[cut - 1]]))
+        pending = ft.request_encoded(*span)
+        masks = ft.request_loss_mask(*span)
+        mask = None if masks is None else masks.result()[0]
+        yield np.asarray(pending.result()[0], np.uint32), hi[:cut] - lo[:cut], mask
         first += cut
 
 

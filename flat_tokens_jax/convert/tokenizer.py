@@ -53,12 +53,15 @@ class LoadedTokenizer:
         name: where it came from, for messages.
         bos_id: beginning-of-sequence id, ``None`` if it has none.
         eos_id: end-of-sequence id, ``None`` if it has none.
+        hf: the ``transformers`` tokenizer it came from (for its chat template),
+            ``None`` for a ``tokenizers`` JSON file.
     """
 
     tokenizer: Any
     name: str
     bos_id: int | None
     eos_id: int | None
+    hf: Any = None
 
 
 def _find_token(tokenizer: Any, candidates: Sequence[str]) -> int | None:
@@ -107,6 +110,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> LoadedTokenizer:
     """
     p = Path(path)
     tokenizers = require("tokenizers", "convert")
+    hf = None
     if p.is_dir():
         transformers = require("transformers", "hf")
         hf = transformers.AutoTokenizer.from_pretrained(str(p), local_files_only=True)
@@ -126,7 +130,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> LoadedTokenizer:
     tok.no_truncation()
     tok.no_padding()
     _check_vocabulary(tok, str(p))
-    return LoadedTokenizer(tok, str(p), bos, eos)
+    return LoadedTokenizer(tok, str(p), bos, eos, hf)
 
 
 def tokenize_batch(

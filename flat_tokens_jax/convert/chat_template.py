@@ -1,0 +1,438 @@
+"""Chat templates: conversations to text, and which of its tokens are trained.
+
+A :class:`ChatTemplate` (a YAML config such as ``configs/chat.yaml``: per-role
+prefix and suffix, bos/eos, trained roles, and top-level fields placed before
+the turns), or the ``chat_template`` of a ``transformers`` tokenizer directory,
+rendered with ``apply_chat_template`` (messages only), where each content is
+located by rendering again with markers in place of the contents.
+
+Trained characters become trained tokens through the tokenizer's offsets: a
+token is trained when one of its non-space characters is trained (a token of
+spaces only: when one of its characters is). So ``" Hello"``, which merges a
+template's separating space with the answer, is trained, and a special token
+that absorbs the spaces after it (Phi-3's ``"<|assistant|>\\n "``) is not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from flat_tokens_jax.convert.inputs import BadRecord, require
+from flat_tokens_jax.convert.tokenizer import LoadedTokenizer
+
+LAYOUTS = (("conversations", "from", "value"), ("messages", "role", "content"))
+ROLE_ALIASES = {"human": "user", "gpt": "assistant"}
+CHAT_TEMPLATE_ROLES = ("system", "user", "assistant", "tool")
+# The code points for which str.isspace() is true.
+SPACE_CODES = np.array(
+    [
+        *range(0x9, 0xE),
+        *range(0x1C, 0x21),
+        *(0x85, 0xA0, 0x1680),
+        *range(0x2000, 0x200B),
+        *(0x2028, 0x2029, 0x202F, 0x205F, 0x3000),
+    ],
+    np.uint32,
+)
+_TOKEN_LITERAL = re.compile(r"<\|[^|<>\s]{1,64}\|>")
+_SPACES = re.compile(r"\s*")
+# Private-use characters around a message's index stand in for its content.
+_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
+_MARK = re.compile(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}")
+
+Span = tuple[int, int]
+Renderer = Callable[[Mapping[str, Any]], tuple[str, list[Span]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Affix:
+    """What goes around a role's turn or a field: ``prefix + content + suffix``."""
+
+    prefix: str = ""
+    suffix: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTemplate:
+    """A chat template from a YAML config; see ``configs/chat.yaml``.
+
+    Attributes:
+        roles: each role's prefix and suffix; a message of any other role is a bad record.
+        train_on: roles (and fields) whose content is trained on.
+        end_of_turn: trained with each trained turn: the turn's suffix up to and
+            including this token (it must be in those suffixes); ``None``: only the content.
+        bos: placed once before everything, never trained.
+        eos: placed once after everything, trained when the last turn is.
+        special_tokens: every other special token the strings use; each must be a
+            single token of the tokenizer, and no content may contain one.
+        fields: top-level record fields rendered, in this order, before the turns
+            (``system``, ``instruction``, ...); a record without one leaves it out.
+        role_aliases: other names of roles (``human`` -> ``user``, ``gpt`` -> ``assistant``).
+    """
+
+    roles: Mapping[str, Affix]
+    train_on: tuple[str, ...] = ("assistant",)
+    end_of_turn: str | None = None
+    bos: str | None = None
+    eos: str | None = None
+    special_tokens: tuple[str, ...] = ()
+    fields: tuple[tuple[str, Affix], ...] = ()
+    role_aliases: Mapping[str, str] = dataclasses.field(default_factory=lambda: dict(ROLE_ALIASES))
+
+    def __post_init__(self) -> None:
+        if not self.roles:
+            raise ValueError("ChatTemplate.roles is empty: give at least the assistant's role")
+        fields = [name for name, _ in self.fields]
+        for name in self.train_on:
+            if name not in self.roles and name not in fields:
+                raise ValueError(
+                    f"ChatTemplate.train_on names {name!r}, which is neither a role "
+                    f"{sorted(self.roles)} nor a field {fields}"
+                )
+        eot = self.end_of_turn
+        for name, affix in [*self.roles.items(), *self.fields]:
+            if eot is not None and name in self.train_on and eot not in affix.suffix:
+                raise ValueError(
+                    f"ChatTemplate.end_of_turn {eot!r} is not in the suffix {affix.suffix!r} "
+                    f"of {name!r}, which is trained on: add it there or set end_of_turn: null"
+                )
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> ChatTemplate:
+        """From the mapping under ``chat:`` in a YAML config; unknown keys are refused."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(f"unknown ChatTemplate field(s) {unknown}; known: {sorted(known)}")
+        args = dict(config)
+        try:
+            args["roles"] = {role: Affix(**a) for role, a in config.get("roles", {}).items()}
+            args["fields"] = tuple(
+                (f["name"], Affix(f.get("prefix", ""), f.get("suffix", "")))
+                for f in config.get("fields") or ()
+            )
+        except (TypeError, KeyError, AttributeError) as e:
+            raise ValueError(
+                "ChatTemplate.roles must map role names to {prefix, suffix} and fields be a "
+                f"list of {{name, prefix, suffix}} ({e})"
+            ) from None
+        for key in ("train_on", "special_tokens"):
+            if key in args:
+                args[key] = tuple(args[key])
+        return cls(**args)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> ChatTemplate:
+        """Reads the ``chat:`` mapping of a YAML file (needs the ``yaml`` extra)."""
+        yaml = require("yaml", "yaml")
+        with open(path, encoding="utf-8") as f:
+            loaded = yaml.safe_load(f)
+        if not isinstance(loaded, dict) or not isinstance(loaded.get("chat"), dict):
+            raise ValueError(f"{path}: expected a mapping under a top-level 'chat:' key")
+        return cls.from_dict(loaded["chat"])
+
+    def tokens(self) -> list[str]:
+        """Every special token the template writes, declared or seen as ``<|...|>``."""
+        declared = [self.bos, self.eos, self.end_of_turn, *self.special_tokens]
+        affixes = [*self.roles.values(), *(a for _, a in self.fields)]
+        seen = [t for a in affixes for t in _TOKEN_LITERAL.findall(a.prefix + a.suffix)]
+        return list(dict.fromkeys(t for t in [*declared, *seen] if t))
+
+    def render(
+        self, record: Mapping[str, Any], forbidden: re.Pattern[str] | None = None
+    ) -> tuple[str, list[Span]]:
+        """The conversation's text and its trained character spans.
+
+        Raises:
+            BadRecord: no conversation, an unknown role, a field that is not a
+                string, or content that ``forbidden`` matches.
+        """
+        pieces: list[tuple[str, bool]] = [(self.bos, False)] if self.bos else []
+        for name, affix in self.fields:
+            value = record.get(name)
+            if value is None or value == "":
+                continue
+            if not isinstance(value, str):
+                raise BadRecord(f"field {name!r} is {type(value).__name__}, not a string")
+            _check_content(value, f"field {name!r}", forbidden)
+            pieces += self._turn(affix, value, name in self.train_on)
+        trained = False
+        for i, (role, content) in enumerate(parse_messages(record, self.role_aliases, forbidden)):
+            if role not in self.roles:
+                known = sorted({*self.roles, *self.role_aliases})
+                raise BadRecord(f"message {i} has unknown role {role!r} (known: {known})")
+            trained = role in self.train_on
+            pieces += self._turn(self.roles[role], content, trained)
+        if self.eos:
+            pieces.append((self.eos, trained))
+        return _join(pieces)
+
+    def _turn(self, affix: Affix, content: str, trained: bool) -> list[tuple[str, bool]]:
+        if not trained:
+            return [(affix.prefix + content + affix.suffix, False)]
+        cut = 0
+        if self.end_of_turn is not None:
+            cut = affix.suffix.index(self.end_of_turn) + len(self.end_of_turn)
+        return [
+            (affix.prefix, False),
+            (content + affix.suffix[:cut], True),
+            (affix.suffix[cut:], False),
+        ]
+
+
+def _join(pieces: Sequence[tuple[str, bool]]) -> tuple[str, list[Span]]:
+    """Concatenated text and the merged character spans of the trained pieces."""
+    spans: list[Span] = []
+    at = 0
+    for text, trained in pieces:
+        if trained and text:
+            if spans and spans[-1][1] == at:
+                spans[-1] = (spans[-1][0], at + len(text))
+            else:
+                spans.append((at, at + len(text)))
+        at += len(text)
+    return "".join(t for t, _ in pieces), spans
+
+
+def parse_messages(
+    record: Mapping[str, Any],
+    aliases: Mapping[str, str],
+    forbidden: re.Pattern[str] | None = None,
+) -> list[tuple[str, str]]:
+    """``(role, content)`` of each message, roles renamed by ``aliases``.
+
+    Raises:
+        BadRecord: neither layout, not a list, an empty list, a malformed
+            message, or content that ``forbidden`` matches.
+    """
+    layout = next((keys for keys in LAYOUTS if keys[0] in record), None)
+    if layout is None:
+        raise BadRecord(f"no 'conversations' or 'messages' list (keys: {sorted(record)[:10]})")
+    key, role_key, text_key = layout
+    turns = record[key]
+    if not isinstance(turns, list):
+        raise BadRecord(f"{key!r} is {type(turns).__name__}, not a list of messages")
+    if not turns:
+        raise BadRecord(f"{key!r} is empty: a conversation needs at least one message")
+    out = []
+    for i, m in enumerate(turns):
+        if not (
+            isinstance(m, dict)
+            and isinstance(m.get(role_key), str)
+            and isinstance(m.get(text_key), str)
+        ):
+            raise BadRecord(
+                f"{key}[{i}] must be an object with strings {role_key!r} and {text_key!r}, "
+                f"got {m!r:.80}"
+            )
+        _check_content(m[text_key], f"{key}[{i}]", forbidden)
+        out.append((aliases.get(m[role_key], m[role_key]), m[text_key]))
+    return out
+
+
+def _check_content(text: str, what: str, forbidden: re.Pattern[str] | None) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRecord(f"{what} is not valid Unicode ({e})") from None
+    hit = None if forbidden is None else forbidden.search(text)
+    if hit is not None:
+        raise BadRecord(f"{what} holds the special token {hit.group()!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _TokenizerTemplate:
+    """Renders with a ``transformers`` tokenizer's chat template, then finds the turns.
+
+    The template renders the conversation twice: as it is, and with each content
+    replaced by a marker. Putting the contents (or, for templates that trim them,
+    the trimmed contents) in place of the markers must give the first text, and
+    the markers' places are then the contents'. ``end_of_turn``: ``None`` trains
+    the added token that follows a trained turn's content (after any spaces), if
+    one does; ``""`` trains none.
+    """
+
+    hf: Any
+    train_on: tuple[str, ...]
+    end_of_turn: str | None
+    added: re.Pattern[str] | None
+    forbidden: re.Pattern[str] | None
+    template_error: type[Exception]
+
+    def render(self, record: Mapping[str, Any]) -> tuple[str, list[Span]]:
+        messages = parse_messages(record, ROLE_ALIASES, self.forbidden)
+        for i, (role, _) in enumerate(messages):
+            if role not in CHAT_TEMPLATE_ROLES:
+                raise BadRecord(
+                    f"message {i} has unknown role {role!r} (known: "
+                    f"{sorted({*CHAT_TEMPLATE_ROLES, *ROLE_ALIASES})})"
+                )
+        roles = [role for role, _ in messages]
+        text = self._apply(roles, [content for _, content in messages])
+        marked = self._apply(roles, [f"{_MARK_OPEN}{i}{_MARK_CLOSE}" for i in range(len(roles))])
+        for contents in ([c for _, c in messages], [c.strip() for _, c in messages]):
+            found = _unmark(marked, contents)
+            if found is not None and found[0] == text:
+                break
+        else:
+            raise BadRecord(
+                "the chat template changes message contents (beyond trimming spaces), so the "
+                "trained turns cannot be found in its text; use a YAML template (--template)"
+            )
+        spans: list[Span] = []
+        for i, role in enumerate(roles):
+            if role in self.train_on:
+                if i not in found[1]:
+                    raise BadRecord(f"message {i} ({role}) is not in the chat template's text")
+                a, b = found[1][i]
+                spans.append((a, self._turn_end(text, b, i)))
+        return text, sorted(spans)
+
+    def _apply(self, roles: list[str], contents: list[str]) -> str:
+        chat = [{"role": r, "content": c} for r, c in zip(roles, contents, strict=True)]
+        try:
+            text: str = self.hf.apply_chat_template(chat, tokenize=False)
+        except (self.template_error, ValueError, TypeError) as e:
+            raise BadRecord(f"the chat template refused the conversation: {e}") from None
+        return text
+
+    def _turn_end(self, text: str, end: int, i: int) -> int:
+        after = _SPACES.match(text, end)
+        start = end if after is None else after.end()
+        if self.end_of_turn:
+            if not text.startswith(self.end_of_turn, start):
+                raise BadRecord(
+                    f"message {i} is not followed by the end-of-turn {self.end_of_turn!r} in the "
+                    f"chat template's text (found {text[end : end + 24]!r})"
+                )
+            return start + len(self.end_of_turn)
+        found = self.added.match(text, start) if self.added and self.end_of_turn is None else None
+        return end if found is None else found.end()
+
+
+def _unmark(marked: str, contents: Sequence[str]) -> tuple[str, dict[int, Span]] | None:
+    """``marked`` with each marker replaced by its content, and where each content went.
+
+    ``None`` when a marker appears twice (its content's place is then unclear).
+    """
+    pieces: list[str] = []
+    places: dict[int, Span] = {}
+    size = done = 0
+    for m in _MARK.finditer(marked):
+        i = int(m.group(1))
+        if i in places or i >= len(contents):
+            return None
+        pieces += [marked[done : m.start()], contents[i]]
+        size += m.start() - done
+        places[i] = (size, size + len(contents[i]))
+        size += len(contents[i])
+        done = m.end()
+    pieces.append(marked[done:])
+    return "".join(pieces), places
+
+
+def check_template_tokens(tokenizer: Any, tokens: Iterable[str], where: str) -> None:
+    """Checks that each template token is one token of the vocabulary.
+
+    Raises:
+        ValueError: a token missing from the vocabulary, or one the tokenizer splits.
+    """
+    for token in tokens:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is None:
+            raise ValueError(
+                f"{where}: template token {token!r} is not in the tokenizer's vocabulary: "
+                "use the tokenizer the template was written for, or change the template"
+            )
+        ids = tokenizer.encode(token, add_special_tokens=False).ids
+        if list(ids) != [token_id]:
+            raise ValueError(
+                f"{where}: template token {token!r} (id {token_id}) is tokenized as {list(ids)}: "
+                "it must be an added (special) token of the tokenizer"
+            )
+
+
+def trained_tokens(text: str, offsets: np.ndarray, spans: Sequence[Span]) -> np.ndarray:
+    """``[n] uint8`` loss mask of tokens with character ``offsets`` ``[n, 2]`` in ``text``.
+
+    A token is trained when one of its non-space characters is in a trained
+    span, or, for a token of spaces only, when one of its characters is.
+    """
+    off = np.asarray(offsets, np.int64).reshape(-1, 2)
+    codes = np.frombuffer(text.encode("utf-32-le"), np.uint32)
+    change = np.zeros(codes.size + 1, np.int64)
+    bounds = np.asarray(spans, np.int64).reshape(-1, 2)
+    np.add.at(change, bounds[:, 0], 1)
+    np.add.at(change, bounds[:, 1], -1)
+    trained = np.cumsum(change[:-1]) > 0
+    solid = ~np.isin(codes, SPACE_CODES)
+
+    def count(flags: np.ndarray) -> np.ndarray:
+        total = np.concatenate([[0], np.cumsum(flags)])
+        return total[off[:, 1]] - total[off[:, 0]]
+
+    hit = (count(trained & solid) > 0) | ((count(solid) == 0) & (count(trained) > 0))
+    return hit.astype(np.uint8)
+
+
+def make_renderer(
+    loaded: LoadedTokenizer,
+    template: str | os.PathLike[str] | ChatTemplate | None,
+    train_on: Sequence[str] | None,
+    end_of_turn: str | None,
+) -> Renderer:
+    """The renderer of a YAML template, or else of the tokenizer's own chat template.
+
+    Raises:
+        ValueError: no template to use, options that the YAML template sets
+            itself, or a template token that is not one token of the vocabulary.
+    """
+    tok = loaded.tokenizer
+    if template is not None:
+        if train_on is not None or end_of_turn is not None:
+            raise ValueError(
+                "train_on and end_of_turn are set in the YAML template; leave them unset here"
+            )
+        tpl = template if isinstance(template, ChatTemplate) else ChatTemplate.from_yaml(template)
+        check_template_tokens(tok, tpl.tokens(), f"template {template}")
+        forbidden = _forbidden(tok, tpl.tokens())
+        return lambda record: tpl.render(record, forbidden)
+    source = getattr(loaded.hf, "chat_template", None)
+    if not isinstance(source, str):
+        raise ValueError(
+            f"{loaded.name} has no chat template (only a transformers tokenizer directory with "
+            "a single chat_template has one): pass a YAML template, e.g. configs/chat.yaml"
+        )
+    jinja2 = require("jinja2", "hf")
+    check_template_tokens(tok, dict.fromkeys(_TOKEN_LITERAL.findall(source)), loaded.name)
+    if end_of_turn:
+        check_template_tokens(tok, [end_of_turn], loaded.name)
+    added = _any_of(t.content for t in tok.get_added_tokens_decoder().values())
+    renderer = _TokenizerTemplate(
+        loaded.hf,
+        tuple(train_on or ("assistant",)),
+        end_of_turn,
+        added,
+        _forbidden(tok, []),
+        jinja2.TemplateError,
+    )
+    return renderer.render
+
+
+def _forbidden(tokenizer: Any, template_tokens: Sequence[str]) -> re.Pattern[str] | None:
+    """The special tokens no content may hold: a ``<|im_end|>`` typed in a message
+    would be read as the token and end the turn early."""
+    added = tokenizer.get_added_tokens_decoder().values()
+    return _any_of([*(t.content for t in added if t.special), *template_tokens])
+
+
+def _any_of(tokens: Iterable[str]) -> re.Pattern[str] | None:
+    """A pattern matching any of ``tokens``, the longest first; ``None`` if none."""
+    ordered = sorted(set(tokens) - {""}, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, ordered))) if ordered else None

@@ -1,0 +1,315 @@
+"""Flat-tokens records as a grain data source: ``FlatTokensSource``.
+
+A grain pipeline reads elements by index from a random-access source.
+``FlatTokensSource`` is one: element ``i`` is record ``i`` (a packed window or a
+padded sequence, exactly the row :class:`~flat_tokens_jax.Loader` makes of it)
+as a dict of the five batch fields, each ``[seq_len]``. The source only has to
+satisfy grain's protocol, so this module never imports grain; users import it.
+
+What a read costs: ``__getitem__`` is one read of one record. ``_getitems`` is
+grain's batched-read hook (``SupportsBatchedReadRandomAccessDataSource``): one
+batched read for many records. grain 0.2's ``MapDataset.source(...)`` forwards
+``_getitems`` to it, but ``MapDataset.batch`` calls it only behind an
+experiment flag that grain leaves off, so ``.batch(B)`` still costs ``B``
+single-record reads. Batching the indices and mapping :meth:`read_batch` over
+them costs one batched read per batch::
+
+    grain.MapDataset.range(len(src)).shuffle(seed=0).batch(B).map(src.read_batch)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import os
+import pickle
+import threading
+from collections.abc import Sequence
+from typing import Any, SupportsIndex
+
+import numpy as np
+
+from flat_tokens_jax import batch as fields
+from flat_tokens_jax.dataset import FlatTokens, open_dataset
+from flat_tokens_jax.mixture import Mixture
+from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records
+from flat_tokens_jax.store import StoreOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reopen:
+    """What opens the same records again, in another process."""
+
+    url: str
+    split: str
+    sequences: tuple[int, int]
+    options: StoreOptions
+    packed: bool
+    seq_len: int
+    in_memory: bool
+
+    @classmethod
+    def of(cls, records: Records) -> _Reopen | None:
+        """How to reopen ``records``; ``None`` for records of another type than ours."""
+        kinds = (PackedRecords, PaddedRecords)
+        # A subclass may read differently from the class it would reopen as.
+        if type(records) not in kinds or not isinstance(records, kinds):
+            return None
+        ft = records.ft
+        spec = ft.store.spec
+        # The resolved path, not the one given: a later chdir must not move the data.
+        url = spec["path"] if spec["driver"] == "file" else ft.url
+        return cls(
+            url=url,
+            split=ft.split_name,
+            sequences=ft.seq_range,
+            # A tensorstore Context cannot cross processes: each opens its own.
+            options=dataclasses.replace(ft.store.options, context=None),
+            packed=records.packed,
+            seq_len=records.seq_len,
+            in_memory=spec["driver"] == "memory",
+        )
+
+    def open(self) -> Records:
+        ft = open_dataset(self.url, self.options)[self.split]
+        if ft.seq_range != self.sequences:
+            ft = ft.view(*self.sequences)
+        kind = PackedRecords if self.packed else PaddedRecords
+        return kind(ft, self.seq_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Keep:
+    """Records of a type that cannot be reopened from a URL: pickled as they are."""
+
+    records: Records
+    in_memory = False
+
+    def open(self) -> Records:
+        return self.records
+
+
+class FlatTokensSource:
+    """A grain random-access source whose elements are the batch fields of one record.
+
+    Element ``i`` is a dict of ``inputs``, ``targets``, ``segment_ids``,
+    ``positions`` (``[seq_len] int32``) and ``loss_mask`` (``[seq_len] bool``):
+    row ``i`` of ``Loader(..., LoaderConfig(shuffle=False, ...))`` run over the
+    same records with the same ``start_token_id`` and ``pad_id``.
+
+    Contract: thread-safe, deterministic, and picklable. A pickled source holds
+    no tensorstore handle (tensorstore is not fork-safe, and grain sends its
+    worker processes pickled sources); it reopens the store on first use in
+    each process. Sources over ``memory://`` stores refuse to pickle, since
+    another process would find the store empty. Records of a custom type are
+    pickled as they are.
+
+    Args:
+        source: a path or URL, a :class:`FlatTokens` split (or view), or
+            records (:class:`PackedRecords`, :class:`PaddedRecords`, or any
+            :class:`Records`). A ``Mixture`` is refused: mix one source per
+            component with grain instead.
+        seq_len: tokens per record; required for a URL or a ``FlatTokens``,
+            and if given for records it must be theirs.
+        packing: True (the default for a URL or a ``FlatTokens``): consecutive
+            windows of the concatenated tokens; False: one sequence per record,
+            truncated and right-padded. Records bring their own.
+        split: the split to read from a URL.
+        options: how to reach the store at a URL. Its ``context`` stays in
+            this process: unpickled copies open their own.
+        start_token_id: the input token where a sequence starts.
+        pad_id: input and target id of padding.
+
+    Raises:
+        ValueError: a bad ``seq_len``, ``start_token_id`` or ``pad_id``, records
+            whose ``seq_len`` or packing differ from those asked for, or no
+            records at all.
+        TypeError: ``source`` is a ``Mixture`` or not a source of records.
+
+    Example:
+        >>> import grain
+        >>> import flat_tokens_jax as ftj
+        >>> from flat_tokens_jax.grain import FlatTokensSource
+        >>> url = "memory://doc/grain"
+        >>> ftj.write_dataset(url, {"train": [[1, 2], [3, 4, 5], [6, 7, 8]]}, overwrite=True)
+        >>> src = FlatTokensSource(url, seq_len=4)
+        >>> len(src), src[1]["targets"].tolist(), src[1]["segment_ids"].tolist()
+        (2, [5, 6, 7, 8], [1, 2, 2, 2])
+        >>> batch = next(iter(grain.MapDataset.source(src).batch(2)))
+        >>> batch["inputs"].tolist()
+        [[0, 1, 0, 3], [4, 0, 6, 7]]
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike[str] | FlatTokens | Records,
+        seq_len: int | None = None,
+        packing: bool | None = None,
+        *,
+        split: str = "train",
+        options: StoreOptions | None = None,
+        start_token_id: int = 0,
+        pad_id: int = 0,
+    ) -> None:
+        if (
+            isinstance(start_token_id, bool)
+            or not isinstance(start_token_id, int)
+            or start_token_id < 0
+        ):
+            raise ValueError(f"start_token_id must be an int >= 0, got {start_token_id!r}")
+        if isinstance(pad_id, bool) or not isinstance(pad_id, int):
+            raise ValueError(f"pad_id must be an int, got {pad_id!r}")
+        records = _as_records(source, seq_len, packing, split, options)
+        if len(records) == 0:
+            raise ValueError(
+                f"{records!r} has no records: the split holds fewer than "
+                f"seq_len={records.seq_len} tokens or no sequences"
+            )
+        self.seq_len, self.packed = records.seq_len, records.packed
+        self.start_token_id, self.pad_id = start_token_id, pad_id
+        self._records: Records | None = records
+        self._opener: _Reopen | _Keep = _Reopen.of(records) or _Keep(records)
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._length = len(records)
+        # Fixed here and carried through pickling: grain's DataLoader checks a
+        # restored checkpoint against repr(source), in whichever process.
+        self._repr = (
+            f"FlatTokensSource({records!r}, start_token_id={start_token_id}, pad_id={pad_id})"
+        )
+
+    def __repr__(self) -> str:
+        return self._repr
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: SupportsIndex) -> dict[str, np.ndarray]:
+        """Record ``index`` (negative counts from the end): five ``[seq_len]`` fields."""
+        rows = self.read_batch(np.array([operator.index(index)], np.int64))
+        return {key: value[0] for key, value in rows.items()}
+
+    def _getitems(self, indices: Sequence[int]) -> list[dict[str, np.ndarray]]:
+        """grain's batched-read hook: the elements of ``indices``, from one batched read."""
+        rows = self.read_batch(indices)
+        return [dict(zip(rows, row, strict=True)) for row in zip(*rows.values(), strict=True)]
+
+    def read_batch(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
+        """Records ``indices`` (``[k]`` ints, negative from the end), stacked, in one read.
+
+        Returns:
+            The five fields, each ``[k, seq_len]``: ``inputs``, ``targets``,
+            ``segment_ids``, ``positions`` (``int32``) and ``loss_mask`` (``bool``).
+
+        Raises:
+            IndexError: an index outside ``[-len(self), len(self))``.
+        """
+        idx = self._indices(indices)
+        records = self.records
+        windows = records.read(idx)
+        if records.packed:
+            return fields.packed_fields(
+                windows.encoded,
+                start_token_id=self.start_token_id,
+                stored_mask=windows.stored_mask,
+            )
+        if windows.lengths is None:
+            raise TypeError(f"{records!r} is padded, but its read() returned no lengths")
+        return fields.padded_fields(
+            windows.encoded,
+            windows.lengths,
+            start_token_id=self.start_token_id,
+            pad_id=self.pad_id,
+            stored_mask=windows.stored_mask,
+        )
+
+    @property
+    def records(self) -> Records:
+        """The records read from, opened in this process first if they need to be."""
+        records = self._records
+        if records is not None and self._pid == os.getpid():
+            return records
+        with self._lock:
+            records = self._records
+            if records is None or self._pid != os.getpid():
+                records = self._opener.open()
+                if len(records) != self._length:
+                    raise RuntimeError(
+                        f"the data changed after {self!r} was made: it had "
+                        f"{self._length} records, {records!r} has {len(records)}"
+                    )
+                self._records, self._pid = records, os.getpid()
+            return records
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._opener.in_memory:
+            raise pickle.PicklingError(
+                f"{self!r} reads a memory:// store, which exists only in this process: "
+                "write the dataset to a path or object store for grain worker processes, "
+                "or use worker_count=0"
+            )
+        state = dict(self.__dict__)
+        del state["_lock"]
+        state["_records"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def _indices(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """``indices`` as ``[k] int64`` in ``[0, len)``, after counting negatives from the end."""
+        idx = np.asarray(indices)
+        if idx.ndim != 1:
+            raise ValueError(f"record indices must be 1-D [k], got shape {idx.shape}")
+        if idx.size and idx.dtype.kind not in "iu":
+            raise TypeError(f"record indices must be integers, got dtype {idx.dtype}")
+        idx = idx.astype(np.int64)
+        n = self._length
+        bad = np.flatnonzero((idx < -n) | (idx >= n))
+        if bad.size:
+            raise IndexError(
+                f"{self!r}: record index {idx[bad[0]]} is outside [-{n}, {n}) ({n} records)"
+            )
+        return np.where(idx < 0, idx + n, idx)
+
+
+def _as_records(
+    source: str | os.PathLike[str] | FlatTokens | Records,
+    seq_len: int | None,
+    packing: bool | None,
+    split: str,
+    options: StoreOptions | None,
+) -> Records:
+    """The records a :class:`FlatTokensSource` reads, checked against what was asked."""
+    if isinstance(source, Mixture):
+        raise TypeError(
+            f"{source!r} is a Mixture, which grain cannot index as one source: make a "
+            "FlatTokensSource per component and blend them with grain.MapDataset.mix"
+        )
+    if seq_len is not None and (
+        isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1
+    ):
+        raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+    if isinstance(source, str | os.PathLike):
+        source = open_dataset(source, options)[split]
+    elif options is not None:
+        raise ValueError(f"options apply to a URL only; {source!r} is open already")
+    if isinstance(source, FlatTokens):
+        if seq_len is None:
+            raise ValueError(f"seq_len is required to make records of {source!r}")
+        kind = PaddedRecords if packing is False else PackedRecords
+        return kind(source, seq_len)
+    if not all(hasattr(source, a) for a in ("read", "seq_len", "packed", "__len__")):
+        raise TypeError(
+            f"expected a path or URL, a FlatTokens or Records, got {type(source).__name__}"
+        )
+    asked = {"seq_len": seq_len, "packing": packing}
+    have = {"seq_len": source.seq_len, "packing": source.packed}
+    wrong = [f"{k} {asked[k]!r}" for k in asked if asked[k] is not None and asked[k] != have[k]]
+    if wrong:
+        raise ValueError(
+            f"{source!r} has seq_len {source.seq_len} and packing {source.packed}, but "
+            f"{' and '.join(wrong)} was asked for: leave them out to use the records' own"
+        )
+    return source

@@ -1,0 +1,161 @@
+"""Benchmark: records/s through grain pipelines against ``ftj.Loader`` on one local store.
+
+Writes a synthetic dataset (Zipf-distributed ids, lognormal sequence lengths)
+to local disk, then reads the same number of shuffled packed records of the
+same store through each path, batch by batch:
+
+* ``Loader.host_batch``: one batched read and decode per step (``prefetch=0``);
+* grain ``MapDataset.source(src).shuffle(seed).batch(B)``: one read per record;
+* grain ``MapDataset.range(n).shuffle(seed).batch(B).map(src.read_batch)``:
+  one batched read per batch, in this process and with ``mp_prefetch`` over 2
+  worker processes;
+* grain ``DataLoader`` (``IndexSampler``, ``Batch``) with 0 and 2 worker
+  processes: one read per record, in the workers when there are any.
+
+Every grain path runs once per ``--read-threads`` value (grain's
+``ReadOptions.num_threads``: reader threads per process; grain's default is 16).
+
+Each path's order is its own shuffle of the same records. Throughput is
+measured after the first batch; the time to that first batch (worker start-up
+included) is listed beside it.
+
+Run: ``python scripts/bench_grain.py [--tokens 20_000_000] [--records 8192]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grain
+import numpy as np
+from absl import flags
+
+import flat_tokens_jax as ftj
+from flat_tokens_jax.grain import FlatTokensSource
+
+
+def synthetic(num_tokens: int, seed: int = 0) -> Iterator[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    left = num_tokens
+    while left > 0:
+        n = int(min(left, max(1, rng.lognormal(6.8, 0.8))))
+        left -= n
+        yield np.minimum(rng.zipf(1.2, n), 50_000)
+
+
+def measure(batches: Callable[[], Iterator[Any]], steps: int) -> tuple[float, float]:
+    """(seconds to the first batch, seconds for the ``steps`` batches after it)."""
+    began = time.perf_counter()
+    it = batches()
+    next(it)
+    first = time.perf_counter()
+    for _ in itertools.islice(it, steps):
+        pass
+    return first - began, time.perf_counter() - first
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=20_000_000)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--records", type=int, default=8192, help="records read per path")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--read-threads",
+        type=int,
+        nargs="+",
+        default=[16, 1],
+        help="grain ReadOptions.num_threads to run each grain path with (16: grain's default)",
+    )
+    parser.add_argument("--dir", type=Path, default=None)
+    args = parser.parse_args()
+    # grain 0.2 reads an absl flag when it starts workers under jax
+    # (google/grain#1355); outside absl.app.run, absl has parsed none.
+    flags.FLAGS.mark_as_parsed()
+    B, L = args.batch, args.seq_len
+    root = args.dir or Path(tempfile.mkdtemp(prefix="ftj-bench-grain-"))
+    try:
+        path = root / "ds"
+        began = time.perf_counter()
+        with ftj.DatasetWriter(path, overwrite=True) as w:
+            w.extend("train", synthetic(args.tokens))
+        print(f"wrote {args.tokens:,} tokens in {time.perf_counter() - began:.1f}s")
+        ft = ftj.open_dataset(path)["train"]
+        src = FlatTokensSource(path, L)
+        steps = min(args.records, len(src)) // B - 1
+        if steps < 1:
+            raise SystemExit(f"{len(src)} records of {L} tokens: pass more --tokens")
+        loader = ftj.Loader(ft, ftj.LoaderConfig(batch_size=B, seq_len=L, seed=1, prefetch=0))
+
+        def data_loader(workers: int, read: grain.ReadOptions) -> Iterator[Any]:
+            sampler = grain.samplers.IndexSampler(
+                num_records=len(src),
+                shard_options=grain.sharding.ShardByJaxProcess(drop_remainder=True),
+                shuffle=True,
+                num_epochs=1,
+                seed=1,
+            )
+            return iter(
+                grain.DataLoader(
+                    data_source=src,
+                    sampler=sampler,
+                    operations=[grain.transforms.Batch(B, drop_remainder=True)],
+                    worker_count=workers,
+                    read_options=read,
+                )
+            )
+
+        def per_record(read: grain.ReadOptions) -> Iterator[Any]:
+            ds = grain.MapDataset.source(src).shuffle(seed=1).batch(B)
+            return iter(ds.to_iter_dataset(read))
+
+        def per_batch(read: grain.ReadOptions, workers: int = 0) -> Iterator[Any]:
+            ds = grain.MapDataset.range(len(src)).shuffle(seed=1).batch(B).map(src.read_batch)
+            out = ds.to_iter_dataset(read)
+            if workers:
+                out = out.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+            return iter(out)
+
+        first, took = measure(lambda: map(loader.host_batch, itertools.count()), steps)
+        rows = [("ftj.Loader.host_batch", "", steps * B / took, first)]
+        batched = "MapDataset.range(n).shuffle.batch.map(src.read_batch)"
+        for threads in args.read_threads:
+            read = grain.ReadOptions(num_threads=threads)
+            paths: list[tuple[str, Callable[[], Iterator[Any]]]] = [
+                ("MapDataset.source(src).shuffle.batch", functools.partial(per_record, read)),
+                (batched, functools.partial(per_batch, read)),
+                (
+                    f"{batched}, mp_prefetch({args.workers} workers)",
+                    functools.partial(per_batch, read, args.workers),
+                ),
+                ("DataLoader, worker_count=0", functools.partial(data_loader, 0, read)),
+                (
+                    f"DataLoader, worker_count={args.workers}",
+                    functools.partial(data_loader, args.workers, read),
+                ),
+            ]
+            for label, batches in paths:
+                first, took = measure(batches, steps)
+                rows.append((label, str(threads), steps * B / took, first))
+        base = rows[0][2]
+        print(f"\nB={B}, L={L}, {steps * B:,} shuffled packed records per path, page cache warm\n")
+        print("| path | read threads | records/s | vs ftj.Loader | first batch (s) |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        for label, threads, rate, first in rows:
+            print(f"| {label} | {threads} | {rate:,.0f} | {rate / base:.2f}x | {first:.2f} |")
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

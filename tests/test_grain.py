@@ -1,0 +1,383 @@
+"""The grain adapter: elements equal Loader rows; grain pipelines, worker processes, checkpoints."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import pickle
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grain
+import numpy as np
+import pytest
+from absl import flags
+from conftest import memory_url
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import packed_row, padded_row
+
+import flat_tokens_jax as ftj
+from flat_tokens_jax.grain import FlatTokensSource
+from flat_tokens_jax.records import Windows
+
+SEQ_LEN = 16
+FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+
+
+def sequences() -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 5000, rng.integers(1, 40)) for _ in range(300)]
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store of :func:`sequences` on local disk, so grain's worker processes can open it."""
+    out = tmp_path_factory.mktemp("grain") / "ds"
+    layout = ftj.Layout(shard_tokens=1024, chunk_tokens=64)
+    ftj.write_dataset(out, {"train": sequences()}, layout=layout)
+    return out
+
+
+def loader_rows(ft: ftj.FlatTokens, packing: bool = True, **config: Any) -> dict[str, np.ndarray]:
+    """Every record, in order, as ``ftj.Loader`` makes its rows: the reference."""
+    kind = ftj.PackedRecords if packing else ftj.PaddedRecords
+    n = len(kind(ft, SEQ_LEN))
+    cfg = ftj.LoaderConfig(
+        batch_size=n, seq_len=SEQ_LEN, packing=packing, shuffle=False, prefetch=0, **config
+    )
+    return ftj.Loader(ft, cfg).host_batch(0)
+
+
+def assert_rows_equal(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert sorted(got) == sorted(FIELDS)
+    for key in FIELDS:
+        assert got[key].dtype == want[key].dtype, key
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+def stack(elements: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {key: np.stack([e[key] for e in elements]) for key in FIELDS}
+
+
+def worker_batches(keys: np.ndarray, worker_count: int, batch: int) -> list[np.ndarray]:
+    """The record keys of each batch a grain DataLoader yields, in order.
+
+    Worker ``w`` of ``W`` reads sampler positions ``w, w + W, ...`` and batches
+    them itself; the loader takes one batch from each worker in turn.
+    """
+    workers = max(worker_count, 1)
+    own = [keys[w::workers] for w in range(workers)]
+    per_worker = [
+        [mine[j * batch : (j + 1) * batch] for j in range(len(mine) // batch)] for mine in own
+    ]
+    rounds = max(len(b) for b in per_worker)
+    return [b[j] for j in range(rounds) for b in per_worker if j < len(b)]
+
+
+class CountingRecords:
+    """Records that count their batched reads."""
+
+    def __init__(self, records: ftj.Records) -> None:
+        self.inner, self.reads = records, 0
+        self.seq_len, self.packed = records.seq_len, records.packed
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __repr__(self) -> str:
+        return f"CountingRecords({self.inner!r})"
+
+    def read(self, indices: np.ndarray, columns: tuple[int, int] | None = None) -> Any:
+        self.reads += 1
+        return self.inner.read(indices, columns)
+
+    def token_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self.inner.token_ranges(indices)
+
+    def fingerprint(self) -> dict[str, Any]:
+        return self.inner.fingerprint()
+
+
+class ArrayRecords:
+    """Packed records over encoded tokens held in memory: picklable, unlike a store's."""
+
+    packed = True
+
+    def __init__(self, seqs: list[np.ndarray], seq_len: int) -> None:
+        self.encoded, _ = ftj.encode(seqs)
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return self.encoded.size // self.seq_len
+
+    def __repr__(self) -> str:
+        return f"ArrayRecords({self.encoded.size} tokens, seq_len={self.seq_len})"
+
+    def read(self, indices: np.ndarray, columns: tuple[int, int] | None = None) -> Any:
+        # Column 0 is the token before the record, 0 before record 0.
+        padded = np.concatenate([[0], self.encoded]).astype(np.uint32)
+        starts = np.asarray(indices) * self.seq_len
+        rows = padded[starts[:, None] + np.arange(self.seq_len + 1)]
+        return Windows(rows)
+
+    def token_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        starts = np.asarray(indices) * self.seq_len
+        return starts, starts + self.seq_len
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"num_tokens": self.encoded.size}
+
+
+class WithPid(grain.transforms.Map):
+    """Tags an element with the id of the process that read it."""
+
+    def map(self, element: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {**element, "pid": np.asarray(os.getpid())}
+
+
+@pytest.mark.parametrize(
+    "packing, start_token_id, pad_id", [(True, 0, 0), (True, 3, 0), (False, 0, 0), (False, 2, 7)]
+)
+def test_elements_equal_loader_rows(
+    path: Path, packing: bool, start_token_id: int, pad_id: int
+) -> None:
+    ft = ftj.open_dataset(path)["train"]
+    src = FlatTokensSource(
+        path, SEQ_LEN, packing=packing, start_token_id=start_token_id, pad_id=pad_id
+    )
+    want = loader_rows(ft, packing, start_token_id=start_token_id, pad_id=pad_id)
+    n = len(want["targets"])
+    assert len(src) == n
+    assert_rows_equal(stack([src[i] for i in range(n)]), want)
+    assert_rows_equal(stack(src._getitems(list(range(n)))), want)
+    picks = np.array([n - 1, 0, 5, 5, 2])
+    assert_rows_equal(src.read_batch(picks), {k: v[picks] for k, v in want.items()})
+    assert src[0]["targets"].shape == (SEQ_LEN,)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_stored_loss_mask_reaches_the_elements(tmp_path: Path, packing: bool) -> None:
+    rng = np.random.default_rng(1)
+    seqs = [rng.integers(0, 100, rng.integers(1, 30)) for _ in range(60)]
+    masks = [rng.integers(0, 2, s.size) for s in seqs]
+    with ftj.DatasetWriter(tmp_path / "ds") as w:
+        w.extend("train", seqs, loss_masks=masks)
+    ft = ftj.open_dataset(tmp_path / "ds")["train"]
+    src = FlatTokensSource(ft, SEQ_LEN, packing=packing)
+    want = loader_rows(ft, packing)
+    got = src.read_batch(np.arange(len(src)))
+    assert_rows_equal(got, want)
+    assert 0 < got["loss_mask"].mean() < 1
+
+
+datasets = st.lists(
+    st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=15), min_size=1, max_size=25
+)
+
+
+@settings(max_examples=30)
+@given(seqs=datasets, data=st.data())
+def test_elements_equal_brute_force_reference(seqs: list[list[int]], data: st.DataObject) -> None:
+    packing = data.draw(st.booleans())
+    num_tokens = sum(map(len, seqs))
+    seq_len = data.draw(st.integers(1, num_tokens if packing else 20))
+    start_token_id, pad_id = data.draw(st.integers(0, 5)), data.draw(st.integers(0, 5))
+    url = memory_url()
+    ftj.write_dataset(url, {"train": seqs}, layout=ftj.Layout(shard_tokens=64, chunk_tokens=8))
+    src = FlatTokensSource(
+        url, seq_len, packing=packing, start_token_id=start_token_id, pad_id=pad_id
+    )
+    n = num_tokens // seq_len if packing else len(seqs)
+    assert len(src) == n
+    for record in sorted({0, n - 1, data.draw(st.integers(0, n - 1))}):
+        want = (
+            packed_row(seqs, record, seq_len, start_token_id)
+            if packing
+            else padded_row(seqs, record, seq_len, start_token_id, pad_id)
+        )
+        for got in (src[record], src[record - n]):
+            assert {k: v.astype(int).tolist() for k, v in got.items()} == want
+
+
+def test_sources_from_url_split_and_records_agree(path: Path) -> None:
+    ft = ftj.open_dataset(path)["train"]
+    by_url = FlatTokensSource(path, SEQ_LEN, packing=False)
+    by_split = FlatTokensSource(ft, SEQ_LEN, packing=False)
+    by_records = FlatTokensSource(ftj.PaddedRecords(ft, SEQ_LEN))
+    assert repr(by_url) == repr(by_split) == repr(by_records)
+    assert repr(by_url) != repr(FlatTokensSource(path, SEQ_LEN))
+    idx = np.arange(len(by_url))
+    assert_rows_equal(by_split.read_batch(idx), by_url.read_batch(idx))
+    assert_rows_equal(by_records.read_batch(idx), by_url.read_batch(idx))
+
+
+def test_pickled_copy_reopens_the_same_view(path: Path) -> None:
+    _, view = ftj.open_dataset(path)["train"].split("1,1")
+    src = FlatTokensSource(view, SEQ_LEN)
+    data = pickle.dumps(src)
+    assert len(data) < 4096
+    copy = pickle.loads(data)
+    assert repr(copy) == repr(src) and len(copy) == len(src)
+    assert copy.records is not src.records
+    want = loader_rows(view)
+    assert_rows_equal(copy.read_batch(np.arange(len(copy))), want)
+
+
+def test_records_of_another_type_are_pickled_as_they_are(path: Path) -> None:
+    src = FlatTokensSource(ArrayRecords(sequences(), SEQ_LEN))
+    copy = pickle.loads(pickle.dumps(src))
+    assert repr(copy) == repr(src)
+    want = loader_rows(ftj.open_dataset(path)["train"])
+    assert_rows_equal(copy.read_batch(np.arange(len(copy))), want)
+
+
+def test_first_reads_of_an_unpickled_copy_race_safely(path: Path) -> None:
+    want = loader_rows(ftj.open_dataset(path)["train"])
+    copy = pickle.loads(pickle.dumps(FlatTokensSource(path, SEQ_LEN)))
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(copy.__getitem__, range(len(copy))))
+    assert_rows_equal(stack(got), want)
+
+
+def test_memory_store_refuses_to_pickle() -> None:
+    url = memory_url()
+    ftj.write_dataset(url, {"train": [[1, 2, 3]] * 4})
+    with pytest.raises(pickle.PicklingError, match=r"memory:// store.*worker_count=0"):
+        pickle.dumps(FlatTokensSource(url, 2))
+
+
+def test_indices_out_of_range_and_of_the_wrong_kind(path: Path) -> None:
+    src = FlatTokensSource(path, SEQ_LEN)
+    n = len(src)
+    np.testing.assert_array_equal(src[-1]["targets"], src[n - 1]["targets"])
+    with pytest.raises(IndexError, match=rf"record index {n} is outside \[-{n}, {n}\)"):
+        src[n]
+    with pytest.raises(IndexError, match=rf"record index {-n - 1} is outside"):
+        src.read_batch([0, -n - 1])
+    with pytest.raises(TypeError):
+        src[1.0]  # type: ignore[index]
+    with pytest.raises(TypeError, match="must be integers"):
+        src.read_batch(np.array([0.5]))
+    with pytest.raises(ValueError, match=r"1-D \[k\]"):
+        src.read_batch(np.zeros((2, 2), np.int64))
+    assert src.read_batch([])["targets"].shape == (0, SEQ_LEN)
+
+
+def test_construction_errors_name_the_fix(path: Path) -> None:
+    ft = ftj.open_dataset(path)["train"]
+    with pytest.raises(ValueError, match="seq_len is required"):
+        FlatTokensSource(path)
+    with pytest.raises(ValueError, match="seq_len must be an int >= 1, got 0"):
+        FlatTokensSource(path, 0)
+    with pytest.raises(ValueError, match="has no records"):
+        FlatTokensSource(path, ft.num_tokens + 1)
+    with pytest.raises(ValueError, match="seq_len 8 was asked for"):
+        FlatTokensSource(ftj.PackedRecords(ft, SEQ_LEN), 8)
+    with pytest.raises(ValueError, match="packing False was asked for"):
+        FlatTokensSource(ftj.PackedRecords(ft, SEQ_LEN), packing=False)
+    with pytest.raises(ValueError, match="start_token_id must be an int >= 0, got -1"):
+        FlatTokensSource(path, SEQ_LEN, start_token_id=-1)
+    with pytest.raises(ValueError, match="options apply to a URL only"):
+        FlatTokensSource(ft, SEQ_LEN, options=ftj.StoreOptions())
+    mixture = ftj.Mixture([(ft, 1.0), (ft, 1.0)], seq_len=SEQ_LEN)
+    with pytest.raises(TypeError, match=r"grain\.MapDataset\.mix"):
+        FlatTokensSource(mixture)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="got int"):
+        FlatTokensSource(3, SEQ_LEN)  # type: ignore[arg-type]
+
+
+def test_reads_per_batch(path: Path) -> None:
+    ft = ftj.open_dataset(path)["train"]
+    records = CountingRecords(ftj.PackedRecords(ft, SEQ_LEN))
+    src = FlatTokensSource(records)
+    batch = 8
+    # grain's batched-read hook reaches the source: one read for many records.
+    got = grain.MapDataset.source(src)._getitems([4, 1, 9])
+    assert records.reads == 1
+    assert_rows_equal(stack(got), src.read_batch([4, 1, 9]))
+
+    records.reads = 0
+    per_record = grain.MapDataset.source(src).shuffle(seed=3).batch(batch)
+    firsts = [per_record[i] for i in range(3)]
+    assert records.reads == 3 * batch, (
+        "grain's MapDataset.batch now reads through _getitems: update the read "
+        "costs in flat_tokens_jax/grain.py and the README"
+    )
+
+    records.reads = 0
+    batched = grain.MapDataset.range(len(src)).shuffle(seed=3).batch(batch).map(src.read_batch)
+    for i in range(3):
+        assert_rows_equal(batched[i], firsts[i])
+    assert records.reads == 3
+    assert len(batched) == len(per_record)
+
+
+@pytest.fixture
+def absl_flags_parsed() -> Iterator[None]:
+    """grain 0.2 reads an absl flag when it starts workers under jax, and fails while
+    absl has not parsed its flags, as in any program outside ``absl.app.run``
+    (google/grain#1355)."""
+    if flags.FLAGS.is_parsed():
+        yield
+        return
+    flags.FLAGS.mark_as_parsed()
+    yield
+    flags.FLAGS.unparse_flags()
+
+
+@pytest.mark.parametrize("worker_count", [0, 2])
+@pytest.mark.usefixtures("absl_flags_parsed")
+def test_data_loader_with_workers_and_checkpoint(path: Path, worker_count: int) -> None:
+    src = FlatTokensSource(path, SEQ_LEN)
+    want = loader_rows(ftj.open_dataset(path)["train"])
+    batch = 16
+    sampler = grain.samplers.IndexSampler(
+        num_records=len(src),
+        shard_options=grain.sharding.ShardByJaxProcess(drop_remainder=True),
+        shuffle=True,
+        num_epochs=1,
+        seed=7,
+    )
+    loader = grain.DataLoader(
+        data_source=src,
+        sampler=sampler,
+        operations=[WithPid(), grain.transforms.Batch(batch, drop_remainder=True)],
+        worker_count=worker_count,
+    )
+    keys = np.array([sampler[i].record_key for i in range(len(src))])
+    expected = worker_batches(keys, worker_count, batch)
+    it = iter(loader)
+    head = [next(it) for _ in range(3)]
+    state = it.get_state()
+    tail = list(it)
+    assert len(head) + len(tail) == len(expected)
+    for got, rows in zip(head + tail, expected, strict=True):
+        assert_rows_equal({k: got[k] for k in FIELDS}, {k: v[rows] for k, v in want.items()})
+    pids = set(np.concatenate([b["pid"] for b in head + tail]).tolist())
+    if worker_count:
+        assert len(pids) == worker_count and os.getpid() not in pids
+    else:
+        assert pids == {os.getpid()}
+
+    resumed = iter(loader)
+    resumed.set_state(state)
+    again = list(resumed)
+    assert len(again) == len(tail)
+    for a, b in zip(again, tail, strict=True):
+        assert_rows_equal({k: a[k] for k in FIELDS}, {k: b[k] for k in FIELDS})
+
+
+@pytest.mark.usefixtures("absl_flags_parsed")
+def test_batched_pipeline_in_worker_processes(path: Path) -> None:
+    src = FlatTokensSource(path, SEQ_LEN)
+    ds = grain.MapDataset.range(len(src)).shuffle(seed=5).batch(16).map(src.read_batch)
+    want = list(ds)
+    tagged = ds.map(lambda b: {**b, "pid": np.asarray(os.getpid())}).to_iter_dataset()
+    got = list(tagged.mp_prefetch(grain.MultiprocessingOptions(num_workers=2)))
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert_rows_equal({k: a[k] for k in FIELDS}, b)
+    pids = {int(b["pid"]) for b in got}
+    assert len(pids) == 2 and os.getpid() not in pids

@@ -27,6 +27,8 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike
 
+from flat_tokens_jax.records import Windows
+
 FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 _INT32 = np.iinfo(np.int32)
@@ -397,3 +399,23 @@ def _lengths(lengths: np.ndarray, batch: int, seq_len: int) -> np.ndarray:
 def _check_mask(mask: np.ndarray | None, shape: tuple[int, int]) -> None:
     if mask is not None and np.shape(mask) != shape:
         raise ValueError(f"stored_mask must have the targets' shape {shape}, got {np.shape(mask)}")
+
+
+def window_fields(
+    windows: Windows, packed: bool, *, start_token_id: int = 0, pad_id: int = 0
+) -> dict[str, np.ndarray]:
+    """The fields of records read as ``windows`` (:meth:`Records.read`): packed
+    or padded, with the stored loss mask when there is one."""
+    if packed:
+        return packed_fields(
+            windows.encoded, start_token_id=start_token_id, stored_mask=windows.stored_mask
+        )
+    if windows.lengths is None:
+        raise TypeError("padded records were read without their lengths")
+    return padded_fields(
+        windows.encoded,
+        windows.lengths,
+        start_token_id=start_token_id,
+        pad_id=pad_id,
+        stored_mask=windows.stored_mask,
+    )

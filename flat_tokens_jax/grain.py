@@ -206,21 +206,11 @@ class FlatTokensSource:
         """
         idx = self._indices(indices)
         records = self.records
-        windows = records.read(idx)
-        if records.packed:
-            return fields.packed_fields(
-                windows.encoded,
-                start_token_id=self.start_token_id,
-                stored_mask=windows.stored_mask,
-            )
-        if windows.lengths is None:
-            raise TypeError(f"{records!r} is padded, but its read() returned no lengths")
-        return fields.padded_fields(
-            windows.encoded,
-            windows.lengths,
+        return fields.window_fields(
+            records.read(idx),
+            records.packed,
             start_token_id=self.start_token_id,
             pad_id=self.pad_id,
-            stored_mask=windows.stored_mask,
         )
 
     @property

@@ -273,18 +273,11 @@ class Loader:
 
     def _decode(self, component: int, records: np.ndarray) -> dict[str, np.ndarray]:
         cfg, source = self.config, self.components[component]
-        windows = source.read(records)
-        if source.packed:
-            return fields.packed_fields(
-                windows.encoded, start_token_id=cfg.start_token_id, stored_mask=windows.stored_mask
-            )
-        assert windows.lengths is not None
-        return fields.padded_fields(
-            windows.encoded,
-            windows.lengths,
+        return fields.window_fields(
+            source.read(records),
+            source.packed,
             start_token_id=cfg.start_token_id,
             pad_id=cfg.pad_id,
-            stored_mask=windows.stored_mask,
         )
 
     def _fields(self, step: int, rows: np.ndarray) -> dict[str, np.ndarray]:

@@ -28,6 +28,7 @@ import argparse
 import functools
 import itertools
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -35,20 +36,13 @@ from pathlib import Path
 from typing import Any
 
 import grain
-import numpy as np
 from absl import flags
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.grain import FlatTokensSource
 
-
-def synthetic(num_tokens: int, seed: int = 0) -> Iterator[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    left = num_tokens
-    while left > 0:
-        n = int(min(left, max(1, rng.lognormal(6.8, 0.8))))
-        left -= n
-        yield np.minimum(rng.zipf(1.2, n), 50_000)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_loader import synthetic
 
 
 def measure(batches: Callable[[], Iterator[Any]], steps: int) -> tuple[float, float]:

@@ -36,7 +36,14 @@ FROM = {"user": "human", "assistant": "gpt", "system": "system"}
 
 
 def _corpus_texts(n: int) -> list[str]:
-    with (DATA / "corpus.jsonl").open("rb") as f:
+    """The first ``n`` documents of the shared corpus, or made-up text without it."""
+    corpus = DATA / "corpus.jsonl"
+    if not corpus.is_file():
+        rng = np.random.default_rng(0)
+        letters = list("etaoinshrdlucmfwypvbgkjqxz")
+        words = ["".join(rng.choice(letters, k)) for k in rng.integers(2, 9, 400)]
+        return [" ".join(rng.choice(words, 400)) + f" ({i}) “é” ?!\n" for i in range(n)]
+    with corpus.open("rb") as f:
         return [json.loads(line)["text"][:2000] for line, _ in zip(f, range(n), strict=False)]
 
 

@@ -40,7 +40,7 @@ from flat_tokens_jax.convert.chat_template import (
     make_renderer,
     trained_tokens,
 )
-from flat_tokens_jax.convert.commands import add_store_flags, run_command, store_options
+from flat_tokens_jax.convert.commands import add_converter_flags, run_command, store_options
 from flat_tokens_jax.convert.inputs import BadRecord, RecordReader, Where, expand_inputs, require
 from flat_tokens_jax.convert.tokenizer import load_tokenizer, validation_mask
 from flat_tokens_jax.format import SPLITS, encode_concatenated
@@ -238,11 +238,7 @@ def add_commands(subparsers: Any) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--validation-fraction", type=float, default=0.0, help="hash split fraction")
     g.add_argument("--validation", nargs="+", default=[], metavar="INPUT", help="validation inputs")
-    p.add_argument("--skip-bad", action="store_true", help="skip and count bad records")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    add_store_flags(p)
+    add_converter_flags(p)
     p.set_defaults(run=_cmd_convert_chat)
 
 

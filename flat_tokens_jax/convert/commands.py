@@ -35,6 +35,16 @@ def add_store_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_converter_flags(parser: argparse.ArgumentParser) -> None:
+    """Adds what every command that reads records into a new dataset takes:
+    ``--skip-bad``, ``--overwrite``, ``--no-progress``, ``--json`` and the store flags."""
+    parser.add_argument("--skip-bad", action="store_true", help="skip and count bad records")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_store_flags(parser)
+
+
 def store_options(args: argparse.Namespace) -> StoreOptions:
     """The :class:`StoreOptions` of the flags of :func:`add_store_flags`."""
     return StoreOptions(

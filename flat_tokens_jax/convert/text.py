@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from flat_tokens_jax.convert.commands import add_store_flags, run_command, store_options
+from flat_tokens_jax.convert.commands import add_converter_flags, run_command, store_options
 from flat_tokens_jax.convert.inputs import RecordReader, expand_inputs, require
 from flat_tokens_jax.convert.tokenizer import (
     BOS_CANDIDATES,
@@ -351,11 +351,7 @@ def add_commands(subparsers: Any) -> None:
         "--add-special-tokens", action="store_true", help="let the tokenizer add its own"
     )
     p.add_argument("--max-tokens", type=int, help="stop before passing this many tokens")
-    p.add_argument("--skip-bad", action="store_true", help="skip and count bad records")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    add_store_flags(p)
+    add_converter_flags(p)
     p.set_defaults(run=_cmd_convert)
 
 

@@ -304,6 +304,12 @@ class Store:
     def delete_all(self) -> None:
         self.wait(self.kv.delete_range(ts.KvStore.KeyRange()))
 
+    def delete_prefix(self, prefix: str) -> None:
+        """Deletes every key under the folder ``prefix``."""
+        folder = prefix.strip("/") + "/"
+        # Keys under "a/" sort between "a/" and "a0" ("0" follows "/" in ASCII).
+        self.wait(self.kv.delete_range(ts.KvStore.KeyRange(folder, folder[:-1] + "0")))
+
     def group_attributes(self, key: str) -> tuple[int, dict[str, Any]] | None:
         """``(zarr_format, attributes)`` of the group at ``key`` (``""`` is the root)."""
         prefix = key + "/" if key else ""

@@ -36,6 +36,9 @@ from flat_tokens_jax.store import EVERY_CHUNK_STORED, V2_GROUP, V3_META, Store, 
 log = logging.getLogger(__name__)
 
 _PROVISIONAL_SIZE = 1 << 50
+# Temporary files of a write in progress (a distributed conversion's parts)
+# live under this prefix of the output, and are deleted before it is valid.
+STAGING = "_staging"
 _MAX_PENDING_WRITES = 4
 
 
@@ -78,13 +81,24 @@ class Layout:
         if not 1 <= self.zstd_level <= 22:
             raise ValueError(f"Layout.zstd_level must be in [1, 22], got {self.zstd_level}")
 
+    def elements(self, array: str) -> tuple[int, int]:
+        """``(per shard, per chunk)`` elements of ``array`` (a name such as ``seq_starts``).
+
+        Arrays of one entry per token use ``shard_tokens`` and ``chunk_tokens``;
+        ``seq_starts`` (8-byte entries, one per sequence) uses half of each, so
+        its shards hold about as many bytes as the tokens' do.
+        """
+        if array == SEQ_STARTS:
+            return max(self.shard_tokens // 2, self.chunk_tokens), max(self.chunk_tokens // 2, 1)
+        return self.shard_tokens, self.chunk_tokens
+
     def array_spec(
-        self, dtype: np.dtype[Any], elements_per_shard: int, elements_per_chunk: int
+        self, dtype: np.dtype[Any], elements_per_shard: int, elements_per_chunk: int, size: int
     ) -> dict[str, Any]:
-        """zarr metadata of a 1-D array of ``dtype`` (provisional shape)."""
+        """zarr metadata of a 1-D array of ``dtype`` and ``size`` elements."""
         if self.zarr_format == 2:
             return {
-                "shape": [_PROVISIONAL_SIZE],
+                "shape": [size],
                 "chunks": [elements_per_shard],
                 "dtype": dtype.str,
                 "fill_value": 0,
@@ -100,7 +114,7 @@ class Layout:
                 {"name": "zstd", "configuration": {"level": self.zstd_level, "checksum": False}}
             )
         return {
-            "shape": [_PROVISIONAL_SIZE],
+            "shape": [size],
             "data_type": dtype.name,
             "fill_value": 0,
             "attributes": {EVERY_CHUNK_STORED: True},
@@ -124,29 +138,52 @@ class Layout:
         }
 
 
+def create_array(
+    store: Store,
+    split: str,
+    array: str,
+    dtype: np.dtype[Any],
+    layout: Layout,
+    size: int = _PROVISIONAL_SIZE,
+) -> ts.TensorStore:
+    """Creates (replacing any old one) the array ``split/array`` of ``size`` elements.
+
+    Writes of whole shards (``layout.elements(array)[0]`` elements, the last
+    one cut at ``size``) give the same bytes whether the array was created at
+    its final size or at a provisional one and resized at the end.
+    """
+    per_shard, per_chunk = layout.elements(array)
+    spec = {
+        "driver": "zarr3" if layout.zarr_format == 3 else "zarr",
+        "kvstore": store.sub(f"{split}/{array}"),
+        "metadata": layout.array_spec(dtype, per_shard, per_chunk, size),
+        "create": True,
+        "delete_existing": True,
+        "store_data_equal_to_fill_value": True,
+    }
+    return store.wait(ts.open(spec, context=store.context))
+
+
+def open_for_writing(store: Store, split: str, array: str, layout: Layout) -> ts.TensorStore:
+    """Opens the array ``split/array`` that :func:`create_array` made, to write shards."""
+    spec = {
+        "driver": "zarr3" if layout.zarr_format == 3 else "zarr",
+        "kvstore": store.sub(f"{split}/{array}"),
+        "open": True,
+        "store_data_equal_to_fill_value": True,
+    }
+    return store.wait(ts.open(spec, context=store.context))
+
+
 class _ArrayAppender:
     """Appends to one 1-D array, writing whole shards from a bounded buffer."""
 
     def __init__(
-        self,
-        store: Store,
-        key: str,
-        dtype: np.dtype[Any],
-        layout: Layout,
-        elements_per_shard: int,
-        elements_per_chunk: int,
+        self, store: Store, split: str, array: str, dtype: np.dtype[Any], layout: Layout
     ) -> None:
-        meta = layout.array_spec(dtype, elements_per_shard, elements_per_chunk)
-        spec = {
-            "driver": "zarr3" if layout.zarr_format == 3 else "zarr",
-            "kvstore": store.sub(key),
-            "metadata": meta,
-            "create": True,
-            "store_data_equal_to_fill_value": True,
-        }
         self.wait = store.wait
-        self.array = self.wait(ts.open(spec, context=store.context))
-        self.buffer = np.empty(elements_per_shard, dtype)
+        self.array = create_array(store, split, array, dtype, layout)
+        self.buffer = np.empty(layout.elements(array)[0], dtype)
         self.filled = 0
         self.written = 0
         self.pending: list[Any] = []
@@ -195,19 +232,8 @@ class _ArrayAppender:
 
 class _SplitWriter:
     def __init__(self, store: Store, split: str, layout: Layout) -> None:
-        starts_shard = max(layout.shard_tokens // 2, layout.chunk_tokens)
-        starts_chunk = max(layout.chunk_tokens // 2, 1)
-        self.tokens = _ArrayAppender(
-            store,
-            f"{split}/{TOKENS}",
-            ENCODED_DTYPE,
-            layout,
-            layout.shard_tokens,
-            layout.chunk_tokens,
-        )
-        self.starts = _ArrayAppender(
-            store, f"{split}/{SEQ_STARTS}", STARTS_DTYPE, layout, starts_shard, starts_chunk
-        )
+        self.tokens = _ArrayAppender(store, split, TOKENS, ENCODED_DTYPE, layout)
+        self.starts = _ArrayAppender(store, split, SEQ_STARTS, STARTS_DTYPE, layout)
         self.starts.append(np.zeros(1, STARTS_DTYPE))
         self.store, self.split, self.layout = store, split, layout
         # Created by the first sequences written with a loss mask; `masked` records
@@ -227,12 +253,7 @@ class _SplitWriter:
             self.masked = masked
             if masked:
                 self.mask = _ArrayAppender(
-                    self.store,
-                    f"{self.split}/{LOSS_MASK}",
-                    MASK_DTYPE,
-                    self.layout,
-                    self.layout.shard_tokens,
-                    self.layout.chunk_tokens,
+                    self.store, self.split, LOSS_MASK, MASK_DTYPE, self.layout
                 )
         elif masked != self.masked:
             given, earlier = ("a", "none") if masked else ("no", "one")
@@ -306,6 +327,54 @@ class _SplitWriter:
             array.finish()
 
 
+def prepare_location(store: Store, overwrite: bool) -> None:
+    """Makes ``store`` empty for a new dataset, or refuses.
+
+    An empty location is used as it is. A dataset, or the leftover of an
+    interrupted write (split folders, or temporary files under
+    :data:`STAGING`), is deleted when ``overwrite`` is set and refused
+    otherwise. Anything else is refused either way: it is not ours to delete.
+
+    Raises:
+        FileExistsError: the location is not empty and may not be emptied.
+    """
+    keys = store.keys()
+    if not keys:
+        return
+    ours = any(k in (V3_META, V2_GROUP) or k.split("/")[0] in (*SPLITS, STAGING) for k in keys)
+    if not overwrite:
+        what = (
+            "a flat-tokens dataset or the leftover of an interrupted write"
+            if ours
+            else f"{len(keys)} other files"
+        )
+        raise FileExistsError(
+            f"{store.url} already holds {what}; pass overwrite=True to replace it"
+        )
+    if not ours:
+        raise FileExistsError(
+            f"{store.url} holds files that are not a flat-tokens "
+            "dataset; refusing to delete them: choose an empty location"
+        )
+    # The root metadata goes first, so that an interrupted delete leaves no valid dataset.
+    store.delete(V3_META)
+    store.delete(V2_GROUP)
+    store.delete_all()
+
+
+def write_groups(
+    store: Store, layout: Layout, max_token_ids: Mapping[str, int], attributes: Mapping[str, Any]
+) -> None:
+    """Writes each split's group (with its ``max_token_id``), then the root group.
+
+    The root group's metadata is what makes the dataset valid, so it is the
+    last thing written, after every array.
+    """
+    for name, max_id in max_token_ids.items():
+        store.write_group(name, layout.zarr_format, {"max_token_id": max_id})
+    store.write_group("", layout.zarr_format, attributes)
+
+
 class DatasetWriter:
     """Streams sequences into a new flat-tokens dataset.
 
@@ -347,32 +416,9 @@ class DatasetWriter:
         self.layout = layout or Layout()
         self.store = Store(url, options)
         self.attributes = dict(attributes or {})
-        self._prepare(overwrite)
+        prepare_location(self.store, overwrite)
         self._splits = {s: _SplitWriter(self.store, s, self.layout) for s in splits}
         self._closed = False
-
-    def _prepare(self, overwrite: bool) -> None:
-        keys = self.store.keys()
-        if not keys:
-            return
-        ours = any(k in (V3_META, V2_GROUP) or k.split("/")[0] in SPLITS for k in keys)
-        if not overwrite:
-            what = (
-                "a flat-tokens dataset or the leftover of an interrupted write"
-                if ours
-                else f"{len(keys)} other files"
-            )
-            raise FileExistsError(
-                f"{self.store.url} already holds {what}; pass overwrite=True to replace it"
-            )
-        if not ours:
-            raise FileExistsError(
-                f"{self.store.url} holds files that are not a flat-tokens "
-                "dataset; refusing to delete them: choose an empty location"
-            )
-        self.store.delete(V3_META)
-        self.store.delete(V2_GROUP)
-        self.store.delete_all()
 
     def __repr__(self) -> str:
         return f"DatasetWriter({self.store.url!r})"
@@ -468,9 +514,8 @@ class DatasetWriter:
         self._closed = True
         for w in self._splits.values():
             w.finish()
-        for name, w in self._splits.items():
-            self.store.write_group(name, self.layout.zarr_format, {"max_token_id": w.max_token_id})
-        self.store.write_group("", self.layout.zarr_format, self.attributes)
+        max_ids = {name: w.max_token_id for name, w in self._splits.items()}
+        write_groups(self.store, self.layout, max_ids, self.attributes)
         log.info(
             "wrote %s: %s",
             self.store.url,

@@ -5,11 +5,14 @@ either optionally compressed as ``.gz`` or ``.zst``; ``.parquet``; and a
 directory written by ``datasets.Dataset.save_to_disk`` (it holds
 ``dataset_info.json`` or ``state.json``). Records come out in file order, files
 in the order :func:`expand_inputs` gives. Optional libraries (pyarrow,
-zstandard, datasets) are imported only when a file needs them.
+zstandard, datasets) are imported only when a file needs them. Files that are
+not on local disk (``gs://``, ``s3://``) are read through an ``opener`` that
+returns their raw bytes; their format comes from their name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import gzip
 import importlib
@@ -35,7 +38,10 @@ ARROW_BATCH_ROWS = 1024
 _WARN_BAD = 5  # bad records logged one by one before the rest are only counted
 
 
-Where = tuple[Path, str, int]  # (file, "line" or "row", 1-based number; 0: the whole file)
+# A local file or directory, or the URL of a file that an Opener reads.
+InputPath = Path | str
+Where = tuple[InputPath, str, int]  # (file, "line" or "row", 1-based number; 0: the whole file)
+Opener = Callable[[str], IO[bytes]]  # a URL's raw (still compressed) bytes, as a binary file
 
 
 class InputError(ValueError):
@@ -56,13 +62,15 @@ def require(module: str, extra: str) -> ModuleType:
         ) from e
 
 
-def input_kind(path: Path) -> str:
+def input_kind(path: InputPath) -> str:
     """``"jsonl"``, ``"parquet"`` or ``"hf"`` (a ``save_to_disk`` directory) for ``path``.
+
+    A URL (a ``str``) is a file named by its last component, never a directory.
 
     Raises:
         InputError: a format this module cannot read.
     """
-    if path.is_dir():
+    if isinstance(path, Path) and path.is_dir():
         if any((path / m).is_file() for m in HF_MARKERS):
             return "hf"
         if (path / "dataset_dict.json").is_file():
@@ -75,7 +83,7 @@ def input_kind(path: Path) -> str:
             f"{path} is a directory but not a dataset saved with save_to_disk (it has "
             f"no {' or '.join(HF_MARKERS)}): name its files, e.g. '{path}/*.jsonl'"
         )
-    name = path.name.lower()
+    name = (path.name if isinstance(path, Path) else path.rsplit("/", 1)[-1]).lower()
     if name.endswith(".parquet"):
         return "parquet"
     if any(name.endswith(s + c) for s in JSONL_SUFFIXES for c in COMPRESSION_SUFFIXES):
@@ -110,18 +118,23 @@ def expand_inputs(patterns: Iterable[str | os.PathLike[str]]) -> list[Path]:
     return paths
 
 
-def _open_jsonl(path: Path) -> tuple[IO[bytes], tuple[type[Exception], ...]]:
-    """The decompressed file, and the errors that mean it cannot be read."""
-    name = path.name.lower()
+def open_local(path: str) -> IO[bytes]:
+    """The :data:`Opener` of local files."""
+    return open(path, "rb", buffering=1 << 20)
+
+
+def _decompressed(path: InputPath, raw: IO[bytes]) -> tuple[IO[bytes], tuple[type[Exception], ...]]:
+    """``raw`` decompressed as ``path``'s name says, and the errors that mean it
+    cannot be read. Closing the result leaves ``raw`` open."""
+    name = str(path).lower()
     unreadable: tuple[type[Exception], ...] = (OSError, EOFError)
     if name.endswith(".gz"):
-        return cast(IO[bytes], gzip.open(path, "rb")), unreadable
+        return cast(IO[bytes], gzip.GzipFile(fileobj=raw, mode="rb")), unreadable
     if name.endswith(".zst"):
         zstandard = require("zstandard", "convert")
-        raw = open(path, "rb")  # noqa: SIM115 (closed with the reader, closefd)
-        reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
+        reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=False)
         return io.BufferedReader(reader, buffer_size=1 << 20), (*unreadable, zstandard.ZstdError)
-    return open(path, "rb", buffering=1 << 20), unreadable
+    return raw, unreadable
 
 
 def _is_text_type(pa: ModuleType, t: Any) -> bool:
@@ -143,18 +156,23 @@ class RecordReader:
     ``key=None`` reads whole records instead (a JSON object, or a row as a
     ``dict``), which ``check(record, where)`` turns into what is yielded, raising
     :class:`BadRecord` for a record it refuses (handled like any bad record).
+
+    ``opener`` reads the files that are URLs (``str`` paths); local files
+    (``Path``) are opened directly.
     """
 
     def __init__(
         self,
-        paths: Sequence[Path],
+        paths: Sequence[InputPath],
         key: str | None,
         *,
         tokens: bool = False,
         skip_bad: bool = False,
         check: Callable[[Any, Where], Any] | None = None,
+        opener: Opener = open_local,
     ) -> None:
         self.paths = list(paths)
+        self.opener = opener
         self.key = key
         self.tokens = tokens
         self.skip_bad = skip_bad
@@ -178,7 +196,7 @@ class RecordReader:
             elif kind == "parquet":
                 yield from self._parquet(path)
             else:
-                yield from self._hf(path)
+                yield from self._hf(Path(path))
 
     def _caller_check(self, check: Callable[[Any, Where], Any]) -> Callable[[Any, Where], Any]:
         def checked(value: Any, where: Where) -> Any:
@@ -238,17 +256,22 @@ class RecordReader:
             return None
         return arr.astype(np.int32)
 
-    def _jsonl(self, path: Path) -> Iterator[str | np.ndarray]:
+    def _open(self, path: InputPath) -> IO[bytes]:
+        return open_local(str(path)) if isinstance(path, Path) else self.opener(path)
+
+    def _jsonl(self, path: InputPath) -> Iterator[str | np.ndarray]:
         key, check = self.key, self.check
         line = 0
-        file, unreadable = _open_jsonl(path)
-        try:
-            with file as f:
-                for line, raw in enumerate(f, 1):
+        with contextlib.ExitStack() as stack:
+            raw = stack.enter_context(self._open(path))
+            file, unreadable = _decompressed(path, raw)
+            f = stack.enter_context(file)
+            try:
+                for line, raw_line in enumerate(f, 1):
                     try:
-                        record = json.loads(raw)
+                        record = json.loads(raw_line)
                     except ValueError as e:
-                        if raw.strip():
+                        if raw_line.strip():
                             why = f"not valid JSON ({e}); expected one JSON object per line"
                             self._bad((path, "line", line), why)
                         continue
@@ -262,11 +285,11 @@ class RecordReader:
                     value = check(record if key is None else record[key], (path, "line", line))
                     if value is not None:
                         yield value
-        except unreadable as e:
-            raise InputError(f"{path}: cannot read past line {line}: {e}") from e
+            except unreadable as e:
+                raise InputError(f"{path}: cannot read past line {line}: {e}") from e
 
     def _column(
-        self, column: Any, path: Path, first_row: int, pa: ModuleType
+        self, column: Any, path: InputPath, first_row: int, pa: ModuleType
     ) -> Iterator[str | np.ndarray]:
         """Checks and yields one Arrow column chunk whose first row is ``first_row`` (0-based)."""
         if not self.tokens and not _is_text_type(pa, column.type):
@@ -285,20 +308,25 @@ class RecordReader:
             if checked is not None:
                 yield checked
 
-    def _rows(self, table: Any, path: Path, first_row: int) -> Iterator[Any]:
+    def _rows(self, table: Any, path: InputPath, first_row: int) -> Iterator[Any]:
         """Checks and yields the rows (as dicts) of an Arrow table or batch."""
         for i, row in enumerate(table.to_pylist(), first_row + 1):
             checked = self.check(row, (path, "row", i))
             if checked is not None:
                 yield checked
 
-    def _missing_column(self, path: Path, names: Sequence[str], rows: int) -> None:
+    def _missing_column(self, path: InputPath, names: Sequence[str], rows: int) -> None:
         self._bad((path, "", 0), f"no column {self.key!r} (columns: {list(names)})", count=rows)
 
-    def _parquet(self, path: Path) -> Iterator[str | np.ndarray]:
+    def _parquet(self, path: InputPath) -> Iterator[str | np.ndarray]:
+        with contextlib.ExitStack() as stack:
+            source = path if isinstance(path, Path) else stack.enter_context(self._open(path))
+            yield from self._parquet_file(path, source)
+
+    def _parquet_file(self, path: InputPath, source: Any) -> Iterator[str | np.ndarray]:
         pa = require("pyarrow", "convert")
         pq = require("pyarrow.parquet", "convert")
-        pf = pq.ParquetFile(path)
+        pf = pq.ParquetFile(source)
         if self.key is not None and self.key not in pf.schema_arrow.names:
             self._missing_column(path, pf.schema_arrow.names, pf.metadata.num_rows)
             return

@@ -1,155 +1,37 @@
 """Tokenize text corpora (JSONL, Parquet, saved datasets) into a flat-tokens dataset.
 
-:func:`convert` runs the pure core of :mod:`flat_tokens_jax.convert.tokenizer`
-over batches of documents that :mod:`flat_tokens_jax.convert.inputs` reads,
-in threads or worker processes, and writes the results in input order with
-:class:`DatasetWriter`, routing documents to the validation split and stopping
-at a token budget. ``add_commands`` adds ``flat-tokens convert``.
+:func:`convert` runs the conversion core (:func:`~flat_tokens_jax.convert.parts.write_documents`)
+over every input file, tokenizing in threads or worker processes, and writes
+straight to the final dataset, in input order, stopping at a token budget.
+``add_commands`` adds ``flat-tokens convert``, whose ``--runner beam`` runs the
+same core on Apache Beam (:mod:`flat_tokens_jax.convert.beam`).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import logging
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import BrokenExecutor
-from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from flat_tokens_jax.convert.commands import add_converter_flags, run_command, store_options
-from flat_tokens_jax.convert.inputs import RecordReader, expand_inputs, require
-from flat_tokens_jax.convert.tokenizer import (
-    BOS_CANDIDATES,
-    EOS_CANDIDATES,
-    Batch,
-    BatchTokenizer,
-    LoadedTokenizer,
-    Packed,
-    batch_encoder,
-    load_tokenizer,
-    validation_mask,
+from flat_tokens_jax.convert.inputs import expand_inputs, require
+from flat_tokens_jax.convert.parts import (
+    ConvertOptions,
+    Pass,
+    Totals,
+    special_ids,
+    write_documents,
 )
-from flat_tokens_jax.format import encode_concatenated
+from flat_tokens_jax.convert.tokenizer import BatchTokenizer, load_tokenizer
 from flat_tokens_jax.store import StoreOptions
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
 log = logging.getLogger(__name__)
-
-# A tokenization batch ends at BATCH_DOCS documents or BATCH_CHARS characters
-# (tokens, for pre-tokenized input): enough work for the tokenizer's threads,
-# little memory per task. Batches never depend on `workers`, so neither does the output.
-BATCH_DOCS = 1024
-BATCH_CHARS = 1 << 20
-
-
-def _batches(docs: Iterable[str | np.ndarray], fraction: float) -> Iterator[Batch]:
-    batch: list[Any] = []
-    size = 0
-    for doc in docs:
-        batch.append(doc)
-        size += len(doc)
-        if len(batch) >= BATCH_DOCS or size >= BATCH_CHARS:
-            yield batch, validation_mask(batch, fraction)
-            batch, size = [], 0
-    if batch:
-        yield batch, validation_mask(batch, fraction)
-
-
-@dataclasses.dataclass(frozen=True)
-class ConvertOptions:
-    """What :func:`convert` does besides where it reads and writes; see there."""
-
-    tokenizer: str | None = None
-    text_key: str = "text"
-    tokens_key: str | None = None
-    validation_fraction: float = 0.0
-    workers: int = 1
-    append_eos: bool = False
-    prepend_bos: bool = False
-    add_special_tokens: bool = False
-    max_tokens: int | None = None
-    skip_bad: bool = False
-
-    def __post_init__(self) -> None:
-        if self.tokenizer is None and self.tokens_key is None:
-            raise ValueError(
-                "pass tokenizer= (a tokenizers JSON file or a transformers tokenizer "
-                "directory), or tokens_key= to read token ids that are already there"
-            )
-        if self.tokenizer is None and (self.append_eos or self.prepend_bos):
-            raise ValueError("append_eos and prepend_bos need tokenizer= to find the ids")
-        if not 0.0 <= self.validation_fraction < 1.0:
-            raise ValueError(
-                f"validation_fraction must be in [0, 1), got {self.validation_fraction}"
-            )
-        if self.workers < 1:
-            raise ValueError(f"workers must be at least 1, got {self.workers}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be positive or None, got {self.max_tokens}")
-
-
-def _special_ids(tok: LoadedTokenizer | None, opts: ConvertOptions) -> tuple[Any, Any]:
-    bos = tok.bos_id if tok and opts.prepend_bos else None
-    eos = tok.eos_id if tok and opts.append_eos else None
-    for asked, found, what, names in (
-        (opts.prepend_bos, bos, "prepend_bos: no beginning-of-sequence", BOS_CANDIDATES),
-        (opts.append_eos, eos, "append_eos: no end-of-sequence", EOS_CANDIDATES),
-    ):
-        if asked and found is None:
-            name = tok.name if tok else "?"
-            raise ValueError(
-                f"{what} token in {name} (looked for {', '.join(names)}); use a "
-                "transformers tokenizer directory whose config names it"
-            )
-    return bos, eos
-
-
-@dataclasses.dataclass
-class _Totals:
-    """Running counts of one conversion, and the writing of each tokenized batch."""
-
-    max_tokens: int | None
-    documents: dict[str, int] = dataclasses.field(
-        default_factory=lambda: {"train": 0, "validation": 0}
-    )
-    tokens: dict[str, int] = dataclasses.field(
-        default_factory=lambda: {"train": 0, "validation": 0}
-    )
-    skipped_empty: int = 0
-    skipped_bad: int = 0
-    stopped_early: bool = False
-
-    def write(self, writer: DatasetWriter, packed: Packed, validation: np.ndarray) -> int:
-        """Writes one batch, cut at the token budget; returns the tokens written."""
-        ids, lengths = packed
-        if self.max_tokens is not None:
-            room = self.max_tokens - sum(self.tokens.values())
-            over = np.flatnonzero(np.cumsum(lengths) > room)
-            if over.size:
-                self.stopped_early = True
-                lengths, validation = lengths[: over[0]], validation[: over[0]]
-                ids = ids[: int(lengths.sum())]
-        nonempty = lengths > 0
-        self.skipped_empty += int(lengths.size - np.count_nonzero(nonempty))
-        for split, chosen in (
-            ("train", nonempty & ~validation),
-            ("validation", nonempty & validation),
-        ):
-            if not chosen.any():
-                continue
-            sizes = lengths[chosen]
-            part = ids if chosen.all() else ids[np.repeat(chosen, lengths)]
-            writer.extend_encoded(split, encode_concatenated(part, np.cumsum(sizes) - sizes), sizes)
-            self.documents[split] += int(sizes.size)
-            self.tokens[split] += int(part.size)
-        return int(ids.size)
 
 
 def _progress_bar(progress: bool | None) -> Any:
@@ -250,15 +132,15 @@ def convert(
     if valid_paths and opts.validation_fraction:
         raise ValueError("pass validation_fraction or validation_inputs, not both")
     tok = load_tokenizer(opts.tokenizer) if opts.tokenizer else None
-    bos, eos = _special_ids(tok, opts)
+    bos, eos = special_ids(tok, opts)
     text_tokenizer = None if tok is None or opts.tokens_key else tok.tokenizer
     tokenize = BatchTokenizer(text_tokenizer, bos, eos, opts.add_special_tokens)
-    passes = [(train_paths, opts.validation_fraction, False)]
+    passes: list[Pass] = [(train_paths, opts.validation_fraction, False)]
     if valid_paths:
         passes.append((valid_paths, 0.0, True))
-    totals = _Totals(opts.max_tokens)
+    totals = Totals(opts.max_tokens)
     with DatasetWriter(output, layout=layout, overwrite=overwrite, options=options) as writer:
-        _write_all(writer, passes, tokenize, opts, totals, _progress_bar(progress))
+        write_documents(writer, passes, tokenize, opts, totals, _progress_bar(progress))
     seconds = time.perf_counter() - started
     tokens = sum(totals.tokens.values())
     return {
@@ -280,39 +162,6 @@ def convert(
         "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 1),
     }
-
-
-def _write_all(
-    writer: DatasetWriter,
-    passes: Sequence[tuple[list[Path], float, bool]],
-    tokenize: BatchTokenizer,
-    opts: ConvertOptions,
-    totals: _Totals,
-    bar: Any,
-) -> None:
-    """Reads, tokenizes and writes each pass: (files, validation fraction, all validation)."""
-    key = opts.tokens_key or opts.text_key
-    try:
-        with batch_encoder(tokenize, opts.workers) as encode:
-            for paths, fraction, all_validation in passes:
-                reader = RecordReader(
-                    paths, key, tokens=opts.tokens_key is not None, skip_bad=opts.skip_bad
-                )
-                try:
-                    with contextlib.closing(encode(_batches(reader, fraction))) as results:
-                        for mask, packed in results:
-                            written = totals.write(writer, packed, mask | all_validation)
-                            if bar is not None:
-                                bar.update(written)
-                                bar.set_postfix(docs=sum(totals.documents.values()))
-                            if totals.stopped_early:
-                                return
-                finally:
-                    totals.skipped_bad += reader.skipped_bad
-                    totals.skipped_empty += reader.skipped_empty
-    finally:
-        if bar is not None:
-            bar.close()
 
 
 def add_commands(subparsers: Any) -> None:

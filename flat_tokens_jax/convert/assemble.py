@@ -1,0 +1,274 @@
+"""Joining parts into one flat-tokens dataset, one output shard per task.
+
+A distributed conversion writes each input file's documents to a *part*, a
+flat-tokens dataset under the output's :data:`STAGING` prefix
+(:mod:`flat_tokens_jax.convert.parts`). Joining them takes three steps:
+
+1. :func:`make_plan` (once, small): every part's token and sequence offsets
+   per split, from the counts each part reports (:class:`PartInfo`); then
+   :func:`create_arrays` creates the output arrays at their final sizes.
+2. :func:`assemble_shard` (in parallel, one call per :class:`Task`): writes one
+   shard of one output array, whole, from the slices of the parts it overlaps.
+   Each shard belongs to exactly one task, so no two workers ever
+   read-modify-write the same object, and a retried task writes the same bytes.
+3. :func:`finish` (once, after every task): deletes the staging prefix, then
+   writes the groups, the root group last; only then is the dataset valid.
+
+The result is, byte for byte, what :class:`DatasetWriter` writes when given the
+parts' sequences in order: the same layout writes the same whole shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from flat_tokens_jax.dataset import Dataset, open_dataset
+from flat_tokens_jax.format import (
+    ENCODED_DTYPE,
+    LOSS_MASK,
+    MASK_DTYPE,
+    SEQ_STARTS,
+    STARTS_DTYPE,
+    TOKENS,
+)
+from flat_tokens_jax.store import Pending, Store, StoreOptions
+from flat_tokens_jax.writer import STAGING, Layout, create_array, open_for_writing, write_groups
+
+DTYPES: dict[str, np.dtype[Any]] = {
+    TOKENS: ENCODED_DTYPE,
+    SEQ_STARTS: STARTS_DTYPE,
+    LOSS_MASK: MASK_DTYPE,
+}
+
+
+def part_url(output: str, index: int, attempt: str) -> str:
+    """Where the part of input ``index`` goes; ``attempt`` keeps retries apart."""
+    return f"{output.rstrip('/')}/{STAGING}/parts/{index:08d}-{attempt}"
+
+
+class SplitCounts(NamedTuple):
+    """What one split of a part holds."""
+
+    sequences: int
+    tokens: int
+    max_token_id: int
+    loss_mask: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class PartInfo:
+    """One part: its place in input order, where it is, and what it holds.
+
+    Attributes:
+        index: the position of its input; parts are joined in this order.
+        url: the part's dataset.
+        splits: the counts of each split.
+        skipped_empty: empty records its input had.
+        skipped_bad: bad records its input had (with ``skip_bad``).
+    """
+
+    index: int
+    url: str
+    splits: Mapping[str, SplitCounts]
+    skipped_empty: int = 0
+    skipped_bad: int = 0
+
+    @classmethod
+    def read(
+        cls,
+        index: int,
+        url: str,
+        options: StoreOptions | None = None,
+        *,
+        skipped_empty: int = 0,
+        skipped_bad: int = 0,
+    ) -> PartInfo:
+        """The info of the part written at ``url`` (a few small metadata reads)."""
+        ds = open_dataset(url, options)
+        splits = {
+            name: SplitCounts(
+                ft.num_sequences, ft.num_tokens, ft.max_token_id, ft.loss_mask is not None
+            )
+            for name, ft in ds.items()
+        }
+        return cls(index, url, splits, skipped_empty, skipped_bad)
+
+
+class Task(NamedTuple):
+    """One output shard: shard number ``shard`` of array ``array`` of ``split``."""
+
+    split: str
+    array: str
+    shard: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Where each part's tokens and sequences go in the output. Picklable.
+
+    Attributes:
+        output: the output dataset's URL.
+        layout: its layout.
+        parts: the parts, in input order.
+        token_offsets: per split, ``[len(parts) + 1] int64``: part ``p``'s
+            tokens are output tokens ``[token_offsets[p], token_offsets[p + 1])``.
+        sequence_offsets: per split, the same for sequences.
+    """
+
+    output: str
+    layout: Layout
+    parts: tuple[PartInfo, ...]
+    token_offsets: Mapping[str, np.ndarray]
+    sequence_offsets: Mapping[str, np.ndarray]
+
+    @property
+    def splits(self) -> tuple[str, ...]:
+        return tuple(self.token_offsets)
+
+    def num_tokens(self, split: str) -> int:
+        return int(self.token_offsets[split][-1])
+
+    def num_sequences(self, split: str) -> int:
+        return int(self.sequence_offsets[split][-1])
+
+    def arrays(self, split: str) -> dict[str, int]:
+        """The output arrays of ``split`` and their sizes."""
+        sizes = {TOKENS: self.num_tokens(split), SEQ_STARTS: self.num_sequences(split) + 1}
+        if any(p.splits[split].loss_mask for p in self.parts):
+            sizes[LOSS_MASK] = self.num_tokens(split)
+        return sizes
+
+    def max_token_ids(self) -> dict[str, int]:
+        return {s: max(p.splits[s].max_token_id for p in self.parts) for s in self.splits}
+
+    def tasks(self) -> list[Task]:
+        """One task per shard of every output array."""
+        out: list[Task] = []
+        for split in self.splits:
+            for array, size in self.arrays(split).items():
+                per_shard = self.layout.elements(array)[0]
+                out.extend(Task(split, array, k) for k in range(-(-size // per_shard)))
+        return out
+
+
+def make_plan(output: str, layout: Layout, parts: list[PartInfo]) -> Plan:
+    """The :class:`Plan` of ``parts`` (in any order; they are sorted by index).
+
+    Raises:
+        ValueError: no parts, parts that do not have the same splits, indexes
+            that repeat, or a split whose parts have a loss mask only in part.
+    """
+    ordered = tuple(sorted(parts, key=lambda p: p.index))
+    if not ordered:
+        raise ValueError("no parts to assemble")
+    indexes = [p.index for p in ordered]
+    if len(set(indexes)) != len(indexes):
+        raise ValueError(f"parts repeat an index: {indexes}")
+    names = tuple(ordered[0].splits)
+    for p in ordered:
+        if tuple(p.splits) != names:
+            raise ValueError(f"part {p.url} has splits {tuple(p.splits)}, not {names}")
+    token_offsets, sequence_offsets = {}, {}
+    for split in names:
+        counts = [p.splits[split] for p in ordered]
+        masked = {c.loss_mask for c in counts if c.sequences}
+        if len(masked) > 1:
+            raise ValueError(f"split {split!r}: some parts have a loss mask and some do not")
+        token_offsets[split] = np.cumsum([0] + [c.tokens for c in counts], dtype=np.int64)
+        sequence_offsets[split] = np.cumsum([0] + [c.sequences for c in counts], dtype=np.int64)
+    return Plan(output, layout, ordered, token_offsets, sequence_offsets)
+
+
+def create_arrays(plan: Plan, store: Store) -> None:
+    """Creates every output array at its final size, replacing any left from a failed try."""
+    for split in plan.splits:
+        for array, size in plan.arrays(split).items():
+            create_array(store, split, array, DTYPES[array], plan.layout, size)
+
+
+def _overlaps(offsets: np.ndarray, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """``(part, start, stop)`` of the non-empty parts whose range meets ``[lo, hi)``,
+    with ``[start, stop)`` the overlap in the part's own positions."""
+    first = int(np.searchsorted(offsets, lo, side="right")) - 1
+    last = int(np.searchsorted(offsets, hi, side="left"))
+    out = []
+    for p in range(max(first, 0), min(last, offsets.size - 1)):
+        a, b = max(lo, int(offsets[p])), min(hi, int(offsets[p + 1]))
+        if a < b:
+            out.append((p, a - int(offsets[p]), b - int(offsets[p])))
+    return out
+
+
+def _request(
+    plan: Plan, split: str, array: str, lo: int, hi: int, open_part: Callable[[str], Dataset]
+) -> tuple[list[Pending], list[int]]:
+    """Reads in flight for output elements ``[lo, hi)`` (``hi`` at most the part
+    data's end), and what to add to each read's values."""
+    pending, add = [], []
+    offsets = plan.sequence_offsets[split] if array == SEQ_STARTS else plan.token_offsets[split]
+    for p, a, b in _overlaps(offsets, lo, hi):
+        ft = open_part(plan.parts[p].url)[split]
+        span = (np.array([a]), np.array([b]))
+        if array == SEQ_STARTS:
+            pending.append(ft.starts.request_ranges(*span))
+            add.append(int(plan.token_offsets[split][p]))
+        elif array == LOSS_MASK:
+            got = ft.request_loss_mask(*span)
+            if got is None:
+                raise ValueError(f"part {ft.url}, split {split!r}: no loss mask")
+            pending.append(got)
+            add.append(0)
+        else:
+            pending.append(ft.request_encoded(*span))
+            add.append(0)
+    return pending, add
+
+
+def assemble_shard(
+    plan: Plan, task: Task, store: Store, open_part: Callable[[str], Dataset]
+) -> int:
+    """Writes the output shard of ``task`` whole, from the parts; returns its elements.
+
+    Args:
+        plan: the plan.
+        task: which shard of which array.
+        store: the output.
+        open_part: opens a part's dataset from its URL (a cache may serve it).
+
+    Raises:
+        IndexError, ValueError: a part holds other data than its
+            :class:`PartInfo` says (fewer tokens or sequences, or no loss mask).
+    """
+    split, array, shard = task
+    size = plan.arrays(split)[array]
+    per_shard = plan.layout.elements(array)[0]
+    lo, hi = shard * per_shard, min((shard + 1) * per_shard, size)
+    # seq_starts has one entry past the parts' own: the token count.
+    data_end = plan.num_sequences(split) if array == SEQ_STARTS else size
+    pending, add = _request(plan, split, array, lo, min(hi, data_end), open_part)
+    dtype = DTYPES[array]
+    pieces = [
+        np.asarray(p.result()[0], dtype) + np.asarray(a, dtype)
+        for p, a in zip(pending, add, strict=True)
+    ]
+    if hi > data_end:
+        pieces.append(np.array([plan.num_tokens(split)], dtype))
+    values = np.concatenate(pieces) if pieces else np.zeros(0, dtype)
+    if values.size != hi - lo:
+        raise ValueError(
+            f"{plan.output}: {split}/{array} shard {shard} needs {hi - lo} entries but the "
+            f"parts gave {values.size}: a part holds other data than it reported"
+        )
+    handle = open_for_writing(store, split, array, plan.layout)
+    store.wait(handle[lo:hi].write(values))
+    return hi - lo
+
+
+def finish(plan: Plan, store: Store, attributes: Mapping[str, Any] | None = None) -> None:
+    """Deletes the staging prefix, then makes the output valid (root group last)."""
+    store.delete_prefix(STAGING)
+    write_groups(store, plan.layout, plan.max_token_ids(), attributes or {})

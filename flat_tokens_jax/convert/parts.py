@@ -1,0 +1,197 @@
+"""The conversion core: input files tokenized, in order, into a flat-tokens array.
+
+:func:`write_documents` reads input files record by record, tokenizes them in
+batches (:func:`batches`, :func:`~flat_tokens_jax.convert.tokenizer.batch_encoder`),
+routes each document to "train" or "validation" and appends them, split by
+split and in input order, to a :class:`DatasetWriter`. The local converter
+(:func:`flat_tokens_jax.convert.text.convert`) gives it every input file and
+the final dataset; the Beam pipeline (:mod:`flat_tokens_jax.convert.beam`) gives
+it one input file and a *part*, a dataset under the output's staging prefix,
+and :mod:`flat_tokens_jax.convert.assemble` joins the parts. Both write the
+same tokens in the same order, so their outputs are the same, byte for byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from flat_tokens_jax.convert.inputs import InputPath, Opener, RecordReader, open_local
+from flat_tokens_jax.convert.tokenizer import (
+    BOS_CANDIDATES,
+    EOS_CANDIDATES,
+    Batch,
+    BatchTokenizer,
+    LoadedTokenizer,
+    Packed,
+    batch_encoder,
+    validation_mask,
+)
+from flat_tokens_jax.format import encode_concatenated
+from flat_tokens_jax.writer import DatasetWriter
+
+# One pass over input files: (files, validation fraction, every document to validation).
+Pass = tuple[Sequence[InputPath], float, bool]
+
+
+# A tokenization batch ends at BATCH_DOCS documents or BATCH_CHARS characters
+# (tokens, for pre-tokenized input): enough work for the tokenizer's threads,
+# little memory per task. Batches never depend on `workers`, so neither does the output.
+BATCH_DOCS = 1024
+BATCH_CHARS = 1 << 20
+
+
+def batches(docs: Iterable[str | np.ndarray], fraction: float) -> Iterator[Batch]:
+    batch: list[Any] = []
+    size = 0
+    for doc in docs:
+        batch.append(doc)
+        size += len(doc)
+        if len(batch) >= BATCH_DOCS or size >= BATCH_CHARS:
+            yield batch, validation_mask(batch, fraction)
+            batch, size = [], 0
+    if batch:
+        yield batch, validation_mask(batch, fraction)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertOptions:
+    """What :func:`convert` does besides where it reads and writes; see there."""
+
+    tokenizer: str | None = None
+    text_key: str = "text"
+    tokens_key: str | None = None
+    validation_fraction: float = 0.0
+    workers: int = 1
+    append_eos: bool = False
+    prepend_bos: bool = False
+    add_special_tokens: bool = False
+    max_tokens: int | None = None
+    skip_bad: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tokenizer is None and self.tokens_key is None:
+            raise ValueError(
+                "pass tokenizer= (a tokenizers JSON file or a transformers tokenizer "
+                "directory), or tokens_key= to read token ids that are already there"
+            )
+        if self.tokenizer is None and (self.append_eos or self.prepend_bos):
+            raise ValueError("append_eos and prepend_bos need tokenizer= to find the ids")
+        if not 0.0 <= self.validation_fraction < 1.0:
+            raise ValueError(
+                f"validation_fraction must be in [0, 1), got {self.validation_fraction}"
+            )
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {self.workers}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be positive or None, got {self.max_tokens}")
+
+
+def special_ids(tok: LoadedTokenizer | None, opts: ConvertOptions) -> tuple[Any, Any]:
+    bos = tok.bos_id if tok and opts.prepend_bos else None
+    eos = tok.eos_id if tok and opts.append_eos else None
+    for asked, found, what, names in (
+        (opts.prepend_bos, bos, "prepend_bos: no beginning-of-sequence", BOS_CANDIDATES),
+        (opts.append_eos, eos, "append_eos: no end-of-sequence", EOS_CANDIDATES),
+    ):
+        if asked and found is None:
+            name = tok.name if tok else "?"
+            raise ValueError(
+                f"{what} token in {name} (looked for {', '.join(names)}); use a "
+                "transformers tokenizer directory whose config names it"
+            )
+    return bos, eos
+
+
+@dataclasses.dataclass
+class Totals:
+    """Running counts of one conversion (or one part), and the writing of each tokenized batch."""
+
+    max_tokens: int | None
+    documents: dict[str, int] = dataclasses.field(
+        default_factory=lambda: {"train": 0, "validation": 0}
+    )
+    tokens: dict[str, int] = dataclasses.field(
+        default_factory=lambda: {"train": 0, "validation": 0}
+    )
+    skipped_empty: int = 0
+    skipped_bad: int = 0
+    stopped_early: bool = False
+
+    def write(self, writer: DatasetWriter, packed: Packed, validation: np.ndarray) -> int:
+        """Writes one batch, cut at the token budget; returns the tokens written."""
+        ids, lengths = packed
+        if self.max_tokens is not None:
+            room = self.max_tokens - sum(self.tokens.values())
+            over = np.flatnonzero(np.cumsum(lengths) > room)
+            if over.size:
+                self.stopped_early = True
+                lengths, validation = lengths[: over[0]], validation[: over[0]]
+                ids = ids[: int(lengths.sum())]
+        nonempty = lengths > 0
+        self.skipped_empty += int(lengths.size - np.count_nonzero(nonempty))
+        for split, chosen in (
+            ("train", nonempty & ~validation),
+            ("validation", nonempty & validation),
+        ):
+            if not chosen.any():
+                continue
+            sizes = lengths[chosen]
+            part = ids if chosen.all() else ids[np.repeat(chosen, lengths)]
+            writer.extend_encoded(split, encode_concatenated(part, np.cumsum(sizes) - sizes), sizes)
+            self.documents[split] += int(sizes.size)
+            self.tokens[split] += int(part.size)
+        return int(ids.size)
+
+
+def write_documents(
+    writer: DatasetWriter,
+    passes: Sequence[Pass],
+    tokenize: BatchTokenizer,
+    opts: ConvertOptions,
+    totals: Totals,
+    bar: Any = None,
+    opener: Opener = open_local,
+) -> None:
+    """Reads, tokenizes and appends to ``writer`` each pass's documents, in order.
+
+    Args:
+        writer: the dataset (or part) the documents go to.
+        passes: the files to read, each with its validation fraction and
+            whether all its documents go to "validation".
+        tokenize: what turns a batch of documents into token ids.
+        opts: the record key, bad-record handling and token budget.
+        totals: counts documents, tokens and skipped records as they go.
+        bar: a tqdm bar updated with the tokens written, or ``None``.
+        opener: reads the files given as URLs (see :class:`RecordReader`).
+    """
+    key = opts.tokens_key or opts.text_key
+    try:
+        with batch_encoder(tokenize, opts.workers) as encode:
+            for paths, fraction, all_validation in passes:
+                reader = RecordReader(
+                    paths,
+                    key,
+                    tokens=opts.tokens_key is not None,
+                    skip_bad=opts.skip_bad,
+                    opener=opener,
+                )
+                try:
+                    with contextlib.closing(encode(batches(reader, fraction))) as results:
+                        for mask, packed in results:
+                            written = totals.write(writer, packed, mask | all_validation)
+                            if bar is not None:
+                                bar.update(written)
+                                bar.set_postfix(docs=sum(totals.documents.values()))
+                            if totals.stopped_early:
+                                return
+                finally:
+                    totals.skipped_bad += reader.skipped_bad
+                    totals.skipped_empty += reader.skipped_empty
+    finally:
+        if bar is not None:
+            bar.close()

@@ -140,7 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    # Words after "--" are options of another program (Beam's, for convert --runner beam).
+    cut = words.index("--") if "--" in words else len(words)
+    parser = build_parser()
+    args = parser.parse_args(words[:cut])
+    args.pipeline_args = words[cut + 1 :]
+    if args.pipeline_args and not getattr(args, "takes_pipeline_args", False):
+        parser.error(f"{args.command} takes no options after '--'")
     code: int = args.run(args)
     return code
 

@@ -1,4 +1,5 @@
-"""Stores written directly with zarr-python, as other tools write them."""
+"""Stores as bytes: written directly with zarr-python, as other tools write them, and read
+back key by key."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any
 import numcodecs
 import numpy as np
 import zarr
+
+from flat_tokens_jax.store import Store, StoreOptions
 
 
 def write_raw(
@@ -56,3 +59,9 @@ SPEC_TOKENS = [3, 4, 7, 8, 10, 13, 14, 16]
 SPEC_STARTS = [0, 2, 5, 8]
 BLOSC = {"compressors": numcodecs.Blosc(cname="lz4", clevel=5, shuffle=numcodecs.Blosc.SHUFFLE)}
 DELTA = {"filters": [numcodecs.Delta(dtype="<u8")], "compressors": numcodecs.Blosc()}
+
+
+def stored(url: str | Path, options: StoreOptions | None = None) -> dict[str, bytes]:
+    """Every key of the store at ``url`` and its bytes."""
+    store = Store(url, options)
+    return {k: bytes(store.wait(store.kv.read(k)).value) for k in sorted(store.keys())}

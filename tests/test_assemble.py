@@ -8,6 +8,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rawstore import stored
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.convert.assemble import (
@@ -26,12 +27,6 @@ from flat_tokens_jax.writer import STAGING
 _counter = itertools.count()
 
 Split = list[tuple[list[int], list[int] | None]]  # (sequence, loss mask or None)
-
-
-def stored(url: str) -> dict[str, bytes]:
-    """Every key of a store and its bytes."""
-    store = Store(url)
-    return {k: bytes(store.wait(store.kv.read(k)).value) for k in sorted(store.keys())}
 
 
 def write_parts(output: str, parts: list[dict[str, Split]], layout: ftj.Layout) -> list[PartInfo]:

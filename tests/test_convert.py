@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import logging
 import re
@@ -12,7 +11,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from textdata import EOS, corpus_texts, files, train_tokenizer, write_format, write_jsonl
+from tokenizers import Tokenizer, models
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.convert import tokenizer as convert_tokenizer
@@ -20,44 +20,13 @@ from flat_tokens_jax.convert.inputs import InputError, expand_inputs
 from flat_tokens_jax.convert.text import add_commands, convert
 from flat_tokens_jax.convert.tokenizer import validation_mask
 
-CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "corpus.jsonl"
-EOS = "<|endoftext|>"
 SMALL = ftj.Layout(shard_tokens=64, chunk_tokens=16)
-
-
-def _corpus_texts(n: int, chars: int) -> list[str]:
-    """The first ``n`` documents of the shared corpus cut to ``chars``, or made-up text."""
-    if not CORPUS.is_file():
-        words = ["the", "of", "and", "a", "to", "in", "he", "was", "that", "it", "his", "her"]
-        rng = np.random.default_rng(0)
-        return [" ".join(rng.choice(words, chars // 4)) + f" ({i}) “é”\n" for i in range(n)]
-    texts = []
-    with CORPUS.open("rb") as f:
-        for line in f:
-            texts.append(json.loads(line)["text"][:chars])
-            if len(texts) == n:
-                break
-    return texts
-
-
-def _train(special: list[str]) -> Tokenizer:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=500,
-        special_tokens=special,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus_texts(300, 2000), trainer)
-    return tok
 
 
 @pytest.fixture(scope="module")
 def tok_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tok") / "bpe.json"
-    _train([EOS, "<|custom_eos|>"]).save(str(path))
+    train_tokenizer([EOS, "<|custom_eos|>"]).save(str(path))
     return path
 
 
@@ -68,13 +37,7 @@ def tok(tok_file: Path) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def docs() -> list[str]:
-    return _corpus_texts(40, 1500)
-
-
-def _write_jsonl(path: Path, records: list[Any]) -> Path:
-    lines = [r if isinstance(r, str) else json.dumps(r) for r in records]
-    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    return path
+    return corpus_texts(40, 1500)
 
 
 def _sequences(url: Path, split: str = "train") -> list[list[int]]:
@@ -92,12 +55,6 @@ def _arrays(url: Path) -> dict[str, tuple[list[int], list[int]]]:
     return out
 
 
-def _files(root: Path) -> dict[str, bytes]:
-    return {
-        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
-    }
-
-
 def _ids(tok: Tokenizer, text: str) -> list[int]:
     return list(tok.encode(text, add_special_tokens=False).ids)
 
@@ -105,7 +62,7 @@ def _ids(tok: Tokenizer, text: str) -> list[int]:
 def test_sequences_are_the_tokenizers_ids_in_order(
     tmp_path: Path, tok_file: Path, tok: Tokenizer, docs: list[str]
 ) -> None:
-    src = _write_jsonl(tmp_path / "docs.jsonl", [{"text": d, "id": i} for i, d in enumerate(docs)])
+    src = write_jsonl(tmp_path / "docs.jsonl", [{"text": d, "id": i} for i, d in enumerate(docs)])
     summary = convert(src, tmp_path / "out", tokenizer=tok_file)
     expected = [_ids(tok, d) for d in docs]
     assert _sequences(tmp_path / "out") == expected
@@ -120,7 +77,7 @@ def test_sequences_are_the_tokenizers_ids_in_order(
 def test_append_eos_and_prepend_bos(
     tmp_path: Path, tok_file: Path, tok: Tokenizer, docs: list[str]
 ) -> None:
-    src = _write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs[:5]])
+    src = write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs[:5]])
     convert(src, tmp_path / "eos", tokenizer=tok_file, append_eos=True)
     eos = tok.token_to_id(EOS)
     assert _sequences(tmp_path / "eos") == [[*_ids(tok, d), eos] for d in docs[:5]]
@@ -131,7 +88,7 @@ def test_append_eos_and_prepend_bos(
 def test_same_bytes_for_one_and_two_workers(
     tmp_path: Path, tok_file: Path, docs: list[str]
 ) -> None:
-    src = _write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs])
+    src = write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs])
     outs = []
     for workers in (1, 2):
         out = tmp_path / f"w{workers}"
@@ -147,30 +104,7 @@ def test_same_bytes_for_one_and_two_workers(
         assert summary["splits"]["validation"]["documents"] > 0
         outs.append(out)
     assert _arrays(outs[0]) == _arrays(outs[1])
-    assert _files(outs[0]) == _files(outs[1])
-
-
-def _write_format(kind: str, path: Path, records: list[dict[str, Any]]) -> Path:
-    lines = "".join(json.dumps(r) + "\n" for r in records).encode()
-    if kind == "gz":
-        path = path.with_suffix(".jsonl.gz")
-        path.write_bytes(gzip.compress(lines))
-    elif kind == "zst":
-        import zstandard
-
-        path = path.with_suffix(".jsonl.zst")
-        path.write_bytes(zstandard.ZstdCompressor().compress(lines))
-    elif kind == "parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        path = path.with_suffix(".parquet")
-        pq.write_table(pa.Table.from_pylist(records), path, row_group_size=7)
-    else:
-        import datasets
-
-        datasets.Dataset.from_list(records).save_to_disk(str(path), max_shard_size="20KB")
-    return path
+    assert files(outs[0]) == files(outs[1])
 
 
 @pytest.mark.parametrize("kind", ["gz", "zst", "parquet", "hf"])
@@ -178,8 +112,8 @@ def test_other_formats_give_what_jsonl_gives(
     tmp_path: Path, tok_file: Path, docs: list[str], kind: str
 ) -> None:
     records = [{"text": d, "n": i} for i, d in enumerate(docs)]
-    plain = _write_jsonl(tmp_path / "plain.jsonl", records)
-    other = _write_format(kind, tmp_path / "other", records)
+    plain = write_jsonl(tmp_path / "plain.jsonl", records)
+    other = write_format(kind, tmp_path / "other", records)
     convert(plain, tmp_path / "a", tokenizer=tok_file, validation_fraction=0.2)
     convert(other, tmp_path / "b", tokenizer=tok_file, validation_fraction=0.2)
     assert _arrays(tmp_path / "a") == _arrays(tmp_path / "b")
@@ -189,7 +123,7 @@ def test_other_formats_give_what_jsonl_gives(
 def test_columnar_bad_rows_name_the_row(tmp_path: Path, tok_file: Path, kind: str) -> None:
     records: list[dict[str, Any]] = [{"text": f"doc {i}"} for i in range(30)]
     records[17] = {"text": None}
-    src = _write_format(kind, tmp_path / "in", records)
+    src = write_format(kind, tmp_path / "in", records)
     with pytest.raises(InputError, match=rf"{re.escape(str(src))} row 18: 'text' is null"):
         convert(src, tmp_path / "out", tokenizer=tok_file)
     summary = convert(src, tmp_path / "out", tokenizer=tok_file, skip_bad=True)
@@ -198,7 +132,7 @@ def test_columnar_bad_rows_name_the_row(tmp_path: Path, tok_file: Path, kind: st
 
 def test_globs_sorted_per_pattern_pattern_order_kept(tmp_path: Path, tok_file: Path) -> None:
     for name in ("b", "a", "c", "z"):
-        _write_jsonl(tmp_path / f"{name}.jsonl", [{"text": f"file {name} doc {i}"} for i in (1, 2)])
+        write_jsonl(tmp_path / f"{name}.jsonl", [{"text": f"file {name} doc {i}"} for i in (1, 2)])
     paths = expand_inputs([tmp_path / "z.jsonl", str(tmp_path / "[abc].jsonl")])
     assert [p.name for p in paths] == ["z.jsonl", "a.jsonl", "b.jsonl", "c.jsonl"]
     convert(paths, tmp_path / "out", tokenizer=tok_file)
@@ -216,7 +150,7 @@ def test_globs_sorted_per_pattern_pattern_order_kept(tmp_path: Path, tok_file: P
 
 def test_pre_tokenized_input(tmp_path: Path, tok_file: Path, tok: Tokenizer) -> None:
     seqs = [[5, 6, 7], [9], [2**31 - 1, 0, 3]]
-    src = _write_jsonl(tmp_path / "ids.jsonl", [{"ids": s} for s in seqs])
+    src = write_jsonl(tmp_path / "ids.jsonl", [{"ids": s} for s in seqs])
     summary = convert(src, tmp_path / "a", tokens_key="ids")
     assert _sequences(tmp_path / "a") == seqs and summary["tokens"] == 7
     convert(src, tmp_path / "b", tokens_key="ids", tokenizer=tok_file, append_eos=True)
@@ -230,7 +164,7 @@ def test_pre_tokenized_input(tmp_path: Path, tok_file: Path, tok: Tokenizer) -> 
 
 def test_validation_fraction_is_a_deterministic_hash_split(tmp_path: Path, tok_file: Path) -> None:
     texts = [f"document number {i}, some words" for i in range(600)]
-    src = _write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in texts])
+    src = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in texts])
     mask = validation_mask(texts, 0.25)
     assert mask.tolist() == validation_mask(texts[::-1], 0.25).tolist()[::-1]
     assert abs(mask.mean() - 0.25) < 0.06
@@ -246,8 +180,8 @@ def test_validation_fraction_is_a_deterministic_hash_split(tmp_path: Path, tok_f
 
 
 def test_validation_inputs(tmp_path: Path, tok_file: Path, tok: Tokenizer) -> None:
-    train = _write_jsonl(tmp_path / "train.jsonl", [{"text": "to train on"}])
-    valid = _write_jsonl(tmp_path / "valid.jsonl", [{"text": "held out"}, {"text": "also"}])
+    train = write_jsonl(tmp_path / "train.jsonl", [{"text": "to train on"}])
+    valid = write_jsonl(tmp_path / "valid.jsonl", [{"text": "held out"}, {"text": "also"}])
     summary = convert(train, tmp_path / "out", tokenizer=tok_file, validation_inputs=[valid])
     assert _sequences(tmp_path / "out") == [_ids(tok, "to train on")]
     assert _sequences(tmp_path / "out", "validation") == [_ids(tok, "held out"), _ids(tok, "also")]
@@ -302,12 +236,12 @@ def test_bad_record_names_file_and_line_and_leaves_no_dataset(
 
 
 def test_empty_documents_are_skipped_and_counted(tmp_path: Path, tok_file: Path) -> None:
-    src = _write_jsonl(
+    src = write_jsonl(
         tmp_path / "in.jsonl", [{"text": "x"}, {"text": ""}, {"text": "y"}, {"text": ""}, "  "]
     )
     summary = convert(src, tmp_path / "a", tokenizer=tok_file)
     assert (summary["documents"], summary["skipped_empty"]) == (2, 2)
-    ids = _write_jsonl(tmp_path / "ids.jsonl", [{"ids": []}, {"ids": [1]}])
+    ids = write_jsonl(tmp_path / "ids.jsonl", [{"ids": []}, {"ids": [1]}])
     summary = convert(ids, tmp_path / "b", tokens_key="ids")
     assert (summary["documents"], summary["skipped_empty"]) == (1, 1)
 
@@ -315,7 +249,7 @@ def test_empty_documents_are_skipped_and_counted(tmp_path: Path, tok_file: Path)
 def test_max_tokens_stops_before_the_document_that_passes_it(
     tmp_path: Path, tok_file: Path, tok: Tokenizer, docs: list[str]
 ) -> None:
-    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": d} for d in docs])
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": d} for d in docs])
     lengths = [len(_ids(tok, d)) for d in docs]
     budget = sum(lengths[:5]) + lengths[5] - 1
     summary = convert(src, tmp_path / "out", tokenizer=tok_file, max_tokens=budget)
@@ -327,7 +261,7 @@ def test_max_tokens_stops_before_the_document_that_passes_it(
 def test_interrupt_leaves_no_dataset(
     tmp_path: Path, tok_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "words"}] * 3000)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "words"}] * 3000)
     calls = []
     real = convert_tokenizer.tokenize_batch
 
@@ -353,7 +287,7 @@ def test_transformers_tokenizer_directory(
         tokenizer_object=Tokenizer.from_file(str(tok_file)), eos_token="<|custom_eos|>"
     )
     hf.save_pretrained(tmp_path / "hf")
-    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": d} for d in docs[:6]])
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": d} for d in docs[:6]])
     convert(src, tmp_path / "out", tokenizer=tmp_path / "hf", append_eos=True)
     eos = tok.token_to_id("<|custom_eos|>")  # the config's, not the first well-known name
     assert eos != tok.token_to_id(EOS)
@@ -366,14 +300,14 @@ def test_truncation_stored_in_the_tokenizer_is_off(
     truncating = Tokenizer.from_str(tok.to_str())
     truncating.enable_truncation(8)
     truncating.save(str(tmp_path / "trunc.json"))
-    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": docs[0]}])
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": docs[0]}])
     convert(src, tmp_path / "out", tokenizer=tmp_path / "trunc.json")
     assert _sequences(tmp_path / "out") == [_ids(tok, docs[0])]
     assert len(_ids(tok, docs[0])) > 8
 
 
 def test_tokenizer_id_checks(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
     plain = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
     plain.save(str(tmp_path / "plain.json"))
     with caplog.at_level(logging.WARNING):
@@ -389,7 +323,7 @@ def test_tokenizer_id_checks(tmp_path: Path, caplog: pytest.LogCaptureFixture) -
 def test_command_line(tmp_path: Path, tok_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser(prog="flat-tokens")
     add_commands(parser.add_subparsers(dest="command", required=True))
-    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": f"doc {i}"} for i in range(20)])
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": f"doc {i}"} for i in range(20)])
     out = str(tmp_path / "out")
     args = parser.parse_args(
         ["convert", str(src), out, "--tokenizer", str(tok_file), "--append-eos", "--json"]

@@ -10,6 +10,7 @@ same core on Apache Beam (:mod:`flat_tokens_jax.convert.beam`).
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -193,15 +194,24 @@ def add_commands(subparsers: Any) -> None:
         metavar="INPUT",
         help="inputs of the validation split",
     )
-    p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
+    p.add_argument(
+        "--workers", type=int, default=None, help="tokenizer processes (default 1; local only)"
+    )
     p.add_argument("--append-eos", action="store_true", help="end each document with eos")
     p.add_argument("--prepend-bos", action="store_true", help="start each document with bos")
     p.add_argument(
         "--add-special-tokens", action="store_true", help="let the tokenizer add its own"
     )
     p.add_argument("--max-tokens", type=int, help="stop before passing this many tokens")
+    p.add_argument(
+        "--runner",
+        choices=("local", "beam"),
+        default="local",
+        help="local: this process and its --workers; beam: an Apache Beam pipeline, "
+        "whose options follow '--' (e.g. -- --runner=DataflowRunner --project=P ...)",
+    )
     add_converter_flags(p)
-    p.set_defaults(run=_cmd_convert)
+    p.set_defaults(run=_cmd_convert, takes_pipeline_args=True, pipeline_args=[])
 
 
 def _format_summary(s: dict[str, Any]) -> str:
@@ -217,26 +227,67 @@ def _format_summary(s: dict[str, Any]) -> str:
     )
 
 
+def _local(args: argparse.Namespace) -> dict[str, Any]:
+    return convert(
+        args.inputs,
+        args.output,
+        tokenizer=args.tokenizer,
+        text_key=args.text_key,
+        tokens_key=args.tokens_key,
+        validation_fraction=args.validation_fraction,
+        validation_inputs=args.validation,
+        workers=args.workers or 1,
+        append_eos=args.append_eos,
+        prepend_bos=args.prepend_bos,
+        add_special_tokens=args.add_special_tokens,
+        max_tokens=args.max_tokens,
+        skip_bad=args.skip_bad,
+        overwrite=args.overwrite,
+        progress=False if args.no_progress else None,
+        options=store_options(args),
+    )
+
+
+def _beam(args: argparse.Namespace) -> dict[str, Any]:
+    if args.workers is not None:
+        raise ValueError(
+            "--workers is for --runner local; with --runner beam, set the parallelism with "
+            "Beam's options after '--' (--direct_num_workers=N here, --max_num_workers=N "
+            "on Dataflow)"
+        )
+    if args.max_tokens is not None:
+        raise ValueError("--max-tokens is for --runner local: a Beam conversion converts it all")
+    require("apache_beam", "beam")
+    # Imported only now: it imports apache_beam, an optional dependency.
+    beam = importlib.import_module("flat_tokens_jax.convert.beam")
+    summary: dict[str, Any] = beam.convert_beam(
+        args.inputs,
+        args.output,
+        tokenizer=args.tokenizer,
+        text_key=args.text_key,
+        tokens_key=args.tokens_key,
+        validation_fraction=args.validation_fraction,
+        validation_inputs=args.validation,
+        append_eos=args.append_eos,
+        prepend_bos=args.prepend_bos,
+        add_special_tokens=args.add_special_tokens,
+        skip_bad=args.skip_bad,
+        overwrite=args.overwrite,
+        options=store_options(args),
+        pipeline_args=args.pipeline_args,
+    )
+    return summary
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
     def work() -> dict[str, Any]:
-        return convert(
-            args.inputs,
-            args.output,
-            tokenizer=args.tokenizer,
-            text_key=args.text_key,
-            tokens_key=args.tokens_key,
-            validation_fraction=args.validation_fraction,
-            validation_inputs=args.validation,
-            workers=args.workers,
-            append_eos=args.append_eos,
-            prepend_bos=args.prepend_bos,
-            add_special_tokens=args.add_special_tokens,
-            max_tokens=args.max_tokens,
-            skip_bad=args.skip_bad,
-            overwrite=args.overwrite,
-            progress=False if args.no_progress else None,
-            options=store_options(args),
-        )
+        if args.runner == "beam":
+            return _beam(args)
+        if args.pipeline_args:
+            raise ValueError(
+                f"options after '--' ({' '.join(args.pipeline_args)}) are Beam's: add --runner beam"
+            )
+        return _local(args)
 
     try:
         return run_command(
@@ -244,7 +295,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             work,
             as_json=args.json,
             describe=_format_summary,
-            errors=(ValueError, OSError, ImportError, BrokenExecutor),
+            errors=(ValueError, OSError, ImportError, BrokenExecutor, RuntimeError),
         )
     except KeyboardInterrupt:
         print(f"convert: interrupted; {args.output} was not written", file=sys.stderr)

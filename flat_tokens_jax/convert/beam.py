@@ -1,0 +1,464 @@
+"""Conversion at corpus scale on Apache Beam: many workers, one deterministic store.
+
+:func:`convert_beam` runs the local converter's core on a Beam runner
+(Dataflow, Flink, Spark, or Beam's local FnApiRunner), in four stages:
+
+1. **Tokenize**, one element per input file, in parallel: a ``DoFn`` loads the
+   tokenizer once per worker (``setup``) and writes the file's documents, with
+   :func:`~flat_tokens_jax.convert.parts.write_documents`, to a *part* under
+   the output's staging prefix.
+2. **Plan**, once: every part's token and sequence offsets; the output
+   arrays are created at their final sizes.
+3. **Assemble**, one element per output shard, in parallel: each shard is
+   written whole by one worker from the parts it overlaps.
+4. **Finish**, once, after every shard: the staging prefix is deleted and the
+   groups are written, the root group last.
+
+Documents keep input order (files in the order given, globs sorted; records in
+file order) and go to "validation" by the same hash as the local converter's,
+so the output is byte for byte the local converter's, whatever the runner,
+its parallelism or its bundles. Text is read once, parts are written once and
+read once, and the output is written once.
+
+This module imports ``apache_beam`` (the ``beam`` extra).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import apache_beam as beam
+import tensorstore as ts
+from apache_beam.io.filesystem import CompressionTypes
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.metrics.metric import Metrics, MetricsFilter
+from apache_beam.options.pipeline_options import (
+    DirectOptions,
+    PipelineOptions,
+    StandardOptions,
+)
+from apache_beam.runners.runner import PipelineState
+
+from flat_tokens_jax.convert.assemble import (
+    PartInfo,
+    Plan,
+    Task,
+    assemble_shard,
+    create_arrays,
+    finish,
+    make_plan,
+    part_url,
+)
+from flat_tokens_jax.convert.inputs import InputPath, expand_inputs, input_kind, require
+from flat_tokens_jax.convert.parts import ConvertOptions, Totals, special_ids, write_documents
+from flat_tokens_jax.convert.tokenizer import BatchTokenizer, load_tokenizer
+from flat_tokens_jax.dataset import Dataset, open_dataset
+from flat_tokens_jax.store import Store, StoreOptions, context_spec
+from flat_tokens_jax.writer import STAGING, DatasetWriter, Layout, prepare_location
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "flat_tokens"
+TOKENIZER_KEY = f"{STAGING}/tokenizer.json"
+# Parts are read once, in long slices: large chunks, no compression.
+PART_LAYOUT = Layout(shard_tokens=1 << 22, chunk_tokens=1 << 16)
+# Runners that run where the launcher runs, and so can read its local files.
+LOCAL_RUNNERS = frozenset(r.lower() for r in StandardOptions.LOCAL_RUNNERS)
+DEFAULT_RUNNER = ["--runner=FnApiRunner", "--direct_running_mode=multi_processing"]
+# Opened parts kept per worker while it assembles shards: neighbouring shards
+# read the same parts. Their reads share one cache of this size.
+_OPEN_PARTS = 16
+_PART_CACHE_BYTES = 64 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """Everything a worker needs; pickled into the pipeline."""
+
+    output: str
+    layout: Layout
+    options: StoreOptions
+    convert: ConvertOptions
+    bos_id: int | None
+    eos_id: int | None
+    text_tokenizer: bool
+    opener: UrlOpener
+
+
+@dataclasses.dataclass(frozen=True)
+class UrlOpener:
+    """Opens files that Beam's file systems reach (``gs://``, ``s3://``), set up
+    with the pipeline's options (``--s3_endpoint_url`` and the like).
+
+    The options travel with the opener because not every runner hands them to
+    the workers it starts (the FnApiRunner, named directly, does not).
+    """
+
+    pipeline_args: tuple[str, ...] = ()
+
+    def filesystem(self, url: str) -> Any:
+        """The Beam ``FileSystem`` of ``url``'s scheme, with these options."""
+        kind = type(FileSystems.get_filesystem(url))
+        return kind(pipeline_options=PipelineOptions(list(self.pipeline_args)))
+
+    def __call__(self, url: str) -> IO[bytes]:
+        """The raw (still compressed) bytes of ``url``."""
+        file: IO[bytes] = self.filesystem(url).open(
+            url, compression_type=CompressionTypes.UNCOMPRESSED
+        )
+        return file
+
+    def match(self, pattern: str) -> list[str]:
+        """The files ``pattern`` matches, sorted."""
+        return sorted(m.path for m in self.filesystem(pattern).match([pattern])[0].metadata_list)
+
+
+def _is_url(text: str) -> bool:
+    return "://" in text
+
+
+def expand(
+    patterns: Sequence[str | os.PathLike[str]], opener: UrlOpener | None = None
+) -> list[InputPath]:
+    """Files of ``patterns`` in input order: local ones as the local converter
+    expands them, URLs through Beam's file systems, each glob sorted.
+
+    Raises:
+        FileNotFoundError: a pattern that matches nothing.
+        InputError: a file of a format that cannot be read.
+    """
+    out: list[InputPath] = []
+    for pattern in patterns:
+        text = os.fspath(pattern)
+        if not _is_url(text):
+            out.extend(expand_inputs([text]))
+            continue
+        found = (opener or UrlOpener()).match(text)
+        if not found:
+            raise FileNotFoundError(f"no file matches {text!r}")
+        for path in found:
+            input_kind(path)
+            out.append(path)
+    return out
+
+
+class _Tokenize(beam.DoFn):
+    """(index, input file, all to validation) -> the :class:`PartInfo` of its part."""
+
+    def __init__(self, job: _Job) -> None:
+        self.job = job
+        self.tokenize: BatchTokenizer | None = None
+        self.tokens = Metrics.counter(NAMESPACE, "tokens_tokenized")
+
+    def setup(self) -> None:
+        job = self.job
+        tokenizer = None
+        if job.text_tokenizer:
+            store = Store(job.output, job.options)
+            got = store.wait(store.kv.read(TOKENIZER_KEY))
+            if got.state != "value":
+                raise FileNotFoundError(f"{job.output}/{TOKENIZER_KEY}: the tokenizer is missing")
+            tokenizers = require("tokenizers", "convert")
+            tokenizer = tokenizers.Tokenizer.from_str(bytes(got.value).decode("utf-8"))
+        self.tokenize = BatchTokenizer(
+            tokenizer, job.bos_id, job.eos_id, job.convert.add_special_tokens
+        )
+
+    def process(self, element: tuple[int, InputPath, bool]) -> Iterator[PartInfo]:
+        index, path, all_validation = element
+        job = self.job
+        if self.tokenize is None:
+            raise RuntimeError("_Tokenize.process ran before setup")
+        # A fresh name per attempt: a retried or duplicated attempt never meets
+        # another's files; the info names the part that finished.
+        url = part_url(job.output, index, uuid.uuid4().hex[:12])
+        fraction = 0.0 if all_validation else job.convert.validation_fraction
+        totals = Totals(None)
+        started = time.perf_counter()
+        with DatasetWriter(url, layout=PART_LAYOUT, options=job.options) as writer:
+            write_documents(
+                writer,
+                [([path], fraction, all_validation)],
+                self.tokenize,
+                job.convert,
+                totals,
+                opener=job.opener,
+            )
+        tokens = sum(totals.tokens.values())
+        self.tokens.inc(tokens)
+        log.info(
+            "input %d (%s): %d documents, %d tokens in %.1fs",
+            index,
+            path,
+            sum(totals.documents.values()),
+            tokens,
+            time.perf_counter() - started,
+        )
+        yield PartInfo.read(
+            index,
+            url,
+            job.options,
+            skipped_empty=totals.skipped_empty,
+            skipped_bad=totals.skipped_bad,
+        )
+
+
+def _plan(parts: list[PartInfo], job: _Job) -> Plan:
+    plan = make_plan(job.output, job.layout, parts)
+    create_arrays(plan, Store(job.output, job.options))
+    return plan
+
+
+def _tasks(plan: Plan) -> list[Task]:
+    return plan.tasks()
+
+
+class _Assemble(beam.DoFn):
+    """A :class:`Task` -> the number of elements it wrote."""
+
+    def __init__(self, job: _Job) -> None:
+        self.job = job
+        self.shards = Metrics.counter(NAMESPACE, "shards_written")
+
+    def setup(self) -> None:
+        job = self.job
+        self.store = Store(job.output, job.options)
+        small = dataclasses.replace(job.options, cache_bytes=_PART_CACHE_BYTES)
+        shared = dataclasses.replace(job.options, context=ts.Context(context_spec(small)))
+        self.open_part = functools.lru_cache(maxsize=_OPEN_PARTS)(
+            functools.partial(_open_part, options=shared)
+        )
+
+    def process(self, task: Task, plan: Plan) -> Iterator[int]:
+        yield assemble_shard(plan, task, self.store, self.open_part)
+        self.shards.inc()
+
+
+def _open_part(url: str, options: StoreOptions) -> Dataset:
+    return open_dataset(url, options)
+
+
+def _finish(shards: int, job: _Job, plan: Plan) -> None:
+    expected = len(plan.tasks())
+    if shards != expected:
+        raise RuntimeError(f"{job.output}: {shards} shards were written, expected {expected}")
+    finish(plan, Store(job.output, job.options))
+    for name in ("skipped_empty", "skipped_bad"):
+        Metrics.counter(NAMESPACE, name).inc(sum(getattr(p, name) for p in plan.parts))
+
+
+def build_pipeline(
+    pipeline: beam.Pipeline, job: _Job, inputs: Sequence[tuple[int, InputPath, bool]]
+) -> None:
+    """Adds the conversion's four stages to ``pipeline``."""
+    parts = (
+        pipeline
+        | "Inputs" >> beam.Create(list(inputs))
+        | "Spread inputs" >> beam.Reshuffle()
+        | "Tokenize" >> beam.ParDo(_Tokenize(job))
+    )
+    plan = parts | "Gather parts" >> beam.combiners.ToList() | "Plan" >> beam.Map(_plan, job)
+    plan_view = beam.pvalue.AsSingleton(plan)
+    written = (
+        plan
+        | "Tasks" >> beam.FlatMap(_tasks)
+        | "Spread shards" >> beam.Reshuffle()
+        | "Assemble" >> beam.ParDo(_Assemble(job), plan_view)
+    )
+    _ = (
+        written
+        | "Count shards" >> beam.combiners.Count.Globally()
+        | "Finish" >> beam.Map(_finish, job, plan_view)
+    )
+
+
+def pipeline_options(args: Sequence[str]) -> PipelineOptions:
+    """Beam options from command-line flags; with no ``--runner``, Beam's local
+    FnApiRunner in worker processes, one per CPU unless ``--direct_num_workers``."""
+    options = PipelineOptions(list(args))
+    if options.view_as(StandardOptions).runner is None:
+        options = PipelineOptions([*DEFAULT_RUNNER, *args])
+        if not options.view_as(DirectOptions).direct_num_workers:
+            options.view_as(DirectOptions).direct_num_workers = 0  # 0: one per CPU
+    return options
+
+
+def _runner_name(options: PipelineOptions) -> str:
+    runner = options.view_as(StandardOptions).runner
+    return runner if isinstance(runner, str) else type(runner).__name__
+
+
+def _paths(x: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Any]:
+    return [x] if isinstance(x, str | os.PathLike) else list(x)
+
+
+def _counters(result: Any) -> dict[str, int]:
+    """This job's counters, as committed (attempted where a runner has no committed)."""
+    found = result.metrics().query(MetricsFilter().with_namespace(NAMESPACE))["counters"]
+    out: dict[str, int] = {}
+    for m in found:
+        value = m.committed if m.committed is not None else m.attempted
+        out[m.key.metric.name] = out.get(m.key.metric.name, 0) + int(value or 0)
+    return out
+
+
+def _run(pipeline: beam.Pipeline, store: Store) -> Any:
+    """Runs ``pipeline`` to the end; on any failure or interrupt, cancels it and
+    deletes everything it wrote (nothing at ``store`` is left that looks valid)."""
+    result = None
+    try:
+        result = pipeline.run()
+        result.wait_until_finish()
+        if result.state != PipelineState.DONE:
+            raise RuntimeError(f"the Beam pipeline ended in state {result.state}")
+        return result
+    except BaseException:
+        if result is not None and not PipelineState.is_terminal(result.state):
+            try:
+                result.cancel()
+            except Exception as e:
+                log.error(
+                    "could not cancel the Beam job (%s): it may still write to %s, which is "
+                    "left as it is; cancel the job, then convert again with overwrite",
+                    e,
+                    store.url,
+                )
+                raise
+        prepare_location(store, overwrite=True)
+        raise
+
+
+def convert_beam(
+    inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    output: str | os.PathLike[str],
+    *,
+    tokenizer: str | os.PathLike[str] | None = None,
+    text_key: str = "text",
+    tokens_key: str | None = None,
+    validation_fraction: float = 0.0,
+    validation_inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] = (),
+    append_eos: bool = False,
+    prepend_bos: bool = False,
+    add_special_tokens: bool = False,
+    skip_bad: bool = False,
+    layout: Layout | None = None,
+    overwrite: bool = False,
+    options: StoreOptions | None = None,
+    pipeline_args: Sequence[str] = (),
+) -> dict[str, Any]:
+    """:func:`~flat_tokens_jax.convert.text.convert`, run on Apache Beam.
+
+    The output is byte for byte what ``convert`` writes from the same inputs
+    and arguments. It becomes valid only when the pipeline's last step ends;
+    if the pipeline fails or is interrupted, the job is cancelled and the
+    output location emptied, so a new run starts clean.
+
+    Args:
+        inputs: files or globs: local paths, or ``gs://`` / ``s3://`` URLs that
+            Beam's file systems reach (``apache-beam[gcp]`` / ``[aws]``). Each
+            input file is one unit of parallel work.
+        output: the new dataset: a path, or a ``gs://`` / ``s3://`` URL that
+            every worker can write (not ``memory://``).
+        tokenizer: a ``tokenizers`` JSON file or ``transformers`` tokenizer
+            directory on this machine; it reaches the workers through the
+            output's staging prefix.
+        pipeline_args: Beam pipeline options (``--runner=DataflowRunner``,
+            ``--project``, ...). Without ``--runner``: Beam's FnApiRunner on
+            this machine, one worker process per CPU (``--direct_num_workers``).
+        options: how to reach ``output`` (e.g. an S3 endpoint and credentials).
+
+    Other arguments are ``convert``'s. ``max_tokens`` and ``workers`` have no
+    equivalent here.
+
+    Returns:
+        ``convert``'s summary, with ``runner``.
+
+    Raises:
+        ValueError: bad arguments, or local files for a runner whose workers
+            run elsewhere.
+        InputError, FileNotFoundError: bad inputs found before the pipeline runs.
+        FileExistsError: ``output`` exists and ``overwrite`` is off.
+        Exception: whatever the runner raises when the pipeline fails (a bad
+            record, named by file and line, among its messages).
+    """
+    opts = ConvertOptions(
+        tokenizer=None if tokenizer is None else os.fspath(tokenizer),
+        text_key=text_key,
+        tokens_key=tokens_key,
+        validation_fraction=validation_fraction,
+        append_eos=append_eos,
+        prepend_bos=prepend_bos,
+        add_special_tokens=add_special_tokens,
+        skip_bad=skip_bad,
+    )
+    started = time.perf_counter()
+    out = os.fspath(output)
+    if out.startswith("memory://"):
+        raise ValueError(
+            f"{out}: Beam workers are other processes, which cannot see this one's "
+            "memory:// stores; write to a path, gs:// or s3://"
+        )
+    beam_options = pipeline_options(pipeline_args)
+    runner = _runner_name(beam_options)
+    opener = UrlOpener(tuple(pipeline_args))
+    train = expand(_paths(inputs), opener)
+    valid = expand(_paths(validation_inputs), opener)
+    if not train:
+        raise ValueError("no inputs given")
+    if valid and opts.validation_fraction:
+        raise ValueError("pass validation_fraction or validation_inputs, not both")
+    if runner.lower() not in LOCAL_RUNNERS:
+        local = [str(p) for p in [*train, *valid] if isinstance(p, Path)]
+        if local or not _is_url(out):
+            where = local[0] if local else out
+            raise ValueError(
+                f"{runner} runs workers on other machines, which cannot reach {where}: "
+                "give inputs and output as gs:// or s3:// URLs"
+            )
+    tok = load_tokenizer(opts.tokenizer) if opts.tokenizer else None
+    bos, eos = special_ids(tok, opts)
+    text_tokenizer = tok.tokenizer if tok is not None and opts.tokens_key is None else None
+    store = Store(out, options)
+    prepare_location(store, overwrite)
+    job = _Job(
+        out, layout or Layout(), store.options, opts, bos, eos, text_tokenizer is not None, opener
+    )
+    elements = [(i, p, False) for i, p in enumerate(train)]
+    elements += [(len(train) + i, p, True) for i, p in enumerate(valid)]
+    pipeline = beam.Pipeline(options=beam_options)
+    build_pipeline(pipeline, job, elements)
+    if text_tokenizer is not None:
+        store.wait(store.kv.write(TOKENIZER_KEY, text_tokenizer.to_str().encode("utf-8")))
+    result = _run(pipeline, store)
+    counters = _counters(result)
+    seconds = time.perf_counter() - started
+    written = open_dataset(out, options)
+    splits = {
+        name: {"documents": ft.num_sequences, "tokens": ft.num_tokens}
+        for name, ft in written.items()
+    }
+    tokens = sum(s["tokens"] for s in splits.values())
+    return {
+        "output": out,
+        "input_files": len(train),
+        "validation_files": len(valid),
+        "tokenizer": tok.name if tok else None,
+        "documents": sum(s["documents"] for s in splits.values()),
+        "tokens": tokens,
+        "skipped_empty": counters.get("skipped_empty", 0),
+        "skipped_bad": counters.get("skipped_bad", 0),
+        "splits": splits,
+        "stopped_early": False,
+        "max_tokens": None,
+        "runner": runner,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1),
+    }

@@ -1,0 +1,315 @@
+"""flat_tokens_jax.convert.beam: the Beam pipeline writes the local converter's bytes.
+
+Runners are always named: Beam's ``DirectRunner`` may start PrismRunner, a
+binary it downloads. FnApiRunner runs worker processes ("multi_processing");
+BundleBasedDirectRunner runs in this process and retries a failed bundle.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from apache_beam.io.filesystem import CompressionTypes, FileMetadata, MatchResult
+from apache_beam.io.localfilesystem import LocalFileSystem
+from rawstore import stored
+from servers import aws_profile, moto_s3
+from textdata import EOS, corpus_texts, files, train_tokenizer, write_format, write_jsonl
+
+import flat_tokens_jax as ftj
+from flat_tokens_jax.cli import main
+from flat_tokens_jax.convert.assemble import part_url
+from flat_tokens_jax.convert.beam import convert_beam
+from flat_tokens_jax.convert.inputs import InputError
+from flat_tokens_jax.convert.text import convert
+from flat_tokens_jax.store import Store
+from flat_tokens_jax.writer import STAGING
+
+SMALL = ftj.Layout(shard_tokens=64, chunk_tokens=16)
+TWO_PROCESSES = [
+    "--runner=FnApiRunner",
+    "--direct_running_mode=multi_processing",
+    "--direct_num_workers=2",
+]
+IN_PROCESS = ["--runner=FnApiRunner"]
+RETRYING = ["--runner=BundleBasedDirectRunner"]
+# Input files: documents per file (0: an empty file), and the format of each.
+SIZES = [3, 1, 0, 7, 2, 1, 12, 4, 1, 5]
+KINDS = ["jsonl", "gz", "jsonl", "parquet", "zst", "jsonl", "jsonl", "gz", "parquet", "jsonl"]
+
+
+@pytest.fixture(scope="module")
+def tok_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tok") / "bpe.json"
+    train_tokenizer([EOS]).save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Ten small input files of several formats, one of them empty, one record empty."""
+    root = tmp_path_factory.mktemp("corpus")
+    texts = iter(corpus_texts(sum(SIZES), 1200))
+    for i, (size, kind) in enumerate(zip(SIZES, KINDS, strict=True)):
+        records: list[dict[str, Any]] = [{"text": next(texts), "i": i} for _ in range(size)]
+        if i == 5:
+            records.append({"text": "", "i": i})
+        if kind == "jsonl":
+            write_jsonl(root / f"f{i:02d}.jsonl", records)
+        else:
+            write_format(kind, root / f"f{i:02d}", records)
+    return root
+
+
+def local_and_beam(
+    tmp_path: Path, inputs: list[Any], pipeline_args: list[str], **kwargs: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Converts ``inputs`` with the local converter and with Beam; checks the bytes."""
+    local = convert(inputs, tmp_path / "local", layout=SMALL, progress=False, **kwargs)
+    beam = convert_beam(
+        inputs, tmp_path / "beam", layout=SMALL, pipeline_args=pipeline_args, **kwargs
+    )
+    assert files(tmp_path / "beam") == files(tmp_path / "local")
+    return local, beam
+
+
+def test_two_worker_processes_write_the_local_converters_bytes(
+    tmp_path: Path, tok_file: Path, corpus: Path
+) -> None:
+    local, beam = local_and_beam(
+        tmp_path,
+        [str(corpus / "f0[0-4]*"), str(corpus / "f0[5-9]*")],
+        TWO_PROCESSES,
+        tokenizer=tok_file,
+        validation_fraction=0.3,
+        append_eos=True,
+    )
+    for key in ("documents", "tokens", "splits", "skipped_empty", "input_files"):
+        assert beam[key] == local[key], key
+    assert beam["skipped_empty"] == 1 and beam["input_files"] == len(SIZES)
+    assert beam["splits"]["validation"]["documents"] > 0
+    ftj.validate(tmp_path / "beam")
+    # What the inputs were chosen for: a document longer than a shard, and
+    # input files (parts) whose boundaries fall inside output shards.
+    ft = ftj.open_dataset(tmp_path / "beam")["train"]
+    lo, hi = ft.sequence_bounds(np.arange(ft.num_sequences))
+    assert (hi - lo).max() > SMALL.shard_tokens
+    assert np.any(lo % SMALL.shard_tokens != 0)
+    assert not any(k.startswith(STAGING) for k in stored(tmp_path / "beam"))
+
+
+def test_command_line_pretokenized_with_validation_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rng = np.random.default_rng(0)
+    for name, n in (("a", 5), ("b", 9), ("v", 4)):
+        rows = [{"ids": rng.integers(0, 1000, rng.integers(1, 150)).tolist()} for _ in range(n)]
+        write_jsonl(tmp_path / f"{name}.jsonl", rows)
+    common = [str(tmp_path / "[ab].jsonl"), "--tokens-key", "ids"]
+    common += ["--validation", str(tmp_path / "v.jsonl"), "--json"]
+    assert main(["convert", *common[:1], str(tmp_path / "local"), *common[1:]]) == 0
+    local = json.loads(capsys.readouterr().out)
+    beam_args = ["convert", *common[:1], str(tmp_path / "beam"), *common[1:], "--runner", "beam"]
+    assert main([*beam_args, "--", *IN_PROCESS]) == 0
+    beam = json.loads(capsys.readouterr().out)
+    assert files(tmp_path / "beam") == files(tmp_path / "local")
+    assert beam["splits"] == local["splits"] and beam["splits"]["validation"]["documents"] == 4
+    assert beam["runner"] == "FnApiRunner" and beam["tokenizer"] is None
+    assert main([*beam_args, "--"]) == 1
+    assert "already holds a flat-tokens dataset" in capsys.readouterr().err
+
+
+class FlakyFileSystem(LocalFileSystem):
+    """Local files under ``flaky://``. The first open of a file whose name has
+    "flaky" in it breaks off, as a dropped connection would, after 90% of its
+    bytes; a marker file beside it records that it broke."""
+
+    @classmethod
+    def scheme(cls) -> str:
+        return "flaky"
+
+    def match(self, patterns: list[str], limits: Any = None) -> list[MatchResult]:
+        found = super().match([p.removeprefix("flaky://") for p in patterns], limits)
+        return [
+            MatchResult(
+                r.pattern,
+                [FileMetadata(f"flaky://{m.path}", m.size_in_bytes) for m in r.metadata_list],
+            )
+            for r in found
+        ]
+
+    def open(
+        self,
+        path: str,
+        mime_type: str = "application/octet-stream",
+        compression_type: str = CompressionTypes.AUTO,
+    ) -> io.BufferedReader:
+        local = Path(path.removeprefix("flaky://"))
+        marker = local.with_name(local.name + ".broke")
+        if "flaky" in local.name and not marker.exists():
+            marker.touch()
+            return io.BufferedReader(_Breaking(local, int(local.stat().st_size * 0.9)))
+        return io.BufferedReader(io.FileIO(local))
+
+
+class _Breaking(io.RawIOBase):
+    def __init__(self, path: Path, after: int) -> None:
+        self.file, self.left = io.FileIO(path), after
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self.left <= 0:
+            raise ConnectionResetError("connection reset by peer (injected)")
+        view = memoryview(buffer)[: self.left]
+        n = self.file.readinto(view)
+        self.left -= n
+        return n
+
+    def close(self) -> None:
+        self.file.close()
+        super().close()
+
+
+def test_a_failed_bundle_is_retried_and_the_output_is_the_same(
+    tmp_path: Path, tok_file: Path, corpus: Path
+) -> None:
+    inputs = tmp_path / "inputs"
+    shutil.copytree(corpus, inputs)
+    # Two batches of documents, so that the first is written to a part before the break.
+    many = [{"text": f"line {i} " + "word " * (i % 7)} for i in range(1500)]
+    write_jsonl(inputs / "f03_flaky.jsonl", many)
+    local = convert(str(inputs / "*"), tmp_path / "local", tokenizer=tok_file, layout=SMALL)
+    beam = convert_beam(
+        f"flaky://{inputs}/*",
+        tmp_path / "beam",
+        tokenizer=tok_file,
+        layout=SMALL,
+        pipeline_args=RETRYING,
+    )
+    assert (inputs / "f03_flaky.jsonl.broke").exists()
+    assert files(tmp_path / "beam") == files(tmp_path / "local")
+    assert beam["documents"] == local["documents"] == sum(SIZES) + len(many)
+
+
+def test_a_failed_pipeline_leaves_nothing_and_a_rerun_starts_clean(
+    tmp_path: Path, tok_file: Path, corpus: Path
+) -> None:
+    inputs = tmp_path / "inputs"
+    shutil.copytree(corpus, inputs)
+    good = (inputs / "f09.jsonl").read_text()
+    (inputs / "f09.jsonl").write_text(good + '{"text": 3}\n')
+    every, out = str(inputs / "*"), tmp_path / "beam"
+    with pytest.raises(Exception, match=r"f09\.jsonl line 6: 'text' is int, not a string"):
+        convert_beam(every, out, tokenizer=tok_file, layout=SMALL, pipeline_args=TWO_PROCESSES)
+    assert stored(out) == {}
+    (inputs / "f09.jsonl").write_text(good)
+    convert(every, tmp_path / "local", tokenizer=tok_file, layout=SMALL)
+    convert_beam(every, out, tokenizer=tok_file, layout=SMALL, pipeline_args=IN_PROCESS)
+    assert files(out) == files(tmp_path / "local")
+
+
+def test_leftovers_of_a_killed_run_need_overwrite_and_are_all_removed(
+    tmp_path: Path, tok_file: Path, corpus: Path
+) -> None:
+    out, every = tmp_path / "beam", str(corpus / "*")
+    # What a launcher killed mid-run leaves: a part, and output arrays.
+    ftj.write_dataset(part_url(str(out), 0, "dead"), {"train": [[1, 2, 3]]})
+    ftj.write_dataset(tmp_path / "partial", {"train": [[4, 5]]})
+    shutil.copytree(tmp_path / "partial" / "train", out / "train")
+    with pytest.raises(FileExistsError, match="leftover of an interrupted write"):
+        convert_beam(every, out, tokenizer=tok_file, layout=SMALL, pipeline_args=IN_PROCESS)
+    convert_beam(
+        every, out, tokenizer=tok_file, layout=SMALL, overwrite=True, pipeline_args=IN_PROCESS
+    )
+    convert(every, tmp_path / "local", tokenizer=tok_file, layout=SMALL)
+    assert files(out) == files(tmp_path / "local")
+
+
+def test_refusals(tmp_path: Path, tok_file: Path, corpus: Path) -> None:
+    every = str(corpus / "*")
+    with pytest.raises(ValueError, match="memory:// stores"):
+        convert_beam(every, "memory://beam/out", tokenizer=tok_file)
+    with pytest.raises(ValueError, match=r"DataflowRunner runs workers on other machines.*f00"):
+        convert_beam(
+            every, "gs://b/out", tokenizer=tok_file, pipeline_args=["--runner=DataflowRunner"]
+        )
+    notes = write_jsonl(tmp_path / "notes.txt", ["a"])
+    with pytest.raises(InputError, match=r"notes\.txt: unknown input format"):
+        convert_beam(every, tmp_path / "x", tokenizer=tok_file, validation_inputs=[notes])
+    with pytest.raises(FileNotFoundError, match="no file matches"):
+        convert_beam(str(corpus / "nothing*"), tmp_path / "x", tokenizer=tok_file)
+    assert not (tmp_path / "x").exists() or stored(tmp_path / "x") == {}
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--runner", "beam", "--workers", "2"], "--direct_num_workers=N"),
+        (["--runner", "beam", "--max-tokens", "9"], "--max-tokens is for --runner local"),
+        (["--", "--direct_num_workers=2"], "are Beam's: add --runner beam"),
+    ],
+)
+def test_command_line_refusals(
+    tmp_path: Path,
+    tok_file: Path,
+    corpus: Path,
+    capsys: pytest.CaptureFixture[str],
+    flags: list[str],
+    message: str,
+) -> None:
+    args = ["convert", str(corpus / "*"), str(tmp_path / "out"), "--tokenizer", str(tok_file)]
+    assert main([*args, *flags]) == 1
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, ftj.StoreOptions]]:
+    with moto_s3() as base:
+        credentials = aws_profile(tmp_path_factory.mktemp("aws"))
+        yield base, ftj.StoreOptions(endpoint=base, region="us-east-1", credentials=credentials)
+
+
+@pytest.mark.remote
+def test_inputs_and_output_on_s3(
+    tmp_path: Path,
+    tok_file: Path,
+    corpus: Path,
+    s3: tuple[str, ftj.StoreOptions],
+) -> None:
+    base, options = s3
+    bucket = Store("s3://bucket/in/", options)
+    for path in sorted(corpus.iterdir()):
+        bucket.wait(bucket.kv.write(path.name, path.read_bytes()))
+    s3_flags = [
+        f"--s3_endpoint_url={base}",
+        "--s3_access_key_id=testing",
+        "--s3_secret_access_key=testing",
+        "--s3_region_name=us-east-1",
+    ]
+    out = "s3://bucket/beam-out"
+    convert_beam(
+        "s3://bucket/in/*",
+        out,
+        tokenizer=tok_file,
+        validation_fraction=0.3,
+        layout=SMALL,
+        options=options,
+        pipeline_args=[*TWO_PROCESSES, *s3_flags],
+    )
+    convert(
+        str(corpus / "*"),
+        tmp_path / "local",
+        tokenizer=tok_file,
+        validation_fraction=0.3,
+        layout=SMALL,
+    )
+    assert stored(out, options) == files(tmp_path / "local")

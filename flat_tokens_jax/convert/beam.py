@@ -58,8 +58,8 @@ from flat_tokens_jax.convert.assemble import (
     part_url,
 )
 from flat_tokens_jax.convert.inputs import InputPath, expand_inputs, input_kind, require
-from flat_tokens_jax.convert.parts import ConvertOptions, Totals, special_ids, write_documents
-from flat_tokens_jax.convert.tokenizer import BatchTokenizer, load_tokenizer
+from flat_tokens_jax.convert.parts import Conversion, ConvertOptions, Totals, write_documents
+from flat_tokens_jax.convert.tokenizer import BatchTokenizer
 from flat_tokens_jax.dataset import Dataset, open_dataset
 from flat_tokens_jax.store import Store, StoreOptions, context_spec
 from flat_tokens_jax.writer import STAGING, DatasetWriter, Layout, prepare_location
@@ -409,56 +409,45 @@ def convert_beam(
     beam_options = pipeline_options(pipeline_args)
     runner = _runner_name(beam_options)
     opener = UrlOpener(tuple(pipeline_args))
-    train = expand(_paths(inputs), opener)
-    valid = expand(_paths(validation_inputs), opener)
-    if not train:
-        raise ValueError("no inputs given")
-    if valid and opts.validation_fraction:
-        raise ValueError("pass validation_fraction or validation_inputs, not both")
+    conv = Conversion.start(
+        opts, expand(_paths(inputs), opener), expand(_paths(validation_inputs), opener)
+    )
     if runner.lower() not in LOCAL_RUNNERS:
-        local = [str(p) for p in [*train, *valid] if isinstance(p, Path)]
+        local = [str(p) for p in [*conv.train, *conv.validation] if isinstance(p, Path)]
         if local or not _is_url(out):
             where = local[0] if local else out
             raise ValueError(
                 f"{runner} runs workers on other machines, which cannot reach {where}: "
                 "give inputs and output as gs:// or s3:// URLs"
             )
-    tok = load_tokenizer(opts.tokenizer) if opts.tokenizer else None
-    bos, eos = special_ids(tok, opts)
-    text_tokenizer = tok.tokenizer if tok is not None and opts.tokens_key is None else None
+    tokenize = conv.tokenize
     store = Store(out, options)
     prepare_location(store, overwrite)
     job = _Job(
-        out, layout or Layout(), store.options, opts, bos, eos, text_tokenizer is not None, opener
+        out,
+        layout or Layout(),
+        store.options,
+        opts,
+        tokenize.bos_id,
+        tokenize.eos_id,
+        tokenize.tokenizer is not None,
+        opener,
     )
-    elements = [(i, p, False) for i, p in enumerate(train)]
-    elements += [(len(train) + i, p, True) for i, p in enumerate(valid)]
+    files = [(path, everything) for paths, _, everything in conv.passes for path in paths]
     pipeline = beam.Pipeline(options=beam_options)
-    build_pipeline(pipeline, job, elements)
-    if text_tokenizer is not None:
-        store.wait(store.kv.write(TOKENIZER_KEY, text_tokenizer.to_str().encode("utf-8")))
-    result = _run(pipeline, store)
-    counters = _counters(result)
-    seconds = time.perf_counter() - started
+    build_pipeline(pipeline, job, [(i, p, v) for i, (p, v) in enumerate(files)])
+    if tokenize.tokenizer is not None:
+        text = tokenize.tokenizer.to_str().encode("utf-8")
+        store.wait(store.kv.write(TOKENIZER_KEY, text))
+    counters = _counters(_run(pipeline, store))
     written = open_dataset(out, options)
-    splits = {
-        name: {"documents": ft.num_sequences, "tokens": ft.num_tokens}
-        for name, ft in written.items()
-    }
-    tokens = sum(s["tokens"] for s in splits.values())
-    return {
-        "output": out,
-        "input_files": len(train),
-        "validation_files": len(valid),
-        "tokenizer": tok.name if tok else None,
-        "documents": sum(s["documents"] for s in splits.values()),
-        "tokens": tokens,
-        "skipped_empty": counters.get("skipped_empty", 0),
-        "skipped_bad": counters.get("skipped_bad", 0),
-        "splits": splits,
-        "stopped_early": False,
-        "max_tokens": None,
-        "runner": runner,
-        "seconds": round(seconds, 3),
-        "tokens_per_s": round(tokens / seconds, 1),
-    }
+    return conv.summary(
+        out,
+        {n: {"documents": ft.num_sequences, "tokens": ft.num_tokens} for n, ft in written.items()},
+        skipped_empty=counters.get("skipped_empty", 0),
+        skipped_bad=counters.get("skipped_bad", 0),
+        seconds=time.perf_counter() - started,
+        stopped_early=False,
+        max_tokens=None,
+        runner=runner,
+    )

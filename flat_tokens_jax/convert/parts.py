@@ -29,6 +29,7 @@ from flat_tokens_jax.convert.tokenizer import (
     LoadedTokenizer,
     Packed,
     batch_encoder,
+    load_tokenizer,
     validation_mask,
 )
 from flat_tokens_jax.format import encode_concatenated
@@ -105,6 +106,81 @@ def special_ids(tok: LoadedTokenizer | None, opts: ConvertOptions) -> tuple[Any,
                 "transformers tokenizer directory whose config names it"
             )
     return bos, eos
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversion:
+    """A conversion checked before anything is written: options, files, tokenizer.
+
+    Attributes:
+        opts: the options.
+        train: the input files, in order.
+        validation: the files whose documents all go to "validation", after ``train``.
+        tokenizer: the loaded tokenizer, ``None`` for token ids read as they are.
+        tokenize: what turns a batch of documents into token ids.
+    """
+
+    opts: ConvertOptions
+    train: Sequence[InputPath]
+    validation: Sequence[InputPath]
+    tokenizer: LoadedTokenizer | None
+    tokenize: BatchTokenizer
+
+    @classmethod
+    def start(
+        cls, opts: ConvertOptions, train: Sequence[InputPath], validation: Sequence[InputPath]
+    ) -> Conversion:
+        """Checks the inputs and loads the tokenizer.
+
+        Raises:
+            ValueError: no inputs, both validation inputs and a validation
+                fraction, or a tokenizer that cannot be used.
+        """
+        if not train:
+            raise ValueError("no inputs given")
+        if validation and opts.validation_fraction:
+            raise ValueError("pass validation_fraction or validation_inputs, not both")
+        tok = load_tokenizer(opts.tokenizer) if opts.tokenizer else None
+        bos, eos = special_ids(tok, opts)
+        text_tokenizer = None if tok is None or opts.tokens_key else tok.tokenizer
+        tokenize = BatchTokenizer(text_tokenizer, bos, eos, opts.add_special_tokens)
+        return cls(opts, train, validation, tok, tokenize)
+
+    @property
+    def passes(self) -> list[Pass]:
+        """The training files, then the validation files, if any."""
+        passes: list[Pass] = [(self.train, self.opts.validation_fraction, False)]
+        if self.validation:
+            passes.append((self.validation, 0.0, True))
+        return passes
+
+    def summary(
+        self,
+        output: str,
+        splits: dict[str, dict[str, int]],
+        *,
+        skipped_empty: int,
+        skipped_bad: int,
+        seconds: float,
+        **settings: Any,
+    ) -> dict[str, Any]:
+        """The JSON-ready summary of the finished conversion; ``splits`` gives
+        ``documents`` and ``tokens`` per split."""
+        tokens = sum(s["tokens"] for s in splits.values())
+        return {
+            "output": output,
+            "input_files": len(self.train),
+            "validation_files": len(self.validation),
+            "tokenizer": self.tokenizer.name if self.tokenizer else None,
+            "documents": sum(s["documents"] for s in splits.values()),
+            "tokens": tokens,
+            "skipped_empty": skipped_empty,
+            "skipped_bad": skipped_bad,
+            "splits": splits,
+            **settings,
+            "seconds": round(seconds, 3),
+            "tokens_per_s": round(tokens / seconds, 1),
+        }
 
 
 @dataclasses.dataclass

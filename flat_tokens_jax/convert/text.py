@@ -21,14 +21,7 @@ from typing import Any
 
 from flat_tokens_jax.convert.commands import add_converter_flags, run_command, store_options
 from flat_tokens_jax.convert.inputs import expand_inputs, require
-from flat_tokens_jax.convert.parts import (
-    ConvertOptions,
-    Pass,
-    Totals,
-    special_ids,
-    write_documents,
-)
-from flat_tokens_jax.convert.tokenizer import BatchTokenizer, load_tokenizer
+from flat_tokens_jax.convert.parts import Conversion, ConvertOptions, Totals, write_documents
 from flat_tokens_jax.store import StoreOptions
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
@@ -126,43 +119,22 @@ def convert(
         skip_bad=skip_bad,
     )
     started = time.perf_counter()
-    train_paths = expand_inputs(_paths(inputs))
-    valid_paths = expand_inputs(_paths(validation_inputs))
-    if not train_paths:
-        raise ValueError("no inputs given")
-    if valid_paths and opts.validation_fraction:
-        raise ValueError("pass validation_fraction or validation_inputs, not both")
-    tok = load_tokenizer(opts.tokenizer) if opts.tokenizer else None
-    bos, eos = special_ids(tok, opts)
-    text_tokenizer = None if tok is None or opts.tokens_key else tok.tokenizer
-    tokenize = BatchTokenizer(text_tokenizer, bos, eos, opts.add_special_tokens)
-    passes: list[Pass] = [(train_paths, opts.validation_fraction, False)]
-    if valid_paths:
-        passes.append((valid_paths, 0.0, True))
+    conv = Conversion.start(
+        opts, expand_inputs(_paths(inputs)), expand_inputs(_paths(validation_inputs))
+    )
     totals = Totals(opts.max_tokens)
     with DatasetWriter(output, layout=layout, overwrite=overwrite, options=options) as writer:
-        write_documents(writer, passes, tokenize, opts, totals, _progress_bar(progress))
-    seconds = time.perf_counter() - started
-    tokens = sum(totals.tokens.values())
-    return {
-        "output": os.fspath(output),
-        "input_files": len(train_paths),
-        "validation_files": len(valid_paths),
-        "tokenizer": tok.name if tok else None,
-        "documents": sum(totals.documents.values()),
-        "tokens": tokens,
-        "skipped_empty": totals.skipped_empty,
-        "skipped_bad": totals.skipped_bad,
-        "splits": {
-            s: {"documents": totals.documents[s], "tokens": totals.tokens[s]}
-            for s in totals.documents
-        },
-        "stopped_early": totals.stopped_early,
-        "max_tokens": opts.max_tokens,
-        "workers": opts.workers,
-        "seconds": round(seconds, 3),
-        "tokens_per_s": round(tokens / seconds, 1),
-    }
+        write_documents(writer, conv.passes, conv.tokenize, opts, totals, _progress_bar(progress))
+    return conv.summary(
+        os.fspath(output),
+        {s: {"documents": totals.documents[s], "tokens": totals.tokens[s]} for s in totals.tokens},
+        skipped_empty=totals.skipped_empty,
+        skipped_bad=totals.skipped_bad,
+        seconds=time.perf_counter() - started,
+        stopped_early=totals.stopped_early,
+        max_tokens=opts.max_tokens,
+        workers=opts.workers,
+    )
 
 
 def add_commands(subparsers: Any) -> None:
@@ -227,24 +199,31 @@ def _format_summary(s: dict[str, Any]) -> str:
     )
 
 
+def _shared(args: argparse.Namespace) -> dict[str, Any]:
+    """The arguments of :func:`convert` that ``convert_beam`` takes too."""
+    return {
+        "tokenizer": args.tokenizer,
+        "text_key": args.text_key,
+        "tokens_key": args.tokens_key,
+        "validation_fraction": args.validation_fraction,
+        "validation_inputs": args.validation,
+        "append_eos": args.append_eos,
+        "prepend_bos": args.prepend_bos,
+        "add_special_tokens": args.add_special_tokens,
+        "skip_bad": args.skip_bad,
+        "overwrite": args.overwrite,
+        "options": store_options(args),
+    }
+
+
 def _local(args: argparse.Namespace) -> dict[str, Any]:
     return convert(
         args.inputs,
         args.output,
-        tokenizer=args.tokenizer,
-        text_key=args.text_key,
-        tokens_key=args.tokens_key,
-        validation_fraction=args.validation_fraction,
-        validation_inputs=args.validation,
         workers=args.workers or 1,
-        append_eos=args.append_eos,
-        prepend_bos=args.prepend_bos,
-        add_special_tokens=args.add_special_tokens,
         max_tokens=args.max_tokens,
-        skip_bad=args.skip_bad,
-        overwrite=args.overwrite,
         progress=False if args.no_progress else None,
-        options=store_options(args),
+        **_shared(args),
     )
 
 
@@ -261,20 +240,7 @@ def _beam(args: argparse.Namespace) -> dict[str, Any]:
     # Imported only now: it imports apache_beam, an optional dependency.
     beam = importlib.import_module("flat_tokens_jax.convert.beam")
     summary: dict[str, Any] = beam.convert_beam(
-        args.inputs,
-        args.output,
-        tokenizer=args.tokenizer,
-        text_key=args.text_key,
-        tokens_key=args.tokens_key,
-        validation_fraction=args.validation_fraction,
-        validation_inputs=args.validation,
-        append_eos=args.append_eos,
-        prepend_bos=args.prepend_bos,
-        add_special_tokens=args.add_special_tokens,
-        skip_bad=args.skip_bad,
-        overwrite=args.overwrite,
-        options=store_options(args),
-        pipeline_args=args.pipeline_args,
+        args.inputs, args.output, pipeline_args=args.pipeline_args, **_shared(args)
     )
     return summary
 

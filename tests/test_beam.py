@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from apache_beam.io.filesystem import CompressionTypes, FileMetadata, MatchResult
 from apache_beam.io.localfilesystem import LocalFileSystem
+from apache_beam.options.pipeline_options import DirectOptions, StandardOptions
 from rawstore import stored
 from servers import aws_profile, moto_s3
 from textdata import EOS, corpus_texts, files, train_tokenizer, write_format, write_jsonl
@@ -25,7 +26,7 @@ from textdata import EOS, corpus_texts, files, train_tokenizer, write_format, wr
 import flat_tokens_jax as ftj
 from flat_tokens_jax.cli import main
 from flat_tokens_jax.convert.assemble import part_url
-from flat_tokens_jax.convert.beam import convert_beam
+from flat_tokens_jax.convert.beam import convert_beam, pipeline_options
 from flat_tokens_jax.convert.inputs import InputError
 from flat_tokens_jax.convert.text import convert
 from flat_tokens_jax.store import Store
@@ -269,6 +270,23 @@ def test_command_line_refusals(
     assert main([*args, *flags]) == 1
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "runner", "workers", "mode"),
+    [
+        ([], "FnApiRunner", 0, "multi_processing"),
+        (["--direct_num_workers=3"], "FnApiRunner", 3, "multi_processing"),
+        (["--direct_running_mode=in_memory"], "FnApiRunner", 0, "in_memory"),
+        (["--runner=DataflowRunner"], "DataflowRunner", 1, "in_memory"),
+    ],
+)
+def test_default_runner_is_fnapi_with_a_process_per_cpu(
+    args: list[str], runner: str, workers: int, mode: str
+) -> None:
+    direct = pipeline_options(args).view_as(DirectOptions)
+    assert pipeline_options(args).view_as(StandardOptions).runner == runner
+    assert (direct.direct_num_workers, direct.direct_running_mode) == (workers, mode)
 
 
 @pytest.fixture(scope="module")

@@ -40,11 +40,7 @@ import tensorstore as ts
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics.metric import Metrics, MetricsFilter
-from apache_beam.options.pipeline_options import (
-    DirectOptions,
-    PipelineOptions,
-    StandardOptions,
-)
+from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 from apache_beam.runners.runner import PipelineState
 
 from flat_tokens_jax.convert.assemble import (
@@ -72,7 +68,12 @@ TOKENIZER_KEY = f"{STAGING}/tokenizer.json"
 PART_LAYOUT = Layout(shard_tokens=1 << 22, chunk_tokens=1 << 16)
 # Runners that run where the launcher runs, and so can read its local files.
 LOCAL_RUNNERS = frozenset(r.lower() for r in StandardOptions.LOCAL_RUNNERS)
-DEFAULT_RUNNER = ["--runner=FnApiRunner", "--direct_running_mode=multi_processing"]
+# Without --runner: FnApiRunner, one worker process per CPU (0). Flags given win.
+DEFAULT_RUNNER = [
+    "--runner=FnApiRunner",
+    "--direct_running_mode=multi_processing",
+    "--direct_num_workers=0",
+]
 # Opened parts kept per worker while it assembles shards: neighbouring shards
 # read the same parts. Their reads share one cache of this size.
 _OPEN_PARTS = 16
@@ -286,8 +287,6 @@ def pipeline_options(args: Sequence[str]) -> PipelineOptions:
     options = PipelineOptions(list(args))
     if options.view_as(StandardOptions).runner is None:
         options = PipelineOptions([*DEFAULT_RUNNER, *args])
-        if not options.view_as(DirectOptions).direct_num_workers:
-            options.view_as(DirectOptions).direct_num_workers = 0  # 0: one per CPU
     return options
 
 

@@ -2,13 +2,14 @@
 
 from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.format import FormatError, Problem, decode, encode
+from flat_tokens_jax.layout import Layout
 from flat_tokens_jax.loader import Loader, LoaderConfig, StateMismatch
 from flat_tokens_jax.mixture import Mixture, mixture_from_config
 from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records
 from flat_tokens_jax.sampling import EpochsExhausted, IndexSampler, permute
 from flat_tokens_jax.store import StoreOptions
 from flat_tokens_jax.validation import summary, validate
-from flat_tokens_jax.writer import DatasetWriter, Layout, write_dataset
+from flat_tokens_jax.writer import DatasetWriter, write_dataset
 
 __version__ = "0.1.0"
 

@@ -35,8 +35,9 @@ from flat_tokens_jax.format import (
     STARTS_DTYPE,
     TOKENS,
 )
+from flat_tokens_jax.layout import Layout, create_array, open_for_writing
 from flat_tokens_jax.store import Pending, Store, StoreOptions
-from flat_tokens_jax.writer import STAGING, Layout, create_array, open_for_writing, write_groups
+from flat_tokens_jax.writer import STAGING, write_groups
 
 DTYPES: dict[str, np.dtype[Any]] = {
     TOKENS: ENCODED_DTYPE,

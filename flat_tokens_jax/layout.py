@@ -1,0 +1,155 @@
+"""How arrays are laid out on storage, and creating them.
+
+:class:`Layout` holds the chunking, sharding, compression and zarr version of
+a dataset's arrays; :func:`create_array` creates one of them, and
+:func:`open_for_writing` opens it again, so that a streaming writer and a
+distributed one (each shard written by one worker) write the same bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from flat_tokens_jax.format import SEQ_STARTS
+from flat_tokens_jax.store import EVERY_CHUNK_STORED, Store
+
+# The size arrays are created with when the final one is not known yet; the
+# writer shrinks them to their size at the end (a metadata-only resize).
+PROVISIONAL_SIZE = 1 << 50
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How arrays are laid out on storage.
+
+    Attributes:
+        zarr_format: 3 (default) or 2, for readers that only know zarr v2.
+        shard_tokens: tokens per shard file (zarr v3) or per chunk file (zarr v2).
+            Each shard is written once, whole. Recommended: ``1 << 24`` (64 MiB).
+        chunk_tokens: tokens per inner chunk of a shard, the unit of a read in
+            zarr v3: a random read of ``L`` tokens fetches about ``L + chunk_tokens``.
+            Must divide ``shard_tokens``. Recommended: ``1 << 13`` uncompressed.
+        compression: ``None`` or ``"zstd"``.
+        zstd_level: zstd level, 1 (fast) to 22.
+    """
+
+    zarr_format: int = 3
+    shard_tokens: int = 1 << 24
+    chunk_tokens: int = 1 << 13
+    compression: str | None = None
+    zstd_level: int = 3
+
+    def __post_init__(self) -> None:
+        if self.zarr_format not in (2, 3):
+            raise ValueError(f"Layout.zarr_format must be 2 or 3, got {self.zarr_format!r}")
+        if self.chunk_tokens < 2 or self.shard_tokens < 2:
+            raise ValueError(
+                f"Layout.chunk_tokens ({self.chunk_tokens}) and shard_tokens "
+                f"({self.shard_tokens}) must be at least 2"
+            )
+        if self.shard_tokens % self.chunk_tokens:
+            raise ValueError(
+                f"Layout.chunk_tokens {self.chunk_tokens} must divide "
+                f"shard_tokens {self.shard_tokens}"
+            )
+        if self.compression not in (None, "zstd"):
+            raise ValueError(f"Layout.compression must be None or 'zstd', got {self.compression!r}")
+        if not 1 <= self.zstd_level <= 22:
+            raise ValueError(f"Layout.zstd_level must be in [1, 22], got {self.zstd_level}")
+
+    def elements(self, array: str) -> tuple[int, int]:
+        """``(per shard, per chunk)`` elements of ``array`` (a name such as ``seq_starts``).
+
+        Arrays of one entry per token use ``shard_tokens`` and ``chunk_tokens``;
+        ``seq_starts`` (8-byte entries, one per sequence) uses half of each, so
+        its shards hold about as many bytes as the tokens' do.
+        """
+        if array == SEQ_STARTS:
+            return max(self.shard_tokens // 2, self.chunk_tokens), max(self.chunk_tokens // 2, 1)
+        return self.shard_tokens, self.chunk_tokens
+
+    def array_spec(
+        self, dtype: np.dtype[Any], elements_per_shard: int, elements_per_chunk: int, size: int
+    ) -> dict[str, Any]:
+        """zarr metadata of a 1-D array of ``dtype`` and ``size`` elements."""
+        if self.zarr_format == 2:
+            return {
+                "shape": [size],
+                "chunks": [elements_per_shard],
+                "dtype": dtype.str,
+                "fill_value": 0,
+                "order": "C",
+                "filters": None,
+                "compressor": (
+                    {"id": "zstd", "level": self.zstd_level} if self.compression else None
+                ),
+            }
+        inner: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+        if self.compression:
+            inner.append(
+                {"name": "zstd", "configuration": {"level": self.zstd_level, "checksum": False}}
+            )
+        return {
+            "shape": [size],
+            "data_type": dtype.name,
+            "fill_value": 0,
+            "attributes": {EVERY_CHUNK_STORED: True},
+            "chunk_grid": {
+                "name": "regular",
+                "configuration": {"chunk_shape": [elements_per_shard]},
+            },
+            "codecs": [
+                {
+                    "name": "sharding_indexed",
+                    "configuration": {
+                        "chunk_shape": [elements_per_chunk],
+                        "codecs": inner,
+                        "index_codecs": [
+                            {"name": "bytes", "configuration": {"endian": "little"}},
+                            {"name": "crc32c"},
+                        ],
+                    },
+                }
+            ],
+        }
+
+
+def create_array(
+    store: Store,
+    split: str,
+    array: str,
+    dtype: np.dtype[Any],
+    layout: Layout,
+    size: int = PROVISIONAL_SIZE,
+) -> ts.TensorStore:
+    """Creates (replacing any old one) the array ``split/array`` of ``size`` elements.
+
+    Writes of whole shards (``layout.elements(array)[0]`` elements, the last
+    one cut at ``size``) give the same bytes whether the array was created at
+    its final size or at a provisional one and resized at the end.
+    """
+    per_shard, per_chunk = layout.elements(array)
+    spec = {
+        "driver": "zarr3" if layout.zarr_format == 3 else "zarr",
+        "kvstore": store.sub(f"{split}/{array}"),
+        "metadata": layout.array_spec(dtype, per_shard, per_chunk, size),
+        "create": True,
+        "delete_existing": True,
+        "store_data_equal_to_fill_value": True,
+    }
+    return store.wait(ts.open(spec, context=store.context))
+
+
+def open_for_writing(store: Store, split: str, array: str, layout: Layout) -> ts.TensorStore:
+    """Opens the array ``split/array`` that :func:`create_array` made, to write shards."""
+    spec = {
+        "driver": "zarr3" if layout.zarr_format == 3 else "zarr",
+        "kvstore": store.sub(f"{split}/{array}"),
+        "open": True,
+        "store_data_equal_to_fill_value": True,
+    }
+    return store.wait(ts.open(spec, context=store.context))

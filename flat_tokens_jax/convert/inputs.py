@@ -124,8 +124,9 @@ def open_local(path: str) -> IO[bytes]:
 
 
 def _decompressed(path: InputPath, raw: IO[bytes]) -> tuple[IO[bytes], tuple[type[Exception], ...]]:
-    """``raw`` decompressed as ``path``'s name says, and the errors that mean it
-    cannot be read. Closing the result leaves ``raw`` open."""
+    """``raw`` decompressed as ``path``'s name says (``raw`` itself when it is
+    not compressed), and the errors that mean it cannot be read. Closing a
+    decompressing reader leaves ``raw`` open: the caller closes both."""
     name = str(path).lower()
     unreadable: tuple[type[Exception], ...] = (OSError, EOFError)
     if name.endswith(".gz"):

@@ -53,7 +53,13 @@ from flat_tokens_jax.convert.assemble import (
     make_plan,
     part_url,
 )
-from flat_tokens_jax.convert.inputs import InputPath, expand_inputs, input_kind, require
+from flat_tokens_jax.convert.inputs import (
+    InputPath,
+    as_patterns,
+    expand_inputs,
+    input_kind,
+    require,
+)
 from flat_tokens_jax.convert.parts import Conversion, ConvertOptions, Totals, write_documents
 from flat_tokens_jax.convert.tokenizer import BatchTokenizer
 from flat_tokens_jax.dataset import Dataset, open_dataset
@@ -295,10 +301,6 @@ def _runner_name(options: PipelineOptions) -> str:
     return runner if isinstance(runner, str) else type(runner).__name__
 
 
-def _paths(x: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Any]:
-    return [x] if isinstance(x, str | os.PathLike) else list(x)
-
-
 def _counters(result: Any) -> dict[str, int]:
     """This job's counters, as committed (attempted where a runner has no committed)."""
     found = result.metrics().query(MetricsFilter().with_namespace(NAMESPACE))["counters"]
@@ -409,7 +411,7 @@ def convert_beam(
     runner = _runner_name(beam_options)
     opener = UrlOpener(tuple(pipeline_args))
     conv = Conversion.start(
-        opts, expand(_paths(inputs), opener), expand(_paths(validation_inputs), opener)
+        opts, expand(as_patterns(inputs), opener), expand(as_patterns(validation_inputs), opener)
     )
     if runner.lower() not in LOCAL_RUNNERS:
         local = [str(p) for p in [*conv.train, *conv.validation] if isinstance(p, Path)]

@@ -41,7 +41,14 @@ from flat_tokens_jax.convert.chat_template import (
     trained_tokens,
 )
 from flat_tokens_jax.convert.commands import add_converter_flags, run_command, store_options
-from flat_tokens_jax.convert.inputs import BadRecord, RecordReader, Where, expand_inputs, require
+from flat_tokens_jax.convert.inputs import (
+    BadRecord,
+    RecordReader,
+    Where,
+    as_patterns,
+    expand_inputs,
+    require,
+)
 from flat_tokens_jax.convert.tokenizer import load_tokenizer, validation_mask
 from flat_tokens_jax.format import SPLITS, encode_concatenated
 from flat_tokens_jax.store import StoreOptions
@@ -106,8 +113,8 @@ def convert_chat(
     started = time.perf_counter()
     if not 0.0 <= validation_fraction < 1.0:
         raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")
-    train_paths = expand_inputs(_paths(inputs))
-    valid_paths = expand_inputs(_paths(validation_inputs))
+    train_paths = expand_inputs(as_patterns(inputs))
+    valid_paths = expand_inputs(as_patterns(validation_inputs))
     if not train_paths:
         raise ValueError("no inputs given")
     if valid_paths and validation_fraction:
@@ -162,10 +169,6 @@ def convert_chat(
         "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 1),
     }
-
-
-def _paths(x: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Any]:
-    return [x] if isinstance(x, str | os.PathLike) else list(x)
 
 
 def _whole_offsets(tokenizer: Any) -> Any:

@@ -94,6 +94,13 @@ def input_kind(path: InputPath) -> str:
     )
 
 
+def as_patterns(
+    given: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+) -> list[str | os.PathLike[str]]:
+    """One path or pattern, or several, as a list."""
+    return [given] if isinstance(given, str | os.PathLike) else list(given)
+
+
 def expand_inputs(patterns: Iterable[str | os.PathLike[str]]) -> list[Path]:
     """Paths of ``patterns``: globs expanded and sorted per pattern, pattern order kept.
 

@@ -20,7 +20,7 @@ from concurrent.futures import BrokenExecutor
 from typing import Any
 
 from flat_tokens_jax.convert.commands import add_converter_flags, run_command, store_options
-from flat_tokens_jax.convert.inputs import expand_inputs, require
+from flat_tokens_jax.convert.inputs import as_patterns, expand_inputs, require
 from flat_tokens_jax.convert.parts import Conversion, ConvertOptions, Totals, write_documents
 from flat_tokens_jax.store import StoreOptions
 from flat_tokens_jax.writer import DatasetWriter, Layout
@@ -38,10 +38,6 @@ def _progress_bar(progress: bool | None) -> Any:
             log.warning("no progress bar: tqdm is not installed")
         return None
     return tqdm.tqdm(desc="convert", unit="tok", unit_scale=True, file=sys.stderr)
-
-
-def _paths(x: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Any]:
-    return [x] if isinstance(x, str | os.PathLike) else list(x)
 
 
 def convert(
@@ -120,7 +116,7 @@ def convert(
     )
     started = time.perf_counter()
     conv = Conversion.start(
-        opts, expand_inputs(_paths(inputs)), expand_inputs(_paths(validation_inputs))
+        opts, expand_inputs(as_patterns(inputs)), expand_inputs(as_patterns(validation_inputs))
     )
     totals = Totals(opts.max_tokens)
     with DatasetWriter(output, layout=layout, overwrite=overwrite, options=options) as writer:

@@ -14,16 +14,16 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
 from flat_tokens_jax import batch as fields
-from flat_tokens_jax.dataset import FlatTokens
+from flat_tokens_jax.dataset import Dataset, FlatTokens
 from flat_tokens_jax.mixture import Mixture
-from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records
+from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records, recorded_info
 from flat_tokens_jax.sampling import IndexSampler
 from flat_tokens_jax.sharding import Block, BlockData, HostPlan
 
@@ -49,9 +49,13 @@ class LoaderConfig:
             the last batch is completed with padding rows (``loss_mask`` 0).
         prefetch: steps prepared ahead by ``iterate`` in background threads.
             Recommended: 2 locally, 4-8 on object stores.
-        start_token_id: the input token where a sequence starts (0 in the spec).
+        start_token_id: the input token where a sequence starts. ``None``: the
+            id the dataset records (``DatasetInfo.start_token_id``, set by
+            ``convert --start-token-id``), or the spec's 0 when it records none.
         pad_id: input and target id of padding.
-        vocab_size: if given, the dataset's ``max_token_id`` must be below it.
+        vocab_size: if given, the dataset's ``max_token_id`` (and the vocabulary
+            of the tokenizer it records) must fit below it. It checks the data
+            and changes no batch.
     """
 
     batch_size: int
@@ -61,7 +65,7 @@ class LoaderConfig:
     seed: int = 0
     num_epochs: int | None = None
     prefetch: int = 2
-    start_token_id: int = 0
+    start_token_id: int | None = None
     pad_id: int = 0
     vocab_size: int | None = None
 
@@ -71,11 +75,24 @@ class LoaderConfig:
             ("seq_len", 1),
             ("prefetch", 0),
             ("seed", 0),
-            ("start_token_id", 0),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"LoaderConfig.{name} must be an int >= {low}, got {value!r}")
+        for name in ("packing", "shuffle"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"LoaderConfig.{name} must be True or False, got {getattr(self, name)!r}"
+                )
+        if self.start_token_id is not None and (
+            isinstance(self.start_token_id, bool)
+            or not isinstance(self.start_token_id, int)
+            or self.start_token_id < 0
+        ):
+            raise ValueError(
+                f"LoaderConfig.start_token_id must be None or an int >= 0, "
+                f"got {self.start_token_id!r}"
+            )
         for name in ("num_epochs", "vocab_size"):
             value = getattr(self, name)
             if value is not None and (
@@ -86,7 +103,10 @@ class LoaderConfig:
             raise ValueError(f"LoaderConfig.pad_id must be an int, got {self.pad_id!r}")
         if self.vocab_size is not None:
             for name in ("start_token_id", "pad_id"):
-                if not 0 <= getattr(self, name) < self.vocab_size:
+                if (
+                    getattr(self, name) is not None
+                    and not 0 <= getattr(self, name) < self.vocab_size
+                ):
                     raise ValueError(
                         f"LoaderConfig.{name} {getattr(self, name)} is outside "
                         f"the vocabulary [0, {self.vocab_size})"
@@ -125,8 +145,10 @@ class LoaderConfig:
         return cls.from_dict(values)
 
     def batch_defining(self) -> dict[str, Any]:
-        """The fields that decide batch contents (all but ``prefetch``)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "prefetch"}
+        """The fields that decide batch contents: all but ``prefetch`` and
+        ``vocab_size`` (which checks the data but changes no batch)."""
+        skip = ("prefetch", "vocab_size")
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +190,12 @@ class Loader:
         config: LoaderConfig,
         sharding: jax.sharding.Sharding | None = None,
     ) -> None:
+        if not isinstance(config, LoaderConfig):
+            raise TypeError(
+                f"config must be a LoaderConfig, got {type(config).__name__}: "
+                "ftj.LoaderConfig(batch_size=..., seq_len=...)"
+            )
+        _check_sharding(sharding)
         self.mixture = source if isinstance(source, Mixture) else None
         if isinstance(source, Mixture):
             if config.num_epochs is not None:
@@ -175,36 +203,22 @@ class Loader:
                     "num_epochs does not apply to a Mixture: each component "
                     "runs its own epochs, without end; set num_epochs=None"
                 )
-            if source.seq_len != config.seq_len:
-                raise ValueError(
-                    f"{source!r} has seq_len {source.seq_len}, but the config "
-                    f"asks for seq_len {config.seq_len}"
-                )
-            components = source.components
-        elif isinstance(source, FlatTokens):
-            kind = PackedRecords if config.packing else PaddedRecords
-            components = (kind(source, config.seq_len),)
+            components = source.records(config.seq_len, config.packing)
+            names = source.names
         else:
-            components = (source,)
-            if source.seq_len != config.seq_len or source.packed != config.packing:
-                raise ValueError(
-                    f"{source!r} has seq_len {source.seq_len} and packing "
-                    f"{source.packed}, but the config asks for seq_len "
-                    f"{config.seq_len} and packing {config.packing}"
-                )
+            components = (_single_records(source, config),)
+            names = ("0",)
         for records in components:
             if len(records) == 0:
                 raise ValueError(
                     f"{records!r} has no records: the split holds fewer than "
                     f"seq_len={config.seq_len} tokens or no sequences"
                 )
-        max_id = max(int(r.fingerprint()["max_token_id"]) for r in components)
-        if config.vocab_size is not None and config.vocab_size <= max_id:
-            raise ValueError(
-                f"dataset max_token_id is {max_id} but vocab_size is "
-                f"{config.vocab_size}: set vocab_size >= {max_id + 1}"
-            )
+        infos = [(n, recorded_info(r)) for n, r in zip(names, components, strict=True)]
+        _check_vocab(config, components, infos)
+        self.start_token_id = _resolve_start_token_id(config, infos)
         self.components, self.config, self.sharding = components, config, sharding
+        self.names = names
         self.records: Records | Mixture = components[0] if self.mixture is None else self.mixture
         self.samplers = [
             IndexSampler(
@@ -219,15 +233,6 @@ class Loader:
         self.plan = (
             None if sharding is None else HostPlan(sharding, config.batch_size, config.seq_len)
         )
-        if (
-            self.plan is not None
-            and self.plan.columns_sharded
-            and len({r.packed for r in components}) > 1
-        ):
-            raise ValueError(
-                "a sequence-sharded batch needs every component of the Mixture "
-                "to have the same packing"
-            )
         self.host_rows = (
             np.arange(config.batch_size, dtype=np.int64) if self.plan is None else self.plan.rows
         )
@@ -248,13 +253,20 @@ class Loader:
         """Global sample index ``[k] int64`` of ``rows`` at ``step`` and which are real."""
         if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        last = (int(step) + 1) * self.config.batch_size - 1
+        if last > MAX_SAMPLE:
+            raise ValueError(
+                f"step {step} is too large: its samples reach index {last}, past the "
+                f"largest sample index 2**63 - 1; with batch_size {self.config.batch_size} "
+                f"the last step is {(MAX_SAMPLE + 1) // self.config.batch_size - 1}"
+            )
         if self.num_batches is not None and step >= self.num_batches:
             raise IndexError(
                 f"step {step} is past the end: this run has {self.num_batches} "
                 f"steps ({self.config.num_epochs} epoch(s) of "
-                f"{len(self.records)} records)"
+                f"{len(self.components[0])} records)"
             )
-        g = np.int64(step) * self.config.batch_size + rows
+        g = np.int64(step) * np.int64(self.config.batch_size) + rows
         total = self.sampler.num_samples
         return g, (np.ones(g.shape, bool) if total is None else g < total)
 
@@ -276,7 +288,7 @@ class Loader:
         return fields.window_fields(
             source.read(records),
             source.packed,
-            start_token_id=cfg.start_token_id,
+            start_token_id=self.start_token_id,
             pad_id=cfg.pad_id,
         )
 
@@ -318,8 +330,8 @@ class Loader:
         assert self.plan is not None
         return self.plan.assemble_blocks(
             part.data,
-            packed=self.components[0].packed,
-            start_token_id=self.config.start_token_id,
+            packed=self.config.packing,
+            start_token_id=self.start_token_id,
             pad_id=self.config.pad_id,
         )
 
@@ -385,40 +397,80 @@ class Loader:
             pool.shutdown(wait=True, cancel_futures=True)
 
     def fingerprint(self) -> dict[str, Any]:
-        """What the batches depend on: the data's identity and the batch-defining config."""
+        """What the batches depend on: the data's identity and the batch-defining config.
+
+        ``config`` holds every field that changes batches, with ``start_token_id``
+        resolved (see :class:`LoaderConfig`); ``data`` the records' counts, a
+        digest of sampled tokens and whether a loss mask is stored, and for a
+        Mixture the components' names and the blending.
+        """
         if self._fingerprint is None:
-            self._fingerprint = {
-                "data": self.records.fingerprint(),
-                "config": self.config.batch_defining(),
-            }
+            if self.mixture is None:
+                data = self.components[0].fingerprint()
+            else:
+                data = self.mixture.fingerprint(self.components)
+            config = {**self.config.batch_defining(), "start_token_id": self.start_token_id}
+            self._fingerprint = {"data": data, "config": config}
         return self._fingerprint
 
+    def sources(self) -> list[dict[str, Any]]:
+        """Where each component's data lives: ``name``, ``url``, ``split`` and the
+        ``sequences`` range of a view (JSON-ready; ``repr`` for custom records)."""
+        out = []
+        for name, records in zip(self.names, self.components, strict=True):
+            ft = getattr(records, "ft", None)
+            if isinstance(ft, FlatTokens):
+                out.append(
+                    {
+                        "name": name,
+                        "url": ft.url,
+                        "split": ft.split_name,
+                        "sequences": list(ft.seq_range),
+                    }
+                )
+            else:
+                out.append({"name": name, "repr": repr(records)})
+        return out
+
     def state(self) -> dict[str, Any]:
-        """``{"step": next step to run, "fingerprint": ...}``, JSON-ready, for checkpoints."""
-        return {"step": self.next_step, "fingerprint": self.fingerprint()}
+        """``{"step": next step, "fingerprint": ..., "sources": ...}``, JSON-ready.
+
+        ``fingerprint`` is what :meth:`restore` checks; ``sources`` (see
+        :meth:`sources`) says where the data was, for ``flat-tokens show
+        --state``, and is not checked (data may move between stores).
+        """
+        return {
+            "step": self.next_step,
+            "fingerprint": self.fingerprint(),
+            "sources": self.sources(),
+        }
 
     def restore(self, state: Mapping[str, Any]) -> int:
         """Continues from a saved :meth:`state`; returns the step ``iterate`` resumes at.
+
+        A field that the saved fingerprint lacks (a state saved by an older
+        version) is not compared.
 
         Raises:
             StateMismatch: the state was saved with other data or another config;
                 the message lists what differs.
         """
-        saved = state.get("fingerprint", {})
-        now = self.fingerprint()
-        diffs = [
-            f"{part}.{key}: saved {saved.get(part, {}).get(key)!r}, now {value!r}"
-            for part, fields_now in now.items()
-            for key, value in fields_now.items()
-            if saved.get(part, {}).get(key) != value
-        ]
+        if not isinstance(state, Mapping):
+            raise TypeError(
+                "restore takes the mapping that loader.state() returned, "
+                f"got {type(state).__name__}"
+            )
+        step = state.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise StateMismatch(f"saved loader state has no valid step: {step!r}")
+        saved = state.get("fingerprint")
+        if not isinstance(saved, Mapping):
+            raise StateMismatch(f"saved loader state has no fingerprint: {saved!r}")
+        diffs = _differences(saved, self.fingerprint(), "")
         if diffs:
             raise StateMismatch(
                 "the saved loader state is for different data or config:\n  " + "\n  ".join(diffs)
             )
-        step = state.get("step")
-        if not isinstance(step, int) or step < 0:
-            raise StateMismatch(f"saved loader state has no valid step: {step!r}")
         self.next_step = step
         return step
 
@@ -441,7 +493,7 @@ class Loader:
                 pos = int(at[k])
                 row: dict[str, Any] = {"row": int(rows[pos]), "sample": int(g[pos])}
                 if self.mixture is not None:
-                    row["component"] = c
+                    row["component"], row["component_name"] = c, self.names[c]
                 out[pos] = {
                     **row,
                     "epoch": int(epochs[k]),
@@ -469,3 +521,108 @@ def _component_seed(seed: int, mixture: Mixture | None, component: int) -> int:
         return seed
     text = f"{seed}/{mixture.seed}/{component}".encode()
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "little")
+
+
+MAX_SAMPLE = 2**63 - 1  # Global sample indices are int64.
+
+
+def _differences(saved: Any, now: Any, path: str) -> list[str]:
+    """Where ``saved`` and ``now`` differ, as ``path: saved X, now Y`` lines.
+
+    Mappings compare key by key, over the keys both hold (a key only ``now``
+    has was not recorded by an older version); lists of equal length element
+    by element.
+    """
+    if isinstance(saved, Mapping) and isinstance(now, Mapping):
+        return [
+            line
+            for key in now
+            if key in saved
+            for line in _differences(saved[key], now[key], f"{path}.{key}" if path else key)
+        ]
+    if isinstance(saved, list) and isinstance(now, list) and len(saved) == len(now):
+        return [
+            line
+            for i, (a, b) in enumerate(zip(saved, now, strict=True))
+            for line in _differences(a, b, f"{path}[{i}]")
+        ]
+    return [] if saved == now else [f"{path}: saved {saved!r}, now {now!r}"]
+
+
+def _single_records(source: Any, config: LoaderConfig) -> Records:
+    """The records of a single (non-Mixture) source, checked against the config."""
+    if isinstance(source, FlatTokens):
+        kind = PackedRecords if config.packing else PaddedRecords
+        return kind(source, config.seq_len)
+    if isinstance(source, Dataset):
+        raise TypeError(
+            f"Loader takes one split, got the whole {source!r}; pick a split: "
+            f"ds[{source.splits[0]!r}]"
+        )
+    if isinstance(source, str | os.PathLike):
+        raise TypeError(
+            f"Loader takes an open split, got the URL {os.fspath(source)!r}: "
+            f"ftj.open_dataset({os.fspath(source)!r})['train']"
+        )
+    if not all(hasattr(source, a) for a in ("read", "seq_len", "packed", "token_ranges")):
+        raise TypeError(
+            "Loader takes a FlatTokens split (ds['train']), Records or a Mixture, "
+            f"got {type(source).__name__}"
+        )
+    if source.seq_len != config.seq_len or source.packed != config.packing:
+        raise ValueError(
+            f"{source!r} has seq_len {source.seq_len} and packing "
+            f"{source.packed}, but the config asks for seq_len "
+            f"{config.seq_len} and packing {config.packing}"
+        )
+    return source
+
+
+def _check_sharding(sharding: Any) -> None:
+    if sharding is None or isinstance(sharding, jax.sharding.Sharding):
+        return
+    if isinstance(sharding, jax.sharding.PartitionSpec):
+        raise TypeError(
+            f"sharding is a PartitionSpec ({sharding}); wrap it: NamedSharding(mesh, P(...))"
+        )
+    raise TypeError(f"sharding must be a jax.sharding.Sharding or None, got {sharding!r}")
+
+
+def _check_vocab(
+    config: LoaderConfig, components: Sequence[Records], infos: Sequence[tuple[str, Any]]
+) -> None:
+    """``vocab_size`` must cover the data's ids and the tokenizer it was made with."""
+    if config.vocab_size is None:
+        return
+    max_id = max(int(r.fingerprint()["max_token_id"]) for r in components)
+    if config.vocab_size <= max_id:
+        raise ValueError(
+            f"dataset max_token_id is {max_id} but vocab_size is "
+            f"{config.vocab_size}: set vocab_size >= {max_id + 1}"
+        )
+    for name, info in infos:
+        tok = None if info is None else info.tokenizer
+        if tok is not None and tok.vocab_size > config.vocab_size:
+            where = "the data" if len(infos) == 1 else f"component {name!r}"
+            raise ValueError(
+                f"{where} was tokenized with {tok.name} ({tok.vocab_size} ids) but "
+                f"vocab_size is {config.vocab_size}: set vocab_size >= {tok.vocab_size}"
+            )
+
+
+def _resolve_start_token_id(config: LoaderConfig, infos: Sequence[tuple[str, Any]]) -> int:
+    """The config's ``start_token_id``, else the one the data records, else the spec's 0."""
+    if config.start_token_id is not None:
+        return config.start_token_id
+    recorded = {
+        name: info.start_token_id
+        for name, info in infos
+        if info is not None and info.start_token_id is not None
+    }
+    if len(set(recorded.values())) > 1:
+        listed = ", ".join(f"{n!r}: {v}" for n, v in recorded.items())
+        raise ValueError(
+            f"the components record different start_token_id values ({listed}): "
+            "set LoaderConfig.start_token_id to the one to feed at every sequence start"
+        )
+    return next(iter(recorded.values()), 0)

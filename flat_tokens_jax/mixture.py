@@ -19,13 +19,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from flat_tokens_jax.dataset import FlatTokens, open_dataset
+from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records
+from flat_tokens_jax.store import StoreOptions
 
 MAX_DEFAULT_PERIOD = 1 << 20
 
@@ -73,77 +76,156 @@ class Period:
         return whole * self.counts + prefix
 
 
+Source = Records | FlatTokens
+# What a Mixture takes: {name: (source, weight)}, [(name, source, weight)] or [(source, weight)].
+Components = Mapping[str, tuple[Source, float]] | Sequence[tuple[Any, ...]]
+
+
 class Mixture:
     """Blends record sources by weight; each component keeps its own epochs.
 
+    The :class:`~flat_tokens_jax.LoaderConfig` decides what a record is: the
+    ``Loader`` makes each ``FlatTokens`` component's records with the config's
+    ``seq_len`` and ``packing``, and refuses a component of ready-made records
+    that disagrees with it. A Mixture says only which data, named how, in what
+    proportions.
+
+    Example:
+        >>> import flat_tokens_jax as ftj
+        >>> ftj.write_dataset("memory://doc/web", {"train": [[1, 2, 3]] * 8}, overwrite=True)
+        >>> ftj.write_dataset("memory://doc/code", {"train": [[7, 8]] * 8}, overwrite=True)
+        >>> web = ftj.open_dataset("memory://doc/web")["train"]
+        >>> code = ftj.open_dataset("memory://doc/code")["train"]
+        >>> mix = ftj.Mixture({"web": (web, 3), "code": (code, 1)}, period=4)
+        >>> mix.names
+        ('web', 'code')
+        >>> [mix.names[c] for c in mix.route(np.arange(4), batch_size=4)[0]]
+        ['web', 'web', 'code', 'web']
+
     Args:
-        components: ``(source, weight)`` pairs. A source is a
-            :class:`~flat_tokens_jax.records.Records` (its own packing) or a
-            ``FlatTokens`` split or view (records made with ``seq_len`` and
-            ``packing``). Weights count records; 0 leaves a component unused.
+        components: ``{name: (source, weight)}``, ``[(name, source, weight), ...]``
+            or ``[(source, weight), ...]`` (named ``"0"``, ``"1"``, ...). A source
+            is a ``FlatTokens`` split or view, or a
+            :class:`~flat_tokens_jax.records.Records` of the config's ``seq_len``
+            and packing. Weights count records; 0 leaves a component unused.
         seed: mixed with the loader's seed into each component's shuffle key,
             so each component reshuffles every one of its own epochs.
-        seq_len: tokens per record; required for ``FlatTokens`` sources.
-        packing: packing of records made from ``FlatTokens`` sources.
         period: samples per period; ``None``: ``max(1000, 100 / smallest
             positive weight share)``, at most ``2**20``. Proportions are exact
             over every whole period.
         schedule: ``[(step, weights), ...]``: from ``step`` on, use ``weights``
-            (one per component); steps strictly increasing and > 0.
+            (one per component, or ``{name: weight}`` naming every component);
+            steps strictly increasing and > 0.
+        allow_mixed_tokenizers: mix datasets whose recorded tokenizers differ.
+            Datasets that record no tokenizer always mix.
+        seq_len: deprecated: the ``LoaderConfig`` says it. If given, the
+            ``Loader`` refuses a config that says otherwise.
+        packing: deprecated, as ``seq_len``.
 
     Raises:
-        ValueError: negative or all-zero weights, or a positive weight that
-            rounds to no sample per period.
+        ValueError: negative or all-zero weights, a positive weight that rounds
+            to no sample per period, duplicate names, or components whose
+            datasets record different tokenizers.
+        TypeError: a component that is not a split or records (a ``Dataset``,
+            a URL, a ``Mixture``), with the fix in the message.
     """
 
     def __init__(
         self,
-        components: Sequence[tuple[Records | FlatTokens, float]],
+        components: Components,
         seed: int = 0,
         *,
-        seq_len: int | None = None,
-        packing: bool = True,
         period: int | None = None,
-        schedule: Sequence[tuple[int, Sequence[float]]] = (),
+        schedule: Sequence[tuple[int, Sequence[float] | Mapping[str, float]]] = (),
+        allow_mixed_tokenizers: bool = False,
+        seq_len: int | None = None,
+        packing: bool | None = None,
     ) -> None:
-        if not components:
-            raise ValueError("a Mixture needs at least one component")
-        self.components: tuple[Records, ...] = tuple(
-            _as_records(src, seq_len, packing, i) for i, (src, _) in enumerate(components)
-        )
-        lengths = {r.seq_len for r in self.components}
-        if len(lengths) > 1:
-            raise ValueError(f"every component needs the same seq_len, got {sorted(lengths)}")
-        self.seq_len = lengths.pop()
-        packs = {r.packed for r in self.components}
-        self.packed: bool | None = packs.pop() if len(packs) == 1 else None
+        named = _named_components(components)
+        self.names: tuple[str, ...] = tuple(n for n, _, _ in named)
+        self.sources: tuple[Source, ...] = tuple(s for _, s, _ in named)
+        if seq_len is not None or packing is not None:
+            warnings.warn(
+                "Mixture(seq_len=..., packing=...) is deprecated: the LoaderConfig decides "
+                "both for every component; leave them out",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        self.seq_len, self.packing = _stated_shape(self.sources, self.names, seq_len, packing)
         self.seed = seed
         steps = [0] + [int(s) for s, _ in schedule]
         if any(b <= a for a, b in itertools.pairwise(steps)):
             raise ValueError(f"schedule steps must be > 0 and strictly increasing, got {steps[1:]}")
-        weights = [[w for _, w in components], *[list(w) for _, w in schedule]]
+        weights = [[w for _, _, w in named], *[self._by_name(w, s) for s, w in schedule]]
         self.steps = np.array(steps, np.int64)
         self.weights = [
-            _check_weights(w, len(self.components), s) for s, w in zip(steps, weights, strict=True)
+            _check_weights(w, len(self.sources), s) for s, w in zip(steps, weights, strict=True)
         ]
         self.periods = [Period.layout(w, period or _default_period(w)) for w in self.weights]
         for s, w, p in zip(steps, self.weights, self.periods, strict=True):
-            lost = [i for i, x in enumerate(w) if x > 0 and p.counts[i] == 0]
+            lost = [self.names[i] for i, x in enumerate(w) if x > 0 and p.counts[i] == 0]
             if lost:
                 raise ValueError(
                     f"weights from step {s}: component(s) {lost} get no sample "
                     f"in a period of {p.period}; pass a larger period"
                 )
+        self.allow_mixed_tokenizers = allow_mixed_tokenizers
         self._offsets: dict[int, np.ndarray] = {}
 
-    def __len__(self) -> int:
-        return sum(len(r) for r in self.components)
+    @property
+    def components(self) -> tuple[Source, ...]:
+        """The sources, in order (the same as :attr:`sources`)."""
+        return self.sources
+
+    def _by_name(self, weights: Sequence[float] | Mapping[str, float], step: int) -> list[float]:
+        if not isinstance(weights, Mapping):
+            return list(weights)
+        unknown = sorted(set(weights) - set(self.names))
+        missing = [n for n in self.names if n not in weights]
+        if unknown or missing:
+            raise ValueError(
+                f"weights from step {step} must name every component {list(self.names)}: "
+                f"unknown {unknown}, missing {missing}"
+            )
+        return [float(weights[n]) for n in self.names]
 
     def __repr__(self) -> str:
         parts = ", ".join(
-            f"({r!r}, {w:g})" for r, w in zip(self.components, self.weights[0], strict=True)
+            f"{n!r}: ({s!r}, {w:g})"
+            for n, s, w in zip(self.names, self.sources, self.weights[0], strict=True)
         )
-        return f"Mixture([{parts}], seed={self.seed}, period={self.periods[0].period})"
+        return f"Mixture({{{parts}}}, seed={self.seed}, period={self.periods[0].period})"
+
+    def records(self, seq_len: int, packing: bool) -> tuple[Records, ...]:
+        """Each component's records for a config of ``seq_len`` and ``packing``.
+
+        Raises:
+            ValueError: the Mixture was given another ``seq_len`` or packing, or
+                a component of records is of another ``seq_len`` or packing.
+        """
+        stated = {"seq_len": self.seq_len, "packing": self.packing}
+        config = {"seq_len": seq_len, "packing": packing}
+        wrong = [k for k in stated if stated[k] is not None and stated[k] != config[k]]
+        if wrong:
+            said = " and ".join(f"{k} {stated[k]!r}" for k in wrong)
+            asked = " and ".join(f"{k} {config[k]!r}" for k in wrong)
+            raise ValueError(
+                f"the Mixture says {said} but the LoaderConfig says {asked}: the "
+                "LoaderConfig decides; drop seq_len/packing from the Mixture"
+            )
+        out: list[Records] = []
+        for name, src in zip(self.names, self.sources, strict=True):
+            if isinstance(src, FlatTokens):
+                out.append(PackedRecords(src, seq_len) if packing else PaddedRecords(src, seq_len))
+            elif src.seq_len != seq_len or src.packed != packing:
+                raise ValueError(
+                    f"component {name!r} is {src!r} with seq_len {src.seq_len} and packing "
+                    f"{src.packed}, but the LoaderConfig says seq_len {seq_len} and packing "
+                    f"{packing}: pass the FlatTokens split and let the config make its records"
+                )
+            else:
+                out.append(src)
+        return tuple(out)
 
     def _segment_offsets(self, batch_size: int) -> np.ndarray:
         """``[segments, K]`` samples of each component drawn before each segment."""
@@ -176,32 +258,111 @@ class Mixture:
             sample[here] = offsets[j, c] + whole * p.counts[c] + p.rank[rest]
         return comp, sample
 
-    def fingerprint(self) -> dict[str, Any]:
-        """The components' data and the blending (weights, periods, schedule)."""
+    def fingerprint(self, records: Sequence[Records]) -> dict[str, Any]:
+        """The components' names and data (their ``records``) and the blending."""
         return {
-            "components": [r.fingerprint() for r in self.components],
+            "components": [
+                {"name": n, **r.fingerprint()} for n, r in zip(self.names, records, strict=True)
+            ],
             "weights": [list(map(float, w)) for w in self.weights],
             "steps": self.steps.tolist(),
             "periods": [p.period for p in self.periods],
             "seed": self.seed,
         }
 
-    @property
-    def max_token_id(self) -> int:
-        return max(int(r.fingerprint()["max_token_id"]) for r in self.components)
+
+def _named_components(components: Components) -> list[tuple[str, Source, float]]:
+    """``(name, source, weight)`` of each component, checked."""
+    if isinstance(components, Mixture):
+        raise TypeError(_NESTED)
+    if isinstance(components, Mapping):
+        entries = []
+        for name, value in components.items():
+            if not isinstance(value, tuple | list) or len(value) != 2:
+                raise TypeError(
+                    f"component {name!r}: expected (source, weight), got {type(value).__name__}"
+                )
+            entries.append((name, *value))
+    elif isinstance(components, Sequence) and not isinstance(components, str):
+        entries = [_entry(c, i) for i, c in enumerate(components)]
+    else:
+        raise TypeError(
+            "Mixture components must be {name: (source, weight)}, [(name, source, weight)] "
+            f"or [(source, weight)], got {type(components).__name__}"
+        )
+    if not entries:
+        raise ValueError("a Mixture needs at least one component")
+    names = [name for name, _, _ in entries]
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"component names must be non-empty strings, got {name!r}")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"component names must be unique, {twice} appear more than once")
+    for name, source, weight in entries:
+        _check_source(name, source)
+        if isinstance(weight, bool) or not isinstance(weight, int | float | np.number):
+            raise TypeError(f"component {name!r}: the weight must be a number, got {weight!r}")
+    return [(n, s, float(w)) for n, s, w in entries]
 
 
-def _as_records(
-    source: Records | FlatTokens, seq_len: int | None, packing: bool, index: int
-) -> Records:
+def _entry(component: Any, index: int) -> tuple[Any, Any, Any]:
+    if not isinstance(component, tuple | list) or len(component) not in (2, 3):
+        raise TypeError(
+            f"component {index}: expected (source, weight) or (name, source, weight), "
+            f"got {component!r}"
+        )
+    if len(component) == 2:
+        return (str(index), *component)
+    return tuple(component)
+
+
+_NESTED = (
+    "a Mixture cannot hold a Mixture: list the inner Mixture's components in the outer "
+    "one, each with its weight times the inner Mixture's share"
+)
+
+
+def _check_source(name: str, source: Any) -> None:
+    """Refuses what is not a split or records, naming the fix."""
+    if isinstance(source, Mixture):
+        raise TypeError(f"component {name!r}: {_NESTED}")
     if isinstance(source, FlatTokens):
-        if seq_len is None:
-            raise ValueError(
-                f"component {index} is a FlatTokens split: pass seq_len= so the "
-                "Mixture can make its records"
-            )
-        return PackedRecords(source, seq_len) if packing else PaddedRecords(source, seq_len)
-    return source
+        return
+    if isinstance(source, Dataset):
+        raise TypeError(
+            f"component {name!r} is a whole Dataset ({source.url}); pick a split: "
+            f"ds[{source.splits[0]!r}]"
+        )
+    if isinstance(source, str | os.PathLike):
+        raise TypeError(
+            f"component {name!r} is the URL {os.fspath(source)!r}; open a split: "
+            f"ftj.open_dataset({os.fspath(source)!r})['train']"
+        )
+    if not all(hasattr(source, a) for a in ("read", "seq_len", "packed", "token_ranges")):
+        raise TypeError(
+            f"component {name!r}: expected a FlatTokens split or Records, "
+            f"got {type(source).__name__}"
+        )
+
+
+def _stated_shape(
+    sources: Sequence[Source], names: Sequence[str], seq_len: int | None, packing: bool | None
+) -> tuple[int | None, bool | None]:
+    """The ``seq_len`` and packing the Mixture itself fixes: given, or its records'."""
+    records = {n: s for n, s in zip(names, sources, strict=True) if not isinstance(s, FlatTokens)}
+    stated: dict[str, Any] = {"seq_len": seq_len, "packing": packing}
+    for what, attr in (("seq_len", "seq_len"), ("packing", "packed")):
+        found = {n: getattr(r, attr) for n, r in records.items()}
+        given = stated[what]
+        values = set(found.values()) | ({given} if given is not None else set())
+        if len(values) > 1:
+            listed = ", ".join(f"{n!r}: {v!r}" for n, v in found.items())
+            extra = "" if given is None else f" (and {what}={given!r} given)"
+            raise ValueError(f"the components' records disagree on {what}: {listed}{extra}")
+        if given is None and values:
+            stated[what] = values.pop()
+    return stated["seq_len"], stated["packing"]
 
 
 def _check_weights(weights: Sequence[float], k: int, step: int) -> np.ndarray:
@@ -221,40 +382,110 @@ def _default_period(weights: np.ndarray) -> int:
     return int(min(MAX_DEFAULT_PERIOD, max(1000, math.ceil(100 / smallest))))
 
 
-def mixture_from_config(config: Mapping[str, Any], split: str = "train") -> Mixture:
+_CONFIG_KEYS = {
+    "datasets",
+    "split",
+    "seed",
+    "period",
+    "schedule",
+    "allow_mixed_tokenizers",
+    "seq_len",
+    "packing",
+}
+_SPLIT_PARTS = ("train", "valid", "test")
+
+
+def mixture_from_config(
+    config: Mapping[str, Any],
+    split: str = "train",
+    options: StoreOptions | None = None,
+    **option_fields: Any,
+) -> Mixture:
     """Builds a mixture from a Nanoset-style mapping (e.g. a YAML ``data`` section).
 
-    ``config`` holds ``datasets`` (URL -> weight), ``seq_len``, and optionally
-    ``split`` (e.g. ``"949,50,1"``: each dataset's ``train`` split is cut into
-    train/valid/test views and ``split`` picks one of ``"train"``,
-    ``"valid"``, ``"test"``), ``packing`` (default true), ``seed``, ``period``.
-    Without ``split`` the dataset split named ``split`` is used.
+    ``config`` holds ``datasets``: either ``{url: weight}`` (each component
+    named by its URL), ``{name: {url: ..., weight: ...}}`` or a list of
+    ``{name: ..., url: ..., weight: ...}``; an entry may add ``split`` (the
+    dataset split it reads, default ``split``). Optionally: ``split`` (e.g.
+    ``"949,50,1"``: each dataset's split is cut into train/valid/test views and
+    the ``split`` argument picks ``"train"``, ``"valid"`` or ``"test"``), ``seed``,
+    ``period``, ``schedule`` (a list of ``{step: ..., weights: [...] or {name:
+    weight}}``) and ``allow_mixed_tokenizers``: everything :class:`Mixture`
+    takes. ``seq_len`` and ``packing`` belong in the loader config; if present
+    here they must agree with it.
+
+    Args:
+        config: the mapping.
+        split: which split (or part of a ``split`` cut) the components read.
+        options: how to reach the datasets (see :class:`StoreOptions`).
+        **option_fields: the same fields as keywords, e.g. ``endpoint=...``.
     """
-    known = {"datasets", "seq_len", "split", "packing", "seed", "period"}
-    unknown = sorted(set(config) - known)
+    unknown = sorted(set(config) - _CONFIG_KEYS)
     if unknown:
-        raise ValueError(f"unknown mixture config key(s) {unknown}; known: {sorted(known)}")
-    datasets = config.get("datasets")
-    if not isinstance(datasets, Mapping) or not datasets:
-        raise ValueError("mixture config needs 'datasets': a mapping of URL to weight")
-    parts: list[tuple[Records | FlatTokens, float]] = []
-    for url, weight in datasets.items():
-        ds = open_dataset(url)
-        if "split" in config:
-            views = dict(
-                zip(("train", "valid", "test"), ds["train"].split(config["split"]), strict=False)
-            )
-            if split not in views:
-                raise ValueError(
-                    f"split must be one of {sorted(views)} with a 'split' config, got {split!r}"
-                )
-            parts.append((views[split], float(weight)))
+        raise ValueError(f"unknown mixture config key(s) {unknown}; known: {sorted(_CONFIG_KEYS)}")
+    cut = config.get("split")
+    if cut is not None and split not in _SPLIT_PARTS:
+        hint = " (a split cut names its parts train, valid, test)" if split == "validation" else ""
+        raise ValueError(
+            f"with 'split: {cut}' the parts are {list(_SPLIT_PARTS)}; got {split!r}{hint}: "
+            f"use {'valid' if split == 'validation' else 'one of them'}"
+        )
+    entries = _dataset_entries(config.get("datasets"))
+    opened: dict[str, Dataset] = {}
+    parts: list[tuple[str, Source, float]] = []
+    for name, url, weight, dataset_split in entries:
+        if url not in opened:
+            opened[url] = open_dataset(url, options, **option_fields)
+        ds = opened[url]
+        if cut is None:
+            parts.append((name, ds[dataset_split or split], weight))
         else:
-            parts.append((ds[split], float(weight)))
+            views = dict(zip(_SPLIT_PARTS, ds[dataset_split or "train"].split(cut), strict=False))
+            if split not in views:
+                raise ValueError(f"'split: {cut}' has {len(views)} parts, so no {split!r} part")
+            parts.append((name, views[split], weight))
+    schedule = []
+    for i, change in enumerate(config.get("schedule") or ()):
+        if not isinstance(change, Mapping) or set(change) != {"step", "weights"}:
+            raise ValueError(
+                f"schedule entry {i} must be {{step: N, weights: ...}}, got {change!r}"
+            )
+        schedule.append((int(change["step"]), change["weights"]))
+    stated = {k: config[k] for k in ("seq_len", "packing") if k in config}
     return Mixture(
         parts,
         seed=int(config.get("seed", 0)),
-        seq_len=int(config["seq_len"]),
-        packing=bool(config.get("packing", True)),
         period=config.get("period"),
+        schedule=schedule,
+        allow_mixed_tokenizers=bool(config.get("allow_mixed_tokenizers", False)),
+        **stated,
     )
+
+
+def _dataset_entries(datasets: Any) -> list[tuple[str, str, float, str | None]]:
+    """``(name, url, weight, split or None)`` of a config's ``datasets``."""
+    usage = (
+        "mixture config needs 'datasets': {url: weight}, {name: {url: ..., weight: ...}} "
+        "or a list of {name: ..., url: ..., weight: ...}"
+    )
+    if isinstance(datasets, Mapping):
+        items = [
+            {"name": k, **v} if isinstance(v, Mapping) else {"name": k, "url": k, "weight": v}
+            for k, v in datasets.items()
+        ]
+    elif isinstance(datasets, Sequence) and not isinstance(datasets, str):
+        items = list(datasets)
+    else:
+        raise ValueError(usage)
+    if not items:
+        raise ValueError(usage)
+    out = []
+    for i, item in enumerate(items):
+        if not isinstance(item, Mapping) or not {"url", "weight"} <= set(item):
+            raise ValueError(f"datasets entry {i}: {usage}; got {item!r}")
+        extra = sorted(set(item) - {"name", "url", "weight", "split"})
+        if extra:
+            raise ValueError(f"datasets entry {i}: unknown key(s) {extra}")
+        name = str(item.get("name", item["url"]))
+        out.append((name, str(item["url"]), float(item["weight"]), item.get("split")))
+    return out

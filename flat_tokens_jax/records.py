@@ -82,8 +82,19 @@ def _data_fingerprint(ft: FlatTokens) -> dict[str, Any]:
         "num_tokens": ft.num_tokens,
         "num_sequences": ft.num_sequences,
         "max_token_id": ft.max_token_id,
+        "loss_mask": ft.loss_mask is not None,
         "sample_digest": digest.hexdigest()[:16],
     }
+
+
+def recorded_info(records: object) -> Any:
+    """What made the dataset behind ``records`` (its ``DatasetInfo``), or ``None``.
+
+    ``None`` for records that are not over a split, and for datasets that
+    record nothing (written by older versions or other tools).
+    """
+    ft = getattr(records, "ft", None)
+    return getattr(ft, "info", None) if isinstance(ft, FlatTokens) else None
 
 
 class _SplitRecords:

@@ -281,7 +281,7 @@ def test_construction_errors_name_the_fix(path: Path) -> None:
         FlatTokensSource(path, SEQ_LEN, start_token_id=-1)
     with pytest.raises(ValueError, match="options apply to a URL only"):
         FlatTokensSource(ft, SEQ_LEN, options=ftj.StoreOptions())
-    mixture = ftj.Mixture([(ft, 1.0), (ft, 1.0)], seq_len=SEQ_LEN)
+    mixture = ftj.Mixture([(ft, 1.0), (ft, 1.0)])
     with pytest.raises(TypeError, match=r"grain\.MapDataset\.mix"):
         FlatTokensSource(mixture)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="got int"):

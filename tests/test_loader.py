@@ -185,6 +185,91 @@ def test_state_restore_and_fingerprint() -> None:
     assert ftj.Loader(ft, prefetch_only).restore(state) == 5
 
 
+def test_fingerprint_holds_what_changes_batches_only() -> None:
+    ft = split_of([[i % 7 + 1] * (i % 5 + 1) for i in range(50)])
+    cfg = LoaderConfig(batch_size=2, seq_len=4)
+    fp = ftj.Loader(ft, cfg).fingerprint()
+    assert "vocab_size" not in fp["config"] and "prefetch" not in fp["config"]
+    state = {"step": 3, "fingerprint": fp}
+    checked = LoaderConfig(batch_size=2, seq_len=4, vocab_size=64)
+    assert ftj.Loader(ft, checked).restore(state) == 3  # vocab_size changes no batch
+    assert fp["data"]["loss_mask"] is False
+    seqs = [[i % 7 + 1] * (i % 5 + 1) for i in range(50)]
+    url = memory_url()
+    ftj.write_dataset(url, {"train": seqs}, loss_masks={"train": [[1] * len(q) for q in seqs]})
+    masked = ftj.open_dataset(url)["train"]
+    assert ftj.Loader(masked, cfg).fingerprint()["data"]["loss_mask"] is True
+    with pytest.raises(StateMismatch, match=r"data\.loss_mask: saved False, now True"):
+        ftj.Loader(masked, cfg).restore(state)
+
+
+def test_a_state_saved_before_new_fingerprint_fields_still_restores() -> None:
+    ft = split_of([[i % 7 + 1] * (i % 5 + 1) for i in range(50)])
+    loader = ftj.Loader(ft, LoaderConfig(batch_size=2, seq_len=4, start_token_id=0))
+    old = loader.fingerprint()
+    old = {
+        "data": {k: v for k, v in old["data"].items() if k != "loss_mask"},
+        "config": {**old["config"], "vocab_size": None},
+    }
+    assert loader.restore({"step": 9, "fingerprint": old}) == 9
+    old["config"]["seed"] = 1
+    with pytest.raises(StateMismatch, match=r"config\.seed: saved 1, now 0"):
+        loader.restore({"step": 9, "fingerprint": old})
+
+
+def test_state_says_where_the_data_is() -> None:
+    ft = split_of(SPEC)
+    train, valid = ft.split([2, 1])
+    mix = ftj.Mixture({"a": (train, 1), "b": (valid, 1)})
+    state = ftj.Loader(mix, LoaderConfig(batch_size=2, seq_len=1)).state()
+    assert state["sources"] == [
+        {"name": "a", "url": ft.url, "split": "train", "sequences": [0, 2]},
+        {"name": "b", "url": ft.url, "split": "train", "sequences": [2, 3]},
+    ]
+
+
+def test_bad_values_are_refused_not_coerced() -> None:
+    ft = split_of(SPEC)
+    for field, value in (("packing", "no"), ("shuffle", None), ("packing", 1)):
+        with pytest.raises(ValueError, match=f"LoaderConfig.{field} must be True or False"):
+            LoaderConfig(batch_size=1, seq_len=2, **{field: value})
+    loader = ftj.Loader(ft, LoaderConfig(batch_size=1, seq_len=2))
+    with pytest.raises(StateMismatch, match="no valid step: True"):
+        loader.restore({"step": True, "fingerprint": loader.fingerprint()})
+    with pytest.raises(TypeError, match=r"restore takes the mapping that loader\.state"):
+        loader.restore(None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"Loader takes a FlatTokens split \(ds\['train'\]\)"):
+        ftj.Loader(None, LoaderConfig(batch_size=1, seq_len=2))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="config must be a LoaderConfig"):
+        ftj.Loader(ft, {"batch_size": 1, "seq_len": 2})  # type: ignore[arg-type]
+
+
+def test_common_mistakes_name_the_fix() -> None:
+    url = memory_url()
+    ftj.write_dataset(url, {"train": SPEC})
+    ds = ftj.open_dataset(url)
+    cfg = LoaderConfig(batch_size=8, seq_len=2)
+    with pytest.raises(TypeError, match=r"pick a split: ds\['train'\]"):
+        ftj.Loader(ds, cfg)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"ftj.open_dataset\('memory://"):
+        ftj.Loader(url, cfg)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"wrap it: NamedSharding\(mesh, P\(...\)\)"):
+        ftj.Loader(ds["train"], cfg, sharding=PartitionSpec("data"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("batch_size", [1, 4, 3])
+def test_a_step_past_the_int64_samples_is_refused(batch_size: int) -> None:
+    loader = ftj.Loader(split_of(SPEC), LoaderConfig(batch_size=batch_size, seq_len=1))
+    last = (2**63) // batch_size - 1  # its samples end exactly at 2**63 - 1 or below
+    rows = loader.provenance(last)
+    assert rows[-1]["sample"] == last * batch_size + batch_size - 1 <= 2**63 - 1
+    for step in (last + 1, last + 2**20, 4611686018427387904, 10**19):
+        if step <= last:
+            continue
+        with pytest.raises(ValueError, match=f"the last step is {last}"):
+            loader.host_batch(step)
+
+
 def test_epoch_covers_every_record_once_and_epochs_differ() -> None:
     seqs = [[i + 1] for i in range(103)]
     ft = split_of(seqs)

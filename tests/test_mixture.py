@@ -1,3 +1,4 @@
+import dataclasses
 import time
 from fractions import Fraction
 from pathlib import Path
@@ -81,7 +82,6 @@ def test_route_equals_materialised_reference(
     comps = [make_split(3)] * k
     mix = Mixture(
         list(zip(comps, weights, strict=True)),
-        seq_len=2,
         period=period,
         schedule=list(zip(steps, later, strict=True)),
     )
@@ -93,7 +93,7 @@ def test_route_equals_materialised_reference(
 
 def test_whole_periods_are_exact_and_long_runs_track_weights() -> None:
     weights = [0.5, 0.3, 0.15, 0.05]
-    mix = Mixture([(make_split(5), w) for w in weights], seq_len=2, period=997)
+    mix = Mixture([(make_split(5), w) for w in weights], period=997)
     comp, _ = mix.route(np.arange(997 * 13), 1)
     assert np.bincount(comp).tolist() == [13 * c for c in reference_counts(weights, 997)]
     n = 10**6
@@ -105,7 +105,7 @@ def test_whole_periods_are_exact_and_long_runs_track_weights() -> None:
 
 
 def test_tiny_weights_are_drawn_at_their_rate() -> None:
-    mix = Mixture([(make_split(5), 1.0), (make_split(5), 1e-4)], seq_len=2)
+    mix = Mixture([(make_split(5), 1.0), (make_split(5), 1e-4)])
     comp, _ = mix.route(np.arange(2 * 10**6), 1)
     drawn = int((comp == 1).sum())
     assert abs(drawn - 2 * 10**6 * 1e-4 / (1 + 1e-4)) <= 2 * 10**6 / mix.periods[0].period + 1
@@ -114,25 +114,21 @@ def test_tiny_weights_are_drawn_at_their_rate() -> None:
 def test_bad_weights_are_refused() -> None:
     ft = make_split(3)
     with pytest.raises(ValueError, match="non-negative"):
-        Mixture([(ft, 1.0), (ft, -0.5)], seq_len=2)
+        Mixture([(ft, 1.0), (ft, -0.5)])
     with pytest.raises(ValueError, match="all zero"):
-        Mixture([(ft, 0.0), (ft, 0.0)], seq_len=2)
-    with pytest.raises(ValueError, match=r"component\(s\) \[1\] get no sample in a period of 10"):
-        Mixture([(ft, 1.0), (ft, 0.001)], seq_len=2, period=10)
+        Mixture([(ft, 0.0), (ft, 0.0)])
+    with pytest.raises(ValueError, match=r"component\(s\) \['1'\] get no sample in a period of 10"):
+        Mixture([(ft, 1.0), (ft, 0.001)], period=10)
     with pytest.raises(ValueError, match="expected 2 weights"):
-        Mixture([(ft, 1.0), (ft, 1.0)], seq_len=2, schedule=[(5, [1.0])])
+        Mixture([(ft, 1.0), (ft, 1.0)], schedule=[(5, [1.0])])
     with pytest.raises(ValueError, match="strictly increasing"):
-        Mixture([(ft, 1.0)], seq_len=2, schedule=[(5, [1.0]), (5, [2.0])])
-    with pytest.raises(ValueError, match="pass seq_len"):
-        Mixture([(ft, 1.0)])
-    assert Mixture([(ft, 0.0), (ft, 1.0)], seq_len=2).route(np.arange(50), 1)[0].tolist() == (
-        [1] * 50
-    )
+        Mixture([(ft, 1.0)], schedule=[(5, [1.0]), (5, [2.0])])
+    assert Mixture([(ft, 0.0), (ft, 1.0)]).route(np.arange(50), 1)[0].tolist() == ([1] * 50)
 
 
 def test_small_component_repeats_and_reshuffles() -> None:
     small, big = make_split(10, length=2, base=1), make_split(100, length=2, base=100)
-    mix = Mixture([(small, 0.5), (big, 0.5)], seq_len=2)
+    mix = Mixture([(small, 0.5), (big, 0.5)])
     loader = ftj.Loader(mix, ftj.LoaderConfig(batch_size=100, seq_len=2, seed=3))
     rows = loader.provenance(0)
     mine = [r for r in rows if r["component"] == 0]
@@ -149,7 +145,7 @@ def test_small_component_repeats_and_reshuffles() -> None:
 def test_unshuffled_components_stay_in_order_but_interleave() -> None:
     a, b = make_split(50, length=2, base=1), make_split(50, length=2, base=1000)
     loader = ftj.Loader(
-        Mixture([(a, 3), (b, 1)], seq_len=2),
+        Mixture([(a, 3), (b, 1)]),
         ftj.LoaderConfig(batch_size=40, seq_len=2, shuffle=False),
     )
     first = loader.host_batch(0)["targets"][:, 0]
@@ -162,7 +158,6 @@ def test_unshuffled_components_stay_in_order_but_interleave() -> None:
 def test_any_step_is_cheap() -> None:
     mix = Mixture(
         [(make_split(40), 0.7), (make_split(30), 0.3)],
-        seq_len=2,
         schedule=[(10, [0.2, 0.8]), (1000, [0.5, 0.5])],
     )
     loader = ftj.Loader(mix, ftj.LoaderConfig(batch_size=8, seq_len=2))
@@ -178,8 +173,8 @@ def test_any_step_is_cheap() -> None:
 
 def test_schedule_change_keeps_earlier_steps_and_follows_new_weights() -> None:
     a, b = make_split(20), make_split(20, base=500)
-    plain = Mixture([(a, 1), (b, 1)], seq_len=2, period=4)
-    changed = Mixture([(a, 1), (b, 1)], seq_len=2, period=4, schedule=[(6, [3, 1])])
+    plain = Mixture([(a, 1), (b, 1)], period=4)
+    changed = Mixture([(a, 1), (b, 1)], period=4, schedule=[(6, [3, 1])])
     batch = 4
     before = np.arange(6 * batch)
     assert all(
@@ -205,14 +200,92 @@ def test_schedule_change_keeps_earlier_steps_and_follows_new_weights() -> None:
         it.close()
 
 
-def test_mixed_packing_components() -> None:
+def test_records_components_must_agree_with_the_config() -> None:
     a = ftj.PackedRecords(make_split(10, length=5), 4)
     b = ftj.PaddedRecords(make_split(10, length=3, base=50), 4)
-    loader = ftj.Loader(Mixture([(a, 1), (b, 1)]), ftj.LoaderConfig(batch_size=8, seq_len=4))
+    with pytest.raises(ValueError, match=r"records disagree on packing: '0': True, '1': False"):
+        Mixture([(a, 1), (b, 1)])
+    mix = Mixture([("a", a, 1), ("b", ftj.PackedRecords(make_split(10, base=50), 4), 1)])
+    with pytest.raises(
+        ValueError, match="says packing True but the LoaderConfig says packing False"
+    ):
+        ftj.Loader(mix, ftj.LoaderConfig(batch_size=8, seq_len=4, packing=False))
+    with pytest.raises(ValueError, match="says seq_len 4 but the LoaderConfig says seq_len 2"):
+        ftj.Loader(mix, ftj.LoaderConfig(batch_size=8, seq_len=2))
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_the_config_decides_what_a_record_is(packing: bool) -> None:
+    # Sequences of 3 tokens with seq_len 4: packed rows cross sequences, padded rows do not.
+    a, b = make_split(12, length=3), make_split(12, length=3, base=100)
+    cfg = ftj.LoaderConfig(batch_size=8, seq_len=4, packing=packing, shuffle=False)
+    loader = ftj.Loader(Mixture({"a": (a, 1), "b": (b, 1)}), cfg)
     batch = loader.host_batch(0)
-    for r in loader.provenance(0):
-        row = batch["loss_mask"][r["row"]].tolist()
-        assert row == ([True] * 4 if r["component"] == 0 else [True] * 3 + [False])
+    one = dataclasses.replace(cfg, batch_size=1)
+    for row in loader.provenance(0):
+        alone = ftj.Loader(a if row["component_name"] == "a" else b, one)
+        want = alone.host_batch(row["record"])  # unshuffled: step r of batch 1 is record r
+        for key, value in batch.items():
+            assert np.array_equal(value[row["row"]], want[key][0]), key
+    assert loader.fingerprint()["config"]["packing"] is packing
+    assert [r.packed for r in loader.components] == [packing, packing]
+    assert bool(batch["loss_mask"].all()) == packing  # padded rows of 3 tokens hold padding
+
+
+def test_deprecated_seq_len_must_agree_with_the_config() -> None:
+    ft = make_split(12, length=3)
+    with pytest.warns(DeprecationWarning, match="the LoaderConfig decides"):
+        mix = Mixture([(ft, 1)], seq_len=4, packing=True)
+    ftj.Loader(mix, ftj.LoaderConfig(batch_size=2, seq_len=4))
+    with pytest.raises(ValueError, match="Mixture says packing True but the LoaderConfig"):
+        ftj.Loader(mix, ftj.LoaderConfig(batch_size=2, seq_len=4, packing=False))
+
+
+def test_names_in_every_form_reach_provenance_and_fingerprint() -> None:
+    a, b = make_split(20), make_split(20, base=500)
+    forms = [
+        Mixture({"web": (a, 3), "code": (b, 1)}, period=4),
+        Mixture([("web", a, 3), ("code", b, 1)], period=4),
+    ]
+    cfg = ftj.LoaderConfig(batch_size=8, seq_len=2, shuffle=False)
+    rows = [ftj.Loader(m, cfg).provenance(0) for m in forms]
+    assert rows[0] == rows[1]
+    assert [r["component_name"] for r in rows[0]] == ["web", "web", "code", "web"] * 2
+    assert [r["component"] for r in rows[0]] == [0, 0, 1, 0] * 2
+    fp = ftj.Loader(forms[0], cfg).fingerprint()["data"]
+    assert [c["name"] for c in fp["components"]] == ["web", "code"]
+    unnamed = Mixture([(a, 3), (b, 1)], period=4)
+    assert unnamed.names == ("0", "1")
+    by_name = Mixture(
+        {"web": (a, 3), "code": (b, 1)}, period=4, schedule=[(1, {"code": 3, "web": 1})]
+    )
+    by_list = Mixture({"web": (a, 3), "code": (b, 1)}, period=4, schedule=[(1, [1, 3])])
+    g = np.arange(40)
+    assert all(
+        np.array_equal(x, y) for x, y in zip(by_name.route(g, 4), by_list.route(g, 4), strict=True)
+    )
+    with pytest.raises(ValueError, match=r"name every component \['web', 'code'\]"):
+        Mixture({"web": (a, 3), "code": (b, 1)}, schedule=[(1, {"web": 1})])
+    with pytest.raises(ValueError, match="unique"):
+        Mixture([("x", a, 1), ("x", b, 1)])
+
+
+def test_common_mistakes_name_the_fix() -> None:
+    url = memory_url()
+    ftj.write_dataset(url, {"train": [[1, 2, 3]] * 4})
+    ds = ftj.open_dataset(url)
+    inner = Mixture([(ds["train"], 1)])
+    cases = [
+        (ds, r"pick a split: ds\['train'\]"),
+        (url, r"open a split: ftj.open_dataset\("),
+        (inner, "cannot hold a Mixture"),
+        (None, "expected a FlatTokens split or Records, got NoneType"),
+    ]
+    for source, fix in cases:
+        with pytest.raises(TypeError, match=fix):
+            Mixture([("x", source, 1)])
+    with pytest.raises(TypeError, match="cannot hold a Mixture"):
+        Mixture(inner)  # type: ignore[arg-type]
 
 
 def megatron_split(weights: list[float], n: int) -> list[int]:
@@ -269,19 +342,60 @@ def test_packed_records_never_cross_a_view(lengths: list[int], seq_len: int, cut
 def test_mixture_from_yaml_config(tmp_path: Path) -> None:
     for name, base in (("web", 1), ("books", 100)):
         ftj.write_dataset(tmp_path / name, {"train": [[base + i] * 4 for i in range(100)]})
-    config = {
-        "datasets": {str(tmp_path / "web"): 0.8, str(tmp_path / "books"): 0.2},
-        "split": "90,10",
-        "seq_len": 4,
-        "seed": 5,
-    }
+    web, books = str(tmp_path / "web"), str(tmp_path / "books")
+    config = {"datasets": {web: 0.8, books: 0.2}, "split": "90,10", "seed": 5}
     train = mixture_from_config(config, "train")
     valid = mixture_from_config(config, "valid")
-    assert [c.ft.num_sequences for c in train.components] == [90, 90]  # type: ignore[attr-defined]
-    assert [c.ft.num_sequences for c in valid.components] == [10, 10]  # type: ignore[attr-defined]
+    assert [c.num_sequences for c in train.components] == [90, 90]  # type: ignore[union-attr]
+    assert [c.num_sequences for c in valid.components] == [10, 10]  # type: ignore[union-attr]
+    assert train.names == (web, books)
     loader = ftj.Loader(train, ftj.LoaderConfig(batch_size=10, seq_len=4))
     assert sorted(r["component"] for r in loader.provenance(0)) == [0] * 8 + [1] * 2
     with pytest.raises(ValueError, match="unknown mixture config key"):
         mixture_from_config({**config, "weights": 1})
+    with pytest.raises(ValueError, match="use valid"):
+        mixture_from_config(config, "validation")
     repo = Path(__file__).parent.parent / "configs" / "mixture.yaml"
     assert "datasets" in repo.read_text()
+
+
+def test_mixture_config_takes_what_the_python_api_takes(tmp_path: Path) -> None:
+    for name, base in (("web", 1), ("books", 100)):
+        ftj.write_dataset(tmp_path / name, {"train": [[base + i] * 4 for i in range(100)]})
+    web, books = str(tmp_path / "web"), str(tmp_path / "books")
+    schedule = [{"step": 3, "weights": {"web": 1, "books": 3}}]
+    config = {
+        "datasets": {"web": {"url": web, "weight": 3}, "books": {"url": books, "weight": 1}},
+        "seed": 7,
+        "period": 8,
+        "schedule": schedule,
+    }
+    listed = {
+        **config,
+        "datasets": [
+            {"name": "web", "url": web, "weight": 3},
+            {"name": "books", "url": books, "weight": 1},
+        ],
+    }
+    by_hand = Mixture(
+        {
+            "web": (ftj.open_dataset(web)["train"], 3),
+            "books": (ftj.open_dataset(books)["train"], 1),
+        },
+        seed=7,
+        period=8,
+        schedule=[(3, [1, 3])],
+    )
+    cfg = ftj.LoaderConfig(batch_size=8, seq_len=4, seed=1)
+    want = [ftj.Loader(by_hand, cfg).host_batch(s)["targets"] for s in range(6)]
+    for c in (config, listed):
+        loader = ftj.Loader(mixture_from_config(c), cfg)
+        assert loader.fingerprint() == ftj.Loader(by_hand, cfg).fingerprint()
+        for s in range(6):
+            assert np.array_equal(loader.host_batch(s)["targets"], want[s])
+    with pytest.warns(DeprecationWarning):
+        stated = mixture_from_config({**config, "seq_len": 8})
+    with pytest.raises(ValueError, match="says seq_len 8 but the LoaderConfig says seq_len 4"):
+        ftj.Loader(stated, cfg)
+    with pytest.raises(ValueError, match=r"schedule entry 0 must be \{step: N, weights"):
+        mixture_from_config({**config, "schedule": [{"at": 3}]})

@@ -29,6 +29,7 @@ from flat_tokens_jax.format import (
     check_token_ids,
     encode_concatenated,
 )
+from flat_tokens_jax.identity import ATTRIBUTE, DatasetInfo
 from flat_tokens_jax.layout import PROVISIONAL_SIZE, Layout, create_array
 from flat_tokens_jax.store import V2_GROUP, V3_META, Store, StoreOptions
 
@@ -227,6 +228,24 @@ def prepare_location(store: Store, overwrite: bool) -> None:
     store.delete_all()
 
 
+def root_attributes(
+    attributes: Mapping[str, Any] | None, info: DatasetInfo | None
+) -> dict[str, Any]:
+    """The root group's attributes: ``attributes`` and, under ``"flat_tokens"``,
+    ``info`` (an empty one when ``None``: every dataset says what wrote it).
+
+    Raises:
+        ValueError: ``attributes`` has a ``"flat_tokens"`` key of its own.
+    """
+    given = dict(attributes or {})
+    if ATTRIBUTE in given:
+        raise ValueError(
+            f"attributes may not have the key {ATTRIBUTE!r}: the writer fills it in; "
+            "pass info=DatasetInfo(...) instead"
+        )
+    return {**given, ATTRIBUTE: (info or DatasetInfo()).to_attributes()}
+
+
 def write_groups(
     store: Store, layout: Layout, max_token_ids: Mapping[str, int], attributes: Mapping[str, Any]
 ) -> None:
@@ -265,7 +284,10 @@ class DatasetWriter:
             interrupted write) at ``url``. Without it such a ``url`` is refused.
         options: how to reach the store (see :class:`StoreOptions`).
         splits: the splits to create; each is written even if it stays empty.
-        attributes: extra JSON attributes for the root group.
+        attributes: extra JSON attributes for the root group (any key but
+            ``"flat_tokens"``).
+        info: what made the data (tokenizer, flags, inputs), written under the
+            root attribute ``"flat_tokens"`` (see :mod:`flat_tokens_jax.identity`).
     """
 
     def __init__(
@@ -277,10 +299,11 @@ class DatasetWriter:
         options: StoreOptions | None = None,
         splits: Sequence[str] = SPLITS,
         attributes: Mapping[str, Any] | None = None,
+        info: DatasetInfo | None = None,
     ) -> None:
         self.layout = layout or Layout()
+        self.attributes = root_attributes(attributes, info)
         self.store = Store(url, options)
-        self.attributes = dict(attributes or {})
         prepare_location(self.store, overwrite)
         self._splits = {s: _SplitWriter(self.store, s, self.layout) for s in splits}
         self._closed = False

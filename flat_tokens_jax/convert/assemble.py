@@ -35,9 +35,10 @@ from flat_tokens_jax.format import (
     STARTS_DTYPE,
     TOKENS,
 )
+from flat_tokens_jax.identity import DatasetInfo
 from flat_tokens_jax.layout import Layout, create_array, open_for_writing
 from flat_tokens_jax.store import Pending, Store, StoreOptions
-from flat_tokens_jax.writer import STAGING, write_groups
+from flat_tokens_jax.writer import STAGING, root_attributes, write_groups
 
 DTYPES: dict[str, np.dtype[Any]] = {
     TOKENS: ENCODED_DTYPE,
@@ -269,7 +270,17 @@ def assemble_shard(
     return hi - lo
 
 
-def finish(plan: Plan, store: Store, attributes: Mapping[str, Any] | None = None) -> None:
-    """Deletes the staging prefix, then makes the output valid (root group last)."""
+def finish(
+    plan: Plan,
+    store: Store,
+    attributes: Mapping[str, Any] | None = None,
+    info: DatasetInfo | None = None,
+) -> None:
+    """Deletes the staging prefix, then makes the output valid (root group last).
+
+    ``attributes`` and ``info`` are written to the root group as
+    :class:`DatasetWriter` writes them.
+    """
+    root = root_attributes(attributes, info)
     store.delete_prefix(STAGING)
-    write_groups(store, plan.layout, plan.max_token_ids(), attributes or {})
+    write_groups(store, plan.layout, plan.max_token_ids(), root)

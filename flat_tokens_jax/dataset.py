@@ -46,7 +46,7 @@ class FlatTokens:
         split: str,
         *,
         check_end: bool = True,
-        info: DatasetInfo | None | type[_Unread] = _Unread,
+        info: DatasetInfo | type[_Unread] | None = _Unread,
     ) -> None:
         self._info = info
         found = store.group_attributes(split)

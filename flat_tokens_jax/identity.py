@@ -181,7 +181,8 @@ class DatasetInfo:
         flags = value.get("flags", {})
         inputs = value.get("inputs", {})
         _expect(start is None or _is_int(start), at, "start_token_id", "an int", start)
-        _expect(version is None or isinstance(version, str), at, "library_version", "a str", version)
+        is_str = version is None or isinstance(version, str)
+        _expect(is_str, at, "library_version", "a str", version)
         _expect(isinstance(flags, Mapping), at, "flags", "an object", flags)
         _expect(isinstance(inputs, Mapping), at, "inputs", "an object", inputs)
         try:

@@ -287,7 +287,9 @@ class DatasetWriter:
         attributes: extra JSON attributes for the root group (any key but
             ``"flat_tokens"``).
         info: what made the data (tokenizer, flags, inputs), written under the
-            root attribute ``"flat_tokens"`` (see :mod:`flat_tokens_jax.identity`).
+            root attribute ``"flat_tokens"`` (see :mod:`flat_tokens_jax.identity`);
+            :attr:`info` may be replaced until :meth:`close` (a converter that
+            learns its inputs' hash only at the end does).
     """
 
     def __init__(
@@ -302,7 +304,9 @@ class DatasetWriter:
         info: DatasetInfo | None = None,
     ) -> None:
         self.layout = layout or Layout()
-        self.attributes = root_attributes(attributes, info)
+        root_attributes(attributes, info)  # refuses a bad key before anything is written
+        self.attributes = dict(attributes or {})
+        self.info = info
         self.store = Store(url, options)
         prepare_location(self.store, overwrite)
         self._splits = {s: _SplitWriter(self.store, s, self.layout) for s in splits}
@@ -403,7 +407,8 @@ class DatasetWriter:
         for w in self._splits.values():
             w.finish()
         max_ids = {name: w.max_token_id for name, w in self._splits.items()}
-        write_groups(self.store, self.layout, max_ids, self.attributes)
+        root = root_attributes(self.attributes, self.info)
+        write_groups(self.store, self.layout, max_ids, root)
         log.info(
             "wrote %s: %s",
             self.store.url,

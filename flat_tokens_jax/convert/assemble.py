@@ -71,6 +71,7 @@ class PartInfo:
         splits: the counts of each split.
         skipped_empty: empty records its input had.
         skipped_bad: bad records its input had (with ``skip_bad``).
+        sha256: the SHA-256 hex digest of its input's bytes, if computed.
     """
 
     index: int
@@ -78,6 +79,7 @@ class PartInfo:
     splits: Mapping[str, SplitCounts]
     skipped_empty: int = 0
     skipped_bad: int = 0
+    sha256: str | None = None
 
     @classmethod
     def read(
@@ -88,6 +90,7 @@ class PartInfo:
         *,
         skipped_empty: int = 0,
         skipped_bad: int = 0,
+        sha256: str | None = None,
     ) -> PartInfo:
         """The info of the part written at ``url`` (a few small metadata reads)."""
         ds = open_dataset(url, options)
@@ -97,7 +100,7 @@ class PartInfo:
             )
             for name, ft in ds.items()
         }
-        return cls(index, url, splits, skipped_empty, skipped_bad)
+        return cls(index, url, splits, skipped_empty, skipped_bad, sha256)
 
 
 class Task(NamedTuple):

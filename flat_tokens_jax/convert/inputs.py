@@ -15,11 +15,13 @@ from __future__ import annotations
 import contextlib
 import glob
 import gzip
+import hashlib
 import importlib
 import io
 import json
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -128,6 +130,32 @@ def expand_inputs(patterns: Iterable[str | os.PathLike[str]]) -> list[Path]:
 def open_local(path: str) -> IO[bytes]:
     """The :data:`Opener` of local files."""
     return open(path, "rb", buffering=1 << 20)
+
+
+def file_sha256(
+    path: InputPath, opener: Opener = open_local, stop: threading.Event | None = None
+) -> str | None:
+    """The SHA-256 hex digest of an input's bytes as stored (still compressed).
+
+    A directory (a ``save_to_disk`` dataset) hashes, for each file under it in
+    sorted order of relative path, that path and the file's digest, one
+    ``"<path> <digest>"`` line each. ``None`` when ``stop`` is set before the end.
+    """
+    if isinstance(path, Path) and path.is_dir():
+        lines = hashlib.sha256()
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            digest = file_sha256(f, opener, stop)
+            if digest is None:
+                return None
+            lines.update(f"{f.relative_to(path).as_posix()} {digest}\n".encode())
+        return lines.hexdigest()
+    h = hashlib.sha256()
+    with open_local(str(path)) if isinstance(path, Path) else opener(path) as f:
+        while block := f.read(1 << 20):
+            if stop is not None and stop.is_set():
+                return None
+            h.update(block)
+    return h.hexdigest()
 
 
 def _decompressed(path: InputPath, raw: IO[bytes]) -> tuple[IO[bytes], tuple[type[Exception], ...]]:

@@ -143,11 +143,11 @@ def file_sha256(
     """
     if isinstance(path, Path) and path.is_dir():
         lines = hashlib.sha256()
-        for f in sorted(p for p in path.rglob("*") if p.is_file()):
-            digest = file_sha256(f, opener, stop)
+        for member in sorted(p for p in path.rglob("*") if p.is_file()):
+            digest = file_sha256(member, opener, stop)
             if digest is None:
                 return None
-            lines.update(f"{f.relative_to(path).as_posix()} {digest}\n".encode())
+            lines.update(f"{member.relative_to(path).as_posix()} {digest}\n".encode())
         return lines.hexdigest()
     h = hashlib.sha256()
     with open_local(str(path)) if isinstance(path, Path) else opener(path) as f:

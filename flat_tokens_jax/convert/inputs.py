@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import IO, Any, cast
@@ -156,6 +157,36 @@ def file_sha256(
                 return None
             h.update(block)
     return h.hexdigest()
+
+
+@contextlib.contextmanager
+def hash_inputs(
+    paths: Sequence[InputPath], opener: Opener = open_local
+) -> Iterator[Callable[[], list[str]]]:
+    """Hashes ``paths`` (:func:`file_sha256`) on a thread while the block runs.
+
+    Yields a function that waits for and returns the digests, in order. An
+    error in the block stops the hashing. The digests never depend on how the
+    block reads the same files (its workers, its batches).
+    """
+    stop = threading.Event()
+
+    def digests() -> list[str]:
+        out = []
+        for path in paths:
+            digest = file_sha256(path, opener, stop)
+            if digest is None:
+                raise InterruptedError("hashing the inputs was stopped")
+            out.append(digest)
+        return out
+
+    with ThreadPoolExecutor(1, thread_name_prefix="hash-inputs") as pool:
+        future = pool.submit(digests)
+        try:
+            yield future.result
+        except BaseException:
+            stop.set()
+            raise
 
 
 def _decompressed(path: InputPath, raw: IO[bytes]) -> tuple[IO[bytes], tuple[type[Exception], ...]]:

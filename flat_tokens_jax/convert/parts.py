@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -26,7 +24,7 @@ from flat_tokens_jax.convert.inputs import (
     InputPath,
     Opener,
     RecordReader,
-    file_sha256,
+    hash_inputs,
     open_local,
 )
 from flat_tokens_jax.convert.tokenizer import (
@@ -290,6 +288,10 @@ def write_documents(
 ) -> None:
     """Reads, tokenizes and appends to ``writer`` each pass's documents, in order.
 
+    Sets ``totals.digests`` to the inputs' SHA-256 digests, computed on a
+    thread beside the conversion (not with ``opts.max_tokens``, which may read
+    only a prefix of the inputs).
+
     Args:
         writer: the dataset (or part) the documents go to.
         passes: the files to read, each with its validation fraction and
@@ -301,31 +303,12 @@ def write_documents(
         opener: reads the files given as URLs (see :class:`RecordReader`).
     """
     files = [path for paths, _, _ in passes for path in paths]
-    # The inputs are hashed on a thread beside the conversion, not in the
-    # tokenizer's workers: the digests never depend on `workers`. With a token
-    # budget the data may come from a prefix of the inputs, which are not hashed.
     if opts.max_tokens is not None:
         _write_passes(writer, passes, tokenize, opts, totals, bar, opener)
         return
-    stop = threading.Event()
-    with ThreadPoolExecutor(1, thread_name_prefix="hash-inputs") as hashing:
-        hashed = hashing.submit(_digests, files, opener, stop)
-        try:
-            _write_passes(writer, passes, tokenize, opts, totals, bar, opener)
-        except BaseException:
-            stop.set()
-            raise
-        totals.digests = hashed.result()
-
-
-def _digests(files: Sequence[InputPath], opener: Opener, stop: threading.Event) -> list[str] | None:
-    out = []
-    for path in files:
-        digest = file_sha256(path, opener, stop)
-        if digest is None:
-            return None
-        out.append(digest)
-    return out
+    with hash_inputs(files, opener) as digests:
+        _write_passes(writer, passes, tokenize, opts, totals, bar, opener)
+        totals.digests = digests()
 
 
 def _write_passes(

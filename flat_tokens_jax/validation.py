@@ -19,6 +19,7 @@ from flat_tokens_jax.format import (
     check_starts_block,
     check_tokens_block,
 )
+from flat_tokens_jax.identity import DatasetInfo
 from flat_tokens_jax.store import ArrayReader, Store, StoreOptions
 
 BLOCK = 1 << 22
@@ -32,13 +33,15 @@ def validate(
     Checks both splits are present; dtypes and shapes; ``seq_starts`` starts at
     0, strictly increases and ends at the token count; start bits sit exactly at
     ``seq_starts``; every id is ``<= max_token_id``; an optional ``loss_mask``
-    has one ``uint8`` 0/1 entry per token.
+    has one ``uint8`` 0/1 entry per token; the root attribute ``flat_tokens``,
+    when present, is well formed.
 
     Raises:
         FormatError: listing every violation found, each with its array and index.
     """
     store = Store(url, options)
-    if store.group_attributes("") is None:
+    root = store.group_attributes("")
+    if root is None:
         raise FormatError(
             Problem(
                 store.url,
@@ -48,6 +51,10 @@ def validate(
             )
         )
     problems: list[Problem] = []
+    try:
+        DatasetInfo.from_attributes(root[1])
+    except FormatError as e:
+        problems += e.problems
     for split in SPLITS:
         try:
             ft = FlatTokens(store, split, check_end=False)

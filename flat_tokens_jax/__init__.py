@@ -2,6 +2,7 @@
 
 from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.format import FormatError, Problem, decode, encode
+from flat_tokens_jax.identity import DatasetInfo, TokenizerInfo, library_version
 from flat_tokens_jax.layout import Layout
 from flat_tokens_jax.loader import Loader, LoaderConfig, StateMismatch
 from flat_tokens_jax.mixture import Mixture, mixture_from_config
@@ -11,10 +12,11 @@ from flat_tokens_jax.store import StoreOptions
 from flat_tokens_jax.validation import summary, validate
 from flat_tokens_jax.writer import DatasetWriter, write_dataset
 
-__version__ = "0.1.0"
+__version__ = library_version()
 
 __all__ = [
     "Dataset",
+    "DatasetInfo",
     "DatasetWriter",
     "EpochsExhausted",
     "FlatTokens",
@@ -30,6 +32,7 @@ __all__ = [
     "Records",
     "StateMismatch",
     "StoreOptions",
+    "TokenizerInfo",
     "decode",
     "encode",
     "mixture_from_config",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections.abc import Sequence
@@ -37,8 +38,66 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _format_info(info: dict[str, Any]) -> str:
+_EIGHTHS = " ▏▎▍▌▋▊▉█"
+_BAR_WIDTH = 40
+
+
+def _bar(count: int, largest: int, unicode: bool) -> str:
+    """A bar of ``count`` scaled so that ``largest`` fills :data:`_BAR_WIDTH`
+    (at least a sliver for any count above 0)."""
+    if not count:
+        return ""
+    eighths = max(1, round(count / largest * _BAR_WIDTH * 8))
+    if not unicode:
+        return "#" * max(1, round(eighths / 8))
+    full, part = divmod(eighths, 8)
+    return "█" * full + (_EIGHTHS[part] if part else "")
+
+
+def _format_histogram(hist: dict[str, list[int]], unicode: bool) -> list[str]:
+    edges, counts = hist["edges"], hist["counts"]
+    largest = max(counts)
+    spans = [f"{lo}-{hi - 1}" if hi - 1 > lo else f"{lo}" for lo, hi in itertools.pairwise(edges)]
+    width = max(len(x) for x in spans)
+    return [
+        f"      {span:>{width}} | {_bar(c, largest, unicode):<{_BAR_WIDTH}} {c:,}"
+        for span, c in zip(spans, counts, strict=True)
+    ]
+
+
+def _format_made_by(made: dict[str, Any] | None) -> list[str]:
+    if made is None:
+        return ["  made by: not recorded"]
+    lines = [f"  made by: flat_tokens_jax {made.get('library_version', '?')}"]
+    tok = made.get("tokenizer")
+    if tok is None:
+        lines.append("    tokenizer: not recorded")
+    else:
+        ids = ", ".join(
+            f"{k.removesuffix('_id')} {'-' if tok.get(k) is None else tok[k]}"
+            for k in ("bos_id", "eos_id", "pad_id")
+        )
+        lines.append(
+            f"    tokenizer: {tok['name']} ({tok['vocab_hash']}), "
+            f"vocab_size {tok['vocab_size']:,}, {ids}"
+        )
+    start = made.get("start_token_id")
+    lines.append(f"    start_token_id: {'not recorded (0)' if start is None else start}")
+    flags = made.get("flags") or {}
+    if flags:
+        lines.append("    flags: " + ", ".join(f"{k}={json.dumps(v)}" for k, v in flags.items()))
+    inputs = made.get("inputs") or {}
+    if inputs:
+        hashed = inputs.get("sha256", "not hashed")
+        names = inputs.get("names", [])
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        lines.append(f"    inputs: {inputs.get('count', len(names))} ({shown}), {hashed}")
+    return lines
+
+
+def _format_info(info: dict[str, Any], unicode: bool = True) -> str:
     lines = [f"{info['url']} (zarr v{info['zarr_format']})"]
+    lines += _format_made_by(info.get("info"))
     for name, s in info["splits"].items():
         lines.append(
             f"  {name}: {s['num_tokens']:,} tokens, {s['num_sequences']:,} sequences, "
@@ -52,6 +111,8 @@ def _format_info(info: dict[str, Any]) -> str:
                 f"median {ln['median']:g}, p90 {ln['p90']:g}, p99 {ln['p99']:g}, "
                 f"max {ln['max']}"
             )
+            lines.append(f"    length histogram{approx} (sequences per length range):")
+            lines += _format_histogram(s["histogram"], unicode)
         for array, lay in s["layout"].items():
             shard = f", shard {lay['shard']}" if lay["shard"] else ""
             filters = f", filters {lay['filters']}" if lay["filters"] else ""
@@ -68,7 +129,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
     except (FormatError, StoreError) as e:
         print(f"{args.url}: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(info, indent=2) if args.json else _format_info(info))
+    unicode = "utf" in (sys.stdout.encoding or "").lower()
+    print(json.dumps(info, indent=2) if args.json else _format_info(info, unicode))
     return 0
 
 

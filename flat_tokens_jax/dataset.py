@@ -22,7 +22,12 @@ from flat_tokens_jax.format import (
     FormatError,
     decode,
 )
+from flat_tokens_jax.identity import DatasetInfo
 from flat_tokens_jax.store import ArrayReader, Pending, Store, StoreOptions, describe_layout
+
+
+class _Unread:
+    """The :attr:`FlatTokens.info` of a split opened on its own, until first read."""
 
 
 class FlatTokens:
@@ -31,9 +36,19 @@ class FlatTokens:
     ``check_end=False`` skips reading the last ``seq_starts`` entry on open
     (:func:`validate` checks it while streaming). Reads are thread-safe; every
     method that takes many indices or ranges requests them all before waiting.
+    ``info`` is the dataset's :class:`DatasetInfo` when the caller has read it
+    (:class:`Dataset` does); otherwise :attr:`info` reads it on first use.
     """
 
-    def __init__(self, store: Store, split: str, *, check_end: bool = True) -> None:
+    def __init__(
+        self,
+        store: Store,
+        split: str,
+        *,
+        check_end: bool = True,
+        info: DatasetInfo | type[_Unread] | None = _Unread,
+    ) -> None:
+        self._info = info
         found = store.group_attributes(split)
         if found is None:
             raise FormatError(f"{store.url}: split {split!r} is missing (no zarr group {split}/)")
@@ -97,6 +112,13 @@ class FlatTokens:
     @property
     def url(self) -> str:
         return self.store.url
+
+    @property
+    def info(self) -> DatasetInfo | None:
+        """What made the dataset this split belongs to; ``None`` when it does not say."""
+        if self._info is _Unread:
+            self._info = read_info(self.store)
+        return self._info  # type: ignore[return-value]
 
     @property
     def bytes_read(self) -> int:
@@ -209,8 +231,12 @@ class Dataset(Mapping[str, FlatTokens]):
             )
         self.store = store
         self.zarr_format, self.attributes = found
+        self.info = DatasetInfo.from_attributes(self.attributes, store.url)
+        """What made the dataset (tokenizer, flags, inputs); ``None`` when it does not say."""
         self._splits = {
-            s: FlatTokens(store, s) for s in SPLITS if store.group_attributes(s) is not None
+            s: FlatTokens(store, s, info=self.info)
+            for s in SPLITS
+            if store.group_attributes(s) is not None
         }
         if not self._splits:
             raise FormatError(
@@ -239,6 +265,18 @@ class Dataset(Mapping[str, FlatTokens]):
 
     def __repr__(self) -> str:
         return f"Dataset({self.url!r}, splits={self.splits})"
+
+
+def read_info(store: Store) -> DatasetInfo | None:
+    """The :class:`DatasetInfo` in the root attributes at ``store``; ``None`` if none.
+
+    Raises:
+        FormatError: no root group, or a malformed ``"flat_tokens"`` attribute.
+    """
+    found = store.group_attributes("")
+    if found is None:
+        raise FormatError(f"{store.url}: no zarr group metadata at the root")
+    return DatasetInfo.from_attributes(found[1], store.url)
 
 
 def open_dataset(

@@ -19,6 +19,7 @@ from flat_tokens_jax.format import (
     check_starts_block,
     check_tokens_block,
 )
+from flat_tokens_jax.identity import DatasetInfo
 from flat_tokens_jax.store import ArrayReader, Store, StoreOptions
 
 BLOCK = 1 << 22
@@ -32,13 +33,15 @@ def validate(
     Checks both splits are present; dtypes and shapes; ``seq_starts`` starts at
     0, strictly increases and ends at the token count; start bits sit exactly at
     ``seq_starts``; every id is ``<= max_token_id``; an optional ``loss_mask``
-    has one ``uint8`` 0/1 entry per token.
+    has one ``uint8`` 0/1 entry per token; the root attribute ``flat_tokens``,
+    when present, is well formed.
 
     Raises:
         FormatError: listing every violation found, each with its array and index.
     """
     store = Store(url, options)
-    if store.group_attributes("") is None:
+    root = store.group_attributes("")
+    if root is None:
         raise FormatError(
             Problem(
                 store.url,
@@ -48,6 +51,10 @@ def validate(
             )
         )
     problems: list[Problem] = []
+    try:
+        DatasetInfo.from_attributes(root[1])
+    except FormatError as e:
+        problems += e.problems
     for split in SPLITS:
         try:
             ft = FlatTokens(store, split, check_end=False)
@@ -141,13 +148,21 @@ def _blocks(array: ArrayReader, block: int) -> Iterator[tuple[int, np.ndarray]]:
 def summary(
     url: str | os.PathLike[str], options: StoreOptions | None = None, max_sampled: int = 1 << 20
 ) -> dict[str, Any]:
-    """Counts, sequence-length statistics and layout of every split, as JSON-ready data.
+    """What made the dataset, and counts, sequence lengths and layout of every split.
 
-    Length quantiles are exact up to ``max_sampled`` sequences and taken over
-    evenly spaced sequences beyond that (``"lengths_sampled": true``).
+    ``"info"`` is the dataset's :class:`DatasetInfo` as stored (``None`` when
+    it records none). Length quantiles and the ``"histogram"`` (counts of
+    lengths in ``[edges[i], edges[i + 1])``, ``edges`` powers of two) are
+    exact up to ``max_sampled`` sequences and taken over evenly spaced
+    sequences beyond that (``"lengths_sampled": true``).
     """
     ds = open_dataset(url, options)
-    out: dict[str, Any] = {"url": ds.url, "zarr_format": ds.zarr_format, "splits": {}}
+    out: dict[str, Any] = {
+        "url": ds.url,
+        "zarr_format": ds.zarr_format,
+        "info": None if ds.info is None else ds.info.to_attributes(),
+        "splits": {},
+    }
     for name, ft in ds.items():
         n = ft.num_sequences
         info: dict[str, Any] = {
@@ -170,6 +185,24 @@ def summary(
                 "p99": float(q[3]),
                 "max": int(q[4]),
             }
+            info["histogram"] = length_histogram(lengths)
             info["lengths_sampled"] = bool(idx.size < n)
         out["splits"][name] = info
     return out
+
+
+def length_histogram(lengths: np.ndarray) -> dict[str, list[int]]:
+    """Counts of ``lengths`` ``[k]`` (positive) in power-of-two buckets.
+
+    Returns:
+        ``{"edges": [e_0, ..., e_m], "counts": [c_0, ..., c_{m-1}]}``: ``c_i``
+        lengths lie in ``[e_i, e_{i+1})``; ``e_0`` is the largest power of two
+        at most the shortest length, ``e_m`` the smallest above the longest.
+    """
+    lo = int(lengths.min()).bit_length() - 1
+    hi = int(lengths.max()).bit_length()
+    edges = [1 << k for k in range(lo, hi + 1)]
+    # frexp's exponent is floor(log2(x)) + 1, exactly, for integers below 2**53.
+    bucket = np.frexp(lengths.astype(np.float64))[1].astype(np.int64) - 1 - lo
+    counts = np.bincount(bucket, minlength=len(edges) - 1)
+    return {"edges": edges, "counts": counts.astype(int).tolist()}

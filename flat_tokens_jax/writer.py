@@ -29,6 +29,7 @@ from flat_tokens_jax.format import (
     check_token_ids,
     encode_concatenated,
 )
+from flat_tokens_jax.identity import ATTRIBUTE, DatasetInfo
 from flat_tokens_jax.layout import PROVISIONAL_SIZE, Layout, create_array
 from flat_tokens_jax.store import V2_GROUP, V3_META, Store, StoreOptions
 
@@ -227,6 +228,24 @@ def prepare_location(store: Store, overwrite: bool) -> None:
     store.delete_all()
 
 
+def root_attributes(
+    attributes: Mapping[str, Any] | None, info: DatasetInfo | None
+) -> dict[str, Any]:
+    """The root group's attributes: ``attributes`` and, under ``"flat_tokens"``,
+    ``info`` (an empty one when ``None``: every dataset says what wrote it).
+
+    Raises:
+        ValueError: ``attributes`` has a ``"flat_tokens"`` key of its own.
+    """
+    given = dict(attributes or {})
+    if ATTRIBUTE in given:
+        raise ValueError(
+            f"attributes may not have the key {ATTRIBUTE!r}: the writer fills it in; "
+            "pass info=DatasetInfo(...) instead"
+        )
+    return {**given, ATTRIBUTE: (info or DatasetInfo()).to_attributes()}
+
+
 def write_groups(
     store: Store, layout: Layout, max_token_ids: Mapping[str, int], attributes: Mapping[str, Any]
 ) -> None:
@@ -265,7 +284,12 @@ class DatasetWriter:
             interrupted write) at ``url``. Without it such a ``url`` is refused.
         options: how to reach the store (see :class:`StoreOptions`).
         splits: the splits to create; each is written even if it stays empty.
-        attributes: extra JSON attributes for the root group.
+        attributes: extra JSON attributes for the root group (any key but
+            ``"flat_tokens"``).
+        info: what made the data (tokenizer, flags, inputs), written under the
+            root attribute ``"flat_tokens"`` (see :mod:`flat_tokens_jax.identity`);
+            :attr:`info` may be replaced until :meth:`close` (a converter that
+            learns its inputs' hash only at the end does).
     """
 
     def __init__(
@@ -277,10 +301,13 @@ class DatasetWriter:
         options: StoreOptions | None = None,
         splits: Sequence[str] = SPLITS,
         attributes: Mapping[str, Any] | None = None,
+        info: DatasetInfo | None = None,
     ) -> None:
         self.layout = layout or Layout()
-        self.store = Store(url, options)
+        root_attributes(attributes, info)  # refuses a bad key before anything is written
         self.attributes = dict(attributes or {})
+        self.info = info
+        self.store = Store(url, options)
         prepare_location(self.store, overwrite)
         self._splits = {s: _SplitWriter(self.store, s, self.layout) for s in splits}
         self._closed = False
@@ -380,7 +407,8 @@ class DatasetWriter:
         for w in self._splits.values():
             w.finish()
         max_ids = {name: w.max_token_id for name, w in self._splits.items()}
-        write_groups(self.store, self.layout, max_ids, self.attributes)
+        root = root_attributes(self.attributes, self.info)
+        write_groups(self.store, self.layout, max_ids, root)
         log.info(
             "wrote %s: %s",
             self.store.url,

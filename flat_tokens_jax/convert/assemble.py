@@ -35,9 +35,10 @@ from flat_tokens_jax.format import (
     STARTS_DTYPE,
     TOKENS,
 )
+from flat_tokens_jax.identity import DatasetInfo
 from flat_tokens_jax.layout import Layout, create_array, open_for_writing
 from flat_tokens_jax.store import Pending, Store, StoreOptions
-from flat_tokens_jax.writer import STAGING, write_groups
+from flat_tokens_jax.writer import STAGING, root_attributes, write_groups
 
 DTYPES: dict[str, np.dtype[Any]] = {
     TOKENS: ENCODED_DTYPE,
@@ -70,6 +71,7 @@ class PartInfo:
         splits: the counts of each split.
         skipped_empty: empty records its input had.
         skipped_bad: bad records its input had (with ``skip_bad``).
+        sha256: the SHA-256 hex digest of its input's bytes, if computed.
     """
 
     index: int
@@ -77,6 +79,7 @@ class PartInfo:
     splits: Mapping[str, SplitCounts]
     skipped_empty: int = 0
     skipped_bad: int = 0
+    sha256: str | None = None
 
     @classmethod
     def read(
@@ -87,6 +90,7 @@ class PartInfo:
         *,
         skipped_empty: int = 0,
         skipped_bad: int = 0,
+        sha256: str | None = None,
     ) -> PartInfo:
         """The info of the part written at ``url`` (a few small metadata reads)."""
         ds = open_dataset(url, options)
@@ -96,7 +100,7 @@ class PartInfo:
             )
             for name, ft in ds.items()
         }
-        return cls(index, url, splits, skipped_empty, skipped_bad)
+        return cls(index, url, splits, skipped_empty, skipped_bad, sha256)
 
 
 class Task(NamedTuple):
@@ -269,7 +273,17 @@ def assemble_shard(
     return hi - lo
 
 
-def finish(plan: Plan, store: Store, attributes: Mapping[str, Any] | None = None) -> None:
-    """Deletes the staging prefix, then makes the output valid (root group last)."""
+def finish(
+    plan: Plan,
+    store: Store,
+    attributes: Mapping[str, Any] | None = None,
+    info: DatasetInfo | None = None,
+) -> None:
+    """Deletes the staging prefix, then makes the output valid (root group last).
+
+    ``attributes`` and ``info`` are written to the root group as
+    :class:`DatasetWriter` writes them.
+    """
+    root = root_attributes(attributes, info)
     store.delete_prefix(STAGING)
-    write_groups(store, plan.layout, plan.max_token_ids(), attributes or {})
+    write_groups(store, plan.layout, plan.max_token_ids(), root)

@@ -63,6 +63,7 @@ from flat_tokens_jax.convert.inputs import (
 from flat_tokens_jax.convert.parts import Conversion, ConvertOptions, Totals, write_documents
 from flat_tokens_jax.convert.tokenizer import BatchTokenizer
 from flat_tokens_jax.dataset import Dataset, open_dataset
+from flat_tokens_jax.identity import DatasetInfo, inputs_record
 from flat_tokens_jax.store import Store, StoreOptions, context_spec
 from flat_tokens_jax.writer import STAGING, DatasetWriter, Layout, prepare_location
 
@@ -98,6 +99,8 @@ class _Job:
     eos_id: int | None
     text_tokenizer: bool
     opener: UrlOpener
+    info: DatasetInfo
+    input_names: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +218,7 @@ class _Tokenize(beam.DoFn):
             job.options,
             skipped_empty=totals.skipped_empty,
             skipped_bad=totals.skipped_bad,
+            sha256=totals.digests[0] if totals.digests else None,
         )
 
 
@@ -257,7 +261,10 @@ def _finish(shards: int, job: _Job, plan: Plan) -> None:
     expected = len(plan.tasks())
     if shards != expected:
         raise RuntimeError(f"{job.output}: {shards} shards were written, expected {expected}")
-    finish(plan, Store(job.output, job.options))
+    digests = [p.sha256 for p in plan.parts]
+    hashed = None if None in digests else [d for d in digests if d is not None]
+    info = dataclasses.replace(job.info, inputs=inputs_record(job.input_names, hashed))
+    finish(plan, Store(job.output, job.options), info=info)
     for name in ("skipped_empty", "skipped_bad"):
         Metrics.counter(NAMESPACE, name).inc(sum(getattr(p, name) for p in plan.parts))
 
@@ -354,6 +361,7 @@ def convert_beam(
     overwrite: bool = False,
     options: StoreOptions | None = None,
     pipeline_args: Sequence[str] = (),
+    start_token_id: int | str | None = None,
 ) -> dict[str, Any]:
     """:func:`~flat_tokens_jax.convert.text.convert`, run on Apache Beam.
 
@@ -399,6 +407,7 @@ def convert_beam(
         prepend_bos=prepend_bos,
         add_special_tokens=add_special_tokens,
         skip_bad=skip_bad,
+        start_token_id=start_token_id,
     )
     started = time.perf_counter()
     out = os.fspath(output)
@@ -433,6 +442,8 @@ def convert_beam(
         tokenize.eos_id,
         tokenize.tokenizer is not None,
         opener,
+        conv.info(None),
+        tuple(conv.input_names),
     )
     files = [(path, everything) for paths, _, everything in conv.passes for path in paths]
     pipeline = beam.Pipeline(options=beam_options)

@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import itertools
+import json
 import os
 import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -40,17 +43,30 @@ from flat_tokens_jax.convert.chat_template import (
     make_renderer,
     trained_tokens,
 )
-from flat_tokens_jax.convert.commands import add_converter_flags, run_command, store_options
+from flat_tokens_jax.convert.commands import (
+    add_converter_flags,
+    add_start_token_flag,
+    run_command,
+    store_options,
+)
 from flat_tokens_jax.convert.inputs import (
     BadRecord,
     RecordReader,
     Where,
     as_patterns,
     expand_inputs,
+    hash_inputs,
     require,
 )
-from flat_tokens_jax.convert.tokenizer import load_tokenizer, validation_mask
+from flat_tokens_jax.convert.tokenizer import (
+    LoadedTokenizer,
+    identity,
+    load_tokenizer,
+    resolve_start_token_id,
+    validation_mask,
+)
 from flat_tokens_jax.format import SPLITS, encode_concatenated
+from flat_tokens_jax.identity import DatasetInfo, inputs_record
 from flat_tokens_jax.store import StoreOptions
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
@@ -80,6 +96,7 @@ def convert_chat(
     overwrite: bool = False,
     options: StoreOptions | None = None,
     progress: bool | None = None,
+    start_token_id: int | str | None = None,
 ) -> dict[str, Any]:
     """Writes one sequence per conversation, with a loss mask on the trained turns.
 
@@ -101,6 +118,12 @@ def convert_chat(
         overwrite: replace an existing dataset at ``output``.
         options: how to reach ``output`` (e.g. an S3 endpoint and credentials).
         progress: a tqdm bar on stderr; ``None``: when stderr is a terminal.
+        start_token_id: record this input id for sequence starts (an id, or
+            ``"bos"``/``"eos"`` for the tokenizer's), as for ``convert``.
+
+    The output records the tokenizer, the template (its file's SHA-256, or
+    the tokenizer's own template's), ``train_on``, ``end_of_turn`` and the
+    inputs with their SHA-256 (see :class:`DatasetInfo`).
 
     Returns:
         A JSON-ready summary: ``conversations``, ``tokens``, ``trained_tokens``,
@@ -120,6 +143,7 @@ def convert_chat(
     if valid_paths and validation_fraction:
         raise ValueError("pass validation_fraction or validation_inputs, not both")
     loaded = load_tokenizer(tokenizer)
+    start = resolve_start_token_id(start_token_id, loaded)
     render = make_renderer(loaded, template, train_on, end_of_turn)
     tok = _whole_offsets(loaded.tokenizer)
 
@@ -134,7 +158,10 @@ def convert_chat(
     skipped = 0
     bar = _progress_bar(progress)
     try:
-        with DatasetWriter(output, layout=layout, overwrite=overwrite, options=options) as writer:
+        with (
+            DatasetWriter(output, layout=layout, overwrite=overwrite, options=options) as writer,
+            hash_inputs([*train_paths, *valid_paths]) as digests,
+        ):
             for paths, fraction, all_validation in passes:
                 reader = RecordReader(paths, None, skip_bad=skip_bad, check=check)
                 for docs in _batches(cast(Iterable[_Doc], reader)):
@@ -150,6 +177,12 @@ def convert_chat(
                     if bar is not None:
                         bar.update(sum(a.size for a in ids))
                 skipped += reader.skipped_bad
+            writer.info = DatasetInfo(
+                tokenizer=identity(loaded),
+                start_token_id=start,
+                flags=_flags(loaded, template, train_on, end_of_turn, validation_fraction),
+                inputs=inputs_record([str(p) for p in [*train_paths, *valid_paths]], digests()),
+            )
     finally:
         if bar is not None:
             bar.close()
@@ -168,6 +201,33 @@ def convert_chat(
         "splits": splits,
         "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 1),
+    }
+
+
+def _flags(
+    loaded: LoadedTokenizer,
+    template: str | os.PathLike[str] | ChatTemplate | None,
+    train_on: Sequence[str] | None,
+    end_of_turn: str | None,
+    validation_fraction: float,
+) -> dict[str, Any]:
+    """What shaped the tokens and the mask: the template's identity and options."""
+    if template is None:
+        source = getattr(loaded.hf, "chat_template", "")
+        tpl: dict[str, Any] = {"name": "tokenizer"}
+    elif isinstance(template, ChatTemplate):
+        source = json.dumps(dataclasses.asdict(template), sort_keys=True, default=list)
+        tpl = {"name": "ChatTemplate"}
+    else:
+        source = Path(template).read_text(encoding="utf-8")
+        tpl = {"name": os.fspath(template)}
+    tpl["sha256"] = hashlib.sha256(source.encode("utf-8")).hexdigest()
+    return {
+        "converter": "convert-chat",
+        "template": tpl,
+        "train_on": None if train_on is None else list(train_on),
+        "end_of_turn": end_of_turn,
+        "validation_fraction": validation_fraction,
     }
 
 
@@ -241,6 +301,7 @@ def add_commands(subparsers: Any) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--validation-fraction", type=float, default=0.0, help="hash split fraction")
     g.add_argument("--validation", nargs="+", default=[], metavar="INPUT", help="validation inputs")
+    add_start_token_flag(p)
     add_converter_flags(p)
     p.set_defaults(run=_cmd_convert_chat)
 
@@ -271,6 +332,7 @@ def _cmd_convert_chat(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             options=store_options(args),
             progress=False if args.no_progress else None,
+            start_token_id=args.start_token_id,
         )
 
     try:

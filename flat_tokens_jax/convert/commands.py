@@ -45,6 +45,29 @@ def add_converter_flags(parser: argparse.ArgumentParser) -> None:
     add_store_flags(parser)
 
 
+def _start_token_id(text: str) -> int | str:
+    if text in ("bos", "eos"):
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a token id >= 0, bos or eos, got {text!r}")
+    return value
+
+
+def add_start_token_flag(parser: argparse.ArgumentParser) -> None:
+    """Adds ``--start-token-id``, recorded in the new dataset's info."""
+    parser.add_argument(
+        "--start-token-id",
+        type=_start_token_id,
+        metavar="ID",
+        help="record the input id that training feeds at sequence starts (a number, or bos "
+        "or eos: the tokenizer's); a LoaderConfig without start_token_id uses it",
+    )
+
+
 def store_options(args: argparse.Namespace) -> StoreOptions:
     """The :class:`StoreOptions` of the flags of :func:`add_store_flags`."""
     return StoreOptions(

@@ -15,12 +15,15 @@ from __future__ import annotations
 import contextlib
 import glob
 import gzip
+import hashlib
 import importlib
 import io
 import json
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import IO, Any, cast
@@ -128,6 +131,62 @@ def expand_inputs(patterns: Iterable[str | os.PathLike[str]]) -> list[Path]:
 def open_local(path: str) -> IO[bytes]:
     """The :data:`Opener` of local files."""
     return open(path, "rb", buffering=1 << 20)
+
+
+def file_sha256(
+    path: InputPath, opener: Opener = open_local, stop: threading.Event | None = None
+) -> str | None:
+    """The SHA-256 hex digest of an input's bytes as stored (still compressed).
+
+    A directory (a ``save_to_disk`` dataset) hashes, for each file under it in
+    sorted order of relative path, that path and the file's digest, one
+    ``"<path> <digest>"`` line each. ``None`` when ``stop`` is set before the end.
+    """
+    if isinstance(path, Path) and path.is_dir():
+        lines = hashlib.sha256()
+        for member in sorted(p for p in path.rglob("*") if p.is_file()):
+            digest = file_sha256(member, opener, stop)
+            if digest is None:
+                return None
+            lines.update(f"{member.relative_to(path).as_posix()} {digest}\n".encode())
+        return lines.hexdigest()
+    h = hashlib.sha256()
+    with open_local(str(path)) if isinstance(path, Path) else opener(path) as f:
+        while block := f.read(1 << 20):
+            if stop is not None and stop.is_set():
+                return None
+            h.update(block)
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def hash_inputs(
+    paths: Sequence[InputPath], opener: Opener = open_local
+) -> Iterator[Callable[[], list[str]]]:
+    """Hashes ``paths`` (:func:`file_sha256`) on a thread while the block runs.
+
+    Yields a function that waits for and returns the digests, in order. An
+    error in the block stops the hashing. The digests never depend on how the
+    block reads the same files (its workers, its batches).
+    """
+    stop = threading.Event()
+
+    def digests() -> list[str]:
+        out = []
+        for path in paths:
+            digest = file_sha256(path, opener, stop)
+            if digest is None:
+                raise InterruptedError("hashing the inputs was stopped")
+            out.append(digest)
+        return out
+
+    with ThreadPoolExecutor(1, thread_name_prefix="hash-inputs") as pool:
+        future = pool.submit(digests)
+        try:
+            yield future.result
+        except BaseException:
+            stop.set()
+            raise
 
 
 def _decompressed(path: InputPath, raw: IO[bytes]) -> tuple[IO[bytes], tuple[type[Exception], ...]]:

@@ -18,13 +18,17 @@ import os
 import struct
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from flat_tokens_jax.convert.commands import add_store_flags, run_command, store_options
+from flat_tokens_jax.convert.inputs import hash_inputs
+from flat_tokens_jax.convert.tokenizer import identity, load_tokenizer
 from flat_tokens_jax.dataset import open_dataset
 from flat_tokens_jax.format import MAX_TOKEN_ID, SPLITS, decode, encode_concatenated
+from flat_tokens_jax.identity import DatasetInfo, inputs_record
 from flat_tokens_jax.store import StoreOptions
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
@@ -225,6 +229,7 @@ def import_megatron(
     progress: Callable[[int, int], None] | None = None,
     options: StoreOptions | None = None,
     chunk_tokens: int = CHUNK_TOKENS,
+    tokenizer: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """Writes Megatron indexed datasets, concatenated in order, as a new flat-tokens dataset.
 
@@ -242,6 +247,12 @@ def import_megatron(
             is written empty.
         progress: called after each chunk with ``(tokens_done, tokens_total)``.
         chunk_tokens: tokens per write, in whole units. Recommended: ``1 << 20``.
+        tokenizer: the tokenizer that made the ids (a ``tokenizers`` JSON file
+            or ``transformers`` directory), only to record its identity.
+
+    The output records (:class:`DatasetInfo`) the tokenizer when given, the
+    flags ``per_sequence`` and ``dtype_code``, and the prefixes with a SHA-256
+    over the digests of each prefix's ``.idx`` then ``.bin``.
 
     Returns:
         A JSON-ready summary: per prefix its dtype, documents, sequences, tokens
@@ -259,15 +270,20 @@ def import_megatron(
     if not prefixes:
         raise ValueError("import_megatron needs at least one prefix")
     indexes = [read_index(p) for p in prefixes]
+    tok = None if tokenizer is None else identity(load_tokenizer(tokenizer))
     codes = sorted({ix.dtype_code for ix in indexes})
     code = codes[0] if len(codes) == 1 else None
     totals = [int(ix.sizes.sum(dtype=np.int64)) for ix in indexes]
     done = written = 0
     stats: list[dict[str, Any]] = []
     attributes = {} if code is None else {"megatron": {"dtype_code": code}}
-    with DatasetWriter(
-        output, layout=layout, overwrite=overwrite, options=options, attributes=attributes
-    ) as writer:
+    files = [Path(f"{os.fspath(p)}{ext}") for p in prefixes for ext in (".idx", ".bin")]
+    with (
+        DatasetWriter(
+            output, layout=layout, overwrite=overwrite, options=options, attributes=attributes
+        ) as writer,
+        hash_inputs(files) as digests,
+    ):
         for ix, tokens in zip(indexes, totals, strict=True):
             skipped = 0
             for first, stop, lengths in _runs(ix, per_sequence, chunk_tokens):
@@ -292,6 +308,15 @@ def import_megatron(
                     "skipped_empty": skipped,
                 }
             )
+        writer.info = DatasetInfo(
+            tokenizer=tok,
+            flags={
+                "converter": "import-megatron",
+                "per_sequence": per_sequence,
+                "dtype_code": code,
+            },
+            inputs=inputs_record([os.fspath(p) for p in prefixes], digests()),
+        )
     return {
         "output": os.fspath(output),
         "split": split,
@@ -410,6 +435,11 @@ def add_commands(subparsers: Any) -> None:
         help="one sequence per Megatron sequence, not per document",
     )
     p.add_argument("--split", default="train", choices=SPLITS, help="the split to write")
+    p.add_argument(
+        "--tokenizer",
+        help="the tokenizer that made the ids (JSON file or transformers directory), recorded "
+        "in the dataset's info so that merge and Mixture can check it",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_store_flags(p)
@@ -447,9 +477,11 @@ def _cmd_import(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             split=args.split,
             options=store_options(args),
+            tokenizer=args.tokenizer,
         ),
         as_json=args.json,
         describe=describe,
+        errors=(ValueError, OSError, ImportError),
     )
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -11,8 +13,9 @@ from typing import Any
 import numpy as np
 
 from flat_tokens_jax.convert.commands import add_store_flags, run_command, store_options
-from flat_tokens_jax.dataset import FlatTokens, open_dataset
+from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.format import SPLITS
+from flat_tokens_jax.identity import DatasetInfo, check_tokenizers, common_tokenizer, inputs_record
 from flat_tokens_jax.store import StoreOptions
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
@@ -27,6 +30,7 @@ def merge(
     overwrite: bool = False,
     block_tokens: int = BLOCK_TOKENS,
     options: StoreOptions | None = None,
+    allow_mixed_tokenizers: bool = False,
 ) -> dict[str, Any]:
     """Writes every split of ``inputs``, in order, into one new dataset at ``output``.
 
@@ -36,11 +40,27 @@ def merge(
     Python list. Loss masks are carried over when every input of a split has
     one. ``options`` reach the inputs and the output alike.
 
+    Inputs that record different tokenizers (:attr:`Dataset.info`) are refused
+    unless ``allow_mixed_tokenizers``; inputs that record none (older datasets)
+    merge with any. The output records the tokenizer, start id and flags the
+    inputs share (the tokenizer only when every input records the same one;
+    flags and start id only when all are equal), and as inputs the input URLs
+    with a hash of each one's info and counts.
+
     Returns:
         A JSON-ready summary: inputs, and sequences and tokens per split.
+
+    Raises:
+        ValueError: inputs of different tokenizers, or loss masks in some
+            inputs of a split only.
     """
     began = time.perf_counter()
     datasets = [open_dataset(url, options) for url in inputs]
+    check_tokenizers(
+        [(ds.url, ds.info) for ds in datasets],
+        allow_mixed=allow_mixed_tokenizers,
+        fix="pass --allow-mixed-tokenizers (allow_mixed_tokenizers=True in Python)",
+    )
     for split in SPLITS:
         masked = {ds[split].loss_mask is not None for ds in datasets if split in ds}
         if len(masked) > 1:
@@ -53,7 +73,9 @@ def merge(
                 f"split {split!r}: some inputs have a loss_mask and some do not: {listed}"
             )
     summary: dict[str, Any] = {"inputs": [ds.url for ds in datasets], "splits": {}}
-    with DatasetWriter(output, layout=layout, overwrite=overwrite, options=options) as writer:
+    with DatasetWriter(
+        output, layout=layout, overwrite=overwrite, options=options, info=merged_info(datasets)
+    ) as writer:
         for split in SPLITS:
             sequences = tokens = 0
             for ds in datasets:
@@ -66,6 +88,29 @@ def merge(
             summary["splits"][split] = {"sequences": sequences, "tokens": tokens}
     summary["seconds"] = round(time.perf_counter() - began, 3)
     return summary
+
+
+def merged_info(datasets: Sequence[Dataset]) -> DatasetInfo:
+    """The info of the concatenation of ``datasets``: what they all share."""
+    infos = [ds.info for ds in datasets]
+    starts = {None if i is None else i.start_token_id for i in infos}
+    flags = [None if i is None else json.dumps(i.flags, sort_keys=True) for i in infos]
+    common = infos[0] is not None and len(set(flags)) == 1
+    return DatasetInfo(
+        tokenizer=common_tokenizer(infos),
+        start_token_id=starts.pop() if len(starts) == 1 else None,
+        flags=dict(infos[0].flags) if common and infos[0] is not None else {},
+        inputs=inputs_record([ds.url for ds in datasets], [_fingerprint(ds) for ds in datasets]),
+    )
+
+
+def _fingerprint(ds: Dataset) -> str:
+    """SHA-256 of an input's info and per-split counts, as canonical JSON."""
+    content = {
+        "info": None if ds.info is None else ds.info.to_attributes(),
+        "splits": {n: [ft.num_sequences, ft.num_tokens, ft.max_token_id] for n, ft in ds.items()},
+    }
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode("utf-8")).hexdigest()
 
 
 def _blocks(
@@ -93,6 +138,11 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="datasets, in order")
     p.add_argument("output", metavar="OUTPUT", help="the new dataset")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT")
+    p.add_argument(
+        "--allow-mixed-tokenizers",
+        action="store_true",
+        help="merge inputs that record different tokenizers",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_store_flags(p)
     p.set_defaults(run=_cmd_merge)
@@ -112,7 +162,11 @@ def _cmd_merge(args: argparse.Namespace) -> int:
     return run_command(
         "merge",
         lambda: merge(
-            args.inputs, args.output, overwrite=args.overwrite, options=store_options(args)
+            args.inputs,
+            args.output,
+            overwrite=args.overwrite,
+            options=store_options(args),
+            allow_mixed_tokenizers=args.allow_mixed_tokenizers,
         ),
         as_json=args.json,
         describe=describe,

@@ -20,7 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from flat_tokens_jax.convert.inputs import InputPath, Opener, RecordReader, open_local
+from flat_tokens_jax.convert.inputs import (
+    InputPath,
+    Opener,
+    RecordReader,
+    hash_inputs,
+    open_local,
+)
 from flat_tokens_jax.convert.tokenizer import (
     BOS_CANDIDATES,
     EOS_CANDIDATES,
@@ -29,10 +35,13 @@ from flat_tokens_jax.convert.tokenizer import (
     LoadedTokenizer,
     Packed,
     batch_encoder,
+    identity,
     load_tokenizer,
+    resolve_start_token_id,
     validation_mask,
 )
 from flat_tokens_jax.format import encode_concatenated
+from flat_tokens_jax.identity import DatasetInfo, inputs_record
 from flat_tokens_jax.writer import DatasetWriter
 
 # One pass over input files: (files, validation fraction, every document to validation).
@@ -73,6 +82,7 @@ class ConvertOptions:
     add_special_tokens: bool = False
     max_tokens: int | None = None
     skip_bad: bool = False
+    start_token_id: int | str | None = None
 
     def __post_init__(self) -> None:
         if self.tokenizer is None and self.tokens_key is None:
@@ -90,6 +100,28 @@ class ConvertOptions:
             raise ValueError(f"workers must be at least 1, got {self.workers}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be positive or None, got {self.max_tokens}")
+        start = self.start_token_id
+        is_id = isinstance(start, int) and start >= 0
+        if not (start is None or start in ("bos", "eos") or is_id):
+            raise ValueError(f"start_token_id must be a token id >= 0, bos or eos, got {start!r}")
+        if self.tokenizer is None and start in ("bos", "eos"):
+            raise ValueError(
+                f"start_token_id={start!r} needs tokenizer= to find the id; "
+                "or give the id as a number"
+            )
+
+    def flags(self) -> dict[str, Any]:
+        """What shapes the tokens, as a dataset records it (see :class:`DatasetInfo`)."""
+        source = {"tokens_key": self.tokens_key} if self.tokens_key else {"text_key": self.text_key}
+        return {
+            "converter": "convert",
+            **source,
+            "append_eos": self.append_eos,
+            "prepend_bos": self.prepend_bos,
+            "add_special_tokens": self.add_special_tokens,
+            "validation_fraction": self.validation_fraction,
+            "max_tokens": self.max_tokens,
+        }
 
 
 def special_ids(tok: LoadedTokenizer | None, opts: ConvertOptions) -> tuple[Any, Any]:
@@ -118,6 +150,7 @@ class Conversion:
         validation: the files whose documents all go to "validation", after ``train``.
         tokenizer: the loaded tokenizer, ``None`` for token ids read as they are.
         tokenize: what turns a batch of documents into token ids.
+        start_token_id: ``opts.start_token_id`` as an id (bos/eos resolved).
     """
 
     opts: ConvertOptions
@@ -125,6 +158,7 @@ class Conversion:
     validation: Sequence[InputPath]
     tokenizer: LoadedTokenizer | None
     tokenize: BatchTokenizer
+    start_token_id: int | None = None
 
     @classmethod
     def start(
@@ -144,7 +178,24 @@ class Conversion:
         bos, eos = special_ids(tok, opts)
         text_tokenizer = None if tok is None or opts.tokens_key else tok.tokenizer
         tokenize = BatchTokenizer(text_tokenizer, bos, eos, opts.add_special_tokens)
-        return cls(opts, train, validation, tok, tokenize)
+        start = resolve_start_token_id(opts.start_token_id, tok)
+        return cls(opts, train, validation, tok, tokenize, start)
+
+    def info(self, digests: Sequence[str] | None) -> DatasetInfo:
+        """What the output records: the tokenizer, flags and the inputs with their
+        ``digests`` (one per file, train then validation; ``None``: not hashed)."""
+        validation = {"validation_files": len(self.validation)} if self.validation else {}
+        return DatasetInfo(
+            tokenizer=identity(self.tokenizer) if self.tokenizer else None,
+            start_token_id=self.start_token_id,
+            flags={**self.opts.flags(), **validation},
+            inputs=inputs_record(self.input_names, digests),
+        )
+
+    @property
+    def input_names(self) -> list[str]:
+        """The input files as given (globs expanded), train then validation."""
+        return [str(p) for p in [*self.train, *self.validation]]
 
     @property
     def passes(self) -> list[Pass]:
@@ -197,6 +248,8 @@ class Totals:
     skipped_empty: int = 0
     skipped_bad: int = 0
     stopped_early: bool = False
+    # SHA-256 hex digests of the input files, in order; None until all are hashed.
+    digests: list[str] | None = None
 
     def write(self, writer: DatasetWriter, packed: Packed, validation: np.ndarray) -> int:
         """Writes one batch, cut at the token budget; returns the tokens written."""
@@ -235,6 +288,10 @@ def write_documents(
 ) -> None:
     """Reads, tokenizes and appends to ``writer`` each pass's documents, in order.
 
+    Sets ``totals.digests`` to the inputs' SHA-256 digests, computed on a
+    thread beside the conversion (not with ``opts.max_tokens``, which may read
+    only a prefix of the inputs).
+
     Args:
         writer: the dataset (or part) the documents go to.
         passes: the files to read, each with its validation fraction and
@@ -245,6 +302,24 @@ def write_documents(
         bar: a tqdm bar updated with the tokens written, or ``None``.
         opener: reads the files given as URLs (see :class:`RecordReader`).
     """
+    files = [path for paths, _, _ in passes for path in paths]
+    if opts.max_tokens is not None:
+        _write_passes(writer, passes, tokenize, opts, totals, bar, opener)
+        return
+    with hash_inputs(files, opener) as digests:
+        _write_passes(writer, passes, tokenize, opts, totals, bar, opener)
+        totals.digests = digests()
+
+
+def _write_passes(
+    writer: DatasetWriter,
+    passes: Sequence[Pass],
+    tokenize: BatchTokenizer,
+    opts: ConvertOptions,
+    totals: Totals,
+    bar: Any,
+    opener: Opener,
+) -> None:
     key = opts.tokens_key or opts.text_key
     try:
         with batch_encoder(tokenize, opts.workers) as encode:

@@ -19,7 +19,12 @@ from collections.abc import Sequence
 from concurrent.futures import BrokenExecutor
 from typing import Any
 
-from flat_tokens_jax.convert.commands import add_converter_flags, run_command, store_options
+from flat_tokens_jax.convert.commands import (
+    add_converter_flags,
+    add_start_token_flag,
+    run_command,
+    store_options,
+)
 from flat_tokens_jax.convert.inputs import as_patterns, expand_inputs, require
 from flat_tokens_jax.convert.parts import Conversion, ConvertOptions, Totals, write_documents
 from flat_tokens_jax.store import StoreOptions
@@ -59,6 +64,7 @@ def convert(
     overwrite: bool = False,
     progress: bool | None = None,
     options: StoreOptions | None = None,
+    start_token_id: int | str | None = None,
 ) -> dict[str, Any]:
     """Tokenizes documents into a new flat-tokens dataset, one sequence per document.
 
@@ -91,6 +97,14 @@ def convert(
         overwrite: replace an existing dataset at ``output``.
         progress: a tqdm bar on stderr; ``None``: when stderr is a terminal.
         options: how to reach ``output`` (e.g. an S3 endpoint and credentials).
+        start_token_id: record this input id for sequence starts in the
+            output's info (``LoaderConfig`` uses it when it sets none): an id,
+            or ``"bos"``/``"eos"`` for the tokenizer's.
+
+    The output records what made it (:class:`DatasetInfo`): the tokenizer's
+    identity, the flags above that shape tokens, and the input files with a
+    SHA-256 over their bytes (none with ``max_tokens``, which may read only a
+    prefix of them).
 
     Returns:
         A JSON-ready summary: ``documents``, ``tokens``, ``skipped_empty``,
@@ -113,6 +127,7 @@ def convert(
         add_special_tokens=add_special_tokens,
         max_tokens=max_tokens,
         skip_bad=skip_bad,
+        start_token_id=start_token_id,
     )
     started = time.perf_counter()
     conv = Conversion.start(
@@ -121,6 +136,7 @@ def convert(
     totals = Totals(opts.max_tokens)
     with DatasetWriter(output, layout=layout, overwrite=overwrite, options=options) as writer:
         write_documents(writer, conv.passes, conv.tokenize, opts, totals, _progress_bar(progress))
+        writer.info = conv.info(totals.digests)
     return conv.summary(
         os.fspath(output),
         {s: {"documents": totals.documents[s], "tokens": totals.tokens[s]} for s in totals.tokens},
@@ -178,6 +194,7 @@ def add_commands(subparsers: Any) -> None:
         help="local: this process and its --workers; beam: an Apache Beam pipeline, "
         "whose options follow '--' (e.g. -- --runner=DataflowRunner --project=P ...)",
     )
+    add_start_token_flag(p)
     add_converter_flags(p)
     p.set_defaults(run=_cmd_convert, takes_pipeline_args=True, pipeline_args=[])
 
@@ -207,6 +224,7 @@ def _shared(args: argparse.Namespace) -> dict[str, Any]:
         "prepend_bos": args.prepend_bos,
         "add_special_tokens": args.add_special_tokens,
         "skip_bad": args.skip_bad,
+        "start_token_id": args.start_token_id,
         "overwrite": args.overwrite,
         "options": store_options(args),
     }

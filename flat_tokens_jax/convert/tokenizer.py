@@ -35,6 +35,7 @@ import numpy as np
 
 from flat_tokens_jax.convert.inputs import require
 from flat_tokens_jax.format import MAX_TOKEN_ID
+from flat_tokens_jax.identity import TokenizerInfo, tokenizer_info
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,38 @@ class LoadedTokenizer:
     bos_id: int | None
     eos_id: int | None
     hf: Any = None
+
+
+def identity(tok: LoadedTokenizer) -> TokenizerInfo:
+    """The :class:`TokenizerInfo` that a dataset made with ``tok`` records."""
+    pad = getattr(tok.hf, "pad_token_id", None) if tok.hf is not None else None
+    return tokenizer_info(tok.tokenizer, tok.name, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=pad)
+
+
+def resolve_start_token_id(
+    value: int | str | None, tok: LoadedTokenizer | None, flag: str = "start_token_id"
+) -> int | None:
+    """``value`` as an id: an int as it is, ``"bos"``/``"eos"`` as ``tok``'s id.
+
+    Raises:
+        ValueError: a word other than bos/eos, a negative id, or a word whose
+            id ``tok`` does not have (or no tokenizer).
+    """
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{flag} must be a token id >= 0, bos or eos, got {value}")
+        return value
+    if value not in ("bos", "eos"):
+        raise ValueError(f"{flag} must be a token id, bos or eos, got {value!r}")
+    found = None if tok is None else (tok.bos_id if value == "bos" else tok.eos_id)
+    if found is None:
+        where = "no tokenizer was given" if tok is None else f"tokenizer {tok.name} has none"
+        raise ValueError(f"{flag} {value}: {where}; give the id as a number")
+    return found
 
 
 def _find_token(tokenizer: Any, candidates: Sequence[str]) -> int | None:

@@ -9,11 +9,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from flat_tokens_jax import show
 from flat_tokens_jax.convert import chat, megatron, merge, text
 from flat_tokens_jax.convert.commands import add_store_flags, store_options
-from flat_tokens_jax.dataset import open_dataset
+from flat_tokens_jax.convert.tokenizer import load_tokenizer
 from flat_tokens_jax.format import FormatError
-from flat_tokens_jax.loader import Loader, LoaderConfig
+from flat_tokens_jax.identity import tokenizer_info
+from flat_tokens_jax.loader import Loader
+from flat_tokens_jax.records import recorded_info
 from flat_tokens_jax.store import StoreError
 from flat_tokens_jax.validation import summary, validate
 
@@ -135,41 +138,52 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    config = LoaderConfig(
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        packing=not args.padded,
-        shuffle=not args.no_shuffle,
-        seed=args.seed,
-        num_epochs=args.num_epochs,
-        prefetch=0,
-    )
     try:
-        loader = Loader(open_dataset(args.url, store_options(args))[args.split], config)
-        batch = loader.host_batch(args.step)
-        provenance = loader.provenance(args.step)
-    except (FormatError, StoreError, IndexError, KeyError, ValueError) as e:
-        print(f"{args.url}: {e}", file=sys.stderr)
-        return 1
-    rows = [
-        {**prov, **{k: v[i].astype(int).tolist() for k, v in batch.items()}}
-        for i, prov in enumerate(provenance)
-    ]
-    if args.json:
-        print(json.dumps({"step": args.step, "config": config.batch_defining(), "rows": rows}))
-        return 0
-    print(f"step {args.step} of {args.url} [{args.split}], {config}")
-    for row in rows:
-        where = (
-            "padding"
-            if row.get("padding")
-            else f"sample {row['sample']}, epoch {row['epoch']}, record {row['record']}, "
-            f"tokens [{row['tokens'][0]}, {row['tokens'][1]})"
+        loader = show.build_loader(
+            url=args.url,
+            split=args.split,
+            config=None if args.config is None else show.read_yaml(args.config),
+            state=None if args.state is None else show.read_json(args.state),
+            fields=show.config_fields(args),
+            options=store_options(args),
         )
-        print(f"row {row['row']}: {where}")
-        for key in ("inputs", "targets", "segment_ids", "positions", "loss_mask"):
-            print(f"  {key:<12}{row[key]}")
+        rows = show.parse_rows(args.rows, loader.config.batch_size)
+        decode = None if args.tokenizer is None else _decoder(args.tokenizer, loader)
+        shown = show.run_json(loader, args.step, rows)
+    except (FormatError, StoreError, IndexError, KeyError, ValueError, OSError) as e:
+        print(f"show: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(shown))
+        return 0
+    names = ", ".join(f"{s['name']}: {s.get('url', s.get('repr'))}" for s in shown["sources"])
+    print(f"step {args.step} of {names}, {shown['config']}")
+    if decode is not None:
+        print(f"[n]: segment n; {show.UNTRAINED[0]}...{show.UNTRAINED[1]}: loss_mask 0")
+    for row in shown["rows"]:
+        print(show.where(row))
+        if row.get("padding"):
+            continue
+        if decode is None:
+            for key in show.FIELDS:
+                print(f"  {key:<12}{row[key]}")
+        else:
+            print("  " + show.row_text(row, decode).replace("\n", "\n  "))
     return 0
+
+
+def _decoder(path: str, loader: Loader) -> Any:
+    """A decode function of the tokenizer at ``path``; refuses one the data was not made with."""
+    loaded = load_tokenizer(path)
+    for name, records in zip(loader.names, loader.components, strict=True):
+        info = recorded_info(records)
+        tok = None if info is None else info.tokenizer
+        if tok is not None and tok.vocab_hash != tokenizer_info(loaded.tokenizer, path).vocab_hash:
+            raise ValueError(
+                f"the data of {name!r} was made with {tok.name} ({tok.vocab_hash}), not "
+                f"{path}: pass that tokenizer"
+            )
+    return lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -182,16 +196,33 @@ def build_parser() -> argparse.ArgumentParser:
     _store_args(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_cmd_info)
-    p = sub.add_parser("show", help="print the batch of a step and where each row came from")
-    _store_args(p)
+    p = sub.add_parser(
+        "show",
+        help="print the batch of a step and where each row came from",
+        description="The rows a run fed its model at --step, exactly as Loader.host_batch "
+        "and Loader.provenance give them. The run comes from URL, --config or --state; "
+        "flags set or override LoaderConfig fields.",
+    )
+    p.add_argument("url", nargs="?", help="the dataset (not needed with --config data or --state)")
+    add_store_flags(p)
     p.add_argument("--step", type=int, required=True)
-    p.add_argument("--batch-size", type=int, required=True, help="global batch size")
-    p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--split", default="train")
-    p.add_argument("--padded", action="store_true", help="one sequence per row, padded")
-    p.add_argument("--no-shuffle", action="store_true", help="records in order")
-    p.add_argument("--num-epochs", type=int, default=None)
+    p.add_argument("--config", help="YAML with a loader section and optionally a data section")
+    p.add_argument("--state", help="a saved loader.state() as JSON")
+    p.add_argument("--split", default="train", help="split of URL, or part of a data split cut")
+    p.add_argument("--batch-size", type=int, help="global batch size")
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--packing", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument(
+        "--padded", dest="packing", action="store_false", help="one sequence per row, padded"
+    )
+    p.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--num-epochs", type=int)
+    p.add_argument("--start-token-id", type=int)
+    p.add_argument("--pad-id", type=int)
+    p.add_argument("--vocab-size", type=int)
+    p.add_argument("--rows", help="rows to print, e.g. 0,5-7 (default: all)")
+    p.add_argument("--tokenizer", help="render rows as text with this tokenizer")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_cmd_show)
     text.add_commands(sub)

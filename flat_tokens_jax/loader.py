@@ -466,7 +466,7 @@ class Loader:
         saved = state.get("fingerprint")
         if not isinstance(saved, Mapping):
             raise StateMismatch(f"saved loader state has no fingerprint: {saved!r}")
-        diffs = _differences(saved, self.fingerprint(), "")
+        diffs = differences(saved, self.fingerprint(), "")
         if diffs:
             raise StateMismatch(
                 "the saved loader state is for different data or config:\n  " + "\n  ".join(diffs)
@@ -526,7 +526,7 @@ def _component_seed(seed: int, mixture: Mixture | None, component: int) -> int:
 MAX_SAMPLE = 2**63 - 1  # Global sample indices are int64.
 
 
-def _differences(saved: Any, now: Any, path: str) -> list[str]:
+def differences(saved: Any, now: Any, path: str) -> list[str]:
     """Where ``saved`` and ``now`` differ, as ``path: saved X, now Y`` lines.
 
     Mappings compare key by key, over the keys both hold (a key only ``now``
@@ -538,13 +538,13 @@ def _differences(saved: Any, now: Any, path: str) -> list[str]:
             line
             for key in now
             if key in saved
-            for line in _differences(saved[key], now[key], f"{path}.{key}" if path else key)
+            for line in differences(saved[key], now[key], f"{path}.{key}" if path else key)
         ]
     if isinstance(saved, list) and isinstance(now, list) and len(saved) == len(now):
         return [
             line
             for i, (a, b) in enumerate(zip(saved, now, strict=True))
-            for line in _differences(a, b, f"{path}[{i}]")
+            for line in differences(a, b, f"{path}[{i}]")
         ]
     return [] if saved == now else [f"{path}: saved {saved!r}, now {now!r}"]
 

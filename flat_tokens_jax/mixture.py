@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
-from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records
+from flat_tokens_jax.identity import DatasetInfo, check_tokenizers
+from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records, recorded_info
 from flat_tokens_jax.store import StoreOptions
 
 MAX_DEFAULT_PERIOD = 1 << 20
@@ -170,7 +171,17 @@ class Mixture:
                     f"in a period of {p.period}; pass a larger period"
                 )
         self.allow_mixed_tokenizers = allow_mixed_tokenizers
+        check_tokenizers(
+            [(repr(n), self.info(i)) for i, n in enumerate(self.names)],
+            allow_mixed=allow_mixed_tokenizers,
+            fix="pass Mixture(..., allow_mixed_tokenizers=True)",
+        )
         self._offsets: dict[int, np.ndarray] = {}
+
+    def info(self, component: int) -> DatasetInfo | None:
+        """What made component ``component``'s dataset, ``None`` if it records nothing."""
+        src = self.sources[component]
+        return src.info if isinstance(src, FlatTokens) else recorded_info(src)
 
     @property
     def components(self) -> tuple[Source, ...]:

@@ -1,0 +1,260 @@
+"""What a run fed its model at a step: the run rebuilt from its config, and rows as text.
+
+``flat-tokens show`` rebuilds a run from what its user already has: a YAML
+config (``loader`` and ``data`` sections), a saved :meth:`Loader.state`, or a
+dataset URL, with any :class:`LoaderConfig` field given on top. The rows it
+prints are :meth:`Loader.host_batch` and :meth:`Loader.provenance` of that
+loader, so they are exactly what the run saw. :func:`row_text` renders one row
+as text with its segments, untrained tokens and padding marked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from flat_tokens_jax.dataset import FlatTokens, open_dataset
+from flat_tokens_jax.loader import Loader, LoaderConfig, StateMismatch, differences
+from flat_tokens_jax.mixture import Mixture, mixture_from_config
+from flat_tokens_jax.store import StoreOptions
+
+FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+UNTRAINED = ("⟦", "⟧")  # around tokens whose loss_mask is 0
+
+
+def read_json(path: str | os.PathLike[str]) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def read_yaml(path: str | os.PathLike[str]) -> Any:
+    try:
+        import yaml
+    except ImportError as e:
+        raise ImportError("--config needs PyYAML: pip install 'flat-tokens-jax[yaml]'") from e
+    with open(path, encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
+def build_loader(
+    *,
+    url: str | None = None,
+    split: str = "train",
+    config: Mapping[str, Any] | None = None,
+    state: Mapping[str, Any] | None = None,
+    fields: Mapping[str, Any] | None = None,
+    options: StoreOptions | None = None,
+) -> Loader:
+    """The loader of a run, from what describes it.
+
+    Args:
+        url: a dataset whose ``split`` the run read (not with a ``data`` section).
+        split: the split of ``url``, or the part a ``data`` section reads
+            (``train``, ``valid``, ``test`` with a ``split`` cut).
+        config: a parsed YAML document with a ``loader`` section (the
+            :class:`LoaderConfig` fields) and optionally a ``data`` section
+            (see :func:`~flat_tokens_jax.mixture.mixture_from_config`).
+        state: a saved :meth:`Loader.state`: its fingerprint gives the config,
+            its ``sources`` the data (unless ``url`` is given), and the data
+            found must match its fingerprint.
+        fields: :class:`LoaderConfig` fields that override the others.
+        options: how to reach the data.
+
+    Raises:
+        ValueError: the run is said twice or not at all, a field is missing or
+            bad, or the data is not what the state's run read.
+    """
+    if config is not None and state is not None:
+        raise ValueError("give the run as --config or as --state, not both")
+    values: dict[str, Any] = {}
+    data: Mapping[str, Any] | None = None
+    if state is not None:
+        values.update(_state_config(state))
+    if config is not None:
+        if not isinstance(config, Mapping):
+            raise ValueError("the --config file is not a mapping with a 'loader' section")
+        unknown = sorted(set(config) - {"loader", "data"})
+        loader_section = config.get("loader") or {}
+        if not isinstance(loader_section, Mapping):
+            raise ValueError("the --config file's 'loader' section is not a mapping")
+        values.update(loader_section)
+        data = config.get("data")
+        if unknown and not values:
+            raise ValueError(f"the --config file has no 'loader' section (found {unknown})")
+    values.update({k: v for k, v in (fields or {}).items() if v is not None})
+    missing = [k for k in ("batch_size", "seq_len") if k not in values]
+    if missing:
+        flags = " and ".join("--" + k.replace("_", "-") for k in missing)
+        raise ValueError(f"the run's {' and '.join(missing)} is not known: pass {flags}")
+    cfg = LoaderConfig.from_dict({**values, "prefetch": 0})
+    if url is not None and data is not None:
+        raise ValueError("the data is given twice: as URL and as the --config 'data' section")
+    if url is not None:
+        source: FlatTokens | Mixture = open_dataset(url, options)[split]
+    elif data is not None:
+        source = mixture_from_config(data, split, options)
+    elif state is not None:
+        source = _state_source(state, options)
+    else:
+        raise ValueError("say where the data is: a URL, --config with a 'data' section, or --state")
+    loader = Loader(source, cfg)
+    if state is not None:
+        diffs = differences(state.get("fingerprint", {}), loader.fingerprint(), "")
+        if diffs:
+            raise StateMismatch(
+                "the data found is not what the saved run read:\n  " + "\n  ".join(diffs)
+            )
+    return loader
+
+
+def _state_config(state: Mapping[str, Any]) -> dict[str, Any]:
+    fingerprint = state.get("fingerprint") if isinstance(state, Mapping) else None
+    config = fingerprint.get("config") if isinstance(fingerprint, Mapping) else None
+    if not isinstance(config, Mapping):
+        raise ValueError("the --state file is not a saved loader.state(): no fingerprint.config")
+    return dict(config)
+
+
+def _state_source(state: Mapping[str, Any], options: StoreOptions | None) -> FlatTokens | Mixture:
+    """The data a saved state's run read, from its ``sources``."""
+    sources = state.get("sources")
+    if not isinstance(sources, list) or not sources:
+        raise ValueError(
+            "the --state file does not say where the data is (saved by an older "
+            "version): pass the dataset URL or --config"
+        )
+    opened: dict[str, Any] = {}
+    views = []
+    for src in sources:
+        if "url" not in src:
+            raise ValueError(
+                f"component {src.get('name')!r} was custom records ({src.get('repr')}): "
+                "pass the data with a URL or --config"
+            )
+        if src["url"] not in opened:
+            opened[src["url"]] = open_dataset(src["url"], options)
+        ft = opened[src["url"]][src["split"]]
+        first, stop = src["sequences"]
+        views.append((src["name"], ft.view(first, stop) if (first, stop) != ft.seq_range else ft))
+    data = state["fingerprint"].get("data", {})
+    if "weights" not in data:
+        return views[0][1]
+    schedule = list(zip(data["steps"][1:], data["weights"][1:], strict=True))
+    parts = [(name, ft, w) for (name, ft), w in zip(views, data["weights"][0], strict=True)]
+    mix = Mixture(parts, seed=data["seed"], schedule=schedule)
+    if [p.period for p in mix.periods] != data["periods"]:
+        mix = Mixture(parts, seed=data["seed"], schedule=schedule, period=data["periods"][0])
+    return mix
+
+
+def parse_rows(text: str | None, batch_size: int) -> list[int]:
+    """Row numbers from ``"0,5-7"`` (all rows for ``None``), each checked.
+
+    Example:
+        >>> parse_rows("0,5-7", 8)
+        [0, 5, 6, 7]
+    """
+    if text is None:
+        return list(range(batch_size))
+    rows: list[int] = []
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi if sep else lo)
+        except ValueError:
+            raise ValueError(
+                f"--rows {text!r}: expected numbers and ranges such as 0,5-7"
+            ) from None
+        if not 0 <= first <= last < batch_size:
+            raise ValueError(f"--rows {text!r}: {part.strip()} is outside rows 0-{batch_size - 1}")
+        rows.extend(range(first, last + 1))
+    return sorted(set(rows))
+
+
+def rows_of(loader: Loader, step: int, rows: Sequence[int]) -> list[dict[str, Any]]:
+    """Provenance and the five fields (as lists) of ``rows`` of ``step``, JSON-ready."""
+    batch = loader.host_batch(step)
+    provenance = loader.provenance(step)
+    at = {int(r): i for i, r in enumerate(loader.host_rows)}
+    return [
+        {**provenance[at[r]], **{k: batch[k][at[r]].astype(int).tolist() for k in FIELDS}}
+        for r in rows
+        if r in at
+    ]
+
+
+def run_json(loader: Loader, step: int, rows: Sequence[int]) -> dict[str, Any]:
+    """What ``show --json`` prints: the step, the resolved config and the rows."""
+    return {
+        "step": step,
+        "config": loader.fingerprint()["config"],
+        "sources": loader.sources(),
+        "rows": rows_of(loader, step, rows),
+    }
+
+
+def where(row: Mapping[str, Any]) -> str:
+    """One line saying where a row came from."""
+    if row.get("padding"):
+        return f"row {row['row']}: padding"
+    name = f" ({row['component_name']})" if "component_name" in row else ""
+    return (
+        f"row {row['row']}{name}: sample {row['sample']}, epoch {row['epoch']}, "
+        f"record {row['record']}, tokens [{row['tokens'][0]}, {row['tokens'][1]})"
+    )
+
+
+def row_text(row: Mapping[str, Any], decode: Callable[[list[int]], str]) -> str:
+    """A row's targets as text: one line per segment, ``[n]`` its segment id,
+    untrained tokens (``loss_mask`` 0) between ⟦ ⟧, padding counted, not shown.
+
+    Args:
+        row: ``targets``, ``segment_ids`` and ``loss_mask`` of one row, each ``[seq_len]``.
+        decode: token ids to text (e.g. a tokenizer's ``decode``).
+
+    Example:
+        >>> row = {"targets": [72, 105, 33, 0], "segment_ids": [1, 1, 2, 0],
+        ...        "loss_mask": [0, 1, 1, 0]}
+        >>> print(row_text(row, lambda ids: bytes(ids).decode()))
+        [1] ⟦H⟧i
+        [2] !
+        (+1 padding)
+    """
+    targets = np.asarray(row["targets"])
+    segments = np.asarray(row["segment_ids"])
+    trained = np.asarray(row["loss_mask"]).astype(bool)
+    lines = []
+    for seg in _runs(segments):
+        if segments[seg.start] == 0:
+            continue
+        pieces = []
+        for run in _runs(trained[seg], seg.start):
+            text = decode(targets[run].tolist())
+            pieces.append(text if trained[run.start] else UNTRAINED[0] + text + UNTRAINED[1])
+        lines.append(f"[{segments[seg.start]}] " + "".join(pieces).replace("\n", "\n    "))
+    padding = int((segments == 0).sum())
+    if padding:
+        lines.append(f"(+{padding} padding)")
+    return "\n".join(lines)
+
+
+def _runs(values: np.ndarray, offset: int = 0) -> list[slice]:
+    """Slices (shifted by ``offset``) of the runs of equal consecutive ``values``."""
+    cuts = np.flatnonzero(np.diff(values)) + 1
+    bounds = [0, *cuts.tolist(), values.size]
+    return [slice(offset + a, offset + b) for a, b in itertools.pairwise(bounds)]
+
+
+def config_fields(args: Any) -> dict[str, Any]:
+    """The :class:`LoaderConfig` fields given as flags (``None`` where not given)."""
+    return {
+        f.name: getattr(args, f.name, None)
+        for f in dataclasses.fields(LoaderConfig)
+        if f.name != "prefetch"
+    }

@@ -104,7 +104,12 @@ def test_two_worker_processes_write_the_local_converters_bytes(
         tokenizer=tok_file,
         validation_fraction=0.3,
         append_eos=True,
+        start_token_id="eos",
     )
+    info = ftj.open_dataset(tmp_path / "beam").info
+    assert info is not None and info.tokenizer is not None
+    assert info.start_token_id == info.tokenizer.eos_id is not None
+    assert info.inputs["count"] == len(SIZES) and info.inputs["sha256"].startswith("sha256:")
     for key in ("documents", "tokens", "splits", "skipped_empty", "input_files"):
         assert beam[key] == local[key], key
     assert beam["skipped_empty"] == 1 and beam["input_files"] == len(SIZES)

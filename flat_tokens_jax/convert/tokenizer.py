@@ -119,7 +119,8 @@ def _check_vocabulary(tokenizer: Any, name: str) -> None:
         log.warning(
             "%s: token id 0 (%r) is an ordinary token, but flat-tokens readers feed id 0 as "
             "the input where a sequence starts, so a model cannot tell a start from %r: "
-            "train with LoaderConfig(start_token_id=<a special id, e.g. the eos id>)",
+            "convert with --start-token-id eos (recorded in the dataset) or train with "
+            "LoaderConfig(start_token_id=<a special id, e.g. the eos id>)",
             name,
             zero,
             zero,

@@ -28,7 +28,10 @@ from flat_tokens_jax.convert.tokenizer import LoadedTokenizer
 
 LAYOUTS = (("conversations", "from", "value"), ("messages", "role", "content"))
 ROLE_ALIASES = {"human": "user", "gpt": "assistant"}
-CHAT_TEMPLATE_ROLES = ("system", "user", "assistant", "tool")
+# Roles a tokenizer's chat template may be given: the common ones, and the tool
+# results of Qwen/Mistral (tool), Llama 3.1 (ipython) and older OpenAI-style data
+# (function). A template that ignores one renders it to nothing: counted, see Rendered.
+CHAT_TEMPLATE_ROLES = ("system", "user", "assistant", "tool", "ipython", "function")
 # The code points for which str.isspace() is true.
 SPACE_CODES = np.array(
     [
@@ -47,7 +50,27 @@ _MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
 _MARK = re.compile(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}")
 
 Span = tuple[int, int]
-Renderer = Callable[[Mapping[str, Any]], tuple[str, list[Span]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rendered:
+    """A conversation as text, with what is trained and what was lost.
+
+    Attributes:
+        text: the rendered conversation.
+        spans: the trained character spans ``[start, end)`` of ``text``, sorted.
+        dropped: ``(index, role)`` of each message whose content the template
+            left out of ``text`` (a role it has no branch for, such as ``tool``
+            in many templates). A message with empty content is not dropped when
+            its turn is rendered; a YAML template drops nothing.
+    """
+
+    text: str
+    spans: list[Span]
+    dropped: tuple[tuple[int, str], ...] = ()
+
+
+Renderer = Callable[[Mapping[str, Any]], Rendered]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +276,9 @@ class _TokenizerTemplate:
     The template renders the conversation twice: as it is, and with each content
     replaced by a marker. Putting the contents (or, for templates that trim them,
     the trimmed contents) in place of the markers must give the first text, and
-    the markers' places are then the contents'. ``end_of_turn``: ``None`` trains
+    the markers' places are then the contents'. A message whose marker is not in
+    the text was rendered to nothing: a bad record if its role is trained, else
+    listed in :attr:`Rendered.dropped`. ``end_of_turn``: ``None`` trains
     the added token that follows a trained turn's content (after any spaces), if
     one does; ``""`` trains none.
     """
@@ -265,7 +290,7 @@ class _TokenizerTemplate:
     forbidden: re.Pattern[str] | None
     template_error: type[Exception]
 
-    def render(self, record: Mapping[str, Any]) -> tuple[str, list[Span]]:
+    def render(self, record: Mapping[str, Any]) -> Rendered:
         messages = parse_messages(record, ROLE_ALIASES, self.forbidden)
         for i, (role, _) in enumerate(messages):
             if role not in CHAT_TEMPLATE_ROLES:
@@ -286,13 +311,19 @@ class _TokenizerTemplate:
                 "trained turns cannot be found in its text; use a YAML template (--template)"
             )
         spans: list[Span] = []
+        dropped = []
         for i, role in enumerate(roles):
-            if role in self.train_on:
-                if i not in found[1]:
-                    raise BadRecord(f"message {i} ({role}) is not in the chat template's text")
+            if i not in found[1]:
+                if role in self.train_on:
+                    raise BadRecord(
+                        f"message {i} ({role}) is trained on, but the chat template renders it "
+                        "to nothing; use a YAML template (--template) that renders that role"
+                    )
+                dropped.append((i, role))
+            elif role in self.train_on:
                 a, b = found[1][i]
                 spans.append((a, self._turn_end(text, b, i)))
-        return text, sorted(spans)
+        return Rendered(text, sorted(spans), tuple(dropped))
 
     def _apply(self, roles: list[str], contents: list[str]) -> str:
         chat = [{"role": r, "content": c} for r, c in zip(roles, contents, strict=True)]
@@ -402,7 +433,7 @@ def make_renderer(
         tpl = template if isinstance(template, ChatTemplate) else ChatTemplate.from_yaml(template)
         check_template_tokens(tok, tpl.tokens(), f"template {template}")
         forbidden = _forbidden(tok, tpl.tokens())
-        return lambda record: tpl.render(record, forbidden)
+        return lambda record: Rendered(*tpl.render(record, forbidden))
     source = getattr(loaded.hf, "chat_template", None)
     if not isinstance(source, str):
         raise ValueError(

@@ -586,9 +586,9 @@ def test_messages_rendered_to_nothing_are_counted_per_file(
     assert summary["skipped_bad"] == 0
     warned = [r.getMessage() for r in caplog.records]
     assert warned == [
-        f"{a} line 2: messages 1 (tool), 3 (ipython) render to nothing with the chat template; "
-        "the conversation is written without it (strict refuses it); the others in this file "
-        "are counted in the summary's dropped_messages"
+        f"{a} line 2: messages 1 (tool), 3 (ipython) render to nothing with the chat template, "
+        "left out of the written conversation (strict refuses such conversations); the others "
+        "in this file are counted in dropped_messages"
     ]
     # The conversations are written without the lost messages.
     want = [chatml([(r, c) for r, c in m if r in FROM]) for m in TOOL_CONVS + TOOL_CONVS[:1] * 2]

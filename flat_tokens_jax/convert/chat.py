@@ -12,7 +12,9 @@ The template is either a :class:`ChatTemplate` (a YAML config such as
 top-level fields placed before the turns), or the ``chat_template`` of a
 ``transformers`` tokenizer directory, rendered with ``apply_chat_template``
 (messages only), where each content is located by rendering again with markers
-in place of the contents.
+in place of the contents. A message that template renders to nothing (a role
+it has no branch for) is left out and counted per input file in the summary's
+``dropped_messages``, or, with ``strict``, makes its record a bad one.
 
 Trained characters become trained tokens through the tokenizer's offsets: a
 token is trained when one of its non-space characters is trained (a token of
@@ -256,8 +258,8 @@ class _DroppedMessages:
             entry = {"messages": 0, "conversations": 0, "roles": {}, "first": first}
             self.files[name] = entry
             log.warning(
-                "%s: %s; the conversation is written without it (strict refuses it); "
-                "the others in this file are counted in the summary's dropped_messages",
+                "%s: %s, left out of the written conversation (strict refuses such "
+                "conversations); the others in this file are counted in dropped_messages",
                 first,
                 _dropped_text(doc.rendered),
             )

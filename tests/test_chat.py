@@ -641,3 +641,40 @@ def test_yaml_templates_drop_nothing(tmp_path: Path, tok: Tokenizer, tok_file: P
     summary = convert_chat(src, tmp_path / "o", tokenizer=tok_file, template=template, strict=True)
     assert (summary["conversations"], summary["dropped_messages"]) == (1, {})
     assert stored(tmp_path / "o") == [([tok.token_to_id("<|im_end|>")], [1])]
+
+
+def test_a_template_that_leaves_out_empty_messages_drops_them(
+    tmp_path: Path, tok: Tokenizer, tok_file: Path
+) -> None:
+    """Such a template renders a message with empty content to nothing, its header too."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(tok_file)))
+    hf.chat_template = CHATML_JINJA.replace(
+        "{% for m in messages %}", "{% for m in messages %}{% if m['content'] %}"
+    ).replace("{% endfor %}", "{% endif %}{% endfor %}")
+    hf.save_pretrained(str(tmp_path / "hf"))
+    convs = [
+        [("system", ""), ("user", "q"), ("user", ""), ("assistant", "a")],
+        [("user", "q"), ("assistant", "a")],
+    ]
+    src = write_jsonl(tmp_path / "c.jsonl", [record(m, "messages") for m in convs])
+    summary = convert_chat(src, tmp_path / "o", tokenizer=tmp_path / "hf")
+    assert summary["dropped_messages"] == {
+        str(src): {
+            "messages": 2,
+            "conversations": 1,
+            "roles": {"system": 1, "user": 1},
+            "first": f"{src} line 1",
+        }
+    }
+    want = [chatml([(r, c) for r, c in m if c]) for m in convs]
+    assert stored(tmp_path / "o") == [
+        (ids := tok.encode(t, add_special_tokens=False).ids, reference_mask(tok, ids, t, spans))
+        for t, spans in want
+    ]
+    trained_empty = write_jsonl(
+        tmp_path / "e.jsonl", [record([("user", "q"), ("assistant", "")], "messages")]
+    )
+    with pytest.raises(InputError, match=r"line 1: message 1 \(assistant\) is trained on, but"):
+        convert_chat(trained_empty, tmp_path / "e", tokenizer=tmp_path / "hf")

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
@@ -225,9 +225,7 @@ def convert(convs: list[Messages], tokenizer: Path, **kwargs: Any) -> tuple[list
         return stored(Path(tmp) / "out"), summary
 
 
-SETTINGS = settings(
-    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+SETTINGS = settings(max_examples=6, deadline=None)
 
 
 @SETTINGS

@@ -527,3 +527,154 @@ def test_command_line(tmp_path: Path, tok_file: Path, capsys: pytest.CaptureFixt
     with pytest.raises(SystemExit):
         main(["convert-chat", "--help"])
     assert "--end-of-turn" in capsys.readouterr().out
+
+
+# -- Messages a template renders to nothing. ---------------------------------------
+
+# ChatML with no branch for tool roles, as many published templates are.
+CHATML_NO_TOOLS = (
+    "{% for m in messages %}{% if m['role'] in ['system', 'user', 'assistant'] %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+)
+
+
+@pytest.fixture(scope="module")
+def hf_no_tools(tok_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_file(str(tok_file)), eos_token="<|endoftext|>"
+    )
+    hf.chat_template = CHATML_NO_TOOLS
+    path = tmp_path_factory.mktemp("hf_no_tools")
+    hf.save_pretrained(str(path))
+    return path
+
+
+TOOL_CONVS = [
+    [("user", "q"), ("assistant", "a")],
+    [("user", "q"), ("tool", "42"), ("assistant", "a"), ("ipython", "")],
+    [("user", ""), ("assistant", "")],  # empty contents of rendered turns: nothing lost
+    [("function", "f()"), ("assistant", "b")],
+]
+
+
+def _tool_files(tmp_path: Path) -> tuple[Path, Path]:
+    a = write_jsonl(tmp_path / "a.jsonl", [record(m, "messages") for m in TOOL_CONVS])
+    b = write_jsonl(tmp_path / "b.jsonl", [record(m, "messages") for m in TOOL_CONVS[:1] * 2])
+    return a, b
+
+
+def test_messages_rendered_to_nothing_are_counted_per_file(
+    tmp_path: Path,
+    tok: Tokenizer,
+    hf_no_tools: Path,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    a, b = _tool_files(tmp_path)
+    with caplog.at_level("WARNING", logger="flat_tokens_jax.convert.chat"):
+        summary = convert_chat([a, b], tmp_path / "out", tokenizer=hf_no_tools)
+    assert summary["dropped_messages"] == {
+        str(a): {
+            "messages": 3,
+            "conversations": 2,
+            "roles": {"tool": 1, "ipython": 1, "function": 1},
+            "first": f"{a} line 2",
+        }
+    }
+    assert summary["skipped_bad"] == 0
+    warned = [r.getMessage() for r in caplog.records]
+    assert warned == [
+        f"{a} line 2: messages 1 (tool), 3 (ipython) render to nothing with the chat template, "
+        "left out of the written conversation (strict refuses such conversations); the others "
+        "in this file are counted in dropped_messages"
+    ]
+    # The conversations are written without the lost messages.
+    want = [chatml([(r, c) for r, c in m if r in FROM]) for m in TOOL_CONVS + TOOL_CONVS[:1] * 2]
+    got = stored(tmp_path / "out")
+    assert [ids for ids, _ in got] == [tok.encode(t, add_special_tokens=False).ids for t, _ in want]
+    args = ["convert-chat", str(a), str(b), str(tmp_path / "cli"), "--tokenizer", str(hf_no_tools)]
+    assert main([*args, "--no-progress"]) == 0
+    line = capsys.readouterr().out
+    assert (
+        "; 3 messages the template renders to nothing (function: 1, ipython: 1, tool: 1) in "
+        f"{a}, first at {a} line 2, left out (--strict refuses them); "
+    ) in line
+
+
+def test_strict_refuses_a_conversation_that_loses_a_message(
+    tmp_path: Path, hf_no_tools: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = _tool_files(tmp_path)
+    why = r"line 2: messages 1 \(tool\), 3 \(ipython\) render to nothing with the chat template"
+    with pytest.raises(InputError, match=rf"{re.escape(str(a))} {why}, which strict refuses"):
+        convert_chat([a, b], tmp_path / "out", tokenizer=hf_no_tools, strict=True)
+    summary = convert_chat(
+        [a, b], tmp_path / "out", tokenizer=hf_no_tools, strict=True, skip_bad=True
+    )
+    assert (summary["conversations"], summary["skipped_bad"]) == (4, 2)
+    assert summary["dropped_messages"] == {}
+    args = ["convert-chat", str(a), str(tmp_path / "cli"), "--tokenizer", str(hf_no_tools)]
+    assert main([*args, "--strict"]) == 1
+    assert re.search(rf"^convert-chat: {re.escape(str(a))} {why}", capsys.readouterr().err)
+    assert main([*args, "--strict", "--skip-bad", "--json", "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out)["skipped_bad"] == 2
+
+
+def test_a_trained_role_rendered_to_nothing_is_a_bad_record(
+    tmp_path: Path, hf_no_tools: Path
+) -> None:
+    src = write_jsonl(tmp_path / "c.jsonl", [record(TOOL_CONVS[1], "messages")])
+    with pytest.raises(
+        InputError, match=r"line 1: message 1 \(tool\) is trained on, but the chat template"
+    ):
+        convert_chat(src, tmp_path / "o", tokenizer=hf_no_tools, train_on=["assistant", "tool"])
+
+
+def test_yaml_templates_drop_nothing(tmp_path: Path, tok: Tokenizer, tok_file: Path) -> None:
+    """Every listed role renders, empty contents included, so strict refuses nothing."""
+    template = ChatTemplate.from_dict(
+        {"roles": {"user": {}, "assistant": {"suffix": "<|im_end|>"}}, "end_of_turn": "<|im_end|>"}
+    )
+    src = write_jsonl(tmp_path / "c.jsonl", [record([("user", ""), ("assistant", "")], "messages")])
+    summary = convert_chat(src, tmp_path / "o", tokenizer=tok_file, template=template, strict=True)
+    assert (summary["conversations"], summary["dropped_messages"]) == (1, {})
+    assert stored(tmp_path / "o") == [([tok.token_to_id("<|im_end|>")], [1])]
+
+
+def test_a_template_that_leaves_out_empty_messages_drops_them(
+    tmp_path: Path, tok: Tokenizer, tok_file: Path
+) -> None:
+    """Such a template renders a message with empty content to nothing, its header too."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(tok_file)))
+    hf.chat_template = CHATML_JINJA.replace(
+        "{% for m in messages %}", "{% for m in messages %}{% if m['content'] %}"
+    ).replace("{% endfor %}", "{% endif %}{% endfor %}")
+    hf.save_pretrained(str(tmp_path / "hf"))
+    convs = [
+        [("system", ""), ("user", "q"), ("user", ""), ("assistant", "a")],
+        [("user", "q"), ("assistant", "a")],
+    ]
+    src = write_jsonl(tmp_path / "c.jsonl", [record(m, "messages") for m in convs])
+    summary = convert_chat(src, tmp_path / "o", tokenizer=tmp_path / "hf")
+    assert summary["dropped_messages"] == {
+        str(src): {
+            "messages": 2,
+            "conversations": 1,
+            "roles": {"system": 1, "user": 1},
+            "first": f"{src} line 1",
+        }
+    }
+    want = [chatml([(r, c) for r, c in m if c]) for m in convs]
+    assert stored(tmp_path / "o") == [
+        (ids := tok.encode(t, add_special_tokens=False).ids, reference_mask(tok, ids, t, spans))
+        for t, spans in want
+    ]
+    trained_empty = write_jsonl(
+        tmp_path / "e.jsonl", [record([("user", "q"), ("assistant", "")], "messages")]
+    )
+    with pytest.raises(InputError, match=r"line 1: message 1 \(assistant\) is trained on, but"):
+        convert_chat(trained_empty, tmp_path / "e", tokenizer=tmp_path / "hf")

@@ -12,7 +12,9 @@ The template is either a :class:`ChatTemplate` (a YAML config such as
 top-level fields placed before the turns), or the ``chat_template`` of a
 ``transformers`` tokenizer directory, rendered with ``apply_chat_template``
 (messages only), where each content is located by rendering again with markers
-in place of the contents.
+in place of the contents. A message that template renders to nothing (a role
+it has no branch for) is left out and counted per input file in the summary's
+``dropped_messages``, or, with ``strict``, makes its record a bad one.
 
 Trained characters become trained tokens through the tokenizer's offsets: a
 token is trained when one of its non-space characters is trained (a token of
@@ -28,6 +30,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import logging
 import os
 import sys
 import time
@@ -37,12 +40,8 @@ from typing import Any, cast
 
 import numpy as np
 
-from flat_tokens_jax.convert.chat_template import (
-    ChatTemplate,
-    Span,
-    make_renderer,
-    trained_tokens,
-)
+from flat_tokens_jax.convert.chat_hf import make_renderer
+from flat_tokens_jax.convert.chat_template import ChatTemplate, Rendered, trained_tokens
 from flat_tokens_jax.convert.commands import (
     add_converter_flags,
     add_start_token_flag,
@@ -70,14 +69,15 @@ from flat_tokens_jax.identity import DatasetInfo, inputs_record
 from flat_tokens_jax.store import StoreOptions
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
+log = logging.getLogger(__name__)
+
 # Conversations per encode_batch call: enough work for the tokenizer's thread pool.
 BATCH_DOCS = 256
 
 
 @dataclasses.dataclass(frozen=True)
 class _Doc:
-    text: str
-    spans: list[Span]
+    rendered: Rendered
     where: Where
 
 
@@ -92,6 +92,7 @@ def convert_chat(
     validation_fraction: float = 0.0,
     validation_inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] = (),
     skip_bad: bool = False,
+    strict: bool = False,
     layout: Layout | None = None,
     overwrite: bool = False,
     options: StoreOptions | None = None,
@@ -114,6 +115,10 @@ def convert_chat(
             hash of the rendered text, to "validation".
         validation_inputs: or read "validation" from these files.
         skip_bad: count and skip bad records instead of stopping at the first.
+        strict: a conversation with a message that the template renders to
+            nothing is a bad record (stops the run, or with ``skip_bad`` is
+            skipped and counted there); otherwise it is written without that
+            message, and counted in ``dropped_messages``.
         layout: chunking and compression of the output.
         overwrite: replace an existing dataset at ``output``.
         options: how to reach ``output`` (e.g. an S3 endpoint and credentials).
@@ -127,7 +132,11 @@ def convert_chat(
 
     Returns:
         A JSON-ready summary: ``conversations``, ``tokens``, ``trained_tokens``,
-        ``skipped_bad``, ``splits`` (the same per split), ``seconds`` and more.
+        ``skipped_bad``, ``splits`` (the same per split), ``seconds`` and more;
+        ``dropped_messages`` maps each input file with messages the template
+        rendered to nothing, in conversations that were written, to
+        ``{"messages", "conversations", "roles": {role: messages}, "first"}``
+        (``first``: the first such record, ``"FILE line N"``).
 
     Raises:
         InputError: a bad record, named by file and line or row (unless ``skip_bad``).
@@ -148,14 +157,20 @@ def convert_chat(
     tok = _whole_offsets(loaded.tokenizer)
 
     def check(record: Mapping[str, Any], where: Where) -> _Doc:
-        text, spans = render(record)
-        if not any(a < b for a, b in spans):
+        rendered = render(record)
+        if not any(a < b for a, b in rendered.spans):
             raise BadRecord("no trained turn: nothing in the conversation is trained on")
-        return _Doc(text, spans, where)
+        if strict and rendered.dropped:
+            raise BadRecord(
+                f"{_dropped_text(rendered)}, which strict refuses: remove such messages or "
+                "use a template that renders their role"
+            )
+        return _Doc(rendered, where)
 
     splits = {s: {"conversations": 0, "tokens": 0, "trained_tokens": 0} for s in SPLITS}
     passes = [(train_paths, validation_fraction, False), (valid_paths, 0.0, True)]
     skipped = 0
+    dropped = _DroppedMessages()
     bar = _progress_bar(progress)
     try:
         with (
@@ -165,7 +180,7 @@ def convert_chat(
             for paths, fraction, all_validation in passes:
                 reader = RecordReader(paths, None, skip_bad=skip_bad, check=check)
                 for docs in _batches(cast(Iterable[_Doc], reader)):
-                    texts, ids, masks = _tokenize(tok, docs, reader)
+                    texts, ids, masks = _tokenize(tok, docs, reader, dropped)
                     valid = validation_mask(texts, fraction) | all_validation
                     for split, chosen in (("train", ~valid), ("validation", valid)):
                         picked = np.flatnonzero(chosen).tolist()
@@ -198,6 +213,7 @@ def convert_chat(
         "tokens": tokens,
         "trained_tokens": sum(s["trained_tokens"] for s in splits.values()),
         "skipped_bad": skipped,
+        "dropped_messages": dropped.report(),
         "splits": splits,
         "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 1),
@@ -249,20 +265,67 @@ def _batches(docs: Iterable[_Doc]) -> Iterator[list[_Doc]]:
 
 
 def _tokenize(
-    tokenizer: Any, docs: list[_Doc], reader: RecordReader
+    tokenizer: Any, docs: list[_Doc], reader: RecordReader, dropped: _DroppedMessages
 ) -> tuple[list[str], list[np.ndarray], list[np.ndarray]]:
-    """Texts, ids ``[n_i]`` and masks ``[n_i] uint8`` of the documents with a trained token."""
-    encodings = tokenizer.encode_batch([d.text for d in docs], add_special_tokens=False)
+    """Texts, ids ``[n_i]`` and masks ``[n_i] uint8`` of the documents with a trained
+    token, whose lost messages are counted in ``dropped``.
+
+    Each text is tokenized whole, as ``tokenizer(text, add_special_tokens=False)``
+    and ``apply_chat_template(messages, tokenize=True)`` do, so training sees
+    the ids inference sees.
+    """
+    encodings = tokenizer.encode_batch([d.rendered.text for d in docs], add_special_tokens=False)
     texts, ids, masks = [], [], []
     for doc, enc in zip(docs, encodings, strict=True):
-        mask = trained_tokens(doc.text, np.array(enc.offsets, np.int64), doc.spans)
+        text, spans = doc.rendered.text, doc.rendered.spans
+        mask = trained_tokens(text, np.array(enc.offsets, np.int64), spans)
         if not mask.any():
             reader.reject(doc.where, "no token is trained: the trained turns tokenize to nothing")
             continue
-        texts.append(doc.text)
+        dropped.add(doc)
+        texts.append(text)
         ids.append(np.array(enc.ids, np.int64))
         masks.append(mask)
     return texts, ids, masks
+
+
+def _dropped_text(rendered: Rendered) -> str:
+    """What a record lost, e.g. "message 2 (tool) renders to nothing with the chat template"."""
+    listed = ", ".join(f"{i} ({role})" for i, role in rendered.dropped)
+    verb = "message {} renders" if len(rendered.dropped) == 1 else "messages {} render"
+    return f"{verb.format(listed)} to nothing with the chat template"
+
+
+class _DroppedMessages:
+    """Per input file: the messages that written conversations lost to the template."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, dict[str, Any]] = {}
+
+    def add(self, doc: _Doc) -> None:
+        """Counts what a conversation that is written lost, if anything."""
+        if not doc.rendered.dropped:
+            return
+        path, unit, number = doc.where
+        name = os.fspath(path)
+        entry = self.files.get(name)
+        if entry is None:
+            first = f"{name} {unit} {number}"
+            entry = {"messages": 0, "conversations": 0, "roles": {}, "first": first}
+            self.files[name] = entry
+            log.warning(
+                "%s: %s, left out of the written conversation (strict refuses such "
+                "conversations); the others in this file are counted in dropped_messages",
+                first,
+                _dropped_text(doc.rendered),
+            )
+        entry["conversations"] += 1
+        entry["messages"] += len(doc.rendered.dropped)
+        for _, role in doc.rendered.dropped:
+            entry["roles"][role] = entry["roles"].get(role, 0) + 1
+
+    def report(self) -> dict[str, dict[str, Any]]:
+        return self.files
 
 
 def _write(
@@ -302,6 +365,13 @@ def add_commands(subparsers: Any) -> None:
     g.add_argument("--validation-fraction", type=float, default=0.0, help="hash split fraction")
     g.add_argument("--validation", nargs="+", default=[], metavar="INPUT", help="validation inputs")
     add_start_token_flag(p)
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="a conversation with a message the template renders to nothing (e.g. a tool "
+        "message) is a bad record: stop, or with --skip-bad skip it (default: leave the "
+        "message out and count it in the summary)",
+    )
     add_converter_flags(p)
     p.set_defaults(run=_cmd_convert_chat)
 
@@ -312,7 +382,23 @@ def _describe(s: dict[str, Any]) -> str:
         f"({v['trained_tokens']:,} trained)"
         for name, v in s["splits"].items()
     )
-    return f"wrote {s['output']}: {parts}; skipped {s['skipped_bad']:,} bad; {s['seconds']:.1f}s"
+    dropped = s["dropped_messages"]
+    lost = ""
+    if dropped:
+        roles: dict[str, int] = {}
+        for entry in dropped.values():
+            for role, n in entry["roles"].items():
+                roles[role] = roles.get(role, 0) + n
+        where = next(iter(dropped)) if len(dropped) == 1 else f"{len(dropped)} files"
+        by_role = ", ".join(f"{role}: {n:,}" for role, n in sorted(roles.items()))
+        first = next(iter(dropped.values()))["first"]
+        lost = (
+            f"; {sum(roles.values()):,} messages the template renders to nothing ({by_role}) "
+            f"in {where}, first at {first}, left out (--strict refuses them)"
+        )
+    return (
+        f"wrote {s['output']}: {parts}; skipped {s['skipped_bad']:,} bad{lost}; {s['seconds']:.1f}s"
+    )
 
 
 def _cmd_convert_chat(args: argparse.Namespace) -> int:
@@ -329,6 +415,7 @@ def _cmd_convert_chat(args: argparse.Namespace) -> int:
             validation_fraction=args.validation_fraction,
             validation_inputs=args.validation,
             skip_bad=args.skip_bad,
+            strict=args.strict,
             overwrite=args.overwrite,
             options=store_options(args),
             progress=False if args.no_progress else None,

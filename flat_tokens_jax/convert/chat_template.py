@@ -2,9 +2,10 @@
 
 A :class:`ChatTemplate` (a YAML config such as ``configs/chat.yaml``: per-role
 prefix and suffix, bos/eos, trained roles, and top-level fields placed before
-the turns), or the ``chat_template`` of a ``transformers`` tokenizer directory,
-rendered with ``apply_chat_template`` (messages only), where each content is
-located by rendering again with markers in place of the contents.
+the turns), and what every template shares: reading messages, the
+:class:`Rendered` result, checking template tokens, and the loss mask. The
+``chat_template`` of a ``transformers`` tokenizer is in
+:mod:`~flat_tokens_jax.convert.chat_hf`.
 
 Trained characters become trained tokens through the tokenizer's offsets: a
 token is trained when one of its non-space characters is trained (a token of
@@ -24,11 +25,9 @@ from typing import Any
 import numpy as np
 
 from flat_tokens_jax.convert.inputs import BadRecord, require
-from flat_tokens_jax.convert.tokenizer import LoadedTokenizer
 
 LAYOUTS = (("conversations", "from", "value"), ("messages", "role", "content"))
 ROLE_ALIASES = {"human": "user", "gpt": "assistant"}
-CHAT_TEMPLATE_ROLES = ("system", "user", "assistant", "tool")
 # The code points for which str.isspace() is true.
 SPACE_CODES = np.array(
     [
@@ -40,14 +39,29 @@ SPACE_CODES = np.array(
     ],
     np.uint32,
 )
-_TOKEN_LITERAL = re.compile(r"<\|[^|<>\s]{1,64}\|>")
-_SPACES = re.compile(r"\s*")
-# Private-use characters around a message's index stand in for its content.
-_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
-_MARK = re.compile(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}")
-
+TOKEN_LITERAL = re.compile(r"<\|[^|<>\s]{1,64}\|>")
 Span = tuple[int, int]
-Renderer = Callable[[Mapping[str, Any]], tuple[str, list[Span]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rendered:
+    """A conversation as text, with what is trained and what was lost.
+
+    Attributes:
+        text: the rendered conversation.
+        spans: the trained character spans ``[start, end)`` of ``text``, sorted.
+        dropped: ``(index, role)`` of each message whose content the template
+            left out of ``text`` (a role it has no branch for, such as ``tool``
+            in many templates). A message with empty content is not dropped when
+            its turn is rendered; a YAML template drops nothing.
+    """
+
+    text: str
+    spans: list[Span]
+    dropped: tuple[tuple[int, str], ...] = ()
+
+
+Renderer = Callable[[Mapping[str, Any]], Rendered]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +155,7 @@ class ChatTemplate:
         """Every special token the template writes, declared or seen as ``<|...|>``."""
         declared = [self.bos, self.eos, self.end_of_turn, *self.special_tokens]
         affixes = [*self.roles.values(), *(a for _, a in self.fields)]
-        seen = [t for a in affixes for t in _TOKEN_LITERAL.findall(a.prefix + a.suffix)]
+        seen = [t for a in affixes for t in TOKEN_LITERAL.findall(a.prefix + a.suffix)]
         return list(dict.fromkeys(t for t in [*declared, *seen] if t))
 
     def render(
@@ -246,97 +260,6 @@ def _check_content(text: str, what: str, forbidden: re.Pattern[str] | None) -> N
         raise BadRecord(f"{what} holds the special token {hit.group()!r}")
 
 
-@dataclasses.dataclass(frozen=True)
-class _TokenizerTemplate:
-    """Renders with a ``transformers`` tokenizer's chat template, then finds the turns.
-
-    The template renders the conversation twice: as it is, and with each content
-    replaced by a marker. Putting the contents (or, for templates that trim them,
-    the trimmed contents) in place of the markers must give the first text, and
-    the markers' places are then the contents'. ``end_of_turn``: ``None`` trains
-    the added token that follows a trained turn's content (after any spaces), if
-    one does; ``""`` trains none.
-    """
-
-    hf: Any
-    train_on: tuple[str, ...]
-    end_of_turn: str | None
-    added: re.Pattern[str] | None
-    forbidden: re.Pattern[str] | None
-    template_error: type[Exception]
-
-    def render(self, record: Mapping[str, Any]) -> tuple[str, list[Span]]:
-        messages = parse_messages(record, ROLE_ALIASES, self.forbidden)
-        for i, (role, _) in enumerate(messages):
-            if role not in CHAT_TEMPLATE_ROLES:
-                raise BadRecord(
-                    f"message {i} has unknown role {role!r} (known: "
-                    f"{sorted({*CHAT_TEMPLATE_ROLES, *ROLE_ALIASES})})"
-                )
-        roles = [role for role, _ in messages]
-        text = self._apply(roles, [content for _, content in messages])
-        marked = self._apply(roles, [f"{_MARK_OPEN}{i}{_MARK_CLOSE}" for i in range(len(roles))])
-        for contents in ([c for _, c in messages], [c.strip() for _, c in messages]):
-            found = _unmark(marked, contents)
-            if found is not None and found[0] == text:
-                break
-        else:
-            raise BadRecord(
-                "the chat template changes message contents (beyond trimming spaces), so the "
-                "trained turns cannot be found in its text; use a YAML template (--template)"
-            )
-        spans: list[Span] = []
-        for i, role in enumerate(roles):
-            if role in self.train_on:
-                if i not in found[1]:
-                    raise BadRecord(f"message {i} ({role}) is not in the chat template's text")
-                a, b = found[1][i]
-                spans.append((a, self._turn_end(text, b, i)))
-        return text, sorted(spans)
-
-    def _apply(self, roles: list[str], contents: list[str]) -> str:
-        chat = [{"role": r, "content": c} for r, c in zip(roles, contents, strict=True)]
-        try:
-            text: str = self.hf.apply_chat_template(chat, tokenize=False)
-        except (self.template_error, ValueError, TypeError) as e:
-            raise BadRecord(f"the chat template refused the conversation: {e}") from None
-        return text
-
-    def _turn_end(self, text: str, end: int, i: int) -> int:
-        after = _SPACES.match(text, end)
-        start = end if after is None else after.end()
-        if self.end_of_turn:
-            if not text.startswith(self.end_of_turn, start):
-                raise BadRecord(
-                    f"message {i} is not followed by the end-of-turn {self.end_of_turn!r} in the "
-                    f"chat template's text (found {text[end : end + 24]!r})"
-                )
-            return start + len(self.end_of_turn)
-        found = self.added.match(text, start) if self.added and self.end_of_turn is None else None
-        return end if found is None else found.end()
-
-
-def _unmark(marked: str, contents: Sequence[str]) -> tuple[str, dict[int, Span]] | None:
-    """``marked`` with each marker replaced by its content, and where each content went.
-
-    ``None`` when a marker appears twice (its content's place is then unclear).
-    """
-    pieces: list[str] = []
-    places: dict[int, Span] = {}
-    size = done = 0
-    for m in _MARK.finditer(marked):
-        i = int(m.group(1))
-        if i in places or i >= len(contents):
-            return None
-        pieces += [marked[done : m.start()], contents[i]]
-        size += m.start() - done
-        places[i] = (size, size + len(contents[i]))
-        size += len(contents[i])
-        done = m.end()
-    pieces.append(marked[done:])
-    return "".join(pieces), places
-
-
 def check_template_tokens(tokenizer: Any, tokens: Iterable[str], where: str) -> None:
     """Checks that each template token is one token of the vocabulary.
 
@@ -381,58 +304,14 @@ def trained_tokens(text: str, offsets: np.ndarray, spans: Sequence[Span]) -> np.
     return hit.astype(np.uint8)
 
 
-def make_renderer(
-    loaded: LoadedTokenizer,
-    template: str | os.PathLike[str] | ChatTemplate | None,
-    train_on: Sequence[str] | None,
-    end_of_turn: str | None,
-) -> Renderer:
-    """The renderer of a YAML template, or else of the tokenizer's own chat template.
-
-    Raises:
-        ValueError: no template to use, options that the YAML template sets
-            itself, or a template token that is not one token of the vocabulary.
-    """
-    tok = loaded.tokenizer
-    if template is not None:
-        if train_on is not None or end_of_turn is not None:
-            raise ValueError(
-                "train_on and end_of_turn are set in the YAML template; leave them unset here"
-            )
-        tpl = template if isinstance(template, ChatTemplate) else ChatTemplate.from_yaml(template)
-        check_template_tokens(tok, tpl.tokens(), f"template {template}")
-        forbidden = _forbidden(tok, tpl.tokens())
-        return lambda record: tpl.render(record, forbidden)
-    source = getattr(loaded.hf, "chat_template", None)
-    if not isinstance(source, str):
-        raise ValueError(
-            f"{loaded.name} has no chat template (only a transformers tokenizer directory with "
-            "a single chat_template has one): pass a YAML template, e.g. configs/chat.yaml"
-        )
-    jinja2 = require("jinja2", "hf")
-    check_template_tokens(tok, dict.fromkeys(_TOKEN_LITERAL.findall(source)), loaded.name)
-    if end_of_turn:
-        check_template_tokens(tok, [end_of_turn], loaded.name)
-    added = _any_of(t.content for t in tok.get_added_tokens_decoder().values())
-    renderer = _TokenizerTemplate(
-        loaded.hf,
-        tuple(train_on or ("assistant",)),
-        end_of_turn,
-        added,
-        _forbidden(tok, []),
-        jinja2.TemplateError,
-    )
-    return renderer.render
-
-
-def _forbidden(tokenizer: Any, template_tokens: Sequence[str]) -> re.Pattern[str] | None:
+def forbidden_tokens(tokenizer: Any, template_tokens: Sequence[str]) -> re.Pattern[str] | None:
     """The special tokens no content may hold: a ``<|im_end|>`` typed in a message
     would be read as the token and end the turn early."""
     added = tokenizer.get_added_tokens_decoder().values()
-    return _any_of([*(t.content for t in added if t.special), *template_tokens])
+    return any_of([*(t.content for t in added if t.special), *template_tokens])
 
 
-def _any_of(tokens: Iterable[str]) -> re.Pattern[str] | None:
+def any_of(tokens: Iterable[str]) -> re.Pattern[str] | None:
     """A pattern matching any of ``tokens``, the longest first; ``None`` if none."""
     ordered = sorted(set(tokens) - {""}, key=len, reverse=True)
     return re.compile("|".join(map(re.escape, ordered))) if ordered else None

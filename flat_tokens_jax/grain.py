@@ -32,7 +32,7 @@ import numpy as np
 from flat_tokens_jax import batch as fields
 from flat_tokens_jax.dataset import FlatTokens, open_dataset
 from flat_tokens_jax.mixture import Mixture
-from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records
+from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records, recorded_info
 from flat_tokens_jax.store import StoreOptions
 
 
@@ -117,7 +117,8 @@ class FlatTokensSource:
         split: the split to read from a URL.
         options: how to reach the store at a URL. Its ``context`` stays in
             this process: unpickled copies open their own.
-        start_token_id: the input token where a sequence starts.
+        start_token_id: the input token where a sequence starts; ``None``: the
+            one the dataset records, else 0 (as ``LoaderConfig``).
         pad_id: input and target id of padding.
 
     Raises:
@@ -148,10 +149,10 @@ class FlatTokensSource:
         *,
         split: str = "train",
         options: StoreOptions | None = None,
-        start_token_id: int = 0,
+        start_token_id: int | None = None,
         pad_id: int = 0,
     ) -> None:
-        if (
+        if start_token_id is not None and (
             isinstance(start_token_id, bool)
             or not isinstance(start_token_id, int)
             or start_token_id < 0
@@ -166,6 +167,10 @@ class FlatTokensSource:
                 f"seq_len={records.seq_len} tokens or no sequences"
             )
         self.seq_len, self.packed = records.seq_len, records.packed
+        if start_token_id is None:
+            info = recorded_info(records)
+            recorded = None if info is None else info.start_token_id
+            start_token_id = 0 if recorded is None else recorded
         self.start_token_id, self.pad_id = start_token_id, pad_id
         self._records: Records | None = records
         self._opener: _Reopen | _Keep = _Reopen.of(records) or _Keep(records)

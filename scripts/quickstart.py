@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 import flat_tokens_jax as ftj
+from flat_tokens_jax.show import row_text, where
 
 TEXTS = [
     "It was the best of times, it was the worst of times.",
@@ -48,6 +49,12 @@ def main() -> None:
         print(f"  row 0 came from: {loader.provenance(step)[0]}")
         if step == 1:
             break
+
+    # What `flat-tokens show OUT --step 1 --batch-size 4 --seq-len 32 --rows 0 --tokenizer T`
+    # prints; here the "tokenizer" is UTF-8: one line per segment, padding counted, not shown.
+    row = {k: v[0] for k, v in loader.host_batch(1).items()}
+    print(f"step 1, {where(loader.provenance(1)[0])}, as text:")
+    print(row_text(row, lambda ids: bytes(ids).decode(errors="replace")))
 
 
 if __name__ == "__main__":

@@ -381,3 +381,15 @@ def test_batched_pipeline_in_worker_processes(path: Path) -> None:
         assert_rows_equal({k: a[k] for k in FIELDS}, b)
     pids = {int(b["pid"]) for b in got}
     assert len(pids) == 2 and os.getpid() not in pids
+
+
+def test_an_unset_start_token_id_is_the_recorded_one_as_in_the_loader(tmp_path: Path) -> None:
+    seqs = [[1, 2], [3, 4, 5], [6, 7, 8]]
+    ftj.write_dataset(tmp_path / "d", {"train": seqs}, info=ftj.DatasetInfo(start_token_id=9))
+    ft = ftj.open_dataset(tmp_path / "d")["train"]
+    src = FlatTokensSource(ft, 4)
+    loader = ftj.Loader(ft, ftj.LoaderConfig(batch_size=2, seq_len=4, shuffle=False))
+    assert src.start_token_id == loader.start_token_id == 9
+    assert src.read_batch([0, 1])["inputs"].tolist() == loader.host_batch(0)["inputs"].tolist()
+    assert src[0]["inputs"].tolist() == [9, 1, 9, 3]
+    assert FlatTokensSource(ft, 4, start_token_id=0)[0]["inputs"].tolist() == [0, 1, 0, 3]

@@ -383,3 +383,48 @@ def test_iterate_runs_prefetch_in_background_threads() -> None:
     it.close()
     time.sleep(0.1)
     assert not any(t.name.startswith("ftj-prefetch") for t in threading.enumerate())
+
+
+def split_with(info: ftj.DatasetInfo | None, seqs: list[list[int]] = SPEC) -> ftj.FlatTokens:
+    url = memory_url()
+    ftj.write_dataset(url, {"train": seqs}, info=info)
+    return ftj.open_dataset(url)["train"]
+
+
+def test_an_unset_start_token_id_is_the_one_the_data_records() -> None:
+    recorded = split_with(ftj.DatasetInfo(start_token_id=7))
+    plain = split_with(None)
+    unset = LoaderConfig(batch_size=1, seq_len=8, shuffle=False)
+    loader = ftj.Loader(recorded, unset)
+    assert loader.host_batch(0)["inputs"].tolist() == [[7, 1, 7, 3, 4, 7, 6, 7]]
+    assert loader.fingerprint()["config"]["start_token_id"] == 7
+    said = LoaderConfig(batch_size=1, seq_len=8, shuffle=False, start_token_id=0)
+    assert ftj.Loader(recorded, said).host_batch(0)["inputs"].tolist() == [[0, 1, 0, 3, 4, 0, 6, 7]]
+    assert ftj.Loader(plain, unset).host_batch(0)["inputs"][0, 0] == 0
+    assert ftj.Loader(plain, unset).fingerprint()["config"]["start_token_id"] == 0
+    # A state saved with the resolved id restores under the explicit one, and not under another.
+    state = {"step": 1, "fingerprint": loader.fingerprint()}
+    explicit = LoaderConfig(batch_size=1, seq_len=8, shuffle=False, start_token_id=7)
+    assert ftj.Loader(recorded, explicit).restore(state) == 1
+    with pytest.raises(StateMismatch, match=r"config\.start_token_id: saved 7, now 0"):
+        ftj.Loader(recorded, said).restore(state)
+    mix = ftj.Mixture({"a": (recorded, 1), "b": (plain, 1)})
+    assert ftj.Loader(mix, LoaderConfig(batch_size=2, seq_len=2)).start_token_id == 7
+    other = split_with(ftj.DatasetInfo(start_token_id=9))
+    both = ftj.Mixture({"a": (recorded, 1), "b": (other, 1)})
+    with pytest.raises(ValueError, match=r"different start_token_id values \('a': 7, 'b': 9\)"):
+        ftj.Loader(both, LoaderConfig(batch_size=2, seq_len=2))
+    assert (
+        ftj.Loader(both, LoaderConfig(batch_size=2, seq_len=2, start_token_id=3)).start_token_id
+        == 3
+    )
+
+
+def test_vocab_size_covers_the_recorded_tokenizer() -> None:
+    tok = ftj.TokenizerInfo("tok.json", "sha256:0123456789abcdef", 500)
+    ft = split_with(ftj.DatasetInfo(tokenizer=tok))
+    with pytest.raises(
+        ValueError, match=r"tokenized with tok.json \(500 ids\) but vocab_size is 100"
+    ):
+        ftj.Loader(ft, LoaderConfig(batch_size=1, seq_len=2, vocab_size=100))
+    ftj.Loader(ft, LoaderConfig(batch_size=1, seq_len=2, vocab_size=512))

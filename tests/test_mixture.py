@@ -399,3 +399,26 @@ def test_mixture_config_takes_what_the_python_api_takes(tmp_path: Path) -> None:
         ftj.Loader(stated, cfg)
     with pytest.raises(ValueError, match=r"schedule entry 0 must be \{step: N, weights"):
         mixture_from_config({**config, "schedule": [{"at": 3}]})
+
+
+def test_datasets_of_different_tokenizers_do_not_mix_unless_asked() -> None:
+    def split(name: str, hashed: str | None) -> ftj.FlatTokens:
+        url = memory_url()
+        tok = None if hashed is None else ftj.TokenizerInfo(name, hashed, 100)
+        info = None if tok is None else ftj.DatasetInfo(tokenizer=tok)
+        ftj.write_dataset(url, {"train": [[1, 2, 3]] * 4}, info=info)
+        return ftj.open_dataset(url)["train"]
+
+    gpt2, llama = (
+        split("gpt2.json", "sha256:aaaaaaaaaaaaaaaa"),
+        split("llama", "sha256:bbbbbbbbbbbbbbbb"),
+    )
+    copy, old = split("copy.json", "sha256:aaaaaaaaaaaaaaaa"), split("", None)
+    with pytest.raises(
+        ValueError, match=r"'web' was made with tokenizer gpt2.json .* but 'code' with llama"
+    ):
+        Mixture({"web": (gpt2, 1), "code": (llama, 1)})
+    with pytest.raises(ValueError, match="allow_mixed_tokenizers=True"):
+        Mixture([(gpt2, 1), (ftj.PackedRecords(llama, 2), 1)])
+    Mixture({"web": (gpt2, 1), "code": (llama, 1)}, allow_mixed_tokenizers=True)
+    Mixture({"web": (gpt2, 1), "same": (copy, 1), "old": (old, 1)})

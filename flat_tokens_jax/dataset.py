@@ -255,7 +255,11 @@ class Dataset(Mapping[str, FlatTokens]):
         try:
             return self._splits[split]
         except KeyError:
-            raise KeyError(f"{self.url} has no split {split!r}; it has {self.splits}") from None
+            hint = {"valid": "validation", "val": "validation"}.get(split)
+            fix = f": use {hint!r}" if hint in self._splits else ""
+            raise KeyError(
+                f"{self.url} has no split {split!r}; it has {self.splits}{fix}"
+            ) from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._splits)

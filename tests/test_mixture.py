@@ -422,3 +422,10 @@ def test_datasets_of_different_tokenizers_do_not_mix_unless_asked() -> None:
         Mixture([(gpt2, 1), (ftj.PackedRecords(llama, 2), 1)])
     Mixture({"web": (gpt2, 1), "code": (llama, 1)}, allow_mixed_tokenizers=True)
     Mixture({"web": (gpt2, 1), "same": (copy, 1), "old": (old, 1)})
+
+
+def test_split_names_used_inconsistently_name_the_fix() -> None:
+    url = memory_url()
+    ftj.write_dataset(url, {"train": [[1, 2]], "validation": [[3]]})
+    with pytest.raises(KeyError, match=r"has no split 'valid'.*: use 'validation'"):
+        ftj.open_dataset(url)["valid"]

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from flat_tokens_jax.convert import chat, megatron, merge, text
-from flat_tokens_jax.convert.commands import add_store_flags, store_options
+from flat_tokens_jax.convert.commands import add_store_flags, at_least, fail, store_options
 from flat_tokens_jax.dataset import open_dataset
 from flat_tokens_jax.format import FormatError
 from flat_tokens_jax.loader import Loader, LoaderConfig
@@ -30,9 +32,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         for p in e.problems:
             print(f"  {p}", file=sys.stderr)
         return 1
-    except StoreError as e:
-        print(f"cannot read it: {e}", file=sys.stderr)
-        return 1
+    except (StoreError, ValueError) as e:
+        return fail("validate", e)
     print(f"{args.url}: valid")
     return 0
 
@@ -65,9 +66,8 @@ def _format_info(info: dict[str, Any]) -> str:
 def _cmd_info(args: argparse.Namespace) -> int:
     try:
         info = summary(args.url, store_options(args))
-    except (FormatError, StoreError) as e:
-        print(f"{args.url}: {e}", file=sys.stderr)
-        return 1
+    except (StoreError, ValueError) as e:
+        return fail("info", e)
     print(json.dumps(info, indent=2) if args.json else _format_info(info))
     return 0
 
@@ -86,9 +86,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
         loader = Loader(open_dataset(args.url, store_options(args))[args.split], config)
         batch = loader.host_batch(args.step)
         provenance = loader.provenance(args.step)
-    except (FormatError, StoreError, IndexError, KeyError, ValueError) as e:
-        print(f"{args.url}: {e}", file=sys.stderr)
-        return 1
+    except (StoreError, IndexError, KeyError, ValueError) as e:
+        return fail("show", e)
     rows = [
         {**prov, **{k: v[i].astype(int).tolist() for k, v in batch.items()}}
         for i, prov in enumerate(provenance)
@@ -122,14 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_cmd_info)
     p = sub.add_parser("show", help="print the batch of a step and where each row came from")
     _store_args(p)
-    p.add_argument("--step", type=int, required=True)
-    p.add_argument("--batch-size", type=int, required=True, help="global batch size")
-    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--step", type=at_least(0), required=True)
+    p.add_argument("--batch-size", type=at_least(1), required=True, help="global batch size")
+    p.add_argument("--seq-len", type=at_least(1), required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--split", default="train")
     p.add_argument("--padded", action="store_true", help="one sequence per row, padded")
     p.add_argument("--no-shuffle", action="store_true", help="records in order")
-    p.add_argument("--num-epochs", type=int, default=None)
+    p.add_argument("--num-epochs", type=at_least(1), default=None)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_cmd_show)
     text.add_commands(sub)
@@ -148,7 +147,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.pipeline_args = words[cut + 1 :]
     if args.pipeline_args and not getattr(args, "takes_pipeline_args", False):
         parser.error(f"{args.command} takes no options after '--'")
-    code: int = args.run(args)
+    try:
+        code: int = args.run(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader of our output went away (`flat-tokens info --json | head`): stop
+        # quietly, as Unix tools do. Python's recipe: point stdout at devnull so
+        # the flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     return code
 
 

@@ -33,7 +33,7 @@ from flat_tokens_jax import batch as fields
 from flat_tokens_jax.dataset import FlatTokens, open_dataset
 from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records
-from flat_tokens_jax.store import StoreOptions
+from flat_tokens_jax.store import StoreOptions, resolve_options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +117,8 @@ class FlatTokensSource:
         split: the split to read from a URL.
         options: how to reach the store at a URL. Its ``context`` stays in
             this process: unpickled copies open their own.
+        **option_fields: or the fields of ``options`` as keywords, e.g.
+            ``endpoint=...``.
         start_token_id: the input token where a sequence starts.
         pad_id: input and target id of padding.
 
@@ -150,6 +152,7 @@ class FlatTokensSource:
         options: StoreOptions | None = None,
         start_token_id: int = 0,
         pad_id: int = 0,
+        **option_fields: Any,
     ) -> None:
         if (
             isinstance(start_token_id, bool)
@@ -159,6 +162,8 @@ class FlatTokensSource:
             raise ValueError(f"start_token_id must be an int >= 0, got {start_token_id!r}")
         if isinstance(pad_id, bool) or not isinstance(pad_id, int):
             raise ValueError(f"pad_id must be an int, got {pad_id!r}")
+        if option_fields or options is not None:
+            options = resolve_options(options, option_fields, "FlatTokensSource")
         records = _as_records(source, seq_len, packing, split, options)
         if len(records) == 0:
             raise ValueError(

@@ -19,25 +19,29 @@ from flat_tokens_jax.format import (
     check_starts_block,
     check_tokens_block,
 )
-from flat_tokens_jax.store import ArrayReader, Store, StoreOptions
+from flat_tokens_jax.store import ArrayReader, Store, StoreOptions, resolve_options
 
 BLOCK = 1 << 22
 
 
 def validate(
-    url: str | os.PathLike[str], options: StoreOptions | None = None, block: int = BLOCK
+    url: str | os.PathLike[str],
+    options: StoreOptions | None = None,
+    block: int = BLOCK,
+    **option_fields: Any,
 ) -> None:
     """Checks every invariant of the dataset at ``url``, reading it in blocks.
 
     Checks both splits are present; dtypes and shapes; ``seq_starts`` starts at
     0, strictly increases and ends at the token count; start bits sit exactly at
     ``seq_starts``; every id is ``<= max_token_id``; an optional ``loss_mask``
-    has one ``uint8`` 0/1 entry per token.
+    has one ``uint8`` 0/1 entry per token. ``options`` (or its fields as
+    keywords) say how to reach the store, as for :func:`open_dataset`.
 
     Raises:
         FormatError: listing every violation found, each with its array and index.
     """
-    store = Store(url, options)
+    store = Store(url, resolve_options(options, option_fields, "validate"))
     if store.group_attributes("") is None:
         raise FormatError(
             Problem(
@@ -139,14 +143,18 @@ def _blocks(array: ArrayReader, block: int) -> Iterator[tuple[int, np.ndarray]]:
 
 
 def summary(
-    url: str | os.PathLike[str], options: StoreOptions | None = None, max_sampled: int = 1 << 20
+    url: str | os.PathLike[str],
+    options: StoreOptions | None = None,
+    max_sampled: int = 1 << 20,
+    **option_fields: Any,
 ) -> dict[str, Any]:
     """Counts, sequence-length statistics and layout of every split, as JSON-ready data.
 
     Length quantiles are exact up to ``max_sampled`` sequences and taken over
     evenly spaced sequences beyond that (``"lengths_sampled": true``).
+    ``options`` (or its fields as keywords) say how to reach the store.
     """
-    ds = open_dataset(url, options)
+    ds = open_dataset(url, resolve_options(options, option_fields, "summary"))
     out: dict[str, Any] = {"url": ds.url, "zarr_format": ds.zarr_format, "splits": {}}
     for name, ft in ds.items():
         n = ft.num_sequences

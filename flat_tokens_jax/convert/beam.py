@@ -63,7 +63,7 @@ from flat_tokens_jax.convert.inputs import (
 from flat_tokens_jax.convert.parts import Conversion, ConvertOptions, Totals, write_documents
 from flat_tokens_jax.convert.tokenizer import BatchTokenizer
 from flat_tokens_jax.dataset import Dataset, open_dataset
-from flat_tokens_jax.store import Store, StoreOptions, context_spec
+from flat_tokens_jax.store import Store, StoreOptions, context_spec, resolve_options
 from flat_tokens_jax.writer import STAGING, DatasetWriter, Layout, prepare_location
 
 log = logging.getLogger(__name__)
@@ -354,6 +354,7 @@ def convert_beam(
     overwrite: bool = False,
     options: StoreOptions | None = None,
     pipeline_args: Sequence[str] = (),
+    **option_fields: Any,
 ) -> dict[str, Any]:
     """:func:`~flat_tokens_jax.convert.text.convert`, run on Apache Beam.
 
@@ -375,6 +376,7 @@ def convert_beam(
             ``--project``, ...). Without ``--runner``: Beam's FnApiRunner on
             this machine, one worker process per CPU (``--direct_num_workers``).
         options: how to reach ``output`` (e.g. an S3 endpoint and credentials).
+        **option_fields: or the fields of ``options`` as keywords, e.g. ``endpoint=...``.
 
     Other arguments are ``convert``'s. ``max_tokens`` and ``workers`` have no
     equivalent here.
@@ -390,6 +392,7 @@ def convert_beam(
         Exception: whatever the runner raises when the pipeline fails (a bad
             record, named by file and line, among its messages).
     """
+    options = resolve_options(options, option_fields, "convert_beam")
     opts = ConvertOptions(
         tokenizer=None if tokenizer is None else os.fspath(tokenizer),
         text_key=text_key,

@@ -51,7 +51,7 @@ from flat_tokens_jax.convert.inputs import (
 )
 from flat_tokens_jax.convert.tokenizer import load_tokenizer, validation_mask
 from flat_tokens_jax.format import SPLITS, encode_concatenated
-from flat_tokens_jax.store import StoreOptions
+from flat_tokens_jax.store import StoreOptions, resolve_options
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
 # Conversations per encode_batch call: enough work for the tokenizer's thread pool.
@@ -80,6 +80,7 @@ def convert_chat(
     overwrite: bool = False,
     options: StoreOptions | None = None,
     progress: bool | None = None,
+    **option_fields: Any,
 ) -> dict[str, Any]:
     """Writes one sequence per conversation, with a loss mask on the trained turns.
 
@@ -100,6 +101,7 @@ def convert_chat(
         layout: chunking and compression of the output.
         overwrite: replace an existing dataset at ``output``.
         options: how to reach ``output`` (e.g. an S3 endpoint and credentials).
+        **option_fields: or the fields of ``options`` as keywords, e.g. ``endpoint=...``.
         progress: a tqdm bar on stderr; ``None``: when stderr is a terminal.
 
     Returns:
@@ -110,6 +112,7 @@ def convert_chat(
         InputError: a bad record, named by file and line or row (unless ``skip_bad``).
         ValueError: bad arguments, or a template that does not fit the tokenizer.
     """
+    options = resolve_options(options, option_fields, "convert_chat")
     started = time.perf_counter()
     if not 0.0 <= validation_fraction < 1.0:
         raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")

@@ -13,7 +13,7 @@ import numpy as np
 from flat_tokens_jax.convert.commands import add_store_flags, run_command, store_options
 from flat_tokens_jax.dataset import FlatTokens, open_dataset
 from flat_tokens_jax.format import SPLITS
-from flat_tokens_jax.store import StoreOptions
+from flat_tokens_jax.store import StoreOptions, resolve_options
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
 BLOCK_TOKENS = 1 << 22
@@ -27,6 +27,7 @@ def merge(
     overwrite: bool = False,
     block_tokens: int = BLOCK_TOKENS,
     options: StoreOptions | None = None,
+    **option_fields: Any,
 ) -> dict[str, Any]:
     """Writes every split of ``inputs``, in order, into one new dataset at ``output``.
 
@@ -39,6 +40,7 @@ def merge(
     Returns:
         A JSON-ready summary: inputs, and sequences and tokens per split.
     """
+    options = resolve_options(options, option_fields, "merge")
     began = time.perf_counter()
     datasets = [open_dataset(url, options) for url in inputs]
     for split in SPLITS:

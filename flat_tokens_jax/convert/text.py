@@ -19,10 +19,15 @@ from collections.abc import Sequence
 from concurrent.futures import BrokenExecutor
 from typing import Any
 
-from flat_tokens_jax.convert.commands import add_converter_flags, run_command, store_options
+from flat_tokens_jax.convert.commands import (
+    add_converter_flags,
+    at_least,
+    run_command,
+    store_options,
+)
 from flat_tokens_jax.convert.inputs import as_patterns, expand_inputs, require
 from flat_tokens_jax.convert.parts import Conversion, ConvertOptions, Totals, write_documents
-from flat_tokens_jax.store import StoreOptions
+from flat_tokens_jax.store import StoreOptions, resolve_options
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
 log = logging.getLogger(__name__)
@@ -59,6 +64,7 @@ def convert(
     overwrite: bool = False,
     progress: bool | None = None,
     options: StoreOptions | None = None,
+    **option_fields: Any,
 ) -> dict[str, Any]:
     """Tokenizes documents into a new flat-tokens dataset, one sequence per document.
 
@@ -91,6 +97,7 @@ def convert(
         overwrite: replace an existing dataset at ``output``.
         progress: a tqdm bar on stderr; ``None``: when stderr is a terminal.
         options: how to reach ``output`` (e.g. an S3 endpoint and credentials).
+        **option_fields: or the fields of ``options`` as keywords, e.g. ``endpoint=...``.
 
     Returns:
         A JSON-ready summary: ``documents``, ``tokens``, ``skipped_empty``,
@@ -102,6 +109,7 @@ def convert(
         ValueError: bad arguments, or a tokenizer that cannot be used.
         FileExistsError: ``output`` exists and ``overwrite`` is off.
     """
+    options = resolve_options(options, option_fields, "convert")
     opts = ConvertOptions(
         tokenizer=None if tokenizer is None else os.fspath(tokenizer),
         text_key=text_key,
@@ -163,14 +171,17 @@ def add_commands(subparsers: Any) -> None:
         help="inputs of the validation split",
     )
     p.add_argument(
-        "--workers", type=int, default=None, help="tokenizer processes (default 1; local only)"
+        "--workers",
+        type=at_least(1),
+        default=None,
+        help="tokenizer processes (default 1; local only)",
     )
     p.add_argument("--append-eos", action="store_true", help="end each document with eos")
     p.add_argument("--prepend-bos", action="store_true", help="start each document with bos")
     p.add_argument(
         "--add-special-tokens", action="store_true", help="let the tokenizer add its own"
     )
-    p.add_argument("--max-tokens", type=int, help="stop before passing this many tokens")
+    p.add_argument("--max-tokens", type=at_least(1), help="stop before passing this many tokens")
     p.add_argument(
         "--runner",
         choices=("local", "beam"),
@@ -216,7 +227,7 @@ def _local(args: argparse.Namespace) -> dict[str, Any]:
     return convert(
         args.inputs,
         args.output,
-        workers=args.workers or 1,
+        workers=1 if args.workers is None else args.workers,
         max_tokens=args.max_tokens,
         progress=False if args.no_progress else None,
         **_shared(args),

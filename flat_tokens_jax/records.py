@@ -116,7 +116,7 @@ class PackedRecords(_SplitRecords):
         return self.ft.num_tokens // self.seq_len
 
     def token_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        start = np.asarray(indices, np.int64) * self.seq_len
+        start = as_indices(indices, "record indices").reshape(np.shape(indices)) * self.seq_len
         return start, start + self.seq_len
 
     def read(self, indices: np.ndarray, columns: tuple[int, int] | None = None) -> Windows:

@@ -43,6 +43,7 @@ def test_integer_indices_of_any_integer_type_work(ft: ftj.FlatTokens) -> None:
         (lambda ft: ft.encoded_ranges([0.0], [1]), "token range starts must be integers"),
         (lambda ft: ftj.PackedRecords(ft, 2).read(np.array([0.9])), "record indices"),
         (lambda ft: ftj.PaddedRecords(ft, 2).token_ranges(np.array([1.5])), "sequence indices"),
+        (lambda ft: ftj.PackedRecords(ft, 2).token_ranges(np.array([1.5])), "record indices"),
     ],
 )
 def test_other_index_taking_methods_refuse_non_integers(

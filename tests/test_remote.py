@@ -340,3 +340,18 @@ def test_a_server_that_is_down_gets_retries_attempts_in_the_documented_time(retr
     waits = [min(delay * 2**k, most) for k in range(retries - 1)]
     bound = sum(min(w + delay, most) for w in waits)
     assert sum(waits) <= took < bound + 2.0
+
+
+def test_the_commands_name_the_retry_flags_of_a_server_that_is_down(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    server = RefusingServer()
+    try:
+        flags = ["--endpoint", server.endpoint, "--region", "us-east-1", "--retries", "1"]
+        assert cli.main(["info", "s3://bucket/ds", *flags, "--credentials", "anonymous"]) == 1
+    finally:
+        server.close()
+    err = capsys.readouterr().err
+    assert err.startswith("info: s3://bucket/ds: the server failed 1 attempts (--retries, ")
+    assert "--retry-delay, --max-retry-delay): is it reachable?" in err
+    assert "StoreOptions" not in err and err.count("\n") == 1

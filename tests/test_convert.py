@@ -351,17 +351,20 @@ def test_command_line(tmp_path: Path, tok_file: Path, capsys: pytest.CaptureFixt
         )
 
 
-def _group(pgid: int) -> list[int]:
-    """Processes whose process group is ``pgid`` (Linux /proc)."""
+def _processes() -> list[tuple[int, int, int]]:
+    """``(pid, parent pid, process group)`` of every process (Linux /proc)."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:  # the process ended while we looked
             continue
-        if int(fields[2]) == pgid:
-            found.append(int(stat.parent.name))
+        found.append((int(stat.parent.name), int(fields[1]), int(fields[2])))
     return found
+
+
+def _group(pgid: int) -> list[int]:
+    return [pid for pid, _, group in _processes() if group == pgid]
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
@@ -375,10 +378,11 @@ def test_sigkill_of_convert_with_workers_leaves_no_process(tmp_path: Path, tok_f
     )
     try:
         deadline = time.monotonic() + 60
-        # The converter, its two workers and the resource tracker.
-        while len(_group(proc.pid)) < 4 and proc.poll() is None:
+        # Its two workers (and multiprocessing's resource tracker) are its children.
+        while len([p for p in _processes() if p[1] == proc.pid]) < 2 and proc.poll() is None:
             assert time.monotonic() < deadline, "the workers did not start"
             time.sleep(0.05)
+        time.sleep(1.0)  # the workers are tokenizing (the whole run takes several seconds)
         assert proc.poll() is None, "the conversion ended before it could be killed"
         proc.kill()
         proc.wait()

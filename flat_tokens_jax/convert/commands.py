@@ -14,20 +14,19 @@ from flat_tokens_jax.store import CREDENTIAL_TYPES, StoreOptions
 _DEFAULTS = StoreOptions()
 
 
-def at_least(minimum: float, kind: type[int] | type[float] = int) -> Callable[[str], Any]:
-    """An argparse ``type`` that parses ``kind`` and refuses values below ``minimum``
-    (argparse then says which flag, in CLI terms)."""
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer of at least ``minimum`` (argparse then
+    names the flag of a bad value)."""
 
-    def parse(text: str) -> Any:
+    def parse(text: str) -> int:
         try:
-            value = kind(text)
+            value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected int, got {text!r}") from None
         if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum:g}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {text}")
         return value
 
-    parse.__name__ = kind.__name__
     return parse
 
 

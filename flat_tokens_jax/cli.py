@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from flat_tokens_jax import show
 from flat_tokens_jax.convert import chat, megatron, merge, text
-from flat_tokens_jax.convert.commands import add_store_flags, store_options
+from flat_tokens_jax.convert.commands import add_store_flags, at_least, fail, store_options
 from flat_tokens_jax.convert.tokenizer import load_tokenizer
 from flat_tokens_jax.format import FormatError
 from flat_tokens_jax.identity import tokenizer_info
@@ -34,9 +36,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         for p in e.problems:
             print(f"  {p}", file=sys.stderr)
         return 1
-    except StoreError as e:
-        print(f"cannot read it: {e}", file=sys.stderr)
-        return 1
+    except (StoreError, ValueError) as e:
+        return fail("validate", e)
     print(f"{args.url}: valid")
     return 0
 
@@ -129,9 +130,8 @@ def _format_info(info: dict[str, Any], unicode: bool = True) -> str:
 def _cmd_info(args: argparse.Namespace) -> int:
     try:
         info = summary(args.url, store_options(args))
-    except (FormatError, StoreError) as e:
-        print(f"{args.url}: {e}", file=sys.stderr)
-        return 1
+    except (StoreError, ValueError) as e:
+        return fail("info", e)
     unicode = "utf" in (sys.stdout.encoding or "").lower()
     print(json.dumps(info, indent=2) if args.json else _format_info(info, unicode))
     return 0
@@ -150,9 +150,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
         rows = show.parse_rows(args.rows, loader.config.batch_size)
         decode = None if args.tokenizer is None else _decoder(args.tokenizer, loader)
         shown = show.run_json(loader, args.step, rows)
-    except (FormatError, StoreError, IndexError, KeyError, ValueError, OSError) as e:
-        print(f"show: {e}", file=sys.stderr)
-        return 1
+    except (StoreError, IndexError, KeyError, ValueError, OSError) as e:
+        return fail("show", e)
     if args.json:
         print(json.dumps(shown))
         return 0
@@ -205,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("url", nargs="?", help="the dataset (not needed with --config data or --state)")
     add_store_flags(p)
-    p.add_argument("--step", type=int, required=True)
+    p.add_argument("--step", type=at_least(0), required=True)
     p.add_argument("--config", help="YAML with a loader section and optionally a data section")
     p.add_argument("--state", help="a saved loader.state() as JSON")
     p.add_argument("--split", default="train", help="split of URL, or part of a data split cut")
@@ -241,7 +240,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.pipeline_args = words[cut + 1 :]
     if args.pipeline_args and not getattr(args, "takes_pipeline_args", False):
         parser.error(f"{args.command} takes no options after '--'")
-    code: int = args.run(args)
+    try:
+        code: int = args.run(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader of our output went away (`flat-tokens info --json | head`): stop
+        # quietly, as Unix tools do. Python's recipe: point stdout at devnull so
+        # the flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     return code
 
 

@@ -20,10 +20,19 @@ from flat_tokens_jax.format import (
     STARTS_DTYPE,
     TOKENS,
     FormatError,
+    as_index,
+    as_indices,
     decode,
 )
 from flat_tokens_jax.identity import DatasetInfo
-from flat_tokens_jax.store import ArrayReader, Pending, Store, StoreOptions, describe_layout
+from flat_tokens_jax.store import (
+    ArrayReader,
+    Pending,
+    Store,
+    StoreOptions,
+    describe_layout,
+    resolve_options,
+)
 
 
 class _Unread:
@@ -148,7 +157,9 @@ class FlatTokens:
         self, starts: Sequence[int] | np.ndarray, stops: Sequence[int] | np.ndarray
     ) -> Pending:
         """Starts reading the ranges of :meth:`encoded_ranges`; ``.result()`` waits."""
-        lo, hi = np.asarray(starts, np.int64), np.asarray(stops, np.int64)
+        lo, hi = as_indices(starts, "token range starts"), as_indices(stops, "token range stops")
+        if lo.size != hi.size:
+            raise ValueError(f"{lo.size} range starts but {hi.size} stops")
         bad = np.flatnonzero((lo < 0) | (hi < lo) | (hi > self.num_tokens))
         if bad.size:
             i = int(bad[0])
@@ -167,7 +178,7 @@ class FlatTokens:
 
     def sequence_bounds(self, indices: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(starts, stops)`` token offsets ``[k] int64`` of sequences ``indices``, one read."""
-        idx = np.asarray(indices, np.int64).reshape(-1)
+        idx = as_indices(indices, "sequence indices")
         bad = np.flatnonzero((idx < 0) | (idx >= self.num_sequences))
         if bad.size:
             raise IndexError(
@@ -200,6 +211,7 @@ class FlatTokens:
 
     def view(self, first: int, stop: int) -> FlatTokens:
         """Sequences ``[first, stop)`` of this split (or view) as a ``FlatTokens``."""
+        first, stop = as_index(first, "first"), as_index(stop, "stop")
         if not 0 <= first <= stop <= self.num_sequences:
             raise IndexError(
                 f"{self!r}: sequence range [{first}, {stop}) is outside [0, {self.num_sequences}]"
@@ -296,9 +308,7 @@ def open_dataset(
     Raises:
         FormatError: nothing valid at ``url``, or an array that breaks the format.
     """
-    if options is not None and option_fields:
-        raise ValueError("pass either options=StoreOptions(...) or its fields as keywords")
-    return Dataset(Store(url, options or StoreOptions(**option_fields)))
+    return Dataset(Store(url, resolve_options(options, option_fields, "open_dataset")))
 
 
 def split_boundaries(fractions: str | Sequence[float], n: int) -> list[int]:

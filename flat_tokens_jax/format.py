@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -44,7 +46,8 @@ class Problem:
     def __str__(self) -> str:
         loc = self.where if self.index is None else f"{self.where}[{self.index}]"
         val = "" if self.value is None else f" (value {self.value})"
-        return f"{loc}: {self.message}{val}"
+        # A problem made from a message alone names its place inside the message.
+        return f"{loc}: {self.message}{val}" if loc else f"{self.message}{val}"
 
 
 class FormatError(ValueError):
@@ -58,11 +61,33 @@ class FormatError(ValueError):
         elif isinstance(problems, Problem):
             problems = [problems]
         self.problems: list[Problem] = list(problems)
-        lines = [str(p).removeprefix(": ") for p in self.problems[: self.max_listed]]
+        lines = [str(p) for p in self.problems[: self.max_listed]]
         more = len(self.problems) - self.max_listed
         if more > 0:
             lines.append(f"... and {more} more")
         super().__init__(lines[0] if len(lines) == 1 else "\n  ".join(["", *lines]).lstrip("\n"))
+
+
+def as_indices(values: Any, what: str) -> np.ndarray:
+    """``values`` (any shape) as ``[k] int64``, refusing what is not an integer:
+    ``1.7`` or ``True`` is no index, and truncating it would read another one.
+
+    Raises:
+        TypeError: ``values`` hold floats, booleans or anything else not integral.
+    """
+    array = np.asarray(values)
+    if array.size and array.dtype.kind not in "iu":
+        raise TypeError(
+            f"{what} must be integers, got {array.dtype} values such as {array.reshape(-1)[0]!r}"
+        )
+    return array.astype(np.int64).reshape(-1)
+
+
+def as_index(value: Any, what: str) -> int:
+    """``value`` as an ``int``, refusing floats and booleans (see :func:`as_indices`)."""
+    if isinstance(value, bool | np.bool_) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{what} must be an integer, got {value!r}")
+    return operator.index(value)
 
 
 def check_token_ids(ids: np.ndarray, where: str) -> np.ndarray:

@@ -30,10 +30,10 @@ from typing import Any, SupportsIndex
 import numpy as np
 
 from flat_tokens_jax import batch as fields
-from flat_tokens_jax.dataset import FlatTokens, open_dataset
+from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records, recorded_info
-from flat_tokens_jax.store import StoreOptions
+from flat_tokens_jax.store import StoreOptions, resolve_options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +117,8 @@ class FlatTokensSource:
         split: the split to read from a URL.
         options: how to reach the store at a URL. Its ``context`` stays in
             this process: unpickled copies open their own.
+        **option_fields: or the fields of ``options`` as keywords, e.g.
+            ``endpoint=...``.
         start_token_id: the input token where a sequence starts; ``None``: the
             one the dataset records, else 0 (as ``LoaderConfig``).
         pad_id: input and target id of padding.
@@ -151,6 +153,7 @@ class FlatTokensSource:
         options: StoreOptions | None = None,
         start_token_id: int | None = None,
         pad_id: int = 0,
+        **option_fields: Any,
     ) -> None:
         if start_token_id is not None and (
             isinstance(start_token_id, bool)
@@ -160,6 +163,8 @@ class FlatTokensSource:
             raise ValueError(f"start_token_id must be an int >= 0, got {start_token_id!r}")
         if isinstance(pad_id, bool) or not isinstance(pad_id, int):
             raise ValueError(f"pad_id must be an int, got {pad_id!r}")
+        if option_fields or options is not None:
+            options = resolve_options(options, option_fields, "FlatTokensSource")
         records = _as_records(source, seq_len, packing, split, options)
         if len(records) == 0:
             raise ValueError(
@@ -295,6 +300,11 @@ def _as_records(
             raise ValueError(f"seq_len is required to make records of {source!r}")
         kind = PaddedRecords if packing is False else PackedRecords
         return kind(source, seq_len)
+    if isinstance(source, Dataset):
+        raise TypeError(
+            f"{source!r} is a whole dataset; pick a split: ds[{source.splits[0]!r}] "
+            "(or pass the URL with split=...)"
+        )
     if not all(hasattr(source, a) for a in ("read", "seq_len", "packed", "__len__")):
         raise TypeError(
             f"expected a path or URL, a FlatTokens or Records, got {type(source).__name__}"

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from flat_tokens_jax.dataset import FlatTokens
-from flat_tokens_jax.format import ENCODED_DTYPE
+from flat_tokens_jax.format import ENCODED_DTYPE, as_indices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +127,7 @@ class PackedRecords(_SplitRecords):
         return self.ft.num_tokens // self.seq_len
 
     def token_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        start = np.asarray(indices, np.int64) * self.seq_len
+        start = as_indices(indices, "record indices").reshape(np.shape(indices)) * self.seq_len
         return start, start + self.seq_len
 
     def read(self, indices: np.ndarray, columns: tuple[int, int] | None = None) -> Windows:
@@ -152,7 +152,7 @@ class PaddedRecords(_SplitRecords):
         return self.ft.num_sequences
 
     def token_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        start, stop = self.ft.sequence_bounds(np.asarray(indices, np.int64))
+        start, stop = self.ft.sequence_bounds(indices)
         return start, np.minimum(stop, start + self.seq_len)
 
     def read(self, indices: np.ndarray, columns: tuple[int, int] | None = None) -> Windows:
@@ -187,7 +187,7 @@ def _check_columns(columns: tuple[int, int] | None, seq_len: int) -> tuple[int, 
 
 
 def _check_indices(indices: np.ndarray, n: int, source: object) -> np.ndarray:
-    idx = np.asarray(indices, np.int64).reshape(-1)
+    idx = as_indices(indices, "record indices")
     bad = np.flatnonzero((idx < 0) | (idx >= n))
     if bad.size:
         raise IndexError(f"{source!r}: record {idx[bad[0]]} is outside [0, {n})")

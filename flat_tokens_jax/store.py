@@ -13,7 +13,6 @@ import dataclasses
 import json
 import os
 import threading
-import urllib.parse
 from collections.abc import Mapping
 from typing import Any, Literal, Protocol
 
@@ -23,8 +22,8 @@ import zarr
 
 from flat_tokens_jax.format import FormatError
 from flat_tokens_jax.localshards import LocalShards, plain_shard_geometry
+from flat_tokens_jax.urls import parse_url
 
-SCHEMES = ("file", "memory", "gs", "s3")
 V3_META = "zarr.json"
 # zarr v3 array attribute: every chunk was written, fill values included, so
 # a missing chunk means a missing object, never a chunk of fill values.
@@ -32,6 +31,8 @@ EVERY_CHUNK_STORED = "every_chunk_stored"
 V2_GROUP = ".zgroup"
 V2_ARRAY = ".zarray"
 V2_ATTRS = ".zattrs"
+# The aws_credentials types that StoreOptions.credentials may name alone.
+CREDENTIAL_TYPES = ("default", "anonymous", "environment", "imds", "ecs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +56,11 @@ class StoreOptions:
             batches in flight, so this is what hides per-request latency.
         retries: ``gs://``/``s3://``: attempts per request before a read fails
             (throttling, 5xx answers, refused or dropped connections). A server
-            that stays down fails a read after the waits between attempts:
-            ``min(retry_delay * 2**k, max_retry_delay)`` for ``k < retries - 1``,
-            each plus up to ``min(1, retry_delay)`` seconds of jitter (at most
-            102 s with the defaults).
+            that stays down fails a read after the waits between attempts,
+            ``min(retry_delay * 2**k + jitter, max_retry_delay)`` for
+            ``k < retries - 1``, with up to ``min(1, retry_delay)`` seconds of
+            jitter: at most 100 s with the defaults (1+2+4+8+16, up to 1 s of
+            jitter each, then 32+32).
         retry_delay: seconds before the first retry; doubling after each.
         max_retry_delay: the longest wait between two attempts, in seconds.
         timeout: seconds any one wait for data may take, retries included,
@@ -90,8 +92,8 @@ class StoreOptions:
                 raise ValueError(f"StoreOptions.{name} must be at least 1")
         if not 0 < self.retry_delay <= self.max_retry_delay:
             raise ValueError(
-                "StoreOptions needs 0 < retry_delay <= max_retry_delay, got "
-                f"{self.retry_delay} and {self.max_retry_delay}"
+                f"StoreOptions.retry_delay ({self.retry_delay}) must be above 0 and at most "
+                f"StoreOptions.max_retry_delay ({self.max_retry_delay})"
             )
         if self.timeout is not None and self.timeout <= 0:
             raise ValueError(f"StoreOptions.timeout must be positive or None, got {self.timeout}")
@@ -101,17 +103,39 @@ class StoreOptions:
             raise ValueError(
                 f"StoreOptions.endpoint must be an http:// or https:// URL, got {self.endpoint!r}"
             )
-        if isinstance(self.credentials, str) and self.credentials not in (
-            "default",
-            "anonymous",
-            "environment",
-            "imds",
-            "ecs",
-        ):
+        if isinstance(self.credentials, str) and self.credentials not in CREDENTIAL_TYPES:
             raise ValueError(
                 f"StoreOptions.credentials {self.credentials!r} is not a credentials type: use "
                 "'default', 'anonymous', 'environment', 'imds', 'ecs' or a profile mapping"
             )
+
+
+def resolve_options(
+    options: StoreOptions | None, option_fields: Mapping[str, Any], caller: str
+) -> StoreOptions:
+    """The :class:`StoreOptions` of a function that takes ``options=`` or the
+    same fields as keywords (``**option_fields``), but not both.
+
+    Raises:
+        TypeError: ``options`` is not a ``StoreOptions``, or a keyword is
+            neither the caller's nor a field of ``StoreOptions``.
+        ValueError: both ``options`` and keywords, or a bad field value.
+    """
+    if options is not None and not isinstance(options, StoreOptions):
+        raise TypeError(f"{caller}: options must be a StoreOptions, got {type(options).__name__}")
+    known = [f.name for f in dataclasses.fields(StoreOptions)]
+    unknown = sorted(set(option_fields) - set(known))
+    if unknown:
+        raise TypeError(
+            f"{caller} got unexpected keyword arguments {unknown}: besides its own, it "
+            f"takes the fields of StoreOptions: {', '.join(known)}"
+        )
+    if options is not None and option_fields:
+        raise ValueError(
+            f"{caller}: pass either options=StoreOptions(...) or its fields as keywords "
+            f"({', '.join(sorted(option_fields))}), not both"
+        )
+    return options if options is not None else StoreOptions(**option_fields)
 
 
 class StoreError(OSError):
@@ -128,7 +152,8 @@ def context_spec(options: StoreOptions) -> dict[str, Any]:
     """The tensorstore context spec of ``options``: request concurrency and
     retries for GCS and S3, and the cache pool."""
     retries = {
-        "max_retries": options.retries,
+        # tensorstore's max_retries counts the attempts after the first.
+        "max_retries": options.retries - 1,
         "initial_delay": _millis(options.retry_delay),
         "max_delay": _millis(options.max_retry_delay),
     }
@@ -160,7 +185,7 @@ def store_error(url: str, error: BaseException, options: StoreOptions) -> StoreE
     elif "retry attempts failed" in text or code in ("UNAVAILABLE", "ABORTED"):
         hint = (
             f"the server failed {options.retries} attempts (StoreOptions.retries, "
-            "retry_delay, max_retry_delay): is it reachable?"
+            "StoreOptions.retry_delay, StoreOptions.max_retry_delay): is it reachable?"
         )
     else:
         hint = "read failed"
@@ -195,30 +220,20 @@ class _MemoryContext:
 
 
 def kvstore_spec(url: str | os.PathLike[str], options: StoreOptions) -> dict[str, Any]:
-    """The tensorstore kvstore spec of a store's root (its path ends with ``/``)."""
-    text = os.fspath(url)
-    parsed = urllib.parse.urlparse(text)
-    scheme = parsed.scheme if len(parsed.scheme) > 1 else ""
-    if scheme in ("", "file"):
-        path = parsed.path if scheme == "file" else text
-        return {"driver": "file", "path": os.path.abspath(os.path.expanduser(path)) + "/"}
-    if scheme not in SCHEMES:
-        raise ValueError(
-            f"unsupported URL scheme {scheme!r} in {text!r}: use a path or "
-            f"one of {', '.join(s + '://' for s in SCHEMES)}"
-        )
-    path = parsed.path.strip("/")
-    path = path + "/" if path else ""
-    if scheme == "memory":
-        return {"driver": "memory", "path": (parsed.netloc + "/" + path).lstrip("/")}
-    if not parsed.netloc:
-        raise ValueError(f"{text!r} names no bucket: expected {scheme}://BUCKET/PATH")
+    """The tensorstore kvstore spec of a store's root (its path ends with ``/``),
+    by the URL rules of :mod:`flat_tokens_jax.urls`."""
+    where = parse_url(url)
+    if where.scheme == "file":
+        return {"driver": "file", "path": where.path.rstrip("/") + "/"}
+    path = where.path + "/" if where.path else ""
+    if where.scheme == "memory":
+        return {"driver": "memory", "path": (where.bucket + "/" + path).lstrip("/")}
     spec: dict[str, Any] = {
-        "driver": "gcs" if scheme == "gs" else "s3",
-        "bucket": parsed.netloc,
+        "driver": "gcs" if where.scheme == "gs" else "s3",
+        "bucket": where.bucket,
         "path": path,
     }
-    if scheme == "s3":
+    if where.scheme == "s3":
         if options.endpoint is not None:
             spec["endpoint"] = options.endpoint
         if options.region is not None:
@@ -232,23 +247,27 @@ def kvstore_spec(url: str | os.PathLike[str], options: StoreOptions) -> dict[str
 def zarr_python_store(url: str | os.PathLike[str], options: StoreOptions) -> Any:
     """A zarr-python store for the same URL, for arrays tensorstore cannot decode."""
     text = os.fspath(url)
-    scheme = urllib.parse.urlparse(text).scheme
-    if len(scheme) <= 1 or scheme == "file":
-        return zarr.storage.LocalStore(kvstore_spec(text, options)["path"], read_only=True)
-    if scheme == "memory":
+    where = parse_url(text)
+    if where.scheme == "file":
+        return zarr.storage.LocalStore(where.path, read_only=True)
+    if where.scheme == "memory":
         raise FormatError(
             f"{text}: this array needs zarr-python (its codecs are not "
             "supported by tensorstore), which cannot reach memory:// stores"
         )
     storage: dict[str, Any] = {}
-    if scheme == "s3" and options.endpoint:
+    if where.scheme == "s3" and options.endpoint:
         storage["endpoint_url"] = options.endpoint
     try:
-        return zarr.storage.FsspecStore.from_url(text, storage_options=storage, read_only=True)
+        return zarr.storage.FsspecStore.from_url(
+            f"{where.scheme}://{where.bucket}/{where.path}",
+            storage_options=storage,
+            read_only=True,
+        )
     except ImportError as e:
         raise FormatError(
             f"{text}: this array needs zarr-python with fsspec "
-            f"(pip install fsspec {'gcsfs' if scheme == 'gs' else 's3fs'}): {e}"
+            f"(pip install fsspec {'gcsfs' if where.scheme == 'gs' else 's3fs'}): {e}"
         ) from e
 
 

@@ -20,13 +20,16 @@ from flat_tokens_jax.format import (
     check_tokens_block,
 )
 from flat_tokens_jax.identity import DatasetInfo
-from flat_tokens_jax.store import ArrayReader, Store, StoreOptions
+from flat_tokens_jax.store import ArrayReader, Store, StoreOptions, resolve_options
 
 BLOCK = 1 << 22
 
 
 def validate(
-    url: str | os.PathLike[str], options: StoreOptions | None = None, block: int = BLOCK
+    url: str | os.PathLike[str],
+    options: StoreOptions | None = None,
+    block: int = BLOCK,
+    **option_fields: Any,
 ) -> None:
     """Checks every invariant of the dataset at ``url``, reading it in blocks.
 
@@ -34,12 +37,13 @@ def validate(
     0, strictly increases and ends at the token count; start bits sit exactly at
     ``seq_starts``; every id is ``<= max_token_id``; an optional ``loss_mask``
     has one ``uint8`` 0/1 entry per token; the root attribute ``flat_tokens``,
-    when present, is well formed.
+    when present, is well formed. ``options`` (or its fields as keywords) say
+    how to reach the store, as for :func:`open_dataset`.
 
     Raises:
         FormatError: listing every violation found, each with its array and index.
     """
-    store = Store(url, options)
+    store = Store(url, resolve_options(options, option_fields, "validate"))
     root = store.group_attributes("")
     if root is None:
         raise FormatError(
@@ -146,7 +150,10 @@ def _blocks(array: ArrayReader, block: int) -> Iterator[tuple[int, np.ndarray]]:
 
 
 def summary(
-    url: str | os.PathLike[str], options: StoreOptions | None = None, max_sampled: int = 1 << 20
+    url: str | os.PathLike[str],
+    options: StoreOptions | None = None,
+    max_sampled: int = 1 << 20,
+    **option_fields: Any,
 ) -> dict[str, Any]:
     """What made the dataset, and counts, sequence lengths and layout of every split.
 
@@ -154,9 +161,10 @@ def summary(
     it records none). Length quantiles and the ``"histogram"`` (counts of
     lengths in ``[edges[i], edges[i + 1])``, ``edges`` powers of two) are
     exact up to ``max_sampled`` sequences and taken over evenly spaced
-    sequences beyond that (``"lengths_sampled": true``).
+    sequences beyond that (``"lengths_sampled": true``). ``options`` (or its
+    fields as keywords) say how to reach the store.
     """
-    ds = open_dataset(url, options)
+    ds = open_dataset(url, resolve_options(options, option_fields, "summary"))
     out: dict[str, Any] = {
         "url": ds.url,
         "zarr_format": ds.zarr_format,

@@ -31,7 +31,7 @@ from flat_tokens_jax.format import (
 )
 from flat_tokens_jax.identity import ATTRIBUTE, DatasetInfo
 from flat_tokens_jax.layout import PROVISIONAL_SIZE, Layout, create_array
-from flat_tokens_jax.store import V2_GROUP, V3_META, Store, StoreOptions
+from flat_tokens_jax.store import V2_GROUP, V3_META, Store, StoreOptions, resolve_options
 
 log = logging.getLogger(__name__)
 
@@ -283,6 +283,7 @@ class DatasetWriter:
         overwrite: replace an existing dataset (or the leftover of an
             interrupted write) at ``url``. Without it such a ``url`` is refused.
         options: how to reach the store (see :class:`StoreOptions`).
+        **option_fields: or the fields of ``options`` as keywords, e.g. ``endpoint=...``.
         splits: the splits to create; each is written even if it stays empty.
         attributes: extra JSON attributes for the root group (any key but
             ``"flat_tokens"``).
@@ -302,12 +303,13 @@ class DatasetWriter:
         splits: Sequence[str] = SPLITS,
         attributes: Mapping[str, Any] | None = None,
         info: DatasetInfo | None = None,
+        **option_fields: Any,
     ) -> None:
         self.layout = layout or Layout()
         root_attributes(attributes, info)  # refuses a bad key before anything is written
         self.attributes = dict(attributes or {})
         self.info = info
-        self.store = Store(url, options)
+        self.store = Store(url, resolve_options(options, option_fields, "DatasetWriter"))
         prepare_location(self.store, overwrite)
         self._splits = {s: _SplitWriter(self.store, s, self.layout) for s in splits}
         self._closed = False
@@ -454,7 +456,8 @@ def write_dataset(
 
     Splits of :data:`SPLITS` that ``splits`` omits are written empty. ``loss_masks``
     maps some of the split names to one loss mask per sequence (see
-    :meth:`DatasetWriter.append`). Other keyword arguments go to :class:`DatasetWriter`.
+    :meth:`DatasetWriter.append`). Other keyword arguments go to :class:`DatasetWriter`
+    (``options=StoreOptions(...)`` or its fields as keywords among them).
 
     Example:
         >>> write_dataset("memory://doc/masked", {"train": [[1, 2, 3]]},

@@ -1,12 +1,17 @@
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from rawstore import SPEC_TOKENS, flat_split, write_raw
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.cli import main
+from flat_tokens_jax.cli import build_parser, main
+from flat_tokens_jax.convert.commands import store_options
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -88,3 +93,109 @@ def test_show_prints_the_batch_and_its_provenance(tmp_path: Path) -> None:
     assert "targets     [1, 2, 0, 0]" in text
     bad = run("show", str(tmp_path), "--step", "0", "--batch-size", "1", "--seq-len", "9")
     assert bad.returncode == 1 and "has no records" in bad.stderr
+
+
+STORE_FLAGS = [
+    "--endpoint",
+    "http://127.0.0.1:1",
+    "--region",
+    "r",
+    "--credentials",
+    "anonymous",
+    "--concurrency",
+    "3",
+    "--retries",
+    "2",
+    "--retry-delay",
+    "0.5",
+    "--max-retry-delay",
+    "4",
+    "--timeout",
+    "7",
+]
+COMMANDS = {
+    "validate": ["U"],
+    "info": ["U"],
+    "show": ["U", "--step", "0", "--batch-size", "1", "--seq-len", "1"],
+    "convert": ["I", "U"],
+    "convert-chat": ["I", "U", "--tokenizer", "T"],
+    "merge": ["U", "U2"],
+    "import-megatron": ["P", "U"],
+    "export-megatron": ["U", "P"],
+}
+
+
+def test_every_command_that_takes_a_url_has_the_same_store_flags() -> None:
+    parser = build_parser()
+    expected = ftj.StoreOptions(
+        endpoint="http://127.0.0.1:1",
+        region="r",
+        credentials="anonymous",
+        concurrency=3,
+        retries=2,
+        retry_delay=0.5,
+        max_retry_delay=4.0,
+        timeout=7.0,
+    )
+    commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert set(commands) == set(COMMANDS)
+    for command, words in COMMANDS.items():
+        assert store_options(parser.parse_args([command, *words, *STORE_FLAGS])) == expected
+        assert store_options(parser.parse_args([command, *words])) == ftj.StoreOptions()
+
+
+@pytest.mark.parametrize(
+    ("words", "message"),
+    [
+        (["convert", "I", "U", "--workers", "0"], "argument --workers: must be at least 1, got 0"),
+        (["info", "U", "--retries", "0"], "argument --retries: must be at least 1, got 0"),
+        (["info", "U", "--timeout", "0"], "argument --timeout: must be above 0 seconds"),
+        (["info", "U", "--concurrency", "x"], "argument --concurrency: expected int, got 'x'"),
+        (["info", "U", "--credentials", "static"], "argument --credentials: invalid choice"),
+        (["show", "U", "--step", "-1", "--batch-size", "1", "--seq-len", "1"], "--step: must be"),
+    ],
+)
+def test_bad_flag_values_are_refused_in_cli_terms(
+    words: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(words)
+    assert caught.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_store_option_errors_speak_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["info", str(tmp_path), "--retry-delay", "5", "--max-retry-delay", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err == "info: --retry-delay (5.0) must be above 0 and at most --max-retry-delay (1.0)\n"
+
+
+def test_info_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    ftj.write_dataset(tmp_path, {"train": [[1, 2], [3]]})
+    read, write = os.pipe()
+    os.close(read)  # like `| head -c 10` that has exited
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "flat_tokens_jax.cli", "info", "--json", str(tmp_path)],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert done.stderr == ""
+    assert done.returncode == 128 + signal.SIGPIPE
+
+
+def test_validate_names_a_location_in_every_line(tmp_path: Path) -> None:
+    ftj.write_dataset(tmp_path, {"train": [[1, 2], [3]]})
+    shutil.rmtree(tmp_path / "train")
+    bad = run("validate", str(tmp_path))
+    assert bad.returncode == 1
+    header, *problems = bad.stderr.splitlines()
+    assert header == f"{tmp_path}: INVALID, 1 problem(s):"
+    assert problems == [f"  {tmp_path}: split 'train' is missing (no zarr group train/)"]
+    empty = run("validate", "")
+    assert empty.returncode == 1
+    assert empty.stderr == "validate: the store's URL is empty: give a path or a URL\n"

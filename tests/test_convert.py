@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -343,3 +349,52 @@ def test_command_line(tmp_path: Path, tok_file: Path, capsys: pytest.CaptureFixt
         parser.parse_args(
             ["convert", str(src), out, "--validation-fraction", "0.1", "--validation", str(src)]
         )
+
+
+def _processes() -> list[tuple[int, int, int]]:
+    """``(pid, parent pid, process group)`` of every process (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended while we looked
+            continue
+        found.append((int(stat.parent.name), int(fields[1]), int(fields[2])))
+    return found
+
+
+def _group(pgid: int) -> list[int]:
+    return [pid for pid, _, group in _processes() if group == pgid]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_sigkill_of_convert_with_workers_leaves_no_process(tmp_path: Path, tok_file: Path) -> None:
+    docs = corpus_texts(200, 2000) * 50
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": d} for d in docs])
+    command = [sys.executable, "-m", "flat_tokens_jax.cli", "convert", str(src)]
+    command += [str(tmp_path / "out"), "--tokenizer", str(tok_file), "--workers", "2"]
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        # Its two workers (and multiprocessing's resource tracker) are its children.
+        while len([p for p in _processes() if p[1] == proc.pid]) < 2 and proc.poll() is None:
+            assert time.monotonic() < deadline, "the workers did not start"
+            time.sleep(0.05)
+        time.sleep(1.0)  # the workers are tokenizing (the whole run takes several seconds)
+        assert proc.poll() is None, "the conversion ended before it could be killed"
+        proc.kill()
+        proc.wait()
+        assert proc.stdout is not None
+        read = threading.Thread(target=proc.stdout.read)
+        read.start()
+        deadline = time.monotonic() + 10
+        while _group(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _group(proc.pid) == [], "processes of the killed conversion live on"
+        read.join(1)
+        assert not read.is_alive(), "a reader of its output never sees the end"
+    finally:
+        for pid in _group(proc.pid):
+            os.kill(pid, signal.SIGKILL)

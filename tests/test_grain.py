@@ -269,6 +269,8 @@ def test_construction_errors_name_the_fix(path: Path) -> None:
     ft = ftj.open_dataset(path)["train"]
     with pytest.raises(ValueError, match="seq_len is required"):
         FlatTokensSource(path)
+    with pytest.raises(TypeError, match=r"pick a split: ds\['train'\]"):
+        FlatTokensSource(ftj.open_dataset(path), SEQ_LEN)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="seq_len must be an int >= 1, got 0"):
         FlatTokensSource(path, 0)
     with pytest.raises(ValueError, match="has no records"):

@@ -6,6 +6,8 @@ import contextlib
 import dataclasses
 import json
 import os
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -288,3 +290,68 @@ def test_a_packed_batch_costs_about_one_request_per_row_and_each_index_one_read(
     # Every shard's index is read once, and only once.
     assert len(shards) == len(set(shards)) == -(-ft.num_tokens // layout.shard_tokens)
     assert data_reads <= rows * 1.25
+
+
+class RefusingServer:
+    """Accepts connections on 127.0.0.1 and closes them at once, counting them:
+    a server that is down, but one that counts the attempts."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.sock.accept()
+                self.connections += 1
+                conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("retries", [1, 3])
+def test_a_server_that_is_down_gets_retries_attempts_in_the_documented_time(retries: int) -> None:
+    # Before: retries=N made N+1 attempts and N waits (130 s with the defaults,
+    # where the README promised at most 102 s).
+    server = RefusingServer()
+    delay, most = 0.2, 0.4
+    try:
+        options = ftj.StoreOptions(
+            endpoint=server.endpoint,
+            region="us-east-1",
+            credentials="anonymous",
+            retries=retries,
+            retry_delay=delay,
+            max_retry_delay=most,
+        )
+        began = time.perf_counter()
+        with pytest.raises(StoreError, match=f"failed {retries} attempts"):
+            ftj.open_dataset("s3://bucket/ds", options)
+        took = time.perf_counter() - began
+    finally:
+        server.close()
+    assert server.connections == retries
+    # The README's bound: min(delay * 2**k + jitter, most) for k < retries - 1,
+    # jitter below min(1, delay); the waits are at least delay * 2**k.
+    waits = [min(delay * 2**k, most) for k in range(retries - 1)]
+    bound = sum(min(w + delay, most) for w in waits)
+    assert sum(waits) <= took < bound + 2.0
+
+
+def test_the_commands_name_the_retry_flags_of_a_server_that_is_down(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    server = RefusingServer()
+    try:
+        flags = ["--endpoint", server.endpoint, "--region", "us-east-1", "--retries", "1"]
+        assert cli.main(["info", "s3://bucket/ds", *flags, "--credentials", "anonymous"]) == 1
+    finally:
+        server.close()
+    err = capsys.readouterr().err
+    assert err.startswith("info: s3://bucket/ds: the server failed 1 attempts (--retries, ")
+    assert "--retry-delay, --max-retry-delay): is it reachable?" in err
+    assert "StoreOptions" not in err and err.count("\n") == 1

@@ -189,11 +189,11 @@ def test_show_says_which_component_a_row_came_from(tmp_path: Path) -> None:
     [
         (
             ["--seq-len", "0", "--batch-size", "2"],
-            "LoaderConfig.seq_len must be an int >= 1, got 0",
+            "--seq-len must be an int >= 1, got 0",
         ),
-        (["--seq-len", "2", "--batch-size", "0"], "LoaderConfig.batch_size must be an int >= 1"),
-        (["--seq-len", "2", "--batch-size", "2", "--seed", "-1"], "LoaderConfig.seed"),
-        (["--seq-len", "2", "--batch-size", "2", "--num-epochs", "0"], "LoaderConfig.num_epochs"),
+        (["--seq-len", "2", "--batch-size", "0"], "--batch-size must be an int >= 1"),
+        (["--seq-len", "2", "--batch-size", "2", "--seed", "-1"], "--seed must be"),
+        (["--seq-len", "2", "--batch-size", "2", "--num-epochs", "0"], "--num-epochs must be"),
         (["--seq-len", "2"], "batch_size is not known: pass --batch-size"),
         (["--seq-len", "2", "--batch-size", "4", "--step", "10000000000000000000"], "too large"),
         (["--seq-len", "2", "--batch-size", "4", "--rows", "3-9"], "3-9 is outside rows 0-3"),

@@ -1,3 +1,4 @@
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,65 @@ def test_plain_paths_and_file_urls_open_the_same(tmp_path: Path) -> None:
     a = ftj.open_dataset(tmp_path / "ds")["train"].tokens(0, 2)
     b = ftj.open_dataset(f"file://{tmp_path}/ds")["train"].tokens(0, 2)
     assert a.tolist() == b.tolist() == [5, 6]
+
+
+def _url_taking_calls(tmp_path: Path) -> dict[str, Callable[..., object]]:
+    """Every public function that takes a store URL, called with ``**fields``."""
+    from flat_tokens_jax.convert.chat import convert_chat
+    from flat_tokens_jax.convert.megatron import export_megatron, import_megatron
+    from flat_tokens_jax.convert.merge import merge
+    from flat_tokens_jax.convert.text import convert
+    from flat_tokens_jax.grain import FlatTokensSource
+
+    url = tmp_path / "ds"
+    if not url.exists():
+        ftj.write_dataset(url, {"train": [[1, 2, 3]]})
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"tokens": [1, 2]}\n')
+    out = tmp_path / "out"
+    return {
+        "open_dataset": lambda **kw: ftj.open_dataset(url, **kw),
+        "validate": lambda **kw: ftj.validate(url, **kw),
+        "summary": lambda **kw: ftj.summary(url, **kw),
+        "DatasetWriter": lambda **kw: ftj.DatasetWriter(out, **kw),
+        "write_dataset": lambda **kw: ftj.write_dataset(out, {"train": [[1]]}, **kw),
+        "merge": lambda **kw: merge([url], out, **kw),
+        "convert": lambda **kw: convert(src, out, tokens_key="tokens", **kw),
+        "convert_chat": lambda **kw: convert_chat(src, out, tokenizer="no-such", **kw),
+        "import_megatron": lambda **kw: import_megatron(["no-such"], out, **kw),
+        "export_megatron": lambda **kw: export_megatron(url, tmp_path / "p", **kw),
+        "FlatTokensSource": lambda **kw: FlatTokensSource(url, seq_len=2, **kw),
+    }
+
+
+def test_every_url_taking_function_takes_the_store_options_as_keywords(tmp_path: Path) -> None:
+    calls = _url_taking_calls(tmp_path)
+    try:
+        from flat_tokens_jax.convert.beam import convert_beam
+    except ImportError:
+        pass
+    else:
+        calls["convert_beam"] = lambda **kw: convert_beam(tmp_path / "in.jsonl", "o", **kw)
+    for name, call in calls.items():
+        # write_dataset hands its keywords to DatasetWriter, which names itself.
+        name = "DatasetWriter" if name == "write_dataset" else name
+        # The keywords reach StoreOptions, which checks them, before any work.
+        with pytest.raises(ValueError, match=r"StoreOptions.retries must be at least 1"):
+            call(retries=0)
+        with pytest.raises(
+            TypeError, match=rf"{name} got unexpected keyword arguments \['bogus'\]"
+        ):
+            call(bogus=1)
+        with pytest.raises(ValueError, match=f"{name}: pass either options=.* not both"):
+            call(options=StoreOptions(), region="r")
+        with pytest.raises(TypeError, match="options must be a StoreOptions, got dict"):
+            call(options={"region": "r"})
+    assert not (tmp_path / "out").exists()
+
+
+def test_store_option_keywords_are_the_options_used(tmp_path: Path) -> None:
+    url = tmp_path / "ds"
+    ftj.write_dataset(url, {"train": [[1, 2, 3]]}, cache_bytes=1 << 20)
+    assert ftj.open_dataset(url, cache_bytes=123).store.options.cache_bytes == 123
+    with ftj.DatasetWriter(tmp_path / "w", concurrency=3) as w:
+        assert w.store.options == StoreOptions(concurrency=3)

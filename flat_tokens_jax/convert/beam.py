@@ -64,7 +64,7 @@ from flat_tokens_jax.convert.parts import Conversion, ConvertOptions, Totals, wr
 from flat_tokens_jax.convert.tokenizer import BatchTokenizer
 from flat_tokens_jax.dataset import Dataset, open_dataset
 from flat_tokens_jax.identity import DatasetInfo, inputs_record
-from flat_tokens_jax.store import Store, StoreOptions, context_spec
+from flat_tokens_jax.store import Store, StoreOptions, context_spec, resolve_options
 from flat_tokens_jax.writer import STAGING, DatasetWriter, Layout, prepare_location
 
 log = logging.getLogger(__name__)
@@ -362,6 +362,7 @@ def convert_beam(
     options: StoreOptions | None = None,
     pipeline_args: Sequence[str] = (),
     start_token_id: int | str | None = None,
+    **option_fields: Any,
 ) -> dict[str, Any]:
     """:func:`~flat_tokens_jax.convert.text.convert`, run on Apache Beam.
 
@@ -383,6 +384,7 @@ def convert_beam(
             ``--project``, ...). Without ``--runner``: Beam's FnApiRunner on
             this machine, one worker process per CPU (``--direct_num_workers``).
         options: how to reach ``output`` (e.g. an S3 endpoint and credentials).
+        **option_fields: or the fields of ``options`` as keywords, e.g. ``endpoint=...``.
 
     Other arguments are ``convert``'s. ``max_tokens`` and ``workers`` have no
     equivalent here.
@@ -398,6 +400,7 @@ def convert_beam(
         Exception: whatever the runner raises when the pipeline fails (a bad
             record, named by file and line, among its messages).
     """
+    options = resolve_options(options, option_fields, "convert_beam")
     opts = ConvertOptions(
         tokenizer=None if tokenizer is None else os.fspath(tokenizer),
         text_key=text_key,

@@ -66,7 +66,7 @@ from flat_tokens_jax.convert.tokenizer import (
 )
 from flat_tokens_jax.format import SPLITS, encode_concatenated
 from flat_tokens_jax.identity import DatasetInfo, inputs_record
-from flat_tokens_jax.store import StoreOptions
+from flat_tokens_jax.store import StoreOptions, resolve_options
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,7 @@ def convert_chat(
     options: StoreOptions | None = None,
     progress: bool | None = None,
     start_token_id: int | str | None = None,
+    **option_fields: Any,
 ) -> dict[str, Any]:
     """Writes one sequence per conversation, with a loss mask on the trained turns.
 
@@ -122,6 +123,7 @@ def convert_chat(
         layout: chunking and compression of the output.
         overwrite: replace an existing dataset at ``output``.
         options: how to reach ``output`` (e.g. an S3 endpoint and credentials).
+        **option_fields: or the fields of ``options`` as keywords, e.g. ``endpoint=...``.
         progress: a tqdm bar on stderr; ``None``: when stderr is a terminal.
         start_token_id: record this input id for sequence starts (an id, or
             ``"bos"``/``"eos"`` for the tokenizer's), as for ``convert``.
@@ -142,6 +144,7 @@ def convert_chat(
         InputError: a bad record, named by file and line or row (unless ``skip_bad``).
         ValueError: bad arguments, or a template that does not fit the tokenizer.
     """
+    options = resolve_options(options, option_fields, "convert_chat")
     started = time.perf_counter()
     if not 0.0 <= validation_fraction < 1.0:
         raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")

@@ -4,32 +4,81 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
 
-from flat_tokens_jax.store import StoreOptions
+from flat_tokens_jax.store import CREDENTIAL_TYPES, StoreOptions
 
 _DEFAULTS = StoreOptions()
 
 
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer of at least ``minimum`` (argparse then
+    names the flag of a bad value)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected int, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {text}")
+        return value
+
+    return parse
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse ``type``: a number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0 seconds, got {text}")
+    return value
+
+
 def add_store_flags(parser: argparse.ArgumentParser) -> None:
-    """Adds the flags of :class:`StoreOptions` that reach remote stores."""
+    """Adds the flags of :class:`StoreOptions` that reach remote stores; every
+    command that takes a dataset URL has them."""
     group = parser.add_argument_group("remote stores")
     group.add_argument("--endpoint", help="s3:// only: S3-compatible endpoint URL")
     group.add_argument("--region", help="s3:// only: AWS region of the bucket")
     group.add_argument(
-        "--credentials", help="s3:// only: default, anonymous, environment, imds or ecs"
+        "--credentials",
+        choices=CREDENTIAL_TYPES,
+        help="s3:// only: where the credentials come from (default: tensorstore's chain)",
+    )
+    group.add_argument(
+        "--concurrency",
+        type=at_least(1),
+        default=_DEFAULTS.concurrency,
+        help=f"gs:// or s3:// requests in flight (default {_DEFAULTS.concurrency})",
     )
     group.add_argument(
         "--retries",
-        type=int,
+        type=at_least(1),
         default=_DEFAULTS.retries,
         help=f"attempts per gs:// or s3:// request (default {_DEFAULTS.retries})",
     )
     group.add_argument(
+        "--retry-delay",
+        type=positive_seconds,
+        default=_DEFAULTS.retry_delay,
+        help=f"seconds before the first retry, doubling (default {_DEFAULTS.retry_delay})",
+    )
+    group.add_argument(
+        "--max-retry-delay",
+        type=positive_seconds,
+        default=_DEFAULTS.max_retry_delay,
+        help=f"longest wait between attempts (default {_DEFAULTS.max_retry_delay})",
+    )
+    group.add_argument(
         "--timeout",
-        type=float,
+        type=positive_seconds,
         default=_DEFAULTS.timeout,
         help=f"seconds any one read may wait, retries included (default {_DEFAULTS.timeout})",
     )
@@ -74,9 +123,29 @@ def store_options(args: argparse.Namespace) -> StoreOptions:
         endpoint=args.endpoint,
         region=args.region,
         credentials=args.credentials,
+        concurrency=args.concurrency,
         retries=args.retries,
+        retry_delay=args.retry_delay,
+        max_retry_delay=args.max_retry_delay,
         timeout=args.timeout,
     )
+
+
+def cli_words(message: str) -> str:
+    """``message`` with the Python spelling of options in CLI terms:
+    ``StoreOptions.retry_delay`` becomes ``--retry-delay``, ``LoaderConfig.seq_len``
+    ``--seq-len``."""
+    return re.sub(
+        r"(?:StoreOptions|LoaderConfig)\.(\w+)",
+        lambda m: "--" + m.group(1).replace("_", "-"),
+        message,
+    )
+
+
+def fail(name: str, error: BaseException) -> int:
+    """Prints ``name: error`` on stderr, in CLI terms; returns the exit status 1."""
+    print(f"{name}: {cli_words(str(error))}", file=sys.stderr)
+    return 1
 
 
 def run_command(
@@ -95,7 +164,6 @@ def run_command(
     try:
         summary = work()
     except errors as e:
-        print(f"{name}: {e}", file=sys.stderr)
-        return 1
+        return fail(name, e)
     print(json.dumps(summary) if as_json else describe(summary))
     return 0

@@ -29,7 +29,7 @@ from flat_tokens_jax.convert.tokenizer import identity, load_tokenizer
 from flat_tokens_jax.dataset import open_dataset
 from flat_tokens_jax.format import MAX_TOKEN_ID, SPLITS, decode, encode_concatenated
 from flat_tokens_jax.identity import DatasetInfo, inputs_record
-from flat_tokens_jax.store import StoreOptions
+from flat_tokens_jax.store import StoreOptions, resolve_options
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
 log = logging.getLogger(__name__)
@@ -230,6 +230,7 @@ def import_megatron(
     options: StoreOptions | None = None,
     chunk_tokens: int = CHUNK_TOKENS,
     tokenizer: str | os.PathLike[str] | None = None,
+    **option_fields: Any,
 ) -> dict[str, Any]:
     """Writes Megatron indexed datasets, concatenated in order, as a new flat-tokens dataset.
 
@@ -243,6 +244,7 @@ def import_megatron(
         prefixes: paths without ``.idx``/``.bin``.
         output: the new dataset's path or URL.
         layout, overwrite, options: as for :class:`DatasetWriter`.
+        **option_fields: or the fields of ``options`` as keywords.
         split: ``"train"`` or ``"validation"``: it receives everything; the other
             is written empty.
         progress: called after each chunk with ``(tokens_done, tokens_total)``.
@@ -263,6 +265,7 @@ def import_megatron(
             is left at ``output``.
         FileExistsError: ``output`` holds data and ``overwrite`` is false.
     """
+    options = resolve_options(options, option_fields, "import_megatron")
     began = time.perf_counter()
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
@@ -343,6 +346,7 @@ def export_megatron(
     dtype_code: int | None = None,
     options: StoreOptions | None = None,
     chunk_tokens: int = CHUNK_TOKENS,
+    **option_fields: Any,
 ) -> dict[str, Any]:
     """Writes one split as ``PREFIX.bin``/``PREFIX.idx``, one sequence and document apiece.
 
@@ -360,6 +364,7 @@ def export_megatron(
             that cannot hold ``max_token_id``.
         FormatError: no valid dataset at ``url``.
     """
+    options = resolve_options(options, option_fields, "export_megatron")
     began = time.perf_counter()
     ds = open_dataset(url, options)
     if split not in ds:

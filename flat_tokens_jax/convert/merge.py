@@ -16,7 +16,7 @@ from flat_tokens_jax.convert.commands import add_store_flags, run_command, store
 from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.format import SPLITS
 from flat_tokens_jax.identity import DatasetInfo, check_tokenizers, common_tokenizer, inputs_record
-from flat_tokens_jax.store import StoreOptions
+from flat_tokens_jax.store import StoreOptions, resolve_options
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
 BLOCK_TOKENS = 1 << 22
@@ -31,6 +31,7 @@ def merge(
     block_tokens: int = BLOCK_TOKENS,
     options: StoreOptions | None = None,
     allow_mixed_tokenizers: bool = False,
+    **option_fields: Any,
 ) -> dict[str, Any]:
     """Writes every split of ``inputs``, in order, into one new dataset at ``output``.
 
@@ -54,6 +55,7 @@ def merge(
         ValueError: inputs of different tokenizers, or loss masks in some
             inputs of a split only.
     """
+    options = resolve_options(options, option_fields, "merge")
     began = time.perf_counter()
     datasets = [open_dataset(url, options) for url in inputs]
     check_tokenizers(

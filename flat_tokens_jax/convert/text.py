@@ -22,12 +22,13 @@ from typing import Any
 from flat_tokens_jax.convert.commands import (
     add_converter_flags,
     add_start_token_flag,
+    at_least,
     run_command,
     store_options,
 )
 from flat_tokens_jax.convert.inputs import as_patterns, expand_inputs, require
 from flat_tokens_jax.convert.parts import Conversion, ConvertOptions, Totals, write_documents
-from flat_tokens_jax.store import StoreOptions
+from flat_tokens_jax.store import StoreOptions, resolve_options
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ def convert(
     progress: bool | None = None,
     options: StoreOptions | None = None,
     start_token_id: int | str | None = None,
+    **option_fields: Any,
 ) -> dict[str, Any]:
     """Tokenizes documents into a new flat-tokens dataset, one sequence per document.
 
@@ -100,6 +102,7 @@ def convert(
         start_token_id: record this input id for sequence starts in the
             output's info (``LoaderConfig`` uses it when it sets none): an id,
             or ``"bos"``/``"eos"`` for the tokenizer's.
+        **option_fields: or the fields of ``options`` as keywords, e.g. ``endpoint=...``.
 
     The output records what made it (:class:`DatasetInfo`): the tokenizer's
     identity, the flags above that shape tokens, and the input files with a
@@ -116,6 +119,7 @@ def convert(
         ValueError: bad arguments, or a tokenizer that cannot be used.
         FileExistsError: ``output`` exists and ``overwrite`` is off.
     """
+    options = resolve_options(options, option_fields, "convert")
     opts = ConvertOptions(
         tokenizer=None if tokenizer is None else os.fspath(tokenizer),
         text_key=text_key,
@@ -179,14 +183,17 @@ def add_commands(subparsers: Any) -> None:
         help="inputs of the validation split",
     )
     p.add_argument(
-        "--workers", type=int, default=None, help="tokenizer processes (default 1; local only)"
+        "--workers",
+        type=at_least(1),
+        default=None,
+        help="tokenizer processes (default 1; local only)",
     )
     p.add_argument("--append-eos", action="store_true", help="end each document with eos")
     p.add_argument("--prepend-bos", action="store_true", help="start each document with bos")
     p.add_argument(
         "--add-special-tokens", action="store_true", help="let the tokenizer add its own"
     )
-    p.add_argument("--max-tokens", type=int, help="stop before passing this many tokens")
+    p.add_argument("--max-tokens", type=at_least(1), help="stop before passing this many tokens")
     p.add_argument(
         "--runner",
         choices=("local", "beam"),
@@ -234,7 +241,7 @@ def _local(args: argparse.Namespace) -> dict[str, Any]:
     return convert(
         args.inputs,
         args.output,
-        workers=args.workers or 1,
+        workers=1 if args.workers is None else args.workers,
         max_tokens=args.max_tokens,
         progress=False if args.no_progress else None,
         **_shared(args),

@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import dataclasses
 import hashlib
 import logging
 import multiprocessing
 import os
 import signal
+import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import (
     BrokenExecutor,
@@ -265,8 +269,35 @@ class BatchTokenizer:
 _worker_tokenize: BatchTokenizer | None = None
 
 
-def _init_worker(tokenizer_file: str, settings: tuple[Any, ...], threads: int) -> None:
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def _exit_with(parent: int) -> None:
+    """Ends this worker process soon after ``parent`` dies, however it dies.
+
+    A parent killed by SIGKILL runs no cleanup, and its workers, blocked reading
+    a task pipe that they hold open themselves, would live on, holding the
+    parent's stdout (a reader of it would never see its end) and its resource
+    tracker. On Linux the kernel kills the worker with its parent
+    (``PR_SET_PDEATHSIG``); everywhere, a thread checks the parent each second.
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def _init_worker(parent: int, tokenizer_file: str, settings: tuple[Any, ...], threads: int) -> None:
     global _worker_tokenize
+    _exit_with(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops the pool
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
     os.environ["RAYON_NUM_THREADS"] = str(threads)
@@ -326,7 +357,8 @@ def batch_encoder(tokenize: BatchTokenizer, workers: int) -> Iterator[Encoder]:
     ``workers`` processes started with "spawn", each loading the tokenizer once
     (so a script that converts with workers must guard its top level with
     ``if __name__ == "__main__":``). Either way the results, and so the
-    output, are the same.
+    output, are the same. Worker processes end with this one, even when it is
+    killed (see :func:`_exit_with`).
     """
     if tokenize.tokenizer is None:
         yield lambda batches: ((mask, tokenize(docs)) for docs, mask in batches)
@@ -354,7 +386,7 @@ def batch_encoder(tokenize: BatchTokenizer, workers: int) -> Iterator[Encoder]:
             workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_init_worker,
-            initargs=(tokenizer_file, settings, threads),
+            initargs=(os.getpid(), tokenizer_file, settings, threads),
         )
         fn, depth = _work, 2 * workers
     with stack:

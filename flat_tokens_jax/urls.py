@@ -1,0 +1,137 @@
+"""What a store's URL means: the one place that reads paths and URLs.
+
+The rules (the README's "Where a store lives" says the same):
+
+- A **plain path** (no ``scheme:``) is a local path, taken literally: ``~``
+  is expanded, a relative path is relative to the current directory, and ``%``
+  is an ordinary character.
+- ``file:///abs/path`` and ``file://localhost/abs/path`` name a local absolute
+  path (RFC 8089), as does the minimal form ``file:/abs/path``. Any other host
+  (``file://data/x``, ``file://../x``) and a relative ``file:x`` are refused
+  with the spelling that works, because their meaning depends on who reads
+  them.
+- ``memory://NAME/PATH``, ``gs://BUCKET/PATH`` and ``s3://BUCKET/PATH`` name
+  a key prefix.
+- In URLs (never in plain paths) percent-escapes are decoded, as tensorstore's
+  own URL parsing does: ``file:///data/my%20corpus`` is ``/data/my corpus``. A
+  ``%`` not followed by two hex digits is refused, and so are ``?`` and ``#``
+  (queries and fragments mean nothing here; write them as ``%3F`` and ``%23``).
+- URLs carry no credentials: ``s3://KEY:SECRET@bucket/x`` is refused with a
+  message that does not repeat the URL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import urllib.parse
+
+SCHEMES = ("file", "memory", "gs", "s3")
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):")
+_BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
+_CREDENTIALS_HOW = {
+    "s3": "StoreOptions(credentials=...) or --credentials (e.g. a profile), or the "
+    "environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)",
+    "gs": "the environment (GOOGLE_APPLICATION_CREDENTIALS or gcloud's application "
+    "default credentials)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+    """Where a URL points.
+
+    Attributes:
+        scheme: ``"file"`` (plain paths too), ``"memory"``, ``"gs"`` or ``"s3"``.
+        bucket: the bucket (``gs``, ``s3``) or the name (``memory``); ``""`` for files.
+        path: ``file``: the absolute local path; otherwise the key prefix, with
+            no leading or trailing ``/`` (``""`` for the bucket's root).
+    """
+
+    scheme: str
+    bucket: str
+    path: str
+
+
+def scheme_of(url: str | os.PathLike[str]) -> str:
+    """The URL's scheme, lower case, or ``""`` for a plain path (a one-letter
+    scheme is a Windows drive, so a path)."""
+    found = _SCHEME.match(os.fspath(url))
+    return found.group(1).lower() if found else ""
+
+
+def parse_url(url: str | os.PathLike[str]) -> Location:
+    """The :class:`Location` of a local path or ``file://``, ``memory://``,
+    ``gs://`` or ``s3://`` URL, by the rules of this module.
+
+    Raises:
+        ValueError: an empty URL, another scheme, credentials in the URL (the
+            message does not repeat it), a ``file:`` URL that is not local and
+            absolute, a bad percent-escape, a query or fragment, or no bucket.
+    """
+    text = os.fspath(url)
+    if not text:
+        raise ValueError("the store's URL is empty: give a path or a URL")
+    scheme = scheme_of(text)
+    if not scheme:
+        return Location("file", "", os.path.abspath(os.path.expanduser(text)))
+    if scheme not in SCHEMES:
+        raise ValueError(
+            f"unsupported URL scheme {scheme!r} in {text!r}: use a path or "
+            f"one of {', '.join(s + '://' for s in SCHEMES)}"
+        )
+    rest = text[len(scheme) + 1 :]
+    has_authority = rest.startswith("//")
+    authority, slash, path = rest[2:].partition("/") if has_authority else ("", "", rest)
+    # A secret may hold "/", "?" or "#", so the authority is cut at the first "/"
+    # only; bucket names hold no ":" (an S3 secret key cut short still does).
+    if "@" in authority or (scheme in ("gs", "s3") and ":" in authority):
+        raise ValueError(
+            f"a {scheme}:// URL must not carry credentials (USER:SECRET@ before the "
+            f"bucket or host), and this one is not repeated here: write "
+            f"{scheme}://{'BUCKET' if scheme in ('gs', 's3') else 'NAME'}/PATH and pass "
+            f"credentials through {_CREDENTIALS_HOW.get(scheme, 'nothing: none are needed')}"
+        )
+    for char, escape in (("?", "%3F"), ("#", "%23")):
+        if char in rest:
+            raise ValueError(
+                f"{text!r}: {char!r} starts a query or fragment, which store URLs do "
+                f"not take; in a name, write it as {escape}"
+            )
+    bad = _BAD_ESCAPE.search(rest)
+    if bad:
+        raise ValueError(
+            f"{text!r}: '%' at {len(scheme) + 1 + bad.start()} does not start a "
+            "percent-escape (%XX); write a '%' in a URL as %25"
+        )
+    if scheme == "file":
+        return Location("file", "", _file_path(text, has_authority, authority, slash + path))
+    if not has_authority:
+        raise ValueError(f"{text!r}: expected {scheme}://NAME/PATH")
+    key = urllib.parse.unquote(path).strip("/")
+    if scheme != "memory" and not authority:
+        raise ValueError(f"{text!r} names no bucket: expected {scheme}://BUCKET/PATH")
+    return Location(scheme, urllib.parse.unquote(authority), key)
+
+
+def _file_path(text: str, has_authority: bool, host: str, path: str) -> str:
+    """The local path of a ``file:`` URL (RFC 8089): absolute, on this host.
+    ``path`` is what follows the host (or the scheme, without ``//``)."""
+    local = urllib.parse.unquote(path)
+    if not has_authority and not local.startswith("/"):
+        raise ValueError(
+            f"{text!r}: a file: URL names an absolute path, as file:///ABSOLUTE/PATH; "
+            f"for a path relative to the current directory, give the plain path {local!r}"
+        )
+    if host.lower() not in ("", "localhost"):
+        meant = urllib.parse.unquote(host) + local
+        absolute = "" if host in (".", "..", "~") else f"file:///{meant} for /{meant}, or "
+        raise ValueError(
+            f"{text!r}: a file:// URL's host is {host!r}, but only local files can be "
+            f"read: write file:///ABSOLUTE/PATH (three slashes), e.g. {absolute}the plain "
+            f"path {meant!r} for a path relative to the current directory"
+        )
+    if not local:
+        raise ValueError(f"{text!r} names no path: write file:///ABSOLUTE/PATH")
+    return os.path.normpath("/" + local.lstrip("/"))

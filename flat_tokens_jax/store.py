@@ -301,9 +301,6 @@ class Store:
     def delete(self, key: str) -> None:
         self.wait(self.kv.delete_range(ts.KvStore.KeyRange(key, key + "\0")))
 
-    def delete_all(self) -> None:
-        self.wait(self.kv.delete_range(ts.KvStore.KeyRange()))
-
     def delete_prefix(self, prefix: str) -> None:
         """Deletes every key under the folder ``prefix``."""
         folder = prefix.strip("/") + "/"

@@ -63,8 +63,9 @@ from flat_tokens_jax.convert.inputs import (
 from flat_tokens_jax.convert.parts import Conversion, ConvertOptions, Totals, write_documents
 from flat_tokens_jax.convert.tokenizer import BatchTokenizer
 from flat_tokens_jax.dataset import Dataset, open_dataset
+from flat_tokens_jax.location import STAGING, Claim, claim_location, refuse_overlap
 from flat_tokens_jax.store import Store, StoreOptions, context_spec
-from flat_tokens_jax.writer import STAGING, DatasetWriter, Layout, prepare_location
+from flat_tokens_jax.writer import DatasetWriter, Layout
 
 log = logging.getLogger(__name__)
 
@@ -311,9 +312,9 @@ def _counters(result: Any) -> dict[str, int]:
     return out
 
 
-def _run(pipeline: beam.Pipeline, store: Store) -> Any:
+def _run(pipeline: beam.Pipeline, claim: Claim) -> Any:
     """Runs ``pipeline`` to the end; on any failure or interrupt, cancels it and
-    deletes everything it wrote (nothing at ``store`` is left that looks valid)."""
+    deletes everything it wrote (nothing at the claimed output is left)."""
     result = None
     try:
         result = pipeline.run()
@@ -330,10 +331,10 @@ def _run(pipeline: beam.Pipeline, store: Store) -> Any:
                     "could not cancel the Beam job (%s): it may still write to %s, which is "
                     "left as it is; cancel the job, then convert again with overwrite",
                     e,
-                    store.url,
+                    claim.store.url,
                 )
                 raise
-        prepare_location(store, overwrite=True)
+        claim.discard()
         raise
 
 
@@ -421,9 +422,9 @@ def convert_beam(
                 f"{runner} runs workers on other machines, which cannot reach {where}: "
                 "give inputs and output as gs:// or s3:// URLs"
             )
+    refuse_overlap([*conv.train, *conv.validation], [out])
     tokenize = conv.tokenize
     store = Store(out, options)
-    prepare_location(store, overwrite)
     job = _Job(
         out,
         layout or Layout(),
@@ -437,10 +438,15 @@ def convert_beam(
     files = [(path, everything) for paths, _, everything in conv.passes for path in paths]
     pipeline = beam.Pipeline(options=beam_options)
     build_pipeline(pipeline, job, [(i, p, v) for i, (p, v) in enumerate(files)])
+    claim = claim_location(store, overwrite)
     if tokenize.tokenizer is not None:
         text = tokenize.tokenizer.to_str().encode("utf-8")
-        store.wait(store.kv.write(TOKENIZER_KEY, text))
-    counters = _counters(_run(pipeline, store))
+        try:
+            store.wait(store.kv.write(TOKENIZER_KEY, text))
+        except BaseException:
+            claim.discard()
+            raise
+    counters = _counters(_run(pipeline, claim))
     written = open_dataset(out, options)
     return conv.summary(
         out,

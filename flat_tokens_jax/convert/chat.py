@@ -51,6 +51,7 @@ from flat_tokens_jax.convert.inputs import (
 )
 from flat_tokens_jax.convert.tokenizer import load_tokenizer, validation_mask
 from flat_tokens_jax.format import SPLITS, encode_concatenated
+from flat_tokens_jax.location import refuse_overlap
 from flat_tokens_jax.store import StoreOptions
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
@@ -119,6 +120,7 @@ def convert_chat(
         raise ValueError("no inputs given")
     if valid_paths and validation_fraction:
         raise ValueError("pass validation_fraction or validation_inputs, not both")
+    refuse_overlap([*train_paths, *valid_paths], [output])
     loaded = load_tokenizer(tokenizer)
     render = make_renderer(loaded, template, train_on, end_of_turn)
     tok = _whole_offsets(loaded.tokenizer)

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from flat_tokens_jax.location import OverwriteNeeded
 from flat_tokens_jax.store import StoreOptions
 
 _DEFAULTS = StoreOptions()
@@ -72,7 +73,8 @@ def run_command(
     try:
         summary = work()
     except errors as e:
-        print(f"{name}: {e}", file=sys.stderr)
+        text = e.cli_message() if isinstance(e, OverwriteNeeded) else str(e)
+        print(f"{name}: {text}", file=sys.stderr)
         return 1
     print(json.dumps(summary) if as_json else describe(summary))
     return 0

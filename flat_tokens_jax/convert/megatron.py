@@ -25,6 +25,7 @@ import numpy as np
 from flat_tokens_jax.convert.commands import add_store_flags, run_command, store_options
 from flat_tokens_jax.dataset import open_dataset
 from flat_tokens_jax.format import MAX_TOKEN_ID, SPLITS, decode, encode_concatenated
+from flat_tokens_jax.location import refuse_overlap
 from flat_tokens_jax.store import StoreOptions
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
@@ -258,6 +259,7 @@ def import_megatron(
     prefixes = [prefixes] if isinstance(prefixes, str | os.PathLike) else list(prefixes)
     if not prefixes:
         raise ValueError("import_megatron needs at least one prefix")
+    refuse_overlap([os.fspath(p) + ext for p in prefixes for ext in (".bin", ".idx")], [output])
     indexes = [read_index(p) for p in prefixes]
     codes = sorted({ix.dtype_code for ix in indexes})
     code = codes[0] if len(codes) == 1 else None
@@ -333,9 +335,11 @@ def export_megatron(
     Raises:
         ValueError: a split the dataset lacks, an unknown dtype code, or a dtype
             that cannot hold ``max_token_id``.
+        ValueError: also when ``PREFIX`` lies inside the dataset at ``url``.
         FormatError: no valid dataset at ``url``.
     """
     began = time.perf_counter()
+    refuse_overlap([url], [os.fspath(prefix) + ext for ext in (".bin", ".idx")])
     ds = open_dataset(url, options)
     if split not in ds:
         raise ValueError(f"{ds.url} has no split {split!r}; it has {ds.splits}")

@@ -13,6 +13,7 @@ import numpy as np
 from flat_tokens_jax.convert.commands import add_store_flags, run_command, store_options
 from flat_tokens_jax.dataset import FlatTokens, open_dataset
 from flat_tokens_jax.format import SPLITS
+from flat_tokens_jax.location import refuse_overlap
 from flat_tokens_jax.store import StoreOptions
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
@@ -34,12 +35,14 @@ def merge(
     inputs'. Data moves in blocks of whole sequences of about ``block_tokens``
     tokens, still encoded: memory stays bounded and no token passes through a
     Python list. Loss masks are carried over when every input of a split has
-    one. ``options`` reach the inputs and the output alike.
+    one. ``options`` reach the inputs and the output alike. An output that
+    is, contains or lies inside an input is refused before anything is written.
 
     Returns:
         A JSON-ready summary: inputs, and sequences and tokens per split.
     """
     began = time.perf_counter()
+    refuse_overlap(inputs, [output])
     datasets = [open_dataset(url, options) for url in inputs]
     for split in SPLITS:
         masked = {ds[split].loss_mask is not None for ds in datasets if split in ds}

@@ -22,6 +22,7 @@ from typing import Any
 from flat_tokens_jax.convert.commands import add_converter_flags, run_command, store_options
 from flat_tokens_jax.convert.inputs import as_patterns, expand_inputs, require
 from flat_tokens_jax.convert.parts import Conversion, ConvertOptions, Totals, write_documents
+from flat_tokens_jax.location import refuse_overlap
 from flat_tokens_jax.store import StoreOptions
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
@@ -100,7 +101,8 @@ def convert(
     Raises:
         InputError: a bad record (naming its file and line or row) or input file.
         ValueError: bad arguments, or a tokenizer that cannot be used.
-        FileExistsError: ``output`` exists and ``overwrite`` is off.
+        FileExistsError: ``output`` exists and ``overwrite`` is off, or holds
+            files that are not a flat-tokens dataset.
     """
     opts = ConvertOptions(
         tokenizer=None if tokenizer is None else os.fspath(tokenizer),
@@ -118,6 +120,7 @@ def convert(
     conv = Conversion.start(
         opts, expand_inputs(as_patterns(inputs)), expand_inputs(as_patterns(validation_inputs))
     )
+    refuse_overlap([*conv.train, *conv.validation], [output])
     totals = Totals(opts.max_tokens)
     with DatasetWriter(output, layout=layout, overwrite=overwrite, options=options) as writer:
         write_documents(writer, conv.passes, conv.tokenize, opts, totals, _progress_bar(progress))

@@ -207,7 +207,9 @@ def _check(store: Store, keys: Sequence[str], splits: tuple[str, ...], overwrite
             f"progress ({_describe_marker(store)})",
             "if that write is dead, ",
         )
-    raise OverwriteNeeded(store.url, "already holds a flat-tokens dataset")
+    if any(k in keys for k in _GROUP_META):
+        raise OverwriteNeeded(store.url, "already holds a flat-tokens dataset")
+    raise OverwriteNeeded(store.url, "holds the leftover of an interrupted write")
 
 
 def _is_ours(key: str, splits: Iterable[str]) -> bool:

@@ -248,6 +248,10 @@ def test_refusals(tmp_path: Path, tok_file: Path, corpus: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no file matches"):
         convert_beam(str(corpus / "nothing*"), tmp_path / "x", tokenizer=tok_file)
     assert not (tmp_path / "x").exists() or stored(tmp_path / "x") == {}
+    before = files(corpus)
+    with pytest.raises(ValueError, match="contains the input"):
+        convert_beam(every, corpus, tokenizer=tok_file, overwrite=True)
+    assert files(corpus) == before
 
 
 @pytest.mark.parametrize(

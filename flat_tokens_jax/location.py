@@ -141,9 +141,11 @@ def claim_location(store: Store, overwrite: bool, splits: Sequence[str] = SPLITS
     try:
         # Listed again now that no other writer can start: a writer that
         # finished between the first listing and our marker left its dataset.
-        keys = store.keys()
-        keys.remove(MARKER)
-        _delete_ours(store, _check(store, keys, claim.splits, overwrite))
+        listed = store.keys()
+        keys = [k for k in listed if k != MARKER]
+        known = _check(store, keys, claim.splits, overwrite)
+        if keys:
+            _delete_ours(store, known)
     except BaseException:
         store.delete(MARKER)
         raise
@@ -165,8 +167,12 @@ def create_exclusive(store: Store, key: str, value: bytes) -> bool:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             return False
-        with os.fdopen(fd, "wb") as f:
-            f.write(value)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(value)
+        except BaseException:
+            os.remove(path)  # a full disk, say: leave nothing behind
+            raise
         return True
     got = store.wait(store.kv.read(key))
     if got.state == "value":
@@ -184,7 +190,8 @@ def _check(store: Store, keys: Sequence[str], splits: tuple[str, ...], overwrite
     if not keys:
         return set(splits)
     marker = _read_marker(store) if MARKER in keys else None
-    known = {*splits, *(marker.get("splits", ()) if marker else ())}
+    marked = marker.get("splits") if marker else None
+    known = {*splits, *(s for s in marked or () if isinstance(s, str))}
     group, says_dataset = _root(store)
     if says_dataset:
         known |= {k.split("/")[0] for k in keys if k.count("/") == 1 and k.endswith(_GROUP_META)}

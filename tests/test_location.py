@@ -298,6 +298,13 @@ def test_a_full_disk_at_the_final_write_leaves_nothing_and_says_so(tmp_path: Pat
         with pytest.raises(StoreError, match="no space left on device"):
             ftj.write_dataset(url, {"train": [np.arange(1, 30_000)]}, layout=big)
         assert Store(url).keys() == []
+        # Now not even the marker fits.
+        with contextlib.suppress(OSError), open(disk / "more", "wb", buffering=0) as f:
+            f.write(b"\0" * (256 << 10))
+        with pytest.raises(OSError, match=r"(?i)no space left on device"):
+            ftj.write_dataset(url, {"train": [[1, 2, 3]]})
+        assert Store(url).keys() == []
+        (disk / "more").unlink()
         filler.unlink()
         ftj.write_dataset(url, {"train": [[1, 2, 3]]})  # no overwrite needed
         assert tokens(url) == [[1, 2, 3]]

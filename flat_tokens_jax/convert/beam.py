@@ -329,7 +329,7 @@ def _run(pipeline: beam.Pipeline, claim: Claim) -> Any:
             except Exception as e:
                 log.error(
                     "could not cancel the Beam job (%s): it may still write to %s, which is "
-                    "left as it is; cancel the job, then convert again with overwrite",
+                    "left as it is; cancel the job, then convert again with --overwrite",
                     e,
                     claim.store.url,
                 )
@@ -384,10 +384,11 @@ def convert_beam(
         ``convert``'s summary, with ``runner``.
 
     Raises:
-        ValueError: bad arguments, or local files for a runner whose workers
-            run elsewhere.
+        ValueError: bad arguments, an output overlapping an input, or local
+            files for a runner whose workers run elsewhere.
         InputError, FileNotFoundError: bad inputs found before the pipeline runs.
-        FileExistsError: ``output`` exists and ``overwrite`` is off.
+        FileExistsError: ``output`` exists and ``overwrite`` is off, or holds
+            files that are not a flat-tokens dataset.
         Exception: whatever the runner raises when the pipeline fails (a bad
             record, named by file and line, among its messages).
     """

@@ -251,7 +251,9 @@ def import_megatron(
     Raises:
         MegatronFormatError: a broken index or an unstorable token; nothing valid
             is left at ``output``.
-        FileExistsError: ``output`` holds data and ``overwrite`` is false.
+        FileExistsError: ``output`` holds a dataset and ``overwrite`` is false,
+            or holds files that are not a flat-tokens dataset.
+        ValueError: ``output`` is, contains or lies inside an input file.
     """
     began = time.perf_counter()
     if split not in SPLITS:

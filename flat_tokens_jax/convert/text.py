@@ -89,7 +89,10 @@ def convert(
             (both splits) past this; documents are never cut.
         skip_bad: count and skip bad records instead of stopping at the first.
         layout: chunking and compression of the output.
-        overwrite: replace an existing dataset at ``output``.
+        overwrite: replace a flat-tokens dataset, or the leftover of an
+            interrupted write, at ``output`` (never other files: see
+            :class:`~flat_tokens_jax.writer.DatasetWriter`). An ``output`` that
+            is, contains or lies inside an input is refused (``ValueError``).
         progress: a tqdm bar on stderr; ``None``: when stderr is a terminal.
         options: how to reach ``output`` (e.g. an S3 endpoint and credentials).
 

@@ -194,8 +194,9 @@ def _check(store: Store, keys: Sequence[str], splits: tuple[str, ...], overwrite
     known = {*splits, *(s for s in marked or () if isinstance(s, str))}
     group, says_dataset = _root(store)
     if says_dataset:
-        known |= {k.split("/")[0] for k in keys if k.count("/") == 1 and k.endswith(_GROUP_META)}
-    foreign = [k for k in keys if not _is_ours(k, known)]
+        pairs = [k.split("/") for k in keys if k.count("/") == 1]
+        known |= {folder for folder, name in pairs if name in _GROUP_META}
+    foreign = sorted(k for k in keys if not _is_ours(k, known))
     if not group:
         foreign.insert(0, V3_META)
     if foreign:

@@ -128,10 +128,23 @@ def test_a_finished_write_leaves_no_marker_and_a_failed_one_nothing(tmp_path: Pa
     assert files(tmp_path / "bad") == {}
 
 
+def test_a_refusal_names_five_foreign_files_and_counts_them_all(tmp_path: Path) -> None:
+    for i in range(7):
+        (tmp_path / f"f{i}.txt").write_text("x")
+    with pytest.raises(
+        FileExistsError, match=r"\(f0.txt, f1.txt, f2.txt, f3.txt, f4.txt, \.\.\.: 7"
+    ):
+        ftj.write_dataset(tmp_path, {"train": [[1]]}, overwrite=True)
+    assert len(files(tmp_path)) == 7
+
+
 def test_a_write_in_progress_is_refused_naming_its_marker(tmp_path: Path) -> None:
     url = tmp_path / "ds"
-    first = ftj.DatasetWriter(url)
+    first = ftj.DatasetWriter(url, splits=("train", "validation", "test"))
     first.append("train", [1, 2])
+    marker = json.loads((url / MARKER).read_text())
+    assert marker["pid"] == os.getpid() and marker["splits"] == ["train", "validation", "test"]
+    assert {"writer", "host", "started"} <= set(marker)
     with pytest.raises(
         OverwriteNeeded, match=f"leftover of an interrupted write.*pid {os.getpid()}"
     ):

@@ -45,7 +45,7 @@ STAGING = "_staging"
 DATASET_ATTRIBUTE = "flat_tokens"
 _GROUP_META = (V3_META, V2_GROUP, V2_ATTRS)
 _ARRAYS = (TOKENS, SEQ_STARTS, LOSS_MASK)
-_NAMED = 5  # foreign keys named in a refusal
+_NAMED = 5  # foreign keys or folders named in a refusal
 
 
 class OverwriteNeeded(FileExistsError):
@@ -200,11 +200,14 @@ def _check(store: Store, keys: Sequence[str], splits: tuple[str, ...], overwrite
     if not group:
         foreign.insert(0, V3_META)
     if foreign:
-        named = ", ".join(foreign[:_NAMED]) + (", ..." if len(foreign) > _NAMED else "")
+        # A folder that is not ours at all is named once, as "folder/".
+        names = list(dict.fromkeys(_foreign_name(k, known) for k in foreign))
+        named = ", ".join(names[:_NAMED]) + (", ..." if len(names) > _NAMED else "")
+        count = f"{len(foreign)} file{'' if len(foreign) == 1 else 's'} in all"
         raise FileExistsError(
             f"{store.url} holds files that are not part of a flat-tokens dataset "
-            f"({named}: {len(foreign)} in all); refusing to delete them: choose an "
-            "empty location, or move them away"
+            f"({named}: {count}); refusing to delete them: choose an empty location, "
+            "or move them away"
         )
     if overwrite:
         return known
@@ -218,6 +221,11 @@ def _check(store: Store, keys: Sequence[str], splits: tuple[str, ...], overwrite
     if any(k in keys for k in _GROUP_META):
         raise OverwriteNeeded(store.url, "already holds a flat-tokens dataset")
     raise OverwriteNeeded(store.url, "holds the leftover of an interrupted write")
+
+
+def _foreign_name(key: str, splits: Iterable[str]) -> str:
+    top = key.split("/")[0]
+    return key if top == key or top in (*splits, STAGING) else top + "/"
 
 
 def _is_ours(key: str, splits: Iterable[str]) -> bool:

@@ -60,6 +60,9 @@ class OverwriteNeeded(FileExistsError):
         self.url, self.what, self.when = url, what, when
         super().__init__(self._message("overwrite=True"))
 
+    def __reduce__(self) -> tuple[type[OverwriteNeeded], tuple[str, str, str]]:
+        return OverwriteNeeded, (self.url, self.what, self.when)  # picklable, for Beam
+
     def _message(self, flag: str) -> str:
         return f"{self.url} {self.what}; {self.when}pass {flag} to replace it"
 

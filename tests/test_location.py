@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -161,6 +162,10 @@ def test_python_and_cli_errors_name_their_own_overwrite(tmp_path: Path) -> None:
     ftj.write_dataset(tmp_path / "out", {"train": [[3]]})
     with pytest.raises(FileExistsError, match=r"pass overwrite=True to replace it"):
         merge([tmp_path / "a"], tmp_path / "out")
+    with pytest.raises(OverwriteNeeded) as e:
+        merge([tmp_path / "a"], tmp_path / "out")
+    copy = pickle.loads(pickle.dumps(e.value))
+    assert str(copy) == str(e.value) and copy.cli_message() == e.value.cli_message()
     out = run("merge", str(tmp_path / "a"), str(tmp_path / "out"))
     assert out.returncode == 1
     assert "pass --overwrite to replace it" in out.stderr

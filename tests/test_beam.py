@@ -29,6 +29,7 @@ from flat_tokens_jax.convert.assemble import part_url
 from flat_tokens_jax.convert.beam import convert_beam, pipeline_options
 from flat_tokens_jax.convert.inputs import InputError
 from flat_tokens_jax.convert.text import convert
+from flat_tokens_jax.location import claim_location
 from flat_tokens_jax.store import Store
 from flat_tokens_jax.writer import STAGING
 
@@ -221,7 +222,8 @@ def test_leftovers_of_a_killed_run_need_overwrite_and_are_all_removed(
     tmp_path: Path, tok_file: Path, corpus: Path
 ) -> None:
     out, every = tmp_path / "beam", str(corpus / "*")
-    # What a launcher killed mid-run leaves: a part, and output arrays.
+    # What a launcher killed mid-run leaves: its marker, a part, and output arrays.
+    claim_location(Store(str(out)), overwrite=False)
     ftj.write_dataset(part_url(str(out), 0, "dead"), {"train": [[1, 2, 3]]})
     ftj.write_dataset(tmp_path / "partial", {"train": [[4, 5]]})
     shutil.copytree(tmp_path / "partial" / "train", out / "train")

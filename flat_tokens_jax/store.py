@@ -180,6 +180,8 @@ def store_error(url: str, error: BaseException, options: StoreOptions) -> StoreE
     code = text.split(":", 1)[0]
     if isinstance(error, TimeoutError):
         hint = f"no answer within StoreOptions.timeout={options.timeout}s"
+    elif "No space left on device" in text or "os_error_code='28'" in text:
+        hint = "no space left on device: free space there, or write elsewhere"
     elif code in _HINTS:
         hint = _HINTS[code]
     elif "retry attempts failed" in text or code in ("UNAVAILABLE", "ABORTED"):
@@ -188,7 +190,7 @@ def store_error(url: str, error: BaseException, options: StoreOptions) -> StoreE
             "StoreOptions.retry_delay, StoreOptions.max_retry_delay): is it reachable?"
         )
     else:
-        hint = "read failed"
+        hint = "the read or write failed"
     return StoreError(f"{url}: {hint}: {text}")
 
 
@@ -319,9 +321,6 @@ class Store:
 
     def delete(self, key: str) -> None:
         self.wait(self.kv.delete_range(ts.KvStore.KeyRange(key, key + "\0")))
-
-    def delete_all(self) -> None:
-        self.wait(self.kv.delete_range(ts.KvStore.KeyRange()))
 
     def delete_prefix(self, prefix: str) -> None:
         """Deletes every key under the folder ``prefix``."""

@@ -31,13 +31,12 @@ from flat_tokens_jax.format import (
 )
 from flat_tokens_jax.identity import ATTRIBUTE, DatasetInfo
 from flat_tokens_jax.layout import PROVISIONAL_SIZE, Layout, create_array
-from flat_tokens_jax.store import V2_GROUP, V3_META, Store, StoreOptions, resolve_options
+from flat_tokens_jax.location import STAGING as STAGING
+from flat_tokens_jax.location import claim_location
+from flat_tokens_jax.store import Store, StoreOptions, resolve_options
 
 log = logging.getLogger(__name__)
 
-# Temporary files of a write in progress (a distributed conversion's parts)
-# live under this prefix of the output, and are deleted before it is valid.
-STAGING = "_staging"
 _MAX_PENDING_WRITES = 4
 
 
@@ -193,41 +192,6 @@ class _SplitWriter:
             array.finish()
 
 
-def prepare_location(store: Store, overwrite: bool) -> None:
-    """Makes ``store`` empty for a new dataset, or refuses.
-
-    An empty location is used as it is. A dataset, or the leftover of an
-    interrupted write (split folders, or temporary files under
-    :data:`STAGING`), is deleted when ``overwrite`` is set and refused
-    otherwise. Anything else is refused either way: it is not ours to delete.
-
-    Raises:
-        FileExistsError: the location is not empty and may not be emptied.
-    """
-    keys = store.keys()
-    if not keys:
-        return
-    ours = any(k in (V3_META, V2_GROUP) or k.split("/")[0] in (*SPLITS, STAGING) for k in keys)
-    if not overwrite:
-        what = (
-            "a flat-tokens dataset or the leftover of an interrupted write"
-            if ours
-            else f"{len(keys)} other files"
-        )
-        raise FileExistsError(
-            f"{store.url} already holds {what}; pass overwrite=True to replace it"
-        )
-    if not ours:
-        raise FileExistsError(
-            f"{store.url} holds files that are not a flat-tokens "
-            "dataset; refusing to delete them: choose an empty location"
-        )
-    # The root metadata goes first, so that an interrupted delete leaves no valid dataset.
-    store.delete(V3_META)
-    store.delete(V2_GROUP)
-    store.delete_all()
-
-
 def root_attributes(
     attributes: Mapping[str, Any] | None, info: DatasetInfo | None
 ) -> dict[str, Any]:
@@ -280,8 +244,12 @@ class DatasetWriter:
         url: where to write; a local path or a ``file://``, ``memory://``, ``gs://``
             or ``s3://`` URL.
         layout: chunking, sharding, compression and zarr version.
-        overwrite: replace an existing dataset (or the leftover of an
-            interrupted write) at ``url``. Without it such a ``url`` is refused.
+        overwrite: replace a flat-tokens dataset, or the leftover of an
+            interrupted write, at ``url``. Without it such a ``url`` is refused
+            (:class:`~flat_tokens_jax.location.OverwriteNeeded`); a ``url``
+            holding anything else is refused either way (``FileExistsError``),
+            as is one that another writer claimed first (see
+            :func:`~flat_tokens_jax.location.claim_location`).
         options: how to reach the store (see :class:`StoreOptions`).
         **option_fields: or the fields of ``options`` as keywords, e.g. ``endpoint=...``.
         splits: the splits to create; each is written even if it stays empty.
@@ -310,8 +278,12 @@ class DatasetWriter:
         self.attributes = dict(attributes or {})
         self.info = info
         self.store = Store(url, resolve_options(options, option_fields, "DatasetWriter"))
-        prepare_location(self.store, overwrite)
-        self._splits = {s: _SplitWriter(self.store, s, self.layout) for s in splits}
+        self._claim = claim_location(self.store, overwrite, splits)
+        try:
+            self._splits = {s: _SplitWriter(self.store, s, self.layout) for s in splits}
+        except BaseException:
+            self._claim.discard()
+            raise
         self._closed = False
 
     def __repr__(self) -> str:
@@ -402,15 +374,24 @@ class DatasetWriter:
         self._split(split).extend_encoded(encoded, lengths, loss_mask)
 
     def close(self) -> None:
-        """Finishes every split, then marks the dataset valid (the last write)."""
+        """Finishes every split, then marks the dataset valid (the last write).
+
+        If this fails (a full disk, say), what the write created is deleted, as
+        by :meth:`abort`, and the error is raised.
+        """
         if self._closed:
             return
         self._closed = True
-        for w in self._splits.values():
-            w.finish()
-        max_ids = {name: w.max_token_id for name, w in self._splits.items()}
-        root = root_attributes(self.attributes, self.info)
-        write_groups(self.store, self.layout, max_ids, root)
+        try:
+            for w in self._splits.values():
+                w.finish()
+            max_ids = {name: w.max_token_id for name, w in self._splits.items()}
+            root = root_attributes(self.attributes, self.info)
+            write_groups(self.store, self.layout, max_ids, root)
+        except BaseException:
+            self._discard()
+            raise
+        self._claim.release()
         log.info(
             "wrote %s: %s",
             self.store.url,
@@ -425,10 +406,13 @@ class DatasetWriter:
         if self._closed:
             return
         self._closed = True
+        self._discard()
+
+    def _discard(self) -> None:
         for w in self._splits.values():
             for array in w.arrays:
                 array.settle()
-        self.store.delete_all()
+        self._claim.discard()
 
     def __enter__(self) -> DatasetWriter:
         return self

@@ -29,6 +29,7 @@ from flat_tokens_jax.convert.assemble import part_url
 from flat_tokens_jax.convert.beam import convert_beam, pipeline_options
 from flat_tokens_jax.convert.inputs import InputError
 from flat_tokens_jax.convert.text import convert
+from flat_tokens_jax.location import claim_location
 from flat_tokens_jax.store import Store
 from flat_tokens_jax.writer import STAGING
 
@@ -240,7 +241,8 @@ def test_leftovers_of_a_killed_run_need_overwrite_and_are_all_removed(
     tmp_path: Path, tok_file: Path, corpus: Path
 ) -> None:
     out, every = tmp_path / "beam", str(corpus / "*")
-    # What a launcher killed mid-run leaves: a part, and output arrays.
+    # What a launcher killed mid-run leaves: its marker, a part, and output arrays.
+    claim_location(Store(str(out)), overwrite=False)
     ftj.write_dataset(part_url(str(out), 0, "dead"), {"train": [[1, 2, 3]]})
     ftj.write_dataset(tmp_path / "partial", {"train": [[4, 5]]})
     shutil.copytree(tmp_path / "partial" / "train", out / "train")
@@ -267,6 +269,10 @@ def test_refusals(tmp_path: Path, tok_file: Path, corpus: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no file matches"):
         convert_beam(str(corpus / "nothing*"), tmp_path / "x", tokenizer=tok_file)
     assert not (tmp_path / "x").exists() or stored(tmp_path / "x") == {}
+    before = files(corpus)
+    with pytest.raises(ValueError, match="contains the input"):
+        convert_beam(every, corpus, tokenizer=tok_file, overwrite=True)
+    assert files(corpus) == before
 
 
 @pytest.mark.parametrize(

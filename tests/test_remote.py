@@ -18,6 +18,7 @@ from servers import DelayProxy, FaultProxy, aws_profile, fake_gcs, moto_s3, moto
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax import cli
+from flat_tokens_jax.location import MARKER
 from flat_tokens_jax.store import Store, StoreError
 
 pytestmark = pytest.mark.remote
@@ -355,3 +356,39 @@ def test_the_commands_name_the_retry_flags_of_a_server_that_is_down(
     assert err.startswith("info: s3://bucket/ds: the server failed 1 attempts (--retries, ")
     assert "--retry-delay, --max-retry-delay): is it reachable?" in err
     assert "StoreOptions" not in err and err.count("\n") == 1
+
+
+def test_racing_writers_on_s3_one_wins(s3: Remote) -> None:
+    """S3 honours the marker's conditional write (If-None-Match), moto too."""
+    url, writers = unique(s3, "race"), 4
+    barrier = threading.Barrier(writers)
+    outcomes: list[BaseException | None] = [None] * writers
+
+    def write(i: int) -> None:
+        barrier.wait()
+        try:
+            ftj.write_dataset(url, {"train": [[i + 1] * 300]}, layout=SMALL, options=s3.options)
+        except FileExistsError as e:
+            outcomes[i] = e
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [i for i, e in enumerate(outcomes) if e is None]
+    assert len(winners) == 1, outcomes
+    ft = ftj.open_dataset(url, s3.options)["train"]
+    assert ft.sequences([0])[0].tolist() == [winners[0] + 1] * 300
+    assert ft.num_sequences == 1
+
+
+def test_the_gcs_marker_is_created_only_if_absent(gcs: Remote) -> None:
+    """GCS creates the marker only if no object has its name (ifGenerationMatch=0);
+    fake-gcs-server ignores that condition, so the race itself is not tested here."""
+    url = unique(gcs, "marker")
+    start = gcs.proxy.count()
+    ftj.write_dataset(url, {"train": [[1]]}, options=gcs.options)
+    uploads = [p for m, p, _ in gcs.proxy.requests[start:] if m == "POST" and MARKER in p]
+    assert len(uploads) == 1, gcs.proxy.requests[start:]
+    assert "ifGenerationMatch=0" in uploads[0]

@@ -147,7 +147,10 @@ def test_never_overwrites_unless_asked(tmp_path: Path) -> None:
     other = tmp_path / "home"
     other.mkdir()
     (other / "notes.txt").write_text("precious")
-    with pytest.raises(FileExistsError, match="not a flat-tokens dataset; refusing"):
+    with pytest.raises(
+        FileExistsError,
+        match=r"not part of a flat-tokens dataset \(notes.txt: 1 file in all\); refusing",
+    ):
         ftj.write_dataset(other, {"train": [[1]]}, overwrite=True)
     assert (other / "notes.txt").read_text() == "precious"
 

@@ -12,7 +12,8 @@ flat-tokens dataset under the output's :data:`STAGING` prefix
    Each shard belongs to exactly one task, so no two workers ever
    read-modify-write the same object, and a retried task writes the same bytes.
 3. :func:`finish` (once, after every task): deletes the staging prefix, then
-   writes the groups, the root group last; only then is the dataset valid.
+   writes the groups, the root group last; only then is the dataset valid,
+   and the write's marker is dropped.
 
 The result is, byte for byte, what :class:`DatasetWriter` writes when given the
 parts' sequences in order: the same layout writes the same whole shards.
@@ -37,8 +38,9 @@ from flat_tokens_jax.format import (
 )
 from flat_tokens_jax.identity import DatasetInfo
 from flat_tokens_jax.layout import Layout, create_array, open_for_writing
+from flat_tokens_jax.location import MARKER, STAGING
 from flat_tokens_jax.store import Pending, Store, StoreOptions
-from flat_tokens_jax.writer import STAGING, root_attributes, write_groups
+from flat_tokens_jax.writer import root_attributes, write_groups
 
 DTYPES: dict[str, np.dtype[Any]] = {
     TOKENS: ENCODED_DTYPE,
@@ -279,7 +281,8 @@ def finish(
     attributes: Mapping[str, Any] | None = None,
     info: DatasetInfo | None = None,
 ) -> None:
-    """Deletes the staging prefix, then makes the output valid (root group last).
+    """Deletes the staging prefix, then makes the output valid (root group last),
+    then drops the write's marker (see :mod:`flat_tokens_jax.location`).
 
     ``attributes`` and ``info`` are written to the root group as
     :class:`DatasetWriter` writes them.
@@ -287,3 +290,4 @@ def finish(
     root = root_attributes(attributes, info)
     store.delete_prefix(STAGING)
     write_groups(store, plan.layout, plan.max_token_ids(), root)
+    store.delete(MARKER)

@@ -64,8 +64,9 @@ from flat_tokens_jax.convert.parts import Conversion, ConvertOptions, Totals, wr
 from flat_tokens_jax.convert.tokenizer import BatchTokenizer
 from flat_tokens_jax.dataset import Dataset, open_dataset
 from flat_tokens_jax.identity import DatasetInfo, inputs_record
+from flat_tokens_jax.location import STAGING, Claim, claim_location, refuse_overlap
 from flat_tokens_jax.store import Store, StoreOptions, context_spec, resolve_options
-from flat_tokens_jax.writer import STAGING, DatasetWriter, Layout, prepare_location
+from flat_tokens_jax.writer import DatasetWriter, Layout
 
 log = logging.getLogger(__name__)
 
@@ -318,9 +319,9 @@ def _counters(result: Any) -> dict[str, int]:
     return out
 
 
-def _run(pipeline: beam.Pipeline, store: Store) -> Any:
+def _run(pipeline: beam.Pipeline, claim: Claim) -> Any:
     """Runs ``pipeline`` to the end; on any failure or interrupt, cancels it and
-    deletes everything it wrote (nothing at ``store`` is left that looks valid)."""
+    deletes everything it wrote (nothing at the claimed output is left)."""
     result = None
     try:
         result = pipeline.run()
@@ -335,12 +336,12 @@ def _run(pipeline: beam.Pipeline, store: Store) -> Any:
             except Exception as e:
                 log.error(
                     "could not cancel the Beam job (%s): it may still write to %s, which is "
-                    "left as it is; cancel the job, then convert again with overwrite",
+                    "left as it is; cancel the job, then convert again with --overwrite",
                     e,
-                    store.url,
+                    claim.store.url,
                 )
                 raise
-        prepare_location(store, overwrite=True)
+        claim.discard()
         raise
 
 
@@ -393,10 +394,11 @@ def convert_beam(
         ``convert``'s summary, with ``runner``.
 
     Raises:
-        ValueError: bad arguments, or local files for a runner whose workers
-            run elsewhere.
+        ValueError: bad arguments, an output overlapping an input, or local
+            files for a runner whose workers run elsewhere.
         InputError, FileNotFoundError: bad inputs found before the pipeline runs.
-        FileExistsError: ``output`` exists and ``overwrite`` is off.
+        FileExistsError: ``output`` exists and ``overwrite`` is off, or holds
+            files that are not a flat-tokens dataset.
         Exception: whatever the runner raises when the pipeline fails (a bad
             record, named by file and line, among its messages).
     """
@@ -433,9 +435,9 @@ def convert_beam(
                 f"{runner} runs workers on other machines, which cannot reach {where}: "
                 "give inputs and output as gs:// or s3:// URLs"
             )
+    refuse_overlap([*conv.train, *conv.validation], [out])
     tokenize = conv.tokenize
     store = Store(out, options)
-    prepare_location(store, overwrite)
     job = _Job(
         out,
         layout or Layout(),
@@ -451,10 +453,15 @@ def convert_beam(
     files = [(path, everything) for paths, _, everything in conv.passes for path in paths]
     pipeline = beam.Pipeline(options=beam_options)
     build_pipeline(pipeline, job, [(i, p, v) for i, (p, v) in enumerate(files)])
+    claim = claim_location(store, overwrite)
     if tokenize.tokenizer is not None:
         text = tokenize.tokenizer.to_str().encode("utf-8")
-        store.wait(store.kv.write(TOKENIZER_KEY, text))
-    counters = _counters(_run(pipeline, store))
+        try:
+            store.wait(store.kv.write(TOKENIZER_KEY, text))
+        except BaseException:
+            claim.discard()
+            raise
+    counters = _counters(_run(pipeline, claim))
     written = open_dataset(out, options)
     return conv.summary(
         out,

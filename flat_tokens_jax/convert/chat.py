@@ -66,6 +66,7 @@ from flat_tokens_jax.convert.tokenizer import (
 )
 from flat_tokens_jax.format import SPLITS, encode_concatenated
 from flat_tokens_jax.identity import DatasetInfo, inputs_record
+from flat_tokens_jax.location import refuse_overlap
 from flat_tokens_jax.store import StoreOptions, resolve_options
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
@@ -121,7 +122,10 @@ def convert_chat(
             skipped and counted there); otherwise it is written without that
             message, and counted in ``dropped_messages``.
         layout: chunking and compression of the output.
-        overwrite: replace an existing dataset at ``output``.
+        overwrite: replace a flat-tokens dataset, or the leftover of an
+            interrupted write, at ``output`` (never other files: see
+            :class:`~flat_tokens_jax.writer.DatasetWriter`). An ``output`` that
+            is, contains or lies inside an input is refused (``ValueError``).
         options: how to reach ``output`` (e.g. an S3 endpoint and credentials).
         **option_fields: or the fields of ``options`` as keywords, e.g. ``endpoint=...``.
         progress: a tqdm bar on stderr; ``None``: when stderr is a terminal.
@@ -154,6 +158,7 @@ def convert_chat(
         raise ValueError("no inputs given")
     if valid_paths and validation_fraction:
         raise ValueError("pass validation_fraction or validation_inputs, not both")
+    refuse_overlap([*train_paths, *valid_paths], [output])
     loaded = load_tokenizer(tokenizer)
     start = resolve_start_token_id(start_token_id, loaded)
     render = make_renderer(loaded, template, train_on, end_of_turn)

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from flat_tokens_jax.location import OverwriteNeeded
 from flat_tokens_jax.store import CREDENTIAL_TYPES, StoreOptions
 
 _DEFAULTS = StoreOptions()
@@ -144,7 +145,8 @@ def cli_words(message: str) -> str:
 
 def fail(name: str, error: BaseException) -> int:
     """Prints ``name: error`` on stderr, in CLI terms; returns the exit status 1."""
-    print(f"{name}: {cli_words(str(error))}", file=sys.stderr)
+    text = error.cli_message() if isinstance(error, OverwriteNeeded) else str(error)
+    print(f"{name}: {cli_words(text)}", file=sys.stderr)
     return 1
 
 

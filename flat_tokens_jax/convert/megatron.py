@@ -29,6 +29,7 @@ from flat_tokens_jax.convert.tokenizer import identity, load_tokenizer
 from flat_tokens_jax.dataset import open_dataset
 from flat_tokens_jax.format import MAX_TOKEN_ID, SPLITS, decode, encode_concatenated
 from flat_tokens_jax.identity import DatasetInfo, inputs_record
+from flat_tokens_jax.location import refuse_overlap
 from flat_tokens_jax.store import StoreOptions, resolve_options
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
@@ -263,7 +264,9 @@ def import_megatron(
     Raises:
         MegatronFormatError: a broken index or an unstorable token; nothing valid
             is left at ``output``.
-        FileExistsError: ``output`` holds data and ``overwrite`` is false.
+        FileExistsError: ``output`` holds a dataset and ``overwrite`` is false,
+            or holds files that are not a flat-tokens dataset.
+        ValueError: ``output`` is, contains or lies inside an input file.
     """
     options = resolve_options(options, option_fields, "import_megatron")
     began = time.perf_counter()
@@ -272,6 +275,7 @@ def import_megatron(
     prefixes = [prefixes] if isinstance(prefixes, str | os.PathLike) else list(prefixes)
     if not prefixes:
         raise ValueError("import_megatron needs at least one prefix")
+    refuse_overlap([os.fspath(p) + ext for p in prefixes for ext in (".bin", ".idx")], [output])
     indexes = [read_index(p) for p in prefixes]
     tok = None if tokenizer is None else identity(load_tokenizer(tokenizer))
     codes = sorted({ix.dtype_code for ix in indexes})
@@ -362,10 +366,12 @@ def export_megatron(
     Raises:
         ValueError: a split the dataset lacks, an unknown dtype code, or a dtype
             that cannot hold ``max_token_id``.
+        ValueError: also when ``PREFIX`` lies inside the dataset at ``url``.
         FormatError: no valid dataset at ``url``.
     """
     options = resolve_options(options, option_fields, "export_megatron")
     began = time.perf_counter()
+    refuse_overlap([url], [os.fspath(prefix) + ext for ext in (".bin", ".idx")])
     ds = open_dataset(url, options)
     if split not in ds:
         raise ValueError(f"{ds.url} has no split {split!r}; it has {ds.splits}")

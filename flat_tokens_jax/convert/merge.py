@@ -16,6 +16,7 @@ from flat_tokens_jax.convert.commands import add_store_flags, run_command, store
 from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.format import SPLITS
 from flat_tokens_jax.identity import DatasetInfo, check_tokenizers, common_tokenizer, inputs_record
+from flat_tokens_jax.location import refuse_overlap
 from flat_tokens_jax.store import StoreOptions, resolve_options
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
@@ -39,7 +40,8 @@ def merge(
     inputs'. Data moves in blocks of whole sequences of about ``block_tokens``
     tokens, still encoded: memory stays bounded and no token passes through a
     Python list. Loss masks are carried over when every input of a split has
-    one. ``options`` reach the inputs and the output alike.
+    one. ``options`` reach the inputs and the output alike. An output that
+    is, contains or lies inside an input is refused before anything is written.
 
     Inputs that record different tokenizers (:attr:`Dataset.info`) are refused
     unless ``allow_mixed_tokenizers``; inputs that record none (older datasets)
@@ -57,6 +59,7 @@ def merge(
     """
     options = resolve_options(options, option_fields, "merge")
     began = time.perf_counter()
+    refuse_overlap(inputs, [output])
     datasets = [open_dataset(url, options) for url in inputs]
     check_tokenizers(
         [(ds.url, ds.info) for ds in datasets],

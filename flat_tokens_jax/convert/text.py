@@ -28,6 +28,7 @@ from flat_tokens_jax.convert.commands import (
 )
 from flat_tokens_jax.convert.inputs import as_patterns, expand_inputs, require
 from flat_tokens_jax.convert.parts import Conversion, ConvertOptions, Totals, write_documents
+from flat_tokens_jax.location import refuse_overlap
 from flat_tokens_jax.store import StoreOptions, resolve_options
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
@@ -96,7 +97,10 @@ def convert(
             (both splits) past this; documents are never cut.
         skip_bad: count and skip bad records instead of stopping at the first.
         layout: chunking and compression of the output.
-        overwrite: replace an existing dataset at ``output``.
+        overwrite: replace a flat-tokens dataset, or the leftover of an
+            interrupted write, at ``output`` (never other files: see
+            :class:`~flat_tokens_jax.writer.DatasetWriter`). An ``output`` that
+            is, contains or lies inside an input is refused (``ValueError``).
         progress: a tqdm bar on stderr; ``None``: when stderr is a terminal.
         options: how to reach ``output`` (e.g. an S3 endpoint and credentials).
         start_token_id: record this input id for sequence starts in the
@@ -117,7 +121,8 @@ def convert(
     Raises:
         InputError: a bad record (naming its file and line or row) or input file.
         ValueError: bad arguments, or a tokenizer that cannot be used.
-        FileExistsError: ``output`` exists and ``overwrite`` is off.
+        FileExistsError: ``output`` exists and ``overwrite`` is off, or holds
+            files that are not a flat-tokens dataset.
     """
     options = resolve_options(options, option_fields, "convert")
     opts = ConvertOptions(
@@ -137,6 +142,7 @@ def convert(
     conv = Conversion.start(
         opts, expand_inputs(as_patterns(inputs)), expand_inputs(as_patterns(validation_inputs))
     )
+    refuse_overlap([*conv.train, *conv.validation], [output])
     totals = Totals(opts.max_tokens)
     with DatasetWriter(output, layout=layout, overwrite=overwrite, options=options) as writer:
         write_documents(writer, conv.passes, conv.tokenize, opts, totals, _progress_bar(progress))

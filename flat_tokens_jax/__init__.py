@@ -5,6 +5,7 @@ from flat_tokens_jax.format import FormatError, Problem, decode, encode
 from flat_tokens_jax.identity import DatasetInfo, TokenizerInfo, library_version
 from flat_tokens_jax.layout import Layout
 from flat_tokens_jax.loader import Loader, LoaderConfig, StateMismatch
+from flat_tokens_jax.location import OverwriteNeeded
 from flat_tokens_jax.mixture import Mixture, mixture_from_config
 from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records
 from flat_tokens_jax.sampling import EpochsExhausted, IndexSampler, permute
@@ -26,6 +27,7 @@ __all__ = [
     "Loader",
     "LoaderConfig",
     "Mixture",
+    "OverwriteNeeded",
     "PackedRecords",
     "PaddedRecords",
     "Problem",

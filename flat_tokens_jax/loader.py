@@ -21,9 +21,15 @@ import jax
 import numpy as np
 
 from flat_tokens_jax import batch as fields
-from flat_tokens_jax.dataset import Dataset, FlatTokens
+from flat_tokens_jax.dataset import FlatTokens
 from flat_tokens_jax.mixture import Mixture
-from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records, recorded_info
+from flat_tokens_jax.records import (
+    PackedRecords,
+    PaddedRecords,
+    Records,
+    check_source,
+    recorded_info,
+)
 from flat_tokens_jax.sampling import IndexSampler
 from flat_tokens_jax.sharding import Block, BlockData, HostPlan
 
@@ -554,21 +560,7 @@ def _single_records(source: Any, config: LoaderConfig) -> Records:
     if isinstance(source, FlatTokens):
         kind = PackedRecords if config.packing else PaddedRecords
         return kind(source, config.seq_len)
-    if isinstance(source, Dataset):
-        raise TypeError(
-            f"Loader takes one split, got the whole {source!r}; pick a split: "
-            f"ds[{source.splits[0]!r}]"
-        )
-    if isinstance(source, str | os.PathLike):
-        raise TypeError(
-            f"Loader takes an open split, got the URL {os.fspath(source)!r}: "
-            f"ftj.open_dataset({os.fspath(source)!r})['train']"
-        )
-    if not all(hasattr(source, a) for a in ("read", "seq_len", "packed", "token_ranges")):
-        raise TypeError(
-            "Loader takes a FlatTokens split (ds['train']), Records or a Mixture, "
-            f"got {type(source).__name__}"
-        )
+    check_source(source, "the Loader's source")
     if source.seq_len != config.seq_len or source.packed != config.packing:
         raise ValueError(
             f"{source!r} has seq_len {source.seq_len} and packing "

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import os
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -28,7 +27,13 @@ import numpy as np
 
 from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.identity import DatasetInfo, check_tokenizers
-from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records, recorded_info
+from flat_tokens_jax.records import (
+    PackedRecords,
+    PaddedRecords,
+    Records,
+    check_source,
+    recorded_info,
+)
 from flat_tokens_jax.store import StoreOptions
 
 MAX_DEFAULT_PERIOD = 1 << 20
@@ -338,23 +343,7 @@ def _check_source(name: str, source: Any) -> None:
     """Refuses what is not a split or records, naming the fix."""
     if isinstance(source, Mixture):
         raise TypeError(f"component {name!r}: {_NESTED}")
-    if isinstance(source, FlatTokens):
-        return
-    if isinstance(source, Dataset):
-        raise TypeError(
-            f"component {name!r} is a whole Dataset ({source.url}); pick a split: "
-            f"ds[{source.splits[0]!r}]"
-        )
-    if isinstance(source, str | os.PathLike):
-        raise TypeError(
-            f"component {name!r} is the URL {os.fspath(source)!r}; open a split: "
-            f"ftj.open_dataset({os.fspath(source)!r})['train']"
-        )
-    if not all(hasattr(source, a) for a in ("read", "seq_len", "packed", "token_ranges")):
-        raise TypeError(
-            f"component {name!r}: expected a FlatTokens split or Records, "
-            f"got {type(source).__name__}"
-        )
+    check_source(source, f"component {name!r}")
 
 
 def _stated_shape(

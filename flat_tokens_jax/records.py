@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 from typing import Any, Protocol
 
 import numpy as np
 
-from flat_tokens_jax.dataset import FlatTokens
+from flat_tokens_jax.dataset import Dataset, FlatTokens
 from flat_tokens_jax.format import ENCODED_DTYPE, as_indices
 
 
@@ -85,6 +86,34 @@ def _data_fingerprint(ft: FlatTokens) -> dict[str, Any]:
         "loss_mask": ft.loss_mask is not None,
         "sample_digest": digest.hexdigest()[:16],
     }
+
+
+def check_source(source: Any, who: str) -> None:
+    """Refuses, naming the fix, a ``source`` that is neither a split nor records.
+
+    Args:
+        source: what was given.
+        who: how the message names it, e.g. ``"component 'web'"``.
+
+    Raises:
+        TypeError: a whole ``Dataset``, a URL, or anything else.
+    """
+    if isinstance(source, FlatTokens):
+        return
+    if isinstance(source, Dataset):
+        raise TypeError(
+            f"{who} is a whole dataset ({source.url}); pick a split: ds[{source.splits[0]!r}]"
+        )
+    if isinstance(source, str | os.PathLike):
+        url = os.fspath(source)
+        raise TypeError(
+            f"{who} is the URL {url!r}; open a split: ftj.open_dataset({url!r})['train']"
+        )
+    if not all(hasattr(source, a) for a in ("read", "seq_len", "packed", "token_ranges")):
+        raise TypeError(
+            f"{who}: expected a FlatTokens split (ds['train']) or Records, "
+            f"got {type(source).__name__}"
+        )
 
 
 def recorded_info(records: object) -> Any:

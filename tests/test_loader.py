@@ -238,7 +238,9 @@ def test_bad_values_are_refused_not_coerced() -> None:
         loader.restore({"step": True, "fingerprint": loader.fingerprint()})
     with pytest.raises(TypeError, match=r"restore takes the mapping that loader\.state"):
         loader.restore(None)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"Loader takes a FlatTokens split \(ds\['train'\]\)"):
+    with pytest.raises(
+        TypeError, match=r"expected a FlatTokens split \(ds\['train'\]\) or Records, got NoneType"
+    ):
         ftj.Loader(None, LoaderConfig(batch_size=1, seq_len=2))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="config must be a LoaderConfig"):
         ftj.Loader(ft, {"batch_size": 1, "seq_len": 2})  # type: ignore[arg-type]

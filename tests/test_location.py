@@ -116,8 +116,10 @@ def test_an_old_dataset_without_the_attribute_is_still_overwritten(
 
 def test_a_dataset_that_says_so_is_overwritten_with_its_own_splits(tmp_path: Path) -> None:
     url = tmp_path / "ds"
-    mark = {"flat_tokens": {"dataset": "flat-tokens"}}
-    ftj.write_dataset(url, {"train": [[1]], "test": [[2]]}, attributes=mark)
+    ftj.write_dataset(
+        url, {"train": [[1]], "test": [[2]]}
+    )  # says {"flat_tokens": {"dataset": ...}}
+    assert ftj.open_dataset(url).attributes["flat_tokens"]["dataset"] == "flat-tokens"
     ftj.write_dataset(url, {"train": [[3]]}, overwrite=True)
     assert tokens(url) == [[3]]
     assert not (url / "test").exists() or not files(url / "test")

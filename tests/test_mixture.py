@@ -279,7 +279,7 @@ def test_common_mistakes_name_the_fix() -> None:
         (ds, r"pick a split: ds\['train'\]"),
         (url, r"open a split: ftj.open_dataset\("),
         (inner, "cannot hold a Mixture"),
-        (None, "expected a FlatTokens split or Records, got NoneType"),
+        (None, r"expected a FlatTokens split \(ds\['train'\]\) or Records, got NoneType"),
     ]
     for source, fix in cases:
         with pytest.raises(TypeError, match=fix):

@@ -28,7 +28,7 @@ from flat_tokens_jax.dataset import Dataset, FlatTokens
 from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records, recorded_info
 from flat_tokens_jax.sampling import IndexSampler
-from flat_tokens_jax.schedule import BatchSchedule, BatchSizeSpec
+from flat_tokens_jax.schedule import BatchSchedule, BatchSizeSpec, resume_differences
 from flat_tokens_jax.sharding import Block, BlockData, HostPlan
 
 log = logging.getLogger(__name__)
@@ -538,42 +538,18 @@ class Loader:
             raise StateMismatch(f"saved loader state has no fingerprint: {saved!r}")
         now = {k: v for k, v in self.fingerprint().items() if k != "batch_size"}
         diffs = differences(saved, now, "")
-        diffs += self._batch_size_differences(state, saved, step)
+        config = saved.get("config")
+        # A state saved before schedules keeps its int batch size in its config.
+        old = config.get("batch_size") if isinstance(config, Mapping) else None
+        diffs += resume_differences(
+            saved.get("batch_size", old), self.schedule, step, state.get("samples")
+        )
         if diffs:
             raise StateMismatch(
                 "the saved loader state is for different data or config:\n  " + "\n  ".join(diffs)
             )
         self.next_step = step
         return step
-
-    def _batch_size_differences(
-        self, state: Mapping[str, Any], saved: Mapping[str, Any], step: int
-    ) -> list[str]:
-        """How the saved batch sizes disagree with this config's before ``step``."""
-        config = saved.get("config")
-        given = saved.get(
-            "batch_size", config.get("batch_size") if isinstance(config, Mapping) else None
-        )
-        try:
-            before = BatchSchedule.of(given)
-        except ValueError:
-            return [f"batch_size: the saved state has no valid batch size: {given!r}"]
-        out = []
-        at = before.first_difference(self.schedule, step)
-        if at is not None:
-            out.append(
-                f"batch_size: saved {before}, now {self.schedule}: step {at} had "
-                f"{before.size(at)} rows, now {self.schedule.size(at)}; the batch size may "
-                f"change only from the saved step {step} on: batch_size "
-                f"{before.continued(step, self.schedule)}"
-            )
-        samples = state.get("samples", before.samples_before(step))
-        if samples != before.samples_before(step):
-            out.append(
-                f"samples: saved {samples!r}, but the {step} steps of batch_size {before} "
-                f"hold {before.samples_before(step)}"
-            )
-        return out
 
     def provenance(self, step: int) -> list[dict[str, Any]]:
         """Where each of this host's rows at ``step`` came from.

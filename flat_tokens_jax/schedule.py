@@ -24,7 +24,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["BatchSchedule", "BatchSizeSpec"]
+__all__ = ["BatchSchedule", "BatchSizeSpec", "resume_differences"]
 
 # What a config may hold: an int, [(start_step, size), ...] or {start_step: size}.
 BatchSizeSpec = int | Sequence[Sequence[int]] | Mapping[int, int]
@@ -169,3 +169,32 @@ class BatchSchedule:
 
     def __str__(self) -> str:
         return str(self.spec())
+
+
+def resume_differences(saved: Any, now: BatchSchedule, step: int, samples: Any) -> list[str]:
+    """Why a run saved at ``step`` cannot resume with the batch sizes ``now``, as lines.
+
+    A run may change its batch size from the saved step on: ``now`` must
+    agree with ``saved`` (the saved int or ``[[start_step, size], ...]``) on
+    every step before ``step``, and ``samples`` (the saved count of samples
+    before ``step``; ``None`` for states that predate it) must be what the
+    saved sizes give.
+    """
+    try:
+        before = BatchSchedule.of(saved)
+    except ValueError:
+        return [f"batch_size: the saved state has no valid batch size: {saved!r}"]
+    out = []
+    at = before.first_difference(now, step)
+    if at is not None:
+        out.append(
+            f"batch_size: saved {before}, now {now}: step {at} had {before.size(at)} rows, "
+            f"now {now.size(at)}; the batch size may change only from the saved step {step} "
+            f"on: batch_size {before.continued(step, now)}"
+        )
+    if samples is not None and samples != before.samples_before(step):
+        out.append(
+            f"samples: saved {samples!r}, but the {step} steps of batch_size {before} "
+            f"hold {before.samples_before(step)}"
+        )
+    return out

@@ -536,20 +536,29 @@ class Loader:
         saved = state.get("fingerprint")
         if not isinstance(saved, Mapping):
             raise StateMismatch(f"saved loader state has no fingerprint: {saved!r}")
-        now = {k: v for k, v in self.fingerprint().items() if k != "batch_size"}
-        diffs = differences(saved, now, "")
-        config = saved.get("config")
-        # A state saved before schedules keeps its int batch size in its config.
-        old = config.get("batch_size") if isinstance(config, Mapping) else None
-        diffs += resume_differences(
-            saved.get("batch_size", old), self.schedule, step, state.get("samples")
-        )
+        diffs = self.state_differences(state)
         if diffs:
             raise StateMismatch(
                 "the saved loader state is for different data or config:\n  " + "\n  ".join(diffs)
             )
         self.next_step = step
         return step
+
+    def state_differences(self, state: Mapping[str, Any]) -> list[str]:
+        """What keeps this loader from continuing a saved :meth:`state`, as
+        ``what: saved X, now Y`` lines (none: it may; see :meth:`restore`)."""
+        saved = state.get("fingerprint")
+        saved = saved if isinstance(saved, Mapping) else {}
+        now = {k: v for k, v in self.fingerprint().items() if k != "batch_size"}
+        diffs = differences(saved, now, "")
+        config = saved.get("config")
+        # A state saved before schedules keeps its int batch size in its config.
+        old = config.get("batch_size") if isinstance(config, Mapping) else None
+        step = state.get("step")
+        step = step if isinstance(step, int) and not isinstance(step, bool) and step > 0 else 0
+        return diffs + resume_differences(
+            saved.get("batch_size", old), self.schedule, step, state.get("samples")
+        )
 
     def provenance(self, step: int) -> list[dict[str, Any]]:
         """Where each of this host's rows at ``step`` came from.

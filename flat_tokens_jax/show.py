@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from flat_tokens_jax.dataset import FlatTokens, open_dataset
-from flat_tokens_jax.loader import Loader, LoaderConfig, StateMismatch, differences
+from flat_tokens_jax.loader import Loader, LoaderConfig, StateMismatch
 from flat_tokens_jax.mixture import Mixture, mixture_from_config
 from flat_tokens_jax.schedule import BatchSchedule
 from flat_tokens_jax.store import StoreOptions
@@ -63,7 +63,8 @@ def build_loader(
             (see :func:`~flat_tokens_jax.mixture.mixture_from_config`).
         state: a saved :meth:`Loader.state`: its fingerprint gives the config,
             its ``sources`` the data (unless ``url`` is given), and the data
-            found must match its fingerprint.
+            found must match its fingerprint (a batch size given in ``fields``
+            may differ from the saved step on, as :meth:`Loader.restore` allows).
         fields: :class:`LoaderConfig` fields that override the others.
         options: how to reach the data.
 
@@ -106,7 +107,7 @@ def build_loader(
         raise ValueError("say where the data is: a URL, --config with a 'data' section, or --state")
     loader = Loader(source, cfg)
     if state is not None:
-        diffs = differences(state.get("fingerprint", {}), loader.fingerprint(), "")
+        diffs = loader.state_differences(state)
         if diffs:
             raise StateMismatch(
                 "the data found is not what the saved run read:\n  " + "\n  ".join(diffs)

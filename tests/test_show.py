@@ -298,3 +298,38 @@ def test_a_tokenizer_the_data_was_not_made_with_is_refused(tmp_path: Path, gpt2:
         str(SHARED),
     )
     assert code == 1 and "was made with other.json" in err
+
+
+def test_show_takes_a_state_saved_before_schedules(tmp_path: Path) -> None:
+    """Older states hold the int batch size in fingerprint.config and no samples."""
+    loader = ftj.Loader(
+        ftj.open_dataset(URLS["web"])["train"], ftj.LoaderConfig(batch_size=3, seq_len=4)
+    )
+    loader.next_step = 2
+    state = loader.state()
+    fingerprint = state["fingerprint"]
+    old = {
+        "step": state["step"],
+        "sources": state["sources"],
+        "fingerprint": {
+            "data": fingerprint["data"],
+            "config": {**fingerprint["config"], "batch_size": fingerprint["batch_size"]},
+        },
+    }
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    code, out, err = run_main(
+        "show", "--state", str(tmp_path / "old.json"), "--step", "2", "--json"
+    )
+    assert code == 0, err
+    assert json.loads(out)["rows"] == expected(loader, 2)
+    code, out, err = run_main(
+        "show", "--state", str(tmp_path / "old.json"), "--step", "2", "--batch-size", "0:3,2:5"
+    )
+    assert code == 0, err
+    assert "batch_size [[0, 3], [2, 5]]" in out
+    assert sum(line.startswith("row ") for line in out.splitlines()) == 5
+    code, _, err = run_main(
+        "show", "--state", str(tmp_path / "old.json"), "--step", "2", "--batch-size", "0:3,1:5"
+    )
+    assert code == 1
+    assert "step 1 had 3 rows, now 5" in err and "batch_size [[0, 3], [2, 5]]" in err

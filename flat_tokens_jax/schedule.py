@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -36,7 +37,8 @@ class BatchSchedule:
 
     Attributes:
         entries: ``((start_step, size), ...)``, the first at step 0, steps
-            strictly increasing, sizes >= 1; consecutive equal sizes merged.
+            strictly increasing, sizes >= 1; consecutive equal sizes are
+            merged, so equal schedules compare equal.
     """
 
     entries: tuple[tuple[int, int], ...]
@@ -68,10 +70,15 @@ class BatchSchedule:
                     f"batch_size entry {i} ({b}, {size}) starts at step {b}, not after the "
                     f"previous entry's step {a}: list steps in strictly increasing order"
                 )
-        starts = [s for s, _ in self.entries]
+        merged = [self.entries[0]]
+        for step, size in self.entries[1:]:
+            if size != merged[-1][1]:
+                merged.append((step, size))
+        starts = [s for s, _ in merged]
         before = [0]
-        for (a, size), b in zip(self.entries, starts[1:], strict=False):
+        for (a, size), b in zip(merged, starts[1:], strict=False):
             before.append(before[-1] + (b - a) * size)
+        object.__setattr__(self, "entries", tuple(merged))
         object.__setattr__(self, "_starts", tuple(starts))
         object.__setattr__(self, "_before", tuple(before))
 
@@ -89,7 +96,7 @@ class BatchSchedule:
         if isinstance(value, int) and not isinstance(value, bool):
             if value < 1:
                 raise ValueError(f"batch_size must be an int >= 1, got {value!r}")
-            return cls(((0, value),))
+            return cls(((0, int(value)),))
         if isinstance(value, Mapping):
             pairs: list[Any] = list(value.items())
         elif isinstance(value, Sequence) and not isinstance(value, str | bytes):
@@ -104,23 +111,13 @@ class BatchSchedule:
                 raise ValueError(
                     f"batch_size entry {i} must be a pair [start_step, size], got {pair!r}"
                 )
-            entries.append((pair[0], pair[1]))
-        cls(tuple(entries))  # checks the entries as given, before merging
-        merged = [entries[0]]
-        for step, size in entries[1:]:
-            if size != merged[-1][1]:
-                merged.append((step, size))
-        return cls(tuple(merged))
+            entries.append((_as_int(pair[0]), _as_int(pair[1])))
+        return cls(tuple(entries))
 
     @property
     def constant(self) -> int | None:
         """The size of every step, or ``None`` when it changes."""
         return self.entries[0][1] if len(self.entries) == 1 else None
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        """The distinct sizes, in order of first use."""
-        return tuple(dict.fromkeys(size for _, size in self.entries))
 
     def spec(self) -> int | list[list[int]]:
         """JSON-ready: the int of a constant schedule, else ``[[start_step, size], ...]``."""
@@ -128,6 +125,8 @@ class BatchSchedule:
         return constant if constant is not None else [[s, n] for s, n in self.entries]
 
     def _segment(self, step: int) -> int:
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
         return bisect.bisect_right(self._starts, step) - 1
 
     def size(self, step: int) -> int:
@@ -142,6 +141,8 @@ class BatchSchedule:
 
     def step_of(self, sample: int) -> int:
         """The step whose rows hold global sample ``sample`` (``sample >= 0``)."""
+        if sample < 0:
+            raise ValueError(f"sample must be >= 0, got {sample}")
         j = bisect.bisect_right(self._before, sample) - 1
         start, size = self.entries[j]
         return start + (sample - self._before[j]) // size
@@ -169,6 +170,17 @@ class BatchSchedule:
 
     def __str__(self) -> str:
         return str(self.spec())
+
+
+def _as_int(value: Any) -> Any:
+    """``value`` as a Python int if it is an integer of any kind (numpy's too);
+    otherwise as it is, for the entry check to name."""
+    if isinstance(value, bool):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
 
 
 def resume_differences(saved: Any, now: BatchSchedule, step: int, samples: Any) -> list[str]:

@@ -9,6 +9,7 @@ from flat_tokens_jax.location import OverwriteNeeded
 from flat_tokens_jax.mixture import Mixture, mixture_from_config
 from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records
 from flat_tokens_jax.sampling import EpochsExhausted, IndexSampler, permute
+from flat_tokens_jax.schedule import BatchSchedule
 from flat_tokens_jax.store import StoreOptions
 from flat_tokens_jax.validation import summary, validate
 from flat_tokens_jax.writer import DatasetWriter, write_dataset
@@ -16,6 +17,7 @@ from flat_tokens_jax.writer import DatasetWriter, write_dataset
 __version__ = library_version()
 
 __all__ = [
+    "BatchSchedule",
     "Dataset",
     "DatasetInfo",
     "DatasetWriter",

@@ -147,7 +147,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
             fields=show.config_fields(args),
             options=store_options(args),
         )
-        rows = show.parse_rows(args.rows, loader.config.batch_size)
+        rows = show.parse_rows(args.rows, loader.config.batch_size_at(args.step))
         decode = None if args.tokenizer is None else _decoder(args.tokenizer, loader)
         shown = show.run_json(loader, args.step, rows)
     except (StoreError, IndexError, KeyError, ValueError, OSError) as e:
@@ -156,7 +156,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
         print(json.dumps(shown))
         return 0
     names = ", ".join(f"{s['name']}: {s.get('url', s.get('repr'))}" for s in shown["sources"])
-    print(f"step {args.step} of {names}, {shown['config']}")
+    print(f"step {args.step} of {names}, batch_size {shown['batch_size']}, {shown['config']}")
     if decode is not None:
         print(f"[n]: segment n; {show.UNTRAINED[0]}...{show.UNTRAINED[1]}: loss_mask 0")
     for row in shown["rows"]:
@@ -208,7 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML with a loader section and optionally a data section")
     p.add_argument("--state", help="a saved loader.state() as JSON")
     p.add_argument("--split", default="train", help="split of URL, or part of a data split cut")
-    p.add_argument("--batch-size", type=int, help="global batch size")
+    p.add_argument(
+        "--batch-size",
+        help="global batch size, or a schedule START_STEP:SIZE,... e.g. 0:256,2000:512",
+    )
     p.add_argument("--seq-len", type=int)
     p.add_argument("--packing", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument(

@@ -15,6 +15,14 @@ single-record reads. Batching the indices and mapping :meth:`read_batch` over
 them costs one batched read per batch::
 
     grain.MapDataset.range(len(src)).shuffle(seed=0).batch(B).map(src.read_batch)
+
+A batch-size schedule (``[(start_step, size), ...]``, as
+``LoaderConfig.batch_size`` takes) is what ``.batch(B)`` cannot express:
+:class:`ScheduledBatches` is a source whose element ``step`` is that step's
+batch of records, cut from any random-access order of record indices::
+
+    order = grain.MapDataset.range(len(src)).shuffle(seed=0).repeat(3)
+    batches = grain.MapDataset.source(ScheduledBatches(src, [(0, 8), (100, 16)], order))
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from flat_tokens_jax import batch as fields
 from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records, recorded_info
+from flat_tokens_jax.schedule import BatchSchedule, BatchSizeSpec
 from flat_tokens_jax.store import StoreOptions, resolve_options
 
 
@@ -272,6 +281,74 @@ class FlatTokensSource:
                 f"{self!r}: record index {idx[bad[0]]} is outside [-{n}, {n}) ({n} records)"
             )
         return np.where(idx < 0, idx + n, idx)
+
+
+class ScheduledBatches:
+    """A grain random-access source whose element ``step`` is the batch of that step.
+
+    Element ``step`` holds positions ``[samples_before(step),
+    samples_before(step + 1))`` of ``order`` (a batch-size schedule's cut,
+    as in :class:`~flat_tokens_jax.LoaderConfig`), read from ``source`` in one
+    batched read: the five fields, each ``[batch_size_at(step), seq_len]``.
+    The last step holds what is left of ``order``, so it may be shorter.
+
+    Contract: deterministic, thread-safe and picklable when ``source`` and
+    ``order`` are.
+
+    Args:
+        source: the records.
+        batch_size: an int or a schedule ``[(start_step, size), ...]``.
+        order: record indices in the order to train on, any random-access
+            sequence (``len`` and integer indexing), e.g. a
+            ``grain.MapDataset`` of indices; ``None``: ``range(len(source))``.
+
+    Example:
+        >>> import flat_tokens_jax as ftj
+        >>> url = "memory://doc/scheduled"
+        >>> ftj.write_dataset(url, {"train": [[1, 2, 3, 4, 5, 6, 7, 8, 9]]}, overwrite=True)
+        >>> batches = ScheduledBatches(FlatTokensSource(url, seq_len=2), [(0, 1), (2, 2)])
+        >>> len(batches), [batches[s]["targets"].tolist() for s in range(len(batches))]
+        (3, [[[1, 2]], [[3, 4]], [[5, 6], [7, 8]]])
+    """
+
+    def __init__(
+        self,
+        source: FlatTokensSource,
+        batch_size: BatchSizeSpec | BatchSchedule,
+        order: Sequence[int] | None = None,
+    ) -> None:
+        if not isinstance(source, FlatTokensSource):
+            raise TypeError(
+                f"ScheduledBatches reads a FlatTokensSource, got {type(source).__name__}"
+            )
+        self.source, self.schedule = source, BatchSchedule.of(batch_size)
+        self.order = order
+        self._num_samples = len(source) if order is None else len(order)
+        self._length = self.schedule.steps_to_cover(self._num_samples)
+
+    def __repr__(self) -> str:
+        order = "in order" if self.order is None else repr(self.order)
+        return f"ScheduledBatches({self.source!r}, batch_size={self.schedule}, order={order})"
+
+    def __len__(self) -> int:
+        return self._length
+
+    def positions(self, step: int) -> range:
+        """The positions of ``order`` that step ``step`` holds."""
+        first = self.schedule.samples_before(step)
+        return range(first, min(self.schedule.samples_before(step + 1), self._num_samples))
+
+    def __getitem__(self, step: SupportsIndex) -> dict[str, np.ndarray]:
+        """The batch of ``step``: five fields, each ``[rows, seq_len]``."""
+        index = operator.index(step)
+        if not 0 <= index < self._length:
+            raise IndexError(f"{self!r}: step {index} is outside [0, {self._length})")
+        where = self.positions(index)
+        if self.order is None:
+            records = np.arange(where.start, where.stop, dtype=np.int64)
+        else:
+            records = np.array([self.order[i] for i in where], np.int64)
+        return self.source.read_batch(records)
 
 
 def _as_records(

@@ -1,8 +1,10 @@
 """Batches from any step: ``LoaderConfig`` and ``Loader``.
 
 ``Loader.batch(step)`` is a pure function of (data, config, step): global
-sample ``g = step * batch_size + row`` goes through the stateless sampler to a
-record, the record's tokens are read, and the model fields are decoded.
+sample ``g = samples_before(step) + row`` (``step * batch_size + row`` for a
+constant batch size, see :mod:`~flat_tokens_jax.schedule`) goes through the
+stateless sampler to a record, the record's tokens are read, and the model
+fields are decoded.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -31,6 +34,7 @@ from flat_tokens_jax.records import (
     recorded_info,
 )
 from flat_tokens_jax.sampling import IndexSampler
+from flat_tokens_jax.schedule import BatchSchedule, BatchSizeSpec, resume_differences
 from flat_tokens_jax.sharding import Block, BlockData, HostPlan
 
 log = logging.getLogger(__name__)
@@ -43,7 +47,14 @@ class LoaderConfig:
     """What a batch is. Every field but ``prefetch`` changes the batches.
 
     Attributes:
-        batch_size: global rows per step, over all hosts.
+        batch_size: global rows per step, over all hosts: an int, or a schedule
+            ``[(start_step, size), ...]`` (first at step 0, steps increasing;
+            a mapping ``{start_step: size}`` works too), e.g. ``[(0, 256),
+            (2000, 512)]``. Step ``s`` holds global samples
+            ``[samples_before(s), samples_before(s + 1))``; the sample order
+            does not depend on the schedule, only its cut into batches does.
+            Stored as the int, or as a tuple of ``(start_step, size)`` pairs
+            (a one-size schedule becomes its int).
         seq_len: tokens per row.
         packing: True: rows are consecutive windows of the concatenated tokens
             (no padding, sequences cut at window edges). False: one sequence per
@@ -64,7 +75,7 @@ class LoaderConfig:
             and changes no batch.
     """
 
-    batch_size: int
+    batch_size: BatchSizeSpec
     seq_len: int
     packing: bool = True
     shuffle: bool = True
@@ -76,8 +87,21 @@ class LoaderConfig:
     vocab_size: int | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.batch_size, int) and not isinstance(self.batch_size, bool):
+            if self.batch_size < 1:
+                raise ValueError(
+                    f"LoaderConfig.batch_size must be an int >= 1, got {self.batch_size}"
+                )
+        else:
+            try:
+                schedule = BatchSchedule.of(self.batch_size)
+            except ValueError as e:
+                raise ValueError(f"LoaderConfig.{e}") from None
+            spec = schedule.spec()
+            object.__setattr__(
+                self, "batch_size", spec if isinstance(spec, int) else schedule.entries
+            )
         for name, low in (
-            ("batch_size", 1),
             ("seq_len", 1),
             ("prefetch", 0),
             ("seed", 0),
@@ -150,17 +174,29 @@ class LoaderConfig:
             raise ValueError(f"{where}{os.fspath(path)} is not a mapping of LoaderConfig fields")
         return cls.from_dict(values)
 
+    @functools.cached_property
+    def schedule(self) -> BatchSchedule:
+        """The batch size of every step (constant for an int ``batch_size``)."""
+        return BatchSchedule.of(self.batch_size)
+
+    def batch_size_at(self, step: int) -> int:
+        """Global rows of the batch at ``step``."""
+        return self.schedule.size(step)
+
     def batch_defining(self) -> dict[str, Any]:
         """The fields that decide batch contents: all but ``prefetch`` and
-        ``vocab_size`` (which checks the data but changes no batch)."""
+        ``vocab_size`` (which checks the data but changes no batch), JSON-ready
+        (``batch_size`` an int or ``[[start_step, size], ...]``)."""
         skip = ("prefetch", "vocab_size")
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
+        values = {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
+        return {**values, "batch_size": self.schedule.spec()}
 
 
 @dataclasses.dataclass(frozen=True)
 class _Blocks:
     """A step's blocks read on this host, still to be decoded on the devices."""
 
+    plan: HostPlan
     data: dict[Block, BlockData]
 
 
@@ -173,7 +209,8 @@ class Loader:
 
     Every batch holds ``inputs``, ``targets``, ``segment_ids``, ``positions``
     (``[batch_size, seq_len] int32``) and ``loss_mask`` (``[batch_size, seq_len]
-    bool``; multiply the per-token loss by it).
+    bool``; multiply the per-token loss by it); with a batch-size schedule
+    ``batch_size`` is the step's, ``config.batch_size_at(step)``.
 
     Args:
         source: a :class:`FlatTokens` split (records made per ``config.packing``)
@@ -186,8 +223,9 @@ class Loader:
             the default device.
 
     Raises:
-        ValueError: the sharding cannot split ``[batch_size, seq_len]`` evenly,
-            or ``vocab_size`` is too small for the data.
+        ValueError: the sharding cannot split ``[batch_size, seq_len]`` evenly
+            (for a schedule: the first step whose size it cannot split is
+            named), or ``vocab_size`` is too small for the data.
     """
 
     def __init__(
@@ -236,12 +274,11 @@ class Loader:
             for c, r in enumerate(components)
         ]
         self.sampler = self.samplers[0]
-        self.plan = (
-            None if sharding is None else HostPlan(sharding, config.batch_size, config.seq_len)
-        )
-        self.host_rows = (
-            np.arange(config.batch_size, dtype=np.int64) if self.plan is None else self.plan.rows
-        )
+        self.schedule = config.schedule
+        self._plans = _host_plans(sharding, self.schedule, config.seq_len)
+        # Step 0's; a schedule's later steps may differ: see plan_at, host_rows_at.
+        self.plan = self.plan_at(0)
+        self.host_rows = self.host_rows_at(0)
         self.next_step = 0
         self.wait_seconds = 0.0
         self._fingerprint: dict[str, Any] | None = None
@@ -249,22 +286,42 @@ class Loader:
     def __repr__(self) -> str:
         return f"Loader({self.records!r}, {self.config!r})"
 
+    def plan_at(self, step: int) -> HostPlan | None:
+        """The blocks this host reads at ``step`` (``None`` without a sharding)."""
+        return self._plans.get(self.schedule.size(step))
+
+    def host_rows_at(self, step: int) -> np.ndarray:
+        """``[k] int64`` the global rows this host reads at ``step``, ascending."""
+        plan = self.plan_at(step)
+        if plan is None:
+            return np.arange(self.schedule.size(step), dtype=np.int64)
+        return plan.rows
+
+    def samples_before(self, step: int) -> int:
+        """Global samples in the steps before ``step`` (``step * batch_size`` if constant)."""
+        return self.schedule.samples_before(step)
+
     @property
     def num_batches(self) -> int | None:
         """Steps in the run (``None`` when ``num_epochs`` is ``None``)."""
         total = self.sampler.num_samples
-        return None if total is None else -(-total // self.config.batch_size)
+        return None if total is None else self.schedule.steps_to_cover(total)
 
     def _samples(self, step: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Global sample index ``[k] int64`` of ``rows`` at ``step`` and which are real."""
         if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        last = (int(step) + 1) * self.config.batch_size - 1
+        step = int(step)
+        first = self.schedule.samples_before(step)
+        last = self.schedule.samples_before(step + 1) - 1
         if last > MAX_SAMPLE:
+            final = self.schedule.step_of(MAX_SAMPLE)
+            if self.schedule.samples_before(final + 1) - 1 > MAX_SAMPLE:
+                final -= 1
             raise ValueError(
                 f"step {step} is too large: its samples reach index {last}, past the "
-                f"largest sample index 2**63 - 1; with batch_size {self.config.batch_size} "
-                f"the last step is {(MAX_SAMPLE + 1) // self.config.batch_size - 1}"
+                f"largest sample index 2**63 - 1; with batch_size {self.schedule} "
+                f"the last step is {final}"
             )
         if self.num_batches is not None and step >= self.num_batches:
             raise IndexError(
@@ -272,7 +329,7 @@ class Loader:
                 f"steps ({self.config.num_epochs} epoch(s) of "
                 f"{len(self.components[0])} records)"
             )
-        g = np.int64(step) * np.int64(self.config.batch_size) + rows
+        g = np.int64(first) + rows
         total = self.sampler.num_samples
         return g, (np.ones(g.shape, bool) if total is None else g < total)
 
@@ -281,7 +338,7 @@ class Loader:
         if self.mixture is None:
             zeros = np.zeros(g.shape, np.int64)
             return zeros, self.sampler.records(g), self.sampler.epochs(g)
-        comp, sample = self.mixture.route(g, self.config.batch_size)
+        comp, sample = self.mixture.route(g, self.schedule)
         record, epoch = np.empty_like(sample), np.empty_like(sample)
         for c in np.unique(comp).tolist():
             here = comp == c
@@ -314,27 +371,28 @@ class Loader:
 
     def host_batch(self, step: int) -> dict[str, np.ndarray]:
         """This host's rows of the batch at ``step``, whole, in global row order (numpy)."""
-        return self._fields(step, self.host_rows)
+        return self._fields(step, self.host_rows_at(step))
 
     def batch(self, step: int) -> dict[str, jax.Array]:
-        """The global batch at ``step`` as ``jax.Array``\\ s ``[batch_size, seq_len]``."""
+        """The global batch at ``step`` as ``jax.Array``\\ s ``[batch_size, seq_len]``
+        (``batch_size`` the step's)."""
         return self._on_devices(self._read(step))
 
     def _read(self, step: int) -> dict[str, jax.Array] | _Blocks:
         """Everything of a step that involves no collective: safe in any thread."""
-        if self.plan is None:
+        plan = self.plan_at(step)
+        if plan is None:
             placed: dict[str, jax.Array] = jax.device_put(self.host_batch(step))
             return placed
-        if not self.plan.columns_sharded:
-            return self.plan.assemble_rows(self.host_batch(step))
-        return _Blocks({b: self._block_data(step, b) for b in self.plan.blocks})
+        if not plan.columns_sharded:
+            return plan.assemble_rows(self.host_batch(step))
+        return _Blocks(plan, {b: self._block_data(step, b) for b in plan.blocks})
 
     def _on_devices(self, part: dict[str, jax.Array] | _Blocks) -> dict[str, jax.Array]:
         """Finishes a step; decoding across hosts runs collectives, so call it in step order."""
         if not isinstance(part, _Blocks):
             return part
-        assert self.plan is not None
-        return self.plan.assemble_blocks(
+        return part.plan.assemble_blocks(
             part.data,
             packed=self.config.packing,
             start_token_id=self.start_token_id,
@@ -405,10 +463,13 @@ class Loader:
     def fingerprint(self) -> dict[str, Any]:
         """What the batches depend on: the data's identity and the batch-defining config.
 
-        ``config`` holds every field that changes batches, with ``start_token_id``
-        resolved (see :class:`LoaderConfig`); ``data`` the records' counts, a
-        digest of sampled tokens and whether a loss mask is stored, and for a
-        Mixture the components' names and the blending.
+        ``data`` and ``config`` decide the sample order: ``data`` the records'
+        counts, a digest of sampled tokens and whether a loss mask is stored,
+        and for a Mixture the components' names and the blending; ``config``
+        every other field that changes batches, with ``start_token_id``
+        resolved (see :class:`LoaderConfig`). ``batch_size`` (an int or
+        ``[[start_step, size], ...]``) decides only how that order is cut
+        into batches.
         """
         if self._fingerprint is None:
             if self.mixture is None:
@@ -416,7 +477,8 @@ class Loader:
             else:
                 data = self.mixture.fingerprint(self.components)
             config = {**self.config.batch_defining(), "start_token_id": self.start_token_id}
-            self._fingerprint = {"data": data, "config": config}
+            batch_size = config.pop("batch_size")
+            self._fingerprint = {"data": data, "config": config, "batch_size": batch_size}
         return self._fingerprint
 
     def sources(self) -> list[dict[str, Any]]:
@@ -439,14 +501,17 @@ class Loader:
         return out
 
     def state(self) -> dict[str, Any]:
-        """``{"step": next step, "fingerprint": ..., "sources": ...}``, JSON-ready.
+        """``{"step": next step, "samples": ..., "fingerprint": ..., "sources": ...}``,
+        JSON-ready.
 
+        ``samples`` counts the global samples of the steps before ``step``;
         ``fingerprint`` is what :meth:`restore` checks; ``sources`` (see
         :meth:`sources`) says where the data was, for ``flat-tokens show
         --state``, and is not checked (data may move between stores).
         """
         return {
             "step": self.next_step,
+            "samples": self.samples_before(self.next_step),
             "fingerprint": self.fingerprint(),
             "sources": self.sources(),
         }
@@ -454,12 +519,17 @@ class Loader:
     def restore(self, state: Mapping[str, Any]) -> int:
         """Continues from a saved :meth:`state`; returns the step ``iterate`` resumes at.
 
-        A field that the saved fingerprint lacks (a state saved by an older
-        version) is not compared.
+        The batch size may change from the saved step on: a config whose
+        ``batch_size`` (or schedule) agrees with the saved one on every step
+        before the saved step continues at exactly the next unseen sample (the
+        sample order is the same; only its cut into batches moves). A field
+        that the saved fingerprint lacks (a state saved by an older version)
+        is not compared; an older state's batch size is its config's int.
 
         Raises:
-            StateMismatch: the state was saved with other data or another config;
-                the message lists what differs.
+            StateMismatch: the state was saved with other data or another config,
+                or with other batch sizes before the saved step; the message
+                lists what differs.
         """
         if not isinstance(state, Mapping):
             raise TypeError(
@@ -472,13 +542,29 @@ class Loader:
         saved = state.get("fingerprint")
         if not isinstance(saved, Mapping):
             raise StateMismatch(f"saved loader state has no fingerprint: {saved!r}")
-        diffs = differences(saved, self.fingerprint(), "")
+        diffs = self.state_differences(state)
         if diffs:
             raise StateMismatch(
                 "the saved loader state is for different data or config:\n  " + "\n  ".join(diffs)
             )
         self.next_step = step
         return step
+
+    def state_differences(self, state: Mapping[str, Any]) -> list[str]:
+        """What keeps this loader from continuing a saved :meth:`state`, as
+        ``what: saved X, now Y`` lines (none: it may; see :meth:`restore`)."""
+        saved = state.get("fingerprint")
+        saved = saved if isinstance(saved, Mapping) else {}
+        now = {k: v for k, v in self.fingerprint().items() if k != "batch_size"}
+        diffs = differences(saved, now, "")
+        config = saved.get("config")
+        # A state saved before schedules keeps its int batch size in its config.
+        old = config.get("batch_size") if isinstance(config, Mapping) else None
+        step = state.get("step")
+        step = step if isinstance(step, int) and not isinstance(step, bool) and step > 0 else 0
+        return diffs + resume_differences(
+            saved.get("batch_size", old), self.schedule, step, state.get("samples")
+        )
 
     def provenance(self, step: int) -> list[dict[str, Any]]:
         """Where each of this host's rows at ``step`` came from.
@@ -487,7 +573,7 @@ class Loader:
         and ``tokens`` (``[start, stop)`` of its targets in the split); padding
         rows are ``{"row": r, "padding": True}``.
         """
-        rows = self.host_rows
+        rows = self.host_rows_at(step)
         g, real = self._samples(step, rows)
         comp, records, epochs = self._lookup(g[real])
         out: list[dict[str, Any]] = [{"row": int(r), "padding": True} for r in rows]
@@ -507,6 +593,27 @@ class Loader:
                     "tokens": [int(starts[i]), int(stops[i])],
                 }
         return out
+
+
+def _host_plans(
+    sharding: jax.sharding.Sharding | None, schedule: BatchSchedule, seq_len: int
+) -> dict[int, HostPlan]:
+    """This host's plan for each batch size of ``schedule`` (none without a sharding)."""
+    plans: dict[int, HostPlan] = {}
+    if sharding is None:
+        return plans
+    for step, size in schedule.entries:
+        if size not in plans:
+            try:
+                plans[size] = HostPlan(sharding, size, seq_len)
+            except ValueError as e:
+                if schedule.constant is not None:
+                    raise
+                raise ValueError(
+                    f"batch_size entry ({step}, {size}): from step {step} {e}; choose "
+                    "sizes that divide over the mesh"
+                ) from None
+    return plans
 
 
 def _padding(num_rows: int, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:

@@ -11,7 +11,9 @@ two table lookups of size ``P``, whatever ``g``.
 
 A weight schedule changes the weights at given steps; each component's
 consumption before a change is counted arithmetically (whole periods plus a
-prefix count), so any step is still O(1).
+prefix count), so any step is still O(1). Its boundaries are steps: a change
+at step ``s`` takes effect at global sample ``samples_before(s)`` of the
+loader's batch-size schedule (``s * batch_size`` for a constant batch size).
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ from flat_tokens_jax.records import (
     check_source,
     recorded_info,
 )
+from flat_tokens_jax.schedule import BatchSchedule
 from flat_tokens_jax.store import StoreOptions
 
 MAX_DEFAULT_PERIOD = 1 << 20
+_MAX_SAMPLE = 2**63 - 1  # Global sample indices are int64.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +125,9 @@ class Mixture:
             over every whole period.
         schedule: ``[(step, weights), ...]``: from ``step`` on, use ``weights``
             (one per component, or ``{name: weight}`` naming every component);
-            steps strictly increasing and > 0.
+            steps strictly increasing and > 0. Steps, not samples: with a
+            batch-size schedule a change at step ``s`` starts at the first row
+            of step ``s``, wherever the batch sizes before it put that row.
         allow_mixed_tokenizers: mix datasets whose recorded tokenizers differ.
             Datasets that record no tokenizer always mix.
         seq_len: deprecated: the ``LoaderConfig`` says it. If given, the
@@ -181,7 +187,7 @@ class Mixture:
             allow_mixed=allow_mixed_tokenizers,
             fix="pass Mixture(..., allow_mixed_tokenizers=True)",
         )
-        self._offsets: dict[int, np.ndarray] = {}
+        self._offsets: dict[BatchSchedule, tuple[np.ndarray, np.ndarray]] = {}
 
     def info(self, component: int) -> DatasetInfo | None:
         """What made component ``component``'s dataset, ``None`` if it records nothing."""
@@ -243,25 +249,30 @@ class Mixture:
                 out.append(src)
         return tuple(out)
 
-    def _segment_offsets(self, batch_size: int) -> np.ndarray:
-        """``[segments, K]`` samples of each component drawn before each segment."""
+    def _segments(self, batch_size: BatchSchedule) -> tuple[np.ndarray, np.ndarray]:
+        """``[segments] int64`` first global sample of each weight segment that
+        int64 samples reach, and ``[segments, K]`` samples of each component
+        drawn before it."""
         if batch_size not in self._offsets:
-            offsets = np.zeros((len(self.periods), len(self.components)), np.int64)
-            starts = self.steps * batch_size
-            for j in range(1, len(self.periods)):
-                drawn = self.periods[j - 1].consumed(int(starts[j] - starts[j - 1]))
+            starts = [batch_size.samples_before(int(s)) for s in self.steps]
+            starts = [s for s in starts if s <= _MAX_SAMPLE]
+            offsets = np.zeros((len(starts), len(self.components)), np.int64)
+            for j in range(1, len(starts)):
+                drawn = self.periods[j - 1].consumed(starts[j] - starts[j - 1])
                 offsets[j] = offsets[j - 1] + drawn
-            self._offsets[batch_size] = offsets
+            self._offsets[batch_size] = (np.array(starts, np.int64), offsets)
         return self._offsets[batch_size]
 
-    def route(self, samples: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    def route(
+        self, samples: np.ndarray, batch_size: int | BatchSchedule
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Maps global samples to ``(component [k] int64, component sample [k] int64)``.
 
-        ``batch_size`` turns the schedule's steps into samples.
+        ``batch_size`` (an int or a :class:`~flat_tokens_jax.schedule.BatchSchedule`)
+        turns the weight schedule's steps into samples.
         """
         g = np.asarray(samples, np.int64)
-        offsets = self._segment_offsets(batch_size)
-        starts = self.steps * batch_size
+        starts, offsets = self._segments(BatchSchedule.of(batch_size))
         segment = np.searchsorted(starts, g, side="right") - 1
         comp = np.empty(g.shape, np.int64)
         sample = np.empty(g.shape, np.int64)

@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 
 from flat_tokens_jax.dataset import FlatTokens, open_dataset
-from flat_tokens_jax.loader import Loader, LoaderConfig, StateMismatch, differences
+from flat_tokens_jax.loader import Loader, LoaderConfig, StateMismatch
 from flat_tokens_jax.mixture import Mixture, mixture_from_config
+from flat_tokens_jax.schedule import BatchSchedule
 from flat_tokens_jax.store import StoreOptions
 
 FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -62,7 +63,8 @@ def build_loader(
             (see :func:`~flat_tokens_jax.mixture.mixture_from_config`).
         state: a saved :meth:`Loader.state`: its fingerprint gives the config,
             its ``sources`` the data (unless ``url`` is given), and the data
-            found must match its fingerprint.
+            found must match its fingerprint (a batch size given in ``fields``
+            may differ from the saved step on, as :meth:`Loader.restore` allows).
         fields: :class:`LoaderConfig` fields that override the others.
         options: how to reach the data.
 
@@ -105,7 +107,7 @@ def build_loader(
         raise ValueError("say where the data is: a URL, --config with a 'data' section, or --state")
     loader = Loader(source, cfg)
     if state is not None:
-        diffs = differences(state.get("fingerprint", {}), loader.fingerprint(), "")
+        diffs = loader.state_differences(state)
         if diffs:
             raise StateMismatch(
                 "the data found is not what the saved run read:\n  " + "\n  ".join(diffs)
@@ -115,10 +117,11 @@ def build_loader(
 
 def _state_config(state: Mapping[str, Any]) -> dict[str, Any]:
     fingerprint = state.get("fingerprint") if isinstance(state, Mapping) else None
-    config = fingerprint.get("config") if isinstance(fingerprint, Mapping) else None
-    if not isinstance(config, Mapping):
+    if not isinstance(fingerprint, Mapping) or not isinstance(fingerprint.get("config"), Mapping):
         raise ValueError("the --state file is not a saved loader.state(): no fingerprint.config")
-    return dict(config)
+    # An older state keeps its int batch_size inside config.
+    extra = {k: fingerprint[k] for k in ("batch_size",) if k in fingerprint}
+    return {**fingerprint["config"], **extra}
 
 
 def _state_source(state: Mapping[str, Any], options: StoreOptions | None) -> FlatTokens | Mixture:
@@ -153,6 +156,30 @@ def _state_source(state: Mapping[str, Any], options: StoreOptions | None) -> Fla
     return mix
 
 
+def parse_batch_size(text: str) -> int | list[tuple[int, int]]:
+    """A batch size from ``--batch-size``: ``"256"``, or a schedule ``"0:256,2000:512"``.
+
+    Example:
+        >>> parse_batch_size("0:256,2000:512")
+        [(0, 256), (2000, 512)]
+    """
+    try:
+        if ":" not in text:
+            return int(text)  # LoaderConfig checks it
+        pairs = []
+        for part in text.split(","):
+            step, _, size = part.strip().partition(":")
+            pairs.append((int(step), int(size)))
+        BatchSchedule.of(pairs)
+    except ValueError as e:
+        why = "" if str(e).startswith("invalid literal") else f": {e}"
+        raise ValueError(
+            f"--batch-size {text!r}{why}; expected a size such as 256 or a schedule "
+            "START_STEP:SIZE,... such as 0:256,2000:512"
+        ) from None
+    return pairs
+
+
 def parse_rows(text: str | None, batch_size: int) -> list[int]:
     """Row numbers from ``"0,5-7"`` (all rows for ``None``), each checked.
 
@@ -181,7 +208,7 @@ def rows_of(loader: Loader, step: int, rows: Sequence[int]) -> list[dict[str, An
     """Provenance and the five fields (as lists) of ``rows`` of ``step``, JSON-ready."""
     batch = loader.host_batch(step)
     provenance = loader.provenance(step)
-    at = {int(r): i for i, r in enumerate(loader.host_rows)}
+    at = {int(r): i for i, r in enumerate(loader.host_rows_at(step))}
     return [
         {**provenance[at[r]], **{k: batch[k][at[r]].astype(int).tolist() for k in FIELDS}}
         for r in rows
@@ -190,10 +217,12 @@ def rows_of(loader: Loader, step: int, rows: Sequence[int]) -> list[dict[str, An
 
 
 def run_json(loader: Loader, step: int, rows: Sequence[int]) -> dict[str, Any]:
-    """What ``show --json`` prints: the step, the resolved config and the rows."""
+    """What ``show --json`` prints: the step, the resolved config, the batch size
+    (an int or ``[[start_step, size], ...]``) and the rows."""
     return {
         "step": step,
         "config": loader.fingerprint()["config"],
+        "batch_size": loader.fingerprint()["batch_size"],
         "sources": loader.sources(),
         "rows": rows_of(loader, step, rows),
     }
@@ -252,9 +281,13 @@ def _runs(values: np.ndarray, offset: int = 0) -> list[slice]:
 
 
 def config_fields(args: Any) -> dict[str, Any]:
-    """The :class:`LoaderConfig` fields given as flags (``None`` where not given)."""
-    return {
+    """The :class:`LoaderConfig` fields given as flags (``None`` where not given);
+    ``--batch-size`` text is parsed by :func:`parse_batch_size`."""
+    values = {
         f.name: getattr(args, f.name, None)
         for f in dataclasses.fields(LoaderConfig)
         if f.name != "prefetch"
     }
+    if isinstance(values["batch_size"], str):
+        values["batch_size"] = parse_batch_size(values["batch_size"])
+    return values

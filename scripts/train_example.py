@@ -11,7 +11,10 @@ Every ``checkpoint_every`` steps orbax saves the model, the optimizer state and
 ``loader.state()`` together. On start the newest checkpoint is restored: the
 loader state first, so a checkpoint of other data or another loader config is
 refused before anything is trained, then the model, laid out for this run's mesh,
-which may differ from the one that saved it. Usage::
+which may differ from the one that saved it. The loader's ``batch_size`` may be
+a schedule ``[[start_step, size], ...]``; a run resumed with a schedule that
+changes the batch size from its checkpoint's step on continues at exactly the
+next unseen sample. Usage::
 
     python scripts/train_example.py --config configs/train_example.yaml \\
         --data data/small --checkpoint-dir /tmp/ckpt --steps 200 --mesh 4x2
@@ -335,14 +338,26 @@ def save(manager: ocp.CheckpointManager, step: int, state: State, loader: ftj.Lo
     print(f"checkpoint {step}: saving, blocked {time.perf_counter() - began:.2f} s", flush=True)
 
 
-def log_step(out: TextIO | None, step: int, loss: float, tokens_per_s: float, wait: float) -> None:
+def log_step(
+    out: TextIO | None, step: int, loss: float, tokens_per_s: float, loader: ftj.Loader
+) -> None:
+    """Prints the step; appends its JSON line to ``out``, with the global samples
+    of this host's rows (from ``loader.provenance``; padding rows left out)."""
+    wait = loader.wait_seconds
     print(
         f"step {step}: loss {loss:.4f}, {tokens_per_s:,.0f} tokens/s, "
         f"waited {wait * 1e3:.2f} ms for data",
         flush=True,
     )
     if out is not None:
-        record = {"step": step, "loss": loss, "tokens_per_s": tokens_per_s, "wait_s": wait}
+        samples = [row["sample"] for row in loader.provenance(step) if "sample" in row]
+        record = {
+            "step": step,
+            "loss": loss,
+            "tokens_per_s": tokens_per_s,
+            "wait_s": wait,
+            "samples": samples,
+        }
         out.write(json.dumps(record) + "\n")
         out.flush()
 
@@ -373,13 +388,13 @@ def train(cfg: TrainConfig, trainer: Trainer, loader: ftj.Loader) -> int:
         log = None
         if cfg.log_jsonl:
             log = stack.enter_context(open(cfg.log_jsonl, "a", encoding="utf-8"))
-        tokens = cfg.loader.batch_size * cfg.loader.seq_len
         began = time.perf_counter()
         for step, batch in islice(loader.iterate(start), max(cfg.steps - start, 0)):
             state, loss = trainer.step(state, batch)
             value = float(loss)  # waits for the step
             seconds = time.perf_counter() - began  # waiting for data and computing
-            log_step(log, step, value, tokens / seconds, loader.wait_seconds)
+            tokens = cfg.loader.batch_size_at(step) * cfg.loader.seq_len
+            log_step(log, step, value, tokens / seconds, loader)
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
                 save(manager, step + 1, state, loader)
             began = time.perf_counter()

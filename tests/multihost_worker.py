@@ -66,6 +66,7 @@ def main() -> None:
         }
         sums = np.asarray(multihost_utils.process_allgather(row_sums(batch["targets"]), tiled=True))
         report["steps"][step] = {"digest": digest(gathered), "target_row_sums": sums.tolist()}
+        report.setdefault("rows_at", {})[step] = loader.host_rows_at(step).tolist()
         if step + 1 == start + config["num_steps"]:
             break
     if pid == 0 and config.get("save_state"):

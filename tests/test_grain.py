@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from reference import packed_row, padded_row
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.grain import FlatTokensSource
+from flat_tokens_jax.grain import FlatTokensSource, ScheduledBatches
 from flat_tokens_jax.records import Windows
 
 SEQ_LEN = 16
@@ -395,3 +395,36 @@ def test_an_unset_start_token_id_is_the_recorded_one_as_in_the_loader(tmp_path: 
     assert src.read_batch([0, 1])["inputs"].tolist() == loader.host_batch(0)["inputs"].tolist()
     assert src[0]["inputs"].tolist() == [9, 1, 9, 3]
     assert FlatTokensSource(ft, 4, start_token_id=0)[0]["inputs"].tolist() == [0, 1, 0, 3]
+
+
+def test_scheduled_batches_cut_any_order_by_the_schedule(path: Path) -> None:
+    src = FlatTokensSource(path, seq_len=SEQ_LEN)
+    order = grain.MapDataset.range(len(src)).shuffle(seed=3).repeat(2)
+    entries = [(0, 3), (2, 5), (7, 64)]
+    batches = ScheduledBatches(src, entries, order)
+    # Walk the steps: each takes the next `size` positions of the order.
+    at, step, want_steps = 0, 0, []
+    while at < len(order):
+        size = max(n for s, n in entries if s <= step)
+        want_steps.append([int(order[i]) for i in range(at, min(at + size, len(order)))])
+        at, step = at + size, step + 1
+    assert len(batches) == len(want_steps)
+    pipeline = grain.MapDataset.source(pickle.loads(pickle.dumps(batches)))
+    for step, records in enumerate(want_steps):
+        assert_rows_equal(pipeline[step], stack([src[r] for r in records]))
+    with pytest.raises(IndexError, match=rf"step {len(batches)} is outside"):
+        batches[len(batches)]
+
+
+def test_scheduled_batches_in_order_equal_the_loader(path: Path) -> None:
+    ft = ftj.open_dataset(path)["train"]
+    entries = [(0, 4), (3, 8)]
+    cfg = ftj.LoaderConfig(batch_size=entries, seq_len=SEQ_LEN, shuffle=False, num_epochs=1)
+    loader = ftj.Loader(ft, cfg)
+    batches = ScheduledBatches(FlatTokensSource(ft, seq_len=SEQ_LEN), entries)
+    assert len(batches) == loader.num_batches
+    for step in range(len(batches) - 1):  # the loader pads its last batch; grain's is shorter
+        assert_rows_equal(batches[step], loader.host_batch(step))
+    last = batches[len(batches) - 1]
+    real = loader.host_batch(len(batches) - 1)["loss_mask"].any(axis=1)
+    assert last["targets"].shape[0] == real.sum() > 0

@@ -209,7 +209,7 @@ def test_a_state_saved_before_new_fingerprint_fields_still_restores() -> None:
     old = loader.fingerprint()
     old = {
         "data": {k: v for k, v in old["data"].items() if k != "loss_mask"},
-        "config": {**old["config"], "vocab_size": None},
+        "config": {**old["config"], "batch_size": 2, "vocab_size": None},
     }
     assert loader.restore({"step": 9, "fingerprint": old}) == 9
     old["config"]["seed"] = 1

@@ -83,8 +83,10 @@ def launch(
     return [json.loads(Path(f"{config['out']}.{i}.json").read_text()) for i in range(processes)]
 
 
-def reference(dataset: Path, steps: range) -> dict[str, dict[str, Any]]:
-    loader = ftj.Loader(ftj.open_dataset(dataset)["train"], ftj.LoaderConfig(**LOADER))
+def reference(
+    dataset: Path, steps: range, loader_config: dict[str, Any] = LOADER
+) -> dict[str, dict[str, Any]]:
+    loader = ftj.Loader(ftj.open_dataset(dataset)["train"], ftj.LoaderConfig(**loader_config))
     out = {}
     for step in steps:
         batch = loader.host_batch(step)
@@ -139,4 +141,32 @@ def test_elastic_restart_on_fewer_hosts(dataset: Path, tmp_path: Path) -> None:
     expected = reference(dataset, range(5))
     assert first[0]["steps"] == {k: expected[k] for k in ("0", "1", "2")}
     for report in second + third:
+        assert report["steps"] == {k: expected[k] for k in ("3", "4")}
+
+
+@pytest.mark.parametrize("spec", [["data"], ["data", "seq"]], ids=["rows", "rows_and_sequence"])
+def test_a_batch_size_that_doubles_equals_the_single_process_run(
+    dataset: Path, tmp_path: Path, spec: list[str]
+) -> None:
+    grown = {**LOADER, "batch_size": [[0, 16], [2, 32]]}
+    mesh = {"mesh_shape": [2, 2], "mesh_axes": ["seq", "data"]} if "seq" in spec else {}
+    reports = launch(dataset, tmp_path, 2, num_steps=4, spec=spec, loader=grown, **mesh)
+    expected = reference(dataset, range(4), grown)
+    assert [len(expected[str(s)]["target_row_sums"]) for s in range(4)] == [16, 16, 32, 32]
+    for report in reports:
+        assert report["steps"] == expected
+    if "seq" not in spec:
+        for step, size in (("1", 16), ("3", 32)):
+            rows = sorted(r for report in reports for r in report["rows_at"][step])
+            assert rows == list(range(size)), "every row is read by exactly one host"
+
+
+def test_restart_on_more_rows_continues_at_the_next_sample(dataset: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    launch(dataset, tmp_path, 2, num_steps=3, save_state=str(state))
+    assert json.loads(state.read_text())["samples"] == 3 * 16
+    grown = {**LOADER, "batch_size": [[0, 16], [3, 32]]}
+    second = launch(dataset, tmp_path, 2, num_steps=2, loader=grown, restore_from=str(state))
+    expected = reference(dataset, range(5), grown)
+    for report in second:
         assert report["steps"] == {k: expected[k] for k in ("3", "4")}

@@ -45,9 +45,21 @@ def expected(loader: ftj.Loader, step: int) -> list[dict[str, Any]]:
     ]
 
 
+schedules = st.lists(st.tuples(st.integers(1, 4), st.integers(1, 6)), min_size=1, max_size=3).map(
+    lambda gaps: [[sum(g for g, _ in gaps[:i]) if i else 0, n] for i, (_, n) in enumerate(gaps)]
+)
+
+
+def flag_value(value: Any) -> str:
+    """A field's value as its flag takes it: a schedule as ``0:2,3:4``."""
+    if isinstance(value, list):
+        return ",".join(f"{step}:{size}" for step, size in value)
+    return str(value)
+
+
 runs = st.fixed_dictionaries(
     {
-        "batch_size": st.integers(1, 6),
+        "batch_size": st.integers(1, 6) | schedules,
         "seq_len": st.integers(1, 7),
         "packing": st.booleans(),
         "shuffle": st.booleans(),
@@ -128,7 +140,11 @@ def test_show_json_equals_the_loader_for_a_split(
         return  # no records at this seq_len: refused alike by show (tested below)
     end = loader.num_batches
     step = data.draw(st.integers(0, (end or 50) - 1))
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in fields.items() if not isinstance(v, bool)]
+    flags = [
+        f"--{k.replace('_', '-')}={flag_value(v)}"
+        for k, v in fields.items()
+        if not isinstance(v, bool)
+    ]
     flags += [f"--{'' if v else 'no-'}{k}" for k, v in fields.items() if isinstance(v, bool)]
     if num_epochs is not None:
         flags.append(f"--num-epochs={num_epochs}")
@@ -199,6 +215,12 @@ def test_show_says_which_component_a_row_came_from(tmp_path: Path) -> None:
         (["--seq-len", "2", "--batch-size", "4", "--step", "4611686018427387904"], "too large"),
         (["--seq-len", "2", "--batch-size", "4", "--rows", "3-9"], "3-9 is outside rows 0-3"),
         (["--seq-len", "9999", "--batch-size", "4"], "has no records"),
+        (
+            ["--seq-len", "2", "--batch-size", "0:2,0:4"],
+            "--batch-size '0:2,0:4': batch_size entry 1 (0, 4) starts at step 0, not after",
+        ),
+        (["--seq-len", "2", "--batch-size", "0:2,x"], "expected a size such as 256 or a schedule"),
+        (["--seq-len", "2", "--batch-size", "0:2,4:4", "--step", "4", "--rows", "4"], "0-3"),
     ],
 )
 def test_bad_flags_end_in_one_line(args: list[str], message: str) -> None:
@@ -277,3 +299,38 @@ def test_a_tokenizer_the_data_was_not_made_with_is_refused(tmp_path: Path, gpt2:
         str(SHARED),
     )
     assert code == 1 and "was made with other.json" in err
+
+
+def test_show_takes_a_state_saved_before_schedules(tmp_path: Path) -> None:
+    """Older states hold the int batch size in fingerprint.config and no samples."""
+    loader = ftj.Loader(
+        ftj.open_dataset(URLS["web"])["train"], ftj.LoaderConfig(batch_size=3, seq_len=4)
+    )
+    loader.next_step = 2
+    state = loader.state()
+    fingerprint = state["fingerprint"]
+    old = {
+        "step": state["step"],
+        "sources": state["sources"],
+        "fingerprint": {
+            "data": fingerprint["data"],
+            "config": {**fingerprint["config"], "batch_size": fingerprint["batch_size"]},
+        },
+    }
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    code, out, err = run_main(
+        "show", "--state", str(tmp_path / "old.json"), "--step", "2", "--json"
+    )
+    assert code == 0, err
+    assert json.loads(out)["rows"] == expected(loader, 2)
+    code, out, err = run_main(
+        "show", "--state", str(tmp_path / "old.json"), "--step", "2", "--batch-size", "0:3,2:5"
+    )
+    assert code == 0, err
+    assert "batch_size [[0, 3], [2, 5]]" in out
+    assert sum(line.startswith("row ") for line in out.splitlines()) == 5
+    code, _, err = run_main(
+        "show", "--state", str(tmp_path / "old.json"), "--step", "2", "--batch-size", "0:3,1:5"
+    )
+    assert code == 1
+    assert "step 1 had 3 rows, now 5" in err and "batch_size [[0, 3], [2, 5]]" in err

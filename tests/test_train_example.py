@@ -23,6 +23,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import yaml
 
 import flat_tokens_jax as ftj
 
@@ -57,11 +58,13 @@ def write_data(path: Path, seed: int) -> Path:
     return path
 
 
-def command(data: Path, checkpoints: Path, log: Path, steps: int, mesh: str) -> list[str]:
+def command(
+    data: Path, checkpoints: Path, log: Path, steps: int, mesh: str, config: Path = CONFIG
+) -> list[str]:
     return [
         sys.executable,
         str(SCRIPT),
-        f"--config={CONFIG}",
+        f"--config={config}",
         f"--data={data}",
         f"--checkpoint-dir={checkpoints}",
         f"--log-jsonl={log}",
@@ -209,3 +212,44 @@ def test_resume_on_other_data_is_refused_before_any_step(crash: Crash, tmp_path:
     assert "step " not in done.stdout
     assert not log.exists()
     assert sorted(p.name for p in checkpoints.iterdir()) == before
+
+
+def test_resume_with_a_larger_batch_size_sees_every_sample_once(
+    crash: Crash, tmp_path: Path
+) -> None:
+    """Killed at 8 rows per step, resumed with 16 rows from its checkpoint's step on.
+
+    The resumed run must train like a run that had that schedule from the start,
+    and the samples trained on (from the loader's provenance, logged per step)
+    cover the sample order once, with no sample skipped or repeated across the change.
+    """
+    config = yaml.safe_load(CONFIG.read_text())
+    assert config["loader"]["batch_size"][1][0] > crash.steps, "the killed run had 8 rows"
+    config["loader"]["batch_size"] = [[0, 8], [crash.resume_step, 16]]
+    grown = tmp_path / "grown.yaml"
+    grown.write_text(yaml.safe_dump(config))
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(crash.killed, checkpoints)
+    done = train(crash.data, checkpoints, tmp_path / "log.jsonl", crash.steps, "8", grown)
+    assert done.returncode == 0, done.stderr
+    assert f"resuming at step {crash.resume_step} of {crash.steps}" in done.stdout
+    resumed = read_log(tmp_path / "log.jsonl")
+    assert sorted(resumed) == list(range(crash.resume_step, crash.steps))
+    fresh = train(crash.data, tmp_path / "fresh", tmp_path / "fresh.jsonl", crash.steps, "8", grown)
+    assert fresh.returncode == 0, fresh.stderr
+    fresh_log = read_log(tmp_path / "fresh.jsonl")
+
+    before = range(crash.resume_step)
+    killed = [crash.killed_log[s]["loss"] for s in before]
+    assert (
+        killed
+        == [fresh_log[s]["loss"] for s in before]
+        == [crash.reference_log[s]["loss"] for s in before]
+    )
+    assert {s: r["loss"] for s, r in resumed.items()} == {s: fresh_log[s]["loss"] for s in resumed}
+
+    seen = [g for s in before for g in crash.killed_log[s]["samples"]]
+    assert all(len(crash.killed_log[s]["samples"]) == 8 for s in before)
+    assert all(len(r["samples"]) == 16 for r in resumed.values())
+    seen += [g for s in sorted(resumed) for g in resumed[s]["samples"]]
+    assert seen == list(range(8 * crash.resume_step + 16 * EXTRA))

@@ -1,0 +1,212 @@
+"""Batch-size schedules: the global batch size of every step, and the samples before it.
+
+A schedule is a list of ``(start_step, size)`` entries: from ``start_step`` on,
+each step has ``size`` global rows. The samples before step ``s`` are whole
+segments plus a part of the segment that holds ``s``: arithmetic over the
+entries, never a loop over steps, so any step (``10**12`` included) costs the
+same. Pure arithmetic on Python ints (no overflow), no I/O.
+
+Example:
+    >>> sched = BatchSchedule.of([(0, 256), (2000, 512)])
+    >>> sched.size(1999), sched.size(2000)
+    (256, 512)
+    >>> sched.samples_before(2001)
+    512512
+    >>> sched.step_of(512511)
+    2000
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+import operator
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["BatchSchedule", "BatchSizeSpec", "resume_differences"]
+
+# What a config may hold: an int, [(start_step, size), ...] or {start_step: size}.
+BatchSizeSpec = int | Sequence[Sequence[int]] | Mapping[int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSchedule:
+    """The global batch size of each step.
+
+    Attributes:
+        entries: ``((start_step, size), ...)``, the first at step 0, steps
+            strictly increasing, sizes >= 1; consecutive equal sizes are
+            merged, so equal schedules compare equal.
+    """
+
+    entries: tuple[tuple[int, int], ...]
+    _starts: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
+    _before: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.entries:
+            raise ValueError("a batch-size schedule needs at least one (step, size) entry")
+        for i, (step, size) in enumerate(self.entries):
+            for what, value in (("step", step), ("size", size)):
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise ValueError(
+                        f"batch_size entry {i} ({step!r}, {size!r}): the {what} must be an int"
+                    )
+            if size < 1:
+                raise ValueError(
+                    f"batch_size entry {i} ({step}, {size}): the size must be >= 1 rows"
+                )
+        first = self.entries[0][0]
+        if first != 0:
+            raise ValueError(
+                f"batch_size entry 0 ({first}, {self.entries[0][1]}) starts at step {first}: "
+                "the first entry must start at step 0, e.g. [[0, 256], [2000, 512]]"
+            )
+        for i, ((a, _), (b, size)) in enumerate(itertools.pairwise(self.entries), start=1):
+            if b <= a:
+                raise ValueError(
+                    f"batch_size entry {i} ({b}, {size}) starts at step {b}, not after the "
+                    f"previous entry's step {a}: list steps in strictly increasing order"
+                )
+        merged = [self.entries[0]]
+        for step, size in self.entries[1:]:
+            if size != merged[-1][1]:
+                merged.append((step, size))
+        starts = [s for s, _ in merged]
+        before = [0]
+        for (a, size), b in zip(merged, starts[1:], strict=False):
+            before.append(before[-1] + (b - a) * size)
+        object.__setattr__(self, "entries", tuple(merged))
+        object.__setattr__(self, "_starts", tuple(starts))
+        object.__setattr__(self, "_before", tuple(before))
+
+    @classmethod
+    def of(cls, value: BatchSizeSpec | BatchSchedule) -> BatchSchedule:
+        """A schedule from an int (every step), ``[(step, size), ...]`` or ``{step: size}``.
+
+        Raises:
+            ValueError: the entries are not pairs of ints, the first is not at
+                step 0, steps do not increase or a size is < 1; the message
+                names the entry.
+        """
+        if isinstance(value, BatchSchedule):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value < 1:
+                raise ValueError(f"batch_size must be an int >= 1, got {value!r}")
+            return cls(((0, int(value)),))
+        if isinstance(value, Mapping):
+            pairs: list[Any] = list(value.items())
+        elif isinstance(value, Sequence) and not isinstance(value, str | bytes):
+            pairs = list(value)
+        else:
+            raise ValueError(
+                f"batch_size must be an int or a schedule [[start_step, size], ...], got {value!r}"
+            )
+        entries = []
+        for i, pair in enumerate(pairs):
+            if isinstance(pair, str | bytes) or not isinstance(pair, Sequence) or len(pair) != 2:
+                raise ValueError(
+                    f"batch_size entry {i} must be a pair [start_step, size], got {pair!r}"
+                )
+            entries.append((_as_int(pair[0]), _as_int(pair[1])))
+        return cls(tuple(entries))
+
+    @property
+    def constant(self) -> int | None:
+        """The size of every step, or ``None`` when it changes."""
+        return self.entries[0][1] if len(self.entries) == 1 else None
+
+    def spec(self) -> int | list[list[int]]:
+        """JSON-ready: the int of a constant schedule, else ``[[start_step, size], ...]``."""
+        constant = self.constant
+        return constant if constant is not None else [[s, n] for s, n in self.entries]
+
+    def _segment(self, step: int) -> int:
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        return bisect.bisect_right(self._starts, step) - 1
+
+    def size(self, step: int) -> int:
+        """Rows of the global batch at ``step`` (``step >= 0``)."""
+        return self.entries[self._segment(step)][1]
+
+    def samples_before(self, step: int) -> int:
+        """Global samples in steps ``[0, step)``: O(entries), whatever ``step``."""
+        j = self._segment(step)
+        start, size = self.entries[j]
+        return self._before[j] + (step - start) * size
+
+    def step_of(self, sample: int) -> int:
+        """The step whose rows hold global sample ``sample`` (``sample >= 0``)."""
+        if sample < 0:
+            raise ValueError(f"sample must be >= 0, got {sample}")
+        j = bisect.bisect_right(self._before, sample) - 1
+        start, size = self.entries[j]
+        return start + (sample - self._before[j]) // size
+
+    def steps_to_cover(self, num_samples: int) -> int:
+        """The fewest steps whose rows hold ``num_samples`` samples (the last may be partial)."""
+        return 0 if num_samples <= 0 else self.step_of(num_samples - 1) + 1
+
+    def first_difference(self, other: BatchSchedule, before_step: int) -> int | None:
+        """The first step below ``before_step`` whose size differs in ``other``; ``None``
+        if the two agree on every step before it."""
+        points = sorted({s for s, _ in self.entries} | {s for s, _ in other.entries})
+        for step in points:
+            if step >= before_step:
+                return None
+            if self.size(step) != other.size(step):
+                return step
+        return None
+
+    def continued(self, step: int, then: BatchSchedule) -> BatchSchedule:
+        """This schedule's sizes before ``step``, ``then``'s from ``step`` on."""
+        kept = [(s, n) for s, n in self.entries if s < step]
+        later = [(s, n) for s, n in then.entries if s > step]
+        return BatchSchedule.of([*kept, (step, then.size(step)), *later])
+
+    def __str__(self) -> str:
+        return str(self.spec())
+
+
+def _as_int(value: Any) -> Any:
+    """``value`` as a Python int if it is an integer of any kind (numpy's too);
+    otherwise as it is, for the entry check to name."""
+    if isinstance(value, bool):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
+
+
+def resume_differences(saved: Any, now: BatchSchedule, step: int, samples: Any) -> list[str]:
+    """Why a run saved at ``step`` cannot resume with the batch sizes ``now``, as lines.
+
+    A run may change its batch size from the saved step on: ``now`` must
+    agree with ``saved`` (the saved int or ``[[start_step, size], ...]``) on
+    every step before ``step``, and ``samples`` (the saved count of samples
+    before ``step``; ``None`` for states that predate it) must be what the
+    saved sizes give.
+    """
+    try:
+        before = BatchSchedule.of(saved)
+    except ValueError:
+        return [f"batch_size: the saved state has no valid batch size: {saved!r}"]
+    out = []
+    at = before.first_difference(now, step)
+    if at is not None:
+        out.append(
+            f"batch_size: saved {before}, now {now}: step {at} had {before.size(at)} rows, "
+            f"now {now.size(at)}; the batch size may change only from the saved step {step} "
+            f"on: batch_size {before.continued(step, now)}"
+        )
+    if samples is not None and samples != before.samples_before(step):
+        out.append(
+            f"samples: saved {samples!r}, but the {step} steps of batch_size {before} "
+            f"hold {before.samples_before(step)}"
+        )
+    return out

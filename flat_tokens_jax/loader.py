@@ -21,9 +21,11 @@ import jax
 import numpy as np
 
 from flat_tokens_jax import batch as fields
+from flat_tokens_jax.bins import check_packing, make_records
 from flat_tokens_jax.dataset import Dataset, FlatTokens
 from flat_tokens_jax.mixture import Mixture
-from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records, recorded_info
+from flat_tokens_jax.plans import default_cache_dir
+from flat_tokens_jax.records import Records, recorded_info
 from flat_tokens_jax.sampling import IndexSampler
 from flat_tokens_jax.sharding import Block, BlockData, HostPlan
 
@@ -39,9 +41,12 @@ class LoaderConfig:
     Attributes:
         batch_size: global rows per step, over all hosts.
         seq_len: tokens per row.
-        packing: True: rows are consecutive windows of the concatenated tokens
-            (no padding, sequences cut at window edges). False: one sequence per
-            row, truncated to ``seq_len`` and right-padded with ``pad_id``.
+        packing: what a row is. True: consecutive windows of the concatenated
+            tokens (no padding, sequences cut at window edges). False: one
+            sequence per row, truncated to ``seq_len`` and right-padded with
+            ``pad_id``. ``"bins"``: whole sequences (each truncated to
+            ``seq_len``) packed into a row by the split's packing plan, padded
+            at the end; for fine-tuning (see :class:`~flat_tokens_jax.BinRecords`).
         shuffle: visit records in a fresh pseudo-random order each epoch.
             False: in order (evaluation).
         seed: the shuffle's key. Recommended: one per training run.
@@ -60,7 +65,7 @@ class LoaderConfig:
 
     batch_size: int
     seq_len: int
-    packing: bool = True
+    packing: bool | str = True
     shuffle: bool = True
     seed: int = 0
     num_epochs: int | None = None
@@ -79,11 +84,9 @@ class LoaderConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"LoaderConfig.{name} must be an int >= {low}, got {value!r}")
-        for name in ("packing", "shuffle"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(
-                    f"LoaderConfig.{name} must be True or False, got {getattr(self, name)!r}"
-                )
+        check_packing(self.packing, "LoaderConfig.packing")
+        if not isinstance(self.shuffle, bool):
+            raise ValueError(f"LoaderConfig.shuffle must be True or False, got {self.shuffle!r}")
         if self.start_token_id is not None and (
             isinstance(self.start_token_id, bool)
             or not isinstance(self.start_token_id, int)
@@ -178,6 +181,9 @@ class Loader:
             ``P("data", "seq")`` (sequence dimension sharded too). Each host then
             reads only the blocks its own devices hold. ``None``: whole batches on
             the default device.
+        plan_cache: where packing plans built for ``packing="bins"`` are cached
+            (splits without a stored plan, see ``flat-tokens pack``). ``None``:
+            ``$XDG_CACHE_HOME/flat_tokens_jax/plans`` (``~/.cache/...``).
 
     Raises:
         ValueError: the sharding cannot split ``[batch_size, seq_len]`` evenly,
@@ -189,6 +195,8 @@ class Loader:
         source: FlatTokens | Records | Mixture,
         config: LoaderConfig,
         sharding: jax.sharding.Sharding | None = None,
+        *,
+        plan_cache: str | os.PathLike[str] | None = None,
     ) -> None:
         if not isinstance(config, LoaderConfig):
             raise TypeError(
@@ -197,16 +205,17 @@ class Loader:
             )
         _check_sharding(sharding)
         self.mixture = source if isinstance(source, Mixture) else None
+        cache = default_cache_dir() if plan_cache is None else plan_cache
         if isinstance(source, Mixture):
             if config.num_epochs is not None:
                 raise ValueError(
                     "num_epochs does not apply to a Mixture: each component "
                     "runs its own epochs, without end; set num_epochs=None"
                 )
-            components = source.records(config.seq_len, config.packing)
+            components = source.records(config.seq_len, config.packing, plan_cache=cache)
             names = source.names
         else:
-            components = (_single_records(source, config),)
+            components = (_single_records(source, config, cache),)
             names = ("0",)
         for records in components:
             if len(records) == 0:
@@ -348,11 +357,13 @@ class Loader:
         for c in np.unique(comp).tolist():
             rows = at[comp == c]
             windows = self.components[c].read(records[comp == c], columns=block.cols)
-            if self.components[c].packed:
+            if self.components[c].packed:  # packed windows, and bins: their column 0 is before
                 encoded[rows], before[rows, 0] = windows.encoded[:, 1:], windows.encoded[:, 0]
             else:
+                encoded[rows] = windows.encoded
+            if self.components[c].packed is not True:
                 assert windows.lengths is not None
-                encoded[rows], lengths[rows] = windows.encoded, windows.lengths
+                lengths[rows] = windows.lengths
             if windows.stored_mask is not None:
                 mask[rows] = windows.stored_mask
         return BlockData(encoded, before, lengths, mask, real)
@@ -549,11 +560,12 @@ def differences(saved: Any, now: Any, path: str) -> list[str]:
     return [] if saved == now else [f"{path}: saved {saved!r}, now {now!r}"]
 
 
-def _single_records(source: Any, config: LoaderConfig) -> Records:
+def _single_records(
+    source: Any, config: LoaderConfig, plan_cache: str | os.PathLike[str]
+) -> Records:
     """The records of a single (non-Mixture) source, checked against the config."""
     if isinstance(source, FlatTokens):
-        kind = PackedRecords if config.packing else PaddedRecords
-        return kind(source, config.seq_len)
+        return make_records(source, config.seq_len, config.packing, plan_cache)
     if isinstance(source, Dataset):
         raise TypeError(
             f"Loader takes one split, got the whole {source!r}; pick a split: "

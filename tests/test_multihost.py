@@ -83,8 +83,10 @@ def launch(
     return [json.loads(Path(f"{config['out']}.{i}.json").read_text()) for i in range(processes)]
 
 
-def reference(dataset: Path, steps: range) -> dict[str, dict[str, Any]]:
-    loader = ftj.Loader(ftj.open_dataset(dataset)["train"], ftj.LoaderConfig(**LOADER))
+def reference(
+    dataset: Path, steps: range, loader_config: dict[str, Any] = LOADER
+) -> dict[str, dict[str, Any]]:
+    loader = ftj.Loader(ftj.open_dataset(dataset)["train"], ftj.LoaderConfig(**loader_config))
     out = {}
     for step in steps:
         batch = loader.host_batch(step)
@@ -128,6 +130,25 @@ def test_sequence_sharded_hosts_read_only_their_columns(dataset: Path, tmp_path:
     for pid, report in enumerate(reports):
         assert {tuple(b[1]) for b in report["blocks"]} == {(pid * half, (pid + 1) * half)}
         assert report["bytes_read_one_step"] == LOADER["batch_size"] * (half + 1) * 4
+
+
+def test_bins_on_hosts_equal_the_single_process_bins(dataset: Path, tmp_path: Path) -> None:
+    # Each process finds (or builds) the same plan; the sequence axis runs across processes.
+    bins = {**LOADER, "packing": "bins"}
+    reports = launch(
+        dataset,
+        tmp_path,
+        2,
+        num_steps=2,
+        mesh_shape=[2, 2],
+        mesh_axes=["seq", "data"],
+        spec=["data", "seq"],
+        loader=bins,
+    )
+    expected = reference(dataset, range(2), bins)
+    assert expected != reference(dataset, range(2))
+    for report in reports:
+        assert report["steps"] == expected
 
 
 def test_elastic_restart_on_fewer_hosts(dataset: Path, tmp_path: Path) -> None:

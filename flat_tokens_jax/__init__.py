@@ -1,11 +1,13 @@
 """flat_tokens_jax: feed JAX language-model training from flat-tokens stores."""
 
+from flat_tokens_jax.bins import BinRecords
 from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.format import FormatError, Problem, decode, encode
 from flat_tokens_jax.identity import DatasetInfo, TokenizerInfo, library_version
 from flat_tokens_jax.layout import Layout
 from flat_tokens_jax.loader import Loader, LoaderConfig, StateMismatch
 from flat_tokens_jax.mixture import Mixture, mixture_from_config
+from flat_tokens_jax.plans import PackingPlan, pack_dataset
 from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records
 from flat_tokens_jax.sampling import EpochsExhausted, IndexSampler, permute
 from flat_tokens_jax.store import StoreOptions
@@ -15,6 +17,7 @@ from flat_tokens_jax.writer import DatasetWriter, write_dataset
 __version__ = library_version()
 
 __all__ = [
+    "BinRecords",
     "Dataset",
     "DatasetInfo",
     "DatasetWriter",
@@ -27,6 +30,7 @@ __all__ = [
     "LoaderConfig",
     "Mixture",
     "PackedRecords",
+    "PackingPlan",
     "PaddedRecords",
     "Problem",
     "Records",
@@ -37,6 +41,7 @@ __all__ = [
     "encode",
     "mixture_from_config",
     "open_dataset",
+    "pack_dataset",
     "permute",
     "summary",
     "validate",

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from flat_tokens_jax import batch as fields
-from flat_tokens_jax.bins import check_packing, make_records
+from flat_tokens_jax.bins import BinRecords, check_packing, make_records
 from flat_tokens_jax.dataset import Dataset, FlatTokens
 from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.plans import default_cache_dir
@@ -489,8 +489,10 @@ class Loader:
         """Where each of this host's rows at ``step`` came from.
 
         One dict per row: ``row``, ``sample`` (global index), ``epoch``, ``record``
-        and ``tokens`` (``[start, stop)`` of its targets in the split); padding
-        rows are ``{"row": r, "padding": True}``.
+        and ``tokens`` (``[start, stop)`` of its targets in the split; for a bin,
+        from its first sequence's start to its last one's end, and
+        ``sequences``, the indices of the sequences it holds); padding rows are
+        ``{"row": r, "padding": True}``.
         """
         rows = self.host_rows
         g, real = self._samples(step, rows)
@@ -500,6 +502,7 @@ class Loader:
         for c in np.unique(comp).tolist():
             mine = np.flatnonzero(comp == c)
             starts, stops = self.components[c].token_ranges(records[mine])
+            members = _bin_members(self.components[c], records[mine])
             for i, k in enumerate(mine.tolist()):
                 pos = int(at[k])
                 row: dict[str, Any] = {"row": int(rows[pos]), "sample": int(g[pos])}
@@ -511,7 +514,18 @@ class Loader:
                     "record": int(records[k]),
                     "tokens": [int(starts[i]), int(stops[i])],
                 }
+                if members is not None:
+                    out[pos]["sequences"] = members[i]
         return out
+
+
+def _bin_members(records: Records, indices: np.ndarray) -> list[list[int]] | None:
+    """The sequences of each bin ``indices`` of bin records; ``None`` for other records."""
+    if not isinstance(records, BinRecords):
+        return None
+    row, seqs = records.sequences(indices)
+    cuts = np.searchsorted(row, np.arange(1, indices.size))
+    return [part.tolist() for part in np.split(seqs, cuts)]
 
 
 def _padding(num_rows: int, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:

@@ -182,3 +182,17 @@ def test_grain_source_rows_equal_the_loader_rows(tmp_path: Path) -> None:
             np.testing.assert_array_equal(rows[key], batch[key])
     with pytest.raises(ValueError, match="packing must be True"):
         FlatTokensSource(url, 24, "binned")
+
+
+def test_provenance_lists_each_bins_sequences(tmp_path: Path) -> None:
+    seqs = [[1, 2, 3], [4], [5, 6], [7, 8, 9, 10], [11]]
+    ft = split_of(seqs)
+    cfg = ftj.LoaderConfig(batch_size=3, seq_len=5, packing="bins", shuffle=False)
+    loader = ftj.Loader(ft, cfg, plan_cache=tmp_path)
+    batch = loader.host_batch(0)
+    for row in loader.provenance(0):
+        got = batch["targets"][row["row"]][batch["segment_ids"][row["row"]] > 0].tolist()
+        assert got == [t for i in row["sequences"] for t in seqs[i]]
+        first, last = row["sequences"][0], row["sequences"][-1]
+        bounds = [sum(map(len, seqs[:first])), sum(map(len, seqs[: last + 1]))]
+        assert row["tokens"] == bounds

@@ -57,16 +57,17 @@ def build_plan(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarra
         raise ValueError(f"lengths must be 1-D integers, got {lens.dtype} {lens.shape}")
     if lens.size and lens.min() < 0:
         raise ValueError(f"lengths must be >= 0, got {lens.min()}")
-    sizes = np.minimum(lens.astype(np.int64), seq_len)
-    bin_of = np.empty(sizes.size, np.int64)
-    num_bins = 0
-    for lo in range(0, sizes.size, BLOCK):
-        block_bins, count = _pack_block(sizes[lo : lo + BLOCK], int(seq_len))
-        bin_of[lo : lo + BLOCK] = block_bins + num_bins
-        num_bins += count
-    seq_order = np.argsort(bin_of, kind="stable").astype(np.int64)
-    bin_starts = np.zeros(num_bins + 1, np.int64)
-    np.cumsum(np.bincount(bin_of, minlength=num_bins), out=bin_starts[1:])
+    # Block by block, into the output arrays: memory beyond the plan stays O(BLOCK).
+    seq_order = np.empty(lens.size, np.int64)
+    counts = []
+    for lo in range(0, lens.size, BLOCK):
+        sizes = np.minimum(lens[lo : lo + BLOCK], seq_len).astype(np.int64)
+        bin_of, num_bins = _pack_block(sizes, int(seq_len))
+        seq_order[lo : lo + sizes.size] = np.argsort(bin_of, kind="stable") + lo
+        counts.append(np.bincount(bin_of, minlength=num_bins))
+    bin_starts = np.zeros(sum(c.size for c in counts) + 1, np.int64)
+    if counts:
+        np.cumsum(np.concatenate(counts), out=bin_starts[1:])
     return bin_starts, seq_order
 
 

@@ -140,3 +140,16 @@ def test_cli_pack_info_validate_show(
     err = capsys.readouterr().err
     assert err.startswith("pack: ") and "no flat-tokens dataset here" in err
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_pack_zarr_v2_and_an_empty_split(tmp_path: Path, zarr_format: int) -> None:
+    path = tmp_path / "ds"
+    ftj.write_dataset(path, {"train": seqs(50)}, layout=ftj.Layout(zarr_format=zarr_format))
+    plans = ftj.pack_dataset(path, 16)
+    assert plans["validation"].num_bins == 0 and plans["train"].num_bins > 0
+    ftj.validate(path)
+    info = ftj.summary(path)["splits"]
+    assert info["validation"]["packing_plans"]["16"]["num_bins"] == 0
+    ft = ftj.open_dataset(path)["train"]
+    assert BinRecords(ft, 16).plan.digest == plans["train"].digest

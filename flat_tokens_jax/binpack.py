@@ -48,7 +48,7 @@ def build_plan(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarra
     Example:
         >>> starts, order = build_plan(np.array([5, 3, 2, 6]), 8)
         >>> [order[a:b].tolist() for a, b in zip(starts[:-1], starts[1:])]
-        [[3, 2], [0, 1]]
+        [[2, 3], [0, 1]]
     """
     if isinstance(seq_len, bool) or not isinstance(seq_len, int | np.integer) or seq_len < 1:
         raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")

@@ -1,10 +1,11 @@
 """Flat-tokens records as a grain data source: ``FlatTokensSource``.
 
 A grain pipeline reads elements by index from a random-access source.
-``FlatTokensSource`` is one: element ``i`` is record ``i`` (a packed window or a
-padded sequence, exactly the row :class:`~flat_tokens_jax.Loader` makes of it)
-as a dict of the five batch fields, each ``[seq_len]``. The source only has to
-satisfy grain's protocol, so this module never imports grain; users import it.
+``FlatTokensSource`` is one: element ``i`` is record ``i`` (a packed window, a
+padded sequence or a bin of whole sequences, exactly the row
+:class:`~flat_tokens_jax.Loader` makes of it) as a dict of the five batch
+fields, each ``[seq_len]``. The source only has to satisfy grain's protocol,
+so this module never imports grain; users import it.
 
 What a read costs: ``__getitem__`` is one read of one record. ``_getitems`` is
 grain's batched-read hook (``SupportsBatchedReadRandomAccessDataSource``): one

@@ -135,6 +135,7 @@ def plan_source(ft: FlatTokens) -> dict[str, Any]:
 
 def make_plan(ft: FlatTokens, seq_len: int) -> PackingPlan:
     """Builds the plan of ``ft`` for ``seq_len`` (reads every sequence bound)."""
+    log.info("building the packing plan of %r for seq_len %d", ft, seq_len)
     starts = split_starts(ft)
     bin_starts, seq_order = build_plan(np.diff(starts), seq_len)
     source = {**plan_source(ft), "starts_digest": _digest(starts)}
@@ -344,10 +345,17 @@ def cached_plan(ft: FlatTokens, seq_len: int, cache_dir: str | os.PathLike[str])
         except (OSError, ValueError, KeyError) as e:
             log.warning("ignoring the unreadable cached packing plan %s: %s", path, e)
     plan = make_plan(ft, seq_len)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
-        np.savez(tmp, key=np.array(text), bin_starts=plan.bin_starts, seq_order=plan.seq_order)
-    os.replace(tmp.name, path)
+    tmp_name = None
+    try:  # a cache that cannot be written costs a rebuild next time, nothing else
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
+            tmp_name = tmp.name
+            np.savez(tmp, key=np.array(text), bin_starts=plan.bin_starts, seq_order=plan.seq_order)
+        os.replace(tmp_name, path)
+    except OSError as e:
+        log.warning("could not cache the packing plan at %s: %s", path, e)
+        if tmp_name is not None and os.path.exists(tmp_name):
+            os.unlink(tmp_name)
     return plan
 
 

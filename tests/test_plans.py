@@ -153,3 +153,11 @@ def test_pack_zarr_v2_and_an_empty_split(tmp_path: Path, zarr_format: int) -> No
     assert info["validation"]["packing_plans"]["16"]["num_bins"] == 0
     ft = ftj.open_dataset(path)["train"]
     assert BinRecords(ft, 16).plan.digest == plans["train"].digest
+
+
+def test_an_unwritable_cache_still_gives_the_plan(dataset: Path, tmp_path: Path) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    ft = ftj.open_dataset(dataset)["train"]
+    plan = cached_plan(ft, 16, blocked / "cache")
+    assert plan.digest == cached_plan(ft, 16, tmp_path / "cache").digest

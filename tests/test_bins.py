@@ -7,6 +7,7 @@ import pickle
 from collections import Counter
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from conftest import memory_url
@@ -16,7 +17,7 @@ from reference import bin_row
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax import binpack
-from flat_tokens_jax.batch import FIELDS, window_fields
+from flat_tokens_jax.batch import FIELDS, bin_fields, bin_fields_jax, window_fields
 from flat_tokens_jax.bins import BinRecords
 from flat_tokens_jax.grain import FlatTokensSource
 from flat_tokens_jax.plans import make_plan
@@ -196,3 +197,28 @@ def test_provenance_lists_each_bins_sequences(tmp_path: Path) -> None:
         first, last = row["sequences"][0], row["sequences"][-1]
         bounds = [sum(map(len, seqs[:first])), sum(map(len, seqs[: last + 1]))]
         assert row["tokens"] == bounds
+
+
+bins_jit = jax.jit(bin_fields_jax)
+
+
+@given(data=split_data(), start=st.integers(0, 5), pad=st.integers(0, 5))
+def test_device_decode_equals_the_host_decode(
+    data: tuple[list[list[int]], list[list[int]] | None, int], start: int, pad: int
+) -> None:
+    seqs, masks, seq_len = data
+    records = BinRecords(split_of(seqs, masks), seq_len)
+    w = records.read(np.arange(len(records)))
+    host = bin_fields(
+        w.encoded, w.lengths, start_token_id=start, pad_id=pad, stored_mask=w.stored_mask
+    )
+    device = bins_jit(
+        w.encoded, w.lengths, start_token_id=start, pad_id=pad, stored_mask=w.stored_mask
+    )
+    for key in FIELDS:
+        np.testing.assert_array_equal(np.asarray(device[key]), host[key], err_msg=key)
+
+
+def test_bin_lengths_past_the_row_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"lengths must lie in \[0, 2\]"):
+        bin_fields(np.zeros((1, 3), np.uint32), np.array([3]))

@@ -143,9 +143,3 @@ def plan_digest(bin_starts: np.ndarray, seq_order: np.ndarray) -> str:
     for a in (bin_starts, seq_order):
         digest.update(np.ascontiguousarray(a, "<i8").tobytes())
     return digest.hexdigest()[:16]
-
-
-def efficiency(lengths: np.ndarray, seq_len: int, num_rows: int) -> float:
-    """Non-padding tokens over all tokens of ``num_rows`` rows of ``seq_len``."""
-    kept = int(np.minimum(np.asarray(lengths, np.int64), seq_len).sum())
-    return kept / (num_rows * seq_len) if num_rows else 0.0

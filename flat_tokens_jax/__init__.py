@@ -1,5 +1,6 @@
 """flat_tokens_jax: feed JAX language-model training from flat-tokens stores."""
 
+from flat_tokens_jax.bins import BinRecords
 from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.format import FormatError, Problem, decode, encode
 from flat_tokens_jax.identity import DatasetInfo, TokenizerInfo, library_version
@@ -7,6 +8,7 @@ from flat_tokens_jax.layout import Layout
 from flat_tokens_jax.loader import Loader, LoaderConfig, StateMismatch
 from flat_tokens_jax.location import OverwriteNeeded
 from flat_tokens_jax.mixture import Mixture, mixture_from_config
+from flat_tokens_jax.plans import PackingPlan, pack_dataset
 from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records
 from flat_tokens_jax.sampling import EpochsExhausted, IndexSampler, permute
 from flat_tokens_jax.schedule import BatchSchedule
@@ -18,6 +20,7 @@ __version__ = library_version()
 
 __all__ = [
     "BatchSchedule",
+    "BinRecords",
     "Dataset",
     "DatasetInfo",
     "DatasetWriter",
@@ -31,6 +34,7 @@ __all__ = [
     "Mixture",
     "OverwriteNeeded",
     "PackedRecords",
+    "PackingPlan",
     "PaddedRecords",
     "Problem",
     "Records",
@@ -41,6 +45,7 @@ __all__ = [
     "encode",
     "mixture_from_config",
     "open_dataset",
+    "pack_dataset",
     "permute",
     "summary",
     "validate",

@@ -14,9 +14,12 @@ fragment) and grow by one at each later sequence start; ``positions`` restart at
 use the same input rule; padding has ``pad_id`` input and target, segment 0,
 position 0 and ``loss_mask`` False.
 
-``packed_fields`` and ``padded_fields`` run on the host in numpy;
-``packed_fields_jax`` and ``padded_fields_jax`` compute the same values with jax
-ops inside ``jax.jit``, for decoding on the accelerator.
+Bins of whole sequences (``bin_fields``) are packed windows whose first column
+starts a sequence, followed by padding from the bin's length on.
+
+``packed_fields``, ``padded_fields`` and ``bin_fields`` run on the host in
+numpy; their ``_jax`` twins compute the same values with jax ops inside
+``jax.jit``, for decoding on the accelerator.
 """
 
 from __future__ import annotations
@@ -401,17 +404,87 @@ def _check_mask(mask: np.ndarray | None, shape: tuple[int, int]) -> None:
         raise ValueError(f"stored_mask must have the targets' shape {shape}, got {np.shape(mask)}")
 
 
-def window_fields(
-    windows: Windows, packed: bool, *, start_token_id: int = 0, pad_id: int = 0
+def bin_fields(
+    windows: np.ndarray,
+    lengths: np.ndarray,
+    *,
+    start_token_id: int = 0,
+    pad_id: int = 0,
+    stored_mask: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
-    """The fields of records read as ``windows`` (:meth:`Records.read`): packed
-    or padded, with the stored loss mask when there is one."""
-    if packed:
+    """Decodes bins of whole sequences: packed windows that end in padding.
+
+    Args:
+        windows: ``[batch, seq_len + 1] uint32`` as for ``packed_fields``; column
+            1 starts a sequence, so column 0 is ignored.
+        lengths: ``[batch]`` integer tokens of each bin; later columns are padding.
+        start_token_id: the input where a sequence starts.
+        pad_id: the input and target at padding.
+        stored_mask: optional ``[batch, seq_len]`` stored loss mask.
+
+    Returns:
+        The five fields, each ``[batch, seq_len]``: every sequence follows the
+        padded rule (inputs ``start_token_id`` then ``seq[:-1]``), segment ids
+        count 1, 2, ... per sequence, positions restart at 0; padding has
+        ``pad_id`` input and target, segment 0, position 0, loss mask False.
+
+    Example:
+        >>> f = bin_fields(np.array([[0, 7, 8, 11, 0, 0]], np.uint32), np.array([3]), pad_id=9)
+        >>> f["inputs"].tolist(), f["targets"].tolist()
+        ([[0, 3, 0, 9, 9]], [[3, 4, 5, 9, 9]])
+        >>> f["segment_ids"].tolist(), f["positions"].tolist()
+        ([[1, 1, 2, 0, 0]], [[0, 1, 0, 0, 0]])
+    """
+    out = packed_fields(windows, start_token_id=start_token_id, stored_mask=stored_mask)
+    seq_len = out["targets"].shape[1]
+    padding = np.arange(seq_len) >= _lengths(lengths, out["targets"].shape[0], seq_len)[:, None]
+    pad = _int32("pad_id", pad_id)
+    np.copyto(out["inputs"], pad, where=padding)
+    np.copyto(out["targets"], pad, where=padding)
+    np.copyto(out["segment_ids"], 0, where=padding)
+    np.copyto(out["positions"], 0, where=padding)
+    out["loss_mask"] &= ~padding
+    return out
+
+
+def bin_fields_jax(
+    windows: ArrayLike,
+    lengths: ArrayLike,
+    *,
+    start_token_id: ArrayLike = 0,
+    pad_id: ArrayLike = 0,
+    stored_mask: ArrayLike | None = None,
+) -> dict[str, jax.Array]:
+    """``bin_fields`` in jax ops (``lengths`` unchecked, may be traced)."""
+    out = packed_fields_jax(windows, start_token_id=start_token_id, stored_mask=stored_mask)
+    shape = out["targets"].shape
+    valid = lax.broadcasted_iota(jnp.int32, shape, 1) < jnp.asarray(lengths)[:, None]
+    fills = {"inputs": pad_id, "targets": pad_id}
+    return {k: jnp.where(valid, v, jnp.asarray(fills.get(k, 0), v.dtype)) for k, v in out.items()}
+
+
+def window_fields(
+    windows: Windows, packed: bool | str, *, start_token_id: int = 0, pad_id: int = 0
+) -> dict[str, np.ndarray]:
+    """The fields of records read as ``windows`` (:meth:`Records.read`): packed,
+    padded or bins (``packed`` is the records' ``packed``: True, False or
+    ``"bins"``), with the stored loss mask when there is one."""
+    if packed is True:
         return packed_fields(
             windows.encoded, start_token_id=start_token_id, stored_mask=windows.stored_mask
         )
     if windows.lengths is None:
-        raise TypeError("padded records were read without their lengths")
+        raise TypeError("padded records and bins were read without their lengths")
+    if packed == "bins":
+        return bin_fields(
+            windows.encoded,
+            windows.lengths,
+            start_token_id=start_token_id,
+            pad_id=pad_id,
+            stored_mask=windows.stored_mask,
+        )
+    if packed is not False:
+        raise ValueError(f"packed must be True, False or 'bins', got {packed!r}")
     return padded_fields(
         windows.encoded,
         windows.lengths,

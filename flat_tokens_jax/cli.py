@@ -18,6 +18,7 @@ from flat_tokens_jax.convert.tokenizer import load_tokenizer
 from flat_tokens_jax.format import FormatError
 from flat_tokens_jax.identity import tokenizer_info
 from flat_tokens_jax.loader import Loader
+from flat_tokens_jax.plans import pack_dataset, plan_group
 from flat_tokens_jax.records import recorded_info
 from flat_tokens_jax.store import StoreError
 from flat_tokens_jax.validation import summary, validate
@@ -117,6 +118,15 @@ def _format_info(info: dict[str, Any], unicode: bool = True) -> str:
             )
             lines.append(f"    length histogram{approx} (sequences per length range):")
             lines += _format_histogram(s["histogram"], unicode)
+        for seq_len, plan in s.get("packing_plans", {}).items():
+            if not isinstance(plan, dict):
+                lines.append(f"    packing plan seq_len {seq_len}: malformed (run validate)")
+                continue
+            filled = s["num_tokens"] / max(plan.get("num_bins", 0) * int(seq_len), 1)
+            lines.append(
+                f"    packing plan seq_len {seq_len}: {plan.get('num_bins', 0):,} bins "
+                f"({filled:.1%} filled), {plan.get('algorithm')}, digest {plan.get('digest')}"
+            )
         for array, lay in s["layout"].items():
             shard = f", shard {lay['shard']}" if lay["shard"] else ""
             filters = f", filters {lay['filters']}" if lay["filters"] else ""
@@ -134,6 +144,21 @@ def _cmd_info(args: argparse.Namespace) -> int:
         return fail("info", e)
     unicode = "utf" in (sys.stdout.encoding or "").lower()
     print(json.dumps(info, indent=2) if args.json else _format_info(info, unicode))
+    return 0
+
+
+def _cmd_pack(args: argparse.Namespace) -> int:
+    try:
+        plans = pack_dataset(
+            args.url, args.seq_len, splits=args.split or None, options=store_options(args)
+        )
+    except (StoreError, ValueError, KeyError) as e:
+        return fail("pack", e)
+    for split, plan in plans.items():
+        print(
+            f"{args.url}/{plan_group(split, args.seq_len)}: {plan.num_bins:,} bins of "
+            f"{plan.source['num_sequences']:,} sequences ({plan.algorithm}, digest {plan.digest})"
+        )
     return 0
 
 
@@ -217,6 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--padded", dest="packing", action="store_false", help="one sequence per row, padded"
     )
+    p.add_argument(
+        "--bins",
+        dest="packing",
+        action="store_const",
+        const="bins",
+        help="whole sequences packed into rows by the packing plan (packing: bins)",
+    )
     p.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--seed", type=int)
     p.add_argument("--num-epochs", type=int)
@@ -227,6 +259,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="render rows as text with this tokenizer")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_cmd_show)
+    p = sub.add_parser(
+        "pack",
+        help="store the packing plan of whole sequences into rows of --seq-len",
+        description="Builds the plan that LoaderConfig(packing='bins') uses and stores it "
+        "in the dataset (group <split>/bins_<seq_len>), so loaders need not build it. "
+        "Replaces a plan stored before for the same --seq-len.",
+    )
+    _store_args(p)
+    p.add_argument("--seq-len", type=at_least(1), required=True, help="tokens per row")
+    p.add_argument("--split", action="append", help="a split to pack (repeatable; default: all)")
+    p.set_defaults(run=_cmd_pack)
     text.add_commands(sub)
     chat.add_commands(sub)
     merge.add_commands(sub)

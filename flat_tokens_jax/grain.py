@@ -1,10 +1,11 @@
 """Flat-tokens records as a grain data source: ``FlatTokensSource``.
 
 A grain pipeline reads elements by index from a random-access source.
-``FlatTokensSource`` is one: element ``i`` is record ``i`` (a packed window or a
-padded sequence, exactly the row :class:`~flat_tokens_jax.Loader` makes of it)
-as a dict of the five batch fields, each ``[seq_len]``. The source only has to
-satisfy grain's protocol, so this module never imports grain; users import it.
+``FlatTokensSource`` is one: element ``i`` is record ``i`` (a packed window, a
+padded sequence or a bin of whole sequences, exactly the row
+:class:`~flat_tokens_jax.Loader` makes of it) as a dict of the five batch
+fields, each ``[seq_len]``. The source only has to satisfy grain's protocol,
+so this module never imports grain; users import it.
 
 What a read costs: ``__getitem__`` is one read of one record. ``_getitems`` is
 grain's batched-read hook (``SupportsBatchedReadRandomAccessDataSource``): one
@@ -38,6 +39,7 @@ from typing import Any, SupportsIndex
 import numpy as np
 
 from flat_tokens_jax import batch as fields
+from flat_tokens_jax.bins import BinRecords, PackingPlan, check_packing, make_records
 from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records, recorded_info
@@ -53,14 +55,15 @@ class _Reopen:
     split: str
     sequences: tuple[int, int]
     options: StoreOptions
-    packed: bool
+    packed: bool | str
     seq_len: int
     in_memory: bool
+    plan: PackingPlan | None = None
 
     @classmethod
     def of(cls, records: Records) -> _Reopen | None:
         """How to reopen ``records``; ``None`` for records of another type than ours."""
-        kinds = (PackedRecords, PaddedRecords)
+        kinds = (PackedRecords, PaddedRecords, BinRecords)
         # A subclass may read differently from the class it would reopen as.
         if type(records) not in kinds or not isinstance(records, kinds):
             return None
@@ -77,14 +80,16 @@ class _Reopen:
             packed=records.packed,
             seq_len=records.seq_len,
             in_memory=spec["driver"] == "memory",
+            plan=records.plan if isinstance(records, BinRecords) else None,
         )
 
     def open(self) -> Records:
         ft = open_dataset(self.url, self.options)[self.split]
         if ft.seq_range != self.sequences:
             ft = ft.view(*self.sequences)
-        kind = PackedRecords if self.packed else PaddedRecords
-        return kind(ft, self.seq_len)
+        if self.plan is not None:
+            return BinRecords(ft, self.seq_len, plan=self.plan)
+        return make_records(ft, self.seq_len, self.packed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +127,12 @@ class FlatTokensSource:
             and if given for records it must be theirs.
         packing: True (the default for a URL or a ``FlatTokens``): consecutive
             windows of the concatenated tokens; False: one sequence per record,
-            truncated and right-padded. Records bring their own.
+            truncated and right-padded; ``"bins"``: whole sequences packed by
+            the split's packing plan (see ``LoaderConfig.packing``); the plan
+            travels with the pickled source. Records bring their own.
         split: the split to read from a URL.
+        plan_cache: where a packing plan built for ``packing="bins"`` is
+            cached (``None``: built, not cached).
         options: how to reach the store at a URL. Its ``context`` stays in
             this process: unpickled copies open their own.
         **option_fields: or the fields of ``options`` as keywords, e.g.
@@ -156,9 +165,10 @@ class FlatTokensSource:
         self,
         source: str | os.PathLike[str] | FlatTokens | Records,
         seq_len: int | None = None,
-        packing: bool | None = None,
+        packing: bool | str | None = None,
         *,
         split: str = "train",
+        plan_cache: str | os.PathLike[str] | None = None,
         options: StoreOptions | None = None,
         start_token_id: int | None = None,
         pad_id: int = 0,
@@ -174,7 +184,7 @@ class FlatTokensSource:
             raise ValueError(f"pad_id must be an int, got {pad_id!r}")
         if option_fields or options is not None:
             options = resolve_options(options, option_fields, "FlatTokensSource")
-        records = _as_records(source, seq_len, packing, split, options)
+        records = _as_records(source, seq_len, packing, split, options, plan_cache)
         if len(records) == 0:
             raise ValueError(
                 f"{records!r} has no records: the split holds fewer than "
@@ -354,9 +364,10 @@ class ScheduledBatches:
 def _as_records(
     source: str | os.PathLike[str] | FlatTokens | Records,
     seq_len: int | None,
-    packing: bool | None,
+    packing: bool | str | None,
     split: str,
     options: StoreOptions | None,
+    plan_cache: str | os.PathLike[str] | None,
 ) -> Records:
     """The records a :class:`FlatTokensSource` reads, checked against what was asked."""
     if isinstance(source, Mixture):
@@ -364,6 +375,8 @@ def _as_records(
             f"{source!r} is a Mixture, which grain cannot index as one source: make a "
             "FlatTokensSource per component and blend them with grain.MapDataset.mix"
         )
+    if packing is not None:
+        check_packing(packing, "packing")
     if seq_len is not None and (
         isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1
     ):
@@ -375,8 +388,7 @@ def _as_records(
     if isinstance(source, FlatTokens):
         if seq_len is None:
             raise ValueError(f"seq_len is required to make records of {source!r}")
-        kind = PaddedRecords if packing is False else PackedRecords
-        return kind(source, seq_len)
+        return make_records(source, seq_len, True if packing is None else packing, plan_cache)
     if isinstance(source, Dataset):
         raise TypeError(
             f"{source!r} is a whole dataset; pick a split: ds[{source.splits[0]!r}] "

@@ -24,15 +24,11 @@ import jax
 import numpy as np
 
 from flat_tokens_jax import batch as fields
+from flat_tokens_jax.bins import BinRecords, check_packing, make_records
 from flat_tokens_jax.dataset import FlatTokens
 from flat_tokens_jax.mixture import Mixture
-from flat_tokens_jax.records import (
-    PackedRecords,
-    PaddedRecords,
-    Records,
-    check_source,
-    recorded_info,
-)
+from flat_tokens_jax.plans import default_cache_dir
+from flat_tokens_jax.records import Records, check_source, recorded_info
 from flat_tokens_jax.sampling import IndexSampler
 from flat_tokens_jax.schedule import BatchSchedule, BatchSizeSpec, resume_differences
 from flat_tokens_jax.sharding import Block, BlockData, HostPlan
@@ -56,9 +52,12 @@ class LoaderConfig:
             Stored as the int, or as a tuple of ``(start_step, size)`` pairs
             (a one-size schedule becomes its int).
         seq_len: tokens per row.
-        packing: True: rows are consecutive windows of the concatenated tokens
-            (no padding, sequences cut at window edges). False: one sequence per
-            row, truncated to ``seq_len`` and right-padded with ``pad_id``.
+        packing: what a row is. True: consecutive windows of the concatenated
+            tokens (no padding, sequences cut at window edges). False: one
+            sequence per row, truncated to ``seq_len`` and right-padded with
+            ``pad_id``. ``"bins"``: whole sequences (each truncated to
+            ``seq_len``) packed into a row by the split's packing plan, padded
+            at the end; for fine-tuning (see :class:`~flat_tokens_jax.BinRecords`).
         shuffle: visit records in a fresh pseudo-random order each epoch.
             False: in order (evaluation).
         seed: the shuffle's key. Recommended: one per training run.
@@ -77,7 +76,7 @@ class LoaderConfig:
 
     batch_size: BatchSizeSpec
     seq_len: int
-    packing: bool = True
+    packing: bool | str = True
     shuffle: bool = True
     seed: int = 0
     num_epochs: int | None = None
@@ -109,11 +108,9 @@ class LoaderConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"LoaderConfig.{name} must be an int >= {low}, got {value!r}")
-        for name in ("packing", "shuffle"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(
-                    f"LoaderConfig.{name} must be True or False, got {getattr(self, name)!r}"
-                )
+        check_packing(self.packing, "LoaderConfig.packing")
+        if not isinstance(self.shuffle, bool):
+            raise ValueError(f"LoaderConfig.shuffle must be True or False, got {self.shuffle!r}")
         if self.start_token_id is not None and (
             isinstance(self.start_token_id, bool)
             or not isinstance(self.start_token_id, int)
@@ -221,6 +218,9 @@ class Loader:
             ``P("data", "seq")`` (sequence dimension sharded too). Each host then
             reads only the blocks its own devices hold. ``None``: whole batches on
             the default device.
+        plan_cache: where packing plans built for ``packing="bins"`` are cached
+            (splits without a stored plan, see ``flat-tokens pack``). ``None``:
+            ``$XDG_CACHE_HOME/flat_tokens_jax/plans`` (``~/.cache/...``).
 
     Raises:
         ValueError: the sharding cannot split ``[batch_size, seq_len]`` evenly
@@ -233,6 +233,8 @@ class Loader:
         source: FlatTokens | Records | Mixture,
         config: LoaderConfig,
         sharding: jax.sharding.Sharding | None = None,
+        *,
+        plan_cache: str | os.PathLike[str] | None = None,
     ) -> None:
         if not isinstance(config, LoaderConfig):
             raise TypeError(
@@ -241,16 +243,17 @@ class Loader:
             )
         _check_sharding(sharding)
         self.mixture = source if isinstance(source, Mixture) else None
+        cache = default_cache_dir() if plan_cache is None else plan_cache
         if isinstance(source, Mixture):
             if config.num_epochs is not None:
                 raise ValueError(
                     "num_epochs does not apply to a Mixture: each component "
                     "runs its own epochs, without end; set num_epochs=None"
                 )
-            components = source.records(config.seq_len, config.packing)
+            components = source.records(config.seq_len, config.packing, plan_cache=cache)
             names = source.names
         else:
-            components = (_single_records(source, config),)
+            components = (_single_records(source, config, cache),)
             names = ("0",)
         for records in components:
             if len(records) == 0:
@@ -412,11 +415,13 @@ class Loader:
         for c in np.unique(comp).tolist():
             rows = at[comp == c]
             windows = self.components[c].read(records[comp == c], columns=block.cols)
-            if self.components[c].packed:
+            if self.components[c].packed:  # packed windows, and bins: their column 0 is before
                 encoded[rows], before[rows, 0] = windows.encoded[:, 1:], windows.encoded[:, 0]
             else:
+                encoded[rows] = windows.encoded
+            if self.components[c].packed is not True:
                 assert windows.lengths is not None
-                encoded[rows], lengths[rows] = windows.encoded, windows.lengths
+                lengths[rows] = windows.lengths
             if windows.stored_mask is not None:
                 mask[rows] = windows.stored_mask
         return BlockData(encoded, before, lengths, mask, real)
@@ -570,8 +575,10 @@ class Loader:
         """Where each of this host's rows at ``step`` came from.
 
         One dict per row: ``row``, ``sample`` (global index), ``epoch``, ``record``
-        and ``tokens`` (``[start, stop)`` of its targets in the split); padding
-        rows are ``{"row": r, "padding": True}``.
+        and ``tokens`` (``[start, stop)`` of its targets in the split; for a bin,
+        from its first sequence's start to its last one's end, and
+        ``sequences``, the indices of the sequences it holds); padding rows are
+        ``{"row": r, "padding": True}``.
         """
         rows = self.host_rows_at(step)
         g, real = self._samples(step, rows)
@@ -581,6 +588,7 @@ class Loader:
         for c in np.unique(comp).tolist():
             mine = np.flatnonzero(comp == c)
             starts, stops = self.components[c].token_ranges(records[mine])
+            members = _bin_members(self.components[c], records[mine])
             for i, k in enumerate(mine.tolist()):
                 pos = int(at[k])
                 row: dict[str, Any] = {"row": int(rows[pos]), "sample": int(g[pos])}
@@ -592,6 +600,8 @@ class Loader:
                     "record": int(records[k]),
                     "tokens": [int(starts[i]), int(stops[i])],
                 }
+                if members is not None:
+                    out[pos]["sequences"] = members[i]
         return out
 
 
@@ -614,6 +624,15 @@ def _host_plans(
                     "sizes that divide over the mesh"
                 ) from None
     return plans
+
+
+def _bin_members(records: Records, indices: np.ndarray) -> list[list[int]] | None:
+    """The sequences of each bin ``indices`` of bin records; ``None`` for other records."""
+    if not isinstance(records, BinRecords):
+        return None
+    row, seqs = records.sequences(indices)
+    cuts = np.searchsorted(row, np.arange(1, indices.size))
+    return [part.tolist() for part in np.split(seqs, cuts)]
 
 
 def _padding(num_rows: int, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
@@ -662,11 +681,12 @@ def differences(saved: Any, now: Any, path: str) -> list[str]:
     return [] if saved == now else [f"{path}: saved {saved!r}, now {now!r}"]
 
 
-def _single_records(source: Any, config: LoaderConfig) -> Records:
+def _single_records(
+    source: Any, config: LoaderConfig, plan_cache: str | os.PathLike[str]
+) -> Records:
     """The records of a single (non-Mixture) source, checked against the config."""
     if isinstance(source, FlatTokens):
-        kind = PackedRecords if config.packing else PaddedRecords
-        return kind(source, config.seq_len)
+        return make_records(source, config.seq_len, config.packing, plan_cache)
     check_source(source, "the Loader's source")
     if source.seq_len != config.seq_len or source.packed != config.packing:
         raise ValueError(

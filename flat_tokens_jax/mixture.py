@@ -21,21 +21,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from flat_tokens_jax.bins import make_records
 from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.identity import DatasetInfo, check_tokenizers
-from flat_tokens_jax.records import (
-    PackedRecords,
-    PaddedRecords,
-    Records,
-    check_source,
-    recorded_info,
-)
+from flat_tokens_jax.records import Records, check_source, recorded_info
 from flat_tokens_jax.schedule import BatchSchedule
 from flat_tokens_jax.store import StoreOptions
 
@@ -218,8 +214,16 @@ class Mixture:
         )
         return f"Mixture({{{parts}}}, seed={self.seed}, period={self.periods[0].period})"
 
-    def records(self, seq_len: int, packing: bool) -> tuple[Records, ...]:
+    def records(
+        self,
+        seq_len: int,
+        packing: bool | str,
+        plan_cache: str | os.PathLike[str] | None = None,
+    ) -> tuple[Records, ...]:
         """Each component's records for a config of ``seq_len`` and ``packing``.
+
+        ``plan_cache`` is where packing plans of ``packing="bins"`` are cached
+        (``None``: built, not cached).
 
         Raises:
             ValueError: the Mixture was given another ``seq_len`` or packing, or
@@ -238,7 +242,7 @@ class Mixture:
         out: list[Records] = []
         for name, src in zip(self.names, self.sources, strict=True):
             if isinstance(src, FlatTokens):
-                out.append(PackedRecords(src, seq_len) if packing else PaddedRecords(src, seq_len))
+                out.append(make_records(src, seq_len, packing, plan_cache))
             elif src.seq_len != seq_len or src.packed != packing:
                 raise ValueError(
                     f"component {name!r} is {src!r} with seq_len {src.seq_len} and packing "

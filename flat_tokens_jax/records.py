@@ -1,4 +1,5 @@
-"""Records of fixed length over one split: packed windows or padded sequences.
+"""Records of fixed length over one split: packed windows or padded sequences
+(bins of whole sequences are in :mod:`flat_tokens_jax.bins`).
 
 A record source maps a record index to the encoded tokens it needs and reads
 only those: one token range per packed record; for padded records the bounds
@@ -40,11 +41,16 @@ class Records(Protocol):
     """Random access to fixed-length records.
 
     Contract: deterministic (the same index gives the same record every time),
-    thread-safe, and ``repr`` tells two sources apart.
+    thread-safe, and ``repr`` tells two sources apart. ``packed`` says how
+    ``read``'s windows decode, as ``LoaderConfig.packing``: True packed
+    windows, False padded sequences, ``"bins"`` bins of whole sequences
+    (packed windows with ``lengths``, see ``flat_tokens_jax.bins``).
     """
 
     seq_len: int
-    packed: bool
+
+    @property
+    def packed(self) -> bool | str: ...
 
     def __len__(self) -> int: ...
 

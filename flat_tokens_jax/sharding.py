@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flat_tokens_jax.batch import packed_fields_jax, padded_fields_jax
+from flat_tokens_jax.batch import bin_fields_jax, packed_fields_jax, padded_fields_jax
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -45,9 +45,9 @@ class BlockData:
 
     Attributes:
         encoded: ``[rows, cols] uint32`` encoded tokens of the block.
-        before: ``[rows, 1] uint32``: packed, the token before the block's first
-            column; padded, unused zeros.
-        lengths: ``[rows] int32`` tokens kept per row (padded; packed: unused).
+        before: ``[rows, 1] uint32``: packed and bins, the token before the
+            block's first column; padded, unused zeros.
+        lengths: ``[rows] int32`` tokens kept per row (padded and bins; packed: unused).
         stored_mask: ``[rows, cols] uint8`` stored loss mask (ones if none).
         real: ``[rows] bool``: False for padding rows past the last epoch.
     """
@@ -121,7 +121,7 @@ class HostPlan:
         self.columns_sharded = any(b.cols != (0, seq_len) for b in self.blocks)
         if self.columns_sharded and not isinstance(sharding, NamedSharding):
             raise ValueError("sharding the sequence dimension needs a NamedSharding")
-        self._decode: dict[tuple[bool, int, int], Callable[..., Any]] = {}
+        self._decode: dict[tuple[bool | str, int, int], Callable[..., Any]] = {}
 
     def __repr__(self) -> str:
         return f"HostPlan({len(self.blocks)} blocks, {self.rows.size} rows of {self.shape})"
@@ -140,7 +140,12 @@ class HostPlan:
         return {k: make(v) for k, v in host.items()}
 
     def assemble_blocks(
-        self, data: Mapping[Block, BlockData], *, packed: bool, start_token_id: int, pad_id: int
+        self,
+        data: Mapping[Block, BlockData],
+        *,
+        packed: bool | str,
+        start_token_id: int,
+        pad_id: int,
     ) -> dict[str, jax.Array]:
         """Global fields decoded on the devices from per-block encoded tokens."""
         assert isinstance(self.sharding, NamedSharding)
@@ -209,11 +214,16 @@ def _decode(
     stored_mask: jax.Array,
     real: jax.Array,
     *,
-    packed: bool,
+    packed: bool | str,
     start_token_id: int,
     pad_id: int,
 ) -> dict[str, jax.Array]:
-    if packed:
+    if packed == "bins":
+        windows = jnp.concatenate([before[:, :1], encoded], axis=1)
+        fields = bin_fields_jax(
+            windows, lengths, start_token_id=start_token_id, pad_id=pad_id, stored_mask=stored_mask
+        )
+    elif packed:
         windows = jnp.concatenate([before[:, :1], encoded], axis=1)
         fields = packed_fields_jax(windows, start_token_id=start_token_id, stored_mask=stored_mask)
     else:

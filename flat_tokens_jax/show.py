@@ -233,9 +233,10 @@ def where(row: Mapping[str, Any]) -> str:
     if row.get("padding"):
         return f"row {row['row']}: padding"
     name = f" ({row['component_name']})" if "component_name" in row else ""
+    members = f", sequences {row['sequences']}" if "sequences" in row else ""
     return (
         f"row {row['row']}{name}: sample {row['sample']}, epoch {row['epoch']}, "
-        f"record {row['record']}, tokens [{row['tokens'][0]}, {row['tokens'][1]})"
+        f"record {row['record']}, tokens [{row['tokens'][0]}, {row['tokens'][1]}){members}"
     )
 
 

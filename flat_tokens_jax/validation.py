@@ -20,6 +20,7 @@ from flat_tokens_jax.format import (
     check_tokens_block,
 )
 from flat_tokens_jax.identity import DatasetInfo
+from flat_tokens_jax.plans import check_stored_plans, plans_summary
 from flat_tokens_jax.store import ArrayReader, Store, StoreOptions, resolve_options
 
 BLOCK = 1 << 22
@@ -37,8 +38,10 @@ def validate(
     0, strictly increases and ends at the token count; start bits sit exactly at
     ``seq_starts``; every id is ``<= max_token_id``; an optional ``loss_mask``
     has one ``uint8`` 0/1 entry per token; the root attribute ``flat_tokens``,
-    when present, is well formed. ``options`` (or its fields as keywords) say
-    how to reach the store, as for :func:`open_dataset`.
+    when present, is well formed; every stored packing plan
+    (``<split>/bins_<seq_len>``) places each sequence once, keeps bins within
+    its ``seq_len`` and was made from the split as it is. ``options`` (or its
+    fields as keywords) say how to reach the store, as for :func:`open_dataset`.
 
     Raises:
         FormatError: listing every violation found, each with its array and index.
@@ -66,6 +69,7 @@ def validate(
             problems += e.problems
             continue
         problems += _check_split(ft, block)
+        problems += check_stored_plans(ft)
     if problems:
         raise FormatError(problems)
 
@@ -161,7 +165,9 @@ def summary(
     it records none). Length quantiles and the ``"histogram"`` (counts of
     lengths in ``[edges[i], edges[i + 1])``, ``edges`` powers of two) are
     exact up to ``max_sampled`` sequences and taken over evenly spaced
-    sequences beyond that (``"lengths_sampled": true``). ``options`` (or its
+    sequences beyond that (``"lengths_sampled": true``). ``"packing_plans"``
+    maps the ``seq_len`` of each stored packing plan to its attributes
+    (algorithm, bins, digest, source). ``options`` (or its
     fields as keywords) say how to reach the store.
     """
     ds = open_dataset(url, resolve_options(options, option_fields, "summary"))
@@ -179,6 +185,7 @@ def summary(
             "max_token_id": ft.max_token_id,
             "loss_mask": ft.loss_mask is not None,
             "layout": ft.layout(),
+            "packing_plans": plans_summary(ft),
         }
         if n:
             idx = np.unique(np.linspace(0, n - 1, min(n, max_sampled)).astype(np.int64))

@@ -11,6 +11,7 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 
 import hypothesis
+import pytest
 
 hypothesis.settings.register_profile("default", deadline=None, max_examples=60)
 hypothesis.settings.register_profile("ci", deadline=None, max_examples=60, derandomize=True)
@@ -20,3 +21,11 @@ hypothesis.settings.load_profile("ci" if os.environ.get("CI") else "default")
 def memory_url(name: str = "ds") -> str:
     """A fresh ``memory://`` URL that no other test uses."""
     return f"memory://{name}-{uuid.uuid4().hex}"
+
+
+@pytest.fixture(autouse=True)
+def _plan_cache_in_tmp(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Packing plans that a test leaves to the default cache go to a tmp dir, not ~/.cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "xdg-cache"))

@@ -99,3 +99,32 @@ def reference_batch(
             else padded_row(seqs, record, seq_len, start_token_id, pad_id, masks)
         )
     return {k: np.array([r[k] for r in rows]) for k in rows[0]}
+
+
+def bin_row(
+    seqs: list[list[int]],
+    members: list[int],
+    seq_len: int,
+    start_token_id: int = 0,
+    pad_id: int = 0,
+    masks: list[list[int]] | None = None,
+) -> dict[str, list[int]]:
+    """A bin holding sequences ``members`` in that order, each truncated to ``seq_len``."""
+    row: dict[str, list[int]] = {
+        k: [] for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+    }
+    for segment, i in enumerate(members, start=1):
+        seq = seqs[i][:seq_len]
+        stored = masks[i][:seq_len] if masks is not None else [1] * len(seq)
+        row["inputs"] += [start_token_id, *seq[:-1]]
+        row["targets"] += seq
+        row["segment_ids"] += [segment] * len(seq)
+        row["positions"] += list(range(len(seq)))
+        row["loss_mask"] += stored
+    pad = seq_len - len(row["targets"])
+    assert pad >= 0, "the bin holds more than seq_len tokens"
+    for key, fill in (("inputs", pad_id), ("targets", pad_id)):
+        row[key] += [fill] * pad
+    for key in ("segment_ids", "positions", "loss_mask"):
+        row[key] += [0] * pad
+    return row

@@ -122,6 +122,7 @@ COMMANDS = {
     "merge": ["U", "U2"],
     "import-megatron": ["P", "U"],
     "export-megatron": ["U", "P"],
+    "pack": ["U", "--seq-len", "8"],
 }
 
 

@@ -132,6 +132,25 @@ def test_sequence_sharded_hosts_read_only_their_columns(dataset: Path, tmp_path:
         assert report["bytes_read_one_step"] == LOADER["batch_size"] * (half + 1) * 4
 
 
+def test_bins_on_hosts_equal_the_single_process_bins(dataset: Path, tmp_path: Path) -> None:
+    # Each process finds (or builds) the same plan; the sequence axis runs across processes.
+    bins = {**LOADER, "packing": "bins"}
+    reports = launch(
+        dataset,
+        tmp_path,
+        2,
+        num_steps=2,
+        mesh_shape=[2, 2],
+        mesh_axes=["seq", "data"],
+        spec=["data", "seq"],
+        loader=bins,
+    )
+    expected = reference(dataset, range(2), bins)
+    assert expected != reference(dataset, range(2))
+    for report in reports:
+        assert report["steps"] == expected
+
+
 def test_elastic_restart_on_fewer_hosts(dataset: Path, tmp_path: Path) -> None:
     state = tmp_path / "state.json"
     first = launch(dataset, tmp_path, 4, num_steps=3, save_state=str(state))

@@ -47,10 +47,10 @@ def test_eight_devices_are_there() -> None:
 
 
 @pytest.mark.parametrize("auto", [False, True], ids=["explicit", "auto"])
-@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize("packing", [True, False, "bins"], ids=["packed", "padded", "bins"])
 @pytest.mark.parametrize(("mesh_name", "spec"), CASES)
 def test_global_batch_equals_single_device_batch(
-    split: ftj.FlatTokens, mesh_name: str, spec: P, packing: bool, auto: bool
+    split: ftj.FlatTokens, mesh_name: str, spec: P, packing: bool | str, auto: bool
 ) -> None:
     cfg = ftj.LoaderConfig(
         batch_size=16, seq_len=24, packing=packing, seed=4, num_epochs=3, pad_id=7

@@ -1,0 +1,145 @@
+"""Packing whole sequences into bins of ``seq_len`` tokens: the packing plan.
+
+The plan is a deterministic function of the sequence lengths, ``seq_len`` and
+:data:`ALGORITHM`. It is built block by block: sequences ``[0, BLOCK)``,
+``[BLOCK, 2 * BLOCK)``, ... are packed on their own, and the bins of a block
+are numbered after those of the blocks before it. Within a block, each
+sequence counts ``min(length, seq_len)`` tokens (longer ones are truncated)
+and goes, longest first (ties: lower sequence index first), into the open bin
+with the least free space that still holds it (best fit); among bins with that
+free space, the one that received a sequence most recently; a new bin when
+none holds it. Inside a bin sequences are listed by ascending index, so that
+neighbours in the split can be read as one range.
+
+Best-fit decreasing is at least as good as first-fit decreasing (the same
+worst-case bound, and the same or fewer bins on typical length
+distributions). The build never loops over tokens: it loops over (bin, run of
+equal lengths) pairs, and opens runs of new bins in one numpy step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+
+import numpy as np
+
+ALGORITHM = "best-fit-decreasing/blocks-of-262144"
+"""The name of the packing algorithm, recorded with every plan."""
+
+BLOCK = 1 << 18
+"""Sequences packed together (the last block may be shorter)."""
+
+
+def build_plan(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Packs sequences of ``lengths`` into bins of ``seq_len`` tokens (:data:`ALGORITHM`).
+
+    Args:
+        lengths: ``[num_sequences]`` integer tokens of each sequence, ``>= 0``.
+        seq_len: tokens per bin, ``>= 1``.
+
+    Returns:
+        ``(bin_starts, seq_order)``: ``bin_starts`` ``[num_bins + 1] int64``
+        offsets into ``seq_order`` ``[num_sequences] int64``, the sequence
+        indices of bin ``b`` being ``seq_order[bin_starts[b]:bin_starts[b + 1]]``
+        in ascending order. Every sequence is in exactly one bin, and no bin
+        holds more than ``seq_len`` tokens once each sequence is truncated.
+
+    Example:
+        >>> starts, order = build_plan(np.array([5, 3, 2, 6]), 8)
+        >>> [order[a:b].tolist() for a, b in zip(starts[:-1], starts[1:])]
+        [[2, 3], [0, 1]]
+    """
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int | np.integer) or seq_len < 1:
+        raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+    lens = np.asarray(lengths)
+    if lens.ndim != 1 or (lens.size and lens.dtype.kind not in "iu"):
+        raise ValueError(f"lengths must be 1-D integers, got {lens.dtype} {lens.shape}")
+    if lens.size and lens.min() < 0:
+        raise ValueError(f"lengths must be >= 0, got {lens.min()}")
+    # Block by block, into the output arrays: memory beyond the plan stays O(BLOCK).
+    seq_order = np.empty(lens.size, np.int64)
+    counts = []
+    for lo in range(0, lens.size, BLOCK):
+        sizes = np.minimum(lens[lo : lo + BLOCK], seq_len).astype(np.int64)
+        bin_of, num_bins = _pack_block(sizes, int(seq_len))
+        seq_order[lo : lo + sizes.size] = np.argsort(bin_of, kind="stable") + lo
+        counts.append(np.bincount(bin_of, minlength=num_bins))
+    bin_starts = np.zeros(sum(c.size for c in counts) + 1, np.int64)
+    if counts:
+        np.cumsum(np.concatenate(counts), out=bin_starts[1:])
+    return bin_starts, seq_order
+
+
+def _pack_block(sizes: np.ndarray, seq_len: int) -> tuple[np.ndarray, int]:
+    """Best-fit decreasing of one block: ``(bin of each sequence [n] int64, bins)``."""
+    n = sizes.size
+    order = np.argsort(-sizes, kind="stable")
+    ordered = sizes[order]
+    edges = np.flatnonzero(np.diff(ordered)) + 1
+    run_lo = np.concatenate(([0], edges)).tolist() if n else []
+    run_hi = np.concatenate((edges, [n])).tolist() if n else []
+    # stacks[c]: bins with exactly c free tokens, the most recently filled on
+    # top; free: the sorted c whose stack is not empty (bins never grow, so a
+    # bin enters a stack exactly when it last received a sequence).
+    stacks: list[list[int]] = [[] for _ in range(seq_len + 1)]
+    free: list[int] = []
+    seg_bin: list[int] = []
+    seg_count: list[int] = []
+    num_bins = 0
+
+    def push(b: int, c: int) -> None:
+        if c:
+            if not stacks[c]:
+                bisect.insort(free, c)
+            stacks[c].append(b)
+
+    for lo, hi in zip(run_lo, run_hi, strict=True):
+        size = int(ordered[lo])
+        left = hi - lo
+        if size == 0:  # takes no space: joins the first bin (or opens one)
+            seg_bin.append(0)
+            seg_count.append(left)
+            num_bins = max(num_bins, 1)
+            continue
+        while left:
+            i = bisect.bisect_left(free, size)
+            if i == len(free):
+                # Nothing holds it: new bins of `per` sequences each, the last partial.
+                per = seq_len // size
+                full, rest = divmod(left, per)
+                seg_bin.extend(range(num_bins, num_bins + full))
+                seg_count.extend([per] * full)
+                c = seq_len - per * size
+                if full and c:
+                    if not stacks[c]:
+                        bisect.insort(free, c)
+                    stacks[c].extend(range(num_bins, num_bins + full))
+                num_bins += full
+                if rest:
+                    seg_bin.append(num_bins)
+                    seg_count.append(rest)
+                    push(num_bins, seq_len - rest * size)
+                    num_bins += 1
+                break
+            c = free[i]
+            b = stacks[c].pop()
+            if not stacks[c]:
+                del free[i]
+            # The bin stays the best fit while it holds another one of this size.
+            take = min(left, c // size)
+            seg_bin.append(b)
+            seg_count.append(take)
+            left -= take
+            push(b, c - take * size)
+    bin_of = np.empty(n, np.int64)
+    bin_of[order] = np.repeat(np.asarray(seg_bin, np.int64), np.asarray(seg_count, np.int64))
+    return bin_of, num_bins
+
+
+def plan_digest(bin_starts: np.ndarray, seq_order: np.ndarray) -> str:
+    """16 hex digits of SHA-256 over both plan arrays (little-endian ``int64``)."""
+    digest = hashlib.sha256()
+    for a in (bin_starts, seq_order):
+        digest.update(np.ascontiguousarray(a, "<i8").tobytes())
+    return digest.hexdigest()[:16]

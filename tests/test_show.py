@@ -61,7 +61,7 @@ runs = st.fixed_dictionaries(
     {
         "batch_size": st.integers(1, 6) | schedules,
         "seq_len": st.integers(1, 7),
-        "packing": st.booleans(),
+        "packing": st.sampled_from([True, False, "bins"]),
         "shuffle": st.booleans(),
         "seed": st.integers(0, 2**32),
         "pad_id": st.integers(0, 5),
@@ -143,8 +143,9 @@ def test_show_json_equals_the_loader_for_a_split(
     flags = [
         f"--{k.replace('_', '-')}={flag_value(v)}"
         for k, v in fields.items()
-        if not isinstance(v, bool)
+        if not isinstance(v, bool) and k != "packing"
     ]
+    flags += ["--bins"] if fields["packing"] == "bins" else []
     flags += [f"--{'' if v else 'no-'}{k}" for k, v in fields.items() if isinstance(v, bool)]
     if num_epochs is not None:
         flags.append(f"--num-epochs={num_epochs}")

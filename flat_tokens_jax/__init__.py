@@ -1,11 +1,12 @@
 """flat_tokens_jax: feed JAX language-model training from flat-tokens stores."""
 
 from flat_tokens_jax.bins import BinRecords
+from flat_tokens_jax.config import LoaderConfig
 from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.format import FormatError, Problem, decode, encode
 from flat_tokens_jax.identity import DatasetInfo, TokenizerInfo, library_version
 from flat_tokens_jax.layout import Layout
-from flat_tokens_jax.loader import Loader, LoaderConfig, StateMismatch
+from flat_tokens_jax.loader import Loader, StateMismatch
 from flat_tokens_jax.location import OverwriteNeeded
 from flat_tokens_jax.mixture import Mixture, mixture_from_config
 from flat_tokens_jax.plans import PackingPlan, pack_dataset

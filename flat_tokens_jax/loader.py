@@ -1,4 +1,4 @@
-"""Batches from any step: ``LoaderConfig`` and ``Loader``.
+"""Batches from any step: ``Loader`` (its ``LoaderConfig`` is in :mod:`~flat_tokens_jax.config`).
 
 ``Loader.batch(step)`` is a pure function of (data, config, step): global
 sample ``g = samples_before(step) + row`` (``step * batch_size + row`` for a
@@ -12,181 +12,37 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import functools
 import hashlib
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
 from flat_tokens_jax import batch as fields
-from flat_tokens_jax.bins import BinRecords, check_packing, make_records
+from flat_tokens_jax.bins import BinRecords
+from flat_tokens_jax.config import (
+    LoaderConfig,
+    check_sharding,
+    check_vocab,
+    differences,
+    records_for,
+    resolve_start_token_id,
+)
 from flat_tokens_jax.dataset import FlatTokens
 from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.plans import default_cache_dir
-from flat_tokens_jax.records import Records, check_source, recorded_info
+from flat_tokens_jax.records import Records, recorded_info
 from flat_tokens_jax.sampling import IndexSampler
-from flat_tokens_jax.schedule import BatchSchedule, BatchSizeSpec, resume_differences
-from flat_tokens_jax.sharding import Block, BlockData, HostPlan
+from flat_tokens_jax.schedule import resume_differences
+from flat_tokens_jax.sharding import Block, BlockData, HostPlan, host_plans
 
 log = logging.getLogger(__name__)
 
 FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
-
-
-@dataclasses.dataclass(frozen=True)
-class LoaderConfig:
-    """What a batch is. Every field but ``prefetch`` changes the batches.
-
-    Attributes:
-        batch_size: global rows per step, over all hosts: an int, or a schedule
-            ``[(start_step, size), ...]`` (first at step 0, steps increasing;
-            a mapping ``{start_step: size}`` works too), e.g. ``[(0, 256),
-            (2000, 512)]``. Step ``s`` holds global samples
-            ``[samples_before(s), samples_before(s + 1))``; the sample order
-            does not depend on the schedule, only its cut into batches does.
-            Stored as the int, or as a tuple of ``(start_step, size)`` pairs
-            (a one-size schedule becomes its int).
-        seq_len: tokens per row.
-        packing: what a row is. True: consecutive windows of the concatenated
-            tokens (no padding, sequences cut at window edges). False: one
-            sequence per row, truncated to ``seq_len`` and right-padded with
-            ``pad_id``. ``"bins"``: whole sequences (each truncated to
-            ``seq_len``) packed into a row by the split's packing plan, padded
-            at the end; for fine-tuning (see :class:`~flat_tokens_jax.BinRecords`).
-        shuffle: visit records in a fresh pseudo-random order each epoch.
-            False: in order (evaluation).
-        seed: the shuffle's key. Recommended: one per training run.
-        num_epochs: passes over the records; ``None``: unbounded. With a bound,
-            the last batch is completed with padding rows (``loss_mask`` 0).
-        prefetch: steps prepared ahead by ``iterate`` in background threads.
-            Recommended: 2 locally, 4-8 on object stores.
-        start_token_id: the input token where a sequence starts. ``None``: the
-            id the dataset records (``DatasetInfo.start_token_id``, set by
-            ``convert --start-token-id``), or the spec's 0 when it records none.
-        pad_id: input and target id of padding.
-        vocab_size: if given, the dataset's ``max_token_id`` (and the vocabulary
-            of the tokenizer it records) must fit below it. It checks the data
-            and changes no batch.
-    """
-
-    batch_size: BatchSizeSpec
-    seq_len: int
-    packing: bool | str = True
-    shuffle: bool = True
-    seed: int = 0
-    num_epochs: int | None = None
-    prefetch: int = 2
-    start_token_id: int | None = None
-    pad_id: int = 0
-    vocab_size: int | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.batch_size, int) and not isinstance(self.batch_size, bool):
-            if self.batch_size < 1:
-                raise ValueError(
-                    f"LoaderConfig.batch_size must be an int >= 1, got {self.batch_size}"
-                )
-        else:
-            try:
-                schedule = BatchSchedule.of(self.batch_size)
-            except ValueError as e:
-                raise ValueError(f"LoaderConfig.{e}") from None
-            spec = schedule.spec()
-            object.__setattr__(
-                self, "batch_size", spec if isinstance(spec, int) else schedule.entries
-            )
-        for name, low in (
-            ("seq_len", 1),
-            ("prefetch", 0),
-            ("seed", 0),
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"LoaderConfig.{name} must be an int >= {low}, got {value!r}")
-        check_packing(self.packing, "LoaderConfig.packing")
-        if not isinstance(self.shuffle, bool):
-            raise ValueError(f"LoaderConfig.shuffle must be True or False, got {self.shuffle!r}")
-        if self.start_token_id is not None and (
-            isinstance(self.start_token_id, bool)
-            or not isinstance(self.start_token_id, int)
-            or self.start_token_id < 0
-        ):
-            raise ValueError(
-                f"LoaderConfig.start_token_id must be None or an int >= 0, "
-                f"got {self.start_token_id!r}"
-            )
-        for name in ("num_epochs", "vocab_size"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
-                raise ValueError(f"LoaderConfig.{name} must be None or an int >= 1, got {value!r}")
-        if not isinstance(self.pad_id, int) or isinstance(self.pad_id, bool):
-            raise ValueError(f"LoaderConfig.pad_id must be an int, got {self.pad_id!r}")
-        if self.vocab_size is not None:
-            for name in ("start_token_id", "pad_id"):
-                if (
-                    getattr(self, name) is not None
-                    and not 0 <= getattr(self, name) < self.vocab_size
-                ):
-                    raise ValueError(
-                        f"LoaderConfig.{name} {getattr(self, name)} is outside "
-                        f"the vocabulary [0, {self.vocab_size})"
-                    )
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> LoaderConfig:
-        """Builds a config from a mapping, refusing keys it does not know."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown LoaderConfig field(s) {unknown}; known: {sorted(known)}")
-        return cls(**values)
-
-    @classmethod
-    def from_yaml(cls, path: str | os.PathLike[str], key: str | None = "loader") -> LoaderConfig:
-        """Reads a config from YAML (needs PyYAML: ``pip install flat-tokens-jax[yaml]``).
-
-        Args:
-            path: the YAML file.
-            key: the mapping inside the file that holds the fields (``None``: the
-                whole file). The file may then hold other sections too.
-        """
-        try:
-            import yaml
-        except ImportError as e:
-            raise ImportError(
-                "LoaderConfig.from_yaml needs PyYAML: pip install 'flat-tokens-jax[yaml]'"
-            ) from e
-        with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f)
-        values = doc.get(key) if key is not None and isinstance(doc, dict) else doc
-        if not isinstance(values, dict):
-            where = f"section {key!r} of " if key else ""
-            raise ValueError(f"{where}{os.fspath(path)} is not a mapping of LoaderConfig fields")
-        return cls.from_dict(values)
-
-    @functools.cached_property
-    def schedule(self) -> BatchSchedule:
-        """The batch size of every step (constant for an int ``batch_size``)."""
-        return BatchSchedule.of(self.batch_size)
-
-    def batch_size_at(self, step: int) -> int:
-        """Global rows of the batch at ``step``."""
-        return self.schedule.size(step)
-
-    def batch_defining(self) -> dict[str, Any]:
-        """The fields that decide batch contents: all but ``prefetch`` and
-        ``vocab_size`` (which checks the data but changes no batch), JSON-ready
-        (``batch_size`` an int or ``[[start_step, size], ...]``)."""
-        skip = ("prefetch", "vocab_size")
-        values = {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
-        return {**values, "batch_size": self.schedule.spec()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,7 +97,7 @@ class Loader:
                 f"config must be a LoaderConfig, got {type(config).__name__}: "
                 "ftj.LoaderConfig(batch_size=..., seq_len=...)"
             )
-        _check_sharding(sharding)
+        check_sharding(sharding)
         self.mixture = source if isinstance(source, Mixture) else None
         cache = default_cache_dir() if plan_cache is None else plan_cache
         if isinstance(source, Mixture):
@@ -253,7 +109,7 @@ class Loader:
             components = source.records(config.seq_len, config.packing, plan_cache=cache)
             names = source.names
         else:
-            components = (_single_records(source, config, cache),)
+            components = (records_for(source, config, cache),)
             names = ("0",)
         for records in components:
             if len(records) == 0:
@@ -262,8 +118,8 @@ class Loader:
                     f"seq_len={config.seq_len} tokens or no sequences"
                 )
         infos = [(n, recorded_info(r)) for n, r in zip(names, components, strict=True)]
-        _check_vocab(config, components, infos)
-        self.start_token_id = _resolve_start_token_id(config, infos)
+        check_vocab(config, components, infos)
+        self.start_token_id = resolve_start_token_id(config, infos)
         self.components, self.config, self.sharding = components, config, sharding
         self.names = names
         self.records: Records | Mixture = components[0] if self.mixture is None else self.mixture
@@ -278,7 +134,7 @@ class Loader:
         ]
         self.sampler = self.samplers[0]
         self.schedule = config.schedule
-        self._plans = _host_plans(sharding, self.schedule, config.seq_len)
+        self._plans = host_plans(sharding, self.schedule, config.seq_len)
         # Step 0's; a schedule's later steps may differ: see plan_at, host_rows_at.
         self.plan = self.plan_at(0)
         self.host_rows = self.host_rows_at(0)
@@ -605,27 +461,6 @@ class Loader:
         return out
 
 
-def _host_plans(
-    sharding: jax.sharding.Sharding | None, schedule: BatchSchedule, seq_len: int
-) -> dict[int, HostPlan]:
-    """This host's plan for each batch size of ``schedule`` (none without a sharding)."""
-    plans: dict[int, HostPlan] = {}
-    if sharding is None:
-        return plans
-    for step, size in schedule.entries:
-        if size not in plans:
-            try:
-                plans[size] = HostPlan(sharding, size, seq_len)
-            except ValueError as e:
-                if schedule.constant is not None:
-                    raise
-                raise ValueError(
-                    f"batch_size entry ({step}, {size}): from step {step} {e}; choose "
-                    "sizes that divide over the mesh"
-                ) from None
-    return plans
-
-
 def _bin_members(records: Records, indices: np.ndarray) -> list[list[int]] | None:
     """The sequences of each bin ``indices`` of bin records; ``None`` for other records."""
     if not isinstance(records, BinRecords):
@@ -656,92 +491,3 @@ def _component_seed(seed: int, mixture: Mixture | None, component: int) -> int:
 
 
 MAX_SAMPLE = 2**63 - 1  # Global sample indices are int64.
-
-
-def differences(saved: Any, now: Any, path: str) -> list[str]:
-    """Where ``saved`` and ``now`` differ, as ``path: saved X, now Y`` lines.
-
-    Mappings compare key by key, over the keys both hold (a key only ``now``
-    has was not recorded by an older version); lists of equal length element
-    by element.
-    """
-    if isinstance(saved, Mapping) and isinstance(now, Mapping):
-        return [
-            line
-            for key in now
-            if key in saved
-            for line in differences(saved[key], now[key], f"{path}.{key}" if path else key)
-        ]
-    if isinstance(saved, list) and isinstance(now, list) and len(saved) == len(now):
-        return [
-            line
-            for i, (a, b) in enumerate(zip(saved, now, strict=True))
-            for line in differences(a, b, f"{path}[{i}]")
-        ]
-    return [] if saved == now else [f"{path}: saved {saved!r}, now {now!r}"]
-
-
-def _single_records(
-    source: Any, config: LoaderConfig, plan_cache: str | os.PathLike[str]
-) -> Records:
-    """The records of a single (non-Mixture) source, checked against the config."""
-    if isinstance(source, FlatTokens):
-        return make_records(source, config.seq_len, config.packing, plan_cache)
-    check_source(source, "the Loader's source")
-    if source.seq_len != config.seq_len or source.packed != config.packing:
-        raise ValueError(
-            f"{source!r} has seq_len {source.seq_len} and packing "
-            f"{source.packed}, but the config asks for seq_len "
-            f"{config.seq_len} and packing {config.packing}"
-        )
-    return source
-
-
-def _check_sharding(sharding: Any) -> None:
-    if sharding is None or isinstance(sharding, jax.sharding.Sharding):
-        return
-    if isinstance(sharding, jax.sharding.PartitionSpec):
-        raise TypeError(
-            f"sharding is a PartitionSpec ({sharding}); wrap it: NamedSharding(mesh, P(...))"
-        )
-    raise TypeError(f"sharding must be a jax.sharding.Sharding or None, got {sharding!r}")
-
-
-def _check_vocab(
-    config: LoaderConfig, components: Sequence[Records], infos: Sequence[tuple[str, Any]]
-) -> None:
-    """``vocab_size`` must cover the data's ids and the tokenizer it was made with."""
-    if config.vocab_size is None:
-        return
-    max_id = max(int(r.fingerprint()["max_token_id"]) for r in components)
-    if config.vocab_size <= max_id:
-        raise ValueError(
-            f"dataset max_token_id is {max_id} but vocab_size is "
-            f"{config.vocab_size}: set vocab_size >= {max_id + 1}"
-        )
-    for name, info in infos:
-        tok = None if info is None else info.tokenizer
-        if tok is not None and tok.vocab_size > config.vocab_size:
-            where = "the data" if len(infos) == 1 else f"component {name!r}"
-            raise ValueError(
-                f"{where} was tokenized with {tok.name} ({tok.vocab_size} ids) but "
-                f"vocab_size is {config.vocab_size}: set vocab_size >= {tok.vocab_size}"
-            )
-
-
-def _resolve_start_token_id(config: LoaderConfig, infos: Sequence[tuple[str, Any]]) -> int:
-    """The config's ``start_token_id``, else the one the data records, else the spec's 0."""
-    if config.start_token_id is not None:
-        return config.start_token_id
-    recorded = {
-        name: info.start_token_id
-        for name, info in infos
-        if info is not None and info.start_token_id is not None
-    }
-    if len(set(recorded.values())) > 1:
-        listed = ", ".join(f"{n!r}: {v}" for n, v in recorded.items())
-        raise ValueError(
-            f"the components record different start_token_id values ({listed}): "
-            "set LoaderConfig.start_token_id to the one to feed at every sequence start"
-        )
-    return next(iter(recorded.values()), 0)

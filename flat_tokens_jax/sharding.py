@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flat_tokens_jax.batch import bin_fields_jax, packed_fields_jax, padded_fields_jax
+from flat_tokens_jax.schedule import BatchSchedule
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -233,3 +234,24 @@ def _decode(
     keep = real[:, None]
     fills = {"inputs": pad_id, "targets": pad_id}
     return {k: jnp.where(keep, v, jnp.asarray(fills.get(k, 0), v.dtype)) for k, v in fields.items()}
+
+
+def host_plans(
+    sharding: jax.sharding.Sharding | None, schedule: BatchSchedule, seq_len: int
+) -> dict[int, HostPlan]:
+    """This host's plan for each batch size of ``schedule`` (none without a sharding)."""
+    plans: dict[int, HostPlan] = {}
+    if sharding is None:
+        return plans
+    for step, size in schedule.entries:
+        if size not in plans:
+            try:
+                plans[size] = HostPlan(sharding, size, seq_len)
+            except ValueError as e:
+                if schedule.constant is not None:
+                    raise
+                raise ValueError(
+                    f"batch_size entry ({step}, {size}): from step {step} {e}; choose "
+                    "sizes that divide over the mesh"
+                ) from None
+    return plans

@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from flat_tokens_jax.config import LoaderConfig
 from flat_tokens_jax.dataset import FlatTokens, open_dataset
-from flat_tokens_jax.loader import Loader, LoaderConfig, StateMismatch
+from flat_tokens_jax.loader import Loader, StateMismatch
 from flat_tokens_jax.mixture import Mixture, mixture_from_config
 from flat_tokens_jax.schedule import BatchSchedule
 from flat_tokens_jax.store import StoreOptions

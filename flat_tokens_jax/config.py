@@ -1,0 +1,261 @@
+"""What a run says: ``LoaderConfig``, and the checks of a config against its data.
+
+A :class:`LoaderConfig` states every fact of a run once; the functions here
+check it against what the data records (``vocab_size``, ``start_token_id``),
+turn a source into records of the config's ``seq_len`` and packing, and
+compare saved fingerprints with current ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+
+from flat_tokens_jax.bins import check_packing, make_records
+from flat_tokens_jax.dataset import FlatTokens
+from flat_tokens_jax.records import Records, check_source
+from flat_tokens_jax.schedule import BatchSchedule, BatchSizeSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderConfig:
+    """What a batch is. Every field but ``prefetch`` changes the batches.
+
+    Attributes:
+        batch_size: global rows per step, over all hosts: an int, or a schedule
+            ``[(start_step, size), ...]`` (first at step 0, steps increasing;
+            a mapping ``{start_step: size}`` works too), e.g. ``[(0, 256),
+            (2000, 512)]``. Step ``s`` holds global samples
+            ``[samples_before(s), samples_before(s + 1))``; the sample order
+            does not depend on the schedule, only its cut into batches does.
+            Stored as the int, or as a tuple of ``(start_step, size)`` pairs
+            (a one-size schedule becomes its int).
+        seq_len: tokens per row.
+        packing: what a row is. True: consecutive windows of the concatenated
+            tokens (no padding, sequences cut at window edges). False: one
+            sequence per row, truncated to ``seq_len`` and right-padded with
+            ``pad_id``. ``"bins"``: whole sequences (each truncated to
+            ``seq_len``) packed into a row by the split's packing plan, padded
+            at the end; for fine-tuning (see :class:`~flat_tokens_jax.BinRecords`).
+        shuffle: visit records in a fresh pseudo-random order each epoch.
+            False: in order (evaluation).
+        seed: the shuffle's key. Recommended: one per training run.
+        num_epochs: passes over the records; ``None``: unbounded. With a bound,
+            the last batch is completed with padding rows (``loss_mask`` 0).
+        prefetch: steps prepared ahead by ``iterate`` in background threads.
+            Recommended: 2 locally, 4-8 on object stores.
+        start_token_id: the input token where a sequence starts. ``None``: the
+            id the dataset records (``DatasetInfo.start_token_id``, set by
+            ``convert --start-token-id``), or the spec's 0 when it records none.
+        pad_id: input and target id of padding.
+        vocab_size: if given, the dataset's ``max_token_id`` (and the vocabulary
+            of the tokenizer it records) must fit below it. It checks the data
+            and changes no batch.
+    """
+
+    batch_size: BatchSizeSpec
+    seq_len: int
+    packing: bool | str = True
+    shuffle: bool = True
+    seed: int = 0
+    num_epochs: int | None = None
+    prefetch: int = 2
+    start_token_id: int | None = None
+    pad_id: int = 0
+    vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.batch_size, int) and not isinstance(self.batch_size, bool):
+            if self.batch_size < 1:
+                raise ValueError(
+                    f"LoaderConfig.batch_size must be an int >= 1, got {self.batch_size}"
+                )
+        else:
+            try:
+                schedule = BatchSchedule.of(self.batch_size)
+            except ValueError as e:
+                raise ValueError(f"LoaderConfig.{e}") from None
+            spec = schedule.spec()
+            object.__setattr__(
+                self, "batch_size", spec if isinstance(spec, int) else schedule.entries
+            )
+        for name, low in (
+            ("seq_len", 1),
+            ("prefetch", 0),
+            ("seed", 0),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"LoaderConfig.{name} must be an int >= {low}, got {value!r}")
+        check_packing(self.packing, "LoaderConfig.packing")
+        if not isinstance(self.shuffle, bool):
+            raise ValueError(f"LoaderConfig.shuffle must be True or False, got {self.shuffle!r}")
+        if self.start_token_id is not None and (
+            isinstance(self.start_token_id, bool)
+            or not isinstance(self.start_token_id, int)
+            or self.start_token_id < 0
+        ):
+            raise ValueError(
+                f"LoaderConfig.start_token_id must be None or an int >= 0, "
+                f"got {self.start_token_id!r}"
+            )
+        for name in ("num_epochs", "vocab_size"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"LoaderConfig.{name} must be None or an int >= 1, got {value!r}")
+        if not isinstance(self.pad_id, int) or isinstance(self.pad_id, bool):
+            raise ValueError(f"LoaderConfig.pad_id must be an int, got {self.pad_id!r}")
+        if self.vocab_size is not None:
+            for name in ("start_token_id", "pad_id"):
+                if (
+                    getattr(self, name) is not None
+                    and not 0 <= getattr(self, name) < self.vocab_size
+                ):
+                    raise ValueError(
+                        f"LoaderConfig.{name} {getattr(self, name)} is outside "
+                        f"the vocabulary [0, {self.vocab_size})"
+                    )
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> LoaderConfig:
+        """Builds a config from a mapping, refusing keys it does not know."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown LoaderConfig field(s) {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str], key: str | None = "loader") -> LoaderConfig:
+        """Reads a config from YAML (needs PyYAML: ``pip install flat-tokens-jax[yaml]``).
+
+        Args:
+            path: the YAML file.
+            key: the mapping inside the file that holds the fields (``None``: the
+                whole file). The file may then hold other sections too.
+        """
+        try:
+            import yaml
+        except ImportError as e:
+            raise ImportError(
+                "LoaderConfig.from_yaml needs PyYAML: pip install 'flat-tokens-jax[yaml]'"
+            ) from e
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+        values = doc.get(key) if key is not None and isinstance(doc, dict) else doc
+        if not isinstance(values, dict):
+            where = f"section {key!r} of " if key else ""
+            raise ValueError(f"{where}{os.fspath(path)} is not a mapping of LoaderConfig fields")
+        return cls.from_dict(values)
+
+    @functools.cached_property
+    def schedule(self) -> BatchSchedule:
+        """The batch size of every step (constant for an int ``batch_size``)."""
+        return BatchSchedule.of(self.batch_size)
+
+    def batch_size_at(self, step: int) -> int:
+        """Global rows of the batch at ``step``."""
+        return self.schedule.size(step)
+
+    def batch_defining(self) -> dict[str, Any]:
+        """The fields that decide batch contents: all but ``prefetch`` and
+        ``vocab_size`` (which checks the data but changes no batch), JSON-ready
+        (``batch_size`` an int or ``[[start_step, size], ...]``)."""
+        skip = ("prefetch", "vocab_size")
+        values = {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
+        return {**values, "batch_size": self.schedule.spec()}
+
+
+def differences(saved: Any, now: Any, path: str) -> list[str]:
+    """Where ``saved`` and ``now`` differ, as ``path: saved X, now Y`` lines.
+
+    Mappings compare key by key, over the keys both hold (a key only ``now``
+    has was not recorded by an older version); lists of equal length element
+    by element.
+    """
+    if isinstance(saved, Mapping) and isinstance(now, Mapping):
+        return [
+            line
+            for key in now
+            if key in saved
+            for line in differences(saved[key], now[key], f"{path}.{key}" if path else key)
+        ]
+    if isinstance(saved, list) and isinstance(now, list) and len(saved) == len(now):
+        return [
+            line
+            for i, (a, b) in enumerate(zip(saved, now, strict=True))
+            for line in differences(a, b, f"{path}[{i}]")
+        ]
+    return [] if saved == now else [f"{path}: saved {saved!r}, now {now!r}"]
+
+
+def records_for(source: Any, config: LoaderConfig, plan_cache: str | os.PathLike[str]) -> Records:
+    """The records of a single (non-Mixture) source, checked against the config."""
+    if isinstance(source, FlatTokens):
+        return make_records(source, config.seq_len, config.packing, plan_cache)
+    check_source(source, "the Loader's source")
+    if source.seq_len != config.seq_len or source.packed != config.packing:
+        raise ValueError(
+            f"{source!r} has seq_len {source.seq_len} and packing "
+            f"{source.packed}, but the config asks for seq_len "
+            f"{config.seq_len} and packing {config.packing}"
+        )
+    return source
+
+
+def check_sharding(sharding: Any) -> None:
+    """Refuses what is not a ``Sharding`` (a bare ``PartitionSpec`` names the fix)."""
+    if sharding is None or isinstance(sharding, jax.sharding.Sharding):
+        return
+    if isinstance(sharding, jax.sharding.PartitionSpec):
+        raise TypeError(
+            f"sharding is a PartitionSpec ({sharding}); wrap it: NamedSharding(mesh, P(...))"
+        )
+    raise TypeError(f"sharding must be a jax.sharding.Sharding or None, got {sharding!r}")
+
+
+def check_vocab(
+    config: LoaderConfig, components: Sequence[Records], infos: Sequence[tuple[str, Any]]
+) -> None:
+    """``vocab_size`` must cover the data's ids and the tokenizer it was made with."""
+    if config.vocab_size is None:
+        return
+    max_id = max(int(r.fingerprint()["max_token_id"]) for r in components)
+    if config.vocab_size <= max_id:
+        raise ValueError(
+            f"dataset max_token_id is {max_id} but vocab_size is "
+            f"{config.vocab_size}: set vocab_size >= {max_id + 1}"
+        )
+    for name, info in infos:
+        tok = None if info is None else info.tokenizer
+        if tok is not None and tok.vocab_size > config.vocab_size:
+            where = "the data" if len(infos) == 1 else f"component {name!r}"
+            raise ValueError(
+                f"{where} was tokenized with {tok.name} ({tok.vocab_size} ids) but "
+                f"vocab_size is {config.vocab_size}: set vocab_size >= {tok.vocab_size}"
+            )
+
+
+def resolve_start_token_id(config: LoaderConfig, infos: Sequence[tuple[str, Any]]) -> int:
+    """The config's ``start_token_id``, else the one the data records, else the spec's 0."""
+    if config.start_token_id is not None:
+        return config.start_token_id
+    recorded = {
+        name: info.start_token_id
+        for name, info in infos
+        if info is not None and info.start_token_id is not None
+    }
+    if len(set(recorded.values())) > 1:
+        listed = ", ".join(f"{n!r}: {v}" for n, v in recorded.items())
+        raise ValueError(
+            f"the components record different start_token_id values ({listed}): "
+            "set LoaderConfig.start_token_id to the one to feed at every sequence start"
+        )
+    return next(iter(recorded.values()), 0)

@@ -120,9 +120,10 @@ def _format_info(info: dict[str, Any], unicode: bool = True) -> str:
         for array, lay in s["layout"].items():
             shard = f", shard {lay['shard']}" if lay["shard"] else ""
             filters = f", filters {lay['filters']}" if lay["filters"] else ""
+            checksum = ", crc32c checksums" if lay.get("checksum") else ""
             lines.append(
                 f"    {array}: chunk {lay['chunk']}{shard}, "
-                f"compression {lay['compression'] or 'none'}{filters}"
+                f"compression {lay['compression'] or 'none'}{filters}{checksum}"
             )
     return "\n".join(lines)
 

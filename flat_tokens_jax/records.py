@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from flat_tokens_jax.dataset import FlatTokens
-from flat_tokens_jax.format import ENCODED_DTYPE, as_indices
+from flat_tokens_jax.format import ENCODED_DTYPE, FormatError, as_indices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +164,7 @@ class PaddedRecords(_SplitRecords):
         tokens = self.ft.request_encoded(lo, hi)
         masks = self.ft.request_loss_mask(lo, hi)
         out = _rows(tokens.result(), c1 - c0, ENCODED_DTYPE)
+        _check_start_bits(self.ft, out, idx, start + c0, stop - start, c0 == 0)
         mask = None if masks is None else _rows(masks.result(), c1 - c0, np.uint8)
         return Windows(out, lengths=stop - start, stored_mask=mask)
 
@@ -177,6 +178,37 @@ def _rows(pieces: list[np.ndarray], width: int, dtype: Any, right: bool = False)
         else:
             out[row, : piece.size] = piece
     return out
+
+
+def _check_start_bits(
+    ft: FlatTokens,
+    rows: np.ndarray,
+    sequences: np.ndarray,
+    first: np.ndarray,
+    lengths: np.ndarray,
+    at_start: bool,
+) -> None:
+    """Raises :class:`FormatError` unless the start bits of padded ``rows``
+    (``[k, w]`` encoded, from token ``first[r]`` of the split on) agree with
+    ``seq_starts``: set at a sequence's first token (``at_start``: column 0 is
+    that token) and nowhere else. One vectorised pass over the batch."""
+    bits = (rows & 1).astype(bool)
+    expected = np.zeros_like(bits)
+    if at_start and bits.shape[1]:
+        expected[:, 0] = lengths > 0
+    wrong = np.argwhere(bits != expected)
+    if wrong.size:
+        r, col = (int(x) for x in wrong[0])
+        token = int(first[r]) + col + ft.token_range[0]
+        what = (
+            f"start bit clear where seq_starts[{int(sequences[r]) + ft.seq_range[0]}] "
+            "begins a sequence"
+            if expected[r, col]
+            else f"start bit set inside sequence {int(sequences[r]) + ft.seq_range[0]}"
+        )
+        raise FormatError(
+            f"{ft.url}/{ft.split_name}/{ft.tokens_name}[{token}]: {what}: the store is corrupt"
+        )
 
 
 def _check_columns(columns: tuple[int, int] | None, seq_len: int) -> tuple[int, int]:

@@ -171,6 +171,10 @@ _HINTS = {
     "UNAUTHENTICATED": "not authenticated: check the credentials",
     "NOT_FOUND": "an object of the store is missing (the store is incomplete or was deleted)",
     "DEADLINE_EXCEEDED": "the server did not answer in time",
+    "DATA_LOSS": (
+        "stored bytes fail their crc32c checksum (the file named below is corrupt): "
+        "restore it, or write the dataset again"
+    ),
 }
 
 
@@ -589,6 +593,7 @@ def describe_layout(zarr_format: int, meta: Mapping[str, Any]) -> dict[str, Any]
             "shard": None,
             "compression": comp.get("id") if comp else None,
             "filters": [f.get("id") for f in meta.get("filters") or []],
+            "checksum": False,
         }
     grid = meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape", [None])[0]
     codecs = list(meta.get("codecs", []))
@@ -598,11 +603,13 @@ def describe_layout(zarr_format: int, meta: Mapping[str, Any]) -> dict[str, Any]
         conf = codecs[0].get("configuration", {})
         shard, chunk = grid, conf.get("chunk_shape", [None])[0]
         codecs = conf.get("codecs", [])
-    names = [c.get("name") for c in codecs if c.get("name") not in ("bytes", "transpose")]
+    skipped = ("bytes", "transpose", "crc32c")
+    names = [c.get("name") for c in codecs if c.get("name") not in skipped]
     return {
         "zarr_format": 3,
         "chunk": chunk,
         "shard": shard,
         "compression": "+".join(names) if names else None,
         "filters": [],
+        "checksum": any(c.get("name") == "crc32c" for c in codecs),
     }

@@ -158,8 +158,12 @@ def test_never_overwrites_unless_asked(tmp_path: Path) -> None:
 def test_bad_layouts_are_refused() -> None:
     with pytest.raises(ValueError, match="chunk_tokens 3 must divide shard_tokens 16"):
         ftj.Layout(shard_tokens=16, chunk_tokens=3)
-    with pytest.raises(ValueError, match="compression must be None or 'zstd'"):
+    with pytest.raises(ValueError, match="compression must be None, 'zstd' or 'blosc'"):
         ftj.Layout(compression="gzip")
+    with pytest.raises(ValueError, match="'blosc' needs zarr_format=2"):
+        ftj.Layout(compression="blosc")
+    with pytest.raises(ValueError, match="checksum=True needs zarr_format=3"):
+        ftj.Layout(zarr_format=2, checksum=True)
     with pytest.raises(ValueError, match="zarr_format must be 2 or 3"):
         ftj.Layout(zarr_format=4)
 

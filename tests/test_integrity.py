@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flat_tokens_jax as ftj
+from flat_tokens_jax.cli import main
 from flat_tokens_jax.format import FormatError
 from flat_tokens_jax.records import PackedRecords, PaddedRecords
 from flat_tokens_jax.store import StoreError
@@ -202,3 +203,50 @@ def test_a_shard_of_another_split_fails_padded_reads(tmp_path: Path) -> None:
     (tmp_path / "a" / "train" / "encoded_tokens" / "c" / "1").symlink_to(shard)
     with pytest.raises(FormatError, match=r"train/encoded_tokens\[\d+\]: start bit"):
         read_all(tmp_path / "a")
+
+
+@pytest.mark.parametrize("fmt", ["v3", "v2"])
+def test_quick_validate_finds_planted_faults_in_what_it_samples(
+    pristine: dict[str, Path], fmt: str
+) -> None:
+    ftj.validate(pristine[fmt], quick=True)
+    ft = ftj.open_dataset(pristine[fmt])["train"]
+    starts = ft.starts.read_points(np.arange(ft.num_sequences + 1)).astype(int)
+    at = int(starts[5])
+    value = int(ft.encoded.read_points(np.array([at]))[0])
+    cases = [
+        ("seq_starts", 0, 3, r"train/seq_starts\[0\]: first entry must be 0"),
+        ("seq_starts", 7, int(starts[9]), r"train/seq_starts\[8\]: not strictly increasing"),
+        ("seq_starts", ft.num_sequences, 3, r"last entry must equal the token count"),
+        ("encoded_tokens", at, value - 1, rf"encoded_tokens\[{at}\]: seq_starts marks"),
+        ("encoded_tokens", at + 1, 1, rf"encoded_tokens\[{at + 1}\]: start bit set"),
+        ("encoded_tokens", at, 2**32 - 1, rf"encoded_tokens\[{at}\]: .*max_token_id"),
+    ]
+    for array, index, new, message in cases:
+        path = copy(pristine[fmt])
+        write_element(path, array, index, new)
+        with pytest.raises(FormatError, match=message):
+            ftj.validate(path, quick=True, samples=ft.num_sequences)
+        shutil.rmtree(path.parent)
+
+
+def test_quick_validate_reports_a_chunk_that_fails_its_checksum(pristine: dict[str, Path]) -> None:
+    path = copy(pristine["v3"])
+    target = path / "train" / "encoded_tokens" / "c" / "0"
+    data = bytearray(target.read_bytes())
+    data[0] ^= 1
+    target.write_bytes(bytes(data))
+    for quick in (True, False):
+        with pytest.raises(FormatError, match=r"train/encoded_tokens: stored bytes fail"):
+            ftj.validate(path, quick=quick)
+    shutil.rmtree(path.parent)
+
+
+def test_cli_validate_quick(pristine: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "--quick", str(pristine["v3"])]) == 0
+    assert capsys.readouterr().out == f"{pristine['v3']}: valid (sampled: --quick)\n"
+    path = copy(pristine["v3"])
+    write_element(path, "seq_starts", 3, 0)
+    assert main(["validate", "--quick", str(path)]) == 1
+    assert "train/seq_starts[3]: not strictly increasing" in capsys.readouterr().err
+    shutil.rmtree(path.parent)

@@ -190,11 +190,11 @@ class FlatTokens:
             )
         at = idx + self.seq_range[0]
         both = self.starts.read_points(np.concatenate([at, at + 1])).astype(np.int64)
-        self._check_bounds(np.concatenate([at, at + 1]), both, idx.size)
+        self.check_bounds(np.concatenate([at, at + 1]), both, idx.size)
         both -= self.token_range[0]
         return both[: idx.size], both[idx.size :]
 
-    def _check_bounds(self, at: np.ndarray, values: np.ndarray, k: int) -> None:
+    def check_bounds(self, at: np.ndarray, values: np.ndarray, k: int) -> None:
         """Raises :class:`FormatError` unless ``values`` (``seq_starts[at]``, the
         ``k`` starts then the ``k`` stops) lie in this view's tokens and no stop
         precedes its start: a cheap check that corrupt bounds never read as rows."""
@@ -244,7 +244,7 @@ class FlatTokens:
             )
         at = np.array([first, stop], np.int64) + self.seq_range[0]
         both = self.starts.read_points(at).astype(np.int64)
-        self._check_bounds(at, both, 1)
+        self.check_bounds(at, both, 1)
         lo, hi = both.tolist()
         out = copy.copy(self)
         out.seq_range = (int(at[0]), int(at[1]))

@@ -164,7 +164,7 @@ class PaddedRecords(_SplitRecords):
         tokens = self.ft.request_encoded(lo, hi)
         masks = self.ft.request_loss_mask(lo, hi)
         out = _rows(tokens.result(), c1 - c0, ENCODED_DTYPE)
-        _check_start_bits(self.ft, out, idx, start + c0, stop - start, c0 == 0)
+        check_start_bits(self.ft, out, idx, start + c0, stop - start, c0 == 0)
         mask = None if masks is None else _rows(masks.result(), c1 - c0, np.uint8)
         return Windows(out, lengths=stop - start, stored_mask=mask)
 
@@ -180,7 +180,7 @@ def _rows(pieces: list[np.ndarray], width: int, dtype: Any, right: bool = False)
     return out
 
 
-def _check_start_bits(
+def check_start_bits(
     ft: FlatTokens,
     rows: np.ndarray,
     sequences: np.ndarray,
@@ -188,26 +188,21 @@ def _check_start_bits(
     lengths: np.ndarray,
     at_start: bool,
 ) -> None:
-    """Raises :class:`FormatError` unless the start bits of padded ``rows``
-    (``[k, w]`` encoded, from token ``first[r]`` of the split on) agree with
-    ``seq_starts``: set at a sequence's first token (``at_start``: column 0 is
-    that token) and nowhere else. One vectorised pass over the batch."""
-    bits = (rows & 1).astype(bool)
-    expected = np.zeros_like(bits)
-    if at_start and bits.shape[1]:
-        expected[:, 0] = lengths > 0
-    wrong = np.argwhere(bits != expected)
-    if wrong.size:
-        r, col = (int(x) for x in wrong[0])
-        token = int(first[r]) + col + ft.token_range[0]
-        what = (
-            f"start bit clear where seq_starts[{int(sequences[r]) + ft.seq_range[0]}] "
-            "begins a sequence"
-            if expected[r, col]
-            else f"start bit set inside sequence {int(sequences[r]) + ft.seq_range[0]}"
-        )
+    """Raises :class:`FormatError` unless every padded row of ``rows`` (``[k, w]``
+    encoded, from token ``first[r]`` of the split on) whose column 0 is its
+    sequence's first token (``at_start``) has the start bit set there: a
+    ``seq_starts`` entry that points anywhere else, or tokens that are not this
+    split's, show here. Reads one column, so it costs nothing next to the read."""
+    if not at_start or rows.shape[1] == 0:
+        return
+    clear = np.flatnonzero(((rows[:, 0] & 1) == 0) & (lengths > 0))
+    if clear.size:
+        r = int(clear[0])
+        token = int(first[r]) + ft.token_range[0]
         raise FormatError(
-            f"{ft.url}/{ft.split_name}/{ft.tokens_name}[{token}]: {what}: the store is corrupt"
+            f"{ft.url}/{ft.split_name}/{ft.tokens_name}[{token}]: start bit clear where "
+            f"seq_starts[{int(sequences[r]) + ft.seq_range[0]}] begins a sequence: "
+            "the store is corrupt"
         )
 
 

@@ -165,18 +165,6 @@ def test_a_cleared_start_bit_fails_padded_reads(pristine: dict[str, Path], fmt: 
         shutil.rmtree(path.parent)
 
 
-def test_a_start_bit_inside_a_sequence_fails_padded_reads(pristine: dict[str, Path]) -> None:
-    ft = ftj.open_dataset(pristine["v3"])["train"]
-    lo, hi = ft.sequence_bounds(np.arange(ft.num_sequences))
-    seq = int(np.flatnonzero(hi - lo > 2)[0])
-    at = int(lo[seq]) + 1
-    path = copy(pristine["v3"])
-    write_element(path, "encoded_tokens", at, int(ft.encoded.read_points(np.array([at]))[0]) | 1)
-    with pytest.raises(FormatError, match=rf"\[{at}\]: start bit set inside sequence {seq}"):
-        read_all(path)
-    shutil.rmtree(path.parent)
-
-
 def test_seq_starts_ends_are_checked_at_open(pristine: dict[str, Path]) -> None:
     n = ftj.open_dataset(pristine["v3"])["train"].num_sequences
     for index, value, message in (

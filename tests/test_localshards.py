@@ -23,6 +23,7 @@ def tokens_array(path: Path) -> TensorStoreArray:
     n=st.integers(1, 300),
     chunk=st.sampled_from([2, 4, 8]),
     per_shard=st.integers(1, 4),
+    checksum=st.booleans(),
     data=st.data(),
 )
 def test_memory_mapped_reads_equal_tensorstore_reads(
@@ -30,6 +31,7 @@ def test_memory_mapped_reads_equal_tensorstore_reads(
     n: int,
     chunk: int,
     per_shard: int,
+    checksum: bool,
     data: st.DataObject,
 ) -> None:
     path = tmp_path_factory.mktemp("ds")
@@ -37,7 +39,7 @@ def test_memory_mapped_reads_equal_tensorstore_reads(
     ftj.write_dataset(
         path,
         {"train": [values]},
-        layout=ftj.Layout(shard_tokens=chunk * per_shard, chunk_tokens=chunk),
+        layout=ftj.Layout(shard_tokens=chunk * per_shard, chunk_tokens=chunk, checksum=checksum),
     )
     reader = tokens_array(path)
     assert reader.local is not None

@@ -45,7 +45,7 @@ class FlatTokens:
     ``check_end=False`` skips reading the first and last ``seq_starts`` entries
     on open (:func:`validate` checks them while streaming). Reads check what is
     cheap to check: the ``seq_starts`` entries read lie in the split's tokens and
-    do not decrease, else :class:`FormatError` names the entry. Reads are thread-safe; every
+    strictly increase, else :class:`FormatError` names the entry. Reads are thread-safe; every
     method that takes many indices or ranges requests them all before waiting.
     ``info`` is the dataset's :class:`DatasetInfo` when the caller has read it
     (:class:`Dataset` does); otherwise :attr:`info` reads it on first use.
@@ -195,9 +195,9 @@ class FlatTokens:
         return both[: idx.size], both[idx.size :]
 
     def check_bounds(self, at: np.ndarray, values: np.ndarray, k: int) -> None:
-        """Raises :class:`FormatError` unless ``values`` (``seq_starts[at]``, the
-        ``k`` starts then the ``k`` stops) lie in this view's tokens and no stop
-        precedes its start: a cheap check that corrupt bounds never read as rows."""
+        """Raises :class:`FormatError` unless ``values`` (``seq_starts[at]``: ``k``
+        starts, their ``k`` stops, then any others) lie in this view's tokens and
+        each stop is above its start, so that corrupt bounds never read as rows."""
         lo, hi = self.token_range
         bad = np.flatnonzero((values < lo) | (values > hi))
         if bad.size:
@@ -206,13 +206,13 @@ class FlatTokens:
                 f"{self.store.url}/{self.split_name}/{SEQ_STARTS}[{at[i]}]: entry "
                 f"{int(values[i])} is outside the tokens [{lo}, {hi}]: the store is corrupt"
             )
-        back = np.flatnonzero(values[k:] < values[:k])
+        back = np.flatnonzero(values[k : 2 * k] <= values[:k])
         if back.size:
             i = int(back[0])
             raise FormatError(
                 f"{self.store.url}/{self.split_name}/{SEQ_STARTS}[{at[k + i]}]: entry "
-                f"{int(values[k + i])} is below the entry before it ({int(values[i])}): "
-                "the store is corrupt"
+                f"{int(values[k + i])} is not above the entry before it ({int(values[i])}); "
+                "sequences are never empty: the store is corrupt"
             )
 
     def sequences(self, indices: Sequence[int] | np.ndarray) -> list[np.ndarray]:
@@ -244,7 +244,8 @@ class FlatTokens:
             )
         at = np.array([first, stop], np.int64) + self.seq_range[0]
         both = self.starts.read_points(at).astype(np.int64)
-        self.check_bounds(at, both, 1)
+        # An empty view reads one entry twice: only its range can be checked.
+        self.check_bounds(at, both, 1 if stop > first else 0)
         lo, hi = both.tolist()
         out = copy.copy(self)
         out.seq_range = (int(at[0]), int(at[1]))

@@ -93,7 +93,9 @@ def write_element(path: Path, array: str, index: int, value: int) -> None:
     folder = path / "train" / array
     driver = "zarr3" if (folder / "zarr.json").exists() else "zarr"
     kvstore = {"driver": "file", "path": f"{folder}/"}
-    handle = ts.open({"driver": driver, "kvstore": kvstore, "open": True}).result()
+    spec = {"driver": driver, "kvstore": kvstore, "open": True}
+    # As our writer does: chunks that hold fill values stay stored.
+    handle = ts.open({**spec, "store_data_equal_to_fill_value": True}).result()
     handle[index].write(value).result()
 
 
@@ -148,6 +150,27 @@ def test_a_wrong_seq_starts_entry_fails_padded_reads(
     got = outcome(path)
     shutil.rmtree(path.parent)
     assert_pristine_or_named(got, expected, "train/seq_starts[", "train/encoded_tokens[")
+
+
+@pytest.mark.parametrize("fmt", ["v3", "v2"])
+@pytest.mark.parametrize("case", ["empty first", "empty second", "backwards", "beyond", "huge"])
+def test_named_seq_starts_faults_fail_padded_reads(
+    pristine: dict[str, Path], fmt: str, case: str
+) -> None:
+    ft = ftj.open_dataset(pristine[fmt])["train"]
+    starts = ft.starts.read_points(np.arange(ft.num_sequences + 1)).astype(int)
+    index, value, message = {
+        "empty first": (1, 0, r"seq_starts\[1\]: entry 0 is not above the entry before it"),
+        "empty second": (1, starts[2], r"seq_starts\[2\]: entry \d+ is not above"),
+        "backwards": (3, starts[2] - 1, r"seq_starts\[3\]: entry \d+ is not above"),
+        "beyond": (3, ft.num_tokens + 1, r"seq_starts\[3\]: entry \d+ is outside the tokens"),
+        "huge": (3, 2**64 - 1, r"seq_starts\[3\]: entry -1 is outside the tokens"),
+    }[case]
+    path = copy(pristine[fmt])
+    write_element(path, "seq_starts", index, value)
+    with pytest.raises(FormatError, match=message):
+        read_all(path)
+    shutil.rmtree(path.parent)
 
 
 @pytest.mark.parametrize("fmt", ["v3", "v2"])

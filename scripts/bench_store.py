@@ -191,7 +191,10 @@ def describe(layout: ftj.Layout) -> str:
     where = (
         f"v2 chunk 2^{shard}" if layout.zarr_format == 2 else f"v3 shard 2^{shard} chunk 2^{chunk}"
     )
-    return where + (f" zstd{layout.zstd_level}" if layout.compression else " raw")
+    codec = {"zstd": f" zstd{layout.zstd_level}", "blosc": f" blosc-zstd{layout.zstd_level}"}
+    return (
+        where + codec.get(layout.compression or "", " raw") + (" crc32c" if layout.checksum else "")
+    )
 
 
 def markdown(header: list[str], rows: list[list[str]]) -> str:

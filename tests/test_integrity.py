@@ -11,6 +11,7 @@ records, so packed records of such a store still read the pristine rows.
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -261,3 +262,14 @@ def test_cli_validate_quick(pristine: dict[str, Path], capsys: pytest.CaptureFix
     assert main(["validate", "--quick", str(path)]) == 1
     assert "train/seq_starts[3]: not strictly increasing" in capsys.readouterr().err
     shutil.rmtree(path.parent)
+
+
+def test_info_shows_the_checksums(
+    pristine: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["info", str(pristine["v3"])]) == 0
+    text = capsys.readouterr().out
+    assert "encoded_tokens: chunk 8, shard 64, compression none, crc32c checksums" in text
+    assert main(["info", "--json", str(pristine["v2"])]) == 0
+    layout = json.loads(capsys.readouterr().out)["splits"]["train"]["layout"]["encoded_tokens"]
+    assert (layout["compression"], layout["checksum"], layout["chunk"]) == ("blosc", False, 64)

@@ -15,7 +15,7 @@ import numpy as np
 import tensorstore as ts
 
 from flat_tokens_jax.format import SEQ_STARTS
-from flat_tokens_jax.store import EVERY_CHUNK_STORED, Store
+from flat_tokens_jax.store import EVERY_CHUNK_STORED, V2_ATTRS, Store
 
 # The size arrays are created with when the final one is not known yet; the
 # writer shrinks them to their size at the end (a metadata-only resize).
@@ -191,7 +191,11 @@ def create_array(
         "delete_existing": True,
         "store_data_equal_to_fill_value": True,
     }
-    return store.wait(ts.open(spec, context=store.context))
+    array_store = store.wait(ts.open(spec, context=store.context))
+    if layout.zarr_format == 2:
+        # zarr v3 keeps this mark in the array's metadata; v2 in its .zattrs.
+        store.write_json(f"{split}/{array}/{V2_ATTRS}", {EVERY_CHUNK_STORED: True})
+    return array_store
 
 
 def open_for_writing(store: Store, split: str, array: str, layout: Layout) -> ts.TensorStore:

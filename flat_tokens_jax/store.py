@@ -25,8 +25,9 @@ from flat_tokens_jax.localshards import LocalShards, plain_shard_geometry
 from flat_tokens_jax.urls import parse_url
 
 V3_META = "zarr.json"
-# zarr v3 array attribute: every chunk was written, fill values included, so
-# a missing chunk means a missing object, never a chunk of fill values.
+# Array attribute (zarr v3 metadata, zarr v2 .zattrs): every chunk was written,
+# fill values included, so a missing chunk means a missing object, never a
+# chunk of fill values.
 EVERY_CHUNK_STORED = "every_chunk_stored"
 V2_GROUP = ".zgroup"
 V2_ARRAY = ".zarray"
@@ -358,7 +359,11 @@ class Store:
             self.write_json(prefix + V2_GROUP, {"zarr_format": 2})
 
     def array_metadata(self, key: str) -> tuple[Literal[2, 3], dict[str, Any]] | None:
-        """``(zarr_format, metadata)`` of the array at ``key``, or ``None``."""
+        """``(zarr_format, metadata)`` of the array at ``key``, or ``None``.
+
+        A zarr v2 array's metadata is its ``.zarray``, with its ``.zattrs`` (or
+        ``{}``) under ``"attributes"`` as zarr v3 keeps them.
+        """
         meta = self.read_json(f"{key}/{V3_META}")
         if meta is not None:
             if meta.get("node_type") != "array":
@@ -368,7 +373,9 @@ class Store:
                 )
             return 3, meta
         meta = self.read_json(f"{key}/{V2_ARRAY}")
-        return None if meta is None else (2, meta)
+        if meta is None:
+            return None
+        return 2, {**meta, "attributes": self.read_json(f"{key}/{V2_ATTRS}") or {}}
 
     def open_array(
         self,

@@ -2,11 +2,12 @@
 
 The corruption matrix plants one fault in a small store (zarr v3 with its
 default crc32c checksums, and zarr v2) and reads every record, packed and
-padded. Byte-level faults (flipped bits, truncated or missing shard files) are
-caught by the checksums of zarr v3; logical faults written with valid checksums
-(``seq_starts`` entries, cleared start bits) by the checks on every read, in
-the reads that use them: ``seq_starts`` and start bits are read by padded
-records, so packed records of such a store still read the pristine rows.
+padded. Flipped bits are caught by the checksums of zarr v3 (zarr v2 has
+none); truncated, emptied or missing shard or chunk files in both; logical
+faults written with valid checksums (``seq_starts`` entries, cleared start
+bits) by the checks of padded reads, which read ``seq_starts``; packed
+records read tokens as stored, and only ``validate`` compares their start bits
+with ``seq_starts``.
 """
 
 from __future__ import annotations
@@ -117,10 +118,13 @@ def test_a_flipped_bit_in_a_v3_store_fails_or_reads_the_same(
     assert_pristine_or_named(got, expected, f"{target.parent.parent.name}", "corrupt")
 
 
+@pytest.mark.parametrize("fmt", ["v3", "v2"])
 @pytest.mark.parametrize("fault", ["truncate", "delete", "empty"])
-def test_a_damaged_v3_shard_file_fails_the_read(pristine: dict[str, Path], fault: str) -> None:
-    for index in range(len(shard_files(pristine["v3"]))):
-        path = copy(pristine["v3"])
+def test_a_damaged_shard_file_fails_the_read(
+    pristine: dict[str, Path], fmt: str, fault: str
+) -> None:
+    for index in range(len(shard_files(pristine[fmt]))):
+        path = copy(pristine[fmt])
         target = shard_files(path)[index]
         if fault == "delete":
             target.unlink()

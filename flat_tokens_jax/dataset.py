@@ -44,9 +44,10 @@ class FlatTokens:
 
     ``check_end=False`` skips reading the first and last ``seq_starts`` entries
     on open (:func:`validate` checks them while streaming). Reads check what is
-    cheap to check: the ``seq_starts`` entries read lie in the split's tokens and
-    strictly increase, else :class:`FormatError` names the entry. Reads are thread-safe; every
-    method that takes many indices or ranges requests them all before waiting.
+    cheap to check: the ``seq_starts`` entries read lie in the split's tokens
+    and strictly increase, else :class:`FormatError` names the entry. Reads are
+    thread-safe; every method that takes many indices or ranges requests them
+    all before waiting.
     ``info`` is the dataset's :class:`DatasetInfo` when the caller has read it
     (:class:`Dataset` does); otherwise :attr:`info` reads it on first use.
     """

@@ -111,7 +111,8 @@ class Layout:
             return max(self.shard_tokens // 2, self.chunk_tokens), max(self.chunk_tokens // 2, 1)
         return self.shard_tokens, self.chunk_tokens
 
-    def _v2_compressor(self, dtype: np.dtype[Any]) -> dict[str, Any] | None:
+    def _v2_compressor(self) -> dict[str, Any] | None:
+        """The numcodecs compressor of zarr v2 chunks."""
         if self.compression == "blosc":
             return {
                 "id": "blosc",
@@ -134,7 +135,7 @@ class Layout:
                 "fill_value": 0,
                 "order": "C",
                 "filters": None,
-                "compressor": self._v2_compressor(dtype),
+                "compressor": self._v2_compressor(),
             }
         inner: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
         if self.compression:

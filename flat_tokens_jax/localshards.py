@@ -122,9 +122,10 @@ class _Checksummed:
     def slice(self, start: int, stop: int) -> np.ndarray | None:
         """Elements ``[start, stop)`` of the shard, or ``None`` if a chunk they
         touch fails its checksum."""
+        if stop <= start:
+            return self.data[0, :0]
         chunk = self.chunk
-        first = start // chunk
-        last = (stop - 1) // chunk if stop > start else first
+        first, last = start // chunk, (stop - 1) // chunk
         # The common case, a read within one chunk or two, checked without a call.
         known = last - first <= 1 and self.verified[first] and self.verified[last]
         if not known and not self.verify(first, last):
@@ -136,7 +137,7 @@ class _Checksummed:
         return np.concatenate([self.data[first, a:], middle, self.data[last, :b]])
 
     def points(self, indices: np.ndarray) -> np.ndarray | None:
-        """Elements at ``indices`` (``[k] int64``), or ``None`` as ``__getitem__``."""
+        """Elements at ``indices`` (``[k] int64``), or ``None`` as :meth:`slice`."""
         rows = indices // self.chunk
         for j in np.unique(rows).tolist():
             if not self.verify(j, j):

@@ -31,7 +31,7 @@ def _store_args(parser: argparse.ArgumentParser) -> None:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     try:
-        validate(args.url, store_options(args))
+        validate(args.url, store_options(args), quick=args.quick)
     except FormatError as e:
         print(f"{args.url}: INVALID, {len(e.problems)} problem(s):", file=sys.stderr)
         for p in e.problems:
@@ -39,7 +39,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         return 1
     except (StoreError, ValueError) as e:
         return fail("validate", e)
-    print(f"{args.url}: valid")
+    print(f"{args.url}: valid" + (" (sampled: --quick)" if args.quick else ""))
     return 0
 
 
@@ -130,9 +130,10 @@ def _format_info(info: dict[str, Any], unicode: bool = True) -> str:
         for array, lay in s["layout"].items():
             shard = f", shard {lay['shard']}" if lay["shard"] else ""
             filters = f", filters {lay['filters']}" if lay["filters"] else ""
+            checksum = ", crc32c checksums" if lay.get("checksum") else ""
             lines.append(
                 f"    {array}: chunk {lay['chunk']}{shard}, "
-                f"compression {lay['compression'] or 'none'}{filters}"
+                f"compression {lay['compression'] or 'none'}{filters}{checksum}"
             )
     return "\n".join(lines)
 
@@ -215,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("validate", help="check every invariant of a dataset")
     _store_args(p)
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="check the metadata and a sample of sequences (their bounds, start bits and "
+        "first tokens) instead of reading everything, for stores too big to scan",
+    )
     p.set_defaults(run=_cmd_validate)
     p = sub.add_parser("info", help="counts, length statistics and layout per split")
     _store_args(p)

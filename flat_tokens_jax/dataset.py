@@ -42,9 +42,12 @@ class _Unread:
 class FlatTokens:
     """One split of a dataset: ``encoded_tokens``, ``seq_starts`` and ``max_token_id``.
 
-    ``check_end=False`` skips reading the last ``seq_starts`` entry on open
-    (:func:`validate` checks it while streaming). Reads are thread-safe; every
-    method that takes many indices or ranges requests them all before waiting.
+    ``check_end=False`` skips reading the first and last ``seq_starts`` entries
+    on open (:func:`validate` checks them while streaming). Reads check what is
+    cheap to check: the ``seq_starts`` entries read lie in the split's tokens
+    and strictly increase, else :class:`FormatError` names the entry. Reads are
+    thread-safe; every method that takes many indices or ranges requests them
+    all before waiting.
     ``info`` is the dataset's :class:`DatasetInfo` when the caller has read it
     (:class:`Dataset` does); otherwise :attr:`info` reads it on first use.
     """
@@ -95,7 +98,9 @@ class FlatTokens:
         if self.starts.size < 1:
             raise FormatError(f"{where}/{SEQ_STARTS}: empty; it needs num_sequences + 1 entries")
         if check_end:
-            last = int(self.starts.read_points(np.array([self.starts.size - 1]))[0])
+            first, last = self.starts.read_points(np.array([0, self.starts.size - 1])).tolist()
+            if first != 0:
+                raise FormatError(f"{where}/{SEQ_STARTS}[0]: first entry is {first}, expected 0")
             if last != self.encoded.size:
                 raise FormatError(
                     f"{where}/{SEQ_STARTS}[{self.starts.size - 1}]: last entry is {last}, "
@@ -186,8 +191,30 @@ class FlatTokens:
             )
         at = idx + self.seq_range[0]
         both = self.starts.read_points(np.concatenate([at, at + 1])).astype(np.int64)
+        self.check_bounds(np.concatenate([at, at + 1]), both, idx.size)
         both -= self.token_range[0]
         return both[: idx.size], both[idx.size :]
+
+    def check_bounds(self, at: np.ndarray, values: np.ndarray, k: int) -> None:
+        """Raises :class:`FormatError` unless ``values`` (``seq_starts[at]``: ``k``
+        starts, their ``k`` stops, then any others) lie in this view's tokens and
+        each stop is above its start, so that corrupt bounds never read as rows."""
+        lo, hi = self.token_range
+        bad = np.flatnonzero((values < lo) | (values > hi))
+        if bad.size:
+            i = int(bad[0])
+            raise FormatError(
+                f"{self.store.url}/{self.split_name}/{SEQ_STARTS}[{at[i]}]: entry "
+                f"{int(values[i])} is outside the tokens [{lo}, {hi}]: the store is corrupt"
+            )
+        back = np.flatnonzero(values[k : 2 * k] <= values[:k])
+        if back.size:
+            i = int(back[0])
+            raise FormatError(
+                f"{self.store.url}/{self.split_name}/{SEQ_STARTS}[{at[k + i]}]: entry "
+                f"{int(values[k + i])} is not above the entry before it ({int(values[i])}); "
+                "sequences are never empty: the store is corrupt"
+            )
 
     def sequences(self, indices: Sequence[int] | np.ndarray) -> list[np.ndarray]:
         """Decoded token ids (``int32``) of each sequence in ``indices``.
@@ -217,7 +244,10 @@ class FlatTokens:
                 f"{self!r}: sequence range [{first}, {stop}) is outside [0, {self.num_sequences}]"
             )
         at = np.array([first, stop], np.int64) + self.seq_range[0]
-        lo, hi = self.starts.read_points(at).astype(np.int64).tolist()
+        both = self.starts.read_points(at).astype(np.int64)
+        # An empty view reads one entry twice: only its range can be checked.
+        self.check_bounds(at, both, 1 if stop > first else 0)
+        lo, hi = both.tolist()
         out = copy.copy(self)
         out.seq_range = (int(at[0]), int(at[1]))
         out.token_range = (lo, hi)

@@ -15,7 +15,7 @@ import numpy as np
 import tensorstore as ts
 
 from flat_tokens_jax.format import SEQ_STARTS
-from flat_tokens_jax.store import EVERY_CHUNK_STORED, Store
+from flat_tokens_jax.store import EVERY_CHUNK_STORED, V2_ATTRS, Store
 
 # The size arrays are created with when the final one is not known yet; the
 # writer shrinks them to their size at the end (a metadata-only resize).
@@ -26,26 +26,59 @@ PROVISIONAL_SIZE = 1 << 50
 class Layout:
     """How arrays are laid out on storage.
 
+    Fields left unset take the defaults of the zarr version (see the README's
+    "Default layout"): zarr v3 shards of ``1 << 24`` tokens with inner chunks of
+    ``1 << 13``, uncompressed, with crc32c checksums; zarr v2 chunk files of
+    ``1 << 20`` tokens (4 MiB), blosc-compressed, since a v2 chunk file is always
+    written whole (a small array would otherwise take a full chunk on disk) and
+    a v2 reader holds whole chunks in memory. Blosc (zstd inside) is the
+    compressor every zarr v2 reader decodes; numcodecs before 0.16 cannot
+    decode the plain zstd frames tensorstore writes.
+
     Attributes:
         zarr_format: 3 (default) or 2, for readers that only know zarr v2.
         shard_tokens: tokens per shard file (zarr v3) or per chunk file (zarr v2).
-            Each shard is written once, whole. Recommended: ``1 << 24`` (64 MiB).
+            Each shard is written once, whole. Default ``1 << 24`` (64 MiB) in
+            zarr v3, ``1 << 20`` (4 MiB) in zarr v2.
         chunk_tokens: tokens per inner chunk of a shard, the unit of a read in
             zarr v3: a random read of ``L`` tokens fetches about ``L + chunk_tokens``.
-            Must divide ``shard_tokens``. Recommended: ``1 << 13`` uncompressed.
-        compression: ``None`` or ``"zstd"``.
-        zstd_level: zstd level, 1 (fast) to 22.
+            Must divide ``shard_tokens``. Default ``1 << 13``; in zarr v2 (no
+            inner chunks) it equals ``shard_tokens``.
+        compression: ``None``, ``"zstd"``, or (zarr v2 only) ``"blosc"``: blosc
+            with zstd inside and byte shuffling. Default ``None`` in zarr v3,
+            ``"blosc"`` in zarr v2.
+        zstd_level: zstd level, 1 (fast) to 22 (for blosc, its clevel: at most 9).
+        checksum: zarr v3 only: a crc32c checksum after every inner chunk (and
+            the shard index), so that a flipped byte fails the read instead of
+            reading as a token. Default ``True``; zarr v2 has no checksum codec
+            that tensorstore reads, so there it must stay unset or ``False``.
     """
 
     zarr_format: int = 3
-    shard_tokens: int = 1 << 24
-    chunk_tokens: int = 1 << 13
-    compression: str | None = None
+    shard_tokens: int = None  # type: ignore[assignment]  # set in __post_init__
+    chunk_tokens: int = None  # type: ignore[assignment]
+    compression: str | None = "default"
     zstd_level: int = 3
+    checksum: bool = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         if self.zarr_format not in (2, 3):
             raise ValueError(f"Layout.zarr_format must be 2 or 3, got {self.zarr_format!r}")
+        v2 = self.zarr_format == 2
+        if self.shard_tokens is None:
+            default = self.chunk_tokens if v2 and self.chunk_tokens is not None else None
+            object.__setattr__(self, "shard_tokens", default or (1 << 20 if v2 else 1 << 24))
+        if self.chunk_tokens is None:
+            object.__setattr__(self, "chunk_tokens", self.shard_tokens if v2 else 1 << 13)
+        if self.compression == "default":
+            object.__setattr__(self, "compression", "blosc" if v2 else None)
+        if self.checksum is None:
+            object.__setattr__(self, "checksum", not v2)
+        if v2 and self.checksum:
+            raise ValueError(
+                "Layout.checksum=True needs zarr_format=3: zarr v2 has no checksum codec "
+                "that tensorstore reads"
+            )
         if self.chunk_tokens < 2 or self.shard_tokens < 2:
             raise ValueError(
                 f"Layout.chunk_tokens ({self.chunk_tokens}) and shard_tokens "
@@ -56,8 +89,12 @@ class Layout:
                 f"Layout.chunk_tokens {self.chunk_tokens} must divide "
                 f"shard_tokens {self.shard_tokens}"
             )
-        if self.compression not in (None, "zstd"):
-            raise ValueError(f"Layout.compression must be None or 'zstd', got {self.compression!r}")
+        if self.compression not in (None, "zstd", "blosc"):
+            raise ValueError(
+                f"Layout.compression must be None, 'zstd' or 'blosc', got {self.compression!r}"
+            )
+        if self.compression == "blosc" and not v2:
+            raise ValueError("Layout.compression='blosc' needs zarr_format=2: use 'zstd' in v3")
         if not 1 <= self.zstd_level <= 22:
             raise ValueError(f"Layout.zstd_level must be in [1, 22], got {self.zstd_level}")
 
@@ -68,9 +105,23 @@ class Layout:
         ``seq_starts`` (8-byte entries, one per sequence) uses half of each, so
         its shards hold about as many bytes as the tokens' do.
         """
+        if array == SEQ_STARTS and self.zarr_format == 2:
+            return max(self.shard_tokens // 2, 1), max(self.shard_tokens // 2, 1)
         if array == SEQ_STARTS:
             return max(self.shard_tokens // 2, self.chunk_tokens), max(self.chunk_tokens // 2, 1)
         return self.shard_tokens, self.chunk_tokens
+
+    def _v2_compressor(self) -> dict[str, Any] | None:
+        """The numcodecs compressor of zarr v2 chunks."""
+        if self.compression == "blosc":
+            return {
+                "id": "blosc",
+                "cname": "zstd",
+                "clevel": min(self.zstd_level, 9),
+                "shuffle": 1,
+                "blocksize": 0,
+            }
+        return {"id": "zstd", "level": self.zstd_level} if self.compression else None
 
     def array_spec(
         self, dtype: np.dtype[Any], elements_per_shard: int, elements_per_chunk: int, size: int
@@ -84,15 +135,15 @@ class Layout:
                 "fill_value": 0,
                 "order": "C",
                 "filters": None,
-                "compressor": (
-                    {"id": "zstd", "level": self.zstd_level} if self.compression else None
-                ),
+                "compressor": self._v2_compressor(),
             }
         inner: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
         if self.compression:
             inner.append(
                 {"name": "zstd", "configuration": {"level": self.zstd_level, "checksum": False}}
             )
+        if self.checksum:
+            inner.append({"name": "crc32c"})
         return {
             "shape": [size],
             "data_type": dtype.name,
@@ -141,7 +192,11 @@ def create_array(
         "delete_existing": True,
         "store_data_equal_to_fill_value": True,
     }
-    return store.wait(ts.open(spec, context=store.context))
+    array_store = store.wait(ts.open(spec, context=store.context))
+    if layout.zarr_format == 2:
+        # zarr v3 keeps this mark in the array's metadata; v2 in its .zattrs.
+        store.write_json(f"{split}/{array}/{V2_ATTRS}", {EVERY_CHUNK_STORED: True})
+    return array_store
 
 
 def open_for_writing(store: Store, split: str, array: str, layout: Layout) -> ts.TensorStore:

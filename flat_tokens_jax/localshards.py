@@ -7,21 +7,57 @@ back, in order, followed by the shard index. Such a shard is one plain array:
 we check its index once and memory-map it, and a read becomes a slice. Any shard
 that is not laid out so (missing, partial, compressed, reordered) is read
 through tensorstore as before.
+
+Chunks with a crc32c checksum (4 bytes after each chunk, our default) are
+memory-mapped too: each chunk's checksum is verified the first time a read
+touches it, and a chunk that fails is left to tensorstore, whose read then
+fails naming the shard, so a flipped byte never reads as a token.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 
-def plain_shard_geometry(meta: Mapping[str, Any]) -> tuple[int, int, int] | None:
-    """``(shard, chunk, index_bytes)`` of a 1-D zarr v3 array whose shards can be
-    memory-mapped, or ``None`` when its codecs do anything but store raw bytes."""
+def _crc32c_function() -> Any:
+    """The crc32c function of whichever package zarr-python brought: google_crc32c
+    (zarr 3.1 on) or crc32c (before); ``None`` if neither."""
+    for module, name in (("google_crc32c", "value"), ("crc32c", "crc32c")):
+        try:
+            return getattr(importlib.import_module(module), name)
+        except ImportError:
+            continue
+    return None
+
+
+_crc32c = _crc32c_function()
+
+
+class Geometry(NamedTuple):
+    """How the shards of a memory-mappable array are laid out.
+
+    Attributes:
+        shard: elements per shard.
+        chunk: elements per inner chunk.
+        index_bytes: bytes of the shard index at the end of a shard file.
+        checksummed: whether each chunk is followed by its 4-byte crc32c.
+    """
+
+    shard: int
+    chunk: int
+    index_bytes: int
+    checksummed: bool
+
+
+def plain_shard_geometry(meta: Mapping[str, Any]) -> Geometry | None:
+    """The :class:`Geometry` of a 1-D zarr v3 array whose shards can be memory-mapped,
+    or ``None`` when its codecs do anything but store raw bytes (and checksums)."""
     codecs = meta.get("codecs") or []
     if len(meta.get("shape", [])) != 1 or len(codecs) != 1:
         return None
@@ -31,6 +67,11 @@ def plain_shard_geometry(meta: Mapping[str, Any]) -> tuple[int, int, int] | None
     inner = conf.get("codecs", [])
     index_codecs = [c.get("name") for c in conf.get("index_codecs", [])]
     little = {"name": "bytes", "configuration": {"endian": "little"}}
+    checksummed = bool(inner) and inner[-1] == {"name": "crc32c"}
+    if checksummed:
+        if _crc32c is None:
+            return None
+        inner = inner[:-1]
     if inner != [little] and not (
         inner == [{"name": "bytes"}] and meta.get("data_type") == "uint8"
     ):
@@ -54,7 +95,57 @@ def plain_shard_geometry(meta: Mapping[str, Any]) -> tuple[int, int, int] | None
     chunk = int(conf["chunk_shape"][0])
     n_chunks = shard // chunk
     index_bytes = 16 * n_chunks + (4 if "crc32c" in index_codecs else 0)
-    return shard, chunk, index_bytes
+    return Geometry(shard, chunk, index_bytes, checksummed)
+
+
+class _Checksummed:
+    """One memory-mapped shard whose chunks each end in a crc32c, verified on first use."""
+
+    def __init__(self, raw: np.ndarray, dtype: np.dtype[Any], chunk: int) -> None:
+        chunk_bytes = chunk * dtype.itemsize
+        self.raw, self.chunk, self.chunk_bytes = raw, chunk, chunk_bytes
+        # [chunks, chunk] elements: a view that skips each chunk's 4 checksum bytes.
+        self.data = raw[:, :chunk_bytes].view(dtype).view(np.ndarray)
+        self.verified = bytearray(raw.shape[0])
+
+    def verify(self, first: int, last: int) -> bool:
+        """Whether chunks ``first .. last`` match their checksums (each computed once)."""
+        for j in range(first, last + 1):
+            if not self.verified[j]:
+                row = self.raw[j]
+                stored = int.from_bytes(row[self.chunk_bytes :].tobytes(), "little")
+                if _crc32c(row[: self.chunk_bytes]) != stored:
+                    return False
+                self.verified[j] = 1
+        return True
+
+    def slice(self, start: int, stop: int) -> np.ndarray | None:
+        """Elements ``[start, stop)`` of the shard, or ``None`` if a chunk they
+        touch fails its checksum."""
+        if stop <= start:
+            return self.data[0, :0]
+        chunk = self.chunk
+        first, last = start // chunk, (stop - 1) // chunk
+        # The common case, a read within one chunk or two, checked without a call.
+        known = last - first <= 1 and self.verified[first] and self.verified[last]
+        if not known and not self.verify(first, last):
+            return None
+        a, b = start - first * chunk, stop - last * chunk
+        if first == last:
+            return self.data[first, a:b]
+        middle = self.data[first + 1 : last].reshape(-1)
+        return np.concatenate([self.data[first, a:], middle, self.data[last, :b]])
+
+    def points(self, indices: np.ndarray) -> np.ndarray | None:
+        """Elements at ``indices`` (``[k] int64``), or ``None`` as :meth:`slice`."""
+        rows = indices // self.chunk
+        for j in np.unique(rows).tolist():
+            if not self.verify(j, j):
+                return None
+        return self.data[rows, indices - rows * self.chunk]
+
+
+_Mapped = np.ndarray | _Checksummed
 
 
 class LocalShards:
@@ -63,12 +154,10 @@ class LocalShards:
     Thread-safe; a shard's index is read once, on first use.
     """
 
-    def __init__(
-        self, folder: str, dtype: np.dtype[Any], size: int, geometry: tuple[int, int, int]
-    ) -> None:
+    def __init__(self, folder: str, dtype: np.dtype[Any], size: int, geometry: Geometry) -> None:
         self.folder, self.dtype, self.size = folder, dtype, size
-        self.shard, self.chunk, self.index_bytes = geometry
-        self._maps: dict[int, np.ndarray | None] = {}
+        self.shard, self.chunk, self.index_bytes, self.checksummed = geometry
+        self._maps: dict[int, _Mapped | None] = {}
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -80,7 +169,7 @@ class LocalShards:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
-    def shard_array(self, i: int) -> np.ndarray | None:
+    def shard_array(self, i: int) -> _Mapped | None:
         """Shard ``i``'s elements as a read-only memory map, or ``None``."""
         try:
             return self._maps[i]
@@ -91,7 +180,7 @@ class LocalShards:
                 self._maps[i] = self._map(i)
             return self._maps[i]
 
-    def _map(self, i: int) -> np.ndarray | None:
+    def _map(self, i: int) -> _Mapped | None:
         path = os.path.join(self.folder, "c", str(i))
         try:
             file_size = os.path.getsize(path)
@@ -106,16 +195,20 @@ class LocalShards:
             raw = f.read(16 * n_chunks)
         index = np.frombuffer(raw, "<u8").reshape(n_chunks, 2)
         chunk_bytes = self.chunk * self.dtype.itemsize
+        stored_bytes = chunk_bytes + (4 if self.checksummed else 0)
         used = -(-(min(self.size - i * self.shard, self.shard)) // self.chunk)
-        expected = np.arange(used, dtype=np.uint64) * np.uint64(chunk_bytes)
+        expected = np.arange(used, dtype=np.uint64) * np.uint64(stored_bytes)
         if not (
             np.array_equal(index[:used, 0], expected)
-            and (index[:used, 1] == chunk_bytes).all()
-            and data_bytes >= used * chunk_bytes
+            and (index[:used, 1] == stored_bytes).all()
+            and data_bytes >= used * stored_bytes
         ):
             return None
         if used == 0:
             return None
+        if self.checksummed:
+            chunks = np.memmap(path, np.uint8, "r", 0, (used, stored_bytes))
+            return _Checksummed(chunks, self.dtype, self.chunk)
         return np.memmap(path, self.dtype, "r", 0, (used * self.chunk,))
 
     def read(self, start: int, stop: int) -> np.ndarray | None:
@@ -126,6 +219,8 @@ class LocalShards:
             if arr is None:
                 return None
             base = first * self.shard
+            if isinstance(arr, _Checksummed):
+                return arr.slice(start - base, stop - base)
             return arr[start - base : stop - base]
         parts = []
         for i in range(first, last + 1):
@@ -133,7 +228,11 @@ class LocalShards:
             if arr is None:
                 return None
             base = i * self.shard
-            parts.append(arr[max(start, base) - base : min(stop, base + self.shard) - base])
+            a, b = max(start, base) - base, min(stop, base + self.shard) - base
+            part = arr.slice(a, b) if isinstance(arr, _Checksummed) else arr[a:b]
+            if part is None:
+                return None
+            parts.append(part)
         return np.concatenate(parts)
 
     def read_points(self, indices: np.ndarray) -> np.ndarray | None:
@@ -145,5 +244,9 @@ class LocalShards:
             if arr is None:
                 return None
             here = shard_of == i
-            out[here] = arr[indices[here] - i * self.shard]
+            local = indices[here] - i * self.shard
+            values = arr.points(local) if isinstance(arr, _Checksummed) else arr[local]
+            if values is None:
+                return None
+            out[here] = values
         return out

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from flat_tokens_jax.dataset import Dataset, FlatTokens
-from flat_tokens_jax.format import ENCODED_DTYPE, as_indices
+from flat_tokens_jax.format import ENCODED_DTYPE, FormatError, as_indices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +199,7 @@ class PaddedRecords(_SplitRecords):
         tokens = self.ft.request_encoded(lo, hi)
         masks = self.ft.request_loss_mask(lo, hi)
         out = _rows(tokens.result(), c1 - c0, ENCODED_DTYPE)
+        check_start_bits(self.ft, out, idx, start + c0, stop - start, c0 == 0)
         mask = None if masks is None else _rows(masks.result(), c1 - c0, np.uint8)
         return Windows(out, lengths=stop - start, stored_mask=mask)
 
@@ -212,6 +213,32 @@ def _rows(pieces: list[np.ndarray], width: int, dtype: Any, right: bool = False)
         else:
             out[row, : piece.size] = piece
     return out
+
+
+def check_start_bits(
+    ft: FlatTokens,
+    rows: np.ndarray,
+    sequences: np.ndarray,
+    first: np.ndarray,
+    lengths: np.ndarray,
+    at_start: bool,
+) -> None:
+    """Raises :class:`FormatError` unless every padded row of ``rows`` (``[k, w]``
+    encoded, from token ``first[r]`` of the split on) whose column 0 is its
+    sequence's first token (``at_start``) has the start bit set there: a
+    ``seq_starts`` entry that points anywhere else, or tokens that are not this
+    split's, show here. Reads one column, so it costs nothing next to the read."""
+    if not at_start or rows.shape[1] == 0:
+        return
+    clear = np.flatnonzero(((rows[:, 0] & 1) == 0) & (lengths > 0))
+    if clear.size:
+        r = int(clear[0])
+        token = int(first[r]) + ft.token_range[0]
+        raise FormatError(
+            f"{ft.url}/{ft.split_name}/{ft.tokens_name}[{token}]: start bit clear where "
+            f"seq_starts[{int(sequences[r]) + ft.seq_range[0]}] begins a sequence: "
+            "the store is corrupt"
+        )
 
 
 def _check_columns(columns: tuple[int, int] | None, seq_len: int) -> tuple[int, int]:

@@ -25,8 +25,9 @@ from flat_tokens_jax.localshards import LocalShards, plain_shard_geometry
 from flat_tokens_jax.urls import parse_url
 
 V3_META = "zarr.json"
-# zarr v3 array attribute: every chunk was written, fill values included, so
-# a missing chunk means a missing object, never a chunk of fill values.
+# Array attribute (zarr v3 metadata, zarr v2 .zattrs): every chunk was written,
+# fill values included, so a missing chunk means a missing object, never a
+# chunk of fill values.
 EVERY_CHUNK_STORED = "every_chunk_stored"
 V2_GROUP = ".zgroup"
 V2_ARRAY = ".zarray"
@@ -171,6 +172,10 @@ _HINTS = {
     "UNAUTHENTICATED": "not authenticated: check the credentials",
     "NOT_FOUND": "an object of the store is missing (the store is incomplete or was deleted)",
     "DEADLINE_EXCEEDED": "the server did not answer in time",
+    "DATA_LOSS": (
+        "stored bytes fail their crc32c checksum (the file named below is corrupt): "
+        "restore it, or write the dataset again"
+    ),
 }
 
 
@@ -354,7 +359,11 @@ class Store:
             self.write_json(prefix + V2_GROUP, {"zarr_format": 2})
 
     def array_metadata(self, key: str) -> tuple[Literal[2, 3], dict[str, Any]] | None:
-        """``(zarr_format, metadata)`` of the array at ``key``, or ``None``."""
+        """``(zarr_format, metadata)`` of the array at ``key``, or ``None``.
+
+        A zarr v2 array's metadata is its ``.zarray``, with its ``.zattrs`` (or
+        ``{}``) under ``"attributes"`` as zarr v3 keeps them.
+        """
         meta = self.read_json(f"{key}/{V3_META}")
         if meta is not None:
             if meta.get("node_type") != "array":
@@ -364,7 +373,9 @@ class Store:
                 )
             return 3, meta
         meta = self.read_json(f"{key}/{V2_ARRAY}")
-        return None if meta is None else (2, meta)
+        if meta is None:
+            return None
+        return 2, {**meta, "attributes": self.read_json(f"{key}/{V2_ATTRS}") or {}}
 
     def open_array(
         self,
@@ -589,6 +600,7 @@ def describe_layout(zarr_format: int, meta: Mapping[str, Any]) -> dict[str, Any]
             "shard": None,
             "compression": comp.get("id") if comp else None,
             "filters": [f.get("id") for f in meta.get("filters") or []],
+            "checksum": False,
         }
     grid = meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape", [None])[0]
     codecs = list(meta.get("codecs", []))
@@ -598,11 +610,13 @@ def describe_layout(zarr_format: int, meta: Mapping[str, Any]) -> dict[str, Any]
         conf = codecs[0].get("configuration", {})
         shard, chunk = grid, conf.get("chunk_shape", [None])[0]
         codecs = conf.get("codecs", [])
-    names = [c.get("name") for c in codecs if c.get("name") not in ("bytes", "transpose")]
+    skipped = ("bytes", "transpose", "crc32c")
+    names = [c.get("name") for c in codecs if c.get("name") not in skipped]
     return {
         "zarr_format": 3,
         "chunk": chunk,
         "shard": shard,
         "compression": "+".join(names) if names else None,
         "filters": [],
+        "checksum": any(c.get("name") == "crc32c" for c in codecs),
     }

@@ -21,15 +21,21 @@ from flat_tokens_jax.format import (
 )
 from flat_tokens_jax.identity import DatasetInfo
 from flat_tokens_jax.plans import check_stored_plans, plans_summary
-from flat_tokens_jax.store import ArrayReader, Store, StoreOptions, resolve_options
+from flat_tokens_jax.store import ArrayReader, Store, StoreError, StoreOptions, resolve_options
 
 BLOCK = 1 << 22
+# validate(quick=True): sequences sampled per split, and tokens read from the start of each.
+QUICK_SAMPLES = 1024
+QUICK_TOKENS = 64
 
 
 def validate(
     url: str | os.PathLike[str],
     options: StoreOptions | None = None,
     block: int = BLOCK,
+    *,
+    quick: bool = False,
+    samples: int = QUICK_SAMPLES,
     **option_fields: Any,
 ) -> None:
     """Checks every invariant of the dataset at ``url``, reading it in blocks.
@@ -42,6 +48,13 @@ def validate(
     (``<split>/bins_<seq_len>``) places each sequence once, keeps bins within
     its ``seq_len`` and was made from the split as it is. ``options`` (or its
     fields as keywords) say how to reach the store, as for :func:`open_dataset`.
+    Bytes that fail their crc32c checksum are a problem of the array they
+    belong to.
+
+    ``quick=True`` reads a sample instead of everything, for stores too big to
+    scan: the metadata, both ends of ``seq_starts``, and ``samples`` sequences
+    (spread over the split, the same ones every time): their bounds, and the
+    start bits and ids of their first :data:`QUICK_TOKENS` tokens.
 
     Raises:
         FormatError: listing every violation found, each with its array and index.
@@ -68,7 +81,12 @@ def validate(
         except FormatError as e:
             problems += e.problems
             continue
-        problems += _check_split(ft, block)
+        try:
+            problems += _check_sample(ft, samples) if quick else _check_split(ft, block)
+        except StoreError as e:
+            if "DATA_LOSS" not in str(e):
+                raise
+            problems.append(Problem(f"{ft.url}/{ft.split_name}", str(e)))
         problems += check_stored_plans(ft)
     if problems:
         raise FormatError(problems)
@@ -97,6 +115,42 @@ def _check_split(ft: FlatTokens, block: int) -> list[Problem]:
                     for i in bad[: FormatError.max_listed]
                 ]
     return problems
+
+
+def _check_sample(ft: FlatTokens, samples: int) -> list[Problem]:
+    """The checks of :func:`validate` on ``samples`` sequences of ``ft`` (see ``quick``)."""
+    tokens_where = f"{ft.split_name}/{ft.tokens_name}"
+    starts_where = f"{ft.split_name}/{SEQ_STARTS}"
+    n, num_tokens = ft.starts.size - 1, ft.encoded.size
+    ends = ft.starts.read_points(np.array([0, n]))
+    problems = check_starts_block(ends[:1], 0, None, num_tokens, starts_where)
+    if int(ends[1]) != num_tokens:
+        problems.append(
+            Problem(starts_where, f"last entry must equal the token count {num_tokens}", n, ends[1])
+        )
+    if n == 0 or problems:
+        return problems
+    drawn = np.random.default_rng(0).choice(n, min(samples, n), replace=False)
+    seqs = np.unique(np.concatenate([[0, n - 1], drawn]))
+    at = np.concatenate([seqs, seqs + 1])
+    values = ft.starts.read_points(at)
+    for i in range(seqs.size):
+        pair = values[[i, seqs.size + i]]
+        problems += check_starts_block(
+            pair[1:], int(seqs[i]) + 1, int(pair[0]), num_tokens, starts_where
+        )
+    problems += [
+        Problem(starts_where, f"beyond the {num_tokens} tokens of the split", int(at[i]), int(v))
+        for i, v in enumerate(values[: seqs.size])
+        if int(v) > num_tokens
+    ]
+    if problems:
+        return problems
+    lo = values[: seqs.size].astype(np.int64)
+    hi = np.minimum(values[seqs.size :].astype(np.int64), lo + QUICK_TOKENS)
+    for start, enc in zip(lo.tolist(), ft.encoded.read_ranges(lo, hi), strict=True):
+        problems += check_tokens_block(enc, start, np.array([start]), ft.max_token_id, tokens_where)
+    return problems[: FormatError.max_listed]
 
 
 def _check_arrays(

@@ -12,7 +12,13 @@ measures side by side, in one run, over the same random steps:
 reporting tokens/s, the ratio to memmap, and CPU seconds per million tokens.
 Also time-to-first-batch at step 0 and at step 10**9 (fresh loaders).
 
-Run: ``python scripts/bench_loader.py [--tokens 200_000_000] [--steps 20]``
+The default layout stores a crc32c after every chunk; ``uncompressed, no
+checksums`` is the same layout without them, to measure their write and read
+cost. ``--padded`` reads padded rows (one sequence per row) and also times the
+integrity checks of a padded read alone (``seq_starts`` bounds and start
+bits), as a fraction of ``host_batch``.
+
+Run: ``python scripts/bench_loader.py [--tokens 200_000_000] [--steps 20] [--padded]``
 """
 
 from __future__ import annotations
@@ -23,10 +29,12 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 import flat_tokens_jax as ftj
+from flat_tokens_jax.records import PaddedRecords, check_start_bits
 
 
 def synthetic(num_tokens: int, seed: int = 0) -> Iterator[np.ndarray]:
@@ -63,10 +71,12 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--dir", type=Path, default=None)
+    parser.add_argument("--padded", action="store_true", help="padded rows, and time the checks")
     args = parser.parse_args()
     root = args.dir or Path(tempfile.mkdtemp(prefix="ftj-bench-"))
     layouts = {
         "uncompressed": ftj.Layout(),
+        "uncompressed, no checksums": ftj.Layout(checksum=False),
         "zstd": ftj.Layout(compression="zstd", chunk_tokens=1 << 14),
     }
     B, L = args.batch, args.seq_len
@@ -79,15 +89,26 @@ def main() -> None:
             raw = root / f"{name}.u32"
             ft.encoded_ranges([0], [ft.num_tokens])[0].tofile(raw)
             mm = np.memmap(raw, np.uint32, "r")
-            cfg = ftj.LoaderConfig(batch_size=B, seq_len=L, seed=1, prefetch=0)
+            cfg = ftj.LoaderConfig(
+                batch_size=B, seq_len=L, seed=1, prefetch=0, packing=not args.padded
+            )
             loader = ftj.Loader(ft, cfg)
             steps = list(range(1000, 1000 + args.steps))
             out = np.empty((B, L + 1), np.uint32)
 
             def memmap_copy(
-                step: int, loader: ftj.Loader = loader, mm: np.ndarray = mm, out: np.ndarray = out
+                step: int,
+                loader: ftj.Loader = loader,
+                mm: np.ndarray = mm,
+                out: np.ndarray = out,
+                ft: ftj.FlatTokens = ft,
             ) -> None:
                 g = np.arange(B, dtype=np.int64) + step * B
+                if args.padded:
+                    lo = ft.sequence_bounds(loader.sampler.records(g))[0]
+                    for row, s in enumerate(lo.tolist()):
+                        out[row, :L] = mm[s : s + L]
+                    return
                 starts = loader.sampler.records(g) * L
                 for row, s in enumerate(np.maximum(starts - 1, 0).tolist()):
                     out[row] = mm[s : s + L + 1]
@@ -109,6 +130,26 @@ def main() -> None:
                 rows.append(
                     (name, label, tokens / wall / 1e6, base_wall / wall, cpu / tokens * 1e6)
                 )
+            if args.padded:
+                records = PaddedRecords(ft, L)
+                prepared = []
+                for step in steps:
+                    idx = loader.sampler.records(np.arange(B, dtype=np.int64) + step * B)
+                    at = np.concatenate([idx, idx + 1])
+                    values = ft.starts.read_points(at).astype(np.int64)
+                    lo, hi = values[:B], values[B:]
+                    prepared.append((idx, at, values, records.read(idx).encoded, lo, hi - lo))
+
+                def checks(
+                    i: int, prepared: list[tuple[np.ndarray, ...]] = prepared, ft: Any = ft
+                ) -> None:
+                    idx, at, values, rows, lo, lengths = prepared[i]
+                    ft.check_bounds(at, values, B)
+                    check_start_bits(ft, rows, idx, lo, lengths, True)
+
+                wall, _ = timed(checks, list(range(len(steps))))
+                host_wall, _ = timed(loader.host_batch, steps)
+                rows.append((name, "checks of a padded read", wall / host_wall, None, None))
             for step in (0, 10**9):
                 fresh = ftj.Loader(ftj.open_dataset(path)["train"], cfg)
                 began = time.perf_counter()
@@ -124,7 +165,9 @@ def main() -> None:
         print("| layout | path | M tokens/s (or s) | vs memmap | CPU s / M tokens |")
         print("| --- | --- | ---: | ---: | ---: |")
         for name, label, rate, ratio, cpu in rows:
-            if ratio is None:
+            if label == "checks of a padded read":
+                print(f"| {name} | {label} | {rate:.1%} of host_batch | | |")
+            elif ratio is None:
                 print(f"| {name} | {label} | {rate:.3f} s | | |")
             else:
                 print(f"| {name} | {label} | {rate:.1f} | {ratio:.2f}x | {cpu:.4f} |")

@@ -37,11 +37,13 @@ GEN_BLOCK = 1 << 24  # tokens generated, or fed to the writer, at a time
 DEFAULT = "v3-c13"
 LAYOUTS = {
     DEFAULT: ftj.Layout(),
+    "v3-c13-nocrc": ftj.Layout(checksum=False),
     "v3-c14": ftj.Layout(chunk_tokens=1 << 14),
     "v3-c16": ftj.Layout(chunk_tokens=1 << 16),
     "v3-c14-zstd3": ftj.Layout(chunk_tokens=1 << 14, compression="zstd"),
     "v3-c16-zstd3": ftj.Layout(chunk_tokens=1 << 16, compression="zstd"),
-    "v2-c20": ftj.Layout(zarr_format=2, shard_tokens=1 << 20, chunk_tokens=1 << 20),
+    "v2-c20": ftj.Layout(zarr_format=2, shard_tokens=1 << 20, compression=None),
+    "v2-c20-blosc": ftj.Layout(zarr_format=2),
 }
 
 HEADER = (
@@ -189,7 +191,10 @@ def describe(layout: ftj.Layout) -> str:
     where = (
         f"v2 chunk 2^{shard}" if layout.zarr_format == 2 else f"v3 shard 2^{shard} chunk 2^{chunk}"
     )
-    return where + (f" zstd{layout.zstd_level}" if layout.compression else " raw")
+    codec = {"zstd": f" zstd{layout.zstd_level}", "blosc": f" blosc-zstd{layout.zstd_level}"}
+    return (
+        where + codec.get(layout.compression or "", " raw") + (" crc32c" if layout.checksum else "")
+    )
 
 
 def markdown(header: list[str], rows: list[list[str]]) -> str:

@@ -23,6 +23,7 @@ def tokens_array(path: Path) -> TensorStoreArray:
     n=st.integers(1, 300),
     chunk=st.sampled_from([2, 4, 8]),
     per_shard=st.integers(1, 4),
+    checksum=st.booleans(),
     data=st.data(),
 )
 def test_memory_mapped_reads_equal_tensorstore_reads(
@@ -30,6 +31,7 @@ def test_memory_mapped_reads_equal_tensorstore_reads(
     n: int,
     chunk: int,
     per_shard: int,
+    checksum: bool,
     data: st.DataObject,
 ) -> None:
     path = tmp_path_factory.mktemp("ds")
@@ -37,7 +39,7 @@ def test_memory_mapped_reads_equal_tensorstore_reads(
     ftj.write_dataset(
         path,
         {"train": [values]},
-        layout=ftj.Layout(shard_tokens=chunk * per_shard, chunk_tokens=chunk),
+        layout=ftj.Layout(shard_tokens=chunk * per_shard, chunk_tokens=chunk, checksum=checksum),
     )
     reader = tokens_array(path)
     assert reader.local is not None
@@ -45,6 +47,7 @@ def test_memory_mapped_reads_equal_tensorstore_reads(
     hi = np.minimum(
         lo + np.array(data.draw(st.lists(st.integers(0, n), min_size=lo.size, max_size=lo.size))), n
     )
+    lo, hi = np.append(lo, n), np.append(hi, n)  # an empty read at the end, too
     expected = [reader.store[a:b].read().result() for a, b in zip(lo, hi, strict=True)]
     got = reader.read_ranges(lo, hi)
     assert [g.tolist() for g in got] == [e.tolist() for e in expected]
@@ -109,3 +112,14 @@ def test_compressed_or_foreign_layouts_are_not_memory_mapped(tmp_path: Path) -> 
         "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
     }
     assert plain_shard_geometry(meta) is None
+
+
+def test_an_empty_read_at_the_end_of_a_checksummed_array(tmp_path: Path) -> None:
+    """The last shard holds one whole chunk; an empty read just past it is empty."""
+    ftj.write_dataset(
+        tmp_path, {"train": [list(range(12))]}, layout=ftj.Layout(shard_tokens=8, chunk_tokens=4)
+    )
+    reader = tokens_array(tmp_path)
+    assert reader.local is not None and reader.local.checksummed
+    got = reader.read_ranges(np.array([12, 11, 3]), np.array([12, 12, 9]))
+    assert [g.tolist() for g in got] == [[], [22], [6, 8, 10, 12, 14, 16]]

@@ -236,6 +236,7 @@ def test_summary_reports_counts_lengths_and_layout(tmp_path: Path) -> None:
         "shard": 64,
         "compression": "zstd",
         "filters": [],
+        "checksum": True,
     }
     assert info["splits"]["validation"]["num_sequences"] == 0
 

@@ -97,8 +97,12 @@ def test_streams_with_bounded_memory_and_many_shards(tmp_path: Path) -> None:
 def test_zarr_python_reads_what_we_write(tmp_path: Path) -> None:
     for fmt_version in (3, 2):
         url = tmp_path / f"v{fmt_version}"
-        layout = ftj.Layout(
-            zarr_format=fmt_version, shard_tokens=8, chunk_tokens=4, compression="zstd"
+        # v2: its default compressor (blosc), which numcodecs decodes in every version;
+        # numcodecs before 0.16 cannot decode the zstd frames tensorstore writes.
+        layout = (
+            ftj.Layout(shard_tokens=8, chunk_tokens=4, compression="zstd")
+            if fmt_version == 3
+            else ftj.Layout(zarr_format=2, shard_tokens=8)
         )
         ftj.write_dataset(url, {"train": [[1, 2], [3, 4, 5], [6, 7, 8]]}, layout=layout)
         group = zarr.open_group(str(url), mode="r")
@@ -108,6 +112,25 @@ def test_zarr_python_reads_what_we_write(tmp_path: Path) -> None:
         assert train["encoded_tokens"][:].tolist() == [3, 4, 7, 8, 10, 13, 14, 16]
         assert train["seq_starts"][:].tolist() == [0, 2, 5, 8]
         assert group["validation"]["seq_starts"][:].tolist() == [0]
+
+
+def test_zarr_v2_defaults_keep_a_small_dataset_small(tmp_path: Path) -> None:
+    """50 sequences, ~60k tokens: once 257 MB on disk (full 64 MiB chunk files)."""
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 50_000, int(n)) for n in rng.integers(1, 2400, 50)]
+    ftj.write_dataset(tmp_path, {"train": seqs}, layout=ftj.Layout(zarr_format=2))
+    raw = 4 * sum(map(len, seqs)) + 8 * 51
+
+    def on_disk(folder: Path) -> int:
+        return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+    assert on_disk(tmp_path) <= raw
+    assert on_disk(tmp_path / "train" / "seq_starts") < 4096
+    layout = ftj.open_dataset(tmp_path)["train"].layout()["encoded_tokens"]
+    assert (layout["chunk"], layout["compression"]) == (1 << 20, "blosc")
+    assert zarr.open_array(str(tmp_path / "train" / "seq_starts"), mode="r")[-1] == sum(
+        map(len, seqs)
+    )
 
 
 def test_bad_input_names_the_sequence() -> None:
@@ -158,8 +181,12 @@ def test_never_overwrites_unless_asked(tmp_path: Path) -> None:
 def test_bad_layouts_are_refused() -> None:
     with pytest.raises(ValueError, match="chunk_tokens 3 must divide shard_tokens 16"):
         ftj.Layout(shard_tokens=16, chunk_tokens=3)
-    with pytest.raises(ValueError, match="compression must be None or 'zstd'"):
+    with pytest.raises(ValueError, match="compression must be None, 'zstd' or 'blosc'"):
         ftj.Layout(compression="gzip")
+    with pytest.raises(ValueError, match="'blosc' needs zarr_format=2"):
+        ftj.Layout(compression="blosc")
+    with pytest.raises(ValueError, match="checksum=True needs zarr_format=3"):
+        ftj.Layout(zarr_format=2, checksum=True)
     with pytest.raises(ValueError, match="zarr_format must be 2 or 3"):
         ftj.Layout(zarr_format=4)
 

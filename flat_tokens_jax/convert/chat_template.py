@@ -146,7 +146,11 @@ class ChatTemplate:
         """Reads the ``chat:`` mapping of a YAML file (needs the ``yaml`` extra)."""
         yaml = require("yaml", "yaml")
         with open(path, encoding="utf-8") as f:
-            loaded = yaml.safe_load(f)
+            try:
+                loaded = yaml.safe_load(f)
+            except yaml.YAMLError as e:
+                # PyYAML's message spans lines (problem, then the place): one line here.
+                raise ValueError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from e
         if not isinstance(loaded, dict) or not isinstance(loaded.get("chat"), dict):
             raise ValueError(f"{path}: expected a mapping under a top-level 'chat:' key")
         return cls.from_dict(loaded["chat"])

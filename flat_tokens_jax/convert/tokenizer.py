@@ -143,7 +143,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> LoadedTokenizer:
 
     Raises:
         FileNotFoundError: no such file or directory.
-        ValueError: a slow tokenizer, or ids above ``2**31 - 1``.
+        ValueError: not a tokenizers JSON file, a slow tokenizer, or ids above ``2**31 - 1``.
         ImportError: ``tokenizers`` (or ``transformers`` for a directory) missing.
     """
     p = Path(path)
@@ -161,7 +161,13 @@ def load_tokenizer(path: str | os.PathLike[str]) -> LoadedTokenizer:
         tok = tokenizers.Tokenizer.from_str(hf.backend_tokenizer.to_str())
         bos, eos = hf.bos_token_id, hf.eos_token_id
     elif p.is_file():
-        tok = tokenizers.Tokenizer.from_file(str(p))
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(p))
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise ValueError(
+                f"{p}: not a tokenizers JSON file ({e}): pass a tokenizer.json saved by "
+                "tokenizers, or a transformers tokenizer directory"
+            ) from e
         bos, eos = _find_token(tok, BOS_CANDIDATES), _find_token(tok, EOS_CANDIDATES)
     else:
         raise FileNotFoundError(f"tokenizer {p}: no such file or directory")

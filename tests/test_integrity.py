@@ -1,0 +1,279 @@
+"""A corrupt store never reads as data: each read gives the pristine rows or fails naming the place.
+
+The corruption matrix plants one fault in a small store (zarr v3 with its
+default crc32c checksums, and zarr v2) and reads every record, packed and
+padded. Flipped bits are caught by the checksums of zarr v3 (zarr v2 has
+none); truncated, emptied or missing shard or chunk files in both; logical
+faults written with valid checksums (``seq_starts`` entries, cleared start
+bits) by the checks of padded reads, which read ``seq_starts``; packed
+records read tokens as stored, and only ``validate`` compares their start bits
+with ``seq_starts``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tensorstore as ts
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flat_tokens_jax as ftj
+from flat_tokens_jax.cli import main
+from flat_tokens_jax.format import FormatError
+from flat_tokens_jax.records import PackedRecords, PaddedRecords
+from flat_tokens_jax.store import StoreError
+
+SEQ_LEN = 8
+LAYOUTS = {
+    "v3": ftj.Layout(shard_tokens=64, chunk_tokens=8),
+    "v2": ftj.Layout(zarr_format=2, shard_tokens=64),
+}
+
+
+def sequences() -> list[np.ndarray]:
+    rng = np.random.default_rng(7)
+    return [rng.integers(0, 1000, int(n)) for n in rng.integers(1, 13, 40)]
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = {}
+    for name, layout in LAYOUTS.items():
+        path = tmp_path_factory.mktemp(name) / "ds"
+        ftj.write_dataset(path, {"train": sequences()}, layout=layout)
+        out[name] = path
+    return out
+
+
+def read_all(path: Path) -> list[Any]:
+    """Every packed and every padded record of train."""
+    ft = ftj.open_dataset(path)["train"]
+    packed = PackedRecords(ft, SEQ_LEN)
+    padded = PaddedRecords(ft, SEQ_LEN)
+    rows = padded.read(np.arange(len(padded)))
+    return [packed.read(np.arange(len(packed))).encoded, rows.encoded, rows.lengths]
+
+
+def outcome(path: Path) -> list[Any] | str:
+    """The rows read, or the message of the error that stopped the read."""
+    try:
+        return read_all(path)
+    except (FormatError, StoreError) as e:
+        return str(e)
+
+
+def assert_pristine_or_named(got: list[Any] | str, pristine: list[Any], *places: str) -> None:
+    if isinstance(got, str):
+        assert any(p in got for p in places), got
+        return
+    for a, b in zip(got, pristine, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def shard_files(path: Path) -> list[Path]:
+    """The data files of train's arrays: v3 shards under ``c/``, v2 chunks."""
+    return sorted(
+        p for p in (path / "train").rglob("*") if p.is_file() and not p.name.startswith((".", "z"))
+    )
+
+
+def copy(path: Path) -> Path:
+    target = Path(tempfile.mkdtemp()) / "ds"
+    shutil.copytree(path, target)
+    return target
+
+
+def write_element(path: Path, array: str, index: int, value: int) -> None:
+    """Writes one element as a buggy tool would: through zarr, checksums valid."""
+    folder = path / "train" / array
+    driver = "zarr3" if (folder / "zarr.json").exists() else "zarr"
+    kvstore = {"driver": "file", "path": f"{folder}/"}
+    spec = {"driver": driver, "kvstore": kvstore, "open": True}
+    # As our writer does: chunks that hold fill values stay stored.
+    handle = ts.open({**spec, "store_data_equal_to_fill_value": True}).result()
+    handle[index].write(value).result()
+
+
+@settings(max_examples=40)
+@given(file=st.integers(0, 1000), position=st.integers(0, 1 << 20), bit=st.integers(0, 7))
+def test_a_flipped_bit_in_a_v3_store_fails_or_reads_the_same(
+    pristine: dict[str, Path], file: int, position: int, bit: int
+) -> None:
+    expected = read_all(pristine["v3"])
+    path = copy(pristine["v3"])
+    files = shard_files(path)
+    target = files[file % len(files)]
+    data = bytearray(target.read_bytes())
+    data[position % len(data)] ^= 1 << bit
+    target.write_bytes(bytes(data))
+    got = outcome(path)
+    shutil.rmtree(path.parent)
+    assert_pristine_or_named(got, expected, f"{target.parent.parent.name}", "corrupt")
+
+
+@pytest.mark.parametrize("fmt", ["v3", "v2"])
+@pytest.mark.parametrize("fault", ["truncate", "delete", "empty"])
+def test_a_damaged_shard_file_fails_the_read(
+    pristine: dict[str, Path], fmt: str, fault: str
+) -> None:
+    for index in range(len(shard_files(pristine[fmt]))):
+        path = copy(pristine[fmt])
+        target = shard_files(path)[index]
+        if fault == "delete":
+            target.unlink()
+        else:
+            size = target.stat().st_size
+            target.write_bytes(target.read_bytes()[: size // 2 if fault == "truncate" else 0])
+        got = outcome(path)
+        shutil.rmtree(path.parent)
+        assert isinstance(got, str), (fault, target)
+        assert target.parent.parent.name in got, got
+
+
+@pytest.mark.parametrize("fmt", ["v3", "v2"])
+@settings(max_examples=30)
+@given(data=st.data())
+def test_a_wrong_seq_starts_entry_fails_padded_reads(
+    pristine: dict[str, Path], fmt: str, data: st.DataObject
+) -> None:
+    expected = read_all(pristine[fmt])
+    num_tokens = int(expected[2].sum())
+    index = data.draw(st.integers(0, len(expected[2])), label="index")
+    value = data.draw(
+        st.one_of(st.integers(0, num_tokens + 5), st.just(2**64 - 1), st.just(2**63)),
+        label="value",
+    )
+    path = copy(pristine[fmt])
+    write_element(path, "seq_starts", index, value)
+    got = outcome(path)
+    shutil.rmtree(path.parent)
+    assert_pristine_or_named(got, expected, "train/seq_starts[", "train/encoded_tokens[")
+
+
+@pytest.mark.parametrize("fmt", ["v3", "v2"])
+@pytest.mark.parametrize("case", ["empty first", "empty second", "backwards", "beyond", "huge"])
+def test_named_seq_starts_faults_fail_padded_reads(
+    pristine: dict[str, Path], fmt: str, case: str
+) -> None:
+    ft = ftj.open_dataset(pristine[fmt])["train"]
+    starts = ft.starts.read_points(np.arange(ft.num_sequences + 1)).astype(int)
+    index, value, message = {
+        "empty first": (1, 0, r"seq_starts\[1\]: entry 0 is not above the entry before it"),
+        "empty second": (1, starts[2], r"seq_starts\[2\]: entry \d+ is not above"),
+        "backwards": (3, starts[2] - 1, r"seq_starts\[3\]: entry \d+ is not above"),
+        "beyond": (3, ft.num_tokens + 1, r"seq_starts\[3\]: entry \d+ is outside the tokens"),
+        "huge": (3, 2**64 - 1, r"seq_starts\[3\]: entry -1 is outside the tokens"),
+    }[case]
+    path = copy(pristine[fmt])
+    write_element(path, "seq_starts", index, value)
+    with pytest.raises(FormatError, match=message):
+        read_all(path)
+    shutil.rmtree(path.parent)
+
+
+@pytest.mark.parametrize("fmt", ["v3", "v2"])
+def test_a_cleared_start_bit_fails_padded_reads(pristine: dict[str, Path], fmt: str) -> None:
+    ft = ftj.open_dataset(pristine[fmt])["train"]
+    starts = ft.starts.read_points(np.arange(ft.num_sequences)).astype(int)
+    for seq in (0, 17, ft.num_sequences - 1):
+        path = copy(pristine[fmt])
+        at = int(starts[seq])
+        write_element(
+            path, "encoded_tokens", at, int(ft.encoded.read_points(np.array([at]))[0]) - 1
+        )
+        with pytest.raises(FormatError, match=rf"train/encoded_tokens\[{at}\]: start bit clear"):
+            read_all(path)
+        shutil.rmtree(path.parent)
+
+
+def test_seq_starts_ends_are_checked_at_open(pristine: dict[str, Path]) -> None:
+    n = ftj.open_dataset(pristine["v3"])["train"].num_sequences
+    for index, value, message in (
+        (0, 1, r"seq_starts\[0\]: first entry is 1, expected 0"),
+        (n, 5, rf"seq_starts\[{n}\]: last entry is 5"),
+    ):
+        path = copy(pristine["v3"])
+        write_element(path, "seq_starts", index, value)
+        with pytest.raises(FormatError, match=message):
+            ftj.open_dataset(path)
+        shutil.rmtree(path.parent)
+
+
+def test_a_shard_of_another_split_fails_padded_reads(tmp_path: Path) -> None:
+    """A shard file swapped for a valid shard of another store: the checksums
+    pass, the start bits do not match ``seq_starts``."""
+    rng = np.random.default_rng(3)
+    other = [rng.integers(0, 1000, int(n)) for n in rng.integers(1, 13, 40)]
+    layout = LAYOUTS["v3"]
+    ftj.write_dataset(tmp_path / "a", {"train": sequences()}, layout=layout)
+    ftj.write_dataset(tmp_path / "b", {"train": other}, layout=layout)
+    shard = tmp_path / "b" / "train" / "encoded_tokens" / "c" / "1"
+    (tmp_path / "a" / "train" / "encoded_tokens" / "c" / "1").unlink()
+    (tmp_path / "a" / "train" / "encoded_tokens" / "c" / "1").symlink_to(shard)
+    with pytest.raises(FormatError, match=r"train/encoded_tokens\[\d+\]: start bit"):
+        read_all(tmp_path / "a")
+
+
+@pytest.mark.parametrize("fmt", ["v3", "v2"])
+def test_quick_validate_finds_planted_faults_in_what_it_samples(
+    pristine: dict[str, Path], fmt: str
+) -> None:
+    ftj.validate(pristine[fmt], quick=True)
+    ft = ftj.open_dataset(pristine[fmt])["train"]
+    starts = ft.starts.read_points(np.arange(ft.num_sequences + 1)).astype(int)
+    at = int(starts[5])
+    value = int(ft.encoded.read_points(np.array([at]))[0])
+    cases = [
+        ("seq_starts", 0, 3, r"train/seq_starts\[0\]: first entry must be 0"),
+        ("seq_starts", 7, int(starts[9]), r"train/seq_starts\[8\]: not strictly increasing"),
+        ("seq_starts", ft.num_sequences, 3, r"last entry must equal the token count"),
+        ("encoded_tokens", at, value - 1, rf"encoded_tokens\[{at}\]: seq_starts marks"),
+        ("encoded_tokens", at + 1, 1, rf"encoded_tokens\[{at + 1}\]: start bit set"),
+        ("encoded_tokens", at, 2**32 - 1, rf"encoded_tokens\[{at}\]: .*max_token_id"),
+    ]
+    for array, index, new, message in cases:
+        path = copy(pristine[fmt])
+        write_element(path, array, index, new)
+        with pytest.raises(FormatError, match=message):
+            ftj.validate(path, quick=True, samples=ft.num_sequences)
+        shutil.rmtree(path.parent)
+
+
+def test_quick_validate_reports_a_chunk_that_fails_its_checksum(pristine: dict[str, Path]) -> None:
+    path = copy(pristine["v3"])
+    target = path / "train" / "encoded_tokens" / "c" / "0"
+    data = bytearray(target.read_bytes())
+    data[0] ^= 1
+    target.write_bytes(bytes(data))
+    for quick in (True, False):
+        with pytest.raises(FormatError, match=r"train/encoded_tokens: stored bytes fail"):
+            ftj.validate(path, quick=quick)
+    shutil.rmtree(path.parent)
+
+
+def test_cli_validate_quick(pristine: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "--quick", str(pristine["v3"])]) == 0
+    assert capsys.readouterr().out == f"{pristine['v3']}: valid (sampled: --quick)\n"
+    path = copy(pristine["v3"])
+    write_element(path, "seq_starts", 3, 0)
+    assert main(["validate", "--quick", str(path)]) == 1
+    assert "train/seq_starts[3]: not strictly increasing" in capsys.readouterr().err
+    shutil.rmtree(path.parent)
+
+
+def test_info_shows_the_checksums(
+    pristine: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["info", str(pristine["v3"])]) == 0
+    text = capsys.readouterr().out
+    assert "encoded_tokens: chunk 8, shard 64, compression none, crc32c checksums" in text
+    assert main(["info", "--json", str(pristine["v2"])]) == 0
+    layout = json.loads(capsys.readouterr().out)["splits"]["train"]["layout"]["encoded_tokens"]
+    assert (layout["compression"], layout["checksum"], layout["chunk"]) == ("blosc", False, 64)

@@ -25,6 +25,7 @@ from flat_tokens_jax.format import (
     decode,
 )
 from flat_tokens_jax.identity import DatasetInfo
+from flat_tokens_jax.probes import ShardProbes
 from flat_tokens_jax.store import (
     ArrayReader,
     Pending,
@@ -83,6 +84,15 @@ class FlatTokens:
         self.loss_mask: ArrayReader | None = (
             None if mask_meta is None else store.open_array(f"{split}/{LOSS_MASK}", *mask_meta)
         )
+        arrays = [(self.tokens_name, meta, self.encoded), (SEQ_STARTS, starts_meta, self.starts)]
+        if mask_meta is not None and self.loss_mask is not None:
+            arrays.append((LOSS_MASK, mask_meta, self.loss_mask))
+        self.probes = {
+            name: ShardProbes.of(
+                found[1].get("attributes") or {}, f"{store.url}/{split}/{name}", reader.size
+            )
+            for name, found, reader in arrays
+        }
         self._check_shapes(check_end)
         self.seq_range = (0, self.starts.size - 1)
         self.token_range = (0, self.encoded.size)
@@ -98,7 +108,9 @@ class FlatTokens:
         if self.starts.size < 1:
             raise FormatError(f"{where}/{SEQ_STARTS}: empty; it needs num_sequences + 1 entries")
         if check_end:
-            first, last = self.starts.read_points(np.array([0, self.starts.size - 1])).tolist()
+            ends = np.array([0, self.starts.size - 1])
+            self._check_probes(SEQ_STARTS, self.starts, ends, ends + 1)
+            first, last = self.starts.read_points(ends).tolist()
             if first != 0:
                 raise FormatError(f"{where}/{SEQ_STARTS}[0]: first entry is {first}, expected 0")
             if last != self.encoded.size:
@@ -172,6 +184,7 @@ class FlatTokens:
                 f"{self!r}: token range [{lo[i]}, {hi[i]}) is outside [0, {self.num_tokens})"
             )
         base = self.token_range[0]
+        self._check_probes(self.tokens_name, self.encoded, lo + base, hi + base)
         return self.encoded.request_ranges(lo + base, hi + base)
 
     def request_loss_mask(self, starts: np.ndarray, stops: np.ndarray) -> Pending | None:
@@ -179,7 +192,9 @@ class FlatTokens:
         if self.loss_mask is None:
             return None
         base = self.token_range[0]
-        return self.loss_mask.request_ranges(np.asarray(starts) + base, np.asarray(stops) + base)
+        lo, hi = np.asarray(starts, np.int64) + base, np.asarray(stops, np.int64) + base
+        self._check_probes(LOSS_MASK, self.loss_mask, lo, hi)
+        return self.loss_mask.request_ranges(lo, hi)
 
     def sequence_bounds(self, indices: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(starts, stops)`` token offsets ``[k] int64`` of sequences ``indices``, one read."""
@@ -190,6 +205,7 @@ class FlatTokens:
                 f"{self!r}: sequence index {idx[bad[0]]} is outside [0, {self.num_sequences})"
             )
         at = idx + self.seq_range[0]
+        self._check_probes(SEQ_STARTS, self.starts, at, at + 2)
         both = self.starts.read_points(np.concatenate([at, at + 1])).astype(np.int64)
         self.check_bounds(np.concatenate([at, at + 1]), both, idx.size)
         both -= self.token_range[0]
@@ -244,6 +260,7 @@ class FlatTokens:
                 f"{self!r}: sequence range [{first}, {stop}) is outside [0, {self.num_sequences}]"
             )
         at = np.array([first, stop], np.int64) + self.seq_range[0]
+        self._check_probes(SEQ_STARTS, self.starts, at, at + 1)
         both = self.starts.read_points(at).astype(np.int64)
         # An empty view reads one entry twice: only its range can be checked.
         self.check_bounds(at, both, 1 if stop > first else 0)
@@ -252,6 +269,14 @@ class FlatTokens:
         out.seq_range = (int(at[0]), int(at[1]))
         out.token_range = (lo, hi)
         return out
+
+    def _check_probes(
+        self, name: str, reader: ArrayReader, starts: np.ndarray, stops: np.ndarray
+    ) -> None:
+        """Checks the shard probes (:mod:`~flat_tokens_jax.probes`) of what a read touches."""
+        probes = self.probes.get(name)
+        if probes is not None:
+            probes.check(reader.read_ranges, starts, stops)
 
     def layout(self) -> dict[str, dict[str, Any]]:
         """Per array: zarr version, chunk and shard sizes, compression."""

@@ -15,7 +15,9 @@ import numpy as np
 import tensorstore as ts
 
 from flat_tokens_jax.format import SEQ_STARTS
-from flat_tokens_jax.store import EVERY_CHUNK_STORED, V2_ATTRS, Store
+from flat_tokens_jax.probes import ATTRIBUTE as PROBES
+from flat_tokens_jax.probes import record
+from flat_tokens_jax.store import EVERY_CHUNK_STORED, V2_ATTRS, V3_META, Store
 
 # The size arrays are created with when the final one is not known yet; the
 # writer shrinks them to their size at the end (a metadata-only resize).
@@ -208,3 +210,24 @@ def open_for_writing(store: Store, split: str, array: str, layout: Layout) -> ts
         "store_data_equal_to_fill_value": True,
     }
     return store.wait(ts.open(spec, context=store.context))
+
+
+def record_probes(
+    store: Store, split: str, array: str, layout: Layout, handle: ts.TensorStore
+) -> None:
+    """Adds the ``shard_probes`` attribute (see :mod:`~flat_tokens_jax.probes`) to the
+    finished array ``split/array``, whose values ``handle`` reads."""
+    size = int(handle.domain.exclusive_max[0])
+
+    def read(starts: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
+        pending = [handle[a:b].read() for a, b in zip(starts.tolist(), stops.tolist(), strict=True)]
+        return [np.asarray(store.wait(f)) for f in pending]
+
+    probes = record(read, size, layout.elements(array)[0])
+    key = f"{split}/{array}/{V3_META if layout.zarr_format == 3 else V2_ATTRS}"
+    meta = store.read_json(key) or {}
+    if layout.zarr_format == 3:
+        meta["attributes"] = {**meta.get("attributes", {}), PROBES: probes}
+    else:
+        meta[PROBES] = probes
+    store.write_json(key, meta)

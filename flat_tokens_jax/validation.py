@@ -82,6 +82,7 @@ def validate(
             problems += e.problems
             continue
         try:
+            problems += _check_probes(ft)
             problems += _check_sample(ft, samples) if quick else _check_split(ft, block)
         except StoreError as e:
             if "DATA_LOSS" not in str(e):
@@ -90,6 +91,17 @@ def validate(
         problems += check_stored_plans(ft)
     if problems:
         raise FormatError(problems)
+
+
+def _check_probes(ft: FlatTokens) -> list[Problem]:
+    """Every shard's probe (see :mod:`~flat_tokens_jax.probes`), where recorded."""
+    readers = {ft.tokens_name: ft.encoded, SEQ_STARTS: ft.starts, LOSS_MASK: ft.loss_mask}
+    return [
+        Problem(f"{ft.split_name}/{name}", message)
+        for name, probes in ft.probes.items()
+        if probes is not None and (reader := readers[name]) is not None
+        for message in probes.verify_all(reader.read_ranges)
+    ]
 
 
 def _check_split(ft: FlatTokens, block: int) -> list[Problem]:

@@ -30,7 +30,7 @@ from flat_tokens_jax.format import (
     encode_concatenated,
 )
 from flat_tokens_jax.identity import ATTRIBUTE, DatasetInfo
-from flat_tokens_jax.layout import PROVISIONAL_SIZE, Layout, create_array
+from flat_tokens_jax.layout import PROVISIONAL_SIZE, Layout, create_array, record_probes
 from flat_tokens_jax.location import STAGING as STAGING
 from flat_tokens_jax.location import claim_location
 from flat_tokens_jax.store import Store, StoreOptions, resolve_options
@@ -47,6 +47,7 @@ class _ArrayAppender:
         self, store: Store, split: str, array: str, dtype: np.dtype[Any], layout: Layout
     ) -> None:
         self.wait = store.wait
+        self.where = (store, split, array, layout)
         self.array = create_array(store, split, array, dtype, layout)
         self.buffer = np.empty(layout.elements(array)[0], dtype)
         self.filled = 0
@@ -92,7 +93,10 @@ class _ArrayAppender:
         for f in self.pending:
             self.wait(f)
         self.pending.clear()
-        self.wait(self.array.resize(exclusive_max=[self.written], resize_metadata_only=True))
+        self.array = self.wait(
+            self.array.resize(exclusive_max=[self.written], resize_metadata_only=True)
+        )
+        record_probes(*self.where, self.array)
 
 
 class _SplitWriter:

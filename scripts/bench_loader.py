@@ -16,7 +16,9 @@ The default layout stores a crc32c after every chunk; ``uncompressed, no
 checksums`` is the same layout without them, to measure their write and read
 cost. ``--padded`` reads padded rows (one sequence per row) and also times the
 integrity checks of a padded read alone (``seq_starts`` bounds and start
-bits), as a fraction of ``host_batch``.
+bits), as a fraction of ``host_batch``. Both modes time the shard-probe
+checks of a read alone (:mod:`flat_tokens_jax.probes`, after each shard's first
+touch) as a fraction of ``host_batch``.
 
 Run: ``python scripts/bench_loader.py [--tokens 200_000_000] [--steps 20] [--padded]``
 """
@@ -150,6 +152,24 @@ def main() -> None:
                 wall, _ = timed(checks, list(range(len(steps))))
                 host_wall, _ = timed(loader.host_batch, steps)
                 rows.append((name, "checks of a padded read", wall / host_wall, None, None))
+            probes = ft.probes.get(ft.tokens_name)
+            if probes is not None:
+                spans = []
+                for step in steps:
+                    idx = loader.sampler.records(np.arange(B, dtype=np.int64) + step * B)
+                    if args.padded:
+                        spans.append(ft.sequence_bounds(idx))
+                    else:
+                        spans.append((np.maximum(idx * L - 1, 0), idx * L + L))
+
+                def probe_checks(
+                    i: int, spans: list[Any] = spans, probes: Any = probes, ft: Any = ft
+                ) -> None:
+                    probes.check(ft.encoded.read_ranges, *spans[i])
+
+                wall, _ = timed(probe_checks, list(range(len(steps))))
+                host_wall, _ = timed(loader.host_batch, steps)
+                rows.append((name, "shard-probe checks of a read", wall / host_wall, None, None))
             for step in (0, 10**9):
                 fresh = ftj.Loader(ftj.open_dataset(path)["train"], cfg)
                 began = time.perf_counter()
@@ -165,7 +185,7 @@ def main() -> None:
         print("| layout | path | M tokens/s (or s) | vs memmap | CPU s / M tokens |")
         print("| --- | --- | ---: | ---: | ---: |")
         for name, label, rate, ratio, cpu in rows:
-            if label == "checks of a padded read":
+            if label in ("checks of a padded read", "shard-probe checks of a read"):
                 print(f"| {name} | {label} | {rate:.1%} of host_batch | | |")
             elif ratio is None:
                 print(f"| {name} | {label} | {rate:.3f} s | | |")

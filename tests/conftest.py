@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from pathlib import Path
 
 # Before anything imports jax: every test sees 8 CPU devices.
 os.environ["XLA_FLAGS"] = (
@@ -29,3 +30,15 @@ def _plan_cache_in_tmp(
 ) -> None:
     """Packing plans that a test leaves to the default cache go to a tmp dir, not ~/.cache."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "xdg-cache"))
+
+
+@pytest.fixture(scope="session")
+def eos_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small trained BPE tokenizer JSON with an end-of-sequence token
+    (``<|endoftext|>``) and no beginning-of-sequence one, like GPT-2's; tests
+    need no file from outside the repository."""
+    from textdata import train_tokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer") / "eos-only.json"
+    train_tokenizer(["<|endoftext|>"]).save(str(path))
+    return path

@@ -8,9 +8,6 @@ import pytest
 
 from flat_tokens_jax.cli import main
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-GPT2 = SHARED / "tokenizer-gpt2.json"
-
 
 def run_main(*args: str) -> tuple[int, str]:
     out, err = io.StringIO(), io.StringIO()
@@ -27,11 +24,11 @@ def one_line_failure(code: int, err: str, *expected: str) -> None:
         assert text in err, err
 
 
-def bad_tokenizers(tmp_path: Path) -> dict[str, Path]:
+def bad_tokenizers(tmp_path: Path, good: Path) -> dict[str, Path]:
     files = {
         "junk": b"this is not json\n",
         "empty": b"",
-        "truncated": GPT2.read_bytes()[:1000],
+        "truncated": good.read_bytes()[:1000],
         "jsonl": b'{"text": "a"}\n{"text": "b"}\n',
     }
     for name, data in files.items():
@@ -41,16 +38,18 @@ def bad_tokenizers(tmp_path: Path) -> dict[str, Path]:
 
 @pytest.mark.parametrize("kind", ["junk", "empty", "truncated", "jsonl"])
 @pytest.mark.parametrize("command", ["convert", "convert-chat"])
-def test_a_tokenizer_file_that_is_not_one(tmp_path: Path, kind: str, command: str) -> None:
+def test_a_tokenizer_file_that_is_not_one(
+    tmp_path: Path, kind: str, command: str, eos_tokenizer: Path
+) -> None:
     inputs = tmp_path / "in.jsonl"
     inputs.write_text('{"text": "hello", "messages": [{"role": "user", "content": "hi"}]}\n')
-    tok = bad_tokenizers(tmp_path)[kind]
+    tok = bad_tokenizers(tmp_path, eos_tokenizer)[kind]
     code, err = run_main(command, str(inputs), str(tmp_path / "out"), "--tokenizer", str(tok))
     one_line_failure(code, err, f"{command}: {tok}: not a tokenizers JSON file")
     assert not (tmp_path / "out").exists()
 
 
-def test_a_chat_template_that_does_not_parse(tmp_path: Path) -> None:
+def test_a_chat_template_that_does_not_parse(tmp_path: Path, eos_tokenizer: Path) -> None:
     inputs = tmp_path / "in.jsonl"
     inputs.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     template = tmp_path / "bad.yaml"
@@ -60,7 +59,7 @@ def test_a_chat_template_that_does_not_parse(tmp_path: Path) -> None:
         str(inputs),
         str(tmp_path / "out"),
         "--tokenizer",
-        str(SHARED / "tokenizer-phi3-mini.json"),
+        str(eos_tokenizer),
         "--template",
         str(template),
     )

@@ -23,8 +23,6 @@ from flat_tokens_jax.convert.merge import merge
 from flat_tokens_jax.convert.text import convert
 from flat_tokens_jax.identity import check_tokenizers, tokenizer_info
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-GPT2 = DATA / "tokenizer-gpt2.json"
 CHAT_YAML = Path(__file__).resolve().parents[1] / "configs" / "chat.yaml"
 SPECIALS = [EOS, "<s>", "<|im_start|>", "<|im_end|>"]
 
@@ -176,13 +174,16 @@ def test_check_tokenizers_names_both_and_skips_unrecorded() -> None:
     assert a.same_tokenizer(same) and not a.same_tokenizer(b) and a.same_tokenizer(None)
 
 
-def test_tokenizer_info_of_tokenizers_and_of_anything_with_get_vocab() -> None:
+def test_tokenizer_info_of_tokenizers_and_of_anything_with_get_vocab(
+    eos_tokenizer: Path,
+) -> None:
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(GPT2))
-    info = tokenizer_info(tok, "gpt2", eos_id=50256)
-    assert info.vocab_hash == expected_vocab_hash(GPT2)
-    assert info.vocab_size == 50257 and info.eos_id == 50256
+    tok = Tokenizer.from_file(str(eos_tokenizer))
+    eos = tok.token_to_id("<|endoftext|>")
+    info = tokenizer_info(tok, "eos-only", eos_id=eos)
+    assert info.vocab_hash == expected_vocab_hash(eos_tokenizer)
+    assert info.vocab_size == 500 and info.eos_id == eos
 
     class Plain:  # a transformers-style tokenizer: get_vocab() takes no arguments
         def get_vocab(self) -> dict[str, int]:
@@ -243,18 +244,20 @@ def test_convert_with_max_tokens_records_no_input_hash(tmp_path: Path, tok_file:
     assert info.flags["max_tokens"] == 50
 
 
-def test_start_token_id_needs_the_tokenizers_id(tmp_path: Path) -> None:
+def test_start_token_id_needs_the_tokenizers_id(tmp_path: Path, eos_tokenizer: Path) -> None:
     files = inputs(tmp_path)
-    with pytest.raises(ValueError, match=r"start_token_id bos: tokenizer .*gpt2\.json has none"):
-        convert(files, tmp_path / "out", tokenizer=GPT2, start_token_id="bos")
+    with pytest.raises(
+        ValueError, match=r"start_token_id bos: tokenizer .*eos-only\.json has none"
+    ):
+        convert(files, tmp_path / "out", tokenizer=eos_tokenizer, start_token_id="bos")
     with pytest.raises(ValueError, match="needs tokenizer="):
         convert(files, tmp_path / "out", tokens_key="ids", start_token_id="eos")
     with pytest.raises(ValueError, match="a token id >= 0, bos or eos, got 'pad'"):
-        convert(files, tmp_path / "out", tokenizer=GPT2, start_token_id="pad")
+        convert(files, tmp_path / "out", tokenizer=eos_tokenizer, start_token_id="pad")
 
 
 def test_command_line_start_token_id(
-    tmp_path: Path, tok_file: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, tok_file: Path, eos_tokenizer: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     files = [str(f) for f in inputs(tmp_path)]
     out = str(tmp_path / "out")
@@ -265,7 +268,7 @@ def test_command_line_start_token_id(
     info = ftj.open_dataset(out).info
     assert info is not None and info.start_token_id == bos is not None
     capsys.readouterr()
-    args = ["convert", *files, out, "--overwrite", "--tokenizer", str(GPT2)]
+    args = ["convert", *files, out, "--overwrite", "--tokenizer", str(eos_tokenizer)]
     assert main([*args, "--start-token-id", "bos"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "start_token_id bos" in err and "has none" in err

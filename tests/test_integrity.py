@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 import flat_tokens_jax as ftj
 from flat_tokens_jax.cli import main
 from flat_tokens_jax.format import FormatError
+from flat_tokens_jax.probes import ATTRIBUTE as PROBES
 from flat_tokens_jax.records import PackedRecords, PaddedRecords
 from flat_tokens_jax.store import StoreError
 
@@ -90,8 +91,13 @@ def copy(path: Path) -> Path:
     return target
 
 
-def write_element(path: Path, array: str, index: int, value: int) -> None:
-    """Writes one element as a buggy tool would: through zarr, checksums valid."""
+def write_element(path: Path, array: str, index: int, value: int, probes: bool = False) -> None:
+    """Writes one element as a buggy tool would: through zarr, checksums valid.
+
+    The array's shard probes are dropped too (unless ``probes``), as a tool
+    that rewrites the array would: the checks under test are then those of
+    every read, which stores without probes (older ones, other writers') get.
+    """
     folder = path / "train" / array
     driver = "zarr3" if (folder / "zarr.json").exists() else "zarr"
     kvstore = {"driver": "file", "path": f"{folder}/"}
@@ -99,6 +105,11 @@ def write_element(path: Path, array: str, index: int, value: int) -> None:
     # As our writer does: chunks that hold fill values stay stored.
     handle = ts.open({**spec, "store_data_equal_to_fill_value": True}).result()
     handle[index].write(value).result()
+    if not probes:
+        meta_file = folder / ("zarr.json" if driver == "zarr3" else ".zattrs")
+        meta = json.loads(meta_file.read_text())
+        (meta["attributes"] if driver == "zarr3" else meta).pop(PROBES)
+        meta_file.write_text(json.dumps(meta))
 
 
 @settings(max_examples=40)
@@ -206,19 +217,59 @@ def test_seq_starts_ends_are_checked_at_open(pristine: dict[str, Path]) -> None:
         shutil.rmtree(path.parent)
 
 
-def test_a_shard_of_another_split_fails_padded_reads(tmp_path: Path) -> None:
-    """A shard file swapped for a valid shard of another store: the checksums
-    pass, the start bits do not match ``seq_starts``."""
+@pytest.mark.parametrize("fmt", ["v3", "v2"])
+@pytest.mark.parametrize("array", ["encoded_tokens", "seq_starts", "loss_mask"])
+@pytest.mark.parametrize("how", ["copied", "linked"])
+def test_a_shard_of_another_store_fails_every_read(
+    tmp_path: Path, fmt: str, array: str, how: str
+) -> None:
+    """A shard file replaced by a valid shard of another store: its checksums
+    pass, its probe does not; packed and padded reads both fail, naming it."""
     rng = np.random.default_rng(3)
     other = [rng.integers(0, 1000, int(n)) for n in rng.integers(1, 13, 40)]
-    layout = LAYOUTS["v3"]
-    ftj.write_dataset(tmp_path / "a", {"train": sequences()}, layout=layout)
-    ftj.write_dataset(tmp_path / "b", {"train": other}, layout=layout)
-    shard = tmp_path / "b" / "train" / "encoded_tokens" / "c" / "1"
-    (tmp_path / "a" / "train" / "encoded_tokens" / "c" / "1").unlink()
-    (tmp_path / "a" / "train" / "encoded_tokens" / "c" / "1").symlink_to(shard)
-    with pytest.raises(FormatError, match=r"train/encoded_tokens\[\d+\]: start bit"):
+    masks = {"train": [np.ones(len(q), np.uint8) for q in sequences()]}
+    other_masks = {"train": [(rng.random(len(q)) < 0.5).astype(np.uint8) for q in other]}
+    layout = LAYOUTS[fmt]
+    ftj.write_dataset(tmp_path / "a", {"train": sequences()}, loss_masks=masks, layout=layout)
+    ftj.write_dataset(tmp_path / "b", {"train": other}, loss_masks=other_masks, layout=layout)
+    name = (
+        ("c/1" if fmt == "v3" else "1")
+        if array != "seq_starts"
+        else ("c/0" if fmt == "v3" else "0")
+    )
+    mine, theirs = tmp_path / "a" / "train" / array / name, tmp_path / "b" / "train" / array / name
+    mine.unlink()
+    if how == "linked":
+        mine.symlink_to(theirs)
+    else:
+        shutil.copyfile(theirs, mine)
+    shard = name.rsplit("/", 1)[-1]
+    message = rf"train/{array}: shard {shard} \(values \[\d+, \d+\)\) is not the one written here"
+    ft = ftj.open_dataset(tmp_path / "a")["train"] if array != "seq_starts" else None
+    if ft is not None:
+        packed = PackedRecords(ft, SEQ_LEN)
+        with pytest.raises(FormatError, match=message):
+            packed.read(np.arange(len(packed)))
+    with pytest.raises(FormatError, match=message):
         read_all(tmp_path / "a")
+    with pytest.raises(ftj.FormatError, match=message):
+        ftj.validate(tmp_path / "a", quick=True)
+
+
+def test_a_store_without_probes_reads_as_before(tmp_path: Path) -> None:
+    ftj.write_dataset(tmp_path / "a", {"train": sequences()}, layout=LAYOUTS["v3"])
+    expected = read_all(tmp_path / "a")
+    for array in ("encoded_tokens", "seq_starts"):
+        meta_file = tmp_path / "a" / "train" / array / "zarr.json"
+        meta = json.loads(meta_file.read_text())
+        assert PROBES in meta["attributes"]
+        del meta["attributes"][PROBES]
+        meta_file.write_text(json.dumps(meta))
+    assert ftj.open_dataset(tmp_path / "a")["train"].probes == {
+        "encoded_tokens": None,
+        "seq_starts": None,
+    }
+    assert_pristine_or_named(read_all(tmp_path / "a"), expected)
 
 
 @pytest.mark.parametrize("fmt", ["v3", "v2"])

@@ -29,7 +29,6 @@ from flat_tokens_jax.location import MARKER, OverwriteNeeded
 from flat_tokens_jax.store import Store, StoreError
 
 SMALL = ftj.Layout(shard_tokens=1 << 10, chunk_tokens=1 << 6)
-GPT2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "tokenizer-gpt2.json"
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -51,7 +50,7 @@ def good_jsonl(path: Path) -> Path:
     return path
 
 
-def test_cli_overwrite_keeps_files_that_are_not_ours(tmp_path: Path) -> None:
+def test_cli_overwrite_keeps_files_that_are_not_ours(tmp_path: Path, eos_tokenizer: Path) -> None:
     """The issue's reproduction: README.md next to a train/ folder of images."""
     proj = tmp_path / "proj"
     (proj / "train").mkdir(parents=True)
@@ -59,7 +58,7 @@ def test_cli_overwrite_keeps_files_that_are_not_ours(tmp_path: Path) -> None:
     (proj / "README.md").write_text("hi")
     good = good_jsonl(tmp_path / "good.jsonl")
     before = files(proj)
-    out = run("convert", str(good), str(proj), "--tokenizer", str(GPT2), "--overwrite")
+    out = run("convert", str(good), str(proj), "--tokenizer", str(eos_tokenizer), "--overwrite")
     assert out.returncode == 1
     assert len([x for x in out.stderr.splitlines() if x.startswith("convert:")]) == 1
     assert "README.md" in out.stderr and "train/img.png" in out.stderr
@@ -198,16 +197,18 @@ def test_merge_into_its_own_input_is_refused_and_the_input_kept(tmp_path: Path) 
         merge([url], url + "/inner", overwrite=True)
 
 
-def test_every_command_refuses_an_output_overlapping_an_input(tmp_path: Path) -> None:
+def test_every_command_refuses_an_output_overlapping_an_input(
+    tmp_path: Path, eos_tokenizer: Path
+) -> None:
     proj = tmp_path / "proj"
     proj.mkdir()
     text = good_jsonl(proj / "good.jsonl")
     chat = proj / "chat.jsonl"
     chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     with pytest.raises(ValueError, match="contains the input"):
-        convert(text, proj, tokenizer=GPT2, overwrite=True)
+        convert(text, proj, tokenizer=eos_tokenizer, overwrite=True)
     with pytest.raises(ValueError, match="contains the input"):
-        convert_chat(chat, proj, tokenizer=GPT2, overwrite=True)
+        convert_chat(chat, proj, tokenizer=eos_tokenizer, overwrite=True)
     ds = tmp_path / "ds"
     ftj.write_dataset(ds, {"train": [[1, 2], [3]]})
     with pytest.raises(ValueError, match="lies inside the input"):

@@ -16,8 +16,6 @@ from hypothesis import strategies as st
 import flat_tokens_jax as ftj
 from flat_tokens_jax.cli import main
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "tokenizer-gpt2.json"
-
 
 def run_main(*args: str) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
@@ -246,14 +244,15 @@ def test_run_said_twice_or_not_at_all(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def gpt2() -> Any:
+def gpt2(eos_tokenizer: Path) -> Any:
+    """A byte-level BPE tokenizer (trained in the tests, so CI needs no files)."""
     tokenizers = pytest.importorskip("tokenizers")
-    if not SHARED.exists():
-        pytest.skip(f"{SHARED} is not here")
-    return tokenizers.Tokenizer.from_file(str(SHARED))
+    return tokenizers.Tokenizer.from_file(str(eos_tokenizer))
 
 
-def test_tokenizer_renders_segments_untrained_tokens_and_padding(tmp_path: Path, gpt2: Any) -> None:
+def test_tokenizer_renders_segments_untrained_tokens_and_padding(
+    tmp_path: Path, gpt2: Any, eos_tokenizer: Path
+) -> None:
     prompts = ["Question: what is up?", "Say hi.\nNow."]
     answers = [" Not much.", " Hi there"]
     seqs, masks = [], []
@@ -263,9 +262,12 @@ def test_tokenizer_renders_segments_untrained_tokens_and_padding(tmp_path: Path,
         masks.append([0] * len(ids_p) + [1] * len(ids_a))
     ftj.write_dataset(tmp_path / "d", {"train": seqs}, loss_masks={"train": masks})
     common = ["show", str(tmp_path / "d"), "--step", "0", "--batch-size", "2", "--no-shuffle"]
-    code, out, err = run_main(*common, "--seq-len", "16", "--padded", "--tokenizer", str(SHARED))
+    width = max(len(s) for s in seqs) + 3
+    code, out, err = run_main(
+        *common, "--seq-len", str(width), "--padded", "--tokenizer", str(eos_tokenizer)
+    )
     assert code == 0, err
-    pad = [16 - len(s) for s in seqs]
+    pad = [width - len(s) for s in seqs]
     assert f"  [1] ⟦{prompts[0]}⟧{answers[0]}\n  (+{pad[0]} padding)" in out
     assert f"  [1] ⟦Say hi.\n      Now.⟧{answers[1]}\n  (+{pad[1]} padding)" in out
     total = sum(len(s) for s in seqs)
@@ -277,14 +279,16 @@ def test_tokenizer_renders_segments_untrained_tokens_and_padding(tmp_path: Path,
         str(total),
         "--no-shuffle",
         "--tokenizer",
-        str(SHARED),
+        str(eos_tokenizer),
     )
     assert code == 0, err
     assert f"[1] ⟦{prompts[0]}⟧{answers[0]}\n  [2] ⟦Say hi.\n      Now.⟧{answers[1]}" in out
     assert "padding" not in out.split("\n", 2)[2]
 
 
-def test_a_tokenizer_the_data_was_not_made_with_is_refused(tmp_path: Path, gpt2: Any) -> None:
+def test_a_tokenizer_the_data_was_not_made_with_is_refused(
+    tmp_path: Path, eos_tokenizer: Path
+) -> None:
     other = ftj.TokenizerInfo("other.json", "sha256:0000000000000000", 50257)
     ftj.write_dataset(tmp_path / "d", {"train": [[1, 2, 3]]}, info=ftj.DatasetInfo(tokenizer=other))
     code, _, err = run_main(
@@ -297,7 +301,7 @@ def test_a_tokenizer_the_data_was_not_made_with_is_refused(tmp_path: Path, gpt2:
         "--seq-len",
         "2",
         "--tokenizer",
-        str(SHARED),
+        str(eos_tokenizer),
     )
     assert code == 1 and "was made with other.json" in err
 

@@ -37,7 +37,7 @@ from flat_tokens_jax.format import (
     TOKENS,
 )
 from flat_tokens_jax.identity import DatasetInfo
-from flat_tokens_jax.layout import Layout, create_array, open_for_writing
+from flat_tokens_jax.layout import Layout, create_array, open_for_writing, record_probes
 from flat_tokens_jax.location import MARKER, STAGING
 from flat_tokens_jax.store import Pending, Store, StoreOptions
 from flat_tokens_jax.writer import root_attributes, write_groups
@@ -281,13 +281,18 @@ def finish(
     attributes: Mapping[str, Any] | None = None,
     info: DatasetInfo | None = None,
 ) -> None:
-    """Deletes the staging prefix, then makes the output valid (root group last),
-    then drops the write's marker (see :mod:`flat_tokens_jax.location`).
+    """Records every array's shard probes, deletes the staging prefix, then makes
+    the output valid (root group last), then drops the write's marker (see
+    :mod:`flat_tokens_jax.location`).
 
     ``attributes`` and ``info`` are written to the root group as
     :class:`DatasetWriter` writes them.
     """
     root = root_attributes(attributes, info)
+    for split in plan.splits:
+        for array in plan.arrays(split):
+            handle = open_for_writing(store, split, array, plan.layout)
+            record_probes(store, split, array, plan.layout, handle)
     store.delete_prefix(STAGING)
     write_groups(store, plan.layout, plan.max_token_ids(), root)
     store.delete(MARKER)

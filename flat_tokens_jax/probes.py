@@ -1,0 +1,135 @@
+"""Shard probes: the recorded identity of every shard file, checked on first read.
+
+A checksum inside a shard (crc32c, ``Layout.checksum``) proves that its bytes
+are the ones written into that file; it cannot tell that a valid shard of
+another split or dataset was copied or linked in its place. So our writers
+record, in each array's attributes (``shard_probes``), a probe of every shard
+file (every chunk file in zarr v2): the CRC-32 of its first :data:`PROBE`
+values (all of them in a smaller shard). A reader checks a shard's probe the
+first time a read touches it (one small read per shard, once per process) and
+raises :class:`~flat_tokens_jax.format.FormatError` naming the array and the
+shard if it differs; ``validate`` checks every probe. Arrays without the
+attribute (older stores, other writers) are read without this check.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from flat_tokens_jax.format import FormatError
+
+ATTRIBUTE = "shard_probes"
+PROBE = 1024  # values per probe: the start of each shard's first inner chunk
+
+ReadRanges = Callable[[np.ndarray, np.ndarray], Sequence[np.ndarray]]
+
+
+def digest(values: np.ndarray) -> int:
+    """CRC-32 of ``values`` as little-endian bytes of their dtype."""
+    little = np.ascontiguousarray(values, dtype=values.dtype.newbyteorder("<"))
+    return zlib.crc32(little.tobytes())
+
+
+def probe_ranges(size: int, shard: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(starts, stops)`` ``[num_shards] int64`` of the probe of each shard."""
+    starts = np.arange(0, size, shard, dtype=np.int64)
+    return starts, np.minimum(starts + min(PROBE, shard), size)
+
+
+def record(read: ReadRanges, size: int, shard: int) -> dict[str, Any]:
+    """The ``shard_probes`` attribute of an array of ``size`` elements in shards
+    of ``shard``, whose values ``read`` returns (one batched read)."""
+    values = read(*probe_ranges(size, shard))
+    return {"shard": shard, "values": PROBE, "crc32": [digest(v) for v in values]}
+
+
+class ShardProbes:
+    """The recorded probes of one array, and which shards this process checked.
+
+    Thread-safe: concurrent reads may check the same shard; it is read once.
+    """
+
+    def __init__(self, where: str, size: int, shard: int, crcs: Sequence[int]) -> None:
+        self.where, self.size, self.shard = where, size, shard
+        self.crcs = np.asarray(crcs, np.int64)
+        self.checked = np.zeros(self.crcs.size, bool)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, attributes: Mapping[str, Any], where: str, size: int) -> ShardProbes | None:
+        """The probes recorded in an array's ``attributes``; ``None`` when there are none.
+
+        Raises:
+            FormatError: a malformed attribute, or one whose count of probes does
+                not fit the array's size.
+        """
+        found = attributes.get(ATTRIBUTE)
+        if found is None:
+            return None
+        ok = (
+            isinstance(found, Mapping)
+            and isinstance(found.get("shard"), int)
+            and found["shard"] >= 1
+            and found.get("values") == PROBE
+            and isinstance(found.get("crc32"), list)
+            and all(isinstance(c, int) and 0 <= c < 2**32 for c in found["crc32"])
+        )
+        if not ok:
+            raise FormatError(f"{where}: attribute {ATTRIBUTE!r} is malformed: {found!r}")
+        expected = -(-size // found["shard"])
+        if len(found["crc32"]) != expected:
+            raise FormatError(
+                f"{where}: attribute {ATTRIBUTE!r} has {len(found['crc32'])} probes, expected "
+                f"{expected} (one per shard of {found['shard']} of {size} values)"
+            )
+        return cls(where, size, found["shard"], found["crc32"])
+
+    def check(self, read: ReadRanges, starts: np.ndarray, stops: np.ndarray) -> None:
+        """Checks the probe of every shard that ranges ``[starts, stops)`` touch and
+        that this process has not checked yet, reading them with ``read``.
+
+        Raises:
+            FormatError: a shard whose first values are not those recorded.
+        """
+        keep = stops > starts
+        if not keep.any():
+            return
+        first, last = starts[keep] // self.shard, (stops[keep] - 1) // self.shard
+        shards = np.concatenate([first, last])
+        long = np.flatnonzero(last - first > 1)
+        if long.size:
+            shards = np.concatenate([shards, *(np.arange(first[i], last[i]) for i in long)])
+        todo = np.unique(shards[~self.checked[shards]])
+        if not todo.size:
+            return
+        with self._lock:
+            todo = todo[~self.checked[todo]]
+            if not todo.size:
+                return
+            bad = self._mismatches(read, todo)
+            if bad:
+                raise FormatError(f"{self.where}: {bad[0]}")
+            self.checked[todo] = True
+
+    def verify_all(self, read: ReadRanges) -> list[str]:
+        """Reads every shard's probe; a message for each that differs (for ``validate``)."""
+        return self._mismatches(read, np.arange(self.crcs.size, dtype=np.int64))
+
+    def _mismatches(self, read: ReadRanges, shards: np.ndarray) -> list[str]:
+        if not shards.size:
+            return []
+        lo = shards * self.shard
+        size = min(PROBE, self.shard)
+        values = read(lo, np.minimum(lo + size, self.size))
+        return [
+            f"shard {s} (values [{s * self.shard}, {min((s + 1) * self.shard, self.size)})) "
+            f"is not the one written here: its first {size} values differ from the recorded "
+            "probe (a shard of another split or dataset copied or linked in its place?)"
+            for s, v in zip(shards.tolist(), values, strict=True)
+            if digest(v) != self.crcs[s]
+        ]

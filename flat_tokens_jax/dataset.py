@@ -148,9 +148,15 @@ class FlatTokens:
 
     @property
     def bytes_read(self) -> int:
-        """Bytes requested so far from this split's arrays (tokens, starts, mask)."""
+        """Bytes requested so far from this split's arrays (tokens, starts, mask)
+        for the data read; the shard-probe checks' reads are :attr:`probe_bytes`."""
         readers = (self.encoded, self.starts, self.loss_mask)
-        return sum(r.bytes_read.value for r in readers if r is not None)
+        return sum(r.bytes_read.value for r in readers if r is not None) - self.probe_bytes
+
+    @property
+    def probe_bytes(self) -> int:
+        """Bytes read to check shard probes (one small read per shard, once)."""
+        return sum(p.bytes_read for p in self.probes.values() if p is not None)
 
     @property
     def num_tokens(self) -> int:

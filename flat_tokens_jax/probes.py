@@ -58,6 +58,7 @@ class ShardProbes:
         self.where, self.size, self.shard = where, size, shard
         self.crcs = np.asarray(crcs, np.int64)
         self.checked = np.zeros(self.crcs.size, bool)
+        self.bytes_read = 0  # by the checks, over all views that share these probes
         self._lock = threading.Lock()
 
     @classmethod
@@ -126,6 +127,7 @@ class ShardProbes:
         lo = shards * self.shard
         size = min(PROBE, self.shard)
         values = read(lo, np.minimum(lo + size, self.size))
+        self.bytes_read += sum(v.nbytes for v in values)
         return [
             f"shard {s} (values [{s * self.shard}, {min((s + 1) * self.shard, self.size)})) "
             f"is not the one written here: its first {size} values differ from the recorded "

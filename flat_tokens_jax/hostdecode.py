@@ -61,10 +61,10 @@ class BlockDecoder:
     pool starts on first use.
     """
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, min_block_rows: int = MIN_BLOCK_ROWS) -> None:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
-        self.threads = threads
+        self.threads, self.min_block_rows = threads, max(1, min_block_rows)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
@@ -73,7 +73,7 @@ class BlockDecoder:
 
     def blocks(self, rows: int) -> list[tuple[int, int]]:
         """``[(start, stop), ...]`` row blocks of a ``rows``-row batch, in order."""
-        count = max(1, min(self.threads, rows // MIN_BLOCK_ROWS))
+        count = max(1, min(self.threads, rows // self.min_block_rows))
         cuts = np.linspace(0, rows, count + 1).astype(int).tolist()
         return list(itertools.pairwise(cuts))
 

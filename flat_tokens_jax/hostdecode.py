@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import os
+import sys
 import threading
 from collections.abc import Callable
 
@@ -34,16 +35,18 @@ def default_threads() -> int:
     return max(1, min(cores, 8))
 
 
-def empty_fields(batch: int, seq_len: int) -> dict[str, np.ndarray]:
+def empty_fields(batch: int, seq_len: int, buffers: Buffers | None = None) -> dict[str, np.ndarray]:
     """Uninitialised five fields ``[batch, seq_len]`` (``int32``, ``loss_mask`` bool).
 
-    One allocation (see ``batch._empty_fields`` for why); each field starts 64-byte
-    aligned, which lets ``jax.device_put`` on the CPU backend use the memory in
-    place instead of copying it, and at its own offset modulo 4 KiB.
+    One allocation (see ``batch._empty_fields`` for why), from ``buffers`` when
+    given; each field starts 64-byte aligned, which lets ``jax.device_put`` on
+    the CPU backend use the memory in place instead of copying it, and at its
+    own offset modulo 4 KiB.
     """
     n = batch * seq_len
     sizes = [n if key == "loss_mask" else 4 * n for key in fields.FIELDS]
-    buf = np.empty(sum(sizes) + _PAGE * len(sizes), np.uint8)
+    nbytes = sum(sizes) + _PAGE * len(sizes)
+    buf = np.empty(nbytes, np.uint8) if buffers is None else buffers.take(nbytes)
     base, offset = buf.ctypes.data, 0
     out: dict[str, np.ndarray] = {}
     for i, (key, size) in enumerate(zip(fields.FIELDS, sizes, strict=True)):
@@ -52,6 +55,35 @@ def empty_fields(batch: int, seq_len: int) -> dict[str, np.ndarray]:
         out[key] = buf[offset : offset + size].view(dtype).reshape(batch, seq_len)
         offset += size
     return out
+
+
+class Buffers:
+    """Recycles batch allocations that nothing references any more.
+
+    A batch's fields are views of one buffer (and on the CPU backend the
+    ``jax.Array``\\ s made from them use it in place), so a buffer whose only
+    reference is ours is free. Reusing it keeps its pages mapped: a fresh
+    9 MiB allocation per batch measured ~1 ms a batch in page faults when
+    several batches are alive at once (prefetching). Thread-safe.
+    """
+
+    def __init__(self, keep: int = 8) -> None:
+        self.keep = keep
+        self._buffers: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A ``[nbytes] uint8`` buffer, uninitialised: a free one of that size or a new one."""
+        with self._lock:
+            for buf in self._buffers:
+                # References: the list, `buf`, and getrefcount's argument.
+                if buf.nbytes == nbytes and sys.getrefcount(buf) == 3:
+                    return buf
+            buf = np.empty(nbytes, np.uint8)
+            self._buffers.append(buf)
+            if len(self._buffers) > self.keep:
+                self._buffers.pop(0)
+            return buf
 
 
 class BlockDecoder:
@@ -67,6 +99,7 @@ class BlockDecoder:
         self.threads, self.min_block_rows = threads, max(1, min_block_rows)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self.buffers = Buffers()
 
     def __repr__(self) -> str:
         return f"BlockDecoder(threads={self.threads})"
@@ -91,7 +124,7 @@ class BlockDecoder:
 
         Equal to ``window_fields(read(records), packed, ...)``.
         """
-        out = empty_fields(records.size, seq_len)
+        out = empty_fields(records.size, seq_len, self.buffers)
 
         def run(block: tuple[int, int]) -> None:
             a, b = block

@@ -13,7 +13,7 @@ from reference import reference_batch
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.batch import FIELDS, window_fields
-from flat_tokens_jax.hostdecode import BlockDecoder, empty_fields
+from flat_tokens_jax.hostdecode import BlockDecoder, Buffers, empty_fields
 
 datasets = st.lists(
     st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=15), min_size=1, max_size=25
@@ -168,3 +168,19 @@ def test_device_decode_needs_a_named_sharding() -> None:
         ftj.Loader(ft, cfg, sharding=single)
     with pytest.raises(ValueError, match=r"LoaderConfig\.decode must be 'host' or 'device'"):
         ftj.LoaderConfig(batch_size=2, seq_len=2, decode="gpu")
+
+
+def test_buffers_are_reused_only_when_nothing_holds_them() -> None:
+    buffers = Buffers(keep=2)
+    first = empty_fields(4, 8, buffers)
+    address = first["inputs"].ctypes.data
+    second = empty_fields(4, 8, buffers)  # `first` is alive: a new buffer
+    assert second["inputs"].ctypes.data != address
+    targets = first["targets"]
+    del first
+    third = empty_fields(4, 8, buffers)  # one field of `first` still holds its buffer
+    reused = third["inputs"].ctypes.data
+    assert reused not in (address, second["inputs"].ctypes.data)
+    del targets, third
+    assert empty_fields(4, 8, buffers)["inputs"].ctypes.data == reused
+    assert len(buffers._buffers) == 2  # keeps at most `keep`

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flat_tokens_jax.batch import bin_fields_jax, packed_fields_jax, padded_fields_jax
+from flat_tokens_jax.batch_jax import bin_fields_jax, packed_fields_jax, padded_fields_jax
 from flat_tokens_jax.schedule import BatchSchedule
 
 

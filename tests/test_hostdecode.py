@@ -184,3 +184,15 @@ def test_buffers_are_reused_only_when_nothing_holds_them() -> None:
     del targets, third
     assert empty_fields(4, 8, buffers)["inputs"].ctypes.data == reused
     assert len(buffers._buffers) == 2  # keeps at most `keep`
+
+
+def test_read_ahead_stops_at_the_last_step() -> None:
+    ft = split_of([[i % 5 + 1] * 7 for i in range(20)], None)
+    cfg = ftj.LoaderConfig(batch_size=4, seq_len=8, num_epochs=1, prefetch=3)
+    loader = ftj.Loader(ft, cfg)
+    last = loader.num_batches - 1
+    loader.batch(last - 2)
+    loader.batch(last - 1)
+    assert sorted(loader._ahead) == [last]
+    loader.batch(last)
+    assert not loader._ahead

@@ -90,7 +90,9 @@ class LocalShards:
             if i not in self._maps:
                 mapped = self._map(i)
                 # Slices of a plain ndarray view cost ~3 µs less per read than a np.memmap's.
-                self._maps[i] = None if mapped is None else mapped.view(np.ndarray)
+                if isinstance(mapped, np.memmap):
+                    mapped = mapped.view(np.ndarray)
+                self._maps[i] = mapped
             return self._maps[i]
 
     def _map(self, i: int) -> np.ndarray | None:

@@ -100,6 +100,7 @@ class BlockDecoder:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self.buffers = Buffers()
+        self._slots = threading.BoundedSemaphore(threads)
 
     def __repr__(self) -> str:
         return f"BlockDecoder(threads={self.threads})"
@@ -128,13 +129,17 @@ class BlockDecoder:
 
         def run(block: tuple[int, int]) -> None:
             a, b = block
-            fields.window_fields(
-                read(records[a:b]),
-                packed,
-                start_token_id=start_token_id,
-                pad_id=pad_id,
-                out={k: v[a:b] for k, v in out.items()},
-            )
+            windows = read(records[a:b])
+            # Reads overlap freely (they may wait on a store); decodes, which
+            # only compute, share `threads` slots among all batches in flight.
+            with self._slots:
+                fields.window_fields(
+                    windows,
+                    packed,
+                    start_token_id=start_token_id,
+                    pad_id=pad_id,
+                    out={k: v[a:b] for k, v in out.items()},
+                )
 
         blocks = self.blocks(records.size)
         if len(blocks) == 1:

@@ -58,8 +58,9 @@ class LoaderConfig:
             of the tokenizer it records) must fit below it. It checks the data
             and changes no batch.
         decode_threads: threads that read and decode one batch on the host,
-            each a block of rows. ``None``: the cores this process may use, at
-            most 8. Changes no batch.
+            each a block of rows; at most this many blocks decode at once,
+            over all the steps in flight. ``None``: the cores this process
+            may use, at most 8. Changes no batch.
         decode: where the fields are decoded. ``"host"``: in numpy on this
             host, then copied to the devices (5 arrays, 17 bytes a token).
             ``"device"``: the encoded tokens go to the devices (4 bytes a

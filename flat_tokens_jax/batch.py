@@ -18,19 +18,28 @@ Bins of whole sequences (``bin_fields``) are packed windows whose first column
 starts a sequence, followed by padding from the bin's length on.
 
 ``packed_fields``, ``padded_fields`` and ``bin_fields`` run on the host in
-numpy; their ``_jax`` twins compute the same values with jax ops inside
-``jax.jit``, for decoding on the accelerator.
+numpy; their ``_jax`` twins (in :mod:`~flat_tokens_jax.batch_jax`, importable
+from here too) compute the same values with jax ops inside ``jax.jit``, for
+decoding on the accelerator.
 """
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from jax.typing import ArrayLike
 
+from flat_tokens_jax.batch_jax import bin_fields_jax, packed_fields_jax, padded_fields_jax
 from flat_tokens_jax.records import Windows
+
+__all__ = [
+    "FIELDS",
+    "bin_fields",
+    "bin_fields_jax",
+    "packed_fields",
+    "packed_fields_jax",
+    "padded_fields",
+    "padded_fields_jax",
+    "window_fields",
+]
 
 FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
@@ -48,6 +57,7 @@ def packed_fields(
     *,
     start_token_id: int = 0,
     stored_mask: np.ndarray | None = None,
+    out: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """Decodes packed records into model fields (numpy, on the host).
 
@@ -59,11 +69,14 @@ def packed_fields(
         start_token_id: the input where a sequence starts.
         stored_mask: optional ``[batch, seq_len]`` stored loss mask aligned with
             the targets; nonzero means trained on. Without it every target is.
+        out: optional five C-contiguous ``[batch, seq_len]`` arrays of the
+            fields' dtypes to write into (e.g. one row block of a larger batch).
 
     Returns:
         The five fields, each ``[batch, seq_len]`` and C-contiguous: ``inputs``,
         ``targets``, ``segment_ids``, ``positions`` (``int32``) and ``loss_mask``
-        (``bool``). All but ``segment_ids`` share one allocation.
+        (``bool``); ``out`` when given, else all but ``segment_ids`` share one
+        allocation.
 
     Example:
         >>> # sequences [1, 2], [3, 4, 5], [6, 7, 8]; packed record 1 of length 4
@@ -79,7 +92,7 @@ def packed_fields(
     start = _int32("start_token_id", start_token_id)
     _check_mask(stored_mask, (batch, seq_len))
 
-    inputs, targets, positions, loss_mask, flags = _empty_fields(batch, seq_len, flag_extra=batch)
+    inputs, targets, positions, loss_mask, flags = _fields_out(out, batch, seq_len, batch)
     np.right_shift(w[:, 1:], 1, out=targets.view(np.uint32))
     np.copyto(inputs[:, 1:], targets[:, :-1])
     np.right_shift(w[:, 0], 1, out=inputs[:, 0].view(np.uint32))
@@ -103,12 +116,16 @@ def packed_fields(
     if starts.size * _SHORT_RUN < batch * seq_len:
         run_len, run_segment, run_col = _runs(starts, batch, seq_len)
         segment_ids = np.repeat(run_segment, run_len).reshape(batch, seq_len)
+        if out is not None:
+            segment_ids = _copied(segment_ids, out["segment_ids"])
         run_col_per_token = np.repeat(run_col, run_len).reshape(batch, seq_len)
         np.subtract(col, run_col_per_token, out=positions)
     else:  # np.repeat slows down on short runs: scan every token instead
         is_start = np.zeros((batch, seq_len), np.bool_)
         is_start.reshape(-1)[starts] = True
-        segment_ids = np.cumsum(is_start, axis=1, dtype=np.int32)
+        segment_ids = np.cumsum(
+            is_start, axis=1, dtype=np.int32, out=None if out is None else out["segment_ids"]
+        )
         segment_ids += ~is_start[:, :1]
         last_start = np.multiply(is_start, col, dtype=np.int32)
         np.maximum.accumulate(last_start, axis=1, out=last_start)
@@ -123,6 +140,7 @@ def padded_fields(
     start_token_id: int = 0,
     pad_id: int = 0,
     stored_mask: np.ndarray | None = None,
+    out: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """Decodes one truncated sequence per row into right-padded model fields.
 
@@ -136,6 +154,7 @@ def padded_fields(
         pad_id: the input and target at padding.
         stored_mask: optional ``[batch, seq_len]`` stored loss mask aligned with
             the targets, ANDed with the non-padding mask.
+        out: optional arrays to write into, as for ``packed_fields``.
 
     Returns:
         The five fields, each ``[batch, seq_len]``: ``inputs`` is
@@ -157,7 +176,7 @@ def padded_fields(
     lens = _lengths(lengths, batch, seq_len)
     _check_mask(stored_mask, (batch, seq_len))
 
-    inputs, targets, positions, loss_mask, _ = _empty_fields(batch, seq_len)
+    inputs, targets, positions, loss_mask, _ = _fields_out(out, batch, seq_len, 0)
     np.right_shift(tok, 1, out=targets.view(np.uint32))
     np.copyto(inputs[:, 1:], targets[:, :-1])
     inputs[:, 0] = start
@@ -168,94 +187,13 @@ def padded_fields(
     np.copyto(inputs, pad, where=padding)
     np.copyto(targets, pad, where=padding)
     np.multiply(col, loss_mask, out=positions)
-    segment_ids = loss_mask.astype(np.int32)
+    if out is None:
+        segment_ids = loss_mask.astype(np.int32)
+    else:
+        segment_ids = _copied(loss_mask, out["segment_ids"])
     if stored_mask is not None:
         loss_mask &= stored_mask != 0
     return dict(zip(FIELDS, (inputs, targets, segment_ids, positions, loss_mask), strict=True))
-
-
-def packed_fields_jax(
-    windows: ArrayLike,
-    *,
-    start_token_id: ArrayLike = 0,
-    stored_mask: ArrayLike | None = None,
-) -> dict[str, jax.Array]:
-    """``packed_fields`` in jax ops, to decode on the accelerator inside ``jax.jit``.
-
-    Static shapes throughout. Segment ids and positions come from ``lax.cumsum``
-    and ``lax.cummax`` along each row, so shard the batch axis only, not the
-    sequence axis. On the CPU backend these scans are slow (~10x
-    ``packed_fields``); use it where the batch is decoded on a GPU or TPU.
-
-    Args:
-        windows: ``[batch, seq_len + 1] uint32`` encoded tokens, as for
-            ``packed_fields``.
-        start_token_id: the input where a sequence starts (may be traced).
-        stored_mask: optional ``[batch, seq_len]`` stored loss mask.
-
-    Returns:
-        The same five fields with the same values as ``packed_fields``.
-    """
-    w = _encoded_jax(windows, "windows", min_cols=2)
-    encoded = w[:, 1:]
-    shape = encoded.shape
-    starts = (encoded & 1) == 1
-    targets = (encoded >> 1).astype(jnp.int32)
-    before = (w[:, :-1] >> 1).astype(jnp.int32)
-    inputs = jnp.where(starts, jnp.asarray(start_token_id, jnp.int32), before)
-    counts = starts.astype(jnp.int32)
-    # The first segment is 1 whether or not the row opens with a sequence start.
-    segment_ids = lax.cumsum(counts, axis=1) + (1 - counts[:, :1])
-    col = lax.broadcasted_iota(jnp.int32, shape, 1)
-    positions = col - lax.cummax(jnp.where(starts, col, 0), axis=1)
-    return {
-        "inputs": inputs,
-        "targets": targets,
-        "segment_ids": segment_ids,
-        "positions": positions,
-        "loss_mask": _loss_mask_jax(stored_mask, shape),
-    }
-
-
-def padded_fields_jax(
-    tokens: ArrayLike,
-    lengths: ArrayLike,
-    *,
-    start_token_id: ArrayLike = 0,
-    pad_id: ArrayLike = 0,
-    stored_mask: ArrayLike | None = None,
-) -> dict[str, jax.Array]:
-    """``padded_fields`` in jax ops, to decode on the accelerator inside ``jax.jit``.
-
-    Args:
-        tokens: ``[batch, seq_len] uint32`` encoded tokens, as for ``padded_fields``.
-        lengths: ``[batch]`` integer tokens kept per row; unlike ``padded_fields``
-            they are not checked (they may be traced): keep them in ``[0, seq_len]``.
-        start_token_id: the input at each row's first token.
-        pad_id: the input and target at padding.
-        stored_mask: optional ``[batch, seq_len]`` stored loss mask.
-
-    Returns:
-        The same five fields with the same values as ``padded_fields``.
-    """
-    tok = _encoded_jax(tokens, "tokens", min_cols=1)
-    shape = tok.shape
-    lens = jnp.asarray(lengths)
-    if lens.shape != shape[:1]:
-        raise ValueError(f"lengths must have shape {shape[:1]}, got {lens.shape}")
-    col = lax.broadcasted_iota(jnp.int32, shape, 1)
-    valid = col < lens[:, None].astype(jnp.int32)
-    pad = jnp.asarray(pad_id, jnp.int32)
-    targets = (tok >> 1).astype(jnp.int32)
-    first = jnp.full((shape[0], 1), start_token_id, jnp.int32)
-    inputs = jnp.concatenate([first, targets[:, :-1]], axis=1)
-    return {
-        "inputs": jnp.where(valid, inputs, pad),
-        "targets": jnp.where(valid, targets, pad),
-        "segment_ids": valid.astype(jnp.int32),
-        "positions": jnp.where(valid, col, 0),
-        "loss_mask": valid & _loss_mask_jax(stored_mask, shape),
-    }
 
 
 def _odd_indices(flat: np.ndarray, flags: np.ndarray) -> np.ndarray:
@@ -345,6 +283,34 @@ def _empty_fields(
     return ints[0], ints[1], ints[2], flags[:n].reshape(batch, seq_len), flags
 
 
+def _fields_out(
+    out: dict[str, np.ndarray] | None, batch: int, seq_len: int, flag_extra: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``_empty_fields``, or the arrays of ``out`` (checked) and a fresh ``flags``."""
+    if out is None:
+        return _empty_fields(batch, seq_len, flag_extra)
+    for key in FIELDS:
+        value = out.get(key)
+        dtype = np.bool_ if key == "loss_mask" else np.int32
+        if (
+            not isinstance(value, np.ndarray)
+            or value.shape != (batch, seq_len)
+            or value.dtype != dtype
+            or not value.flags.c_contiguous
+        ):
+            raise ValueError(
+                f"out[{key!r}] must be a C-contiguous [{batch}, {seq_len}] "
+                f"{np.dtype(dtype)} array, got {getattr(value, 'shape', value)!r}"
+            )
+    flags = np.empty(batch * seq_len + flag_extra, np.bool_)
+    return out["inputs"], out["targets"], out["positions"], out["loss_mask"], flags
+
+
+def _copied(value: np.ndarray, into: np.ndarray) -> np.ndarray:
+    np.copyto(into, value)
+    return into
+
+
 def _encoded(x: np.ndarray, name: str, min_cols: int) -> np.ndarray:
     """``x`` as a C-contiguous native ``uint32`` 2-D array, or a ValueError."""
     a = np.asarray(x)
@@ -359,24 +325,6 @@ def _encoded(x: np.ndarray, name: str, min_cols: int) -> np.ndarray:
             "pass the store's encoded_tokens unchanged"
         )
     return np.ascontiguousarray(a, dtype=np.uint32)
-
-
-def _encoded_jax(x: ArrayLike, name: str, min_cols: int) -> jax.Array:
-    a = jnp.asarray(x)
-    if a.ndim != 2 or a.shape[1] < min_cols:
-        raise ValueError(f"{name} must be 2-D with at least {min_cols} column(s), got {a.shape}")
-    if a.dtype != jnp.uint32:
-        raise ValueError(f"{name} must hold uint32 encoded tokens, got dtype {a.dtype}")
-    return a
-
-
-def _loss_mask_jax(stored_mask: ArrayLike | None, shape: tuple[int, ...]) -> jax.Array:
-    if stored_mask is None:
-        return jnp.ones(shape, jnp.bool_)
-    mask = jnp.asarray(stored_mask)
-    if mask.shape != shape:
-        raise ValueError(f"stored_mask must have shape {shape}, got {mask.shape}")
-    return mask != 0
 
 
 def _int32(name: str, value: int) -> int:
@@ -411,6 +359,7 @@ def bin_fields(
     start_token_id: int = 0,
     pad_id: int = 0,
     stored_mask: np.ndarray | None = None,
+    out: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """Decodes bins of whole sequences: packed windows that end in padding.
 
@@ -421,6 +370,7 @@ def bin_fields(
         start_token_id: the input where a sequence starts.
         pad_id: the input and target at padding.
         stored_mask: optional ``[batch, seq_len]`` stored loss mask.
+        out: optional arrays to write into, as for ``packed_fields``.
 
     Returns:
         The five fields, each ``[batch, seq_len]``: every sequence follows the
@@ -435,7 +385,7 @@ def bin_fields(
         >>> f["segment_ids"].tolist(), f["positions"].tolist()
         ([[1, 1, 2, 0, 0]], [[0, 1, 0, 0, 0]])
     """
-    out = packed_fields(windows, start_token_id=start_token_id, stored_mask=stored_mask)
+    out = packed_fields(windows, start_token_id=start_token_id, stored_mask=stored_mask, out=out)
     seq_len = out["targets"].shape[1]
     padding = np.arange(seq_len) >= _lengths(lengths, out["targets"].shape[0], seq_len)[:, None]
     pad = _int32("pad_id", pad_id)
@@ -447,31 +397,21 @@ def bin_fields(
     return out
 
 
-def bin_fields_jax(
-    windows: ArrayLike,
-    lengths: ArrayLike,
-    *,
-    start_token_id: ArrayLike = 0,
-    pad_id: ArrayLike = 0,
-    stored_mask: ArrayLike | None = None,
-) -> dict[str, jax.Array]:
-    """``bin_fields`` in jax ops (``lengths`` unchecked, may be traced)."""
-    out = packed_fields_jax(windows, start_token_id=start_token_id, stored_mask=stored_mask)
-    shape = out["targets"].shape
-    valid = lax.broadcasted_iota(jnp.int32, shape, 1) < jnp.asarray(lengths)[:, None]
-    fills = {"inputs": pad_id, "targets": pad_id}
-    return {k: jnp.where(valid, v, jnp.asarray(fills.get(k, 0), v.dtype)) for k, v in out.items()}
-
-
 def window_fields(
-    windows: Windows, packed: bool | str, *, start_token_id: int = 0, pad_id: int = 0
+    windows: Windows,
+    packed: bool | str,
+    *,
+    start_token_id: int = 0,
+    pad_id: int = 0,
+    out: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """The fields of records read as ``windows`` (:meth:`Records.read`): packed,
     padded or bins (``packed`` is the records' ``packed``: True, False or
-    ``"bins"``), with the stored loss mask when there is one."""
+    ``"bins"``), with the stored loss mask when there is one; written into
+    ``out`` when given (as for ``packed_fields``)."""
     if packed is True:
         return packed_fields(
-            windows.encoded, start_token_id=start_token_id, stored_mask=windows.stored_mask
+            windows.encoded, start_token_id=start_token_id, stored_mask=windows.stored_mask, out=out
         )
     if windows.lengths is None:
         raise TypeError("padded records and bins were read without their lengths")
@@ -482,6 +422,7 @@ def window_fields(
             start_token_id=start_token_id,
             pad_id=pad_id,
             stored_mask=windows.stored_mask,
+            out=out,
         )
     if packed is not False:
         raise ValueError(f"packed must be True, False or 'bins', got {packed!r}")
@@ -491,4 +432,5 @@ def window_fields(
         start_token_id=start_token_id,
         pad_id=pad_id,
         stored_mask=windows.stored_mask,
+        out=out,
     )

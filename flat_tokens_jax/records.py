@@ -206,6 +206,8 @@ class PaddedRecords(_SplitRecords):
 
 def _rows(pieces: list[np.ndarray], width: int, dtype: Any, right: bool = False) -> np.ndarray:
     """Stacks ranges of at most ``width`` elements into ``[k, width]``, zero-filled."""
+    if pieces and all(piece.size == width for piece in pieces):  # one copy, in C
+        return np.concatenate(pieces).astype(dtype, copy=False).reshape(len(pieces), width)
     out = np.zeros((len(pieces), width), dtype)
     for row, piece in enumerate(pieces):
         if right:

@@ -14,7 +14,6 @@ depend on the whole row, so those batches are decoded on the devices, inside
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flat_tokens_jax.batch import bin_fields_jax, packed_fields_jax, padded_fields_jax
+from flat_tokens_jax.batch_jax import bin_fields_jax, packed_fields_jax, padded_fields_jax
 from flat_tokens_jax.schedule import BatchSchedule
 
 
@@ -49,14 +48,15 @@ class BlockData:
         before: ``[rows, 1] uint32``: packed and bins, the token before the
             block's first column; padded, unused zeros.
         lengths: ``[rows] int32`` tokens kept per row (padded and bins; packed: unused).
-        stored_mask: ``[rows, cols] uint8`` stored loss mask (ones if none).
+        stored_mask: ``[rows, cols] uint8`` stored loss mask (ones where a row
+            has none), or ``None`` when no record of the loader has one.
         real: ``[rows] bool``: False for padding rows past the last epoch.
     """
 
     encoded: np.ndarray
     before: np.ndarray
     lengths: np.ndarray
-    stored_mask: np.ndarray
+    stored_mask: np.ndarray | None
     real: np.ndarray
 
 
@@ -149,6 +149,23 @@ class HostPlan:
         pad_id: int,
     ) -> dict[str, jax.Array]:
         """Global fields decoded on the devices from per-block encoded tokens."""
+        key = (packed, start_token_id, pad_id)
+        if key not in self._decode:
+            self._decode[key] = jax.jit(
+                self.decoder(packed=packed, start_token_id=start_token_id, pad_id=pad_id)
+            )
+        out: dict[str, jax.Array] = self._decode[key](self.encoded_arrays(data))
+        return out
+
+    def encoded_arrays(self, data: Mapping[Block, BlockData]) -> dict[str, jax.Array]:
+        """Global arrays of what the blocks hold, laid out as the batch is.
+
+        Returns:
+            ``encoded`` ``[batch, seq_len] uint32``; ``before`` ``[batch,
+            column shards] uint32`` (the token before each column shard);
+            ``lengths`` ``[batch] int32``; ``real`` ``[batch] bool``; and
+            ``stored_mask`` ``[batch, seq_len] uint8`` when the blocks hold one.
+        """
         assert isinstance(self.sharding, NamedSharding)
         mesh, spec = self.sharding.mesh, tuple(self.sharding.spec) + (None,) * 2
         col_shards, _ = _axis_shards(self.sharding, 1)
@@ -172,47 +189,59 @@ class HostPlan:
             return jax.make_array_from_callback(shape, NamedSharding(mesh, part), piece)
 
         batch, seq = self.shape
-        rows_part = PartitionSpec(spec[0])
-        args = (
-            make((batch, seq), PartitionSpec(spec[0], spec[1]), lambda b: data[b].encoded),
-            make((batch, col_shards), PartitionSpec(spec[0], spec[1]), lambda b: data[b].before),
-            make((batch,), rows_part, lambda b: by_rows[b.rows].lengths),
-            make((batch, seq), PartitionSpec(spec[0], spec[1]), lambda b: data[b].stored_mask),
-            make((batch,), rows_part, lambda b: by_rows[b.rows].real),
-        )
-        key = (packed, start_token_id, pad_id)
-        if key not in self._decode:
-            # Segment ids and positions scan whole rows: decode on row-sharded
-            # copies (columns gathered on device), then lay the fields out as asked.
-            whole_rows = NamedSharding(mesh, PartitionSpec(spec[0], None))
-            decode = functools.partial(
-                _decode, packed=packed, start_token_id=start_token_id, pad_id=pad_id
-            )
-
-            explicit = jax.sharding.AxisType.Explicit in mesh.axis_types
-            lay_out = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
-
-            def run(
-                encoded: jax.Array,
-                before: jax.Array,
-                lengths: jax.Array,
-                stored_mask: jax.Array,
-                real: jax.Array,
-            ) -> dict[str, jax.Array]:
-                gathered = [lay_out(x, whole_rows) for x in (encoded, before, stored_mask)]
-                fields = decode(gathered[0], gathered[1], lengths, gathered[2], real)
-                return {k: lay_out(v, self.sharding) for k, v in fields.items()}
-
-            self._decode[key] = jax.jit(run)
-        out: dict[str, jax.Array] = self._decode[key](*args)
+        rows_part, both = PartitionSpec(spec[0]), PartitionSpec(spec[0], spec[1])
+        out = {
+            "encoded": make((batch, seq), both, lambda b: data[b].encoded),
+            "before": make((batch, col_shards), both, lambda b: data[b].before),
+            "lengths": make((batch,), rows_part, lambda b: by_rows[b.rows].lengths),
+            "real": make((batch,), rows_part, lambda b: by_rows[b.rows].real),
+        }
+        if any(d.stored_mask is not None for d in data.values()):
+            out["stored_mask"] = make((batch, seq), both, lambda b: _mask_of(data[b]))
         return out
+
+    def decoder(
+        self, *, packed: bool | str, start_token_id: int, pad_id: int
+    ) -> Callable[[Mapping[str, jax.Array]], dict[str, jax.Array]]:
+        """The function (to call inside ``jax.jit``) from :meth:`encoded_arrays`
+        to the five fields, laid out as this plan's sharding."""
+        assert isinstance(self.sharding, NamedSharding)
+        mesh, spec = self.sharding.mesh, tuple(self.sharding.spec) + (None,) * 2
+        # Segment ids and positions scan whole rows: decode on row-sharded
+        # copies (columns gathered on device), then lay the fields out as asked.
+        whole_rows = NamedSharding(mesh, PartitionSpec(spec[0], None))
+        explicit = jax.sharding.AxisType.Explicit in mesh.axis_types
+        lay_out = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
+        sharding = self.sharding
+
+        def decode(encoded: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+            mask = encoded.get("stored_mask")
+            fields = _decode(
+                lay_out(encoded["encoded"], whole_rows),
+                lay_out(encoded["before"], whole_rows),
+                encoded["lengths"],
+                None if mask is None else lay_out(mask, whole_rows),
+                encoded["real"],
+                packed=packed,
+                start_token_id=start_token_id,
+                pad_id=pad_id,
+            )
+            return {k: lay_out(v, sharding) for k, v in fields.items()}
+
+        return decode
+
+
+def _mask_of(data: BlockData) -> np.ndarray:
+    if data.stored_mask is None:
+        return np.ones(data.encoded.shape, np.uint8)
+    return data.stored_mask
 
 
 def _decode(
     encoded: jax.Array,
     before: jax.Array,
     lengths: jax.Array,
-    stored_mask: jax.Array,
+    stored_mask: jax.Array | None,
     real: jax.Array,
     *,
     packed: bool | str,

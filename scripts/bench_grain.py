@@ -5,6 +5,9 @@ to local disk, then reads the same number of shuffled packed records of the
 same store through each path, batch by batch:
 
 * ``Loader.host_batch``: one batched read and decode per step (``prefetch=0``);
+* grain ``MapDataset.source(src.batches(B, seed=1))``: the adapter's batched
+  source, one batched read per step decoded on several threads, in this
+  process and with ``mp_prefetch`` over 2 worker processes;
 * grain ``MapDataset.source(src).shuffle(seed).batch(B)``: one read per record;
 * grain ``MapDataset.range(n).shuffle(seed).batch(B).map(src.read_batch)``:
   one batched read per batch, in this process and with ``mp_prefetch`` over 2
@@ -119,12 +122,29 @@ def main() -> None:
                 out = out.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
             return iter(out)
 
+        def whole_batches(read: grain.ReadOptions | None, workers: int = 0) -> Iterator[Any]:
+            ds = grain.MapDataset.source(src.batches(B, seed=1))
+            if read is None:
+                return iter(ds)
+            out = ds.to_iter_dataset(read)
+            if workers:
+                out = out.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+            return iter(out)
+
         first, took = measure(lambda: map(loader.host_batch, itertools.count()), steps)
         rows = [("ftj.Loader.host_batch", "", steps * B / took, first)]
+        first, took = measure(functools.partial(whole_batches, None), steps)
+        whole = "MapDataset.source(src.batches(B, seed=1))"
+        rows.append((f"{whole}, iterated", "", steps * B / took, first))
         batched = "MapDataset.range(n).shuffle.batch.map(src.read_batch)"
         for threads in args.read_threads:
             read = grain.ReadOptions(num_threads=threads)
             paths: list[tuple[str, Callable[[], Iterator[Any]]]] = [
+                (f"{whole}.to_iter_dataset", functools.partial(whole_batches, read)),
+                (
+                    f"{whole}, mp_prefetch({args.workers} workers)",
+                    functools.partial(whole_batches, read, args.workers),
+                ),
                 ("MapDataset.source(src).shuffle.batch", functools.partial(per_record, read)),
                 (batched, functools.partial(per_batch, read)),
                 (

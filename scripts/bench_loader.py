@@ -5,11 +5,19 @@ compress like text) and a flat raw file of the same encoded tokens, then
 measures side by side, in one run, over the same random steps:
 
 * ``memmap``: copying each row's encoded window (``L + 1`` tokens) out of the
-  raw file into a ``[B, L + 1]`` array: the floor any reader pays;
+  raw file, ``out[row] = mm[start - 1 : start + L]`` into a preallocated
+  ``[B, L + 1]`` uint32 array (``start = record * L``; record 0, which has no
+  token before it, copies ``mm[0 : L + 1]``), the same random records as the
+  loader's: the floor any reader pays;
 * ``host_batch``: ``Loader.host_batch`` (all five fields as numpy);
-* ``batch``: ``Loader.batch`` (all five fields as global ``jax.Array``\\ s);
+* ``batch``: ``Loader.batch`` (all five fields as global ``jax.Array``\\ s),
+  called with consecutive steps, so it reads ahead ``prefetch`` steps (2), and
+  with ``prefetch=0`` (each step read when asked);
+* ``iterate``: ``Loader.iterate`` (``prefetch`` 2);
 
-reporting tokens/s, the ratio to memmap, and CPU seconds per million tokens.
+reporting tokens/s, the ratio to memmap, and CPU seconds per million tokens
+(process CPU time, all threads). The loader decodes each batch in row blocks
+on ``decode_threads`` threads (printed).
 Also time-to-first-batch at step 0 and at step 10**9 (fresh loaders).
 
 The default layout stores a crc32c after every chunk; ``uncompressed, no
@@ -26,6 +34,8 @@ Run: ``python scripts/bench_loader.py [--tokens 200_000_000] [--steps 20] [--pad
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import shutil
 import tempfile
 import time
@@ -66,6 +76,20 @@ def timed(fn: Callable[[int], object], steps: list[int]) -> tuple[float, float]:
     return best
 
 
+def timed_iterate(loader: ftj.Loader, steps: list[int]) -> tuple[float, float]:
+    """(wall, cpu) seconds for ``loader.iterate`` over ``steps`` (consecutive), best of three."""
+    best = (float("inf"), float("inf"))
+    for _ in range(3):
+        wall, cpu = time.perf_counter(), time.process_time()
+        it = loader.iterate(steps[0])
+        for _, (_, batch) in zip(steps, it, strict=False):
+            for v in batch.values():
+                v.block_until_ready()
+        it.close()
+        best = min(best, (time.perf_counter() - wall, time.process_time() - cpu))
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=200_000_000)
@@ -95,6 +119,7 @@ def main() -> None:
                 batch_size=B, seq_len=L, seed=1, prefetch=0, packing=not args.padded
             )
             loader = ftj.Loader(ft, cfg)
+            ahead = ftj.Loader(ft, dataclasses.replace(cfg, prefetch=2))
             steps = list(range(1000, 1000 + args.steps))
             out = np.empty((B, L + 1), np.uint32)
 
@@ -119,16 +144,26 @@ def main() -> None:
                 for v in loader.batch(step).values():
                     v.block_until_ready()
 
-            for fn in (memmap_copy, loader.host_batch, device):
+            def device_ahead(step: int, loader: ftj.Loader = ahead) -> None:
+                device(step, loader)
+
+            for fn in (memmap_copy, loader.host_batch, device, device_ahead):
                 fn(steps[0])
             base_wall, base_cpu = timed(memmap_copy, steps)
             tokens = B * L * len(steps)
             for label, fn in (
                 ("memmap copy of windows", memmap_copy),
                 ("Loader.host_batch", loader.host_batch),
-                ("Loader.batch (jax.Array)", device),
+                ("Loader.batch (jax.Array), consecutive steps", device_ahead),
+                ("Loader.batch (jax.Array), prefetch=0", device),
+                ("Loader.iterate (prefetch 2)", None),
             ):
-                wall, cpu = (base_wall, base_cpu) if fn is memmap_copy else timed(fn, steps)
+                if fn is memmap_copy:
+                    wall, cpu = base_wall, base_cpu
+                elif fn is None:
+                    wall, cpu = timed_iterate(ahead, steps)
+                else:
+                    wall, cpu = timed(fn, steps)
                 rows.append(
                     (name, label, tokens / wall / 1e6, base_wall / wall, cpu / tokens * 1e6)
                 )
@@ -181,7 +216,11 @@ def main() -> None:
                 f"{name}: wrote {args.tokens:,} tokens in {write_s:.1f}s "
                 f"({args.tokens * 4 / write_s / 1e6:.0f} MB/s)"
             )
-        print(f"\nB={B}, L={L}, {args.steps} random steps, best of 3, page cache warm\n")
+        threads = ftj.Loader(ft, cfg).block_decoder.threads
+        print(
+            f"\nB={B}, L={L}, {args.steps} random steps, best of 3, page cache warm; "
+            f"decode_threads={threads} of {os.cpu_count()} cores\n"
+        )
         print("| layout | path | M tokens/s (or s) | vs memmap | CPU s / M tokens |")
         print("| --- | --- | ---: | ---: | ---: |")
         for name, label, rate, ratio, cpu in rows:

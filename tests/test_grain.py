@@ -16,7 +16,7 @@ from absl import flags
 from conftest import memory_url
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import packed_row, padded_row
+from reference import packed_row, padded_row, reference_batch
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.grain import FlatTokensSource, ScheduledBatches
@@ -428,3 +428,70 @@ def test_scheduled_batches_in_order_equal_the_loader(path: Path) -> None:
     last = batches[len(batches) - 1]
     real = loader.host_batch(len(batches) - 1)["loss_mask"].any(axis=1)
     assert last["targets"].shape[0] == real.sum() > 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seqs=st.lists(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=12), min_size=2),
+    data=st.data(),
+)
+def test_batches_equal_brute_force_reference_on_every_shard(
+    seqs: list[list[int]], data: st.DataObject
+) -> None:
+    url = memory_url()
+    ftj.write_dataset(url, {"train": seqs}, layout=ftj.Layout(shard_tokens=32, chunk_tokens=4))
+    packing = data.draw(st.booleans())
+    seq_len = data.draw(st.integers(1, max(1, sum(map(len, seqs)) // 2)))
+    src = FlatTokensSource(url, seq_len, packing)
+    count = data.draw(st.sampled_from([1, 2, 4]))
+    batch_size = count * data.draw(st.integers(1, 6))
+    seed, shuffle = data.draw(st.integers(0, 2**64 - 1)), data.draw(st.booleans())
+    num_epochs = data.draw(st.sampled_from([None, 1, 3]))
+    shards = [
+        src.batches(batch_size, seed=seed, shuffle=shuffle, num_epochs=num_epochs, shard=(i, count))
+        for i in range(count)
+    ]
+    if num_epochs is not None:
+        assert len(shards[0]) == len(src) * num_epochs // batch_size
+    if len(shards[0]) == 0:
+        return
+    step = data.draw(st.integers(0, min(len(shards[0]), 50) - 1))
+    want = reference_batch(
+        seqs, step, batch_size, seq_len, packing=packing, shuffle=shuffle, seed=seed
+    )
+    got = stack_shards([s[step] for s in shards])
+    assert {k: v.astype(int).tolist() for k, v in got.items()} == {
+        k: v.astype(int).tolist() for k, v in want.items()
+    }
+
+
+def stack_shards(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {k: np.concatenate([p[k] for p in parts]) for k in FIELDS}
+
+
+def test_batches_are_plain_grain_and_equal_the_loader(path: Path) -> None:
+    src = FlatTokensSource(path, SEQ_LEN)
+    ft = ftj.open_dataset(path)["train"]
+    cfg = ftj.LoaderConfig(batch_size=8, seq_len=SEQ_LEN, seed=5, num_epochs=2, prefetch=0)
+    loader = ftj.Loader(ft, cfg)
+    batches = src.batches(8, seed=5, num_epochs=2, shard=(1, 2))
+    assert len(batches) == len(src) * 2 // 8
+    ds = grain.MapDataset.source(batches).to_iter_dataset()
+    for step, got in zip(range(len(batches)), ds, strict=True):
+        want = {k: v[4:] for k, v in loader.host_batch(step).items()}
+        assert_rows_equal(got, want)
+    again = pickle.loads(pickle.dumps(batches))
+    assert repr(again) == repr(batches)
+    assert_rows_equal(again[3], batches[3])
+
+
+def test_batches_refuse_what_they_cannot_cut(path: Path) -> None:
+    src = FlatTokensSource(path, SEQ_LEN)
+    with pytest.raises(ValueError, match="batch_size 6 does not divide over 4 shards"):
+        src.batches(6, shard=(0, 4))
+    with pytest.raises(ValueError, match=r"need 0 <= index < count"):
+        src.batches(8, shard=(2, 2))
+    with pytest.raises(ValueError, match="shard must be"):
+        src.batches(8, shard="host0")  # type: ignore[arg-type]
+    with pytest.raises(IndexError, match="step 10000 is outside"):
+        src.batches(8)[10000]

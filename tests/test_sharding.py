@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -107,3 +109,29 @@ def test_iterate_yields_sharded_global_arrays(split: ftj.FlatTokens) -> None:
         )
         if step == 5:
             break
+
+
+@pytest.mark.parametrize("packing", [True, False, "bins"], ids=["packed", "padded", "bins"])
+@pytest.mark.parametrize(("mesh_name", "spec"), CASES)
+def test_device_decode_equals_host_decode(
+    split: ftj.FlatTokens, mesh_name: str, spec: P, packing: bool | str
+) -> None:
+    """decode='device' ships encoded tokens and decodes under every mesh and spec."""
+    cfg = ftj.LoaderConfig(
+        batch_size=16, seq_len=24, packing=packing, seed=4, num_epochs=3, pad_id=7
+    )
+    host = ftj.Loader(split, cfg)
+    sharding = NamedSharding(mesh(mesh_name), spec)
+    device = ftj.Loader(split, dataclasses.replace(cfg, decode="device"), sharding)
+    decode = jax.jit(device.decoder())
+    for step in (0, device.num_batches - 1):
+        want = host.host_batch(step)
+        got = device.batch(step)
+        encoded = device.encoded_batch(step)
+        assert encoded["encoded"].dtype == np.uint32 and "stored_mask" not in encoded
+        from_encoded = decode(encoded)
+        for key in want:
+            assert got[key].sharding.is_equivalent_to(sharding, 2), key
+            assert from_encoded[key].sharding.is_equivalent_to(sharding, 2), key
+            np.testing.assert_array_equal(np.asarray(got[key]), want[key], err_msg=key)
+            np.testing.assert_array_equal(np.asarray(from_encoded[key]), want[key], err_msg=key)

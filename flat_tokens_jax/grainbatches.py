@@ -1,0 +1,95 @@
+"""Whole shuffled batches as one grain element: ``Batches``.
+
+``FlatTokensSource.batches(...)`` builds one. A grain pipeline that batches
+records one at a time (``MapDataset.source(src).shuffle(seed).batch(B)``)
+reads and decodes every record on its own; a ``Batches`` element is one
+batched read of a whole step, decoded in row blocks on several threads, in
+``Loader``'s order (same sampler, same seed), so a grain pipeline and a
+``Loader`` agree row for row.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Protocol, SupportsIndex
+
+import numpy as np
+
+from flat_tokens_jax.sampling import IndexSampler
+
+
+class BatchReader(Protocol):
+    """What ``Batches`` reads from (a ``FlatTokensSource``)."""
+
+    def __len__(self) -> int: ...
+
+    def read_batch(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]: ...
+
+
+class Batches:
+    """A grain random-access source of whole batches (see :meth:`FlatTokensSource.batches`).
+
+    Element ``step``: the five fields, each ``[batch_size // count, seq_len]``,
+    of this shard's rows of global step ``step``. Contract: deterministic,
+    thread-safe, picklable (as its source).
+    """
+
+    def __init__(
+        self,
+        source: BatchReader,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        num_epochs: int | None = 1,
+        shard: tuple[int, int] = (0, 1),
+    ) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        index, count = _shard(shard)
+        if batch_size % count:
+            raise ValueError(
+                f"batch_size {batch_size} does not divide over {count} shards: "
+                f"choose a multiple of {count}"
+            )
+        self.source, self.batch_size, self.shard = source, batch_size, (index, count)
+        self.sampler = IndexSampler(len(source), seed=seed, shuffle=shuffle, num_epochs=num_epochs)
+        total = self.sampler.num_samples
+        self._length = (MAX_SAMPLE if total is None else total) // batch_size
+        rows = batch_size // count
+        self._rows = np.arange(index * rows, (index + 1) * rows, dtype=np.int64)
+
+    def __repr__(self) -> str:
+        s = self.sampler
+        return (
+            f"Batches({self.source!r}, batch_size={self.batch_size}, seed={s.seed}, "
+            f"shuffle={s.shuffle}, num_epochs={s.num_epochs}, shard={self.shard})"
+        )
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, step: SupportsIndex) -> dict[str, np.ndarray]:
+        """This shard's rows of ``step``: five fields, each ``[rows, seq_len]``."""
+        index = operator.index(step)
+        if not 0 <= index < self._length:
+            raise IndexError(f"{self!r}: step {index} is outside [0, {self._length})")
+        g = np.int64(index) * self.batch_size + self._rows
+        return self.source.read_batch(self.sampler.records(g))
+
+
+def _shard(shard: tuple[int, int]) -> tuple[int, int]:
+    try:
+        index, count = (operator.index(v) for v in shard)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"shard must be (index, count), e.g. (jax.process_index(), jax.process_count()), "
+            f"got {shard!r}"
+        ) from None
+    if not 0 <= index < count:
+        raise ValueError(f"shard {shard!r}: need 0 <= index < count")
+    return index, count
+
+
+MAX_SAMPLE = 2**63 - 1  # Global sample indices are int64.

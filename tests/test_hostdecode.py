@@ -1,0 +1,198 @@
+"""Every way a batch is made equals the brute-force reference: host decode in row
+blocks on threads, ``batch`` with read-ahead, and decoding on the devices."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from conftest import memory_url
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import reference_batch
+
+import flat_tokens_jax as ftj
+from flat_tokens_jax.batch import FIELDS, window_fields
+from flat_tokens_jax.hostdecode import BlockDecoder, Buffers, empty_fields
+
+datasets = st.lists(
+    st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=15), min_size=1, max_size=25
+)
+
+
+def as_lists(batch: dict) -> dict:
+    return {k: np.asarray(v).astype(int).tolist() for k, v in batch.items()}
+
+
+def split_of(seqs: list[list[int]], masks: list[list[int]] | None) -> ftj.FlatTokens:
+    url = memory_url()
+    layout = ftj.Layout(shard_tokens=16, chunk_tokens=4)
+    ftj.write_dataset(
+        url, {"train": seqs}, loss_masks=None if masks is None else {"train": masks}, layout=layout
+    )
+    return ftj.open_dataset(url)["train"]
+
+
+def draw_case(
+    seqs: list[list[int]], data: st.DataObject
+) -> tuple[ftj.FlatTokens, list[list[int]] | None, ftj.LoaderConfig] | None:
+    masks = None
+    if data.draw(st.booleans()):
+        masks = [
+            data.draw(st.lists(st.integers(0, 1), min_size=len(s), max_size=len(s))) for s in seqs
+        ]
+    packing = data.draw(st.booleans())
+    num_tokens = sum(map(len, seqs))
+    seq_len = data.draw(st.integers(1, max(1, num_tokens if packing else 20)))
+    if packing and num_tokens < seq_len:
+        return None
+    cfg = ftj.LoaderConfig(
+        batch_size=data.draw(st.integers(1, 40)),
+        seq_len=seq_len,
+        packing=packing,
+        shuffle=data.draw(st.booleans()),
+        seed=data.draw(st.integers(0, 2**64 - 1)),
+        num_epochs=data.draw(st.sampled_from([None, 1, 2])),
+        start_token_id=data.draw(st.integers(0, 5)),
+        pad_id=data.draw(st.integers(0, 5)),
+        prefetch=data.draw(st.integers(0, 3)),
+    )
+    return split_of(seqs, masks), masks, cfg
+
+
+def expected(seqs: list[list[int]], masks: list[list[int]] | None, cfg, step: int) -> dict:
+    return reference_batch(
+        seqs,
+        step,
+        cfg.batch_size,
+        cfg.seq_len,
+        packing=cfg.packing,
+        shuffle=cfg.shuffle,
+        seed=cfg.seed,
+        num_epochs=cfg.num_epochs,
+        start_token_id=cfg.start_token_id or 0,
+        pad_id=cfg.pad_id,
+        masks=masks,
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(seqs=datasets, data=st.data())
+def test_row_blocks_on_threads_equal_reference(seqs: list[list[int]], data: st.DataObject) -> None:
+    case = draw_case(seqs, data)
+    if case is None:
+        return
+    ft, masks, cfg = case
+    loader = ftj.Loader(ft, cfg)
+    threads = data.draw(st.integers(1, 5))
+    loader.block_decoder = BlockDecoder(threads, min_block_rows=data.draw(st.integers(1, 4)))
+    last = (loader.num_batches or 30) - 1
+    steps = sorted({0, last, data.draw(st.integers(0, last))})
+    for step in steps:
+        assert as_lists(loader.host_batch(step)) == as_lists(expected(seqs, masks, cfg, step))
+    # batch() with consecutive steps reads ahead: the same batches.
+    for step in range(min(last + 1, 4)):
+        assert as_lists(loader.batch(step)) == as_lists(expected(seqs, masks, cfg, step))
+
+
+@settings(max_examples=15, deadline=None)
+@given(seqs=datasets, data=st.data())
+def test_device_decode_equals_reference(seqs: list[list[int]], data: st.DataObject) -> None:
+    case = draw_case(seqs, data)
+    if case is None:
+        return
+    ft, masks, cfg = case
+    loader = ftj.Loader(ft, dataclasses.replace(cfg, decode="device"))
+    last = (loader.num_batches or 30) - 1
+    step = data.draw(st.integers(0, last))
+    want = as_lists(expected(seqs, masks, cfg, step))
+    got = loader.batch(step)
+    assert {k: v.dtype for k, v in got.items()} == {
+        **{k: np.dtype(np.int32) for k in FIELDS[:4]},
+        "loss_mask": np.dtype(bool),
+    }
+    assert as_lists(got) == want
+    encoded = loader.encoded_batch(step)
+    assert ("stored_mask" in encoded) == (masks is not None)
+    assert as_lists(jax.jit(loader.decoder(step))(encoded)) == want
+
+
+def test_blocks_cover_the_rows_in_order() -> None:
+    decoder = BlockDecoder(3, min_block_rows=4)
+    assert decoder.blocks(256) == [(0, 85), (85, 170), (170, 256)]
+    assert decoder.blocks(9) == [(0, 4), (4, 9)]
+    assert decoder.blocks(3) == [(0, 3)]
+    with pytest.raises(ValueError, match="threads must be an int >= 1, got 0"):
+        BlockDecoder(0)
+
+
+def test_fields_are_aligned_so_jax_uses_them_in_place() -> None:
+    out = empty_fields(8, 4096)
+    offsets = {v.ctypes.data % 4096 for v in out.values()}
+    assert all(v.ctypes.data % 64 == 0 for v in out.values())
+    assert len(offsets) == 5
+    if jax.default_backend() == "cpu":
+        for value in out.values():
+            assert jax.device_put(value).unsafe_buffer_pointer() == value.ctypes.data
+
+
+def test_out_arrays_are_checked() -> None:
+    windows = ftj.records.Windows(np.zeros((2, 5), np.uint32))
+    bad = {k: np.zeros((2, 4), np.int32) for k in FIELDS}
+    want = r"out\['loss_mask'\] must be a C-contiguous \[2, 4\] bool"
+    with pytest.raises(ValueError, match=want):
+        window_fields(windows, True, out=bad)
+
+
+def test_batch_reads_ahead_only_after_consecutive_steps() -> None:
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(0, 100, rng.integers(1, 30)).tolist() for _ in range(200)]
+    ft = split_of(seqs, None)
+    cfg = ftj.LoaderConfig(batch_size=4, seq_len=8, seed=1, prefetch=2)
+    loader = ftj.Loader(ft, cfg)
+    loader.batch(10)
+    assert not loader._ahead
+    loader.batch(11)
+    assert sorted(loader._ahead) == [12, 13]
+    assert as_lists(loader.batch(12)) == as_lists(expected(seqs, None, cfg, 12))
+    assert sorted(loader._ahead) == [13, 14]
+    loader.batch(3)  # a jump drops what was read ahead
+    assert not loader._ahead
+
+
+def test_device_decode_needs_a_named_sharding() -> None:
+    ft = split_of([[1, 2, 3, 4, 5, 6, 7, 8, 9]], None)
+    single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    cfg = ftj.LoaderConfig(batch_size=2, seq_len=2, decode="device")
+    with pytest.raises(ValueError, match="decoding on the devices needs a NamedSharding"):
+        ftj.Loader(ft, cfg, sharding=single)
+    with pytest.raises(ValueError, match=r"LoaderConfig\.decode must be 'host' or 'device'"):
+        ftj.LoaderConfig(batch_size=2, seq_len=2, decode="gpu")
+
+
+def test_buffers_are_reused_only_when_nothing_holds_them() -> None:
+    buffers = Buffers(keep=2)
+    first = empty_fields(4, 8, buffers)
+    address = first["inputs"].ctypes.data
+    second = empty_fields(4, 8, buffers)  # `first` is alive: a new buffer
+    assert second["inputs"].ctypes.data != address
+    targets = first["targets"]
+    del first
+    third = empty_fields(4, 8, buffers)  # one field of `first` still holds its buffer
+    reused = third["inputs"].ctypes.data
+    assert reused not in (address, second["inputs"].ctypes.data)
+    del targets, third
+    assert empty_fields(4, 8, buffers)["inputs"].ctypes.data == reused
+    assert len(buffers._buffers) == 2  # keeps at most `keep`
+
+
+def test_read_ahead_stops_at_the_last_step() -> None:
+    ft = split_of([[i % 5 + 1] * 7 for i in range(20)], None)
+    cfg = ftj.LoaderConfig(batch_size=4, seq_len=8, num_epochs=1, prefetch=3)
+    loader = ftj.Loader(ft, cfg)
+    last = loader.num_batches - 1
+    loader.batch(last - 2)
+    loader.batch(last - 1)
+    assert sorted(loader._ahead) == [last]
+    loader.batch(last)
+    assert not loader._ahead

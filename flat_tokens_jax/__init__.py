@@ -9,11 +9,11 @@ from flat_tokens_jax.layout import Layout
 from flat_tokens_jax.loader import Loader, StateMismatch
 from flat_tokens_jax.location import OverwriteNeeded
 from flat_tokens_jax.mixture import Mixture, mixture_from_config
+from flat_tokens_jax.options import StoreOptions
 from flat_tokens_jax.plans import PackingPlan, pack_dataset
 from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records
 from flat_tokens_jax.sampling import EpochsExhausted, IndexSampler, permute
 from flat_tokens_jax.schedule import BatchSchedule
-from flat_tokens_jax.store import StoreOptions
 from flat_tokens_jax.validation import summary, validate
 from flat_tokens_jax.writer import DatasetWriter, write_dataset
 

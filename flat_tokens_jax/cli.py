@@ -18,9 +18,9 @@ from flat_tokens_jax.convert.tokenizer import load_tokenizer
 from flat_tokens_jax.format import FormatError
 from flat_tokens_jax.identity import tokenizer_info
 from flat_tokens_jax.loader import Loader
+from flat_tokens_jax.options import StoreError
 from flat_tokens_jax.plans import pack_dataset, plan_group
 from flat_tokens_jax.records import recorded_info
-from flat_tokens_jax.store import StoreError
 from flat_tokens_jax.validation import summary, validate
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from flat_tokens_jax.arrays import ArrayReader, Pending
 from flat_tokens_jax.format import (
     ENCODED_DTYPE,
     LEGACY_TOKENS,
@@ -25,15 +26,9 @@ from flat_tokens_jax.format import (
     decode,
 )
 from flat_tokens_jax.identity import DatasetInfo
+from flat_tokens_jax.options import StoreOptions, resolve_options
 from flat_tokens_jax.probes import ShardProbes
-from flat_tokens_jax.store import (
-    ArrayReader,
-    Pending,
-    Store,
-    StoreOptions,
-    describe_layout,
-    resolve_options,
-)
+from flat_tokens_jax.store import Store, describe_layout
 
 
 class _Unread:

@@ -50,9 +50,9 @@ from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.grainbatches import Batches
 from flat_tokens_jax.hostdecode import BlockDecoder, default_threads
 from flat_tokens_jax.mixture import Mixture
+from flat_tokens_jax.options import StoreOptions, resolve_options
 from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records, recorded_info
 from flat_tokens_jax.schedule import BatchSchedule, BatchSizeSpec
-from flat_tokens_jax.store import StoreOptions, resolve_options
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,9 +31,9 @@ import numpy as np
 from flat_tokens_jax.bins import make_records
 from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.identity import DatasetInfo, check_tokenizers
+from flat_tokens_jax.options import StoreOptions
 from flat_tokens_jax.records import Records, check_source, recorded_info
 from flat_tokens_jax.schedule import BatchSchedule
-from flat_tokens_jax.store import StoreOptions
 
 MAX_DEFAULT_PERIOD = 1 << 20
 _MAX_SAMPLE = 2**63 - 1  # Global sample indices are int64.

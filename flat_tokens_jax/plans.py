@@ -32,14 +32,8 @@ from flat_tokens_jax.binpack import ALGORITHM, build_plan, plan_digest
 from flat_tokens_jax.dataset import FlatTokens, open_dataset
 from flat_tokens_jax.format import FormatError, Problem
 from flat_tokens_jax.layout import Layout, create_array
-from flat_tokens_jax.store import (
-    V2_ATTRS,
-    V2_GROUP,
-    V3_META,
-    Store,
-    StoreOptions,
-    resolve_options,
-)
+from flat_tokens_jax.options import StoreOptions, resolve_options
+from flat_tokens_jax.store import V2_ATTRS, V2_GROUP, V3_META, Store
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from flat_tokens_jax.config import LoaderConfig
 from flat_tokens_jax.dataset import FlatTokens, open_dataset
 from flat_tokens_jax.loader import Loader, StateMismatch
 from flat_tokens_jax.mixture import Mixture, mixture_from_config
+from flat_tokens_jax.options import StoreOptions
 from flat_tokens_jax.schedule import BatchSchedule
-from flat_tokens_jax.store import StoreOptions
 
 FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 UNTRAINED = ("⟦", "⟧")  # around tokens whose loss_mask is 0

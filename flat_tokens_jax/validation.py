@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from flat_tokens_jax.arrays import ArrayReader
 from flat_tokens_jax.dataset import FlatTokens, open_dataset
 from flat_tokens_jax.format import (
     LOSS_MASK,
@@ -20,8 +21,9 @@ from flat_tokens_jax.format import (
     check_tokens_block,
 )
 from flat_tokens_jax.identity import DatasetInfo
+from flat_tokens_jax.options import StoreError, StoreOptions, resolve_options
 from flat_tokens_jax.plans import check_stored_plans, plans_summary
-from flat_tokens_jax.store import ArrayReader, Store, StoreError, StoreOptions, resolve_options
+from flat_tokens_jax.store import Store
 
 BLOCK = 1 << 22
 # validate(quick=True): sequences sampled per split, and tokens read from the start of each.

@@ -33,7 +33,8 @@ from flat_tokens_jax.identity import ATTRIBUTE, DatasetInfo
 from flat_tokens_jax.layout import PROVISIONAL_SIZE, Layout, create_array, record_probes
 from flat_tokens_jax.location import STAGING as STAGING
 from flat_tokens_jax.location import claim_location
-from flat_tokens_jax.store import Store, StoreOptions, resolve_options
+from flat_tokens_jax.options import StoreOptions, resolve_options
+from flat_tokens_jax.store import Store
 
 log = logging.getLogger(__name__)
 

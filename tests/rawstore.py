@@ -10,7 +10,8 @@ import numcodecs
 import numpy as np
 import zarr
 
-from flat_tokens_jax.store import Store, StoreOptions
+from flat_tokens_jax.options import StoreOptions
+from flat_tokens_jax.store import Store
 
 
 def write_raw(

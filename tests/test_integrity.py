@@ -27,9 +27,9 @@ from hypothesis import strategies as st
 import flat_tokens_jax as ftj
 from flat_tokens_jax.cli import main
 from flat_tokens_jax.format import FormatError
+from flat_tokens_jax.options import StoreError
 from flat_tokens_jax.probes import ATTRIBUTE as PROBES
 from flat_tokens_jax.records import PackedRecords, PaddedRecords
-from flat_tokens_jax.store import StoreError
 
 SEQ_LEN = 8
 LAYOUTS = {

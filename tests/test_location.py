@@ -26,7 +26,8 @@ from flat_tokens_jax.convert.megatron import export_megatron, import_megatron
 from flat_tokens_jax.convert.merge import merge
 from flat_tokens_jax.convert.text import convert
 from flat_tokens_jax.location import MARKER, OverwriteNeeded
-from flat_tokens_jax.store import Store, StoreError
+from flat_tokens_jax.options import StoreError
+from flat_tokens_jax.store import Store
 
 SMALL = ftj.Layout(shard_tokens=1 << 10, chunk_tokens=1 << 6)
 

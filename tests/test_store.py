@@ -6,7 +6,9 @@ import zarr
 from rawstore import BLOSC, DELTA, SPEC_STARTS, SPEC_TOKENS, flat_split, write_raw
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.store import StoreOptions, TensorStoreArray, ZarrPythonArray, kvstore_spec
+from flat_tokens_jax.arrays import TensorStoreArray, ZarrPythonArray
+from flat_tokens_jax.options import StoreOptions
+from flat_tokens_jax.store import kvstore_spec
 
 EMPTY = flat_split([], [0], 0)
 

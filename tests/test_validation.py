@@ -174,13 +174,13 @@ def test_streaming_check_equals_whole_array_reference(
     """Any block size finds the planted problem at its index, and nothing on valid data."""
     enc, starts = ftj.encode(seqs)
     max_id = max(max(s) for s in seqs)
-    tokens_reader = ftj.store.ZarrPythonArray(np.asarray(enc))  # type: ignore[arg-type]
+    tokens_reader = ftj.arrays.ZarrPythonArray(np.asarray(enc))  # type: ignore[arg-type]
     assert (
         validation._check_arrays(
             "t",
             tokens_reader,
             "s",
-            ftj.store.ZarrPythonArray(starts),  # type: ignore[arg-type]
+            ftj.arrays.ZarrPythonArray(starts),  # type: ignore[arg-type]
             max_id,
             block,
         )
@@ -204,9 +204,9 @@ def test_streaming_check_equals_whole_array_reference(
         expected = ("s", starts.size - 1)
     problems = validation._check_arrays(
         "t",
-        ftj.store.ZarrPythonArray(enc),  # type: ignore[arg-type]
+        ftj.arrays.ZarrPythonArray(enc),  # type: ignore[arg-type]
         "s",
-        ftj.store.ZarrPythonArray(starts),  # type: ignore[arg-type]
+        ftj.arrays.ZarrPythonArray(starts),  # type: ignore[arg-type]
         max_id,
         block,
     )

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from flat_tokens_jax.arrays import Pending
 from flat_tokens_jax.dataset import Dataset, open_dataset
 from flat_tokens_jax.format import (
     ENCODED_DTYPE,
@@ -39,7 +40,8 @@ from flat_tokens_jax.format import (
 from flat_tokens_jax.identity import DatasetInfo
 from flat_tokens_jax.layout import Layout, create_array, open_for_writing, record_probes
 from flat_tokens_jax.location import MARKER, STAGING
-from flat_tokens_jax.store import Pending, Store, StoreOptions
+from flat_tokens_jax.options import StoreOptions
+from flat_tokens_jax.store import Store
 from flat_tokens_jax.writer import root_attributes, write_groups
 
 DTYPES: dict[str, np.dtype[Any]] = {

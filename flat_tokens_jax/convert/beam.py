@@ -65,7 +65,8 @@ from flat_tokens_jax.convert.tokenizer import BatchTokenizer
 from flat_tokens_jax.dataset import Dataset, open_dataset
 from flat_tokens_jax.identity import DatasetInfo, inputs_record
 from flat_tokens_jax.location import STAGING, Claim, claim_location, refuse_overlap
-from flat_tokens_jax.store import Store, StoreOptions, context_spec, resolve_options
+from flat_tokens_jax.options import StoreOptions, context_spec, resolve_options
+from flat_tokens_jax.store import Store
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
 log = logging.getLogger(__name__)

@@ -67,7 +67,7 @@ from flat_tokens_jax.convert.tokenizer import (
 from flat_tokens_jax.format import SPLITS, encode_concatenated
 from flat_tokens_jax.identity import DatasetInfo, inputs_record
 from flat_tokens_jax.location import refuse_overlap
-from flat_tokens_jax.store import StoreOptions, resolve_options
+from flat_tokens_jax.options import StoreOptions, resolve_options
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flat_tokens_jax.location import OverwriteNeeded
-from flat_tokens_jax.store import CREDENTIAL_TYPES, StoreOptions
+from flat_tokens_jax.options import CREDENTIAL_TYPES, StoreOptions
 
 _DEFAULTS = StoreOptions()
 

@@ -30,7 +30,7 @@ from flat_tokens_jax.dataset import open_dataset
 from flat_tokens_jax.format import MAX_TOKEN_ID, SPLITS, decode, encode_concatenated
 from flat_tokens_jax.identity import DatasetInfo, inputs_record
 from flat_tokens_jax.location import refuse_overlap
-from flat_tokens_jax.store import StoreOptions, resolve_options
+from flat_tokens_jax.options import StoreOptions, resolve_options
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.format import SPLITS
 from flat_tokens_jax.identity import DatasetInfo, check_tokenizers, common_tokenizer, inputs_record
 from flat_tokens_jax.location import refuse_overlap
-from flat_tokens_jax.store import StoreOptions, resolve_options
+from flat_tokens_jax.options import StoreOptions, resolve_options
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
 BLOCK_TOKENS = 1 << 22

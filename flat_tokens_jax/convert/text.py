@@ -29,7 +29,7 @@ from flat_tokens_jax.convert.commands import (
 from flat_tokens_jax.convert.inputs import as_patterns, expand_inputs, require
 from flat_tokens_jax.convert.parts import Conversion, ConvertOptions, Totals, write_documents
 from flat_tokens_jax.location import refuse_overlap
-from flat_tokens_jax.store import StoreOptions, resolve_options
+from flat_tokens_jax.options import StoreOptions, resolve_options
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,155 @@
+"""Readers of 1-D arrays: tensorstore (memory-mapped local shards first), or zarr-python."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Protocol
+
+import numpy as np
+import tensorstore as ts
+import zarr
+
+from flat_tokens_jax.localshards import LocalShards
+from flat_tokens_jax.options import StoreOptions, wait
+
+
+class ByteCounter:
+    """Bytes read so far, counted from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.value = 0
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.value += n
+
+
+class Pending(Protocol):
+    """Reads in flight."""
+
+    def result(self) -> list[np.ndarray]: ...
+
+
+class _Futures:
+    """Values read already, and tensorstore futures."""
+
+    def __init__(self, futures: list[Any], url: str, options: StoreOptions) -> None:
+        self.futures, self.url, self.options = futures, url, options
+
+    def result(self) -> list[np.ndarray]:
+        return [
+            f if isinstance(f, np.ndarray) else wait(f, self.url, self.options)
+            for f in self.futures
+        ]
+
+
+class _Done:
+    def __init__(self, values: list[np.ndarray]) -> None:
+        self.values = values
+
+    def result(self) -> list[np.ndarray]:
+        return self.values
+
+
+class ArrayReader(Protocol):
+    """A 1-D array that reads many ranges at once. Thread-safe."""
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def dtype(self) -> np.dtype[Any]: ...
+
+    @property
+    def bytes_read(self) -> ByteCounter:
+        """Bytes of elements requested so far through this reader."""
+        ...
+
+    def request_ranges(self, starts: np.ndarray, stops: np.ndarray) -> Pending:
+        """Requests elements ``[starts[i], stops[i])`` for every i; wait with ``.result()``."""
+        ...
+
+    def read_ranges(self, starts: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
+        """``request_ranges(starts, stops).result()``."""
+        ...
+
+    def read_points(self, indices: np.ndarray) -> np.ndarray:
+        """Elements at ``indices`` (``[k]``) in one request."""
+        ...
+
+
+class _Reader:
+    """What every :class:`ArrayReader` shares: byte counting and sync reads."""
+
+    dtype: np.dtype[Any]
+
+    def __init__(self, size: int, dtype: np.dtype[Any]) -> None:
+        self.size, self.dtype = size, dtype
+        self.bytes_read = ByteCounter()
+
+    def _count(self, elements: int) -> None:
+        self.bytes_read.add(elements * self.dtype.itemsize)
+
+    def request_ranges(self, starts: np.ndarray, stops: np.ndarray) -> Pending:
+        raise NotImplementedError
+
+    def read_ranges(self, starts: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
+        return self.request_ranges(starts, stops).result()
+
+
+class TensorStoreArray(_Reader):
+    """An :class:`ArrayReader` over a tensorstore handle."""
+
+    def __init__(
+        self,
+        store: ts.TensorStore,
+        local: LocalShards | None = None,
+        url: str = "",
+        options: StoreOptions | None = None,
+    ) -> None:
+        super().__init__(int(store.shape[0]), np.dtype(store.dtype.numpy_dtype))
+        self.store = store
+        self.local = local
+        self.url, self.options = url, options or StoreOptions()
+
+    def request_ranges(self, starts: np.ndarray, stops: np.ndarray) -> Pending:
+        self._count(int(np.sum(stops - starts)))
+        pairs = zip(starts.tolist(), stops.tolist(), strict=True)
+        if self.local is None:
+            return _Futures([self.store[a:b].read() for a, b in pairs], self.url, self.options)
+        out = []
+        for a, b in pairs:
+            value = self.local.read(a, b)
+            out.append(self.store[a:b].read() if value is None else value)
+        return _Futures(out, self.url, self.options)
+
+    def read_points(self, indices: np.ndarray) -> np.ndarray:
+        idx = np.asarray(indices, np.int64)
+        self._count(idx.size)
+        if idx.size == 0:
+            return np.zeros(0, self.dtype)
+        value = None if self.local is None else self.local.read_points(idx)
+        if value is None:
+            value = np.asarray(wait(self.store.vindex[idx].read(), self.url, self.options))
+        return value
+
+
+class ZarrPythonArray(_Reader):
+    """An :class:`ArrayReader` over a zarr-python array (synchronous reads)."""
+
+    def __init__(self, array: zarr.Array) -> None:
+        super().__init__(int(array.shape[0]), np.dtype(array.dtype))
+        self.array = array
+
+    def request_ranges(self, starts: np.ndarray, stops: np.ndarray) -> Pending:
+        self._count(int(np.sum(stops - starts)))
+        pairs = zip(starts.tolist(), stops.tolist(), strict=True)
+        return _Done([np.asarray(self.array[a:b]) for a, b in pairs])
+
+    def read_points(self, indices: np.ndarray) -> np.ndarray:
+        idx = np.asarray(indices, np.int64)
+        self._count(idx.size)
+        if idx.size == 0:
+            return np.zeros(0, self.dtype)
+        return np.asarray(self.array.get_coordinate_selection(idx))

@@ -38,6 +38,7 @@ __all__ = [
     "packed_fields_jax",
     "padded_fields",
     "padded_fields_jax",
+    "padding_fields",
     "window_fields",
 ]
 
@@ -434,3 +435,16 @@ def window_fields(
         stored_mask=windows.stored_mask,
         out=out,
     )
+
+
+def padding_fields(num_rows: int, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+    """Fields of padding rows, each ``[num_rows, seq_len]``: ``pad_id`` inputs and
+    targets, the rest 0."""
+    shape = (num_rows, seq_len)
+    return {
+        "inputs": np.full(shape, pad_id, np.int32),
+        "targets": np.full(shape, pad_id, np.int32),
+        "segment_ids": np.zeros(shape, np.int32),
+        "positions": np.zeros(shape, np.int32),
+        "loss_mask": np.zeros(shape, bool),
+    }

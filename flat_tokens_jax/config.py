@@ -19,7 +19,7 @@ import jax
 from flat_tokens_jax.bins import check_packing, make_records
 from flat_tokens_jax.dataset import FlatTokens
 from flat_tokens_jax.records import Records, check_source
-from flat_tokens_jax.schedule import BatchSchedule, BatchSizeSpec
+from flat_tokens_jax.schedule import BatchSchedule, BatchSizeSpec, resume_differences
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,3 +275,27 @@ def resolve_start_token_id(config: LoaderConfig, infos: Sequence[tuple[str, Any]
             "set LoaderConfig.start_token_id to the one to feed at every sequence start"
         )
     return next(iter(recorded.values()), 0)
+
+
+def state_differences(
+    state: Mapping[str, Any], fingerprint: Mapping[str, Any], schedule: BatchSchedule
+) -> list[str]:
+    """What keeps a loader of ``fingerprint`` and batch-size ``schedule`` from
+    continuing a saved ``state``, as ``what: saved X, now Y`` lines (none: it may).
+
+    Data and config compare with :func:`differences`; the batch sizes with
+    :func:`~flat_tokens_jax.schedule.resume_differences` (they may change from
+    the saved step on).
+    """
+    saved = state.get("fingerprint")
+    saved = saved if isinstance(saved, Mapping) else {}
+    now = {k: v for k, v in fingerprint.items() if k != "batch_size"}
+    diffs = differences(saved, now, "")
+    config = saved.get("config")
+    # A state saved before schedules keeps its int batch size in its config.
+    old = config.get("batch_size") if isinstance(config, Mapping) else None
+    step = state.get("step")
+    step = step if isinstance(step, int) and not isinstance(step, bool) and step > 0 else 0
+    return diffs + resume_differences(
+        saved.get("batch_size", old), schedule, step, state.get("samples")
+    )

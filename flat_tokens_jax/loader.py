@@ -24,22 +24,22 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from flat_tokens_jax.batch import padding_fields
 from flat_tokens_jax.bins import BinRecords
 from flat_tokens_jax.config import (
     LoaderConfig,
     check_sharding,
     check_vocab,
-    differences,
     records_for,
     resolve_start_token_id,
+    state_differences,
 )
 from flat_tokens_jax.dataset import FlatTokens
 from flat_tokens_jax.hostdecode import BlockDecoder, default_threads
 from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.plans import default_cache_dir
-from flat_tokens_jax.records import Records, recorded_info
+from flat_tokens_jax.records import Records, recorded_info, sources_of
 from flat_tokens_jax.sampling import IndexSampler
-from flat_tokens_jax.schedule import resume_differences
 from flat_tokens_jax.sharding import Block, BlockData, HostPlan, host_plans
 
 log = logging.getLogger(__name__)
@@ -236,7 +236,7 @@ class Loader:
         present = np.unique(comp).tolist()
         if real.all() and len(present) == 1:
             return self._decode(present[0], records)
-        out = _padding(rows.size, self.config.seq_len, self.config.pad_id)
+        out = padding_fields(rows.size, self.config.seq_len, self.config.pad_id)
         at = np.flatnonzero(real)
         for c in present:
             here = comp == c
@@ -444,21 +444,7 @@ class Loader:
     def sources(self) -> list[dict[str, Any]]:
         """Where each component's data lives: ``name``, ``url``, ``split`` and the
         ``sequences`` range of a view (JSON-ready; ``repr`` for custom records)."""
-        out = []
-        for name, records in zip(self.names, self.components, strict=True):
-            ft = getattr(records, "ft", None)
-            if isinstance(ft, FlatTokens):
-                out.append(
-                    {
-                        "name": name,
-                        "url": ft.url,
-                        "split": ft.split_name,
-                        "sequences": list(ft.seq_range),
-                    }
-                )
-            else:
-                out.append({"name": name, "repr": repr(records)})
-        return out
+        return sources_of(self.names, self.components)
 
     def state(self) -> dict[str, Any]:
         """``{"step": next step, "samples": ..., "fingerprint": ..., "sources": ...}``,
@@ -513,18 +499,7 @@ class Loader:
     def state_differences(self, state: Mapping[str, Any]) -> list[str]:
         """What keeps this loader from continuing a saved :meth:`state`, as
         ``what: saved X, now Y`` lines (none: it may; see :meth:`restore`)."""
-        saved = state.get("fingerprint")
-        saved = saved if isinstance(saved, Mapping) else {}
-        now = {k: v for k, v in self.fingerprint().items() if k != "batch_size"}
-        diffs = differences(saved, now, "")
-        config = saved.get("config")
-        # A state saved before schedules keeps its int batch size in its config.
-        old = config.get("batch_size") if isinstance(config, Mapping) else None
-        step = state.get("step")
-        step = step if isinstance(step, int) and not isinstance(step, bool) and step > 0 else 0
-        return diffs + resume_differences(
-            saved.get("batch_size", old), self.schedule, step, state.get("samples")
-        )
+        return state_differences(state, self.fingerprint(), self.schedule)
 
     def provenance(self, step: int) -> list[dict[str, Any]]:
         """Where each of this host's rows at ``step`` came from.
@@ -581,18 +556,6 @@ def _bin_members(records: Records, indices: np.ndarray) -> list[list[int]] | Non
     row, seqs = records.sequences(indices)
     cuts = np.searchsorted(row, np.arange(1, indices.size))
     return [part.tolist() for part in np.split(seqs, cuts)]
-
-
-def _padding(num_rows: int, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
-    """Fields of padding rows: ``pad_id`` inputs and targets, the rest 0."""
-    shape = (num_rows, seq_len)
-    return {
-        "inputs": np.full(shape, pad_id, np.int32),
-        "targets": np.full(shape, pad_id, np.int32),
-        "segment_ids": np.zeros(shape, np.int32),
-        "positions": np.zeros(shape, np.int32),
-        "loss_mask": np.zeros(shape, bool),
-    }
 
 
 def _component_seed(seed: int, mixture: Mixture | None, component: int) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -256,3 +257,23 @@ def _check_indices(indices: np.ndarray, n: int, source: object) -> np.ndarray:
     if bad.size:
         raise IndexError(f"{source!r}: record {idx[bad[0]]} is outside [0, {n})")
     return idx
+
+
+def sources_of(names: Sequence[str], components: Sequence[Records]) -> list[dict[str, Any]]:
+    """Where each named component's data lives: ``name``, ``url``, ``split`` and
+    the ``sequences`` range of a view (JSON-ready; ``repr`` for custom records)."""
+    out: list[dict[str, Any]] = []
+    for name, records in zip(names, components, strict=True):
+        ft = getattr(records, "ft", None)
+        if isinstance(ft, FlatTokens):
+            out.append(
+                {
+                    "name": name,
+                    "url": ft.url,
+                    "split": ft.split_name,
+                    "sequences": list(ft.seq_range),
+                }
+            )
+        else:
+            out.append({"name": name, "repr": repr(records)})
+    return out

@@ -9,6 +9,7 @@ import numpy as np
 import tensorstore as ts
 import zarr
 
+from flat_tokens_jax.buffers import Buffers
 from flat_tokens_jax.localshards import LocalShards
 from flat_tokens_jax.options import StoreOptions, wait
 
@@ -28,10 +29,40 @@ class ByteCounter:
 class Pending(Protocol):
     """Reads in flight."""
 
-    def result(self) -> list[np.ndarray]: ...
+    def result(self) -> list[np.ndarray]:
+        """Each range's elements, in order."""
+        ...
+
+    def rows(self, width: int, dtype: Any, right: bool = False) -> np.ndarray:
+        """The ranges as the rows of a ``[k, width]`` array of ``dtype``, zero-filled
+        past each range (or before it, ``right=True``); ranges hold at most ``width``."""
+        ...
 
 
-class _Futures:
+def stack_rows(pieces: list[np.ndarray], width: int, dtype: Any, right: bool = False) -> np.ndarray:
+    """Stacks ranges of at most ``width`` elements into ``[k, width]``, zero-filled."""
+    if pieces and all(piece.size == width for piece in pieces):  # one copy, in C
+        return np.concatenate(pieces).astype(dtype, copy=False).reshape(len(pieces), width)
+    out = np.zeros((len(pieces), width), dtype)
+    for row, piece in enumerate(pieces):
+        if right:
+            out[row, width - piece.size :] = piece
+        else:
+            out[row, : piece.size] = piece
+    return out
+
+
+class _Stacked:
+    """``rows`` from ``result``."""
+
+    def result(self) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def rows(self, width: int, dtype: Any, right: bool = False) -> np.ndarray:
+        return stack_rows(self.result(), width, dtype, right)
+
+
+class _Futures(_Stacked):
     """Values read already, and tensorstore futures."""
 
     def __init__(self, futures: list[Any], url: str, options: StoreOptions) -> None:
@@ -44,12 +75,40 @@ class _Futures:
         ]
 
 
-class _Done:
+class _Done(_Stacked):
     def __init__(self, values: list[np.ndarray]) -> None:
         self.values = values
 
     def result(self) -> list[np.ndarray]:
         return self.values
+
+
+class _LocalRanges(_Stacked):
+    """Ranges of an array with memory-mapped local shards, copied when asked for.
+
+    ``rows`` copies each range straight into one reused buffer (see
+    :mod:`~flat_tokens_jax.buffers`); a range the shards cannot serve (across
+    shards, a shard not plain, a chunk failing its checksum) sends the whole
+    request through :meth:`TensorStoreArray.per_range`.
+    """
+
+    def __init__(
+        self, array: TensorStoreArray, local: LocalShards, starts: np.ndarray, stops: np.ndarray
+    ) -> None:
+        self.array, self.local, self.starts, self.stops = array, local, starts, stops
+
+    def result(self) -> list[np.ndarray]:
+        return self.array.per_range(self.starts, self.stops).result()
+
+    def rows(self, width: int, dtype: Any, right: bool = False) -> np.ndarray:
+        if np.dtype(dtype) != self.array.dtype:
+            return super().rows(width, dtype, right)
+        out = self.array.buffers.array((self.starts.size, width), dtype)
+        if (self.stops - self.starts != width).any():
+            out.fill(0)
+        if self.local.copy_rows(self.starts, self.stops, out, right):
+            return out
+        return super().rows(width, dtype, right)
 
 
 class ArrayReader(Protocol):
@@ -111,10 +170,18 @@ class TensorStoreArray(_Reader):
         super().__init__(int(store.shape[0]), np.dtype(store.dtype.numpy_dtype))
         self.store = store
         self.local = local
+        self.buffers = Buffers()
         self.url, self.options = url, options or StoreOptions()
 
     def request_ranges(self, starts: np.ndarray, stops: np.ndarray) -> Pending:
         self._count(int(np.sum(stops - starts)))
+        if self.local is None:
+            return self.per_range(starts, stops)
+        return _LocalRanges(self, self.local, starts, stops)
+
+    def per_range(self, starts: np.ndarray, stops: np.ndarray) -> Pending:
+        """Each range from the memory-mapped shards, or through tensorstore where
+        they cannot serve it (which then fails naming a corrupt shard)."""
         pairs = zip(starts.tolist(), stops.tolist(), strict=True)
         if self.local is None:
             return _Futures([self.store[a:b].read() for a, b in pairs], self.url, self.options)

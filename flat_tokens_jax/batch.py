@@ -51,6 +51,9 @@ _PAGE = 4096
 _FOLD = 16
 # Runs per segment shorter than this on average make `packed_fields` scan every token.
 _SHORT_RUN = 8
+# Tokens per tile of `_fill_runs`.
+_TILE = 128
+_TILE_RANGE = np.arange(_TILE, dtype=np.int32)
 
 
 def packed_fields(
@@ -99,10 +102,8 @@ def packed_fields(
     np.right_shift(w[:, 0], 1, out=inputs[:, 0].view(np.uint32))
 
     # Sequence starts are rare (one per ~1,000 tokens in typical data), so find
-    # them once as flat indices and build segment ids and positions run by run:
-    # np.repeat fills runs at memory speed, where a cumsum and a running maximum
-    # over every token cost ~7x more (see scripts/bench_decode.py).
-    hits = _odd_indices(w.reshape(-1), flags)
+    # them once as flat indices and build segment ids and positions run by run.
+    hits = _odd_indices(w.reshape(-1), flags, positions.reshape(-1).view(np.uint32))
     row = hits // (seq_len + 1)
     hits -= row
     starts = hits[hits != row * seq_len] - 1  # drop column 0; index into [batch * seq_len]
@@ -113,20 +114,14 @@ def packed_fields(
     else:
         np.not_equal(stored_mask, 0, out=loss_mask)
 
-    col = np.arange(seq_len, dtype=np.int32)
+    segment_ids = np.empty((batch, seq_len), np.int32) if out is None else out["segment_ids"]
     if starts.size * _SHORT_RUN < batch * seq_len:
-        run_len, run_segment, run_col = _runs(starts, batch, seq_len)
-        segment_ids = np.repeat(run_segment, run_len).reshape(batch, seq_len)
-        if out is not None:
-            segment_ids = _copied(segment_ids, out["segment_ids"])
-        run_col_per_token = np.repeat(run_col, run_len).reshape(batch, seq_len)
-        np.subtract(col, run_col_per_token, out=positions)
-    else:  # np.repeat slows down on short runs: scan every token instead
+        _fill_runs(starts, segment_ids, positions)
+    else:  # runs this short would mostly be patched: scan every token instead
+        col = np.arange(seq_len, dtype=np.int32)
         is_start = np.zeros((batch, seq_len), np.bool_)
         is_start.reshape(-1)[starts] = True
-        segment_ids = np.cumsum(
-            is_start, axis=1, dtype=np.int32, out=None if out is None else out["segment_ids"]
-        )
+        np.cumsum(is_start, axis=1, dtype=np.int32, out=segment_ids)
         segment_ids += ~is_start[:, :1]
         last_start = np.multiply(is_start, col, dtype=np.int32)
         np.maximum.accumulate(last_start, axis=1, out=last_start)
@@ -197,12 +192,14 @@ def padded_fields(
     return dict(zip(FIELDS, (inputs, targets, segment_ids, positions, loss_mask), strict=True))
 
 
-def _odd_indices(flat: np.ndarray, flags: np.ndarray) -> np.ndarray:
+def _odd_indices(flat: np.ndarray, flags: np.ndarray, scratch: np.ndarray) -> np.ndarray:
     """Sorted indices ``[k] int64`` of the odd values (sequence starts) of ``flat``.
 
     Args:
         flat: ``[n] uint32`` encoded tokens.
-        flags: ``[n] bool`` scratch.
+        flags: ``[m] bool`` scratch, ``m >= n // _FOLD`` (a new one is made if
+            every token must be tested and ``m < n``).
+        scratch: ``[>= n // _FOLD] uint32`` scratch.
     """
     # OR-reduce `_FOLD` slices of the tokens into one (a read-only pass that runs
     # at memory speed), then look only at the columns whose OR is odd. This
@@ -210,7 +207,9 @@ def _odd_indices(flat: np.ndarray, flags: np.ndarray) -> np.ndarray:
     # every token.
     width = flat.size // _FOLD
     if width >= 1024:
-        folded = np.bitwise_or.reduce(flat[: _FOLD * width].reshape(_FOLD, width), axis=0)
+        folded = np.bitwise_or.reduce(
+            flat[: _FOLD * width].reshape(_FOLD, width), axis=0, out=scratch[:width]
+        )
         cols = np.flatnonzero(np.bitwise_and(folded, 1, out=flags[:width], casting="unsafe"))
         if cols.size * _FOLD * 8 <= flat.size:
             candidates = (np.arange(0, _FOLD * width, width)[:, None] + cols).ravel()
@@ -219,36 +218,58 @@ def _odd_indices(flat: np.ndarray, flags: np.ndarray) -> np.ndarray:
             hits: np.ndarray = candidates[(flat[candidates] & 1) != 0]
             hits.sort()
             return hits
-    np.bitwise_and(flat, 1, out=flags, casting="unsafe")
-    return np.flatnonzero(flags)
+    if flags.size < flat.size:
+        flags = np.empty(flat.size, np.bool_)
+    np.bitwise_and(flat, 1, out=flags[: flat.size], casting="unsafe")
+    return np.flatnonzero(flags[: flat.size])
 
 
-def _runs(
-    starts: np.ndarray, batch: int, seq_len: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Splits the flat ``[batch * seq_len]`` tokens into runs of one segment.
+def _fill_runs(starts: np.ndarray, segment_ids: np.ndarray, positions: np.ndarray) -> None:
+    """Writes the segment ids and positions of packed rows, tile by tile.
 
-    A run begins at each row start and at each sequence start inside a row.
+    A run (one segment of one row) begins at each row start and at each
+    sequence start inside a row. Each ``_TILE``-token tile of the flat batch is
+    first written as if its first token's run covered it all, by broadcasting
+    one value per tile (segment ids) or one start per tile plus ``0 ..
+    _TILE - 1`` (positions): memory speed, and no temporary the batch's size
+    (a fresh one measured ~500 page faults a half batch). Then the tokens from
+    each run start inside a tile to the tile's end are rewritten, and a last
+    partial tile token by token.
 
     Args:
         starts: sorted flat indices ``[k] int64`` of the sequence starts.
-
-    Returns:
-        ``(run_len [r] int64, run_segment [r] int32, run_col [r] int32)`` in flat
-        order: each run's length, segment id within its row, and first column.
+        segment_ids, positions: ``[batch, seq_len] int32`` C-contiguous outputs.
     """
+    batch, seq_len = segment_ids.shape
     size = batch * seq_len
     row_starts = np.arange(0, size, seq_len)
     run_start = np.concatenate((row_starts, starts[starts % seq_len != 0]))
     run_start.sort(kind="stable")  # merges two sorted halves in linear time
-    run_row = run_start // seq_len
     first_run_of_row = np.searchsorted(run_start, row_starts)
-    run_segment = np.arange(1, run_start.size + 1) - first_run_of_row[run_row]
-    run_end = np.empty_like(run_start)
-    run_end[:-1] = run_start[1:]
-    run_end[-1:] = size
-    run_col = run_start - run_row * seq_len
-    return run_end - run_start, run_segment.astype(np.int32), run_col.astype(np.int32)
+    run_segment = (
+        np.arange(1, run_start.size + 1) - first_run_of_row[run_start // seq_len]
+    ).astype(np.int32)
+    seg, pos = segment_ids.reshape(-1), positions.reshape(-1)
+    tiles = size // _TILE
+    whole = tiles * _TILE
+    first = np.arange(0, whole, _TILE)
+    run = np.searchsorted(run_start, first, side="right") - 1
+    seg[:whole].reshape(tiles, _TILE)[...] = run_segment[run][:, None]
+    base = (first - run_start[run]).astype(np.int32)
+    np.add(base[:, None], _TILE_RANGE, out=pos[:whole].reshape(tiles, _TILE))
+    # From each run start inside a tile to the tile's end or the next run start.
+    k = np.flatnonzero((run_start % _TILE != 0) & (run_start < whole))
+    begin = run_start[k]
+    end = np.minimum((begin // _TILE + 1) * _TILE, np.append(run_start, size)[k + 1])
+    length = end - begin
+    offset = np.arange(int(length.sum())) - np.repeat(np.cumsum(length) - length, length)
+    at = np.repeat(begin, length) + offset
+    seg[at] = np.repeat(run_segment[k], length)
+    pos[at] = offset
+    tail = np.arange(whole, size)
+    run = np.searchsorted(run_start, tail, side="right") - 1
+    seg[tail] = run_segment[run]
+    pos[tail] = tail - run_start[run]
 
 
 def _empty_fields(
@@ -287,7 +308,8 @@ def _empty_fields(
 def _fields_out(
     out: dict[str, np.ndarray] | None, batch: int, seq_len: int, flag_extra: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``_empty_fields``, or the arrays of ``out`` (checked) and a fresh ``flags``."""
+    """``_empty_fields``, or the arrays of ``out`` (checked) and ``flags``, the
+    flat ``loss_mask`` of ``out`` (``_odd_indices`` makes more when it needs them)."""
     if out is None:
         return _empty_fields(batch, seq_len, flag_extra)
     for key in FIELDS:
@@ -303,7 +325,7 @@ def _fields_out(
                 f"out[{key!r}] must be a C-contiguous [{batch}, {seq_len}] "
                 f"{np.dtype(dtype)} array, got {getattr(value, 'shape', value)!r}"
             )
-    flags = np.empty(batch * seq_len + flag_extra, np.bool_)
+    flags = out["loss_mask"].reshape(-1)
     return out["inputs"], out["targets"], out["positions"], out["loss_mask"], flags
 
 

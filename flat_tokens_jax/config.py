@@ -48,7 +48,8 @@ class LoaderConfig:
         seed: the shuffle's key. Recommended: one per training run.
         num_epochs: passes over the records; ``None``: unbounded. With a bound,
             the last batch is completed with padding rows (``loss_mask`` 0).
-        prefetch: steps prepared ahead by ``iterate`` in background threads.
+        prefetch: steps prepared ahead, in order, by a background thread
+            (``iterate``, and ``batch`` called with consecutive steps).
             Recommended: 2 locally, 4-8 on object stores.
         start_token_id: the input token where a sequence starts. ``None``: the
             id the dataset records (``DatasetInfo.start_token_id``, set by
@@ -57,10 +58,10 @@ class LoaderConfig:
         vocab_size: if given, the dataset's ``max_token_id`` (and the vocabulary
             of the tokenizer it records) must fit below it. It checks the data
             and changes no batch.
-        decode_threads: threads that read and decode one batch on the host,
-            each a block of rows; at most this many blocks decode at once,
-            over all the steps in flight. ``None``: the cores this process
-            may use, at most 8. Changes no batch.
+        decode_threads: threads that decode one batch on the host, each a
+            block of rows; at most this many blocks decode at once, over all
+            the steps in flight. ``None``: the cores this process may use, at
+            most 8. Changes no batch.
         decode: where the fields are decoded. ``"host"``: in numpy on this
             host, then copied to the devices (5 arrays, 17 bytes a token).
             ``"device"``: the encoded tokens go to the devices (4 bytes a

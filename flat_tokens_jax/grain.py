@@ -245,8 +245,7 @@ class FlatTokensSource:
         idx = self._indices(indices)
         records = self.records
         return self._block_decoder().decode(
-            records.read,
-            idx,
+            records.read(idx),
             records.packed,
             self.seq_len,
             start_token_id=self.start_token_id,

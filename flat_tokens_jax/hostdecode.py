@@ -1,9 +1,9 @@
-"""Reading and decoding a batch on the host in row blocks, on several cores.
+"""Decoding a batch on the host in row blocks, on several cores.
 
-A batch's rows are independent: each block of rows is read and decoded by its
-own thread straight into its rows of the five output arrays (one allocation,
-no concatenation). numpy releases the GIL in the decode's passes over the
-tokens and tensorstore in its reads, so the blocks run in parallel.
+A batch's rows are independent: each block of rows is decoded by its own
+thread straight into its rows of the five output arrays (one allocation, no
+concatenation). numpy releases the interpreter lock in the decode's passes
+over the tokens, so the blocks run in parallel.
 """
 
 from __future__ import annotations
@@ -11,13 +11,12 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import os
-import sys
 import threading
-from collections.abc import Callable
 
 import numpy as np
 
 from flat_tokens_jax import batch as fields
+from flat_tokens_jax.buffers import Buffers
 from flat_tokens_jax.records import Windows
 
 _PAGE = 4096
@@ -57,37 +56,8 @@ def empty_fields(batch: int, seq_len: int, buffers: Buffers | None = None) -> di
     return out
 
 
-class Buffers:
-    """Recycles batch allocations that nothing references any more.
-
-    A batch's fields are views of one buffer (and on the CPU backend the
-    ``jax.Array``\\ s made from them use it in place), so a buffer whose only
-    reference is ours is free. Reusing it keeps its pages mapped: a fresh
-    9 MiB allocation per batch measured ~1 ms a batch in page faults when
-    several batches are alive at once (prefetching). Thread-safe.
-    """
-
-    def __init__(self, keep: int = 8) -> None:
-        self.keep = keep
-        self._buffers: list[np.ndarray] = []
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> np.ndarray:
-        """A ``[nbytes] uint8`` buffer, uninitialised: a free one of that size or a new one."""
-        with self._lock:
-            for buf in self._buffers:
-                # References: the list, `buf`, and getrefcount's argument.
-                if buf.nbytes == nbytes and sys.getrefcount(buf) == 3:
-                    return buf
-            buf = np.empty(nbytes, np.uint8)
-            self._buffers.append(buf)
-            if len(self._buffers) > self.keep:
-                self._buffers.pop(0)
-            return buf
-
-
 class BlockDecoder:
-    """Reads and decodes records in row blocks on up to ``threads`` threads.
+    """Decodes records in row blocks on up to ``threads`` threads.
 
     Thread-safe: several callers (e.g. prefetch threads) may share one; the
     pool starts on first use.
@@ -113,35 +83,33 @@ class BlockDecoder:
 
     def decode(
         self,
-        read: Callable[[np.ndarray], Windows],
-        records: np.ndarray,
+        windows: Windows,
         packed: bool | str,
         seq_len: int,
         *,
         start_token_id: int,
         pad_id: int,
     ) -> dict[str, np.ndarray]:
-        """The five fields ``[k, seq_len]`` of ``records`` (``[k] int64``), read by ``read``.
+        """The five fields ``[k, seq_len]`` of records read as ``windows`` (``k`` rows).
 
-        Equal to ``window_fields(read(records), packed, ...)``.
+        Equal to ``window_fields(windows, packed, ...)``.
         """
-        out = empty_fields(records.size, seq_len, self.buffers)
+        rows = windows.encoded.shape[0]
+        out = empty_fields(rows, seq_len, self.buffers)
 
         def run(block: tuple[int, int]) -> None:
             a, b = block
-            windows = read(records[a:b])
-            # Reads overlap freely (they may wait on a store); decodes, which
-            # only compute, share `threads` slots among all batches in flight.
+            # Decodes share `threads` slots among all batches in flight.
             with self._slots:
                 fields.window_fields(
-                    windows,
+                    _rows_of(windows, a, b),
                     packed,
                     start_token_id=start_token_id,
                     pad_id=pad_id,
                     out={k: v[a:b] for k, v in out.items()},
                 )
 
-        blocks = self.blocks(records.size)
+        blocks = self.blocks(rows)
         if len(blocks) == 1:
             run(blocks[0])
             return out
@@ -167,3 +135,12 @@ class BlockDecoder:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+
+
+def _rows_of(windows: Windows, a: int, b: int) -> Windows:
+    """Rows ``a .. b`` of ``windows``."""
+    return Windows(
+        windows.encoded[a:b],
+        lengths=None if windows.lengths is None else windows.lengths[a:b],
+        stored_mask=None if windows.stored_mask is None else windows.stored_mask[a:b],
+    )

@@ -174,8 +174,8 @@ class PackedRecords(_SplitRecords):
         tokens = self.ft.request_encoded(np.maximum(start - 1, 0), stop)
         masks = self.ft.request_loss_mask(start, stop)
         # Record 0 has no token before it: its row is right-aligned, column 0 stays 0.
-        out = _rows(tokens.result(), c1 - c0 + 1, ENCODED_DTYPE, right=True)
-        mask = None if masks is None else _rows(masks.result(), c1 - c0, np.uint8)
+        out = tokens.rows(c1 - c0 + 1, ENCODED_DTYPE, right=True)
+        mask = None if masks is None else masks.rows(c1 - c0, np.uint8)
         return Windows(out, stored_mask=mask)
 
 
@@ -199,23 +199,10 @@ class PaddedRecords(_SplitRecords):
         hi = np.minimum(start + c1, stop)
         tokens = self.ft.request_encoded(lo, hi)
         masks = self.ft.request_loss_mask(lo, hi)
-        out = _rows(tokens.result(), c1 - c0, ENCODED_DTYPE)
+        out = tokens.rows(c1 - c0, ENCODED_DTYPE)
         check_start_bits(self.ft, out, idx, start + c0, stop - start, c0 == 0)
-        mask = None if masks is None else _rows(masks.result(), c1 - c0, np.uint8)
+        mask = None if masks is None else masks.rows(c1 - c0, np.uint8)
         return Windows(out, lengths=stop - start, stored_mask=mask)
-
-
-def _rows(pieces: list[np.ndarray], width: int, dtype: Any, right: bool = False) -> np.ndarray:
-    """Stacks ranges of at most ``width`` elements into ``[k, width]``, zero-filled."""
-    if pieces and all(piece.size == width for piece in pieces):  # one copy, in C
-        return np.concatenate(pieces).astype(dtype, copy=False).reshape(len(pieces), width)
-    out = np.zeros((len(pieces), width), dtype)
-    for row, piece in enumerate(pieces):
-        if right:
-            out[row, width - piece.size :] = piece
-        else:
-            out[row, : piece.size] = piece
-    return out
 
 
 def check_start_bits(

@@ -124,3 +124,84 @@ def test_an_empty_read_at_the_end_of_a_checksummed_array(tmp_path: Path) -> None
     assert reader.local is not None and reader.local.checksummed
     got = reader.read_ranges(np.array([12, 11, 3]), np.array([12, 12, 9]))
     assert [g.tolist() for g in got] == [[], [22], [6, 8, 10, 12, 14, 16]]
+
+
+@settings(max_examples=30)
+@given(
+    n=st.integers(1, 200),
+    chunk=st.sampled_from([2, 4, 8]),
+    per_shard=st.integers(1, 4),
+    checksum=st.booleans(),
+    right=st.booleans(),
+    data=st.data(),
+)
+def test_rows_equal_the_ranges_stacked(
+    tmp_path_factory: pytest.TempPathFactory,
+    n: int,
+    chunk: int,
+    per_shard: int,
+    checksum: bool,
+    right: bool,
+    data: st.DataObject,
+) -> None:
+    """``rows`` (memory-mapped rows copied into a reused buffer, tensorstore where a
+    range leaves its shard) equals tensorstore's ranges stacked, for tokens and masks."""
+    path = tmp_path_factory.mktemp("ds")
+    values = data.draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n))
+    mask = data.draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
+    layout = ftj.Layout(shard_tokens=chunk * per_shard, chunk_tokens=chunk, checksum=checksum)
+    ftj.write_dataset(path, {"train": [values]}, loss_masks={"train": [mask]}, layout=layout)
+    ft = ftj.open_dataset(path)["train"]
+    width = data.draw(st.integers(1, n))
+    lo = np.array(data.draw(st.lists(st.integers(0, n), min_size=0, max_size=12)), np.int64)
+    size = np.array(
+        data.draw(st.lists(st.integers(0, width), min_size=lo.size, max_size=lo.size)), np.int64
+    )
+    hi = np.minimum(lo + size, n)
+    for name, reader, dtype in (
+        ("encoded_tokens", ft.encoded, np.uint32),
+        ("loss_mask", ft.loss_mask, np.uint8),
+    ):
+        assert isinstance(reader, TensorStoreArray) and reader.local is not None
+        expected = np.zeros((lo.size, width), dtype)
+        for r, (a, b) in enumerate(zip(lo.tolist(), hi.tolist(), strict=True)):
+            value = reader.store[a:b].read().result()
+            if right:
+                expected[r, width - (b - a) :] = value
+            else:
+                expected[r, : b - a] = value
+        first = reader.request_ranges(lo, hi).rows(width, dtype, right)
+        assert first.tolist() == expected.tolist(), name
+        # A second read may reuse the first's buffer only once nothing holds it.
+        again = reader.request_ranges(lo, hi).rows(width, dtype, right)
+        assert again.tolist() == expected.tolist() == first.tolist(), name
+        if first.size:
+            assert again.ctypes.data != first.ctypes.data
+        # The memory-mapped copy serves every range within one shard that spans at
+        # most two chunks (the others go through tensorstore).
+        shard, last = chunk * per_shard, np.maximum(hi, lo + 1) - 1
+        served = (lo // shard == last // shard) & (last // chunk - lo // chunk <= 1)
+        direct = np.zeros((lo.size, width), dtype)
+        copied = reader.local.copy_rows(lo, hi, direct, right)
+        if served.all() and lo.size:
+            assert copied and direct.tolist() == expected.tolist(), name
+
+
+def test_rows_through_a_chunk_that_fails_its_checksum_fail(tmp_path: Path) -> None:
+    ftj.write_dataset(
+        tmp_path,
+        {"train": [list(range(1, 65))]},
+        layout=ftj.Layout(shard_tokens=32, chunk_tokens=8),
+    )
+    shard = tmp_path / "train" / "encoded_tokens" / "c" / "0"
+    raw = bytearray(shard.read_bytes())
+    raw[8 * 4 + 4 + 1] ^= 0xFF  # a byte of chunk 1's first value
+    shard.write_bytes(bytes(raw))
+    reader = tokens_array(tmp_path)
+    good = reader.request_ranges(np.array([0, 16]), np.array([8, 24])).rows(8, np.uint32)
+    assert good.tolist() == [
+        [2 * v + (v == 1) for v in range(1, 9)],
+        [2 * v for v in range(17, 25)],
+    ]
+    with pytest.raises(StoreError, match=r"encoded_tokens"):
+        reader.request_ranges(np.array([4, 20]), np.array([12, 28])).rows(8, np.uint32)

@@ -11,8 +11,9 @@ batched read of a whole step, decoded in row blocks on several threads, in
 from __future__ import annotations
 
 import operator
+import threading
 from collections.abc import Sequence
-from typing import Protocol, SupportsIndex
+from typing import Any, Protocol, SupportsIndex
 
 import numpy as np
 
@@ -59,6 +60,17 @@ class Batches:
         self._length = (MAX_SAMPLE if total is None else total) // batch_size
         rows = batch_size // count
         self._rows = np.arange(index * rows, (index + 1) * rows, dtype=np.int64)
+        self._chunks: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_chunks"], state["_lock"] = {}, None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         s = self.sampler
@@ -75,8 +87,24 @@ class Batches:
         index = operator.index(step)
         if not 0 <= index < self._length:
             raise IndexError(f"{self!r}: step {index} is outside [0, {self._length})")
-        g = np.int64(index) * self.batch_size + self._rows
-        return self.source.read_batch(self.sampler.records(g))
+        return self.source.read_batch(self._records(index))
+
+    def _records(self, step: int) -> np.ndarray:
+        """The records of this shard's rows of ``step``, from one sampler call for
+        the ``_CHUNK`` steps around it (kept for the others: grain's readers
+        ask for neighbouring steps; a call costs about the same for 256 samples
+        as for 2,048)."""
+        chunk = step // _CHUNK
+        with self._lock:
+            records = self._chunks.get(chunk)
+            if records is None:
+                steps = np.arange(chunk * _CHUNK, min((chunk + 1) * _CHUNK, self._length))
+                g = (steps[:, None] * self.batch_size + self._rows).reshape(-1)
+                records = self.sampler.records(g).reshape(steps.size, -1)
+                self._chunks[chunk] = records
+                for old in [c for c in self._chunks if c < chunk - 1 or c > chunk + 1]:
+                    del self._chunks[old]
+        return records[step - chunk * _CHUNK]
 
 
 def _shard(shard: tuple[int, int]) -> tuple[int, int]:
@@ -93,3 +121,4 @@ def _shard(shard: tuple[int, int]) -> tuple[int, int]:
 
 
 MAX_SAMPLE = 2**63 - 1  # Global sample indices are int64.
+_CHUNK = 8  # Steps whose records one sampler call finds.

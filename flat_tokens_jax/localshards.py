@@ -179,19 +179,20 @@ class LocalShards:
         self.shard, self.chunk, self.index_bytes, self.checksummed = geometry
         self._maps: dict[int, _Mapped | None] = {}
         self._lock = threading.Lock()
+        self._copying = threading.Lock()
         # Chunks whose checksum passed, over the whole array: [chunks] uint8.
         chunks = -(-size // self.chunk) if self.checksummed else 0
         self._verified = np.zeros(chunks, np.uint8)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_maps"], state["_lock"] = {}, None
+        state["_maps"], state["_lock"], state["_copying"] = {}, None, None
         state["_verified"] = np.zeros_like(self._verified)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._lock, self._copying = threading.Lock(), threading.Lock()
 
     def shard_array(self, i: int) -> _Mapped | None:
         """Shard ``i``'s elements as a read-only memory map, or ``None``."""
@@ -296,14 +297,18 @@ class LocalShards:
         dest = (row * width + (width - count if right else 0)).tolist()
         # One slice copy per row (two across a chunk's checksum): numpy has no
         # gather of rows at arbitrary offsets into an existing array without a
-        # temporary the batch's size. The copies go through memoryviews, which
-        # cost less per row than numpy slices and keep the interpreter lock for
-        # the ~0.3 ms of a batch's rows instead of handing it to any other busy
-        # thread at each row.
-        flat = memoryview(out.reshape(-1))  # type: ignore[arg-type]
+        # temporary the batch's size. A copy is too short for threads to gain
+        # from copying side by side: each hands the interpreter lock on at every
+        # row. So one caller copies at a time (`_copying`), while decodes in
+        # other threads, which need the lock only between their large passes,
+        # run on. (Copies through memoryviews, which never hand it on, stalled
+        # those decodes instead.)
+        flat = out.reshape(-1)
         if not self.checksummed:
-            for i, a, n, d in zip(first.tolist(), lo.tolist(), count.tolist(), dest, strict=True):
-                flat[d : d + n] = memoryview(maps[i][a : a + n])  # type: ignore[index, arg-type]
+            with self._copying:
+                rows = zip(first.tolist(), lo.tolist(), count.tolist(), dest, strict=True)
+                for i, a, n, d in rows:
+                    flat[d : d + n] = maps[i][a : a + n]  # type: ignore[index]
             return True
         chunk_of = lo // self.chunk
         shards = {i: m for i, m in maps.items() if isinstance(m, _Checksummed)}
@@ -314,16 +319,18 @@ class LocalShards:
             starts // self.chunk, (stops - 1) // self.chunk, first, lo, count, shards
         ):
             return False
-        words = {i: memoryview(m.words) for i, m in shards.items()}  # type: ignore[arg-type]
+        words = {i: m.words for i, m in shards.items() if m.words is not None}
         pos = (lo + gap * chunk_of).tolist()
         before = ((chunk_of + 1) * self.chunk - lo).tolist()  # elements before the next checksum
-        for i, p, n, d, m in zip(first.tolist(), pos, count.tolist(), dest, before, strict=True):
-            w = words[i]
-            if n <= m:
-                flat[d : d + n] = w[p : p + n]
-            else:
-                flat[d : d + m] = w[p : p + m]
-                flat[d + m : d + n] = w[p + m + gap : p + n + gap]
+        with self._copying:
+            copies = zip(first.tolist(), pos, count.tolist(), dest, before, strict=True)
+            for i, p, n, d, m in copies:
+                w = words[i]
+                if n <= m:
+                    flat[d : d + n] = w[p : p + n]
+                else:
+                    flat[d : d + m] = w[p : p + m]
+                    flat[d + m : d + n] = w[p + m + gap : p + n + gap]
         return True
 
     def _verify(

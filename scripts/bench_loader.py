@@ -17,7 +17,10 @@ measures side by side, in one run, over the same random steps:
 
 reporting tokens/s, the ratio to memmap, and CPU seconds per million tokens
 (process CPU time, all threads). The loader decodes each batch in row blocks
-on ``decode_threads`` threads (printed).
+on ``decode_threads`` threads (printed); read-ahead and ``iterate`` prepare
+steps on one background thread. A last table times each stage of a step alone
+on one thread (the sampler for one step and for 8 steps in one call, as
+consecutive steps use it; the read; the decode; ``jax.device_put``).
 Also time-to-first-batch at step 0 and at step 10**9 (fresh loaders).
 
 The default layout stores a crc32c after every chunk; ``uncompressed, no
@@ -43,6 +46,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 import flat_tokens_jax as ftj
@@ -90,6 +94,47 @@ def timed_iterate(loader: ftj.Loader, steps: list[int]) -> tuple[float, float]:
     return best
 
 
+def stage_costs(
+    ft: ftj.FlatTokens,
+    cfg: ftj.LoaderConfig,
+    steps: list[int],
+    memmap_copy: Callable[[int], object],
+) -> list[tuple[str, float]]:
+    """Milliseconds a step of each stage of ``Loader.batch``, each timed alone
+    over ``steps`` (best of three), decoding on one thread."""
+    loader = ftj.Loader(ft, dataclasses.replace(cfg, decode_threads=1))
+    records = loader.components[0]
+    B = cfg.batch_size_at(0)
+    samples = {s: np.arange(B, dtype=np.int64) + s * B for s in steps}
+    chosen = {s: loader.sampler.records(samples[s]) for s in steps}
+    windows = {s: records.read(chosen[s]) for s in steps}
+    decoded = {s: loader.host_batch(s) for s in steps}
+    span = np.concatenate([samples[s] for s in steps[:8]])
+
+    def ms(fn: Callable[[int], object]) -> float:
+        return timed(fn, steps)[0] / len(steps) * 1e3
+
+    return [
+        ("memmap copy of windows (the baseline, its sampler call included)", ms(memmap_copy)),
+        ("sampler, one call a step", ms(lambda s: loader.sampler.records(samples[s]))),
+        (
+            "sampler, one call for 8 steps (what consecutive steps use), per step",
+            timed(lambda _: loader.sampler.records(span), steps[:1])[0] / 8 * 1e3,
+        ),
+        ("read: the records' encoded windows", ms(lambda s: records.read(chosen[s]))),
+        (
+            "decode: the five fields from the windows",
+            ms(
+                lambda s: loader.block_decoder.decode(
+                    windows[s], True, cfg.seq_len, start_token_id=0, pad_id=0
+                )
+            ),
+        ),
+        ("jax.device_put of the five fields", ms(lambda s: jax.device_put(decoded[s]))),
+        ("Loader.host_batch, consecutive steps", ms(loader.host_batch)),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=200_000_000)
@@ -107,6 +152,7 @@ def main() -> None:
     }
     B, L = args.batch, args.seq_len
     rows = []
+    stages: list[tuple[str, float]] = []
     try:
         for name, layout in layouts.items():
             path = root / name
@@ -205,6 +251,8 @@ def main() -> None:
                 wall, _ = timed(probe_checks, list(range(len(steps))))
                 host_wall, _ = timed(loader.host_batch, steps)
                 rows.append((name, "shard-probe checks of a read", wall / host_wall, None, None))
+            if name == "uncompressed" and not args.padded:
+                stages.extend(stage_costs(ft, cfg, steps, memmap_copy))
             for step in (0, 10**9):
                 fresh = ftj.Loader(ftj.open_dataset(path)["train"], cfg)
                 began = time.perf_counter()
@@ -230,6 +278,14 @@ def main() -> None:
                 print(f"| {name} | {label} | {rate:.3f} s | | |")
             else:
                 print(f"| {name} | {label} | {rate:.1f} | {ratio:.2f}x | {cpu:.4f} |")
+        if stages:
+            print(
+                "\nWhat a step costs, each stage alone on one thread (uncompressed, ms a step):\n"
+            )
+            print("| stage | ms |")
+            print("| --- | ---: |")
+            for label, ms in stages:
+                print(f"| {label} | {ms:.2f} |")
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)

@@ -42,6 +42,7 @@ from flat_tokens_jax.plans import default_cache_dir
 from flat_tokens_jax.records import Records, Windows, recorded_info, sources_of
 from flat_tokens_jax.sampling import IndexSampler
 from flat_tokens_jax.sharding import Block, BlockData, HostPlan, host_plans
+from flat_tokens_jax.stepsamples import LOOKUP_AHEAD, StepSamples
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +152,9 @@ class Loader:
         self.sampler = self.samplers[0]
         self.schedule = config.schedule
         self._plans = host_plans(sharding, self.schedule, config.seq_len)
+        self.steps = StepSamples(
+            self.samplers, self.mixture, self.schedule, self.host_rows_at, config.num_epochs
+        )
         self._device_plans = self._plans if sharding is not None else None
         # Whether device decoding ships a stored loss mask: unless every
         # component is a split known to store none (custom records may).
@@ -159,10 +163,6 @@ class Loader:
         self._ahead: dict[int, concurrent.futures.Future[Any]] = {}
         self._ahead_steps: Ahead[tuple[int, _Fetched | _Blocks], Any] | None = None
         self._ahead_lock = threading.Lock()
-        # Records of the steps after the last one fetched in order: see _lookup_step.
-        self._lookups: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._lookups_lock = threading.Lock()
-        self._last_fetched: int | None = None
         self._last_step: int | None = None
         # Step 0's; a schedule's later steps may differ: see plan_at, host_rows_at.
         self.plan = self.plan_at(0)
@@ -195,47 +195,7 @@ class Loader:
     @property
     def num_batches(self) -> int | None:
         """Steps in the run (``None`` when ``num_epochs`` is ``None``)."""
-        total = self.sampler.num_samples
-        return None if total is None else self.schedule.steps_to_cover(total)
-
-    def _samples(self, step: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Global sample index ``[k] int64`` of ``rows`` at ``step`` and which are real."""
-        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
-        step = int(step)
-        first = self.schedule.samples_before(step)
-        last = self.schedule.samples_before(step + 1) - 1
-        if last > MAX_SAMPLE:
-            final = self.schedule.step_of(MAX_SAMPLE)
-            if self.schedule.samples_before(final + 1) - 1 > MAX_SAMPLE:
-                final -= 1
-            raise ValueError(
-                f"step {step} is too large: its samples reach index {last}, past the "
-                f"largest sample index 2**63 - 1; with batch_size {self.schedule} "
-                f"the last step is {final}"
-            )
-        if self.num_batches is not None and step >= self.num_batches:
-            raise IndexError(
-                f"step {step} is past the end: this run has {self.num_batches} "
-                f"steps ({self.config.num_epochs} epoch(s) of "
-                f"{len(self.components[0])} records)"
-            )
-        g = np.int64(first) + rows
-        total = self.sampler.num_samples
-        return g, (np.ones(g.shape, bool) if total is None else g < total)
-
-    def _lookup(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(component, record, epoch)`` ``[k] int64`` of global samples ``g``."""
-        if self.mixture is None:
-            zeros = np.zeros(g.shape, np.int64)
-            return zeros, self.sampler.records(g), self.sampler.epochs(g)
-        comp, sample = self.mixture.route(g, self.schedule)
-        record, epoch = np.empty_like(sample), np.empty_like(sample)
-        for c in np.unique(comp).tolist():
-            here = comp == c
-            record[here] = self.samplers[c].records(sample[here])
-            epoch[here] = self.samplers[c].epochs(sample[here])
-        return comp, record, epoch
+        return self.steps.num_batches
 
     def _decode(self, component: int, windows: Windows) -> dict[str, np.ndarray]:
         source = self.components[component]
@@ -248,8 +208,8 @@ class Loader:
         )
 
     def _fetch_rows(self, step: int, rows: np.ndarray, ahead: int = 0) -> _Fetched:
-        """Reads the records of ``rows`` at ``step`` (``ahead``: see ``_lookup_step``)."""
-        comp, records, real = self._lookup_step(step, rows, ahead)
+        """Reads the records of ``rows`` at ``step`` (``ahead``: see ``StepSamples.records``)."""
+        comp, records, real = self.steps.records(step, rows, ahead)
         present = np.unique(comp).tolist()
         if real.all() and len(present) == 1:
             return _Fetched(
@@ -269,48 +229,6 @@ class Loader:
             for key, value in self._decode(c, windows).items():
                 out[key][at] = value
         return out
-
-    def _lookup_step(
-        self, step: int, rows: np.ndarray, ahead: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(component, record)`` of the real rows among ``rows`` at ``step``, and
-        which rows are real (``[k] bool``).
-
-        With ``ahead > 0``, or when the step follows the last one fetched, the
-        records of the next steps (``ahead``, at least ``_LOOKUP_AHEAD``) come
-        from the same sampler call and are kept for them: a call costs about
-        the same for 256 samples as for 2,048.
-        """
-        g, real = self._samples(step, rows)
-        with self._lookups_lock:
-            hit = self._lookups.pop(step, None)
-            if hit is None and step - 1 == self._last_fetched:
-                ahead = max(ahead, _LOOKUP_AHEAD)
-            self._last_fetched = step
-        if hit is not None:
-            return (*hit, real)
-        if ahead:
-            later = [(s, self.host_rows_at(s)) for s in self._steps_after(step, ahead)]
-            samples = [g[real]]
-            for s, r in later:
-                g_s, real_s = self._samples(s, r)
-                samples.append(g_s[real_s])
-            comp, records, _ = self._lookup(np.concatenate(samples))
-            cuts = np.cumsum([x.size for x in samples])[:-1]
-            found = list(zip(np.split(comp, cuts), np.split(records, cuts), strict=True))
-            with self._lookups_lock:
-                self._lookups = {s: found[i + 1] for i, (s, _) in enumerate(later)}
-            return (*found[0], real)
-        comp, records, _ = self._lookup(g[real])
-        return comp, records, real
-
-    def _steps_after(self, step: int, count: int) -> list[int]:
-        """Up to ``count`` steps after ``step``, before the run's end and the
-        largest sample index."""
-        end = self.num_batches
-        stop = step + 1 + count if end is None else min(step + 1 + count, end)
-        last = self.schedule.step_of(MAX_SAMPLE) - 1
-        return list(range(step + 1, min(stop, last + 1)))
 
     def host_batch(self, step: int) -> dict[str, np.ndarray]:
         """This host's rows of the batch at ``step``, whole, in global row order (numpy)."""
@@ -353,7 +271,7 @@ class Loader:
     def _producer(self, name: str) -> Ahead[tuple[int, _Fetched | _Blocks], Any]:
         """A background thread that prepares steps in order, reading records
         for several steps per sampler call (see :mod:`~flat_tokens_jax.pipeline`)."""
-        ahead = max(self.config.prefetch, _LOOKUP_AHEAD)
+        ahead = max(self.config.prefetch, LOOKUP_AHEAD)
         return Ahead(lambda step: (step, self._fetch(step, ahead)), self._finish, name)
 
     def encoded_batch(self, step: int) -> dict[str, jax.Array]:
@@ -443,8 +361,8 @@ class Loader:
 
     def _block_data(self, step: int, block: Block) -> BlockData:
         """Encoded tokens of one block (its columns only) for decoding on device."""
-        g, real = self._samples(step, np.arange(*block.rows, dtype=np.int64))
-        comp, records, _ = self._lookup(g[real])
+        g, real = self.steps.samples(step, np.arange(*block.rows, dtype=np.int64))
+        comp, records, _ = self.steps.lookup(g[real])
         n, width = g.size, block.cols[1] - block.cols[0]
         encoded = np.zeros((n, width), np.uint32)
         before = np.zeros((n, 1), np.uint32)
@@ -595,8 +513,8 @@ class Loader:
         ``{"row": r, "padding": True}``.
         """
         rows = self.host_rows_at(step)
-        g, real = self._samples(step, rows)
-        comp, records, epochs = self._lookup(g[real])
+        g, real = self.steps.samples(step, rows)
+        comp, records, epochs = self.steps.lookup(g[real])
         out: list[dict[str, Any]] = [{"row": int(r), "padding": True} for r in rows]
         at = np.flatnonzero(real)
         for c in np.unique(comp).tolist():
@@ -648,8 +566,3 @@ def _component_seed(seed: int, mixture: Mixture | None, component: int) -> int:
         return seed
     text = f"{seed}/{mixture.seed}/{component}".encode()
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "little")
-
-
-MAX_SAMPLE = 2**63 - 1  # Global sample indices are int64.
-# Steps whose records one sampler call finds when steps are read in order.
-_LOOKUP_AHEAD = 8

@@ -234,8 +234,8 @@ def test_consecutive_steps_of_a_scheduled_mixture_equal_fresh_loaders() -> None:
     cfg = ftj.LoaderConfig(batch_size=[(0, 4), (5, 8)], seq_len=6, seed=2, prefetch=0)
     loader = ftj.Loader(mix, cfg)
     calls = []
-    lookup = loader._lookup
-    loader._lookup = lambda g: calls.append(g.size) or lookup(g)  # type: ignore[method-assign]
+    lookup = loader.steps.lookup
+    loader.steps.lookup = lambda g: calls.append(g.size) or lookup(g)  # type: ignore[method-assign]
     for step in range(0, 14):
         fresh = ftj.Loader(mix, cfg).host_batch(step)
         assert as_lists(loader.host_batch(step)) == as_lists(fresh), step

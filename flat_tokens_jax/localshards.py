@@ -310,27 +310,29 @@ class LocalShards:
                 for i, a, n, d in rows:
                     flat[d : d + n] = maps[i][a : a + n]  # type: ignore[index]
             return True
-        chunk_of = lo // self.chunk
+        chunk, chunk_of = self.chunk, lo // self.chunk
         shards = {i: m for i, m in maps.items() if isinstance(m, _Checksummed)}
         gap = next(iter(shards.values())).gap
-        if gap == 0 or ((lo + count - 1) // self.chunk - chunk_of > 1).any():
+        if gap == 0:
             return False
-        if not self._verify(
-            starts // self.chunk, (stops - 1) // self.chunk, first, lo, count, shards
-        ):
+        if not self._verify(starts // chunk, (stops - 1) // chunk, first, lo, count, shards):
             return False
         words = {i: m.words for i, m in shards.items() if m.words is not None}
         pos = (lo + gap * chunk_of).tolist()
-        before = ((chunk_of + 1) * self.chunk - lo).tolist()  # elements before the next checksum
+        before = ((chunk_of + 1) * chunk - lo).tolist()  # elements before the next checksum
         with self._copying:
             copies = zip(first.tolist(), pos, count.tolist(), dest, before, strict=True)
             for i, p, n, d, m in copies:
                 w = words[i]
                 if n <= m:
                     flat[d : d + n] = w[p : p + n]
-                else:
-                    flat[d : d + m] = w[p : p + m]
-                    flat[d + m : d + n] = w[p + m + gap : p + n + gap]
+                    continue
+                flat[d : d + m] = w[p : p + m]
+                p += m + gap
+                while m < n:  # the next chunk, whole or the range's last part
+                    k = min(chunk, n - m)
+                    flat[d + m : d + m + k] = w[p : p + k]
+                    m, p = m + k, p + k + gap
         return True
 
     def _verify(
@@ -342,10 +344,10 @@ class LocalShards:
         count: np.ndarray,
         shards: dict[int, _Checksummed],
     ) -> bool:
-        """Whether chunks ``a[r] .. b[r]`` (``b - a <= 1``; of ranges starting at
-        ``lo`` in shards ``first``, ``count`` long) pass their checksums; one
-        vectorised test once every chunk has been checked."""
-        if self._verified[a].all() and self._verified[b].all():
+        """Whether chunks ``a[r] .. b[r]`` (of ranges starting at ``lo`` in shards
+        ``first``, ``count`` long) pass their checksums; one vectorised test
+        once every chunk has been checked, when no range spans more than two."""
+        if (b - a <= 1).all() and self._verified[a].all() and self._verified[b].all():
             return True
         for i, m in shards.items():
             here = first == i

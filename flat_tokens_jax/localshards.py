@@ -98,6 +98,18 @@ def plain_shard_geometry(meta: Mapping[str, Any]) -> Geometry | None:
     return Geometry(shard, chunk, index_bytes, checksummed)
 
 
+def touched(starts: np.ndarray, stops: np.ndarray, unit: int) -> np.ndarray:
+    """The ``unit``-element blocks (chunks, shards) that the non-empty ranges
+    ``[starts, stops)`` touch: ``[m] int64`` block numbers, some repeated."""
+    keep = stops > starts
+    first, last = starts[keep] // unit, (stops[keep] - 1) // unit
+    blocks = np.concatenate([first, last])
+    long = np.flatnonzero(last - first > 1)
+    if long.size:
+        blocks = np.concatenate([blocks, *(np.arange(first[i], last[i]) for i in long)])
+    return blocks
+
+
 class _Checksummed:
     """One memory-mapped shard whose chunks each end in a crc32c, verified on first use."""
 
@@ -147,13 +159,8 @@ class _Checksummed:
     def verify_ranges(self, starts: np.ndarray, stops: np.ndarray) -> bool:
         """Whether every chunk that ranges ``[starts, stops)`` of the shard touch
         matches its checksum (each computed once; one vectorised test when all are)."""
-        keep = stops > starts
-        first, last = starts[keep] // self.chunk, (stops[keep] - 1) // self.chunk
-        touched = np.concatenate([first, last])
-        long = np.flatnonzero(last - first > 1)
-        if long.size:
-            touched = np.concatenate([touched, *(np.arange(first[i], last[i]) for i in long)])
-        todo = np.unique(touched[self.verified[touched] == 0]).tolist()
+        chunks = touched(starts, stops, self.chunk)
+        todo = np.unique(chunks[self.verified[chunks] == 0]).tolist()
         return all(self.verify(j, j) for j in todo)
 
     def points(self, indices: np.ndarray) -> np.ndarray | None:

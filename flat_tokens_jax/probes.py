@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from flat_tokens_jax.format import FormatError
+from flat_tokens_jax.localshards import touched
 
 ATTRIBUTE = "shard_probes"
 PROBE = 1024  # values per probe: the start of each shard's first inner chunk
@@ -97,14 +98,7 @@ class ShardProbes:
         Raises:
             FormatError: a shard whose first values are not those recorded.
         """
-        keep = stops > starts
-        if not keep.any():
-            return
-        first, last = starts[keep] // self.shard, (stops[keep] - 1) // self.shard
-        shards = np.concatenate([first, last])
-        long = np.flatnonzero(last - first > 1)
-        if long.size:
-            shards = np.concatenate([shards, *(np.arange(first[i], last[i]) for i in long)])
+        shards = touched(starts, stops, self.shard)
         todo = np.unique(shards[~self.checked[shards]])
         if not todo.size:
             return

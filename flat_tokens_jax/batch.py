@@ -34,6 +34,7 @@ __all__ = [
     "FIELDS",
     "bin_fields",
     "bin_fields_jax",
+    "checked_windows",
     "packed_fields",
     "packed_fields_jax",
     "padded_fields",
@@ -457,6 +458,50 @@ def window_fields(
         stored_mask=windows.stored_mask,
         out=out,
     )
+
+
+def checked_windows(
+    windows: Windows,
+    packed: bool | str,
+    seq_len: int,
+    *,
+    start_token_id: int = 0,
+    pad_id: int = 0,
+) -> Windows:
+    """``windows`` checked as :func:`window_fields` checks them (rows of
+    ``seq_len`` tokens), as the compiled decode (:mod:`~flat_tokens_jax.kernels`)
+    takes them: C-contiguous ``uint32`` tokens, ``[k] int64`` lengths (padded
+    rows and bins only) and a C-contiguous ``[k, seq_len] uint8`` stored mask,
+    nonzero where trained on.
+
+    Raises:
+        ValueError: what ``window_fields`` raises for the same arguments, or
+            rows of another length than ``seq_len``.
+        TypeError: padded records or bins without their lengths.
+    """
+    if packed not in (True, False, "bins"):
+        raise ValueError(f"packed must be True, False or 'bins', got {packed!r}")
+    _int32("start_token_id", start_token_id)
+    _int32("pad_id", pad_id)
+    if packed is False:
+        encoded = _encoded(windows.encoded, "tokens", min_cols=1)
+    else:
+        encoded = _encoded(windows.encoded, "windows", min_cols=2)
+    batch, width = encoded.shape[0], encoded.shape[1] - (packed is not False)
+    if width != seq_len:
+        raise ValueError(f"records of {width} tokens cannot be decoded into rows of {seq_len}")
+    lengths = None
+    if packed is not True:
+        if windows.lengths is None:
+            raise TypeError("padded records and bins were read without their lengths")
+        lengths = _lengths(windows.lengths, batch, seq_len).astype(np.int64)
+    mask = windows.stored_mask
+    if mask is not None:
+        _check_mask(mask, (batch, seq_len))
+        mask = np.ascontiguousarray(
+            mask.view(np.uint8) if mask.dtype in (np.bool_, np.uint8) else mask != 0
+        ).view(np.uint8)
+    return Windows(encoded, lengths=lengths, stored_mask=mask)
 
 
 def padding_fields(num_rows: int, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:

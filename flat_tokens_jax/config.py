@@ -61,9 +61,12 @@ class LoaderConfig:
         decode_threads: threads that decode one batch on the host, each a
             block of rows; at most this many blocks decode at once, over all
             the steps in flight. ``None``: the cores this process may use, at
-            most 8. Changes no batch.
-        decode: where the fields are decoded. ``"host"``: in numpy on this
-            host, then copied to the devices (5 arrays, 17 bytes a token).
+            most 8, and one fewer for steps read ahead (``iterate``,
+            consecutive ``batch`` calls), whose read stage takes a core of its
+            own. Changes no batch.
+        decode: where the fields are decoded. ``"host"``: on this host (by
+            compiled kernels with the ``fast`` extra, else numpy), then copied
+            to the devices (5 arrays, 17 bytes a token).
             ``"device"``: the encoded tokens go to the devices (4 bytes a
             token, plus the stored loss mask if any) and are decoded there,
             inside ``jax.jit``; for GPU and TPU hosts whose CPUs cannot keep

@@ -2,8 +2,10 @@
 
 A batch's rows are independent: each block of rows is decoded by its own
 thread straight into its rows of the five output arrays (one allocation, no
-concatenation). numpy releases the interpreter lock in the decode's passes
-over the tokens, so the blocks run in parallel.
+concatenation). With numba installed (the ``fast`` extra) each block runs a
+compiled kernel (:mod:`~flat_tokens_jax.kernels`) that never holds the
+interpreter lock, so the blocks run in parallel; the numpy decode releases it
+only inside its large passes, so its blocks overlap less.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import threading
 import numpy as np
 
 from flat_tokens_jax import batch as fields
+from flat_tokens_jax import compiled
 from flat_tokens_jax.buffers import Buffers
 from flat_tokens_jax.records import Windows
 
@@ -23,6 +26,7 @@ _PAGE = 4096
 _STAGGER = 768  # a multiple of 64; five fields stay at distinct offsets modulo _PAGE
 # Fewer rows than this per block cost more in thread hand-offs than they save.
 MIN_BLOCK_ROWS = 16
+KERNELS = ("auto", "numba", "numpy")
 
 
 def default_threads() -> int:
@@ -61,23 +65,43 @@ class BlockDecoder:
 
     Thread-safe: several callers (e.g. prefetch threads) may share one; the
     pool starts on first use.
+
+    Args:
+        threads: threads decoding one batch (the caller's among them).
+        min_block_rows: the fewest rows a block gets.
+        kernel: ``"numba"`` (the compiled kernels, needs the ``fast`` extra),
+            ``"numpy"``, or ``"auto"``: numba when it imports, else numpy. Both
+            give the same fields.
     """
 
-    def __init__(self, threads: int, min_block_rows: int = MIN_BLOCK_ROWS) -> None:
+    def __init__(
+        self, threads: int, min_block_rows: int = MIN_BLOCK_ROWS, kernel: str = "auto"
+    ) -> None:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         self.threads, self.min_block_rows = threads, max(1, min_block_rows)
+        self._kernels = None if kernel == "numpy" else compiled.kernels()
+        if kernel == "numba" and self._kernels is None:
+            raise ValueError(
+                "kernel='numba' needs numba: pip install 'flat-tokens-jax[fast]' "
+                "(or kernel='auto' to decode with numpy without it)"
+            )
+        self.kernel = "numpy" if self._kernels is None else "numba"
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self.buffers = Buffers()
         self._slots = threading.BoundedSemaphore(threads)
 
     def __repr__(self) -> str:
-        return f"BlockDecoder(threads={self.threads})"
+        return f"BlockDecoder(threads={self.threads}, kernel={self.kernel!r})"
 
-    def blocks(self, rows: int) -> list[tuple[int, int]]:
-        """``[(start, stop), ...]`` row blocks of a ``rows``-row batch, in order."""
-        count = max(1, min(self.threads, rows // self.min_block_rows))
+    def blocks(self, rows: int, threads: int | None = None) -> list[tuple[int, int]]:
+        """``[(start, stop), ...]`` row blocks of a ``rows``-row batch, in order,
+        one per thread of at most ``threads`` (default: ``self.threads``)."""
+        most = self.threads if threads is None else max(1, min(threads, self.threads))
+        count = max(1, min(most, rows // self.min_block_rows))
         cuts = np.linspace(0, rows, count + 1).astype(int).tolist()
         return list(itertools.pairwise(cuts))
 
@@ -89,18 +113,37 @@ class BlockDecoder:
         *,
         start_token_id: int,
         pad_id: int,
+        threads: int | None = None,
     ) -> dict[str, np.ndarray]:
-        """The five fields ``[k, seq_len]`` of records read as ``windows`` (``k`` rows).
+        """The five fields ``[k, seq_len]`` of records read as ``windows`` (``k`` rows),
+        decoded on at most ``threads`` threads (default: ``self.threads``).
 
         Equal to ``window_fields(windows, packed, ...)``.
         """
         rows = windows.encoded.shape[0]
         out = empty_fields(rows, seq_len, self.buffers)
+        kernels = self._kernels
+        if kernels is not None:
+            windows = fields.checked_windows(
+                windows, packed, seq_len, start_token_id=start_token_id, pad_id=pad_id
+            )
 
         def run(block: tuple[int, int]) -> None:
             a, b = block
             # Decodes share `threads` slots among all batches in flight.
             with self._slots:
+                if kernels is not None:
+                    kernels.decode_rows(
+                        windows.encoded,
+                        windows.lengths,
+                        windows.stored_mask,
+                        packed,
+                        block,
+                        start_token_id=start_token_id,
+                        pad_id=pad_id,
+                        out=out,
+                    )
+                    return
                 fields.window_fields(
                     _rows_of(windows, a, b),
                     packed,
@@ -109,7 +152,7 @@ class BlockDecoder:
                     out={k: v[a:b] for k, v in out.items()},
                 )
 
-        blocks = self.blocks(rows)
+        blocks = self.blocks(rows, threads)
         if len(blocks) == 1:
             run(blocks[0])
             return out

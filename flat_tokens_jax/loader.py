@@ -171,6 +171,8 @@ class Loader:
         self.wait_seconds = 0.0
         self._fingerprint: dict[str, Any] | None = None
         self.block_decoder = BlockDecoder(config.decode_threads or default_threads())
+        # Reading ahead, the read stage takes a core of its own (see pipeline).
+        self._ahead_threads = config.decode_threads or max(1, default_threads() - 1)
         if config.decode == "device":
             self._device_plan(0)  # refuses a sharding it cannot decode under
 
@@ -197,7 +199,9 @@ class Loader:
         """Steps in the run (``None`` when ``num_epochs`` is ``None``)."""
         return self.steps.num_batches
 
-    def _decode(self, component: int, windows: Windows) -> dict[str, np.ndarray]:
+    def _decode(
+        self, component: int, windows: Windows, threads: int | None = None
+    ) -> dict[str, np.ndarray]:
         source = self.components[component]
         return self.block_decoder.decode(
             windows,
@@ -205,6 +209,7 @@ class Loader:
             self.config.seq_len,
             start_token_id=self.start_token_id,
             pad_id=self.config.pad_id,
+            threads=threads,
         )
 
     def _fetch_rows(self, step: int, rows: np.ndarray, ahead: int = 0) -> _Fetched:
@@ -219,14 +224,15 @@ class Loader:
         parts = [(c, at[comp == c], self.components[c].read(records[comp == c])) for c in present]
         return _Fetched(rows.size, parts)
 
-    def _fields_of(self, fetched: _Fetched) -> dict[str, np.ndarray]:
-        """The five fields of records read by ``_fetch_rows``."""
+    def _fields_of(self, fetched: _Fetched, threads: int | None = None) -> dict[str, np.ndarray]:
+        """The five fields of records read by ``_fetch_rows``, decoded on at most
+        ``threads`` threads (default: the decoder's)."""
         parts = fetched.parts
         if len(parts) == 1 and parts[0][1] is None:
-            return self._decode(parts[0][0], parts[0][2])
+            return self._decode(parts[0][0], parts[0][2], threads)
         out = padding_fields(fetched.rows, self.config.seq_len, self.config.pad_id)
         for c, at, windows in parts:
-            for key, value in self._decode(c, windows).items():
+            for key, value in self._decode(c, windows, threads).items():
                 out[key][at] = value
         return out
 
@@ -259,6 +265,8 @@ class Loader:
             elif depth:
                 if self._ahead_steps is None:
                     self._ahead_steps = self._producer("ftj-batch-ahead")
+                if future is None:  # the producer's threads read it, not beside them
+                    future = self._ahead_steps.submit(step)
                 end = self.num_batches
                 for ahead in range(step + 1, step + 1 + depth):
                     if ahead not in self._ahead and (end is None or ahead < end):
@@ -272,7 +280,11 @@ class Loader:
         """A background thread that prepares steps in order, reading records
         for several steps per sampler call (see :mod:`~flat_tokens_jax.pipeline`)."""
         ahead = max(self.config.prefetch, LOOKUP_AHEAD)
-        return Ahead(lambda step: (step, self._fetch(step, ahead)), self._finish, name)
+        return Ahead(
+            lambda step: (step, self._fetch(step, ahead)),
+            lambda fetched: self._finish(fetched, self._ahead_threads),
+            name,
+        )
 
     def encoded_batch(self, step: int) -> dict[str, jax.Array]:
         """The batch at ``step`` still encoded, as global arrays, for :meth:`decoder`.
@@ -337,16 +349,19 @@ class Loader:
             return _Blocks(plan, self._block_reads(step, plan))
         return self._fetch_rows(step, self.host_rows_at(step), ahead)
 
-    def _finish(self, fetched: tuple[int, _Fetched | _Blocks]) -> dict[str, jax.Array] | _Blocks:
-        """A step's second stage: its fields decoded and placed on the devices."""
+    def _finish(
+        self, fetched: tuple[int, _Fetched | _Blocks], threads: int | None = None
+    ) -> dict[str, jax.Array] | _Blocks:
+        """A step's second stage: its fields decoded (on at most ``threads``
+        threads) and placed on the devices."""
         step, part = fetched
         if isinstance(part, _Blocks):
             return part
         plan = self.plan_at(step)
         if plan is None:
-            placed: dict[str, jax.Array] = jax.device_put(self._fields_of(part))
+            placed: dict[str, jax.Array] = jax.device_put(self._fields_of(part, threads))
             return placed
-        return plan.assemble_rows(self._fields_of(part))
+        return plan.assemble_rows(self._fields_of(part, threads))
 
     def _on_devices(self, part: dict[str, jax.Array] | _Blocks) -> dict[str, jax.Array]:
         """Finishes a step; decoding across hosts runs collectives, so call it in step order."""

@@ -20,9 +20,12 @@ import importlib
 import os
 import threading
 from collections.abc import Mapping
+from types import ModuleType
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from flat_tokens_jax import compiled
 
 
 def _crc32c_function() -> Any:
@@ -178,7 +181,9 @@ _Mapped = np.ndarray | _Checksummed
 class LocalShards:
     """Memory-maps the shards of one array; ``None`` for a shard that is not plain.
 
-    Thread-safe; a shard's index is read once, on first use.
+    Thread-safe; a shard's index is read once, on first use. ``kernels``: the
+    compiled kernels :meth:`copy_rows` copies with where numba is installed
+    (imported on first use; set ``None`` to copy with numpy).
     """
 
     def __init__(self, folder: str, dtype: np.dtype[Any], size: int, geometry: Geometry) -> None:
@@ -187,6 +192,7 @@ class LocalShards:
         self._maps: dict[int, _Mapped | None] = {}
         self._lock = threading.Lock()
         self._copying = threading.Lock()
+        self._kernels: ModuleType | bool | None = True  # True: not imported yet
         # Chunks whose checksum passed, over the whole array: [chunks] uint8.
         chunks = -(-size // self.chunk) if self.checksummed else 0
         self._verified = np.zeros(chunks, np.uint8)
@@ -194,12 +200,24 @@ class LocalShards:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_maps"], state["_lock"], state["_copying"] = {}, None, None
+        state["_kernels"] = state["_kernels"] is not None
         state["_verified"] = np.zeros_like(self._verified)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock, self._copying = threading.Lock(), threading.Lock()
+
+    @property
+    def kernels(self) -> ModuleType | None:
+        """The compiled kernels, or ``None``: copy with numpy."""
+        if self._kernels is True:
+            self._kernels = compiled.kernels()
+        return self._kernels if isinstance(self._kernels, ModuleType) else None
+
+    @kernels.setter
+    def kernels(self, value: ModuleType | None) -> None:
+        self._kernels = value
 
     def shard_array(self, i: int) -> _Mapped | None:
         """Shard ``i``'s elements as a read-only memory map, or ``None``."""
@@ -285,8 +303,7 @@ class LocalShards:
 
         Returns:
             False when a range is not within one plain shard whose chunks pass
-            their checksums, or (checksummed) spans more than two chunks; then
-            ``out`` holds some rows: read those otherwise.
+            their checksums; then ``out`` holds some rows: read those otherwise.
         """
         width = out.shape[1]
         row = np.flatnonzero(stops > starts)
@@ -301,21 +318,10 @@ class LocalShards:
             return False
         count = stops - starts
         lo = starts - first * self.shard
-        dest = (row * width + (width - count if right else 0)).tolist()
-        # One slice copy per row (two across a chunk's checksum): numpy has no
-        # gather of rows at arbitrary offsets into an existing array without a
-        # temporary the batch's size. A copy is too short for threads to gain
-        # from copying side by side: each hands the interpreter lock on at every
-        # row. So one caller copies at a time (`_copying`), while decodes in
-        # other threads, which need the lock only between their large passes,
-        # run on. (Copies through memoryviews, which never hand it on, stalled
-        # those decodes instead.)
+        dest = row * width + (width - count if right else 0)
         flat = out.reshape(-1)
         if not self.checksummed:
-            with self._copying:
-                rows = zip(first.tolist(), lo.tolist(), count.tolist(), dest, strict=True)
-                for i, a, n, d in rows:
-                    flat[d : d + n] = maps[i][a : a + n]  # type: ignore[index]
+            self._copy(maps, first, lo, count, dest, count, 0, flat)
             return True
         chunk, chunk_of = self.chunk, lo // self.chunk
         shards = {i: m for i, m in maps.items() if isinstance(m, _Checksummed)}
@@ -325,10 +331,56 @@ class LocalShards:
         if not self._verify(starts // chunk, (stops - 1) // chunk, first, lo, count, shards):
             return False
         words = {i: m.words for i, m in shards.items() if m.words is not None}
-        pos = (lo + gap * chunk_of).tolist()
-        before = ((chunk_of + 1) * chunk - lo).tolist()  # elements before the next checksum
+        pos = lo + gap * chunk_of
+        before = (chunk_of + 1) * chunk - lo  # elements before the next checksum
+        self._copy(words, first, pos, count, dest, before, gap, flat)
+        return True
+
+    def _copy(
+        self,
+        words: Mapping[int, Any],
+        first: np.ndarray,
+        pos: np.ndarray,
+        count: np.ndarray,
+        dest: np.ndarray,
+        before: np.ndarray,
+        gap: int,
+        flat: np.ndarray,
+    ) -> None:
+        """Copies ``count[r]`` elements of shard ``first[r]``'s ``words`` from
+        ``pos[r]`` to ``flat[dest[r]:]``, skipping ``gap`` elements after the first
+        ``before[r]`` and then after every chunk.
+
+        The compiled kernel (``self.kernels``) copies a shard's ranges in one
+        call without the interpreter lock, so threads copy side by side.
+        Without it, one slice copy per row (more across a chunk's checksum): numpy has no
+        gather of rows at arbitrary offsets into an existing array without a
+        temporary the batch's size. A copy is too short for threads to gain
+        from copying side by side: each hands the interpreter lock on at every
+        row. So one caller copies at a time (``_copying``), while decodes in
+        other threads, which need the lock only between their large passes,
+        run on. (Copies through memoryviews, which never hand it on, stalled
+        those decodes instead.)
+        """
+        chunk = self.chunk
+        kernels = self.kernels
+        if kernels is not None:
+            order = np.argsort(first, kind="stable")
+            shards, at = np.unique(first[order], return_index=True)
+            bounds = np.append(at, first.size).tolist()
+            for i, a, b in zip(shards.tolist(), bounds[:-1], bounds[1:], strict=True):
+                r = order[a:b]
+                kernels.gather(words[i], pos[r], count[r], dest[r], before[r], chunk, gap, flat)
+            return
         with self._copying:
-            copies = zip(first.tolist(), pos, count.tolist(), dest, before, strict=True)
+            copies = zip(
+                first.tolist(),
+                pos.tolist(),
+                count.tolist(),
+                dest.tolist(),
+                before.tolist(),
+                strict=True,
+            )
             for i, p, n, d, m in copies:
                 w = words[i]
                 if n <= m:
@@ -340,7 +392,6 @@ class LocalShards:
                     k = min(chunk, n - m)
                     flat[d + m : d + m + k] = w[p : p + k]
                     m, p = m + k, p + k + gap
-        return True
 
     def _verify(
         self,

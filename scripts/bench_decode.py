@@ -10,7 +10,14 @@ batch of ``--batch`` random records:
   buffers the copy unless ``mode="clip"``), with ``mode="clip"``, and into a new
   array (``mm[rows]``);
 - each way of decoding those windows into the five model fields, and
-  ``padded_fields`` on the same tokens for scale.
+  ``padded_fields`` on the same tokens for scale; among them the loader's
+  ``BlockDecoder`` with numpy and, with numba installed (the ``fast`` extra),
+  with the compiled kernels, on one thread and on every core.
+
+With numba installed it also prints what the kernels cost before the first
+batch: importing numba, the first decode in a process with an empty kernel
+cache (compiling) and with a warm one, each in a fresh process, and the
+installed size of numba and llvmlite.
 
 A ratio is baseline time / variant time, so 0.5 means the variant produces
 fields at half the rate that memmap copies windows. Variants run in interleaved
@@ -26,19 +33,41 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import platform
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from flat_tokens_jax import compiled
 from flat_tokens_jax.batch import FIELDS, packed_fields, packed_fields_jax, padded_fields
+from flat_tokens_jax.hostdecode import BlockDecoder
+from flat_tokens_jax.records import Windows
 
 Fields = dict[str, np.ndarray]
+IDS = {"start_token_id": 0, "pad_id": 0}
+FIRST_DECODE = """
+import sys, time
+import numpy as np
+t = time.perf_counter()
+from flat_tokens_jax import compiled
+kernels = compiled.kernels()
+imported = time.perf_counter() - t
+w = np.zeros((4, 9), np.uint32)
+t = time.perf_counter()
+kernels.decode_rows(w, None, None, True, (0, 4), start_token_id=0, pad_id=0, out={
+    k: np.empty((4, 8), bool if k == "loss_mask" else np.int32)
+    for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")})
+print(imported, time.perf_counter() - t)
+"""
 
 TAKE = "memmap -> preallocated, np.take(out=)"
 TAKE_CLIP = "memmap -> preallocated, np.take(out=, mode=clip)"
@@ -167,6 +196,15 @@ def main() -> None:
             ],
             "padded_fields (numpy, same tokens)": lambda: padded_fields(tokens, lengths),
         }
+        cores = os.cpu_count() or 1
+        kernels = ["numpy"] + (["numba"] if compiled.kernels() is not None else [])
+        decoders = {}
+        for kernel in kernels:
+            for threads in sorted({1, cores}):
+                decoder = BlockDecoder(threads, kernel=kernel)
+                name = f"BlockDecoder {kernel}, {threads} thread(s)"
+                decoders[name] = decoder
+                variants[name] = partial(decoder.decode, Windows(w), True, seq_len, **IDS)
 
         expected = packed_fields(w)
         for name, got in [
@@ -174,6 +212,7 @@ def main() -> None:
             ("dense", dense_into(w, empty_fields(batch, seq_len))),
             ("dense blocked", dense_blocked_into(w, empty_fields(batch, seq_len))),
             ("jax", {k: np.asarray(v) for k, v in jitted(w).items()}),
+            *((name, d.decode(Windows(w), True, seq_len, **IDS)) for name, d in decoders.items()),
         ]:
             for k in FIELDS:
                 if not np.array_equal(got[k], expected[k]):
@@ -203,5 +242,35 @@ def main() -> None:
         )
 
 
+def kernel_costs() -> None:
+    """Prints what the compiled kernels cost before the first batch, each in a
+    fresh process: importing them (numba with them), and the first decode with
+    an empty kernel cache, then with the cache it left."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "NUMBA_CACHE_DIR": cache}
+        runs = []
+        for _ in range(2):
+            out = subprocess.run(
+                [sys.executable, "-c", FIRST_DECODE], env=env, capture_output=True, text=True
+            )
+            out.check_returncode()
+            runs.append([float(x) for x in out.stdout.split()])
+    size = 0
+    for dist in ("numba", "llvmlite"):
+        files = importlib.metadata.distribution(dist).files or []
+        size += sum(f.size or 0 for f in files)
+    print()
+    print("| compiled kernels (numba), in a fresh process | s |")
+    print("|---|---:|")
+    print(f"| import (numba with it) | {runs[0][0]:.2f} |")
+    print(f"| first decode, empty kernel cache (compiles) | {runs[0][1]:.2f} |")
+    print(f"| first decode, kernel cache warm | {runs[1][1]:.2f} |")
+    print(
+        f"\nnumba {importlib.metadata.version('numba')} and llvmlite installed: {size / 1e6:.0f} MB"
+    )
+
+
 if __name__ == "__main__":
     main()
+    if compiled.kernels() is not None:
+        kernel_costs()

@@ -20,7 +20,8 @@ Every grain path runs once per ``--read-threads`` value (grain's
 
 Each path's order is its own shuffle of the same records. Throughput counts
 every batch, the first included (worker start-up too); the time to that first
-batch is listed beside it.
+batch is listed beside it. With numba installed, its kernels are loaded in
+this process before any path is timed.
 
 Run: ``python scripts/bench_grain.py [--tokens 80_000_000] [--records 40000]``
 """
@@ -97,6 +98,10 @@ def main() -> None:
         if steps < 1:
             raise SystemExit(f"{len(src)} records of {L} tokens: pass more --tokens")
         loader = ftj.Loader(ft, ftj.LoaderConfig(batch_size=B, seq_len=L, seed=1, prefetch=0))
+        # Load the compiled kernels (the fast extra) before timing: a process
+        # pays that once, whichever path reads first (scripts/bench_decode.py
+        # prints what it costs).
+        ftj.Loader(ft, ftj.LoaderConfig(batch_size=B, seq_len=L, seed=2)).host_batch(0)
 
         def data_loader(workers: int, read: grain.ReadOptions) -> Iterator[Any]:
             sampler = grain.samplers.IndexSampler(

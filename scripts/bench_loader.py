@@ -17,10 +17,14 @@ measures side by side, in one run, over the same random steps:
 
 reporting tokens/s, the ratio to memmap, and CPU seconds per million tokens
 (process CPU time, all threads). The loader decodes each batch in row blocks
-on ``decode_threads`` threads (printed); read-ahead and ``iterate`` prepare
-steps on one background thread. A last table times each stage of a step alone
-on one thread (the sampler for one step and for 8 steps in one call, as
-consecutive steps use it; the read; the decode; ``jax.device_put``).
+on ``decode_threads`` threads (printed; one fewer when reading ahead);
+read-ahead and ``iterate`` prepare steps on two background threads, one
+reading, one decoding. With numba installed (the ``fast`` extra) the copy and
+the decode run compiled kernels; the uncompressed layout is then measured a
+second time with numpy alone (``numpy, no numba``), in the same run. A last
+table times each stage of a step alone on one thread (the sampler for one step
+and for 8 steps in one call, as consecutive steps use it; the read; the
+decode; ``jax.device_put``).
 Also time-to-first-batch at step 0 and at step 10**9 (fresh loaders).
 
 The default layout stores a crc32c after every chunk; ``uncompressed, no
@@ -43,6 +47,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +55,7 @@ import jax
 import numpy as np
 
 import flat_tokens_jax as ftj
+from flat_tokens_jax.hostdecode import BlockDecoder
 from flat_tokens_jax.records import PaddedRecords, check_start_bits
 
 
@@ -67,6 +73,22 @@ def write(path: Path, layout: ftj.Layout, num_tokens: int) -> float:
     with ftj.DatasetWriter(path, layout=layout, overwrite=True) as w:
         w.extend("train", synthetic(num_tokens))
     return time.perf_counter() - began
+
+
+def numpy_only(path: Path, cfg: ftj.LoaderConfig) -> tuple[ftj.Loader, ftj.Loader]:
+    """A loader and a reading-ahead loader (``prefetch`` 2) over the split at
+    ``path`` that copy and decode with numpy, not the compiled kernels."""
+    ft = ftj.open_dataset(path)["train"]
+    for array in (ft.encoded, ft.loss_mask):
+        local = getattr(array, "local", None)
+        if local is not None:
+            local.kernels = None
+    loaders = []
+    for prefetch in (0, 2):
+        loader = ftj.Loader(ft, dataclasses.replace(cfg, prefetch=prefetch))
+        loader.block_decoder = BlockDecoder(loader.block_decoder.threads, kernel="numpy")
+        loaders.append(loader)
+    return loaders[0], loaders[1]
 
 
 def timed(fn: Callable[[int], object], steps: list[int]) -> tuple[float, float]:
@@ -109,6 +131,7 @@ def stage_costs(
     chosen = {s: loader.sampler.records(samples[s]) for s in steps}
     windows = {s: records.read(chosen[s]) for s in steps}
     decoded = {s: loader.host_batch(s) for s in steps}
+    numpy_decoder = BlockDecoder(1, kernel="numpy")
     span = np.concatenate([samples[s] for s in steps[:8]])
 
     def ms(fn: Callable[[int], object]) -> float:
@@ -123,9 +146,17 @@ def stage_costs(
         ),
         ("read: the records' encoded windows", ms(lambda s: records.read(chosen[s]))),
         (
-            "decode: the five fields from the windows",
+            f"decode: the five fields from the windows ({loader.block_decoder.kernel})",
             ms(
                 lambda s: loader.block_decoder.decode(
+                    windows[s], True, cfg.seq_len, start_token_id=0, pad_id=0
+                )
+            ),
+        ),
+        (
+            "decode: the same with numpy",
+            ms(
+                lambda s: numpy_decoder.decode(
                     windows[s], True, cfg.seq_len, start_token_id=0, pad_id=0
                 )
             ),
@@ -190,29 +221,36 @@ def main() -> None:
                 for v in loader.batch(step).values():
                     v.block_until_ready()
 
-            def device_ahead(step: int, loader: ftj.Loader = ahead) -> None:
-                device(step, loader)
-
-            for fn in (memmap_copy, loader.host_batch, device, device_ahead):
+            for fn in (memmap_copy, loader.host_batch, device, partial(device, loader=ahead)):
                 fn(steps[0])
             base_wall, base_cpu = timed(memmap_copy, steps)
             tokens = B * L * len(steps)
-            for label, fn in (
-                ("memmap copy of windows", memmap_copy),
-                ("Loader.host_batch", loader.host_batch),
-                ("Loader.batch (jax.Array), consecutive steps", device_ahead),
-                ("Loader.batch (jax.Array), prefetch=0", device),
-                ("Loader.iterate (prefetch 2)", None),
-            ):
-                if fn is memmap_copy:
-                    wall, cpu = base_wall, base_cpu
-                elif fn is None:
-                    wall, cpu = timed_iterate(ahead, steps)
-                else:
-                    wall, cpu = timed(fn, steps)
-                rows.append(
-                    (name, label, tokens / wall / 1e6, base_wall / wall, cpu / tokens * 1e6)
-                )
+            variants = [(name, loader, ahead)]
+            if name == "uncompressed" and loader.block_decoder.kernel == "numba":
+                variants.append((f"{name}, numpy, no numba", *numpy_only(path, cfg)))
+            for row_name, sync, reading_ahead in variants:
+                for label, fn in (
+                    ("memmap copy of windows", memmap_copy),
+                    ("Loader.host_batch", sync.host_batch),
+                    (
+                        "Loader.batch (jax.Array), consecutive steps",
+                        partial(device, loader=reading_ahead),
+                    ),
+                    ("Loader.batch (jax.Array), prefetch=0", partial(device, loader=sync)),
+                    ("Loader.iterate (prefetch 2)", None),
+                ):
+                    if fn is memmap_copy:
+                        if sync is not loader:
+                            continue
+                        wall, cpu = base_wall, base_cpu
+                    elif fn is None:
+                        wall, cpu = timed_iterate(reading_ahead, steps)
+                    else:
+                        fn(steps[0])
+                        wall, cpu = timed(fn, steps)
+                    rows.append(
+                        (row_name, label, tokens / wall / 1e6, base_wall / wall, cpu / tokens * 1e6)
+                    )
             if args.padded:
                 records = PaddedRecords(ft, L)
                 prepared = []
@@ -264,10 +302,11 @@ def main() -> None:
                 f"{name}: wrote {args.tokens:,} tokens in {write_s:.1f}s "
                 f"({args.tokens * 4 / write_s / 1e6:.0f} MB/s)"
             )
-        threads = ftj.Loader(ft, cfg).block_decoder.threads
+        decoder = ftj.Loader(ft, cfg).block_decoder
         print(
             f"\nB={B}, L={L}, {args.steps} random steps, best of 3, page cache warm; "
-            f"decode_threads={threads} of {os.cpu_count()} cores\n"
+            f"decode_threads={decoder.threads} of {os.cpu_count()} cores "
+            f"(reading ahead: {max(1, decoder.threads - 1)}); kernels: {decoder.kernel}\n"
         )
         print("| layout | path | M tokens/s (or s) | vs memmap | CPU s / M tokens |")
         print("| --- | --- | ---: | ---: | ---: |")

@@ -86,7 +86,10 @@ def test_row_blocks_on_threads_equal_reference(seqs: list[list[int]], data: st.D
     ft, masks, cfg = case
     loader = ftj.Loader(ft, cfg)
     threads = data.draw(st.integers(1, 5))
-    loader.block_decoder = BlockDecoder(threads, min_block_rows=data.draw(st.integers(1, 4)))
+    kernel = data.draw(st.sampled_from(["numba", "numpy"]))
+    loader.block_decoder = BlockDecoder(
+        threads, min_block_rows=data.draw(st.integers(1, 4)), kernel=kernel
+    )
     last = (loader.num_batches or 30) - 1
     steps = sorted({0, last, data.draw(st.integers(0, last))})
     for step in steps:

@@ -133,6 +133,7 @@ def test_an_empty_read_at_the_end_of_a_checksummed_array(tmp_path: Path) -> None
     per_shard=st.integers(1, 8),
     checksum=st.booleans(),
     right=st.booleans(),
+    compiled_copy=st.booleans(),
     data=st.data(),
 )
 def test_rows_equal_the_ranges_stacked(
@@ -142,10 +143,12 @@ def test_rows_equal_the_ranges_stacked(
     per_shard: int,
     checksum: bool,
     right: bool,
+    compiled_copy: bool,
     data: st.DataObject,
 ) -> None:
-    """``rows`` (memory-mapped rows copied into a reused buffer, tensorstore where a
-    range leaves its shard) equals tensorstore's ranges stacked, for tokens and masks."""
+    """``rows`` (memory-mapped rows copied into a reused buffer by the compiled
+    kernel or by numpy, tensorstore where a range leaves its shard) equals
+    tensorstore's ranges stacked, for tokens and masks."""
     path = tmp_path_factory.mktemp("ds")
     values = data.draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n))
     mask = data.draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
@@ -163,6 +166,9 @@ def test_rows_equal_the_ranges_stacked(
         ("loss_mask", ft.loss_mask, np.uint8),
     ):
         assert isinstance(reader, TensorStoreArray) and reader.local is not None
+        assert reader.local.kernels is not None  # the test extra installs numba
+        if not compiled_copy:
+            reader.local.kernels = None
         expected = np.zeros((lo.size, width), dtype)
         for r, (a, b) in enumerate(zip(lo.tolist(), hi.tolist(), strict=True)):
             value = reader.store[a:b].read().result()

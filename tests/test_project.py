@@ -31,7 +31,7 @@ def test_floors_are_the_declared_lower_bounds() -> None:
         check=True,
     ).stdout.split()
     pyproject = (ROOT / "pyproject.toml").read_text()
-    for name in ("jax", "numpy", "zarr", "numcodecs", "tensorstore", "grain"):
+    for name in ("jax", "numpy", "zarr", "numcodecs", "tensorstore", "grain", "numba"):
         declared = re.search(rf'"{name}>=([^"]+)"', pyproject)
         assert declared is not None, name
         assert f"{name}=={declared.group(1)}" in out

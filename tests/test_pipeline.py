@@ -1,0 +1,102 @@
+"""flat_tokens_jax.pipeline: steps come back in order, each ``finish(fetch(step))``;
+the next step's fetch runs beside this step's finish; errors and cancellation
+reach the right step."""
+
+import concurrent.futures
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from flat_tokens_jax.pipeline import Ahead
+
+
+def test_steps_come_back_in_order_from_two_threads() -> None:
+    threads: dict[str, set[str]] = {"fetch": set(), "finish": set()}
+
+    def fetch(step: int) -> int:
+        threads["fetch"].add(threading.current_thread().name)
+        return step * 10
+
+    def finish(fetched: int) -> int:
+        threads["finish"].add(threading.current_thread().name)
+        return fetched + 1
+
+    ahead = Ahead(fetch, finish, "t")
+    futures = [ahead.submit(s) for s in range(50)]
+    assert [f.result(timeout=10) for f in futures] == [s * 10 + 1 for s in range(50)]
+    ahead.close()
+    assert len(threads["fetch"]) == len(threads["finish"]) == 1
+    assert threads["fetch"] != threads["finish"]
+
+
+def test_the_next_fetch_runs_beside_this_finish() -> None:
+    # finish(0) returns only once fetch(1) has started: one thread for both
+    # stages would never get there.
+    fetching_1 = threading.Event()
+
+    def fetch(step: int) -> int:
+        if step == 1:
+            fetching_1.set()
+        return step
+
+    def finish(step: int) -> int:
+        if step == 0 and not fetching_1.wait(timeout=10):
+            raise AssertionError("fetch(1) did not start while finish(0) ran")
+        return step
+
+    ahead = Ahead(fetch, finish, "t")
+    futures = [ahead.submit(s) for s in range(2)]
+    assert [f.result(timeout=20) for f in futures] == [0, 1]
+    ahead.close()
+
+
+def test_an_error_reaches_its_step_only() -> None:
+    def fetch(step: int) -> int:
+        if step == 1:
+            raise ValueError("bad record at step 1")
+        return step
+
+    ahead = Ahead(fetch, lambda x: x, "t")
+    futures = [ahead.submit(s) for s in range(3)]
+    assert futures[0].result(timeout=10) == 0
+    with pytest.raises(ValueError, match="step 1"):
+        futures[1].result(timeout=10)
+    assert futures[2].result(timeout=10) == 2
+    ahead.close()
+
+
+def blocked_fetches() -> tuple[Callable[[int], int], threading.Event, list[int]]:
+    """A fetch that records its step and waits for ``release``."""
+    release = threading.Event()
+    fetched: list[int] = []
+
+    def fetch(step: int) -> int:
+        fetched.append(step)
+        release.wait(timeout=10)
+        return step
+
+    return fetch, release, fetched
+
+
+def test_cancelling_a_step_cancels_its_fetch() -> None:
+    fetch, release, fetched = blocked_fetches()
+    ahead = Ahead(fetch, lambda x: x, "t")
+    first, second = ahead.submit(0), ahead.submit(1)
+    assert second.cancel()
+    release.set()
+    assert first.result(timeout=10) == 0
+    ahead.close()
+    assert fetched == [0]
+    with pytest.raises(concurrent.futures.CancelledError):
+        second.result()
+
+
+def test_close_drops_steps_not_started() -> None:
+    fetch, release, fetched = blocked_fetches()
+    ahead = Ahead(fetch, lambda x: x, "t")
+    futures = [ahead.submit(s) for s in range(4)]
+    threading.Timer(0.2, release.set).start()
+    ahead.close()
+    assert fetched == [0]
+    assert all(f.cancelled() for f in futures[1:])

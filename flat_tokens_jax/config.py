@@ -2,8 +2,8 @@
 
 A :class:`LoaderConfig` states every fact of a run once; the functions here
 check it against what the data records (``vocab_size``, ``start_token_id``),
-turn a source into records of the config's ``seq_len`` and packing, and
-compare saved fingerprints with current ones.
+and turn a source into records of the config's ``seq_len`` and packing (saved
+fingerprints are compared in :mod:`~flat_tokens_jax.resume`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax
 from flat_tokens_jax.bins import check_packing, make_records
 from flat_tokens_jax.dataset import FlatTokens
 from flat_tokens_jax.records import Records, check_source
-from flat_tokens_jax.schedule import BatchSchedule, BatchSizeSpec, resume_differences
+from flat_tokens_jax.schedule import BatchSchedule, BatchSizeSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,29 +193,6 @@ class LoaderConfig:
         return {**values, "batch_size": self.schedule.spec()}
 
 
-def differences(saved: Any, now: Any, path: str) -> list[str]:
-    """Where ``saved`` and ``now`` differ, as ``path: saved X, now Y`` lines.
-
-    Mappings compare key by key, over the keys both hold (a key only ``now``
-    has was not recorded by an older version); lists of equal length element
-    by element.
-    """
-    if isinstance(saved, Mapping) and isinstance(now, Mapping):
-        return [
-            line
-            for key in now
-            if key in saved
-            for line in differences(saved[key], now[key], f"{path}.{key}" if path else key)
-        ]
-    if isinstance(saved, list) and isinstance(now, list) and len(saved) == len(now):
-        return [
-            line
-            for i, (a, b) in enumerate(zip(saved, now, strict=True))
-            for line in differences(a, b, f"{path}[{i}]")
-        ]
-    return [] if saved == now else [f"{path}: saved {saved!r}, now {now!r}"]
-
-
 def records_for(source: Any, config: LoaderConfig, plan_cache: str | os.PathLike[str]) -> Records:
     """The records of a single (non-Mixture) source, checked against the config."""
     if isinstance(source, FlatTokens):
@@ -279,27 +256,3 @@ def resolve_start_token_id(config: LoaderConfig, infos: Sequence[tuple[str, Any]
             "set LoaderConfig.start_token_id to the one to feed at every sequence start"
         )
     return next(iter(recorded.values()), 0)
-
-
-def state_differences(
-    state: Mapping[str, Any], fingerprint: Mapping[str, Any], schedule: BatchSchedule
-) -> list[str]:
-    """What keeps a loader of ``fingerprint`` and batch-size ``schedule`` from
-    continuing a saved ``state``, as ``what: saved X, now Y`` lines (none: it may).
-
-    Data and config compare with :func:`differences`; the batch sizes with
-    :func:`~flat_tokens_jax.schedule.resume_differences` (they may change from
-    the saved step on).
-    """
-    saved = state.get("fingerprint")
-    saved = saved if isinstance(saved, Mapping) else {}
-    now = {k: v for k, v in fingerprint.items() if k != "batch_size"}
-    diffs = differences(saved, now, "")
-    config = saved.get("config")
-    # A state saved before schedules keeps its int batch size in its config.
-    old = config.get("batch_size") if isinstance(config, Mapping) else None
-    step = state.get("step")
-    step = step if isinstance(step, int) and not isinstance(step, bool) and step > 0 else 0
-    return diffs + resume_differences(
-        saved.get("batch_size", old), schedule, step, state.get("samples")
-    )

@@ -32,7 +32,6 @@ from flat_tokens_jax.config import (
     check_vocab,
     records_for,
     resolve_start_token_id,
-    state_differences,
 )
 from flat_tokens_jax.dataset import FlatTokens
 from flat_tokens_jax.hostdecode import BlockDecoder, default_threads
@@ -40,6 +39,7 @@ from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.pipeline import Ahead
 from flat_tokens_jax.plans import default_cache_dir
 from flat_tokens_jax.records import Records, Windows, recorded_info, sources_of
+from flat_tokens_jax.resume import StateMismatch, check_resume, compare_state
 from flat_tokens_jax.sampling import IndexSampler
 from flat_tokens_jax.sharding import Block, BlockData, HostPlan, host_plans
 from flat_tokens_jax.stepsamples import LOOKUP_AHEAD, StepSamples
@@ -68,10 +68,6 @@ class _Blocks:
 
     plan: HostPlan
     data: dict[Block, BlockData]
-
-
-class StateMismatch(ValueError):
-    """A saved loader state does not belong to this loader's data or config."""
 
 
 class Loader:
@@ -441,12 +437,12 @@ class Loader:
         """What the batches depend on: the data's identity and the batch-defining config.
 
         ``data`` and ``config`` decide the sample order: ``data`` the records'
-        counts, a digest of sampled tokens and whether a loss mask is stored,
-        and for a Mixture the components' names and the blending; ``config``
-        every other field that changes batches, with ``start_token_id``
-        resolved (see :class:`LoaderConfig`). ``batch_size`` (an int or
-        ``[[start_step, size], ...]``) decides only how that order is cut
-        into batches.
+        counts, a digest of sampled tokens, whether a loss mask is stored and
+        the vocabulary hash of the tokenizer the data records, and for a
+        Mixture the components' names and the blending; ``config`` every
+        other field that changes batches, with ``start_token_id`` resolved
+        (see :class:`LoaderConfig`). ``batch_size`` (an int or ``[[start_step,
+        size], ...]``) decides only how that order is cut into batches.
         """
         if self._fingerprint is None:
             if self.mixture is None:
@@ -482,17 +478,23 @@ class Loader:
     def restore(self, state: Mapping[str, Any]) -> int:
         """Continues from a saved :meth:`state`; returns the step ``iterate`` resumes at.
 
-        The batch size may change from the saved step on: a config whose
-        ``batch_size`` (or schedule) agrees with the saved one on every step
-        before the saved step continues at exactly the next unseen sample (the
-        sample order is the same; only its cut into batches moves). A field
-        that the saved fingerprint lacks (a state saved by an older version)
-        is not compared; an older state's batch size is its config's int.
+        Every field of :meth:`fingerprint` must be in the state with the same
+        value and JSON type: the kind of source (a split or a Mixture), each
+        component's name, records, ``seq_len``, counts, token digest,
+        tokenizer and loss mask, and the config. The batch size may change
+        from the saved step on: a config whose ``batch_size`` (or schedule)
+        agrees with the saved one on every step before the saved step
+        continues at exactly the next unseen sample (the sample order is the
+        same; only its cut into batches moves). A state saved by an older
+        version may lack only fields that cannot change a batch
+        (:data:`~flat_tokens_jax.resume.UNRECORDED`); a warning names them. An
+        older state's batch size is its config's int.
 
         Raises:
             StateMismatch: the state was saved with other data or another config,
-                or with other batch sizes before the saved step; the message
-                lists what differs.
+                or with other batch sizes before the saved step, or a field is
+                missing or of the wrong type; the message names each field by
+                its path in the state (``fingerprint.data.sample_digest``).
         """
         if not isinstance(state, Mapping):
             raise TypeError(
@@ -501,22 +503,22 @@ class Loader:
             )
         step = state.get("step")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise StateMismatch(f"saved loader state has no valid step: {step!r}")
+            raise StateMismatch(
+                f"saved loader state has no valid step: {step!r} (step must be an int >= 0)"
+            )
         saved = state.get("fingerprint")
         if not isinstance(saved, Mapping):
-            raise StateMismatch(f"saved loader state has no fingerprint: {saved!r}")
-        diffs = self.state_differences(state)
-        if diffs:
             raise StateMismatch(
-                "the saved loader state is for different data or config:\n  " + "\n  ".join(diffs)
+                f"saved loader state has no fingerprint: {saved!r} "
+                "(fingerprint must be the mapping loader.state() holds)"
             )
-        self.next_step = step
-        return step
+        self.next_step = check_resume(state, self.fingerprint(), self.schedule)
+        return self.next_step
 
     def state_differences(self, state: Mapping[str, Any]) -> list[str]:
         """What keeps this loader from continuing a saved :meth:`state`, as
-        ``what: saved X, now Y`` lines (none: it may; see :meth:`restore`)."""
-        return state_differences(state, self.fingerprint(), self.schedule)
+        ``path: saved X, now Y`` lines (none: it may; see :meth:`restore`)."""
+        return compare_state(state, self.fingerprint(), self.schedule).differences
 
     def provenance(self, step: int) -> list[dict[str, Any]]:
         """Where each of this host's rows at ``step`` came from.

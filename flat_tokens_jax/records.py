@@ -74,10 +74,12 @@ class Records(Protocol):
 
 
 def _data_fingerprint(ft: FlatTokens) -> dict[str, Any]:
-    """Counts plus a digest of 64 evenly spaced tokens and sequence bounds.
+    """Counts plus a digest of 64 evenly spaced tokens and sequence bounds, and
+    the vocabulary hash of the tokenizer the dataset records (``None``: none).
 
     Cheap (three batched reads) and it changes when the data does, in practice.
     """
+    tokenizer = None if ft.info is None else ft.info.tokenizer
     digest = hashlib.sha256()
     for n, read in (
         (ft.num_tokens, lambda i: ft.encoded_ranges(i, i + 1)),
@@ -92,6 +94,7 @@ def _data_fingerprint(ft: FlatTokens) -> dict[str, Any]:
         "max_token_id": ft.max_token_id,
         "loss_mask": ft.loss_mask is not None,
         "sample_digest": digest.hexdigest()[:16],
+        "tokenizer": None if tokenizer is None else tokenizer.vocab_hash,
     }
 
 

@@ -169,7 +169,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
             url=args.url,
             split=args.split,
             config=None if args.config is None else show.read_yaml(args.config),
-            state=None if args.state is None else show.read_json(args.state),
+            state=None if args.state is None else show.read_state(args.state),
             fields=show.config_fields(args),
             options=store_options(args),
         )

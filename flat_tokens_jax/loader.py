@@ -479,22 +479,18 @@ class Loader:
         """Continues from a saved :meth:`state`; returns the step ``iterate`` resumes at.
 
         Every field of :meth:`fingerprint` must be in the state with the same
-        value and JSON type: the kind of source (a split or a Mixture), each
-        component's name, records, ``seq_len``, counts, token digest,
-        tokenizer and loss mask, and the config. The batch size may change
-        from the saved step on: a config whose ``batch_size`` (or schedule)
-        agrees with the saved one on every step before the saved step
-        continues at exactly the next unseen sample (the sample order is the
-        same; only its cut into batches moves). A state saved by an older
-        version may lack only fields that cannot change a batch
-        (:data:`~flat_tokens_jax.resume.UNRECORDED`); a warning names them. An
-        older state's batch size is its config's int.
+        value and JSON type (see :mod:`~flat_tokens_jax.resume`); a state
+        saved by an older version may lack only fields that cannot change a
+        batch, and a warning names them. The batch size may change from the
+        saved step on: a ``batch_size`` (or schedule) that agrees with the
+        saved one on every step before it continues at exactly the next unseen
+        sample. An older state's batch size is its config's int.
 
         Raises:
-            StateMismatch: the state was saved with other data or another config,
-                or with other batch sizes before the saved step, or a field is
-                missing or of the wrong type; the message names each field by
-                its path in the state (``fingerprint.data.sample_digest``).
+            StateMismatch: other data (kind of source, a component's identity,
+                tokenizer) or config, other batch sizes before the saved step,
+                or a field missing or of the wrong type; each named by its path
+                in the state (``fingerprint.data.sample_digest``).
         """
         if not isinstance(state, Mapping):
             raise TypeError(
@@ -503,15 +499,7 @@ class Loader:
             )
         step = state.get("step")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise StateMismatch(
-                f"saved loader state has no valid step: {step!r} (step must be an int >= 0)"
-            )
-        saved = state.get("fingerprint")
-        if not isinstance(saved, Mapping):
-            raise StateMismatch(
-                f"saved loader state has no fingerprint: {saved!r} "
-                "(fingerprint must be the mapping loader.state() holds)"
-            )
+            raise StateMismatch(f"saved loader state has no valid step: {step!r} (an int >= 0)")
         self.next_step = check_resume(state, self.fingerprint(), self.schedule)
         return self.next_step
 

@@ -154,8 +154,12 @@ def _kind_difference(saved: Any, now: Any) -> str | None:
     """A line when one side is a Mixture and the other a single source."""
     if not isinstance(saved, Mapping) or not isinstance(now, Mapping):
         return None
-    if ("components" in saved) == ("components" in now):
-        return None
+    kinds = [
+        "mixture" if "components" in d else "split" if "records" in d else None
+        for d in (saved, now)
+    ]
+    if None in kinds or kinds[0] == kinds[1]:
+        return None  # the same kind, or fields missing that the comparison names
     return f"fingerprint.data: saved {_describe(saved)}, now {_describe(now)}"
 
 

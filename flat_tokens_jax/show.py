@@ -62,6 +62,7 @@ def check_state(state: Any) -> None:
     """
     if not isinstance(state, Mapping):
         raise ValueError(f"expected the mapping loader.state() saves, got {_kind(state)}")
+    _field(state, "step", int, "", "the next step (an int >= 0)")
     for key in ("step", "samples"):
         if key in state and not _is_count(state[key]):
             raise ValueError(f"{key}: expected an int >= 0, got {_kind(state[key])}")

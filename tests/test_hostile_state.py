@@ -385,7 +385,8 @@ MALFORMED = [
     (setting("fingerprint.data", [1]), "fingerprint.data: expected a mapping"),
     (setting("fingerprint", "x"), "fingerprint: expected a mapping"),
     (drop("fingerprint"), "fingerprint: missing"),
-    (setting("step", "4"), "step: expected an int >= 0"),
+    (setting("step", "4"), "step: expected the next step (an int >= 0), got '4'"),
+    (drop("step"), "step: missing"),
     (lambda state: [state], "expected the mapping loader.state() saves"),
 ]
 

@@ -21,9 +21,10 @@ import numpy as np
 
 from flat_tokens_jax.config import LoaderConfig
 from flat_tokens_jax.dataset import FlatTokens, open_dataset
-from flat_tokens_jax.loader import Loader, StateMismatch
+from flat_tokens_jax.loader import Loader
 from flat_tokens_jax.mixture import Mixture, mixture_from_config
 from flat_tokens_jax.options import StoreOptions
+from flat_tokens_jax.resume import check_resume
 from flat_tokens_jax.schedule import BatchSchedule
 
 FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -208,11 +209,13 @@ def build_loader(
         raise ValueError("say where the data is: a URL, --config with a 'data' section, or --state")
     loader = Loader(source, cfg)
     if state is not None:
-        diffs = loader.state_differences(state)
-        if diffs:
-            raise StateMismatch(
-                "the data found is not what the saved run read:\n  " + "\n  ".join(diffs)
-            )
+        # Refuses (StateMismatch) or warns of fields an older state lacks, as restore does.
+        check_resume(
+            state,
+            loader.fingerprint(),
+            loader.schedule,
+            header="the data found is not what the saved run read",
+        )
     return loader
 
 

@@ -414,3 +414,25 @@ def test_show_state_on_malformed_files_names_the_field_in_one_line(tmp_path: Pat
         if code != 1 or err.count("\n") != 1 or f"--state {bad}: not JSON" not in err:
             wrong.append(f"{text!r}: exit {code}, {err!r}")
     assert wrong == []
+
+
+def test_show_state_of_an_older_version_says_what_it_lacks(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = on_disk(tmp_path)
+    components = state["fingerprint"]["data"]["components"]
+    for c in components:
+        c.pop("tokenizer", None)  # the original code has none to remove
+        del c["loss_mask"]
+    del state["samples"]
+    (tmp_path / "old.json").write_text(json.dumps(state))
+    with caplog.at_level(logging.WARNING):
+        code, out, err = run_show("--state", str(tmp_path / "old.json"), "--step", "5", "--json")
+    assert code == 0, err
+    assert len(json.loads(out)["rows"]) == 4
+    for lacking in ("samples", "components[0].tokenizer", "components[1].loss_mask"):
+        assert lacking in caplog.text
+    components[1]["num_tokens"] += 1
+    (tmp_path / "old.json").write_text(json.dumps(state))
+    code, _, err = run_show("--state", str(tmp_path / "old.json"), "--step", "5")
+    assert code == 1 and "fingerprint.data.components[1].num_tokens: saved 121, now 120" in err

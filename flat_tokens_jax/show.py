@@ -44,6 +44,9 @@ def read_state(path: str | os.PathLike[str]) -> dict[str, Any]:
             state = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"--state {where}: not JSON ({e})") from None
+    except RecursionError:
+        why = "nested too deeply to be a loader state"
+        raise ValueError(f"--state {where}: not JSON ({why})") from None
     except UnicodeDecodeError as e:
         raise ValueError(f"--state {where}: not UTF-8 text ({e.reason})") from None
     try:

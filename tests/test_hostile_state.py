@@ -408,7 +408,7 @@ def test_show_state_on_malformed_files_names_the_field_in_one_line(tmp_path: Pat
             continue
         if code != 1 or err.count("\n") != 1 or named not in err or str(bad) not in err:
             wrong.append(f"{named}: exit {code}, {err!r}")
-    for text in ("{not json", "\ufeff\x00", ""):
+    for text in ("{not json", "\ufeff\x00", "", "[" * 100_000 + "]" * 100_000):
         bad.write_text(text)
         code, _, err = run_show("--state", str(bad), "--step", "5")
         if code != 1 or err.count("\n") != 1 or f"--state {bad}: not JSON" not in err:
@@ -422,7 +422,7 @@ def test_show_state_of_an_older_version_says_what_it_lacks(
     state = on_disk(tmp_path)
     components = state["fingerprint"]["data"]["components"]
     for c in components:
-        c.pop("tokenizer", None)  # the original code has none to remove
+        c.pop("tokenizer", None)  # states saved before tokenizers were recorded have none
         del c["loss_mask"]
     del state["samples"]
     (tmp_path / "old.json").write_text(json.dumps(state))

@@ -138,8 +138,8 @@ def check_resume(
         raise StateMismatch(f"{header}:\n  " + "\n  ".join(found.differences))
     if found.unrecorded:
         log.warning(
-            "the saved loader state lacks %s (saved by an older version); it resumes "
-            "because these cannot change a batch: %s",
+            "the saved loader state lacks %s (saved by an older version, before "
+            "they were recorded); it resumes without comparing them: %s",
             ", ".join(found.unrecorded),
             "; ".join(f"{p}: {UNRECORDED[_pattern(p)]}" for p in found.unrecorded),
         )
@@ -163,9 +163,10 @@ def _describe(data: Mapping[str, Any]) -> str:
     parts = data.get("components")
     if parts is None:
         return f"a single split ({data.get('records', 'custom')} records)"
+    if not isinstance(parts, list):
+        return f"a Mixture of components {_show(parts)}"
     names = [p.get("name") if isinstance(p, Mapping) else None for p in parts]
-    shown = names if isinstance(parts, list) else _show(parts)
-    return f"a Mixture of components {shown}"
+    return f"a Mixture of components {names}"
 
 
 def _compare(

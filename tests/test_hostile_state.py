@@ -435,3 +435,38 @@ def test_show_state_of_an_older_version_says_what_it_lacks(
     (tmp_path / "old.json").write_text(json.dumps(state))
     code, _, err = run_show("--state", str(tmp_path / "old.json"), "--step", "5")
     assert code == 1 and "fingerprint.data.components[1].num_tokens: saved 121, now 120" in err
+
+
+def without(state: Any, path: str) -> Any:
+    keys = re.findall(r"[^.\[\]]+", path)
+    out = copy.deepcopy(state)
+    at = out
+    for key in keys[:-1]:
+        at = at[int(key)] if isinstance(at, list) else at[key]
+    del at[int(keys[-1]) if isinstance(at, list) else keys[-1]]
+    return out
+
+
+@settings(max_examples=100)
+@given(data=st.data())
+def test_show_state_never_raises_on_a_changed_field(
+    data: st.DataObject, disk_state: tuple[dict[str, Any], Path]
+) -> None:
+    """Any field of a state file (sources included) removed or given another
+    type: ``show`` shows the run or exits 1 with a message, never a traceback."""
+    state, folder = disk_state
+    path, value = data.draw(st.sampled_from(list(nodes(state, ""))))
+    if data.draw(st.booleans()):
+        changed = without(state, path)
+    else:
+        changed = put(state, path, data.draw(st.sampled_from(other_types(value))))
+    bad = folder / "changed.json"
+    bad.write_text(json.dumps(changed))
+    code, _, err = run_show("--state", str(bad), "--step", "5")
+    assert code in (0, 1) and (code == 0 or err.startswith("show: "))
+
+
+@pytest.fixture(scope="module")
+def disk_state(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    folder = tmp_path_factory.mktemp("state-on-disk")
+    return on_disk(folder), folder

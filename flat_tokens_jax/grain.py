@@ -53,6 +53,7 @@ from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.options import StoreOptions, resolve_options
 from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records, recorded_info
 from flat_tokens_jax.schedule import BatchSchedule, BatchSizeSpec
+from flat_tokens_jax.values import integer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,7 +411,11 @@ class ScheduledBatches:
         if self.order is None:
             records = np.arange(where.start, where.stop, dtype=np.int64)
         else:
-            records = np.array([self.order[i] for i in where], np.int64)
+            # Each an int: a float in the order is refused, not truncated.
+            order = self.order
+            records = np.array(
+                [integer(order[i], f"ScheduledBatches order[{i}]") for i in where], np.int64
+            )
         return self.source.read_batch(records)
 
 

@@ -22,7 +22,8 @@ import numpy as np
 from flat_tokens_jax.config import LoaderConfig
 from flat_tokens_jax.dataset import FlatTokens, open_dataset
 from flat_tokens_jax.loader import Loader, StateMismatch
-from flat_tokens_jax.mixture import Mixture, mixture_from_config
+from flat_tokens_jax.mixconfig import mixture_from_config
+from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.options import StoreOptions
 from flat_tokens_jax.schedule import BatchSchedule
 
@@ -61,7 +62,7 @@ def build_loader(
             (``train``, ``valid``, ``test`` with a ``split`` cut).
         config: a parsed YAML document with a ``loader`` section (the
             :class:`LoaderConfig` fields) and optionally a ``data`` section
-            (see :func:`~flat_tokens_jax.mixture.mixture_from_config`).
+            (see :func:`~flat_tokens_jax.mixconfig.mixture_from_config`).
         state: a saved :meth:`Loader.state`: its fingerprint gives the config,
             its ``sources`` the data (unless ``url`` is given), and the data
             found must match its fingerprint (a batch size given in ``fields``

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.dataset import split_boundaries
-from flat_tokens_jax.mixture import Mixture, Period, mixture_from_config
+from flat_tokens_jax.mixconfig import mixture_from_config
+from flat_tokens_jax.mixture import Mixture, Period
 
 
 def make_split(num_seqs: int, length: int = 4, base: int = 1) -> ftj.FlatTokens:

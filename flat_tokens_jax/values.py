@@ -12,8 +12,8 @@ Example:
     >>> try:
     ...     boolean("no", "data.allow_mixed_tokenizers")
     ... except BadValue as e:
-    ...     print(e.path, "|", e.problem)
-    data.allow_mixed_tokenizers | must be true or false, got 'no' (a string: drop the quotes)
+    ...     print(e.path)
+    data.allow_mixed_tokenizers
 """
 
 from __future__ import annotations
@@ -76,12 +76,33 @@ def child(path: str, key: Any) -> str:
 def _hint(value: Any) -> str:
     """Why a value of the wrong kind may look right, for the message."""
     if isinstance(value, str):
-        return " (a string: drop the quotes)"
+        word = value.strip()
+        if word.lower() in ("true", "false", "yes", "no", "on", "off", "y", "n"):
+            return " (a string: write true or false, without quotes)"
+        if re.fullmatch(r"[-+]?[0-9]+", word):
+            return f" (a string: write {word} without quotes)"
+        try:
+            parsed = float(word)
+        except ValueError:
+            return ""
+        if not math.isfinite(parsed):
+            return ""
+        # YAML 1.1 (PyYAML) reads 1e-4 and 1.0e308 as text: a float needs a dot
+        # and a signed exponent.
+        return f" (a string: YAML reads a number written {_yaml_float(parsed)}, without quotes)"
     if isinstance(value, float | np.floating) and math.isfinite(value):
         if float(value).is_integer():
             return f" (write {int(value)}, without the fraction)"
         return " (ints are not rounded: write a whole number)"
     return ""
+
+
+def _yaml_float(value: float) -> str:
+    """``value`` as YAML 1.1 reads a float: ``1.0e+308``, ``0.0001``."""
+    mantissa, e, exponent = repr(value).partition("e")
+    if "." not in mantissa:
+        mantissa += ".0"
+    return mantissa + e + exponent
 
 
 def boolean(value: Any, path: str) -> bool:

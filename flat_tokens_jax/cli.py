@@ -326,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"'flat-tokens --traceback {args.command} ...' to see where, and report it)",
             file=sys.stderr,
         )
-        return 2
+        return 70  # EX_SOFTWARE: an internal error
     return code
 
 

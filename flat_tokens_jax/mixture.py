@@ -36,7 +36,9 @@ from flat_tokens_jax.schedule import BatchSchedule
 from flat_tokens_jax.values import MAX_SEED, BadValue, boolean, integer, number, sequence
 
 MAX_DEFAULT_PERIOD = 1 << 20
-MAX_PERIOD = 2**31 - 1  # Ranks within a period are int32.
+# A period's tables take 8 bytes a sample (and its layout a few times more while
+# it is made): 2**24 samples stay well under a gigabyte.
+MAX_PERIOD = 1 << 24
 _MAX_SAMPLE = 2**63 - 1  # Global sample indices are int64.
 
 
@@ -115,11 +117,12 @@ class Mixture:
             is a ``FlatTokens`` split or view, or a
             :class:`~flat_tokens_jax.records.Records` of the config's ``seq_len``
             and packing. Weights count records; 0 leaves a component unused.
-        seed: mixed with the loader's seed into each component's shuffle key,
-            so each component reshuffles every one of its own epochs.
-        period: samples per period; ``None``: ``max(1000, 100 / smallest
-            positive weight share)``, at most ``2**20``. Proportions are exact
-            over every whole period.
+        seed: an int in ``[0, 2**64)``, mixed with the loader's seed into each
+            component's shuffle key, so each component reshuffles every one of
+            its own epochs.
+        period: samples per period, an int in ``[1, 2**24]``; ``None``:
+            ``max(1000, 100 / smallest positive weight share)``, at most
+            ``2**20``. Proportions are exact over every whole period.
         schedule: ``[(step, weights), ...]``: from ``step`` on, use ``weights``
             (one per component, or ``{name: weight}`` naming every component);
             steps strictly increasing and > 0. Steps, not samples: with a
@@ -132,8 +135,11 @@ class Mixture:
         packing: deprecated, as ``seq_len``.
 
     Raises:
-        ValueError: negative or all-zero weights, a positive weight that rounds
-            to no sample per period, duplicate names, or components whose
+        ValueError: a weight that is not a finite number >= 0 (a bool is not a
+            number), all-zero weights, a positive weight that rounds to no
+            sample per period, a seed, period or schedule step that is not an
+            int in range (a fraction is not rounded), a non-boolean
+            ``allow_mixed_tokenizers``, duplicate names, or components whose
             datasets record different tokenizers.
         TypeError: a component that is not a split or records (a ``Dataset``,
             a URL, a ``Mixture``), with the fix in the message.
@@ -185,7 +191,8 @@ class Mixture:
         for s, w, p in zip(steps, self.weights, self.periods, strict=True):
             lost = [i for i, x in enumerate(w) if x > 0 and p.counts[i] == 0]
             if lost:
-                need = 1 / float(_shares(w)[lost].min())
+                smallest = float(_shares(w)[lost].min())  # 0 where it underflows
+                need = 1 / smallest if smallest > 0 else math.inf
                 fix = (
                     f"pass a period of at least {math.ceil(need)}"
                     if need <= MAX_PERIOD

@@ -144,7 +144,8 @@ def _schedule(changes: Any, path: str) -> list[tuple[int, Any]]:
             checked = [
                 number(w, child(child(where, "weights"), j), low=0) for j, w in enumerate(listed)
             ]
-        out.append((integer(change["step"], child(where, "step"), low=1), checked))
+        step = integer(change["step"], child(where, "step"), low=1, high=2**63 - 1)  # int64
+        out.append((step, checked))
     return out
 
 

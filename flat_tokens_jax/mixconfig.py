@@ -81,7 +81,11 @@ def mixture_from_config(
         raise ValueError(f"unknown mixture config key(s) {unknown}; known: {sorted(_CONFIG_KEYS)}")
     cut = config.get("split")
     if cut is not None:
-        cut = text(cut, child(path, "split")) if not isinstance(cut, int) else str(cut)
+        where = child(path, "split")
+        if isinstance(cut, list | tuple):
+            cut = [number(x, child(where, i), low=0) for i, x in enumerate(cut)]
+        elif not isinstance(cut, str):
+            raise BadValue(where, f"must be text such as '949,50,1' or a list, got {cut!r}")
         if split not in _SPLIT_PARTS:
             hint = (
                 " (a split cut names its parts train, valid, test)" if split == "validation" else ""

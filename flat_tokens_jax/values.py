@@ -134,7 +134,7 @@ def integer(
     within ``[low, high]``; ``None`` passes when ``optional``."""
     if optional and value is None:
         return None
-    form = ("None (YAML null) or " if optional else "") + _int_form(low, high)
+    form = _int_form(low, high) + (" or null/None" if optional else "")
     if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
         raise BadValue(path, f"must be {form}, got {value!r}{_hint(value)}")
     value = int(value)

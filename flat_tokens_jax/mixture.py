@@ -207,7 +207,7 @@ class Mixture:
         )
         check_tokenizers(
             [(repr(n), self.info(i)) for i, n in enumerate(self.names)],
-            allow_mixed=allow_mixed_tokenizers,
+            allow_mixed=self.allow_mixed_tokenizers,
             fix="pass Mixture(..., allow_mixed_tokenizers=True)",
         )
         self._offsets: dict[BatchSchedule, tuple[np.ndarray, np.ndarray]] = {}

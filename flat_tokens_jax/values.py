@@ -182,11 +182,14 @@ def sequence(value: Any, path: str, form: str = "a list") -> Sequence[Any]:
 
 
 def read_yaml(path: str | os.PathLike[str]) -> Any:
-    """The document of a YAML file, read with ``yaml.safe_load`` (needs the ``yaml`` extra).
+    """The document of a YAML file, read safely (``yaml.SafeLoader``; needs the
+    ``yaml`` extra), refusing a key given twice in one mapping (YAML would keep
+    the last silently).
 
     Raises:
-        ValueError: the file is not valid YAML, or uses a tag that safe loading
-            refuses (``!!python/...``); one line naming the file and the line.
+        ValueError: the file is not valid YAML, uses a tag that safe loading
+            refuses (``!!python/...``) or repeats a key; one line naming the
+            file and the line.
         OSError: the file cannot be read.
     """
     try:
@@ -195,8 +198,16 @@ def read_yaml(path: str | os.PathLike[str]) -> Any:
         raise ImportError("reading YAML needs PyYAML: pip install 'flat-tokens-jax[yaml]'") from e
     name = os.fspath(path)
     with open(path, encoding="utf-8") as f:
+        loader = yaml.SafeLoader(f)
         try:
-            return yaml.safe_load(f)
+            node = loader.get_single_node()
+            if node is None:
+                return None
+            repeated = _repeated_key(node, yaml)
+            if repeated is not None:
+                key, line = repeated
+                raise ValueError(f"{name}: line {line}: the key {key!r} is given twice") from None
+            return loader.construct_document(node)
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" line {mark.line + 1}:" if mark is not None else ""
@@ -206,3 +217,29 @@ def read_yaml(path: str | os.PathLike[str]) -> Any:
             raise ValueError(f"{name}:{where} not valid YAML: {what}") from None
         except UnicodeDecodeError as e:
             raise ValueError(f"{name}: not a UTF-8 text file ({e.reason})") from None
+        finally:
+            loader.dispose()
+
+
+def _repeated_key(root: Any, yaml: Any) -> tuple[str, int] | None:
+    """The first plain key that a mapping under ``root`` (a composed YAML node)
+    holds twice, with its 1-based line; ``None`` if there is none."""
+    merge = "tag:yaml.org,2002:merge"
+    seen_nodes: set[int] = set()
+    todo = [root]
+    while todo:
+        node = todo.pop()
+        if id(node) in seen_nodes:  # an alias of a node already checked
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            keys: set[tuple[str, str]] = set()
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.tag != merge:
+                    if (key.tag, key.value) in keys:
+                        return key.value, key.start_mark.line + 1
+                    keys.add((key.tag, key.value))
+                todo += [key, value]
+        elif isinstance(node, yaml.SequenceNode):
+            todo += node.value
+    return None

@@ -195,6 +195,7 @@ BAD_RUNS = [
     ("loader: {batch_size: 2, seq_len: 4, shuffle: 'no'}\n", ["loader.shuffle"]),
     ("loader: {batch_size: [[0, 2], [2.5, 4]], seq_len: 4}\n", ["loader.batch_size entry 1"]),
     ("loader: {batch_size: 2, seq_len: 4, sead: 1}\n", ["loader: unknown", "'sead'"]),
+    ("loader:\n  batch_size: 2\n  seq_len: 4\n  seed: 1\n  seed: 2\n", ["line 5", "'seed'"]),
     (yaml_of(with_weight([1])), ["data.datasets.web.weight"]),
     (yaml_of(with_weight(None)), ["data.datasets.web.weight"]),
     ("loader: {batch_size: 2, seq_len: 4}\ndata: {datasets: {" + WEB + ": 1e308}}\n", ["1.0e+308"]),
@@ -237,6 +238,7 @@ def test_show_config_with_huge_weights_runs(tmp_path: Path) -> None:
         ("loader: {batch_size: 2, seq_len: 4\n", "line 2: not valid YAML"),
         ("loader: !!python/object/apply:os.system ['echo hi']\n", "no !!python tags"),
         ("loader: {batch_size: 2}\n", "loader: the field(s) ['seq_len'] are required"),
+        ("loader: {batch_size: 2, seq_len: 4}\nloader: {}\n", "the key 'loader' is given twice"),
     ],
 )
 def test_loader_config_from_yaml_names_file_and_field(
@@ -255,10 +257,10 @@ def test_an_unexpected_error_is_one_line_with_the_way_to_its_traceback(
     path = tmp_path / "run.yaml"
     path.write_text("loader: {batch_size: 2, seq_len: 4}\n")
 
-    def broken(stream: Any) -> Any:
+    def broken(self: Any, node: Any) -> Any:
         raise RuntimeError("the YAML library broke\nsecond line")
 
-    monkeypatch.setattr(yaml, "safe_load", broken)
+    monkeypatch.setattr(yaml.SafeLoader, "construct_document", broken)
     code, _, err = run_main("show", WEB, "--config", str(path), "--step", "0")
     assert code == 70
     assert err.startswith("show: unexpected RuntimeError: the YAML library broke (a bug: run")

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 import flat_tokens_jax as ftj
 from flat_tokens_jax.cli import main
 from flat_tokens_jax.grain import FlatTokensSource, ScheduledBatches
+from flat_tokens_jax.mixture import Period
 from flat_tokens_jax.schedule import BatchSchedule
 
 
@@ -151,6 +152,19 @@ def test_huge_weights_blend_as_their_ratio(weights: list[float], same_as: list[f
     assert huge.periods[0].period == small.periods[0].period
     np.testing.assert_array_equal(huge.periods[0].counts, small.periods[0].counts)
     np.testing.assert_array_equal(huge.route(np.arange(50), 4)[0], small.route(np.arange(50), 4)[0])
+
+
+@given(
+    weights=st.lists(st.integers(0, 1000), min_size=1, max_size=5).filter(any),
+    exponent=st.sampled_from([-300, -100, 0, 100, 300, 305]),
+)
+def test_weights_blend_the_same_at_any_scale(weights: list[int], exponent: int) -> None:
+    scaled = [w * 10.0**exponent for w in weights]
+    assert all(math.isfinite(w) for w in scaled)
+    want = Period.layout(weights, 1000)
+    got = Period.layout(scaled, 1000)
+    np.testing.assert_array_equal(got.counts, want.counts)
+    np.testing.assert_array_equal(got.component, want.component)
 
 
 @pytest.mark.parametrize("weights", [[1, 1e-320], [1e308, 1e-308], [1e308, 5e-324]])

@@ -371,8 +371,8 @@ def test_any_data_value_is_kept_exactly_or_refused_by_path(field: str, value: An
         mix = ftj.mixture_from_config(section(value))
     except ValueError as e:
         text = str(e)
-        # A positive weight too small for any period names its component.
-        assert path in text or (field == "weight" and "['web'] get no sample" in text), text
+        # Weights so unequal that one gets no sample name that component.
+        assert path in text or (field == "weight" and "'] get no sample in a period" in text), text
         return
     got = read(mix)
     if field == "period" and value is None:

@@ -8,7 +8,8 @@ from flat_tokens_jax.identity import DatasetInfo, TokenizerInfo, library_version
 from flat_tokens_jax.layout import Layout
 from flat_tokens_jax.loader import Loader, StateMismatch
 from flat_tokens_jax.location import OverwriteNeeded
-from flat_tokens_jax.mixture import Mixture, mixture_from_config
+from flat_tokens_jax.mixconfig import mixture_from_config
+from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.options import StoreOptions
 from flat_tokens_jax.plans import PackingPlan, pack_dataset
 from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records

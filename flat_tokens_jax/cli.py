@@ -22,6 +22,7 @@ from flat_tokens_jax.options import StoreError
 from flat_tokens_jax.plans import pack_dataset, plan_group
 from flat_tokens_jax.records import recorded_info
 from flat_tokens_jax.validation import summary, validate
+from flat_tokens_jax.values import read_yaml
 
 
 def _store_args(parser: argparse.ArgumentParser) -> None:
@@ -168,10 +169,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
         loader = show.build_loader(
             url=args.url,
             split=args.split,
-            config=None if args.config is None else show.read_yaml(args.config),
+            config=None if args.config is None else read_yaml(args.config),
             state=None if args.state is None else show.read_state(args.state),
             fields=show.config_fields(args),
             options=store_options(args),
+            config_name=args.config or "--config",
+            state_name=args.state or "--state",
         )
         rows = show.parse_rows(args.rows, loader.config.batch_size_at(args.step))
         decode = None if args.tokenizer is None else _decoder(args.tokenizer, loader)
@@ -213,6 +216,12 @@ def _decoder(path: str, loader: Loader) -> Any:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flat-tokens", description=__doc__)
+    parser.add_argument(
+        "--traceback",
+        action="store_true",
+        help="on an unexpected error, show Python's traceback (to report a bug) "
+        "instead of a one-line message",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("validate", help="check every invariant of a dataset")
     _store_args(p)
@@ -302,6 +311,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         # the flush at exit does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
+    except KeyboardInterrupt:
+        print(f"{args.command}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except (ValueError, OSError, StoreError, FormatError, ImportError) as e:
+        # Errors a user can meet and fix: their message says what and where.
+        return fail(args.command, e)
+    except Exception as e:
+        if args.traceback:
+            raise
+        first = (str(e).splitlines() or [""])[0]
+        print(
+            f"{args.command}: unexpected {type(e).__name__}: {first} (a bug: run "
+            f"'flat-tokens --traceback {args.command} ...' to see where, and report it)",
+            file=sys.stderr,
+        )
+        return 70  # EX_SOFTWARE: an internal error
     return code
 
 

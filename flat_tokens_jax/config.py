@@ -15,11 +15,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
-from flat_tokens_jax.bins import check_packing, make_records
+from flat_tokens_jax.bins import BINS, make_records
 from flat_tokens_jax.dataset import FlatTokens
 from flat_tokens_jax.records import Records, check_source
 from flat_tokens_jax.schedule import BatchSchedule, BatchSizeSpec
+from flat_tokens_jax.values import MAX_SEED, BadValue, integer, read_yaml
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,69 +89,76 @@ class LoaderConfig:
     decode: str = "host"
 
     def __post_init__(self) -> None:
-        if isinstance(self.batch_size, int) and not isinstance(self.batch_size, bool):
-            if self.batch_size < 1:
-                raise ValueError(
-                    f"LoaderConfig.batch_size must be an int >= 1, got {self.batch_size}"
-                )
+        path = "LoaderConfig."
+        if isinstance(self.batch_size, int | np.integer) and not isinstance(self.batch_size, bool):
+            object.__setattr__(
+                self, "batch_size", integer(self.batch_size, path + "batch_size", low=1)
+            )
         else:
             try:
                 schedule = BatchSchedule.of(self.batch_size)
             except ValueError as e:
-                raise ValueError(f"LoaderConfig.{e}") from None
+                raise BadValue(path + "batch_size", str(e).removeprefix("batch_size ")) from None
             spec = schedule.spec()
             object.__setattr__(
                 self, "batch_size", spec if isinstance(spec, int) else schedule.entries
             )
-        for name, low in (
-            ("seq_len", 1),
-            ("prefetch", 0),
-            ("seed", 0),
+        checked = {
+            "seq_len": integer(self.seq_len, path + "seq_len", low=1),
+            "prefetch": integer(self.prefetch, path + "prefetch", low=0),
+            "seed": integer(self.seed, path + "seed", low=0, high=MAX_SEED),
+            "start_token_id": integer(
+                self.start_token_id, path + "start_token_id", low=0, optional=True
+            ),
+            "pad_id": integer(self.pad_id, path + "pad_id"),
+            **{
+                name: integer(getattr(self, name), path + name, low=1, optional=True)
+                for name in ("num_epochs", "vocab_size", "decode_threads")
+            },
+        }
+        for name, value in checked.items():  # numpy ints become Python ints
+            object.__setattr__(self, name, value)
+        if not (
+            isinstance(self.packing, bool)
+            or (isinstance(self.packing, str) and self.packing == BINS)
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"LoaderConfig.{name} must be an int >= {low}, got {value!r}")
-        check_packing(self.packing, "LoaderConfig.packing")
-        if not isinstance(self.shuffle, bool):
-            raise ValueError(f"LoaderConfig.shuffle must be True or False, got {self.shuffle!r}")
-        if self.start_token_id is not None and (
-            isinstance(self.start_token_id, bool)
-            or not isinstance(self.start_token_id, int)
-            or self.start_token_id < 0
-        ):
-            raise ValueError(
-                f"LoaderConfig.start_token_id must be None or an int >= 0, "
-                f"got {self.start_token_id!r}"
+            raise BadValue(
+                path + "packing",
+                f"must be True (packed windows), False (padded sequences) or {BINS!r} "
+                f"(bins of whole sequences), got {self.packing!r}",
             )
+        if not isinstance(self.shuffle, bool):
+            raise BadValue(path + "shuffle", f"must be True or False, got {self.shuffle!r}")
         if self.decode not in ("host", "device"):
-            raise ValueError(f"LoaderConfig.decode must be 'host' or 'device', got {self.decode!r}")
-        for name in ("num_epochs", "vocab_size", "decode_threads"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
-                raise ValueError(f"LoaderConfig.{name} must be None or an int >= 1, got {value!r}")
-        if not isinstance(self.pad_id, int) or isinstance(self.pad_id, bool):
-            raise ValueError(f"LoaderConfig.pad_id must be an int, got {self.pad_id!r}")
+            raise BadValue(path + "decode", f"must be 'host' or 'device', got {self.decode!r}")
         if self.vocab_size is not None:
             for name in ("start_token_id", "pad_id"):
-                if (
-                    getattr(self, name) is not None
-                    and not 0 <= getattr(self, name) < self.vocab_size
-                ):
-                    raise ValueError(
-                        f"LoaderConfig.{name} {getattr(self, name)} is outside "
-                        f"the vocabulary [0, {self.vocab_size})"
+                value = getattr(self, name)
+                if value is not None and not 0 <= value < self.vocab_size:
+                    raise BadValue(
+                        path + name, f"{value} is outside the vocabulary [0, {self.vocab_size})"
                     )
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> LoaderConfig:
-        """Builds a config from a mapping, refusing keys it does not know."""
+    def from_dict(cls, values: Mapping[str, Any], path: str = "LoaderConfig") -> LoaderConfig:
+        """Builds a config from a mapping, refusing keys it does not know.
+
+        ``path`` names the mapping in errors: with ``"loader"`` a bad seed is
+        ``loader.seed must be an int in [0, ...], got 1.9``.
+        """
+        if not isinstance(values, Mapping):
+            raise BadValue(path, f"must be a mapping of LoaderConfig fields, got {values!r}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+        unknown = sorted(map(str, set(values) - known))
         if unknown:
             raise ValueError(f"unknown LoaderConfig field(s) {unknown}; known: {sorted(known)}")
-        return cls(**values)
+        missing = [k for k in ("batch_size", "seq_len") if k not in values]
+        if missing:
+            raise ValueError(f"{path}: the field(s) {missing} are required")
+        try:
+            return cls(**values)
+        except BadValue as e:
+            raise e.moved("LoaderConfig", path) from None
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], key: str | None = "loader") -> LoaderConfig:
@@ -159,20 +168,20 @@ class LoaderConfig:
             path: the YAML file.
             key: the mapping inside the file that holds the fields (``None``: the
                 whole file). The file may then hold other sections too.
+
+        Raises:
+            ValueError: the file is not valid YAML (safe loading only) or a value
+                is bad; the message names the file and the value (``loader.seed``).
         """
-        try:
-            import yaml
-        except ImportError as e:
-            raise ImportError(
-                "LoaderConfig.from_yaml needs PyYAML: pip install 'flat-tokens-jax[yaml]'"
-            ) from e
-        with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f)
-        values = doc.get(key) if key is not None and isinstance(doc, dict) else doc
-        if not isinstance(values, dict):
+        doc = read_yaml(path)
+        fields = doc.get(key) if key is not None and isinstance(doc, dict) else doc
+        if not isinstance(fields, dict):
             where = f"section {key!r} of " if key else ""
             raise ValueError(f"{where}{os.fspath(path)} is not a mapping of LoaderConfig fields")
-        return cls.from_dict(values)
+        try:
+            return cls.from_dict(fields, key or "LoaderConfig")
+        except ValueError as e:
+            raise ValueError(f"{os.fspath(path)}: {e}") from None
 
     @functools.cached_property
     def schedule(self) -> BatchSchedule:

@@ -35,6 +35,7 @@ batch of records, cut from any random-access order of record indices::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 import os
@@ -53,6 +54,7 @@ from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.options import StoreOptions, resolve_options
 from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records, recorded_info
 from flat_tokens_jax.schedule import BatchSchedule, BatchSizeSpec
+from flat_tokens_jax.values import integer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,8 +412,21 @@ class ScheduledBatches:
         if self.order is None:
             records = np.arange(where.start, where.stop, dtype=np.int64)
         else:
-            records = np.array([self.order[i] for i in where], np.int64)
+            records = _record_indices(self.order, where)
         return self.source.read_batch(records)
+
+
+def _record_indices(order: Sequence[int], where: range) -> np.ndarray:
+    """``[len(where)] int64`` entries ``where`` of ``order``, each an int: a
+    float or a bool in the order is refused naming its position, not truncated."""
+    raw = [order[i] for i in where]
+    if all(t is int or issubclass(t, np.integer) for t in set(map(type, raw))):
+        with contextlib.suppress(OverflowError):  # named below
+            return np.array(raw, np.int64)
+    for i, value in zip(where, raw, strict=True):
+        if not -(2**63) <= integer(value, f"ScheduledBatches order[{i}]") < 2**63:
+            raise IndexError(f"ScheduledBatches order[{i}] is {value}, not a record index")
+    return np.array(raw, np.int64)
 
 
 def _as_records(

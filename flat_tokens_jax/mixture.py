@@ -29,13 +29,16 @@ from typing import Any
 import numpy as np
 
 from flat_tokens_jax.bins import make_records
-from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
+from flat_tokens_jax.dataset import FlatTokens
 from flat_tokens_jax.identity import DatasetInfo, check_tokenizers
-from flat_tokens_jax.options import StoreOptions
 from flat_tokens_jax.records import Records, check_source, recorded_info
 from flat_tokens_jax.schedule import BatchSchedule
+from flat_tokens_jax.values import MAX_SEED, BadValue, boolean, integer, number, sequence
 
 MAX_DEFAULT_PERIOD = 1 << 20
+# A period's tables take 8 bytes a sample (and its layout a few times more while
+# it is made): 2**24 samples stay well under a gigabyte.
+MAX_PERIOD = 1 << 24
 _MAX_SAMPLE = 2**63 - 1  # Global sample indices are int64.
 
 
@@ -63,7 +66,7 @@ class Period:
         # Rounded so that weights meant as exact ratios split as their decimal
         # values do, whatever the float error: 0.5 and 0.1 over 3 slots are a
         # tie (2.5 and 0.5), not 2.5 and 0.49999999999999994.
-        share = np.round(w / w.sum() * period, 9)
+        share = np.round(_shares(w) * period, 9)
         counts = np.floor(share).astype(np.int64)
         short = period - int(counts.sum())
         if short:  # largest remainder; ties to the lower index
@@ -114,11 +117,12 @@ class Mixture:
             is a ``FlatTokens`` split or view, or a
             :class:`~flat_tokens_jax.records.Records` of the config's ``seq_len``
             and packing. Weights count records; 0 leaves a component unused.
-        seed: mixed with the loader's seed into each component's shuffle key,
-            so each component reshuffles every one of its own epochs.
-        period: samples per period; ``None``: ``max(1000, 100 / smallest
-            positive weight share)``, at most ``2**20``. Proportions are exact
-            over every whole period.
+        seed: an int in ``[0, 2**64)``, mixed with the loader's seed into each
+            component's shuffle key, so each component reshuffles every one of
+            its own epochs.
+        period: samples per period, an int in ``[1, 2**24]``; ``None``:
+            ``max(1000, 100 / smallest positive weight share)``, at most
+            ``2**20``. Proportions are exact over every whole period.
         schedule: ``[(step, weights), ...]``: from ``step`` on, use ``weights``
             (one per component, or ``{name: weight}`` naming every component);
             steps strictly increasing and > 0. Steps, not samples: with a
@@ -131,8 +135,11 @@ class Mixture:
         packing: deprecated, as ``seq_len``.
 
     Raises:
-        ValueError: negative or all-zero weights, a positive weight that rounds
-            to no sample per period, duplicate names, or components whose
+        ValueError: a weight that is not a finite number >= 0 (a bool is not a
+            number), all-zero weights, a positive weight that rounds to no
+            sample per period, a seed, period or schedule step that is not an
+            int in range (a fraction is not rounded), a non-boolean
+            ``allow_mixed_tokenizers``, duplicate names, or components whose
             datasets record different tokenizers.
         TypeError: a component that is not a split or records (a ``Dataset``,
             a URL, a ``Mixture``), with the fix in the message.
@@ -160,27 +167,47 @@ class Mixture:
                 stacklevel=2,
             )
         self.seq_len, self.packing = _stated_shape(self.sources, self.names, seq_len, packing)
-        self.seed = seed
-        steps = [0] + [int(s) for s, _ in schedule]
+        self.seed: int = integer(seed, "Mixture.seed", low=0, high=MAX_SEED)
+        period = integer(period, "Mixture.period", low=1, high=MAX_PERIOD, optional=True)
+        changes = [
+            sequence(change, f"Mixture.schedule[{i}]", "a pair (step, weights)")
+            for i, change in enumerate(sequence(schedule, "Mixture.schedule"))
+        ]
+        for i, change in enumerate(changes):
+            if len(change) != 2:
+                raise BadValue(f"Mixture.schedule[{i}]", f"must be (step, weights), got {change!r}")
+        steps = [0] + [
+            integer(s, f"Mixture.schedule[{i}] step", low=1, high=_MAX_SAMPLE)
+            for i, (s, _) in enumerate(changes)
+        ]
         if any(b <= a for a, b in itertools.pairwise(steps)):
             raise ValueError(f"schedule steps must be > 0 and strictly increasing, got {steps[1:]}")
-        weights = [[w for _, _, w in named], *[self._by_name(w, s) for s, w in schedule]]
+        weights = [[w for _, _, w in named], *[self._by_name(w, s) for s, w in changes]]
         self.steps = np.array(steps, np.int64)
         self.weights = [
-            _check_weights(w, len(self.sources), s) for s, w in zip(steps, weights, strict=True)
+            _check_weights(w, self.names, s) for s, w in zip(steps, weights, strict=True)
         ]
         self.periods = [Period.layout(w, period or _default_period(w)) for w in self.weights]
         for s, w, p in zip(steps, self.weights, self.periods, strict=True):
-            lost = [self.names[i] for i, x in enumerate(w) if x > 0 and p.counts[i] == 0]
+            lost = [i for i, x in enumerate(w) if x > 0 and p.counts[i] == 0]
             if lost:
-                raise ValueError(
-                    f"weights from step {s}: component(s) {lost} get no sample "
-                    f"in a period of {p.period}; pass a larger period"
+                smallest = float(_shares(w)[lost].min())  # 0 where it underflows
+                need = 1 / smallest if smallest > 0 else math.inf
+                fix = (
+                    f"pass a period of at least {math.ceil(need)}"
+                    if need <= MAX_PERIOD
+                    else f"raise their weights (a period holds at most {MAX_PERIOD} samples)"
                 )
-        self.allow_mixed_tokenizers = allow_mixed_tokenizers
+                raise ValueError(
+                    f"weights from step {s}: component(s) {[self.names[i] for i in lost]} get "
+                    f"no sample in a period of {p.period}: {fix}, or set their weights to 0"
+                )
+        self.allow_mixed_tokenizers = boolean(
+            allow_mixed_tokenizers, "Mixture.allow_mixed_tokenizers"
+        )
         check_tokenizers(
             [(repr(n), self.info(i)) for i, n in enumerate(self.names)],
-            allow_mixed=allow_mixed_tokenizers,
+            allow_mixed=self.allow_mixed_tokenizers,
             fix="pass Mixture(..., allow_mixed_tokenizers=True)",
         )
         self._offsets: dict[BatchSchedule, tuple[np.ndarray, np.ndarray]] = {}
@@ -195,9 +222,9 @@ class Mixture:
         """The sources, in order (the same as :attr:`sources`)."""
         return self.sources
 
-    def _by_name(self, weights: Sequence[float] | Mapping[str, float], step: int) -> list[float]:
+    def _by_name(self, weights: Sequence[float] | Mapping[str, float], step: int) -> list[Any]:
         if not isinstance(weights, Mapping):
-            return list(weights)
+            return list(sequence(weights, f"weights from step {step}", "a list of numbers"))
         unknown = sorted(set(weights) - set(self.names))
         missing = [n for n in self.names if n not in weights]
         if unknown or missing:
@@ -205,7 +232,7 @@ class Mixture:
                 f"weights from step {step} must name every component {list(self.names)}: "
                 f"unknown {unknown}, missing {missing}"
             )
-        return [float(weights[n]) for n in self.names]
+        return [weights[n] for n in self.names]
 
     def __repr__(self) -> str:
         parts = ", ".join(
@@ -330,11 +357,9 @@ def _named_components(components: Components) -> list[tuple[str, Source, float]]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ValueError(f"component names must be unique, {twice} appear more than once")
-    for name, source, weight in entries:
+    for name, source, _ in entries:
         _check_source(name, source)
-        if isinstance(weight, bool) or not isinstance(weight, int | float | np.number):
-            raise TypeError(f"component {name!r}: the weight must be a number, got {weight!r}")
-    return [(n, s, float(w)) for n, s, w in entries]
+    return entries
 
 
 def _entry(component: Any, index: int) -> tuple[Any, Any, Any]:
@@ -380,127 +405,37 @@ def _stated_shape(
     return stated["seq_len"], stated["packing"]
 
 
-def _check_weights(weights: Sequence[float], k: int, step: int) -> np.ndarray:
-    w = np.asarray(weights, np.float64)
+def _check_weights(weights: Sequence[Any], names: Sequence[str], step: int) -> np.ndarray:
+    """``[K] float64`` weights, each a finite number >= 0, at least one above 0."""
     where = "weights" if step == 0 else f"weights from step {step}"
-    if w.shape != (k,):
-        raise ValueError(f"{where}: expected {k} weights, one per component, got {w.shape}")
-    if not np.isfinite(w).all() or (w < 0).any():
-        raise ValueError(f"{where} must be finite and non-negative, got {w.tolist()}")
-    if w.sum() <= 0:
+    if len(weights) != len(names):
+        raise ValueError(
+            f"{where}: expected {len(names)} weights, one per component, got {len(weights)}"
+        )
+    w = np.array(
+        [
+            number(
+                x, f"Mixture weight of {n!r}" + ("" if step == 0 else f" from step {step}"), low=0
+            )
+            for n, x in zip(names, weights, strict=True)
+        ],
+        np.float64,
+    )
+    if not (w > 0).any():
         raise ValueError(f"{where} are all zero: at least one component needs weight > 0")
     return w
 
 
 def _default_period(weights: np.ndarray) -> int:
-    smallest = float((weights[weights > 0] / weights.sum()).min())
-    return int(min(MAX_DEFAULT_PERIOD, max(1000, math.ceil(100 / smallest))))
+    shares = _shares(weights)
+    smallest = float(shares[shares > 0].min())
+    if smallest * MAX_DEFAULT_PERIOD <= 100:
+        return MAX_DEFAULT_PERIOD
+    return max(1000, math.ceil(100 / smallest))
 
 
-_CONFIG_KEYS = {
-    "datasets",
-    "split",
-    "seed",
-    "period",
-    "schedule",
-    "allow_mixed_tokenizers",
-    "seq_len",
-    "packing",
-}
-_SPLIT_PARTS = ("train", "valid", "test")
-
-
-def mixture_from_config(
-    config: Mapping[str, Any],
-    split: str = "train",
-    options: StoreOptions | None = None,
-    **option_fields: Any,
-) -> Mixture:
-    """Builds a mixture from a Nanoset-style mapping (e.g. a YAML ``data`` section).
-
-    ``config`` holds ``datasets``: either ``{url: weight}`` (each component
-    named by its URL), ``{name: {url: ..., weight: ...}}`` or a list of
-    ``{name: ..., url: ..., weight: ...}``; an entry may add ``split`` (the
-    dataset split it reads, default ``split``). Optionally: ``split`` (e.g.
-    ``"949,50,1"``: each dataset's split is cut into train/valid/test views and
-    the ``split`` argument picks ``"train"``, ``"valid"`` or ``"test"``), ``seed``,
-    ``period``, ``schedule`` (a list of ``{step: ..., weights: [...] or {name:
-    weight}}``) and ``allow_mixed_tokenizers``: everything :class:`Mixture`
-    takes. ``seq_len`` and ``packing`` belong in the loader config; if present
-    here they must agree with it.
-
-    Args:
-        config: the mapping.
-        split: which split (or part of a ``split`` cut) the components read.
-        options: how to reach the datasets (see :class:`StoreOptions`).
-        **option_fields: the same fields as keywords, e.g. ``endpoint=...``.
-    """
-    unknown = sorted(set(config) - _CONFIG_KEYS)
-    if unknown:
-        raise ValueError(f"unknown mixture config key(s) {unknown}; known: {sorted(_CONFIG_KEYS)}")
-    cut = config.get("split")
-    if cut is not None and split not in _SPLIT_PARTS:
-        hint = " (a split cut names its parts train, valid, test)" if split == "validation" else ""
-        raise ValueError(
-            f"with 'split: {cut}' the parts are {list(_SPLIT_PARTS)}; got {split!r}{hint}: "
-            f"use {'valid' if split == 'validation' else 'one of them'}"
-        )
-    entries = _dataset_entries(config.get("datasets"))
-    opened: dict[str, Dataset] = {}
-    parts: list[tuple[str, Source, float]] = []
-    for name, url, weight, dataset_split in entries:
-        if url not in opened:
-            opened[url] = open_dataset(url, options, **option_fields)
-        ds = opened[url]
-        if cut is None:
-            parts.append((name, ds[dataset_split or split], weight))
-        else:
-            views = dict(zip(_SPLIT_PARTS, ds[dataset_split or "train"].split(cut), strict=False))
-            if split not in views:
-                raise ValueError(f"'split: {cut}' has {len(views)} parts, so no {split!r} part")
-            parts.append((name, views[split], weight))
-    schedule = []
-    for i, change in enumerate(config.get("schedule") or ()):
-        if not isinstance(change, Mapping) or set(change) != {"step", "weights"}:
-            raise ValueError(
-                f"schedule entry {i} must be {{step: N, weights: ...}}, got {change!r}"
-            )
-        schedule.append((int(change["step"]), change["weights"]))
-    stated = {k: config[k] for k in ("seq_len", "packing") if k in config}
-    return Mixture(
-        parts,
-        seed=int(config.get("seed", 0)),
-        period=config.get("period"),
-        schedule=schedule,
-        allow_mixed_tokenizers=bool(config.get("allow_mixed_tokenizers", False)),
-        **stated,
-    )
-
-
-def _dataset_entries(datasets: Any) -> list[tuple[str, str, float, str | None]]:
-    """``(name, url, weight, split or None)`` of a config's ``datasets``."""
-    usage = (
-        "mixture config needs 'datasets': {url: weight}, {name: {url: ..., weight: ...}} "
-        "or a list of {name: ..., url: ..., weight: ...}"
-    )
-    if isinstance(datasets, Mapping):
-        items = [
-            {"name": k, **v} if isinstance(v, Mapping) else {"name": k, "url": k, "weight": v}
-            for k, v in datasets.items()
-        ]
-    elif isinstance(datasets, Sequence) and not isinstance(datasets, str):
-        items = list(datasets)
-    else:
-        raise ValueError(usage)
-    if not items:
-        raise ValueError(usage)
-    out = []
-    for i, item in enumerate(items):
-        if not isinstance(item, Mapping) or not {"url", "weight"} <= set(item):
-            raise ValueError(f"datasets entry {i}: {usage}; got {item!r}")
-        extra = sorted(set(item) - {"name", "url", "weight", "split"})
-        if extra:
-            raise ValueError(f"datasets entry {i}: unknown key(s) {extra}")
-        name = str(item.get("name", item["url"]))
-        out.append((name, str(item["url"]), float(item["weight"]), item.get("split")))
-    return out
+def _shares(weights: np.ndarray) -> np.ndarray:
+    """``weights`` as fractions of their sum, for any finite weights (1e308 and
+    1e-320 too): scaled by the largest first, so the sum cannot overflow."""
+    scaled = weights / weights.max()
+    return scaled / scaled.sum()

@@ -22,10 +22,12 @@ import numpy as np
 from flat_tokens_jax.config import LoaderConfig
 from flat_tokens_jax.dataset import FlatTokens, open_dataset
 from flat_tokens_jax.loader import Loader
-from flat_tokens_jax.mixture import Mixture, mixture_from_config
+from flat_tokens_jax.mixconfig import mixture_from_config
+from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.options import StoreOptions
 from flat_tokens_jax.resume import check_resume
 from flat_tokens_jax.schedule import BatchSchedule
+from flat_tokens_jax.values import BadValue
 
 FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 UNTRAINED = ("⟦", "⟧")  # around tokens whose loss_mask is 0
@@ -139,15 +141,6 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def read_yaml(path: str | os.PathLike[str]) -> Any:
-    try:
-        import yaml
-    except ImportError as e:
-        raise ImportError("--config needs PyYAML: pip install 'flat-tokens-jax[yaml]'") from e
-    with open(path, encoding="utf-8") as f:
-        return yaml.safe_load(f)
-
-
 def build_loader(
     *,
     url: str | None = None,
@@ -156,6 +149,8 @@ def build_loader(
     state: Mapping[str, Any] | None = None,
     fields: Mapping[str, Any] | None = None,
     options: StoreOptions | None = None,
+    config_name: str = "--config",
+    state_name: str = "--state",
 ) -> Loader:
     """The loader of a run, from what describes it.
 
@@ -165,13 +160,15 @@ def build_loader(
             (``train``, ``valid``, ``test`` with a ``split`` cut).
         config: a parsed YAML document with a ``loader`` section (the
             :class:`LoaderConfig` fields) and optionally a ``data`` section
-            (see :func:`~flat_tokens_jax.mixture.mixture_from_config`).
+            (see :func:`~flat_tokens_jax.mixconfig.mixture_from_config`).
         state: a saved :meth:`Loader.state`: its fingerprint gives the config,
             its ``sources`` the data (unless ``url`` is given), and the data
             found must match its fingerprint (a batch size given in ``fields``
             may differ from the saved step on, as :meth:`Loader.restore` allows).
         fields: :class:`LoaderConfig` fields that override the others.
         options: how to reach the data.
+        config_name, state_name: the files ``config`` and ``state`` were read
+            from, which name a bad value in errors (``c.yaml: loader.seed``).
 
     Raises:
         ValueError: the run is said twice or not at all, a field is missing or
@@ -180,32 +177,53 @@ def build_loader(
     if config is not None and state is not None:
         raise ValueError("give the run as --config or as --state, not both")
     values: dict[str, Any] = {}
+    origin: dict[str, str] = {}  # where each field was given, to name a bad value
     data: Mapping[str, Any] | None = None
     if state is not None:
         values.update(_state_config(state))
+        top = state["fingerprint"]
+        origin.update({k: f"{state_name}: fingerprint.config" for k in values})
+        origin.update({k: f"{state_name}: fingerprint" for k in values if k in top})
     if config is not None:
         if not isinstance(config, Mapping):
-            raise ValueError("the --config file is not a mapping with a 'loader' section")
-        unknown = sorted(set(config) - {"loader", "data"})
+            raise ValueError(f"{config_name} is not a mapping with a 'loader' section")
+        unknown = sorted(map(str, set(config) - {"loader", "data"}))
         loader_section = config.get("loader") or {}
         if not isinstance(loader_section, Mapping):
-            raise ValueError("the --config file's 'loader' section is not a mapping")
+            raise ValueError(f"{config_name}: the 'loader' section is not a mapping")
+        known = {f.name for f in dataclasses.fields(LoaderConfig)}
+        wrong = sorted(map(str, set(loader_section) - known))
+        if wrong:
+            raise ValueError(
+                f"{config_name}: loader: unknown LoaderConfig field(s) {wrong}; "
+                f"known: {sorted(known)}"
+            )
         values.update(loader_section)
+        origin.update({k: f"{config_name}: loader" for k in loader_section})
         data = config.get("data")
         if unknown and not values:
-            raise ValueError(f"the --config file has no 'loader' section (found {unknown})")
-    values.update({k: v for k, v in (fields or {}).items() if v is not None})
+            raise ValueError(f"{config_name} has no 'loader' section (found {unknown})")
+    given = {k: v for k, v in (fields or {}).items() if v is not None}
+    values.update(given)
+    origin.update({k: "LoaderConfig" for k in given})
     missing = [k for k in ("batch_size", "seq_len") if k not in values]
     if missing:
         flags = " and ".join("--" + k.replace("_", "-") for k in missing)
         raise ValueError(f"the run's {' and '.join(missing)} is not known: pass {flags}")
-    cfg = LoaderConfig.from_dict({**values, "prefetch": 0})
+    try:
+        cfg = LoaderConfig.from_dict({**values, "prefetch": 0})
+    except BadValue as e:
+        field = e.path.removeprefix("LoaderConfig.").split(" ")[0]
+        raise e.moved("LoaderConfig", origin.get(field, "LoaderConfig")) from None
     if url is not None and data is not None:
         raise ValueError("the data is given twice: as URL and as the --config 'data' section")
     if url is not None:
         source: FlatTokens | Mixture = open_dataset(url, options)[split]
     elif data is not None:
-        source = mixture_from_config(data, split, options)
+        try:
+            source = mixture_from_config(data, split, options)
+        except BadValue as e:
+            raise e.moved("data", f"{config_name}: data") from None
     elif state is not None:
         source = _state_source(state, options)
     else:

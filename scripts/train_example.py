@@ -41,11 +41,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-import yaml
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flat_tokens_jax as ftj
+from flat_tokens_jax.values import read_yaml
 
 PyTree = Any
 State = dict[str, PyTree]  # {"params": ..., "opt": ...}
@@ -120,7 +120,7 @@ class TrainConfig:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{name} is not set: give it in the config or with {flag}")
         model = ModelConfig(**(values.get("model") or {}))
-        loader = ftj.LoaderConfig.from_dict(values.get("loader") or {})
+        loader = ftj.LoaderConfig.from_dict(values.get("loader") or {}, "loader")
         return cls(**{**values, "model": model, "loader": loader})
 
 
@@ -140,8 +140,7 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
     parser.add_argument("--mesh", help='"DATA" or "DATAxMODEL" devices, e.g. 8 or 4x2')
     parser.add_argument("--log-jsonl", help="append one JSON line per step to this file")
     args = parser.parse_args(argv)
-    with open(args.config, encoding="utf-8") as f:
-        values = yaml.safe_load(f) or {}
+    values = read_yaml(args.config) or {}
     if not isinstance(values, dict):
         raise ValueError(f"{args.config} is not a mapping of config keys")
     for key in ("data", "checkpoint_dir", "steps", "checkpoint_every", "mesh", "log_jsonl"):

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.dataset import split_boundaries
-from flat_tokens_jax.mixture import Mixture, Period, mixture_from_config
+from flat_tokens_jax.mixconfig import mixture_from_config
+from flat_tokens_jax.mixture import Mixture, Period
 
 
 def make_split(num_seqs: int, length: int = 4, base: int = 1) -> ftj.FlatTokens:
@@ -348,6 +349,8 @@ def test_mixture_from_yaml_config(tmp_path: Path) -> None:
     valid = mixture_from_config(config, "valid")
     assert [c.num_sequences for c in train.components] == [90, 90]  # type: ignore[union-attr]
     assert [c.num_sequences for c in valid.components] == [10, 10]  # type: ignore[union-attr]
+    listed = mixture_from_config({**config, "split": [90, 10]}, "valid")
+    assert [c.num_sequences for c in listed.components] == [10, 10]  # type: ignore[union-attr]
     assert train.names == (web, books)
     loader = ftj.Loader(train, ftj.LoaderConfig(batch_size=10, seq_len=4))
     assert sorted(r["component"] for r in loader.provenance(0)) == [0] * 8 + [1] * 2

@@ -43,7 +43,7 @@ from flat_tokens_jax.format import LOSS_MASK, SEQ_STARTS, SPLITS, TOKENS, Format
 from flat_tokens_jax.identity import ATTRIBUTE
 from flat_tokens_jax.identity import MARKER as DATASET_MARKER
 from flat_tokens_jax.store import V3_META, Store
-from flat_tokens_jax.urls import parse_url
+from flat_tokens_jax.urls import parse_url, redact
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ def refuse_overlap(
                 continue
             how = "is" if len(src) == len(out) else "lies inside" if n == len(src) else "contains"
             raise ValueError(
-                f"the output {os.fspath(output)} {how} the input {os.fspath(given)}: "
+                f"the output {redact(output)} {how} the input {redact(given)}: "
                 "writing it would destroy or mix with what is being read; choose "
                 "an output outside every input"
             )

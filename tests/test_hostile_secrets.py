@@ -74,6 +74,27 @@ def test_a_presigned_url_is_refused_without_its_signature(
         assert SECRET not in str(caught.value) and SECRET not in repr(caught.value.args)
 
 
+def test_a_presigned_input_or_source_is_not_echoed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = PRESIGNED[0]
+    commands = [
+        ["convert", url, str(tmp_path / "out"), "--tokens-key", "tokens"],
+        ["convert-chat", url, str(tmp_path / "out"), "--tokenizer", "t.json"],
+        ["import-megatron", url, str(tmp_path / "out")],
+    ]
+    for command in commands:
+        assert cli.main(command) == 1, command
+        told = capsys.readouterr()
+        assert SECRET not in told.out + told.err and "REDACTED" in told.err, told.err
+    with pytest.raises(TypeError, match="is the URL") as caught:
+        ftj.Loader(PRESIGNED[1], ftj.LoaderConfig(batch_size=1, seq_len=4))  # type: ignore[arg-type]
+    assert SECRET not in str(caught.value)
+    with pytest.raises(ValueError, match="lies inside the input") as overlap:
+        location.refuse_overlap([f"gs://b/x?sig={SECRET}"], [f"gs://b/x/y?sig={SECRET}"])
+    assert SECRET not in str(overlap.value)
+
+
 _NAME = st.text("abcdefghijklmnopqrstuvwxyz0123456789-", min_size=1, max_size=8)
 _SECRET = st.text("ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+/:", min_size=12, max_size=20)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from flat_tokens_jax.location import OverwriteNeeded
 from flat_tokens_jax.options import CREDENTIAL_TYPES, StoreOptions
-from flat_tokens_jax.urls import redact, scheme_of
+from flat_tokens_jax.urls import redact, redact_text, scheme_of
 
 _DEFAULTS = StoreOptions()
 
@@ -174,7 +174,8 @@ def cli_words(message: str) -> str:
 def fail(name: str, error: BaseException) -> int:
     """Prints ``name: error`` on stderr, in CLI terms; returns the exit status 1."""
     text = error.cli_message() if isinstance(error, OverwriteNeeded) else str(error)
-    print(f"{name}: {cli_words(text)}", file=sys.stderr)
+    # The last guard: a URL in another library's message (a file name in an OSError).
+    print(f"{name}: {cli_words(redact_text(text))}", file=sys.stderr)
     return 1
 
 

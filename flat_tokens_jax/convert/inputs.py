@@ -31,6 +31,7 @@ from typing import IO, Any, cast
 import numpy as np
 
 from flat_tokens_jax.format import MAX_TOKEN_ID
+from flat_tokens_jax.urls import redact
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +118,9 @@ def expand_inputs(patterns: Iterable[str | os.PathLike[str]]) -> list[Path]:
         if any(c in text for c in "*?["):
             matches = sorted(glob.glob(text, recursive=True))
             if not matches:
-                raise FileNotFoundError(f"no file matches {text!r}")
+                raise FileNotFoundError(f"no file matches {redact(text)!r}")
         elif not os.path.exists(text):
-            raise FileNotFoundError(f"{text}: no such file or directory")
+            raise FileNotFoundError(f"{redact(text)}: no such file or directory")
         else:
             matches = [text]
         for m in matches:

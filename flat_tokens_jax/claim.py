@@ -179,6 +179,13 @@ class Claim:
                 log.warning("could not renew the claim on %s (will retry): %s", self.store.url, e)
                 return
             if not written.generation:
+                try:
+                    now = read_marker(self.store)
+                except OSError:
+                    return  # the next renewal tells
+                if now is None:
+                    self._stop.set()  # deleted between our read and write: released
+                    return
                 self.lost = f"another writer replaced its marker ({describe_marker(self.store)})"
                 log.error("this write lost its claim on %s: %s", self.store.url, self.lost)
                 self._stop.set()

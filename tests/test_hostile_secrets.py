@@ -419,6 +419,28 @@ def test_a_write_that_lost_its_claim_fails_and_deletes_nothing() -> None:
     assert sorted(other.keys()) == before and len(before) > 1
 
 
+def test_a_remote_claim_renews_its_lease_and_notices_a_takeover() -> None:
+    store = Store(f"memory://renew-{time.monotonic_ns()}")
+    claim = location.claim_location(store, overwrite=False)
+    first = store.read_json(MARKER)
+    assert first is not None and first["writer"] == claim.writer and first["lease_seconds"] == 60
+    time.sleep(0.01)
+    claim.renew()
+    renewed = store.read_json(MARKER)
+    assert renewed is not None and renewed["renewed"] > first["renewed"]
+    assert renewed["started"] == first["started"] and not claim.lost
+    store.wait(store.kv.write(MARKER, json.dumps({"writer": "other", "pid": 2}).encode()))
+    claim.renew()
+    assert "another writer replaced its marker" in claim.lost and "pid 2" in claim.lost
+    with pytest.raises(FileExistsError, match="lost its claim"):
+        claim.release()
+    assert store.read_json(MARKER) == {"writer": "other", "pid": 2}
+    done = location.claim_location(Store(f"{store.url}-2"), overwrite=False)
+    done.release()
+    done.renew()  # after the release: nothing happens
+    assert Store(f"{store.url}-2").keys() == []
+
+
 def test_a_memory_output_is_refused_by_the_commands(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -13,7 +13,13 @@ from typing import Any
 
 from flat_tokens_jax import show
 from flat_tokens_jax.convert import chat, megatron, merge, text
-from flat_tokens_jax.convert.commands import add_store_flags, at_least, fail, store_options
+from flat_tokens_jax.convert.commands import (
+    add_store_flags,
+    at_least,
+    fail,
+    refuse_memory_output,
+    store_options,
+)
 from flat_tokens_jax.convert.tokenizer import load_tokenizer
 from flat_tokens_jax.format import FormatError
 from flat_tokens_jax.identity import tokenizer_info
@@ -302,6 +308,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.pipeline_args = words[cut + 1 :]
     if args.pipeline_args and not getattr(args, "takes_pipeline_args", False):
         parser.error(f"{args.command} takes no options after '--'")
+    refused = refuse_memory_output(args.command, getattr(args, "output", None))
+    if refused is not None:
+        return refused
     try:
         code: int = args.run(args)
         sys.stdout.flush()

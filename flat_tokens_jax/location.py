@@ -7,45 +7,51 @@ tensorstore's conditional write "only if the key does not exist yet" (S3's
 one location, exactly one creates it; the other is refused. The marker goes
 last, after the root group metadata, when the write finishes, and after
 everything else when it fails. A marker found in a location therefore means a
-write in progress or an interrupted one.
+write in progress or an interrupted one; ``overwrite`` replaces it only when
+that write is dead (see :class:`~flat_tokens_jax.claim.Claim`), so of two
+``overwrite`` writes to one location, too, exactly one proceeds.
 
 A location may be replaced (``overwrite``) only when everything in it is ours:
 a flat-tokens dataset (root attributes that say so, or the strict structure
 that older versions wrote: root group metadata and the ``train`` and
 ``validation`` groups with their arrays, nothing else), or the leftover of our
-own interrupted write (marked). Anything else in the location makes the write
+own interrupted write (marked), with the packing plans that ``pack`` stored
+in its splits. Anything else in the location makes the write
 refuse before anything is deleted, naming some of the foreign keys.
 """
 
 from __future__ import annotations
 
-import datetime
-import json
 import logging
 import os
 import posixpath
-import socket
+import re
 import urllib.parse
-import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
+from flat_tokens_jax.claim import (
+    GROUP_META,
+    MARKER,
+    STAGING,
+    Claim,
+    delete_ours,
+    describe_marker,
+    read_marker,
+)
 from flat_tokens_jax.format import LOSS_MASK, SEQ_STARTS, SPLITS, TOKENS, FormatError
 from flat_tokens_jax.identity import ATTRIBUTE
 from flat_tokens_jax.identity import MARKER as DATASET_MARKER
-from flat_tokens_jax.store import V2_ATTRS, V2_GROUP, V3_META, Store
-from flat_tokens_jax.urls import parse_url
+from flat_tokens_jax.store import V3_META, Store
+from flat_tokens_jax.urls import parse_url, redact
 
 log = logging.getLogger(__name__)
 
-# Marks a write in progress (or interrupted); created first, deleted last.
-MARKER = "_flat_tokens_writing.json"
-# Temporary files of a write in progress (a distributed conversion's parts)
-# live under this prefix of the output, and are deleted before it is valid.
-STAGING = "_staging"
-_GROUP_META = (V3_META, V2_GROUP, V2_ATTRS)
 _ARRAYS = (TOKENS, SEQ_STARTS, LOSS_MASK)
+# A split's stored packing plans, <split>/bins_<seq_len>, and their arrays
+# (plans.plan_group and plans.PLAN_ARRAYS; plans sits above this module).
+_PLAN_GROUP = re.compile(r"bins_[1-9][0-9]*")
+_PLAN_ARRAYS = ("bin_starts", "seq_order")
 _NAMED = 5  # foreign keys or folders named in a refusal
 
 
@@ -72,48 +78,19 @@ class OverwriteNeeded(FileExistsError):
         return self._message("--overwrite")
 
 
-class Claim:
-    """A location claimed by one write: its :data:`MARKER` is ours.
-
-    Args:
-        store: the output.
-        splits: the split groups the write may create.
-    """
-
-    def __init__(self, store: Store, splits: Sequence[str]) -> None:
-        self.store = store
-        self.splits = tuple(dict.fromkeys([*SPLITS, *splits]))
-
-    def release(self) -> None:
-        """The write finished (its root metadata is written): drops the marker."""
-        self.store.delete(MARKER)
-
-    def discard(self) -> None:
-        """The write failed: deletes what it wrote, the marker last.
-
-        Only our own keys are deleted (the root group metadata, the split
-        groups, :data:`STAGING`), never the whole prefix. Failures to delete
-        are logged, not raised, so the error that stopped the write is the one
-        the caller sees.
-        """
-        try:
-            _delete_ours(self.store, self.splits)
-            self.store.delete(MARKER)
-        except (OSError, ValueError) as e:
-            log.error("could not delete what the failed write left at %s: %s", self.store.url, e)
-
-
 def claim_location(store: Store, overwrite: bool, splits: Sequence[str] = SPLITS) -> Claim:
     """Makes ``store`` ours and empty for a new dataset, or refuses.
 
     An empty location is used as it is. A flat-tokens dataset, or the leftover
     of an interrupted write, is deleted when ``overwrite`` is set and refused
     otherwise. A location holding anything else is refused either way, before
-    anything is deleted: it is not ours to delete.
+    anything is deleted: it is not ours to delete. A write still in progress
+    is refused even with ``overwrite``: of two writers racing for one
+    location, with or without ``overwrite``, exactly one proceeds.
 
     Args:
         store: the output location.
-        overwrite: replace a dataset or a leftover found there.
+        overwrite: replace a dataset or the leftover of a dead write found there.
         splits: the split groups the write will create (besides :data:`SPLITS`).
 
     Returns:
@@ -122,24 +99,17 @@ def claim_location(store: Store, overwrite: bool, splits: Sequence[str] = SPLITS
 
     Raises:
         OverwriteNeeded: a dataset or leftover is there and ``overwrite`` is off.
-        FileExistsError: the location holds other files, or another write
-            created its marker first.
+        FileExistsError: the location holds other files, another write is in
+            progress there, or another write created its marker first.
     """
     claim = Claim(store, splits)
     keys = store.keys()
     _check(store, keys, claim.splits, overwrite)
-    if overwrite and MARKER in keys:
-        store.delete(MARKER)  # the user says the write it marks is dead
-    record = {
-        "writer": uuid.uuid4().hex,
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "splits": list(claim.splits),
-    }
-    if not create_exclusive(store, MARKER, json.dumps(record).encode()):
+    if MARKER in keys:  # with overwrite: replaced only if its write is dead
+        claim.take_over()
+    elif not claim.create():
         raise FileExistsError(
-            f"another write to {store.url} started just now ({_describe_marker(store)}); "
+            f"another write to {store.url} started just now ({describe_marker(store)}); "
             "wait for it to finish, or choose another location"
         )
     try:
@@ -149,40 +119,12 @@ def claim_location(store: Store, overwrite: bool, splits: Sequence[str] = SPLITS
         keys = [k for k in listed if k != MARKER]
         known = _check(store, keys, claim.splits, overwrite)
         if keys:
-            _delete_ours(store, known)
+            delete_ours(store, known)
     except BaseException:
-        store.delete(MARKER)
+        claim._end()
+        claim._drop_marker()
         raise
     return claim
-
-
-def create_exclusive(store: Store, key: str, value: bytes) -> bool:
-    """Creates ``key`` holding ``value`` only if it does not exist yet.
-
-    Returns:
-        Whether this call created it. Local disk: ``O_CREAT | O_EXCL``. Other
-        stores: tensorstore's conditional write on the generation of a missing
-        key, which S3 and GCS honour atomically (``memory://`` too).
-    """
-    if store.spec["driver"] == "file":
-        path = store.spec["path"] + key
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            return False
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(value)
-        except BaseException:
-            os.remove(path)  # a full disk, say: leave nothing behind
-            raise
-        return True
-    got = store.wait(store.kv.read(key))
-    if got.state == "value":
-        return False
-    written = store.wait(store.kv.write(key, value, if_equal=got.stamp.generation))
-    return bool(written.generation)
 
 
 def _check(store: Store, keys: Sequence[str], splits: tuple[str, ...], overwrite: bool) -> set[str]:
@@ -193,13 +135,13 @@ def _check(store: Store, keys: Sequence[str], splits: tuple[str, ...], overwrite
     """
     if not keys:
         return set(splits)
-    marker = _read_marker(store) if MARKER in keys else None
+    marker = read_marker(store) if MARKER in keys else None
     marked = marker.get("splits") if marker else None
     known = {*splits, *(s for s in marked or () if isinstance(s, str))}
     group, says_dataset = _root(store)
     if says_dataset:
         pairs = [k.split("/") for k in keys if k.count("/") == 1]
-        known |= {folder for folder, name in pairs if name in _GROUP_META}
+        known |= {folder for folder, name in pairs if name in GROUP_META}
     foreign = sorted(k for k in keys if not _is_ours(k, known))
     if not group:
         foreign.insert(0, V3_META)
@@ -219,10 +161,10 @@ def _check(store: Store, keys: Sequence[str], splits: tuple[str, ...], overwrite
         raise OverwriteNeeded(
             store.url,
             "holds the leftover of an interrupted write, or another write to it is in "
-            f"progress ({_describe_marker(store)})",
+            f"progress ({describe_marker(store)})",
             "if that write is dead, ",
         )
-    if any(k in keys for k in _GROUP_META):
+    if any(k in keys for k in GROUP_META):
         raise OverwriteNeeded(store.url, "already holds a flat-tokens dataset")
     raise OverwriteNeeded(store.url, "holds the leftover of an interrupted write")
 
@@ -235,12 +177,14 @@ def _foreign_name(key: str, splits: Iterable[str]) -> str:
 def _is_ours(key: str, splits: Iterable[str]) -> bool:
     parts = key.split("/")
     if len(parts) == 1:
-        return key in (MARKER, *_GROUP_META)
+        return key in (MARKER, *GROUP_META)
     if parts[0] == STAGING:
         return True
     if parts[0] not in splits:
         return False
-    return parts[1] in _GROUP_META if len(parts) == 2 else parts[1] in _ARRAYS
+    if len(parts) >= 3 and _PLAN_GROUP.fullmatch(parts[1]):  # what `pack` stores
+        return parts[2] in GROUP_META if len(parts) == 3 else parts[2] in _PLAN_ARRAYS
+    return parts[1] in GROUP_META if len(parts) == 2 else parts[1] in _ARRAYS
 
 
 def _root(store: Store) -> tuple[bool, bool]:
@@ -253,33 +197,6 @@ def _root(store: Store) -> tuple[bool, bool]:
         return True, False
     mark = found[1].get(ATTRIBUTE)
     return True, isinstance(mark, Mapping) and mark.get("dataset") == DATASET_MARKER
-
-
-def _read_marker(store: Store) -> dict[str, Any] | None:
-    try:
-        return store.read_json(MARKER)
-    except FormatError:
-        return None  # being written this instant, or damaged
-
-
-def _describe_marker(store: Store) -> str:
-    marker = _read_marker(store)
-    if not marker:
-        return f"its marker {MARKER} is there"
-    return (
-        f"marker {MARKER} written at {marker.get('started')} by pid {marker.get('pid')} "
-        f"on {marker.get('host')}"
-    )
-
-
-def _delete_ours(store: Store, splits: Iterable[str]) -> None:
-    """Deletes the root metadata first (nothing valid is left even if this stops
-    half way), then the split groups and the staging prefix; not the marker."""
-    for key in _GROUP_META:
-        store.delete(key)
-    for split in sorted(splits):
-        store.delete_prefix(split)
-    store.delete_prefix(STAGING)
 
 
 def _where(url: str | os.PathLike[str]) -> tuple[str, ...]:
@@ -321,7 +238,7 @@ def refuse_overlap(
                 continue
             how = "is" if len(src) == len(out) else "lies inside" if n == len(src) else "contains"
             raise ValueError(
-                f"the output {os.fspath(output)} {how} the input {os.fspath(given)}: "
+                f"the output {redact(output)} {how} the input {redact(given)}: "
                 "writing it would destroy or mix with what is being read; choose "
                 "an output outside every input"
             )

@@ -8,6 +8,8 @@ from typing import Any
 
 import tensorstore as ts
 
+from flat_tokens_jax.urls import redact, redact_text
+
 # The aws_credentials types that StoreOptions.credentials may name alone.
 CREDENTIAL_TYPES = ("default", "anonymous", "environment", "imds", "ecs")
 
@@ -78,13 +80,41 @@ class StoreOptions:
             raise ValueError(f"StoreOptions.cache_bytes must be >= 0, got {self.cache_bytes}")
         if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
             raise ValueError(
-                f"StoreOptions.endpoint must be an http:// or https:// URL, got {self.endpoint!r}"
+                "StoreOptions.endpoint must be an http:// or https:// URL, got "
+                f"{redact(self.endpoint)!r}"
             )
         if isinstance(self.credentials, str) and self.credentials not in CREDENTIAL_TYPES:
+            # Not repeated: a secret key passed here by mistake would be echoed.
             raise ValueError(
-                f"StoreOptions.credentials {self.credentials!r} is not a credentials type: use "
-                "'default', 'anonymous', 'environment', 'imds', 'ecs' or a profile mapping"
+                "StoreOptions.credentials is a string but not a credentials type (the "
+                "value is not repeated here, in case it is a secret): use 'default', "
+                "'anonymous', 'environment', 'imds', 'ecs' or a profile mapping"
             )
+
+    def __repr__(self) -> str:
+        """The fields, with the endpoint redacted and of the credentials only
+        the type and which keys are set, never their values."""
+        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        creds = self.credentials
+        if isinstance(creds, Mapping):
+            shown["credentials"] = _Shown(
+                "{"
+                + ", ".join(
+                    f"{k!r}: {creds[k]!r}" if k == "type" else f"{k!r}: <set>"
+                    for k in sorted(creds, key=str)
+                )
+                + "}"
+            )
+        if self.endpoint is not None:
+            shown["endpoint"] = redact(self.endpoint)
+        return "StoreOptions(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+
+
+class _Shown(str):
+    """Text that a repr shows as it is (no quotes)."""
+
+    def __repr__(self) -> str:
+        return str(self)
 
 
 def resolve_options(
@@ -172,7 +202,7 @@ def store_error(url: str, error: BaseException, options: StoreOptions) -> StoreE
         )
     else:
         hint = "the read or write failed"
-    return StoreError(f"{url}: {hint}: {text}")
+    return StoreError(f"{redact(url)}: {hint}: {redact_text(text)}")
 
 
 def wait(future: Any, url: str, options: StoreOptions) -> Any:

@@ -18,6 +18,7 @@ import numpy as np
 
 from flat_tokens_jax.dataset import Dataset, FlatTokens
 from flat_tokens_jax.format import ENCODED_DTYPE, FormatError, as_indices
+from flat_tokens_jax.urls import redact
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +116,7 @@ def check_source(source: Any, who: str) -> None:
             f"{who} is a whole dataset ({source.url}); pick a split: ds[{source.splits[0]!r}]"
         )
     if isinstance(source, str | os.PathLike):
-        url = os.fspath(source)
+        url = redact(source)
         raise TypeError(
             f"{who} is the URL {url!r}; open a split: ftj.open_dataset({url!r})['train']"
         )

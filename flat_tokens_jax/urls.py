@@ -18,6 +18,10 @@ The rules (the README's "Where a store lives" says the same):
   (queries and fragments mean nothing here; write them as ``%3F`` and ``%23``).
 - URLs carry no credentials: ``s3://KEY:SECRET@bucket/x`` is refused with a
   message that does not repeat the URL.
+
+Wherever a URL is shown to a person (errors, logs, reprs) it goes through
+:func:`redact` first, so that a presigned URL's signature or a password in
+``USER:SECRET@`` is never repeated, even in the refusal of such a URL.
 """
 
 from __future__ import annotations
@@ -31,11 +35,54 @@ SCHEMES = ("file", "memory", "gs", "s3")
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):")
 _BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
 _CREDENTIALS_HOW = {
-    "s3": "StoreOptions(credentials=...) or --credentials (e.g. a profile), or the "
+    "s3": "StoreOptions(credentials=...) (e.g. a profile) or --credentials TYPE, or the "
     "environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)",
     "gs": "the environment (GOOGLE_APPLICATION_CREDENTIALS or gcloud's application "
     "default credentials)",
 }
+
+
+REDACTED = "REDACTED"
+_URL_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]+://[^\s'\"]+")
+
+
+def redact(url: str | os.PathLike[str]) -> str:
+    """``url`` as it may be shown or saved: the user info (``USER:SECRET@``) and
+    the values of the query and the fragment replaced by ``REDACTED``.
+
+    A plain path is returned as it is (``?``, ``#`` and ``@`` are ordinary
+    characters in a file name). The query's parameter names stay, so a
+    presigned URL still reads as one.
+
+    Example:
+        >>> redact("https://b.s3.amazonaws.com/x?X-Amz-Signature=abc&X-Amz-Date=1")
+        'https://b.s3.amazonaws.com/x?X-Amz-Signature=REDACTED&X-Amz-Date=REDACTED'
+        >>> redact("s3://KEY:SECRET@bucket/ds")
+        's3://REDACTED@bucket/ds'
+    """
+    text = os.fspath(url)
+    scheme = scheme_of(text)
+    if not scheme:
+        return text
+    head, rest = text[: len(scheme) + 1], text[len(scheme) + 1 :]
+    if rest.startswith("//"):
+        # A secret may hold "/", "?" or "#": everything up to the last "@" goes.
+        at = rest.rfind("@")
+        if at >= 0:
+            head, rest = head + "//" + REDACTED + "@", rest[at + 1 :]
+    rest, hashed, _ = rest.partition("#")
+    path, asked, query = rest.partition("?")
+    if asked:
+        path += "?" + "&".join(
+            name + "=" + REDACTED if equals else REDACTED
+            for name, equals, _ in (part.partition("=") for part in query.split("&"))
+        )
+    return head + path + (hashed and "#" + REDACTED)
+
+
+def redact_text(text: str) -> str:
+    """``text`` (a message of another library, say) with every URL in it redacted."""
+    return _URL_IN_TEXT.sub(lambda m: redact(m.group(0)), text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +125,7 @@ def parse_url(url: str | os.PathLike[str]) -> Location:
         return Location("file", "", os.path.abspath(os.path.expanduser(text)))
     if scheme not in SCHEMES:
         raise ValueError(
-            f"unsupported URL scheme {scheme!r} in {text!r}: use a path or "
+            f"unsupported URL scheme {scheme!r} in {redact(text)!r}: use a path or "
             f"one of {', '.join(s + '://' for s in SCHEMES)}"
         )
     rest = text[len(scheme) + 1 :]
@@ -96,13 +143,13 @@ def parse_url(url: str | os.PathLike[str]) -> Location:
     for char, escape in (("?", "%3F"), ("#", "%23")):
         if char in rest:
             raise ValueError(
-                f"{text!r}: {char!r} starts a query or fragment, which store URLs do "
+                f"{redact(text)!r}: {char!r} starts a query or fragment, which store URLs do "
                 f"not take; in a name, write it as {escape}"
             )
     bad = _BAD_ESCAPE.search(rest)
     if bad:
         raise ValueError(
-            f"{text!r}: '%' at {len(scheme) + 1 + bad.start()} does not start a "
+            f"{redact(text)!r}: '%' at {len(scheme) + 1 + bad.start()} does not start a "
             "percent-escape (%XX); write a '%' in a URL as %25"
         )
     if scheme == "file":

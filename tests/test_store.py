@@ -96,8 +96,9 @@ def test_bad_urls_and_options_are_refused() -> None:
         kvstore_spec("gs:///x", StoreOptions())
     with pytest.raises(ValueError, match="endpoint must be an http"):
         StoreOptions(endpoint="127.0.0.1:9000")
-    with pytest.raises(ValueError, match="'static' is not a credentials type"):
+    with pytest.raises(ValueError, match="not a credentials type") as refused:
         StoreOptions(credentials="static")
+    assert "static" not in str(refused.value)
     with pytest.raises(ValueError, match="either options"):
         ftj.open_dataset("/x", StoreOptions(), region="r")
 

@@ -67,6 +67,7 @@ from flat_tokens_jax.identity import DatasetInfo, inputs_record
 from flat_tokens_jax.location import STAGING, Claim, claim_location, refuse_overlap
 from flat_tokens_jax.options import StoreOptions, context_spec, resolve_options
 from flat_tokens_jax.store import Store
+from flat_tokens_jax.urls import redact
 from flat_tokens_jax.writer import DatasetWriter, Layout
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ def expand(
             continue
         found = (opener or UrlOpener()).match(text)
         if not found:
-            raise FileNotFoundError(f"no file matches {text!r}")
+            raise FileNotFoundError(f"no file matches {redact(text)!r}")
         for path in found:
             input_kind(path)
             out.append(path)

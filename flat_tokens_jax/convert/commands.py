@@ -11,6 +11,7 @@ from typing import Any
 
 from flat_tokens_jax.location import OverwriteNeeded
 from flat_tokens_jax.options import CREDENTIAL_TYPES, StoreOptions
+from flat_tokens_jax.urls import redact, redact_text, scheme_of
 
 _DEFAULTS = StoreOptions()
 
@@ -42,6 +43,19 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def credentials_type(text: str) -> str:
+    """An argparse ``type`` for ``--credentials``: one of the credentials types.
+    A bad value is not repeated (argparse's ``choices`` would echo it), as it
+    may be a secret pasted in the wrong place."""
+    if text not in CREDENTIAL_TYPES:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice (not repeated here, in case it is a secret): choose from "
+            f"{', '.join(CREDENTIAL_TYPES)}; keys and profiles come from the environment "
+            "(AWS_ACCESS_KEY_ID, AWS_PROFILE) or the AWS config files"
+        )
+    return text
+
+
 def add_store_flags(parser: argparse.ArgumentParser) -> None:
     """Adds the flags of :class:`StoreOptions` that reach remote stores; every
     command that takes a dataset URL has them."""
@@ -50,7 +64,8 @@ def add_store_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--region", help="s3:// only: AWS region of the bucket")
     group.add_argument(
         "--credentials",
-        choices=CREDENTIAL_TYPES,
+        type=credentials_type,
+        metavar="{" + ",".join(CREDENTIAL_TYPES) + "}",
         help="s3:// only: where the credentials come from (default: tensorstore's chain)",
     )
     group.add_argument(
@@ -132,6 +147,19 @@ def store_options(args: argparse.Namespace) -> StoreOptions:
     )
 
 
+def refuse_memory_output(command: str, output: str | None) -> int | None:
+    """Exit status 1, with the reason on stderr, for a ``memory://`` OUTPUT: its
+    data would die with this process; ``None`` for any other output."""
+    if output is None or scheme_of(output) != "memory":
+        return None
+    print(
+        f"{command}: {redact(output)} lives in this command's memory and would be gone "
+        "when it exits: write to a path (or a file://, gs:// or s3:// URL)",
+        file=sys.stderr,
+    )
+    return 1
+
+
 def cli_words(message: str) -> str:
     """``message`` with the Python spelling of options in CLI terms:
     ``StoreOptions.retry_delay`` becomes ``--retry-delay``, ``LoaderConfig.seq_len``
@@ -146,7 +174,8 @@ def cli_words(message: str) -> str:
 def fail(name: str, error: BaseException) -> int:
     """Prints ``name: error`` on stderr, in CLI terms; returns the exit status 1."""
     text = error.cli_message() if isinstance(error, OverwriteNeeded) else str(error)
-    print(f"{name}: {cli_words(text)}", file=sys.stderr)
+    # The last guard: a URL in another library's message (a file name in an OSError).
+    print(f"{name}: {cli_words(redact_text(text))}", file=sys.stderr)
     return 1
 
 

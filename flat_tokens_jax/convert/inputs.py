@@ -31,6 +31,7 @@ from typing import IO, Any, cast
 import numpy as np
 
 from flat_tokens_jax.format import MAX_TOKEN_ID
+from flat_tokens_jax.urls import redact
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +118,9 @@ def expand_inputs(patterns: Iterable[str | os.PathLike[str]]) -> list[Path]:
         if any(c in text for c in "*?["):
             matches = sorted(glob.glob(text, recursive=True))
             if not matches:
-                raise FileNotFoundError(f"no file matches {text!r}")
+                raise FileNotFoundError(f"no file matches {redact(text)!r}")
         elif not os.path.exists(text):
-            raise FileNotFoundError(f"{text}: no such file or directory")
+            raise FileNotFoundError(f"{redact(text)}: no such file or directory")
         else:
             matches = [text]
         for m in matches:
@@ -393,13 +394,29 @@ class RecordReader:
     def _parquet_file(self, path: InputPath, source: Any) -> Iterator[str | np.ndarray]:
         pa = require("pyarrow", "convert")
         pq = require("pyarrow.parquet", "convert")
-        pf = pq.ParquetFile(source)
+        # pyarrow's messages name neither the file nor the row: ours do.
+        broken = (pa.ArrowException, OSError)
+        try:
+            pf = pq.ParquetFile(source)
+        except broken as e:
+            raise InputError(f"{path}: not a readable Parquet file ({e})") from e
         if self.key is not None and self.key not in pf.schema_arrow.names:
             self._missing_column(path, pf.schema_arrow.names, pf.metadata.num_rows)
             return
         row = 0
         columns = None if self.key is None else [self.key]
-        for batch in pf.iter_batches(batch_size=ARROW_BATCH_ROWS, columns=columns):
+        batches = pf.iter_batches(batch_size=ARROW_BATCH_ROWS, columns=columns)
+        while True:
+            try:
+                batch = next(batches, None)
+            except broken as e:
+                what = "" if self.key is None else f" of column {self.key!r}"
+                raise InputError(
+                    f"{path}: cannot read the rows{what} after row {row} "
+                    f"(the file is damaged or truncated): {e}"
+                ) from e
+            if batch is None:
+                return
             if self.key is None:
                 yield from self._rows(batch, path, row)
             else:

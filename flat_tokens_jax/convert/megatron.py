@@ -366,11 +366,20 @@ def export_megatron(
     Raises:
         ValueError: a split the dataset lacks, an unknown dtype code, or a dtype
             that cannot hold ``max_token_id``.
-        ValueError: also when ``PREFIX`` lies inside the dataset at ``url``.
+        ValueError: also when ``PREFIX`` lies inside the dataset at ``url``,
+            or is a directory (``dir/`` would write hidden ``dir/.bin``).
         FormatError: no valid dataset at ``url``.
     """
     options = resolve_options(options, option_fields, "export_megatron")
     began = time.perf_counter()
+    named = os.fspath(prefix)
+    if not os.path.basename(named) or os.path.isdir(named):
+        # The files would be the hidden PREFIX/.bin and PREFIX/.idx.
+        raise ValueError(
+            f"the export prefix {named} is a directory, but Megatron's files are "
+            f"PREFIX.bin and PREFIX.idx: name them, e.g. "
+            f"{os.path.join(named, split)} for {os.path.join(named, split)}.bin/.idx"
+        )
     refuse_overlap([url], [os.fspath(prefix) + ext for ext in (".bin", ".idx")])
     ds = open_dataset(url, options)
     if split not in ds:

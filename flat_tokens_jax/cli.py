@@ -27,6 +27,7 @@ from flat_tokens_jax.loader import Loader
 from flat_tokens_jax.options import StoreError
 from flat_tokens_jax.plans import pack_dataset, plan_group
 from flat_tokens_jax.records import recorded_info
+from flat_tokens_jax.urls import redact_text
 from flat_tokens_jax.validation import summary, validate
 from flat_tokens_jax.values import read_yaml
 
@@ -329,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:
         if args.traceback:
             raise
-        first = (str(e).splitlines() or [""])[0]
+        first = redact_text((str(e).splitlines() or [""])[0])
         print(
             f"{args.command}: unexpected {type(e).__name__}: {first} (a bug: run "
             f"'flat-tokens --traceback {args.command} ...' to see where, and report it)",

@@ -345,7 +345,7 @@ def _race(backend: Backend, tmp_path: Path, rounds: int, docs: int, staggered: b
 def test_of_two_overwrites_at_once_exactly_one_wins_on_local_disk(
     local: Backend, tmp_path: Path, staggered: bool
 ) -> None:
-    _race(local, tmp_path, rounds=3, docs=100_000, staggered=staggered)
+    _race(local, tmp_path, rounds=2, docs=100_000, staggered=staggered)
 
 
 @pytest.mark.remote

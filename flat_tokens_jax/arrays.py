@@ -137,6 +137,11 @@ class ArrayReader(Protocol):
         """Elements at ``indices`` (``[k]``) in one request."""
         ...
 
+    def stored_crc32c(self, chunks: np.ndarray, chunk: int) -> np.ndarray | None:
+        """The crc32c each of ``chunks`` (of ``chunk`` elements) is stored with,
+        ``[k] uint32``, where the reader has them at hand, verified; else ``None``."""
+        ...
+
 
 class _Reader:
     """What every :class:`ArrayReader` shares: byte counting and sync reads."""
@@ -155,6 +160,9 @@ class _Reader:
 
     def read_ranges(self, starts: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
         return self.request_ranges(starts, stops).result()
+
+    def stored_crc32c(self, chunks: np.ndarray, chunk: int) -> np.ndarray | None:
+        return None
 
 
 class TensorStoreArray(_Reader):
@@ -190,6 +198,10 @@ class TensorStoreArray(_Reader):
             value = self.local.read(a, b)
             out.append(self.store[a:b].read() if value is None else value)
         return _Futures(out, self.url, self.options)
+
+    def stored_crc32c(self, chunks: np.ndarray, chunk: int) -> np.ndarray | None:
+        """From the memory-mapped shards' chunk checksums (see :class:`LocalShards`)."""
+        return None if self.local is None else self.local.stored_crc32c(chunks, chunk)
 
     def read_points(self, indices: np.ndarray) -> np.ndarray:
         idx = np.asarray(indices, np.int64)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import copy
 import itertools
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from flat_tokens_jax.arrays import ArrayReader, Pending
+from flat_tokens_jax.digests import DIGESTS, ChunkDigests
 from flat_tokens_jax.format import (
     ENCODED_DTYPE,
     LEGACY_TOKENS,
@@ -88,6 +89,15 @@ class FlatTokens:
             )
             for name, found, reader in arrays
         }
+        self.digests = {
+            name: ChunkDigests.of(
+                found[1].get("attributes") or {},
+                f"{store.url}/{split}/{name}",
+                reader.size,
+                _side_opener(store, f"{split}/{name}/{DIGESTS}"),
+            )
+            for name, found, reader in arrays
+        }
         self._check_shapes(check_end)
         self.seq_range = (0, self.starts.size - 1)
         self.token_range = (0, self.encoded.size)
@@ -150,8 +160,10 @@ class FlatTokens:
 
     @property
     def probe_bytes(self) -> int:
-        """Bytes read to check shard probes (one small read per shard, once)."""
-        return sum(p.bytes_read for p in self.probes.values() if p is not None)
+        """Bytes read to check shard probes (one small read per shard, once) and
+        chunk digests (each chunk touched, whole, once)."""
+        checks = [*self.probes.values(), *self.digests.values()]
+        return sum(p.bytes_read for p in checks if p is not None)
 
     @property
     def num_tokens(self) -> int:
@@ -274,14 +286,33 @@ class FlatTokens:
     def _check_probes(
         self, name: str, reader: ArrayReader, starts: np.ndarray, stops: np.ndarray
     ) -> None:
-        """Checks the shard probes (:mod:`~flat_tokens_jax.probes`) of what a read touches."""
+        """Checks the shard probes (:mod:`~flat_tokens_jax.probes`) and chunk
+        digests (:mod:`~flat_tokens_jax.digests`) of what a read touches."""
         probes = self.probes.get(name)
         if probes is not None:
             probes.check(reader.read_ranges, starts, stops)
+        digests = self.digests.get(name)
+        if digests is not None:
+            digests.check(reader, starts, stops)
 
     def layout(self) -> dict[str, dict[str, Any]]:
         """Per array: zarr version, chunk and shard sizes, compression."""
         return {name: describe_layout(fmt, meta) for name, (fmt, meta) in self.metadata.items()}
+
+
+def _side_opener(store: Store, key: str) -> Callable[[], ArrayReader]:
+    """Opens the side array of chunk digests at ``key`` when first called."""
+
+    def open_side() -> ArrayReader:
+        found = store.array_metadata(key)
+        if found is None:
+            raise FormatError(
+                f"{store.url}/{key}: the chunk digests that the array's attribute "
+                f"{DIGESTS!r} announces are missing: rewrite the dataset"
+            )
+        return store.open_array(key, *found)
+
+    return open_side
 
 
 class Dataset(Mapping[str, FlatTokens]):

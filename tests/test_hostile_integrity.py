@@ -17,6 +17,7 @@ import json
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -415,3 +416,18 @@ def test_a_damaged_digest_record_is_named(
         read()
     with pytest.raises(FormatError, match=message):
         ftj.validate(path)
+
+
+def test_concurrent_first_reads_check_each_chunk_once(written: dict[str, Path]) -> None:
+    """Eight threads read every token in shuffled short ranges: each chunk is
+    hashed once (the digests' reads total the array once), and all pass."""
+    ft = ftj.open_dataset(written["v3-nocrc"])["train"]
+    digests = ft.digests["encoded_tokens"]
+    assert digests is not None
+    starts = np.random.default_rng(0).permutation(np.arange(0, ft.num_tokens, 100)).tolist()
+    with ThreadPoolExecutor(8) as pool:
+        got = dict(pool.map(lambda a: (a, ft.tokens(a, min(a + 100, ft.num_tokens))), starts))
+    together = np.concatenate([got[a] for a in sorted(got)])
+    np.testing.assert_array_equal(together, np.concatenate(sequences()))
+    assert digests.checked.all()
+    assert digests.bytes_read == 4 * ft.num_tokens + 4 * digests.count

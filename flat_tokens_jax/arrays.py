@@ -138,8 +138,9 @@ class ArrayReader(Protocol):
         ...
 
     def stored_crc32c(self, chunks: np.ndarray, chunk: int) -> np.ndarray | None:
-        """The crc32c each of ``chunks`` (of ``chunk`` elements) is stored with,
-        ``[k] uint32``, where the reader has them at hand, verified; else ``None``."""
+        """The crc32c each of ``chunks`` (``[k] int64``, sorted, unique; of ``chunk``
+        elements) is stored with, ``[k] uint32``, where the reader has them at
+        hand, verified; else ``None``."""
         ...
 
 

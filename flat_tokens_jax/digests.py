@@ -46,6 +46,8 @@ OpenSide = Callable[[], ArrayReader]
 def chunk_digest(values: np.ndarray, chunk: int) -> int:
     """The digest of one chunk whose first ``values`` (``[n]``, ``n <= chunk``) are
     given: crc32c of its ``chunk`` values as little-endian bytes, 0 past ``n``."""
+    if values.size == chunk and values.dtype.byteorder != ">" and values.flags.c_contiguous:
+        return crc32c(values)  # the common case, without a copy
     little = np.ascontiguousarray(values, dtype=values.dtype.newbyteorder("<"))
     if little.size < chunk:
         little = np.concatenate([little, np.zeros(chunk - little.size, little.dtype)])

@@ -146,6 +146,8 @@ class _Checksummed:
         # the checksum is a whole number of elements: element e is at e + gap * (e // chunk).
         self.gap = 4 // dtype.itemsize if 4 % dtype.itemsize == 0 else 0
         self.words = raw.reshape(-1).view(dtype).view(np.ndarray) if self.gap else None
+        # [chunks] uint32: the crc32c stored after each chunk (read where asked).
+        self.crcs = raw[:, chunk_bytes:].view(np.ndarray).view("<u4")[:, 0]
 
     def verify(self, first: int, last: int) -> bool:
         """Whether chunks ``first .. last`` match their checksums (each computed once)."""
@@ -438,27 +440,27 @@ class LocalShards:
 
     def stored_crc32c(self, chunks: np.ndarray, chunk: int) -> np.ndarray | None:
         """The crc32c stored after each of ``chunks`` (``[k] int64`` chunk numbers
-        over the whole array), ``[k] uint32``, each chunk verified against it as a
-        read would; ``None`` unless chunks of ``chunk`` elements carry checksums
-        in plain shards and every one of these passes."""
-        if not self.checksummed or chunk != self.chunk:
+        over the whole array, sorted, unique), ``[k] uint32``, each chunk verified
+        against it as a read would; ``None`` unless chunks of ``chunk`` elements
+        carry checksums in plain shards and every one of these passes."""
+        if not self.checksummed or chunk != self.chunk or not chunks.size:
             return None
         per_shard = self.shard // self.chunk
         out = np.empty(chunks.shape, np.uint32)
         shard_of = chunks // per_shard
-        for i in np.unique(shard_of).tolist():
+        bounds = np.flatnonzero(np.diff(shard_of)) + 1
+        for a, b in zip([0, *bounds.tolist()], [*bounds.tolist(), chunks.size], strict=True):
+            i = int(shard_of[a])
             arr = self.shard_array(i)
             if not isinstance(arr, _Checksummed):
                 return None
-            here = np.flatnonzero(shard_of == i)
-            local = chunks[here] - i * per_shard
-            if (local >= arr.raw.shape[0]).any():
+            local = chunks[a:b] - i * per_shard
+            if local[-1] >= arr.crcs.size:
                 return None
-            for j in np.unique(local[arr.verified[local] == 0]).tolist():
+            for j in local[arr.verified[local] == 0].tolist():
                 if not arr.verify(j, j):
                     return None
-            tails = arr.raw[local, arr.chunk_bytes :]
-            out[here] = np.ascontiguousarray(tails).view("<u4").reshape(-1)
+            out[a:b] = arr.crcs[local]
         return out
 
     def read_points(self, indices: np.ndarray) -> np.ndarray | None:

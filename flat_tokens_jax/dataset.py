@@ -154,16 +154,19 @@ class FlatTokens:
     @property
     def bytes_read(self) -> int:
         """Bytes requested so far from this split's arrays (tokens, starts, mask)
-        for the data read; the shard-probe checks' reads are :attr:`probe_bytes`."""
+        for the data read; the checks' reads are :attr:`probe_bytes`."""
         readers = (self.encoded, self.starts, self.loss_mask)
-        return sum(r.bytes_read.value for r in readers if r is not None) - self.probe_bytes
+        checks = [*self.probes.values(), *self.digests.values()]
+        through_readers = sum(c.bytes_read for c in checks if c is not None)
+        return sum(r.bytes_read.value for r in readers if r is not None) - through_readers
 
     @property
     def probe_bytes(self) -> int:
         """Bytes read to check shard probes (one small read per shard, once) and
-        chunk digests (each chunk touched, whole, once)."""
-        checks = [*self.probes.values(), *self.digests.values()]
-        return sum(p.bytes_read for p in checks if p is not None)
+        chunk digests (the recorded digests of each shard touched, once; each
+        chunk touched, whole, once, where it carries no crc32c)."""
+        digests = sum(d.bytes_read + d.side_bytes for d in self.digests.values() if d is not None)
+        return digests + sum(p.bytes_read for p in self.probes.values() if p is not None)
 
     @property
     def num_tokens(self) -> int:

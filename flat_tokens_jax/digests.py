@@ -81,7 +81,8 @@ class ChunkDigests:
         self.where, self.size, self.chunk, self.shard = where, size, chunk, shard
         self.count = -(-size // chunk)
         self.checked = np.zeros(self.count, bool)
-        self.bytes_read = 0  # by the checks: recorded digests, and chunks read to hash
+        self.bytes_read = 0  # through the array's reader: the chunks read to hash
+        self.side_bytes = 0  # of the side array: the recorded digests
         # The recorded digests of the shards loaded so far: [count] uint32, and
         # [shards] bool, which shards' entries hold their recorded values.
         self._recorded = np.zeros(self.count, np.uint32)
@@ -191,7 +192,7 @@ class ChunkDigests:
             hi = np.minimum(lo + per_shard, self.count)
             for a, values in zip(lo.tolist(), self.side().read_ranges(lo, hi), strict=True):
                 self._recorded[a : a + values.size] = values
-                self.bytes_read += values.nbytes
+                self.side_bytes += values.nbytes
             self._loaded[shards] = True
         return self._recorded[chunks]
 

@@ -87,7 +87,7 @@ class _ArrayAppender:
         array, layout = self.where[2:]
         self.pending.append(write_digests(self.digests, self.written, data, layout, array))
         self.written, self.filled = end, 0
-        while len(self.pending) > _MAX_PENDING_WRITES:
+        while len(self.pending) > 2 * _MAX_PENDING_WRITES:  # a shard's and its digests' writes
             self.wait(self.pending.pop(0))
 
     def settle(self) -> None:

@@ -208,7 +208,7 @@ def test_a_flipped_byte_in_a_shard_index_fails_the_read(
     written: dict[str, Path], shard: int, back: int, bit: int
 ) -> None:
     """Finding 4: the memory-mapped path verifies the index's crc32c as tensorstore
-    does, so the read fails naming the shard file; ``validate`` reports it."""
+    does, so the read fails naming the shard file; both validates report it."""
     path = Path(tempfile.mkdtemp()) / "ds"
     shutil.copytree(written["v3"], path)
     target = shard_file(path, "encoded_tokens", shard, 3)
@@ -220,8 +220,9 @@ def test_a_flipped_byte_in_a_shard_index_fails_the_read(
         assert ftj.open_dataset(path)["train"].encoded.local is not None  # type: ignore[attr-defined]
         with pytest.raises((StoreError, FormatError), match=named):
             read_everything(path)
-        with pytest.raises(FormatError, match=named):
-            ftj.validate(path)
+        for quick in (False, True):
+            with pytest.raises(FormatError, match=named):
+                ftj.validate(path, quick=quick)
     finally:
         shutil.rmtree(path.parent)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from flat_tokens_jax.arrays import ArrayReader, Pending
+from flat_tokens_jax.arrays import ArrayReader, Known, Pending
 from flat_tokens_jax.digests import DIGESTS, ChunkDigests
 from flat_tokens_jax.format import (
     ENCODED_DTYPE,
@@ -200,8 +200,8 @@ class FlatTokens:
                 f"{self!r}: token range [{lo[i]}, {hi[i]}) is outside [0, {self.num_tokens})"
             )
         base = self.token_range[0]
-        self._check_probes(self.tokens_name, self.encoded, lo + base, hi + base)
-        return self.encoded.request_ranges(lo + base, hi + base)
+        known = self._check_probes(self.tokens_name, self.encoded, lo + base, hi + base)
+        return self.encoded.request_ranges(lo + base, hi + base, known)
 
     def request_loss_mask(self, starts: np.ndarray, stops: np.ndarray) -> Pending | None:
         """Starts reading the stored loss mask (``uint8``) of token ranges; ``None`` if none."""
@@ -209,8 +209,8 @@ class FlatTokens:
             return None
         base = self.token_range[0]
         lo, hi = np.asarray(starts, np.int64) + base, np.asarray(stops, np.int64) + base
-        self._check_probes(LOSS_MASK, self.loss_mask, lo, hi)
-        return self.loss_mask.request_ranges(lo, hi)
+        known = self._check_probes(LOSS_MASK, self.loss_mask, lo, hi)
+        return self.loss_mask.request_ranges(lo, hi, known)
 
     def sequence_bounds(self, indices: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(starts, stops)`` token offsets ``[k] int64`` of sequences ``indices``, one read."""
@@ -288,15 +288,15 @@ class FlatTokens:
 
     def _check_probes(
         self, name: str, reader: ArrayReader, starts: np.ndarray, stops: np.ndarray
-    ) -> None:
+    ) -> Known | None:
         """Checks the shard probes (:mod:`~flat_tokens_jax.probes`) and chunk
-        digests (:mod:`~flat_tokens_jax.digests`) of what a read touches."""
+        digests (:mod:`~flat_tokens_jax.digests`) of what a read touches; returns
+        the chunks the digests' check read whole, if any, to serve the read."""
         probes = self.probes.get(name)
         if probes is not None:
             probes.check(reader.read_ranges, starts, stops)
         digests = self.digests.get(name)
-        if digests is not None:
-            digests.check(reader, starts, stops)
+        return None if digests is None else digests.check(reader, starts, stops)
 
     def layout(self) -> dict[str, dict[str, Any]]:
         """Per array: zarr version, chunk and shard sizes, compression."""

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from flat_tokens_jax.arrays import ArrayReader
+from flat_tokens_jax.arrays import ArrayReader, Known
 from flat_tokens_jax.format import FormatError
 from flat_tokens_jax.localshards import crc32c, touched
 
@@ -131,31 +131,38 @@ class ChunkDigests:
             self._side = side
         return self._side
 
-    def check(self, reader: ArrayReader, starts: np.ndarray, stops: np.ndarray) -> None:
+    def check(self, reader: ArrayReader, starts: np.ndarray, stops: np.ndarray) -> Known | None:
         """Checks every chunk of ``reader`` (this array) that ranges ``[starts,
         stops)`` touch and that this process has not checked yet.
+
+        Returns:
+            The chunks read whole to hash them, all checked, for the read to
+            serve its ranges from; ``None`` when none was read.
 
         Raises:
             FormatError: a chunk whose values are not those recorded.
         """
         chunks = touched(starts, stops, self.chunk)
         if self.checked[chunks].all():
-            return
+            return None
         with self._lock:
             todo = np.unique(chunks)
             todo = todo[~self.checked[todo]]
             if not todo.size:
-                return
+                return None
+            known = None
             got = reader.stored_crc32c(todo, self.chunk)
             if got is None:
                 lo = todo * self.chunk
                 values = reader.read_ranges(lo, np.minimum(lo + self.chunk, self.size))
                 self.bytes_read += sum(v.nbytes for v in values)
                 got = np.array([chunk_digest(v, self.chunk) for v in values], np.uint32)
+                known = Known(self.chunk, dict(zip(todo.tolist(), values, strict=True)))
             bad = self._mismatches(todo, got)
             if bad:
                 raise FormatError(f"{self.where}: {bad[0]}")
             self.checked[todo] = True
+            return known
 
     def check_block(self, offset: int, values: np.ndarray) -> list[str]:
         """Checks the chunks wholly inside ``values``, the array's elements from

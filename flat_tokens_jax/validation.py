@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from collections.abc import Callable, Iterator
@@ -116,7 +117,12 @@ def _check_digests(
     digests = ft.digests.get(name)
     if digests is None:
         return []
-    return _digest_problems(f"{ft.split_name}/{name}", digests.check, reader, starts, stops)
+
+    def check() -> list[str]:
+        digests.check(reader, starts, stops)  # raises at the first chunk that differs
+        return []
+
+    return _digest_problems(f"{ft.split_name}/{name}", check)
 
 
 def _check_split(ft: FlatTokens, block: int) -> list[Problem]:
@@ -248,17 +254,16 @@ def _blocks(
         if hi > lo:
             values = array.read_ranges(np.array([lo]), np.array([hi]))[0]
             if digests is not None and problems is not None:
-                problems += _digest_problems(where, digests.check_block, int(lo), values)
+                check = functools.partial(digests.check_block, int(lo), values)
+                problems += _digest_problems(where, check)
             yield int(lo), values
 
 
-def _digest_problems(
-    where: str, check: Callable[..., list[str] | None], *args: Any
-) -> list[Problem]:
-    """The chunks ``check(*args)`` finds failing their digests (listed or raised),
-    or its side array's fault."""
+def _digest_problems(where: str, check: Callable[[], list[str]]) -> list[Problem]:
+    """The chunks ``check()`` finds failing their digests (listed or raised), or
+    its side array's fault."""
     try:
-        return [Problem(where, m) for m in check(*args) or []]
+        return [Problem(where, m) for m in check()]
     except FormatError as e:
         return e.problems
 

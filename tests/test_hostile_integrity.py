@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from servers import aws_profile, moto_s3
 
 import flat_tokens_jax as ftj
+from flat_tokens_jax.arrays import Known
 from flat_tokens_jax.convert.assemble import (
     PartInfo,
     assemble_shard,
@@ -437,3 +438,42 @@ def test_concurrent_first_reads_check_each_chunk_once(written: dict[str, Path]) 
     assert digests.checked.all()
     assert digests.bytes_read == 4 * ft.num_tokens
     assert digests.side_bytes == 4 * digests.count
+
+
+@pytest.mark.parametrize("name", ["v3-zstd", "v2", "v3-nocrc"])
+@settings(max_examples=20, deadline=None, suppress_health_check=FIXTURES)
+@given(data=st.data())
+def test_first_reads_served_from_the_checked_chunks_equal_the_stored_values(
+    written: dict[str, Path], name: str, data: st.DataObject
+) -> None:
+    """Reads through tensorstore take their first touch's ranges from the chunks
+    the check read whole: any ranges, across chunks and shards, equal the values."""
+    encoded = ftj.encode([s.tolist() for s in sequences()])[0]
+    n = encoded.size
+    starts = data.draw(st.lists(st.integers(0, n), min_size=1, max_size=12))
+    stops = [min(a + data.draw(st.integers(0, 3 * SHARD)), n) for a in starts]
+    ft = ftj.open_dataset(written[name])["train"]
+    for a, b, got in zip(starts, stops, ft.encoded_ranges(starts, stops), strict=True):
+        np.testing.assert_array_equal(got, encoded[a:b])
+
+
+@given(
+    size=st.integers(1, 300),
+    chunk=st.integers(1, 40),
+    data=st.data(),
+)
+def test_known_chunks_serve_exactly_the_ranges_they_cover(
+    size: int, chunk: int, data: st.DataObject
+) -> None:
+    values = np.arange(size, dtype=np.uint32) * 7
+    chunks = range(-(-size // chunk))
+    have = set(data.draw(st.lists(st.sampled_from(list(chunks)), unique=True)))
+    known = Known(chunk, {c: values[c * chunk : (c + 1) * chunk] for c in have})
+    a = data.draw(st.integers(0, size - 1))
+    b = data.draw(st.integers(a + 1, size))
+    got = known.slice(a, b)
+    if all(c in have for c in range(a // chunk, (b - 1) // chunk + 1)):
+        assert got is not None
+        np.testing.assert_array_equal(got, values[a:b])
+    else:
+        assert got is None

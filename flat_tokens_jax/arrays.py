@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import tensorstore as ts
@@ -24,6 +25,31 @@ class ByteCounter:
     def add(self, n: int) -> None:
         with self._lock:
             self.value += n
+
+
+class Known(NamedTuple):
+    """Whole chunks read already (by an integrity check), to serve ranges from.
+
+    Attributes:
+        chunk: elements per chunk.
+        values: chunk number to its elements (``[chunk]``, fewer in the last).
+    """
+
+    chunk: int
+    values: Mapping[int, np.ndarray]
+
+    def slice(self, start: int, stop: int) -> np.ndarray | None:
+        """Elements ``[start, stop)`` (non-empty) from the known chunks, or ``None``
+        when a chunk they touch is not known."""
+        chunk = self.chunk
+        parts = []
+        for c in range(start // chunk, (stop - 1) // chunk + 1):
+            found = self.values.get(c)
+            if found is None:
+                return None
+            base = c * chunk
+            parts.append(found[max(start, base) - base : min(stop, base + chunk) - base])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 class Pending(Protocol):
@@ -125,8 +151,11 @@ class ArrayReader(Protocol):
         """Bytes of elements requested so far through this reader."""
         ...
 
-    def request_ranges(self, starts: np.ndarray, stops: np.ndarray) -> Pending:
-        """Requests elements ``[starts[i], stops[i])`` for every i; wait with ``.result()``."""
+    def request_ranges(
+        self, starts: np.ndarray, stops: np.ndarray, known: Known | None = None
+    ) -> Pending:
+        """Requests elements ``[starts[i], stops[i])`` for every i; wait with ``.result()``.
+        A reader may serve ranges from ``known`` chunks instead of reading them."""
         ...
 
     def read_ranges(self, starts: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
@@ -135,6 +164,12 @@ class ArrayReader(Protocol):
 
     def read_points(self, indices: np.ndarray) -> np.ndarray:
         """Elements at ``indices`` (``[k]``) in one request."""
+        ...
+
+    def stored_crc32c(self, chunks: np.ndarray, chunk: int) -> np.ndarray | None:
+        """The crc32c each of ``chunks`` (``[k] int64``, sorted, unique; of ``chunk``
+        elements) is stored with, ``[k] uint32``, where the reader has them at
+        hand, verified; else ``None``."""
         ...
 
 
@@ -150,11 +185,16 @@ class _Reader:
     def _count(self, elements: int) -> None:
         self.bytes_read.add(elements * self.dtype.itemsize)
 
-    def request_ranges(self, starts: np.ndarray, stops: np.ndarray) -> Pending:
+    def request_ranges(
+        self, starts: np.ndarray, stops: np.ndarray, known: Known | None = None
+    ) -> Pending:
         raise NotImplementedError
 
     def read_ranges(self, starts: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
         return self.request_ranges(starts, stops).result()
+
+    def stored_crc32c(self, chunks: np.ndarray, chunk: int) -> np.ndarray | None:
+        return None
 
 
 class TensorStoreArray(_Reader):
@@ -173,23 +213,39 @@ class TensorStoreArray(_Reader):
         self.buffers = Buffers()
         self.url, self.options = url, options or StoreOptions()
 
-    def request_ranges(self, starts: np.ndarray, stops: np.ndarray) -> Pending:
+    def request_ranges(
+        self, starts: np.ndarray, stops: np.ndarray, known: Known | None = None
+    ) -> Pending:
+        """Memory-mapped shards copy ranges without ``known``; tensorstore reads
+        only the ranges ``known`` cannot serve."""
         self._count(int(np.sum(stops - starts)))
         if self.local is None:
-            return self.per_range(starts, stops)
+            return self.per_range(starts, stops, known)
         return _LocalRanges(self, self.local, starts, stops)
 
-    def per_range(self, starts: np.ndarray, stops: np.ndarray) -> Pending:
+    def per_range(
+        self, starts: np.ndarray, stops: np.ndarray, known: Known | None = None
+    ) -> Pending:
         """Each range from the memory-mapped shards, or through tensorstore where
-        they cannot serve it (which then fails naming a corrupt shard)."""
+        they cannot serve it (which then fails naming a corrupt shard); without
+        memory-mapped shards, from ``known`` chunks where they serve it."""
         pairs = zip(starts.tolist(), stops.tolist(), strict=True)
         if self.local is None:
-            return _Futures([self.store[a:b].read() for a, b in pairs], self.url, self.options)
+            served = [None if known is None or b <= a else known.slice(a, b) for a, b in pairs]
+            reads = [
+                self.store[a:b].read() if value is None else value
+                for a, b, value in zip(starts.tolist(), stops.tolist(), served, strict=True)
+            ]
+            return _Futures(reads, self.url, self.options)
         out = []
         for a, b in pairs:
             value = self.local.read(a, b)
             out.append(self.store[a:b].read() if value is None else value)
         return _Futures(out, self.url, self.options)
+
+    def stored_crc32c(self, chunks: np.ndarray, chunk: int) -> np.ndarray | None:
+        """From the memory-mapped shards' chunk checksums (see :class:`LocalShards`)."""
+        return None if self.local is None else self.local.stored_crc32c(chunks, chunk)
 
     def read_points(self, indices: np.ndarray) -> np.ndarray:
         idx = np.asarray(indices, np.int64)
@@ -209,7 +265,9 @@ class ZarrPythonArray(_Reader):
         super().__init__(int(array.shape[0]), np.dtype(array.dtype))
         self.array = array
 
-    def request_ranges(self, starts: np.ndarray, stops: np.ndarray) -> Pending:
+    def request_ranges(
+        self, starts: np.ndarray, stops: np.ndarray, known: Known | None = None
+    ) -> Pending:
         self._count(int(np.sum(stops - starts)))
         pairs = zip(starts.tolist(), stops.tolist(), strict=True)
         return _Done([np.asarray(self.array[a:b]) for a, b in pairs])

@@ -5,12 +5,13 @@ from __future__ import annotations
 import copy
 import itertools
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from flat_tokens_jax.arrays import ArrayReader, Pending
+from flat_tokens_jax.arrays import ArrayReader, Known, Pending
+from flat_tokens_jax.digests import DIGESTS, ChunkDigests
 from flat_tokens_jax.format import (
     ENCODED_DTYPE,
     LEGACY_TOKENS,
@@ -88,6 +89,15 @@ class FlatTokens:
             )
             for name, found, reader in arrays
         }
+        self.digests = {
+            name: ChunkDigests.of(
+                found[1].get("attributes") or {},
+                f"{store.url}/{split}/{name}",
+                reader.size,
+                _side_opener(store, f"{split}/{name}/{DIGESTS}"),
+            )
+            for name, found, reader in arrays
+        }
         self._check_shapes(check_end)
         self.seq_range = (0, self.starts.size - 1)
         self.token_range = (0, self.encoded.size)
@@ -144,14 +154,19 @@ class FlatTokens:
     @property
     def bytes_read(self) -> int:
         """Bytes requested so far from this split's arrays (tokens, starts, mask)
-        for the data read; the shard-probe checks' reads are :attr:`probe_bytes`."""
+        for the data read; the checks' reads are :attr:`probe_bytes`."""
         readers = (self.encoded, self.starts, self.loss_mask)
-        return sum(r.bytes_read.value for r in readers if r is not None) - self.probe_bytes
+        checks = [*self.probes.values(), *self.digests.values()]
+        through_readers = sum(c.bytes_read for c in checks if c is not None)
+        return sum(r.bytes_read.value for r in readers if r is not None) - through_readers
 
     @property
     def probe_bytes(self) -> int:
-        """Bytes read to check shard probes (one small read per shard, once)."""
-        return sum(p.bytes_read for p in self.probes.values() if p is not None)
+        """Bytes read to check shard probes (one small read per shard, once) and
+        chunk digests (the recorded digests of each shard touched, once; each
+        chunk touched, whole, once, where it carries no crc32c)."""
+        digests = sum(d.bytes_read + d.side_bytes for d in self.digests.values() if d is not None)
+        return digests + sum(p.bytes_read for p in self.probes.values() if p is not None)
 
     @property
     def num_tokens(self) -> int:
@@ -185,8 +200,8 @@ class FlatTokens:
                 f"{self!r}: token range [{lo[i]}, {hi[i]}) is outside [0, {self.num_tokens})"
             )
         base = self.token_range[0]
-        self._check_probes(self.tokens_name, self.encoded, lo + base, hi + base)
-        return self.encoded.request_ranges(lo + base, hi + base)
+        known = self._check_probes(self.tokens_name, self.encoded, lo + base, hi + base)
+        return self.encoded.request_ranges(lo + base, hi + base, known)
 
     def request_loss_mask(self, starts: np.ndarray, stops: np.ndarray) -> Pending | None:
         """Starts reading the stored loss mask (``uint8``) of token ranges; ``None`` if none."""
@@ -194,8 +209,8 @@ class FlatTokens:
             return None
         base = self.token_range[0]
         lo, hi = np.asarray(starts, np.int64) + base, np.asarray(stops, np.int64) + base
-        self._check_probes(LOSS_MASK, self.loss_mask, lo, hi)
-        return self.loss_mask.request_ranges(lo, hi)
+        known = self._check_probes(LOSS_MASK, self.loss_mask, lo, hi)
+        return self.loss_mask.request_ranges(lo, hi, known)
 
     def sequence_bounds(self, indices: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(starts, stops)`` token offsets ``[k] int64`` of sequences ``indices``, one read."""
@@ -273,15 +288,34 @@ class FlatTokens:
 
     def _check_probes(
         self, name: str, reader: ArrayReader, starts: np.ndarray, stops: np.ndarray
-    ) -> None:
-        """Checks the shard probes (:mod:`~flat_tokens_jax.probes`) of what a read touches."""
+    ) -> Known | None:
+        """Checks the shard probes (:mod:`~flat_tokens_jax.probes`) and chunk
+        digests (:mod:`~flat_tokens_jax.digests`) of what a read touches; returns
+        the chunks the digests' check read whole, if any, to serve the read."""
         probes = self.probes.get(name)
         if probes is not None:
             probes.check(reader.read_ranges, starts, stops)
+        digests = self.digests.get(name)
+        return None if digests is None else digests.check(reader, starts, stops)
 
     def layout(self) -> dict[str, dict[str, Any]]:
         """Per array: zarr version, chunk and shard sizes, compression."""
         return {name: describe_layout(fmt, meta) for name, (fmt, meta) in self.metadata.items()}
+
+
+def _side_opener(store: Store, key: str) -> Callable[[], ArrayReader]:
+    """Opens the side array of chunk digests at ``key`` when first called."""
+
+    def open_side() -> ArrayReader:
+        found = store.array_metadata(key)
+        if found is None:
+            raise FormatError(
+                f"{store.url}/{key}: the chunk digests that the array's attribute "
+                f"{DIGESTS!r} announces are missing: rewrite the dataset"
+            )
+        return store.open_array(key, *found)
+
+    return open_side
 
 
 class Dataset(Mapping[str, FlatTokens]):

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from flat_tokens_jax.digests import DIGESTS, attribute, chunk_digests
 from flat_tokens_jax.format import SEQ_STARTS
 from flat_tokens_jax.probes import ATTRIBUTE as PROBES
 from flat_tokens_jax.probes import record
@@ -212,22 +213,84 @@ def open_for_writing(store: Store, split: str, array: str, layout: Layout) -> ts
     return store.wait(ts.open(spec, context=store.context))
 
 
+def create_digests(
+    store: Store, split: str, array: str, layout: Layout, size: int = PROVISIONAL_SIZE
+) -> ts.TensorStore:
+    """Creates the side array of chunk digests (see :mod:`~flat_tokens_jax.digests`)
+    of the array ``split/array`` of ``size`` elements, which :func:`create_array`
+    made: ``[ceil(size / chunk)] uint32``, one side chunk per shard of the array."""
+    per_shard, per_chunk = layout.elements(array)
+    count, per_side = -(-size // per_chunk), per_shard // per_chunk
+    if layout.zarr_format == 2:
+        meta: dict[str, Any] = {
+            "shape": [count],
+            "chunks": [per_side],
+            "dtype": "<u4",
+            "fill_value": 0,
+            "order": "C",
+            "filters": None,
+            "compressor": None,
+        }
+    else:
+        codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+        meta = {
+            "shape": [count],
+            "data_type": "uint32",
+            "fill_value": 0,
+            "attributes": {EVERY_CHUNK_STORED: True},
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [per_side]}},
+            "codecs": codecs + ([{"name": "crc32c"}] if layout.checksum else []),
+        }
+    key = f"{split}/{array}/{DIGESTS}"
+    spec = {
+        "driver": "zarr3" if layout.zarr_format == 3 else "zarr",
+        "kvstore": store.sub(key),
+        "metadata": meta,
+        "create": True,
+        "delete_existing": True,
+        "store_data_equal_to_fill_value": True,
+    }
+    side = store.wait(ts.open(spec, context=store.context))
+    if layout.zarr_format == 2:
+        store.write_json(f"{key}/{V2_ATTRS}", {EVERY_CHUNK_STORED: True})
+    return side
+
+
+def open_digests(store: Store, split: str, array: str, layout: Layout) -> ts.TensorStore:
+    """Opens the side array that :func:`create_digests` made, to write digests."""
+    return open_for_writing(store, split, f"{array}/{DIGESTS}", layout)
+
+
+def write_digests(
+    side: ts.TensorStore, lo: int, values: np.ndarray, layout: Layout, array: str
+) -> Any:
+    """Starts writing the digests of ``values``, the elements of ``array`` from
+    ``lo`` (the start of a shard), into its side array; returns the write's future."""
+    chunk = layout.elements(array)[1]
+    found = chunk_digests(values, chunk)
+    return side[lo // chunk : lo // chunk + found.size].write(found)
+
+
 def record_probes(
     store: Store, split: str, array: str, layout: Layout, handle: ts.TensorStore
 ) -> None:
-    """Adds the ``shard_probes`` attribute (see :mod:`~flat_tokens_jax.probes`) to the
-    finished array ``split/array``, whose values ``handle`` reads."""
+    """Adds the ``shard_probes`` attribute (see :mod:`~flat_tokens_jax.probes`), and
+    the ``chunk_crc32c`` one that announces the chunk digests the writer wrote
+    (see :mod:`~flat_tokens_jax.digests`), to the finished array ``split/array``,
+    whose values ``handle`` reads."""
     size = int(handle.domain.exclusive_max[0])
+    per_shard, per_chunk = layout.elements(array)
 
     def read(starts: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
         pending = [handle[a:b].read() for a, b in zip(starts.tolist(), stops.tolist(), strict=True)]
         return [np.asarray(store.wait(f)) for f in pending]
 
-    probes = record(read, size, layout.elements(array)[0])
+    probes = record(read, size, per_shard)
+    digests = attribute(per_chunk, per_shard)
     key = f"{split}/{array}/{V3_META if layout.zarr_format == 3 else V2_ATTRS}"
     meta = store.read_json(key) or {}
     if layout.zarr_format == 3:
-        meta["attributes"] = {**meta.get("attributes", {}), PROBES: probes}
+        meta["attributes"] = {**meta.get("attributes", {}), PROBES: probes, DIGESTS: digests}
     else:
-        meta[PROBES] = probes
+        meta.update({PROBES: probes, DIGESTS: digests})
     store.write_json(key, meta)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from flat_tokens_jax.arrays import ArrayReader
 from flat_tokens_jax.dataset import FlatTokens, open_dataset
+from flat_tokens_jax.digests import ChunkDigests
 from flat_tokens_jax.format import (
     LOSS_MASK,
     SEQ_STARTS,
@@ -56,7 +58,9 @@ def validate(
     ``quick=True`` reads a sample instead of everything, for stores too big to
     scan: the metadata, both ends of ``seq_starts``, and ``samples`` sequences
     (spread over the split, the same ones every time): their bounds, and the
-    start bits and ids of their first :data:`QUICK_TOKENS` tokens.
+    start bits and ids of their first :data:`QUICK_TOKENS` tokens. Both check every
+    shard probe, and the chunk digests (see :mod:`~flat_tokens_jax.digests`)
+    where recorded: of every chunk, or (``quick``) of the chunks the sample reads.
 
     Raises:
         FormatError: listing every violation found, each with its array and index.
@@ -106,6 +110,21 @@ def _check_probes(ft: FlatTokens) -> list[Problem]:
     ]
 
 
+def _check_digests(
+    ft: FlatTokens, name: str, reader: ArrayReader, starts: np.ndarray, stops: np.ndarray
+) -> list[Problem]:
+    """The chunk digests (where recorded) of the chunks ranges ``[starts, stops)`` touch."""
+    digests = ft.digests.get(name)
+    if digests is None:
+        return []
+
+    def check() -> list[str]:
+        digests.check(reader, starts, stops)  # raises at the first chunk that differs
+        return []
+
+    return _digest_problems(f"{ft.split_name}/{name}", check)
+
+
 def _check_split(ft: FlatTokens, block: int) -> list[Problem]:
     problems = _check_arrays(
         f"{ft.split_name}/{ft.tokens_name}",
@@ -114,13 +133,15 @@ def _check_split(ft: FlatTokens, block: int) -> list[Problem]:
         ft.starts,
         ft.max_token_id,
         block,
+        (ft.digests.get(ft.tokens_name), ft.digests.get(SEQ_STARTS)),
     )
     if ft.loss_mask is not None:
         where = f"{ft.split_name}/{LOSS_MASK}"
         if ft.loss_mask.dtype != np.uint8:
             problems.append(Problem(where, f"dtype is {ft.loss_mask.dtype}, expected uint8"))
         else:
-            for offset, values in _blocks(ft.loss_mask, block):
+            digests = ft.digests.get(LOSS_MASK)
+            for offset, values in _blocks(ft.loss_mask, block, digests, where, problems):
                 bad = np.flatnonzero(values > 1)
                 problems += [
                     Problem(
@@ -162,6 +183,8 @@ def _check_sample(ft: FlatTokens, samples: int) -> list[Problem]:
         return problems
     lo = values[: seqs.size].astype(np.int64)
     hi = np.minimum(values[seqs.size :].astype(np.int64), lo + QUICK_TOKENS)
+    problems += _check_digests(ft, SEQ_STARTS, ft.starts, at, at + 1)
+    problems += _check_digests(ft, ft.tokens_name, ft.encoded, lo, hi)
     for start, enc in zip(lo.tolist(), ft.encoded.read_ranges(lo, hi), strict=True):
         problems += check_tokens_block(enc, start, np.array([start]), ft.max_token_id, tokens_where)
     return problems[: FormatError.max_listed]
@@ -174,17 +197,19 @@ def _check_arrays(
     starts: ArrayReader,
     max_token_id: int,
     block: int,
+    digests: tuple[ChunkDigests | None, ChunkDigests | None] = (None, None),
 ) -> list[Problem]:
-    """Streams both arrays once, side by side."""
+    """Streams both arrays once, side by side, checking their chunk ``digests``
+    (of tokens, of starts) where given."""
     problems: list[Problem] = []
     num_tokens = tokens.size
     if starts.size == 0:
         return [Problem(starts_where, "empty; it needs num_sequences + 1 entries")]
     previous: int | None = None
     pending = np.zeros(0, np.uint64)
-    starts_iter = _blocks(starts, block)
+    starts_iter = _blocks(starts, block, digests[1], starts_where, problems)
     starts_done = False
-    for t_offset, enc in _blocks(tokens, block):
+    for t_offset, enc in _blocks(tokens, block, digests[0], tokens_where, problems):
         t_end = t_offset + enc.size
         while not starts_done and (pending.size == 0 or int(pending[-1]) < t_end):
             nxt = next(starts_iter, None)
@@ -213,12 +238,34 @@ def _check_arrays(
     return problems
 
 
-def _blocks(array: ArrayReader, block: int) -> Iterator[tuple[int, np.ndarray]]:
-    """``(offset, values)`` blocks of an array, in order."""
+def _blocks(
+    array: ArrayReader,
+    block: int,
+    digests: ChunkDigests | None = None,
+    where: str = "",
+    problems: list[Problem] | None = None,
+) -> Iterator[tuple[int, np.ndarray]]:
+    """``(offset, values)`` blocks of an array, in order. With ``digests``, blocks
+    hold whole chunks, and each chunk that fails its digest adds to ``problems``."""
+    if digests is not None:
+        block = max(block // digests.chunk, 1) * digests.chunk
     bounds = np.arange(0, array.size + block, block, dtype=np.int64).clip(max=array.size)
     for lo, hi in itertools.pairwise(bounds):
         if hi > lo:
-            yield int(lo), array.read_ranges(np.array([lo]), np.array([hi]))[0]
+            values = array.read_ranges(np.array([lo]), np.array([hi]))[0]
+            if digests is not None and problems is not None:
+                check = functools.partial(digests.check_block, int(lo), values)
+                problems += _digest_problems(where, check)
+            yield int(lo), values
+
+
+def _digest_problems(where: str, check: Callable[[], list[str]]) -> list[Problem]:
+    """The chunks ``check()`` finds failing their digests (listed or raised), or
+    its side array's fault."""
+    try:
+        return [Problem(where, m) for m in check()]
+    except FormatError as e:
+        return e.problems
 
 
 def summary(

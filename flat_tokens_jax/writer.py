@@ -30,7 +30,14 @@ from flat_tokens_jax.format import (
     encode_concatenated,
 )
 from flat_tokens_jax.identity import ATTRIBUTE, DatasetInfo
-from flat_tokens_jax.layout import PROVISIONAL_SIZE, Layout, create_array, record_probes
+from flat_tokens_jax.layout import (
+    PROVISIONAL_SIZE,
+    Layout,
+    create_array,
+    create_digests,
+    record_probes,
+    write_digests,
+)
 from flat_tokens_jax.location import STAGING as STAGING
 from flat_tokens_jax.location import claim_location
 from flat_tokens_jax.options import StoreOptions, resolve_options
@@ -50,6 +57,7 @@ class _ArrayAppender:
         self.wait = store.wait
         self.where = (store, split, array, layout)
         self.array = create_array(store, split, array, dtype, layout)
+        self.digests = create_digests(store, split, array, layout)
         self.buffer = np.empty(layout.elements(array)[0], dtype)
         self.filled = 0
         self.written = 0
@@ -76,8 +84,10 @@ class _ArrayAppender:
             raise ValueError(f"a split may hold at most {PROVISIONAL_SIZE} elements")
         data, self.buffer = self.buffer[: self.filled], np.empty_like(self.buffer)
         self.pending.append(self.array[self.written : end].write(data))
+        array, layout = self.where[2:]
+        self.pending.append(write_digests(self.digests, self.written, data, layout, array))
         self.written, self.filled = end, 0
-        while len(self.pending) > _MAX_PENDING_WRITES:
+        while len(self.pending) > 2 * _MAX_PENDING_WRITES:  # a shard's and its digests' writes
             self.wait(self.pending.pop(0))
 
     def settle(self) -> None:
@@ -97,6 +107,8 @@ class _ArrayAppender:
         self.array = self.wait(
             self.array.resize(exclusive_max=[self.written], resize_metadata_only=True)
         )
+        count = -(-self.written // self.where[3].elements(self.where[2])[1])
+        self.wait(self.digests.resize(exclusive_max=[count], resize_metadata_only=True))
         record_probes(*self.where, self.array)
 
 

@@ -32,8 +32,14 @@ checksums`` is the same layout without them, to measure their write and read
 cost. ``--padded`` reads padded rows (one sequence per row) and also times the
 integrity checks of a padded read alone (``seq_starts`` bounds and start
 bits), as a fraction of ``host_batch``. Both modes time the shard-probe
-checks of a read alone (:mod:`flat_tokens_jax.probes`, after each shard's first
-touch) as a fraction of ``host_batch``.
+checks and the chunk-digest checks of a read alone (:mod:`flat_tokens_jax.probes`,
+:mod:`flat_tokens_jax.digests`, after each shard's or chunk's first touch) as a
+fraction of ``host_batch``, and the chunk-digest checks alone when every
+token chunk a step reads is a first touch (each step's chunks checked afresh:
+the worst case, a run's first pass over a store larger than its steps read;
+an upper bound where a check reads chunks whole, since the read then serves
+its ranges from them), and what the checks add to ``host_batch`` on a freshly
+opened split, with and without them.
 
 Run: ``python scripts/bench_loader.py [--tokens 200_000_000] [--steps 20] [--padded]``
 """
@@ -114,6 +120,73 @@ def timed_iterate(loader: ftj.Loader, steps: list[int]) -> tuple[float, float]:
         it.close()
         best = min(best, (time.perf_counter() - wall, time.process_time() - cpu))
     return best
+
+
+CHECKS = (
+    "shard-probe checks of a read",
+    "chunk-digest checks of a read",
+    "chunk-digest checks, every chunk a first touch",
+    "chunk-digest checks, a fresh split's first pass",
+)
+
+
+def check_costs(
+    ft: ftj.FlatTokens, loader: ftj.Loader, steps: list[int], name: str, padded: bool, L: int
+) -> list[tuple[str, str, float, None, None]]:
+    """The rows of :data:`CHECKS`: each check of the steps' token reads
+    (``seq_len`` ``L``) alone, as a fraction of ``host_batch`` over the same
+    steps; :data:`FIRST_TOUCH` checks each step's token chunks afresh (an upper
+    bound of what a first touch adds: where the check reads chunks whole, the
+    read then serves its ranges from them instead of reading them)."""
+    B = int(loader.host_batch(steps[0])["inputs"].shape[0])
+    spans = []
+    for step in steps:
+        idx = loader.sampler.records(np.arange(B, dtype=np.int64) + step * B)
+        if padded:
+            spans.append(ft.sequence_bounds(idx))
+        else:
+            spans.append((np.maximum(idx * L - 1, 0), idx * L + L))
+    probes, digests = ft.probes.get(ft.tokens_name), ft.digests.get(ft.tokens_name)
+    read = ft.encoded.read_ranges
+
+    def probe_checks(i: int) -> None:
+        probes.check(read, *spans[i])  # type: ignore[union-attr]
+
+    def digest_checks(i: int) -> None:
+        digests.check(ft.encoded, *spans[i])  # type: ignore[union-attr]
+
+    def first_touches(i: int) -> None:
+        digests.checked[:] = False  # type: ignore[union-attr]
+        digests.check(ft.encoded, *spans[i])  # type: ignore[union-attr]
+
+    rows = []
+    host_wall, _ = timed(loader.host_batch, steps)
+    checks = (probe_checks, digest_checks, first_touches)
+    for label, check, present in zip(CHECKS[:3], checks, (probes, digests, digests), strict=True):
+        if present is not None:
+            wall, _ = timed(check, list(range(len(steps))))
+            rows.append((name, label, wall / host_wall, None, None))
+    return rows
+
+
+def first_pass(path: Path, cfg: ftj.LoaderConfig, steps: list[int]) -> float:
+    """What the chunk-digest checks add to ``host_batch`` over ``steps`` on a
+    freshly opened split after one step elsewhere (nearly every chunk a first
+    touch, tensorstore's cache cold), as a fraction: best of three with the
+    checks over best of three without."""
+    best = {True: float("inf"), False: float("inf")}
+    for _ in range(3):
+        for checked in (False, True):
+            ft = ftj.open_dataset(path)["train"]
+            if not checked:
+                ft.digests = dict.fromkeys(ft.digests)
+            loader = ftj.Loader(ft, cfg)
+            loader.host_batch(0)  # what a split pays once: opening arrays, mapping shards
+            began = time.perf_counter()
+            for step in steps:
+                loader.host_batch(step)
+            best[checked] = min(best[checked], time.perf_counter() - began)
+    return best[True] / best[False] - 1
 
 
 def stage_costs(
@@ -271,24 +344,8 @@ def main() -> None:
                 wall, _ = timed(checks, list(range(len(steps))))
                 host_wall, _ = timed(loader.host_batch, steps)
                 rows.append((name, "checks of a padded read", wall / host_wall, None, None))
-            probes = ft.probes.get(ft.tokens_name)
-            if probes is not None:
-                spans = []
-                for step in steps:
-                    idx = loader.sampler.records(np.arange(B, dtype=np.int64) + step * B)
-                    if args.padded:
-                        spans.append(ft.sequence_bounds(idx))
-                    else:
-                        spans.append((np.maximum(idx * L - 1, 0), idx * L + L))
-
-                def probe_checks(
-                    i: int, spans: list[Any] = spans, probes: Any = probes, ft: Any = ft
-                ) -> None:
-                    probes.check(ft.encoded.read_ranges, *spans[i])
-
-                wall, _ = timed(probe_checks, list(range(len(steps))))
-                host_wall, _ = timed(loader.host_batch, steps)
-                rows.append((name, "shard-probe checks of a read", wall / host_wall, None, None))
+            rows.extend(check_costs(ft, loader, steps, name, args.padded, L))
+            rows.append((name, CHECKS[3], first_pass(path, cfg, steps), None, None))
             if name == "uncompressed" and not args.padded:
                 stages.extend(stage_costs(ft, cfg, steps, memmap_copy))
             for step in (0, 10**9):
@@ -311,7 +368,7 @@ def main() -> None:
         print("| layout | path | M tokens/s (or s) | vs memmap | CPU s / M tokens |")
         print("| --- | --- | ---: | ---: | ---: |")
         for name, label, rate, ratio, cpu in rows:
-            if label in ("checks of a padded read", "shard-probe checks of a read"):
+            if label == "checks of a padded read" or label in CHECKS:
                 print(f"| {name} | {label} | {rate:.1%} of host_batch | | |")
             elif ratio is None:
                 print(f"| {name} | {label} | {rate:.3f} s | | |")

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.cli import main
+from flat_tokens_jax.digests import DIGESTS
 from flat_tokens_jax.format import FormatError
 from flat_tokens_jax.options import StoreError
 from flat_tokens_jax.probes import ATTRIBUTE as PROBES
@@ -94,9 +95,10 @@ def copy(path: Path) -> Path:
 def write_element(path: Path, array: str, index: int, value: int, probes: bool = False) -> None:
     """Writes one element as a buggy tool would: through zarr, checksums valid.
 
-    The array's shard probes are dropped too (unless ``probes``), as a tool
-    that rewrites the array would: the checks under test are then those of
-    every read, which stores without probes (older ones, other writers') get.
+    The array's shard probes and chunk digests are dropped too (unless
+    ``probes``), as a tool that rewrites the array would: the checks under test
+    are then those of every read, which stores without them (older ones, other
+    writers') get.
     """
     folder = path / "train" / array
     driver = "zarr3" if (folder / "zarr.json").exists() else "zarr"
@@ -108,7 +110,9 @@ def write_element(path: Path, array: str, index: int, value: int, probes: bool =
     if not probes:
         meta_file = folder / ("zarr.json" if driver == "zarr3" else ".zattrs")
         meta = json.loads(meta_file.read_text())
-        (meta["attributes"] if driver == "zarr3" else meta).pop(PROBES)
+        attributes = meta["attributes"] if driver == "zarr3" else meta
+        attributes.pop(PROBES)
+        attributes.pop(DIGESTS)
         meta_file.write_text(json.dumps(meta))
 
 

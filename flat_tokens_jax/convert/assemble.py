@@ -38,7 +38,15 @@ from flat_tokens_jax.format import (
     TOKENS,
 )
 from flat_tokens_jax.identity import DatasetInfo
-from flat_tokens_jax.layout import Layout, create_array, open_for_writing, record_probes
+from flat_tokens_jax.layout import (
+    Layout,
+    create_array,
+    create_digests,
+    open_digests,
+    open_for_writing,
+    record_probes,
+    write_digests,
+)
 from flat_tokens_jax.location import MARKER, STAGING
 from flat_tokens_jax.options import StoreOptions
 from flat_tokens_jax.store import Store
@@ -197,6 +205,7 @@ def create_arrays(plan: Plan, store: Store) -> None:
     for split in plan.splits:
         for array, size in plan.arrays(split).items():
             create_array(store, split, array, DTYPES[array], plan.layout, size)
+            create_digests(store, split, array, plan.layout, size)
 
 
 def _overlaps(offsets: np.ndarray, lo: int, hi: int) -> list[tuple[int, int, int]]:
@@ -273,7 +282,9 @@ def assemble_shard(
             f"parts gave {values.size}: a part holds other data than it reported"
         )
     handle = open_for_writing(store, split, array, plan.layout)
+    side = open_digests(store, split, array, plan.layout)
     store.wait(handle[lo:hi].write(values))
+    store.wait(write_digests(side, lo, values, plan.layout, array))
     return hi - lo
 
 

@@ -1,0 +1,213 @@
+"""Chunk digests: the recorded contents of every chunk, checked on first read.
+
+A checksum inside a shard proves that its bytes are the ones written into that
+file, and a shard probe (:mod:`~flat_tokens_jax.probes`) that a shard's first
+values are; neither tells a shard of another version of the dataset that
+differs further in. So our writers record, for every chunk of
+:attr:`ChunkDigests.chunk` values (the inner chunk of a zarr v3 shard, the
+chunk file of zarr v2), the crc32c of its values as little-endian bytes, the
+chunk's values past the array's end counted as the fill value 0 (as zarr stores
+an edge chunk), computed from the values as they are written. They go in a
+side array ``chunk_crc32c`` (``uint32[ceil(size / C)]``, one side chunk per
+shard, so that writers of different shards never share an object) inside the
+array's folder, announced by the array's attribute ``chunk_crc32c``:
+``{"algorithm": "crc32c", "chunk": C, "shard": S}`` (values per chunk and per
+shard).
+
+A read checks every chunk it touches the first time it touches it (once per
+process) and raises :class:`~flat_tokens_jax.format.FormatError` naming the
+array, the shard and the chunk if it differs. For an uncompressed chunk
+stored with its crc32c (our default layout), the digest is that stored crc32c,
+so the memory-mapped path compares the 4 bytes after the chunk, verified as
+any read verifies them, with the recorded digest: nothing more is hashed.
+Otherwise the check reads the chunk whole (a read fetches whole chunks anyway)
+and hashes it. Arrays without the attribute (older stores, other writers) are
+read without this check.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from flat_tokens_jax.arrays import ArrayReader, Known
+from flat_tokens_jax.format import FormatError
+from flat_tokens_jax.localshards import crc32c, touched
+
+DIGESTS = "chunk_crc32c"  # the array attribute, and the side array's name in the array's folder
+ALGORITHM = "crc32c"
+
+OpenSide = Callable[[], ArrayReader]
+
+
+def chunk_digest(values: np.ndarray, chunk: int) -> int:
+    """The digest of one chunk whose first ``values`` (``[n]``, ``n <= chunk``) are
+    given: crc32c of its ``chunk`` values as little-endian bytes, 0 past ``n``."""
+    if values.size == chunk and values.dtype.byteorder != ">" and values.flags.c_contiguous:
+        return crc32c(values)  # the common case, without a copy
+    little = np.ascontiguousarray(values, dtype=values.dtype.newbyteorder("<"))
+    if little.size < chunk:
+        little = np.concatenate([little, np.zeros(chunk - little.size, little.dtype)])
+    return crc32c(little)
+
+
+def chunk_digests(values: np.ndarray, chunk: int) -> np.ndarray:
+    """``[ceil(n / chunk)] uint32``: :func:`chunk_digest` of each run of ``chunk``
+    values of ``values`` (``[n]``, the start of a shard)."""
+    return np.array(
+        [chunk_digest(values[i : i + chunk], chunk) for i in range(0, values.size, chunk)],
+        np.uint32,
+    )
+
+
+def attribute(chunk: int, shard: int) -> dict[str, Any]:
+    """The ``chunk_crc32c`` attribute of an array of ``chunk`` values per chunk and
+    ``shard`` per shard."""
+    return {"algorithm": ALGORITHM, "chunk": chunk, "shard": shard}
+
+
+class ChunkDigests:
+    """The recorded chunk digests of one array, and which chunks this process checked.
+
+    Thread-safe: concurrent reads may check the same chunk; it is checked once.
+    The side array is opened on the first check, and a shard's recorded digests
+    are read at once, the first time one of its chunks is checked.
+    """
+
+    def __init__(self, where: str, size: int, chunk: int, shard: int, open_side: OpenSide) -> None:
+        self.where, self.size, self.chunk, self.shard = where, size, chunk, shard
+        self.count = -(-size // chunk)
+        self.checked = np.zeros(self.count, bool)
+        self.bytes_read = 0  # through the array's reader: the chunks read to hash
+        self.side_bytes = 0  # of the side array: the recorded digests
+        # The recorded digests of the shards loaded so far: [count] uint32, and
+        # [shards] bool, which shards' entries hold their recorded values.
+        self._recorded = np.zeros(self.count, np.uint32)
+        self._loaded = np.zeros(-(-size // shard), bool)
+        self._open_side = open_side
+        self._side: ArrayReader | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(
+        cls, attributes: Mapping[str, Any], where: str, size: int, open_side: OpenSide
+    ) -> ChunkDigests | None:
+        """The digests an array's ``attributes`` announce; ``None`` when none.
+
+        Raises:
+            FormatError: a malformed attribute.
+        """
+        found = attributes.get(DIGESTS)
+        if found is None:
+            return None
+        ok = (
+            isinstance(found, Mapping)
+            and set(found) == {"algorithm", "chunk", "shard"}
+            and found["algorithm"] == ALGORITHM
+            and all(type(found[k]) is int and found[k] >= 1 for k in ("chunk", "shard"))
+            and found["shard"] % found["chunk"] == 0
+        )
+        if not ok:
+            raise FormatError(
+                f"{where}: attribute {DIGESTS!r} is malformed: {found!r}; expected "
+                f'{{"algorithm": "{ALGORITHM}", "chunk": C, "shard": S}}, the values per '
+                "digest and per shard (positive ints, C dividing S)"
+            )
+        return cls(where, size, found["chunk"], found["shard"], open_side)
+
+    def side(self) -> ArrayReader:
+        """The side array of digests, opened and its shape checked on first use."""
+        if self._side is None:
+            side = self._open_side()
+            if side.size != self.count or side.dtype != np.uint32:
+                raise FormatError(
+                    f"{self.where}/{DIGESTS}: {side.size} {side.dtype} entries, expected "
+                    f"{self.count} uint32 (one per chunk of {self.chunk} of {self.size} values); "
+                    "the digests belong to another array: rewrite the dataset"
+                )
+            self._side = side
+        return self._side
+
+    def check(self, reader: ArrayReader, starts: np.ndarray, stops: np.ndarray) -> Known | None:
+        """Checks every chunk of ``reader`` (this array) that ranges ``[starts,
+        stops)`` touch and that this process has not checked yet.
+
+        Returns:
+            The chunks read whole to hash them, all checked, for the read to
+            serve its ranges from; ``None`` when none was read.
+
+        Raises:
+            FormatError: a chunk whose values are not those recorded.
+        """
+        chunks = touched(starts, stops, self.chunk)
+        if self.checked[chunks].all():
+            return None
+        with self._lock:
+            todo = np.unique(chunks)
+            todo = todo[~self.checked[todo]]
+            if not todo.size:
+                return None
+            known = None
+            got = reader.stored_crc32c(todo, self.chunk)
+            if got is None:
+                lo = todo * self.chunk
+                values = reader.read_ranges(lo, np.minimum(lo + self.chunk, self.size))
+                self.bytes_read += sum(v.nbytes for v in values)
+                got = np.array([chunk_digest(v, self.chunk) for v in values], np.uint32)
+                known = Known(self.chunk, dict(zip(todo.tolist(), values, strict=True)))
+            bad = self._mismatches(todo, got)
+            if bad:
+                raise FormatError(f"{self.where}: {bad[0]}")
+            self.checked[todo] = True
+            return known
+
+    def check_block(self, offset: int, values: np.ndarray) -> list[str]:
+        """Checks the chunks wholly inside ``values``, the array's elements from
+        ``offset`` on (for ``validate``, which reads every value anyway); a message
+        for each that differs."""
+        first = -(-offset // self.chunk)
+        stop = (offset + values.size) // self.chunk
+        if offset + values.size == self.size:
+            stop = self.count
+        if stop <= first:
+            return []
+        todo = np.arange(first, stop, dtype=np.int64)
+        at = (todo * self.chunk - offset).tolist()
+        got = np.array([chunk_digest(values[a : a + self.chunk], self.chunk) for a in at])
+        bad = self._mismatches(todo, got.astype(np.uint32))
+        self.checked[todo] = True
+        return bad
+
+    def _mismatches(self, chunks: np.ndarray, got: np.ndarray) -> list[str]:
+        recorded = self._load(chunks)
+        return [
+            self._message(int(chunks[i]), int(got[i]), int(recorded[i]))
+            for i in np.flatnonzero(got != recorded)
+        ]
+
+    def _load(self, chunks: np.ndarray) -> np.ndarray:
+        """The recorded digests of ``chunks`` (``[k] int64``), reading those of their
+        shards not read yet (one request)."""
+        per_shard = self.shard // self.chunk
+        shards = np.unique(chunks // per_shard)
+        shards = shards[~self._loaded[shards]]
+        if shards.size:
+            lo = shards * per_shard
+            hi = np.minimum(lo + per_shard, self.count)
+            for a, values in zip(lo.tolist(), self.side().read_ranges(lo, hi), strict=True):
+                self._recorded[a : a + values.size] = values
+                self.side_bytes += values.nbytes
+            self._loaded[shards] = True
+        return self._recorded[chunks]
+
+    def _message(self, c: int, got: int, recorded: int) -> str:
+        lo, hi = c * self.chunk, min((c + 1) * self.chunk, self.size)
+        return (
+            f"shard {lo // self.shard}, chunk {c} (values [{lo}, {hi})) is not the one "
+            f"written here: its crc32c {got:#010x} differs from the recorded {recorded:#010x} "
+            "(a shard of another version, split or dataset copied or linked in its place?): "
+            "restore the shard or rewrite the dataset"
+        )

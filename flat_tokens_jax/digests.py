@@ -11,8 +11,10 @@ an edge chunk), computed from the values as they are written. They go in a
 side array ``chunk_crc32c`` (``uint32[ceil(size / C)]``, one side chunk per
 shard, so that writers of different shards never share an object) inside the
 array's folder, announced by the array's attribute ``chunk_crc32c``:
-``{"algorithm": "crc32c", "chunk": C, "shard": S}`` (values per chunk and per
-shard).
+``{"algorithm": "crc32c", "chunk": C, "shard": S, "content": H}`` (values per
+chunk and per shard, and H the sha256 of all the chunk digests in order, the
+identity of the array's whole contents that a loader's fingerprint records;
+stores written before it lack ``content``).
 
 A read checks every chunk it touches the first time it touches it (once per
 process) and raises :class:`~flat_tokens_jax.format.FormatError` naming the
@@ -27,8 +29,10 @@ read without this check.
 
 from __future__ import annotations
 
+import hashlib
+import re
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -39,6 +43,8 @@ from flat_tokens_jax.localshards import crc32c, touched
 
 DIGESTS = "chunk_crc32c"  # the array attribute, and the side array's name in the array's folder
 ALGORITHM = "crc32c"
+CONTENT = "content"  # the attribute's key of the whole array's content digest
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 OpenSide = Callable[[], ArrayReader]
 
@@ -63,10 +69,24 @@ def chunk_digests(values: np.ndarray, chunk: int) -> np.ndarray:
     )
 
 
-def attribute(chunk: int, shard: int) -> dict[str, Any]:
+def attribute(chunk: int, shard: int, content: str | None = None) -> dict[str, Any]:
     """The ``chunk_crc32c`` attribute of an array of ``chunk`` values per chunk and
-    ``shard`` per shard."""
-    return {"algorithm": ALGORITHM, "chunk": chunk, "shard": shard}
+    ``shard`` per shard; ``content`` (see :func:`content_digest`) once the
+    digests of every chunk are written."""
+    found = {"algorithm": ALGORITHM, "chunk": chunk, "shard": shard}
+    return found if content is None else {**found, CONTENT: content}
+
+
+def content_digest(blocks: Iterable[np.ndarray]) -> str:
+    """The identity of a whole array's contents: sha256 (hex) of the digests of
+    all its chunks (``blocks``, in order, ``uint32``), as little-endian bytes.
+    Two arrays with equal content digests hold the same values (as far as the
+    chunks' crc32c tell), so a loader state names the data it was saved from
+    exactly, at the cost of one small attribute."""
+    found = hashlib.sha256()
+    for block in blocks:
+        found.update(np.ascontiguousarray(block, dtype="<u4").tobytes())
+    return found.hexdigest()
 
 
 class ChunkDigests:
@@ -89,6 +109,7 @@ class ChunkDigests:
         self._loaded = np.zeros(-(-size // shard), bool)
         self._open_side = open_side
         self._side: ArrayReader | None = None
+        self.content: str | None = None  # the recorded content digest, if any
         self._lock = threading.Lock()
 
     @classmethod
@@ -103,9 +124,11 @@ class ChunkDigests:
         found = attributes.get(DIGESTS)
         if found is None:
             return None
+        content = found.get(CONTENT) if isinstance(found, Mapping) else None
         ok = (
             isinstance(found, Mapping)
-            and set(found) == {"algorithm", "chunk", "shard"}
+            and set(found) - {CONTENT} == {"algorithm", "chunk", "shard"}
+            and (content is None or (isinstance(content, str) and _HEX64.fullmatch(content)))
             and found["algorithm"] == ALGORITHM
             and all(type(found[k]) is int and found[k] >= 1 for k in ("chunk", "shard"))
             and found["shard"] % found["chunk"] == 0
@@ -113,10 +136,13 @@ class ChunkDigests:
         if not ok:
             raise FormatError(
                 f"{where}: attribute {DIGESTS!r} is malformed: {found!r}; expected "
-                f'{{"algorithm": "{ALGORITHM}", "chunk": C, "shard": S}}, the values per '
-                "digest and per shard (positive ints, C dividing S)"
+                f'{{"algorithm": "{ALGORITHM}", "chunk": C, "shard": S[, "{CONTENT}": H]}}, '
+                "the values per digest and per shard (positive ints, C dividing S) and the "
+                "sha256 of all the digests (64 hex digits)"
             )
-        return cls(where, size, found["chunk"], found["shard"], open_side)
+        found_digests = cls(where, size, found["chunk"], found["shard"], open_side)
+        found_digests.content = content
+        return found_digests
 
     def side(self) -> ArrayReader:
         """The side array of digests, opened and its shape checked on first use."""
@@ -180,6 +206,21 @@ class ChunkDigests:
         bad = self._mismatches(todo, got.astype(np.uint32))
         self.checked[todo] = True
         return bad
+
+    def content_problems(self) -> list[str]:
+        """For ``validate``, once every chunk was checked: whether the recorded
+        digests are those the content digest was made from (a side array of
+        another version swapped in with its shards differs here)."""
+        if self.content is None:
+            return []
+        found = content_digest([self._load(np.arange(self.count, dtype=np.int64))])
+        if found == self.content:
+            return []
+        return [
+            f"{DIGESTS}: the chunk digests are not those recorded when the array was written "
+            f"(sha256 {found[:16]}..., recorded {self.content[:16]}...): a shard and its "
+            "digests of another version copied in? restore them or rewrite the dataset"
+        ]
 
     def _mismatches(self, chunks: np.ndarray, got: np.ndarray) -> list[str]:
         recorded = self._load(chunks)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from flat_tokens_jax.digests import DIGESTS, attribute, chunk_digests
+from flat_tokens_jax.digests import DIGESTS, attribute, chunk_digests, content_digest
 from flat_tokens_jax.format import SEQ_STARTS
 from flat_tokens_jax.probes import ATTRIBUTE as PROBES
 from flat_tokens_jax.probes import record
@@ -276,8 +276,9 @@ def record_probes(
 ) -> None:
     """Adds the ``shard_probes`` attribute (see :mod:`~flat_tokens_jax.probes`), and
     the ``chunk_crc32c`` one that announces the chunk digests the writer wrote
-    (see :mod:`~flat_tokens_jax.digests`), to the finished array ``split/array``,
-    whose values ``handle`` reads."""
+    and their content digest (see :mod:`~flat_tokens_jax.digests`), to the
+    finished array ``split/array``, whose values ``handle`` reads and whose
+    digests are all written."""
     size = int(handle.domain.exclusive_max[0])
     per_shard, per_chunk = layout.elements(array)
 
@@ -286,7 +287,13 @@ def record_probes(
         return [np.asarray(store.wait(f)) for f in pending]
 
     probes = record(read, size, per_shard)
-    digests = attribute(per_chunk, per_shard)
+    side = open_digests(store, split, array, layout)
+    count = int(side.domain.exclusive_max[0])
+    step = 1 << 22  # digests per read: 16 MiB
+    blocks = (
+        np.asarray(store.wait(side[a : min(a + step, count)].read())) for a in range(0, count, step)
+    )
+    digests = attribute(per_chunk, per_shard, content_digest(blocks))
     key = f"{split}/{array}/{V3_META if layout.zarr_format == 3 else V2_ATTRS}"
     meta = store.read_json(key) or {}
     if layout.zarr_format == 3:

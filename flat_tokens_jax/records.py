@@ -75,10 +75,12 @@ class Records(Protocol):
 
 
 def _data_fingerprint(ft: FlatTokens) -> dict[str, Any]:
-    """Counts plus a digest of 64 evenly spaced tokens and sequence bounds, and
-    the vocabulary hash of the tokenizer the dataset records (``None``: none).
+    """Counts plus a digest of 64 evenly spaced tokens and sequence bounds, the
+    vocabulary hash of the tokenizer the dataset records (``None``: none), and
+    the recorded digest of the whole contents (``None`` for older stores).
 
-    Cheap (three batched reads) and it changes when the data does, in practice.
+    Cheap (three batched reads and the arrays' attributes); with ``content``
+    any change of a value changes it.
     """
     tokenizer = None if ft.info is None else ft.info.tokenizer
     digest = hashlib.sha256()
@@ -96,7 +98,21 @@ def _data_fingerprint(ft: FlatTokens) -> dict[str, Any]:
         "loss_mask": ft.loss_mask is not None,
         "sample_digest": digest.hexdigest()[:16],
         "tokenizer": None if tokenizer is None else tokenizer.vocab_hash,
+        "content": _content(ft),
     }
+
+
+def _content(ft: FlatTokens) -> str | None:
+    """The recorded identity of the split's whole contents: a digest of its
+    arrays' content digests (:func:`~flat_tokens_jax.digests.content_digest`);
+    ``None`` for a store written before they were recorded. A view shares its
+    split's (its counts and sampled digest tell views apart)."""
+    digests = [(name, ft.digests.get(name)) for name in sorted(ft.digests)]
+    contents = [(name, d.content) for name, d in digests if d is not None]
+    if len(contents) < len(digests) or any(c is None for _, c in contents):
+        return None
+    text = ";".join(f"{name}={content}" for name, content in contents)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def check_source(source: Any, who: str) -> None:

@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 
 # Fields a state saved by an older version may lack, with why the state still
 # resumes. Paths as in the state, list indices as "[]".
+_CONTENT = (
+    "versions before it identified the data by its counts and a sampled digest, which are "
+    "compared; the whole contents are not"
+)
 UNRECORDED = {
     "samples": "it follows from the saved batch size and step, which are compared",
     "fingerprint.data.tokenizer": (
@@ -41,6 +45,8 @@ UNRECORDED = {
         "versions before it did not record whether a loss mask is stored; the tokens are compared"
     ),
     "fingerprint.data.components[].name": "components are matched by position, as they blend",
+    "fingerprint.data.content": _CONTENT,
+    "fingerprint.data.components[].content": _CONTENT,
 }
 
 # Fields an older version kept where the loader no longer puts them: not

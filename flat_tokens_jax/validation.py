@@ -135,6 +135,12 @@ def _check_split(ft: FlatTokens, block: int) -> list[Problem]:
         block,
         (ft.digests.get(ft.tokens_name), ft.digests.get(SEQ_STARTS)),
     )
+    problems += [
+        Problem(f"{ft.split_name}/{name}", message)
+        for name, digests in ft.digests.items()
+        if digests is not None
+        for message in digests.content_problems()
+    ]
     if ft.loss_mask is not None:
         where = f"{ft.split_name}/{LOSS_MASK}"
         if ft.loss_mask.dtype != np.uint8:

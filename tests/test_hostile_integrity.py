@@ -13,6 +13,7 @@ store each path wrote, with one value rewritten (valid checksums), is refused.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tempfile
@@ -246,9 +247,16 @@ def assert_digests_recorded(path: Path, layout: ftj.Layout) -> None:
             meta = json.loads((folder / ("zarr.json" if v3 else ".zattrs")).read_text())
             attributes = meta["attributes"] if v3 else meta
             shard, chunk = layout.elements(array)
-            assert attributes[DIGESTS] == {"algorithm": "crc32c", "chunk": chunk, "shard": shard}
             side = np.asarray(zarr.open_array(str(folder / DIGESTS), mode="r")[:])
-            np.testing.assert_array_equal(side, reference_digests(folder, chunk))
+            expected = reference_digests(folder, chunk)
+            np.testing.assert_array_equal(side, expected)
+            content = hashlib.sha256(np.asarray(expected, "<u4").tobytes()).hexdigest()
+            assert attributes[DIGESTS] == {
+                "algorithm": "crc32c",
+                "chunk": chunk,
+                "shard": shard,
+                "content": content,
+            }
 
 
 def rewrite_value(path: Path, index: int) -> None:
@@ -366,7 +374,12 @@ def test_the_digest_format_is_frozen(tmp_path: Path) -> None:
     )
     tokens = tmp_path / "ds" / "train" / "encoded_tokens"
     meta = json.loads((tokens / "zarr.json").read_text())
-    assert meta["attributes"][DIGESTS] == {"algorithm": "crc32c", "chunk": 2, "shard": 4}
+    assert meta["attributes"][DIGESTS] == {
+        "algorithm": "crc32c",
+        "chunk": 2,
+        "shard": 4,
+        "content": "c8e7efd7d3872d6b62ef9c7745cd19556a4453569d4481ba58843f4c5366ce3d",
+    }
     side = json.loads((tokens / DIGESTS / "zarr.json").read_text())
     assert side["shape"] == [4] and side["data_type"] == "uint32"
     assert side["chunk_grid"]["configuration"]["chunk_shape"] == [2]
@@ -375,7 +388,12 @@ def test_the_digest_format_is_frozen(tmp_path: Path) -> None:
     assert stored.tolist() == [0x2C4E0410, 0x8035D468, 0x0C48B4B3, 0x94127F4E]
     starts = tmp_path / "ds" / "train" / "seq_starts"
     meta = json.loads((starts / "zarr.json").read_text())
-    assert meta["attributes"][DIGESTS] == {"algorithm": "crc32c", "chunk": 1, "shard": 2}
+    assert meta["attributes"][DIGESTS] == {
+        "algorithm": "crc32c",
+        "chunk": 1,
+        "shard": 2,
+        "content": "b463fa50710ff611564be5099c2cf343e213ba3579db5b8cbf2df5cbe53bd41e",
+    }
     stored = np.asarray(zarr.open_array(str(starts / DIGESTS), mode="r")[:])
     # seq_starts [0, 2, 5, 8], one uint64 a chunk.
     assert stored.tolist() == [0x8C28B28A, 0x1E5048C4, 0xE4094DC0, 0xCE13B650]
@@ -477,3 +495,34 @@ def test_known_chunks_serve_exactly_the_ranges_they_cover(
         np.testing.assert_array_equal(got, values[a:b])
     else:
         assert got is None
+
+
+def test_a_shard_swapped_in_with_its_digests_is_found_by_validate(tmp_path: Path) -> None:
+    """A shard of another version copied in together with its side chunk of
+    digests passes every per-chunk check; the content digest recorded at write
+    tells (``validate``), and the loader's fingerprint holds it, so a saved
+    state of one version does not restore onto the other."""
+    layout = ftj.Layout(shard_tokens=SHARD, chunk_tokens=256)
+    seqs = [np.arange(i, i + 97) % 500 + 1 for i in range(100)]
+    other = [s.copy() for s in seqs]
+    other[40][50] = other[40][50] % 500 + 1  # token 3930: shard 1, past its probe
+    for name, data in (("ours", seqs), ("theirs", other)):
+        ftj.write_dataset(tmp_path / name, {"train": data}, layout=layout)
+    ours = tmp_path / "ours" / "train" / "encoded_tokens"
+    theirs = tmp_path / "theirs" / "train" / "encoded_tokens"
+    cfg = ftj.LoaderConfig(batch_size=4, seq_len=64, seed=1)
+    state = ftj.Loader(ftj.open_dataset(tmp_path / "ours")["train"], cfg).state()
+    shutil.copyfile(theirs / "c" / "1", ours / "c" / "1")
+    shutil.copyfile(theirs / DIGESTS / "c" / "1", ours / DIGESTS / "c" / "1")
+    ft = ftj.open_dataset(tmp_path / "ours")["train"]
+    assert ft.tokens(3930, 3931)[0] == other[40][50]  # every per-chunk check passes
+    with pytest.raises(FormatError, match=r"train/encoded_tokens.*chunk digests are not those"):
+        ftj.validate(tmp_path / "ours")
+    ftj.validate(tmp_path / "theirs")
+    # The attribute is what a state records: the same data rewritten restores,
+    # the other version does not.
+    again = ftj.open_dataset(tmp_path / "theirs")["train"]
+    with pytest.raises(ftj.StateMismatch, match=r"fingerprint\.data\.content"):
+        ftj.Loader(again, cfg).restore(state)
+    ftj.write_dataset(tmp_path / "again", {"train": seqs}, layout=layout)
+    assert ftj.Loader(ftj.open_dataset(tmp_path / "again")["train"], cfg).restore(state) == 0

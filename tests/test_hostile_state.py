@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import memory_url
 from hypothesis import given, settings
@@ -36,6 +37,8 @@ MAY_BE_MISSING = {
     "fingerprint.data.components[].tokenizer",
     "fingerprint.data.components[].loss_mask",
     "fingerprint.data.components[].name",
+    "fingerprint.data.content",
+    "fingerprint.data.components[].content",
 }
 
 
@@ -113,6 +116,27 @@ def test_a_state_of_data_of_the_same_shape_but_another_tokenizer_or_contents_is_
     # components in another order are other data
     text = refusal(ftj.Loader(mixture(b, a), CFG), saved(mixture(a, b)))
     assert "fingerprint.data.components[0].sample_digest" in text
+
+
+def test_data_that_differs_in_one_value_no_sample_reads_is_refused() -> None:
+    """The sampled digest reads 64 tokens; the recorded content digest covers
+    every value, so one token changed anywhere else is other data."""
+    flat = [t for seq in SEQS for t in seq]
+    sampled = set(np.unique(np.linspace(0, len(flat) - 1, 64).astype(np.int64)).tolist())
+    unsampled = [i for i in range(len(flat)) if i not in sampled]
+    for at in unsampled[:: len(unsampled) // 5]:
+        seqs = [list(seq) for seq in SEQS]
+        lengths = np.cumsum([len(seq) for seq in seqs])
+        j = int(np.searchsorted(lengths, at, side="right"))
+        k = at - (int(lengths[j - 1]) if j else 0)
+        seqs[j][k] = seqs[j][k] % 7 + 1  # another id in 1..7: the same largest id
+        a, b = split(), split(seqs)
+        fa, fb = (ftj.Loader(x, CFG).fingerprint()["data"] for x in (a, b))
+        assert fa["sample_digest"] == fb["sample_digest"]
+        text = refusal(ftj.Loader(b, CFG), saved(a))
+        assert "fingerprint.data.content" in text
+        assert text.count("\n") == 1, "only the whole contents differ"
+        assert ftj.Loader(split(), CFG).restore(saved(a)) == 5  # a rewrite of the same data
 
 
 def test_a_forged_minimal_state_is_refused(tmp_path: Path) -> None:

@@ -1,0 +1,114 @@
+"""Bounds on what a request may cost: files that are not regular, sizes over memory.
+
+Two checks that run before any work starts. A FIFO, device or socket where a
+metadata, shard or cached file should be would block a read forever (opening a
+FIFO waits for a writer), and a folder would fail deep inside a reader; both are
+refused when the file is opened, naming the path. A size from the user (rows of
+``seq_len`` tokens, a batch of them) whose arrays could not fit in this
+machine's memory is refused before anything is allocated, with the number and
+the largest size that fits. Pure code: ``os`` and ``stat`` only.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from flat_tokens_jax.format import FormatError, Problem
+
+_KINDS = (
+    (stat.S_ISDIR, "folder"),
+    (stat.S_ISFIFO, "FIFO (named pipe)"),
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
+    (stat.S_ISSOCK, "socket"),
+)
+
+ROW_BYTES_PER_TOKEN = 25
+"""Bytes a batch holds per token of a row: the encoded window (4), four
+``int32`` fields (16), ``loss_mask`` (1) and the read buffers (4)."""
+
+
+def special_kind(path: str | os.PathLike[str]) -> str | None:
+    """What ``path`` is when it exists and is not a regular file (``"FIFO (named
+    pipe)"``, ``"folder"``, ...); ``None`` for a regular file or no file at all."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    for test, kind in _KINDS:
+        if test(mode):
+            return kind
+    return None if stat.S_ISREG(mode) else "special file"
+
+
+def check_regular_file(path: str | os.PathLike[str], what: str) -> None:
+    """Refuses ``path`` when it is a FIFO, device, socket or folder.
+
+    Raises:
+        FormatError: naming the path, what it is and what should be there.
+    """
+    kind = special_kind(path)
+    if kind is not None:
+        raise FormatError(
+            Problem(
+                os.fspath(path),
+                f"is a {kind}, not a regular file: {what} should be here; "
+                "replace it with the file or remove it",
+            )
+        )
+
+
+def check_array_files(folder: str | os.PathLike[str]) -> None:
+    """Refuses a 1-D zarr array folder holding anything but regular files where
+    metadata and chunks are kept: a FIFO, device or socket anywhere below it, or
+    a folder where a chunk or shard file (``c/<n>``, ``<n>``) or metadata belongs.
+
+    One ``scandir`` per folder (no ``stat`` per regular file on Linux).
+    """
+    for dirpath, dirnames, filenames in os.walk(folder):
+        top = os.path.normpath(dirpath) == os.path.normpath(folder)
+        for name in dirnames:
+            chunk_key = name.isdigit() and (top or os.path.basename(dirpath) == "c")
+            if chunk_key or name in ("zarr.json", ".zarray", ".zattrs"):
+                check_regular_file(os.path.join(dirpath, name), "a chunk, shard or metadata file")
+        for name in filenames:
+            check_regular_file(os.path.join(dirpath, name), "a chunk, shard or metadata file")
+
+
+def memory_bytes() -> int:
+    """This machine's physical memory in bytes (``os.sysconf``); 0 where unknown."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def check_memory(need: int, what: str, fix: str) -> None:
+    """Refuses a request whose arrays would need more than this machine's memory.
+
+    Args:
+        need: the estimated bytes.
+        what: names the request, e.g. ``"--batch-size 100000000 at seq_len 2048"``.
+        fix: what to change instead, with the largest value that fits.
+
+    Raises:
+        ValueError: ``need`` exceeds this machine's physical memory.
+    """
+    memory = memory_bytes()
+    if memory and need > memory:
+        raise ValueError(
+            f"{what} needs about {need / 2**30:,.1f} GiB, more than this machine's "
+            f"{memory / 2**30:,.1f} GiB of memory: {fix}"
+        )
+
+
+def check_seq_len(seq_len: int, what: str) -> None:
+    """Refuses a ``seq_len`` whose single row would not fit in memory (a row of
+    :data:`ROW_BYTES_PER_TOKEN` bytes per token)."""
+    most = memory_bytes() // ROW_BYTES_PER_TOKEN
+    check_memory(
+        seq_len * ROW_BYTES_PER_TOKEN,
+        f"{what} seq_len={seq_len:,} (one row)",
+        f"use a seq_len of at most {most:,} on this machine",
+    )

@@ -60,20 +60,29 @@ def check_regular_file(path: str | os.PathLike[str], what: str) -> None:
 
 
 def check_array_files(folder: str | os.PathLike[str]) -> None:
-    """Refuses a 1-D zarr array folder holding anything but regular files where
-    metadata and chunks are kept: a FIFO, device or socket anywhere below it, or
-    a folder where a chunk or shard file (``c/<n>``, ``<n>``) or metadata belongs.
-
-    One ``scandir`` per folder (no ``stat`` per regular file on Linux).
-    """
+    """Refuses a zarr array folder holding a FIFO, device or socket anywhere
+    below it, or a folder named as metadata (``zarr.json``, ``.zarray``,
+    ``.zattrs``). One ``scandir`` per folder (no ``stat`` per regular file on
+    Linux)."""
     for dirpath, dirnames, filenames in os.walk(folder):
-        top = os.path.normpath(dirpath) == os.path.normpath(folder)
         for name in dirnames:
-            chunk_key = name.isdigit() and (top or os.path.basename(dirpath) == "c")
-            if chunk_key or name in ("zarr.json", ".zarray", ".zattrs"):
-                check_regular_file(os.path.join(dirpath, name), "a chunk, shard or metadata file")
+            if name in ("zarr.json", ".zarray", ".zattrs"):
+                check_regular_file(os.path.join(dirpath, name), "zarr metadata (JSON)")
         for name in filenames:
             check_regular_file(os.path.join(dirpath, name), "a chunk, shard or metadata file")
+
+
+def check_chunk_files(folder: str | os.PathLike[str]) -> None:
+    """Refuses a folder where a 1-D array keeps a chunk or shard file
+    (``<n>`` or ``c/<n>`` under ``folder``): readers fail deep inside on one."""
+    for sub in (folder, os.path.join(folder, "c")):
+        try:
+            entries = list(os.scandir(sub))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for entry in entries:
+            if entry.name.isdigit() and entry.is_dir():
+                check_regular_file(entry.path, "a chunk or shard file")
 
 
 def memory_bytes() -> int:

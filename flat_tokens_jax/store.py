@@ -21,7 +21,7 @@ import zarr
 
 from flat_tokens_jax.arrays import ArrayReader, TensorStoreArray, ZarrPythonArray
 from flat_tokens_jax.format import FormatError
-from flat_tokens_jax.limits import check_array_files, check_regular_file
+from flat_tokens_jax.limits import check_array_files, check_chunk_files, check_regular_file
 from flat_tokens_jax.localshards import LocalShards, plain_shard_geometry
 from flat_tokens_jax.options import (
     StoreOptions,
@@ -276,11 +276,15 @@ class Store:
                 raise FormatError(
                     f"{self.url}/{key}: expected a 1-D array, found shape {arr.shape}"
                 ) from None
+            if folder is not None:
+                check_chunk_files(folder)
             return ZarrPythonArray(arr)
         if handle.rank != 1:
             raise FormatError(
                 f"{self.url}/{key}: expected a 1-D array, found shape {tuple(handle.shape)}"
             )
+        if folder is not None:
+            check_chunk_files(folder)
         local = None
         if self.spec["driver"] == "file" and zarr_format == 3 and meta is not None:
             geometry = plain_shard_geometry(meta)

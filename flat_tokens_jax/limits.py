@@ -121,3 +121,36 @@ def check_seq_len(seq_len: int, what: str) -> None:
         f"{what} seq_len={seq_len:,} (one row)",
         f"use a seq_len of at most {most:,} on this machine",
     )
+
+
+STEP_BYTES = 4096
+"""Bytes a step in flight holds besides its rows: futures, index arrays, dicts."""
+
+ROW_BYTES = 64
+"""Bytes a row holds besides its tokens: sample, record and position indices."""
+
+
+def check_loader_memory(batch_size: int, seq_len: int, prefetch: int, processes: int) -> None:
+    """Refuses a loader whose steps in flight cannot fit in this host's memory.
+
+    Each of ``processes`` hosts holds at least ``batch_size / processes`` rows
+    of the largest step, for the step being read and ``prefetch`` steps ahead.
+
+    Raises:
+        ValueError: naming the fields, the estimate and the most rows that fit.
+    """
+    rows = -(-batch_size // max(processes, 1))
+    per_row = seq_len * ROW_BYTES_PER_TOKEN + ROW_BYTES
+    steps = 1 + prefetch
+    memory = memory_bytes()
+    most_rows = max(memory // steps - STEP_BYTES, 0) // per_row * max(processes, 1)
+    most_prefetch = max(memory // (rows * per_row + STEP_BYTES) - 1, 0)
+    fix = f"lower batch_size (at most {most_rows:,} at this seq_len and prefetch)"
+    if most_prefetch:
+        fix += f" or prefetch (at most {most_prefetch:,} at this batch_size and seq_len)"
+    check_memory(
+        steps * (rows * per_row + STEP_BYTES),
+        f"LoaderConfig batch_size {batch_size:,} at seq_len {seq_len:,} with prefetch "
+        f"{prefetch:,} ({rows:,} rows per host, {steps:,} steps in flight)",
+        fix,
+    )

@@ -146,6 +146,38 @@ def test_show_refuses_a_batch_over_memory(tmp_path: Path) -> None:
     assert "100,000,000" in out and "--batch-size of at most" in out
 
 
+def test_loaders_refuse_steps_over_memory_before_allocating(tmp_path: Path) -> None:
+    url = write(tmp_path / "ds", lengths_of(50), validation=lengths_of(20, 1))
+    code, out = python(
+        f"""
+        import flat_tokens_jax as ftj
+        from flat_tokens_jax.grain import FlatTokensSource, ScheduledBatches
+        ft = ftj.open_dataset({str(url)!r})["train"]
+        src = FlatTokensSource(ft, 16)
+        for name, run in [
+            ("batch", lambda: ftj.Loader(ft, ftj.LoaderConfig(batch_size=10**10, seq_len=16))),
+            ("schedule", lambda: ftj.Loader(
+                ft, ftj.LoaderConfig(batch_size=[(0, 4), (9, 10**10)], seq_len=16))),
+            ("prefetch", lambda: [
+                ftj.Loader(ft, ftj.LoaderConfig(batch_size=4, seq_len=16, prefetch=10**9)
+                ).batch(s) for s in range(3)]),
+            ("grain", lambda: src.batches(10**10)),
+            ("scheduled", lambda: ScheduledBatches(src, 10**10)),
+        ]:
+            try:
+                run()
+                print(name, "accepted")
+            except ValueError as e:
+                print(name, "refused:", e)
+        """
+    )
+    assert code == 0, out
+    for name in ("batch", "schedule", "prefetch", "grain", "scheduled"):
+        line = next(x for x in out.splitlines() if x.startswith(name))
+        assert "refused:" in line and "memory" in line and "at most" in line, out
+    assert "prefetch 1,000,000,000" in out
+
+
 # Finding 6 (and 9: a shard that is a folder): special files refused at open, no hang.
 
 SPECIAL = [

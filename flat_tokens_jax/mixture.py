@@ -31,6 +31,7 @@ import numpy as np
 from flat_tokens_jax.bins import make_records
 from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.identity import DatasetInfo, check_tokenizers
+from flat_tokens_jax.limits import check_memory, memory_bytes
 from flat_tokens_jax.options import StoreOptions
 from flat_tokens_jax.records import Records, check_source, recorded_info
 from flat_tokens_jax.schedule import BatchSchedule
@@ -59,6 +60,12 @@ class Period:
 
     @classmethod
     def layout(cls, weights: Sequence[float] | np.ndarray, period: int) -> Period:
+        if isinstance(period, int):  # its arrays: about 40 bytes per sample of the period
+            check_memory(
+                period * 40,
+                f"a mixture period of {period:,} samples",
+                f"pass a period of at most {memory_bytes() // 40:,}",
+            )
         w = np.asarray(weights, np.float64)
         # Rounded so that weights meant as exact ratios split as their decimal
         # values do, whatever the float error: 0.5 and 0.1 over 3 slots are a

@@ -178,6 +178,24 @@ def test_loaders_refuse_steps_over_memory_before_allocating(tmp_path: Path) -> N
     assert "prefetch 1,000,000,000" in out
 
 
+def test_a_mixture_period_over_memory_is_refused(tmp_path: Path) -> None:
+    url = write(tmp_path / "ds", lengths_of(50), validation=lengths_of(20, 1))
+    code, out = python(
+        f"""
+        import flat_tokens_jax as ftj
+        ds = ftj.open_dataset({str(url)!r})
+        try:
+            ftj.Mixture({{"a": (ds["train"], 1), "b": (ds["validation"], 2)}}, period=10**12)
+            print("accepted")
+        except ValueError as e:
+            print("refused:", e)
+        """
+    )
+    assert code == 0, out
+    assert "refused: a mixture period of 1,000,000,000,000 samples" in out
+    assert "pass a period of at most" in out
+
+
 # Finding 6 (and 9: a shard that is a folder): special files refused at open, no hang.
 
 SPECIAL = [

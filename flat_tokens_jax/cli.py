@@ -176,8 +176,9 @@ def _cmd_show(args: argparse.Namespace) -> int:
             options=store_options(args),
         )
         size = loader.config.batch_size_at(args.step)
-        show.check_show_memory(loader.config, size, size if args.rows is None else 1)
+        show.check_show_memory(loader.config, size, size if args.rows is None else 0)
         rows = show.parse_rows(args.rows, size)
+        show.check_show_memory(loader.config, size, len(rows))
         decode = None if args.tokenizer is None else _decoder(args.tokenizer, loader)
         shown = show.run_json(loader, args.step, rows)
     except (StoreError, IndexError, KeyError, ValueError, OSError) as e:

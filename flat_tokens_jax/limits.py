@@ -62,14 +62,26 @@ def check_regular_file(path: str | os.PathLike[str], what: str) -> None:
 def check_array_files(folder: str | os.PathLike[str]) -> None:
     """Refuses a zarr array folder holding a FIFO, device or socket anywhere
     below it, or a folder named as metadata (``zarr.json``, ``.zarray``,
-    ``.zattrs``). One ``scandir`` per folder (no ``stat`` per regular file on
-    Linux)."""
-    for dirpath, dirnames, filenames in os.walk(folder):
-        for name in dirnames:
-            if name in ("zarr.json", ".zarray", ".zattrs"):
-                check_regular_file(os.path.join(dirpath, name), "zarr metadata (JSON)")
-        for name in filenames:
-            check_regular_file(os.path.join(dirpath, name), "a chunk, shard or metadata file")
+    ``.zattrs``). One ``scandir`` per folder and a ``stat`` only for what is
+    not a plain file or folder (file types come with the listing on Linux);
+    linked folders are followed once."""
+    seen: set[tuple[int, int]] = set()
+    todo = [os.fspath(folder)]
+    while todo:
+        try:
+            entries = list(os.scandir(todo.pop()))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for entry in entries:
+            if entry.is_dir():
+                if entry.name in ("zarr.json", ".zarray", ".zattrs"):
+                    check_regular_file(entry.path, "zarr metadata (JSON)")
+                st = entry.stat()
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    todo.append(entry.path)
+            elif not entry.is_file():
+                check_regular_file(entry.path, "a chunk, shard or metadata file")
 
 
 def check_chunk_files(folder: str | os.PathLike[str]) -> None:

@@ -97,12 +97,26 @@ def check_chunk_files(folder: str | os.PathLike[str]) -> None:
                 check_regular_file(entry.path, "a chunk or shard file")
 
 
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
 def memory_bytes() -> int:
-    """This machine's physical memory in bytes (``os.sysconf``); 0 where unknown."""
+    """The memory this process may use, in bytes: the machine's physical memory
+    (``os.sysconf``), or the container's limit (cgroup v2 or v1) where lower;
+    0 where unknown."""
     try:
-        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+        physical = int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):
-        return 0
+        physical = 0
+    for path in _CGROUP_LIMITS:
+        try:
+            with open(path, encoding="ascii") as f:
+                text = f.read(64).strip()
+        except OSError:
+            continue
+        if text.isdigit() and (not physical or 0 < int(text) < physical):
+            return int(text)
+    return physical
 
 
 def check_memory(need: int, what: str, fix: str) -> None:

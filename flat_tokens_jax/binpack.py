@@ -14,12 +14,14 @@ neighbours in the split can be read as one range.
 Best-fit decreasing is at least as good as first-fit decreasing (the same
 worst-case bound, and the same or fewer bins on typical length
 distributions). The build never loops over tokens: it loops over (bin, run of
-equal lengths) pairs, and opens runs of new bins in one numpy step.
+equal lengths) pairs, and opens runs of new bins in one numpy step; its
+memory follows the sequences and bins, never ``seq_len``.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import hashlib
 
 import numpy as np
@@ -29,6 +31,8 @@ ALGORITHM = "best-fit-decreasing/blocks-of-262144"
 
 BLOCK = 1 << 18
 """Sequences packed together (the last block may be shorter)."""
+
+_INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 def build_plan(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -61,7 +65,8 @@ def build_plan(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarra
     seq_order = np.empty(lens.size, np.int64)
     counts = []
     for lo in range(0, lens.size, BLOCK):
-        sizes = np.minimum(lens[lo : lo + BLOCK], seq_len).astype(np.int64)
+        # Lengths fit int64, so a seq_len beyond it truncates nothing.
+        sizes = np.minimum(lens[lo : lo + BLOCK], min(int(seq_len), _INT64_MAX)).astype(np.int64)
         bin_of, num_bins = _pack_block(sizes, int(seq_len))
         seq_order[lo : lo + sizes.size] = np.argsort(bin_of, kind="stable") + lo
         counts.append(np.bincount(bin_of, minlength=num_bins))
@@ -81,8 +86,9 @@ def _pack_block(sizes: np.ndarray, seq_len: int) -> tuple[np.ndarray, int]:
     run_hi = np.concatenate((edges, [n])).tolist() if n else []
     # stacks[c]: bins with exactly c free tokens, the most recently filled on
     # top; free: the sorted c whose stack is not empty (bins never grow, so a
-    # bin enters a stack exactly when it last received a sequence).
-    stacks: list[list[int]] = [[] for _ in range(seq_len + 1)]
+    # bin enters a stack exactly when it last received a sequence). A dict, not
+    # a list per free count: memory follows the bins, not seq_len.
+    stacks: collections.defaultdict[int, list[int]] = collections.defaultdict(list)
     free: list[int] = []
     seg_bin: list[int] = []
     seg_count: list[int] = []
@@ -125,7 +131,7 @@ def _pack_block(sizes: np.ndarray, seq_len: int) -> tuple[np.ndarray, int]:
             c = free[i]
             b = stacks[c].pop()
             if not stacks[c]:
-                del free[i]
+                del free[i], stacks[c]
             # The bin stays the best fit while it holds another one of this size.
             take = min(left, c // size)
             seg_bin.append(b)

@@ -15,6 +15,7 @@ import numpy as np
 
 from flat_tokens_jax.dataset import FlatTokens
 from flat_tokens_jax.format import ENCODED_DTYPE, FormatError, Problem
+from flat_tokens_jax.limits import check_seq_len
 from flat_tokens_jax.plans import PackingPlan, check_plan, find_plan
 from flat_tokens_jax.records import (
     PackedRecords,
@@ -53,10 +54,10 @@ class BinRecords:
     ) -> None:
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+        check_seq_len(seq_len, f"bins of {ft!r}:")
         self.ft, self.seq_len = ft, seq_len
         if plan is not None:
             check_plan(plan, ft, seq_len, repr(ft), "build the plan of this split and seq_len")
-            plan.check_shape(repr(ft))
         self.plan = plan if plan is not None else find_plan(ft, seq_len, cache_dir)
 
     def __repr__(self) -> str:

@@ -130,10 +130,12 @@ def _format_info(info: dict[str, Any], unicode: bool = True) -> str:
             if not isinstance(plan, dict):
                 lines.append(f"    packing plan seq_len {seq_len}: malformed (run validate)")
                 continue
-            filled = s["num_tokens"] / max(plan.get("num_bins", 0) * int(seq_len), 1)
+            filled = plan.get("filled")
+            about = "~" if plan.get("filled_sampled") else ""
+            fill = "" if filled is None else f" ({about}{filled:.1%} filled)"
             lines.append(
-                f"    packing plan seq_len {seq_len}: {plan.get('num_bins', 0):,} bins "
-                f"({filled:.1%} filled), {plan.get('algorithm')}, digest {plan.get('digest')}"
+                f"    packing plan seq_len {seq_len}: {plan.get('num_bins', 0):,} bins"
+                f"{fill}, {plan.get('algorithm')}, digest {plan.get('digest')}"
             )
         for array, lay in s["layout"].items():
             shard = f", shard {lay['shard']}" if lay["shard"] else ""
@@ -183,7 +185,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
             config_name=args.config or "--config",
             state_name=args.state or "--state",
         )
-        rows = show.parse_rows(args.rows, loader.config.batch_size_at(args.step))
+        size = loader.config.batch_size_at(args.step)
+        show.check_show_memory(loader.config, size, size if args.rows is None else 0)
+        rows = show.parse_rows(args.rows, size)
+        show.check_show_memory(loader.config, size, len(rows))
         decode = None if args.tokenizer is None else _decoder(args.tokenizer, loader)
         shown = show.run_json(loader, args.step, rows)
     except (StoreError, IndexError, KeyError, ValueError, OSError) as e:

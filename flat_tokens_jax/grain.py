@@ -50,6 +50,7 @@ from flat_tokens_jax.bins import BinRecords, PackingPlan, check_packing, make_re
 from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.grainbatches import Batches
 from flat_tokens_jax.hostdecode import BlockDecoder, default_threads
+from flat_tokens_jax.limits import check_loader_memory
 from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.options import StoreOptions, resolve_options
 from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records, recorded_info
@@ -287,6 +288,9 @@ class FlatTokensSource:
             ValueError: a bad ``batch_size``, ``seed``, ``num_epochs`` or
                 ``shard``, or ``batch_size`` that does not divide over the shards.
         """
+        count = shard[1] if isinstance(shard, tuple) and len(shard) == 2 else 1
+        if type(batch_size) is int and type(count) is int and batch_size > 0 and count > 0:
+            check_loader_memory(batch_size, self.seq_len, 0, count)
         return Batches(
             self, batch_size, seed=seed, shuffle=shuffle, num_epochs=num_epochs, shard=shard
         )
@@ -387,6 +391,8 @@ class ScheduledBatches:
                 f"ScheduledBatches reads a FlatTokensSource, got {type(source).__name__}"
             )
         self.source, self.schedule = source, BatchSchedule.of(batch_size)
+        largest = max(size for _, size in self.schedule.entries)
+        check_loader_memory(largest, source.seq_len, 0, 1)
         self.order = order
         self._num_samples = len(source) if order is None else len(order)
         self._length = self.schedule.steps_to_cover(self._num_samples)

@@ -35,6 +35,7 @@ from flat_tokens_jax.config import (
 )
 from flat_tokens_jax.dataset import FlatTokens
 from flat_tokens_jax.hostdecode import BlockDecoder, default_threads
+from flat_tokens_jax.limits import check_loader_memory
 from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.pipeline import Ahead
 from flat_tokens_jax.plans import default_cache_dir
@@ -111,6 +112,8 @@ class Loader:
                 "ftj.LoaderConfig(batch_size=..., seq_len=...)"
             )
         check_sharding(sharding)
+        largest = max(size for _, size in config.schedule.entries)
+        check_loader_memory(largest, config.seq_len, config.prefetch, jax.process_count())
         self.mixture = source if isinstance(source, Mixture) else None
         cache = default_cache_dir() if plan_cache is None else plan_cache
         if isinstance(source, Mixture):

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from flat_tokens_jax import compiled
+from flat_tokens_jax.limits import check_regular_file
 
 
 def _crc32c_function() -> Any:
@@ -254,6 +255,7 @@ class LocalShards:
 
     def _map(self, i: int) -> _Mapped | None:
         path = os.path.join(self.folder, "c", str(i))
+        check_regular_file(path, f"shard {i}")
         try:
             file_size = os.path.getsize(path)
         except OSError:

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import tempfile
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from flat_tokens_jax.binpack import ALGORITHM, build_plan, plan_digest
 from flat_tokens_jax.dataset import FlatTokens, open_dataset
 from flat_tokens_jax.format import FormatError, Problem
 from flat_tokens_jax.layout import Layout, create_array
+from flat_tokens_jax.limits import check_seq_len, special_kind
 from flat_tokens_jax.options import StoreOptions, resolve_options
 from flat_tokens_jax.store import V2_ATTRS, V2_GROUP, V3_META, Store
 
@@ -62,6 +64,8 @@ class PackingPlan:
             ``num_sequences``, ``starts_sample`` (16 hex digits of SHA-256 over
             64 evenly spaced ``seq_starts`` entries) and, when built here,
             ``starts_digest`` (the same over all of them).
+        tokens: tokens the bins hold (each sequence truncated to ``seq_len``),
+            when known (plans built here).
     """
 
     seq_len: int
@@ -69,6 +73,7 @@ class PackingPlan:
     bin_starts: np.ndarray
     seq_order: np.ndarray
     source: dict[str, Any]
+    tokens: int | None = None
 
     @property
     def num_bins(self) -> int:
@@ -81,12 +86,14 @@ class PackingPlan:
 
     def attributes(self) -> dict[str, Any]:
         """What a stored plan records beside its arrays (JSON-ready)."""
+        tokens = {} if self.tokens is None else {"tokens": self.tokens}
         return {
             "algorithm": self.algorithm,
             "seq_len": self.seq_len,
             "num_bins": self.num_bins,
             "digest": self.digest,
             "source": dict(self.source),
+            **tokens,
         }
 
     def check_shape(self, where: str) -> None:
@@ -98,6 +105,8 @@ class PackingPlan:
             problem = f"{s.size} bin starts and {o.size} sequences, expected {n} sequences"
         elif s[0] != 0 or s[-1] != n or np.any(np.diff(s) < 0):
             problem = f"bin_starts must rise from 0 to {n}"
+        elif n and np.any(np.diff(s) == 0):
+            problem = f"bin {int(np.argmin(np.diff(s)))} is empty (no plan we build has one)"
         elif n and (o.min() < 0 or o.max() >= n or np.any(np.bincount(o, minlength=n) != 1)):
             problem = "seq_order is not a permutation of the sequences"
         if problem:
@@ -131,9 +140,11 @@ def make_plan(ft: FlatTokens, seq_len: int) -> PackingPlan:
     """Builds the plan of ``ft`` for ``seq_len`` (reads every sequence bound)."""
     log.info("building the packing plan of %r for seq_len %d", ft, seq_len)
     starts = split_starts(ft)
-    bin_starts, seq_order = build_plan(np.diff(starts), seq_len)
-    source = {**plan_source(ft), "starts_digest": _digest(starts)}
-    return PackingPlan(seq_len, ALGORITHM, bin_starts, seq_order, source)
+    lengths = np.diff(starts)
+    bin_starts, seq_order = build_plan(lengths, seq_len)
+    source = {**plan_source(ft), "starts_digest": _digest(starts), "split": ft.split_name}
+    tokens = int(np.minimum(lengths, min(seq_len, np.iinfo(np.int64).max)).sum())
+    return PackingPlan(seq_len, ALGORITHM, bin_starts, seq_order, source, tokens)
 
 
 def _differences(plan: PackingPlan, ft: FlatTokens, seq_len: int) -> list[str]:
@@ -142,13 +153,67 @@ def _differences(plan: PackingPlan, ft: FlatTokens, seq_len: int) -> list[str]:
     return [f"{k}: plan {saved.get(k)!r}, data {v!r}" for k, v in now.items() if saved.get(k) != v]
 
 
-def check_plan(plan: PackingPlan, ft: FlatTokens, seq_len: int, where: str, fix: str) -> None:
-    """Refuses a plan made for another ``seq_len`` or from other data, naming what differs."""
+def _check_source(plan: PackingPlan, ft: FlatTokens, seq_len: int, where: str, fix: str) -> None:
+    """Refuses a plan whose recorded ``seq_len``, counts or sampled bounds differ."""
     diffs = _differences(plan, ft, seq_len)
     if diffs:
         raise FormatError(
             Problem(where, f"packing plan does not match ({'; '.join(diffs)}): {fix}")
         )
+
+
+def bin_tokens(plan: PackingPlan, lengths: np.ndarray) -> np.ndarray:
+    """``[num_bins] int64`` tokens each bin holds, sequences of ``lengths``
+    truncated to the plan's ``seq_len`` (empty bins hold 0)."""
+    cap = min(plan.seq_len, np.iinfo(np.int64).max)
+    sizes = np.minimum(lengths[plan.seq_order], cap)
+    total = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
+    return total[plan.bin_starts[1:]] - total[plan.bin_starts[:-1]]
+
+
+def plan_data_problems(
+    plan: PackingPlan, ft: FlatTokens, starts: np.ndarray, where: str, fix: str
+) -> list[Problem]:
+    """Why ``plan`` (of a valid shape) is no plan of ``ft``'s sequences ``starts``
+    (:func:`split_starts`): it records a digest of other sequence bounds, or a
+    bin holds more than ``seq_len`` of these tokens. Each names the split the
+    plan was made from (where it records one) and ``ft``."""
+    here = _digest(starts)
+    recorded = plan.source.get("starts_digest")
+    split = plan.source.get("split")
+    made = f"split {split!r}" if isinstance(split, str) else "other data"
+    if recorded is not None and recorded != here:
+        return [
+            Problem(
+                where,
+                f"the packing plan was made from {made} (sequence bounds digest {recorded}), "
+                f"not from {ft!r} (digest {here}): {fix}",
+            )
+        ]
+    per_bin = bin_tokens(plan, np.diff(starts))
+    over = np.flatnonzero(per_bin > plan.seq_len)
+    return [
+        Problem(
+            where,
+            f"the packing plan was made from {made}, not from {ft!r}: its bin holds more "
+            f"than seq_len={plan.seq_len} of these tokens: {fix}",
+            int(b),
+            int(per_bin[b]),
+        )
+        for b in over[: FormatError.max_listed]
+    ]
+
+
+def check_plan(plan: PackingPlan, ft: FlatTokens, seq_len: int, where: str, fix: str) -> None:
+    """Refuses a plan made for another ``seq_len`` or from other data, naming what
+    differs: the recorded counts and sampled bounds first (cheap), then the
+    arrays' shape, then every bin against the sequences of ``ft`` (one read of
+    its ``seq_starts``) and the digest of all bounds where the plan records it."""
+    _check_source(plan, ft, seq_len, where, fix)
+    plan.check_shape(where)
+    problems = plan_data_problems(plan, ft, split_starts(ft), where, fix)
+    if problems:
+        raise FormatError(problems)
 
 
 def write_plan(store: Store, ft: FlatTokens, seq_len: int, zarr_format: int) -> PackingPlan:
@@ -230,6 +295,7 @@ def pack_dataset(
     """
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+    check_seq_len(seq_len, "pack_dataset")
     ds = open_dataset(url, resolve_options(options, option_fields, "pack_dataset"))
     names = list(ds.splits if splits is None else splits)
     out = {}
@@ -258,7 +324,6 @@ def check_stored_plans(ft: FlatTokens) -> list[Problem]:
     made from other data (sequence bounds differ)."""
     problems: list[Problem] = []
     starts = split_starts(ft)
-    lengths = np.diff(starts)
     for seq_len in stored_seq_lens(ft):
         where = f"{ft.url}/{plan_group(ft.split_name, seq_len)}"
         fix = f"rebuild it: flat-tokens pack {ft.url} --seq-len {seq_len}"
@@ -266,20 +331,11 @@ def check_stored_plans(ft: FlatTokens) -> list[Problem]:
             plan = read_stored_plan(ft, seq_len)
             if plan is None:  # removed while we looked
                 continue
-            check_plan(plan, ft, seq_len, where, fix)
+            _check_source(plan, ft, seq_len, where, fix)
         except FormatError as e:
             problems += e.problems
             continue
-        recorded = plan.source.get("starts_digest")
-        if recorded is not None and recorded != _digest(starts):
-            problems.append(Problem(where, f"made from other sequence bounds: {fix}"))
-        sizes = np.minimum(lengths[plan.seq_order], seq_len)
-        per_bin = np.add.reduceat(sizes, plan.bin_starts[:-1]) if sizes.size else sizes
-        over = np.flatnonzero(per_bin > seq_len)
-        problems += [
-            Problem(where, f"bin holds more than seq_len={seq_len} tokens", int(b), int(per_bin[b]))
-            for b in over[: FormatError.max_listed]
-        ]
+        problems += plan_data_problems(plan, ft, starts, where, fix)
         stored = ft.store.group_attributes(plan_group(ft.split_name, seq_len))
         digest = None if stored is None else stored[1][PLAN_ATTRIBUTE].get("digest")
         if digest != plan.digest:
@@ -327,16 +383,20 @@ def cached_plan(ft: FlatTokens, seq_len: int, cache_dir: str | os.PathLike[str])
     key = _cache_key(ft, seq_len)
     text = json.dumps(key, sort_keys=True)
     path = Path(cache_dir) / (hashlib.sha256(text.encode()).hexdigest()[:32] + ".npz")
-    if path.exists():
+    kind = special_kind(path)
+    if kind is not None:  # np.load would wait on a FIFO forever
+        log.warning("ignoring the cached packing plan %s: it is a %s, not a file", path, kind)
+    elif path.exists():
         try:
             with np.load(path) as f:
                 if str(f["key"]) == text:
-                    plan = PackingPlan(
-                        seq_len, ALGORITHM, f["bin_starts"], f["seq_order"], key["source"]
-                    )
-                    plan.check_shape(os.fspath(path))
+                    # Entries of older versions hold no "source" (nor its full digest).
+                    saved = json.loads(str(f["source"])) if "source" in f.files else {}
+                    source = {**key["source"], **(saved if isinstance(saved, dict) else {})}
+                    plan = PackingPlan(seq_len, ALGORITHM, f["bin_starts"], f["seq_order"], source)
+                    check_plan(plan, ft, seq_len, os.fspath(path), "built again")
                     return plan
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
             log.warning("ignoring the unreadable cached packing plan %s: %s", path, e)
     plan = make_plan(ft, seq_len)
     tmp_name = None
@@ -344,7 +404,13 @@ def cached_plan(ft: FlatTokens, seq_len: int, cache_dir: str | os.PathLike[str])
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
             tmp_name = tmp.name
-            np.savez(tmp, key=np.array(text), bin_starts=plan.bin_starts, seq_order=plan.seq_order)
+            np.savez(
+                tmp,
+                key=np.array(text),
+                source=np.array(json.dumps(plan.source, sort_keys=True)),
+                bin_starts=plan.bin_starts,
+                seq_order=plan.seq_order,
+            )
         os.replace(tmp_name, path)
     except OSError as e:
         log.warning("could not cache the packing plan at %s: %s", path, e)
@@ -376,4 +442,9 @@ def find_plan(
             return stored
     if cache_dir is None:
         return make_plan(ft, seq_len)
+    if not os.fspath(cache_dir):
+        raise ValueError(
+            "plan_cache is '' (it would put packing plans in the working directory): "
+            "give a folder, or None to build plans without caching them"
+        )
     return cached_plan(ft, seq_len, cache_dir)

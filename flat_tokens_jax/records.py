@@ -18,6 +18,7 @@ import numpy as np
 
 from flat_tokens_jax.dataset import Dataset, FlatTokens
 from flat_tokens_jax.format import ENCODED_DTYPE, FormatError, as_indices
+from flat_tokens_jax.limits import check_seq_len
 from flat_tokens_jax.urls import redact
 
 
@@ -161,6 +162,7 @@ class _SplitRecords:
     def __init__(self, ft: FlatTokens, seq_len: int) -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        check_seq_len(seq_len, f"records of {ft!r}:")
         self.ft, self.seq_len = ft, seq_len
 
     def __repr__(self) -> str:

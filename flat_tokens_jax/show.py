@@ -21,6 +21,7 @@ import numpy as np
 
 from flat_tokens_jax.config import LoaderConfig
 from flat_tokens_jax.dataset import FlatTokens, open_dataset
+from flat_tokens_jax.limits import ROW_BYTES_PER_TOKEN, check_memory, memory_bytes
 from flat_tokens_jax.loader import Loader
 from flat_tokens_jax.mixconfig import mixture_from_config
 from flat_tokens_jax.mixture import Mixture
@@ -31,6 +32,8 @@ from flat_tokens_jax.values import BadValue
 
 FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 UNTRAINED = ("⟦", "⟧")  # around tokens whose loss_mask is 0
+ROW_BYTES = 1024  # per row of a step, besides its tokens: sample indices, provenance
+PRINTED_BYTES_PER_TOKEN = 200  # a printed row's five fields as Python lists, then text
 
 
 def read_state(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -215,6 +218,7 @@ def build_loader(
     except BadValue as e:
         field = e.path.removeprefix("LoaderConfig.").split(" ")[0]
         raise e.moved("LoaderConfig", origin.get(field, "LoaderConfig")) from None
+    check_show_memory(cfg, max(size for _, size in cfg.schedule.entries), 0)
     if url is not None and data is not None:
         raise ValueError("the data is given twice: as URL and as the --config 'data' section")
     if url is not None:
@@ -238,6 +242,25 @@ def build_loader(
             header="the data found is not what the saved run read",
         )
     return loader
+
+
+def check_show_memory(cfg: LoaderConfig, rows: int, printed: int) -> None:
+    """Refuses a step of ``rows`` rows, ``printed`` of them printed, that this
+    machine's memory cannot hold, before anything is allocated.
+
+    Raises:
+        ValueError: with the estimate and the largest batch size that fits.
+    """
+    per_row = cfg.seq_len * ROW_BYTES_PER_TOKEN + ROW_BYTES
+    per_printed = cfg.seq_len * PRINTED_BYTES_PER_TOKEN
+    need = rows * per_row + printed * per_printed
+    most = memory_bytes() // (per_row + (per_printed if printed else 0))
+    check_memory(
+        need,
+        f"a step of batch size {rows:,} at seq_len {cfg.seq_len:,}"
+        + (f" with {printed:,} rows printed" if printed else ""),
+        f"pass a --batch-size of at most {most:,}" + (" or fewer --rows" if printed else ""),
+    )
 
 
 def _state_config(state: Mapping[str, Any]) -> dict[str, Any]:

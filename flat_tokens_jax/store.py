@@ -21,6 +21,7 @@ import zarr
 
 from flat_tokens_jax.arrays import ArrayReader, TensorStoreArray, ZarrPythonArray
 from flat_tokens_jax.format import FormatError
+from flat_tokens_jax.limits import check_array_files, check_chunk_files, check_regular_file
 from flat_tokens_jax.localshards import LocalShards, plain_shard_geometry
 from flat_tokens_jax.options import (
     StoreOptions,
@@ -146,8 +147,20 @@ class Store:
         """The kvstore spec of ``key`` (a folder) under the root."""
         return {**self.spec, "path": self.spec["path"] + key.strip("/") + "/"}
 
+    def local_path(self, key: str) -> str | None:
+        """The file of ``key`` on local disk, or ``None`` for other stores."""
+        return self.spec["path"] + key if self.spec["driver"] == "file" else None
+
     def read_json(self, key: str) -> dict[str, Any] | None:
-        """Parsed JSON at ``key``, or ``None`` if there is no such key."""
+        """Parsed JSON at ``key``, or ``None`` if there is no such key.
+
+        Raises:
+            FormatError: the local file of ``key`` is a FIFO, device or folder
+                (tensorstore would wait on a FIFO forever).
+        """
+        path = self.local_path(key)
+        if path is not None:
+            check_regular_file(path, "zarr metadata (JSON)")
         got = self.wait(self.kv.read(key))
         if got.state != "value":
             return None
@@ -234,6 +247,9 @@ class Store:
         ``meta``, uncompressed zarr v3 shards on local disk are memory-mapped
         (see :mod:`flat_tokens_jax.localshards`).
         """
+        folder = self.local_path(key)
+        if folder is not None:  # tensorstore and zarr-python would block on a FIFO chunk
+            check_array_files(folder)
         driver = "zarr3" if zarr_format == 3 else "zarr"
         complete = bool(meta and (meta.get("attributes") or {}).get(EVERY_CHUNK_STORED))
         spec = {
@@ -260,11 +276,15 @@ class Store:
                 raise FormatError(
                     f"{self.url}/{key}: expected a 1-D array, found shape {arr.shape}"
                 ) from None
+            if folder is not None:
+                check_chunk_files(folder)
             return ZarrPythonArray(arr)
         if handle.rank != 1:
             raise FormatError(
                 f"{self.url}/{key}: expected a 1-D array, found shape {tuple(handle.shape)}"
             )
+        if folder is not None:
+            check_chunk_files(folder)
         local = None
         if self.spec["driver"] == "file" and zarr_format == 3 and meta is not None:
             geometry = plain_shard_geometry(meta)

@@ -323,8 +323,24 @@ def summary(
             }
             info["histogram"] = length_histogram(lengths)
             info["lengths_sampled"] = bool(idx.size < n)
+            _plans_filled(info["packing_plans"], lengths, n)
         out["splits"][name] = info
     return out
+
+
+def _plans_filled(plans: dict[str, Any], lengths: np.ndarray, n: int) -> None:
+    """Adds ``"filled"`` to each plan: the share of its bins' tokens that hold
+    tokens, counting each sequence truncated to ``seq_len`` (the plan's own
+    ``tokens`` where it records them, else from ``lengths`` of ``n`` sequences,
+    ``"filled_sampled": true`` when those are a sample)."""
+    for seq_len, plan in plans.items():
+        if not isinstance(plan, dict) or not isinstance(plan.get("num_bins"), int):
+            continue
+        tokens = plan.get("tokens")
+        if not isinstance(tokens, int):
+            tokens = round(float(np.minimum(lengths, int(seq_len)).mean()) * n)
+            plan["filled_sampled"] = bool(lengths.size < n)
+        plan["filled"] = tokens / max(plan["num_bins"] * int(seq_len), 1)
 
 
 def length_histogram(lengths: np.ndarray) -> dict[str, list[int]]:

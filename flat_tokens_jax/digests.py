@@ -179,8 +179,20 @@ class ChunkDigests:
             known = None
             got = reader.stored_crc32c(todo, self.chunk)
             if got is None:
-                lo = todo * self.chunk
-                values = reader.read_ranges(lo, np.minimum(lo + self.chunk, self.size))
+                # Runs of consecutive chunks as one range each: a store reads
+                # adjacent chunks of a shard in one request, as the read would.
+                runs = np.split(todo, np.flatnonzero(np.diff(todo) != 1) + 1)
+                lo = np.array([r[0] for r in runs], np.int64) * self.chunk
+                hi = np.minimum(
+                    np.array([r[-1] + 1 for r in runs], np.int64) * self.chunk, self.size
+                )
+                pending = reader.request_ranges(lo, hi)
+                self._load(todo)  # the recorded digests, read while the chunks are in flight
+                values = [
+                    run_values[i * self.chunk : (i + 1) * self.chunk]
+                    for run, run_values in zip(runs, pending.result(), strict=True)
+                    for i in range(run.size)
+                ]
                 self.bytes_read += sum(v.nbytes for v in values)
                 got = np.array([chunk_digest(v, self.chunk) for v in values], np.uint32)
                 known = Known(self.chunk, dict(zip(todo.tolist(), values, strict=True)))

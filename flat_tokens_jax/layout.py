@@ -187,19 +187,26 @@ def create_array(
     its final size or at a provisional one and resized at the end.
     """
     per_shard, per_chunk = layout.elements(array)
+    meta = layout.array_spec(dtype, per_shard, per_chunk, size)
+    return _create(store, f"{split}/{array}", meta, layout.zarr_format)
+
+
+def _create(store: Store, key: str, meta: dict[str, Any], zarr_format: int) -> ts.TensorStore:
+    """Creates (replacing) the array ``key`` of metadata ``meta``, marked as
+    storing every chunk."""
     spec = {
-        "driver": "zarr3" if layout.zarr_format == 3 else "zarr",
-        "kvstore": store.sub(f"{split}/{array}"),
-        "metadata": layout.array_spec(dtype, per_shard, per_chunk, size),
+        "driver": "zarr3" if zarr_format == 3 else "zarr",
+        "kvstore": store.sub(key),
+        "metadata": meta,
         "create": True,
         "delete_existing": True,
         "store_data_equal_to_fill_value": True,
     }
-    array_store = store.wait(ts.open(spec, context=store.context))
-    if layout.zarr_format == 2:
+    created = store.wait(ts.open(spec, context=store.context))
+    if zarr_format == 2:
         # zarr v3 keeps this mark in the array's metadata; v2 in its .zattrs.
-        store.write_json(f"{split}/{array}/{V2_ATTRS}", {EVERY_CHUNK_STORED: True})
-    return array_store
+        store.write_json(f"{key}/{V2_ATTRS}", {EVERY_CHUNK_STORED: True})
+    return created
 
 
 def open_for_writing(store: Store, split: str, array: str, layout: Layout) -> ts.TensorStore:
@@ -241,19 +248,7 @@ def create_digests(
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [per_side]}},
             "codecs": codecs + ([{"name": "crc32c"}] if layout.checksum else []),
         }
-    key = f"{split}/{array}/{DIGESTS}"
-    spec = {
-        "driver": "zarr3" if layout.zarr_format == 3 else "zarr",
-        "kvstore": store.sub(key),
-        "metadata": meta,
-        "create": True,
-        "delete_existing": True,
-        "store_data_equal_to_fill_value": True,
-    }
-    side = store.wait(ts.open(spec, context=store.context))
-    if layout.zarr_format == 2:
-        store.write_json(f"{key}/{V2_ATTRS}", {EVERY_CHUNK_STORED: True})
-    return side
+    return _create(store, f"{split}/{array}/{DIGESTS}", meta, layout.zarr_format)
 
 
 def open_digests(store: Store, split: str, array: str, layout: Layout) -> ts.TensorStore:

@@ -111,6 +111,8 @@ class ChunkDigests:
         self._side: ArrayReader | None = None
         self.content: str | None = None  # the recorded content digest, if any
         self._lock = threading.Lock()
+        self._checking: dict[int, threading.Event] = {}  # chunk: set once its check ends
+        self._loading = threading.Lock()  # held while recorded digests are read
 
     @classmethod
     def of(
@@ -171,36 +173,58 @@ class ChunkDigests:
         chunks = touched(starts, stops, self.chunk)
         if self.checked[chunks].all():
             return None
+        # Reads check their chunks at once, each chunk once: a chunk another
+        # read is checking is waited for, not read again, and no lock is held
+        # while chunks are read (the reads of steps in flight overlap).
         with self._lock:
             todo = np.unique(chunks)
             todo = todo[~self.checked[todo]]
-            if not todo.size:
-                return None
-            known = None
-            got = reader.stored_crc32c(todo, self.chunk)
-            if got is None:
-                # Runs of consecutive chunks as one range each: a store reads
-                # adjacent chunks of a shard in one request, as the read would.
-                runs = np.split(todo, np.flatnonzero(np.diff(todo) != 1) + 1)
-                lo = np.array([r[0] for r in runs], np.int64) * self.chunk
-                hi = np.minimum(
-                    np.array([r[-1] + 1 for r in runs], np.int64) * self.chunk, self.size
-                )
-                pending = reader.request_ranges(lo, hi)
-                self._load(todo)  # the recorded digests, read while the chunks are in flight
-                values = [
-                    run_values[i * self.chunk : (i + 1) * self.chunk]
-                    for run, run_values in zip(runs, pending.result(), strict=True)
-                    for i in range(run.size)
-                ]
+            busy = np.array([c in self._checking for c in todo.tolist()], bool)
+            theirs = {self._checking[c] for c in todo[busy].tolist()}
+            mine = todo[~busy]
+            done = threading.Event()
+            for c in mine.tolist():
+                self._checking[c] = done
+        try:
+            known = self._check_chunks(reader, mine) if mine.size else None
+        finally:
+            with self._lock:
+                for c in mine.tolist():
+                    del self._checking[c]
+            done.set()
+        for event in theirs:
+            event.wait()
+        failed = todo[busy][~self.checked[todo[busy]]]
+        if failed.size:  # another read found it bad: check it here, for the message
+            self._check_chunks(reader, failed)
+        return known
+
+    def _check_chunks(self, reader: ArrayReader, todo: np.ndarray) -> Known | None:
+        """Checks ``todo`` (sorted chunk numbers); the chunks read whole, if any."""
+        known = None
+        got = reader.stored_crc32c(todo, self.chunk)
+        if got is None:
+            # Runs of consecutive chunks as one range each: a store reads
+            # adjacent chunks of a shard in one request, as the read would.
+            runs = np.split(todo, np.flatnonzero(np.diff(todo) != 1) + 1)
+            lo = np.array([r[0] for r in runs], np.int64) * self.chunk
+            hi = np.minimum(np.array([r[-1] + 1 for r in runs], np.int64) * self.chunk, self.size)
+            pending = reader.request_ranges(lo, hi)
+            self._load(todo)  # the recorded digests, read while the chunks are in flight
+            values = [
+                run_values[i * self.chunk : (i + 1) * self.chunk]
+                for run, run_values in zip(runs, pending.result(), strict=True)
+                for i in range(run.size)
+            ]
+            with self._lock:
                 self.bytes_read += sum(v.nbytes for v in values)
-                got = np.array([chunk_digest(v, self.chunk) for v in values], np.uint32)
-                known = Known(self.chunk, dict(zip(todo.tolist(), values, strict=True)))
-            bad = self._mismatches(todo, got)
-            if bad:
-                raise FormatError(f"{self.where}: {bad[0]}")
-            self.checked[todo] = True
-            return known
+            got = np.array([chunk_digest(v, self.chunk) for v in values], np.uint32)
+            known = Known(self.chunk, dict(zip(todo.tolist(), values, strict=True)))
+        bad = self._mismatches(todo, got)
+        if bad:
+            raise FormatError(f"{self.where}: {bad[0]}")
+        self.checked[todo] = True
+        return known
 
     def check_block(self, offset: int, values: np.ndarray) -> list[str]:
         """Checks the chunks wholly inside ``values``, the array's elements from
@@ -246,14 +270,17 @@ class ChunkDigests:
         shards not read yet (one request)."""
         per_shard = self.shard // self.chunk
         shards = np.unique(chunks // per_shard)
-        shards = shards[~self._loaded[shards]]
-        if shards.size:
-            lo = shards * per_shard
-            hi = np.minimum(lo + per_shard, self.count)
-            for a, values in zip(lo.tolist(), self.side().read_ranges(lo, hi), strict=True):
-                self._recorded[a : a + values.size] = values
-                self.side_bytes += values.nbytes
-            self._loaded[shards] = True
+        if not self._loaded[shards].all():
+            with self._loading:  # each shard's digests read once (once per process)
+                shards = shards[~self._loaded[shards]]
+                if shards.size:
+                    lo = shards * per_shard
+                    hi = np.minimum(lo + per_shard, self.count)
+                    found = self.side().read_ranges(lo, hi)
+                    for a, values in zip(lo.tolist(), found, strict=True):
+                        self._recorded[a : a + values.size] = values
+                        self.side_bytes += values.nbytes
+                    self._loaded[shards] = True
         return self._recorded[chunks]
 
     def _message(self, c: int, got: int, recorded: int) -> str:

@@ -172,6 +172,11 @@ class Loader:
         self.block_decoder = BlockDecoder(config.decode_threads or default_threads())
         # Reading ahead, the read stage takes a core of its own (see pipeline).
         self._ahead_threads = config.decode_threads or max(1, default_threads() - 1)
+        # Data off local disk: a fetch mostly waits for round trips.
+        self._remote = any(
+            isinstance(ft := getattr(r, "ft", None), FlatTokens) and ft.store.local_path("") is None
+            for r in self.components
+        )
         if config.decode == "device":
             self._device_plan(0)  # refuses a sharding it cannot decode under
 
@@ -283,6 +288,7 @@ class Loader:
             lambda step: (step, self._fetch(step, ahead)),
             lambda fetched: self._finish(fetched, self._ahead_threads),
             name,
+            fetchers=max(1, self.config.prefetch) if self._remote else 1,
         )
 
     def encoded_batch(self, step: int) -> dict[str, jax.Array]:

@@ -100,3 +100,42 @@ def test_close_drops_steps_not_started() -> None:
     ahead.close()
     assert fetched == [0]
     assert all(f.cancelled() for f in futures[1:])
+
+
+@pytest.mark.parametrize("fetchers", [1, 2, 4])
+def test_fetches_of_steps_in_flight_overlap_and_finish_in_order(fetchers: int) -> None:
+    """With ``fetchers`` threads, that many fetches wait at once (a barrier of
+    that many parties passes only if they do); later fetches that end first
+    still finish after the earlier steps, in submission order."""
+    barrier = threading.Barrier(fetchers, timeout=10)
+    finished: list[int] = []
+
+    def fetch(step: int) -> int:
+        if step < fetchers:
+            barrier.wait()  # all of the first `fetchers` fetches in flight at once
+        return step
+
+    def finish(step: int) -> int:
+        finished.append(step)
+        return step * 2
+
+    ahead = Ahead(fetch, finish, "t", fetchers=fetchers)
+    futures = [ahead.submit(s) for s in range(3 * fetchers)]
+    assert [f.result(timeout=20) for f in futures] == [2 * s for s in range(3 * fetchers)]
+    ahead.close()
+    assert finished == list(range(3 * fetchers))
+
+
+def test_one_fetcher_runs_one_fetch_at_a_time() -> None:
+    barrier = threading.Barrier(2, timeout=0.5)
+    ahead = Ahead(lambda step: barrier.wait(), lambda x: x, "t")
+    futures = [ahead.submit(s) for s in range(2)]
+    with pytest.raises(threading.BrokenBarrierError):
+        futures[0].result(timeout=10)
+    ahead.close()
+
+
+@pytest.mark.parametrize("fetchers", [0, -1, True, 1.5])
+def test_fetchers_must_be_a_positive_int(fetchers: object) -> None:
+    with pytest.raises(ValueError, match=r"Ahead\.fetchers must be an int >= 1"):
+        Ahead(lambda s: s, lambda x: x, "t", fetchers=fetchers)  # type: ignore[arg-type]

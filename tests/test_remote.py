@@ -396,3 +396,44 @@ def test_the_gcs_marker_is_created_only_if_absent(gcs: Remote) -> None:
     uploads = [p for m, p, _ in gcs.proxy.requests[start:] if m == "POST" and MARKER in p]
     assert len(uploads) == 1, gcs.proxy.requests[start:]
     assert "ifGenerationMatch=0" in uploads[0]
+
+
+@pytest.mark.parametrize("prefetch", [1, 4, 16])
+def test_steps_fetched_at_once_give_the_same_batches_under_any_latency(
+    s3: Remote, tmp_path: Path, prefetch: int
+) -> None:
+    """Read-ahead fetches the steps in flight at once on an object store; the
+    requests answer in whatever order a latency that changes under them gives,
+    and every step is still the local store's batch, in order."""
+    url, local = local_and_remote(s3, tmp_path, s3.options)
+    proxy = DelayProxy(s3.proxy.port, 0)
+    stop = threading.Event()
+
+    def vary() -> None:
+        rng = np.random.default_rng(prefetch)
+        while not stop.is_set():
+            proxy.delay = float(rng.choice([0.0, 0.002, 0.01, 0.03]))
+            time.sleep(0.003)
+
+    changing = threading.Thread(target=vary, daemon=True)
+    changing.start()
+    try:
+        options = s3.with_options(endpoint=f"http://127.0.0.1:{proxy.port}")
+        for packing in (True, False):
+            cfg = ftj.LoaderConfig(
+                batch_size=8, seq_len=32, packing=packing, seed=5, prefetch=prefetch
+            )
+            here = ftj.Loader(ftj.open_dataset(local)["train"], cfg)
+            loader = ftj.Loader(ftj.open_dataset(url, options)["train"], cfg)
+            steps = []
+            for step, batch in loader.iterate(0):
+                steps.append(step)
+                for key, value in batch.items():
+                    np.testing.assert_array_equal(np.asarray(value), here.host_batch(step)[key])
+                if step == 24:
+                    break
+            assert steps == list(range(25))
+    finally:
+        stop.set()
+        changing.join(5)
+        proxy.close()

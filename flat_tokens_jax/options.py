@@ -13,6 +13,12 @@ from flat_tokens_jax.urls import redact, redact_text
 # The aws_credentials types that StoreOptions.credentials may name alone.
 CREDENTIAL_TYPES = ("default", "anonymous", "environment", "imds", "ecs")
 
+# HTTP requests in flight per dataset when StoreOptions.concurrency is None: a
+# ceiling well above what read-ahead asks for (about one request per row of the
+# steps in flight), so the rows in flight decide, and below what one client
+# should open at once to one endpoint.
+CONCURRENCY_CEILING = 1024
+
 
 @dataclasses.dataclass(frozen=True)
 class StoreOptions:
@@ -30,9 +36,11 @@ class StoreOptions:
             "profile": "p", "credentials_file": "/path"}``. ``None``: tensorstore's
             default chain. ``gs://`` credentials come from the environment, as
             tensorstore reads them.
-        concurrency: ``gs://``/``s3://``: HTTP requests in flight at once. A
-            batch is about one request per row, and prefetching keeps several
-            batches in flight, so this is what hides per-request latency.
+        concurrency: ``gs://``/``s3://``: the most HTTP requests in flight at
+            once. ``None``: as many as the reads in flight ask for (a batch is
+            about one request per row a host loads, and read-ahead fetches the
+            steps in flight at once), up to :data:`CONCURRENCY_CEILING` (1024).
+            An int pins the limit, e.g. to spare a shared endpoint.
         retries: ``gs://``/``s3://``: attempts per request before a read fails
             (throttling, 5xx answers, refused or dropped connections). A server
             that stays down fails a read after the waits between attempts,
@@ -57,7 +65,7 @@ class StoreOptions:
     endpoint: str | None = None
     region: str | None = None
     credentials: str | Mapping[str, Any] | None = None
-    concurrency: int = 128
+    concurrency: int | None = None
     retries: int = 8
     retry_delay: float = 1.0
     max_retry_delay: float = 32.0
@@ -66,9 +74,13 @@ class StoreOptions:
     context: ts.Context | None = None
 
     def __post_init__(self) -> None:
-        for name in ("concurrency", "retries"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"StoreOptions.{name} must be at least 1")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(
+                f"StoreOptions.concurrency must be at least 1, or None to follow the reads in "
+                f"flight (up to {CONCURRENCY_CEILING}), got {self.concurrency}"
+            )
+        if self.retries < 1:
+            raise ValueError("StoreOptions.retries must be at least 1")
         if not 0 < self.retry_delay <= self.max_retry_delay:
             raise ValueError(
                 f"StoreOptions.retry_delay ({self.retry_delay}) must be above 0 and at most "
@@ -158,6 +170,7 @@ def _millis(seconds: float) -> str:
 def context_spec(options: StoreOptions) -> dict[str, Any]:
     """The tensorstore context spec of ``options``: request concurrency and
     retries for GCS and S3, and the cache pool."""
+    limit = CONCURRENCY_CEILING if options.concurrency is None else options.concurrency
     retries = {
         # tensorstore's max_retries counts the attempts after the first.
         "max_retries": options.retries - 1,
@@ -165,8 +178,8 @@ def context_spec(options: StoreOptions) -> dict[str, Any]:
         "max_delay": _millis(options.max_retry_delay),
     }
     return {
-        "gcs_request_concurrency": {"limit": options.concurrency},
-        "s3_request_concurrency": {"limit": options.concurrency},
+        "gcs_request_concurrency": {"limit": limit},
+        "s3_request_concurrency": {"limit": limit},
         "gcs_request_retries": retries,
         "s3_request_retries": retries,
         "cache_pool": {"total_bytes_limit": options.cache_bytes},

@@ -52,7 +52,8 @@ def record(read: ReadRanges, size: int, shard: int) -> dict[str, Any]:
 class ShardProbes:
     """The recorded probes of one array, and which shards this process checked.
 
-    Thread-safe: concurrent reads may check the same shard; it is read once.
+    Thread-safe: concurrent reads may check the same shard; it is read once,
+    and reads that touch different shards check them at once.
     """
 
     def __init__(self, where: str, size: int, shard: int, crcs: Sequence[int]) -> None:
@@ -61,6 +62,7 @@ class ShardProbes:
         self.checked = np.zeros(self.crcs.size, bool)
         self.bytes_read = 0  # by the checks, over all views that share these probes
         self._lock = threading.Lock()
+        self._reading: dict[int, threading.Event] = {}  # shard -> set when its check ends
 
     @classmethod
     def of(cls, attributes: Mapping[str, Any], where: str, size: int) -> ShardProbes | None:
@@ -99,17 +101,32 @@ class ShardProbes:
             FormatError: a shard whose first values are not those recorded.
         """
         shards = touched(starts, stops, self.shard)
-        todo = np.unique(shards[~self.checked[shards]])
-        if not todo.size:
-            return
-        with self._lock:
-            todo = todo[~self.checked[todo]]
+        while True:
+            todo = np.unique(shards[~self.checked[shards]])
             if not todo.size:
                 return
-            bad = self._mismatches(read, todo)
-            if bad:
-                raise FormatError(f"{self.where}: {bad[0]}")
-            self.checked[todo] = True
+            with self._lock:
+                todo = todo[~self.checked[todo]]
+                mine = np.array([s for s in todo.tolist() if s not in self._reading], np.int64)
+                others = {self._reading[s] for s in todo.tolist() if s in self._reading}
+                done = threading.Event()
+                for s in mine.tolist():
+                    self._reading[s] = done
+            if mine.size:  # read without the lock, so reads of other shards go at once
+                try:
+                    bad = self._mismatches(read, mine)
+                    if bad:
+                        raise FormatError(f"{self.where}: {bad[0]}")
+                    self.checked[mine] = True
+                finally:
+                    with self._lock:
+                        for s in mine.tolist():
+                            del self._reading[s]
+                    done.set()
+            # Shards another read was checking: checked now, or checked again here
+            # if that read failed.
+            for event in others:
+                event.wait()
 
     def verify_all(self, read: ReadRanges) -> list[str]:
         """Reads every shard's probe; a message for each that differs (for ``validate``)."""
@@ -121,7 +138,8 @@ class ShardProbes:
         lo = shards * self.shard
         size = min(PROBE, self.shard)
         values = read(lo, np.minimum(lo + size, self.size))
-        self.bytes_read += sum(v.nbytes for v in values)
+        with self._lock:
+            self.bytes_read += sum(v.nbytes for v in values)
         return [
             f"shard {s} (values [{s * self.shard}, {min((s + 1) * self.shard, self.size)})) "
             f"is not the one written here: its first {size} values differ from the recorded "

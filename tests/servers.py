@@ -149,57 +149,234 @@ def aws_profile(folder: Path, key_id: str = "testing", secret: str = "testing") 
     }
 
 
-class DelayProxy:
-    """A TCP proxy on 127.0.0.1 that holds each client write ``delay`` seconds.
+class Link:
+    """A link of ``rate`` bytes/s shared by everything sent over it, first come
+    first served: :meth:`hold` says how long to keep ``n`` bytes that arrive at
+    ``now`` so that they leave when the link has carried them (no burst).
 
-    Each HTTP request reaches the server ``delay`` later than sent: a fixed
-    latency per request, as from a distant object store.
+    Whatever the arrivals, the bytes that have left by any time ``t`` are at
+    most ``rate * (t - first arrival)``, and while bytes wait the link carries
+    ``rate`` bytes/s.
     """
 
-    def __init__(self, target_port: int, delay: float) -> None:
-        self.target_port, self.delay = target_port, delay
+    def __init__(self) -> None:
+        self._free = float("-inf")  # when the link has carried all it was given
+
+    def hold(self, n: int, now: float, rate: float) -> float:
+        """Seconds from ``now`` until ``n`` bytes given at ``now`` have been carried."""
+        self._free = max(now, self._free) + n / rate
+        return self._free - now
+
+
+_HELD = object()  # a request the proxy keeps without answering
+
+
+class DelayProxy:
+    """An HTTP/1.1 proxy on 127.0.0.1 (TCP in between: the client's bytes pass
+    unchanged) that holds each client write ``delay`` seconds, caps the answers'
+    bandwidth, counts requests in flight, and can fail or stall requests.
+
+    Each HTTP request reaches the server ``delay`` later than sent (and each
+    64 KiB of a request body ``delay`` more): a fixed latency per request, as
+    from a distant object store. ``delay`` may change at any time.
+
+    ``rate``: bytes/s that the answers of all connections share (``None``: no
+    cap; may change at any time), as a link to a remote store: see :class:`Link`.
+
+    A request is *in flight* from when its head reaches the proxy until the
+    first bytes of its answer come back (clients send one request at a time
+    per connection): ``in_flight`` now, ``max_in_flight`` the most at once
+    since the start or the last :meth:`reset`. :meth:`count` gives the
+    requests seen, ``downloaded`` the bytes of the answers, ``failed`` the
+    requests that :meth:`fail` answered.
+
+    :meth:`fail` answers the next ``n`` requests with an HTTP error from the
+    proxy itself (the server never sees them); :meth:`stall` holds the next
+    ``n`` unanswered until :meth:`release` (or :meth:`close`).
+    """
+
+    def __init__(self, target_port: int, delay: float = 0.0, rate: float | None = None) -> None:
+        self.target_port, self.delay, self.rate = target_port, delay, rate
         self.port = free_port()
+        self.in_flight = self.max_in_flight = self.downloaded = self.failed = 0
+        self._requests = 0
+        self._switches: list[int | object] = []
+        self._lock = threading.Lock()
+        self._link = Link()
+        self._gate = asyncio.Event()  # set by release: held requests go on
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         self._ready.wait(10)
 
+    def fail(self, n: int, status: int = 503) -> None:
+        """Answers the next ``n`` requests with ``status`` (empty body, and the
+        connection closed after it) instead of forwarding them."""
+        with self._lock:
+            self._switches.extend([status] * n)
+
+    def stall(self, n: int) -> None:
+        """Holds the next ``n`` requests unanswered, their connections open."""
+        with self._lock:
+            self._switches.extend([_HELD] * n)
+
+    def release(self) -> None:
+        """Forwards the requests held by :meth:`stall`, and drops the stalls not used yet."""
+        with self._lock:
+            self._switches = [s for s in self._switches if s is not _HELD]
+        self._loop.call_soon_threadsafe(self._gate.set)
+
+    def count(self) -> int:
+        """Requests seen (forwarded, failed or held) since the start or :meth:`reset`."""
+        with self._lock:
+            return self._requests
+
+    def reset(self) -> None:
+        """Starts counting afresh: ``max_in_flight`` becomes ``in_flight``, and
+        :meth:`count` and ``downloaded`` zero."""
+        with self._lock:
+            self.max_in_flight = self.in_flight
+            self._requests = self.downloaded = 0
+
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        server = self._loop.run_until_complete(
-            asyncio.start_server(self._handle, "127.0.0.1", self.port)
+        self._server = self._loop.run_until_complete(
+            asyncio.start_server(self._handle, "127.0.0.1", self.port, limit=1 << 20)
         )
         self._ready.set()
         self._loop.run_forever()
-        server.close()
-        self._loop.run_until_complete(server.wait_closed())
+        self._loop.run_until_complete(self._server.wait_closed())
         self._loop.close()
 
-    async def _pipe(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delayed: bool
+    def _begin(self) -> int | object | None:
+        """Counts a request in flight; what to do with it (a status, _HELD, or None: forward)."""
+        with self._lock:
+            self._requests += 1
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            return self._switches.pop(0) if self._switches else None
+
+    def _end(self, n: int = 1) -> None:
+        with self._lock:
+            self.in_flight -= n
+
+    async def _hold(self) -> None:
+        if self.delay:  # read each time: the delay may change
+            await asyncio.sleep(self.delay)
+
+    async def _body(
+        self, reader: asyncio.StreamReader, head: bytes, writer: asyncio.StreamWriter | None
     ) -> None:
-        try:
-            while data := await reader.read(1 << 16):
-                if delayed and self.delay:  # read each time: the delay may change
-                    await asyncio.sleep(self.delay)
+        """Reads the body of the request ``head`` (Content-Length or chunked),
+        passing it to ``writer`` if any, each 64 KiB held ``delay``."""
+        fields = [line.split(b":", 1) for line in head.split(b"\r\n")[1:] if b":" in line]
+        headers = {k.strip().lower(): v.strip().lower() for k, v in fields}
+        if headers.get(b"transfer-encoding", b"").endswith(b"chunked"):
+            while True:
+                line = await reader.readuntil(b"\r\n")
+                size = int(line.split(b";")[0], 16)
+                data = line + await reader.readexactly(size + 2 if size else 0)
+                if not size:  # trailers, up to an empty line
+                    while (more := await reader.readuntil(b"\r\n")) != b"\r\n":
+                        data += more
+                    data += b"\r\n"
+                await self._hold()
+                if writer is not None:
+                    writer.write(data)
+                    await writer.drain()
+                if not size:
+                    return
+        left = int(headers.get(b"content-length", b"0"))
+        while left:
+            data = await reader.readexactly(min(left, 1 << 16))
+            left -= len(data)
+            await self._hold()
+            if writer is not None:
                 writer.write(data)
                 await writer.drain()
+
+    async def _requests_up(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        client: asyncio.StreamWriter,
+        waiting: list[int],
+    ) -> None:
+        """Passes the client's requests to the server, one after another."""
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    return  # the client hung up
+                action = self._begin()
+                waiting[0] += 1
+                if action is _HELD:
+                    gate = self._gate
+                    await gate.wait()
+                    if self._gate is gate:  # the first held request to go on
+                        self._gate = asyncio.Event()
+                    action = None
+                if action is not None:
+                    if b"100-continue" not in head.lower():
+                        await self._body(reader, head, None)
+                    waiting[0] -= 1
+                    self._end()
+                    with self._lock:
+                        self.failed += 1
+                    client.write(
+                        f"HTTP/1.1 {action} Proxy Fault\r\nContent-Length: 0\r\n"
+                        "Connection: close\r\n\r\n".encode()
+                    )
+                    await client.drain()
+                    return
+                await self._hold()
+                writer.write(head)
+                await writer.drain()
+                await self._body(reader, head, writer)
+        except (ConnectionError, asyncio.CancelledError, asyncio.LimitOverrunError, ValueError):
+            pass  # a peer hung up, the proxy is shutting down, or not HTTP
+        finally:
+            writer.close()
+            client.close()
+
+    async def _answers_down(
+        self, reader: asyncio.StreamReader, client: asyncio.StreamWriter, waiting: list[int]
+    ) -> None:
+        """Passes the server's answers to the client, at most ``rate`` bytes/s
+        over all connections."""
+        try:
+            while data := await reader.read(1 << 16):
+                if waiting[0]:  # the first bytes of an answer
+                    waiting[0] -= 1
+                    self._end()
+                if self.rate:
+                    await asyncio.sleep(self._link.hold(len(data), self._loop.time(), self.rate))
+                with self._lock:
+                    self.downloaded += len(data)
+                client.write(data)
+                await client.drain()
         except (ConnectionError, asyncio.CancelledError):
             pass  # a peer hung up, or the proxy is shutting down
         finally:
-            writer.close()
+            client.close()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        waiting = [0]  # this connection's requests in flight
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
             await asyncio.gather(
-                self._pipe(reader, up_writer, True), self._pipe(up_reader, writer, False)
+                self._requests_up(reader, up_writer, writer, waiting),
+                self._answers_down(up_reader, writer, waiting),
             )
         except (ConnectionError, asyncio.CancelledError):
             writer.close()  # the server is gone, or the proxy is shutting down
+        finally:
+            self._end(waiting[0])
 
     async def _shutdown(self) -> None:
+        self._server.close()  # no new connections while the open ones end
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for t in tasks:
             t.cancel()

@@ -7,7 +7,7 @@ from rawstore import BLOSC, DELTA, SPEC_STARTS, SPEC_TOKENS, flat_split, write_r
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.arrays import TensorStoreArray, ZarrPythonArray
-from flat_tokens_jax.options import StoreOptions
+from flat_tokens_jax.options import CONCURRENCY_CEILING, StoreOptions, context_spec
 from flat_tokens_jax.store import kvstore_spec
 
 EMPTY = flat_split([], [0], 0)
@@ -170,3 +170,16 @@ def test_store_option_keywords_are_the_options_used(tmp_path: Path) -> None:
     assert ftj.open_dataset(url, cache_bytes=123).store.options.cache_bytes == 123
     with ftj.DatasetWriter(tmp_path / "w", concurrency=3) as w:
         assert w.store.options == StoreOptions(concurrency=3)
+
+
+def test_request_concurrency_follows_the_reads_in_flight_unless_pinned() -> None:
+    # Read-ahead bounds the requests in flight; the limit is only a ceiling.
+    assert StoreOptions().concurrency is None
+    for scheme in ("gcs", "s3"):
+        limit = context_spec(StoreOptions())[f"{scheme}_request_concurrency"]["limit"]
+        assert limit == CONCURRENCY_CEILING == 1024
+        assert context_spec(StoreOptions(concurrency=3))[f"{scheme}_request_concurrency"] == {
+            "limit": 3
+        }
+    with pytest.raises(ValueError, match=r"concurrency must be at least 1, or None to follow"):
+        StoreOptions(concurrency=0)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flat_tokens_jax.location import OverwriteNeeded
-from flat_tokens_jax.options import CREDENTIAL_TYPES, StoreOptions
+from flat_tokens_jax.options import CONCURRENCY_CEILING, CREDENTIAL_TYPES, StoreOptions
 from flat_tokens_jax.urls import redact, redact_text, scheme_of
 
 _DEFAULTS = StoreOptions()
@@ -72,7 +72,8 @@ def add_store_flags(parser: argparse.ArgumentParser) -> None:
         "--concurrency",
         type=at_least(1),
         default=_DEFAULTS.concurrency,
-        help=f"gs:// or s3:// requests in flight (default {_DEFAULTS.concurrency})",
+        help="most gs:// or s3:// requests in flight (default: as many as the reads in "
+        f"flight ask for, up to {CONCURRENCY_CEILING})",
     )
     group.add_argument(
         "--retries",

@@ -39,7 +39,8 @@ def main() -> None:
     )
     import flat_tokens_jax as ftj
 
-    ft = ftj.open_dataset(config["dataset"])["train"]
+    # config["options"]: StoreOptions fields, for a dataset on an object store.
+    ft = ftj.open_dataset(config["dataset"], ftj.StoreOptions(**config.get("options", {})))["train"]
     devices = np.array(jax.devices()).reshape(config["mesh_shape"])
     mesh = Mesh(devices, tuple(config["mesh_axes"]))
     spec = P(*[tuple(a) if isinstance(a, list) else a for a in config["spec"]])

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 from multihost_worker import digest
+from servers import DelayProxy, aws_profile, moto_s3
 
 import flat_tokens_jax as ftj
 
@@ -36,7 +37,7 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def launch(
-    dataset: Path,
+    dataset: Path | str,
     tmp: Path,
     processes: int,
     num_steps: int,
@@ -95,6 +96,37 @@ def reference(
             "target_row_sums": batch["targets"].astype(np.int64).sum(1).tolist(),
         }
     return out
+
+
+@pytest.mark.remote
+def test_four_processes_read_one_s3_store_through_a_proxy(dataset: Path, tmp_path: Path) -> None:
+    """Each process reads only its own rows from moto's S3 server, every
+    request held 20 ms by a proxy, and builds the single-process batches."""
+    ft = ftj.open_dataset(dataset)["train"]
+    seqs = ft.sequences(np.arange(ft.num_sequences))
+    with moto_s3() as base:
+        proxy = DelayProxy(int(base.rsplit(":", 1)[1]), 0.02)
+        try:
+            through = {
+                "endpoint": f"http://127.0.0.1:{proxy.port}",
+                "region": "us-east-1",
+                "credentials": aws_profile(tmp_path),
+            }
+            direct = ftj.StoreOptions(**{**through, "endpoint": base})
+            ftj.write_dataset("s3://bucket/ds", {"train": seqs}, options=direct)
+            proxy.reset()
+            reports = launch("s3://bucket/ds", tmp_path, 4, num_steps=3, options=through)
+            assert proxy.count() > 0 and proxy.in_flight == 0
+        finally:
+            proxy.close()
+    expected = reference(dataset, range(3))
+    for report in reports:
+        assert report["steps"] == expected
+    rows = sorted(r for report in reports for r in report["rows"])
+    assert rows == list(range(16)), "every row is read by exactly one host"
+    full = LOADER["batch_size"] * (LOADER["seq_len"] + 1) * 4
+    for report in reports:
+        assert report["bytes_read_one_step"] == full // 4
 
 
 @pytest.mark.parametrize("processes", [2, 4])

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -55,7 +56,13 @@ def worker(args: argparse.Namespace) -> None:
     ft = ftj.open_dataset(args.dataset, store_options(args))["train"]
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
     cfg = ftj.LoaderConfig(batch_size=args.batch_size, seq_len=args.seq_len, prefetch=args.prefetch)
-    loader = ftj.Loader(ft, cfg, sharding=NamedSharding(mesh, P("data")))
+    sharding = NamedSharding(mesh, P("data"))
+    loader = ftj.Loader(ft, cfg, sharding=sharding)
+    # One step's bytes, read alone: reads ahead would blur a count over the timed steps.
+    alone = ftj.Loader(ft, dataclasses.replace(cfg, prefetch=0), sharding=sharding)
+    before = ft.bytes_read
+    alone.host_batch(0)
+    step_bytes = ft.bytes_read - before
     checksum = jax.jit(lambda x: x.astype(np.uint32).sum(dtype=np.uint32))
     for step in range(2):
         total = int(checksum(loader.batch(step)["targets"]))
@@ -66,7 +73,7 @@ def worker(args: argparse.Namespace) -> None:
             flush=True,
         )
     multihost_utils.sync_global_devices("timed")
-    before, began = ft.bytes_read, time.perf_counter()
+    began = time.perf_counter()
     for step in range(2, 2 + args.steps):
         for v in loader.batch(step).values():
             v.block_until_ready()
@@ -78,7 +85,7 @@ def worker(args: argparse.Namespace) -> None:
             {
                 "process": args.worker,
                 "tokens_per_s": tokens / took,
-                "bytes_read_per_step": (ft.bytes_read - before) / args.steps,
+                "bytes_read_per_step": step_bytes,
             }
         ),
         flush=True,

@@ -150,15 +150,17 @@ def local_loader(served: Served, cfg: ftj.LoaderConfig) -> ftj.Loader:
     return ftj.Loader(ftj.open_dataset(served.local)["train"], cfg)
 
 
-def run(loader: ftj.Loader, how: str, steps: int) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
-    """``steps`` batches from step 0, by ``iterate`` or by consecutive ``batch`` calls."""
+def run(
+    loader: ftj.Loader, how: str, steps: int, start: int = 0
+) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+    """Batches of steps ``[start, steps)``, by ``iterate`` or by consecutive ``batch`` calls."""
     if how == "iterate":
-        for step, batch in loader.iterate(0):
+        for step, batch in loader.iterate(start):
             yield step, {k: np.asarray(v) for k, v in batch.items()}
             if step + 1 == steps:
                 return
     else:
-        for step in range(steps):
+        for step in range(start, steps):
             yield step, {k: np.asarray(v) for k, v in loader.batch(step).items()}
 
 
@@ -180,16 +182,19 @@ def test_a_server_answering_503_mid_run_gives_the_same_batches(served: Served, h
 
 
 @pytest.mark.parametrize("how", ["iterate", "batch"])
-def test_a_server_that_stalls_mid_run_fails_at_the_timeout(served: Served, how: str) -> None:
+def test_a_server_that_stalls_mid_run_fails_at_the_timeout_then_recovers(
+    served: Served, how: str
+) -> None:
     cfg = ftj.LoaderConfig(batch_size=ROWS, seq_len=SEQ_LEN, seed=6, prefetch=4)
     here = local_loader(served, cfg)
     with served.proxied(timeout=1.0) as (proxy, options):
         loader = ftj.Loader(ftj.open_dataset(served.url, options)["train"], cfg)
-        began = None
+        began, done = None, -1
         with pytest.raises(StoreError, match=r"no answer within StoreOptions.timeout=1.0s"):
             for step, batch in run(loader, how, 40):
                 for key, value in here.host_batch(step).items():
                     np.testing.assert_array_equal(batch[key], value)
+                done = step
                 if step == 3:
                     proxy.stall(10**6)
                     began = time.perf_counter()
@@ -197,6 +202,14 @@ def test_a_server_that_stalls_mid_run_fails_at_the_timeout(served: Served, how: 
         # A hang would never end: the steps in flight each wait at most the timeout.
         assert time.perf_counter() - began < 8
         assert proxy.in_flight > 0  # the stalled requests are still held
+        # The server answers again: the run goes on from the step that failed.
+        proxy.release()
+        steps = []
+        for step, batch in run(loader, how, done + 4, start=done + 1):
+            for key, value in here.host_batch(step).items():
+                np.testing.assert_array_equal(batch[key], value)
+            steps.append(step)
+        assert steps == [done + 1, done + 2, done + 3]
 
 
 @given(

@@ -232,6 +232,6 @@ def test_the_proxy_link_carries_at_most_its_rate(
         free = max(free, now) + size / rate
         sent += size
         assert left == pytest.approx(free)
-        assert sent <= rate * (left - first) * (1 + 1e-9)
+        assert sent <= rate * (left - first) + 1e-3  # float rounding: a thousandth of a byte
     if all(gap == 0 for gap, _ in arrivals):
         assert free - first == pytest.approx(sent / rate)

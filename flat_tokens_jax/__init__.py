@@ -11,6 +11,8 @@ from flat_tokens_jax.location import OverwriteNeeded
 from flat_tokens_jax.mixconfig import mixture_from_config
 from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.options import StoreOptions
+from flat_tokens_jax.phasedloader import PhasedLoader
+from flat_tokens_jax.phases import Phase
 from flat_tokens_jax.plans import PackingPlan, pack_dataset
 from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records
 from flat_tokens_jax.sampling import EpochsExhausted, IndexSampler, permute
@@ -38,6 +40,8 @@ __all__ = [
     "PackedRecords",
     "PackingPlan",
     "PaddedRecords",
+    "Phase",
+    "PhasedLoader",
     "Problem",
     "Records",
     "StateMismatch",

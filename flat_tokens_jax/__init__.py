@@ -11,6 +11,7 @@ from flat_tokens_jax.location import OverwriteNeeded
 from flat_tokens_jax.mixconfig import mixture_from_config
 from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.options import StoreOptions
+from flat_tokens_jax.phaseconfig import phases_from_config, phases_from_yaml
 from flat_tokens_jax.phasedloader import PhasedLoader
 from flat_tokens_jax.phases import Phase
 from flat_tokens_jax.plans import PackingPlan, pack_dataset
@@ -53,6 +54,8 @@ __all__ = [
     "open_dataset",
     "pack_dataset",
     "permute",
+    "phases_from_config",
+    "phases_from_yaml",
     "summary",
     "validate",
     "write_dataset",

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from flat_tokens_jax import show
+from flat_tokens_jax import phaseshow, show
 from flat_tokens_jax.convert import chat, megatron, merge, text
 from flat_tokens_jax.convert.commands import (
     add_store_flags,
@@ -175,28 +175,51 @@ def _cmd_pack(args: argparse.Namespace) -> int:
 
 def _cmd_show(args: argparse.Namespace) -> int:
     try:
-        loader = show.build_loader(
-            url=args.url,
-            split=args.split,
-            config=None if args.config is None else read_yaml(args.config),
-            state=None if args.state is None else show.read_state(args.state),
-            fields=show.config_fields(args),
-            options=store_options(args),
-            config_name=args.config or "--config",
-            state_name=args.state or "--state",
-        )
-        size = loader.config.batch_size_at(args.step)
+        config = None if args.config is None else read_yaml(args.config)
+        state = None if args.state is None else show.read_state(args.state)
+        run, step = None, args.step
+        if phaseshow.is_phased(config, state):
+            run = phaseshow.build_run(
+                config=config,
+                state=state,
+                split=args.split,
+                options=store_options(args),
+                fields=show.config_fields(args),
+                state_name=args.state or "--state",
+            )
+            loader, step = run.locate(args.step)
+        else:
+            loader = show.build_loader(
+                url=args.url,
+                split=args.split,
+                config=config,
+                state=state,
+                fields=show.config_fields(args),
+                options=store_options(args),
+                config_name=args.config or "--config",
+                state_name=args.state or "--state",
+            )
+        size = loader.config.batch_size_at(step)
         show.check_show_memory(loader.config, size, size if args.rows is None else 0)
         rows = show.parse_rows(args.rows, size)
         show.check_show_memory(loader.config, size, len(rows))
         decode = None if args.tokenizer is None else _decoder(args.tokenizer, loader)
-        shown = show.run_json(loader, args.step, rows)
+        shown = show.run_json(loader, step, rows)
+        if run is not None:
+            shown = phaseshow.mark(shown, run, args.step)
     except (StoreError, IndexError, KeyError, ValueError, OSError) as e:
         return fail("show", e)
     if args.json:
         print(json.dumps(shown))
         return 0
     names = ", ".join(f"{s['name']}: {s.get('url', s.get('repr'))}" for s in shown["sources"])
+    phase = shown.get("phase")
+    if phase is not None:
+        label = "" if phase["name"] is None else f" {phase['name']!r}"
+        print(
+            f"step {args.step} is in phase {phase['index']}{label} (from step "
+            f"{phase['start_step']}; its step {phase['step']})"
+        )
     print(f"step {args.step} of {names}, batch_size {shown['batch_size']}, {shown['config']}")
     if decode is not None:
         print(f"[n]: segment n; {show.UNTRAINED[0]}...{show.UNTRAINED[1]}: loss_mask 0")

@@ -1,0 +1,134 @@
+"""Runs in phases said in YAML, and `flat-tokens show` of a phased run's steps."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+from conftest import memory_url
+
+import flat_tokens_jax as ftj
+from flat_tokens_jax.cli import main
+from flat_tokens_jax.phaseconfig import phases_from_config, phases_from_yaml
+
+
+def run_main(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return code, out.getvalue(), err.getvalue()
+
+
+def dataset(base: int, n: int) -> str:
+    url = memory_url()
+    rng = np.random.default_rng(base)
+    seqs = [rng.integers(base, base + 50, int(k)) for k in rng.integers(1, 9, n)]
+    ftj.write_dataset(url, {"train": seqs})
+    return url
+
+
+URLS = {"web": dataset(1, 30), "code": dataset(100, 20), "books": dataset(300, 15)}
+
+RUN: dict[str, Any] = {
+    "phases": [
+        {
+            "name": "pretrain",
+            "start_step": 0,
+            "data": {
+                "datasets": {
+                    n: {"url": URLS[n], "weight": w} for n, w in [("web", 3), ("code", 1)]
+                },
+                "seed": 5,
+            },
+            "loader": {"batch_size": [[0, 2], [3, 4]], "seq_len": 6, "seed": 1, "prefetch": 0},
+        },
+        {
+            "name": "anneal",
+            "start_step": 5,
+            "data": {
+                "datasets": {
+                    n: {"url": URLS[n], "weight": w}
+                    for n, w in [("web", 1), ("code", 1), ("books", 2)]
+                },
+                "seed": 5,
+            },
+        },
+        {
+            "name": "long",
+            "start_step": 9,
+            "loader": {"batch_size": 2, "seq_len": 12, "packing": "bins"},
+        },
+    ]
+}
+
+
+def by_hand() -> list[ftj.Phase]:
+    """The same run declared in Python."""
+    split = {n: ftj.open_dataset(u)["train"] for n, u in URLS.items()}
+    first = ftj.LoaderConfig(batch_size=[(0, 2), (3, 4)], seq_len=6, seed=1, prefetch=0)
+    long = ftj.LoaderConfig(batch_size=2, seq_len=12, packing="bins", seed=1, prefetch=0)
+    anneal = ftj.Mixture(
+        {"web": (split["web"], 1), "code": (split["code"], 1), "books": (split["books"], 2)}, seed=5
+    )
+    return [
+        ftj.Phase(
+            0, ftj.Mixture({"web": (split["web"], 3), "code": (split["code"], 1)}, seed=5), first
+        ),
+        ftj.Phase(5, anneal, first),
+        ftj.Phase(9, anneal, long),
+    ]
+
+
+def test_yaml_phases_are_the_python_phases(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(RUN, sort_keys=False))
+    from_yaml = ftj.PhasedLoader(phases_from_yaml(path))
+    python = ftj.PhasedLoader(by_hand())
+    assert [p.name for p in from_yaml.phases] == ["pretrain", "anneal", "long"]
+    for step in range(14):
+        for field, want in python.host_batch(step).items():
+            np.testing.assert_array_equal(from_yaml.host_batch(step)[field], want)
+    assert from_yaml.phases[2].config.seq_len == 12 and from_yaml.phases[2].config.seed == 1
+
+
+def test_a_bad_phase_value_is_named_by_its_path() -> None:
+    bad = json.loads(json.dumps(RUN))
+    bad["phases"][2]["loader"]["seq_len"] = 1.5
+    with pytest.raises(ValueError, match=r"phases\[2\].loader.seq_len must be an int"):
+        phases_from_config(bad["phases"])
+    bad["phases"][1]["steps"] = 3
+    with pytest.raises(ValueError, match=r"phases\[1\] has unknown key\(s\) \['steps'\]"):
+        phases_from_config(bad["phases"])
+    with pytest.raises(ValueError, match=r"phases\[0\] must say 'loader'"):
+        phases_from_config([{"start_step": 0, "data": RUN["phases"][0]["data"]}])
+
+
+def test_show_says_the_phase_and_prints_the_runs_rows(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(RUN, sort_keys=False))
+    run = ftj.PhasedLoader(by_hand())
+    code, out, err = run_main("show", "--config", str(path), "--step", "7")
+    assert code == 0, err
+    assert out.splitlines()[0] == "step 7 is in phase 1 'anneal' (from step 5; its step 2)"
+    code, out, err = run_main("show", "--config", str(path), "--step", "10", "--json")
+    assert code == 0, err
+    shown = json.loads(out)
+    assert shown["phase"] == {"index": 2, "name": "long", "start_step": 9, "step": 1}
+    batch, provenance = run.host_batch(10), run.provenance(10)
+    assert [r["targets"] for r in shown["rows"]] == batch["targets"].tolist()
+    assert [r["sample"] for r in shown["rows"]] == [p["sample"] for p in provenance]
+    # From a saved state of the run, the same rows.
+    run.next_step = 11
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps(run.state()))
+    code, out, err = run_main("show", "--state", str(state), "--step", "10", "--json")
+    assert code == 0, err
+    assert json.loads(out)["rows"] == shown["rows"]
+    code, _, err = run_main("show", "--config", str(path), "--step", "3", "--seq-len", "8")
+    assert code != 0 and "says its LoaderConfig fields per phase" in err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -132,3 +133,65 @@ def test_show_says_the_phase_and_prints_the_runs_rows(tmp_path: Path) -> None:
     assert json.loads(out)["rows"] == shown["rows"]
     code, _, err = run_main("show", "--config", str(path), "--step", "3", "--seq-len", "8")
     assert code != 0 and "says its LoaderConfig fields per phase" in err
+
+
+def brute_force_counts(run: ftj.PhasedLoader, end: int) -> dict[tuple[int, str], int]:
+    """Samples of each (phase, component), counted row by row from provenance."""
+    counts: dict[tuple[int, str], int] = {}
+    for step in range(end):
+        for row in run.provenance(step):
+            key = (row["phase"], row.get("component_name", "0"))
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def test_plan_counts_what_the_steps_read(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({**RUN, "steps": 13}, sort_keys=False))
+    run = ftj.PhasedLoader(by_hand())
+    code, out, err = run_main("plan", str(path), "--json")
+    assert code == 0, err
+    rows = json.loads(out)
+    counted = brute_force_counts(run, 13)
+    assert {(r["phase"], r["component"]): r["samples"] for r in rows if r["samples"]} == counted
+    long = [r for r in rows if r["phase"] == 2]
+    assert sum(r["samples"] for r in long) == 4 * 2 and all(r["seq_len"] == 12 for r in long)
+    web = [r for r in rows if r["component"] == "web"]
+    assert [r["stream"] for r in web] == ["new", "continued", "new"]
+    records = len(run.loaders[0].components[0])
+    assert web[1]["stream_epochs"] == (web[0]["samples"] + web[1]["samples"]) / records
+    code, out, err = run_main("plan", str(path))
+    assert code == 0, err
+    assert "phase 1 'anneal': steps [5, 9) (4 steps), seq_len 6, packing True" in out
+    path.write_text(yaml.safe_dump(RUN, sort_keys=False))
+    code, _, err = run_main("plan", str(path))
+    assert code != 0 and "say where the run ends: --steps N" in err
+
+
+def test_plan_picture_needs_the_plot_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(RUN, sort_keys=False))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    code, _, err = run_main(
+        "plan", str(path), "--steps", "12", "--picture", str(tmp_path / "p.png")
+    )
+    assert code != 0 and "pip install 'flat-tokens-jax[plot]'" in err
+    code, _, err = run_main(
+        "plan", str(path), "--steps", "12", "--picture", str(tmp_path / "p.gif")
+    )
+    assert code != 0 and "name a .png or .svg file" in err
+
+
+@pytest.mark.parametrize("suffix", ["png", "svg"])
+def test_plan_draws_the_shares_with_phase_boundaries(tmp_path: Path, suffix: str) -> None:
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(RUN, sort_keys=False))
+    picture = tmp_path / f"p.{suffix}"
+    code, _, err = run_main("plan", str(path), "--steps", "12", "--picture", str(picture))
+    assert code == 0, err
+    head = picture.read_bytes()[:200]
+    assert head.startswith(b"\x89PNG") if suffix == "png" else b"<svg" in picture.read_bytes()
+    if suffix == "svg":
+        text = picture.read_text()
+        assert all(name in text for name in ("pretrain", "anneal", "long"))

@@ -65,7 +65,7 @@ class PhasedLoader:
                     Loader(phase.source, phase.config, sharding, plan_cache=plan_cache)
                 )
             except ValueError as e:
-                raise type(e)(f"{self.label(k)}: {e}") from None
+                raise ValueError(f"{self.label(k)}: {e}") from None
         # Samples of the run before each phase, and each stream's drawn before it.
         self._before = [0]
         self.streams: list[list[str]] = []

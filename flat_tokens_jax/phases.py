@@ -56,7 +56,8 @@ class Phase:
     name: str | None = None
 
     def __post_init__(self) -> None:
-        integer(self.start_step, "Phase.start_step", low=0, high=_MAX_STEP)
+        start = integer(self.start_step, "Phase.start_step", low=0, high=_MAX_STEP)
+        object.__setattr__(self, "start_step", start)  # numpy ints become Python ints
         if not isinstance(self.config, LoaderConfig):
             raise TypeError(
                 f"Phase.config must be a LoaderConfig, got {type(self.config).__name__}: "

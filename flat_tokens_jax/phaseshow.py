@@ -69,7 +69,7 @@ def build_run(
         try:
             loader = build_loader(state=sub, options=options, state_name=state_name)
         except ValueError as e:
-            raise type(e)(f"phases[{j}] (from step {start}): {e}") from None
+            raise ValueError(f"phases[{j}] (from step {start}): {e}") from None
         source = loader.mixture if loader.mixture is not None else loader.components[0]
         phases.append(Phase(start, source, loader.config))
     run = PhasedLoader(phases)

@@ -276,3 +276,16 @@ def test_a_sampler_offset_continues_the_stream() -> None:
     np.testing.assert_array_equal(later.epochs(g), whole.epochs(g + 12))
     with pytest.raises(ValueError, match="offset 2 needs an endless stream"):
         ftj.IndexSampler(7, offset=2, num_epochs=1)
+
+
+def test_one_stream_twice_in_a_phase_is_refused_and_a_bad_phase_is_named() -> None:
+    a = splits()["a"][0]
+    twice = Mixture({"x": (a, 1), "y": (a, 1)})
+    cfg = ftj.LoaderConfig(batch_size=2, seq_len=3)
+    assert PhasedLoader([Phase(0, twice, cfg)]).host_batch(0)["targets"].shape == (2, 3)
+    with pytest.raises(
+        ValueError, match=r"phase 1 'again' \(from step 2\): components \['x', 'y'\]"
+    ):
+        PhasedLoader([Phase(0, a, cfg), Phase(2, twice, cfg, "again")])
+    with pytest.raises(ValueError, match=r"phase 1 \(from step 2\): .* has no records"):
+        PhasedLoader([Phase(0, a, cfg), Phase(2, a, ftj.LoaderConfig(2, 10**6))])

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "train_example.py"
 CONFIG = ROOT / "configs" / "train_phases.yaml"
 KILL_AT = 4  # killed once a checkpoint at the anneal phase's start (step 4) or later exists
-STEPS = 12  # the long-context phase starts at 8: a resume from 4 or 6 crosses it
+STEPS = 12  # at least: the long-context phase starts at 8, so a resume from 4 or 6 crosses it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +41,7 @@ class Crash:
     killed: Path
     killed_log: dict[int, dict[str, Any]]
     resume_step: int
+    steps: int  # where every run stops: STEPS, or 4 past a late kill
     reference_log: dict[int, dict[str, Any]]
 
 
@@ -77,9 +78,9 @@ def command(config: Path, checkpoints: Path, log: Path, steps: int) -> list[str]
     ]
 
 
-def train(config: Path, checkpoints: Path, log: Path, tmp: Path) -> str:
+def train(config: Path, checkpoints: Path, log: Path, tmp: Path, steps: int) -> str:
     done = subprocess.run(
-        command(config, checkpoints, log, STEPS),
+        command(config, checkpoints, log, steps),
         env=env(tmp),
         capture_output=True,
         text=True,
@@ -114,30 +115,33 @@ def crash(tmp_path_factory: pytest.TempPathFactory) -> Crash:
             proc.kill()
             proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    train(config, tmp / "reference", tmp / "reference.jsonl", tmp)
+    resume_step = finalized(killed)[-1]
+    steps = max(STEPS, resume_step + 4)
+    train(config, tmp / "reference", tmp / "reference.jsonl", tmp, steps)
     return Crash(
         tmp=tmp,
         config=config,
         killed=killed,
         killed_log=read_log(log),
-        resume_step=finalized(killed)[-1],
+        resume_step=resume_step,
+        steps=steps,
         reference_log=read_log(tmp / "reference.jsonl"),
     )
 
 
 def test_killed_across_phases_resumes_bit_identically(crash: Crash, tmp_path: Path) -> None:
     ref = crash.reference_log
-    assert sorted(ref) == list(range(STEPS))
+    assert sorted(ref) == list(range(crash.steps))
     assert [len(ref[s]["samples"]) for s in (0, 4, 8)] == [8, 8, 8]
     before = range(crash.resume_step)
     assert crash.resume_step >= KILL_AT, "the killed run crossed the boundary at step 4"
     assert [crash.killed_log[s]["loss"] for s in before] == [ref[s]["loss"] for s in before]
     checkpoints = tmp_path / "checkpoints"
     shutil.copytree(crash.killed, checkpoints)
-    out = train(crash.config, checkpoints, tmp_path / "log.jsonl", crash.tmp)
-    assert f"resuming at step {crash.resume_step} of {STEPS}" in out
+    out = train(crash.config, checkpoints, tmp_path / "log.jsonl", crash.tmp, crash.steps)
+    assert f"resuming at step {crash.resume_step} of {crash.steps}" in out
     log = read_log(tmp_path / "log.jsonl")
-    assert sorted(log) == list(range(crash.resume_step, STEPS))
+    assert sorted(log) == list(range(crash.resume_step, crash.steps))
     assert {s: r["loss"] for s, r in log.items()} == {s: ref[s]["loss"] for s in log}
     assert {s: r["samples"] for s, r in log.items()} == {s: ref[s]["samples"] for s in log}
 
@@ -156,14 +160,15 @@ def test_a_phase_appended_at_resume_trains_like_a_run_that_had_it(
     config = run_config(crash.tmp, [appended])
     checkpoints = tmp_path / "checkpoints"
     shutil.copytree(crash.killed, checkpoints)
-    out = train(config, checkpoints, tmp_path / "log.jsonl", crash.tmp)
-    assert f"resuming at step {crash.resume_step} of {STEPS}" in out
+    out = train(config, checkpoints, tmp_path / "log.jsonl", crash.tmp, crash.steps)
+    assert f"resuming at step {crash.resume_step} of {crash.steps}" in out
     resumed = read_log(tmp_path / "log.jsonl")
     fresh = tmp_path / "fresh"
-    train(config, fresh, tmp_path / "fresh.jsonl", crash.tmp)
+    train(config, fresh, tmp_path / "fresh.jsonl", crash.tmp, crash.steps)
     fresh_log = read_log(tmp_path / "fresh.jsonl")
     assert {s: r["loss"] for s, r in resumed.items()} == {s: fresh_log[s]["loss"] for s in resumed}
-    assert [len(fresh_log[s]["samples"]) for s in range(start, STEPS)] == [16] * (STEPS - start)
+    after = range(start, crash.steps)
+    assert [len(fresh_log[s]["samples"]) for s in after] == [16] * len(after)
     before = range(start)
     assert [fresh_log[s]["loss"] for s in before] == [
         crash.reference_log[s]["loss"] for s in before

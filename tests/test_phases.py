@@ -289,3 +289,44 @@ def test_one_stream_twice_in_a_phase_is_refused_and_a_bad_phase_is_named() -> No
         PhasedLoader([Phase(0, a, cfg), Phase(2, twice, cfg, "again")])
     with pytest.raises(ValueError, match=r"phase 1 \(from step 2\): .* has no records"):
         PhasedLoader([Phase(0, a, cfg), Phase(2, a, ftj.LoaderConfig(2, 10**6))])
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"source": {"a": 0.2, "b": 0.8}},
+        {"source": {"a": 0.5, "b": 0.5, "c": 1}},
+        {"seq_len": 6},
+    ],
+    ids=["new weights", "added component", "longer rows"],
+)
+def test_the_issues_changes_decided_at_a_saved_step(change: dict[str, Any]) -> None:
+    """A run of a 0.5/0.5 mixture saved at step 10 by a Loader goes on with a change."""
+    data = {**splits(), "c": splits()["a"]}
+    ab = Mixture({"a": (data["a"][0], 0.5), "b": (data["b"][0], 0.5)})
+    cfg = ftj.LoaderConfig(batch_size=4, seq_len=3, prefetch=0)
+    loader = ftj.Loader(ab, cfg)
+    loader.next_step = 10
+    state = json.loads(json.dumps(loader.state()))
+    weights = change.get("source", {"a": 0.5, "b": 0.5})
+    if "c" in weights:  # another split: the books of the issue
+        c = memory_url("phases-c")
+        ftj.write_dataset(c, {"train": [[901 + i] * 5 for i in range(9)]})
+        data["c"] = (ftj.open_dataset(c)["train"], [])
+    later = Mixture({n: (data[n][0], w) for n, w in weights.items()})
+    run = PhasedLoader(
+        [Phase(0, ab, cfg), Phase(10, later, ftj.LoaderConfig(4, change.get("seq_len", 3)))]
+    )
+    assert run.restore(state) == 10
+    seen = [(r["component_name"], r["record"]) for s in range(10) for r in run.provenance(s)]
+    assert seen == [
+        (r["component_name"], r["record"]) for s in range(10) for r in loader.provenance(s)
+    ]
+    if "seq_len" in change:
+        assert run.offsets[1] == [0, 0], "rows of another length are new streams"
+        return
+    a_records = len(loader.components[0])
+    a_seen = [r for s in range(20) for r in run.provenance(s) if r["component_name"] == "a"]
+    first_epoch = [r["record"] for r in a_seen if r["epoch"] == 0]
+    assert len(a_seen) > a_records and len(first_epoch) == a_records
+    assert sorted(first_epoch) == list(range(a_records)), "stream a: each record once per epoch"

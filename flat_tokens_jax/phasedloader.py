@@ -43,6 +43,17 @@ class PhasedLoader:
         sharding: as :class:`~flat_tokens_jax.Loader`'s, for every phase.
         plan_cache: as :class:`~flat_tokens_jax.Loader`'s.
 
+    Attributes:
+        phases: the phases, checked.
+        starts: ``[K]`` each phase's first step.
+        loaders: ``[K]`` each phase's :class:`~flat_tokens_jax.Loader` (its steps
+            count from the phase's start).
+        streams: per phase, each component's stream key (see
+            :func:`~flat_tokens_jax.phases.stream_key`).
+        offsets: per phase, each component's stream samples drawn by the
+            earlier phases: where the phase continues its streams.
+        next_step: the step :meth:`iterate` starts at (set by :meth:`restore`).
+
     Raises:
         ValueError: the phases are out of order, bound their epochs, or one
             phase blends one stream twice; or a phase's ``Loader`` refuses its

@@ -195,3 +195,27 @@ def test_plan_draws_the_shares_with_phase_boundaries(tmp_path: Path, suffix: str
     if suffix == "svg":
         text = picture.read_text()
         assert all(name in text for name in ("pretrain", "anneal", "long"))
+
+
+def test_the_example_run_yaml_builds(tmp_path: Path) -> None:
+    """configs/phases.yaml, its data here and its rows shorter."""
+    doc = yaml.safe_load((Path(__file__).parents[1] / "configs" / "phases.yaml").read_text())
+    for phase in doc["phases"]:
+        for name, entry in phase.get("data", {}).get("datasets", {}).items():
+            entry["url"] = URLS[name]
+        loader = phase.get("loader", {})
+        for key, scale in (("seq_len", 512), ("batch_size", 32)):
+            if key in loader:
+                loader[key] //= scale
+    phases = phases_from_config(doc["phases"])
+    assert [(p.name, p.start_step) for p in phases] == [
+        ("pretrain", 0),
+        ("anneal", 90000),
+        ("long-context", 100000),
+    ]
+    assert phases[1].config == phases[0].config, "the anneal phase keeps the loader"
+    assert phases[2].config.packing == "bins" and phases[2].config.seq_len == 64
+    run = ftj.PhasedLoader(phases)
+    assert run.offsets[1] == [576000, 144000, 0], "web and code continue, books is new"
+    assert run.offsets[2] == [0], "bins of 64 are a new stream of books"
+    assert run.host_batch(100_000)["targets"].shape == (1, 64)

@@ -22,7 +22,7 @@ import logging
 import os
 import re
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -201,8 +201,9 @@ class PhasedLoader:
         k = self.phase_at(step)
         while k < len(self.loaders):
             end = self.starts[k + 1] if k + 1 < len(self.starts) else None
-            stream = self.loaders[k].iterate(step - self.starts[k])
-            assert isinstance(stream, Generator)
+            # A generator: closed at the boundary, so its read-ahead stops there.
+            batches = self.loaders[k].iterate(step - self.starts[k])
+            stream = cast(Generator[tuple[int, dict[str, jax.Array]], None, None], batches)
             try:
                 for local, batch in stream:
                     if end is not None and self.starts[k] + local >= end:

@@ -11,6 +11,9 @@ from flat_tokens_jax.location import OverwriteNeeded
 from flat_tokens_jax.mixconfig import mixture_from_config
 from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.options import StoreOptions
+from flat_tokens_jax.phaseconfig import phases_from_config, phases_from_yaml
+from flat_tokens_jax.phasedloader import PhasedLoader
+from flat_tokens_jax.phases import Phase
 from flat_tokens_jax.plans import PackingPlan, pack_dataset
 from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records
 from flat_tokens_jax.sampling import EpochsExhausted, IndexSampler, permute
@@ -38,6 +41,8 @@ __all__ = [
     "PackedRecords",
     "PackingPlan",
     "PaddedRecords",
+    "Phase",
+    "PhasedLoader",
     "Problem",
     "Records",
     "StateMismatch",
@@ -49,6 +54,8 @@ __all__ = [
     "open_dataset",
     "pack_dataset",
     "permute",
+    "phases_from_config",
+    "phases_from_yaml",
     "summary",
     "validate",
     "write_dataset",

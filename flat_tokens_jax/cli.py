@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from flat_tokens_jax import show
+from flat_tokens_jax import phaseshow, runplan, show
 from flat_tokens_jax.convert import chat, megatron, merge, text
 from flat_tokens_jax.convert.commands import (
     add_store_flags,
@@ -175,28 +175,51 @@ def _cmd_pack(args: argparse.Namespace) -> int:
 
 def _cmd_show(args: argparse.Namespace) -> int:
     try:
-        loader = show.build_loader(
-            url=args.url,
-            split=args.split,
-            config=None if args.config is None else read_yaml(args.config),
-            state=None if args.state is None else show.read_state(args.state),
-            fields=show.config_fields(args),
-            options=store_options(args),
-            config_name=args.config or "--config",
-            state_name=args.state or "--state",
-        )
-        size = loader.config.batch_size_at(args.step)
+        config = None if args.config is None else read_yaml(args.config)
+        state = None if args.state is None else show.read_state(args.state)
+        run, step = None, args.step
+        if phaseshow.is_phased(config, state):
+            run = phaseshow.build_run(
+                config=config,
+                state=state,
+                split=args.split,
+                options=store_options(args),
+                fields=show.config_fields(args),
+                state_name=args.state or "--state",
+            )
+            loader, step = run.locate(args.step)
+        else:
+            loader = show.build_loader(
+                url=args.url,
+                split=args.split,
+                config=config,
+                state=state,
+                fields=show.config_fields(args),
+                options=store_options(args),
+                config_name=args.config or "--config",
+                state_name=args.state or "--state",
+            )
+        size = loader.config.batch_size_at(step)
         show.check_show_memory(loader.config, size, size if args.rows is None else 0)
         rows = show.parse_rows(args.rows, size)
         show.check_show_memory(loader.config, size, len(rows))
         decode = None if args.tokenizer is None else _decoder(args.tokenizer, loader)
-        shown = show.run_json(loader, args.step, rows)
+        shown = show.run_json(loader, step, rows)
+        if run is not None:
+            shown = phaseshow.mark(shown, run, args.step)
     except (StoreError, IndexError, KeyError, ValueError, OSError) as e:
         return fail("show", e)
     if args.json:
         print(json.dumps(shown))
         return 0
     names = ", ".join(f"{s['name']}: {s.get('url', s.get('repr'))}" for s in shown["sources"])
+    phase = shown.get("phase")
+    if phase is not None:
+        label = "" if phase["name"] is None else f" {phase['name']!r}"
+        print(
+            f"step {args.step} is in phase {phase['index']}{label} (from step "
+            f"{phase['start_step']}; its step {phase['step']})"
+        )
     print(f"step {args.step} of {names}, batch_size {shown['batch_size']}, {shown['config']}")
     if decode is not None:
         print(f"[n]: segment n; {show.UNTRAINED[0]}...{show.UNTRAINED[1]}: loss_mask 0")
@@ -209,6 +232,43 @@ def _cmd_show(args: argparse.Namespace) -> int:
                 print(f"  {key:<12}{row[key]}")
         else:
             print("  " + show.row_text(row, decode).replace("\n", "\n  "))
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    doc = read_yaml(args.run_yaml)
+    end = args.steps if args.steps is not None else (doc or {}).get("steps")
+    if isinstance(end, bool) or not isinstance(end, int) or end < 1:
+        raise ValueError(
+            f"{args.run_yaml}: say where the run ends: --steps N (or a top-level 'steps: N'), "
+            f"got {end!r}"
+        )
+    run = phaseshow.build_run(config=doc, state=None, split=args.split, options=store_options(args))
+    rows = runplan.plan_rows(run, end)
+    if args.picture is not None:
+        runplan.draw_shares(run, end, args.picture)
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    for k in dict.fromkeys(r["phase"] for r in rows):
+        mine = [r for r in rows if r["phase"] == k]
+        first = mine[0]
+        name = "" if first["phase_name"] is None else f" {first['phase_name']!r}"
+        print(
+            f"phase {k}{name}: steps [{first['start_step']}, {first['end_step']}) "
+            f"({first['steps']:,} steps), seq_len {first['seq_len']}, packing {first['packing']}"
+        )
+        print(
+            f"  {'component':<16}{'stream':<11}{'samples':>16}{'tokens':>20}"
+            f"{'epochs':>11}{'stream epochs':>15}"
+        )
+        for r in mine:
+            print(
+                f"  {r['component']:<16}{r['stream']:<11}{r['samples']:>16,}{r['tokens']:>20,}"
+                f"{r['epochs']:>11.3f}{r['stream_epochs']:>15.3f}"
+            )
+    if args.picture is not None:
+        print(f"wrote {args.picture}")
     return 0
 
 
@@ -287,6 +347,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="render rows as text with this tokenizer")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_cmd_show)
+    p = sub.add_parser(
+        "plan",
+        help="what each phase of a run reads: steps, samples, tokens, epochs",
+        description="Per phase and component of a run YAML's phases section: steps, "
+        "samples, tokens (rows x seq_len, padding included) and epochs consumed, by the "
+        "loader's own arithmetic.",
+    )
+    p.add_argument("run_yaml", metavar="RUN", help="a run YAML with a phases section")
+    add_store_flags(p)
+    p.add_argument("--steps", type=at_least(1), help="where the run ends (default: its 'steps')")
+    p.add_argument("--split", default="train", help="the split (or part of a split cut) read")
+    p.add_argument("--picture", help="also draw each component's share of tokens (.png or .svg)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=_cmd_plan)
     p = sub.add_parser(
         "pack",
         help="store the packing plan of whole sequences into rows of --seq-len",

@@ -183,6 +183,19 @@ class Loader:
     def __repr__(self) -> str:
         return f"Loader({self.records!r}, {self.config!r})"
 
+    def use_samplers(self, samplers: list[IndexSampler]) -> None:
+        """Reads component ``c`` through ``samplers[c]`` (of its record count)
+        instead of the config's sampler; call before the first batch. A run in
+        phases passes samplers that continue each stream where earlier phases
+        left it (see :mod:`~flat_tokens_jax.phasedloader`)."""
+        sizes = [len(r) for r in self.components]
+        if [s.num_records for s in samplers] != sizes:
+            raise ValueError(f"samplers must be one per component of {sizes} records")
+        self.samplers, self.sampler = samplers, samplers[0]
+        self.steps = StepSamples(
+            samplers, self.mixture, self.schedule, self.host_rows_at, self.config.num_epochs
+        )
+
     def plan_at(self, step: int) -> HostPlan | None:
         """The blocks this host reads at ``step`` (``None`` without a sharding)."""
         return self._plans.get(self.schedule.size(step))

@@ -179,6 +179,10 @@ class IndexSampler:
     seed: int = 0  # 0 <= seed < 2**64. Changing it changes every shuffled order.
     shuffle: bool = True  # False reads records in order: sample g reads g % num_records.
     num_epochs: int | None = None  # Passes over the records; None for an endless stream.
+    # Samples of the stream drawn before this sampler's sample 0 (a run in phases
+    # continues a stream where earlier phases left it): sample g reads the
+    # stream's sample offset + g. 0 <= offset <= 2**63 - 1.
+    offset: int = 0
 
     def __post_init__(self) -> None:
         _check_int("num_records", self.num_records, 1, MAX_N, "a sampler needs >= 1 record")
@@ -187,6 +191,12 @@ class IndexSampler:
             raise ValueError(f"shuffle must be True or False, got {self.shuffle!r}")
         if self.num_epochs is not None:
             _check_int("num_epochs", self.num_epochs, 1, MAX_N, "or None for an endless stream")
+        _check_int("offset", self.offset, 0, MAX_N, "the stream's samples drawn before")
+        if self.offset and self.num_epochs is not None:
+            raise ValueError(
+                f"offset {self.offset} needs an endless stream: set num_epochs=None "
+                "(a stream continued across phases has no last epoch)"
+            )
 
     @property
     def num_samples(self) -> int | None:
@@ -195,7 +205,9 @@ class IndexSampler:
 
     def _split(self, g: npt.ArrayLike) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """Checks ``g`` and returns ``(epoch, position)``, each ``int64`` shaped like ``g``."""
-        samples = _as_u64(g, "global sample index", MAX_N).astype(np.int64)
+        samples = _as_u64(g, "global sample index", MAX_N - self.offset).astype(np.int64)
+        if self.offset:
+            samples = samples + np.int64(self.offset)
         total, n = self.num_samples, self.num_records
         if total is not None and samples.size and int(samples.max()) >= total:
             raise EpochsExhausted(

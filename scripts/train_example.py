@@ -14,7 +14,10 @@ refused before anything is trained, then the model, laid out for this run's mesh
 which may differ from the one that saved it. The loader's ``batch_size`` may be
 a schedule ``[[start_step, size], ...]``; a run resumed with a schedule that
 changes the batch size from its checkpoint's step on continues at exactly the
-next unseen sample. Usage::
+next unseen sample. A YAML with a ``phases`` section instead of ``data`` and
+``loader`` trains a run in phases (``ftj.PhasedLoader``; see
+``configs/phases.yaml``), which may gain phases from its checkpoint's step on.
+Usage::
 
     python scripts/train_example.py --config configs/train_example.yaml \\
         --data data/small --checkpoint-dir /tmp/ckpt --steps 200 --mesh 4x2
@@ -49,6 +52,7 @@ from flat_tokens_jax.values import read_yaml
 
 PyTree = Any
 State = dict[str, PyTree]  # {"params": ..., "opt": ...}
+Feed = ftj.Loader | ftj.PhasedLoader  # a run's batches: one config, or phases
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +65,8 @@ class ModelConfig:
         num_layers: attention + MLP blocks.
         num_heads: attention heads; ``d_model`` must be a multiple of it.
         mlp_dim: hidden units of each MLP.
+        max_seq_len: rows of the position table; ``None``: the run's longest
+            ``seq_len``. Set it when later phases may bring longer rows.
     """
 
     vocab_size: int | None = None
@@ -68,12 +74,14 @@ class ModelConfig:
     num_layers: int = 2
     num_heads: int = 4
     mlp_dim: int = 128
+    max_seq_len: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("d_model", "num_layers", "num_heads", "mlp_dim"):
             _check_positive(f"model.{name}", getattr(self, name))
-        if self.vocab_size is not None:
-            _check_positive("model.vocab_size", self.vocab_size)
+        for name in ("vocab_size", "max_seq_len"):
+            if getattr(self, name) is not None:
+                _check_positive(f"model.{name}", getattr(self, name))
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"model.d_model {self.d_model} is not a multiple of model.num_heads "
@@ -85,10 +93,11 @@ class ModelConfig:
 class TrainConfig:
     """One training run; the YAML file's top-level keys."""
 
-    data: str
+    data: str | None
     checkpoint_dir: str
-    loader: ftj.LoaderConfig
+    loader: ftj.LoaderConfig | None
     model: ModelConfig
+    phases: list[Any] | None = None  # a run in phases: its YAML section, instead of data, loader
     steps: int = 100
     checkpoint_every: int = 10
     keep_checkpoints: int = 3
@@ -115,13 +124,18 @@ class TrainConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown config key(s) {unknown}; known: {sorted(known)}")
-        for name in ("data", "checkpoint_dir"):
+        phased = values.get("phases") is not None
+        if phased and (values.get("data") or values.get("loader")):
+            raise ValueError("a run in phases says data and loader in each phase: drop them")
+        for name in ("checkpoint_dir",) if phased else ("data", "checkpoint_dir"):
             if not values.get(name):
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{name} is not set: give it in the config or with {flag}")
         model = ModelConfig(**(values.get("model") or {}))
-        loader = ftj.LoaderConfig.from_dict(values.get("loader") or {}, "loader")
-        return cls(**{**values, "model": model, "loader": loader})
+        loader = None
+        if not phased:
+            loader = ftj.LoaderConfig.from_dict(values.get("loader") or {}, "loader")
+        return cls(**{**values, "model": model, "loader": loader, "data": values.get("data")})
 
 
 def _check_positive(name: str, value: object) -> None:
@@ -257,7 +271,7 @@ def loss_fn(params: PyTree, batch: Mapping[str, jax.Array]) -> jax.Array:
 class Trainer:
     """The optimizer, the state's layout over the mesh, and the jitted train step."""
 
-    def __init__(self, cfg: TrainConfig, mesh: jax.sharding.Mesh, vocab: int) -> None:
+    def __init__(self, cfg: TrainConfig, mesh: jax.sharding.Mesh, vocab: int, seq_len: int) -> None:
         model_shards = mesh.shape["model"]
         for name in ("num_heads", "mlp_dim"):
             if getattr(cfg.model, name) % model_shards:
@@ -269,7 +283,7 @@ class Trainer:
         self.optimizer = optax.adam(schedule)
         self.batch_sharding = NamedSharding(mesh, P("data"))
         self.initial_params = functools.partial(
-            init_params, cfg.seed, cfg.model, vocab, cfg.loader.seq_len
+            init_params, cfg.seed, cfg.model, vocab, cfg.model.max_seq_len or seq_len
         )
         shapes = jax.eval_shape(
             lambda p: {"params": p, "opt": self.optimizer.init(p)}, self.initial_params()
@@ -301,9 +315,7 @@ class Trainer:
         return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
 
 
-def restore(
-    manager: ocp.CheckpointManager, loader: ftj.Loader, trainer: Trainer
-) -> tuple[int, State]:
+def restore(manager: ocp.CheckpointManager, loader: Feed, trainer: Trainer) -> tuple[int, State]:
     """The step to start at and the state to start from: the newest checkpoint's, or fresh.
 
     Raises:
@@ -320,7 +332,7 @@ def restore(
     return start, manager.restore(step, args=ocp.args.Composite(state=state))["state"]
 
 
-def save(manager: ocp.CheckpointManager, step: int, state: State, loader: ftj.Loader) -> None:
+def save(manager: ocp.CheckpointManager, step: int, state: State, loader: Feed) -> None:
     """Saves the state and the loader's position together, as checkpoint ``step``.
 
     Training blocks only while the arrays are copied to host memory; orbax writes
@@ -337,9 +349,7 @@ def save(manager: ocp.CheckpointManager, step: int, state: State, loader: ftj.Lo
     print(f"checkpoint {step}: saving, blocked {time.perf_counter() - began:.2f} s", flush=True)
 
 
-def log_step(
-    out: TextIO | None, step: int, loss: float, tokens_per_s: float, loader: ftj.Loader
-) -> None:
+def log_step(out: TextIO | None, step: int, loss: float, tokens_per_s: float, loader: Feed) -> None:
     """Prints the step; appends its JSON line to ``out``, with the global samples
     of this host's rows (from ``loader.provenance``; padding rows left out)."""
     wait = loader.wait_seconds
@@ -361,17 +371,40 @@ def log_step(
         out.flush()
 
 
-def build(cfg: TrainConfig) -> tuple[Trainer, ftj.Loader]:
+def build(cfg: TrainConfig) -> tuple[Trainer, Feed]:
     """The trainer and the loader for this run's mesh and data."""
     mesh = make_mesh(cfg.mesh)
+    if cfg.phases is not None:
+        phases = ftj.phases_from_config(cfg.phases)
+        splits = [s for p in phases for s in _splits(p.source)]
+        vocab = cfg.model.vocab_size or max(s.max_token_id for s in splits) + 1
+        trainer = Trainer(cfg, mesh, vocab, max(p.config.seq_len for p in phases))
+        phases = [
+            dataclasses.replace(p, config=dataclasses.replace(p.config, vocab_size=vocab))
+            for p in phases
+        ]
+        return trainer, ftj.PhasedLoader(phases, sharding=trainer.batch_sharding)
+    assert cfg.data is not None and cfg.loader is not None  # checked by from_dict
     split = ftj.open_dataset(cfg.data)["train"]
     vocab = cfg.model.vocab_size or split.max_token_id + 1
-    trainer = Trainer(cfg, mesh, vocab)
+    trainer = Trainer(cfg, mesh, vocab, cfg.loader.seq_len)
     loader_cfg = dataclasses.replace(cfg.loader, vocab_size=vocab)
     return trainer, ftj.Loader(split, loader_cfg, sharding=trainer.batch_sharding)
 
 
-def train(cfg: TrainConfig, trainer: Trainer, loader: ftj.Loader) -> int:
+def _splits(source: Any) -> list[ftj.FlatTokens]:
+    return list(source.sources) if isinstance(source, ftj.Mixture) else [source]
+
+
+def tokens_at(loader: Feed, step: int) -> int:
+    """Tokens of the batch at ``step`` (rows times the step's ``seq_len``)."""
+    if isinstance(loader, ftj.PhasedLoader):
+        phase, local = loader.locate(step)
+        return phase.config.batch_size_at(local) * phase.config.seq_len
+    return loader.config.batch_size_at(step) * loader.config.seq_len
+
+
+def train(cfg: TrainConfig, trainer: Trainer, loader: Feed) -> int:
     """Runs (or resumes) training up to ``cfg.steps``; returns the exit status."""
     options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints)
     directory = Path(cfg.checkpoint_dir).absolute()
@@ -392,7 +425,7 @@ def train(cfg: TrainConfig, trainer: Trainer, loader: ftj.Loader) -> int:
             state, loss = trainer.step(state, batch)
             value = float(loss)  # waits for the step
             seconds = time.perf_counter() - began  # waiting for data and computing
-            tokens = cfg.loader.batch_size_at(step) * cfg.loader.seq_len
+            tokens = tokens_at(loader, step)
             log_step(log, step, value, tokens / seconds, loader)
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
                 save(manager, step + 1, state, loader)

@@ -44,17 +44,21 @@ def main() -> None:
     devices = np.array(jax.devices()).reshape(config["mesh_shape"])
     mesh = Mesh(devices, tuple(config["mesh_axes"]))
     spec = P(*[tuple(a) if isinstance(a, list) else a for a in config["spec"]])
-    loader = ftj.Loader(
-        ft, ftj.LoaderConfig(**config["loader"]), sharding=NamedSharding(mesh, spec)
-    )
+    sharding = NamedSharding(mesh, spec)
+    if config.get("phases"):  # [[start_step, loader fields], ...]: a run in phases
+        phases = [ftj.Phase(s, ft, ftj.LoaderConfig(**fields)) for s, fields in config["phases"]]
+        loader = ftj.PhasedLoader(phases, sharding=sharding)
+        first = loader.loaders[0]
+    else:
+        loader = first = ftj.Loader(ft, ftj.LoaderConfig(**config["loader"]), sharding=sharding)
     if config.get("restore_from"):
         with open(config["restore_from"]) as f:
             loader.restore(json.load(f))
-    row_sums = jax.jit(lambda x: x.sum(axis=1))  # int32: ids < 2**15, 32 columns
+    row_sums = jax.jit(lambda x: x.sum(axis=1))  # int32: ids < 2**15, at most 64 columns
     report: dict = {
-        "rows": loader.host_rows.tolist(),
+        "rows": first.host_rows.tolist(),
         "steps": {},
-        "blocks": [[list(b.rows), list(b.cols)] for b in loader.plan.blocks],
+        "blocks": [[list(b.rows), list(b.cols)] for b in first.plan.blocks],
     }
     start = loader.next_step
     before = ft.bytes_read

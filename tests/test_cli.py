@@ -117,6 +117,7 @@ COMMANDS = {
     "validate": ["U"],
     "info": ["U"],
     "show": ["U", "--step", "0", "--batch-size", "1", "--seq-len", "1"],
+    "plan": ["RUN.yaml"],
     "convert": ["I", "U"],
     "convert-chat": ["I", "U", "--tokenizer", "T"],
     "merge": ["U", "U2"],

@@ -221,3 +221,37 @@ def test_restart_on_more_rows_continues_at_the_next_sample(dataset: Path, tmp_pa
     expected = reference(dataset, range(5), grown)
     for report in second:
         assert report["steps"] == {k: expected[k] for k in ("3", "4")}
+
+
+# A phase at step 2 doubles the batch and the sequence length: a new stream.
+PHASES = [[0, LOADER], [2, {**LOADER, "batch_size": 32, "seq_len": 64}]]
+
+
+def reference_phases(dataset: Path, steps: range) -> dict[str, dict[str, Any]]:
+    ft = ftj.open_dataset(dataset)["train"]
+    run = ftj.PhasedLoader([ftj.Phase(s, ft, ftj.LoaderConfig(**c)) for s, c in PHASES])
+    out = {}
+    for step in steps:
+        batch = run.host_batch(step)
+        out[str(step)] = {
+            "digest": digest(batch),
+            "target_row_sums": batch["targets"].astype(np.int64).sum(1).tolist(),
+        }
+    return out
+
+
+def test_a_phase_changing_batch_size_and_seq_len_across_hosts_and_a_restart(
+    dataset: Path, tmp_path: Path
+) -> None:
+    state = tmp_path / "state.json"
+    first = launch(dataset, tmp_path, 2, num_steps=4, phases=PHASES, save_state=str(state))
+    expected = reference_phases(dataset, range(6))
+    assert [len(expected[str(s)]["target_row_sums"]) for s in range(4)] == [16, 16, 32, 32]
+    for report in first:
+        assert report["steps"] == {k: expected[k] for k in ("0", "1", "2", "3")}
+    rows = sorted(r for report in first for r in report["rows_at"]["3"])
+    assert rows == list(range(32)), "every row of the new phase is read by exactly one host"
+    assert json.loads(state.read_text())["step"] == 4
+    # Inside the second phase, on one process instead of two.
+    second = launch(dataset, tmp_path, 1, num_steps=2, phases=PHASES, restore_from=str(state))
+    assert second[0]["steps"] == {k: expected[k] for k in ("4", "5")}

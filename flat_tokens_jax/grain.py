@@ -49,6 +49,7 @@ import numpy as np
 from flat_tokens_jax.bins import BinRecords, PackingPlan, check_packing, make_records
 from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.grainbatches import Batches
+from flat_tokens_jax.grainprocess import prepare_grain
 from flat_tokens_jax.hostdecode import BlockDecoder, default_threads
 from flat_tokens_jax.limits import check_loader_memory
 from flat_tokens_jax.mixture import Mixture
@@ -218,6 +219,7 @@ class FlatTokensSource:
         self._repr = (
             f"FlatTokensSource({records!r}, start_token_id={start_token_id}, pad_id={pad_id})"
         )
+        prepare_grain()
 
     def __repr__(self) -> str:
         return self._repr

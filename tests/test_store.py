@@ -1,3 +1,4 @@
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -170,3 +171,13 @@ def test_store_option_keywords_are_the_options_used(tmp_path: Path) -> None:
     assert ftj.open_dataset(url, cache_bytes=123).store.options.cache_bytes == 123
     with ftj.DatasetWriter(tmp_path / "w", concurrency=3) as w:
         assert w.store.options == StoreOptions(concurrency=3)
+
+
+def test_the_zarr_python_fallback_names_the_extra_when_zarr_is_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_raw(tmp_path, spec_dataset(starts_kwargs=DELTA), zarr_format=2)
+    ftj.validate(tmp_path)  # readable while zarr-python is installed
+    monkeypatch.setitem(sys.modules, "zarr", None)  # as if not installed
+    with pytest.raises(ftj.FormatError, match=r"seq_starts.*needs zarr-python.*\[zarr\]"):
+        ftj.open_dataset(tmp_path)

@@ -4,8 +4,9 @@ A grain pipeline reads elements by index from a random-access source.
 ``FlatTokensSource`` is one: element ``i`` is record ``i`` (a packed window, a
 padded sequence or a bin of whole sequences, exactly the row
 :class:`~flat_tokens_jax.Loader` makes of it) as a dict of the five batch
-fields, each ``[seq_len]``. The source only has to satisfy grain's protocol,
-so this module never imports grain; users import it.
+fields, each ``[seq_len]``. The source only has to satisfy grain's protocol;
+making one imports grain only to prepare its worker processes for a plain
+script (:mod:`~flat_tokens_jax.grainprocess`).
 
 What a read costs: ``__getitem__`` is one read of one record. ``_getitems`` is
 grain's batched-read hook (``SupportsBatchedReadRandomAccessDataSource``): one

@@ -14,9 +14,9 @@ and #398):
   interpreter shuts down, are deleted after the modules they use are torn
   down: each prints an "Exception ignored" traceback, and the shared memory of
   every batch still queued leaks. The exit hook that :func:`prepare_grain`
-  registers runs before that tear-down: it closes every grain iterator still
-  open (workers stop, queued batches are unlinked) and releases the shared
-  memory of batches the program still holds.
+  registers runs before that tear-down (:func:`close_grain`): it does what
+  those deletions would do (workers stop, queued batches are unlinked) and
+  releases the shared memory of batches the program still holds.
 
 Nothing here imports grain until a source asks for it.
 """
@@ -31,6 +31,7 @@ import importlib
 import logging
 import mmap
 import sys
+import types
 from typing import Any
 
 _log = logging.getLogger(__name__)
@@ -57,45 +58,57 @@ def _register_exit_hook() -> None:
 
 
 def close_grain() -> None:
-    """Closes every open grain iterator of this process, and releases the shared
-    memory of grain's batches still alive, while their modules still stand.
+    """Shuts down what grain still runs in this process, while grain's modules
+    still stand: closes its generators (their ``with`` blocks stop worker
+    pools) and iterators, runs the ``__del__`` of every other live object of
+    a grain class that has one (worker pools), and releases the shared memory
+    of grain's batches still alive.
 
-    Each of those objects is then of a subclass of its own class without
-    ``__del__``: its deletion during the interpreter's tear-down, with nothing
-    left to do, prints nothing. A released batch keeps its values (its memory
-    stays mapped until the process ends); only its name is removed from the
-    system's shared memory.
+    Each of those objects is then of a subclass of its own class whose
+    ``__del__`` does nothing: its deletion in the interpreter's tear-down, with
+    nothing left to do, prints nothing. A released batch keeps its values (its
+    memory stays mapped until the process ends); only its name is removed from
+    the system's shared memory.
     """
     grain = sys.modules.get("grain")
     if grain is None:
         return
-    iterator_type = grain.DatasetIterator
     shared_type = grain.multiprocessing.SharedMemoryArray
-    iterators, arrays = [], []
+    generators, finalized, arrays = [], [], []
     for obj in gc.get_objects():
-        if isinstance(obj, iterator_type):
-            iterators.append(obj)
+        if isinstance(obj, types.GeneratorType):
+            frame = obj.gi_frame
+            if frame is not None and _of_grain(frame.f_globals.get("__name__")):
+                generators.append(obj)
         elif isinstance(obj, shared_type):
             arrays.append(obj)
-    for it in iterators:
-        try:
-            it.close()
-        except Exception as e:  # one iterator that fails to close must not stop the others
-            _log.debug("closing %r at exit: %s", it, e)
+        elif _of_grain(type(obj).__module__) and hasattr(type(obj), "__del__"):
+            finalized.append(obj)
+    for step, objects in (("close", generators), ("__del__", finalized)):
+        for obj in objects:
+            try:
+                getattr(obj, step)()
+            except Exception as e:  # one that fails must not stop the others
+                _log.debug("%s of %r at exit: %s", step, obj, e)
     for array in arrays:
         shm = getattr(array, "shm", None)
         # As the array's __del__ would: only the array over the whole mapping,
-        # not a view, and only where this process owns the memory.
+        # not a view, and only where this process owns the memory. Closing the
+        # mapping would fail while the array uses it.
         owner = getattr(array, "_unlink_on_del", False)
         if shm is not None and owner and isinstance(array.base, mmap.mmap):
             with contextlib.suppress(FileNotFoundError):
                 shm.unlink()
     quiet: dict[type, type] = {}
-    for obj in iterators + arrays:
+    for obj in finalized + arrays:
         cls = type(obj)
         if cls not in quiet:
             quiet[cls] = type(cls.__name__, (cls,), {"__del__": _nothing})
         obj.__class__ = quiet[cls]
+
+
+def _of_grain(module: object) -> bool:
+    return isinstance(module, str) and (module == "grain" or module.startswith("grain."))
 
 
 def _nothing(self: Any) -> None:

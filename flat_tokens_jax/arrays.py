@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 import tensorstore as ts
-import zarr
 
 from flat_tokens_jax.buffers import Buffers
 from flat_tokens_jax.localshards import LocalShards
 from flat_tokens_jax.options import StoreOptions, wait
+
+if TYPE_CHECKING:
+    import zarr
 
 
 class ByteCounter:

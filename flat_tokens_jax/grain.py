@@ -4,8 +4,9 @@ A grain pipeline reads elements by index from a random-access source.
 ``FlatTokensSource`` is one: element ``i`` is record ``i`` (a packed window, a
 padded sequence or a bin of whole sequences, exactly the row
 :class:`~flat_tokens_jax.Loader` makes of it) as a dict of the five batch
-fields, each ``[seq_len]``. The source only has to satisfy grain's protocol,
-so this module never imports grain; users import it.
+fields, each ``[seq_len]``. The source only has to satisfy grain's protocol;
+making one imports grain only to prepare its worker processes for a plain
+script (:mod:`~flat_tokens_jax.grainprocess`).
 
 What a read costs: ``__getitem__`` is one read of one record. ``_getitems`` is
 grain's batched-read hook (``SupportsBatchedReadRandomAccessDataSource``): one
@@ -49,6 +50,7 @@ import numpy as np
 from flat_tokens_jax.bins import BinRecords, PackingPlan, check_packing, make_records
 from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.grainbatches import Batches
+from flat_tokens_jax.grainprocess import prepare_grain
 from flat_tokens_jax.hostdecode import BlockDecoder, default_threads
 from flat_tokens_jax.limits import check_loader_memory
 from flat_tokens_jax.mixture import Mixture
@@ -218,6 +220,7 @@ class FlatTokensSource:
         self._repr = (
             f"FlatTokensSource({records!r}, start_token_id={start_token_id}, pad_id={pad_id})"
         )
+        prepare_grain()
 
     def __repr__(self) -> str:
         return self._repr

@@ -30,8 +30,8 @@ from flat_tokens_jax.limits import check_regular_file
 
 
 def _crc32c_function() -> Any:
-    """The crc32c function of whichever package zarr-python brought: google_crc32c
-    (zarr 3.1 on) or crc32c (before); ``None`` if neither."""
+    """The crc32c function of google_crc32c (a dependency) or of crc32c;
+    ``None`` if neither is installed."""
     for module, name in (("google_crc32c", "value"), ("crc32c", "crc32c")):
         try:
             return getattr(importlib.import_module(module), name)
@@ -51,8 +51,8 @@ def crc32c(data: Any) -> int:
     """
     if _crc32c is None:
         raise RuntimeError(
-            "computing crc32c needs the package google-crc32c (or crc32c), which "
-            "zarr-python installs: pip install google-crc32c"
+            "computing crc32c needs the package google-crc32c (or crc32c), a "
+            "dependency of flat-tokens-jax: pip install google-crc32c"
         )
     return int(_crc32c(data))
 

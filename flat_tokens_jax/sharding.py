@@ -14,6 +14,7 @@ depend on the whole row, so those batches are decoded on the devices, inside
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -211,7 +212,7 @@ class HostPlan:
         # copies (columns gathered on device), then lay the fields out as asked.
         whole_rows = NamedSharding(mesh, PartitionSpec(spec[0], None))
         explicit = jax.sharding.AxisType.Explicit in mesh.axis_types
-        lay_out = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
+        lay_out = _reshard() if explicit else jax.lax.with_sharding_constraint
         sharding = self.sharding
 
         def decode(encoded: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
@@ -284,3 +285,12 @@ def host_plans(
                     "sizes that divide over the mesh"
                 ) from None
     return plans
+
+
+def _reshard() -> Callable[[jax.Array, NamedSharding], jax.Array]:
+    """``jax.sharding.reshard`` (jax 0.7 on), or the same function where it was
+    experimental (``jax.experimental.shard.reshard``, jax 0.6)."""
+    public = getattr(jax.sharding, "reshard", None)
+    if public is not None:
+        return public
+    return importlib.import_module("jax.experimental.shard").reshard

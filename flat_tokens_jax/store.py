@@ -4,7 +4,7 @@ Every store is reached through tensorstore key-value stores, so local paths,
 ``file://``, ``memory://``, ``gs://`` and ``s3://`` behave alike. Arrays open
 with tensorstore's ``zarr3`` or ``zarr`` (v2) driver; an array whose codecs
 tensorstore cannot decode (numcodecs filters such as ``Delta``) opens with
-zarr-python instead.
+zarr-python instead (:mod:`~flat_tokens_jax.zarrpython`, the ``zarr`` extra).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import Any, Literal
 
 import numpy as np
 import tensorstore as ts
-import zarr
 
 from flat_tokens_jax.arrays import ArrayReader, TensorStoreArray, ZarrPythonArray
 from flat_tokens_jax.format import FormatError
@@ -30,6 +29,7 @@ from flat_tokens_jax.options import (
     wait,
 )
 from flat_tokens_jax.urls import parse_url
+from flat_tokens_jax.zarrpython import open_zarr_python
 
 V3_META = "zarr.json"
 # Array attribute (zarr v3 metadata, zarr v2 .zattrs): every chunk was written,
@@ -91,33 +91,6 @@ def kvstore_spec(url: str | os.PathLike[str], options: StoreOptions) -> dict[str
             creds = options.credentials
             spec["aws_credentials"] = {"type": creds} if isinstance(creds, str) else dict(creds)
     return spec
-
-
-def zarr_python_store(url: str | os.PathLike[str], options: StoreOptions) -> Any:
-    """A zarr-python store for the same URL, for arrays tensorstore cannot decode."""
-    text = os.fspath(url)
-    where = parse_url(text)
-    if where.scheme == "file":
-        return zarr.storage.LocalStore(where.path, read_only=True)
-    if where.scheme == "memory":
-        raise FormatError(
-            f"{text}: this array needs zarr-python (its codecs are not "
-            "supported by tensorstore), which cannot reach memory:// stores"
-        )
-    storage: dict[str, Any] = {}
-    if where.scheme == "s3" and options.endpoint:
-        storage["endpoint_url"] = options.endpoint
-    try:
-        return zarr.storage.FsspecStore.from_url(
-            f"{where.scheme}://{where.bucket}/{where.path}",
-            storage_options=storage,
-            read_only=True,
-        )
-    except ImportError as e:
-        raise FormatError(
-            f"{text}: this array needs zarr-python with fsspec "
-            f"(pip install fsspec {'gcsfs' if where.scheme == 'gs' else 's3fs'}): {e}"
-        ) from e
 
 
 class Store:
@@ -265,8 +238,9 @@ class Store:
             if not _unsupported_codec(ts_error):
                 raise store_error(f"{self.url}/{key}", ts_error, self.options) from ts_error
             try:
-                store = zarr_python_store(self.url, self.options)
-                arr = zarr.open_array(store, path=key, mode="r", zarr_format=zarr_format)
+                arr = open_zarr_python(self.url, self.options, key, zarr_format)
+            except FormatError:
+                raise
             except Exception as zarr_error:
                 raise FormatError(
                     f"{self.url}/{key}: cannot open the array with tensorstore "

@@ -4,6 +4,7 @@ tests the dependency floors pyproject.toml declares."""
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,14 +31,43 @@ def test_floors_are_the_declared_lower_bounds() -> None:
         text=True,
         check=True,
     ).stdout.split()
-    pyproject = (ROOT / "pyproject.toml").read_text()
-    for name in ("jax", "numpy", "zarr", "numcodecs", "tensorstore", "grain", "numba"):
-        declared = re.search(rf'"{name}>=([^"]+)"', pyproject)
-        assert declared is not None, name
-        assert f"{name}=={declared.group(1)}" in out
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    tools = [d for d in extras["test"] if d.startswith(("zarr>=", "numcodecs>="))]
+    declared = project["dependencies"] + extras["fast"] + tools
+    assert sorted(p.split("==")[0] for p in out if p.split("==")[0] != "jaxlib") == sorted(
+        d.split(">=")[0] for d in declared
+    )
+    for dep in declared:
+        assert dep.replace(">=", "==") in out, dep
     jax = next(p for p in out if p.startswith("jax=="))
     assert f"jaxlib=={jax.split('==')[1]}" in out
     readme = (ROOT / "README.md").read_text()
     for pin in out:
         if not pin.startswith("jaxlib"):
             assert pin.replace("==", " ") in readme, f"README names another floor than {pin}"
+
+
+def test_zarr_python_is_an_extra_that_admits_zarr_2() -> None:
+    """A trainer pinned to zarr 2 installs the package: zarr-python is not a core
+    dependency, and the ``zarr`` extra (the fallback reader) takes zarr 2 or 3."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = [re.split(r"[<>=!~ \[]", d, maxsplit=1)[0] for d in project["dependencies"]]
+    assert "zarr" not in core and "numcodecs" not in core
+    assert project["optional-dependencies"]["zarr"] == ["zarr>=2.18.7"]
+
+
+def test_importing_the_package_imports_no_heavy_library() -> None:
+    """``import flat_tokens_jax`` stays cheap: its names load on first use."""
+    heavy = ("jax", "tensorstore", "zarr", "numcodecs", "numba", "grain", "tokenizers", "yaml")
+    code = (
+        "import sys, flat_tokens_jax as ftj; "
+        f"print([m for m in {heavy!r} if m in sys.modules]); "
+        "ftj.open_dataset; ftj.Loader; "
+        f"print([m for m in {heavy!r} if m in sys.modules])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out[0] == "[]"
+    assert out[1] == "['jax', 'tensorstore']"

@@ -1,3 +1,4 @@
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -183,3 +184,13 @@ def test_request_concurrency_follows_the_reads_in_flight_unless_pinned() -> None
         }
     with pytest.raises(ValueError, match=r"concurrency must be at least 1, or None to follow"):
         StoreOptions(concurrency=0)
+
+
+def test_the_zarr_python_fallback_names_the_extra_when_zarr_is_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_raw(tmp_path, spec_dataset(starts_kwargs=DELTA), zarr_format=2)
+    ftj.validate(tmp_path)  # readable while zarr-python is installed
+    monkeypatch.setitem(sys.modules, "zarr", None)  # as if not installed
+    with pytest.raises(ftj.FormatError, match=r"seq_starts.*needs zarr-python.*\[zarr\]"):
+        ftj.open_dataset(tmp_path)

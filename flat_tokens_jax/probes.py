@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from flat_tokens_jax.arrays import Pending
 from flat_tokens_jax.format import FormatError
 from flat_tokens_jax.localshards import touched
 
@@ -28,6 +29,11 @@ ATTRIBUTE = "shard_probes"
 PROBE = 1024  # values per probe: the start of each shard's first inner chunk
 
 ReadRanges = Callable[[np.ndarray, np.ndarray], Sequence[np.ndarray]]
+RequestRanges = Callable[[np.ndarray, np.ndarray], Pending]
+
+
+def _checked() -> None:
+    """The check of shards checked already."""
 
 
 def digest(values: np.ndarray) -> int:
@@ -61,6 +67,7 @@ class ShardProbes:
         self.checked = np.zeros(self.crcs.size, bool)
         self.bytes_read = 0  # by the checks, over all views that share these probes
         self._lock = threading.Lock()
+        self._checking: dict[int, threading.Event] = {}  # shard: set once its check ends
 
     @classmethod
     def of(cls, attributes: Mapping[str, Any], where: str, size: int) -> ShardProbes | None:
@@ -91,37 +98,83 @@ class ShardProbes:
             )
         return cls(where, size, found["shard"], found["crc32"])
 
-    def check(self, read: ReadRanges, starts: np.ndarray, stops: np.ndarray) -> None:
-        """Checks the probe of every shard that ranges ``[starts, stops)`` touch and
-        that this process has not checked yet, reading them with ``read``.
+    def unchecked(self, starts: np.ndarray, stops: np.ndarray) -> bool:
+        """Whether ranges ``[starts, stops)`` (within the array) touch a shard not checked yet."""
+        return not self.checked[touched(starts, stops, self.shard)].all()
 
-        Raises:
+    def start_check(
+        self, request: RequestRanges, starts: np.ndarray, stops: np.ndarray
+    ) -> Callable[[], None]:
+        """Starts reading, with ``request`` (which returns before the values
+        arrive), the probe of every shard that ranges ``[starts, stops)`` touch
+        and that no read has checked or is checking; returns the call that
+        waits for them and checks them (it must be called, once), so that a
+        read's other checks go out in the same round trips.
+
+        Raises (the returned call):
             FormatError: a shard whose first values are not those recorded.
         """
         shards = touched(starts, stops, self.shard)
-        todo = np.unique(shards[~self.checked[shards]])
-        if not todo.size:
-            return
+        if self.checked[shards].all():
+            return _checked
         with self._lock:
+            todo = np.unique(shards)
             todo = todo[~self.checked[todo]]
-            if not todo.size:
-                return
-            bad = self._mismatches(read, todo)
-            if bad:
+            busy = np.array([s in self._checking for s in todo.tolist()], bool)
+            theirs = {self._checking[s] for s in todo[busy].tolist()}
+            mine = todo[~busy]
+            done = threading.Event()
+            for s in mine.tolist():
+                self._checking[s] = done
+        try:
+            pending = request(*self._ranges(mine)) if mine.size else None
+        except BaseException:
+            self._release(mine, done)
+            raise
+
+        def finish() -> None:
+            try:
+                if pending is not None:
+                    bad = self._compare(mine, pending.result())
+                    if bad:
+                        raise FormatError(f"{self.where}: {bad[0]}")
+                    self.checked[mine] = True
+            finally:
+                self._release(mine, done)
+            for event in theirs:
+                event.wait()
+            failed = todo[busy][~self.checked[todo[busy]]]
+            if failed.size:  # another read found it bad: read it here, for the message
+                bad = self._compare(failed, request(*self._ranges(failed)).result())
                 raise FormatError(f"{self.where}: {bad[0]}")
-            self.checked[todo] = True
+
+        return finish
+
+    def _release(self, shards: np.ndarray, done: threading.Event) -> None:
+        with self._lock:
+            for s in shards.tolist():
+                del self._checking[s]
+        done.set()
 
     def verify_all(self, read: ReadRanges) -> list[str]:
         """Reads every shard's probe; a message for each that differs (for ``validate``)."""
         return self._mismatches(read, np.arange(self.crcs.size, dtype=np.int64))
 
+    def _ranges(self, shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(starts, stops)`` of the probes of ``shards``."""
+        lo = shards * self.shard
+        return lo, np.minimum(lo + min(PROBE, self.shard), self.size)
+
     def _mismatches(self, read: ReadRanges, shards: np.ndarray) -> list[str]:
         if not shards.size:
             return []
-        lo = shards * self.shard
+        return self._compare(shards, read(*self._ranges(shards)))
+
+    def _compare(self, shards: np.ndarray, values: Sequence[np.ndarray]) -> list[str]:
+        """A message for each of ``shards`` whose probe ``values`` differ from the recorded."""
         size = min(PROBE, self.shard)
-        values = read(lo, np.minimum(lo + size, self.size))
-        self.bytes_read += sum(v.nbytes for v in values)
+        with self._lock:
+            self.bytes_read += sum(v.nbytes for v in values)
         return [
             f"shard {s} (values [{s * self.shard}, {min((s + 1) * self.shard, self.size)})) "
             f"is not the one written here: its first {size} values differ from the recorded "

@@ -193,8 +193,9 @@ class PackedRecords(_SplitRecords):
         c0, c1 = _check_columns(columns, self.seq_len)
         base = idx * self.seq_len
         start, stop = base + c0, base + c1
-        tokens = self.ft.request_encoded(np.maximum(start - 1, 0), stop)
-        masks = self.ft.request_loss_mask(start, stop)
+        tokens, masks = self.ft.request_encoded_and_mask(
+            np.maximum(start - 1, 0), stop, start, stop
+        )
         # Record 0 has no token before it: its row is right-aligned, column 0 stays 0.
         out = tokens.rows(c1 - c0 + 1, ENCODED_DTYPE, right=True)
         mask = None if masks is None else masks.rows(c1 - c0, np.uint8)
@@ -219,8 +220,7 @@ class PaddedRecords(_SplitRecords):
         start, stop = self.token_ranges(idx)
         lo = np.minimum(start + c0, stop)
         hi = np.minimum(start + c1, stop)
-        tokens = self.ft.request_encoded(lo, hi)
-        masks = self.ft.request_loss_mask(lo, hi)
+        tokens, masks = self.ft.request_encoded_and_mask(lo, hi, lo, hi)
         out = tokens.rows(c1 - c0, ENCODED_DTYPE)
         check_start_bits(self.ft, out, idx, start + c0, stop - start, c0 == 0)
         mask = None if masks is None else masks.rows(c1 - c0, np.uint8)

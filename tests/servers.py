@@ -214,6 +214,13 @@ class DelayProxy:
         self._thread.join(5)
 
 
+class _ManyClients(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    # A client opens a connection per request in flight; past the listen
+    # backlog (5 by default) a connection waits a second for its SYN's resend.
+    request_queue_size = 512
+
+
 class FaultProxy:
     """An HTTP proxy on 127.0.0.1 that counts requests and answers some with errors.
 
@@ -273,8 +280,7 @@ class FaultProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
 
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
+        self._server = _ManyClients(("127.0.0.1", 0), Handler)
         self.port = int(self._server.server_address[1])
         self.url = f"http://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -322,11 +328,6 @@ def rounds(records: list[Record]) -> int:
         longest = max(longest, chain)
         heapq.heappush(ended, (r.end, chain))
     return longest
-
-
-class _ManyClients(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 512  # a client opens a connection per request in flight
 
 
 class RecordingProxy:

@@ -325,10 +325,9 @@ class Mixture:
 
     def fingerprint(self, records: Sequence[Records]) -> dict[str, Any]:
         """The components' names and data (their ``records``) and the blending."""
+        found = at_once([r.fingerprint for r in records])  # their reads at once
         return {
-            "components": [
-                {"name": n, **r.fingerprint()} for n, r in zip(self.names, records, strict=True)
-            ],
+            "components": [{"name": n, **f} for n, f in zip(self.names, found, strict=True)],
             "weights": [list(map(float, w)) for w in self.weights],
             "steps": self.steps.tolist(),
             "periods": [p.period for p in self.periods],

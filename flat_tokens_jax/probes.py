@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from flat_tokens_jax.arrays import Pending
+from flat_tokens_jax.arrays import Pending, stack_rows
 from flat_tokens_jax.format import FormatError
 from flat_tokens_jax.localshards import touched
 
@@ -34,6 +34,19 @@ RequestRanges = Callable[[np.ndarray, np.ndarray], Pending]
 
 def _checked() -> None:
     """The check of shards checked already."""
+
+
+class _Read:
+    """Values read already, as a :class:`~flat_tokens_jax.arrays.Pending`."""
+
+    def __init__(self, values: Sequence[np.ndarray]) -> None:
+        self.values = list(values)
+
+    def result(self) -> list[np.ndarray]:
+        return self.values
+
+    def rows(self, width: int, dtype: Any, right: bool = False) -> np.ndarray:
+        return stack_rows(self.values, width, dtype, right)
 
 
 def digest(values: np.ndarray) -> int:
@@ -155,6 +168,14 @@ class ShardProbes:
             for s in shards.tolist():
                 del self._checking[s]
         done.set()
+
+    def check(self, read: ReadRanges, starts: np.ndarray, stops: np.ndarray) -> None:
+        """:meth:`start_check` with ``read``, which returns the values it reads.
+
+        Raises:
+            FormatError: a shard whose first values are not those recorded.
+        """
+        self.start_check(lambda lo, hi: _Read(read(lo, hi)), starts, stops)()
 
     def verify_all(self, read: ReadRanges) -> list[str]:
         """Reads every shard's probe; a message for each that differs (for ``validate``)."""

@@ -27,9 +27,9 @@ class S3:
     proxy: RecordingProxy
     options: ftj.StoreOptions
 
-    def delayed(self) -> list[Record]:
+    def delayed(self, delay: float = DELAY) -> list[Record]:
         """Starts holding requests; returns (and forgets) those recorded so far."""
-        self.proxy.delay = DELAY
+        self.proxy.delay = delay
         return self.proxy.take()
 
 
@@ -106,14 +106,19 @@ def test_open_and_first_batch_wait_a_bounded_number_of_round_trips(
 
 
 def test_a_mixture_of_three_opens_in_the_round_trips_of_one(s3: S3, tmp_path: Path) -> None:
-    layout = ftj.Layout(shard_tokens=1 << 11, chunk_tokens=1 << 8)
+    layout = ftj.Layout(shard_tokens=1 << 13, chunk_tokens=1 << 8)
     urls = [write(s3, f"mix-{i}", layout, seed=i) for i in range(3)]
-    s3.delayed()
+    s3.delayed(0.3)  # above the time it takes to issue the reads of three components
     config = {"datasets": {f"c{i}": {"url": u, "weight": 1.0} for i, u in enumerate(urls)}}
     mix = mixture_from_config({**config, "split": "90,10"}, "train", s3.options)
-    ftj.Loader(mix, ftj.LoaderConfig(batch_size=8, seq_len=32, packing="bins", seed=1))
+    loader = ftj.Loader(mix, ftj.LoaderConfig(batch_size=8, seq_len=32, packing="bins", seed=1))
     found = s3.proxy.take()
     # Before: each dataset opened after the one before (14 rounds a split),
     # then each view's bounds and each component's packing plan in turn.
     assert len({r.path.split("/")[2] for r in found}) == 3
     assert rounds(found) <= OPEN_ROUNDS + 2 + 2  # the views' bounds; the plans' seq_starts
+    loader.state()  # the fingerprint: spaced tokens and bounds of every component
+    found = s3.proxy.take()
+    # Before: 4 rounds a component (tokens, then bounds; index, then data), in turn.
+    assert len({r.path.split("/")[2] for r in found}) == 3
+    assert rounds(found) <= 2

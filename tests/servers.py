@@ -214,6 +214,16 @@ class DelayProxy:
         self._thread.join(5)
 
 
+def timeline(records: list[Record]) -> str:
+    """The records as lines of start and end (seconds after the first start),
+    method, path and range, in order of start: what a failed bound shows."""
+    first = min((r.start for r in records), default=0.0)
+    return "\n" + "\n".join(
+        f"{r.start - first:7.3f} {r.end - first:7.3f} {r.method} {r.path} {r.range or ''}"
+        for r in sorted(records, key=lambda r: r.start)
+    )
+
+
 class _ManyClients(http.server.ThreadingHTTPServer):
     daemon_threads = True
     # A client opens a connection per request in flight; past the listen

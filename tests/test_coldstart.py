@@ -11,13 +11,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from servers import Record, RecordingProxy, aws_profile, moto_s3, rounds
+from servers import Record, RecordingProxy, aws_profile, moto_s3, rounds, timeline
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.mixconfig import mixture_from_config
 
 pytestmark = pytest.mark.remote
-DELAY = 0.15  # per request: far above the work between two requests
+DELAY = 0.3  # per request: above the time a busy machine takes to issue a round's requests
 OPEN_ROUNDS = 3  # metadata; shard indexes and recorded digests; data (seq_starts' ends)
 BATCH_ROUNDS = 2  # shard indexes and recorded digests; data
 
@@ -27,9 +27,9 @@ class S3:
     proxy: RecordingProxy
     options: ftj.StoreOptions
 
-    def delayed(self, delay: float = DELAY) -> list[Record]:
+    def delayed(self) -> list[Record]:
         """Starts holding requests; returns (and forgets) those recorded so far."""
-        self.proxy.delay = delay
+        self.proxy.delay = DELAY
         return self.proxy.take()
 
 
@@ -98,10 +98,10 @@ def test_open_and_first_batch_wait_a_bounded_number_of_round_trips(
     batch = s3.proxy.take()
     # Before: 14 rounds to open a split (27 for two), 5 more for a packed
     # batch (probes, then chunks, then the digests' side array opened and read).
-    assert rounds(opened) <= OPEN_ROUNDS
+    assert rounds(opened) <= OPEN_ROUNDS, timeline(opened)
     # Padded rows read their sequences' bounds first, here from the chunk of
     # seq_starts that the open read (a larger seq_starts: 2 more rounds).
-    assert rounds(batch) <= BATCH_ROUNDS
+    assert rounds(batch) <= BATCH_ROUNDS, timeline(batch)
     assert rounds(opened + batch) <= 5
     shards = {r.path for r in batch if "/encoded_tokens/c/" in r.path}
     assert len(shards) > (8 if name == "many-shards" else 0)  # the bound holds over many shards
@@ -110,7 +110,7 @@ def test_open_and_first_batch_wait_a_bounded_number_of_round_trips(
 def test_a_mixture_of_three_opens_in_the_round_trips_of_one(s3: S3, tmp_path: Path) -> None:
     layout = ftj.Layout(shard_tokens=1 << 13, chunk_tokens=1 << 8)
     urls = [write(s3, f"mix-{i}", layout, seed=i) for i in range(3)]
-    s3.delayed(0.3)  # above the time it takes to issue the reads of three components
+    s3.delayed()
     config = {"datasets": {f"c{i}": {"url": u, "weight": 1.0} for i, u in enumerate(urls)}}
     mix = mixture_from_config({**config, "split": "90,10"}, "train", s3.options)
     loader = ftj.Loader(mix, ftj.LoaderConfig(batch_size=8, seq_len=32, packing="bins", seed=1))
@@ -118,9 +118,9 @@ def test_a_mixture_of_three_opens_in_the_round_trips_of_one(s3: S3, tmp_path: Pa
     # Before: each dataset opened after the one before (14 rounds a split),
     # then each view's bounds and each component's packing plan in turn.
     assert len({r.path.split("/")[2] for r in found}) == 3
-    assert rounds(found) <= OPEN_ROUNDS + 2 + 2  # the views' bounds; the plans' seq_starts
+    assert rounds(found) <= OPEN_ROUNDS + 2 + 2, timeline(found)  # views' bounds; plans' seq_starts
     loader.state()  # the fingerprint: spaced tokens and bounds of every component
     found = s3.proxy.take()
     # Before: 4 rounds a component (tokens, then bounds; index, then data), in turn.
     assert len({r.path.split("/")[2] for r in found}) == 3
-    assert rounds(found) <= 2
+    assert rounds(found) <= 2, timeline(found)

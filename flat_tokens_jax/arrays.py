@@ -231,18 +231,18 @@ class TensorStoreArray(_Reader):
         """Each range from the memory-mapped shards, or through tensorstore where
         they cannot serve it (which then fails naming a corrupt shard); without
         memory-mapped shards, from ``known`` chunks where they serve it."""
-        pairs = zip(starts.tolist(), stops.tolist(), strict=True)
+        pairs = list(zip(starts.tolist(), stops.tolist(), strict=True))
         if self.local is None:
             served = [None if known is None or b <= a else known.slice(a, b) for a, b in pairs]
-            reads = [
-                self.store[a:b].read() if value is None else value
-                for a, b, value in zip(starts.tolist(), stops.tolist(), served, strict=True)
+        else:
+            served = [self.local.read(a, b) for a, b in pairs]
+        # One batch: tensorstore reads each chunk that ranges share once, and
+        # the chunks of one shard in as few requests as their byte ranges allow.
+        with ts.Batch() as batch:
+            out = [
+                self.store[a:b].read(batch=batch) if value is None else value
+                for (a, b), value in zip(pairs, served, strict=True)
             ]
-            return _Futures(reads, self.url, self.options)
-        out = []
-        for a, b in pairs:
-            value = self.local.read(a, b)
-            out.append(self.store[a:b].read() if value is None else value)
         return _Futures(out, self.url, self.options)
 
     def stored_crc32c(self, chunks: np.ndarray, chunk: int) -> np.ndarray | None:

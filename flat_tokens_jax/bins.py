@@ -130,8 +130,7 @@ class BinRecords:
         width = c1 - c0 + 1
         t_lo = p_start + lo - p_off
         t_hi = t_lo + (hi - lo)
-        tokens = self.ft.request_encoded(t_lo, t_hi)
-        masks = self.ft.request_loss_mask(t_lo, t_hi)
+        tokens, masks = self.ft.request_encoded_and_mask(t_lo, t_hi, t_lo, t_hi)
         dest = p_row * width + lo - (c0 - 1)
         out = _scatter(tokens.result(), dest, hi - lo, (k, width), ENCODED_DTYPE)
         if masks is None:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from flat_tokens_jax.arrays import ArrayReader, Known, Pending
+from flat_tokens_jax.concurrently import at_once
 from flat_tokens_jax.digests import DIGESTS, ChunkDigests
 from flat_tokens_jax.format import (
     ENCODED_DTYPE,
@@ -29,7 +31,7 @@ from flat_tokens_jax.format import (
 from flat_tokens_jax.identity import DatasetInfo
 from flat_tokens_jax.options import StoreOptions, resolve_options
 from flat_tokens_jax.probes import ShardProbes
-from flat_tokens_jax.store import Store, describe_layout
+from flat_tokens_jax.store import V2_ARRAY, V2_ATTRS, V2_GROUP, V3_META, Store, describe_layout
 
 
 class _Unread:
@@ -212,6 +214,32 @@ class FlatTokens:
         known = self._check_probes(LOSS_MASK, self.loss_mask, lo, hi)
         return self.loss_mask.request_ranges(lo, hi, known)
 
+    def request_encoded_and_mask(
+        self,
+        starts: Sequence[int] | np.ndarray,
+        stops: Sequence[int] | np.ndarray,
+        mask_starts: np.ndarray,
+        mask_stops: np.ndarray,
+    ) -> tuple[Pending, Pending | None]:
+        """:meth:`request_encoded` of ``[starts, stops)`` and
+        :meth:`request_loss_mask` of ``[mask_starts, mask_stops)`` at once: the
+        checks of their first touches (shard probes, chunk digests) read in the
+        same round trips."""
+        if self.loss_mask is None or not self._first_touch(
+            np.concatenate([np.asarray(starts, np.int64), mask_starts]),
+            np.concatenate([np.asarray(stops, np.int64), mask_stops]),
+        ):
+            return self.request_encoded(starts, stops), self.request_loss_mask(
+                mask_starts, mask_stops
+            )
+        tokens, mask = at_once(
+            [
+                lambda: (self.request_encoded(starts, stops), None),
+                lambda: (None, self.request_loss_mask(mask_starts, mask_stops)),
+            ]
+        )
+        return cast(Pending, tokens[0]), mask[1]
+
     def sequence_bounds(self, indices: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(starts, stops)`` token offsets ``[k] int64`` of sequences ``indices``, one read."""
         idx = as_indices(indices, "sequence indices")
@@ -293,10 +321,33 @@ class FlatTokens:
         digests (:mod:`~flat_tokens_jax.digests`) of what a read touches; returns
         the chunks the digests' check read whole, if any, to serve the read."""
         probes = self.probes.get(name)
-        if probes is not None:
-            probes.check(reader.read_ranges, starts, stops)
         digests = self.digests.get(name)
-        return None if digests is None else digests.check(reader, starts, stops)
+        # The probes' reads go out first and are checked last: both checks'
+        # reads share their round trips.
+        finish = (
+            None if probes is None else probes.start_check(reader.request_ranges, starts, stops)
+        )
+        try:
+            known = None if digests is None else digests.check(reader, starts, stops)
+        except BaseException:
+            if finish is not None:
+                finish()  # a shard whose probe differs is named first
+            raise
+        if finish is not None:
+            finish()
+        return known
+
+    def _first_touch(self, starts: np.ndarray, stops: np.ndarray) -> bool:
+        """Whether token ranges ``[starts, stops)`` of this view touch a shard or
+        chunk of the tokens or the loss mask not checked yet (``False`` for
+        ranges outside the view, left to the reads to refuse)."""
+        lo, hi = np.asarray(starts, np.int64), np.asarray(stops, np.int64)
+        if lo.size == 0 or (lo < 0).any() or (hi < lo).any() or (hi > self.num_tokens).any():
+            return False
+        lo, hi = lo + self.token_range[0], hi + self.token_range[0]
+        checks = [self.probes.get(self.tokens_name), self.digests.get(self.tokens_name)]
+        checks += [self.probes.get(LOSS_MASK), self.digests.get(LOSS_MASK)]
+        return any(c is not None and c.unchecked(lo, hi) for c in checks)
 
     def layout(self) -> dict[str, dict[str, Any]]:
         """Per array: zarr version, chunk and shard sizes, compression."""
@@ -325,6 +376,9 @@ class Dataset(Mapping[str, FlatTokens]):
     """
 
     def __init__(self, store: Store) -> None:
+        store.prefetch_json(_metadata_keys(3))
+        if store.read_json(V3_META) is None:
+            store.prefetch_json(_metadata_keys(2))
         found = store.group_attributes("")
         if found is None:
             raise FormatError(
@@ -335,11 +389,9 @@ class Dataset(Mapping[str, FlatTokens]):
         self.zarr_format, self.attributes = found
         self.info = DatasetInfo.from_attributes(self.attributes, store.url)
         """What made the dataset (tokenizer, flags, inputs); ``None`` when it does not say."""
-        self._splits = {
-            s: FlatTokens(store, s, info=self.info)
-            for s in SPLITS
-            if store.group_attributes(s) is not None
-        }
+        present = [s for s in SPLITS if store.group_attributes(s) is not None]
+        opened = at_once([functools.partial(FlatTokens, store, s, info=self.info) for s in present])
+        self._splits = dict(zip(present, opened, strict=True))
         if not self._splits:
             raise FormatError(
                 f"{store.url}: the group has neither a 'train' nor a 'validation' split"
@@ -371,6 +423,25 @@ class Dataset(Mapping[str, FlatTokens]):
 
     def __repr__(self) -> str:
         return f"Dataset({self.url!r}, splits={self.splits})"
+
+
+def _metadata_keys(zarr_format: int) -> list[str]:
+    """The metadata that opening a dataset of ``zarr_format`` reads: the root's,
+    each split's, and those of each split's arrays and their side arrays of
+    digests (zarr v3: and the v2 metadata looked for next where a split has no
+    loss mask)."""
+    group, array = (
+        ([V3_META], [V3_META]) if zarr_format == 3 else ([V2_GROUP, V2_ATTRS], [V2_ARRAY, V2_ATTRS])
+    )
+    keys = list(group)
+    for split in SPLITS:
+        keys += [f"{split}/{key}" for key in group]
+        for name in (TOKENS, SEQ_STARTS, LOSS_MASK):
+            for folder in (f"{split}/{name}", f"{split}/{name}/{DIGESTS}"):
+                keys += [f"{folder}/{key}" for key in array]
+        if zarr_format == 3:
+            keys.append(f"{split}/{LOSS_MASK}/{V2_ARRAY}")
+    return keys
 
 
 def read_info(store: Store) -> DatasetInfo | None:

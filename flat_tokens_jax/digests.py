@@ -159,6 +159,10 @@ class ChunkDigests:
             self._side = side
         return self._side
 
+    def unchecked(self, starts: np.ndarray, stops: np.ndarray) -> bool:
+        """Whether ranges ``[starts, stops)`` (within the array) touch a chunk not checked yet."""
+        return not self.checked[touched(starts, stops, self.chunk)].all()
+
     def check(self, reader: ArrayReader, starts: np.ndarray, stops: np.ndarray) -> Known | None:
         """Checks every chunk of ``reader`` (this array) that ranges ``[starts,
         stops)`` touch and that this process has not checked yet.

@@ -7,9 +7,11 @@ by its path in the section (``data.datasets.web.weight``, ``data.seed``,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
+from flat_tokens_jax.concurrently import at_once
 from flat_tokens_jax.dataset import Dataset, open_dataset
 from flat_tokens_jax.mixture import MAX_PERIOD, Mixture, Source
 from flat_tokens_jax.options import StoreOptions
@@ -103,19 +105,24 @@ def mixture_from_config(
     allow_mixed = boolean(
         config.get("allow_mixed_tokenizers", False), child(path, "allow_mixed_tokenizers")
     )
-    opened: dict[str, Dataset] = {}
-    parts: list[tuple[str, Source, float]] = []
-    for name, url, weight, dataset_split in entries:
-        if url not in opened:
-            opened[url] = open_dataset(url, options, **option_fields)
+    urls = list(dict.fromkeys(url for _, url, _, _ in entries))
+    opens = [functools.partial(open_dataset, url, options, **option_fields) for url in urls]
+    opened: dict[str, Dataset] = dict(zip(urls, at_once(opens), strict=True))
+
+    def part(
+        name: str, url: str, weight: float, dataset_split: str | None
+    ) -> tuple[str, Source, float]:
         ds = opened[url]
         if cut is None:
-            parts.append((name, ds[dataset_split or split], weight))
-        else:
-            views = dict(zip(_SPLIT_PARTS, ds[dataset_split or "train"].split(cut), strict=False))
-            if split not in views:
-                raise ValueError(f"'split: {cut}' has {len(views)} parts, so no {split!r} part")
-            parts.append((name, views[split], weight))
+            return name, ds[dataset_split or split], weight
+        views = dict(zip(_SPLIT_PARTS, ds[dataset_split or "train"].split(cut), strict=False))
+        if split not in views:
+            raise ValueError(f"'split: {cut}' has {len(views)} parts, so no {split!r} part")
+        return name, views[split], weight
+
+    # Datasets open, and views read their bounds, at once: N components cost
+    # the round trips of one.
+    parts = at_once([functools.partial(part, *entry) for entry in entries])
     stated = {k: config[k] for k in ("seq_len", "packing") if k in config}
     return Mixture(
         parts,

@@ -19,6 +19,7 @@ loader's batch-size schedule (``s * batch_size`` for a constant batch size).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from flat_tokens_jax.bins import make_records
+from flat_tokens_jax.concurrently import at_once
 from flat_tokens_jax.dataset import FlatTokens
 from flat_tokens_jax.identity import DatasetInfo, check_tokenizers
 from flat_tokens_jax.records import Records, check_source, recorded_info
@@ -266,19 +268,24 @@ class Mixture:
                 f"the Mixture says {said} but the LoaderConfig says {asked}: the "
                 "LoaderConfig decides; drop seq_len/packing from the Mixture"
             )
-        out: list[Records] = []
-        for name, src in zip(self.names, self.sources, strict=True):
+
+        def component(name: str, src: Source) -> Records:
             if isinstance(src, FlatTokens):
-                out.append(make_records(src, seq_len, packing, plan_cache))
-            elif src.seq_len != seq_len or src.packed != packing:
+                return make_records(src, seq_len, packing, plan_cache)
+            if src.seq_len != seq_len or src.packed != packing:
                 raise ValueError(
                     f"component {name!r} is {src!r} with seq_len {src.seq_len} and packing "
                     f"{src.packed}, but the LoaderConfig says seq_len {seq_len} and packing "
                     f"{packing}: pass the FlatTokens split and let the config make its records"
                 )
-            else:
-                out.append(src)
-        return tuple(out)
+            return src
+
+        # Records that read (bounds, packing plans) do so at once.
+        calls = [
+            functools.partial(component, n, s)
+            for n, s in zip(self.names, self.sources, strict=True)
+        ]
+        return tuple(at_once(calls))
 
     def _segments(self, batch_size: BatchSchedule) -> tuple[np.ndarray, np.ndarray]:
         """``[segments] int64`` first global sample of each weight segment that
@@ -318,10 +325,9 @@ class Mixture:
 
     def fingerprint(self, records: Sequence[Records]) -> dict[str, Any]:
         """The components' names and data (their ``records``) and the blending."""
+        found = at_once([r.fingerprint for r in records])  # their reads at once
         return {
-            "components": [
-                {"name": n, **r.fingerprint()} for n, r in zip(self.names, records, strict=True)
-            ],
+            "components": [{"name": n, **f} for n, f in zip(self.names, found, strict=True)],
             "weights": [list(map(float, w)) for w in self.weights],
             "steps": self.steps.tolist(),
             "periods": [p.period for p in self.periods],

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from flat_tokens_jax.arrays import Pending, stack_rows
 from flat_tokens_jax.format import FormatError
 from flat_tokens_jax.localshards import touched
 
@@ -28,6 +29,24 @@ ATTRIBUTE = "shard_probes"
 PROBE = 1024  # values per probe: the start of each shard's first inner chunk
 
 ReadRanges = Callable[[np.ndarray, np.ndarray], Sequence[np.ndarray]]
+RequestRanges = Callable[[np.ndarray, np.ndarray], Pending]
+
+
+def _checked() -> None:
+    """The check of shards checked already."""
+
+
+class _Read:
+    """Values read already, as a :class:`~flat_tokens_jax.arrays.Pending`."""
+
+    def __init__(self, values: Sequence[np.ndarray]) -> None:
+        self.values = list(values)
+
+    def result(self) -> list[np.ndarray]:
+        return self.values
+
+    def rows(self, width: int, dtype: Any, right: bool = False) -> np.ndarray:
+        return stack_rows(self.values, width, dtype, right)
 
 
 def digest(values: np.ndarray) -> int:
@@ -52,8 +71,7 @@ def record(read: ReadRanges, size: int, shard: int) -> dict[str, Any]:
 class ShardProbes:
     """The recorded probes of one array, and which shards this process checked.
 
-    Thread-safe: concurrent reads may check the same shard; it is read once,
-    and reads that touch different shards check them at once.
+    Thread-safe: concurrent reads may check the same shard; it is read once.
     """
 
     def __init__(self, where: str, size: int, shard: int, crcs: Sequence[int]) -> None:
@@ -62,7 +80,7 @@ class ShardProbes:
         self.checked = np.zeros(self.crcs.size, bool)
         self.bytes_read = 0  # by the checks, over all views that share these probes
         self._lock = threading.Lock()
-        self._reading: dict[int, threading.Event] = {}  # shard -> set when its check ends
+        self._checking: dict[int, threading.Event] = {}  # shard: set once its check ends
 
     @classmethod
     def of(cls, attributes: Mapping[str, Any], where: str, size: int) -> ShardProbes | None:
@@ -93,51 +111,89 @@ class ShardProbes:
             )
         return cls(where, size, found["shard"], found["crc32"])
 
+    def unchecked(self, starts: np.ndarray, stops: np.ndarray) -> bool:
+        """Whether ranges ``[starts, stops)`` (within the array) touch a shard not checked yet."""
+        return not self.checked[touched(starts, stops, self.shard)].all()
+
+    def start_check(
+        self, request: RequestRanges, starts: np.ndarray, stops: np.ndarray
+    ) -> Callable[[], None]:
+        """Starts reading, with ``request`` (which returns before the values
+        arrive), the probe of every shard that ranges ``[starts, stops)`` touch
+        and that no read has checked or is checking; returns the call that
+        waits for them and checks them (it must be called, once), so that a
+        read's other checks go out in the same round trips.
+
+        Raises (the returned call):
+            FormatError: a shard whose first values are not those recorded.
+        """
+        shards = touched(starts, stops, self.shard)
+        if self.checked[shards].all():
+            return _checked
+        with self._lock:
+            todo = np.unique(shards)
+            todo = todo[~self.checked[todo]]
+            busy = np.array([s in self._checking for s in todo.tolist()], bool)
+            theirs = {self._checking[s] for s in todo[busy].tolist()}
+            mine = todo[~busy]
+            done = threading.Event()
+            for s in mine.tolist():
+                self._checking[s] = done
+        try:
+            pending = request(*self._ranges(mine)) if mine.size else None
+        except BaseException:
+            self._release(mine, done)
+            raise
+
+        def finish() -> None:
+            try:
+                if pending is not None:
+                    bad = self._compare(mine, pending.result())
+                    if bad:
+                        raise FormatError(f"{self.where}: {bad[0]}")
+                    self.checked[mine] = True
+            finally:
+                self._release(mine, done)
+            for event in theirs:
+                event.wait()
+            failed = todo[busy][~self.checked[todo[busy]]]
+            if failed.size:  # another read found it bad: read it here, for the message
+                bad = self._compare(failed, request(*self._ranges(failed)).result())
+                raise FormatError(f"{self.where}: {bad[0]}")
+
+        return finish
+
+    def _release(self, shards: np.ndarray, done: threading.Event) -> None:
+        with self._lock:
+            for s in shards.tolist():
+                del self._checking[s]
+        done.set()
+
     def check(self, read: ReadRanges, starts: np.ndarray, stops: np.ndarray) -> None:
-        """Checks the probe of every shard that ranges ``[starts, stops)`` touch and
-        that this process has not checked yet, reading them with ``read``.
+        """:meth:`start_check` with ``read``, which returns the values it reads.
 
         Raises:
             FormatError: a shard whose first values are not those recorded.
         """
-        shards = touched(starts, stops, self.shard)
-        while True:
-            todo = np.unique(shards[~self.checked[shards]])
-            if not todo.size:
-                return
-            with self._lock:
-                todo = todo[~self.checked[todo]]
-                mine = np.array([s for s in todo.tolist() if s not in self._reading], np.int64)
-                others = {self._reading[s] for s in todo.tolist() if s in self._reading}
-                done = threading.Event()
-                for s in mine.tolist():
-                    self._reading[s] = done
-            if mine.size:  # read without the lock, so reads of other shards go at once
-                try:
-                    bad = self._mismatches(read, mine)
-                    if bad:
-                        raise FormatError(f"{self.where}: {bad[0]}")
-                    self.checked[mine] = True
-                finally:
-                    with self._lock:
-                        for s in mine.tolist():
-                            del self._reading[s]
-                    done.set()
-            # Shards another read was checking: checked now, or checked again here
-            # if that read failed.
-            for event in others:
-                event.wait()
+        self.start_check(lambda lo, hi: _Read(read(lo, hi)), starts, stops)()
 
     def verify_all(self, read: ReadRanges) -> list[str]:
         """Reads every shard's probe; a message for each that differs (for ``validate``)."""
         return self._mismatches(read, np.arange(self.crcs.size, dtype=np.int64))
 
+    def _ranges(self, shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(starts, stops)`` of the probes of ``shards``."""
+        lo = shards * self.shard
+        return lo, np.minimum(lo + min(PROBE, self.shard), self.size)
+
     def _mismatches(self, read: ReadRanges, shards: np.ndarray) -> list[str]:
         if not shards.size:
             return []
-        lo = shards * self.shard
+        return self._compare(shards, read(*self._ranges(shards)))
+
+    def _compare(self, shards: np.ndarray, values: Sequence[np.ndarray]) -> list[str]:
+        """A message for each of ``shards`` whose probe ``values`` differ from the recorded."""
         size = min(PROBE, self.shard)
-        values = read(lo, np.minimum(lo + size, self.size))
         with self._lock:
             self.bytes_read += sum(v.nbytes for v in values)
         return [

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from flat_tokens_jax.concurrently import at_once
 from flat_tokens_jax.dataset import Dataset, FlatTokens
 from flat_tokens_jax.format import ENCODED_DTYPE, FormatError, as_indices
 from flat_tokens_jax.limits import check_seq_len
@@ -84,14 +85,18 @@ def _data_fingerprint(ft: FlatTokens) -> dict[str, Any]:
     any change of a value changes it.
     """
     tokenizer = None if ft.info is None else ft.info.tokenizer
+
+    def spaced(n: int) -> np.ndarray:
+        return np.unique(np.linspace(0, n - 1, 64).astype(np.int64)) if n else np.zeros(0, int)
+
+    tokens, bounds = spaced(ft.num_tokens), spaced(ft.num_sequences)
+    # The two reads (and their first touches' checks) at once.
+    parts = at_once(
+        [lambda: ft.encoded_ranges(tokens, tokens + 1), lambda: list(ft.sequence_bounds(bounds))]
+    )
     digest = hashlib.sha256()
-    for n, read in (
-        (ft.num_tokens, lambda i: ft.encoded_ranges(i, i + 1)),
-        (ft.num_sequences, lambda i: list(ft.sequence_bounds(i))),
-    ):
-        probes = np.unique(np.linspace(0, n - 1, 64).astype(np.int64)) if n else np.zeros(0, int)
-        for part in read(probes):
-            digest.update(np.ascontiguousarray(part).tobytes())
+    for part in (p for found in parts for p in found):
+        digest.update(np.ascontiguousarray(part).tobytes())
     return {
         "num_tokens": ft.num_tokens,
         "num_sequences": ft.num_sequences,
@@ -193,8 +198,9 @@ class PackedRecords(_SplitRecords):
         c0, c1 = _check_columns(columns, self.seq_len)
         base = idx * self.seq_len
         start, stop = base + c0, base + c1
-        tokens = self.ft.request_encoded(np.maximum(start - 1, 0), stop)
-        masks = self.ft.request_loss_mask(start, stop)
+        tokens, masks = self.ft.request_encoded_and_mask(
+            np.maximum(start - 1, 0), stop, start, stop
+        )
         # Record 0 has no token before it: its row is right-aligned, column 0 stays 0.
         out = tokens.rows(c1 - c0 + 1, ENCODED_DTYPE, right=True)
         mask = None if masks is None else masks.rows(c1 - c0, np.uint8)
@@ -219,8 +225,7 @@ class PaddedRecords(_SplitRecords):
         start, stop = self.token_ranges(idx)
         lo = np.minimum(start + c0, stop)
         hi = np.minimum(start + c1, stop)
-        tokens = self.ft.request_encoded(lo, hi)
-        masks = self.ft.request_loss_mask(lo, hi)
+        tokens, masks = self.ft.request_encoded_and_mask(lo, hi, lo, hi)
         out = tokens.rows(c1 - c0, ENCODED_DTYPE)
         check_start_bits(self.ft, out, idx, start + c0, stop - start, c0 == 0)
         mask = None if masks is None else masks.rows(c1 - c0, np.uint8)

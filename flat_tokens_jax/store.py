@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -44,11 +44,21 @@ V2_ATTRS = ".zattrs"
 def remote_reads() -> dict[str, int]:
     """HTTP read requests sent to GCS and S3 by tensorstore in this process so
     far (its ``/tensorstore/kvstore/{gcs,s3}/batch_read`` metrics), by scheme."""
+    return _by_scheme("batch_read")
+
+
+def remote_bytes() -> dict[str, int]:
+    """Bytes that tensorstore's HTTP reads from GCS and S3 returned in this
+    process so far (its ``/tensorstore/kvstore/{gcs,s3}/bytes_read`` metrics),
+    by scheme: whole chunks and shard indexes, so divided by the tokens a
+    batch uses it gives the bytes read per useful token."""
+    return _by_scheme("bytes_read")
+
+
+def _by_scheme(metric: str) -> dict[str, int]:
     counts = {}
     for scheme, driver in (("gs", "gcs"), ("s3", "s3")):
-        found = ts.experimental_collect_matching_metrics(
-            f"/tensorstore/kvstore/{driver}/batch_read"
-        )
+        found = ts.experimental_collect_matching_metrics(f"/tensorstore/kvstore/{driver}/{metric}")
         counts[scheme] = sum(int(v.get("value", 0)) for m in found for v in m["values"])
     return counts
 
@@ -107,6 +117,9 @@ class Store:
         else:
             self.context = ts.Context(context_spec(self.options))
         self.kv = self.wait(ts.KvStore.open(self.spec, context=self.context))
+        # Keys read ahead by prefetch_json: their bytes, or None where absent.
+        self._fetched: dict[str, bytes | None] = {}
+        self._fetched_lock = threading.Lock()
 
     def wait(self, future: Any) -> Any:
         """The result of a tensorstore future, within the timeout; failures as
@@ -124,6 +137,33 @@ class Store:
         """The file of ``key`` on local disk, or ``None`` for other stores."""
         return self.spec["path"] + key if self.spec["driver"] == "file" else None
 
+    def prefetch_json(self, keys: Sequence[str]) -> None:
+        """Reads ``keys`` at once (one round trip to an object store), so that
+        :meth:`read_json` of any of them needs no request. Local stores read
+        nothing ahead (they are read where special files can be refused)."""
+        if self.spec["driver"] == "file":
+            return
+        with self._fetched_lock:
+            todo = [k for k in dict.fromkeys(keys) if k not in self._fetched]
+        futures = [self.kv.read(k) for k in todo]
+        for key, future in zip(todo, futures, strict=True):
+            got = self.wait(future)
+            value = bytes(got.value) if got.state == "value" else None
+            with self._fetched_lock:
+                self._fetched[key] = value
+
+    def _forget(self, prefix: str) -> None:
+        with self._fetched_lock:
+            for key in [k for k in self._fetched if k.startswith(prefix)]:
+                del self._fetched[key]
+
+    def _read_bytes(self, key: str) -> bytes | None:
+        with self._fetched_lock:
+            if key in self._fetched:
+                return self._fetched[key]
+        got = self.wait(self.kv.read(key))
+        return bytes(got.value) if got.state == "value" else None
+
     def read_json(self, key: str) -> dict[str, Any] | None:
         """Parsed JSON at ``key``, or ``None`` if there is no such key.
 
@@ -134,11 +174,11 @@ class Store:
         path = self.local_path(key)
         if path is not None:
             check_regular_file(path, "zarr metadata (JSON)")
-        got = self.wait(self.kv.read(key))
-        if got.state != "value":
+        raw = self._read_bytes(key)
+        if raw is None:
             return None
         try:
-            value = json.loads(bytes(got.value))
+            value = json.loads(raw)
         except ValueError as e:
             raise FormatError(f"{self.url}/{key}: not valid JSON ({e})") from e
         if not isinstance(value, dict):
@@ -146,17 +186,20 @@ class Store:
         return value
 
     def write_json(self, key: str, value: Mapping[str, Any]) -> None:
+        self._forget(key)
         self.wait(self.kv.write(key, json.dumps(value, indent=2, sort_keys=True).encode()))
 
     def keys(self) -> list[str]:
         return [k.decode() for k in self.wait(self.kv.list())]
 
     def delete(self, key: str) -> None:
+        self._forget(key)
         self.wait(self.kv.delete_range(ts.KvStore.KeyRange(key, key + "\0")))
 
     def delete_prefix(self, prefix: str) -> None:
         """Deletes every key under the folder ``prefix``."""
         folder = prefix.strip("/") + "/"
+        self._forget(folder)
         # Keys under "a/" sort between "a/" and "a0" ("0" follows "/" in ASCII).
         self.wait(self.kv.delete_range(ts.KvStore.KeyRange(folder, folder[:-1] + "0")))
 
@@ -204,6 +247,20 @@ class Store:
             return None
         return 2, {**meta, "attributes": self.read_json(f"{key}/{V2_ATTRS}") or {}}
 
+    def _open_assumed(
+        self, spec: dict[str, Any], zarr_format: int, meta: Mapping[str, Any] | None
+    ) -> ts.TensorStore | None:
+        """A zarr v3 array opened from the metadata ``meta`` read already (no
+        request); ``None`` where tensorstore does not take it as given, to open
+        the array the usual way."""
+        if zarr_format != 3 or meta is None:
+            return None
+        try:
+            assumed = {**spec, "metadata": dict(meta), "assume_metadata": True}
+            return ts.open(assumed, context=self.context, read=True).result()
+        except ValueError:
+            return None
+
     def open_array(
         self,
         key: str,
@@ -217,8 +274,9 @@ class Store:
         every chunk as stored (ours): there, a missing chunk fails the read.
         Arrays are immutable once written, so cached chunks and shard indexes
         are used without asking the server again. Given the array's metadata
-        ``meta``, uncompressed zarr v3 shards on local disk are memory-mapped
-        (see :mod:`flat_tokens_jax.localshards`).
+        ``meta``, a zarr v3 array opens without reading it again, and
+        uncompressed zarr v3 shards on local disk are memory-mapped (see
+        :mod:`flat_tokens_jax.localshards`).
         """
         folder = self.local_path(key)
         if folder is not None:  # tensorstore and zarr-python would block on a FIFO chunk
@@ -232,8 +290,10 @@ class Store:
             "recheck_cached_data": False,
             "fill_missing_data_reads": not complete,
         }
+        handle = self._open_assumed(spec, zarr_format, meta)
         try:
-            handle = ts.open(spec, context=self.context, read=True).result()
+            if handle is None:
+                handle = ts.open(spec, context=self.context, read=True).result()
         except ValueError as ts_error:
             if not _unsupported_codec(ts_error):
                 raise store_error(f"{self.url}/{key}", ts_error, self.options) from ts_error

@@ -1,9 +1,11 @@
-"""Real storage servers on 127.0.0.1 for tests and benchmarks, and a delaying proxy."""
+"""Real storage servers on 127.0.0.1 for tests and benchmarks, and proxies that
+delay, fail or record requests."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import http.client
 import http.server
 import json
@@ -17,6 +19,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 
 def free_port() -> int:
@@ -388,6 +391,23 @@ class DelayProxy:
         self._thread.join(5)
 
 
+def timeline(records: list[Record]) -> str:
+    """The records as lines of start and end (seconds after the first start),
+    method, path and range, in order of start: what a failed bound shows."""
+    first = min((r.start for r in records), default=0.0)
+    return "\n" + "\n".join(
+        f"{r.start - first:7.3f} {r.end - first:7.3f} {r.method} {r.path} {r.range or ''}"
+        for r in sorted(records, key=lambda r: r.start)
+    )
+
+
+class _ManyClients(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    # A client opens a connection per request in flight; past the listen
+    # backlog (5 by default) a connection waits a second for its SYN's resend.
+    request_queue_size = 512
+
+
 class FaultProxy:
     """An HTTP proxy on 127.0.0.1 that counts requests and answers some with errors.
 
@@ -447,8 +467,7 @@ class FaultProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
 
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
+        self._server = _ManyClients(("127.0.0.1", 0), Handler)
         self.port = int(self._server.server_address[1])
         self.url = f"http://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -461,6 +480,108 @@ class FaultProxy:
     def count(self) -> int:
         with self._lock:
             return len(self.requests)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5)
+
+
+class Record(NamedTuple):
+    """One request a :class:`RecordingProxy` forwarded: ``start`` when its
+    headers arrived, ``end`` when its answer was sent (``time.monotonic``)."""
+
+    method: str
+    path: str
+    range: str | None
+    start: float
+    end: float
+
+
+def rounds(records: list[Record]) -> int:
+    """The longest chain of requests each sent after the one before it was answered.
+
+    Under a delay that dwarfs the work between requests, this counts the
+    sequential round trips a client waited: requests issued together share a
+    round.
+    """
+    ordered = sorted(records, key=lambda r: r.start)
+    ended: list[tuple[float, int]] = []  # (end, chain length), a heap by end
+    best_done = longest = 0
+    for r in ordered:
+        while ended and ended[0][0] <= r.start:
+            best_done = max(best_done, heapq.heappop(ended)[1])
+        chain = best_done + 1
+        longest = max(longest, chain)
+        heapq.heappush(ended, (r.end, chain))
+    return longest
+
+
+class RecordingProxy:
+    """An HTTP proxy on 127.0.0.1 that holds each request ``delay`` seconds and
+    records it (:class:`Record`), so that a test counts requests and the round
+    trips a client waited (:func:`rounds`)."""
+
+    def __init__(self, target_port: int, delay: float = 0.0) -> None:
+        self.target_port, self.delay = target_port, delay
+        self.records: list[Record] = []
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+            def _any(self) -> None:
+                start = time.monotonic()
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                if proxy.delay:
+                    time.sleep(proxy.delay)
+                conn = http.client.HTTPConnection("127.0.0.1", proxy.target_port, timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                headers["Host"] = f"127.0.0.1:{proxy.target_port}"
+                try:
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    reply = conn.getresponse()
+                    data = reply.read()
+                except OSError:
+                    self.close_connection = True
+                    return
+                conn.close()
+                record = Record(
+                    self.command, self.path, self.headers.get("Range"), start, time.monotonic()
+                )
+                with proxy._lock:  # before the answer: the client never sees it unrecorded
+                    proxy.records.append(record)
+                self.send_response(reply.status, reply.reason)
+                for key, value in reply.getheaders():
+                    if key.lower() not in ("content-length", "transfer-encoding", "connection"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                # One request per connection: a client's requests in flight
+                # never queue behind each other on a kept-alive connection.
+                self.send_header("Connection", "close")
+                self.close_connection = True
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
+
+        self._server = _ManyClients(("127.0.0.1", 0), Handler)
+        self.port = int(self._server.server_address[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def take(self) -> list[Record]:
+        """The records so far, and a fresh list for the next."""
+        with self._lock:
+            found, self.records = self.records, []
+        return found
 
     def close(self) -> None:
         self._server.shutdown()

@@ -2,6 +2,8 @@
 batches (packed windows, padded rows, bins; with and without a stored loss
 mask; any row block), and the compiled copy equals a copy element by element."""
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -199,3 +201,57 @@ np.save(sys.argv[1], np.stack([list(loader.host_batch(s).values()) for s in rang
     assert loader.block_decoder.kernel == "numba"
     here = np.stack([list(loader.host_batch(s).values()) for s in range(5)])
     assert np.load(out).tolist() == here.tolist()
+
+
+_FIRST_BATCHES = """
+import json, sys
+import numba
+import flat_tokens_jax as ftj
+from flat_tokens_jax import compiled
+kernels = compiled.kernels()
+root = sys.argv[1]
+for name, packing in (("plain", True), ("plain", False), ("plain", "bins"), ("masked", True)):
+    ft = ftj.open_dataset(f"{root}/{name}")["train"]
+    cfg = ftj.LoaderConfig(batch_size=4, seq_len=8, packing=packing, seed=3, prefetch=0)
+    ftj.Loader(ft, cfg).host_batch(0)
+found = {
+    name: {"hits": sum(fn.stats.cache_hits.values()), "misses": sum(fn.stats.cache_misses.values())}
+    for name, fn in vars(kernels).items()
+    if isinstance(fn, numba.core.registry.CPUDispatcher)
+}
+print(json.dumps(found))
+"""
+
+
+def test_a_new_process_takes_the_kernels_from_the_disk_cache(tmp_path: Path) -> None:
+    """The first process compiles every kernel the loader uses and caches it; a
+    second process loads them all from the cache and compiles none before its
+    first batches (packed, padded, bins, a stored loss mask; memory-mapped copies)."""
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 1000, rng.integers(1, 20)).tolist() for _ in range(30)]
+    layout = ftj.Layout(chunk_tokens=16)
+    ftj.write_dataset(tmp_path / "plain", {"train": seqs}, layout=layout)
+    with ftj.DatasetWriter(tmp_path / "masked", layout=layout) as w:
+        for s in seqs:
+            w.append("train", s, loss_mask=[i % 2 == 0 for i in range(len(s))])
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")}
+    runs = [
+        json.loads(
+            subprocess.run(
+                [sys.executable, "-c", _FIRST_BATCHES, str(tmp_path)],
+                check=True,
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+            ).stdout
+        )
+        for _ in range(2)
+    ]
+    first, second = runs
+    # The loader's kernels: decode (packed, padded) and the copy; _pad, which
+    # they call, is compiled into their cached code.
+    called = {"_packed_rows", "_padded_rows", "_gather"}
+    assert {name for name, stats in first.items() if stats["misses"]} == {*called, "_pad"}
+    assert all(stats["misses"] == 0 for stats in second.values()), second
+    assert all(second[name]["hits"] >= 1 for name in called), second

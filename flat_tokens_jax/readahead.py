@@ -177,7 +177,9 @@ def _mean(total: list[float]) -> float:
 class StallWatch:
     """Sums the trainer's waits and steps over windows of ``window`` steps
     after the first, and reports the first window whose waits exceed
-    ``share`` of its time; after that it stays quiet (one warning per loader)."""
+    ``share`` of its time in more than a tenth of its steps (so one pause of
+    the whole process is no stall); after that it stays quiet (one warning
+    per loader)."""
 
     def __init__(self, window: int = STALL_WINDOW, share: float = STALL_SHARE) -> None:
         if window < 1 or not 0 < share < 1:
@@ -187,7 +189,7 @@ class StallWatch:
         self.window, self.share = window, share
         self.fired = False
         self._waited = self._elapsed = 0.0
-        self._steps = 0
+        self._steps = self._slow = 0
 
     def add(self, wait: float, interval: float) -> tuple[float, float, int] | None:
         """Adds one step: ``wait`` for its batch within ``interval`` since the
@@ -198,12 +200,13 @@ class StallWatch:
         self._waited += wait
         self._elapsed += interval
         self._steps += 1
+        self._slow += wait > self.share * interval
         if self._steps < self.window:
             return None
-        window = (self._waited, self._elapsed, self._steps)
+        window, slow = (self._waited, self._elapsed, self._steps), self._slow
         self._waited = self._elapsed = 0.0
-        self._steps = 0
-        if window[0] > self.share * window[1]:
+        self._steps = self._slow = 0
+        if window[0] > self.share * window[1] and 10 * slow > window[2]:
             self.fired = True
             return window
         return None
@@ -256,7 +259,7 @@ def stall_message(
         )
     return head + (
         f"a step's fetch takes {1e3 * fetch_s:.1f} ms with {depth} steps in flight "
-        f"(bandwidth or store): the store delivers {delivered_bps / 1e6:.1f} MB/s, "
-        f"the trainer's step needs {bytes_per_step / step / 1e6:.1f} MB/s; raise "
+        f"(bandwidth or store): the store delivers {delivered_bps / 1e6:.3g} MB/s, "
+        f"the trainer's step needs {bytes_per_step / step / 1e6:.3g} MB/s; raise "
         "StoreOptions.concurrency or read from a store nearer to this host"
     )

@@ -257,9 +257,14 @@ def stall_message(
             f"read-ahead at {depth} steps, which cover {1e3 * depth * step:.1f} ms "
             f"(latency): {fix}"
         )
+    rates = (
+        f"the store delivers {delivered_bps / 1e6:.3g} MB/s, the trainer's step "
+        f"needs {bytes_per_step / step / 1e6:.3g} MB/s; "
+        if bytes_per_step
+        else ""
+    )
     return head + (
         f"a step's fetch takes {1e3 * fetch_s:.1f} ms with {depth} steps in flight "
-        f"(bandwidth or store): the store delivers {delivered_bps / 1e6:.3g} MB/s, "
-        f"the trainer's step needs {bytes_per_step / step / 1e6:.3g} MB/s; raise "
-        "StoreOptions.concurrency or read from a store nearer to this host"
+        f"(bandwidth or store): {rates}raise StoreOptions.concurrency or read from "
+        "a store nearer to this host"
     )

@@ -316,6 +316,7 @@ def restore(
     start = loader.restore(saved["loader"])
     if start != step:
         raise ftj.StateMismatch(f"checkpoint {step} holds a loader state for step {start}")
+    loader.start(start)  # input is read while the model state is restored
     state = ocp.args.StandardRestore(trainer.abstract)
     return start, manager.restore(step, args=ocp.args.Composite(state=state))["state"]
 
@@ -356,6 +357,7 @@ def log_step(
             "tokens_per_s": tokens_per_s,
             "wait_s": wait,
             "samples": samples,
+            "input": loader.stats(),
         }
         out.write(json.dumps(record) + "\n")
         out.flush()

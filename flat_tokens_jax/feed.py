@@ -23,9 +23,11 @@ from flat_tokens_jax.pipeline import Ahead, InFlight
 from flat_tokens_jax.readahead import (
     DEVICE_BYTES_PER_TOKEN,
     HOST_BYTES_PER_TOKEN,
+    INITIAL_DEPTH,
     MAX_DEPTH,
     Measures,
     StallWatch,
+    next_depth,
     stall_message,
 )
 from flat_tokens_jax.store import remote_reads
@@ -62,7 +64,8 @@ class Feed:
         self._splits = list({id(ft): ft for ft in found if isinstance(ft, FlatTokens)}.values())
         self.flight: InFlight[Any] = InFlight(make, self._step_bytes)
         self.measures, self._watch = Measures(), StallWatch()
-        self._target = 0 if self.prefetch is None else self.prefetch
+        self._target = INITIAL_DEPTH if self.prefetch is None else self.prefetch
+        self._end: int | None = None
         self._lock = threading.Lock()
         self._tokens = 0
         self._requests_before = sum(remote_reads().values())
@@ -88,11 +91,24 @@ class Feed:
         return sum(ft.bytes_read + ft.probe_bytes for ft in self._splits)
 
     def depth(self, step: int) -> int:
-        """Steps to keep in flight after ``step``: ``prefetch``, or measured."""
+        """Steps to keep in flight after ``step``: ``prefetch``, or measured
+        and moved toward what the measurements ask for by
+        :func:`~flat_tokens_jax.readahead.next_depth`, within the budget."""
         if self.prefetch is not None:
             return self.prefetch
-        self._target = self.measures.depth(self._step_bytes(step), self.budget)
-        return self._target
+        size = self._step_bytes(step)
+        wanted = self.measures.depth(size, size * MAX_DEPTH)
+        cap = min(MAX_DEPTH, self.budget // max(size, 1))
+        with self._lock:
+            self._target = next_depth(self._target, wanted, cap)
+            return self._target
+
+    def fetched(self, seconds: float) -> None:
+        """Records a step's fetch; tops up the steps in flight with the new measurement."""
+        self.measures.fetched(seconds)
+        last = self.flight.last
+        if self.prefetch is None and last is not None:
+            self.flight.grow(last, self.depth(last + 1), self._end, self._bound())
 
     def _bound(self) -> int | None:
         return self.budget if self.prefetch is None else None
@@ -100,6 +116,7 @@ class Feed:
     def take(self, step: int, ahead: bool, end: int | None) -> Any:
         """Step ``step`` prepared: from the steps in flight when there, else
         read here (``ahead``: read ahead even after a jump)."""
+        self._end = end
         future = self.flight.take(
             step, ahead=ahead, depth=self.depth(step), end=end, budget=self._bound()
         )
@@ -112,6 +129,7 @@ class Feed:
 
     def start(self, step: int, end: int | None) -> None:
         """Starts ``step`` and the steps after it (see ``Loader.start``)."""
+        self._end = end
         if self.prefetch != 0 and (end is None or step < end):
             self.flight.start(step, self.depth(step), end, self._bound())
 
@@ -130,7 +148,7 @@ class Feed:
         m = self.measures
         size = self._step_bytes(step)
         wanted = m.depth(size, size * MAX_DEPTH)
-        depth = self.depth(step)
+        depth = self._target
         capped = None
         if wanted > depth:
             capped = "read_ahead_bytes" if self.prefetch is None else "prefetch"

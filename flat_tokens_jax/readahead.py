@@ -19,6 +19,10 @@ import numpy as np
 MIN_DEPTH = 2
 """Fewest steps an automatic depth keeps in flight (memory permitting)."""
 
+INITIAL_DEPTH = 8
+"""Steps an automatic depth keeps in flight before any fetch was measured
+(memory permitting), so the steps after the first are under way with it."""
+
 MAX_DEPTH = 128
 """Most steps an automatic depth keeps in flight, whatever the measurements."""
 
@@ -63,7 +67,7 @@ def auto_depth(
 
     Args:
         fetch_s: seconds a step's fetch takes (``None``: not measured yet,
-            then :data:`MIN_DEPTH`).
+            then :data:`INITIAL_DEPTH`).
         finish_s: seconds a step's decode and placement take (``None``: 0).
         interval_s: seconds between the batches the trainer takes (``None``:
             :data:`ASSUMED_INTERVAL`).
@@ -71,13 +75,32 @@ def auto_depth(
         budget: bytes the steps in flight may hold.
     """
     if fetch_s is None:
-        want = MIN_DEPTH
+        want = INITIAL_DEPTH
     else:
         interval = ASSUMED_INTERVAL if interval_s is None else max(interval_s, 1e-6)
         ratio = COVER * (fetch_s + (finish_s or 0.0)) / interval
         want = MAX_DEPTH if ratio >= MAX_DEPTH else math.ceil(ratio) + 1
         want = min(max(want, MIN_DEPTH), MAX_DEPTH)
     return max(1, min(want, budget // max(step_bytes, 1)))
+
+
+GROWTH = 2
+"""Most the automatic depth grows by at each update (a loader updates it when
+a step is taken, handed out, or fetched): a cold start's slow first fetch
+does not request a hundred steps at once, whose requests would queue before
+the next step's."""
+
+
+def next_depth(previous: int, wanted: int, cap: int) -> int:
+    """The depth after ``previous`` on the way to ``wanted``: up at most
+    :data:`GROWTH` times (from at least :data:`MIN_DEPTH`), down one step
+    per update (a measurement that dips does not empty the steps in flight),
+    and never above ``cap`` (the memory budget's steps) nor below 1."""
+    if wanted >= previous:
+        depth = min(wanted, max(MIN_DEPTH, GROWTH * previous))
+    else:
+        depth = max(wanted, previous - 1)
+    return max(1, min(depth, cap))
 
 
 def _ema(old: float | None, new: float) -> float:

@@ -18,11 +18,13 @@ import flat_tokens_jax as ftj
 from flat_tokens_jax.pipeline import Ahead, InFlight
 from flat_tokens_jax.readahead import (
     ASSUMED_INTERVAL,
+    INITIAL_DEPTH,
     MAX_DEPTH,
     MIN_DEPTH,
     Measures,
     StallWatch,
     auto_depth,
+    next_depth,
     stall_message,
 )
 
@@ -86,7 +88,7 @@ def test_depth_follows_fetch_decode_and_the_trainers_step() -> None:
     assert auto_depth(0.125, 0.125, 0.0625, 1, big) == 7
     assert auto_depth(0.001, 0.0, 1.0, 1, big) == MIN_DEPTH
     assert auto_depth(10.0, 0.0, 0.001, 1, big) == MAX_DEPTH
-    assert auto_depth(None, None, None, 1, big) == MIN_DEPTH  # nothing measured yet
+    assert auto_depth(None, None, None, 1, big) == INITIAL_DEPTH  # nothing measured yet
     # Before the trainer's step is known, a fast one is assumed.
     assert auto_depth(0.1, 0.0, None, 1, big) == reference_depth(0.1, 0, ASSUMED_INTERVAL, 1, big)
     assert auto_depth(0.1, 0.0, None, 1, big) > 10
@@ -110,9 +112,34 @@ def test_depth_never_exceeds_the_memory_budget(
     assert depth * size <= budget or depth == 1
 
 
+def test_depth_grows_by_doubling_and_shrinks_a_step_at_a_time() -> None:
+    depth, seen = 0, []
+    for wanted in [100] * 6 + [5] * 3:
+        depth = next_depth(depth, wanted, cap=1000)
+        seen.append(depth)
+    assert seen == [2, 4, 8, 16, 32, 64, 63, 62, 61]
+    assert next_depth(64, 100, cap=10) == 10  # the budget applies at once
+    assert next_depth(5, 3, cap=0) == 1
+
+
+@given(
+    previous=st.integers(0, 500),
+    wanted=st.integers(1, MAX_DEPTH),
+    size=st.integers(1, 1 << 40),
+    budget=st.integers(1, 1 << 50),
+)
+def test_a_depth_moved_toward_its_target_keeps_the_budget(
+    previous: int, wanted: int, size: int, budget: int
+) -> None:
+    cap = min(MAX_DEPTH, budget // size)
+    depth = next_depth(previous, wanted, cap)
+    assert depth * size <= budget or depth == 1
+    assert min(previous - 1, wanted, cap) <= depth <= max(MIN_DEPTH, 2 * previous, 1)
+
+
 def test_measures_grow_before_the_interval_is_known_then_follow_it() -> None:
     m = Measures()
-    assert m.depth(1, 1 << 30) == MIN_DEPTH
+    assert m.depth(1, 1 << 30) == INITIAL_DEPTH
     m.fetched(0.1)  # step 0's fetch: the trainer is assumed fast
     assert m.depth(1, 1 << 30) == reference_depth(0.1, 0, ASSUMED_INTERVAL, 1, 1 << 30) > 10
     m.taken(0.1, 10.0)

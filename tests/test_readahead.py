@@ -307,3 +307,10 @@ def test_read_ahead_bytes_is_checked_like_the_other_fields() -> None:
         cfg(read_ahead_bytes=1.5)
     assert "read_ahead_bytes" not in cfg().batch_defining()
     assert cfg().prefetch is None
+
+
+def test_a_budget_over_memory_is_refused_naming_it() -> None:
+    with pytest.raises(ValueError, match=r"read_ahead_bytes 1,000,000,000,000,000.*memory") as e:
+        ftj.Loader(split(), cfg(read_ahead_bytes=10**18))
+    assert "lower read_ahead_bytes (at most" in str(e.value)
+    ftj.Loader(split(), cfg(read_ahead_bytes=10**18, prefetch=2))  # a pinned depth ignores it

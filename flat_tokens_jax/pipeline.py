@@ -156,10 +156,6 @@ class InFlight(Generic[Done]):
             self._last, self._reading = step - 1, True
             self._top_up(step, depth, end, budget)
 
-    def held_bytes(self) -> int:
-        with self._lock:
-            return sum(map(self._bytes_of, self._futures))
-
     def _submit(self, step: int) -> concurrent.futures.Future[Done]:
         if self._ahead is None:
             self._ahead = self._make()

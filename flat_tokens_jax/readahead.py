@@ -1,11 +1,13 @@
 """How many steps to read ahead, what the trainer waited, and when to say so.
 
 Pure code, testable without a store. :func:`auto_depth` turns measured times
-into the steps to keep in flight; :class:`Measures` collects those times (a
-step's fetch and finish, the trainer's wait and the interval between the
-batches it takes) and the statistics a trainer logs; :class:`StallWatch`
-decides when the trainer's waits are worth one warning, and
-:func:`stall_message` names the likely cause and the knob.
+into the steps to keep in flight, and :func:`next_depth` moves the depth in
+use toward it (fast up, slowly down, within the memory budget);
+:class:`Measures` collects those times (a step's fetch and finish, the
+trainer's wait and the interval between the batches it takes) and the
+statistics a trainer logs; :class:`StallWatch` decides when the trainer's
+waits are worth one warning, and :func:`stall_message` names the likely
+cause and the knob.
 """
 
 from __future__ import annotations

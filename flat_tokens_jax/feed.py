@@ -65,7 +65,6 @@ class Feed:
         self.flight: InFlight[Any] = InFlight(make, self._step_bytes)
         self.measures, self._watch = Measures(), StallWatch()
         self._target = INITIAL_DEPTH if self.prefetch is None else self.prefetch
-        self._end: int | None = None
         self._lock = threading.Lock()
         self._tokens = 0
         self._requests_before = sum(remote_reads().values())
@@ -90,25 +89,21 @@ class Feed:
     def _bytes_read(self) -> int:
         return sum(ft.bytes_read + ft.probe_bytes for ft in self._splits)
 
-    def depth(self, step: int) -> int:
+    def depth(self, step: int, grow: bool = False) -> int:
         """Steps to keep in flight after ``step``: ``prefetch``, or measured
         and moved toward what the measurements ask for by
-        :func:`~flat_tokens_jax.readahead.next_depth`, within the budget."""
+        :func:`~flat_tokens_jax.readahead.next_depth`, within the budget; it
+        grows only when ``grow`` (once per step handed out)."""
         if self.prefetch is not None:
             return self.prefetch
         size = self._step_bytes(step)
         wanted = self.measures.depth(size, size * MAX_DEPTH)
         cap = min(MAX_DEPTH, self.budget // max(size, 1))
         with self._lock:
+            if not grow:
+                wanted = min(wanted, self._target)
             self._target = next_depth(self._target, wanted, cap)
             return self._target
-
-    def fetched(self, seconds: float) -> None:
-        """Records a step's fetch; tops up the steps in flight with the new measurement."""
-        self.measures.fetched(seconds)
-        last = self.flight.last
-        if self.prefetch is None and last is not None:
-            self.flight.grow(last, self.depth(last + 1), self._end, self._bound())
 
     def _bound(self) -> int | None:
         return self.budget if self.prefetch is None else None
@@ -116,7 +111,6 @@ class Feed:
     def take(self, step: int, ahead: bool, end: int | None) -> Any:
         """Step ``step`` prepared: from the steps in flight when there, else
         read here (``ahead``: read ahead even after a jump)."""
-        self._end = end
         future = self.flight.take(
             step, ahead=ahead, depth=self.depth(step), end=end, budget=self._bound()
         )
@@ -129,14 +123,13 @@ class Feed:
 
     def start(self, step: int, end: int | None) -> None:
         """Starts ``step`` and the steps after it (see ``Loader.start``)."""
-        self._end = end
         if self.prefetch != 0 and (end is None or step < end):
             self.flight.start(step, self.depth(step), end, self._bound())
 
     def handed(self, step: int, wait: float, now: float, end: int | None) -> None:
         """Counts step ``step`` handed to the trainer at ``now`` after ``wait``
         seconds, tops up the steps in flight, and warns once of a stall."""
-        self.flight.grow(step, self.depth(step + 1), end, self._bound())
+        self.flight.grow(step, self.depth(step + 1, grow=True), end, self._bound())
         with self._lock:
             self._tokens += self._rows(step) * self._seq_len
         interval = self.measures.taken(wait, now)

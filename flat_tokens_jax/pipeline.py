@@ -100,11 +100,6 @@ class InFlight(Generic[Done]):
         self._lock = threading.Lock()
         self.peak_bytes = 0
 
-    @property
-    def last(self) -> int | None:
-        """The step taken last (``None``: none since made or closed)."""
-        return self._last
-
     def steps(self) -> list[int]:
         """The steps in flight (started, not taken), ascending."""
         with self._lock:

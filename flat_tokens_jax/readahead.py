@@ -87,10 +87,9 @@ def auto_depth(
 
 
 GROWTH = 2
-"""Most the automatic depth grows by at each update (a loader updates it when
-a step is taken, handed out, or fetched): a cold start's slow first fetch
-does not request a hundred steps at once, whose requests would queue before
-the next step's."""
+"""Most the automatic depth grows by at each update (a loader grows it once
+per step handed out): a cold start's slow first fetch does not request a
+hundred steps at once, whose requests would queue before the next step's."""
 
 
 def next_depth(previous: int, wanted: int, cap: int) -> int:

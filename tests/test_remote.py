@@ -466,7 +466,7 @@ def test_steps_fetched_ahead_grow_to_cover_the_latency_within_the_budget(
                     break
             most[budget] = max(depths)
             assert loader.stats()["read_ahead_bytes_peak"] <= max(budget, step_bytes)
-        assert most[1 << 30] >= 8, most
+        assert most[1 << 30] >= 16, most  # more than the 8 it starts with
         assert most[3 * step_bytes] == 3, most
     finally:
         proxy.close()

@@ -25,6 +25,7 @@ from flat_tokens_jax.readahead import (
     HOST_BYTES_PER_TOKEN,
     INITIAL_DEPTH,
     MAX_DEPTH,
+    MIN_DEPTH,
     Measures,
     StallWatch,
     next_depth,
@@ -64,7 +65,9 @@ class Feed:
         self._splits = list({id(ft): ft for ft in found if isinstance(ft, FlatTokens)}.values())
         self.flight: InFlight[Any] = InFlight(make, self._step_bytes)
         self.measures, self._watch = Measures(), StallWatch()
-        self._target = INITIAL_DEPTH if self.prefetch is None else self.prefetch
+        # On an object store the steps after the first are requested with it.
+        start = INITIAL_DEPTH if self.remote else MIN_DEPTH
+        self._target = start if self.prefetch is None else self.prefetch
         self._lock = threading.Lock()
         self._tokens = 0
         self._requests_before = sum(remote_reads().values())

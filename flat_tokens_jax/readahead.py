@@ -22,8 +22,9 @@ MIN_DEPTH = 2
 """Fewest steps an automatic depth keeps in flight (memory permitting)."""
 
 INITIAL_DEPTH = 8
-"""Steps an automatic depth keeps in flight before any fetch was measured
-(memory permitting), so the steps after the first are under way with it."""
+"""Steps an automatic depth keeps in flight on an object store before any
+fetch was measured (memory permitting), so the steps after the first are
+under way with it (on local disk, where a fetch is a copy, :data:`MIN_DEPTH`)."""
 
 MAX_DEPTH = 128
 """Most steps an automatic depth keeps in flight, whatever the measurements."""

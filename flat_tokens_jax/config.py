@@ -26,8 +26,8 @@ from flat_tokens_jax.values import MAX_SEED, BadValue, integer, read_yaml
 
 @dataclasses.dataclass(frozen=True)
 class LoaderConfig:
-    """What a batch is. Every field but ``prefetch``, ``decode_threads`` and
-    ``decode`` changes the batches.
+    """What a batch is. Every field but ``prefetch``, ``read_ahead_bytes``,
+    ``decode_threads`` and ``decode`` changes the batches.
 
     Attributes:
         batch_size: global rows per step, over all hosts: an int, or a schedule
@@ -50,9 +50,18 @@ class LoaderConfig:
         seed: the shuffle's key. Recommended: one per training run.
         num_epochs: passes over the records; ``None``: unbounded. With a bound,
             the last batch is completed with padding rows (``loss_mask`` 0).
-        prefetch: steps prepared ahead, in order, by a background thread
-            (``iterate``, and ``batch`` called with consecutive steps).
-            Recommended: 2 locally, 4-8 on object stores.
+        prefetch: steps prepared ahead, in order, on background threads
+            (``iterate``, ``start``, and ``batch`` called with consecutive
+            steps). ``None`` (recommended): automatic; the loader measures a
+            step's fetch and decode and the trainer's step, and keeps
+            ``ceil(1.5 * (fetch + decode) / step) + 1`` steps in flight, at
+            least 2, within ``read_ahead_bytes``. An int pins the depth; 0
+            reads nothing ahead. Changes no batch.
+        read_ahead_bytes: the memory the steps prepared ahead may hold on this
+            host, with automatic ``prefetch`` (a step holds 17 bytes a token
+            of its rows on this host, 5 with ``decode="device"``; at least one
+            step is read ahead whatever its size). Recommended: the default
+            1 GiB, more for very slow stores. Changes no batch.
         start_token_id: the input token where a sequence starts. ``None``: the
             id the dataset records (``DatasetInfo.start_token_id``, set by
             ``convert --start-token-id``), or the spec's 0 when it records none.
@@ -81,12 +90,13 @@ class LoaderConfig:
     shuffle: bool = True
     seed: int = 0
     num_epochs: int | None = None
-    prefetch: int = 2
+    prefetch: int | None = None
     start_token_id: int | None = None
     pad_id: int = 0
     vocab_size: int | None = None
     decode_threads: int | None = None
     decode: str = "host"
+    read_ahead_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         path = "LoaderConfig."
@@ -105,7 +115,8 @@ class LoaderConfig:
             )
         checked = {
             "seq_len": integer(self.seq_len, path + "seq_len", low=1),
-            "prefetch": integer(self.prefetch, path + "prefetch", low=0),
+            "prefetch": integer(self.prefetch, path + "prefetch", low=0, optional=True),
+            "read_ahead_bytes": integer(self.read_ahead_bytes, path + "read_ahead_bytes", low=1),
             "seed": integer(self.seed, path + "seed", low=0, high=MAX_SEED),
             "start_token_id": integer(
                 self.start_token_id, path + "start_token_id", low=0, optional=True
@@ -194,10 +205,10 @@ class LoaderConfig:
 
     def batch_defining(self) -> dict[str, Any]:
         """The fields that decide batch contents: all but ``prefetch``,
-        ``decode_threads``, ``decode`` and ``vocab_size`` (which checks the
-        data but changes no batch), JSON-ready (``batch_size`` an int or
-        ``[[start_step, size], ...]``)."""
-        skip = ("prefetch", "vocab_size", "decode_threads", "decode")
+        ``read_ahead_bytes``, ``decode_threads``, ``decode`` and ``vocab_size``
+        (which checks the data but changes no batch), JSON-ready
+        (``batch_size`` an int or ``[[start_step, size], ...]``)."""
+        skip = ("prefetch", "read_ahead_bytes", "vocab_size", "decode_threads", "decode")
         values = {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
         return {**values, "batch_size": self.schedule.spec()}
 

@@ -156,26 +156,47 @@ ROW_BYTES = 64
 """Bytes a row holds besides its tokens: sample, record and position indices."""
 
 
-def check_loader_memory(batch_size: int, seq_len: int, prefetch: int, processes: int) -> None:
+def check_loader_memory(
+    batch_size: int,
+    seq_len: int,
+    prefetch: int | None,
+    processes: int,
+    read_ahead_bytes: int = 0,
+) -> None:
     """Refuses a loader whose steps in flight cannot fit in this host's memory.
 
     Each of ``processes`` hosts holds at least ``batch_size / processes`` rows
-    of the largest step, for the step being read and ``prefetch`` steps ahead.
+    of the largest step, for the step being read and ``prefetch`` steps ahead;
+    with ``prefetch=None`` (automatic depth) the steps ahead hold up to
+    ``read_ahead_bytes``, and at least one step.
 
     Raises:
         ValueError: naming the fields, the estimate and the most rows that fit.
     """
     rows = -(-batch_size // max(processes, 1))
     per_row = seq_len * ROW_BYTES_PER_TOKEN + ROW_BYTES
-    steps = 1 + prefetch
+    step = rows * per_row + STEP_BYTES
     memory = memory_bytes()
+    if prefetch is None:
+        ahead = max(read_ahead_bytes, step)
+        most_rows = max(memory - ahead - STEP_BYTES, 0) // per_row * max(processes, 1)
+        check_memory(
+            step + ahead,
+            f"LoaderConfig batch_size {batch_size:,} at seq_len {seq_len:,} with "
+            f"read_ahead_bytes {read_ahead_bytes:,} ({rows:,} rows per host, automatic "
+            "prefetch)",
+            f"lower read_ahead_bytes (at most {max(memory - step, 0):,}) or batch_size "
+            f"(at most {most_rows:,} at this seq_len and read_ahead_bytes)",
+        )
+        return
+    steps = 1 + prefetch
     most_rows = max(memory // steps - STEP_BYTES, 0) // per_row * max(processes, 1)
-    most_prefetch = max(memory // (rows * per_row + STEP_BYTES) - 1, 0)
+    most_prefetch = max(memory // step - 1, 0)
     fix = f"lower batch_size (at most {most_rows:,} at this seq_len and prefetch)"
     if most_prefetch:
         fix += f" or prefetch (at most {most_prefetch:,} at this batch_size and seq_len)"
     check_memory(
-        steps * (rows * per_row + STEP_BYTES),
+        steps * step,
         f"LoaderConfig batch_size {batch_size:,} at seq_len {seq_len:,} with prefetch "
         f"{prefetch:,} ({rows:,} rows per host, {steps:,} steps in flight)",
         fix,

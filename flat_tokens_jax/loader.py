@@ -9,13 +9,10 @@ fields are decoded.
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import dataclasses
 import hashlib
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -34,6 +31,7 @@ from flat_tokens_jax.config import (
     resolve_start_token_id,
 )
 from flat_tokens_jax.dataset import FlatTokens
+from flat_tokens_jax.feed import Feed, timed
 from flat_tokens_jax.hostdecode import BlockDecoder, default_threads
 from flat_tokens_jax.limits import check_loader_memory
 from flat_tokens_jax.mixture import Mixture
@@ -113,7 +111,9 @@ class Loader:
             )
         check_sharding(sharding)
         largest = max(size for _, size in config.schedule.entries)
-        check_loader_memory(largest, config.seq_len, config.prefetch, jax.process_count())
+        check_loader_memory(
+            largest, config.seq_len, config.prefetch, jax.process_count(), config.read_ahead_bytes
+        )
         self.mixture = source if isinstance(source, Mixture) else None
         cache = default_cache_dir() if plan_cache is None else plan_cache
         if isinstance(source, Mixture):
@@ -158,11 +158,10 @@ class Loader:
         # Whether device decoding ships a stored loss mask: unless every
         # component is a split known to store none (custom records may).
         self._ships_mask = not all(map(_stores_no_mask, components))
-        # Reads started ahead for `batch` called with consecutive steps.
-        self._ahead: dict[int, concurrent.futures.Future[Any]] = {}
-        self._ahead_steps: Ahead[tuple[int, _Fetched | _Blocks], Any] | None = None
-        self._ahead_lock = threading.Lock()
-        self._last_step: int | None = None
+        # Steps read ahead, for `iterate`, `start` and consecutive `batch` calls.
+        self._feed = Feed(
+            config, self._producer, self._read, lambda s: self.host_rows_at(s).size, components
+        )
         # Step 0's; a schedule's later steps may differ: see plan_at, host_rows_at.
         self.plan = self.plan_at(0)
         self.host_rows = self.host_rows_at(0)
@@ -172,11 +171,6 @@ class Loader:
         self.block_decoder = BlockDecoder(config.decode_threads or default_threads())
         # Reading ahead, the read stage takes a core of its own (see pipeline).
         self._ahead_threads = config.decode_threads or max(1, default_threads() - 1)
-        # Data off local disk: a fetch mostly waits for round trips.
-        self._remote = any(
-            isinstance(ft := getattr(r, "ft", None), FlatTokens) and ft.store.local_path("") is None
-            for r in self.components
-        )
         if config.decode == "device":
             self._device_plan(0)  # refuses a sharding it cannot decode under
 
@@ -261,47 +255,47 @@ class Loader:
         """The global batch at ``step`` as ``jax.Array``\\ s ``[batch_size, seq_len]``
         (``batch_size`` the step's).
 
-        Called with consecutive steps (a loop that asks by step), it reads the
-        next ``config.prefetch`` steps ahead in background threads, as
-        :meth:`iterate` does; the batches are the same either way.
+        Called with consecutive steps (a loop that asks by step), or at the
+        step given to :meth:`start`, it reads the next steps ahead in
+        background threads, as :meth:`iterate` does; another step drops what
+        was read ahead. The batches are the same either way.
         """
-        return self._on_devices(self._read_ahead(step))
+        return self._take(step, ahead=False)
 
-    def _read_ahead(self, step: int) -> dict[str, jax.Array] | _Blocks:
-        """``_read(step)``, from a read started ahead when there is one; after
-        consecutive steps, starts reading the next ``prefetch`` steps."""
-        depth = self.config.prefetch
-        with self._ahead_lock:
-            future = self._ahead.pop(step, None)
-            consecutive = self._last_step is not None and step == self._last_step + 1
-            self._last_step = step
-            if not consecutive:
-                for stale in self._ahead.values():
-                    stale.cancel()
-                self._ahead.clear()
-            elif depth:
-                if self._ahead_steps is None:
-                    self._ahead_steps = self._producer("ftj-batch-ahead")
-                if future is None:  # the producer's threads read it, not beside them
-                    future = self._ahead_steps.submit(step)
-                end = self.num_batches
-                for ahead in range(step + 1, step + 1 + depth):
-                    if ahead not in self._ahead and (end is None or ahead < end):
-                        self._ahead[ahead] = self._ahead_steps.submit(ahead)
-        if future is not None and not future.cancelled():
-            part: dict[str, jax.Array] | _Blocks = future.result()
-            return part
-        return self._read(step)
+    def start(self, step: int | None = None) -> None:
+        """Starts reading ``step`` (default: :attr:`next_step`, e.g. after
+        :meth:`restore`) and the steps after it in the background, and returns.
 
-    def _producer(self, name: str) -> Ahead[tuple[int, _Fetched | _Blocks], Any]:
-        """A background thread that prepares steps in order, reading records
+        The next :meth:`iterate` from ``step`` (or :meth:`batch` at ``step``)
+        takes them, so a trainer can start its input before it restores its
+        own checkpoint. Calling it again at the same step changes nothing;
+        iterating or asking for another step drops these reads. With
+        ``prefetch=0`` it reads nothing.
+        """
+        step = self.next_step if step is None else step
+        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
+            raise ValueError(f"Loader.start takes a step >= 0, got {step!r}")
+        self._feed.start(int(step), self.num_batches)
+
+    def _take(self, step: int, ahead: bool) -> dict[str, jax.Array]:
+        """The batch at ``step`` for the trainer (``ahead``: read ahead even
+        after a jump); measures its wait."""
+        began = time.perf_counter()
+        batch = self._on_devices(self._feed.take(step, ahead, self.num_batches))
+        now = time.perf_counter()
+        self.wait_seconds = now - began
+        self._feed.handed(step, now - began, now, self.num_batches)
+        return batch
+
+    def _producer(self) -> Ahead[tuple[int, _Fetched | _Blocks], Any]:
+        """Background threads that prepare steps in order, reading records
         for several steps per sampler call (see :mod:`~flat_tokens_jax.pipeline`)."""
-        ahead = max(self.config.prefetch, LOOKUP_AHEAD)
+        ahead = max(self.config.prefetch or 0, LOOKUP_AHEAD)
         return Ahead(
-            lambda step: (step, self._fetch(step, ahead)),
+            lambda step: (step, self._timed_fetch(step, ahead)),
             lambda fetched: self._finish(fetched, self._ahead_threads),
-            name,
-            fetchers=max(1, self.config.prefetch) if self._remote else 1,
+            "ftj-prefetch",
+            fetchers=self._feed.fetchers(),
         )
 
     def encoded_batch(self, step: int) -> dict[str, jax.Array]:
@@ -355,7 +349,13 @@ class Loader:
 
     def _read(self, step: int) -> dict[str, jax.Array] | _Blocks:
         """Everything of a step that involves no collective: safe in any thread."""
-        return self._finish((step, self._fetch(step)))
+        return self._finish((step, self._timed_fetch(step)))
+
+    def _timed_fetch(self, step: int, ahead: int = 0) -> _Fetched | _Blocks:
+        fetched: _Fetched | _Blocks = timed(
+            self._feed.measures.fetched, lambda: self._fetch(step, ahead)
+        )
+        return fetched
 
     def _fetch(self, step: int, ahead: int = 0) -> _Fetched | _Blocks:
         """A step's first stage: its records, read (decoded already for ``_Blocks``)."""
@@ -377,9 +377,15 @@ class Loader:
             return part
         plan = self.plan_at(step)
         if plan is None:
-            placed: dict[str, jax.Array] = jax.device_put(self._fields_of(part, threads))
+            placed: dict[str, jax.Array] = timed(
+                self._feed.measures.finished,
+                lambda: jax.device_put(self._fields_of(part, threads)),
+            )
             return placed
-        return plan.assemble_rows(self._fields_of(part, threads))
+        return timed(
+            self._feed.measures.finished,
+            lambda: plan.assemble_rows(self._fields_of(part, threads)),
+        )
 
     def _on_devices(self, part: dict[str, jax.Array] | _Blocks) -> dict[str, jax.Array]:
         """Finishes a step; decoding across hosts runs collectives, so call it in step order."""
@@ -419,41 +425,44 @@ class Loader:
     def iterate(self, start_step: int | None = None) -> Iterator[tuple[int, dict[str, jax.Array]]]:
         """Yields ``(step, batch)`` from ``start_step`` (default: the restored step).
 
-        The next ``config.prefetch`` steps are read, decoded and placed on device
-        by a background thread while the caller trains (work that needs
-        collectives across hosts is dispatched here, in step order). ``wait_seconds`` holds how
-        long the last step waited for its batch: near zero when input keeps up.
+        The next steps (``config.prefetch``, or as many as the measured times
+        ask for, see :class:`LoaderConfig`) are read, decoded and placed on
+        device by background threads while the caller trains (work that needs
+        collectives across hosts is dispatched here, in step order); steps
+        begun by :meth:`start` are used. ``wait_seconds`` holds how long the
+        last step waited for its batch: near zero when input keeps up; see
+        :meth:`stats` for more.
         """
         step = self.next_step if start_step is None else start_step
         end = self.num_batches
-        depth = self.config.prefetch
-        if depth == 0:
-            while end is None or step < end:
-                began = time.perf_counter()
-                batch = self.batch(step)
-                self.wait_seconds = time.perf_counter() - began
-                self.next_step = step + 1
-                yield step, batch
-                step += 1
-            return
-        producer = self._producer("ftj-prefetch")
-        ahead: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
-        scheduled = step
         try:
             while end is None or step < end:
-                while len(ahead) <= depth and (end is None or scheduled < end):
-                    ahead.append(producer.submit(scheduled))
-                    scheduled += 1
-                began = time.perf_counter()
-                batch = self._on_devices(ahead.popleft().result())
-                self.wait_seconds = time.perf_counter() - began
+                batch = self._take(step, ahead=True)
                 self.next_step = step + 1
                 yield step, batch
                 step += 1
         finally:
-            for f in ahead:
-                f.cancel()
-            producer.close()
+            self._feed.close()
+
+    def stats(self) -> dict[str, float | int]:
+        """What the input pipeline did so far, JSON-ready, for a trainer to log.
+
+        ``steps``: batches handed out (``batch`` and ``iterate``); the
+        trainer's waits for them, ``wait_first_s`` for the first and
+        ``wait_last_s``, ``wait_mean_s``, ``wait_p99_s`` (of the last 1024)
+        over the others; ``fetch_last_s``, ``fetch_mean_s`` (a step's read:
+        latency), ``decode_mean_s`` (decode and placement), ``interval_mean_s``
+        (between batches taken: the trainer's step); ``depth`` (steps in
+        flight now), ``depth_target`` (the automatic depth last set; the
+        pinned ``prefetch``), ``read_ahead_bytes_peak`` (most bytes the steps
+        in flight held) and ``read_ahead_bytes`` (the budget);
+        ``requests``: HTTP reads to GCS and S3 since the loader was made, by
+        the whole process (other loaders' too); ``bytes_read``: bytes the
+        components' readers requested, checks included, since then;
+        ``tokens``: tokens of this host's rows handed out (rows x
+        ``seq_len``, padding included).
+        """
+        return self._feed.stats()
 
     def fingerprint(self) -> dict[str, Any]:
         """What the batches depend on: the data's identity and the batch-defining config.

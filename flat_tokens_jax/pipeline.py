@@ -1,4 +1,4 @@
-"""Steps prepared ahead, in order, by two background threads.
+"""Steps prepared ahead, in order, on background threads.
 
 A step is made in two stages: ``fetch`` finds its records and reads their
 encoded tokens, ``finish`` decodes them and places them on the devices. One
@@ -10,13 +10,17 @@ cores where their heavy work runs outside the interpreter lock: the compiled
 kernels' copy and decode (the ``fast`` extra) never hold it. With numpy they
 hold it between their large passes, and the two stages overlap less (measured
 on two cores: still no slower than both stages on one thread).
+
+:class:`InFlight` keeps the steps read ahead of a caller that takes them by
+step number; ``Loader.iterate`` and ``Loader.batch`` share one.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 Fetched = TypeVar("Fetched")
 Done = TypeVar("Done")
@@ -31,9 +35,11 @@ class Ahead(Generic[Fetched, Done]):
         finish: the second stage, given the first's result; steps finish in
             the order they were submitted, whatever order their fetches end in.
         name: the threads' name prefix.
-        fetchers: fetches run at once. 1 where a fetch is CPU work (a copy out
-            of local shards); more where it mostly waits for round trips (an
-            object store), so the round trips of the steps in flight overlap.
+        fetchers: fetches run at once, at most. 1 where a fetch is CPU work (a
+            copy out of local shards); more where it mostly waits for round
+            trips (an object store), so the round trips of the steps in flight
+            overlap. Threads start as fetches wait for one, so a pool with
+            room for many runs as many fetches as steps are in flight.
     """
 
     def __init__(
@@ -68,3 +74,111 @@ class Ahead(Generic[Fetched, Done]):
         self._finishing.shutdown(wait=False, cancel_futures=True)
         self._fetching.shutdown(wait=True, cancel_futures=True)
         self._finishing.shutdown(wait=True)
+
+
+class InFlight(Generic[Done]):
+    """Steps started ahead, by step number, for a caller that takes them one
+    by one. Thread-safe.
+
+    Taking a step that is in flight, or the step after the one taken last,
+    reads ahead: the step itself and up to ``depth`` steps after it are kept
+    in flight. Taking any other step drops what was started (the caller reads
+    that step itself). A step once started is never dropped for a smaller
+    depth; the depth only stops the topping up.
+
+    Args:
+        make: builds the :class:`Ahead` that prepares the steps (when first needed).
+        bytes_of: bytes a step holds once prepared, for the memory budget.
+    """
+
+    def __init__(self, make: Callable[[], Ahead[Any, Done]], bytes_of: Callable[[int], int]):
+        self._make, self._bytes_of = make, bytes_of
+        self._ahead: Ahead[Any, Done] | None = None
+        self._futures: dict[int, concurrent.futures.Future[Done]] = {}
+        self._last: int | None = None
+        self._reading = False
+        self._lock = threading.Lock()
+        self.peak_bytes = 0
+
+    def steps(self) -> list[int]:
+        """The steps in flight (started, not taken), ascending."""
+        with self._lock:
+            return sorted(self._futures)
+
+    def take(
+        self, step: int, *, ahead: bool, depth: int, end: int | None, budget: int | None
+    ) -> concurrent.futures.Future[Done] | None:
+        """The future of ``step`` (``None``: not started; read it yourself).
+
+        Args:
+            step: the step the caller takes now.
+            ahead: read ahead even if ``step`` is neither in flight nor the
+                step after the last one taken.
+            depth: steps after ``step`` to keep in flight (0: none).
+            end: the first step that does not exist (``None``: no end).
+            budget: bytes the steps after ``step`` may hold (at least one
+                step is read ahead whatever its size); ``None``: no bound.
+        """
+        with self._lock:
+            future = self._futures.pop(step, None)
+            follows = self._last is not None and step == self._last + 1
+            self._last = step
+            self._reading = depth > 0 and (ahead or future is not None or follows)
+            for other in [s for s in self._futures if future is None or s < step]:
+                self._futures.pop(other).cancel()
+            if not self._reading:
+                return future
+            if future is None:
+                future = self._submit(step)
+            self._top_up(step, depth, end, budget)
+            return future
+
+    def grow(self, step: int, depth: int, end: int | None, budget: int | None) -> None:
+        """Tops up to ``depth`` steps after ``step`` when ``step`` was the last
+        taken and read ahead (after new measurements raised the depth)."""
+        with self._lock:
+            if self._reading and self._last == step:
+                self._top_up(step, depth, end, budget)
+
+    def start(self, step: int, depth: int, end: int | None, budget: int | None) -> None:
+        """Starts ``step`` and up to ``depth`` steps after it, so that taking
+        ``step`` next uses them; keeps them if ``step`` is in flight already."""
+        with self._lock:
+            if step not in self._futures:
+                for other in list(self._futures):
+                    self._futures.pop(other).cancel()
+                self._futures[step] = self._submit(step)
+            self._last, self._reading = step - 1, True
+            self._top_up(step, depth, end, budget)
+
+    def _submit(self, step: int) -> concurrent.futures.Future[Done]:
+        if self._ahead is None:
+            self._ahead = self._make()
+        return self._ahead.submit(step)
+
+    def _top_up(self, step: int, depth: int, end: int | None, budget: int | None) -> None:
+        after = [s for s in self._futures if s > step]
+        held = sum(map(self._bytes_of, after))
+        nxt = step + 1
+        while len(after) < depth and (end is None or nxt < end):
+            if nxt not in self._futures:
+                size = self._bytes_of(nxt)
+                if budget is not None and after and held + size > budget:
+                    break
+                self._futures[nxt] = self._submit(nxt)
+                after.append(nxt)
+                held += size
+            nxt += 1
+        self.peak_bytes = max(self.peak_bytes, sum(map(self._bytes_of, self._futures)))
+
+    def close(self) -> None:
+        """Drops the steps not started, waits for those running, and stops the
+        threads (a later step starts new ones)."""
+        with self._lock:
+            for future in self._futures.values():
+                future.cancel()
+            self._futures.clear()
+            self._last, self._reading = None, False
+            ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.close()

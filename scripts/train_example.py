@@ -328,6 +328,7 @@ def restore(manager: ocp.CheckpointManager, loader: Feed, trainer: Trainer) -> t
     start = loader.restore(saved["loader"])
     if start != step:
         raise ftj.StateMismatch(f"checkpoint {step} holds a loader state for step {start}")
+    loader.start(start)  # input is read while the model state is restored
     state = ocp.args.StandardRestore(trainer.abstract)
     return start, manager.restore(step, args=ocp.args.Composite(state=state))["state"]
 
@@ -366,6 +367,7 @@ def log_step(out: TextIO | None, step: int, loss: float, tokens_per_s: float, lo
             "tokens_per_s": tokens_per_s,
             "wait_s": wait,
             "samples": samples,
+            "input": loader.stats(),
         }
         out.write(json.dumps(record) + "\n")
         out.flush()

@@ -155,13 +155,13 @@ def test_batch_reads_ahead_only_after_consecutive_steps() -> None:
     cfg = ftj.LoaderConfig(batch_size=4, seq_len=8, seed=1, prefetch=2)
     loader = ftj.Loader(ft, cfg)
     loader.batch(10)
-    assert not loader._ahead
+    assert not loader._feed.flight.steps()
     loader.batch(11)
-    assert sorted(loader._ahead) == [12, 13]
+    assert sorted(loader._feed.flight.steps()) == [12, 13]
     assert as_lists(loader.batch(12)) == as_lists(expected(seqs, None, cfg, 12))
-    assert sorted(loader._ahead) == [13, 14]
+    assert sorted(loader._feed.flight.steps()) == [13, 14]
     loader.batch(3)  # a jump drops what was read ahead
-    assert not loader._ahead
+    assert not loader._feed.flight.steps()
 
 
 def test_device_decode_needs_a_named_sharding() -> None:
@@ -197,9 +197,9 @@ def test_read_ahead_stops_at_the_last_step() -> None:
     last = loader.num_batches - 1
     loader.batch(last - 2)
     loader.batch(last - 1)
-    assert sorted(loader._ahead) == [last]
+    assert sorted(loader._feed.flight.steps()) == [last]
     loader.batch(last)
-    assert not loader._ahead
+    assert not loader._feed.flight.steps()
 
 
 @settings(max_examples=30, deadline=None)

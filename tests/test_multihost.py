@@ -144,6 +144,18 @@ def test_global_batches_equal_the_single_process_batches(
         assert report["bytes_read_one_step"] == full // processes
 
 
+def test_read_ahead_sized_on_each_host_gives_the_single_process_batches(
+    dataset: Path, tmp_path: Path
+) -> None:
+    """Each host measures its own times and keeps its own depth in flight
+    (prefetch None); the global batches are still the single process's."""
+    auto = {**LOADER, "prefetch": None}
+    reports = launch(dataset, tmp_path, 2, num_steps=8, loader=auto)
+    expected = reference(dataset, range(8), auto)
+    for report in reports:
+        assert report["steps"] == expected
+
+
 def test_sequence_sharded_hosts_read_only_their_columns(dataset: Path, tmp_path: Path) -> None:
     # Process p holds devices 2p, 2p+1: the "seq" axis runs across processes.
     reports = launch(

@@ -400,19 +400,20 @@ def test_the_gcs_marker_is_created_only_if_absent(gcs: Remote) -> None:
     assert "ifGenerationMatch=0" in uploads[0]
 
 
-@pytest.mark.parametrize("prefetch", [1, 4, 16])
+@pytest.mark.parametrize("prefetch", [None, 1, 4, 16])
 def test_steps_fetched_at_once_give_the_same_batches_under_any_latency(
-    s3: Remote, tmp_path: Path, prefetch: int
+    s3: Remote, tmp_path: Path, prefetch: int | None
 ) -> None:
-    """Read-ahead fetches the steps in flight at once on an object store; the
-    requests answer in whatever order a latency that changes under them gives,
-    and every step is still the local store's batch, in order."""
+    """Read-ahead fetches the steps in flight at once on an object store (a
+    pinned depth, or one sized from measured times: None); the requests answer
+    in whatever order a latency that changes under them gives, and every step
+    is still the local store's batch, in order."""
     url, local = local_and_remote(s3, tmp_path, s3.options)
     proxy = DelayProxy(s3.proxy.port, 0)
     stop = threading.Event()
 
     def vary() -> None:
-        rng = np.random.default_rng(prefetch)
+        rng = np.random.default_rng(prefetch or 0)
         while not stop.is_set():
             proxy.delay = float(rng.choice([0.0, 0.002, 0.01, 0.03]))
             time.sleep(0.003)
@@ -438,4 +439,36 @@ def test_steps_fetched_at_once_give_the_same_batches_under_any_latency(
     finally:
         stop.set()
         changing.join(5)
+        proxy.close()
+
+
+def test_steps_fetched_ahead_grow_to_cover_the_latency_within_the_budget(
+    s3: Remote, tmp_path: Path
+) -> None:
+    """With 40 ms a request and a trainer step of 2 ms, the automatic depth
+    keeps many steps in flight (counted, fetched at once); a budget of 3
+    steps holds it at 3, and the batches stay the local store's."""
+    url, local = local_and_remote(s3, tmp_path, s3.options)
+    proxy = DelayProxy(s3.proxy.port, 0.04)
+    try:
+        options = s3.with_options(endpoint=f"http://127.0.0.1:{proxy.port}")
+        step_bytes = 8 * 32 * 17
+        most = {}
+        for budget in (1 << 30, 3 * step_bytes):
+            cfg = ftj.LoaderConfig(batch_size=8, seq_len=32, seed=5, read_ahead_bytes=budget)
+            here = ftj.Loader(ftj.open_dataset(local)["train"], cfg)
+            loader = ftj.Loader(ftj.open_dataset(url, options)["train"], cfg)
+            depths = []
+            for step, batch in loader.iterate(0):
+                depths.append(loader.stats()["depth"])
+                for key, value in batch.items():
+                    np.testing.assert_array_equal(np.asarray(value), here.host_batch(step)[key])
+                time.sleep(0.002)
+                if step == 20:
+                    break
+            most[budget] = max(depths)
+            assert loader.stats()["read_ahead_bytes_peak"] <= max(budget, step_bytes)
+        assert most[1 << 30] >= 16, most  # more than the 8 it starts with
+        assert most[3 * step_bytes] == 3, most
+    finally:
         proxy.close()

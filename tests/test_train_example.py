@@ -167,6 +167,8 @@ def test_killed_run_trained_like_the_reference(crash: Crash) -> None:
     assert crash.resume_step >= KILL_AT
     assert sorted(ref) == list(range(crash.steps))
     assert all(r["tokens_per_s"] > 0 and r["wait_s"] >= 0 for r in ref.values())
+    # the loader's stats, logged each step, count the batches handed out
+    assert [ref[s]["input"]["steps"] for s in sorted(ref)] == list(range(1, crash.steps + 1))
     before = range(crash.resume_step)
     assert [crash.killed_log[s]["loss"] for s in before] == [ref[s]["loss"] for s in before]
 

@@ -1,0 +1,295 @@
+"""How many steps to read ahead, what the trainer waited, and when to say so.
+
+Pure code, testable without a store. :func:`auto_depth` turns measured times
+into the steps to keep in flight, and :func:`next_depth` moves the depth in
+use toward it (fast up, slowly down, within the memory budget);
+:class:`Measures` collects those times (a step's fetch and finish, the
+trainer's wait and the interval between the batches it takes) and the
+statistics a trainer logs; :class:`StallWatch` decides when the trainer's
+waits are worth one warning, and :func:`stall_message` names the likely
+cause and the knob.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+
+import numpy as np
+
+MIN_DEPTH = 2
+"""Fewest steps an automatic depth keeps in flight (memory permitting)."""
+
+INITIAL_DEPTH = 8
+"""Steps an automatic depth keeps in flight on an object store before any
+fetch was measured (memory permitting), so the steps after the first are
+under way with it (on local disk, where a fetch is a copy, :data:`MIN_DEPTH`)."""
+
+MAX_DEPTH = 128
+"""Most steps an automatic depth keeps in flight, whatever the measurements."""
+
+ASSUMED_INTERVAL = 0.01
+"""The trainer's step, in seconds, assumed until two batches were taken: a fast
+trainer, so the steps after the first are in flight early."""
+
+EMA_WEIGHT = 0.25
+"""Weight of a new measurement in the moving averages that set the depth."""
+
+COVER = 1.5
+"""Steps in flight cover this many times a step's fetch and finish."""
+
+HOST_BYTES_PER_TOKEN = 17
+"""Bytes a step decoded on the host holds per token: four ``int32`` fields and
+``loss_mask``."""
+
+DEVICE_BYTES_PER_TOKEN = 5
+"""Bytes a step decoded on the devices holds per token: the encoded ``uint32``
+token and a stored loss mask byte."""
+
+RECENT_WAITS = 1024
+"""Waits kept for ``wait_p99_s``: the last this many, after the first step."""
+
+STALL_WINDOW = 50
+"""Steps (after the first) over which the trainer's waits are summed for the warning."""
+
+STALL_SHARE = 0.05
+"""Share of the trainer's time spent waiting for input that is a stall."""
+
+
+def auto_depth(
+    fetch_s: float | None,
+    finish_s: float | None,
+    interval_s: float | None,
+    step_bytes: int,
+    budget: int,
+) -> int:
+    """Steps to keep in flight: ``ceil(1.5 * (fetch + finish) / interval) + 1``,
+    at least :data:`MIN_DEPTH`, at most :data:`MAX_DEPTH` and ``budget //
+    step_bytes``, and never fewer than 1 (the step being read).
+
+    Args:
+        fetch_s: seconds a step's fetch takes (``None``: not measured yet,
+            then :data:`INITIAL_DEPTH`).
+        finish_s: seconds a step's decode and placement take (``None``: 0).
+        interval_s: seconds between the batches the trainer takes (``None``:
+            :data:`ASSUMED_INTERVAL`).
+        step_bytes: bytes one step holds on this host.
+        budget: bytes the steps in flight may hold.
+    """
+    if fetch_s is None:
+        want = INITIAL_DEPTH
+    else:
+        interval = ASSUMED_INTERVAL if interval_s is None else max(interval_s, 1e-6)
+        ratio = COVER * (fetch_s + (finish_s or 0.0)) / interval
+        want = MAX_DEPTH if ratio >= MAX_DEPTH else math.ceil(ratio) + 1
+        want = min(max(want, MIN_DEPTH), MAX_DEPTH)
+    return max(1, min(want, budget // max(step_bytes, 1)))
+
+
+GROWTH = 2
+"""Most the automatic depth grows by at each update (a loader grows it once
+per step handed out): a cold start's slow first fetch does not request a
+hundred steps at once, whose requests would queue before the next step's."""
+
+
+def next_depth(previous: int, wanted: int, cap: int) -> int:
+    """The depth after ``previous`` on the way to ``wanted``: up at most
+    :data:`GROWTH` times (from at least :data:`MIN_DEPTH`), down one step
+    per update (a measurement that dips does not empty the steps in flight),
+    and never above ``cap`` (the memory budget's steps) nor below 1."""
+    if wanted >= previous:
+        depth = min(wanted, max(MIN_DEPTH, GROWTH * previous))
+    else:
+        depth = max(wanted, previous - 1)
+    return max(1, min(depth, cap))
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else old + EMA_WEIGHT * (new - old)
+
+
+class Measures:
+    """Times of a loader's steps, for its depth and its statistics. Thread-safe.
+
+    ``fetch`` and ``finish`` are the two stages of preparing a step (reading
+    its records; decoding them and placing them on the devices); ``taken``
+    is called when the trainer takes a batch, with how long it waited for it.
+    The interval is the time between two batches taken: the trainer's step.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.fetch_ema: float | None = None
+        self.finish_ema: float | None = None
+        self.interval_ema: float | None = None
+        self.fetch_last = 0.0
+        self._fetch = [0.0, 0]  # sum, count
+        self._finish = [0.0, 0]
+        self._interval = [0.0, 0]
+        self._waits = [0.0, 0]  # after the first step
+        self.steps = 0
+        self.wait_first = 0.0
+        self.wait_last = 0.0
+        self._recent: collections.deque[float] = collections.deque(maxlen=RECENT_WAITS)
+        self._taken_at: float | None = None
+
+    def fetched(self, seconds: float) -> None:
+        with self._lock:
+            self.fetch_ema = _ema(self.fetch_ema, seconds)
+            self.fetch_last = seconds
+            self._fetch[0] += seconds
+            self._fetch[1] += 1
+
+    def finished(self, seconds: float) -> None:
+        with self._lock:
+            self.finish_ema = _ema(self.finish_ema, seconds)
+            self._finish[0] += seconds
+            self._finish[1] += 1
+
+    def taken(self, wait: float, now: float) -> float | None:
+        """Records a batch handed out at ``now`` (``time.perf_counter``) after
+        ``wait`` seconds; returns the interval since the batch before (``None``
+        for the first)."""
+        with self._lock:
+            interval = None if self._taken_at is None else now - self._taken_at
+            self._taken_at = now
+            if interval is not None:
+                self.interval_ema = _ema(self.interval_ema, interval)
+                self._interval[0] += interval
+                self._interval[1] += 1
+            if self.steps == 0:
+                self.wait_first = wait
+            else:
+                self._waits[0] += wait
+                self._waits[1] += 1
+                self._recent.append(wait)
+            self.steps += 1
+            self.wait_last = wait
+            return interval
+
+    def depth(self, step_bytes: int, budget: int) -> int:
+        """:func:`auto_depth` of the measurements so far."""
+        with self._lock:
+            return auto_depth(
+                self.fetch_ema, self.finish_ema, self.interval_ema, step_bytes, budget
+            )
+
+    def stats(self) -> dict[str, float | int]:
+        """``steps``, the waits (``wait_first_s``; ``wait_last_s``; ``wait_mean_s``
+        and ``wait_p99_s`` over the steps after the first, p99 of the last
+        :data:`RECENT_WAITS`), ``fetch_last_s``, ``fetch_mean_s``,
+        ``decode_mean_s`` and ``interval_mean_s``; 0 where nothing was measured."""
+        with self._lock:
+            recent = np.fromiter(self._recent, float, len(self._recent))
+            return {
+                "steps": self.steps,
+                "wait_first_s": self.wait_first,
+                "wait_last_s": self.wait_last,
+                "wait_mean_s": _mean(self._waits),
+                "wait_p99_s": float(np.quantile(recent, 0.99)) if recent.size else 0.0,
+                "fetch_last_s": self.fetch_last,
+                "fetch_mean_s": _mean(self._fetch),
+                "decode_mean_s": _mean(self._finish),
+                "interval_mean_s": _mean(self._interval),
+            }
+
+
+def _mean(total: list[float]) -> float:
+    return total[0] / total[1] if total[1] else 0.0
+
+
+class StallWatch:
+    """Sums the trainer's waits and steps over windows of ``window`` steps
+    after the first, and reports the first window whose waits exceed
+    ``share`` of its time in more than a tenth of its steps (so one pause of
+    the whole process is no stall); after that it stays quiet (one warning
+    per loader)."""
+
+    def __init__(self, window: int = STALL_WINDOW, share: float = STALL_SHARE) -> None:
+        if window < 1 or not 0 < share < 1:
+            raise ValueError(
+                f"StallWatch needs window >= 1 and 0 < share < 1, got {window}, {share}"
+            )
+        self.window, self.share = window, share
+        self.fired = False
+        self._waited = self._elapsed = 0.0
+        self._steps = self._slow = 0
+
+    def add(self, wait: float, interval: float) -> tuple[float, float, int] | None:
+        """Adds one step: ``wait`` for its batch within ``interval`` since the
+        batch before. Returns ``(waited, elapsed, steps)`` of a window that
+        stalled, once; else ``None``."""
+        if self.fired:
+            return None
+        self._waited += wait
+        self._elapsed += interval
+        self._steps += 1
+        self._slow += wait > self.share * interval
+        if self._steps < self.window:
+            return None
+        window, slow = (self._waited, self._elapsed, self._steps), self._slow
+        self._waited = self._elapsed = 0.0
+        self._steps = self._slow = 0
+        if window[0] > self.share * window[1] and 10 * slow > window[2]:
+            self.fired = True
+            return window
+        return None
+
+
+def stall_message(
+    window: tuple[float, float, int],
+    *,
+    fetch_s: float,
+    finish_s: float,
+    depth: int,
+    capped_by: str | None,
+    bytes_per_step: float,
+    delivered_bps: float,
+) -> str:
+    """The warning for a window that stalled: how much the trainer waited, the
+    likely cause and the knob.
+
+    Args:
+        window: ``(waited, elapsed, steps)`` from :meth:`StallWatch.add`.
+        fetch_s, finish_s: a step's fetch and finish (moving averages).
+        depth: steps kept in flight.
+        capped_by: ``"read_ahead_bytes"`` or ``"prefetch"`` when that field
+            held the depth below what the measurements ask for, else ``None``.
+        bytes_per_step: bytes a step reads from the store.
+        delivered_bps: bytes per second the store delivered over the window.
+    """
+    waited, elapsed, steps = window
+    step = max((elapsed - waited) / steps, 1e-9)  # the trainer's own work per step
+    head = (
+        f"input stall: the trainer waited {waited:.3f} s for batches over its last "
+        f"{steps} steps ({100 * waited / max(elapsed, 1e-9):.0f}% of {elapsed:.3f} s; "
+        f"its own step takes {1e3 * step:.1f} ms): "
+    )
+    if finish_s >= step:
+        return head + (
+            f"decoding a step takes {1e3 * finish_s:.1f} ms, longer than the trainer's "
+            "step (decode CPU): raise LoaderConfig.decode_threads or set decode='device'"
+        )
+    if capped_by is not None and fetch_s > depth * step:
+        fix = (
+            "raise LoaderConfig.read_ahead_bytes"
+            if capped_by == "read_ahead_bytes"
+            else "raise LoaderConfig.prefetch or set it to None (automatic depth)"
+        )
+        return head + (
+            f"a step's fetch takes {1e3 * fetch_s:.1f} ms and {capped_by} holds the "
+            f"read-ahead at {depth} steps, which cover {1e3 * depth * step:.1f} ms "
+            f"(latency): {fix}"
+        )
+    rates = (
+        f"the store delivers {delivered_bps / 1e6:.3g} MB/s, the trainer's step "
+        f"needs {bytes_per_step / step / 1e6:.3g} MB/s; "
+        if bytes_per_step
+        else ""
+    )
+    return head + (
+        f"a step's fetch takes {1e3 * fetch_s:.1f} ms with {depth} steps in flight "
+        f"(bandwidth or store): {rates}raise StoreOptions.concurrency or read from "
+        "a store nearer to this host"
+    )

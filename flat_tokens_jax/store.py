@@ -103,6 +103,19 @@ def kvstore_spec(url: str | os.PathLike[str], options: StoreOptions) -> dict[str
     return spec
 
 
+# tensorstore's HTTP threads, where the environment does not set them: enough
+# to send every request of the steps in flight at once (tensorstore's own
+# default follows the core count, and on a host with few cores it sends a
+# batch's requests in waves, a round trip each).
+HTTP_THREADS = 64
+
+
+def _default_http_threads() -> None:
+    """Sets ``TENSORSTORE_HTTP_THREADS`` to :data:`HTTP_THREADS` unless set; read
+    by tensorstore at the process's first HTTP request."""
+    os.environ.setdefault("TENSORSTORE_HTTP_THREADS", str(HTTP_THREADS))
+
+
 class Store:
     """A store root: JSON metadata and array handles under one kvstore and context."""
 
@@ -110,6 +123,8 @@ class Store:
         self.url = os.fspath(url)
         self.options = options or StoreOptions()
         self.spec = kvstore_spec(url, self.options)
+        if self.spec["driver"] in ("gcs", "s3"):
+            _default_http_threads()
         if self.options.context is not None:
             self.context = self.options.context
         elif self.spec["driver"] == "memory":

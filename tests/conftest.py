@@ -11,10 +11,6 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
-# Before tensorstore's first HTTP request: its default thread count on a 2-core
-# machine holds some of many requests issued at once until others finish,
-# which would add round trips that tests/test_coldstart.py counts.
-os.environ.setdefault("TENSORSTORE_HTTP_THREADS", "64")
 
 import hypothesis
 import pytest

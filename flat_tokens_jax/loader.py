@@ -277,14 +277,16 @@ class Loader:
             raise ValueError(f"Loader.start takes a step >= 0, got {step!r}")
         self._feed.start(int(step), self.num_batches)
 
-    def _take(self, step: int, ahead: bool) -> dict[str, jax.Array]:
+    def _take(self, step: int, ahead: bool, end: int | None = None) -> dict[str, jax.Array]:
         """The batch at ``step`` for the trainer (``ahead``: read ahead even
-        after a jump); measures its wait."""
+        after a jump; nothing at or past ``end``, default the run's end);
+        measures its wait."""
+        end = self.num_batches if end is None else end
         began = time.perf_counter()
-        batch = self._on_devices(self._feed.take(step, ahead, self.num_batches))
+        batch = self._on_devices(self._feed.take(step, ahead, end))
         now = time.perf_counter()
         self.wait_seconds = now - began
-        self._feed.handed(step, now - began, now, self.num_batches)
+        self._feed.handed(step, now - began, now, end)
         return batch
 
     def _producer(self) -> Ahead[tuple[int, _Fetched | _Blocks], Any]:
@@ -422,8 +424,12 @@ class Loader:
                 mask[rows] = windows.stored_mask
         return BlockData(encoded, before, lengths, mask, real)
 
-    def iterate(self, start_step: int | None = None) -> Iterator[tuple[int, dict[str, jax.Array]]]:
-        """Yields ``(step, batch)`` from ``start_step`` (default: the restored step).
+    def iterate(
+        self, start_step: int | None = None, stop_step: int | None = None
+    ) -> Iterator[tuple[int, dict[str, jax.Array]]]:
+        """Yields ``(step, batch)`` from ``start_step`` (default: the restored step)
+        to ``stop_step`` (exclusive; default: the run's end, if any), reading
+        nothing ahead past ``stop_step``.
 
         The next steps (``config.prefetch``, or as many as the measured times
         ask for, see :class:`LoaderConfig`) are read, decoded and placed on
@@ -435,9 +441,11 @@ class Loader:
         """
         step = self.next_step if start_step is None else start_step
         end = self.num_batches
+        if stop_step is not None:
+            end = stop_step if end is None else min(end, stop_step)
         try:
             while end is None or step < end:
-                batch = self._take(step, ahead=True)
+                batch = self._take(step, ahead=True, end=end)
                 self.next_step = step + 1
                 yield step, batch
                 step += 1

@@ -34,6 +34,10 @@ from flat_tokens_jax.sharding import HostPlan
 
 log = logging.getLogger(__name__)
 
+NEXT_PHASE_AHEAD = 8
+"""Steps before a phase's end at which :meth:`PhasedLoader.iterate` starts
+reading the next phase's first steps."""
+
 
 class PhasedLoader:
     """Batches of a run in phases, from any step.
@@ -201,21 +205,37 @@ class PhasedLoader:
         k = self.phase_at(step)
         while k < len(self.loaders):
             end = self.starts[k + 1] if k + 1 < len(self.starts) else None
-            # A generator: closed at the boundary, so its read-ahead stops there.
-            batches = self.loaders[k].iterate(step - self.starts[k])
+            stop = None if end is None else end - self.starts[k]
+            # Reads nothing ahead past the boundary; the next phase's first
+            # steps are started a few steps before it.
+            batches = self.loaders[k].iterate(step - self.starts[k], stop)
             stream = cast(Generator[tuple[int, dict[str, jax.Array]], None, None], batches)
+            started = False
             try:
                 for local, batch in stream:
-                    if end is not None and self.starts[k] + local >= end:
-                        break
                     step = self.starts[k] + local
                     self.next_step = step + 1
+                    if end is not None and not started and step >= end - NEXT_PHASE_AHEAD:
+                        self.loaders[k + 1].start(0)
+                        started = True
                     yield step, batch
             finally:
                 stream.close()
             if end is None:
                 return
             step, k = end, k + 1
+
+    def start(self, step: int | None = None) -> None:
+        """Starts reading ``step`` (default: :attr:`next_step`) and the steps
+        after it in its phase (see :meth:`Loader.start`)."""
+        loader, local = self.locate(self.next_step if step is None else step)
+        loader.start(local)
+
+    def stats(self) -> dict[str, float | int]:
+        """:meth:`Loader.stats` of the phase of the last step handed out, and
+        ``phase``, its index."""
+        k = self.phase_at(max(0, self.next_step - 1))
+        return {**self.loaders[k].stats(), "phase": k}
 
     @property
     def wait_seconds(self) -> float:

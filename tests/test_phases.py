@@ -3,6 +3,7 @@ hands each row the next record of its stream, from each stream's whole order."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -330,3 +331,37 @@ def test_the_issues_changes_decided_at_a_saved_step(change: dict[str, Any]) -> N
     first_epoch = [r["record"] for r in a_seen if r["epoch"] == 0]
     assert len(a_seen) > a_records and len(first_epoch) == a_records
     assert sorted(first_epoch) == list(range(a_records)), "stream a: each record once per epoch"
+
+
+def test_iterate_reads_nothing_past_a_boundary_and_starts_the_next_phase_before_it() -> None:
+    specs = [{**SPEC, "start": 0}, {**SPEC, "start": 12, "seq_len": 5, "source": "b"}]
+    plain = PhasedLoader([build(s) for s in specs])
+    phases = [build(s) for s in specs]
+    run = PhasedLoader(
+        [dataclasses.replace(p, config=dataclasses.replace(p.config, prefetch=4)) for p in phases]
+    )
+    steps = []
+    for step, batch in run.iterate(0):
+        if step < 12:
+            # Steps in flight in the first phase stay before its end.
+            assert run.loaders[0].stats()["depth"] <= 11 - step
+        if step == 11:  # the second phase's first steps are under way already
+            assert run.loaders[1].stats()["depth"] >= 1
+        np.testing.assert_array_equal(
+            np.asarray(batch["targets"]), plain.host_batch(step)["targets"]
+        )
+        assert run.stats()["phase"] == int(step >= 12)
+        steps.append(step)
+        if step == 15:
+            break
+    assert steps == list(range(16))
+
+
+def test_a_loaders_iterate_stops_before_its_stop_step() -> None:
+    phase = build({**SPEC, "start": 0})
+    loader = ftj.Loader(phase.source, dataclasses.replace(phase.config, prefetch=3))
+    got = []
+    for step, _ in loader.iterate(2, 6):
+        assert loader.stats()["depth"] <= 5 - step
+        got.append(step)
+    assert got == [2, 3, 4, 5]

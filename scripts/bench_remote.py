@@ -1,20 +1,26 @@
-"""Benchmark: reading from an object store with per-request latency, hidden by prefetch.
+"""Benchmark: a training loop reading an object store with per-request latency, all defaults.
 
-Starts fake-gcs-server (``--server gcs``, default) or moto's S3 server
-(``--server s3``) on 127.0.0.1 behind a proxy that can hold every request a
-fixed time, writes a dataset through it, then measures in one run:
+Starts fake-gcs-server and moto's S3 server on 127.0.0.1 behind a proxy that
+holds every request a fixed time, writes a dataset through each, then runs a
+training loop with the **default** ``LoaderConfig`` and ``StoreOptions`` (no
+prefetch or concurrency set) for each step time (``--step-times``) and added
+latency (``--delays``), each opening the dataset afresh (a cold cache):
 
-* steady-state ``iterate()`` steps/s for each added latency (``--delays``) and
-  prefetch depth (``--prefetch``), each against no latency at the same depth,
-  with the HTTP read requests per batch (tensorstore's metrics, via
-  ``flat_tokens_jax.store.remote_reads``) and a row with fewer concurrent
-  requests (``--low-concurrency``);
-* a training loop taking ``--step-time`` seconds per step at each latency: how
-  long each step waited for its batch (``loader.wait_seconds``).
+* how long the first step and the later steps waited for their batch (the
+  loop's own clock around ``next()``), the later ones as a share of the step;
+* the first step's wait in round trips: ``(wait - wait at no latency) / latency``;
+* the read-ahead the loader chose (``loader.stats()``): steps in flight, and
+  the peak bytes of steps in flight against the budget ``read_ahead_bytes``;
+* HTTP read requests per batch (tensorstore's metrics) and bytes read per
+  useful token;
+* ``--hosts N``: the same loop on N ``jax.distributed`` processes (gloo, one CPU
+  device each) reading one store through the proxy, each only its own rows;
+* ``--bandwidth MB/s``: the proxy caps throughput instead, and the loop (no
+  step time) reports the rate the loader reached against the cap.
 
-Every configuration opens the dataset afresh (a cold cache) and goes through
-the proxy, so they differ only in what the table names. Run:
-``python scripts/bench_remote.py [--server gcs|s3]`` (needs the test extras).
+Run: ``python scripts/bench_remote.py`` (needs the test extras); ``--servers
+gcs`` for one server. The cost model in the README is computed from the
+requests per batch printed here.
 """
 
 from __future__ import annotations
@@ -22,136 +28,289 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.store import remote_reads
+from flat_tokens_jax.store import remote_bytes, remote_reads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from servers import DelayProxy, aws_profile, fake_gcs, moto_s3
+from servers import DelayProxy, aws_profile, fake_gcs, free_port, moto_s3
+
+# List prices per 1,000 read requests (GCS Standard class B operations; S3
+# Standard GET), US regions, as published by Google and AWS.
+PRICE_PER_1000 = {"gs": 0.0004, "s3": 0.0004}
 
 
-@dataclasses.dataclass
-class Run:
+@dataclasses.dataclass(frozen=True)
+class Where:
+    """A store behind the proxy: how to reach it from this process and from workers."""
+
+    server: str
     url: str
     options: ftj.StoreOptions
-    scheme: str
-    warmup: int
-    steps: int
+    env: dict[str, str]
 
-    def rate(self, cfg: ftj.LoaderConfig, concurrency: int = 128) -> tuple[float, float]:
-        """Steady-state steps/s and HTTP read requests per batch."""
-        options = dataclasses.replace(self.options, concurrency=concurrency)
-        loader = ftj.Loader(ftj.open_dataset(self.url, options)["train"], cfg)
-        it = loader.iterate(0)
-        for step, _ in it:
-            if step == self.warmup:
-                began, reads = time.perf_counter(), remote_reads()[self.scheme]
-            if step == self.warmup + self.steps:
-                break
-        seconds = time.perf_counter() - began
-        it.close()
-        # Prefetched batches past the last step are counted too: at most
-        # cfg.prefetch batches over self.steps, a small overestimate.
-        requests = (remote_reads()[self.scheme] - reads) / self.steps
-        return self.steps / seconds, requests
 
-    def waits(self, cfg: ftj.LoaderConfig, step_time: float) -> np.ndarray:
-        loader = ftj.Loader(ftj.open_dataset(self.url, self.options)["train"], cfg)
-        waits = []
-        for step, _ in loader.iterate(0):
-            waits.append(loader.wait_seconds)
+@contextlib.contextmanager
+def served(server: str, tmp: Path) -> Iterator[tuple[Where, DelayProxy]]:
+    """The server, a proxy in front of it, and how to reach the store through it."""
+    with fake_gcs() if server == "gcs" else moto_s3() as base:
+        proxy = DelayProxy(int(base.rsplit(":", 1)[1]), 0.0)
+        through = f"http://127.0.0.1:{proxy.port}"
+        if server == "gcs":
+            env = {
+                "TENSORSTORE_GCS_HTTP_URL": through,
+                "GOOGLE_AUTH_TOKEN_FOR_TESTING": "benchmark",
+            }
+            os.environ.update(env)
+            where = Where(server, "gs://bucket/ds", ftj.StoreOptions(), env)
+        else:
+            creds = aws_profile(tmp)
+            options = ftj.StoreOptions(endpoint=through, region="us-east-1", credentials=creds)
+            where = Where(server, "s3://bucket/ds", options, {})
+        with contextlib.closing(proxy):
+            yield where, proxy
+
+
+def loop(
+    where: Where, cfg: ftj.LoaderConfig, step_time: float, steps: int, sharding: Any = None
+) -> dict[str, Any]:
+    """A training loop of ``steps`` steps after the first, on a freshly opened store."""
+    scheme = where.url[:2]
+    requests_before, bytes_before = remote_reads()[scheme], remote_bytes()[scheme]
+    began = time.perf_counter()
+    ft = ftj.open_dataset(where.url, where.options)["train"]
+    loader = ftj.Loader(ft, cfg, sharding=sharding)
+    opened = time.perf_counter() - began
+    waits = []
+    it = loader.iterate(0)
+    for _ in range(steps + 1):
+        t = time.perf_counter()
+        _, batch = next(it)
+        for v in batch.values():
+            v.block_until_ready()
+        waits.append(time.perf_counter() - t)
+        if step_time:
             time.sleep(step_time)
-            if step == self.steps:
-                break
-        return np.array(waits) * 1e3
+    took = time.perf_counter() - began - opened
+    stats = loader.stats()
+    it.close()
+    fetched = steps + 1 + int(stats["depth"])  # steps read, the ones still ahead included
+    requests = remote_reads()[scheme] - requests_before
+    received = remote_bytes()[scheme] - bytes_before
+    tokens_per_step = stats["tokens"] / (steps + 1)
+    return {
+        "opened": opened,
+        "first": waits[0],
+        "later": float(np.mean(waits[1:])),
+        "later_max": float(np.max(waits[1:])),
+        "took": took,
+        "depth": int(stats["depth_target"]),
+        "peak": int(stats["read_ahead_bytes_peak"]),
+        "budget": int(stats["read_ahead_bytes"]),
+        "requests": requests / fetched,
+        "bytes_per_token": received / (fetched * tokens_per_step),
+        "tokens": int(stats["tokens"]),
+    }
+
+
+def write(where: Where, tokens: int) -> None:
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(100, 3000, tokens // 1550)
+    ftj.write_dataset(
+        where.url, {"train": [rng.integers(0, 50_000, n) for n in lengths]}, options=where.options
+    )
+
+
+def single_host(args: argparse.Namespace, where: Where, proxy: DelayProxy) -> list[dict[str, Any]]:
+    cfg = ftj.LoaderConfig(batch_size=args.batch, seq_len=args.seq_len)
+    rows = []
+    for step_time in args.step_times:
+        proxy.delay = 0.0
+        base = loop(where, cfg, step_time, args.steps)
+        for delay in [0.0, *args.delays]:
+            proxy.delay = delay
+            got = base if delay == 0.0 else loop(where, cfg, step_time, args.steps)
+            trips = (got["first"] - base["first"]) / delay if delay else 0.0
+            rows.append({**got, "delay": delay, "step_time": step_time, "trips": trips})
+    return rows
+
+
+def worker(config: dict[str, Any], pid: int) -> None:
+    """One of ``--hosts`` processes: the training loop over its own rows."""
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    os.environ.update(config["env"])
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{config['port']}",
+        num_processes=config["hosts"],
+        process_id=pid,
+    )
+    options = ftj.StoreOptions(**config["options"])
+    where = Where(config["server"], config["url"], options, config["env"])
+    cfg = ftj.LoaderConfig(batch_size=config["batch"], seq_len=config["seq_len"])
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    got = loop(where, cfg, config["step_time"], config["steps"], NamedSharding(mesh, P("data")))
+    print("RESULT " + json.dumps(got), flush=True)
+
+
+def multi_host(args: argparse.Namespace, where: Where, proxy: DelayProxy) -> list[dict[str, Any]]:
+    options = {k: getattr(where.options, k) for k in ("endpoint", "region", "credentials")}
+    rows = []
+    for step_time in args.step_times:
+        for delay in args.delays:
+            proxy.delay = delay
+            config = {
+                "env": where.env,
+                "port": free_port(),
+                "hosts": args.hosts,
+                "options": options,
+                "server": where.server,
+                "url": where.url,
+                "batch": args.batch,
+                "seq_len": args.seq_len,
+                "step_time": step_time,
+                "steps": args.steps,
+            }
+            procs = [
+                subprocess.Popen(
+                    [sys.executable, __file__, "--worker", json.dumps(config), str(pid)],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                for pid in range(args.hosts)
+            ]
+            outs = [p.communicate(timeout=600)[0] for p in procs]
+            for pid, (p, out) in enumerate(zip(procs, outs, strict=True)):
+                if p.returncode:
+                    raise SystemExit(f"worker {pid} failed ({p.returncode}):\n{out}")
+            got = [
+                json.loads(line[7:])
+                for o in outs
+                for line in o.splitlines()
+                if line.startswith("RESULT ")
+            ]
+            rows.append(
+                {
+                    "delay": delay,
+                    "step_time": step_time,
+                    "first": max(g["first"] for g in got),
+                    "later": max(g["later"] for g in got),
+                    "later_max": max(g["later_max"] for g in got),
+                    "tokens": sum(g["tokens"] for g in got),
+                    "requests": sum(g["requests"] for g in got),
+                }
+            )
+    return rows
+
+
+def bandwidth(args: argparse.Namespace, where: Where, proxy: DelayProxy) -> dict[str, Any]:
+    """Steady-state bytes/s through a proxy capped at ``--bandwidth`` MB/s, with
+    a trainer that never waits: the bytes the proxy sent between step 3 and
+    the last step over the time between them."""
+    proxy.delay, proxy.rate = 0.02, args.bandwidth * 1e6
+    cfg = ftj.LoaderConfig(batch_size=args.batch, seq_len=args.seq_len)
+    loader = ftj.Loader(ftj.open_dataset(where.url, where.options)["train"], cfg)
+    it = loader.iterate(0)
+    for step, _ in it:
+        if step == 3:
+            began, before = time.perf_counter(), proxy.downloaded
+        if step == 3 + args.steps:
+            rate = (proxy.downloaded - before) / (time.perf_counter() - began)
+            break
+    it.close()
+    proxy.delay, proxy.rate = 0.0, None
+    return {"cap": args.bandwidth, "rate": rate / 1e6}
+
+
+def print_rows(server: str, rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print(
+        f"\n{server} on 127.0.0.1 behind a delay proxy, batch {args.batch} x {args.seq_len}, "
+        f"{args.tokens:,} tokens, default LoaderConfig and StoreOptions, a cold cache each row, "
+        f"{args.steps} steps after the first\n"
+    )
+    print(
+        "| step | added latency | open | first step waited | in round trips | later steps "
+        "waited (mean) | share of the step | steps ahead | peak read-ahead / budget | "
+        "requests/batch | bytes read / token |"
+    )
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(
+            f"| {r['step_time'] * 1e3:.0f} ms | {r['delay'] * 1e3:.0f} ms | "
+            f"{r['opened'] * 1e3:.0f} ms | {r['first'] * 1e3:.0f} ms | "
+            f"{r['trips']:.1f} | {r['later'] * 1e3:.3f} ms | "
+            f"{r['later'] / r['step_time'] * 100:.2f} % | {r['depth']} | "
+            f"{r['peak'] / 2**20:.0f} / {r['budget'] / 2**20:.0f} MiB | "
+            f"{r['requests']:.1f} | {r['bytes_per_token']:.2f} |"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--server", choices=["gcs", "s3"], default="gcs")
-    parser.add_argument("--delays", type=float, nargs="+", default=[0.02, 0.1], help="seconds")
-    parser.add_argument("--prefetch", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--low-concurrency", type=int, default=16)
-    parser.add_argument("--step-time", type=float, default=0.05, help="simulated train step")
+    parser.add_argument("--servers", nargs="+", choices=["gcs", "s3"], default=["gcs", "s3"])
+    parser.add_argument("--delays", type=float, nargs="+", default=[0.02, 0.1, 0.25])
+    parser.add_argument("--step-times", type=float, nargs="+", default=[0.05, 0.5])
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--tokens", type=int, default=40_000_000)
+    parser.add_argument("--hosts", type=int, default=0, help="also run on N processes")
+    parser.add_argument("--bandwidth", type=float, default=0.0, help="MB/s cap row")
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    rng = np.random.default_rng(0)
-    lengths = rng.integers(100, 3000, args.tokens // 1550)
-    seqs = [rng.integers(0, 50_000, n) for n in lengths]
-    server = fake_gcs() if args.server == "gcs" else moto_s3()
-    rows = []
-    with server as base, tempfile.TemporaryDirectory() as tmp:
-        proxy = DelayProxy(int(base.rsplit(":", 1)[1]), 0.0)
-        through = f"http://127.0.0.1:{proxy.port}"
-        if args.server == "gcs":
-            os.environ["TENSORSTORE_GCS_HTTP_URL"] = through
-            os.environ["GOOGLE_AUTH_TOKEN_FOR_TESTING"] = "benchmark"
-            url, options = "gs://bucket/ds", ftj.StoreOptions()
-        else:
-            creds = aws_profile(Path(tmp))
-            url = "s3://bucket/ds"
-            options = ftj.StoreOptions(endpoint=through, region="us-east-1", credentials=creds)
-        run = Run(url, options, url[:2], 3, args.steps)
-        with contextlib.closing(proxy):
-            ftj.write_dataset(url, {"train": seqs}, options=options)
-            ftj.open_dataset(url, options)["train"]
-            for prefetch in args.prefetch:
-                cfg = ftj.LoaderConfig(
-                    batch_size=args.batch, seq_len=args.seq_len, prefetch=prefetch
-                )
-                proxy.delay = 0.0
-                fast, requests = run.rate(cfg)
-                rows.append((0.0, prefetch, 128, fast, requests, 1.0))
-                for delay in args.delays:
-                    proxy.delay = delay
-                    slow, requests = run.rate(cfg)
-                    rows.append((delay, prefetch, 128, slow, requests, slow / fast))
-            deepest = max(args.prefetch)
-            cfg = ftj.LoaderConfig(batch_size=args.batch, seq_len=args.seq_len, prefetch=deepest)
-            proxy.delay = 0.0
-            fast, _ = run.rate(cfg, args.low_concurrency)
-            proxy.delay = max(args.delays)
-            slow, requests = run.rate(cfg, args.low_concurrency)
-            rows.append((proxy.delay, deepest, args.low_concurrency, slow, requests, slow / fast))
-            waits = {}
-            for delay in args.delays:
-                proxy.delay = delay
-                waits[delay] = run.waits(cfg, args.step_time)
+    if args.worker:
+        worker(json.loads(args.worker[0]), int(args.worker[1]))
+        return
     tokens = args.batch * args.seq_len
-    name = "fake-gcs-server" if args.server == "gcs" else "moto S3"
-    print(
-        f"\n{name} on 127.0.0.1, batch {args.batch} x {args.seq_len}, {args.tokens:,} tokens, "
-        f"{args.steps} steady-state steps after 3 warm-up steps, cold cache each row\n"
-    )
-    print(
-        "| added latency | prefetch | concurrency | steps/s | M tokens/s | "
-        "requests/batch | vs no latency |"
-    )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for delay, prefetch, concurrency, rate, requests, ratio in rows:
+    for server in args.servers:
+        with tempfile.TemporaryDirectory() as tmp, served(server, Path(tmp)) as (where, proxy):
+            write(where, args.tokens)
+            rows = single_host(args, where, proxy)
+            hosts = multi_host(args, where, proxy) if args.hosts else []
+            bw = bandwidth(args, where, proxy) if args.bandwidth else None
+        name = "fake-gcs-server" if server == "gcs" else "moto S3"
+        print_rows(name, rows, args)
+        requests = float(np.mean([r["requests"] for r in rows if r["delay"]]))
+        scheme = where.url[:2]
+        per_trillion = requests * 1e12 / tokens
         print(
-            f"| {delay * 1e3:.0f} ms | {prefetch} | {concurrency} | {rate:.1f} | "
-            f"{rate * tokens / 1e6:.2f} | {requests:.1f} | {ratio:.2f} |"
+            f"\ncost model ({name}): {requests:.1f} requests per batch of {tokens:,} tokens "
+            f"= {per_trillion / 1e9:.2f} G requests per trillion tokens = "
+            f"${per_trillion / 1000 * PRICE_PER_1000[scheme]:,.0f} at "
+            f"${PRICE_PER_1000[scheme]} per 1,000; a 1,024-host pod, each host loading "
+            f"{args.batch} x {args.seq_len} a step: {1024 * requests:,.0f} requests/s per "
+            f"bucket at 1 s steps, {1024 * requests / 0.2:,.0f} at 0.2 s"
         )
-    print()
-    for delay, w in waits.items():
-        later = w[1:]
-        print(
-            f"training loop of {args.step_time * 1e3:.0f} ms per step, +{delay * 1e3:.0f} ms "
-            f"per request, prefetch {deepest}: first step waited {w[0]:.1f} ms; later steps "
-            f"waited max {later.max():.2f} ms, mean {later.mean():.3f} ms, "
-            f"{int((later > 1).sum())} of {later.size} over 1 ms"
-        )
+        for r in hosts:
+            print(
+                f"{args.hosts} processes, {r['step_time'] * 1e3:.0f} ms steps, "
+                f"+{r['delay'] * 1e3:.0f} ms: first step waited {r['first'] * 1e3:.0f} ms "
+                f"(slowest host); later steps {r['later'] * 1e3:.3f} ms mean on the slowest "
+                f"host ({r['later'] / r['step_time'] * 100:.2f} % of the step), max "
+                f"{r['later_max'] * 1e3:.2f} ms; {r['requests']:.1f} requests per global batch"
+            )
+        if bw:
+            print(
+                f"bandwidth capped at {bw['cap']:.0f} MB/s (+20 ms), a trainer that never "
+                f"waits: the loader read "
+                f"{bw['rate']:.1f} MB/s through the proxy, {bw['rate'] / bw['cap'] * 100:.0f} % "
+                "of the cap"
+            )
 
 
 if __name__ == "__main__":

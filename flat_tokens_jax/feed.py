@@ -69,6 +69,8 @@ class Feed:
         start = INITIAL_DEPTH if self.remote else MIN_DEPTH
         self._target = start if self.prefetch is None else self.prefetch
         self._lock = threading.Lock()
+        self._books: concurrent.futures.ThreadPoolExecutor | None = None
+        self._booked: concurrent.futures.Future[None] | None = None
         self._tokens = 0
         self._requests_before = sum(remote_reads().values())
         self._bytes_before = self._bytes_read()
@@ -131,8 +133,31 @@ class Feed:
 
     def handed(self, step: int, wait: float, now: float, end: int | None) -> None:
         """Counts step ``step`` handed to the trainer at ``now`` after ``wait``
-        seconds, tops up the steps in flight, and warns once of a stall."""
-        self.flight.grow(step, self.depth(step + 1, grow=True), end, self._bound())
+        seconds, tops up the steps in flight, and warns once of a stall: on a
+        thread of its own, so the trainer has its batch without waiting for
+        this work (or for the interpreter lock the fetches it starts take)."""
+        with self._lock:
+            if self._books is None:
+                self._books = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="ftj-feed"
+                )
+            self._booked = self._books.submit(self._handed, step, wait, now, end)
+
+    def _flush(self) -> None:
+        """Waits for the steps handed out so far to be counted."""
+        with self._lock:
+            booked = self._booked
+        if booked is not None:
+            booked.result()
+
+    def _handed(self, step: int, wait: float, now: float, end: int | None) -> None:
+        """See :meth:`handed`.
+
+        The depth grows from the second step handed out on: when the first is,
+        the steps started with it are still being decoded, and new fetches
+        would take the interpreter from them."""
+        grow = self.measures.steps > 0
+        self.flight.grow(step, self.depth(step + 1, grow=grow), end, self._bound())
         with self._lock:
             self._tokens += self._rows(step) * self._seq_len
         interval = self.measures.taken(wait, now)
@@ -161,10 +186,16 @@ class Feed:
         )
 
     def close(self) -> None:
+        self._flush()
+        with self._lock:
+            books, self._books, self._booked = self._books, None, None
+        if books is not None:
+            books.shutdown()
         self.flight.close()
 
     def stats(self) -> dict[str, float | int]:
         """See ``Loader.stats``."""
+        self._flush()
         with self._lock:
             tokens = self._tokens
         return {

@@ -110,6 +110,10 @@ class InFlight(Generic[Done]):
     ) -> concurrent.futures.Future[Done] | None:
         """The future of ``step`` (``None``: not started; read it yourself).
 
+        The steps after it are topped up here when ``step`` is not ready yet;
+        when it is, the caller tops them up with :meth:`grow` (off the path
+        that hands a ready step out).
+
         Args:
             step: the step the caller takes now.
             ahead: read ahead even if ``step`` is neither in flight nor the
@@ -130,7 +134,8 @@ class InFlight(Generic[Done]):
                 return future
             if future is None:
                 future = self._submit(step)
-            self._top_up(step, depth, end, budget)
+            if not future.done():  # the caller waits anyway: top up now
+                self._top_up(step, depth, end, budget)
             return future
 
     def grow(self, step: int, depth: int, end: int | None, budget: int | None) -> None:

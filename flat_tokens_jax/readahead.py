@@ -47,6 +47,11 @@ DEVICE_BYTES_PER_TOKEN = 5
 """Bytes a step decoded on the devices holds per token: the encoded ``uint32``
 token and a stored loss mask byte."""
 
+RECENT_FETCHES = 32
+"""Fetches whose slowest sets the depth: a step that touches a new shard (its
+index and digests read first) takes two or three round trips where others
+take one, and the steps in flight must cover it when it comes again."""
+
 RECENT_WAITS = 1024
 """Waits kept for ``wait_p99_s``: the last this many, after the first step."""
 
@@ -124,6 +129,7 @@ class Measures:
         self.finish_ema: float | None = None
         self.interval_ema: float | None = None
         self.fetch_last = 0.0
+        self._recent_fetches: collections.deque[float] = collections.deque(maxlen=RECENT_FETCHES)
         self._fetch = [0.0, 0]  # sum, count
         self._finish = [0.0, 0]
         self._interval = [0.0, 0]
@@ -138,6 +144,7 @@ class Measures:
         with self._lock:
             self.fetch_ema = _ema(self.fetch_ema, seconds)
             self.fetch_last = seconds
+            self._recent_fetches.append(seconds)
             self._fetch[0] += seconds
             self._fetch[1] += 1
 
@@ -169,11 +176,12 @@ class Measures:
             return interval
 
     def depth(self, step_bytes: int, budget: int) -> int:
-        """:func:`auto_depth` of the measurements so far."""
+        """:func:`auto_depth` of the measurements so far: the slowest of the last
+        :data:`RECENT_FETCHES` fetches, and the moving averages of the finish
+        and the trainer's step."""
         with self._lock:
-            return auto_depth(
-                self.fetch_ema, self.finish_ema, self.interval_ema, step_bytes, budget
-            )
+            fetch = max(self._recent_fetches) if self._recent_fetches else None
+            return auto_depth(fetch, self.finish_ema, self.interval_ema, step_bytes, budget)
 
     def stats(self) -> dict[str, float | int]:
         """``steps``, the waits (``wait_first_s``; ``wait_last_s``; ``wait_mean_s``

@@ -21,6 +21,7 @@ from flat_tokens_jax.readahead import (
     INITIAL_DEPTH,
     MAX_DEPTH,
     MIN_DEPTH,
+    RECENT_FETCHES,
     Measures,
     StallWatch,
     auto_depth,
@@ -156,6 +157,7 @@ def test_in_flight_tops_up_within_the_budget_and_never_drops_a_started_step() ->
     try:
         first = flight.take(0, ahead=True, depth=8, end=None, budget=60)
         assert first is not None and first.result() == 0
+        flight.grow(0, 8, end=None, budget=60)  # take tops up only a step not ready yet
         assert flight.steps() == [1, 2, 3]  # 20 + 30 + 10 bytes; step 4's 20 more would not fit
         assert flight.peak_bytes == 60
         flight.take(1, ahead=False, depth=1, end=None, budget=60)  # a smaller depth
@@ -314,3 +316,29 @@ def test_a_budget_over_memory_is_refused_naming_it() -> None:
         ftj.Loader(split(), cfg(read_ahead_bytes=10**18))
     assert "lower read_ahead_bytes (at most" in str(e.value)
     ftj.Loader(split(), cfg(read_ahead_bytes=10**18, prefetch=2))  # a pinned depth ignores it
+
+
+def test_a_slow_fetch_sets_the_depth_while_it_is_recent() -> None:
+    """A step that touches a new shard fetches in several round trips: the
+    depth covers it until RECENT_FETCHES faster ones came after it."""
+    m = Measures()
+    m.taken(0.0, 0.0)
+    m.taken(0.0, 0.05)  # a 50 ms trainer
+    for seconds in [0.1] * 5 + [0.8] + [0.1] * 5:
+        m.fetched(seconds)
+    assert m.depth(1, 1 << 30) == reference_depth(0.8, 0, 0.05, 1, 1 << 30)
+    for _ in range(RECENT_FETCHES):
+        m.fetched(0.1)
+    assert m.depth(1, 1 << 30) == reference_depth(0.1, 0, 0.05, 1, 1 << 30)
+
+
+def test_the_depth_grows_from_the_second_step_handed_out() -> None:
+    """When the first step is handed out the steps started with it are still
+    being decoded: no new fetches are started beside them yet."""
+    loader = ftj.Loader(Logged(split(), delay=0.05), cfg())
+    it = loader.iterate(0)
+    next(it)
+    assert loader.stats()["depth_target"] == MIN_DEPTH
+    next(it)
+    assert loader.stats()["depth_target"] > MIN_DEPTH
+    it.close()

@@ -35,6 +35,11 @@ from flat_tokens_jax.store import remote_reads
 
 log = logging.getLogger("flat_tokens_jax.loader")
 
+BOOKS_DELAY = 0.002
+"""Seconds the books of a step handed out wait before they start: the
+trainer's thread returns with its batch and begins its step before the
+fetches they start take the interpreter lock."""
+
 
 class Feed:
     """Steps read ahead for one loader, with their measurements. Thread-safe.
@@ -156,6 +161,7 @@ class Feed:
         The depth grows from the second step handed out on: when the first is,
         the steps started with it are still being decoded, and new fetches
         would take the interpreter from them."""
+        time.sleep(BOOKS_DELAY)
         grow = self.measures.steps > 0
         self.flight.grow(step, self.depth(step + 1, grow=grow), end, self._bound())
         with self._lock:

@@ -408,6 +408,47 @@ class _ManyClients(http.server.ThreadingHTTPServer):
     request_queue_size = 512
 
 
+def _forward(
+    handler: http.server.BaseHTTPRequestHandler, port: int, body: bytes | None
+) -> tuple[http.client.HTTPResponse, bytes] | None:
+    """Sends ``handler``'s request to the server on ``port``; its reply and
+    body, or ``None`` when the server is gone (the client is hung up on, as
+    the server would)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    headers = {k: v for k, v in handler.headers.items() if k.lower() != "host"}
+    headers["Host"] = f"127.0.0.1:{port}"
+    try:
+        conn.request(handler.command, handler.path, body=body, headers=headers)
+        reply = conn.getresponse()
+        data = reply.read()
+    except OSError:
+        handler.close_connection = True
+        return None
+    finally:
+        conn.close()
+    return reply, data
+
+
+def _answer(
+    handler: http.server.BaseHTTPRequestHandler,
+    reply: http.client.HTTPResponse,
+    data: bytes,
+    close: bool,
+) -> None:
+    """Passes the server's ``reply`` to the client (``close``: and hangs up)."""
+    handler.send_response(reply.status, reply.reason)
+    for key, value in reply.getheaders():
+        if key.lower() not in ("content-length", "transfer-encoding", "connection"):
+            handler.send_header(key, value)
+    handler.send_header("Content-Length", str(len(data)))
+    if close:
+        handler.send_header("Connection", "close")
+        handler.close_connection = True
+    handler.end_headers()
+    if handler.command != "HEAD":
+        handler.wfile.write(data)
+
+
 class FaultProxy:
     """An HTTP proxy on 127.0.0.1 that counts requests and answers some with errors.
 
@@ -445,25 +486,9 @@ class FaultProxy:
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
-                conn = http.client.HTTPConnection("127.0.0.1", proxy.target_port, timeout=30)
-                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
-                headers["Host"] = f"127.0.0.1:{proxy.target_port}"
-                try:
-                    conn.request(self.command, self.path, body=body, headers=headers)
-                    reply = conn.getresponse()
-                    data = reply.read()
-                except OSError:
-                    self.close_connection = True  # the server is gone: hang up, as it would
-                    return
-                self.send_response(reply.status, reply.reason)
-                for key, value in reply.getheaders():
-                    if key.lower() not in ("content-length", "transfer-encoding", "connection"):
-                        self.send_header(key, value)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-                conn.close()
+                answer = _forward(self, proxy.target_port, body)
+                if answer is not None:
+                    _answer(self, *answer, close=False)
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
 
@@ -540,34 +565,17 @@ class RecordingProxy:
                 body = self.rfile.read(length) if length else None
                 if proxy.delay:
                     time.sleep(proxy.delay)
-                conn = http.client.HTTPConnection("127.0.0.1", proxy.target_port, timeout=30)
-                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
-                headers["Host"] = f"127.0.0.1:{proxy.target_port}"
-                try:
-                    conn.request(self.command, self.path, body=body, headers=headers)
-                    reply = conn.getresponse()
-                    data = reply.read()
-                except OSError:
-                    self.close_connection = True
+                answer = _forward(self, proxy.target_port, body)
+                if answer is None:
                     return
-                conn.close()
                 record = Record(
                     self.command, self.path, self.headers.get("Range"), start, time.monotonic()
                 )
                 with proxy._lock:  # before the answer: the client never sees it unrecorded
                     proxy.records.append(record)
-                self.send_response(reply.status, reply.reason)
-                for key, value in reply.getheaders():
-                    if key.lower() not in ("content-length", "transfer-encoding", "connection"):
-                        self.send_header(key, value)
-                self.send_header("Content-Length", str(len(data)))
                 # One request per connection: a client's requests in flight
                 # never queue behind each other on a kept-alive connection.
-                self.send_header("Connection", "close")
-                self.close_connection = True
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
+                _answer(self, *answer, close=True)
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
 

@@ -118,9 +118,11 @@ def test_the_requests_of_the_steps_in_flight_reach_the_server_at_once(served: Se
     assert steps == list(range(depth + 1))
 
 
-def test_with_prefetch_1_no_more_than_one_steps_requests_are_in_flight(served: Served) -> None:
+def test_with_prefetch_1_no_more_than_two_steps_requests_are_in_flight(served: Served) -> None:
     """Each held 0.05 s: whatever the timing, no more than the requests of the
-    step that costs most when read alone by a fresh process."""
+    step taken and the one read ahead (the first two are started together),
+    each at most what the step that costs most costs read alone by a fresh
+    process."""
     cfg = ftj.LoaderConfig(batch_size=ROWS, seq_len=SEQ_LEN, seed=4, prefetch=1)
     with served.proxied() as (proxy, options):
         loader = ftj.Loader(ftj.open_dataset(served.url, options)["train"], cfg)
@@ -131,7 +133,7 @@ def test_with_prefetch_1_no_more_than_one_steps_requests_are_in_flight(served: S
                 break
         seen = proxy.max_in_flight
     one_step = max(cold_requests(served, cfg, s) for s in range(4))
-    assert 0 < seen <= one_step
+    assert 0 < seen <= 2 * one_step
 
 
 def test_a_pinned_concurrency_caps_the_requests_in_flight(served: Served) -> None:

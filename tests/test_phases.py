@@ -64,7 +64,18 @@ def reference(specs: list[dict[str, Any]], steps: int) -> list[dict[str, np.ndar
     """Every batch of ``steps`` steps: each row takes its stream's next record."""
     data = splits()
     drawn: dict[tuple[Any, ...], int] = {}
+    # A stream keeps the shuffle key of the phase it first appears in, drawn
+    # from there or not.
     seeds: dict[tuple[Any, ...], int] = {}
+    for spec in specs:
+        names = [spec["source"]] if isinstance(spec["source"], str) else list(spec["source"])
+        for c, name in enumerate(names):
+            key = (name, spec["seq_len"], spec["packing"], spec["seed"], spec["shuffle"])
+            if key not in seeds:
+                seeds[key] = spec["seed"]
+                if not isinstance(spec["source"], str):
+                    text = f"{spec['seed']}/{spec.get('mix_seed', 0)}/{c}".encode()
+                    seeds[key] = int.from_bytes(hashlib.sha256(text).digest()[:8], "little")
     out = []
     for step in range(steps):
         k = max(j for j, s in enumerate(specs) if s["start"] <= step)
@@ -81,11 +92,6 @@ def reference(specs: list[dict[str, Any]], steps: int) -> list[dict[str, np.ndar
             ft, seqs = data[names[c]]
             L, packing = spec["seq_len"], spec["packing"]
             key = (names[c], L, packing, spec["seed"], spec["shuffle"])
-            if key not in seeds:
-                seeds[key] = spec["seed"]
-                if isinstance(phase.source, Mixture):
-                    text = f"{spec['seed']}/{phase.source.seed}/{c}".encode()
-                    seeds[key] = int.from_bytes(hashlib.sha256(text).digest()[:8], "little")
             bins = BinRecords(ft, L) if packing == "bins" else None
             n = sum(map(len, seqs)) // L if packing is True else len(bins or seqs)
             epoch, pos = divmod(drawn.get(key, 0), n)

@@ -4,7 +4,8 @@
 # (scripts/floors.py: jax and jaxlib 0.6.0 among them; sharding, loader and
 # multihost tests cover meshes, explicit axes, make_array_from_callback and
 # jax.distributed there), with the zarr-python 3 the tests write stores with at
-# the test extra's floor, in a second virtual environment, .venv-floors. Part of
+# the test extra's floor, in a second virtual environment, .venv-floors (no
+# tests that start a GCS or S3 server: its servers are test extras). Part of
 # the README's test command.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +13,7 @@ python3 -m venv .venv-floors
 mapfile -t pins < <(python3 scripts/floors.py)
 .venv-floors/bin/pip install -q "${pins[@]}" 'pytest>=8' 'hypothesis>=6.100' -e .
 .venv-floors/bin/pip list 2>/dev/null | grep -E '^(jax|jaxlib|numpy|zarr|numcodecs|tensorstore|grain|google-crc32c|numba) '
-.venv-floors/bin/python -m pytest -q -p no:cacheprovider -o addopts="" \
+.venv-floors/bin/python -m pytest -q -p no:cacheprovider -o addopts="" -m "not remote" \
   tests/test_format.py tests/test_dataset.py tests/test_store.py tests/test_localshards.py \
   tests/test_writer.py tests/test_integrity.py tests/test_validation.py tests/test_batch.py \
   tests/test_sharding.py tests/test_loader.py tests/test_sampling.py tests/test_mixture.py \

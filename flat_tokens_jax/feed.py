@@ -38,7 +38,10 @@ log = logging.getLogger("flat_tokens_jax.loader")
 BOOKS_DELAY = 0.002
 """Seconds the books of a step handed out wait before they start: the
 trainer's thread returns with its batch and begins its step before the
-fetches they start take the interpreter lock."""
+fetches they start take the interpreter lock; only for a trainer whose
+step is longer than :data:`SLOW_TRAINER` seconds."""
+
+SLOW_TRAINER = 0.04
 
 
 class Feed:
@@ -161,7 +164,9 @@ class Feed:
         The depth grows from the second step handed out on: when the first is,
         the steps started with it are still being decoded, and new fetches
         would take the interpreter from them."""
-        time.sleep(BOOKS_DELAY)
+        interval = self.measures.interval_ema
+        if interval is not None and interval > SLOW_TRAINER:
+            time.sleep(BOOKS_DELAY)  # a fast trainer would wait for the top-up instead
         grow = self.measures.steps > 0
         self.flight.grow(step, self.depth(step + 1, grow=grow), end, self._bound())
         with self._lock:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from flat_tokens_jax.location import OverwriteNeeded
     from flat_tokens_jax.mixconfig import mixture_from_config
     from flat_tokens_jax.mixture import Mixture
-    from flat_tokens_jax.options import StoreOptions
+    from flat_tokens_jax.options import StoreError, StoreOptions
     from flat_tokens_jax.phaseconfig import phases_from_config, phases_from_yaml
     from flat_tokens_jax.phasedloader import PhasedLoader
     from flat_tokens_jax.phases import Phase
@@ -60,6 +60,7 @@ _HOMES = {
     "Problem": "format",
     "Records": "records",
     "StateMismatch": "loader",
+    "StoreError": "options",
     "StoreOptions": "options",
     "TokenizerInfo": "identity",
     "decode": "format",
@@ -99,6 +100,7 @@ __all__ = [
     "Problem",
     "Records",
     "StateMismatch",
+    "StoreError",
     "StoreOptions",
     "TokenizerInfo",
     "decode",

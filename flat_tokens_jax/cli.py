@@ -22,7 +22,7 @@ from flat_tokens_jax.convert.commands import (
 )
 from flat_tokens_jax.convert.tokenizer import load_tokenizer
 from flat_tokens_jax.format import FormatError
-from flat_tokens_jax.identity import tokenizer_info
+from flat_tokens_jax.identity import library_version, tokenizer_info
 from flat_tokens_jax.loader import Loader
 from flat_tokens_jax.options import StoreError
 from flat_tokens_jax.plans import pack_dataset, plan_group
@@ -288,6 +288,9 @@ def _decoder(path: str, loader: Loader) -> Any:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flat-tokens", description=__doc__)
+    parser.add_argument(
+        "--version", action="version", version=f"flat-tokens-jax {library_version()}"
+    )
     parser.add_argument(
         "--traceback",
         action="store_true",

@@ -20,6 +20,7 @@ import numpy as np
 from flat_tokens_jax import batch as fields
 from flat_tokens_jax import compiled
 from flat_tokens_jax.buffers import Buffers
+from flat_tokens_jax.extras import install_hint
 from flat_tokens_jax.records import Windows
 
 _PAGE = 4096
@@ -85,7 +86,7 @@ class BlockDecoder:
         self._kernels = None if kernel == "numpy" else compiled.kernels()
         if kernel == "numba" and self._kernels is None:
             raise ValueError(
-                "kernel='numba' needs numba: pip install 'flat-tokens-jax[fast]' "
+                f"kernel='numba' needs numba: {install_hint('fast')} "
                 "(or kernel='auto' to decode with numpy without it)"
             )
         self.kernel = "numpy" if self._kernels is None else "numba"

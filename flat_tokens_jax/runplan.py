@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from flat_tokens_jax.extras import install_hint
 from flat_tokens_jax.phasedloader import PhasedLoader
 from flat_tokens_jax.phases import drawn
 
@@ -98,9 +99,7 @@ def draw_shares(run: PhasedLoader, end_step: int, path: str | os.PathLike[str]) 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ImportError(
-            "the picture needs matplotlib: pip install 'flat-tokens-jax[plot]'"
-        ) from None
+        raise ImportError(f"the picture needs matplotlib: {install_hint('plot')}") from None
     segments = share_segments(run, end_step)
     names = list(dict.fromkeys(n for _, _, shares in segments for n in shares))
     xs: list[int] = []

@@ -9,6 +9,7 @@ zarr-python instead (:mod:`~flat_tokens_jax.zarrpython`, the ``zarr`` extra).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -217,6 +218,8 @@ class Store:
         self._forget(folder)
         # Keys under "a/" sort between "a/" and "a0" ("0" follows "/" in ASCII).
         self.wait(self.kv.delete_range(ts.KvStore.KeyRange(folder, folder[:-1] + "0")))
+        if self.spec["driver"] == "file":  # files go; the folders they were in stay
+            _remove_empty_folders(os.path.join(self.spec["path"], folder))
 
     def group_attributes(self, key: str) -> tuple[int, dict[str, Any]] | None:
         """``(zarr_format, attributes)`` of the group at ``key`` (``""`` is the root)."""
@@ -380,3 +383,10 @@ def describe_layout(zarr_format: int, meta: Mapping[str, Any]) -> dict[str, Any]
         "filters": [],
         "checksum": any(c.get("name") == "crc32c" for c in codecs),
     }
+
+
+def _remove_empty_folders(top: str) -> None:
+    """Removes ``top`` and the folders under it that hold no file."""
+    for folder, _, _ in sorted(os.walk(top), key=lambda w: -len(w[0])):
+        with contextlib.suppress(OSError):  # not empty, or gone already
+            os.rmdir(folder)

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from flat_tokens_jax.extras import install_hint
+
 __all__ = [
     "BadValue",
     "boolean",
@@ -195,7 +197,7 @@ def read_yaml(path: str | os.PathLike[str]) -> Any:
     try:
         import yaml
     except ImportError as e:
-        raise ImportError("reading YAML needs PyYAML: pip install 'flat-tokens-jax[yaml]'") from e
+        raise ImportError(f"reading YAML needs PyYAML: {install_hint('yaml')}") from e
     name = os.fspath(path)
     with open(path, encoding="utf-8") as f:
         loader = yaml.SafeLoader(f)

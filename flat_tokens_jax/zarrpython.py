@@ -13,11 +13,12 @@ import os
 from types import ModuleType
 from typing import Any, Literal
 
+from flat_tokens_jax.extras import install_hint
 from flat_tokens_jax.format import FormatError
 from flat_tokens_jax.options import StoreOptions
 from flat_tokens_jax.urls import parse_url
 
-_EXTRA = "pip install 'flat-tokens-jax[zarr]' (or any zarr>=2.18)"
+_EXTRA = f"{install_hint('zarr')}, or any zarr>=2.18"
 
 
 def _zarr(where: str) -> ModuleType:

@@ -123,6 +123,7 @@ def test_two_worker_processes_write_the_local_converters_bytes(
     assert (hi - lo).max() > SMALL.shard_tokens
     assert np.any(lo % SMALL.shard_tokens != 0)
     assert not any(k.startswith(STAGING) for k in stored(tmp_path / "beam"))
+    assert not (tmp_path / "beam" / STAGING).exists()  # nor its empty folders
 
 
 def test_command_line_pretokenized_with_validation_files(

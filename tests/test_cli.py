@@ -201,3 +201,32 @@ def test_validate_names_a_location_in_every_line(tmp_path: Path) -> None:
     empty = run("validate", "")
     assert empty.returncode == 1
     assert empty.stderr == "validate: the store's URL is empty: give a path or a URL\n"
+
+
+def test_version_prints_the_installed_version() -> None:
+    import importlib.metadata
+
+    r = run("--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"flat-tokens-jax {importlib.metadata.version('flat-tokens-jax')}"
+
+
+def test_show_with_a_tokenizer_but_without_the_convert_extra_says_how_to_install_it(
+    tmp_path: Path,
+) -> None:
+    ftj.write_dataset(tmp_path / "d", {"train": [[1, 2, 3, 4, 5]] * 20})
+    blocked = (
+        "import sys; sys.modules['tokenizers'] = sys.modules['transformers'] = None\n"
+        "from flat_tokens_jax.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))"
+    )
+    args = ["show", str(tmp_path / "d"), "--step", "0", "--seq-len", "4", "--batch-size", "2"]
+    r = subprocess.run(
+        [sys.executable, "-c", blocked, *args, "--tokenizer", str(tmp_path / "t.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "pip install 'flat-tokens-jax[convert]'" in r.stderr, r.stderr
+    assert "in a checkout of the project: pip install -e '.[convert]'" in r.stderr, r.stderr

@@ -319,6 +319,11 @@ def test_tokenizer_id_checks(tmp_path: Path, caplog: pytest.LogCaptureFixture) -
     with caplog.at_level(logging.WARNING):
         convert(src, tmp_path / "out", tokenizer=tmp_path / "plain.json")
     assert "token id 0 ('a') is an ordinary token" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # a start id other than 0 recorded: no alarm
+        convert(src, tmp_path / "out1", tokenizer=tmp_path / "plain.json", start_token_id=1)
+        ftj.open_dataset(tmp_path / "out1")
+    assert "ordinary token" not in caplog.text
     spec = json.loads(plain.to_str())  # (saving a tokenizer with a huge id takes long)
     spec["model"]["vocab"]["[UNK]"] = 2**31
     (tmp_path / "huge.json").write_text(json.dumps(spec))

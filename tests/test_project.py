@@ -1,6 +1,7 @@
 """The project's own promises: CI runs the README's test command, and that command
 tests the dependency floors pyproject.toml declares."""
 
+import builtins
 import re
 import subprocess
 import sys
@@ -71,3 +72,15 @@ def test_importing_the_package_imports_no_heavy_library() -> None:
     ).stdout.splitlines()
     assert out[0] == "[]"
     assert out[1] == "['jax', 'tensorstore']"
+
+
+def test_every_ftj_name_the_readme_uses_exists() -> None:
+    import flat_tokens_jax as ftj
+
+    readme = (ROOT / "README.md").read_text()
+    names = set(re.findall(r"\bftj\.([A-Za-z_]\w*)", readme))
+    # the errors a user catches, named as `StoreError` or `ftj.StoreError`
+    names |= set(re.findall(r"`(?:ftj\.)?([A-Z]\w*(?:Error|Mismatch|Exhausted|Needed))\b", readme))
+    assert "StoreError" in names
+    missing = sorted(n for n in names if not hasattr(ftj, n) and not hasattr(builtins, n))
+    assert not missing, f"README uses ftj names the package lacks: {missing}"

@@ -63,6 +63,7 @@ from flat_tokens_jax.convert.tokenizer import (
     load_tokenizer,
     resolve_start_token_id,
     validation_mask,
+    warn_if_zero_is_ordinary,
 )
 from flat_tokens_jax.format import SPLITS, encode_concatenated
 from flat_tokens_jax.identity import DatasetInfo, inputs_record
@@ -161,6 +162,7 @@ def convert_chat(
     refuse_overlap([*train_paths, *valid_paths], [output])
     loaded = load_tokenizer(tokenizer)
     start = resolve_start_token_id(start_token_id, loaded)
+    warn_if_zero_is_ordinary(loaded, start)
     render = make_renderer(loaded, template, train_on, end_of_turn)
     tok = _whole_offsets(loaded.tokenizer)
 

@@ -30,6 +30,7 @@ from typing import IO, Any, cast
 
 import numpy as np
 
+from flat_tokens_jax.extras import install_hint
 from flat_tokens_jax.format import MAX_TOKEN_ID
 from flat_tokens_jax.urls import redact
 
@@ -61,9 +62,7 @@ def require(module: str, extra: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError(
-            f"{module.split('.')[0]} is not installed: pip install 'flat-tokens-jax[{extra}]'"
-        ) from e
+        raise ImportError(f"{module.split('.')[0]} is not installed: {install_hint(extra)}") from e
 
 
 def input_kind(path: InputPath) -> str:

@@ -39,6 +39,7 @@ from flat_tokens_jax.convert.tokenizer import (
     load_tokenizer,
     resolve_start_token_id,
     validation_mask,
+    warn_if_zero_is_ordinary,
 )
 from flat_tokens_jax.format import encode_concatenated
 from flat_tokens_jax.identity import DatasetInfo, inputs_record
@@ -179,6 +180,8 @@ class Conversion:
         text_tokenizer = None if tok is None or opts.tokens_key else tok.tokenizer
         tokenize = BatchTokenizer(text_tokenizer, bos, eos, opts.add_special_tokens)
         start = resolve_start_token_id(opts.start_token_id, tok)
+        if tok is not None:
+            warn_if_zero_is_ordinary(tok, start)
         return cls(opts, train, validation, tok, tokenize, start)
 
     def info(self, digests: Sequence[str] | None) -> DatasetInfo:

@@ -117,15 +117,22 @@ def _check_vocabulary(tokenizer: Any, name: str) -> None:
             f"{name}: token {token!r} has id {top}, above {MAX_TOKEN_ID}, the largest id "
             "the flat-tokens format stores; use a tokenizer with a smaller vocabulary"
         )
-    zero = tokenizer.id_to_token(0)
-    special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+
+
+def warn_if_zero_is_ordinary(tok: LoadedTokenizer, start_token_id: int | None) -> None:
+    """Warns when a dataset made with ``tok`` would feed id 0 where a sequence
+    starts (no start id recorded, or 0) and id 0 is an ordinary token of ``tok``."""
+    if start_token_id not in (None, 0):
+        return
+    zero = tok.tokenizer.id_to_token(0)
+    special = {i for i, t in tok.tokenizer.get_added_tokens_decoder().items() if t.special}
     if zero is not None and 0 not in special:
         log.warning(
             "%s: token id 0 (%r) is an ordinary token, but flat-tokens readers feed id 0 as "
             "the input where a sequence starts, so a model cannot tell a start from %r: "
             "convert with --start-token-id eos (recorded in the dataset) or train with "
             "LoaderConfig(start_token_id=<a special id, e.g. the eos id>)",
-            name,
+            tok.name,
             zero,
             zero,
         )

@@ -212,7 +212,9 @@ def _cmd_show(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(shown))
         return 0
-    names = ", ".join(f"{s['name']}: {s.get('url', s.get('repr'))}" for s in shown["sources"])
+    where = [(str(s["name"]), s.get("url", s.get("repr"))) for s in shown["sources"]]
+    # A single dataset is named "0": its URL says it; a mixture's components by name.
+    names = where[0][1] if len(where) == 1 else ", ".join(f"{n} = {u}" for n, u in where)
     phase = shown.get("phase")
     if phase is not None:
         label = "" if phase["name"] is None else f" {phase['name']!r}"
@@ -220,7 +222,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
             f"step {args.step} is in phase {phase['index']}{label} (from step "
             f"{phase['start_step']}; its step {phase['step']})"
         )
-    print(f"step {args.step} of {names}, batch_size {shown['batch_size']}, {shown['config']}")
+    print(f"step {args.step}, batch_size {shown['batch_size']}, data {names}: {shown['config']}")
     if decode is not None:
         print(f"[n]: segment n; {show.UNTRAINED[0]}...{show.UNTRAINED[1]}: loss_mask 0")
     for row in shown["rows"]:

@@ -89,6 +89,7 @@ def test_show_prints_the_batch_and_its_provenance(tmp_path: Path) -> None:
         "--padded",
         "--no-shuffle",
     ).stdout
+    assert text.startswith(f"step 0, batch_size 1, data {tmp_path}: {{'seq_len': 4,"), text
     assert "row 0: sample 0, epoch 0, record 0, tokens [0, 2)" in text
     assert "targets     [1, 2, 0, 0]" in text
     bad = run("show", str(tmp_path), "--step", "0", "--batch-size", "1", "--seq-len", "9")

@@ -258,9 +258,13 @@ class Loader:
         Called with consecutive steps (a loop that asks by step), or at the
         step given to :meth:`start`, it reads the next steps ahead in
         background threads, as :meth:`iterate` does; another step drops what
-        was read ahead. The batches are the same either way.
+        was read ahead. The batches are the same either way. Afterwards
+        :meth:`state` resumes at ``step + 1``, as after :meth:`iterate` yields
+        ``step``.
         """
-        return self._take(step, ahead=False)
+        batch = self._take(step, ahead=False)
+        self.next_step = int(step) + 1
+        return batch
 
     def start(self, step: int | None = None) -> None:
         """Starts reading ``step`` (default: :attr:`next_step`, e.g. after

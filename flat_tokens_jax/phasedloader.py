@@ -166,9 +166,12 @@ class PhasedLoader:
         return loader.host_rows_at(local)
 
     def batch(self, step: int) -> dict[str, jax.Array]:
-        """The global batch at ``step``, ``[batch_size, seq_len]`` of its phase."""
+        """The global batch at ``step``, ``[batch_size, seq_len]`` of its phase;
+        afterwards :meth:`state` resumes at ``step + 1``."""
         loader, local = self.locate(step)
-        return loader.batch(local)
+        batch = loader.batch(local)
+        self.next_step = int(step) + 1
+        return batch
 
     def host_batch(self, step: int) -> dict[str, np.ndarray]:
         """This host's rows of the batch at ``step`` (numpy), in global row order."""

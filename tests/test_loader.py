@@ -185,6 +185,25 @@ def test_state_restore_and_fingerprint() -> None:
     assert ftj.Loader(ft, prefetch_only).restore(state) == 5
 
 
+def test_state_after_batch_resumes_at_the_next_step() -> None:
+    """A step-indexed loop (``loader.batch(step)``) saves a state that resumes
+    after its last step, as ``iterate`` does, for one config and for phases."""
+    ft = split_of([[i % 7 + 1] * (i % 5 + 1) for i in range(200)])
+    cfg = LoaderConfig(batch_size=2, seq_len=8, seed=5)
+    for make in (
+        lambda: ftj.Loader(ft, cfg),
+        lambda: ftj.PhasedLoader([ftj.Phase(0, ft, cfg), ftj.Phase(3, ft, cfg)]),
+    ):
+        loader = make()
+        for step in range(5):
+            loader.batch(step)
+        state = loader.state()
+        assert state["step"] == 5
+        again = make()
+        assert again.restore(state) == 5
+        assert as_lists(again.batch(5)) == as_lists(make().batch(5))
+
+
 def test_fingerprint_holds_what_changes_batches_only() -> None:
     ft = split_of([[i % 7 + 1] * (i % 5 + 1) for i in range(50)])
     cfg = LoaderConfig(batch_size=2, seq_len=4)

@@ -3,8 +3,8 @@
 The batch is a pure function of the step, so a resume needs only the saved step.
 An embedding and a linear read-out, trained by plain SGD (``jax.grad``), see
 batches sharded over a ``"data"`` mesh of every device. A first run trains
-``--steps`` steps and saves ``{step, params, loader.state()}`` with numpy after
-``--save-at``; a second run, with a new loader, restores it and trains the rest.
+``--steps`` steps and saves ``{step, params, loader.state(step)}`` with numpy at
+step ``--save-at``; a second run, with a new loader, restores it and trains the rest.
 Prints ``resume: identical`` (exit 0) when its losses and batches equal the
 first run's bit for bit, else ``resume: DIFFERENT`` (exit 1)::
 
@@ -65,7 +65,7 @@ def train(args: argparse.Namespace, start: int) -> list[tuple[float, str]]:
         print(f"step {step} loss {float(loss):.6f}")
         if start == 0 and step + 1 == args.save_at:
             arrays = {k: np.asarray(v) for k, v in params.items()}
-            state = json.dumps(loader.state())  # {"step": step + 1, "fingerprint": ...}
+            state = json.dumps(loader.state(step + 1))  # restores to resume at step + 1
             np.savez(args.dir / "checkpoint.npz", step=step + 1, loader=state, **arrays)
     return out
 

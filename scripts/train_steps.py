@@ -78,6 +78,7 @@ def main() -> None:
         parser.add_argument(f"--{flag}", type=int, default=default)
     parser.add_argument("--lr", type=float, default=10.0)
     args = parser.parse_args()
+    args.dir.mkdir(parents=True, exist_ok=True)
     args.data = args.data or args.dir / "data"
     if not args.data.exists():  # 400 sequences counting up from a random id, mod 63
         r = np.random.default_rng(0)

@@ -38,7 +38,7 @@ from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.pipeline import Ahead
 from flat_tokens_jax.plans import default_cache_dir
 from flat_tokens_jax.records import Records, Windows, recorded_info, sources_of
-from flat_tokens_jax.resume import StateMismatch, check_resume, compare_state
+from flat_tokens_jax.resume import StateMismatch, check_resume, compare_state, state_step
 from flat_tokens_jax.sampling import IndexSampler
 from flat_tokens_jax.sharding import Block, BlockData, HostPlan, host_plans
 from flat_tokens_jax.stepsamples import LOOKUP_AHEAD, StepSamples
@@ -498,18 +498,22 @@ class Loader:
         ``sequences`` range of a view (JSON-ready; ``repr`` for custom records)."""
         return sources_of(self.names, self.components)
 
-    def state(self) -> dict[str, Any]:
+    def state(self, step: int | None = None) -> dict[str, Any]:
         """``{"step": next step, "samples": ..., "fingerprint": ..., "sources": ...}``,
         JSON-ready.
 
-        ``samples`` counts the global samples of the steps before ``step``;
+        ``step`` is the step a :meth:`restore` of it resumes at: by default
+        :attr:`next_step`, the step after the last one :meth:`iterate` yielded;
+        a loop that asks :meth:`batch` by step passes ``step + 1`` after training
+        ``step``. ``samples`` counts the global samples of the steps before ``step``;
         ``fingerprint`` is what :meth:`restore` checks; ``sources`` (see
         :meth:`sources`) says where the data was, for ``flat-tokens show
         --state``, and is not checked (data may move between stores).
         """
+        step = state_step(step, self.next_step)
         return {
-            "step": self.next_step,
-            "samples": self.samples_before(self.next_step),
+            "step": step,
+            "samples": self.samples_before(step),
             "fingerprint": self.fingerprint(),
             "sources": self.sources(),
         }

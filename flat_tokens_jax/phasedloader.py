@@ -29,7 +29,7 @@ import numpy as np
 
 from flat_tokens_jax.loader import Loader
 from flat_tokens_jax.phases import Phase, check_phases, drawn, stream_key
-from flat_tokens_jax.resume import UNRECORDED, StateMismatch, compare_state
+from flat_tokens_jax.resume import UNRECORDED, StateMismatch, compare_state, state_step
 from flat_tokens_jax.sharding import HostPlan
 
 log = logging.getLogger(__name__)
@@ -250,15 +250,17 @@ class PhasedLoader:
             for s, loader in zip(self.starts, self.loaders, strict=True)
         ]
 
-    def state(self) -> dict[str, Any]:
+    def state(self, step: int | None = None) -> dict[str, Any]:
         """JSON-ready: with one phase, :meth:`Loader.state`; else ``{"step",
-        "samples", "phases": [{"start_step", "fingerprint", "sources"}, ...]}``."""
+        "samples", "phases": [{"start_step", "fingerprint", "sources"}, ...]}``.
+        ``step`` (default :attr:`next_step`) is where a restore resumes."""
+        step = state_step(step, self.next_step)
         if len(self.loaders) == 1:
             self.loaders[0].next_step = self.next_step
-            return self.loaders[0].state()
+            return self.loaders[0].state(step)
         return {
-            "step": self.next_step,
-            "samples": self.samples_before(self.next_step),
+            "step": step,
+            "samples": self.samples_before(step),
             "phases": [
                 {**p, "sources": loader.sources()}
                 for p, loader in zip(self.fingerprint(), self.loaders, strict=True)

@@ -251,3 +251,19 @@ def _show(value: Any, limit: int = 80, typed: bool = True) -> str:
     if not typed or kind in ("int", "float", "NoneType", "mapping", "list"):
         return text
     return f"{text} (a {kind})"
+
+
+def state_step(step: object, default: int) -> int:
+    """The step a saved state resumes at: ``step``, or ``default`` when it is ``None``.
+
+    Raises:
+        ValueError: ``step`` is not an int >= 0.
+    """
+    if step is None:
+        return default
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        raise ValueError(
+            f"state takes the step a restore resumes at, an int >= 0, got {step!r}: "
+            "after training step s, pass s + 1"
+        )
+    return int(step)

@@ -185,6 +185,34 @@ def test_state_restore_and_fingerprint() -> None:
     assert ftj.Loader(ft, prefetch_only).restore(state) == 5
 
 
+def test_state_at_a_step_resumes_there() -> None:
+    """A step-indexed loop (``loader.batch(step)``) saves ``state(step + 1)``,
+    which resumes where ``iterate`` would have, for one config and for phases;
+    ``state()`` and ``iterate`` after ``batch`` are as they were."""
+    ft = split_of([[i % 7 + 1] * (i % 5 + 1) for i in range(200)])
+    cfg = LoaderConfig(batch_size=2, seq_len=8, seed=5)
+    for make in (
+        lambda: ftj.Loader(ft, cfg),
+        lambda: ftj.PhasedLoader([ftj.Phase(0, ft, cfg), ftj.Phase(3, ft, cfg)]),
+    ):
+        loader = make()
+        for step in range(5):
+            loader.batch(step)
+        state = loader.state(5)
+        iterated = make()
+        for step, _ in iterated.iterate(0):
+            if step == 4:
+                break
+        assert state == iterated.state() and state["step"] == 5
+        assert loader.state()["step"] == 0 and next(loader.iterate())[0] == 0
+        again = make()
+        assert again.restore(state) == 5
+        assert as_lists(again.batch(5)) == as_lists(make().batch(5))
+        for bad in (-1, 2.0, True, "5"):
+            with pytest.raises(ValueError, match=r"an int >= 0, got .*pass s \+ 1"):
+                loader.state(bad)
+
+
 def test_fingerprint_holds_what_changes_batches_only() -> None:
     ft = split_of([[i % 7 + 1] * (i % 5 + 1) for i in range(50)])
     cfg = LoaderConfig(batch_size=2, seq_len=4)

@@ -2,13 +2,17 @@
 tests the dependency floors pyproject.toml declares."""
 
 import builtins
+import importlib.util
 import re
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
 
 
 def readme_test_command() -> str:
@@ -84,3 +88,48 @@ def test_every_ftj_name_the_readme_uses_exists() -> None:
     assert "StoreError" in names
     missing = sorted(n for n in names if not hasattr(ftj, n) and not hasattr(builtins, n))
     assert not missing, f"README uses ftj names the package lacks: {missing}"
+
+
+def test_a_trainers_first_use_imports_no_library_but_jax_and_tensorstore() -> None:
+    """``ftj.Loader`` and ``ftj.open_dataset`` import, beyond what ``import jax``
+    does, only tensorstore and its crc32c: none of the installed optional or
+    heavy libraries (zarr-python, numba, grain, tokenizers, yaml, Beam, ...)."""
+    heavy = (
+        "zarr", "numcodecs", "numba", "llvmlite", "grain", "absl", "tokenizers", "transformers",
+        "datasets", "pyarrow", "pandas", "apache_beam", "yaml", "scipy", "optax", "orbax",
+        "matplotlib", "boto3", "fsspec",
+    )  # fmt: skip
+    code = (
+        "import sys, jax; top = lambda: {m.split('.')[0] for m in sys.modules}; jax_top = top(); "
+        "import flat_tokens_jax as ftj; ftj.Loader; ftj.open_dataset; "
+        "print(sorted(top() - jax_top - set(sys.stdlib_module_names) - {'flat_tokens_jax'})); "
+        f"print(sum(m not in sys.modules for m in {heavy!r}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out[0] == "['google_crc32c', 'tensorstore']"
+    assert int(out[1]) == len(heavy)
+
+
+def test_bench_import_times_imports_not_the_compiler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """scripts/bench_import.py times interpreters that read the package's
+    bytecode, written by its untimed first run, even under
+    ``PYTHONDONTWRITEBYTECODE=1``: a timed run compiles none of its modules."""
+    spec = importlib.util.spec_from_file_location("bench_import", SCRIPTS / "bench_import.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # this checkout's package
+    env = bench.bytecode_env(str(tmp_path))
+    statement = "import flat_tokens_jax as ftj; ftj.format; ftj.urls; ftj.options"
+    bench.wall(statement, env)
+    err = subprocess.run(
+        [sys.executable, "-v", "-c", statement], env=env, capture_output=True, text=True, check=True
+    ).stderr
+    ours = re.findall(r"^# code object from '?(\S*flat_tokens_jax\S*?)'?$", err, re.M)
+    assert len(ours) >= 4
+    assert [path for path in ours if path.endswith(".py")] == []

@@ -258,14 +258,15 @@ class FlatTokensSource:
         """
         idx = self._indices(indices)
         records = self.records
-        fields = self._block_decoder().decode(
+        decoder = self._block_decoder()
+        fields = decoder.decode(
             records.read(idx),
             records.packed,
             self.seq_len,
             start_token_id=self.start_token_id,
             pad_id=self.pad_id,
         )
-        apply_filter(self.instance_filter, fields)
+        apply_filter(self.instance_filter, fields, decoder.run_blocks)
         return fields
 
     def batches(

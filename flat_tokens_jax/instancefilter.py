@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flat_tokens_jax import compiled
 from flat_tokens_jax.values import BadValue, integer, mapping
 
 # Probes in a row that a run must cover before the columns around them are
@@ -88,15 +89,34 @@ class InstanceFilter:
         that reject a row."""
         return (self.max_count - 1) * period
 
-    def rejected(self, targets: np.ndarray, segment_ids: np.ndarray) -> np.ndarray:
+    def rejected(
+        self, targets: np.ndarray, segment_ids: np.ndarray, kernel: str = "auto"
+    ) -> np.ndarray:
         """``[rows] bool``: which rows of ``targets`` (``[rows, seq_len]``) the
         filter rejects; columns whose ``segment_ids`` are 0 are padding.
+
+        ``kernel``: ``"numba"`` (the compiled kernel, the ``fast`` extra, one
+        row at a time), ``"numpy"``, or ``"auto"``: numba where it imports.
+        Both give the same rows.
 
         Vectorised over the batch: for each period, a run of ``reach`` equal
         pairs covers 4 consecutive multiples of ``reach // 4``, so only those
         columns are compared first; where 4 consecutive ones match, the
         ``2 * reach - 1`` columns around them are checked.
         """
+        if kernel not in ("auto", "numba", "numpy"):
+            raise ValueError(f"kernel must be 'auto', 'numba' or 'numpy', got {kernel!r}")
+        fast = None if kernel == "numpy" else compiled.filter_kernel()
+        if kernel == "numba" and fast is None:
+            raise ValueError("kernel='numba' needs numba: pip install 'flat-tokens-jax[fast]'")
+        if fast is not None:
+            return fast.rejected(
+                np.ascontiguousarray(targets, np.int32),
+                np.ascontiguousarray(segment_ids, np.int32),
+                self.min_period,
+                self.max_period,
+                self.max_count,
+            )
         rows, width = targets.shape
         out = np.zeros(rows, bool)
         for p in range(self.min_period, self.max_period + 1):
@@ -145,13 +165,31 @@ class InstanceFilter:
         return out
 
 
-def apply_filter(rule: InstanceFilter | None, fields: Mapping[str, np.ndarray]) -> int:
+def apply_filter(
+    rule: InstanceFilter | None,
+    fields: Mapping[str, np.ndarray],
+    run_blocks: Callable[[int, Callable[[int, int], None]], None] | None = None,
+) -> int:
     """Clears ``fields["loss_mask"]`` on the rows ``rule`` rejects (in place);
     returns how many rows it cleared (rows whose mask was all False already
-    count too). ``None``: no filter, 0."""
+    count too). ``None``: no filter, 0.
+
+    ``run_blocks(rows, work)``, when given, calls ``work(a, b)`` for row
+    blocks that cover the batch, e.g. on threads
+    (``BlockDecoder.run_blocks``); the compiled kernel releases the
+    interpreter lock, so blocks run side by side."""
     if rule is None:
         return 0
-    rejected = rule.rejected(fields["targets"], fields["segment_ids"])
+    targets, segment_ids = fields["targets"], fields["segment_ids"]
+    rejected = np.zeros(targets.shape[0], bool)
+
+    def work(a: int, b: int) -> None:
+        rejected[a:b] = rule.rejected(targets[a:b], segment_ids[a:b])
+
+    if run_blocks is None:
+        work(0, targets.shape[0])
+    else:
+        run_blocks(targets.shape[0], work)
     fields["loss_mask"][rejected] = False
     return int(rejected.sum())
 

@@ -249,10 +249,18 @@ class Loader:
                 out[key][at] = value
         return out
 
-    def _filtered(self, fields: dict[str, np.ndarray], step: int | None) -> dict[str, np.ndarray]:
-        """``fields`` after the instance filter (in place); the rows it
-        rejected are noted for ``step`` when one is given (see :meth:`stats`)."""
-        rows = apply_filter(self.config.instance_filter, fields)
+    def _filtered(
+        self, fields: dict[str, np.ndarray], step: int | None, threads: int | None = None
+    ) -> dict[str, np.ndarray]:
+        """``fields`` after the instance filter (in place, in row blocks on at
+        most ``threads`` threads); the rows it rejected are noted for
+        ``step`` when one is given (see :meth:`stats`)."""
+        decoder = self.block_decoder
+        rows = apply_filter(
+            self.config.instance_filter,
+            fields,
+            lambda n, work: decoder.run_blocks(n, work, threads),
+        )
         if step is not None:
             self._filtered_rows.decoded(step, rows)
         return fields
@@ -395,12 +403,16 @@ class Loader:
         if plan is None:
             placed: dict[str, jax.Array] = timed(
                 self._feed.measures.finished,
-                lambda: jax.device_put(self._filtered(self._fields_of(part, threads), step)),
+                lambda: jax.device_put(
+                    self._filtered(self._fields_of(part, threads), step, threads)
+                ),
             )
             return placed
         return timed(
             self._feed.measures.finished,
-            lambda: plan.assemble_rows(self._filtered(self._fields_of(part, threads), step)),
+            lambda: plan.assemble_rows(
+                self._filtered(self._fields_of(part, threads), step, threads)
+            ),
         )
 
     def _on_devices(self, part: dict[str, jax.Array] | _Blocks) -> dict[str, jax.Array]:

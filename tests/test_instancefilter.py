@@ -72,9 +72,13 @@ pieces = st.lists(
 WIDTH = 40
 
 
+KERNELS = ["numpy", "numba"]  # the test extra installs numba
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @given(rule=rules, rows=st.lists(st.tuples(pieces, st.integers(0, WIDTH)), min_size=1, max_size=6))
 def test_rejects_what_a_brute_force_counter_rejects(
-    rule: ftj.InstanceFilter, rows: list[tuple[list[tuple[list[int], int]], int]]
+    kernel: str, rule: ftj.InstanceFilter, rows: list[tuple[list[tuple[list[int], int]], int]]
 ) -> None:
     targets = np.full((len(rows), WIDTH), 7, np.int32)  # padding targets repeat: never counted
     segments = np.zeros((len(rows), WIDTH), np.int32)
@@ -83,9 +87,10 @@ def test_rejects_what_a_brute_force_counter_rejects(
         targets[r, : len(tokens)] = tokens
         segments[r, : len(tokens)] = 1 + np.arange(len(tokens)) // 5  # boundaries don't matter
     want = brute_rows({"targets": targets, "segment_ids": segments}, rule)
-    assert rule.rejected(targets, segments).tolist() == want.tolist()
+    assert rule.rejected(targets, segments, kernel).tolist() == want.tolist()
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @settings(max_examples=40)
 @given(
     gram=st.lists(st.integers(0, 99), min_size=1, max_size=5, unique=True),
@@ -95,7 +100,7 @@ def test_rejects_what_a_brute_force_counter_rejects(
     after=st.integers(0, 6),
 )
 def test_a_run_of_max_count_copies_rejects_and_one_fewer_does_not(
-    gram: list[int], count: int, at_least: bool, before: int, after: int
+    kernel: str, gram: list[int], count: int, at_least: bool, before: int, after: int
 ) -> None:
     """``max_count - 1`` or ``max_count`` copies of an n-gram of distinct
     tokens, between tokens that occur nowhere else, at the row's first or
@@ -105,7 +110,7 @@ def test_a_run_of_max_count_copies_rejects_and_one_fewer_does_not(
     tokens = [*range(1000, 1000 + before), *(gram * copies), *range(2000, 2000 + after)]
     row = {"targets": np.array([tokens]), "segment_ids": np.ones((1, len(tokens)), np.int32)}
     assert brute_rows(row, rule).tolist() == [at_least]
-    assert rule.rejected(row["targets"], row["segment_ids"]).tolist() == [at_least]
+    assert rule.rejected(row["targets"], row["segment_ids"], kernel).tolist() == [at_least]
 
 
 @pytest.mark.parametrize(
@@ -133,7 +138,8 @@ def test_the_jax_twin_rejects_what_the_brute_force_counter_rejects(
     want = brute_rows({"targets": targets, "segment_ids": segments}, rule)
     assert 0 < want.sum() < len(rows)
     assert np.asarray(jax.jit(rule.rejected_jax)(targets, segments)).tolist() == want.tolist()
-    assert rule.rejected(targets, segments).tolist() == want.tolist()
+    for kernel in KERNELS:
+        assert rule.rejected(targets, segments, kernel).tolist() == want.tolist()
 
 
 def test_config_from_yaml_and_bad_values_named_by_path(tmp_path: Path) -> None:

@@ -379,3 +379,12 @@ def test_show_marks_the_filtered_rows(tmp_path: Path) -> None:
     assert [
         "filtered (instance_filter: loss_mask 0)" in line for line in marked
     ] == rejected.tolist()
+
+
+def test_show_names_a_bad_filter_value_by_its_place_in_the_file(tmp_path: Path) -> None:
+    config = tmp_path / "run.yaml"
+    loader = {"batch_size": 8, "seq_len": 16, "instance_filter": {"max_count": 1}}
+    config.write_text(yaml.safe_dump({"loader": loader}))
+    code, _, err = run_main("show", URL, "--config", str(config), "--step", "0")
+    assert code == 1
+    assert f"{config}: loader.instance_filter.max_count must be an int >= 2, got 1" in err

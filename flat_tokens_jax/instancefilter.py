@@ -206,26 +206,51 @@ def apply_filter_jax(
 
 
 class FilteredRows:
-    """Rows the filter rejected in the steps a loader handed out. Thread-safe.
+    """A loader's filter, and the rows it rejected in the steps handed out. Thread-safe.
 
-    A step's count is noted when it is decoded (:meth:`decoded`, perhaps ahead
+    A step's count is noted when it is decoded (:meth:`apply`, perhaps ahead
     of time on a background thread) and added when the step is handed to the
     trainer (:meth:`handed`).
+
+    Args:
+        rule: the filter; ``None``: off (nothing changes, nothing is counted).
+        run_blocks: ``run_blocks(rows, work, threads)`` calls ``work(a, b)``
+            for row blocks covering a batch on at most ``threads`` threads
+            (``BlockDecoder.run_blocks``).
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        rule: InstanceFilter | None,
+        run_blocks: Callable[[int, Callable[[int, int], None], int | None], None],
+    ) -> None:
+        self.rule, self._run_blocks = rule, run_blocks
         self._lock = threading.Lock()
         self._pending: dict[int, int] = {}
         self.total = 0
         self.last = 0
 
-    def decoded(self, step: int, rows: int) -> None:
+    def apply(
+        self, fields: dict[str, np.ndarray], step: int | None = None, threads: int | None = None
+    ) -> dict[str, np.ndarray]:
+        """``fields`` after the filter (in place, in row blocks on at most
+        ``threads`` threads); the rows it rejected are noted for ``step``
+        when one is given."""
+        if self.rule is None:
+            return fields
+        rows = apply_filter(self.rule, fields, lambda n, work: self._run_blocks(n, work, threads))
+        if step is not None:
+            self._decoded(step, rows)
+        return fields
+
+    def _decoded(self, step: int, rows: int) -> None:
         with self._lock:
             self._pending[step] = rows
             while len(self._pending) > _PENDING:
                 del self._pending[min(self._pending)]
 
     def handed(self, step: int) -> None:
+        """Counts the rows noted for ``step`` (0 if none were), now handed out."""
         with self._lock:
             self.last = self._pending.pop(step, 0)
             self.total += self.last

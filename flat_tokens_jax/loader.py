@@ -33,7 +33,7 @@ from flat_tokens_jax.config import (
 from flat_tokens_jax.dataset import FlatTokens
 from flat_tokens_jax.feed import Feed, timed
 from flat_tokens_jax.hostdecode import BlockDecoder, default_threads
-from flat_tokens_jax.instancefilter import FilteredRows, apply_filter
+from flat_tokens_jax.instancefilter import FilteredRows
 from flat_tokens_jax.limits import check_loader_memory
 from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.pipeline import Ahead
@@ -168,9 +168,9 @@ class Loader:
         self.host_rows = self.host_rows_at(0)
         self.next_step = 0
         self.wait_seconds = 0.0
-        self._filtered_rows = FilteredRows()
         self._fingerprint: dict[str, Any] | None = None
         self.block_decoder = BlockDecoder(config.decode_threads or default_threads())
+        self._filter = FilteredRows(config.instance_filter, self.block_decoder.run_blocks)
         # Reading ahead, the read stage takes a core of its own (see pipeline).
         self._ahead_threads = config.decode_threads or max(1, default_threads() - 1)
         if config.decode == "device":
@@ -249,25 +249,9 @@ class Loader:
                 out[key][at] = value
         return out
 
-    def _filtered(
-        self, fields: dict[str, np.ndarray], step: int | None, threads: int | None = None
-    ) -> dict[str, np.ndarray]:
-        """``fields`` after the instance filter (in place, in row blocks on at
-        most ``threads`` threads); the rows it rejected are noted for
-        ``step`` when one is given (see :meth:`stats`)."""
-        decoder = self.block_decoder
-        rows = apply_filter(
-            self.config.instance_filter,
-            fields,
-            lambda n, work: decoder.run_blocks(n, work, threads),
-        )
-        if step is not None:
-            self._filtered_rows.decoded(step, rows)
-        return fields
-
     def host_batch(self, step: int) -> dict[str, np.ndarray]:
         """This host's rows of the batch at ``step``, whole, in global row order (numpy)."""
-        return self._filtered(
+        return self._filter.apply(
             self._fields_of(self._fetch_rows(step, self.host_rows_at(step))), None
         )
 
@@ -307,7 +291,7 @@ class Loader:
         now = time.perf_counter()
         self.wait_seconds = now - began
         self._feed.handed(step, now - began, now, end)
-        self._filtered_rows.handed(step)
+        self._filter.handed(step)
         return batch
 
     def _producer(self) -> Ahead[tuple[int, _Fetched | _Blocks], Any]:
@@ -404,14 +388,14 @@ class Loader:
             placed: dict[str, jax.Array] = timed(
                 self._feed.measures.finished,
                 lambda: jax.device_put(
-                    self._filtered(self._fields_of(part, threads), step, threads)
+                    self._filter.apply(self._fields_of(part, threads), step, threads)
                 ),
             )
             return placed
         return timed(
             self._feed.measures.finished,
             lambda: plan.assemble_rows(
-                self._filtered(self._fields_of(part, threads), step, threads)
+                self._filter.apply(self._fields_of(part, threads), step, threads)
             ),
         )
 
@@ -503,7 +487,7 @@ class Loader:
         count 0, since counting them would cost a transfer back from the
         devices; :meth:`host_batch` is not counted either.
         """
-        return {**self._feed.stats(), **self._filtered_rows.stats()}
+        return {**self._feed.stats(), **self._filter.stats()}
 
     def fingerprint(self) -> dict[str, Any]:
         """What the batches depend on: the data's identity and the batch-defining config.

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
     from flat_tokens_jax.format import FormatError, Problem, decode, encode
     from flat_tokens_jax.identity import DatasetInfo, TokenizerInfo
+    from flat_tokens_jax.instancefilter import InstanceFilter
 
     __version__: str
     from flat_tokens_jax.layout import Layout
@@ -47,6 +48,7 @@ _HOMES = {
     "FlatTokens": "dataset",
     "FormatError": "format",
     "IndexSampler": "sampling",
+    "InstanceFilter": "instancefilter",
     "Layout": "layout",
     "Loader": "loader",
     "LoaderConfig": "config",
@@ -87,6 +89,7 @@ __all__ = [
     "FlatTokens",
     "FormatError",
     "IndexSampler",
+    "InstanceFilter",
     "Layout",
     "Loader",
     "LoaderConfig",

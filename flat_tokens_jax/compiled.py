@@ -26,3 +26,12 @@ def kernels() -> ModuleType | None:
     except ImportError as e:
         _log.warning("numba is installed but does not import (%s): using numpy instead", e)
         return None
+
+
+@functools.cache
+def filter_kernel() -> ModuleType | None:
+    """:mod:`~flat_tokens_jax.filterkernel` (the instance filter's kernel)
+    when numba imports, else ``None``."""
+    if kernels() is None:
+        return None
+    return importlib.import_module("flat_tokens_jax.filterkernel")

@@ -19,6 +19,7 @@ import numpy as np
 
 from flat_tokens_jax.bins import BINS, make_records
 from flat_tokens_jax.dataset import FlatTokens
+from flat_tokens_jax.instancefilter import InstanceFilter
 from flat_tokens_jax.records import Records, check_source
 from flat_tokens_jax.schedule import BatchSchedule, BatchSizeSpec
 from flat_tokens_jax.values import MAX_SEED, BadValue, integer, read_yaml
@@ -82,6 +83,12 @@ class LoaderConfig:
             token, plus the stored loss mask if any) and are decoded there,
             inside ``jax.jit``; for GPU and TPU hosts whose CPUs cannot keep
             up. The same values either way.
+        instance_filter: ``None`` (off), or an :class:`InstanceFilter` (or a
+            mapping of its fields, as YAML gives): rows that repeat an n-gram
+            of up to ``max_period`` tokens ``max_count`` times back to back get
+            ``loss_mask`` False on every column (OLMo's filter; see
+            :mod:`~flat_tokens_jax.instancefilter`). Recommended for
+            pretraining on web data: ``InstanceFilter()``.
     """
 
     batch_size: BatchSizeSpec
@@ -97,6 +104,7 @@ class LoaderConfig:
     decode_threads: int | None = None
     decode: str = "host"
     read_ahead_bytes: int = 1 << 30
+    instance_filter: InstanceFilter | None = None
 
     def __post_init__(self) -> None:
         path = "LoaderConfig."
@@ -140,6 +148,11 @@ class LoaderConfig:
             )
         if not isinstance(self.shuffle, bool):
             raise BadValue(path + "shuffle", f"must be True or False, got {self.shuffle!r}")
+        object.__setattr__(
+            self,
+            "instance_filter",
+            InstanceFilter.of(self.instance_filter, path + "instance_filter"),
+        )
         if self.decode not in ("host", "device"):
             raise BadValue(path + "decode", f"must be 'host' or 'device', got {self.decode!r}")
         if self.vocab_size is not None:
@@ -207,9 +220,13 @@ class LoaderConfig:
         """The fields that decide batch contents: all but ``prefetch``,
         ``read_ahead_bytes``, ``decode_threads``, ``decode`` and ``vocab_size``
         (which checks the data but changes no batch), JSON-ready
-        (``batch_size`` an int or ``[[start_step, size], ...]``)."""
+        (``batch_size`` an int or ``[[start_step, size], ...]``;
+        ``instance_filter`` its fields, left out when off, so states saved
+        before the filter existed hold the same fields)."""
         skip = ("prefetch", "read_ahead_bytes", "vocab_size", "decode_threads", "decode")
         values = {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
+        if self.instance_filter is None:
+            del values["instance_filter"]
         return {**values, "batch_size": self.schedule.spec()}
 
 

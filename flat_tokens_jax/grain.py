@@ -52,6 +52,7 @@ from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.grainbatches import Batches
 from flat_tokens_jax.grainprocess import prepare_grain
 from flat_tokens_jax.hostdecode import BlockDecoder, default_threads
+from flat_tokens_jax.instancefilter import InstanceFilter, apply_filter
 from flat_tokens_jax.limits import check_loader_memory
 from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.options import StoreOptions, resolve_options
@@ -153,11 +154,15 @@ class FlatTokensSource:
         start_token_id: the input token where a sequence starts; ``None``: the
             one the dataset records, else 0 (as ``LoaderConfig``).
         pad_id: input and target id of padding.
+        instance_filter: ``None`` (off), or an :class:`InstanceFilter` (or a
+            mapping of its fields): rejected records get ``loss_mask`` False,
+            as ``LoaderConfig.instance_filter`` does; it applies to every
+            read (``[i]``, :meth:`read_batch`, :meth:`batches`).
 
     Raises:
-        ValueError: a bad ``seq_len``, ``start_token_id`` or ``pad_id``, records
-            whose ``seq_len`` or packing differ from those asked for, or no
-            records at all.
+        ValueError: a bad ``seq_len``, ``start_token_id``, ``pad_id`` or
+            ``instance_filter``, records whose ``seq_len`` or packing differ
+            from those asked for, or no records at all.
         TypeError: ``source`` is a ``Mixture`` or not a source of records.
 
     Example:
@@ -185,6 +190,7 @@ class FlatTokensSource:
         options: StoreOptions | None = None,
         start_token_id: int | None = None,
         pad_id: int = 0,
+        instance_filter: InstanceFilter | None = None,
         **option_fields: Any,
     ) -> None:
         if start_token_id is not None and (
@@ -195,6 +201,7 @@ class FlatTokensSource:
             raise ValueError(f"start_token_id must be an int >= 0, got {start_token_id!r}")
         if isinstance(pad_id, bool) or not isinstance(pad_id, int):
             raise ValueError(f"pad_id must be an int, got {pad_id!r}")
+        self.instance_filter = InstanceFilter.of(instance_filter)
         if option_fields or options is not None:
             options = resolve_options(options, option_fields, "FlatTokensSource")
         records = _as_records(source, seq_len, packing, split, options, plan_cache)
@@ -217,8 +224,9 @@ class FlatTokensSource:
         self._length = len(records)
         # Fixed here and carried through pickling: grain's DataLoader checks a
         # restored checkpoint against repr(source), in whichever process.
+        rule = "" if self.instance_filter is None else f", instance_filter={self.instance_filter}"
         self._repr = (
-            f"FlatTokensSource({records!r}, start_token_id={start_token_id}, pad_id={pad_id})"
+            f"FlatTokensSource({records!r}, start_token_id={start_token_id}, pad_id={pad_id}{rule})"
         )
         prepare_grain()
 
@@ -250,13 +258,16 @@ class FlatTokensSource:
         """
         idx = self._indices(indices)
         records = self.records
-        return self._block_decoder().decode(
+        decoder = self._block_decoder()
+        fields = decoder.decode(
             records.read(idx),
             records.packed,
             self.seq_len,
             start_token_id=self.start_token_id,
             pad_id=self.pad_id,
         )
+        apply_filter(self.instance_filter, fields, decoder.run_blocks)
+        return fields
 
     def batches(
         self,

@@ -14,6 +14,7 @@ import concurrent.futures
 import itertools
 import os
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -164,6 +165,26 @@ class BlockDecoder:
         for f in futures:
             f.result()
         return out
+
+    def run_blocks(
+        self, rows: int, work: Callable[[int, int], None], threads: int | None = None
+    ) -> None:
+        """Calls ``work(a, b)`` for each row block ``a .. b`` of a ``rows``-row
+        batch, on at most ``threads`` threads (the caller's among them), within
+        the slots the decodes share."""
+
+        def run(block: tuple[int, int]) -> None:
+            with self._slots:
+                work(*block)
+
+        blocks = self.blocks(rows, threads)
+        if len(blocks) == 1:
+            run(blocks[0])
+            return
+        futures = [self._executor().submit(run, block) for block in blocks[1:]]
+        run(blocks[0])
+        for f in futures:
+            f.result()
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:

@@ -33,6 +33,7 @@ from flat_tokens_jax.config import (
 from flat_tokens_jax.dataset import FlatTokens
 from flat_tokens_jax.feed import Feed, timed
 from flat_tokens_jax.hostdecode import BlockDecoder, default_threads
+from flat_tokens_jax.instancefilter import FilteredRows
 from flat_tokens_jax.limits import check_loader_memory
 from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.pipeline import Ahead
@@ -169,6 +170,7 @@ class Loader:
         self.wait_seconds = 0.0
         self._fingerprint: dict[str, Any] | None = None
         self.block_decoder = BlockDecoder(config.decode_threads or default_threads())
+        self._filter = FilteredRows(config.instance_filter, self.block_decoder.run_blocks)
         # Reading ahead, the read stage takes a core of its own (see pipeline).
         self._ahead_threads = config.decode_threads or max(1, default_threads() - 1)
         if config.decode == "device":
@@ -249,7 +251,9 @@ class Loader:
 
     def host_batch(self, step: int) -> dict[str, np.ndarray]:
         """This host's rows of the batch at ``step``, whole, in global row order (numpy)."""
-        return self._fields_of(self._fetch_rows(step, self.host_rows_at(step)))
+        return self._filter.apply(
+            self._fields_of(self._fetch_rows(step, self.host_rows_at(step))), None
+        )
 
     def batch(self, step: int) -> dict[str, jax.Array]:
         """The global batch at ``step`` as ``jax.Array``\\ s ``[batch_size, seq_len]``
@@ -287,6 +291,7 @@ class Loader:
         now = time.perf_counter()
         self.wait_seconds = now - began
         self._feed.handed(step, now - began, now, end)
+        self._filter.handed(step)
         return batch
 
     def _producer(self) -> Ahead[tuple[int, _Fetched | _Blocks], Any]:
@@ -331,6 +336,7 @@ class Loader:
             packed=self.config.packing,
             start_token_id=self.start_token_id,
             pad_id=self.config.pad_id,
+            instance_filter=self.config.instance_filter,
         )
 
     def _device_plan(self, step: int) -> HostPlan:
@@ -381,12 +387,16 @@ class Loader:
         if plan is None:
             placed: dict[str, jax.Array] = timed(
                 self._feed.measures.finished,
-                lambda: jax.device_put(self._fields_of(part, threads)),
+                lambda: jax.device_put(
+                    self._filter.apply(self._fields_of(part, threads), step, threads)
+                ),
             )
             return placed
         return timed(
             self._feed.measures.finished,
-            lambda: plan.assemble_rows(self._fields_of(part, threads)),
+            lambda: plan.assemble_rows(
+                self._filter.apply(self._fields_of(part, threads), step, threads)
+            ),
         )
 
     def _on_devices(self, part: dict[str, jax.Array] | _Blocks) -> dict[str, jax.Array]:
@@ -398,6 +408,7 @@ class Loader:
             packed=self.config.packing,
             start_token_id=self.start_token_id,
             pad_id=self.config.pad_id,
+            instance_filter=self.config.instance_filter,
         )
 
     def _block_data(self, step: int, block: Block) -> BlockData:
@@ -468,9 +479,15 @@ class Loader:
         the whole process (other loaders' too); ``bytes_read``: bytes the
         components' readers requested, checks included, since then;
         ``tokens``: tokens of this host's rows handed out (rows x
-        ``seq_len``, padding included).
+        ``seq_len``, padding included); ``filtered_rows`` and
+        ``filtered_rows_last``: this host's rows whose loss mask the
+        ``instance_filter`` cleared, over the steps handed out and in the
+        last one. Only rows decoded on the host are counted: steps decoded on
+        the devices (``decode="device"``, or the sequence dimension sharded)
+        count 0, since counting them would cost a transfer back from the
+        devices; :meth:`host_batch` is not counted either.
         """
-        return self._feed.stats()
+        return {**self._feed.stats(), **self._filter.stats()}
 
     def fingerprint(self) -> dict[str, Any]:
         """What the batches depend on: the data's identity and the batch-defining config.

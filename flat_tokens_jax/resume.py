@@ -7,8 +7,9 @@ A state (``Loader.state()``) is ``{"step", "samples", "fingerprint",
 the saved one with the same value and the same JSON type, and the saved one
 may hold no field the loader's lacks. The exceptions are fields that older
 versions did not record: a field in :data:`UNRECORDED` may be missing (the
-state resumes and a warning names it), and one in :data:`MOVED` may be held
-where an older version kept it. Pure: no I/O.
+state resumes and a warning names it), one in :data:`ABSENT` stands for its
+default when missing, and one in :data:`MOVED` may be held where an older
+version kept it. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ UNRECORDED = {
     "fingerprint.data.content": _CONTENT,
     "fingerprint.data.components[].content": _CONTENT,
 }
+
+# Fields a fingerprint holds only when they are not the value here (a
+# feature that is off): absent on either side, that value is compared, so
+# states saved before the feature existed resume with it off, and only so.
+ABSENT = {"fingerprint.config.instance_filter": None}
 
 # Fields an older version kept where the loader no longer puts them: not
 # compared there (``config.batch_size`` is the saved batch size when the
@@ -192,13 +198,17 @@ def _compare(
             here = f"{path}.{key}"
             if key in saved:
                 _compare(saved[key], now[key], here, out, unrecorded)
+            elif here in ABSENT:
+                _compare_absent(ABSENT[here], now[key], here, out)
             elif _pattern(here) in UNRECORDED:
                 unrecorded.append(here)
             else:
                 out.append(f"{here}: missing from the saved state, now {_show(now[key])}")
         for key in saved:
             here = f"{path}.{key}"
-            if key not in now and key not in (skip or ()) and here not in MOVED:
+            if key not in now and here in ABSENT:
+                _compare_absent(saved[key], ABSENT[here], here, out)
+            elif key not in now and key not in (skip or ()) and here not in MOVED:
                 out.append(f"{here}: saved {_show(saved[key])}, which this loader does not have")
         return
     if isinstance(now, list | tuple):
@@ -216,6 +226,13 @@ def _compare(
         out.append(f"{path}: saved {_show(saved)}, now {_show(now)}")
     elif saved != now:
         out.append(f"{path}: saved {_show(saved, typed=False)}, now {_show(now, typed=False)}")
+
+
+def _compare_absent(saved: Any, now: Any, path: str, out: list[str]) -> None:
+    """A line when a field of :data:`ABSENT`, present on one side only, differs
+    from the value its absence stands for on the other."""
+    if _type(saved) != _type(now) or saved != now:
+        out.append(f"{path}: saved {_show(saved)}, now {_show(now)}")
 
 
 def _pattern(path: str) -> str:

@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flat_tokens_jax.batch_jax import bin_fields_jax, packed_fields_jax, padded_fields_jax
+from flat_tokens_jax.instancefilter import InstanceFilter, apply_filter_jax
 from flat_tokens_jax.schedule import BatchSchedule
 
 
@@ -123,7 +124,7 @@ class HostPlan:
         self.columns_sharded = any(b.cols != (0, seq_len) for b in self.blocks)
         if self.columns_sharded and not isinstance(sharding, NamedSharding):
             raise ValueError("sharding the sequence dimension needs a NamedSharding")
-        self._decode: dict[tuple[bool | str, int, int], Callable[..., Any]] = {}
+        self._decode: dict[tuple[bool | str, int, int, Any], Callable[..., Any]] = {}
 
     def __repr__(self) -> str:
         return f"HostPlan({len(self.blocks)} blocks, {self.rows.size} rows of {self.shape})"
@@ -148,12 +149,18 @@ class HostPlan:
         packed: bool | str,
         start_token_id: int,
         pad_id: int,
+        instance_filter: InstanceFilter | None = None,
     ) -> dict[str, jax.Array]:
         """Global fields decoded on the devices from per-block encoded tokens."""
-        key = (packed, start_token_id, pad_id)
+        key = (packed, start_token_id, pad_id, instance_filter)
         if key not in self._decode:
             self._decode[key] = jax.jit(
-                self.decoder(packed=packed, start_token_id=start_token_id, pad_id=pad_id)
+                self.decoder(
+                    packed=packed,
+                    start_token_id=start_token_id,
+                    pad_id=pad_id,
+                    instance_filter=instance_filter,
+                )
             )
         out: dict[str, jax.Array] = self._decode[key](self.encoded_arrays(data))
         return out
@@ -202,10 +209,16 @@ class HostPlan:
         return out
 
     def decoder(
-        self, *, packed: bool | str, start_token_id: int, pad_id: int
+        self,
+        *,
+        packed: bool | str,
+        start_token_id: int,
+        pad_id: int,
+        instance_filter: InstanceFilter | None = None,
     ) -> Callable[[Mapping[str, jax.Array]], dict[str, jax.Array]]:
         """The function (to call inside ``jax.jit``) from :meth:`encoded_arrays`
-        to the five fields, laid out as this plan's sharding."""
+        to the five fields, laid out as this plan's sharding, after the
+        ``instance_filter`` (on whole rows) when one is given."""
         assert isinstance(self.sharding, NamedSharding)
         mesh, spec = self.sharding.mesh, tuple(self.sharding.spec) + (None,) * 2
         # Segment ids and positions scan whole rows: decode on row-sharded
@@ -227,6 +240,7 @@ class HostPlan:
                 start_token_id=start_token_id,
                 pad_id=pad_id,
             )
+            fields = apply_filter_jax(instance_filter, fields)
             return {k: lay_out(v, sharding) for k, v in fields.items()}
 
         return decode

@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 import json
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -218,7 +219,7 @@ def build_loader(
     try:
         cfg = LoaderConfig.from_dict({**values, "prefetch": 0})
     except BadValue as e:
-        field = e.path.removeprefix("LoaderConfig.").split(" ")[0]
+        field = re.split(r"[ .\[]", e.path.removeprefix("LoaderConfig."))[0]
         raise e.moved("LoaderConfig", origin.get(field, "LoaderConfig")) from None
     check_show_memory(cfg, max(size for _, size in cfg.schedule.entries), 0)
     if url is not None and data is not None:
@@ -399,12 +400,19 @@ def parse_rows(text: str | None, batch_size: int) -> list[int]:
 
 
 def rows_of(loader: Loader, step: int, rows: Sequence[int]) -> list[dict[str, Any]]:
-    """Provenance and the five fields (as lists) of ``rows`` of ``step``, JSON-ready."""
+    """Provenance and the five fields (as lists) of ``rows`` of ``step``, JSON-ready;
+    with an ``instance_filter``, a row it rejected also holds ``"filtered": True``."""
     batch = loader.host_batch(step)
     provenance = loader.provenance(step)
     at = {int(r): i for i, r in enumerate(loader.host_rows_at(step))}
+    rule = loader.config.instance_filter
+    rejected = None if rule is None else rule.rejected(batch["targets"], batch["segment_ids"])
     return [
-        {**provenance[at[r]], **{k: batch[k][at[r]].astype(int).tolist() for k in FIELDS}}
+        {
+            **provenance[at[r]],
+            **({"filtered": True} if rejected is not None and rejected[at[r]] else {}),
+            **{k: batch[k][at[r]].astype(int).tolist() for k in FIELDS},
+        }
         for r in rows
         if r in at
     ]
@@ -428,9 +436,11 @@ def where(row: Mapping[str, Any]) -> str:
         return f"row {row['row']}: padding"
     name = f" ({row['component_name']})" if "component_name" in row else ""
     members = f", sequences {row['sequences']}" if "sequences" in row else ""
+    filtered = ", filtered (instance_filter: loss_mask 0)" if row.get("filtered") else ""
     return (
         f"row {row['row']}{name}: sample {row['sample']}, epoch {row['epoch']}, "
-        f"record {row['record']}, tokens [{row['tokens'][0]}, {row['tokens'][1]}){members}"
+        f"record {row['record']}, tokens [{row['tokens'][0]}, {row['tokens'][1]})"
+        f"{members}{filtered}"
     )
 
 

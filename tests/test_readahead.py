@@ -264,7 +264,7 @@ def test_stats_count_what_the_trainer_got() -> None:
         "steps", "wait_first_s", "wait_last_s", "wait_mean_s", "wait_p99_s",
         "fetch_last_s", "fetch_mean_s", "decode_mean_s", "interval_mean_s", "depth",
         "depth_target", "read_ahead_bytes_peak", "read_ahead_bytes", "requests",
-        "bytes_read", "tokens",
+        "bytes_read", "tokens", "filtered_rows", "filtered_rows_last",
     }  # fmt: skip
     assert stats["steps"] == 10 and stats["tokens"] == 10 * BATCH * SEQ_LEN
     assert stats["wait_first_s"] == waits[0] and stats["wait_last_s"] == waits[-1]

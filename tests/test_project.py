@@ -74,13 +74,38 @@ def test_importing_the_package_imports_no_heavy_library() -> None:
     assert out[1] == "['jax', 'tensorstore']"
 
 
-def test_every_ftj_name_the_readme_uses_exists() -> None:
+def docs_text() -> str:
+    """README.md and every page of docs/, one after the other."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return "\n".join(p.read_text() for p in pages)
+
+
+def test_every_ftj_name_the_docs_use_exists() -> None:
     import flat_tokens_jax as ftj
 
-    readme = (ROOT / "README.md").read_text()
+    readme = docs_text()
     names = set(re.findall(r"\bftj\.([A-Za-z_]\w*)", readme))
     # the errors a user catches, named as `StoreError` or `ftj.StoreError`
     names |= set(re.findall(r"`(?:ftj\.)?([A-Z]\w*(?:Error|Mismatch|Exhausted|Needed))\b", readme))
     assert "StoreError" in names
     missing = sorted(n for n in names if not hasattr(ftj, n) and not hasattr(builtins, n))
-    assert not missing, f"README uses ftj names the package lacks: {missing}"
+    assert not missing, f"README or docs/ use ftj names the package lacks: {missing}"
+
+
+def test_readme_is_a_front_door_under_300_lines() -> None:
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) < 300, f"README.md has {len(lines)} lines: move text to docs/"
+
+
+def test_api_reference_documents_every_public_name() -> None:
+    import flat_tokens_jax as ftj
+
+    api = (ROOT / "docs" / "api.md").read_text()
+    documented = re.findall(r"^::: flat_tokens_jax\.(\w+)$", api, re.M)
+    assert sorted(documented) == sorted(ftj.__all__), "docs/api.md: one ::: entry per __all__ name"
+
+
+def test_every_docs_page_is_in_the_mkdocs_nav() -> None:
+    nav = (ROOT / "mkdocs.yml").read_text()
+    pages = sorted(str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md"))
+    assert pages and all(f": {page}" in nav for page in pages), pages

@@ -5,10 +5,12 @@ path, so every example runs as written, offline and on tiny data.
 The workspace holds ``configs/`` and ``scripts/`` (links to the repository's),
 ``tokenizer.json`` (a byte-level BPE of 500 ids trained here, with the ChatML
 tokens ``<|im_start|>`` and ``<|im_end|>`` and ``<|endoftext|>`` as added tokens),
-``corpus.jsonl`` (text documents), ``chats.jsonl`` (one conversation) and
-``data/corpus`` (a small dataset with ``train`` and ``validation``). A block runs
+``corpus.jsonl`` (text documents), ``chats.jsonl`` (one conversation) and the
+small datasets ``data/corpus``, ``data/web`` and ``data/books`` (``train`` and
+``validation``; ids below 500, so the tokenizer decodes them). A block runs
 with the workspace as its working directory and the ``flat-tokens`` command of
-this interpreter's environment first on ``PATH``.
+this interpreter's environment first on ``PATH``; jax sees 8 CPU devices, as in
+``tests/``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+DEVICES = "--xla_force_host_platform_device_count=8"
+if DEVICES not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {DEVICES}".strip()
 
 ROOT = Path(__file__).resolve().parent
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -59,8 +65,9 @@ def _make_workspace() -> Path:
     )
     (work / "chats.jsonl").write_text(json.dumps(CHAT) + "\n", encoding="utf-8")
     rng = np.random.default_rng(0)
-    docs = [rng.integers(1, 1000, n) for n in rng.integers(20, 400, 300)]
-    ftj.write_dataset(work / "data" / "corpus", {"train": docs[:280], "validation": docs[280:]})
+    for name in ("corpus", "web", "books"):
+        docs = [rng.integers(1, 500, n) for n in rng.integers(20, 400, 300)]
+        ftj.write_dataset(work / "data" / name, {"train": docs[:280], "validation": docs[280:]})
     return work
 
 

@@ -109,3 +109,16 @@ def test_every_docs_page_is_in_the_mkdocs_nav() -> None:
     nav = (ROOT / "mkdocs.yml").read_text()
     pages = sorted(str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md"))
     assert pages and all(f": {page}" in nav for page in pages), pages
+
+
+def test_every_code_block_is_run_or_is_data() -> None:
+    """pytest-codeblocks runs ``python``, ``bash`` and ``sh`` blocks; any other
+    language of code (``py``, ``shell``, ``console``) would go unrun, unnoticed."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    data = {"python", "bash", "sh", "yaml", "json", "text", ""}
+    for page in pages:
+        fences = re.findall(r"^ *```(\S*)", page.read_text(), re.M)[::2]
+        odd = sorted(set(fences) - data)
+        assert not odd, f"{page.relative_to(ROOT)}: code blocks in {odd}: use python or bash"
+        skips = re.findall(r"<!--\s*pytest\.mark\.skip(.*?)-->", page.read_text())
+        assert all("reason=" in s for s in skips), f"{page.relative_to(ROOT)}: skip without reason"

@@ -122,3 +122,9 @@ def test_every_code_block_is_run_or_is_data() -> None:
         assert not odd, f"{page.relative_to(ROOT)}: code blocks in {odd}: use python or bash"
         skips = re.findall(r"<!--\s*pytest\.mark\.skip(.*?)-->", page.read_text())
         assert all("reason=" in s for s in skips), f"{page.relative_to(ROOT)}: skip without reason"
+
+
+def test_readme_links_to_docs_pages_that_exist() -> None:
+    links = re.findall(r"\]\((docs/[^)#]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
+    pages = {str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")}
+    assert links and set(links) <= pages, sorted(set(links) - pages)

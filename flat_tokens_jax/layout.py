@@ -29,8 +29,8 @@ PROVISIONAL_SIZE = 1 << 50
 class Layout:
     """How arrays are laid out on storage.
 
-    Fields left unset take the defaults of the zarr version (see the README's
-    "Default layout"): zarr v3 shards of ``1 << 24`` tokens with inner chunks of
+    Fields left unset take the defaults of the zarr version (see "Default layout" in
+    docs/format.md): zarr v3 shards of ``1 << 24`` tokens with inner chunks of
     ``1 << 13``, uncompressed, with crc32c checksums; zarr v2 chunk files of
     ``1 << 20`` tokens (4 MiB), blosc-compressed, since a v2 chunk file is always
     written whole (a small array would otherwise take a full chunk on disk) and

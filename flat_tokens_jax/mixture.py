@@ -101,7 +101,7 @@ class Mixture:
     that disagrees with it. A Mixture says only which data, named how, in what
     proportions.
 
-    Example:
+    Examples:
         >>> import flat_tokens_jax as ftj
         >>> ftj.write_dataset("memory://doc/web", {"train": [[1, 2, 3]] * 8}, overwrite=True)
         >>> ftj.write_dataset("memory://doc/code", {"train": [[7, 8]] * 8}, overwrite=True)

@@ -1,6 +1,6 @@
 """What a store's URL means: the one place that reads paths and URLs.
 
-The rules (the README's "Where a store lives" says the same):
+The rules ("Paths and URLs" in docs/guide/remote.md says the same):
 
 - A **plain path** (no ``scheme:``) is a local path, taken literally: ``~``
   is expanded, a relative path is relative to the current directory, and ``%``

@@ -19,7 +19,7 @@ latency (``--delays``), each opening the dataset afresh (a cold cache):
   step time) reports the rate the loader reached against the cap.
 
 Run: ``python scripts/bench_remote.py`` (needs the test extras); ``--servers
-gcs`` for one server. The cost model in the README is computed from the
+gcs`` for one server. The cost model in docs/benchmarks.md is computed from the
 requests per batch printed here.
 """
 

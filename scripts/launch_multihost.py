@@ -8,7 +8,7 @@ and its tokens/s and bytes read. Trains nothing.
 
 Run:
     python scripts/launch_multihost.py DATASET --processes 2
-    python scripts/launch_multihost.py DATASET --bench 1,2,4   # table for the README
+    python scripts/launch_multihost.py DATASET --bench 1,2,4   # table in docs/benchmarks.md
 (DATASET: a flat-tokens dataset, e.g. one written by scripts/quickstart.py; a
 gs:// or s3:// URL takes the store flags of every command, ``--endpoint`` etc.)
 

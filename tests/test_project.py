@@ -78,16 +78,60 @@ def test_importing_the_package_imports_no_heavy_library() -> None:
     assert out[1] == "['jax', 'tensorstore']"
 
 
-def test_every_ftj_name_the_readme_uses_exists() -> None:
+def docs_text() -> str:
+    """README.md and every page of docs/, one after the other."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return "\n".join(p.read_text() for p in pages)
+
+
+def test_every_ftj_name_the_docs_use_exists() -> None:
     import flat_tokens_jax as ftj
 
-    readme = (ROOT / "README.md").read_text()
+    readme = docs_text()
     names = set(re.findall(r"\bftj\.([A-Za-z_]\w*)", readme))
     # the errors a user catches, named as `StoreError` or `ftj.StoreError`
     names |= set(re.findall(r"`(?:ftj\.)?([A-Z]\w*(?:Error|Mismatch|Exhausted|Needed))\b", readme))
     assert "StoreError" in names
     missing = sorted(n for n in names if not hasattr(ftj, n) and not hasattr(builtins, n))
-    assert not missing, f"README uses ftj names the package lacks: {missing}"
+    assert not missing, f"README or docs/ use ftj names the package lacks: {missing}"
+
+
+def test_readme_is_a_front_door_under_300_lines() -> None:
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) < 300, f"README.md has {len(lines)} lines: move text to docs/"
+
+
+def test_api_reference_documents_every_public_name() -> None:
+    import flat_tokens_jax as ftj
+
+    api = (ROOT / "docs" / "api.md").read_text()
+    documented = re.findall(r"^::: flat_tokens_jax\.(\w+)$", api, re.M)
+    assert sorted(documented) == sorted(ftj.__all__), "docs/api.md: one ::: entry per __all__ name"
+
+
+def test_every_docs_page_is_in_the_mkdocs_nav() -> None:
+    nav = (ROOT / "mkdocs.yml").read_text()
+    pages = sorted(str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md"))
+    assert pages and all(f": {page}" in nav for page in pages), pages
+
+
+def test_every_code_block_is_run_or_is_data() -> None:
+    """pytest-codeblocks runs ``python``, ``bash`` and ``sh`` blocks; any other
+    language of code (``py``, ``shell``, ``console``) would go unrun, unnoticed."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    data = {"python", "bash", "sh", "yaml", "json", "text", ""}
+    for page in pages:
+        fences = re.findall(r"^ *```(\S*)", page.read_text(), re.M)[::2]
+        odd = sorted(set(fences) - data)
+        assert not odd, f"{page.relative_to(ROOT)}: code blocks in {odd}: use python or bash"
+        skips = re.findall(r"<!--\s*pytest\.mark\.skip(.*?)-->", page.read_text())
+        assert all("reason=" in s for s in skips), f"{page.relative_to(ROOT)}: skip without reason"
+
+
+def test_readme_links_to_docs_pages_that_exist() -> None:
+    links = re.findall(r"\]\((docs/[^)#]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
+    pages = {str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")}
+    assert links and set(links) <= pages, sorted(set(links) - pages)
 
 
 def test_a_trainers_first_use_imports_no_library_but_jax_and_tensorstore() -> None:

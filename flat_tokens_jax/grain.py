@@ -47,11 +47,12 @@ from typing import Any, SupportsIndex
 
 import numpy as np
 
-from flat_tokens_jax.bins import BinRecords, PackingPlan, check_packing, make_records
+from flat_tokens_jax.bins import BINS, BinRecords, PackingPlan, check_packing, make_records
 from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.grainbatches import Batches
 from flat_tokens_jax.grainprocess import prepare_grain
 from flat_tokens_jax.hostdecode import BlockDecoder, default_threads
+from flat_tokens_jax.layouts import Layout, row_starts
 from flat_tokens_jax.limits import check_loader_memory
 from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.options import StoreOptions, resolve_options
@@ -153,6 +154,13 @@ class FlatTokensSource:
         start_token_id: the input token where a sequence starts; ``None``: the
             one the dataset records, else 0 (as ``LoaderConfig``).
         pad_id: input and target id of padding.
+        layout: the arrays of an element, as ``LoaderConfig.layout``
+            (``"fields"``, ``"segments"``, ``"tokens"``, ``"maxtext"``; see
+            README "Batch layouts"); :meth:`read_batch` and the batch sources
+            made from this one hold the same.
+        max_segments: as ``LoaderConfig.max_segments``: adds
+            ``segment_lengths`` ``[max_segments] int32`` to each element, and
+            with ``packing="bins"`` caps the runs per bin.
 
     Raises:
         ValueError: a bad ``seq_len``, ``start_token_id`` or ``pad_id``, records
@@ -185,6 +193,8 @@ class FlatTokensSource:
         options: StoreOptions | None = None,
         start_token_id: int | None = None,
         pad_id: int = 0,
+        layout: str = "fields",
+        max_segments: int | None = None,
         **option_fields: Any,
     ) -> None:
         if start_token_id is not None and (
@@ -197,7 +207,10 @@ class FlatTokensSource:
             raise ValueError(f"pad_id must be an int, got {pad_id!r}")
         if option_fields or options is not None:
             options = resolve_options(options, option_fields, "FlatTokensSource")
-        records = _as_records(source, seq_len, packing, split, options, plan_cache)
+        self.layout = Layout(layout, max_segments)
+        if packing == BINS and max_segments is not None and max_segments < 2:
+            raise ValueError(f"max_segments must be >= 2 with packing='bins', got {max_segments}")
+        records = _as_records(source, seq_len, packing, split, options, plan_cache, max_segments)
         if len(records) == 0:
             raise ValueError(
                 f"{records!r} has no records: the split holds fewer than "
@@ -217,8 +230,10 @@ class FlatTokensSource:
         self._length = len(records)
         # Fixed here and carried through pickling: grain's DataLoader checks a
         # restored checkpoint against repr(source), in whichever process.
+        shape = "" if self.layout.plain else f", layout={layout!r}, max_segments={max_segments}"
         self._repr = (
-            f"FlatTokensSource({records!r}, start_token_id={start_token_id}, pad_id={pad_id})"
+            f"FlatTokensSource({records!r}, start_token_id={start_token_id}, pad_id={pad_id}"
+            f"{shape})"
         )
         prepare_grain()
 
@@ -243,20 +258,28 @@ class FlatTokensSource:
 
         Returns:
             The five fields, each ``[k, seq_len]``: ``inputs``, ``targets``,
-            ``segment_ids``, ``positions`` (``int32``) and ``loss_mask`` (``bool``).
+            ``segment_ids``, ``positions`` (``int32``) and ``loss_mask``
+            (``bool``); or the fields of this source's ``layout``.
 
         Raises:
             IndexError: an index outside ``[-len(self), len(self))``.
+            ValueError: a record of more runs than ``max_segments``.
         """
         idx = self._indices(indices)
         records = self.records
-        return self._block_decoder().decode(
-            records.read(idx),
+        windows = records.read(idx)
+        fields = self._block_decoder().decode(
+            windows,
             records.packed,
             self.seq_len,
             start_token_id=self.start_token_id,
             pad_id=self.pad_id,
         )
+        if self.layout.plain:
+            return fields
+        where = f"{self._repr} (rows by record index)"
+        starts = row_starts(windows, records.packed)
+        return self.layout.apply(fields, starts, where=where, rows=idx)
 
     def batches(
         self,
@@ -445,6 +468,7 @@ def _as_records(
     split: str,
     options: StoreOptions | None,
     plan_cache: str | os.PathLike[str] | None,
+    max_segments: int | None = None,
 ) -> Records:
     """The records a :class:`FlatTokensSource` reads, checked against what was asked."""
     if isinstance(source, Mixture):
@@ -465,7 +489,8 @@ def _as_records(
     if isinstance(source, FlatTokens):
         if seq_len is None:
             raise ValueError(f"seq_len is required to make records of {source!r}")
-        return make_records(source, seq_len, True if packing is None else packing, plan_cache)
+        packing = True if packing is None else packing
+        return make_records(source, seq_len, packing, plan_cache, max_segments)
     if isinstance(source, Dataset):
         raise TypeError(
             f"{source!r} is a whole dataset; pick a split: ds[{source.splits[0]!r}] "

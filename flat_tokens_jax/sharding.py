@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flat_tokens_jax.batch_jax import bin_fields_jax, packed_fields_jax, padded_fields_jax
+from flat_tokens_jax.layouts import PLAIN, Layout
 from flat_tokens_jax.schedule import BatchSchedule
 
 
@@ -123,23 +124,43 @@ class HostPlan:
         self.columns_sharded = any(b.cols != (0, seq_len) for b in self.blocks)
         if self.columns_sharded and not isinstance(sharding, NamedSharding):
             raise ValueError("sharding the sequence dimension needs a NamedSharding")
-        self._decode: dict[tuple[bool | str, int, int], Callable[..., Any]] = {}
+        self._decode: dict[tuple[bool | str, int, int, Layout], Callable[..., Any]] = {}
 
     def __repr__(self) -> str:
         return f"HostPlan({len(self.blocks)} blocks, {self.rows.size} rows of {self.shape})"
 
     def assemble_rows(self, host: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Global arrays from this host's whole rows (``host[k]`` is ``[rows.size, L]``)."""
+        """Global arrays from this host's whole rows (``host[k]`` is ``[rows.size, width]``).
+
+        Fields of width ``seq_len`` are laid out as the sharding says; fields
+        of another width (a layout's ``tokens``, ``segment_lengths``) are
+        split over the batch axis only.
+        """
 
         def make(values: np.ndarray) -> jax.Array:
+            shape = (self.shape[0], values.shape[1])
+            sharding = self.sharding if shape == self.shape else self.rows_sharding()
+
             def piece(index: tuple[slice, ...] | None) -> np.ndarray:
-                b = _block(index, self.shape)
+                b = _block(index, shape)
                 at = int(np.searchsorted(self.rows, b.rows[0]))
                 return values[at : at + b.num_rows, b.cols[0] : b.cols[1]]
 
-            return jax.make_array_from_callback(self.shape, self.sharding, piece)
+            return jax.make_array_from_callback(shape, sharding, piece)
 
         return {k: make(v) for k, v in host.items()}
+
+    def rows_sharding(self) -> jax.sharding.Sharding:
+        """The sharding's split of the batch axis, with whole rows on each device:
+        how fields wider or narrower than ``seq_len`` are laid out."""
+        if not isinstance(self.sharding, NamedSharding):
+            raise ValueError(
+                "a layout with fields of another width than seq_len (tokens, "
+                f"segment_lengths) needs a NamedSharding, got {self.sharding!r}: "
+                "use NamedSharding(mesh, PartitionSpec(...))"
+            )
+        spec = tuple(self.sharding.spec) + (None,) * 2
+        return NamedSharding(self.sharding.mesh, PartitionSpec(spec[0], None))
 
     def assemble_blocks(
         self,
@@ -148,12 +169,15 @@ class HostPlan:
         packed: bool | str,
         start_token_id: int,
         pad_id: int,
+        layout: Layout = PLAIN,
     ) -> dict[str, jax.Array]:
         """Global fields decoded on the devices from per-block encoded tokens."""
-        key = (packed, start_token_id, pad_id)
+        key = (packed, start_token_id, pad_id, layout)
         if key not in self._decode:
             self._decode[key] = jax.jit(
-                self.decoder(packed=packed, start_token_id=start_token_id, pad_id=pad_id)
+                self.decoder(
+                    packed=packed, start_token_id=start_token_id, pad_id=pad_id, layout=layout
+                )
             )
         out: dict[str, jax.Array] = self._decode[key](self.encoded_arrays(data))
         return out
@@ -202,10 +226,12 @@ class HostPlan:
         return out
 
     def decoder(
-        self, *, packed: bool | str, start_token_id: int, pad_id: int
+        self, *, packed: bool | str, start_token_id: int, pad_id: int, layout: Layout = PLAIN
     ) -> Callable[[Mapping[str, jax.Array]], dict[str, jax.Array]]:
         """The function (to call inside ``jax.jit``) from :meth:`encoded_arrays`
-        to the five fields, laid out as this plan's sharding."""
+        to the fields of ``layout`` (default: the five fields), laid out as
+        this plan's sharding (fields of another width than ``seq_len``: over
+        the batch axis only)."""
         assert isinstance(self.sharding, NamedSharding)
         mesh, spec = self.sharding.mesh, tuple(self.sharding.spec) + (None,) * 2
         # Segment ids and positions scan whole rows: decode on row-sharded
@@ -217,8 +243,9 @@ class HostPlan:
 
         def decode(encoded: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
             mask = encoded.get("stored_mask")
+            rows = lay_out(encoded["encoded"], whole_rows)
             fields = _decode(
-                lay_out(encoded["encoded"], whole_rows),
+                rows,
                 lay_out(encoded["before"], whole_rows),
                 encoded["lengths"],
                 None if mask is None else lay_out(mask, whole_rows),
@@ -227,7 +254,13 @@ class HostPlan:
                 start_token_id=start_token_id,
                 pad_id=pad_id,
             )
-            return {k: lay_out(v, sharding) for k, v in fields.items()}
+            if not layout.plain:
+                starts = (rows[:, 0] & 1) == 1 if packed is True else encoded["lengths"] > 0
+                fields = layout.apply(fields, starts & encoded["real"], xp=jnp)
+            return {
+                k: lay_out(v, sharding if v.shape == self.shape else whole_rows)
+                for k, v in fields.items()
+            }
 
         return decode
 

@@ -52,7 +52,7 @@ from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.grainbatches import Batches
 from flat_tokens_jax.grainprocess import prepare_grain
 from flat_tokens_jax.hostdecode import BlockDecoder, default_threads
-from flat_tokens_jax.layouts import Layout, row_starts
+from flat_tokens_jax.layouts import BatchLayout, row_starts
 from flat_tokens_jax.limits import check_loader_memory
 from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.options import StoreOptions, resolve_options
@@ -207,7 +207,7 @@ class FlatTokensSource:
             raise ValueError(f"pad_id must be an int, got {pad_id!r}")
         if option_fields or options is not None:
             options = resolve_options(options, option_fields, "FlatTokensSource")
-        self.layout = Layout(layout, max_segments)
+        self.layout = BatchLayout(layout, max_segments)
         if packing == BINS and max_segments is not None and max_segments < 2:
             raise ValueError(f"max_segments must be >= 2 with packing='bins', got {max_segments}")
         records = _as_records(source, seq_len, packing, split, options, plan_cache, max_segments)

@@ -1,7 +1,7 @@
 """Batch layouts: the five decoded fields in the form a trainer takes, and
 per-row sequence lengths for varlen attention kernels.
 
-A :class:`Layout` turns the five fields (``inputs``, ``targets``,
+A :class:`BatchLayout` turns the five fields (``inputs``, ``targets``,
 ``segment_ids``, ``positions`` ``[B, L] int32``, ``loss_mask`` ``[B, L] bool``)
 of a batch into the arrays of ``LoaderConfig.layout``, in numpy on the host or
 in jax ops inside ``jax.jit`` (the same values either way). It needs one fact
@@ -45,9 +45,24 @@ LAYOUTS = ("fields", "segments", "tokens", "maxtext")
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class BatchLayout:
     """What a batch holds: ``name`` one of :data:`LAYOUTS`, and ``max_segments``
-    (``None``, or the width of ``segment_lengths``, ``>= 1``)."""
+    (``None``, or the width of ``segment_lengths``, ``>= 1``).
+
+    Example:
+        >>> five = {
+        ...     "inputs": np.array([[0, 5, 0, 7]]),
+        ...     "targets": np.array([[5, 6, 7, 8]]),
+        ...     "segment_ids": np.array([[1, 1, 2, 2]]),
+        ...     "positions": np.array([[0, 1, 0, 1]]),
+        ...     "loss_mask": np.ones((1, 4), bool),
+        ... }
+        >>> out = BatchLayout("tokens", max_segments=3).apply(five, np.array([True]))
+        >>> out["tokens"].tolist(), out["segment_lengths"].tolist()
+        ([[0, 5, 6, 7, 8]], [[2, 2, 0]])
+        >>> out["sequence_start"].tolist()
+        [[True, False, True, False]]
+    """
 
     name: str = "fields"
     max_segments: int | None = None
@@ -172,7 +187,7 @@ class Layout:
             check_runs(counts, self.max_segments, where, rows)
 
 
-PLAIN = Layout()
+PLAIN = BatchLayout()
 """The five fields as decoded (``layout="fields"``, no ``max_segments``)."""
 
 
@@ -260,7 +275,7 @@ def block_runs(
     ``encoded`` ``[n, w]`` holds columns ``[first_column, first_column + w)``
     of ``n`` rows (zeros past a row's tokens); ``lengths`` ``[n]`` the tokens
     of padded rows and bins (0 for padding rows). Summed over a row's blocks
-    it is the row's run count, as :meth:`Layout.apply` counts it.
+    it is the row's run count, as :meth:`BatchLayout.apply` counts it.
     """
     width = encoded.shape[1]
     starts = (encoded & 1).astype(np.int64)

@@ -33,7 +33,7 @@ from flat_tokens_jax.config import (
 from flat_tokens_jax.dataset import FlatTokens
 from flat_tokens_jax.feed import Feed, timed
 from flat_tokens_jax.hostdecode import BlockDecoder, default_threads
-from flat_tokens_jax.layouts import Layout, row_starts
+from flat_tokens_jax.layouts import BatchLayout, row_starts
 from flat_tokens_jax.limits import check_loader_memory
 from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.pipeline import Ahead
@@ -140,7 +140,7 @@ class Loader:
         check_vocab(config, components, infos)
         self.start_token_id = resolve_start_token_id(config, infos)
         self.components, self.config, self.sharding = components, config, sharding
-        self.layout = Layout(config.layout, config.max_segments)
+        self.layout = BatchLayout(config.layout, config.max_segments)
         self.names = names
         self.records: Records | Mixture = components[0] if self.mixture is None else self.mixture
         self.samplers = [

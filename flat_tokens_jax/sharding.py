@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flat_tokens_jax.batch_jax import bin_fields_jax, packed_fields_jax, padded_fields_jax
-from flat_tokens_jax.layouts import PLAIN, Layout
+from flat_tokens_jax.layouts import PLAIN, BatchLayout
 from flat_tokens_jax.schedule import BatchSchedule
 
 
@@ -124,7 +124,7 @@ class HostPlan:
         self.columns_sharded = any(b.cols != (0, seq_len) for b in self.blocks)
         if self.columns_sharded and not isinstance(sharding, NamedSharding):
             raise ValueError("sharding the sequence dimension needs a NamedSharding")
-        self._decode: dict[tuple[bool | str, int, int, Layout], Callable[..., Any]] = {}
+        self._decode: dict[tuple[bool | str, int, int, BatchLayout], Callable[..., Any]] = {}
 
     def __repr__(self) -> str:
         return f"HostPlan({len(self.blocks)} blocks, {self.rows.size} rows of {self.shape})"
@@ -169,7 +169,7 @@ class HostPlan:
         packed: bool | str,
         start_token_id: int,
         pad_id: int,
-        layout: Layout = PLAIN,
+        layout: BatchLayout = PLAIN,
     ) -> dict[str, jax.Array]:
         """Global fields decoded on the devices from per-block encoded tokens."""
         key = (packed, start_token_id, pad_id, layout)
@@ -226,7 +226,7 @@ class HostPlan:
         return out
 
     def decoder(
-        self, *, packed: bool | str, start_token_id: int, pad_id: int, layout: Layout = PLAIN
+        self, *, packed: bool | str, start_token_id: int, pad_id: int, layout: BatchLayout = PLAIN
     ) -> Callable[[Mapping[str, jax.Array]], dict[str, jax.Array]]:
         """The function (to call inside ``jax.jit``) from :meth:`encoded_arrays`
         to the fields of ``layout`` (default: the five fields), laid out as

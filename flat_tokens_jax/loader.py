@@ -76,7 +76,9 @@ class Loader:
     Every batch holds ``inputs``, ``targets``, ``segment_ids``, ``positions``
     (``[batch_size, seq_len] int32``) and ``loss_mask`` (``[batch_size, seq_len]
     bool``; multiply the per-token loss by it); with a batch-size schedule
-    ``batch_size`` is the step's, ``config.batch_size_at(step)``.
+    ``batch_size`` is the step's, ``config.batch_size_at(step)``. Other
+    arrays with ``config.layout`` and ``config.max_segments`` (see
+    :class:`LoaderConfig`).
 
     Args:
         source: a :class:`FlatTokens` split (records made per ``config.packing``)

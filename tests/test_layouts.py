@@ -361,3 +361,22 @@ def test_config_values_are_checked_and_change_no_fingerprint() -> None:
     assert sorted(base.host_batch(0)) == sorted(
         ["inputs", "targets", "segment_ids", "positions", "loss_mask"]
     )
+
+
+def test_yaml_fields_and_mixture_components_take_the_layout() -> None:
+    cfg = ftj.LoaderConfig.from_dict(
+        {"batch_size": 4, "seq_len": 8, "packing": "bins", "layout": "segments", "max_segments": 3},
+        "loader",
+    )
+    with pytest.raises(ValueError, match=r"loader.layout must be one of"):
+        ftj.LoaderConfig.from_dict({"batch_size": 4, "seq_len": 8, "layout": 1}, "loader")
+    mixture = ftj.Mixture({"a": (split_of(SEQS), 1), "b": (split_of(SEQS[::-1]), 2)}, seed=1)
+    loader = ftj.Loader(mixture, cfg)
+    for records in loader.components:
+        assert records.plan.algorithm.endswith("/max-segments-3")
+    for step in range(4):
+        batch = loader.host_batch(step)
+        assert batch["segment_lengths"].sum(axis=1).tolist() == [8] * 4
+        assert (batch["segment_lengths"] > 0).sum(axis=1).max() <= 3
+        starts = batch["sequence_start"] & (batch["positions"] == 0)
+        np.testing.assert_array_equal(starts, batch["sequence_start"])

@@ -43,6 +43,10 @@ from flat_tokens_jax.records import Windows
 LAYOUTS = ("fields", "segments", "tokens", "maxtext")
 """The values of ``LoaderConfig.layout``."""
 
+WHOLE_ROWS = ("tokens", "segment_lengths")
+"""Fields not ``[B, L]``: laid out over a sharding's batch axis only, whatever
+their width (``max_segments`` may equal ``L``)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class BatchLayout:

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flat_tokens_jax.batch_jax import bin_fields_jax, packed_fields_jax, padded_fields_jax
-from flat_tokens_jax.layouts import PLAIN, BatchLayout
+from flat_tokens_jax.layouts import PLAIN, WHOLE_ROWS, BatchLayout
 from flat_tokens_jax.schedule import BatchSchedule
 
 
@@ -132,14 +132,13 @@ class HostPlan:
     def assemble_rows(self, host: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
         """Global arrays from this host's whole rows (``host[k]`` is ``[rows.size, width]``).
 
-        Fields of width ``seq_len`` are laid out as the sharding says; fields
-        of another width (a layout's ``tokens``, ``segment_lengths``) are
-        split over the batch axis only.
+        Fields ``[B, seq_len]`` are laid out as the sharding says; a layout's
+        ``tokens`` and ``segment_lengths`` are split over the batch axis only.
         """
 
-        def make(values: np.ndarray) -> jax.Array:
+        def make(key: str, values: np.ndarray) -> jax.Array:
             shape = (self.shape[0], values.shape[1])
-            sharding = self.sharding if shape == self.shape else self.rows_sharding()
+            sharding = self.rows_sharding() if key in WHOLE_ROWS else self.sharding
 
             def piece(index: tuple[slice, ...] | None) -> np.ndarray:
                 b = _block(index, shape)
@@ -148,15 +147,15 @@ class HostPlan:
 
             return jax.make_array_from_callback(shape, sharding, piece)
 
-        return {k: make(v) for k, v in host.items()}
+        return {k: make(k, v) for k, v in host.items()}
 
     def rows_sharding(self) -> jax.sharding.Sharding:
         """The sharding's split of the batch axis, with whole rows on each device:
-        how fields wider or narrower than ``seq_len`` are laid out."""
+        how a layout's ``tokens`` and ``segment_lengths`` are laid out."""
         if not isinstance(self.sharding, NamedSharding):
             raise ValueError(
-                "a layout with fields of another width than seq_len (tokens, "
-                f"segment_lengths) needs a NamedSharding, got {self.sharding!r}: "
+                "a layout with tokens or segment_lengths needs a NamedSharding, "
+                f"got {self.sharding!r}: "
                 "use NamedSharding(mesh, PartitionSpec(...))"
             )
         spec = tuple(self.sharding.spec) + (None,) * 2
@@ -230,8 +229,8 @@ class HostPlan:
     ) -> Callable[[Mapping[str, jax.Array]], dict[str, jax.Array]]:
         """The function (to call inside ``jax.jit``) from :meth:`encoded_arrays`
         to the fields of ``layout`` (default: the five fields), laid out as
-        this plan's sharding (fields of another width than ``seq_len``: over
-        the batch axis only)."""
+        this plan's sharding (``tokens`` and ``segment_lengths``: over its
+        batch axis only)."""
         assert isinstance(self.sharding, NamedSharding)
         mesh, spec = self.sharding.mesh, tuple(self.sharding.spec) + (None,) * 2
         # Segment ids and positions scan whole rows: decode on row-sharded
@@ -258,7 +257,7 @@ class HostPlan:
                 starts = (rows[:, 0] & 1) == 1 if packed is True else encoded["lengths"] > 0
                 fields = layout.apply(fields, starts & encoded["real"], xp=jnp)
             return {
-                k: lay_out(v, sharding if v.shape == self.shape else whole_rows)
+                k: lay_out(v, whole_rows if k in WHOLE_ROWS else sharding)
                 for k, v in fields.items()
             }
 

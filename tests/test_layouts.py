@@ -26,6 +26,7 @@ from test_sharding import CASES, mesh
 import flat_tokens_jax as ftj
 from flat_tokens_jax.binpack import build_plan, plan_digest
 from flat_tokens_jax.grain import FlatTokensSource
+from flat_tokens_jax.show import build_loader, rows_of
 
 LAYOUTS = ("fields", "segments", "tokens", "maxtext")
 
@@ -381,3 +382,15 @@ def test_yaml_fields_and_mixture_components_take_the_layout() -> None:
         assert (batch["segment_lengths"] > 0).sum(axis=1).max() <= 3
         starts = batch["sequence_start"] & (batch["positions"] == 0)
         np.testing.assert_array_equal(starts, batch["sequence_start"])
+
+
+def test_show_prints_the_five_fields_of_a_run_in_any_layout() -> None:
+    split = split_of(SEQS)
+    config = {"loader": {"batch_size": 2, "seq_len": 8, "layout": "tokens", "max_segments": 8}}
+    loader = build_loader(url=split.url, config=config)
+    assert loader.config.layout == "fields" and loader.config.max_segments == 8
+    rows = rows_of(loader, 0, [0, 1])
+    run = ftj.Loader(split, ftj.LoaderConfig(**config["loader"]))
+    tokens = run.host_batch(0)["tokens"]
+    for i, row in enumerate(rows):
+        assert row["targets"] == tokens[i, 1:].tolist()

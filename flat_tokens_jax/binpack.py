@@ -32,15 +32,28 @@ ALGORITHM = "best-fit-decreasing/blocks-of-262144"
 BLOCK = 1 << 18
 """Sequences packed together (the last block may be shorter)."""
 
+
+def capped_algorithm(max_segments: int) -> str:
+    """The name of :data:`ALGORITHM` with at most ``max_segments`` runs per bin."""
+    return f"{ALGORITHM}/max-segments-{max_segments}"
+
+
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
 
-def build_plan(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+def build_plan(
+    lengths: np.ndarray, seq_len: int, max_segments: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Packs sequences of ``lengths`` into bins of ``seq_len`` tokens (:data:`ALGORITHM`).
 
     Args:
         lengths: ``[num_sequences]`` integer tokens of each sequence, ``>= 0``.
         seq_len: tokens per bin, ``>= 1``.
+        max_segments: if given (``>= 2``), no bin holds more runs than this
+            (:func:`capped_algorithm`): its non-empty sequences, plus one for
+            its padding when it is not full. The same best fit, one sequence
+            at a time, where a bin one sequence short of the cap takes only a
+            sequence that fills it; a bin at the cap takes none.
 
     Returns:
         ``(bin_starts, seq_order)``: ``bin_starts`` ``[num_bins + 1] int64``
@@ -61,13 +74,22 @@ def build_plan(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarra
         raise ValueError(f"lengths must be 1-D integers, got {lens.dtype} {lens.shape}")
     if lens.size and lens.min() < 0:
         raise ValueError(f"lengths must be >= 0, got {lens.min()}")
+    m = max_segments
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int | np.integer) or m < 2):
+        raise ValueError(
+            f"max_segments must be an int >= 2 for bins (a bin not full is a sequence "
+            f"and its padding: 2 runs), got {m!r}"
+        )
     # Block by block, into the output arrays: memory beyond the plan stays O(BLOCK).
     seq_order = np.empty(lens.size, np.int64)
     counts = []
     for lo in range(0, lens.size, BLOCK):
         # Lengths fit int64, so a seq_len beyond it truncates nothing.
         sizes = np.minimum(lens[lo : lo + BLOCK], min(int(seq_len), _INT64_MAX)).astype(np.int64)
-        bin_of, num_bins = _pack_block(sizes, int(seq_len))
+        if max_segments is None:
+            bin_of, num_bins = _pack_block(sizes, int(seq_len))
+        else:
+            bin_of, num_bins = _pack_block_capped(sizes, int(seq_len), int(max_segments))
         seq_order[lo : lo + sizes.size] = np.argsort(bin_of, kind="stable") + lo
         counts.append(np.bincount(bin_of, minlength=num_bins))
     bin_starts = np.zeros(sum(c.size for c in counts) + 1, np.int64)
@@ -141,6 +163,52 @@ def _pack_block(sizes: np.ndarray, seq_len: int) -> tuple[np.ndarray, int]:
     bin_of = np.empty(n, np.int64)
     bin_of[order] = np.repeat(np.asarray(seg_bin, np.int64), np.asarray(seg_count, np.int64))
     return bin_of, num_bins
+
+
+def _pack_block_capped(sizes: np.ndarray, seq_len: int, cap: int) -> tuple[np.ndarray, int]:
+    """Best-fit decreasing of one block with at most ``cap`` runs per bin:
+    ``(bin of each sequence [n] int64, bins)``."""
+    order = np.argsort(-sizes, kind="stable")
+    ordered = sizes[order].tolist()
+    # open_[c]: bins with c free tokens that may take any sequence that fits,
+    # the most recently filled on top; free: their sorted c. last[c]: bins
+    # one sequence short of the cap, which only a sequence of c tokens fills.
+    open_: collections.defaultdict[int, list[int]] = collections.defaultdict(list)
+    last: collections.defaultdict[int, list[int]] = collections.defaultdict(list)
+    free: list[int] = []
+    members: list[int] = []
+    placed = np.empty(len(ordered), np.int64)
+    for i, size in enumerate(ordered):
+        if size == 0:  # takes no space and makes no run: joins the first bin
+            members.extend([0] * (not members))
+            placed[i] = 0
+            continue
+        if last.get(size):
+            c, b = size, last[size].pop()
+        else:
+            j = bisect.bisect_left(free, size)
+            if j < len(free):
+                c = free[j]
+                b = open_[c].pop()
+                if not open_[c]:
+                    del free[j], open_[c]
+            else:
+                c, b = seq_len, len(members)
+                members.append(0)
+        members[b] += 1
+        placed[i] = b
+        rest = c - size
+        if rest == 0 or members[b] >= cap:
+            continue
+        if members[b] == cap - 1:
+            last[rest].append(b)
+            continue
+        if not open_[rest]:
+            bisect.insort(free, rest)
+        open_[rest].append(b)
+    bin_of = np.empty(len(ordered), np.int64)
+    bin_of[order] = placed
+    return bin_of, len(members)
 
 
 def plan_digest(bin_starts: np.ndarray, seq_order: np.ndarray) -> str:

@@ -40,6 +40,8 @@ class BinRecords:
         plan: the plan to use (checked against ``ft`` and ``seq_len``); ``None``:
             :func:`find_plan`.
         cache_dir: where built plans are cached (``None``: not cached).
+        max_segments: at most this many runs per bin (its sequences, plus its
+            padding when not full); ``None``: no cap. Ignored with ``plan``.
     """
 
     packed = BINS
@@ -51,6 +53,7 @@ class BinRecords:
         *,
         plan: PackingPlan | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
+        max_segments: int | None = None,
     ) -> None:
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
@@ -58,7 +61,9 @@ class BinRecords:
         self.ft, self.seq_len = ft, seq_len
         if plan is not None:
             check_plan(plan, ft, seq_len, repr(ft), "build the plan of this split and seq_len")
-        self.plan = plan if plan is not None else find_plan(ft, seq_len, cache_dir)
+        if plan is None:
+            plan = find_plan(ft, seq_len, cache_dir, max_segments)
+        self.plan = plan
 
     def __repr__(self) -> str:
         return (
@@ -161,11 +166,13 @@ def make_records(
     seq_len: int,
     packing: bool | str,
     cache_dir: str | os.PathLike[str] | None = None,
+    max_segments: int | None = None,
 ) -> Records:
     """The records a config's ``packing`` makes of a split: True packed windows,
-    False padded sequences, ``"bins"`` :class:`BinRecords`."""
+    False padded sequences, ``"bins"`` :class:`BinRecords` (with at most
+    ``max_segments`` runs per bin if given)."""
     if packing == BINS:
-        return BinRecords(ft, seq_len, cache_dir=cache_dir)
+        return BinRecords(ft, seq_len, cache_dir=cache_dir, max_segments=max_segments)
     if packing is True:
         return PackedRecords(ft, seq_len)
     if packing is False:

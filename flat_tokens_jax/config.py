@@ -20,6 +20,7 @@ import numpy as np
 from flat_tokens_jax.bins import BINS, make_records
 from flat_tokens_jax.dataset import FlatTokens
 from flat_tokens_jax.instancefilter import InstanceFilter
+from flat_tokens_jax.layouts import LAYOUTS
 from flat_tokens_jax.records import Records, check_source
 from flat_tokens_jax.schedule import BatchSchedule, BatchSizeSpec
 from flat_tokens_jax.values import MAX_SEED, BadValue, integer, read_yaml
@@ -28,7 +29,8 @@ from flat_tokens_jax.values import MAX_SEED, BadValue, integer, read_yaml
 @dataclasses.dataclass(frozen=True)
 class LoaderConfig:
     """What a batch is. Every field but ``prefetch``, ``read_ahead_bytes``,
-    ``decode_threads`` and ``decode`` changes the batches.
+    ``decode_threads``, ``decode``, ``layout`` and ``max_segments`` changes
+    the batches' values (the last two change their form).
 
     Attributes:
         batch_size: global rows per step, over all hosts: an int, or a schedule
@@ -83,6 +85,22 @@ class LoaderConfig:
             token, plus the stored loss mask if any) and are decoded there,
             inside ``jax.jit``; for GPU and TPU hosts whose CPUs cannot keep
             up. The same values either way.
+        layout: the arrays a batch holds (see docs/guide/loading.md, "Batch layouts").
+            ``"fields"``: ``inputs``, ``targets``, ``segment_ids``,
+            ``positions``, ``loss_mask``. ``"segments"``: those and
+            ``sequence_start`` ``[B, L] bool``. ``"tokens"``: ``tokens``
+            ``[B, L + 1] int32`` (``tokens[:, 1:]`` the targets) with
+            ``loss_mask``, ``segment_ids``, ``positions``, ``sequence_start``,
+            for trainers that shift themselves. ``"maxtext"``: MaxText's
+            names (``inputs_segmentation``, ``targets_position``, ...) and
+            ``sequence_start``. Changes no value.
+        max_segments: if set, every layout adds ``segment_lengths`` ``[B,
+            max_segments] int32``, each row's run lengths (sequences,
+            fragments, padding) then zeros, for varlen attention
+            (``cu_seqlens``); a row of more runs is refused. With
+            ``packing="bins"`` it also caps the sequences per bin (the packing
+            plan is built with the cap). Recommended for bins: the most
+            sequences your kernel takes per row.
         instance_filter: ``None`` (off), or an :class:`InstanceFilter` (or a
             mapping of its fields, as YAML gives): rows that repeat an n-gram
             of up to ``max_period`` tokens ``max_count`` times back to back get
@@ -104,6 +122,8 @@ class LoaderConfig:
     decode_threads: int | None = None
     decode: str = "host"
     read_ahead_bytes: int = 1 << 30
+    layout: str = "fields"
+    max_segments: int | None = None
     instance_filter: InstanceFilter | None = None
 
     def __post_init__(self) -> None:
@@ -132,7 +152,7 @@ class LoaderConfig:
             "pad_id": integer(self.pad_id, path + "pad_id"),
             **{
                 name: integer(getattr(self, name), path + name, low=1, optional=True)
-                for name in ("num_epochs", "vocab_size", "decode_threads")
+                for name in ("num_epochs", "vocab_size", "decode_threads", "max_segments")
             },
         }
         for name, value in checked.items():  # numpy ints become Python ints
@@ -155,6 +175,14 @@ class LoaderConfig:
         )
         if self.decode not in ("host", "device"):
             raise BadValue(path + "decode", f"must be 'host' or 'device', got {self.decode!r}")
+        if self.packing == BINS and self.max_segments is not None and self.max_segments < 2:
+            raise BadValue(
+                path + "max_segments",
+                f"must be >= 2 with packing='bins' (a bin not full is a sequence and "
+                f"its padding: 2 runs), got {self.max_segments}",
+            )
+        if not isinstance(self.layout, str) or self.layout not in LAYOUTS:
+            raise BadValue(path + "layout", f"must be one of {list(LAYOUTS)}, got {self.layout!r}")
         if self.vocab_size is not None:
             for name in ("start_token_id", "pad_id"):
                 value = getattr(self, name)
@@ -218,12 +246,21 @@ class LoaderConfig:
 
     def batch_defining(self) -> dict[str, Any]:
         """The fields that decide batch contents: all but ``prefetch``,
-        ``read_ahead_bytes``, ``decode_threads``, ``decode`` and ``vocab_size``
-        (which checks the data but changes no batch), JSON-ready
-        (``batch_size`` an int or ``[[start_step, size], ...]``;
+        ``read_ahead_bytes``, ``decode_threads``, ``decode``, ``layout``,
+        ``max_segments`` (a bins plan it caps is in the data's fingerprint)
+        and ``vocab_size`` (which checks the data but changes no batch),
+        JSON-ready (``batch_size`` an int or ``[[start_step, size], ...]``;
         ``instance_filter`` its fields, left out when off, so states saved
         before the filter existed hold the same fields)."""
-        skip = ("prefetch", "read_ahead_bytes", "vocab_size", "decode_threads", "decode")
+        skip = (
+            "prefetch",
+            "read_ahead_bytes",
+            "vocab_size",
+            "decode_threads",
+            "decode",
+            "layout",
+            "max_segments",
+        )
         values = {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
         if self.instance_filter is None:
             del values["instance_filter"]
@@ -233,7 +270,7 @@ class LoaderConfig:
 def records_for(source: Any, config: LoaderConfig, plan_cache: str | os.PathLike[str]) -> Records:
     """The records of a single (non-Mixture) source, checked against the config."""
     if isinstance(source, FlatTokens):
-        return make_records(source, config.seq_len, config.packing, plan_cache)
+        return make_records(source, config.seq_len, config.packing, plan_cache, config.max_segments)
     check_source(source, "the Loader's source")
     if source.seq_len != config.seq_len or source.packed != config.packing:
         raise ValueError(

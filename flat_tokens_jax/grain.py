@@ -47,12 +47,13 @@ from typing import Any, SupportsIndex
 
 import numpy as np
 
-from flat_tokens_jax.bins import BinRecords, PackingPlan, check_packing, make_records
+from flat_tokens_jax.bins import BINS, BinRecords, PackingPlan, check_packing, make_records
 from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.grainbatches import Batches
 from flat_tokens_jax.grainprocess import prepare_grain
 from flat_tokens_jax.hostdecode import BlockDecoder, default_threads
 from flat_tokens_jax.instancefilter import InstanceFilter, apply_filter
+from flat_tokens_jax.layouts import BatchLayout, row_starts
 from flat_tokens_jax.limits import check_loader_memory
 from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.options import StoreOptions, resolve_options
@@ -154,6 +155,13 @@ class FlatTokensSource:
         start_token_id: the input token where a sequence starts; ``None``: the
             one the dataset records, else 0 (as ``LoaderConfig``).
         pad_id: input and target id of padding.
+        layout: the arrays of an element, as ``LoaderConfig.layout``
+            (``"fields"``, ``"segments"``, ``"tokens"``, ``"maxtext"``; see
+            docs/guide/loading.md, "Batch layouts"); :meth:`read_batch` and the batch sources
+            made from this one hold the same.
+        max_segments: as ``LoaderConfig.max_segments``: adds
+            ``segment_lengths`` ``[max_segments] int32`` to each element, and
+            with ``packing="bins"`` caps the runs per bin.
         instance_filter: ``None`` (off), or an :class:`InstanceFilter` (or a
             mapping of its fields): rejected records get ``loss_mask`` False,
             as ``LoaderConfig.instance_filter`` does; it applies to every
@@ -190,6 +198,8 @@ class FlatTokensSource:
         options: StoreOptions | None = None,
         start_token_id: int | None = None,
         pad_id: int = 0,
+        layout: str = "fields",
+        max_segments: int | None = None,
         instance_filter: InstanceFilter | None = None,
         **option_fields: Any,
     ) -> None:
@@ -204,7 +214,10 @@ class FlatTokensSource:
         self.instance_filter = InstanceFilter.of(instance_filter)
         if option_fields or options is not None:
             options = resolve_options(options, option_fields, "FlatTokensSource")
-        records = _as_records(source, seq_len, packing, split, options, plan_cache)
+        self.layout = BatchLayout(layout, max_segments)
+        if packing == BINS and max_segments is not None and max_segments < 2:
+            raise ValueError(f"max_segments must be >= 2 with packing='bins', got {max_segments}")
+        records = _as_records(source, seq_len, packing, split, options, plan_cache, max_segments)
         if len(records) == 0:
             raise ValueError(
                 f"{records!r} has no records: the split holds fewer than "
@@ -225,8 +238,10 @@ class FlatTokensSource:
         # Fixed here and carried through pickling: grain's DataLoader checks a
         # restored checkpoint against repr(source), in whichever process.
         rule = "" if self.instance_filter is None else f", instance_filter={self.instance_filter}"
+        shape = "" if self.layout.plain else f", layout={layout!r}, max_segments={max_segments}"
         self._repr = (
-            f"FlatTokensSource({records!r}, start_token_id={start_token_id}, pad_id={pad_id}{rule})"
+            f"FlatTokensSource({records!r}, start_token_id={start_token_id}, pad_id={pad_id}"
+            f"{rule}{shape})"
         )
         prepare_grain()
 
@@ -251,23 +266,30 @@ class FlatTokensSource:
 
         Returns:
             The five fields, each ``[k, seq_len]``: ``inputs``, ``targets``,
-            ``segment_ids``, ``positions`` (``int32``) and ``loss_mask`` (``bool``).
+            ``segment_ids``, ``positions`` (``int32``) and ``loss_mask``
+            (``bool``); or the fields of this source's ``layout``.
 
         Raises:
             IndexError: an index outside ``[-len(self), len(self))``.
+            ValueError: a record of more runs than ``max_segments``.
         """
         idx = self._indices(indices)
         records = self.records
         decoder = self._block_decoder()
+        windows = records.read(idx)
         fields = decoder.decode(
-            records.read(idx),
+            windows,
             records.packed,
             self.seq_len,
             start_token_id=self.start_token_id,
             pad_id=self.pad_id,
         )
         apply_filter(self.instance_filter, fields, decoder.run_blocks)
-        return fields
+        if self.layout.plain:
+            return fields
+        where = f"{self._repr} (rows by record index)"
+        starts = row_starts(windows, records.packed)
+        return self.layout.apply(fields, starts, where=where, rows=idx)
 
     def batches(
         self,
@@ -456,6 +478,7 @@ def _as_records(
     split: str,
     options: StoreOptions | None,
     plan_cache: str | os.PathLike[str] | None,
+    max_segments: int | None = None,
 ) -> Records:
     """The records a :class:`FlatTokensSource` reads, checked against what was asked."""
     if isinstance(source, Mixture):
@@ -476,7 +499,8 @@ def _as_records(
     if isinstance(source, FlatTokens):
         if seq_len is None:
             raise ValueError(f"seq_len is required to make records of {source!r}")
-        return make_records(source, seq_len, True if packing is None else packing, plan_cache)
+        packing = True if packing is None else packing
+        return make_records(source, seq_len, packing, plan_cache, max_segments)
     if isinstance(source, Dataset):
         raise TypeError(
             f"{source!r} is a whole dataset; pick a split: ds[{source.splits[0]!r}] "

@@ -34,6 +34,7 @@ from flat_tokens_jax.dataset import FlatTokens
 from flat_tokens_jax.feed import Feed, timed
 from flat_tokens_jax.hostdecode import BlockDecoder, default_threads
 from flat_tokens_jax.instancefilter import FilteredRows
+from flat_tokens_jax.layouts import BatchLayout, row_starts
 from flat_tokens_jax.limits import check_loader_memory
 from flat_tokens_jax.mixture import Mixture
 from flat_tokens_jax.pipeline import Ahead
@@ -76,7 +77,9 @@ class Loader:
     Every batch holds ``inputs``, ``targets``, ``segment_ids``, ``positions``
     (``[batch_size, seq_len] int32``) and ``loss_mask`` (``[batch_size, seq_len]
     bool``; multiply the per-token loss by it); with a batch-size schedule
-    ``batch_size`` is the step's, ``config.batch_size_at(step)``.
+    ``batch_size`` is the step's, ``config.batch_size_at(step)``. Other
+    arrays with ``config.layout`` and ``config.max_segments`` (see
+    :class:`LoaderConfig`).
 
     Args:
         source: a :class:`FlatTokens` split (records made per ``config.packing``)
@@ -123,7 +126,9 @@ class Loader:
                     "num_epochs does not apply to a Mixture: each component "
                     "runs its own epochs, without end; set num_epochs=None"
                 )
-            components = source.records(config.seq_len, config.packing, plan_cache=cache)
+            components = source.records(
+                config.seq_len, config.packing, plan_cache=cache, max_segments=config.max_segments
+            )
             names = source.names
         else:
             components = (records_for(source, config, cache),)
@@ -138,6 +143,7 @@ class Loader:
         check_vocab(config, components, infos)
         self.start_token_id = resolve_start_token_id(config, infos)
         self.components, self.config, self.sharding = components, config, sharding
+        self.layout = BatchLayout(config.layout, config.max_segments)
         self.names = names
         self.records: Records | Mixture = components[0] if self.mixture is None else self.mixture
         self.samplers = [
@@ -237,23 +243,35 @@ class Loader:
         parts = [(c, at[comp == c], self.components[c].read(records[comp == c])) for c in present]
         return _Fetched(rows.size, parts)
 
-    def _fields_of(self, fetched: _Fetched, threads: int | None = None) -> dict[str, np.ndarray]:
-        """The five fields of records read by ``_fetch_rows``, decoded on at most
-        ``threads`` threads (default: the decoder's)."""
+    def _fields_of(
+        self, fetched: _Fetched, step: int, threads: int | None = None, counted: bool = True
+    ) -> dict[str, np.ndarray]:
+        """The layout's fields of records read by ``_fetch_rows`` at ``step``,
+        decoded on at most ``threads`` threads (default: the decoder's), after
+        the instance filter (its rejections noted for ``step`` when ``counted``)."""
+        noted = step if counted else None
         parts = fetched.parts
         if len(parts) == 1 and parts[0][1] is None:
-            return self._decode(parts[0][0], parts[0][2], threads)
-        out = padding_fields(fetched.rows, self.config.seq_len, self.config.pad_id)
-        for c, at, windows in parts:
-            for key, value in self._decode(c, windows, threads).items():
-                out[key][at] = value
-        return out
+            c, windows = parts[0][0], parts[0][2]
+            out = self._filter.apply(self._decode(c, windows, threads), noted, threads)
+            if self.layout.plain:
+                return out
+            starts = row_starts(windows, self.components[c].packed)
+        else:
+            out = padding_fields(fetched.rows, self.config.seq_len, self.config.pad_id)
+            starts = np.zeros(fetched.rows, bool)
+            for c, at, windows in parts:
+                for key, value in self._decode(c, windows, threads).items():
+                    out[key][at] = value
+                starts[at] = row_starts(windows, self.components[c].packed)
+            out = self._filter.apply(out, noted, threads)
+        rows = self.host_rows_at(step)
+        return self.layout.apply(out, starts, where=f"step {step}", rows=rows)
 
     def host_batch(self, step: int) -> dict[str, np.ndarray]:
-        """This host's rows of the batch at ``step``, whole, in global row order (numpy)."""
-        return self._filter.apply(
-            self._fields_of(self._fetch_rows(step, self.host_rows_at(step))), None
-        )
+        """This host's rows of the batch at ``step``, whole, in global row order
+        (numpy): the fields of ``config.layout``."""
+        return self._fields_of(self._fetch_rows(step, self.host_rows_at(step)), step, counted=False)
 
     def batch(self, step: int) -> dict[str, jax.Array]:
         """The global batch at ``step`` as ``jax.Array``\\ s ``[batch_size, seq_len]``
@@ -326,8 +344,9 @@ class Loader:
         return plan.encoded_arrays(self._block_reads(step, plan))
 
     def decoder(self, step: int = 0) -> Callable[[Mapping[str, jax.Array]], dict[str, jax.Array]]:
-        """The function from :meth:`encoded_batch`'s arrays to the five fields
-        (the values :meth:`batch` returns), to call inside ``jax.jit``.
+        """The function from :meth:`encoded_batch`'s arrays to the fields of
+        ``config.layout`` (the values :meth:`batch` returns), to call inside
+        ``jax.jit``.
 
         ``step`` matters only with a batch-size schedule whose sizes lay out
         differently over the mesh: pass any step of the size in use.
@@ -337,6 +356,7 @@ class Loader:
             start_token_id=self.start_token_id,
             pad_id=self.config.pad_id,
             instance_filter=self.config.instance_filter,
+            layout=self.layout,
         )
 
     def _device_plan(self, step: int) -> HostPlan:
@@ -353,7 +373,11 @@ class Loader:
         return plan
 
     def _block_reads(self, step: int, plan: HostPlan) -> dict[Block, BlockData]:
-        return {b: self._block_data(step, b) for b in plan.blocks}
+        data = {b: self._block_data(step, b) for b in plan.blocks}
+        if self.layout.max_segments is not None:
+            where = f"step {step}"
+            self.layout.check_blocks(data, self.config.seq_len, self.config.packing, where)
+        return data
 
     def _read(self, step: int) -> dict[str, jax.Array] | _Blocks:
         """Everything of a step that involves no collective: safe in any thread."""
@@ -387,16 +411,12 @@ class Loader:
         if plan is None:
             placed: dict[str, jax.Array] = timed(
                 self._feed.measures.finished,
-                lambda: jax.device_put(
-                    self._filter.apply(self._fields_of(part, threads), step, threads)
-                ),
+                lambda: jax.device_put(self._fields_of(part, step, threads)),
             )
             return placed
         return timed(
             self._feed.measures.finished,
-            lambda: plan.assemble_rows(
-                self._filter.apply(self._fields_of(part, threads), step, threads)
-            ),
+            lambda: plan.assemble_rows(self._fields_of(part, step, threads)),
         )
 
     def _on_devices(self, part: dict[str, jax.Array] | _Blocks) -> dict[str, jax.Array]:
@@ -409,6 +429,7 @@ class Loader:
             start_token_id=self.start_token_id,
             pad_id=self.config.pad_id,
             instance_filter=self.config.instance_filter,
+            layout=self.layout,
         )
 
     def _block_data(self, step: int, block: Block) -> BlockData:

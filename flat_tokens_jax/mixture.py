@@ -248,11 +248,12 @@ class Mixture:
         seq_len: int,
         packing: bool | str,
         plan_cache: str | os.PathLike[str] | None = None,
+        max_segments: int | None = None,
     ) -> tuple[Records, ...]:
         """Each component's records for a config of ``seq_len`` and ``packing``.
 
         ``plan_cache`` is where packing plans of ``packing="bins"`` are cached
-        (``None``: built, not cached).
+        (``None``: built, not cached); ``max_segments`` caps the runs per bin.
 
         Raises:
             ValueError: the Mixture was given another ``seq_len`` or packing, or
@@ -271,7 +272,7 @@ class Mixture:
 
         def component(name: str, src: Source) -> Records:
             if isinstance(src, FlatTokens):
-                return make_records(src, seq_len, packing, plan_cache)
+                return make_records(src, seq_len, packing, plan_cache, max_segments)
             if src.seq_len != seq_len or src.packed != packing:
                 raise ValueError(
                     f"component {name!r} is {src!r} with seq_len {src.seq_len} and packing "

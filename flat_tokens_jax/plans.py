@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from flat_tokens_jax.binpack import ALGORITHM, build_plan, plan_digest
+from flat_tokens_jax.binpack import ALGORITHM, build_plan, capped_algorithm, plan_digest
 from flat_tokens_jax.dataset import FlatTokens, open_dataset
 from flat_tokens_jax.format import FormatError, Problem
 from flat_tokens_jax.layout import Layout, create_array
@@ -136,15 +136,21 @@ def plan_source(ft: FlatTokens) -> dict[str, Any]:
     }
 
 
-def make_plan(ft: FlatTokens, seq_len: int) -> PackingPlan:
-    """Builds the plan of ``ft`` for ``seq_len`` (reads every sequence bound)."""
+def _algorithm(max_segments: int | None) -> str:
+    return ALGORITHM if max_segments is None else capped_algorithm(max_segments)
+
+
+def make_plan(ft: FlatTokens, seq_len: int, max_segments: int | None = None) -> PackingPlan:
+    """Builds the plan of ``ft`` for ``seq_len`` (reads every sequence bound),
+    with at most ``max_segments`` runs per bin if given."""
     log.info("building the packing plan of %r for seq_len %d", ft, seq_len)
     starts = split_starts(ft)
     lengths = np.diff(starts)
-    bin_starts, seq_order = build_plan(lengths, seq_len)
+    bin_starts, seq_order = build_plan(lengths, seq_len, max_segments)
     source = {**plan_source(ft), "starts_digest": _digest(starts), "split": ft.split_name}
     tokens = int(np.minimum(lengths, min(seq_len, np.iinfo(np.int64).max)).sum())
-    return PackingPlan(seq_len, ALGORITHM, bin_starts, seq_order, source, tokens)
+    algorithm = _algorithm(max_segments)
+    return PackingPlan(seq_len, algorithm, bin_starts, seq_order, source, tokens)
 
 
 def _differences(plan: PackingPlan, ft: FlatTokens, seq_len: int) -> list[str]:
@@ -361,7 +367,7 @@ def default_cache_dir() -> Path:
     return Path(base) / "flat_tokens_jax" / "plans"
 
 
-def _cache_key(ft: FlatTokens, seq_len: int) -> dict[str, Any]:
+def _cache_key(ft: FlatTokens, seq_len: int, max_segments: int | None) -> dict[str, Any]:
     spec = ft.store.spec
     url = spec["path"] if spec["driver"] == "file" else ft.url
     return {
@@ -369,18 +375,24 @@ def _cache_key(ft: FlatTokens, seq_len: int) -> dict[str, Any]:
         "split": ft.split_name,
         "sequences": list(ft.seq_range),
         "seq_len": seq_len,
-        "algorithm": ALGORITHM,
+        "algorithm": _algorithm(max_segments),
         "source": plan_source(ft),
     }
 
 
-def cached_plan(ft: FlatTokens, seq_len: int, cache_dir: str | os.PathLike[str]) -> PackingPlan:
+def cached_plan(
+    ft: FlatTokens,
+    seq_len: int,
+    cache_dir: str | os.PathLike[str],
+    max_segments: int | None = None,
+) -> PackingPlan:
     """The plan of ``ft`` from ``cache_dir``, or built and saved there.
 
     An entry is used only when its whole key (URL, split, sequence range,
-    ``seq_len``, algorithm, and the data's counts and sampled digest) matches.
+    ``seq_len``, algorithm with its cap, and the data's counts and sampled
+    digest) matches.
     """
-    key = _cache_key(ft, seq_len)
+    key = _cache_key(ft, seq_len, max_segments)
     text = json.dumps(key, sort_keys=True)
     path = Path(cache_dir) / (hashlib.sha256(text.encode()).hexdigest()[:32] + ".npz")
     kind = special_kind(path)
@@ -393,12 +405,14 @@ def cached_plan(ft: FlatTokens, seq_len: int, cache_dir: str | os.PathLike[str])
                     # Entries of older versions hold no "source" (nor its full digest).
                     saved = json.loads(str(f["source"])) if "source" in f.files else {}
                     source = {**key["source"], **(saved if isinstance(saved, dict) else {})}
-                    plan = PackingPlan(seq_len, ALGORITHM, f["bin_starts"], f["seq_order"], source)
+                    plan = PackingPlan(
+                        seq_len, key["algorithm"], f["bin_starts"], f["seq_order"], source
+                    )
                     check_plan(plan, ft, seq_len, os.fspath(path), "built again")
                     return plan
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
             log.warning("ignoring the unreadable cached packing plan %s: %s", path, e)
-    plan = make_plan(ft, seq_len)
+    plan = make_plan(ft, seq_len, max_segments)
     tmp_name = None
     try:  # a cache that cannot be written costs a rebuild next time, nothing else
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -420,16 +434,20 @@ def cached_plan(ft: FlatTokens, seq_len: int, cache_dir: str | os.PathLike[str])
 
 
 def find_plan(
-    ft: FlatTokens, seq_len: int, cache_dir: str | os.PathLike[str] | None
+    ft: FlatTokens,
+    seq_len: int,
+    cache_dir: str | os.PathLike[str] | None,
+    max_segments: int | None = None,
 ) -> PackingPlan:
     """The stored plan (whole splits), else the cached one, else a new one.
 
-    ``cache_dir=None`` builds without caching.
+    ``cache_dir=None`` builds without caching. With ``max_segments`` (at most
+    that many runs per bin) stored plans, which have no cap, are passed over.
 
     Raises:
         FormatError: the stored plan was made for another ``seq_len`` or from other data.
     """
-    if ft.seq_range == (0, ft.starts.size - 1):
+    if max_segments is None and ft.seq_range == (0, ft.starts.size - 1):
         stored = read_stored_plan(ft, seq_len)
         if stored is not None:
             check_plan(
@@ -441,10 +459,10 @@ def find_plan(
             )
             return stored
     if cache_dir is None:
-        return make_plan(ft, seq_len)
+        return make_plan(ft, seq_len, max_segments)
     if not os.fspath(cache_dir):
         raise ValueError(
             "plan_cache is '' (it would put packing plans in the working directory): "
             "give a folder, or None to build plans without caching them"
         )
-    return cached_plan(ft, seq_len, cache_dir)
+    return cached_plan(ft, seq_len, cache_dir, max_segments)

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from flat_tokens_jax.batch_jax import bin_fields_jax, packed_fields_jax, padded_fields_jax
 from flat_tokens_jax.instancefilter import InstanceFilter, apply_filter_jax
+from flat_tokens_jax.layouts import PLAIN, WHOLE_ROWS, BatchLayout
 from flat_tokens_jax.schedule import BatchSchedule
 
 
@@ -124,23 +125,42 @@ class HostPlan:
         self.columns_sharded = any(b.cols != (0, seq_len) for b in self.blocks)
         if self.columns_sharded and not isinstance(sharding, NamedSharding):
             raise ValueError("sharding the sequence dimension needs a NamedSharding")
-        self._decode: dict[tuple[bool | str, int, int, Any], Callable[..., Any]] = {}
+        self._decode: dict[tuple[bool | str, int, int, Any, BatchLayout], Callable[..., Any]] = {}
 
     def __repr__(self) -> str:
         return f"HostPlan({len(self.blocks)} blocks, {self.rows.size} rows of {self.shape})"
 
     def assemble_rows(self, host: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Global arrays from this host's whole rows (``host[k]`` is ``[rows.size, L]``)."""
+        """Global arrays from this host's whole rows (``host[k]`` is ``[rows.size, width]``).
 
-        def make(values: np.ndarray) -> jax.Array:
+        Fields ``[B, seq_len]`` are laid out as the sharding says; a layout's
+        ``tokens`` and ``segment_lengths`` are split over the batch axis only.
+        """
+
+        def make(key: str, values: np.ndarray) -> jax.Array:
+            shape = (self.shape[0], values.shape[1])
+            sharding = self.rows_sharding() if key in WHOLE_ROWS else self.sharding
+
             def piece(index: tuple[slice, ...] | None) -> np.ndarray:
-                b = _block(index, self.shape)
+                b = _block(index, shape)
                 at = int(np.searchsorted(self.rows, b.rows[0]))
                 return values[at : at + b.num_rows, b.cols[0] : b.cols[1]]
 
-            return jax.make_array_from_callback(self.shape, self.sharding, piece)
+            return jax.make_array_from_callback(shape, sharding, piece)
 
-        return {k: make(v) for k, v in host.items()}
+        return {k: make(k, v) for k, v in host.items()}
+
+    def rows_sharding(self) -> jax.sharding.Sharding:
+        """The sharding's split of the batch axis, with whole rows on each device:
+        how a layout's ``tokens`` and ``segment_lengths`` are laid out."""
+        if not isinstance(self.sharding, NamedSharding):
+            raise ValueError(
+                "a layout with tokens or segment_lengths needs a NamedSharding, "
+                f"got {self.sharding!r}: "
+                "use NamedSharding(mesh, PartitionSpec(...))"
+            )
+        spec = tuple(self.sharding.spec) + (None,) * 2
+        return NamedSharding(self.sharding.mesh, PartitionSpec(spec[0], None))
 
     def assemble_blocks(
         self,
@@ -150,9 +170,10 @@ class HostPlan:
         start_token_id: int,
         pad_id: int,
         instance_filter: InstanceFilter | None = None,
+        layout: BatchLayout = PLAIN,
     ) -> dict[str, jax.Array]:
         """Global fields decoded on the devices from per-block encoded tokens."""
-        key = (packed, start_token_id, pad_id, instance_filter)
+        key = (packed, start_token_id, pad_id, instance_filter, layout)
         if key not in self._decode:
             self._decode[key] = jax.jit(
                 self.decoder(
@@ -160,6 +181,7 @@ class HostPlan:
                     start_token_id=start_token_id,
                     pad_id=pad_id,
                     instance_filter=instance_filter,
+                    layout=layout,
                 )
             )
         out: dict[str, jax.Array] = self._decode[key](self.encoded_arrays(data))
@@ -215,10 +237,13 @@ class HostPlan:
         start_token_id: int,
         pad_id: int,
         instance_filter: InstanceFilter | None = None,
+        layout: BatchLayout = PLAIN,
     ) -> Callable[[Mapping[str, jax.Array]], dict[str, jax.Array]]:
         """The function (to call inside ``jax.jit``) from :meth:`encoded_arrays`
-        to the five fields, laid out as this plan's sharding, after the
-        ``instance_filter`` (on whole rows) when one is given."""
+        to the fields of ``layout`` (default: the five fields), after the
+        ``instance_filter`` (on whole rows) when one is given, laid out as
+        this plan's sharding (``tokens`` and ``segment_lengths``: over its
+        batch axis only)."""
         assert isinstance(self.sharding, NamedSharding)
         mesh, spec = self.sharding.mesh, tuple(self.sharding.spec) + (None,) * 2
         # Segment ids and positions scan whole rows: decode on row-sharded
@@ -230,8 +255,9 @@ class HostPlan:
 
         def decode(encoded: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
             mask = encoded.get("stored_mask")
+            rows = lay_out(encoded["encoded"], whole_rows)
             fields = _decode(
-                lay_out(encoded["encoded"], whole_rows),
+                rows,
                 lay_out(encoded["before"], whole_rows),
                 encoded["lengths"],
                 None if mask is None else lay_out(mask, whole_rows),
@@ -241,7 +267,13 @@ class HostPlan:
                 pad_id=pad_id,
             )
             fields = apply_filter_jax(instance_filter, fields)
-            return {k: lay_out(v, sharding) for k, v in fields.items()}
+            if not layout.plain:
+                starts = (rows[:, 0] & 1) == 1 if packed is True else encoded["lengths"] > 0
+                fields = layout.apply(fields, starts & encoded["real"], xp=jnp)
+            return {
+                k: lay_out(v, whole_rows if k in WHOLE_ROWS else sharding)
+                for k, v in fields.items()
+            }
 
         return decode
 

@@ -217,7 +217,8 @@ def build_loader(
         flags = " and ".join("--" + k.replace("_", "-") for k in missing)
         raise ValueError(f"the run's {' and '.join(missing)} is not known: pass {flags}")
     try:
-        cfg = LoaderConfig.from_dict({**values, "prefetch": 0})
+        # show prints the five fields, whatever layout the run's trainer takes.
+        cfg = LoaderConfig.from_dict({**values, "prefetch": 0, "layout": "fields"})
     except BadValue as e:
         field = re.split(r"[ .\[]", e.path.removeprefix("LoaderConfig."))[0]
         raise e.moved("LoaderConfig", origin.get(field, "LoaderConfig")) from None

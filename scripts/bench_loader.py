@@ -41,7 +41,11 @@ an upper bound where a check reads chunks whole, since the read then serves
 its ranges from them), and what the checks add to ``host_batch`` on a freshly
 opened split, with and without them.
 
-Run: ``python scripts/bench_loader.py [--tokens 200_000_000] [--steps 20] [--padded]``
+``--layouts`` measures only what each batch layout (``LoaderConfig.layout``,
+with and without ``max_segments``) costs ``host_batch`` against the five
+fields, on the uncompressed layout, side by side in one run.
+
+Run: ``python scripts/bench_loader.py [--tokens 200_000_000] [--steps 20] [--padded] [--layouts]``
 """
 
 from __future__ import annotations
@@ -239,6 +243,32 @@ def stage_costs(
     ]
 
 
+def layout_costs(path: Path, cfg: ftj.LoaderConfig, steps: list[int]) -> None:
+    """Prints ``host_batch`` ms a step for each batch layout, and its ratio to "fields"."""
+    ft = ftj.open_dataset(path)["train"]
+    variants = [
+        (layout, segments)
+        for segments in (None, 128)
+        for layout in ("fields", "segments", "tokens", "maxtext")
+    ]
+    loaders = {
+        v: ftj.Loader(ft, dataclasses.replace(cfg, layout=v[0], max_segments=v[1]))
+        for v in variants
+    }
+    for loader in loaders.values():
+        loader.host_batch(steps[0])
+    # Interleaved passes, best of each: drift on a shared machine hits all alike.
+    best = dict.fromkeys(variants, float("inf"))
+    for _ in range(3):
+        for v, loader in loaders.items():
+            best[v] = min(best[v], timed(loader.host_batch, steps)[0] / len(steps) * 1e3)
+    print("| layout | max_segments | host_batch ms a step | vs fields |")
+    print("| --- | --- | ---: | ---: |")
+    for layout, segments in variants:
+        ratio = best[(layout, segments)] / best[("fields", None)]
+        print(f"| {layout} | {segments} | {best[(layout, segments)]:.1f} | {ratio:.2f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=200_000_000)
@@ -247,8 +277,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--padded", action="store_true", help="padded rows, and time the checks")
+    parser.add_argument("--layouts", action="store_true", help="only the batch layouts' cost")
     args = parser.parse_args()
     root = args.dir or Path(tempfile.mkdtemp(prefix="ftj-bench-"))
+    if args.layouts:
+        try:
+            path = root / "uncompressed"
+            write(path, ftj.Layout(), args.tokens)
+            cfg = ftj.LoaderConfig(
+                batch_size=args.batch, seq_len=args.seq_len, seed=1, packing=not args.padded
+            )
+            print(f"B={args.batch}, L={args.seq_len}, {args.steps} random steps, best of 3\n")
+            layout_costs(path, cfg, list(range(1000, 1000 + args.steps)))
+        finally:
+            if args.dir is None:
+                shutil.rmtree(root, ignore_errors=True)
+        return
     layouts = {
         "uncompressed": ftj.Layout(),
         "uncompressed, no checksums": ftj.Layout(checksum=False),

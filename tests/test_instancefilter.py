@@ -4,6 +4,7 @@ every decode path (host, device, grain), in states, statistics and ``show``."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import logging
@@ -388,3 +389,21 @@ def test_show_names_a_bad_filter_value_by_its_place_in_the_file(tmp_path: Path) 
     code, _, err = run_main("show", URL, "--config", str(config), "--step", "0")
     assert code == 1
     assert f"{config}: loader.instance_filter.max_count must be an int >= 2, got 1" in err
+
+
+@pytest.mark.parametrize("decode", ["host", "device"])
+def test_a_layout_carries_the_filters_verdict(decode: str) -> None:
+    """The filter acts on the five fields before a layout is made of them:
+    ``tokens`` carries its ``loss_mask``, and MaxText's ``targets_segmentation``
+    (which weights MaxText's loss) is 0 on a rejected row."""
+    plain = ftj.LoaderConfig(8, 16, seed=3, prefetch=0)
+    rejected = 0
+    for step in range(3):
+        rows = brute_rows(ftj.Loader(split(), plain).host_batch(step), RULE)
+        rejected += int(rows.sum())
+        for layout, field in [("tokens", "loss_mask"), ("maxtext", "targets_segmentation")]:
+            cfg = dataclasses.replace(plain, layout=layout, instance_filter=RULE, decode=decode)
+            got = np.asarray(ftj.Loader(split(), cfg).batch(step)[field])
+            assert not got[rows].any(), (layout, step)
+            assert got[~rows].any(axis=1).all(), (layout, step)
+    assert rejected > 0

@@ -95,9 +95,9 @@ def main() -> None:
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     args.data = args.data or args.dir / "data"
-    if not args.data.exists():  # 400 sequences counting up from a random id, mod 63
-        r = np.random.default_rng(0)
-        seqs = [(r.integers(63) + np.arange(n)) % 63 + 1 for n in r.integers(8, 99, 400)]
+    if not args.data.exists():  # 400 sequences counting up from a random id, mod 64: id 0
+        r = np.random.default_rng(0)  # is a token here, as "!" is in GPT-2's vocabulary
+        seqs = [(r.integers(64) + np.arange(n)) % 64 for n in r.integers(8, 99, 400)]
         ftj.write_dataset(args.data, {"train": seqs})
     whole, resumed = train(args, 0), train(args, args.save_at)
     same = resumed == whole[args.save_at :]

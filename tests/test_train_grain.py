@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from flat_tokens_jax.grain import FlatTokensSource
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train_grain.py"
 ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 SMALL = ["--steps", "6", "--save-at", "3", "--batch-size", "8", "--seq-len", "16"]
@@ -50,6 +52,10 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path: Path, workers: in
         assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr
     else:
         assert state == {"next_index": 3}
+        # Its data trains on targets of id 0, which a mask from "token != 0" would drop.
+        src = FlatTokensSource(str(tmp_path / "data"), seq_len=16, layout="tokens")
+        batch = src.batches(8)[0]
+        assert ((batch["tokens"][:, 1:] == 0) & batch["loss_mask"]).sum() > 0
 
 
 def test_a_wrong_restore_is_caught(tmp_path: Path) -> None:

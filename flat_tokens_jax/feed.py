@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -196,7 +197,9 @@ class Feed:
             delivered_bps=read / max(elapsed, 1e-9),
         )
 
-    def close(self) -> None:
+    def close(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        if _finalizing():  # as in pipeline.Ahead.close: the threads end with the process
+            return
         self._flush()
         with self._lock:
             books, self._books, self._booked = self._books, None, None

@@ -18,6 +18,7 @@ step number; ``Loader.iterate`` and ``Loader.batch`` share one.
 from __future__ import annotations
 
 import concurrent.futures
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -69,8 +70,12 @@ class Ahead(Generic[Fetched, Done]):
     def _finish(self, fetched: concurrent.futures.Future[Fetched]) -> Done:
         return self.finish(fetched.result())
 
-    def close(self) -> None:
-        """Drops steps not started and waits for those running."""
+    def close(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        """Drops steps not started and waits for those running (not while the
+        interpreter exits: a generator left open is closed then, and its
+        threads end with the process)."""
+        if _finalizing():  # bound at definition: exiting clears module globals
+            return
         self._finishing.shutdown(wait=False, cancel_futures=True)
         self._fetching.shutdown(wait=True, cancel_futures=True)
         self._finishing.shutdown(wait=True)

@@ -1,3 +1,5 @@
+import subprocess
+import sys
 import threading
 import time
 import tracemalloc
@@ -460,3 +462,24 @@ def test_vocab_size_covers_the_recorded_tokenizer() -> None:
     ):
         ftj.Loader(ft, LoaderConfig(batch_size=1, seq_len=2, vocab_size=100))
     ftj.Loader(ft, LoaderConfig(batch_size=1, seq_len=2, vocab_size=512))
+
+
+def test_a_process_that_exits_with_an_iterate_left_open_prints_nothing(tmp_path: Path) -> None:
+    """A trainer that stops mid-run (its loop broken, the generator kept) exits
+    quietly: the read-ahead threads end with the process, no traceback."""
+    code = (
+        "import sys, numpy as np, flat_tokens_jax as ftj\n"
+        "ftj.write_dataset(sys.argv[1], {'train': [np.arange(1, 90)] * 40})\n"
+        "loader = ftj.Loader(ftj.open_dataset(sys.argv[1])['train'], ftj.LoaderConfig(4, 16))\n"
+        "it = loader.iterate()\n"
+        "next(it); next(it)\n"
+        "print('trained', loader.stats()['steps'])\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "d")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0 and r.stdout == "trained 2\n", r.stderr
+    assert r.stderr == "", r.stderr

@@ -197,9 +197,10 @@ class Feed:
         wanted = m.depth(size, size * MAX_DEPTH)
         depth = self._target
         capped = None
-        held = self.prefetch is None and self.trial.ceiling is not None
-        if wanted > depth and not held:  # a store that did not deliver faster: its throughput
-            capped = "read_ahead_bytes" if self.prefetch is None else "prefetch"
+        if wanted > depth and self.prefetch is not None:
+            capped = "prefetch"
+        elif wanted > depth and self.budget // max(size, 1) <= depth:
+            capped = "read_ahead_bytes"  # not a trial: that holds it for the store's throughput
         read = self._bytes_read() - self._bytes_before
         elapsed = float(m.stats()["interval_mean_s"]) * max(m.steps - 1, 1)
         return stall_message(

@@ -236,7 +236,7 @@ def worker(config: dict[str, Any], pid: int) -> None:
         process_id=pid,
     )
     options = ftj.StoreOptions(**config["options"])
-    where = Where(config["server"], config["url"], options, config["env"])
+    where = Where(config["server"], config["url"], options, config["env"], config["url"])
     cfg = ftj.LoaderConfig(batch_size=config["batch"], seq_len=config["seq_len"])
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
     got = loop(where, cfg, config["step_time"], config["steps"], NamedSharding(mesh, P("data")))

@@ -33,6 +33,7 @@ from flat_tokens_jax.readahead import (
     stall_message,
 )
 from flat_tokens_jax.store import remote_reads
+from flat_tokens_jax.throughput import DepthTrial
 
 log = logging.getLogger("flat_tokens_jax.loader")
 
@@ -74,6 +75,7 @@ class Feed:
         self._splits = list({id(ft): ft for ft in found if isinstance(ft, FlatTokens)}.values())
         self.flight: InFlight[Any] = InFlight(make, self._step_bytes)
         self.measures, self._watch = Measures(), StallWatch()
+        self.trial = DepthTrial()
         # On an object store the steps after the first are requested with it.
         start = INITIAL_DEPTH if self.remote else MIN_DEPTH
         self._target = start if self.prefetch is None else self.prefetch
@@ -103,11 +105,18 @@ class Feed:
     def _bytes_read(self) -> int:
         return sum(ft.bytes_read + ft.probe_bytes for ft in self._splits)
 
+    def fetched(self, seconds: float) -> None:
+        """Counts a step's fetch that ended now after ``seconds``."""
+        self.measures.fetched(seconds)
+        self.trial.fetched(time.perf_counter() - seconds, seconds)
+
     def depth(self, step: int, grow: bool = False) -> int:
         """Steps to keep in flight after ``step``: ``prefetch``, or measured
         and moved toward what the measurements ask for by
-        :func:`~flat_tokens_jax.readahead.next_depth`, within the budget; it
-        grows only when ``grow`` (once per step handed out)."""
+        :func:`~flat_tokens_jax.readahead.next_depth`, within the budget and
+        the cap of :class:`~flat_tokens_jax.throughput.DepthTrial` (a growth
+        that did not make the store deliver faster is undone); it grows only
+        when ``grow`` (once per step handed out)."""
         if self.prefetch is not None:
             return self.prefetch
         size = self._step_bytes(step)
@@ -116,7 +125,13 @@ class Feed:
         with self._lock:
             if not grow:
                 wanted = min(wanted, self._target)
-            self._target = next_depth(self._target, wanted, cap)
+            ceiling = self.trial.cap()
+            if ceiling is not None:
+                cap = min(cap, ceiling)
+            before = self._target
+            self._target = next_depth(before, wanted, cap)
+            if self._target > before:
+                self.trial.grew(before, self._target, time.perf_counter())
             return self._target
 
     def _bound(self) -> int | None:
@@ -183,8 +198,10 @@ class Feed:
         wanted = m.depth(size, size * MAX_DEPTH)
         depth = self._target
         capped = None
-        if wanted > depth:
-            capped = "read_ahead_bytes" if self.prefetch is None else "prefetch"
+        if wanted > depth and self.prefetch is not None:
+            capped = "prefetch"
+        elif wanted > depth and self.budget // max(size, 1) <= depth:
+            capped = "read_ahead_bytes"  # not a trial: that holds it for the store's throughput
         read = self._bytes_read() - self._bytes_before
         elapsed = float(m.stats()["interval_mean_s"]) * max(m.steps - 1, 1)
         return stall_message(
@@ -216,6 +233,7 @@ class Feed:
             **self.measures.stats(),
             "depth": len(self.flight.steps()),
             "depth_target": self._target,
+            "depth_ceiling": self.trial.ceiling or 0,
             "read_ahead_bytes_peak": self.flight.peak_bytes,
             "read_ahead_bytes": self.budget,
             "requests": sum(remote_reads().values()) - self._requests_before,

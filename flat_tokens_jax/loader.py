@@ -384,9 +384,7 @@ class Loader:
         return self._finish((step, self._timed_fetch(step)))
 
     def _timed_fetch(self, step: int, ahead: int = 0) -> _Fetched | _Blocks:
-        fetched: _Fetched | _Blocks = timed(
-            self._feed.measures.fetched, lambda: self._fetch(step, ahead)
-        )
+        fetched: _Fetched | _Blocks = timed(self._feed.fetched, lambda: self._fetch(step, ahead))
         return fetched
 
     def _fetch(self, step: int, ahead: int = 0) -> _Fetched | _Blocks:

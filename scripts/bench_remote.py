@@ -1,10 +1,16 @@
 """Benchmark: a training loop reading an object store with per-request latency, all defaults.
 
-Starts fake-gcs-server and moto's S3 server on 127.0.0.1 behind a proxy that
-holds every request a fixed time, writes a dataset through each, then runs a
-training loop with the **default** ``LoaderConfig`` and ``StoreOptions`` (no
-prefetch or concurrency set) for each step time (``--step-times``) and added
-latency (``--delays``), each opening the dataset afresh (a cold cache):
+Starts fake-gcs-server, a read-only S3 stand-in (``tests/s3files.py``,
+files served from a folder) and moto's S3 server on 127.0.0.1, each behind a
+proxy that holds every request a fixed time, writes a dataset to each, then
+runs a training loop with the **default** ``LoaderConfig`` and
+``StoreOptions`` (no prefetch or concurrency set) for each step time
+(``--step-times``) and added latency (``--delays``), each opening the dataset
+afresh (a cold cache):
+
+* the server's own ceiling: steps/s of a loop with ``prefetch=0`` and no added
+  latency or step time (moto's server answers tens of requests a second on a
+  busy machine, so its rows measure the server);
 
 * how long the first step and the later steps waited for their batch (the
   loop's own clock around ``next()``), the later ones as a share of the step;
@@ -46,7 +52,7 @@ import flat_tokens_jax as ftj
 from flat_tokens_jax.store import remote_bytes, remote_reads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from servers import DelayProxy, aws_profile, fake_gcs, free_port, moto_s3
+from servers import DelayProxy, aws_profile, fake_gcs, free_port, moto_s3, s3_files
 
 # List prices per 1,000 read requests (GCS Standard class B operations; S3
 # Standard GET), US regions, as published by Google and AWS.
@@ -61,6 +67,7 @@ class Where:
     url: str
     options: ftj.StoreOptions
     env: dict[str, str]
+    write_to: str | Path  # where the dataset is written: the url, or the stand-in's folder
 
 
 def _serve_proxy(target_port: int, pipe: Connection) -> None:
@@ -107,10 +114,14 @@ class ProxyProcess:
         self._process.join(10)
 
 
+NAMES = {"gcs": "fake-gcs-server", "s3": "S3 stand-in (tests/s3files.py)", "moto": "moto S3"}
+
+
 @contextlib.contextmanager
 def served(server: str, tmp: Path) -> Iterator[tuple[Where, ProxyProcess]]:
     """The server, a proxy in front of it, and how to reach the store through it."""
-    with fake_gcs() if server == "gcs" else moto_s3() as base:
+    starts = {"gcs": fake_gcs, "moto": moto_s3, "s3": lambda: s3_files(tmp / "files")}
+    with starts[server]() as base:
         proxy = ProxyProcess(int(base.rsplit(":", 1)[1]))
         through = f"http://127.0.0.1:{proxy.port}"
         if server == "gcs":
@@ -119,11 +130,14 @@ def served(server: str, tmp: Path) -> Iterator[tuple[Where, ProxyProcess]]:
                 "GOOGLE_AUTH_TOKEN_FOR_TESTING": "benchmark",
             }
             os.environ.update(env)
-            where = Where(server, "gs://bucket/ds", ftj.StoreOptions(), env)
+            where = Where(server, "gs://bucket/ds", ftj.StoreOptions(), env, "gs://bucket/ds")
         else:
             creds = aws_profile(tmp)
             options = ftj.StoreOptions(endpoint=through, region="us-east-1", credentials=creds)
-            where = Where(server, "s3://bucket/ds", options, {})
+            local = tmp / "files" / "bucket" / "ds"
+            where = Where(
+                server, "s3://bucket/ds", options, {}, local if server == "s3" else "s3://bucket/ds"
+            )
         with contextlib.closing(proxy):
             yield where, proxy
 
@@ -173,9 +187,11 @@ def loop(
 def write(where: Where, tokens: int) -> None:
     rng = np.random.default_rng(0)
     lengths = rng.integers(100, 3000, tokens // 1550)
-    ftj.write_dataset(
-        where.url, {"train": [rng.integers(0, 50_000, n) for n in lengths]}, options=where.options
-    )
+    seqs = {"train": [rng.integers(0, 50_000, n) for n in lengths]}
+    if isinstance(where.write_to, Path):
+        ftj.write_dataset(where.write_to, seqs)
+    else:
+        ftj.write_dataset(where.write_to, seqs, options=where.options)
 
 
 def single_host(
@@ -184,7 +200,7 @@ def single_host(
     cfg = ftj.LoaderConfig(batch_size=args.batch, seq_len=args.seq_len)
     proxy.delay = 0.0
     loop(where, cfg, 0.0, 5)  # this process's one-time costs (jax, numba), not reported
-    rows = []
+    rows: list[dict[str, Any]] = []
     for step_time in args.step_times:
         proxy.delay = 0.0
         base = loop(where, cfg, step_time, args.steps)
@@ -194,6 +210,15 @@ def single_host(
             trips = (got["first"] - base["first"]) / delay if delay else 0.0
             rows.append({**got, "delay": delay, "step_time": step_time, "trips": trips})
     return rows
+
+
+def ceiling(args: argparse.Namespace, where: Where, proxy: ProxyProcess) -> float:
+    """Steps/s the server gives a loop that reads one step at a time
+    (``prefetch=0``), with no added latency and no step time, once warm."""
+    cfg = ftj.LoaderConfig(batch_size=args.batch, seq_len=args.seq_len, prefetch=0)
+    proxy.delay = 0.0
+    got = loop(where, cfg, 0.0, 10)
+    return 10 / (got["took"] - got["first"])
 
 
 def worker(config: dict[str, Any], pid: int) -> None:
@@ -211,7 +236,7 @@ def worker(config: dict[str, Any], pid: int) -> None:
         process_id=pid,
     )
     options = ftj.StoreOptions(**config["options"])
-    where = Where(config["server"], config["url"], options, config["env"])
+    where = Where(config["server"], config["url"], options, config["env"], config["url"])
     cfg = ftj.LoaderConfig(batch_size=config["batch"], seq_len=config["seq_len"])
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
     got = loop(where, cfg, config["step_time"], config["steps"], NamedSharding(mesh, P("data")))
@@ -287,11 +312,14 @@ def bandwidth(args: argparse.Namespace, where: Where, proxy: ProxyProcess) -> di
     return {"cap": args.bandwidth, "rate": rate / 1e6}
 
 
-def print_rows(server: str, rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+def print_rows(
+    server: str, rows: list[dict[str, Any]], args: argparse.Namespace, top: float
+) -> None:
     print(
         f"\n{server} on 127.0.0.1 behind a delay proxy, batch {args.batch} x {args.seq_len}, "
         f"{args.tokens:,} tokens, default LoaderConfig and StoreOptions, a cold cache each row, "
-        f"{args.steps} steps after the first\n"
+        f"{args.steps} steps after the first; the server's ceiling: {top:.1f} steps/s "
+        f"({1e3 / top:.0f} ms a step) with prefetch=0, no added latency, no step time\n"
     )
     print(
         "| step | added latency | open | first step waited | in round trips | later steps "
@@ -312,7 +340,7 @@ def print_rows(server: str, rows: list[dict[str, Any]], args: argparse.Namespace
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--servers", nargs="+", choices=["gcs", "s3"], default=["gcs", "s3"])
+    parser.add_argument("--servers", nargs="+", choices=list(NAMES), default=list(NAMES))
     parser.add_argument("--delays", type=float, nargs="+", default=[0.02, 0.1, 0.25])
     parser.add_argument("--step-times", type=float, nargs="+", default=[0.05, 0.5])
     parser.add_argument("--batch", type=int, default=32)
@@ -330,11 +358,12 @@ def main() -> None:
     for server in args.servers:
         with tempfile.TemporaryDirectory() as tmp, served(server, Path(tmp)) as (where, proxy):
             write(where, args.tokens)
+            top = ceiling(args, where, proxy)
             rows = single_host(args, where, proxy)
             hosts = multi_host(args, where, proxy) if args.hosts else []
             bw = bandwidth(args, where, proxy) if args.bandwidth else None
-        name = "fake-gcs-server" if server == "gcs" else "moto S3"
-        print_rows(name, rows, args)
+        name = NAMES[server]
+        print_rows(name, rows, args, top)
         requests = float(np.mean([r["requests"] for r in rows if r["delay"]]))
         scheme = where.url[:2]
         per_trillion = requests * 1e12 / tokens

@@ -100,6 +100,25 @@ def moto_s3(bucket: str = "bucket") -> Iterator[str]:
 
 
 @contextlib.contextmanager
+def s3_files(folder: Path) -> Iterator[str]:
+    """A read-only S3 stand-in serving ``folder/BUCKET/KEY`` (see ``s3files.py``),
+    in a process of its own; yields its base URL."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("s3files.py")), str(folder), str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait_for(base, proc)
+        yield base
+    finally:
+        proc.terminate()  # its server processes end with it
+        proc.wait()
+
+
+@contextlib.contextmanager
 def moto_s3_with_auth(bucket: str = "bucket") -> Iterator[tuple[str, str, str]]:
     """moto's S3 server checking signatures, with ``bucket`` and one IAM user
     allowed everything; yields ``(base URL, access key id, secret key)``."""

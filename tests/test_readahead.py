@@ -204,7 +204,8 @@ def test_automatic_depth_gives_the_batches_of_no_read_ahead() -> None:
 
 def test_slow_fetches_keep_the_memory_budget() -> None:
     """A fetch slower than the trainer's step wants more steps in flight than
-    the budget holds: the steps in flight stay within it."""
+    the budget holds: the steps in flight reach it and stay within it (a
+    growth that did not pay may hold the depth below it afterwards)."""
     records = Logged(split(), delay=0.01)
     loader = ftj.Loader(records, cfg(read_ahead_bytes=3 * STEP_BYTES))
     depths = []
@@ -213,7 +214,7 @@ def test_slow_fetches_keep_the_memory_budget() -> None:
         if step == 12:
             break
     stats = loader.stats()
-    assert stats["depth_target"] == 3 and max(depths) == 3
+    assert stats["depth_target"] <= 3 and max(depths) == 3
     assert stats["read_ahead_bytes_peak"] <= 3 * STEP_BYTES
 
 
@@ -263,7 +264,7 @@ def test_stats_count_what_the_trainer_got() -> None:
     assert set(stats) == {
         "steps", "wait_first_s", "wait_last_s", "wait_mean_s", "wait_p99_s",
         "fetch_last_s", "fetch_mean_s", "decode_mean_s", "interval_mean_s", "depth",
-        "depth_target", "read_ahead_bytes_peak", "read_ahead_bytes", "requests",
+        "depth_target", "depth_ceiling", "read_ahead_bytes_peak", "read_ahead_bytes", "requests",
         "bytes_read", "tokens", "filtered_rows", "filtered_rows_last",
     }  # fmt: skip
     assert stats["steps"] == 10 and stats["tokens"] == 10 * BATCH * SEQ_LEN

@@ -1,0 +1,280 @@
+"""The automatic depth grows while it makes the store deliver steps faster, and
+only then: the trial policy on modelled fetch times, a loader over a modelled
+store bound by throughput or by latency, and a loader behind a proxy that caps
+bandwidth (the depth stays bounded) or only adds latency (it grows)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import memory_url
+from hypothesis import given
+from hypothesis import strategies as st
+from servers import DelayProxy, aws_profile, moto_s3
+
+import flat_tokens_jax as ftj
+from flat_tokens_jax.readahead import INITIAL_DEPTH
+from flat_tokens_jax.throughput import PAID, RETRIAL_FETCHES, TRIAL_FETCHES, DepthTrial
+
+
+def run_trial(trial: DepthTrial, fetch_of: dict[int, float], before: int, after: int) -> None:
+    """Fetches under ``before`` steps in flight, a growth to ``after``, and the
+    fetches it started, each taking ``fetch_of[depth]`` seconds."""
+    now = 0.0
+    for _ in range(TRIAL_FETCHES):
+        now += 1.0
+        trial.fetched(now - fetch_of[before], fetch_of[before])
+    trial.grew(before, after, now)
+    assert trial.cap() == after  # held while the trial runs
+    for i in range(max(TRIAL_FETCHES, after - before)):
+        trial.fetched(now + 0.001 * (i + 1), fetch_of[after])  # begun since the growth
+
+
+@given(
+    before=st.integers(1, 64),
+    grown=st.integers(1, 64),
+    latency=st.floats(0.01, 1.0),
+    per_step=st.floats(0.001, 1.0),
+)
+def test_a_growth_pays_on_latency_and_not_on_throughput(
+    before: int, grown: int, latency: float, per_step: float
+) -> None:
+    """A store bound by latency answers in ``latency`` whatever the depth: each
+    growth pays and no cap is set. One bound by throughput takes ``per_step``
+    per step in flight: the growth is undone, the cap is the depth before it."""
+    after = before + grown
+    by_latency = DepthTrial()
+    run_trial(by_latency, {before: latency, after: latency}, before, after)
+    assert by_latency.cap() is None and by_latency.failed == 0
+    by_throughput = DepthTrial()
+    run_trial(by_throughput, {before: before * per_step, after: after * per_step}, before, after)
+    assert by_throughput.cap() == before and by_throughput.failed == 1
+
+
+def test_a_growth_pays_when_its_rate_rises_by_half_its_share() -> None:
+    """From 4 to 8 steps the rate must rise 1 + PAID times: fetches of 1 s at 4,
+    so at 8 they pay up to 8 / (4 * (1 + PAID)) s and fail above."""
+    limit = 8 / (4 * (1 + PAID))
+    for fetch, paid in [(limit * 0.99, True), (limit * 1.01, False)]:
+        trial = DepthTrial()
+        run_trial(trial, {4: 1.0, 8: fetch}, 4, 8)
+        assert (trial.cap() is None) == paid
+
+
+def test_fetches_begun_before_a_growth_do_not_judge_it() -> None:
+    trial = DepthTrial()
+    for _ in range(TRIAL_FETCHES):
+        trial.fetched(0.0, 1.0)
+    trial.grew(2, 4, now=10.0)
+    for _ in range(10):
+        trial.fetched(9.0, 50.0)  # begun before the growth, slow
+    assert trial.cap() == 4 and trial.trials == 1  # still under trial
+
+
+def test_the_cap_is_lifted_for_a_new_trial_after_a_while() -> None:
+    trial = DepthTrial()
+    run_trial(trial, {2: 2.0, 4: 4.0}, 2, 4)
+    assert trial.cap() == 2
+    for _ in range(RETRIAL_FETCHES - 1):
+        trial.fetched(100.0, 2.0)
+    assert trial.cap() == 2
+    trial.fetched(100.0, 2.0)
+    assert trial.cap() is None
+
+
+def test_no_trial_before_a_fetch_ended() -> None:
+    trial = DepthTrial()
+    trial.grew(8, 16, now=0.0)
+    assert trial.cap() is None and trial.trials == 0
+
+
+SEQS = [[i % 97 + 1] * (i % 13 + 1) for i in range(600)]
+BATCH, SEQ = 4, 8
+
+
+class Modelled:
+    """Packed records read from a modelled object store: each read waits
+    ``latency`` seconds, after a server that serves one read at a time,
+    ``service`` seconds each, first come first served (a store bound by
+    throughput: at most ``1 / service`` steps a second)."""
+
+    def __init__(self, latency: float, service: float) -> None:
+        url = memory_url()
+        ftj.write_dataset(
+            url, {"train": SEQS}, layout=ftj.Layout(shard_tokens=256, chunk_tokens=16)
+        )
+        self.ft = ftj.open_dataset(url)["train"]  # not on local disk: fetched a thread a step
+        self.inner = ftj.PackedRecords(self.ft, SEQ)
+        self.seq_len, self.packed = SEQ, True
+        self.latency, self.service = latency, service
+        self._lock = threading.Lock()
+        self._free = 0.0  # when the server has served every read given to it
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __repr__(self) -> str:
+        return f"Modelled({self.inner!r})"
+
+    def read(self, indices: np.ndarray, columns: tuple[int, int] | None = None) -> Any:
+        with self._lock:
+            now = time.perf_counter()
+            self._free = max(now, self._free) + self.service
+            served = self._free
+        time.sleep(served - now + self.latency)
+        return self.inner.read(indices, columns)
+
+    def token_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self.inner.token_ranges(indices)
+
+    def fingerprint(self) -> dict[str, Any]:
+        return self.inner.fingerprint()
+
+
+def modelled_run(records: Modelled, steps: int, step_s: float = 0.0) -> list[tuple[int, int]]:
+    """``(depth_target, depth_ceiling)`` after each step of a trainer whose own
+    step takes ``step_s``; each batch checked against the same step read
+    without read-ahead."""
+    cfg = ftj.LoaderConfig(batch_size=BATCH, seq_len=SEQ, seed=7)
+    loader = ftj.Loader(records, cfg)
+    plain = ftj.Loader(
+        records.ft, ftj.LoaderConfig(batch_size=BATCH, seq_len=SEQ, seed=7, prefetch=0)
+    )
+    seen = []
+    for step, batch in loader.iterate(0):
+        time.sleep(step_s)
+        stats = loader.stats()
+        seen.append((int(stats["depth_target"]), int(stats.get("depth_ceiling", 0))))
+        for key, value in plain.host_batch(step).items():
+            np.testing.assert_array_equal(np.asarray(batch[key]), value)
+        if step + 1 == steps:
+            break
+    return seen
+
+
+def test_a_store_bound_by_throughput_caps_the_depth() -> None:
+    """A server of 33 steps a second and a trainer that wants more: every
+    growth makes each fetch slower in proportion, one is undone (a ceiling
+    shows in the stats), and the depth stays a few times the first one,
+    where depth read from fetch times alone climbs to its cap of 128."""
+    seen = modelled_run(Modelled(latency=0.0, service=0.03), 70)
+    assert max(c for _, c in seen) > 0, seen
+    assert max(d for d, _ in seen) <= 4 * INITIAL_DEPTH, seen
+
+
+def test_the_stall_warning_names_the_store_when_a_growth_did_not_pay(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The depth held by a trial is below what fetch times ask for, but
+    ``read_ahead_bytes`` is not what holds it: the warning names the store."""
+    records = Modelled(latency=0.0, service=0.03)
+    loader = ftj.Loader(records, ftj.LoaderConfig(batch_size=BATCH, seq_len=SEQ, seed=7))
+    with caplog.at_level(logging.WARNING, logger="flat_tokens_jax"):
+        for step, _ in loader.iterate(0):
+            time.sleep(0.005)  # a trainer's step, longer than a decode
+            if step == 120:
+                break
+    assert loader.stats()["depth_ceiling"] > 0
+    warnings = [r.getMessage() for r in caplog.records if r.name.startswith("flat_tokens_jax")]
+    assert len(warnings) == 1, warnings
+    assert "(bandwidth or store)" in warnings[0] and "read_ahead_bytes" not in warnings[0]
+
+
+def test_a_store_bound_by_latency_lets_the_depth_grow() -> None:
+    """Each read waits 100 ms whatever runs beside it and the trainer's step
+    is 5 ms: more steps in flight deliver more, and the depth grows past what
+    its first growth reaches."""
+    seen = modelled_run(Modelled(latency=0.1, service=0.0), 60, step_s=0.005)
+    assert max(d for d, _ in seen) > 2 * INITIAL_DEPTH, seen
+
+
+ROWS, SEQ_LEN = 4, 512
+# Two shards: their indexes are read early, and the steps after cost about the same.
+LAYOUT = ftj.Layout(shard_tokens=1 << 16, chunk_tokens=1 << 6)
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    url: str
+    local: Path
+    port: int
+    options: ftj.StoreOptions
+
+    @contextlib.contextmanager
+    def proxied(self, cache_bytes: int, **proxy: float) -> Iterator[ftj.StoreOptions]:
+        """Options that reach the server through a fresh :class:`DelayProxy`."""
+        through = DelayProxy(self.port, **proxy)  # type: ignore[arg-type]
+        try:
+            endpoint = f"http://127.0.0.1:{through.port}"
+            yield dataclasses.replace(self.options, endpoint=endpoint, cache_bytes=cache_bytes)
+        finally:
+            through.close()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(1, 1000, int(n)) for n in rng.integers(20, 400, 500)]
+    folder = tmp_path_factory.mktemp("throughput")
+    ftj.write_dataset(folder / "local", {"train": seqs}, layout=LAYOUT)
+    with moto_s3() as base:
+        options = ftj.StoreOptions(
+            endpoint=base, region="us-east-1", credentials=aws_profile(folder)
+        )
+        ftj.write_dataset("s3://bucket/ds", {"train": seqs}, layout=LAYOUT, options=options)
+        yield Served("s3://bucket/ds", folder / "local", int(base.rsplit(":", 1)[1]), options)
+
+
+def depths_over_a_run(
+    served: Served, options: ftj.StoreOptions, steps: int, step_s: float = 0.0
+) -> list[tuple[int, int]]:
+    """``(depth_target, depth_ceiling)`` after each step of a trainer whose
+    own step takes ``step_s``; the batches are those of the same steps on
+    local disk."""
+    cfg = ftj.LoaderConfig(batch_size=ROWS, seq_len=SEQ_LEN, seed=5)
+    loader = ftj.Loader(ftj.open_dataset(served.url, options)["train"], cfg)
+    seen, batches = [], []
+    for step, batch in loader.iterate(0):
+        batches.append(batch)
+        time.sleep(step_s)
+        stats = loader.stats()
+        seen.append((int(stats["depth_target"]), int(stats.get("depth_ceiling", 0))))
+        if step + 1 == steps:
+            break
+    here = ftj.Loader(ftj.open_dataset(served.local)["train"], cfg)
+    for step, batch in enumerate(batches):
+        for key, value in here.host_batch(step).items():
+            np.testing.assert_array_equal(np.asarray(batch[key]), value)
+    return seen
+
+
+@pytest.mark.remote
+def test_the_depth_stays_bounded_when_the_store_caps_throughput(served: Served) -> None:
+    """Answers capped at 200 kB/s (about 20 steps/s) and a trainer that wants
+    more: fetches slower than the trainer's step ask for ever more steps in
+    flight, but a growth only makes every fetch slower, so it is undone."""
+    # A small cache: every step reads its chunks through the proxy, also when
+    # a later epoch comes back to them (the store is 0.4 MB).
+    with served.proxied(1 << 16, delay=0.02, rate=200_000) as options:
+        seen = depths_over_a_run(served, options, 30)
+    assert max(c for _, c in seen) > 0, seen
+    assert max(d for d, _ in seen) <= 4 * INITIAL_DEPTH, seen
+
+
+@pytest.mark.remote
+def test_the_depth_still_grows_to_cover_latency(served: Served) -> None:
+    """+100 ms a request, no cap, and a trainer's step of 10 ms: more steps in
+    flight deliver more, and the depth grows past what the first growth
+    reaches."""
+    with served.proxied(ftj.StoreOptions().cache_bytes, delay=0.1) as options:
+        seen = depths_over_a_run(served, options, 40, step_s=0.01)
+    assert max(d for d, _ in seen) > 2 * INITIAL_DEPTH, seen

@@ -21,8 +21,8 @@ from flat_tokens_jax.convert.assemble import (
     make_plan,
     part_url,
 )
-from flat_tokens_jax.store import Store
-from flat_tokens_jax.writer import STAGING
+from flat_tokens_jax.data.writer import STAGING
+from flat_tokens_jax.store.store import Store
 
 _counter = itertools.count()
 

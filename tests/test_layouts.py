@@ -24,9 +24,9 @@ from test_binpack import GOLDEN_DIGEST
 from test_sharding import CASES, mesh
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.binpack import build_plan, plan_digest
-from flat_tokens_jax.grain import FlatTokensSource
-from flat_tokens_jax.show import build_loader, rows_of
+from flat_tokens_jax.data.binpack import build_plan, plan_digest
+from flat_tokens_jax.grain.grain import FlatTokensSource
+from flat_tokens_jax.tools.show import build_loader, rows_of
 
 LAYOUTS = ("fields", "segments", "tokens", "maxtext")
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from rawstore import SPEC_STARTS, SPEC_TOKENS, flat_split, write_raw
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax import validation
+from flat_tokens_jax.data import validation
 
 EMPTY = flat_split([], [0], 0)
 

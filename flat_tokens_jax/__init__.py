@@ -6,10 +6,10 @@ program imports only the modules, and the libraries behind them (jax,
 tensorstore), that it uses.
 
 The modules live in subpackages that follow the data's path (``core``,
-``store``, ``data``, ``sampling``, ``decode``, ``loader``, ``grain``,
+``store``, ``data``, ``sampling``, ``decoding``, ``loader``, ``grain``,
 ``convert``, ``tools``). A module's path from before the subpackages
 (``flat_tokens_jax.batch``) still imports the same module object, with a
-``DeprecationWarning`` that names its path now (``flat_tokens_jax.decode.batch``).
+``DeprecationWarning`` that names its path now (``flat_tokens_jax.decoding.batch``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from flat_tokens_jax.core.format import FormatError, Problem, decode, encode
     from flat_tokens_jax.data.bins import BinRecords
     from flat_tokens_jax.data.dataset import Dataset, FlatTokens, open_dataset
-    from flat_tokens_jax.decode.instancefilter import InstanceFilter
+    from flat_tokens_jax.decoding.instancefilter import InstanceFilter
     from flat_tokens_jax.loader.config import LoaderConfig
     from flat_tokens_jax.store.identity import DatasetInfo, TokenizerInfo
 
@@ -59,7 +59,7 @@ _HOMES = {
     "FlatTokens": "data.dataset",
     "FormatError": "core.format",
     "IndexSampler": "sampling.sampling",
-    "InstanceFilter": "decode.instancefilter",
+    "InstanceFilter": "decoding.instancefilter",
     "Layout": "store.layout",
     "Loader": "loader.loader",
     "LoaderConfig": "loader.config",
@@ -159,8 +159,8 @@ def _is_submodule(name: str) -> bool:
 # entry: the subpackage gives their names.
 _MOVED = {
     "arrays": "store",
-    "batch": "decode",
-    "batch_jax": "decode",
+    "batch": "decoding",
+    "batch_jax": "decoding",
     "binpack": "data",
     "bins": "data",
     "buffers": "core",
@@ -176,12 +176,12 @@ _MOVED = {
     "format": "core",
     "grainbatches": "grain",
     "grainprocess": "grain",
-    "hostdecode": "decode",
+    "hostdecode": "decoding",
     "identity": "store",
-    "instancefilter": "decode",
+    "instancefilter": "decoding",
     "kernels": "core",
     "layout": "store",
-    "layouts": "decode",
+    "layouts": "decoding",
     "limits": "core",
     "localshards": "store",
     "location": "store",
@@ -200,7 +200,7 @@ _MOVED = {
     "resume": "loader",
     "runplan": "loader",
     "schedule": "sampling",
-    "sharding": "decode",
+    "sharding": "decoding",
     "show": "tools",
     "stepsamples": "sampling",
     "urls": "core",

@@ -49,8 +49,8 @@ import numpy as np
 
 from flat_tokens_jax.core import compiled
 from flat_tokens_jax.data.records import Windows
-from flat_tokens_jax.decode.batch import FIELDS, packed_fields, packed_fields_jax, padded_fields
-from flat_tokens_jax.decode.hostdecode import BlockDecoder
+from flat_tokens_jax.decoding.batch import FIELDS, packed_fields, packed_fields_jax, padded_fields
+from flat_tokens_jax.decoding.hostdecode import BlockDecoder
 
 Fields = dict[str, np.ndarray]
 IDS = {"start_token_id": 0, "pad_id": 0}

@@ -66,7 +66,7 @@ import numpy as np
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.data.records import PaddedRecords, check_start_bits
-from flat_tokens_jax.decode.hostdecode import BlockDecoder
+from flat_tokens_jax.decoding.hostdecode import BlockDecoder
 
 
 def synthetic(num_tokens: int, seed: int = 0) -> Iterator[np.ndarray]:

@@ -127,7 +127,7 @@ def test_an_upward_import_is_reported() -> None:
 @pytest.mark.parametrize(
     ("old", "new"),
     [
-        ("flat_tokens_jax.batch", "flat_tokens_jax.decode.batch"),
+        ("flat_tokens_jax.batch", "flat_tokens_jax.decoding.batch"),
         ("flat_tokens_jax.records", "flat_tokens_jax.data.records"),
         ("flat_tokens_jax.format", "flat_tokens_jax.core.format"),
         ("flat_tokens_jax.phaseshow", "flat_tokens_jax.tools.phaseshow"),
@@ -162,3 +162,14 @@ def test_the_documented_import_paths_give_the_moved_names() -> None:
     assert Loader is loader
     assert remote_bytes is bytes_read and remote_reads.__module__ == "flat_tokens_jax.store.store"
     assert permute.__module__ == "flat_tokens_jax.sampling.sampling"
+
+
+def test_the_subpackages_leave_the_public_names_as_they_are() -> None:
+    """A subpackage, once imported, is an attribute of the package: none may be
+    named like a public name (``ftj.decode`` is a function)."""
+    importlib.import_module("flat_tokens_jax.decoding.batch")
+    folders = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert folders.isdisjoint(flat_tokens_jax.__all__)
+    assert callable(flat_tokens_jax.decode) and flat_tokens_jax.decode.__name__ == "decode"
+    for name in flat_tokens_jax.__all__:
+        assert getattr(flat_tokens_jax, name).__name__ == name

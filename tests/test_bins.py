@@ -19,7 +19,7 @@ import flat_tokens_jax as ftj
 from flat_tokens_jax.data import binpack
 from flat_tokens_jax.data.bins import BinRecords
 from flat_tokens_jax.data.plans import make_plan
-from flat_tokens_jax.decode.batch import FIELDS, bin_fields, bin_fields_jax, window_fields
+from flat_tokens_jax.decoding.batch import FIELDS, bin_fields, bin_fields_jax, window_fields
 from flat_tokens_jax.grain.grain import FlatTokensSource
 
 

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 import flat_tokens_jax as ftj
 from flat_tokens_jax.core import compiled
 from flat_tokens_jax.data.records import Windows
-from flat_tokens_jax.decode.batch import FIELDS, checked_windows, window_fields
-from flat_tokens_jax.decode.hostdecode import BlockDecoder, empty_fields
+from flat_tokens_jax.decoding.batch import FIELDS, checked_windows, window_fields
+from flat_tokens_jax.decoding.hostdecode import BlockDecoder, empty_fields
 
 kernels = compiled.kernels()
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,7 +178,7 @@ import sys
 sys.modules["numba"] = None  # import numba raises ImportError
 import numpy as np
 import flat_tokens_jax as ftj
-from flat_tokens_jax.decode.hostdecode import BlockDecoder
+from flat_tokens_jax.decoding.hostdecode import BlockDecoder
 ft = ftj.open_dataset({str(tmp_path)!r})["train"]
 loader = ftj.Loader(ft, ftj.LoaderConfig(batch_size=4, seq_len=8, seed=3))
 assert loader.block_decoder.kernel == "numpy", loader.block_decoder

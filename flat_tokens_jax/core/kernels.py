@@ -2,7 +2,7 @@
 out of memory-mapped shards, and decoding the five fields of a block of rows
 in one pass per row, both without the interpreter lock.
 
-The numpy decode (:mod:`~flat_tokens_jax.decode.batch`) makes several passes over a
+The numpy decode (:mod:`~flat_tokens_jax.decoding.batch`) makes several passes over a
 batch, each at memory speed, and holds the interpreter lock between them, so
 threads decoding row blocks side by side wait on each other. These kernels
 write each row's five fields in one loop over the row while it is in cache,
@@ -176,7 +176,7 @@ def decode_rows(
 
     Args:
         encoded, lengths, stored_mask: the batch's ``Windows`` as
-            :func:`~flat_tokens_jax.decode.batch.checked_windows` returns them.
+            :func:`~flat_tokens_jax.decoding.batch.checked_windows` returns them.
         packed: True, False or ``"bins"``, as for ``window_fields``.
         rows: ``(start, stop)`` rows to decode.
         start_token_id, pad_id: as for ``window_fields`` (each fits ``int32``).

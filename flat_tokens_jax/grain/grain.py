@@ -52,9 +52,9 @@ from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.data.bins import BINS, BinRecords, PackingPlan, check_packing, make_records
 from flat_tokens_jax.data.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.data.records import PackedRecords, PaddedRecords, Records, recorded_info
-from flat_tokens_jax.decode.hostdecode import BlockDecoder, default_threads
-from flat_tokens_jax.decode.instancefilter import InstanceFilter, apply_filter
-from flat_tokens_jax.decode.layouts import BatchLayout, row_starts
+from flat_tokens_jax.decoding.hostdecode import BlockDecoder, default_threads
+from flat_tokens_jax.decoding.instancefilter import InstanceFilter, apply_filter
+from flat_tokens_jax.decoding.layouts import BatchLayout, row_starts
 from flat_tokens_jax.grain.grainbatches import Batches
 from flat_tokens_jax.grain.grainprocess import prepare_grain
 from flat_tokens_jax.sampling.mixture import Mixture

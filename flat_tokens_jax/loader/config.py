@@ -21,8 +21,8 @@ from flat_tokens_jax.core.values import MAX_SEED, BadValue, integer, read_yaml
 from flat_tokens_jax.data.bins import BINS, make_records
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, check_source
-from flat_tokens_jax.decode.instancefilter import InstanceFilter
-from flat_tokens_jax.decode.layouts import LAYOUTS
+from flat_tokens_jax.decoding.instancefilter import InstanceFilter
+from flat_tokens_jax.decoding.layouts import LAYOUTS
 from flat_tokens_jax.sampling.schedule import BatchSchedule, BatchSizeSpec
 
 
@@ -105,7 +105,7 @@ class LoaderConfig:
             mapping of its fields, as YAML gives): rows that repeat an n-gram
             of up to ``max_period`` tokens ``max_count`` times back to back get
             ``loss_mask`` False on every column (OLMo's filter; see
-            :mod:`~flat_tokens_jax.decode.instancefilter`). Recommended for
+            :mod:`~flat_tokens_jax.decoding.instancefilter`). Recommended for
             pretraining on web data: ``InstanceFilter()``.
     """
 

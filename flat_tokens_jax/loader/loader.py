@@ -26,11 +26,11 @@ from flat_tokens_jax.data.bins import BinRecords
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.plans import default_cache_dir
 from flat_tokens_jax.data.records import Records, Windows, recorded_info, sources_of
-from flat_tokens_jax.decode.batch import padding_fields
-from flat_tokens_jax.decode.hostdecode import BlockDecoder, default_threads
-from flat_tokens_jax.decode.instancefilter import FilteredRows
-from flat_tokens_jax.decode.layouts import BatchLayout, row_starts
-from flat_tokens_jax.decode.sharding import Block, BlockData, HostPlan, host_plans
+from flat_tokens_jax.decoding.batch import padding_fields
+from flat_tokens_jax.decoding.hostdecode import BlockDecoder, default_threads
+from flat_tokens_jax.decoding.instancefilter import FilteredRows
+from flat_tokens_jax.decoding.layouts import BatchLayout, row_starts
+from flat_tokens_jax.decoding.sharding import Block, BlockData, HostPlan, host_plans
 from flat_tokens_jax.loader.config import (
     LoaderConfig,
     check_sharding,

@@ -27,7 +27,7 @@ from typing import Any, cast
 import jax
 import numpy as np
 
-from flat_tokens_jax.decode.sharding import HostPlan
+from flat_tokens_jax.decoding.sharding import HostPlan
 from flat_tokens_jax.loader.loader import Loader
 from flat_tokens_jax.loader.phases import Phase, check_phases, drawn, stream_key
 from flat_tokens_jax.loader.resume import UNRECORDED, StateMismatch, compare_state, state_step

@@ -18,7 +18,7 @@ Bins of whole sequences (``bin_fields``) are packed windows whose first column
 starts a sequence, followed by padding from the bin's length on.
 
 ``packed_fields``, ``padded_fields`` and ``bin_fields`` run on the host in
-numpy; their ``_jax`` twins (in :mod:`~flat_tokens_jax.decode.batch_jax`, importable
+numpy; their ``_jax`` twins (in :mod:`~flat_tokens_jax.decoding.batch_jax`, importable
 from here too) compute the same values with jax ops inside ``jax.jit``, for
 decoding on the accelerator.
 """
@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from flat_tokens_jax.data.records import Windows
-from flat_tokens_jax.decode.batch_jax import bin_fields_jax, packed_fields_jax, padded_fields_jax
+from flat_tokens_jax.decoding.batch_jax import bin_fields_jax, packed_fields_jax, padded_fields_jax
 
 __all__ = [
     "FIELDS",

@@ -22,7 +22,7 @@ from flat_tokens_jax.core import compiled
 from flat_tokens_jax.core.buffers import Buffers
 from flat_tokens_jax.core.extras import install_hint
 from flat_tokens_jax.data.records import Windows
-from flat_tokens_jax.decode import batch as fields
+from flat_tokens_jax.decoding import batch as fields
 
 _PAGE = 4096
 _STAGGER = 768  # a multiple of 64; five fields stay at distinct offsets modulo _PAGE

@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flat_tokens_jax.decode.batch_jax import bin_fields_jax, packed_fields_jax, padded_fields_jax
-from flat_tokens_jax.decode.instancefilter import InstanceFilter, apply_filter_jax
-from flat_tokens_jax.decode.layouts import PLAIN, WHOLE_ROWS, BatchLayout
+from flat_tokens_jax.decoding.batch_jax import bin_fields_jax, packed_fields_jax, padded_fields_jax
+from flat_tokens_jax.decoding.instancefilter import InstanceFilter, apply_filter_jax
+from flat_tokens_jax.decoding.layouts import PLAIN, WHOLE_ROWS, BatchLayout
 from flat_tokens_jax.sampling.schedule import BatchSchedule
 
 

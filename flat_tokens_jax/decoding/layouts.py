@@ -177,7 +177,7 @@ class BatchLayout:
     ) -> None:
         """Refuses rows of more runs than ``max_segments`` in blocks read for
         decoding on the devices (``data``: ``Block`` to ``BlockData``, see
-        :mod:`~flat_tokens_jax.decode.sharding`), counted over the columns read: the
+        :mod:`~flat_tokens_jax.decoding.sharding`), counted over the columns read: the
         decode inside ``jax.jit`` cannot raise."""
         if self.max_segments is None:
             return

@@ -1,6 +1,6 @@
 """Model fields from encoded tokens in jax ops, to decode on the accelerator.
 
-The ``_jax`` twins of :mod:`~flat_tokens_jax.decode.batch`'s numpy decoders: the same
+The ``_jax`` twins of :mod:`~flat_tokens_jax.decoding.batch`'s numpy decoders: the same
 five fields with the same values, computed inside ``jax.jit`` with static
 shapes (see that module for what the fields are).
 """

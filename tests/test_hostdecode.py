@@ -13,6 +13,7 @@ from reference import reference_batch
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.core.buffers import Buffers
+from flat_tokens_jax.data.records import Windows
 from flat_tokens_jax.decoding.batch import FIELDS, window_fields
 from flat_tokens_jax.decoding.hostdecode import BlockDecoder, empty_fields
 
@@ -141,7 +142,7 @@ def test_fields_are_aligned_so_jax_uses_them_in_place() -> None:
 
 
 def test_out_arrays_are_checked() -> None:
-    windows = ftj.records.Windows(np.zeros((2, 5), np.uint32))
+    windows = Windows(np.zeros((2, 5), np.uint32))
     bad = {k: np.zeros((2, 4), np.int32) for k in FIELDS}
     want = r"out\['loss_mask'\] must be a C-contiguous \[2, 4\] bool"
     with pytest.raises(ValueError, match=want):

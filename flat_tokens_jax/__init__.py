@@ -214,6 +214,9 @@ _MOVED = {
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Imports ``flat_tokens_jax.<old name>`` as the moved module, with a warning."""
 
+    def __init__(self) -> None:
+        self._specs: dict[str, importlib.machinery.ModuleSpec | None] = {}
+
     def find_spec(
         self, fullname: str, path: Any = None, target: types.ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
@@ -221,9 +224,6 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if package != __name__ or name not in _MOVED:
             return None
         return importlib.machinery.ModuleSpec(fullname, self)
-
-    def __init__(self) -> None:
-        self._specs: dict[str, importlib.machinery.ModuleSpec | None] = {}
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         module = importlib.import_module(_new_name(spec.name))

@@ -54,7 +54,11 @@ def imported(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+            names.update(
+                f"{node.module}.{alias.name}"
+                for alias in node.names
+                if _exists(f"{node.module}.{alias.name}")
+            )
         elif isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif (
@@ -66,20 +70,18 @@ def imported(path: Path) -> set[str]:
             and isinstance(node.args[0].value, str)
         ):
             names.add(node.args[0].value)
-    return {name for name in names if _exists(name)}
+    return {name for name in names if name.split(".")[0] == "flat_tokens_jax"}
 
 
 def _exists(name: str) -> bool:
-    parts = name.split(".")
-    if parts[0] != "flat_tokens_jax":
-        return False
-    where = ROOT.joinpath(*parts)
+    where = ROOT.joinpath(*name.split("."))
     return where.with_suffix(".py").is_file() or (where / "__init__.py").is_file()
 
 
 def upward_imports(table: list[tuple[str, list[str]]], graph: dict[str, set[str]]) -> list[str]:
     """The imports in ``graph`` that go up ``table``: to a later row, to a later
-    module of the same row, or to the package root (only the top may)."""
+    module of the same row, or to the package root (only the top may); and those
+    of a path that is no module (an old path, before the subpackages)."""
     rank: dict[str, tuple[int, int]] = {"flat_tokens_jax": (len(table), 0)}
     for row, (place, modules) in enumerate(table):
         if place.endswith("/"):
@@ -89,7 +91,9 @@ def upward_imports(table: list[tuple[str, list[str]]], graph: dict[str, set[str]
     found = []
     for source, targets in sorted(graph.items()):
         for target in sorted(targets):
-            if target != source and rank[target] >= rank[source]:
+            if target not in rank:
+                found.append(f"{source} imports {target}, which is no module of the table")
+            elif target != source and rank[target] >= rank[source]:
                 found.append(f"{source} imports {target}, which the table puts after it")
     return found
 
@@ -116,11 +120,14 @@ def test_an_upward_import_is_reported() -> None:
         "flat_tokens_jax.core.format": {"flat_tokens_jax.store.store"},
         "flat_tokens_jax.store.store": {"flat_tokens_jax.core.format"},
         "flat_tokens_jax.data.records": {"flat_tokens_jax"},
+        "flat_tokens_jax.loader.feed": {"flat_tokens_jax.readahead"},
     }
     assert upward_imports(table, graph) == [
         "flat_tokens_jax.core.format imports flat_tokens_jax.store.store,"
         " which the table puts after it",
         "flat_tokens_jax.data.records imports flat_tokens_jax, which the table puts after it",
+        "flat_tokens_jax.loader.feed imports flat_tokens_jax.readahead,"
+        " which is no module of the table",
     ]
 
 

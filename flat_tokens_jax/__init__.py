@@ -4,79 +4,90 @@ The names below are imported on first use (``ftj.Loader``, ``from flat_tokens_ja
 import Loader``), so ``import flat_tokens_jax`` costs almost nothing and a
 program imports only the modules, and the libraries behind them (jax,
 tensorstore), that it uses.
+
+The modules live in subpackages that follow the data's path (``core``,
+``store``, ``data``, ``sampling``, ``decoding``, ``loader``, ``grain``,
+``convert``, ``tools``). A module's path from before the subpackages
+(``flat_tokens_jax.batch``) still imports the same module object, with a
+``DeprecationWarning`` that names its path now (``flat_tokens_jax.decoding.batch``).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import importlib.util
+import sys
+import types
+import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from flat_tokens_jax.bins import BinRecords
-    from flat_tokens_jax.config import LoaderConfig
-    from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
-    from flat_tokens_jax.format import FormatError, Problem, decode, encode
-    from flat_tokens_jax.identity import DatasetInfo, TokenizerInfo
-    from flat_tokens_jax.instancefilter import InstanceFilter
+    from flat_tokens_jax.core.format import FormatError, Problem, decode, encode
+    from flat_tokens_jax.data.bins import BinRecords
+    from flat_tokens_jax.data.dataset import Dataset, FlatTokens, open_dataset
+    from flat_tokens_jax.decoding.instancefilter import InstanceFilter
+    from flat_tokens_jax.loader.config import LoaderConfig
+    from flat_tokens_jax.store.identity import DatasetInfo, TokenizerInfo
 
     __version__: str
-    from flat_tokens_jax.layout import Layout
-    from flat_tokens_jax.loader import Loader, StateMismatch
-    from flat_tokens_jax.location import OverwriteNeeded
-    from flat_tokens_jax.mixconfig import mixture_from_config
-    from flat_tokens_jax.mixture import Mixture
-    from flat_tokens_jax.options import StoreError, StoreOptions
-    from flat_tokens_jax.phaseconfig import phases_from_config, phases_from_yaml
-    from flat_tokens_jax.phasedloader import PhasedLoader
-    from flat_tokens_jax.phases import Phase
-    from flat_tokens_jax.plans import PackingPlan, pack_dataset
-    from flat_tokens_jax.records import PackedRecords, PaddedRecords, Records
-    from flat_tokens_jax.sampling import EpochsExhausted, IndexSampler, permute
-    from flat_tokens_jax.schedule import BatchSchedule
-    from flat_tokens_jax.validation import summary, validate
-    from flat_tokens_jax.writer import DatasetWriter, write_dataset
+    from flat_tokens_jax.data.plans import PackingPlan, pack_dataset
+    from flat_tokens_jax.data.records import PackedRecords, PaddedRecords, Records
+    from flat_tokens_jax.data.validation import summary, validate
+    from flat_tokens_jax.data.writer import DatasetWriter, write_dataset
+    from flat_tokens_jax.loader.loader import Loader, StateMismatch
+    from flat_tokens_jax.loader.phaseconfig import phases_from_config, phases_from_yaml
+    from flat_tokens_jax.loader.phasedloader import PhasedLoader
+    from flat_tokens_jax.loader.phases import Phase
+    from flat_tokens_jax.sampling.mixconfig import mixture_from_config
+    from flat_tokens_jax.sampling.mixture import Mixture
+    from flat_tokens_jax.sampling.sampling import EpochsExhausted, IndexSampler, permute
+    from flat_tokens_jax.sampling.schedule import BatchSchedule
+    from flat_tokens_jax.store.layout import Layout
+    from flat_tokens_jax.store.location import OverwriteNeeded
+    from flat_tokens_jax.store.options import StoreError, StoreOptions
 
 # Public name: the module that defines it.
 _HOMES = {
-    "BatchSchedule": "schedule",
-    "BinRecords": "bins",
-    "Dataset": "dataset",
-    "DatasetInfo": "identity",
-    "DatasetWriter": "writer",
-    "EpochsExhausted": "sampling",
-    "FlatTokens": "dataset",
-    "FormatError": "format",
-    "IndexSampler": "sampling",
-    "InstanceFilter": "instancefilter",
-    "Layout": "layout",
-    "Loader": "loader",
-    "LoaderConfig": "config",
-    "Mixture": "mixture",
-    "OverwriteNeeded": "location",
-    "PackedRecords": "records",
-    "PackingPlan": "plans",
-    "PaddedRecords": "records",
-    "Phase": "phases",
-    "PhasedLoader": "phasedloader",
-    "Problem": "format",
-    "Records": "records",
-    "StateMismatch": "loader",
-    "StoreError": "options",
-    "StoreOptions": "options",
-    "TokenizerInfo": "identity",
-    "decode": "format",
-    "encode": "format",
-    "library_version": "identity",
-    "mixture_from_config": "mixconfig",
-    "open_dataset": "dataset",
-    "pack_dataset": "plans",
-    "permute": "sampling",
-    "phases_from_config": "phaseconfig",
-    "phases_from_yaml": "phaseconfig",
-    "summary": "validation",
-    "validate": "validation",
-    "write_dataset": "writer",
+    "BatchSchedule": "sampling.schedule",
+    "BinRecords": "data.bins",
+    "Dataset": "data.dataset",
+    "DatasetInfo": "store.identity",
+    "DatasetWriter": "data.writer",
+    "EpochsExhausted": "sampling.sampling",
+    "FlatTokens": "data.dataset",
+    "FormatError": "core.format",
+    "IndexSampler": "sampling.sampling",
+    "InstanceFilter": "decoding.instancefilter",
+    "Layout": "store.layout",
+    "Loader": "loader.loader",
+    "LoaderConfig": "loader.config",
+    "Mixture": "sampling.mixture",
+    "OverwriteNeeded": "store.location",
+    "PackedRecords": "data.records",
+    "PackingPlan": "data.plans",
+    "PaddedRecords": "data.records",
+    "Phase": "loader.phases",
+    "PhasedLoader": "loader.phasedloader",
+    "Problem": "core.format",
+    "Records": "data.records",
+    "StateMismatch": "loader.loader",
+    "StoreError": "store.options",
+    "StoreOptions": "store.options",
+    "TokenizerInfo": "store.identity",
+    "decode": "core.format",
+    "encode": "core.format",
+    "library_version": "store.identity",
+    "mixture_from_config": "sampling.mixconfig",
+    "open_dataset": "data.dataset",
+    "pack_dataset": "data.plans",
+    "permute": "sampling.sampling",
+    "phases_from_config": "loader.phaseconfig",
+    "phases_from_yaml": "loader.phaseconfig",
+    "summary": "data.validation",
+    "validate": "data.validation",
+    "write_dataset": "data.writer",
 }
 
 __all__ = [
@@ -126,7 +137,7 @@ def __getattr__(name: str) -> Any:
     if home is not None:
         value = getattr(importlib.import_module(f"flat_tokens_jax.{home}"), name)
     elif name == "__version__":
-        value = importlib.import_module("flat_tokens_jax.identity").library_version()
+        value = importlib.import_module("flat_tokens_jax.store.identity").library_version()
     elif name.isidentifier() and not name.startswith("_") and _is_submodule(name):
         value = importlib.import_module(f"flat_tokens_jax.{name}")
     else:
@@ -141,3 +152,99 @@ def __dir__() -> list[str]:
 
 def _is_submodule(name: str) -> bool:
     return importlib.util.find_spec(f"flat_tokens_jax.{name}") is not None
+
+
+# A module's name before the subpackages: the subpackage that holds it now. The
+# modules named like their subpackage (store, loader, sampling, grain) need no
+# entry: the subpackage gives their names.
+_MOVED = {
+    "arrays": "store",
+    "batch": "decoding",
+    "batch_jax": "decoding",
+    "binpack": "data",
+    "bins": "data",
+    "buffers": "core",
+    "claim": "store",
+    "compiled": "core",
+    "concurrently": "core",
+    "config": "loader",
+    "dataset": "data",
+    "digests": "store",
+    "extras": "core",
+    "feed": "loader",
+    "filterkernel": "core",
+    "format": "core",
+    "grainbatches": "grain",
+    "grainprocess": "grain",
+    "hostdecode": "decoding",
+    "identity": "store",
+    "instancefilter": "decoding",
+    "kernels": "core",
+    "layout": "store",
+    "layouts": "decoding",
+    "limits": "core",
+    "localshards": "store",
+    "location": "store",
+    "mixconfig": "sampling",
+    "mixture": "sampling",
+    "options": "store",
+    "phaseconfig": "loader",
+    "phasedloader": "loader",
+    "phases": "loader",
+    "phaseshow": "tools",
+    "pipeline": "loader",
+    "plans": "data",
+    "probes": "store",
+    "readahead": "loader",
+    "records": "data",
+    "resume": "loader",
+    "runplan": "loader",
+    "schedule": "sampling",
+    "sharding": "decoding",
+    "show": "tools",
+    "stepsamples": "sampling",
+    "urls": "core",
+    "validation": "data",
+    "values": "core",
+    "writer": "data",
+    "zarrpython": "store",
+}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports ``flat_tokens_jax.<old name>`` as the moved module, with a warning."""
+
+    def __init__(self) -> None:
+        self._specs: dict[str, importlib.machinery.ModuleSpec | None] = {}
+
+    def find_spec(
+        self, fullname: str, path: Any = None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        package, _, name = fullname.rpartition(".")
+        if package != __name__ or name not in _MOVED:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = importlib.import_module(_new_name(spec.name))
+        self._specs[module.__name__] = module.__spec__
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        # The import system gave the moved module the old name's spec: give its own back.
+        new = module.__name__
+        module.__spec__ = self._specs.pop(new)
+        warnings.warn(
+            f"{__name__}.{new.rpartition('.')[2]} is now {new}: import it from there",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+
+
+def _new_name(old: str) -> str:
+    name = old.rpartition(".")[2]
+    return f"{__name__}.{_MOVED[name]}.{name}"
+
+
+if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _MovedModules())

@@ -11,7 +11,6 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from flat_tokens_jax import phaseshow, runplan, show
 from flat_tokens_jax.convert import chat, megatron, merge, text
 from flat_tokens_jax.convert.commands import (
     add_store_flags,
@@ -21,15 +20,17 @@ from flat_tokens_jax.convert.commands import (
     store_options,
 )
 from flat_tokens_jax.convert.tokenizer import load_tokenizer
-from flat_tokens_jax.format import FormatError
-from flat_tokens_jax.identity import library_version, tokenizer_info
-from flat_tokens_jax.loader import Loader
-from flat_tokens_jax.options import StoreError
-from flat_tokens_jax.plans import pack_dataset, plan_group
-from flat_tokens_jax.records import recorded_info
-from flat_tokens_jax.urls import redact_text
-from flat_tokens_jax.validation import summary, validate
-from flat_tokens_jax.values import read_yaml
+from flat_tokens_jax.core.format import FormatError
+from flat_tokens_jax.core.urls import redact_text
+from flat_tokens_jax.core.values import read_yaml
+from flat_tokens_jax.data.plans import pack_dataset, plan_group
+from flat_tokens_jax.data.records import recorded_info
+from flat_tokens_jax.data.validation import summary, validate
+from flat_tokens_jax.loader import runplan
+from flat_tokens_jax.loader.loader import Loader
+from flat_tokens_jax.store.identity import library_version, tokenizer_info
+from flat_tokens_jax.store.options import StoreError
+from flat_tokens_jax.tools import phaseshow, show
 
 
 def _store_args(parser: argparse.ArgumentParser) -> None:

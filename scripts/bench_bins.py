@@ -3,7 +3,7 @@
 Measures, side by side in one run:
 
 * packing efficiency (non-padding tokens / all tokens) of padded rows (one
-  sequence per row), our bins (:data:`flat_tokens_jax.binpack.ALGORITHM`), and
+  sequence per row), our bins (:data:`flat_tokens_jax.data.binpack.ALGORITHM`), and
   a reference first-fit-decreasing over the whole split (exact FFD with a
   segment tree over the bins' free space), on (a) chat conversations made
   with ``convert-chat`` from the paragraphs of ``../shared/data/corpus.jsonl``
@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.binpack import ALGORITHM, build_plan
 from flat_tokens_jax.convert.chat import ChatTemplate, convert_chat
+from flat_tokens_jax.data.binpack import ALGORITHM, build_plan
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 PHI3 = {
@@ -126,7 +126,7 @@ def chat_dataset(out: Path) -> Path:
 _PLAN_COST = """
 import json, sys, time
 import numpy as np
-from flat_tokens_jax.binpack import build_plan
+from flat_tokens_jax.data.binpack import build_plan
 n, seq_len = int(sys.argv[1]), int(sys.argv[2])
 rng = np.random.default_rng(1)
 lengths = np.empty(n, np.int64)

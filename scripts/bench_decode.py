@@ -47,10 +47,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from flat_tokens_jax import compiled
-from flat_tokens_jax.batch import FIELDS, packed_fields, packed_fields_jax, padded_fields
-from flat_tokens_jax.hostdecode import BlockDecoder
-from flat_tokens_jax.records import Windows
+from flat_tokens_jax.core import compiled
+from flat_tokens_jax.data.records import Windows
+from flat_tokens_jax.decoding.batch import FIELDS, packed_fields, packed_fields_jax, padded_fields
+from flat_tokens_jax.decoding.hostdecode import BlockDecoder
 
 Fields = dict[str, np.ndarray]
 IDS = {"start_token_id": 0, "pad_id": 0}
@@ -58,7 +58,7 @@ FIRST_DECODE = """
 import sys, time
 import numpy as np
 t = time.perf_counter()
-from flat_tokens_jax import compiled
+from flat_tokens_jax.core import compiled
 kernels = compiled.kernels()
 imported = time.perf_counter() - t
 w = np.zeros((4, 9), np.uint32)

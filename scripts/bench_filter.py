@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax import compiled
+from flat_tokens_jax.core import compiled
 
 
 def synthetic(num_tokens: int, repeated: float, seed: int = 0) -> Iterator[np.ndarray]:

@@ -43,7 +43,7 @@ import grain
 from absl import flags
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.grain import FlatTokensSource
+from flat_tokens_jax.grain.grain import FlatTokensSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_loader import synthetic

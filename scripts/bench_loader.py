@@ -32,8 +32,8 @@ checksums`` is the same layout without them, to measure their write and read
 cost. ``--padded`` reads padded rows (one sequence per row) and also times the
 integrity checks of a padded read alone (``seq_starts`` bounds and start
 bits), as a fraction of ``host_batch``. Both modes time the shard-probe
-checks and the chunk-digest checks of a read alone (:mod:`flat_tokens_jax.probes`,
-:mod:`flat_tokens_jax.digests`, after each shard's or chunk's first touch) as a
+checks and the chunk-digest checks of a read alone (:mod:`flat_tokens_jax.store.probes`,
+:mod:`flat_tokens_jax.store.digests`, after each shard's or chunk's first touch) as a
 fraction of ``host_batch``, and the chunk-digest checks alone when every
 token chunk a step reads is a first touch (each step's chunks checked afresh:
 the worst case, a run's first pass over a store larger than its steps read;
@@ -65,8 +65,8 @@ import jax
 import numpy as np
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.hostdecode import BlockDecoder
-from flat_tokens_jax.records import PaddedRecords, check_start_bits
+from flat_tokens_jax.data.records import PaddedRecords, check_start_bits
+from flat_tokens_jax.decoding.hostdecode import BlockDecoder
 
 
 def synthetic(num_tokens: int, seed: int = 0) -> Iterator[np.ndarray]:

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.store import remote_bytes, remote_reads
+from flat_tokens_jax.store.store import remote_bytes, remote_reads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from servers import DelayProxy, aws_profile, fake_gcs, free_port, moto_s3, s3_files

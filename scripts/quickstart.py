@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.show import row_text, where
+from flat_tokens_jax.tools.show import row_text, where
 
 TEXTS = [
     "It was the best of times, it was the worst of times.",

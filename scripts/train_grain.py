@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.grain import FlatTokensSource
+from flat_tokens_jax.grain.grain import FlatTokensSource
 
 
 def loss_fn(params: dict[str, jax.Array], batch: dict[str, jax.Array]) -> jax.Array:

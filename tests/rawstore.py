@@ -10,8 +10,8 @@ import numcodecs
 import numpy as np
 import zarr
 
-from flat_tokens_jax.options import StoreOptions
-from flat_tokens_jax.store import Store
+from flat_tokens_jax.store.options import StoreOptions
+from flat_tokens_jax.store.store import Store
 
 
 def write_raw(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flat_tokens_jax.sampling import permute
+from flat_tokens_jax.sampling.sampling import permute
 
 
 def packed_row(

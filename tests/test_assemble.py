@@ -21,8 +21,9 @@ from flat_tokens_jax.convert.assemble import (
     make_plan,
     part_url,
 )
-from flat_tokens_jax.store import Store
-from flat_tokens_jax.writer import STAGING
+from flat_tokens_jax.core.format import SPLITS
+from flat_tokens_jax.data.writer import STAGING
+from flat_tokens_jax.store.store import Store
 
 _counter = itertools.count()
 
@@ -57,7 +58,7 @@ def assemble_all(output: str, infos: list[PartInfo], layout: ftj.Layout, seed: i
 
 def reference(url: str, parts: list[dict[str, Split]], layout: ftj.Layout) -> None:
     with ftj.DatasetWriter(url, layout=layout) as w:
-        for name in ftj.format.SPLITS:
+        for name in SPLITS:
             for splits in parts:
                 for seq, mask in splits.get(name, []):
                     w.append(name, seq, mask)

@@ -1,4 +1,5 @@
-"""Tests for ``flat_tokens_jax.batch``: golden rows, a per-token reference, stored masks."""
+"""Tests for ``flat_tokens_jax.decoding.batch``: golden rows, a per-token reference, stored
+masks."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flat_tokens_jax.batch import (
+from flat_tokens_jax.decoding.batch import (
     FIELDS,
     _fill_runs,
     packed_fields,

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flat_tokens_jax import binpack
-from flat_tokens_jax.binpack import build_plan, plan_digest
+from flat_tokens_jax.data import binpack
+from flat_tokens_jax.data.binpack import build_plan, plan_digest
 
 
 def reference_plan(lengths: list[int], seq_len: int) -> list[list[int]]:

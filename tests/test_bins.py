@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from reference import bin_row
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax import binpack
-from flat_tokens_jax.batch import FIELDS, bin_fields, bin_fields_jax, window_fields
-from flat_tokens_jax.bins import BinRecords
-from flat_tokens_jax.grain import FlatTokensSource
-from flat_tokens_jax.plans import make_plan
+from flat_tokens_jax.data import binpack
+from flat_tokens_jax.data.bins import BinRecords
+from flat_tokens_jax.data.plans import make_plan
+from flat_tokens_jax.decoding.batch import FIELDS, bin_fields, bin_fields_jax, window_fields
+from flat_tokens_jax.grain.grain import FlatTokensSource
 
 
 def split_of(seqs: list[list[int]], masks: list[list[int]] | None = None) -> ftj.FlatTokens:

@@ -14,7 +14,7 @@ import pytest
 from servers import Record, RecordingProxy, aws_profile, moto_s3, rounds, timeline
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.mixconfig import mixture_from_config
+from flat_tokens_jax.sampling.mixconfig import mixture_from_config
 
 pytestmark = pytest.mark.remote
 DELAY = 0.3  # per request: above the time a busy machine takes to issue a round's requests

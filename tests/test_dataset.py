@@ -1,4 +1,4 @@
-"""flat_tokens_jax.dataset: FlatTokens refuses indices that are not integers."""
+"""flat_tokens_jax.data.dataset: FlatTokens refuses indices that are not integers."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flat_tokens_jax import format as fmt
+from flat_tokens_jax.core import format as fmt
 
 MAX = fmt.MAX_TOKEN_ID
 sequences = st.lists(st.lists(st.integers(0, MAX), min_size=1, max_size=20), max_size=20)

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from reference import packed_row, padded_row, reference_batch
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.grain import FlatTokensSource, ScheduledBatches
-from flat_tokens_jax.records import Windows
+from flat_tokens_jax.data.records import Windows
+from flat_tokens_jax.grain.grain import FlatTokensSource, ScheduledBatches
 
 SEQ_LEN = 16
 GRAIN_VERSION = tuple(int(p) for p in importlib.metadata.version("grain").split(".")[:3])
@@ -308,7 +308,7 @@ def test_reads_per_batch(path: Path) -> None:
     firsts = [per_record[i] for i in range(3)]
     assert records.reads == 3 * batch, (
         "grain's MapDataset.batch now reads through _getitems: update the read "
-        "costs in flat_tokens_jax/grain.py and the README"
+        "costs in flat_tokens_jax/grain/grain.py and the README"
     )
 
     records.reads = 0
@@ -380,7 +380,7 @@ import sys
 import grain
 import numpy as np
 from absl import flags
-from flat_tokens_jax.grain import FlatTokensSource
+from flat_tokens_jax.grain.grain import FlatTokensSource
 
 if __name__ == "__main__":
     path, out, parsed = sys.argv[1], sys.argv[2], sys.argv[3] == "parsed"

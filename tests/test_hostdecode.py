@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 from reference import reference_batch
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.batch import FIELDS, window_fields
-from flat_tokens_jax.buffers import Buffers
-from flat_tokens_jax.hostdecode import BlockDecoder, empty_fields
+from flat_tokens_jax.core.buffers import Buffers
+from flat_tokens_jax.data.records import Windows
+from flat_tokens_jax.decoding.batch import FIELDS, window_fields
+from flat_tokens_jax.decoding.hostdecode import BlockDecoder, empty_fields
 
 datasets = st.lists(
     st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=15), min_size=1, max_size=25
@@ -141,7 +142,7 @@ def test_fields_are_aligned_so_jax_uses_them_in_place() -> None:
 
 
 def test_out_arrays_are_checked() -> None:
-    windows = ftj.records.Windows(np.zeros((2, 5), np.uint32))
+    windows = Windows(np.zeros((2, 5), np.uint32))
     bad = {k: np.zeros((2, 4), np.int32) for k in FIELDS}
     want = r"out\['loss_mask'\] must be a C-contiguous \[2, 4\] bool"
     with pytest.raises(ValueError, match=want):

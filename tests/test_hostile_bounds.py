@@ -24,11 +24,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.binpack import build_plan
-from flat_tokens_jax.bins import BinRecords
-from flat_tokens_jax.layout import Layout, create_array
-from flat_tokens_jax.plans import PLAN_ARRAYS, PLAN_ATTRIBUTE, PackingPlan, make_plan, plan_group
-from flat_tokens_jax.validation import summary
+from flat_tokens_jax.data.binpack import build_plan
+from flat_tokens_jax.data.bins import BinRecords
+from flat_tokens_jax.data.plans import (
+    PLAN_ARRAYS,
+    PLAN_ATTRIBUTE,
+    PackingPlan,
+    make_plan,
+    plan_group,
+)
+from flat_tokens_jax.data.validation import summary
+from flat_tokens_jax.store.layout import Layout, create_array
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 3 << 30  # address space of a subprocess: the old code ran out of it, not of the machine
@@ -124,7 +130,7 @@ def test_a_grain_source_refuses_rows_over_memory_before_building(tmp_path: Path)
     url = write(tmp_path / "ds", lengths_of(50), validation=lengths_of(20, 1))
     code, out = python(
         f"""
-        from flat_tokens_jax.grain import FlatTokensSource
+        from flat_tokens_jax.grain.grain import FlatTokensSource
         for packing in ("bins", True, False):
             try:
                 FlatTokensSource({str(url)!r}, 10**12, packing)
@@ -150,7 +156,7 @@ def test_loaders_refuse_steps_over_memory_before_allocating(tmp_path: Path) -> N
     code, out = python(
         f"""
         import flat_tokens_jax as ftj
-        from flat_tokens_jax.grain import FlatTokensSource, ScheduledBatches
+        from flat_tokens_jax.grain.grain import FlatTokensSource, ScheduledBatches
         ft = ftj.open_dataset({str(url)!r})["train"]
         src = FlatTokensSource(ft, 16)
         for name, run in [
@@ -220,8 +226,8 @@ def test_a_special_file_in_the_store_is_refused_naming_it(
     code, out = python(
         f"""
         import flat_tokens_jax as ftj
-        from flat_tokens_jax.options import StoreError
-        from flat_tokens_jax.validation import summary
+        from flat_tokens_jax.store.options import StoreError
+        from flat_tokens_jax.data.validation import summary
         url = {str(url)!r}
         for name, run in [
             ("validate", lambda: ftj.validate(url)),
@@ -334,7 +340,7 @@ def test_a_truncated_cache_entry_is_built_again(
     want = ftj.Loader(ft, cfg, plan_cache=cache).host_batch(1)
     (entry,) = cache.iterdir()
     entry.write_bytes(entry.read_bytes()[:100])
-    with caplog.at_level(logging.WARNING, logger="flat_tokens_jax.plans"):
+    with caplog.at_level(logging.WARNING, logger="flat_tokens_jax.data.plans"):
         got = ftj.Loader(ft, cfg, plan_cache=cache).host_batch(1)
     assert got["targets"].tolist() == want["targets"].tolist()
     assert f"ignoring the unreadable cached packing plan {entry}" in caplog.text

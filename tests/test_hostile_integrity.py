@@ -32,7 +32,6 @@ from hypothesis import strategies as st
 from servers import aws_profile, moto_s3
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.arrays import Known
 from flat_tokens_jax.convert.assemble import (
     PartInfo,
     assemble_shard,
@@ -44,12 +43,13 @@ from flat_tokens_jax.convert.assemble import (
 from flat_tokens_jax.convert.megatron import export_megatron, import_megatron
 from flat_tokens_jax.convert.merge import merge
 from flat_tokens_jax.convert.text import convert
-from flat_tokens_jax.digests import DIGESTS
-from flat_tokens_jax.format import FormatError
-from flat_tokens_jax.options import StoreError
-from flat_tokens_jax.probes import ATTRIBUTE as PROBES
-from flat_tokens_jax.records import PackedRecords, PaddedRecords
-from flat_tokens_jax.store import Store
+from flat_tokens_jax.core.format import FormatError
+from flat_tokens_jax.data.records import PackedRecords, PaddedRecords
+from flat_tokens_jax.store.arrays import Known
+from flat_tokens_jax.store.digests import DIGESTS
+from flat_tokens_jax.store.options import StoreError
+from flat_tokens_jax.store.probes import ATTRIBUTE as PROBES
+from flat_tokens_jax.store.store import Store
 
 SHARD = 2048  # tokens per shard: each shard's probe covers only its first half
 LAYOUTS = {

@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.cli import main
-from flat_tokens_jax.grain import FlatTokensSource, ScheduledBatches
-from flat_tokens_jax.mixture import Period
-from flat_tokens_jax.schedule import BatchSchedule
+from flat_tokens_jax.grain.grain import FlatTokensSource, ScheduledBatches
+from flat_tokens_jax.sampling.mixture import Period
+from flat_tokens_jax.sampling.schedule import BatchSchedule
 
 
 def run_main(*args: str) -> tuple[int, str, str]:

@@ -22,9 +22,12 @@ from hypothesis import strategies as st
 from servers import DelayProxy, fake_gcs, moto_s3
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax import cli, location, plans, urls
-from flat_tokens_jax.location import MARKER
-from flat_tokens_jax.store import Store
+from flat_tokens_jax import cli
+from flat_tokens_jax.core import urls
+from flat_tokens_jax.data import plans
+from flat_tokens_jax.store import location
+from flat_tokens_jax.store.location import MARKER
+from flat_tokens_jax.store.store import Store
 
 SECRET = "wJalrXUtnFEMIK7MDENGbPxRfiCYSECRET"
 PRESIGNED = [
@@ -268,7 +271,7 @@ import numpy as np
 import flat_tokens_jax as ftj
 from flat_tokens_jax.cli import build_parser
 from flat_tokens_jax.convert.commands import store_options
-from flat_tokens_jax.store import Store
+from flat_tokens_jax.store.store import Store
 args = build_parser().parse_args(["info", *sys.argv[1:]])
 ft = ftj.open_dataset(args.url, store_options(args))["train"]
 n = ft.num_sequences

@@ -1,4 +1,5 @@
-"""flat_tokens_jax.identity: a dataset records what made it; converters, merge and info use it."""
+"""flat_tokens_jax.store.identity: a dataset records what made it; converters, merge and
+info use it."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from flat_tokens_jax.convert.chat import convert_chat
 from flat_tokens_jax.convert.megatron import import_megatron
 from flat_tokens_jax.convert.merge import merge
 from flat_tokens_jax.convert.text import convert
-from flat_tokens_jax.identity import check_tokenizers, tokenizer_info
+from flat_tokens_jax.store.identity import check_tokenizers, tokenizer_info
 
 CHAT_YAML = Path(__file__).resolve().parents[1] / "configs" / "chat.yaml"
 SPECIALS = [EOS, "<s>", "<|im_start|>", "<|im_end|>"]

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.cli import main
-from flat_tokens_jax.grain import FlatTokensSource
+from flat_tokens_jax.grain.grain import FlatTokensSource
 
 RULE = ftj.InstanceFilter(max_period=3, max_count=4)
 

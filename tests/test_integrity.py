@@ -26,11 +26,11 @@ from hypothesis import strategies as st
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.cli import main
-from flat_tokens_jax.digests import DIGESTS
-from flat_tokens_jax.format import FormatError
-from flat_tokens_jax.options import StoreError
-from flat_tokens_jax.probes import ATTRIBUTE as PROBES
-from flat_tokens_jax.records import PackedRecords, PaddedRecords
+from flat_tokens_jax.core.format import FormatError
+from flat_tokens_jax.data.records import PackedRecords, PaddedRecords
+from flat_tokens_jax.store.digests import DIGESTS
+from flat_tokens_jax.store.options import StoreError
+from flat_tokens_jax.store.probes import ATTRIBUTE as PROBES
 
 SEQ_LEN = 8
 LAYOUTS = {

@@ -1,4 +1,4 @@
-"""flat_tokens_jax.kernels: the compiled decode equals the numpy decode on random
+"""flat_tokens_jax.core.kernels: the compiled decode equals the numpy decode on random
 batches (packed windows, padded rows, bins; with and without a stored loss
 mask; any row block), and the compiled copy equals a copy element by element."""
 
@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax import compiled
-from flat_tokens_jax.batch import FIELDS, checked_windows, window_fields
-from flat_tokens_jax.hostdecode import BlockDecoder, empty_fields
-from flat_tokens_jax.records import Windows
+from flat_tokens_jax.core import compiled
+from flat_tokens_jax.data.records import Windows
+from flat_tokens_jax.decoding.batch import FIELDS, checked_windows, window_fields
+from flat_tokens_jax.decoding.hostdecode import BlockDecoder, empty_fields
 
 kernels = compiled.kernels()
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,7 +178,7 @@ import sys
 sys.modules["numba"] = None  # import numba raises ImportError
 import numpy as np
 import flat_tokens_jax as ftj
-from flat_tokens_jax.hostdecode import BlockDecoder
+from flat_tokens_jax.decoding.hostdecode import BlockDecoder
 ft = ftj.open_dataset({str(tmp_path)!r})["train"]
 loader = ftj.Loader(ft, ftj.LoaderConfig(batch_size=4, seq_len=8, seed=3))
 assert loader.block_decoder.kernel == "numpy", loader.block_decoder
@@ -207,7 +207,7 @@ _FIRST_BATCHES = """
 import json, sys
 import numba
 import flat_tokens_jax as ftj
-from flat_tokens_jax import compiled
+from flat_tokens_jax.core import compiled
 kernels = compiled.kernels()
 root = sys.argv[1]
 for name, packing in (("plain", True), ("plain", False), ("plain", "bins"), ("masked", True)):

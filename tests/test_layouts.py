@@ -24,9 +24,9 @@ from test_binpack import GOLDEN_DIGEST
 from test_sharding import CASES, mesh
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.binpack import build_plan, plan_digest
-from flat_tokens_jax.grain import FlatTokensSource
-from flat_tokens_jax.show import build_loader, rows_of
+from flat_tokens_jax.data.binpack import ALGORITHM, build_plan, plan_digest
+from flat_tokens_jax.grain.grain import FlatTokensSource
+from flat_tokens_jax.tools.show import build_loader, rows_of
 
 LAYOUTS = ("fields", "segments", "tokens", "maxtext")
 
@@ -341,7 +341,7 @@ def test_uncapped_plans_are_unchanged_and_the_cap_names_the_plan() -> None:
     )
     algorithm = capped.fingerprint()["data"]["plan"]["algorithm"]
     assert algorithm.endswith("/max-segments-2")
-    assert plain.fingerprint()["data"]["plan"]["algorithm"] == ftj.binpack.ALGORITHM
+    assert plain.fingerprint()["data"]["plan"]["algorithm"] == ALGORITHM
     assert capped.state_differences(plain.state())
     for step in range(len(capped.components[0]) // 2):
         assert capped.host_batch(step)["segment_lengths"].shape == (2, 2)

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from reference import reference_batch
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.loader import LoaderConfig, StateMismatch
+from flat_tokens_jax.loader.loader import LoaderConfig, StateMismatch
 
 SPEC = [[1, 2], [3, 4, 5], [6, 7, 8]]
 

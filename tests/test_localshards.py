@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.arrays import TensorStoreArray
-from flat_tokens_jax.localshards import plain_shard_geometry
-from flat_tokens_jax.options import StoreError
+from flat_tokens_jax.store.arrays import TensorStoreArray
+from flat_tokens_jax.store.localshards import plain_shard_geometry
+from flat_tokens_jax.store.options import StoreError
 
 
 def tokens_array(path: Path) -> TensorStoreArray:

@@ -25,9 +25,9 @@ from flat_tokens_jax.convert.chat import convert_chat
 from flat_tokens_jax.convert.megatron import export_megatron, import_megatron
 from flat_tokens_jax.convert.merge import merge
 from flat_tokens_jax.convert.text import convert
-from flat_tokens_jax.location import MARKER, OverwriteNeeded
-from flat_tokens_jax.options import StoreError
-from flat_tokens_jax.store import Store
+from flat_tokens_jax.store.location import MARKER, OverwriteNeeded
+from flat_tokens_jax.store.options import StoreError
+from flat_tokens_jax.store.store import Store
 
 SMALL = ftj.Layout(shard_tokens=1 << 10, chunk_tokens=1 << 6)
 

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.dataset import split_boundaries
-from flat_tokens_jax.mixconfig import mixture_from_config
-from flat_tokens_jax.mixture import Mixture, Period
+from flat_tokens_jax.data.dataset import split_boundaries
+from flat_tokens_jax.sampling.mixconfig import mixture_from_config
+from flat_tokens_jax.sampling.mixture import Mixture, Period
 
 
 def make_split(num_seqs: int, length: int = 4, base: int = 1) -> ftj.FlatTokens:

@@ -16,7 +16,7 @@ from conftest import memory_url
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.cli import main
-from flat_tokens_jax.phaseconfig import phases_from_config, phases_from_yaml
+from flat_tokens_jax.loader.phaseconfig import phases_from_config, phases_from_yaml
 
 
 def run_main(*args: str) -> tuple[int, str, str]:

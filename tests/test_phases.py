@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 from reference import bin_row, packed_row, padded_row
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.bins import BinRecords
-from flat_tokens_jax.mixture import Mixture
-from flat_tokens_jax.phasedloader import PhasedLoader
-from flat_tokens_jax.phases import Phase
-from flat_tokens_jax.sampling import permute
+from flat_tokens_jax.data.bins import BinRecords
+from flat_tokens_jax.loader.phasedloader import PhasedLoader
+from flat_tokens_jax.loader.phases import Phase
+from flat_tokens_jax.sampling.mixture import Mixture
+from flat_tokens_jax.sampling.sampling import permute
 
 
 @functools.cache

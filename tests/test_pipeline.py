@@ -1,4 +1,4 @@
-"""flat_tokens_jax.pipeline: steps come back in order, each ``finish(fetch(step))``;
+"""flat_tokens_jax.loader.pipeline: steps come back in order, each ``finish(fetch(step))``;
 the next step's fetch runs beside this step's finish; errors and cancellation
 reach the right step."""
 
@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from flat_tokens_jax.pipeline import Ahead
+from flat_tokens_jax.loader.pipeline import Ahead
 
 
 def test_steps_come_back_in_order_from_two_threads() -> None:

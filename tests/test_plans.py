@@ -11,10 +11,10 @@ import pytest
 import tensorstore as ts
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.binpack import ALGORITHM, build_plan
-from flat_tokens_jax.bins import BinRecords
 from flat_tokens_jax.cli import main
-from flat_tokens_jax.plans import cached_plan, pack_dataset, read_stored_plan
+from flat_tokens_jax.data.binpack import ALGORITHM, build_plan
+from flat_tokens_jax.data.bins import BinRecords
+from flat_tokens_jax.data.plans import cached_plan, pack_dataset, read_stored_plan
 
 
 def seqs(n: int, seed: int = 0) -> list[np.ndarray]:

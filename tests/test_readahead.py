@@ -15,8 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.pipeline import Ahead, InFlight
-from flat_tokens_jax.readahead import (
+from flat_tokens_jax.loader.pipeline import Ahead, InFlight
+from flat_tokens_jax.loader.readahead import (
     ASSUMED_INTERVAL,
     INITIAL_DEPTH,
     MAX_DEPTH,

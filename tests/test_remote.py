@@ -18,9 +18,9 @@ from servers import DelayProxy, FaultProxy, aws_profile, fake_gcs, moto_s3, moto
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax import cli
-from flat_tokens_jax.location import MARKER
-from flat_tokens_jax.options import StoreError
-from flat_tokens_jax.store import Store
+from flat_tokens_jax.store.location import MARKER
+from flat_tokens_jax.store.options import StoreError
+from flat_tokens_jax.store.store import Store
 
 pytestmark = pytest.mark.remote
 SEQS = [[i % 500 + 1] * (i % 37 + 1) for i in range(400)]

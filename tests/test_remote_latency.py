@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from servers import DelayProxy, Link, aws_profile, moto_s3
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.options import StoreError
+from flat_tokens_jax.store.options import StoreError
 
 pytestmark = pytest.mark.remote
 # Small shards, so that the rows of a few steps touch hundreds of them.

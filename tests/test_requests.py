@@ -12,7 +12,7 @@ import pytest
 from servers import aws_profile, moto_s3
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.store import remote_bytes, remote_reads
+from flat_tokens_jax.store.store import remote_bytes, remote_reads
 
 pytestmark = pytest.mark.remote
 LAYOUT = ftj.Layout(shard_tokens=1 << 14, chunk_tokens=1 << 10)

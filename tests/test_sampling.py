@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flat_tokens_jax.sampling import MAX_N, EpochsExhausted, IndexSampler, permute
+from flat_tokens_jax.sampling.sampling import MAX_N, EpochsExhausted, IndexSampler, permute
 
 # The uint64 arithmetic wraps on purpose; any numpy overflow warning means a scalar slipped in.
 pytestmark = pytest.mark.filterwarnings("error")

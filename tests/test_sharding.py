@@ -8,7 +8,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.sharding import HostPlan
+from flat_tokens_jax.decoding.sharding import HostPlan
 
 MESHES = {
     "data8": ((8,), ("data",)),

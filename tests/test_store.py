@@ -7,9 +7,9 @@ import zarr
 from rawstore import BLOSC, DELTA, SPEC_STARTS, SPEC_TOKENS, flat_split, write_raw
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.arrays import TensorStoreArray, ZarrPythonArray
-from flat_tokens_jax.options import CONCURRENCY_CEILING, StoreOptions, context_spec
-from flat_tokens_jax.store import kvstore_spec
+from flat_tokens_jax.store.arrays import TensorStoreArray, ZarrPythonArray
+from flat_tokens_jax.store.options import CONCURRENCY_CEILING, StoreOptions, context_spec
+from flat_tokens_jax.store.store import kvstore_spec
 
 EMPTY = flat_split([], [0], 0)
 
@@ -117,7 +117,7 @@ def _url_taking_calls(tmp_path: Path) -> dict[str, Callable[..., object]]:
     from flat_tokens_jax.convert.megatron import export_megatron, import_megatron
     from flat_tokens_jax.convert.merge import merge
     from flat_tokens_jax.convert.text import convert
-    from flat_tokens_jax.grain import FlatTokensSource
+    from flat_tokens_jax.grain.grain import FlatTokensSource
 
     url = tmp_path / "ds"
     if not url.exists():

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from servers import DelayProxy, aws_profile, moto_s3
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.readahead import INITIAL_DEPTH
-from flat_tokens_jax.throughput import PAID, RETRIAL_FETCHES, TRIAL_FETCHES, DepthTrial
+from flat_tokens_jax.loader.readahead import INITIAL_DEPTH
+from flat_tokens_jax.loader.throughput import PAID, RETRIAL_FETCHES, TRIAL_FETCHES, DepthTrial
 
 
 def run_trial(trial: DepthTrial, fetch_of: dict[int, float], before: int, after: int) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flat_tokens_jax.grain import FlatTokensSource
+from flat_tokens_jax.grain.grain import FlatTokensSource
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train_grain.py"
 ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}

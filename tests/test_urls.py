@@ -1,4 +1,4 @@
-"""flat_tokens_jax.urls: what a path or URL names, and the URLs that are refused."""
+"""flat_tokens_jax.core.urls: what a path or URL names, and the URLs that are refused."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax import cli
-from flat_tokens_jax.urls import Location, parse_url
+from flat_tokens_jax.core.urls import Location, parse_url
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from rawstore import SPEC_STARTS, SPEC_TOKENS, flat_split, write_raw
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax import validation
+from flat_tokens_jax.data import validation
+from flat_tokens_jax.store.arrays import ZarrPythonArray
 
 EMPTY = flat_split([], [0], 0)
 
@@ -174,13 +175,13 @@ def test_streaming_check_equals_whole_array_reference(
     """Any block size finds the planted problem at its index, and nothing on valid data."""
     enc, starts = ftj.encode(seqs)
     max_id = max(max(s) for s in seqs)
-    tokens_reader = ftj.arrays.ZarrPythonArray(np.asarray(enc))  # type: ignore[arg-type]
+    tokens_reader = ZarrPythonArray(np.asarray(enc))  # type: ignore[arg-type]
     assert (
         validation._check_arrays(
             "t",
             tokens_reader,
             "s",
-            ftj.arrays.ZarrPythonArray(starts),  # type: ignore[arg-type]
+            ZarrPythonArray(starts),  # type: ignore[arg-type]
             max_id,
             block,
         )
@@ -204,9 +205,9 @@ def test_streaming_check_equals_whole_array_reference(
         expected = ("s", starts.size - 1)
     problems = validation._check_arrays(
         "t",
-        ftj.arrays.ZarrPythonArray(enc),  # type: ignore[arg-type]
+        ZarrPythonArray(enc),  # type: ignore[arg-type]
         "s",
-        ftj.arrays.ZarrPythonArray(starts),  # type: ignore[arg-type]
+        ZarrPythonArray(starts),  # type: ignore[arg-type]
         max_id,
         block,
     )

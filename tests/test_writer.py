@@ -14,8 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import flat_tokens_jax as ftj
+from flat_tokens_jax.core.format import MAX_TOKEN_ID
 
-MAX = ftj.format.MAX_TOKEN_ID
+MAX = MAX_TOKEN_ID
 SMALL = ftj.Layout(shard_tokens=16, chunk_tokens=4)
 layouts = st.sampled_from(
     [

@@ -27,9 +27,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from flat_tokens_jax.arrays import Pending
-from flat_tokens_jax.dataset import Dataset, open_dataset
-from flat_tokens_jax.format import (
+from flat_tokens_jax.core.format import (
     ENCODED_DTYPE,
     LOSS_MASK,
     MASK_DTYPE,
@@ -37,8 +35,11 @@ from flat_tokens_jax.format import (
     STARTS_DTYPE,
     TOKENS,
 )
-from flat_tokens_jax.identity import DatasetInfo
-from flat_tokens_jax.layout import (
+from flat_tokens_jax.data.dataset import Dataset, open_dataset
+from flat_tokens_jax.data.writer import root_attributes, write_groups
+from flat_tokens_jax.store.arrays import Pending
+from flat_tokens_jax.store.identity import DatasetInfo
+from flat_tokens_jax.store.layout import (
     Layout,
     create_array,
     create_digests,
@@ -47,10 +48,9 @@ from flat_tokens_jax.layout import (
     record_probes,
     write_digests,
 )
-from flat_tokens_jax.location import MARKER, STAGING
-from flat_tokens_jax.options import StoreOptions
-from flat_tokens_jax.store import Store
-from flat_tokens_jax.writer import root_attributes, write_groups
+from flat_tokens_jax.store.location import MARKER, STAGING
+from flat_tokens_jax.store.options import StoreOptions
+from flat_tokens_jax.store.store import Store
 
 DTYPES: dict[str, np.dtype[Any]] = {
     TOKENS: ENCODED_DTYPE,
@@ -296,7 +296,7 @@ def finish(
 ) -> None:
     """Records every array's shard probes, deletes the staging prefix, then makes
     the output valid (root group last), then drops the write's marker (see
-    :mod:`flat_tokens_jax.location`).
+    :mod:`flat_tokens_jax.store.location`).
 
     ``attributes`` and ``info`` are written to the root group as
     :class:`DatasetWriter` writes them.

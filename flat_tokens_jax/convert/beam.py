@@ -62,13 +62,13 @@ from flat_tokens_jax.convert.inputs import (
 )
 from flat_tokens_jax.convert.parts import Conversion, ConvertOptions, Totals, write_documents
 from flat_tokens_jax.convert.tokenizer import BatchTokenizer
-from flat_tokens_jax.dataset import Dataset, open_dataset
-from flat_tokens_jax.identity import DatasetInfo, inputs_record
-from flat_tokens_jax.location import STAGING, Claim, claim_location, refuse_overlap
-from flat_tokens_jax.options import StoreOptions, context_spec, resolve_options
-from flat_tokens_jax.store import Store
-from flat_tokens_jax.urls import redact
-from flat_tokens_jax.writer import DatasetWriter, Layout
+from flat_tokens_jax.core.urls import redact
+from flat_tokens_jax.data.dataset import Dataset, open_dataset
+from flat_tokens_jax.data.writer import DatasetWriter, Layout
+from flat_tokens_jax.store.identity import DatasetInfo, inputs_record
+from flat_tokens_jax.store.location import STAGING, Claim, claim_location, refuse_overlap
+from flat_tokens_jax.store.options import StoreOptions, context_spec, resolve_options
+from flat_tokens_jax.store.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -65,11 +65,11 @@ from flat_tokens_jax.convert.tokenizer import (
     validation_mask,
     warn_if_zero_is_ordinary,
 )
-from flat_tokens_jax.format import SPLITS, encode_concatenated
-from flat_tokens_jax.identity import DatasetInfo, inputs_record
-from flat_tokens_jax.location import refuse_overlap
-from flat_tokens_jax.options import StoreOptions, resolve_options
-from flat_tokens_jax.writer import DatasetWriter, Layout
+from flat_tokens_jax.core.format import SPLITS, encode_concatenated
+from flat_tokens_jax.data.writer import DatasetWriter, Layout
+from flat_tokens_jax.store.identity import DatasetInfo, inputs_record
+from flat_tokens_jax.store.location import refuse_overlap
+from flat_tokens_jax.store.options import StoreOptions, resolve_options
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def convert_chat(
         layout: chunking and compression of the output.
         overwrite: replace a flat-tokens dataset, or the leftover of an
             interrupted write, at ``output`` (never other files: see
-            :class:`~flat_tokens_jax.writer.DatasetWriter`). An ``output`` that
+            :class:`~flat_tokens_jax.data.writer.DatasetWriter`). An ``output`` that
             is, contains or lies inside an input is refused (``ValueError``).
         options: how to reach ``output`` (e.g. an S3 endpoint and credentials).
         **option_fields: or the fields of ``options`` as keywords, e.g. ``endpoint=...``.

@@ -9,9 +9,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from flat_tokens_jax.location import OverwriteNeeded
-from flat_tokens_jax.options import CONCURRENCY_CEILING, CREDENTIAL_TYPES, StoreOptions
-from flat_tokens_jax.urls import redact, redact_text, scheme_of
+from flat_tokens_jax.core.urls import redact, redact_text, scheme_of
+from flat_tokens_jax.store.location import OverwriteNeeded
+from flat_tokens_jax.store.options import CONCURRENCY_CEILING, CREDENTIAL_TYPES, StoreOptions
 
 _DEFAULTS = StoreOptions()
 

@@ -30,9 +30,9 @@ from typing import IO, Any, cast
 
 import numpy as np
 
-from flat_tokens_jax.extras import install_hint
-from flat_tokens_jax.format import MAX_TOKEN_ID
-from flat_tokens_jax.urls import redact
+from flat_tokens_jax.core.extras import install_hint
+from flat_tokens_jax.core.format import MAX_TOKEN_ID
+from flat_tokens_jax.core.urls import redact
 
 log = logging.getLogger(__name__)
 

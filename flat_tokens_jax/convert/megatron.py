@@ -26,12 +26,12 @@ import numpy as np
 from flat_tokens_jax.convert.commands import add_store_flags, run_command, store_options
 from flat_tokens_jax.convert.inputs import hash_inputs
 from flat_tokens_jax.convert.tokenizer import identity, load_tokenizer
-from flat_tokens_jax.dataset import open_dataset
-from flat_tokens_jax.format import MAX_TOKEN_ID, SPLITS, decode, encode_concatenated
-from flat_tokens_jax.identity import DatasetInfo, inputs_record
-from flat_tokens_jax.location import refuse_overlap
-from flat_tokens_jax.options import StoreOptions, resolve_options
-from flat_tokens_jax.writer import DatasetWriter, Layout
+from flat_tokens_jax.core.format import MAX_TOKEN_ID, SPLITS, decode, encode_concatenated
+from flat_tokens_jax.data.dataset import open_dataset
+from flat_tokens_jax.data.writer import DatasetWriter, Layout
+from flat_tokens_jax.store.identity import DatasetInfo, inputs_record
+from flat_tokens_jax.store.location import refuse_overlap
+from flat_tokens_jax.store.options import StoreOptions, resolve_options
 
 log = logging.getLogger(__name__)
 

@@ -13,12 +13,17 @@ from typing import Any
 import numpy as np
 
 from flat_tokens_jax.convert.commands import add_store_flags, run_command, store_options
-from flat_tokens_jax.dataset import Dataset, FlatTokens, open_dataset
-from flat_tokens_jax.format import SPLITS
-from flat_tokens_jax.identity import DatasetInfo, check_tokenizers, common_tokenizer, inputs_record
-from flat_tokens_jax.location import refuse_overlap
-from flat_tokens_jax.options import StoreOptions, resolve_options
-from flat_tokens_jax.writer import DatasetWriter, Layout
+from flat_tokens_jax.core.format import SPLITS
+from flat_tokens_jax.data.dataset import Dataset, FlatTokens, open_dataset
+from flat_tokens_jax.data.writer import DatasetWriter, Layout
+from flat_tokens_jax.store.identity import (
+    DatasetInfo,
+    check_tokenizers,
+    common_tokenizer,
+    inputs_record,
+)
+from flat_tokens_jax.store.location import refuse_overlap
+from flat_tokens_jax.store.options import StoreOptions, resolve_options
 
 BLOCK_TOKENS = 1 << 22
 

@@ -41,9 +41,9 @@ from flat_tokens_jax.convert.tokenizer import (
     validation_mask,
     warn_if_zero_is_ordinary,
 )
-from flat_tokens_jax.format import encode_concatenated
-from flat_tokens_jax.identity import DatasetInfo, inputs_record
-from flat_tokens_jax.writer import DatasetWriter
+from flat_tokens_jax.core.format import encode_concatenated
+from flat_tokens_jax.data.writer import DatasetWriter
+from flat_tokens_jax.store.identity import DatasetInfo, inputs_record
 
 # One pass over input files: (files, validation fraction, every document to validation).
 Pass = tuple[Sequence[InputPath], float, bool]

@@ -28,9 +28,9 @@ from flat_tokens_jax.convert.commands import (
 )
 from flat_tokens_jax.convert.inputs import as_patterns, expand_inputs, require
 from flat_tokens_jax.convert.parts import Conversion, ConvertOptions, Totals, write_documents
-from flat_tokens_jax.location import refuse_overlap
-from flat_tokens_jax.options import StoreOptions, resolve_options
-from flat_tokens_jax.writer import DatasetWriter, Layout
+from flat_tokens_jax.data.writer import DatasetWriter, Layout
+from flat_tokens_jax.store.location import refuse_overlap
+from flat_tokens_jax.store.options import StoreOptions, resolve_options
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def convert(
         layout: chunking and compression of the output.
         overwrite: replace a flat-tokens dataset, or the leftover of an
             interrupted write, at ``output`` (never other files: see
-            :class:`~flat_tokens_jax.writer.DatasetWriter`). An ``output`` that
+            :class:`~flat_tokens_jax.data.writer.DatasetWriter`). An ``output`` that
             is, contains or lies inside an input is refused (``ValueError``).
         progress: a tqdm bar on stderr; ``None``: when stderr is a terminal.
         options: how to reach ``output`` (e.g. an S3 endpoint and credentials).

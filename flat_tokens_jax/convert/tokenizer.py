@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 
 from flat_tokens_jax.convert.inputs import require
-from flat_tokens_jax.format import MAX_TOKEN_ID
-from flat_tokens_jax.identity import TokenizerInfo, tokenizer_info
+from flat_tokens_jax.core.format import MAX_TOKEN_ID
+from flat_tokens_jax.store.identity import TokenizerInfo, tokenizer_info
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,247 @@
+"""Compiled host kernels (numba, the ``fast`` extra): copying a batch's ranges
+out of memory-mapped shards, and decoding the five fields of a block of rows
+in one pass per row, both without the interpreter lock.
+
+The numpy decode (:mod:`~flat_tokens_jax.decoding.batch`) makes several passes over a
+batch, each at memory speed, and holds the interpreter lock between them, so
+threads decoding row blocks side by side wait on each other. These kernels
+write each row's five fields in one loop over the row while it is in cache,
+then patch the runs after each sequence start, and release the lock
+throughout: row blocks on threads run in parallel. They compute exactly what
+``batch.window_fields`` does (tests compare the two on random batches). The
+copy (:func:`gather`) is numpy's slice copy per row without the lock, so a
+step's read runs beside another step's decode.
+
+Import it through :func:`flat_tokens_jax.core.compiled.kernels`, which returns
+``None`` where numba is not installed.
+
+Importing this module imports numba (~0.3 s); a kernel compiles on its first
+call in a process (a second or two) and is cached on disk after that, next to
+this file or, where that is read-only, in numba's user cache directory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numba
+import numpy as np
+
+# Tokens OR-ed together before looking at each: sequence starts are rare.
+_SCAN = 32
+# No stored loss mask, no lengths: empty arrays of the kernels' types, so one
+# compiled version serves rows with and without them.
+_NO_MASK = np.zeros((0, 0), np.uint8)
+_NO_LENGTHS = np.zeros(0, np.int64)
+
+
+def _compiled(fn: Callable[..., Any]) -> Any:
+    """``fn`` compiled without the interpreter lock, cached on disk when a cache
+    directory is writable (numba refuses ``cache=True`` up front when none is)."""
+    try:
+        return numba.njit(nogil=True, cache=True, boundscheck=False)(fn)
+    except RuntimeError:
+        return numba.njit(nogil=True, boundscheck=False)(fn)
+
+
+@_compiled
+def _pad(
+    start: int,
+    pad_id: int,
+    inputs: np.ndarray,
+    targets: np.ndarray,
+    segment_ids: np.ndarray,
+    positions: np.ndarray,
+    loss_mask: np.ndarray,
+) -> None:  # pragma: no cover - compiled
+    """Padding in one row's fields from column ``start`` on."""
+    for c in range(start, targets.shape[0]):
+        inputs[c] = pad_id
+        targets[c] = pad_id
+        segment_ids[c] = 0
+        positions[c] = 0
+        loss_mask[c] = False
+
+
+@_compiled
+def _packed_rows(
+    windows: np.ndarray,
+    r0: int,
+    r1: int,
+    start_id: int,
+    pad_id: int,
+    lengths: np.ndarray,
+    mask: np.ndarray,
+    inputs: np.ndarray,
+    targets: np.ndarray,
+    segment_ids: np.ndarray,
+    positions: np.ndarray,
+    loss_mask: np.ndarray,
+) -> None:  # pragma: no cover - compiled; tests call it through decode_rows
+    seq_len = targets.shape[1]
+    for r in range(r0, r1):
+        row = windows[r]
+        ii, ti, sg, ps, lm = inputs[r], targets[r], segment_ids[r], positions[r], loss_mask[r]
+        # Every column as if the row's first run covered it all (vectorised).
+        for c in range(seq_len):
+            ti[c] = row[c + 1] >> 1
+            ii[c] = row[c] >> 1
+            sg[c] = 1
+            ps[c] = c
+        if mask.shape[0]:
+            stored = mask[r]
+            for c in range(seq_len):
+                lm[c] = stored[c] != 0
+        else:
+            for c in range(seq_len):
+                lm[c] = True
+        if row[1] & 1:
+            ii[0] = start_id
+        # Then each later run: from a sequence start to the next one.
+        segment, begin = 1, -1
+        for b0 in range(1, seq_len, _SCAN):
+            b1 = min(b0 + _SCAN, seq_len)
+            any_start = np.uint32(0)
+            for c in range(b0 + 1, b1 + 1):
+                any_start |= row[c]
+            if not any_start & 1:
+                continue
+            for c in range(b0, b1):
+                if row[c + 1] & 1:
+                    ii[c] = start_id
+                    if begin >= 0:
+                        for j in range(begin, c):
+                            sg[j] = segment
+                            ps[j] = j - begin
+                    segment += 1
+                    begin = c
+        if begin >= 0:
+            for j in range(begin, seq_len):
+                sg[j] = segment
+                ps[j] = j - begin
+        if lengths.shape[0]:  # bins: padding from the bin's length on
+            _pad(lengths[r], pad_id, ii, ti, sg, ps, lm)
+
+
+@_compiled
+def _padded_rows(
+    tokens: np.ndarray,
+    r0: int,
+    r1: int,
+    start_id: int,
+    pad_id: int,
+    lengths: np.ndarray,
+    mask: np.ndarray,
+    inputs: np.ndarray,
+    targets: np.ndarray,
+    segment_ids: np.ndarray,
+    positions: np.ndarray,
+    loss_mask: np.ndarray,
+) -> None:  # pragma: no cover - compiled; tests call it through decode_rows
+    for r in range(r0, r1):
+        row, n = tokens[r], lengths[r]
+        ii, ti, sg, ps, lm = inputs[r], targets[r], segment_ids[r], positions[r], loss_mask[r]
+        if n:
+            ii[0] = start_id
+        for c in range(1, n):
+            ii[c] = row[c - 1] >> 1
+        for c in range(n):
+            ti[c] = row[c] >> 1
+            sg[c] = 1
+            ps[c] = c
+        if mask.shape[0]:
+            stored = mask[r]
+            for c in range(n):
+                lm[c] = stored[c] != 0
+        else:
+            for c in range(n):
+                lm[c] = True
+        _pad(n, pad_id, ii, ti, sg, ps, lm)
+
+
+def decode_rows(
+    encoded: np.ndarray,
+    lengths: np.ndarray | None,
+    stored_mask: np.ndarray | None,
+    packed: bool | str,
+    rows: tuple[int, int],
+    *,
+    start_token_id: int,
+    pad_id: int,
+    out: dict[str, np.ndarray],
+) -> None:
+    """Writes the fields of rows ``rows[0] .. rows[1]`` of a batch into the same
+    rows of ``out``: what ``batch.window_fields`` returns for them.
+
+    Args:
+        encoded, lengths, stored_mask: the batch's ``Windows`` as
+            :func:`~flat_tokens_jax.decoding.batch.checked_windows` returns them.
+        packed: True, False or ``"bins"``, as for ``window_fields``.
+        rows: ``(start, stop)`` rows to decode.
+        start_token_id, pad_id: as for ``window_fields`` (each fits ``int32``).
+        out: the five C-contiguous fields ``[batch, seq_len]`` of the whole batch.
+    """
+    kernel = _packed_rows if packed is not False else _padded_rows
+    kernel(
+        encoded,
+        rows[0],
+        rows[1],
+        start_token_id,
+        pad_id,
+        _NO_LENGTHS if lengths is None else lengths,
+        _NO_MASK if stored_mask is None else stored_mask,
+        out["inputs"],
+        out["targets"],
+        out["segment_ids"],
+        out["positions"],
+        out["loss_mask"],
+    )
+
+
+@_compiled
+def _gather(
+    words: np.ndarray,
+    pos: np.ndarray,
+    count: np.ndarray,
+    dest: np.ndarray,
+    before: np.ndarray,
+    chunk: int,
+    gap: int,
+    flat: np.ndarray,
+) -> None:  # pragma: no cover - compiled; tests call it through gather
+    for r in range(pos.size):
+        p, n, d, m = pos[r], count[r], dest[r], before[r]
+        m = min(m, n)
+        for j in range(m):
+            flat[d + j] = words[p + j]
+        p += m + gap
+        while m < n:  # the next chunk, whole or the range's last part
+            k = min(chunk, n - m)
+            for j in range(k):
+                flat[d + m + j] = words[p + j]
+            m, p = m + k, p + k + gap
+
+
+def gather(
+    words: np.ndarray,
+    pos: np.ndarray,
+    count: np.ndarray,
+    dest: np.ndarray,
+    before: np.ndarray,
+    chunk: int,
+    gap: int,
+    flat: np.ndarray,
+) -> None:
+    """Copies ``count[r]`` elements of ``words`` from ``pos[r]`` to ``flat[dest[r]:]``,
+    skipping ``gap`` elements (a checksum) after the first ``before[r]`` and then
+    after every ``chunk``.
+
+    Args:
+        words: ``[n]`` one shard's elements, checksums in between.
+        pos, count, dest, before: ``[k] int64`` per range.
+        chunk, gap: elements per chunk, and between chunks (0 without checksums,
+            with ``before >= count``).
+        flat: ``[m]`` of ``words``' dtype, the destination.
+    """
+    _gather(words, pos, count, dest, before, chunk, gap, flat)

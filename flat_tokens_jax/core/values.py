@@ -1,0 +1,247 @@
+"""Strict checks of config values, shared by every surface: Python, YAML, saved states, the CLI.
+
+Each check takes the value and its path (``loader.seed``,
+``data.datasets[1].weight``, ``Mixture.period``) and returns the value in its
+one accepted form, or raises :class:`BadValue` naming the path, what was given
+and what is accepted. Nothing is coerced: a YAML string ``'false'`` is not a
+boolean, ``1.9`` and ``2.0`` are not ints, ``True`` is not a number.
+
+Example:
+    >>> integer(3, "loader.seed", low=0)
+    3
+    >>> try:
+    ...     boolean("no", "data.allow_mixed_tokenizers")
+    ... except BadValue as e:
+    ...     print(e.path)
+    data.allow_mixed_tokenizers
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from flat_tokens_jax.core.extras import install_hint
+
+__all__ = [
+    "BadValue",
+    "boolean",
+    "child",
+    "integer",
+    "mapping",
+    "number",
+    "read_yaml",
+    "sequence",
+    "text",
+]
+
+MAX_SEED = 2**64 - 1  # Seeds key a 64-bit mixer.
+
+
+class BadValue(ValueError):
+    """A refused config value.
+
+    Attributes:
+        path: where the value is (``loader.seed``, ``data.datasets[1].weight``).
+        problem: what is wrong and what is accepted, e.g.
+            ``must be an int >= 0, got 1.9``.
+    """
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(f"{path} {problem}")
+        self.path, self.problem = path, problem
+
+    def moved(self, old: str, new: str) -> BadValue:
+        """The same error with the path's leading ``old`` replaced by ``new``
+        (``LoaderConfig.seed`` becomes ``loader.seed``); itself if its path is elsewhere."""
+        rest = self.path[len(old) :]
+        if self.path.startswith(old) and (not rest or rest[0] in ".[ "):
+            return BadValue(new + rest, self.problem)
+        return self
+
+
+def child(path: str, key: Any) -> str:
+    """The path of ``key`` inside ``path``: ``data.seed``, ``data.datasets[1]``,
+    ``data.datasets['gs://b/web']``."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return f"{path}[{key}]"
+    if isinstance(key, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]*", key):
+        return f"{path}.{key}" if path else key
+    return f"{path}[{key!r}]"
+
+
+def _hint(value: Any) -> str:
+    """Why a value of the wrong kind may look right, for the message."""
+    if isinstance(value, str):
+        word = value.strip()
+        if word.lower() in ("true", "false", "yes", "no", "on", "off", "y", "n"):
+            return " (a string: write true or false, without quotes)"
+        if re.fullmatch(r"[-+]?[0-9]+", word):
+            return f" (a string: write {word} without quotes)"
+        try:
+            parsed = float(word)
+        except ValueError:
+            return ""
+        if not math.isfinite(parsed):
+            return ""
+        # YAML 1.1 (PyYAML) reads 1e-4 and 1.0e308 as text: a float needs a dot
+        # and a signed exponent.
+        return f" (a string: YAML reads a number written {_yaml_float(parsed)}, without quotes)"
+    if isinstance(value, float | np.floating) and math.isfinite(value):
+        if float(value).is_integer():
+            return f" (write {int(value)}, without the fraction)"
+        return " (ints are not rounded: write a whole number)"
+    return ""
+
+
+def _yaml_float(value: float) -> str:
+    """``value`` as YAML 1.1 reads a float: ``1.0e+308``, ``0.0001``."""
+    mantissa, e, exponent = repr(value).partition("e")
+    if "." not in mantissa:
+        mantissa += ".0"
+    return mantissa + e + exponent
+
+
+def boolean(value: Any, path: str) -> bool:
+    """``value`` if it is a boolean (``True``/``False``, YAML ``true``/``false``)."""
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    raise BadValue(path, f"must be true or false, got {value!r}{_hint(value)}")
+
+
+def _int_form(low: int | None, high: int | None) -> str:
+    if low is not None and high is not None:
+        bits = (high + 1).bit_length() - 1
+        top = f"2**{bits} - 1" if high > 1024 and high + 1 == 1 << bits else str(high)
+        return f"an int in [{low}, {top}]"
+    if low is not None:
+        return f"an int >= {low}"
+    return "an int" if high is None else f"an int <= {high}"
+
+
+def integer(
+    value: Any,
+    path: str,
+    *,
+    low: int | None = None,
+    high: int | None = None,
+    optional: bool = False,
+) -> Any:
+    """``value`` as a Python int if it is an integer (numpy's too, not a bool)
+    within ``[low, high]``; ``None`` passes when ``optional``."""
+    if optional and value is None:
+        return None
+    form = _int_form(low, high) + (" or null/None" if optional else "")
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
+        raise BadValue(path, f"must be {form}, got {value!r}{_hint(value)}")
+    value = int(value)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise BadValue(path, f"must be {form}, got {value!r}")
+    return value
+
+
+def number(value: Any, path: str, *, low: float | None = None) -> float:
+    """``value`` as a finite float (an int or float, numpy's too, not a bool), ``>= low``."""
+    if low is None:
+        form = "a finite number"
+    else:
+        form = "a finite non-negative number" if low == 0 else f"a finite number >= {low:g}"
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | float | np.number):
+        raise BadValue(path, f"must be {form}, got {value!r}{_hint(value)}")
+    try:
+        out = float(value)
+    except (OverflowError, TypeError):
+        raise BadValue(path, f"must be {form}, got {value!r}") from None
+    if not math.isfinite(out) or (low is not None and out < low):
+        raise BadValue(path, f"must be {form}, got {value!r}")
+    return out
+
+
+def text(value: Any, path: str) -> str:
+    """``value`` if it is a non-empty string."""
+    if isinstance(value, str) and value:
+        return value
+    raise BadValue(path, f"must be a non-empty string, got {value!r}")
+
+
+def mapping(value: Any, path: str, form: str = "a mapping") -> Mapping[Any, Any]:
+    """``value`` if it is a mapping."""
+    if isinstance(value, Mapping):
+        return value
+    raise BadValue(path, f"must be {form}, got {value!r}")
+
+
+def sequence(value: Any, path: str, form: str = "a list") -> Sequence[Any]:
+    """``value`` if it is a list or tuple (not a string)."""
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        return value
+    raise BadValue(path, f"must be {form}, got {value!r}")
+
+
+def read_yaml(path: str | os.PathLike[str]) -> Any:
+    """The document of a YAML file, read safely (``yaml.SafeLoader``; needs the
+    ``yaml`` extra), refusing a key given twice in one mapping (YAML would keep
+    the last silently).
+
+    Raises:
+        ValueError: the file is not valid YAML, uses a tag that safe loading
+            refuses (``!!python/...``) or repeats a key; one line naming the
+            file and the line.
+        OSError: the file cannot be read.
+    """
+    try:
+        import yaml
+    except ImportError as e:
+        raise ImportError(f"reading YAML needs PyYAML: {install_hint('yaml')}") from e
+    name = os.fspath(path)
+    with open(path, encoding="utf-8") as f:
+        loader = yaml.SafeLoader(f)
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return None
+            repeated = _repeated_key(node, yaml)
+            if repeated is not None:
+                key, line = repeated
+                raise ValueError(f"{name}: line {line}: the key {key!r} is given twice") from None
+            return loader.construct_document(node)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" line {mark.line + 1}:" if mark is not None else ""
+            what = getattr(e, "problem", None) or str(e).splitlines()[0]
+            if isinstance(e, yaml.constructor.ConstructorError):
+                what += " (YAML is read safely: plain values only, no !!python tags)"
+            raise ValueError(f"{name}:{where} not valid YAML: {what}") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{name}: not a UTF-8 text file ({e.reason})") from None
+        finally:
+            loader.dispose()
+
+
+def _repeated_key(root: Any, yaml: Any) -> tuple[str, int] | None:
+    """The first plain key that a mapping under ``root`` (a composed YAML node)
+    holds twice, with its 1-based line; ``None`` if there is none."""
+    merge = "tag:yaml.org,2002:merge"
+    seen_nodes: set[int] = set()
+    todo = [root]
+    while todo:
+        node = todo.pop()
+        if id(node) in seen_nodes:  # an alias of a node already checked
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            keys: set[tuple[str, str]] = set()
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.tag != merge:
+                    if (key.tag, key.value) in keys:
+                        return key.value, key.start_mark.line + 1
+                    keys.add((key.tag, key.value))
+                todo += [key, value]
+        elif isinstance(node, yaml.SequenceNode):
+            todo += node.value
+    return None

@@ -1,0 +1,189 @@
+"""Bins of whole sequences as records: ``BinRecords``.
+
+A bin holds whole sequences (each truncated to ``seq_len``), one after
+another, padded at the end; which sequences share a bin is the split's
+:class:`~flat_tokens_jax.data.plans.PackingPlan`. Read as packed windows whose
+first column starts a sequence, plus each bin's length.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from flat_tokens_jax.core.format import ENCODED_DTYPE, FormatError, Problem
+from flat_tokens_jax.core.limits import check_seq_len
+from flat_tokens_jax.data.dataset import FlatTokens
+from flat_tokens_jax.data.plans import PackingPlan, check_plan, find_plan
+from flat_tokens_jax.data.records import (
+    PackedRecords,
+    PaddedRecords,
+    Records,
+    Windows,
+    _check_columns,
+    _check_indices,
+    _data_fingerprint,
+)
+
+BINS = "bins"
+"""``LoaderConfig.packing`` (and ``Records.packed``) of bins of whole sequences."""
+
+
+class BinRecords:
+    """Record ``b`` is bin ``b`` of a packing plan: whole sequences, padded at the end.
+
+    Args:
+        ft: the split.
+        seq_len: tokens per bin.
+        plan: the plan to use (checked against ``ft`` and ``seq_len``); ``None``:
+            :func:`find_plan`.
+        cache_dir: where built plans are cached (``None``: not cached).
+        max_segments: at most this many runs per bin (its sequences, plus its
+            padding when not full); ``None``: no cap. Ignored with ``plan``.
+    """
+
+    packed = BINS
+
+    def __init__(
+        self,
+        ft: FlatTokens,
+        seq_len: int,
+        *,
+        plan: PackingPlan | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        max_segments: int | None = None,
+    ) -> None:
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+        check_seq_len(seq_len, f"bins of {ft!r}:")
+        self.ft, self.seq_len = ft, seq_len
+        if plan is not None:
+            check_plan(plan, ft, seq_len, repr(ft), "build the plan of this split and seq_len")
+        if plan is None:
+            plan = find_plan(ft, seq_len, cache_dir, max_segments)
+        self.plan = plan
+
+    def __repr__(self) -> str:
+        return (
+            f"BinRecords({self.ft!r}, seq_len={self.seq_len}, "
+            f"plan={self.plan.algorithm}:{self.plan.digest})"
+        )
+
+    def __len__(self) -> int:
+        return self.plan.num_bins
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {
+            "records": BINS,
+            "seq_len": self.seq_len,
+            "plan": {"algorithm": self.plan.algorithm, "digest": self.plan.digest},
+            **_data_fingerprint(self.ft),
+        }
+
+    def sequences(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(row, sequence)`` ``[m] int64``: the sequences of bins ``indices``, in bin order."""
+        idx = _check_indices(indices, len(self), self)
+        lo, hi = self.plan.bin_starts[idx], self.plan.bin_starts[idx + 1]
+        counts = hi - lo
+        row = np.repeat(np.arange(idx.size), counts)
+        first = np.cumsum(counts) - counts
+        at = np.repeat(lo - first, counts) + np.arange(int(counts.sum()))
+        return row, self.plan.seq_order[at]
+
+    def token_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The span ``(start, stop)`` ``[k] int64`` from a bin's first sequence to its last."""
+        row, seqs = self.sequences(indices)
+        start, stop = self.ft.sequence_bounds(seqs)
+        k = np.asarray(indices).size
+        first = np.full(k, np.iinfo(np.int64).max)
+        last = np.zeros(k, np.int64)
+        np.minimum.at(first, row, start)
+        np.maximum.at(last, row, np.minimum(stop, start + self.seq_len))
+        return first, last
+
+    def read(self, indices: np.ndarray, columns: tuple[int, int] | None = None) -> Windows:
+        """Bins as packed windows ``[k, c1 - c0 + 1]`` (column 0: the token before
+        column ``c0``, 0 for ``c0 = 0``) with ``lengths`` ``[k]``, the tokens of
+        each whole bin; sequences that follow each other in the split are one read."""
+        c0, c1 = _check_columns(columns, self.seq_len)
+        row, seqs = self.sequences(indices)
+        k = np.asarray(indices).size
+        start, stop = self.ft.sequence_bounds(seqs)
+        stop = np.minimum(stop, start + self.seq_len)
+        size = stop - start
+        lengths = np.bincount(row, weights=size, minlength=k).astype(np.int64)
+        if k and lengths.max() > self.seq_len:
+            b = int(np.asarray(indices).reshape(-1)[int(np.argmax(lengths))])
+            raise FormatError(
+                Problem(repr(self), f"bin {b} holds {lengths.max()} tokens, over seq_len")
+            )
+        offset = np.cumsum(size) - size
+        offset -= np.repeat((np.cumsum(lengths) - lengths), np.bincount(row, minlength=k))
+        # One piece per run of sequences that are neighbours in the split.
+        new = np.ones(seqs.size, bool)
+        new[1:] = (row[1:] != row[:-1]) | (start[1:] != stop[:-1])
+        ends = np.append(np.flatnonzero(new)[1:], seqs.size) - 1
+        p_row, p_off, p_start = row[new], offset[new], start[new]
+        p_stop = stop[ends]
+        # Bin positions [c0 - 1, c1) go to columns [0, width).
+        lo = np.maximum(p_off, max(c0 - 1, 0))
+        hi = np.minimum(p_off + (p_stop - p_start), c1)
+        keep = hi > lo
+        p_row, lo, hi, p_off, p_start = p_row[keep], lo[keep], hi[keep], p_off[keep], p_start[keep]
+        width = c1 - c0 + 1
+        t_lo = p_start + lo - p_off
+        t_hi = t_lo + (hi - lo)
+        tokens, masks = self.ft.request_encoded_and_mask(t_lo, t_hi, t_lo, t_hi)
+        dest = p_row * width + lo - (c0 - 1)
+        out = _scatter(tokens.result(), dest, hi - lo, (k, width), ENCODED_DTYPE)
+        if masks is None:
+            return Windows(out, lengths=lengths)
+        mask = _scatter(masks.result(), dest, hi - lo, (k, width), np.uint8)
+        return Windows(out, lengths=lengths, stored_mask=mask[:, 1:])
+
+
+def _scatter(
+    pieces: list[np.ndarray],
+    dest: np.ndarray,
+    sizes: np.ndarray,
+    shape: tuple[int, int],
+    dtype: Any,
+) -> np.ndarray:
+    """``[rows, width]`` zeros with each piece written at its flat offset ``dest``."""
+    out = np.zeros(shape, dtype)
+    if pieces:
+        flat = np.concatenate(pieces)
+        first = np.cumsum(sizes) - sizes
+        at = np.repeat(dest - first, sizes) + np.arange(flat.size)
+        out.reshape(-1)[at] = flat
+    return out
+
+
+def make_records(
+    ft: FlatTokens,
+    seq_len: int,
+    packing: bool | str,
+    cache_dir: str | os.PathLike[str] | None = None,
+    max_segments: int | None = None,
+) -> Records:
+    """The records a config's ``packing`` makes of a split: True packed windows,
+    False padded sequences, ``"bins"`` :class:`BinRecords` (with at most
+    ``max_segments`` runs per bin if given)."""
+    if packing == BINS:
+        return BinRecords(ft, seq_len, cache_dir=cache_dir, max_segments=max_segments)
+    if packing is True:
+        return PackedRecords(ft, seq_len)
+    if packing is False:
+        return PaddedRecords(ft, seq_len)
+    raise ValueError(f"packing must be True, False or {BINS!r}, got {packing!r}")
+
+
+def check_packing(value: Any, where: str) -> None:
+    """Refuses a ``packing`` other than True, False or ``"bins"``."""
+    if not (isinstance(value, bool) or value == BINS):
+        raise ValueError(
+            f"{where} must be True (packed windows), False (padded sequences) or "
+            f"{BINS!r} (bins of whole sequences), got {value!r}"
+        )

@@ -1,0 +1,293 @@
+"""Records of fixed length over one split: packed windows or padded sequences
+(bins of whole sequences are in :mod:`flat_tokens_jax.data.bins`).
+
+A record source maps a record index to the encoded tokens it needs and reads
+only those: one token range per packed record; for padded records the bounds
+from ``seq_starts``, then the tokens, each stage one batched request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from flat_tokens_jax.core.concurrently import at_once
+from flat_tokens_jax.core.format import ENCODED_DTYPE, FormatError, as_indices
+from flat_tokens_jax.core.limits import check_seq_len
+from flat_tokens_jax.core.urls import redact
+from flat_tokens_jax.data.dataset import Dataset, FlatTokens
+
+
+@dataclasses.dataclass(frozen=True)
+class Windows:
+    """Encoded tokens of a batch of records, before decoding into model fields.
+
+    Attributes:
+        encoded: ``uint32``; packed ``[k, L + 1]`` (column 0 is the token before
+            the record, 0 for record 0), padded ``[k, L]`` (0 past the sequence).
+            When only columns ``c0 .. c1`` are read, ``L`` is ``c1 - c0``.
+        lengths: padded only: ``[k] int64`` tokens of each row's sequence kept.
+        stored_mask: ``[k, L] uint8`` stored loss mask aligned with the targets,
+            or ``None`` when the split has none.
+    """
+
+    encoded: np.ndarray
+    lengths: np.ndarray | None = None
+    stored_mask: np.ndarray | None = None
+
+
+class Records(Protocol):
+    """Random access to fixed-length records.
+
+    Contract: deterministic (the same index gives the same record every time),
+    thread-safe, and ``repr`` tells two sources apart. ``packed`` says how
+    ``read``'s windows decode, as ``LoaderConfig.packing``: True packed
+    windows, False padded sequences, ``"bins"`` bins of whole sequences
+    (packed windows with ``lengths``, see ``flat_tokens_jax.data.bins``).
+    """
+
+    seq_len: int
+
+    @property
+    def packed(self) -> bool | str: ...
+
+    def __len__(self) -> int: ...
+
+    def read(self, indices: np.ndarray, columns: tuple[int, int] | None = None) -> Windows:
+        """Encoded tokens of records ``indices`` (``[k] int64``).
+
+        ``columns=(c0, c1)`` reads only those columns of each record (for a
+        sequence-sharded batch): packed windows then hold tokens ``c0 - 1 .. c1``
+        of the record, padded rows columns ``c0 .. c1`` (``lengths`` stay whole).
+        """
+        ...
+
+    def token_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(start, stop)`` ``[k] int64`` of the tokens each record's targets come from."""
+        ...
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What identifies the data behind the records (for checkpoint checks)."""
+        ...
+
+
+def _data_fingerprint(ft: FlatTokens) -> dict[str, Any]:
+    """Counts plus a digest of 64 evenly spaced tokens and sequence bounds, the
+    vocabulary hash of the tokenizer the dataset records (``None``: none), and
+    the recorded digest of the whole contents (``None`` for older stores).
+
+    Cheap (three batched reads and the arrays' attributes); with ``content``
+    any change of a value changes it.
+    """
+    tokenizer = None if ft.info is None else ft.info.tokenizer
+
+    def spaced(n: int) -> np.ndarray:
+        return np.unique(np.linspace(0, n - 1, 64).astype(np.int64)) if n else np.zeros(0, int)
+
+    tokens, bounds = spaced(ft.num_tokens), spaced(ft.num_sequences)
+    # The two reads (and their first touches' checks) at once.
+    parts = at_once(
+        [lambda: ft.encoded_ranges(tokens, tokens + 1), lambda: list(ft.sequence_bounds(bounds))]
+    )
+    digest = hashlib.sha256()
+    for part in (p for found in parts for p in found):
+        digest.update(np.ascontiguousarray(part).tobytes())
+    return {
+        "num_tokens": ft.num_tokens,
+        "num_sequences": ft.num_sequences,
+        "max_token_id": ft.max_token_id,
+        "loss_mask": ft.loss_mask is not None,
+        "sample_digest": digest.hexdigest()[:16],
+        "tokenizer": None if tokenizer is None else tokenizer.vocab_hash,
+        "content": _content(ft),
+    }
+
+
+def _content(ft: FlatTokens) -> str | None:
+    """The recorded identity of the split's whole contents: a digest of its
+    arrays' content digests (:func:`~flat_tokens_jax.store.digests.content_digest`);
+    ``None`` for a store written before they were recorded. A view shares its
+    split's (its counts and sampled digest tell views apart)."""
+    digests = [(name, ft.digests.get(name)) for name in sorted(ft.digests)]
+    contents = [(name, d.content) for name, d in digests if d is not None]
+    if len(contents) < len(digests) or any(c is None for _, c in contents):
+        return None
+    text = ";".join(f"{name}={content}" for name, content in contents)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def check_source(source: Any, who: str) -> None:
+    """Refuses, naming the fix, a ``source`` that is neither a split nor records.
+
+    Args:
+        source: what was given.
+        who: how the message names it, e.g. ``"component 'web'"``.
+
+    Raises:
+        TypeError: a whole ``Dataset``, a URL, or anything else.
+    """
+    if isinstance(source, FlatTokens):
+        return
+    if isinstance(source, Dataset):
+        raise TypeError(
+            f"{who} is a whole dataset ({source.url}); pick a split: ds[{source.splits[0]!r}]"
+        )
+    if isinstance(source, str | os.PathLike):
+        url = redact(source)
+        raise TypeError(
+            f"{who} is the URL {url!r}; open a split: ftj.open_dataset({url!r})['train']"
+        )
+    if not all(hasattr(source, a) for a in ("read", "seq_len", "packed", "token_ranges")):
+        raise TypeError(
+            f"{who}: expected a FlatTokens split (ds['train']) or Records, "
+            f"got {type(source).__name__}"
+        )
+
+
+def recorded_info(records: object) -> Any:
+    """What made the dataset behind ``records`` (its ``DatasetInfo``), or ``None``.
+
+    ``None`` for records that are not over a split, and for datasets that
+    record nothing (written by older versions or other tools).
+    """
+    ft = getattr(records, "ft", None)
+    return getattr(ft, "info", None) if isinstance(ft, FlatTokens) else None
+
+
+class _SplitRecords:
+    """Records over one split; subclasses say how a record maps to tokens."""
+
+    packed: bool
+
+    def __init__(self, ft: FlatTokens, seq_len: int) -> None:
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        check_seq_len(seq_len, f"records of {ft!r}:")
+        self.ft, self.seq_len = ft, seq_len
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.ft!r}, seq_len={self.seq_len})"
+
+    def fingerprint(self) -> dict[str, Any]:
+        kind = "packed" if self.packed else "padded"
+        return {"records": kind, "seq_len": self.seq_len, **_data_fingerprint(self.ft)}
+
+
+class PackedRecords(_SplitRecords):
+    """Record ``i`` is tokens ``[i*L, (i+1)*L)`` of a split, plus the token before it.
+
+    ``num_tokens // L`` records; a tail shorter than ``L`` is never used.
+    """
+
+    packed = True
+
+    def __len__(self) -> int:
+        return self.ft.num_tokens // self.seq_len
+
+    def token_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        start = as_indices(indices, "record indices").reshape(np.shape(indices)) * self.seq_len
+        return start, start + self.seq_len
+
+    def read(self, indices: np.ndarray, columns: tuple[int, int] | None = None) -> Windows:
+        idx = _check_indices(indices, len(self), self)
+        c0, c1 = _check_columns(columns, self.seq_len)
+        base = idx * self.seq_len
+        start, stop = base + c0, base + c1
+        tokens, masks = self.ft.request_encoded_and_mask(
+            np.maximum(start - 1, 0), stop, start, stop
+        )
+        # Record 0 has no token before it: its row is right-aligned, column 0 stays 0.
+        out = tokens.rows(c1 - c0 + 1, ENCODED_DTYPE, right=True)
+        mask = None if masks is None else masks.rows(c1 - c0, np.uint8)
+        return Windows(out, stored_mask=mask)
+
+
+class PaddedRecords(_SplitRecords):
+    """Record ``i`` is sequence ``i``, truncated to ``L`` tokens, padded on the right."""
+
+    packed = False
+
+    def __len__(self) -> int:
+        return self.ft.num_sequences
+
+    def token_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        start, stop = self.ft.sequence_bounds(indices)
+        return start, np.minimum(stop, start + self.seq_len)
+
+    def read(self, indices: np.ndarray, columns: tuple[int, int] | None = None) -> Windows:
+        idx = _check_indices(indices, len(self), self)
+        c0, c1 = _check_columns(columns, self.seq_len)
+        start, stop = self.token_ranges(idx)
+        lo = np.minimum(start + c0, stop)
+        hi = np.minimum(start + c1, stop)
+        tokens, masks = self.ft.request_encoded_and_mask(lo, hi, lo, hi)
+        out = tokens.rows(c1 - c0, ENCODED_DTYPE)
+        check_start_bits(self.ft, out, idx, start + c0, stop - start, c0 == 0)
+        mask = None if masks is None else masks.rows(c1 - c0, np.uint8)
+        return Windows(out, lengths=stop - start, stored_mask=mask)
+
+
+def check_start_bits(
+    ft: FlatTokens,
+    rows: np.ndarray,
+    sequences: np.ndarray,
+    first: np.ndarray,
+    lengths: np.ndarray,
+    at_start: bool,
+) -> None:
+    """Raises :class:`FormatError` unless every padded row of ``rows`` (``[k, w]``
+    encoded, from token ``first[r]`` of the split on) whose column 0 is its
+    sequence's first token (``at_start``) has the start bit set there: a
+    ``seq_starts`` entry that points anywhere else, or tokens that are not this
+    split's, show here. Reads one column, so it costs nothing next to the read."""
+    if not at_start or rows.shape[1] == 0:
+        return
+    clear = np.flatnonzero(((rows[:, 0] & 1) == 0) & (lengths > 0))
+    if clear.size:
+        r = int(clear[0])
+        token = int(first[r]) + ft.token_range[0]
+        raise FormatError(
+            f"{ft.url}/{ft.split_name}/{ft.tokens_name}[{token}]: start bit clear where "
+            f"seq_starts[{int(sequences[r]) + ft.seq_range[0]}] begins a sequence: "
+            "the store is corrupt"
+        )
+
+
+def _check_columns(columns: tuple[int, int] | None, seq_len: int) -> tuple[int, int]:
+    c0, c1 = (0, seq_len) if columns is None else columns
+    if not 0 <= c0 < c1 <= seq_len:
+        raise ValueError(f"columns ({c0}, {c1}) are not a range within [0, {seq_len}]")
+    return c0, c1
+
+
+def _check_indices(indices: np.ndarray, n: int, source: object) -> np.ndarray:
+    idx = as_indices(indices, "record indices")
+    bad = np.flatnonzero((idx < 0) | (idx >= n))
+    if bad.size:
+        raise IndexError(f"{source!r}: record {idx[bad[0]]} is outside [0, {n})")
+    return idx
+
+
+def sources_of(names: Sequence[str], components: Sequence[Records]) -> list[dict[str, Any]]:
+    """Where each named component's data lives: ``name``, ``url``, ``split`` and
+    the ``sequences`` range of a view (JSON-ready; ``repr`` for custom records)."""
+    out: list[dict[str, Any]] = []
+    for name, records in zip(names, components, strict=True):
+        ft = getattr(records, "ft", None)
+        if isinstance(ft, FlatTokens):
+            out.append(
+                {
+                    "name": name,
+                    "url": ft.url,
+                    "split": ft.split_name,
+                    "sequences": list(ft.seq_range),
+                }
+            )
+        else:
+            out.append({"name": name, "repr": repr(records)})
+    return out

@@ -1,0 +1,360 @@
+"""Checking every invariant of a stored dataset, streaming, and summarising it."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from flat_tokens_jax.core.format import (
+    LOSS_MASK,
+    SEQ_STARTS,
+    SPLITS,
+    FormatError,
+    Problem,
+    check_starts_block,
+    check_tokens_block,
+)
+from flat_tokens_jax.data.dataset import FlatTokens, open_dataset
+from flat_tokens_jax.data.plans import check_stored_plans, plans_summary
+from flat_tokens_jax.store.arrays import ArrayReader
+from flat_tokens_jax.store.digests import ChunkDigests
+from flat_tokens_jax.store.identity import DatasetInfo
+from flat_tokens_jax.store.options import StoreError, StoreOptions, resolve_options
+from flat_tokens_jax.store.store import Store
+
+BLOCK = 1 << 22
+# validate(quick=True): sequences sampled per split, and tokens read from the start of each.
+QUICK_SAMPLES = 1024
+QUICK_TOKENS = 64
+
+
+def validate(
+    url: str | os.PathLike[str],
+    options: StoreOptions | None = None,
+    block: int = BLOCK,
+    *,
+    quick: bool = False,
+    samples: int = QUICK_SAMPLES,
+    **option_fields: Any,
+) -> None:
+    """Checks every invariant of the dataset at ``url``, reading it in blocks.
+
+    Checks both splits are present; dtypes and shapes; ``seq_starts`` starts at
+    0, strictly increases and ends at the token count; start bits sit exactly at
+    ``seq_starts``; every id is ``<= max_token_id``; an optional ``loss_mask``
+    has one ``uint8`` 0/1 entry per token; the root attribute ``flat_tokens``,
+    when present, is well formed; every stored packing plan
+    (``<split>/bins_<seq_len>``) places each sequence once, keeps bins within
+    its ``seq_len`` and was made from the split as it is. ``options`` (or its
+    fields as keywords) say how to reach the store, as for :func:`open_dataset`.
+    Bytes that fail their crc32c checksum are a problem of the array they
+    belong to.
+
+    ``quick=True`` reads a sample instead of everything, for stores too big to
+    scan: the metadata, both ends of ``seq_starts``, and ``samples`` sequences
+    (spread over the split, the same ones every time): their bounds, and the
+    start bits and ids of their first :data:`QUICK_TOKENS` tokens. Both check every
+    shard probe, and the chunk digests (see :mod:`~flat_tokens_jax.store.digests`)
+    where recorded: of every chunk, or (``quick``) of the chunks the sample reads.
+
+    Raises:
+        FormatError: listing every violation found, each with its array and index.
+    """
+    store = Store(url, resolve_options(options, option_fields, "validate"))
+    root = store.group_attributes("")
+    if root is None:
+        raise FormatError(
+            Problem(
+                store.url,
+                "no flat-tokens dataset here (no zarr group "
+                "metadata at the root; the path is wrong or a write did "
+                "not finish)",
+            )
+        )
+    problems: list[Problem] = []
+    try:
+        DatasetInfo.from_attributes(root[1])
+    except FormatError as e:
+        problems += e.problems
+    for split in SPLITS:
+        try:
+            ft = FlatTokens(store, split, check_end=False)
+        except FormatError as e:
+            problems += e.problems
+            continue
+        try:
+            problems += _check_probes(ft)
+            problems += _check_sample(ft, samples) if quick else _check_split(ft, block)
+        except StoreError as e:
+            if "DATA_LOSS" not in str(e):
+                raise
+            problems.append(Problem(f"{ft.url}/{ft.split_name}", str(e)))
+        problems += check_stored_plans(ft)
+    if problems:
+        raise FormatError(problems)
+
+
+def _check_probes(ft: FlatTokens) -> list[Problem]:
+    """Every shard's probe (see :mod:`~flat_tokens_jax.store.probes`), where recorded."""
+    readers = {ft.tokens_name: ft.encoded, SEQ_STARTS: ft.starts, LOSS_MASK: ft.loss_mask}
+    return [
+        Problem(f"{ft.split_name}/{name}", message)
+        for name, probes in ft.probes.items()
+        if probes is not None and (reader := readers[name]) is not None
+        for message in probes.verify_all(reader.read_ranges)
+    ]
+
+
+def _check_digests(
+    ft: FlatTokens, name: str, reader: ArrayReader, starts: np.ndarray, stops: np.ndarray
+) -> list[Problem]:
+    """The chunk digests (where recorded) of the chunks ranges ``[starts, stops)`` touch."""
+    digests = ft.digests.get(name)
+    if digests is None:
+        return []
+
+    def check() -> list[str]:
+        digests.check(reader, starts, stops)  # raises at the first chunk that differs
+        return []
+
+    return _digest_problems(f"{ft.split_name}/{name}", check)
+
+
+def _check_split(ft: FlatTokens, block: int) -> list[Problem]:
+    problems = _check_arrays(
+        f"{ft.split_name}/{ft.tokens_name}",
+        ft.encoded,
+        f"{ft.split_name}/{SEQ_STARTS}",
+        ft.starts,
+        ft.max_token_id,
+        block,
+        (ft.digests.get(ft.tokens_name), ft.digests.get(SEQ_STARTS)),
+    )
+    problems += [
+        Problem(f"{ft.split_name}/{name}", message)
+        for name, digests in ft.digests.items()
+        if digests is not None
+        for message in digests.content_problems()
+    ]
+    if ft.loss_mask is not None:
+        where = f"{ft.split_name}/{LOSS_MASK}"
+        if ft.loss_mask.dtype != np.uint8:
+            problems.append(Problem(where, f"dtype is {ft.loss_mask.dtype}, expected uint8"))
+        else:
+            digests = ft.digests.get(LOSS_MASK)
+            for offset, values in _blocks(ft.loss_mask, block, digests, where, problems):
+                bad = np.flatnonzero(values > 1)
+                problems += [
+                    Problem(
+                        where, "loss mask entries must be 0 or 1", offset + int(i), int(values[i])
+                    )
+                    for i in bad[: FormatError.max_listed]
+                ]
+    return problems
+
+
+def _check_sample(ft: FlatTokens, samples: int) -> list[Problem]:
+    """The checks of :func:`validate` on ``samples`` sequences of ``ft`` (see ``quick``)."""
+    tokens_where = f"{ft.split_name}/{ft.tokens_name}"
+    starts_where = f"{ft.split_name}/{SEQ_STARTS}"
+    n, num_tokens = ft.starts.size - 1, ft.encoded.size
+    ends = ft.starts.read_points(np.array([0, n]))
+    problems = check_starts_block(ends[:1], 0, None, num_tokens, starts_where)
+    if int(ends[1]) != num_tokens:
+        problems.append(
+            Problem(starts_where, f"last entry must equal the token count {num_tokens}", n, ends[1])
+        )
+    if n == 0 or problems:
+        return problems
+    drawn = np.random.default_rng(0).choice(n, min(samples, n), replace=False)
+    seqs = np.unique(np.concatenate([[0, n - 1], drawn]))
+    at = np.concatenate([seqs, seqs + 1])
+    values = ft.starts.read_points(at)
+    for i in range(seqs.size):
+        pair = values[[i, seqs.size + i]]
+        problems += check_starts_block(
+            pair[1:], int(seqs[i]) + 1, int(pair[0]), num_tokens, starts_where
+        )
+    problems += [
+        Problem(starts_where, f"beyond the {num_tokens} tokens of the split", int(at[i]), int(v))
+        for i, v in enumerate(values[: seqs.size])
+        if int(v) > num_tokens
+    ]
+    if problems:
+        return problems
+    lo = values[: seqs.size].astype(np.int64)
+    hi = np.minimum(values[seqs.size :].astype(np.int64), lo + QUICK_TOKENS)
+    problems += _check_digests(ft, SEQ_STARTS, ft.starts, at, at + 1)
+    problems += _check_digests(ft, ft.tokens_name, ft.encoded, lo, hi)
+    for start, enc in zip(lo.tolist(), ft.encoded.read_ranges(lo, hi), strict=True):
+        problems += check_tokens_block(enc, start, np.array([start]), ft.max_token_id, tokens_where)
+    return problems[: FormatError.max_listed]
+
+
+def _check_arrays(
+    tokens_where: str,
+    tokens: ArrayReader,
+    starts_where: str,
+    starts: ArrayReader,
+    max_token_id: int,
+    block: int,
+    digests: tuple[ChunkDigests | None, ChunkDigests | None] = (None, None),
+) -> list[Problem]:
+    """Streams both arrays once, side by side, checking their chunk ``digests``
+    (of tokens, of starts) where given."""
+    problems: list[Problem] = []
+    num_tokens = tokens.size
+    if starts.size == 0:
+        return [Problem(starts_where, "empty; it needs num_sequences + 1 entries")]
+    previous: int | None = None
+    pending = np.zeros(0, np.uint64)
+    starts_iter = _blocks(starts, block, digests[1], starts_where, problems)
+    starts_done = False
+    for t_offset, enc in _blocks(tokens, block, digests[0], tokens_where, problems):
+        t_end = t_offset + enc.size
+        while not starts_done and (pending.size == 0 or int(pending[-1]) < t_end):
+            nxt = next(starts_iter, None)
+            if nxt is None:
+                starts_done = True
+                break
+            s_offset, values = nxt
+            problems += check_starts_block(values, s_offset, previous, num_tokens, starts_where)
+            previous = int(values[-1])
+            pending = np.concatenate([pending, values])
+        in_block = pending[(pending >= np.uint64(t_offset)) & (pending < np.uint64(t_end))]
+        problems += check_tokens_block(enc, t_offset, in_block, max_token_id, tokens_where)
+        pending = pending[pending >= np.uint64(t_end)]
+    for s_offset, values in starts_iter:
+        problems += check_starts_block(values, s_offset, previous, num_tokens, starts_where)
+        previous = int(values[-1])
+    if previous is not None and previous != num_tokens:
+        problems.append(
+            Problem(
+                starts_where,
+                f"last entry must equal the token count {num_tokens}",
+                starts.size - 1,
+                previous,
+            )
+        )
+    return problems
+
+
+def _blocks(
+    array: ArrayReader,
+    block: int,
+    digests: ChunkDigests | None = None,
+    where: str = "",
+    problems: list[Problem] | None = None,
+) -> Iterator[tuple[int, np.ndarray]]:
+    """``(offset, values)`` blocks of an array, in order. With ``digests``, blocks
+    hold whole chunks, and each chunk that fails its digest adds to ``problems``."""
+    if digests is not None:
+        block = max(block // digests.chunk, 1) * digests.chunk
+    bounds = np.arange(0, array.size + block, block, dtype=np.int64).clip(max=array.size)
+    for lo, hi in itertools.pairwise(bounds):
+        if hi > lo:
+            values = array.read_ranges(np.array([lo]), np.array([hi]))[0]
+            if digests is not None and problems is not None:
+                check = functools.partial(digests.check_block, int(lo), values)
+                problems += _digest_problems(where, check)
+            yield int(lo), values
+
+
+def _digest_problems(where: str, check: Callable[[], list[str]]) -> list[Problem]:
+    """The chunks ``check()`` finds failing their digests (listed or raised), or
+    its side array's fault."""
+    try:
+        return [Problem(where, m) for m in check()]
+    except FormatError as e:
+        return e.problems
+
+
+def summary(
+    url: str | os.PathLike[str],
+    options: StoreOptions | None = None,
+    max_sampled: int = 1 << 20,
+    **option_fields: Any,
+) -> dict[str, Any]:
+    """What made the dataset, and counts, sequence lengths and layout of every split.
+
+    ``"info"`` is the dataset's :class:`DatasetInfo` as stored (``None`` when
+    it records none). Length quantiles and the ``"histogram"`` (counts of
+    lengths in ``[edges[i], edges[i + 1])``, ``edges`` powers of two) are
+    exact up to ``max_sampled`` sequences and taken over evenly spaced
+    sequences beyond that (``"lengths_sampled": true``). ``"packing_plans"``
+    maps the ``seq_len`` of each stored packing plan to its attributes
+    (algorithm, bins, digest, source). ``options`` (or its
+    fields as keywords) say how to reach the store.
+    """
+    ds = open_dataset(url, resolve_options(options, option_fields, "summary"))
+    out: dict[str, Any] = {
+        "url": ds.url,
+        "zarr_format": ds.zarr_format,
+        "info": None if ds.info is None else ds.info.to_attributes(),
+        "splits": {},
+    }
+    for name, ft in ds.items():
+        n = ft.num_sequences
+        info: dict[str, Any] = {
+            "num_tokens": ft.num_tokens,
+            "num_sequences": n,
+            "max_token_id": ft.max_token_id,
+            "loss_mask": ft.loss_mask is not None,
+            "layout": ft.layout(),
+            "packing_plans": plans_summary(ft),
+        }
+        if n:
+            idx = np.unique(np.linspace(0, n - 1, min(n, max_sampled)).astype(np.int64))
+            lo, hi = ft.sequence_bounds(idx)
+            lengths = hi - lo
+            q = np.quantile(lengths, [0.0, 0.5, 0.9, 0.99, 1.0])
+            info["lengths"] = {
+                "mean": ft.num_tokens / n,
+                "min": int(q[0]),
+                "median": float(q[1]),
+                "p90": float(q[2]),
+                "p99": float(q[3]),
+                "max": int(q[4]),
+            }
+            info["histogram"] = length_histogram(lengths)
+            info["lengths_sampled"] = bool(idx.size < n)
+            _plans_filled(info["packing_plans"], lengths, n)
+        out["splits"][name] = info
+    return out
+
+
+def _plans_filled(plans: dict[str, Any], lengths: np.ndarray, n: int) -> None:
+    """Adds ``"filled"`` to each plan: the share of its bins' tokens that hold
+    tokens, counting each sequence truncated to ``seq_len`` (the plan's own
+    ``tokens`` where it records them, else from ``lengths`` of ``n`` sequences,
+    ``"filled_sampled": true`` when those are a sample)."""
+    for seq_len, plan in plans.items():
+        if not isinstance(plan, dict) or not isinstance(plan.get("num_bins"), int):
+            continue
+        tokens = plan.get("tokens")
+        if not isinstance(tokens, int):
+            tokens = round(float(np.minimum(lengths, int(seq_len)).mean()) * n)
+            plan["filled_sampled"] = bool(lengths.size < n)
+        plan["filled"] = tokens / max(plan["num_bins"] * int(seq_len), 1)
+
+
+def length_histogram(lengths: np.ndarray) -> dict[str, list[int]]:
+    """Counts of ``lengths`` ``[k]`` (positive) in power-of-two buckets.
+
+    Returns:
+        ``{"edges": [e_0, ..., e_m], "counts": [c_0, ..., c_{m-1}]}``: ``c_i``
+        lengths lie in ``[e_i, e_{i+1})``; ``e_0`` is the largest power of two
+        at most the shortest length, ``e_m`` the smallest above the longest.
+    """
+    lo = int(lengths.min()).bit_length() - 1
+    hi = int(lengths.max()).bit_length()
+    edges = [1 << k for k in range(lo, hi + 1)]
+    # frexp's exponent is floor(log2(x)) + 1, exactly, for integers below 2**53.
+    bucket = np.frexp(lengths.astype(np.float64))[1].astype(np.int64) - 1 - lo
+    counts = np.bincount(bucket, minlength=len(edges) - 1)
+    return {"edges": edges, "counts": counts.astype(int).tolist()}

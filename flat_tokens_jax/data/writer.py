@@ -1,0 +1,492 @@
+"""Writing flat-tokens datasets: streaming appends, bounded memory, atomic finish.
+
+A dataset becomes valid only when its root group metadata is written, and that
+is the last thing :meth:`DatasetWriter.close` does, after every array (loss
+masks included); anything interrupted before leaves a store that
+:func:`open_dataset` refuses.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from flat_tokens_jax.core.format import (
+    ENCODED_DTYPE,
+    LOSS_MASK,
+    MASK_DTYPE,
+    SEQ_STARTS,
+    SPLITS,
+    STARTS_DTYPE,
+    TOKENS,
+    check_loss_mask,
+    check_token_ids,
+    encode_concatenated,
+)
+from flat_tokens_jax.store.identity import ATTRIBUTE, DatasetInfo
+from flat_tokens_jax.store.layout import (
+    PROVISIONAL_SIZE,
+    Layout,
+    create_array,
+    create_digests,
+    record_probes,
+    write_digests,
+)
+from flat_tokens_jax.store.location import STAGING as STAGING
+from flat_tokens_jax.store.location import claim_location
+from flat_tokens_jax.store.options import StoreOptions, resolve_options
+from flat_tokens_jax.store.store import Store
+
+log = logging.getLogger(__name__)
+
+_MAX_PENDING_WRITES = 4
+
+
+class _ArrayAppender:
+    """Appends to one 1-D array, writing whole shards from a bounded buffer."""
+
+    def __init__(
+        self, store: Store, split: str, array: str, dtype: np.dtype[Any], layout: Layout
+    ) -> None:
+        self.wait = store.wait
+        self.where = (store, split, array, layout)
+        self.array = create_array(store, split, array, dtype, layout)
+        self.digests = create_digests(store, split, array, layout)
+        self.buffer = np.empty(layout.elements(array)[0], dtype)
+        self.filled = 0
+        self.written = 0
+        self.pending: list[Any] = []
+
+    @property
+    def size(self) -> int:
+        return self.written + self.filled
+
+    def append(self, values: np.ndarray) -> None:
+        while values.size:
+            take = min(values.size, self.buffer.size - self.filled)
+            self.buffer[self.filled : self.filled + take] = values[:take]
+            self.filled += take
+            values = values[take:]
+            if self.filled == self.buffer.size:
+                self._flush()
+
+    def _flush(self) -> None:
+        if not self.filled:
+            return
+        end = self.written + self.filled
+        if end > PROVISIONAL_SIZE:
+            raise ValueError(f"a split may hold at most {PROVISIONAL_SIZE} elements")
+        data, self.buffer = self.buffer[: self.filled], np.empty_like(self.buffer)
+        self.pending.append(self.array[self.written : end].write(data))
+        array, layout = self.where[2:]
+        self.pending.append(write_digests(self.digests, self.written, data, layout, array))
+        self.written, self.filled = end, 0
+        while len(self.pending) > 2 * _MAX_PENDING_WRITES:  # a shard's and its digests' writes
+            self.wait(self.pending.pop(0))
+
+    def settle(self) -> None:
+        """Waits for writes in flight, ignoring their outcome (before deleting them)."""
+        for f in self.pending:
+            try:
+                f.result()
+            except Exception as e:  # the write is being abandoned anyway
+                log.debug("abandoned write failed: %s", e)
+        self.pending.clear()
+
+    def finish(self) -> None:
+        self._flush()
+        for f in self.pending:
+            self.wait(f)
+        self.pending.clear()
+        self.array = self.wait(
+            self.array.resize(exclusive_max=[self.written], resize_metadata_only=True)
+        )
+        count = -(-self.written // self.where[3].elements(self.where[2])[1])
+        self.wait(self.digests.resize(exclusive_max=[count], resize_metadata_only=True))
+        record_probes(*self.where, self.array)
+
+
+class _SplitWriter:
+    def __init__(self, store: Store, split: str, layout: Layout) -> None:
+        self.tokens = _ArrayAppender(store, split, TOKENS, ENCODED_DTYPE, layout)
+        self.starts = _ArrayAppender(store, split, SEQ_STARTS, STARTS_DTYPE, layout)
+        self.starts.append(np.zeros(1, STARTS_DTYPE))
+        self.store, self.split, self.layout = store, split, layout
+        # Created by the first sequences written with a loss mask; `masked` records
+        # whether the first sequences came with one, and every later one must agree.
+        self.mask: _ArrayAppender | None = None
+        self.masked: bool | None = None
+        self.max_token_id = 0
+        self.num_sequences = 0
+
+    @property
+    def arrays(self) -> list[_ArrayAppender]:
+        return [self.tokens, self.starts, *([self.mask] if self.mask else [])]
+
+    def _start_mask(self, masked: bool) -> None:
+        """Settles on the first call whether the split has a loss mask; refuses mixing."""
+        if self.masked is None:
+            self.masked = masked
+            if masked:
+                self.mask = _ArrayAppender(
+                    self.store, self.split, LOSS_MASK, MASK_DTYPE, self.layout
+                )
+        elif masked != self.masked:
+            given, earlier = ("a", "none") if masked else ("no", "one")
+            raise ValueError(
+                f"split {self.split!r}, sequence {self.num_sequences}: {given} loss mask "
+                f"given, but the split's earlier sequences have {earlier}; a split has a "
+                "loss mask for every sequence or for none"
+            )
+
+    def extend(self, sequences: Sequence[np.ndarray], masks: Sequence[Any] | None) -> None:
+        where = f"split {self.split!r}, sequence"
+        arrays = [
+            check_token_ids(s, f"{where} {self.num_sequences + i}") for i, s in enumerate(sequences)
+        ]
+        lengths = np.fromiter((a.size for a in arrays), np.int64, len(arrays))
+        empty = np.flatnonzero(lengths == 0)
+        if empty.size:
+            raise ValueError(
+                f"{where} {self.num_sequences + int(empty[0])} is empty; the format "
+                "cannot store empty sequences (drop them before writing)"
+            )
+        if not arrays:
+            return
+        mask = None
+        if masks is not None:
+            mask = np.concatenate(
+                [
+                    check_loss_mask(m, a.size, f"{where} {self.num_sequences + i}")
+                    for i, (a, m) in enumerate(zip(arrays, masks, strict=True))
+                ]
+            )
+        ids = np.concatenate(arrays)
+        offsets = np.cumsum(lengths)
+        self._write(encode_concatenated(ids, offsets - lengths), offsets, mask, int(ids.max()))
+
+    def extend_encoded(self, encoded: np.ndarray, lengths: np.ndarray, mask: Any | None) -> None:
+        enc = np.asarray(encoded)
+        sizes = np.asarray(lengths, np.int64)
+        where = f"split {self.split!r}, encoded block at sequence {self.num_sequences}"
+        if enc.dtype != ENCODED_DTYPE or enc.ndim != 1:
+            raise ValueError(
+                f"{where}: expected 1-D uint32 encoded tokens, got {enc.dtype} {enc.shape}"
+            )
+        if (sizes <= 0).any() or int(sizes.sum()) != enc.size:
+            raise ValueError(
+                f"{where}: lengths must be positive and sum to the {enc.size} tokens given"
+            )
+        offsets = np.cumsum(sizes)
+        flagged = np.flatnonzero(enc & np.uint32(1))
+        if not np.array_equal(flagged, offsets - sizes):
+            raise ValueError(f"{where}: start bits do not sit exactly at the sequence starts")
+        if not sizes.size:
+            return
+        checked = None if mask is None else check_loss_mask(mask, enc.size, where)
+        self._write(enc, offsets, checked, int(enc.max()) >> 1)
+
+    def _write(
+        self, encoded: np.ndarray, offsets: np.ndarray, mask: np.ndarray | None, max_id: int
+    ) -> None:
+        """Appends checked sequences: ``offsets`` ``[k]`` are their ends within ``encoded``."""
+        self._start_mask(mask is not None)
+        self.tokens.append(encoded)
+        if self.mask is not None and mask is not None:
+            self.mask.append(mask)
+        self.starts.append((offsets + self.tokens.size - encoded.size).astype(STARTS_DTYPE))
+        self.max_token_id = max(self.max_token_id, max_id)
+        self.num_sequences += offsets.size
+
+    def finish(self) -> None:
+        for array in self.arrays:
+            array.finish()
+
+
+def root_attributes(
+    attributes: Mapping[str, Any] | None, info: DatasetInfo | None
+) -> dict[str, Any]:
+    """The root group's attributes: ``attributes`` and, under ``"flat_tokens"``,
+    ``info`` (an empty one when ``None``: every dataset says what wrote it).
+
+    Raises:
+        ValueError: ``attributes`` has a ``"flat_tokens"`` key of its own.
+    """
+    given = dict(attributes or {})
+    if ATTRIBUTE in given:
+        raise ValueError(
+            f"attributes may not have the key {ATTRIBUTE!r}: the writer fills it in; "
+            "pass info=DatasetInfo(...) instead"
+        )
+    return {**given, ATTRIBUTE: (info or DatasetInfo()).to_attributes()}
+
+
+def write_groups(
+    store: Store, layout: Layout, max_token_ids: Mapping[str, int], attributes: Mapping[str, Any]
+) -> None:
+    """Writes each split's group (with its ``max_token_id``), then the root group.
+
+    The root group's metadata is what makes the dataset valid, so it is the
+    last thing written, after every array.
+    """
+    for name, max_id in max_token_ids.items():
+        store.write_group(name, layout.zarr_format, {"max_token_id": max_id})
+    store.write_group("", layout.zarr_format, attributes)
+
+
+class DatasetWriter:
+    """Streams sequences into a new flat-tokens dataset.
+
+    Memory stays bounded by about two shards per array whatever the dataset
+    size. The dataset becomes valid only when :meth:`close` completes (the
+    ``with`` block ends without an error); until then, and after any failure,
+    :func:`open_dataset` refuses it.
+
+    A split may also store a loss mask (``loss_mask``, ``uint8``, one entry per
+    token, 1 where the token is trained on as a target): pass one with every
+    sequence of that split, or with none.
+
+    Example:
+        >>> with DatasetWriter("memory://doc/example", overwrite=True) as w:
+        ...     w.append("train", [1, 2])
+        ...     w.extend("validation", [[3, 4, 5]], loss_masks=[[0, 1, 1]])
+
+    Args:
+        url: where to write; a local path or a ``file://``, ``memory://``, ``gs://``
+            or ``s3://`` URL.
+        layout: chunking, sharding, compression and zarr version.
+        overwrite: replace a flat-tokens dataset, or the leftover of an
+            interrupted write, at ``url``. Without it such a ``url`` is refused
+            (:class:`~flat_tokens_jax.store.location.OverwriteNeeded`); a ``url``
+            holding anything else is refused either way (``FileExistsError``),
+            as is one that another writer claimed first (see
+            :func:`~flat_tokens_jax.store.location.claim_location`).
+        options: how to reach the store (see :class:`StoreOptions`).
+        **option_fields: or the fields of ``options`` as keywords, e.g. ``endpoint=...``.
+        splits: the splits to create; each is written even if it stays empty.
+        attributes: extra JSON attributes for the root group (any key but
+            ``"flat_tokens"``).
+        info: what made the data (tokenizer, flags, inputs), written under the
+            root attribute ``"flat_tokens"`` (see :mod:`flat_tokens_jax.store.identity`);
+            :attr:`info` may be replaced until :meth:`close` (a converter that
+            learns its inputs' hash only at the end does).
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        *,
+        layout: Layout | None = None,
+        overwrite: bool = False,
+        options: StoreOptions | None = None,
+        splits: Sequence[str] = SPLITS,
+        attributes: Mapping[str, Any] | None = None,
+        info: DatasetInfo | None = None,
+        **option_fields: Any,
+    ) -> None:
+        self.layout = layout or Layout()
+        root_attributes(attributes, info)  # refuses a bad key before anything is written
+        self.attributes = dict(attributes or {})
+        self.info = info
+        self.store = Store(url, resolve_options(options, option_fields, "DatasetWriter"))
+        self._claim = claim_location(self.store, overwrite, splits)
+        try:
+            self._splits = {s: _SplitWriter(self.store, s, self.layout) for s in splits}
+        except BaseException:
+            self._claim.discard()
+            raise
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"DatasetWriter({self.store.url!r})"
+
+    def _split(self, split: str) -> _SplitWriter:
+        if self._closed:
+            raise ValueError(f"{self!r} is closed")
+        try:
+            return self._splits[split]
+        except KeyError:
+            raise KeyError(
+                f"unknown split {split!r}; this writer has {tuple(self._splits)}"
+            ) from None
+
+    def append(
+        self,
+        split: str,
+        sequence: Sequence[int] | np.ndarray,
+        loss_mask: Sequence[int] | np.ndarray | None = None,
+    ) -> None:
+        """Appends one sequence (token ids, any integer dtype) to ``split``.
+
+        Args:
+            split: the split to append to.
+            sequence: ``[n]`` token ids.
+            loss_mask: ``[n]`` bool or 0/1 integers, 1 where the token is trained
+                on as a target. The first sequence written to a split decides
+                whether the split stores a loss mask; every later one must agree.
+
+        Raises:
+            ValueError: bad ids, an empty sequence, a mask of the wrong length or
+                with entries other than 0 and 1, or a mask given to a split
+                written without one (or the reverse).
+        """
+        masks = None if loss_mask is None else [loss_mask]
+        self._split(split).extend([np.asarray(sequence)], masks)
+
+    def extend(
+        self,
+        split: str,
+        sequences: Iterable[Sequence[int] | np.ndarray],
+        batch_tokens: int = 1 << 20,
+        *,
+        loss_masks: Iterable[Sequence[int] | np.ndarray] | None = None,
+    ) -> None:
+        """Appends many sequences to ``split``, encoding them in batches.
+
+        ``loss_masks``, when given, holds one mask per sequence, in order (see
+        :meth:`append`); it must yield exactly as many as ``sequences`` does.
+        """
+        writer = self._split(split)
+        batch: list[np.ndarray] = []
+        masks: list[Any] | None = None if loss_masks is None else []
+        size = 0
+        for seq, mask in _paired(sequences, loss_masks, split):
+            arr = np.asarray(seq)
+            batch.append(arr)
+            if masks is not None:
+                masks.append(mask)
+            size += arr.size
+            if size >= batch_tokens:
+                writer.extend(batch, masks)
+                batch, size = [], 0
+                masks = None if masks is None else []
+        writer.extend(batch, masks)
+
+    def extend_encoded(
+        self,
+        split: str,
+        encoded: np.ndarray,
+        lengths: np.ndarray,
+        loss_mask: np.ndarray | None = None,
+    ) -> None:
+        """Appends whole sequences already encoded (``uint32``, start bits set).
+
+        Args:
+            split: the split to append to.
+            encoded: ``[n] uint32`` the sequences' encoded tokens, concatenated.
+            lengths: ``[k]`` their lengths, all positive, summing to ``n``.
+            loss_mask: ``[n]`` bool or 0/1 integers, the sequences' loss masks
+                concatenated (see :meth:`append`).
+
+        Raises:
+            ValueError: wrong dtype, lengths that do not add up, start bits
+                anywhere but at the sequence starts, or a bad or mixed-in mask.
+        """
+        self._split(split).extend_encoded(encoded, lengths, loss_mask)
+
+    def close(self) -> None:
+        """Finishes every split, then marks the dataset valid (the last write).
+
+        If this fails (a full disk, say), what the write created is deleted, as
+        by :meth:`abort`, and the error is raised.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            for w in self._splits.values():
+                w.finish()
+            max_ids = {name: w.max_token_id for name, w in self._splits.items()}
+            root = root_attributes(self.attributes, self.info)
+            write_groups(self.store, self.layout, max_ids, root)
+        except BaseException:
+            self._discard()
+            raise
+        self._claim.release()
+        log.info(
+            "wrote %s: %s",
+            self.store.url,
+            ", ".join(
+                f"{n} {w.num_sequences} sequences / {w.tokens.size} tokens"
+                for n, w in self._splits.items()
+            ),
+        )
+
+    def abort(self) -> None:
+        """Gives up: nothing is marked valid, and what was written is deleted."""
+        if self._closed:
+            return
+        self._closed = True
+        self._discard()
+
+    def _discard(self) -> None:
+        for w in self._splits.values():
+            for array in w.arrays:
+                array.settle()
+        self._claim.discard()
+
+    def __enter__(self) -> DatasetWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def write_dataset(
+    url: str | os.PathLike[str],
+    splits: Mapping[str, Iterable[Sequence[int] | np.ndarray]],
+    *,
+    loss_masks: Mapping[str, Iterable[Sequence[int] | np.ndarray]] | None = None,
+    **writer_args: Any,
+) -> None:
+    """Writes a whole dataset: ``splits`` maps split names to iterables of sequences.
+
+    Splits of :data:`SPLITS` that ``splits`` omits are written empty. ``loss_masks``
+    maps some of the split names to one loss mask per sequence (see
+    :meth:`DatasetWriter.append`). Other keyword arguments go to :class:`DatasetWriter`
+    (``options=StoreOptions(...)`` or its fields as keywords among them).
+
+    Example:
+        >>> write_dataset("memory://doc/masked", {"train": [[1, 2, 3]]},
+        ...               loss_masks={"train": [[0, 1, 1]]}, overwrite=True)
+    """
+    masks = dict(loss_masks or {})
+    unknown = sorted(set(masks) - set(splits))
+    if unknown:
+        raise KeyError(f"loss_masks names splits {unknown} that splits does not have")
+    names = tuple(dict.fromkeys([*SPLITS, *splits]))
+    with DatasetWriter(url, splits=names, **writer_args) as w:
+        for name, seqs in splits.items():
+            w.extend(name, seqs, loss_masks=masks.get(name))
+
+
+_END = object()
+
+
+def _paired(
+    sequences: Iterable[Any], masks: Iterable[Any] | None, split: str
+) -> Iterator[tuple[Any, Any]]:
+    """``(sequence, mask)`` pairs, the mask ``None`` when ``masks`` is; refuses unequal counts."""
+    if masks is None:
+        for seq in sequences:
+            yield seq, None
+        return
+    for i, (seq, mask) in enumerate(itertools.zip_longest(sequences, masks, fillvalue=_END)):
+        if seq is _END or mask is _END:
+            more = "loss masks than sequences" if seq is _END else "sequences than loss masks"
+            raise ValueError(f"split {split!r}: more {more} (the first unmatched is number {i})")
+        yield seq, mask

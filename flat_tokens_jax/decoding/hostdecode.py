@@ -1,0 +1,211 @@
+"""Decoding a batch on the host in row blocks, on several cores.
+
+A batch's rows are independent: each block of rows is decoded by its own
+thread straight into its rows of the five output arrays (one allocation, no
+concatenation). With numba installed (the ``fast`` extra) each block runs a
+compiled kernel (:mod:`~flat_tokens_jax.core.kernels`) that never holds the
+interpreter lock, so the blocks run in parallel; the numpy decode releases it
+only inside its large passes, so its blocks overlap less.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import os
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from flat_tokens_jax.core import compiled
+from flat_tokens_jax.core.buffers import Buffers
+from flat_tokens_jax.core.extras import install_hint
+from flat_tokens_jax.data.records import Windows
+from flat_tokens_jax.decoding import batch as fields
+
+_PAGE = 4096
+_STAGGER = 768  # a multiple of 64; five fields stay at distinct offsets modulo _PAGE
+# Fewer rows than this per block cost more in thread hand-offs than they save.
+MIN_BLOCK_ROWS = 16
+KERNELS = ("auto", "numba", "numpy")
+
+
+def default_threads() -> int:
+    """The cores this process may run on, at most 8 (more measured no faster)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, 8))
+
+
+def empty_fields(batch: int, seq_len: int, buffers: Buffers | None = None) -> dict[str, np.ndarray]:
+    """Uninitialised five fields ``[batch, seq_len]`` (``int32``, ``loss_mask`` bool).
+
+    One allocation (see ``batch._empty_fields`` for why), from ``buffers`` when
+    given; each field starts 64-byte aligned, which lets ``jax.device_put`` on
+    the CPU backend use the memory in place instead of copying it, and at its
+    own offset modulo 4 KiB.
+    """
+    n = batch * seq_len
+    sizes = [n if key == "loss_mask" else 4 * n for key in fields.FIELDS]
+    nbytes = sum(sizes) + _PAGE * len(sizes)
+    buf = np.empty(nbytes, np.uint8) if buffers is None else buffers.take(nbytes)
+    base, offset = buf.ctypes.data, 0
+    out: dict[str, np.ndarray] = {}
+    for i, (key, size) in enumerate(zip(fields.FIELDS, sizes, strict=True)):
+        offset += (i * _STAGGER - (base + offset)) % _PAGE
+        dtype = np.bool_ if key == "loss_mask" else np.int32
+        out[key] = buf[offset : offset + size].view(dtype).reshape(batch, seq_len)
+        offset += size
+    return out
+
+
+class BlockDecoder:
+    """Decodes records in row blocks on up to ``threads`` threads.
+
+    Thread-safe: several callers (e.g. prefetch threads) may share one; the
+    pool starts on first use.
+
+    Args:
+        threads: threads decoding one batch (the caller's among them).
+        min_block_rows: the fewest rows a block gets.
+        kernel: ``"numba"`` (the compiled kernels, needs the ``fast`` extra),
+            ``"numpy"``, or ``"auto"``: numba when it imports, else numpy. Both
+            give the same fields.
+    """
+
+    def __init__(
+        self, threads: int, min_block_rows: int = MIN_BLOCK_ROWS, kernel: str = "auto"
+    ) -> None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        self.threads, self.min_block_rows = threads, max(1, min_block_rows)
+        self._kernels = None if kernel == "numpy" else compiled.kernels()
+        if kernel == "numba" and self._kernels is None:
+            raise ValueError(
+                f"kernel='numba' needs numba: {install_hint('fast')} "
+                "(or kernel='auto' to decode with numpy without it)"
+            )
+        self.kernel = "numpy" if self._kernels is None else "numba"
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self.buffers = Buffers()
+        self._slots = threading.BoundedSemaphore(threads)
+
+    def __repr__(self) -> str:
+        return f"BlockDecoder(threads={self.threads}, kernel={self.kernel!r})"
+
+    def blocks(self, rows: int, threads: int | None = None) -> list[tuple[int, int]]:
+        """``[(start, stop), ...]`` row blocks of a ``rows``-row batch, in order,
+        one per thread of at most ``threads`` (default: ``self.threads``)."""
+        most = self.threads if threads is None else max(1, min(threads, self.threads))
+        count = max(1, min(most, rows // self.min_block_rows))
+        cuts = np.linspace(0, rows, count + 1).astype(int).tolist()
+        return list(itertools.pairwise(cuts))
+
+    def decode(
+        self,
+        windows: Windows,
+        packed: bool | str,
+        seq_len: int,
+        *,
+        start_token_id: int,
+        pad_id: int,
+        threads: int | None = None,
+    ) -> dict[str, np.ndarray]:
+        """The five fields ``[k, seq_len]`` of records read as ``windows`` (``k`` rows),
+        decoded on at most ``threads`` threads (default: ``self.threads``).
+
+        Equal to ``window_fields(windows, packed, ...)``.
+        """
+        rows = windows.encoded.shape[0]
+        out = empty_fields(rows, seq_len, self.buffers)
+        kernels = self._kernels
+        if kernels is not None:
+            windows = fields.checked_windows(
+                windows, packed, seq_len, start_token_id=start_token_id, pad_id=pad_id
+            )
+
+        def run(block: tuple[int, int]) -> None:
+            a, b = block
+            # Decodes share `threads` slots among all batches in flight.
+            with self._slots:
+                if kernels is not None:
+                    kernels.decode_rows(
+                        windows.encoded,
+                        windows.lengths,
+                        windows.stored_mask,
+                        packed,
+                        block,
+                        start_token_id=start_token_id,
+                        pad_id=pad_id,
+                        out=out,
+                    )
+                    return
+                fields.window_fields(
+                    _rows_of(windows, a, b),
+                    packed,
+                    start_token_id=start_token_id,
+                    pad_id=pad_id,
+                    out={k: v[a:b] for k, v in out.items()},
+                )
+
+        blocks = self.blocks(rows, threads)
+        if len(blocks) == 1:
+            run(blocks[0])
+            return out
+        pool = self._executor()
+        # The caller runs the first block itself: one hand-off fewer.
+        futures = [pool.submit(run, block) for block in blocks[1:]]
+        run(blocks[0])
+        for f in futures:
+            f.result()
+        return out
+
+    def run_blocks(
+        self, rows: int, work: Callable[[int, int], None], threads: int | None = None
+    ) -> None:
+        """Calls ``work(a, b)`` for each row block ``a .. b`` of a ``rows``-row
+        batch, on at most ``threads`` threads (the caller's among them), within
+        the slots the decodes share."""
+
+        def run(block: tuple[int, int]) -> None:
+            with self._slots:
+                work(*block)
+
+        blocks = self.blocks(rows, threads)
+        if len(blocks) == 1:
+            run(blocks[0])
+            return
+        futures = [self._executor().submit(run, block) for block in blocks[1:]]
+        run(blocks[0])
+        for f in futures:
+            f.result()
+
+    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    self.threads - 1, thread_name_prefix="ftj-decode"
+                )
+            return self._pool
+
+    def close(self) -> None:
+        """Stops the threads (a later ``decode`` starts them again)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+def _rows_of(windows: Windows, a: int, b: int) -> Windows:
+    """Rows ``a .. b`` of ``windows``."""
+    return Windows(
+        windows.encoded[a:b],
+        lengths=None if windows.lengths is None else windows.lengths[a:b],
+        stored_mask=None if windows.stored_mask is None else windows.stored_mask[a:b],
+    )

@@ -1,0 +1,260 @@
+"""The load-time instance filter: rows that repeat a short n-gram many times lose their loss.
+
+After OLMo's instance filter (``repetition_max_period``, ``repetition_min_period``,
+``repetition_max_count``). A row is **rejected** when some n-gram of length
+``p`` in ``[min_period, max_period]`` occurs at least ``max_count`` times in a
+row, back to back: for some column ``i``, the ``max_count * p`` targets from
+``i`` on are ``max_count`` copies of ``targets[i : i + p]``. Equivalently,
+``targets[j] == targets[j + p]`` for the ``(max_count - 1) * p`` consecutive
+columns ``j`` from ``i`` on. A rejected row gets ``loss_mask`` False on every
+column; nothing else in the batch changes.
+
+Which tokens: the row's ``targets`` (the ``seq_len`` tokens trained on; not
+the token before a packed row, which belongs to the row before), padding
+(``segment_ids == 0``) left out, and sequence boundaries inside the row
+ignored: a run counts across them. That is what OLMo counts (the whole
+instance's ids, documents and all), and what the model sees as one context; a
+stored loss mask does not hide tokens from the count (OLMo counts prompts too).
+The verdict is a function of the row's targets and padding alone, so every
+host, every restart and both decodes (host and device) agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flat_tokens_jax.core import compiled
+from flat_tokens_jax.core.values import BadValue, integer, mapping
+
+# Probes in a row that a run must cover before the columns around them are
+# compared: with one, a common token pair sends every fourth row or so to
+# the full check; with four, almost none.
+_PROBES = 4
+
+# Decoded steps whose counts wait for their hand-out, at most: steps read
+# ahead and then dropped (a jump) are forgotten oldest first.
+_PENDING = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class InstanceFilter:
+    """Rejects rows with ``max_count`` back-to-back copies of an n-gram of
+    length ``min_period`` to ``max_period`` (see the module doc).
+
+    Attributes:
+        max_period: longest n-gram checked. Recommended: 13 (OLMo's).
+        min_period: shortest n-gram checked (1: one token repeated).
+        max_count: copies that reject a row, at least 2. Recommended: 32 (OLMo's).
+    """
+
+    max_period: int = 13
+    min_period: int = 1
+    max_count: int = 32
+
+    def __post_init__(self) -> None:
+        path = "InstanceFilter."
+        for name, low in (("max_period", 1), ("min_period", 1), ("max_count", 2)):
+            object.__setattr__(self, name, integer(getattr(self, name), path + name, low=low))
+        if self.max_period < self.min_period:
+            raise BadValue(
+                path + "max_period",
+                f"must be >= min_period ({self.min_period}), got {self.max_period}",
+            )
+
+    @classmethod
+    def of(cls, value: Any, path: str = "instance_filter") -> InstanceFilter | None:
+        """``value`` as a filter: ``None`` (off), an ``InstanceFilter``, or a
+        mapping of its fields (YAML, a saved state), refused naming ``path``."""
+        if value is None or isinstance(value, InstanceFilter):
+            return value
+        fields = mapping(value, path, "None or a mapping of InstanceFilter fields")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(map(str, set(fields) - set(known)))
+        if unknown:
+            raise BadValue(path, f"has unknown field(s) {unknown}; known: {known}")
+        try:
+            return cls(**fields)
+        except BadValue as e:
+            raise e.moved("InstanceFilter", path) from None
+
+    def reach(self, period: int) -> int:
+        """Consecutive columns ``j`` with ``targets[j] == targets[j + period]``
+        that reject a row."""
+        return (self.max_count - 1) * period
+
+    def rejected(
+        self, targets: np.ndarray, segment_ids: np.ndarray, kernel: str = "auto"
+    ) -> np.ndarray:
+        """``[rows] bool``: which rows of ``targets`` (``[rows, seq_len]``) the
+        filter rejects; columns whose ``segment_ids`` are 0 are padding.
+
+        ``kernel``: ``"numba"`` (the compiled kernel, the ``fast`` extra, one
+        row at a time), ``"numpy"``, or ``"auto"``: numba where it imports.
+        Both give the same rows.
+
+        Vectorised over the batch: for each period, a run of ``reach`` equal
+        pairs covers 4 consecutive multiples of ``reach // 4``, so only those
+        columns are compared first; where 4 consecutive ones match, the
+        ``2 * reach - 1`` columns around them are checked.
+        """
+        if kernel not in ("auto", "numba", "numpy"):
+            raise ValueError(f"kernel must be 'auto', 'numba' or 'numpy', got {kernel!r}")
+        fast = None if kernel == "numpy" else compiled.filter_kernel()
+        if kernel == "numba" and fast is None:
+            raise ValueError("kernel='numba' needs numba: pip install 'flat-tokens-jax[fast]'")
+        if fast is not None:
+            return fast.rejected(
+                np.ascontiguousarray(targets, np.int32),
+                np.ascontiguousarray(segment_ids, np.int32),
+                self.min_period,
+                self.max_period,
+                self.max_count,
+            )
+        rows, width = targets.shape
+        out = np.zeros(rows, bool)
+        for p in range(self.min_period, self.max_period + 1):
+            reach = self.reach(p)
+            pairs = width - p  # columns j with a j + p
+            if reach > pairs:
+                break  # longer periods reach further still
+            need = min(_PROBES, reach)
+            stride = reach // need  # any `reach` consecutive columns hold `need` probes
+            probes = np.arange(0, pairs, stride)
+            # Candidates only (j itself may be padding): the check around them is exact.
+            ahead = slice(p, pairs + p, stride)
+            hit = targets[:, :pairs:stride] == targets[:, ahead]
+            hit &= segment_ids[:, ahead] != 0
+            runs = hit[:, : hit.shape[1] - need + 1].copy()
+            for k in range(1, need):
+                runs &= hit[:, k : hit.shape[1] - need + 1 + k]
+            runs &= ~out[:, None]
+            if not runs.any():
+                continue
+            r, q = np.nonzero(runs)
+            cols = probes[q][:, None] + np.arange(-reach + 1, reach)[None, :]
+            inside = (cols >= 0) & (cols < pairs)
+            cols = np.clip(cols, 0, pairs - 1)
+            near = targets[r[:, None], cols] == targets[r[:, None], cols + p]
+            near &= inside & (segment_ids[r[:, None], cols] != 0)
+            near &= segment_ids[r[:, None], cols + p] != 0
+            sums = np.pad(np.cumsum(near, axis=1, dtype=np.int32), ((0, 0), (1, 0)))
+            full = (sums[:, reach:] - sums[:, :-reach] == reach).any(axis=1)
+            out[r[full]] = True
+        return out
+
+    def rejected_jax(self, targets: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        """``[rows] bool``, as :meth:`rejected`, with jax ops (inside ``jax.jit``)."""
+        rows, width = targets.shape
+        out = jnp.zeros(rows, bool)
+        real = segment_ids != 0
+        for p in range(self.min_period, self.max_period + 1):
+            reach = self.reach(p)
+            if reach > width - p:
+                break
+            pairs = (targets[:, :-p] == targets[:, p:]) & real[:, :-p] & real[:, p:]
+            sums = jnp.cumsum(pairs, axis=1, dtype=jnp.int32)
+            sums = jnp.pad(sums, ((0, 0), (1, 0)))
+            out |= jnp.any(sums[:, reach:] - sums[:, :-reach] == reach, axis=1)
+        return out
+
+
+def apply_filter(
+    rule: InstanceFilter | None,
+    fields: Mapping[str, np.ndarray],
+    run_blocks: Callable[[int, Callable[[int, int], None]], None] | None = None,
+) -> int:
+    """Clears ``fields["loss_mask"]`` on the rows ``rule`` rejects (in place);
+    returns how many rows it cleared (rows whose mask was all False already
+    count too). ``None``: no filter, 0.
+
+    ``run_blocks(rows, work)``, when given, calls ``work(a, b)`` for row
+    blocks that cover the batch, e.g. on threads
+    (``BlockDecoder.run_blocks``); the compiled kernel releases the
+    interpreter lock, so blocks run side by side."""
+    if rule is None:
+        return 0
+    targets, segment_ids = fields["targets"], fields["segment_ids"]
+    rejected = np.zeros(targets.shape[0], bool)
+
+    def work(a: int, b: int) -> None:
+        rejected[a:b] = rule.rejected(targets[a:b], segment_ids[a:b])
+
+    if run_blocks is None:
+        work(0, targets.shape[0])
+    else:
+        run_blocks(targets.shape[0], work)
+    fields["loss_mask"][rejected] = False
+    return int(rejected.sum())
+
+
+def apply_filter_jax(
+    rule: InstanceFilter | None, fields: dict[str, jax.Array]
+) -> dict[str, jax.Array]:
+    """``fields`` with ``loss_mask`` False on the rows ``rule`` rejects (jax
+    ops; ``None``: ``fields`` as they are)."""
+    if rule is None:
+        return fields
+    rejected = rule.rejected_jax(fields["targets"], fields["segment_ids"])
+    return {**fields, "loss_mask": fields["loss_mask"] & ~rejected[:, None]}
+
+
+class FilteredRows:
+    """A loader's filter, and the rows it rejected in the steps handed out. Thread-safe.
+
+    A step's count is noted when it is decoded (:meth:`apply`, perhaps ahead
+    of time on a background thread) and added when the step is handed to the
+    trainer (:meth:`handed`).
+
+    Args:
+        rule: the filter; ``None``: off (nothing changes, nothing is counted).
+        run_blocks: ``run_blocks(rows, work, threads)`` calls ``work(a, b)``
+            for row blocks covering a batch on at most ``threads`` threads
+            (``BlockDecoder.run_blocks``).
+    """
+
+    def __init__(
+        self,
+        rule: InstanceFilter | None,
+        run_blocks: Callable[[int, Callable[[int, int], None], int | None], None],
+    ) -> None:
+        self.rule, self._run_blocks = rule, run_blocks
+        self._lock = threading.Lock()
+        self._pending: dict[int, int] = {}
+        self.total = 0
+        self.last = 0
+
+    def apply(
+        self, fields: dict[str, np.ndarray], step: int | None = None, threads: int | None = None
+    ) -> dict[str, np.ndarray]:
+        """``fields`` after the filter (in place, in row blocks on at most
+        ``threads`` threads); the rows it rejected are noted for ``step``
+        when one is given."""
+        if self.rule is None:
+            return fields
+        rows = apply_filter(self.rule, fields, lambda n, work: self._run_blocks(n, work, threads))
+        if step is not None:
+            self._decoded(step, rows)
+        return fields
+
+    def _decoded(self, step: int, rows: int) -> None:
+        with self._lock:
+            self._pending[step] = rows
+            while len(self._pending) > _PENDING:
+                del self._pending[min(self._pending)]
+
+    def handed(self, step: int) -> None:
+        """Counts the rows noted for ``step`` (0 if none were), now handed out."""
+        with self._lock:
+            self.last = self._pending.pop(step, 0)
+            self.total += self.last
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"filtered_rows": self.total, "filtered_rows_last": self.last}

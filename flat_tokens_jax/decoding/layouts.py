@@ -1,0 +1,299 @@
+"""Batch layouts: the five decoded fields in the form a trainer takes, and
+per-row sequence lengths for varlen attention kernels.
+
+A :class:`BatchLayout` turns the five fields (``inputs``, ``targets``,
+``segment_ids``, ``positions`` ``[B, L] int32``, ``loss_mask`` ``[B, L] bool``)
+of a batch into the arrays of ``LoaderConfig.layout``, in numpy on the host or
+in jax ops inside ``jax.jit`` (the same values either way). It needs one fact
+the five fields do not hold: whether column 0 of each row starts a sequence
+(a packed row may open in the middle of one), ``row_starts`` ``[B] bool``,
+which :func:`row_starts` reads from the encoded tokens.
+
+Layouts (``sequence_start`` ``[B, L] bool``, True exactly where a sequence
+starts at that column):
+
+- ``"fields"``: the five fields.
+- ``"segments"``: the five fields and ``sequence_start``.
+- ``"tokens"``: ``tokens`` ``[B, L + 1] int32`` with ``tokens[:, 1:] ==
+  targets``, and ``tokens[:, 0] == inputs[:, 0]``, for trainers that shift
+  the tokens themselves; plus ``loss_mask``, ``segment_ids``, ``positions``
+  and ``sequence_start``, aligned with ``tokens[:, 1:]``.
+- ``"maxtext"``: MaxText's ``inputs``, ``inputs_segmentation``,
+  ``inputs_position``, ``targets``, ``targets_segmentation`` (``segment_ids``,
+  0 where ``loss_mask`` is False) and ``targets_position`` (all ``int32``),
+  plus ``sequence_start``.
+
+With ``max_segments`` every layout also holds ``segment_lengths`` ``[B,
+max_segments] int32``: the lengths of each row's runs in column order (a run
+is a maximal stretch of one segment id, and a new one begins at every sequence
+start; padding is a run of its own), then zeros; each row sums to ``L``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from flat_tokens_jax.data.records import Windows
+
+LAYOUTS = ("fields", "segments", "tokens", "maxtext")
+"""The values of ``LoaderConfig.layout``."""
+
+WHOLE_ROWS = ("tokens", "segment_lengths")
+"""Fields not ``[B, L]``: laid out over a sharding's batch axis only, whatever
+their width (``max_segments`` may equal ``L``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchLayout:
+    """What a batch holds: ``name`` one of :data:`LAYOUTS`, and ``max_segments``
+    (``None``, or the width of ``segment_lengths``, ``>= 1``).
+
+    Example:
+        >>> five = {
+        ...     "inputs": np.array([[0, 5, 0, 7]]),
+        ...     "targets": np.array([[5, 6, 7, 8]]),
+        ...     "segment_ids": np.array([[1, 1, 2, 2]]),
+        ...     "positions": np.array([[0, 1, 0, 1]]),
+        ...     "loss_mask": np.ones((1, 4), bool),
+        ... }
+        >>> out = BatchLayout("tokens", max_segments=3).apply(five, np.array([True]))
+        >>> out["tokens"].tolist(), out["segment_lengths"].tolist()
+        ([[0, 5, 6, 7, 8]], [[2, 2, 0]])
+        >>> out["sequence_start"].tolist()
+        [[True, False, True, False]]
+    """
+
+    name: str = "fields"
+    max_segments: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or self.name not in LAYOUTS:
+            raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {self.name!r}")
+        m = self.max_segments
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int | np.integer) or m < 1):
+            raise ValueError(f"max_segments must be an int >= 1 or None, got {m!r}")
+        if m is not None:
+            object.__setattr__(self, "max_segments", int(m))
+
+    @property
+    def plain(self) -> bool:
+        """True when the batch is the five fields as decoded."""
+        return self.name == "fields" and self.max_segments is None
+
+    def widths(self, seq_len: int) -> dict[str, int]:
+        """Every key of the layout's batch and its width (the second dimension)."""
+        keys = {
+            "fields": ("inputs", "targets", "segment_ids", "positions", "loss_mask"),
+            "segments": (
+                "inputs",
+                "targets",
+                "segment_ids",
+                "positions",
+                "loss_mask",
+                "sequence_start",
+            ),
+            "tokens": ("tokens", "loss_mask", "segment_ids", "positions", "sequence_start"),
+            "maxtext": (
+                "inputs",
+                "inputs_segmentation",
+                "inputs_position",
+                "targets",
+                "targets_segmentation",
+                "targets_position",
+                "sequence_start",
+            ),
+        }[self.name]
+        out = {k: seq_len + 1 if k == "tokens" else seq_len for k in keys}
+        if self.max_segments is not None:
+            out["segment_lengths"] = self.max_segments
+        return out
+
+    def apply(
+        self,
+        fields: Mapping[str, Any],
+        row_starts: Any,
+        *,
+        xp: Any = np,
+        where: str = "the batch",
+        rows: np.ndarray | None = None,
+    ) -> dict[str, Any]:
+        """The layout's arrays from the five fields ``[B, L]`` and ``row_starts`` ``[B] bool``.
+
+        Args:
+            fields: the five fields (numpy arrays, or jax arrays with ``xp=jnp``).
+            row_starts: whether column 0 of each row starts a sequence.
+            xp: ``np`` on the host, ``jnp`` inside ``jax.jit``. With ``jnp`` a row
+                with more runs than ``max_segments`` is not checked (its
+                lengths past ``max_segments`` are dropped): check on the host
+                with :func:`check_runs`.
+            where: names the batch in errors, e.g. ``"step 12"``.
+            rows: the global row of each row, for errors (default: ``0 .. B-1``).
+
+        Raises:
+            ValueError: (numpy) a row has more runs than ``max_segments``.
+        """
+        if self.plain:
+            return dict(fields)
+        seg, pos = fields["segment_ids"], fields["positions"]
+        start = sequence_starts(seg, pos, row_starts, xp)
+        out: dict[str, Any]
+        if self.name == "fields":
+            out = dict(fields)
+        elif self.name == "segments":
+            out = {**fields, "sequence_start": start}
+        elif self.name == "tokens":
+            out = {
+                "tokens": xp.concatenate([fields["inputs"][:, :1], fields["targets"]], axis=1),
+                "loss_mask": fields["loss_mask"],
+                "segment_ids": seg,
+                "positions": pos,
+                "sequence_start": start,
+            }
+        else:
+            out = {
+                "inputs": fields["inputs"],
+                "inputs_segmentation": seg,
+                "inputs_position": pos,
+                "targets": fields["targets"],
+                "targets_segmentation": seg * fields["loss_mask"],
+                "targets_position": pos,
+                "sequence_start": start,
+            }
+        if self.max_segments is not None:
+            bounds = run_bounds(seg, start, xp)
+            if xp is np:
+                out["segment_lengths"] = _lengths_np(bounds, self.max_segments, where, rows)
+            else:
+                out["segment_lengths"] = _lengths_jnp(bounds, self.max_segments)
+        return out
+
+    def check_blocks(
+        self, data: Mapping[Any, Any], seq_len: int, packed: bool | str, where: str
+    ) -> None:
+        """Refuses rows of more runs than ``max_segments`` in blocks read for
+        decoding on the devices (``data``: ``Block`` to ``BlockData``, see
+        :mod:`~flat_tokens_jax.decoding.sharding`), counted over the columns read: the
+        decode inside ``jax.jit`` cannot raise."""
+        if self.max_segments is None:
+            return
+        runs: dict[tuple[int, int], np.ndarray] = {}
+        for block, d in data.items():
+            counted = block_runs(d.encoded, d.lengths, block.cols[0], seq_len, packed)
+            runs[block.rows] = runs.get(block.rows, 0) + counted
+        for (first, _), counts in sorted(runs.items()):
+            rows = np.arange(first, first + counts.size)
+            check_runs(counts, self.max_segments, where, rows)
+
+
+PLAIN = BatchLayout()
+"""The five fields as decoded (``layout="fields"``, no ``max_segments``)."""
+
+
+def sequence_starts(segment_ids: Any, positions: Any, row_starts: Any, xp: Any = np) -> Any:
+    """``[B, L] bool``: True where a sequence starts at that column.
+
+    Past column 0 a sequence starts where a real token has position 0; at
+    column 0 where ``row_starts`` says so (and the column is not padding).
+    """
+    start = (positions == 0) & (segment_ids != 0)
+    first = start[:, :1] & xp.asarray(row_starts, bool)[:, None]
+    return xp.concatenate([first, start[:, 1:]], axis=1)
+
+
+def run_bounds(segment_ids: Any, sequence_start: Any, xp: Any = np) -> Any:
+    """``[B, L] bool``: True at the first column of each run (column 0 always)."""
+    change = (segment_ids[:, 1:] != segment_ids[:, :-1]) | sequence_start[:, 1:]
+    first = xp.ones((segment_ids.shape[0], 1), bool)
+    return xp.concatenate([first, change], axis=1)
+
+
+def check_runs(
+    runs: np.ndarray, max_segments: int, where: str, rows: np.ndarray | None = None
+) -> None:
+    """Refuses a row of more than ``max_segments`` runs (``runs`` ``[B]``)."""
+    over = np.flatnonzero(np.asarray(runs) > max_segments)
+    if over.size == 0:
+        return
+    r = int(over[0])
+    row = r if rows is None else int(rows[r])
+    most = int(np.max(runs))
+    raise ValueError(
+        f"{where}: row {row} has {int(runs[r])} runs (sequences, fragments and padding) "
+        f"but max_segments is {max_segments} ({over.size} row(s) over; the most: {most}): "
+        f"set LoaderConfig.max_segments >= {most}, or with packing='bins' let it cap "
+        "the sequences per bin"
+    )
+
+
+def row_starts(windows: Windows, packed: bool | str) -> np.ndarray:
+    """``[k] bool``: whether column 0 of each row read as ``windows`` starts a sequence.
+
+    Packed windows: the start bit of their first target (column 1 of the
+    window); padded rows and bins: whether the row holds a token.
+    """
+    if packed is True:
+        return (windows.encoded[:, 1] & 1) == 1
+    assert windows.lengths is not None
+    return np.asarray(windows.lengths) > 0
+
+
+def _lengths_np(
+    bounds: np.ndarray, max_segments: int, where: str, rows: np.ndarray | None
+) -> np.ndarray:
+    """``[B, max_segments] int32`` run lengths from :func:`run_bounds`; refuses
+    a row of more runs (see :func:`check_runs`)."""
+    b, length = bounds.shape
+    at = np.flatnonzero(bounds)  # far faster than a 2-D nonzero
+    rr = at // length
+    cc = at - rr * length
+    runs = np.bincount(rr, minlength=b)
+    check_runs(runs, max_segments, where, rows)
+    stop = np.append(cc[1:], length)
+    stop[np.append(rr[1:] != rr[:-1], True)] = length
+    first = np.cumsum(runs) - runs
+    k = np.arange(rr.size) - np.repeat(first, runs)
+    out = np.zeros((b, max_segments), np.int32)
+    out[rr, k] = stop - cc
+    return out
+
+
+def _lengths_jnp(bounds: Any, max_segments: int) -> Any:
+    """The jax twin of :func:`_lengths_np`; runs past ``max_segments`` are dropped.
+
+    A row's run index never decreases along it, so run ``k`` begins after the
+    columns whose run is below ``k`` (``L`` for runs the row lacks): counted
+    by comparison, ``O(B * L * max_segments)``, with no gather or scatter, so
+    the batch axis stays sharded as it is under explicit mesh axes.
+    """
+    run = jnp.cumsum(bounds.astype(jnp.int32), axis=1) - 1
+    ks = jnp.arange(max_segments + 1, dtype=jnp.int32)
+    firsts = jnp.sum(run[:, None, :] < ks[None, :, None], axis=2, dtype=jnp.int32)
+    return jnp.diff(firsts, axis=1)
+
+
+def block_runs(
+    encoded: np.ndarray, lengths: np.ndarray, first_column: int, seq_len: int, packed: bool | str
+) -> np.ndarray:
+    """``[n] int64``: the runs that begin in a block of encoded rows.
+
+    ``encoded`` ``[n, w]`` holds columns ``[first_column, first_column + w)``
+    of ``n`` rows (zeros past a row's tokens); ``lengths`` ``[n]`` the tokens
+    of padded rows and bins (0 for padding rows). Summed over a row's blocks
+    it is the row's run count, as :meth:`BatchLayout.apply` counts it.
+    """
+    width = encoded.shape[1]
+    starts = (encoded & 1).astype(np.int64)
+    if first_column == 0:
+        starts[:, :1] = 0
+    runs = starts.sum(axis=1) + (1 if first_column == 0 else 0)
+    if packed is not True:
+        eff = np.asarray(lengths, np.int64)
+        into_padding = (eff > 0) & (eff < seq_len)
+        into_padding &= (eff >= first_column) & (eff < first_column + width)
+        runs += into_padding
+    return runs

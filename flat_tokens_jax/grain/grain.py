@@ -1,0 +1,521 @@
+"""Flat-tokens records as a grain data source: ``FlatTokensSource``.
+
+A grain pipeline reads elements by index from a random-access source.
+``FlatTokensSource`` is one: element ``i`` is record ``i`` (a packed window, a
+padded sequence or a bin of whole sequences, exactly the row
+:class:`~flat_tokens_jax.Loader` makes of it) as a dict of the five batch
+fields, each ``[seq_len]``. The source only has to satisfy grain's protocol;
+making one imports grain only to prepare its worker processes for a plain
+script (:mod:`~flat_tokens_jax.grain.grainprocess`).
+
+What a read costs: ``__getitem__`` is one read of one record. ``_getitems`` is
+grain's batched-read hook (``SupportsBatchedReadRandomAccessDataSource``): one
+batched read for many records. grain 0.2's ``MapDataset.source(...)`` forwards
+``_getitems`` to it, but ``MapDataset.batch`` calls it only behind an
+experiment flag that grain leaves off, so ``.batch(B)`` still costs ``B``
+single-record reads. Batching the indices and mapping :meth:`read_batch` over
+them costs one batched read per batch::
+
+    grain.MapDataset.range(len(src)).shuffle(seed=0).batch(B).map(src.read_batch)
+
+Simplest and fastest: :meth:`FlatTokensSource.batches` is a source whose
+element ``step`` is a whole shuffled batch (this host's share of it), read and
+decoded in row blocks on several threads; it stays plain grain::
+
+    ds = grain.MapDataset.source(src.batches(256, seed=0, shard=(jax.process_index(),
+                                                                  jax.process_count())))
+
+A batch-size schedule (``[(start_step, size), ...]``, as
+``LoaderConfig.batch_size`` takes) is what ``.batch(B)`` cannot express:
+:class:`ScheduledBatches` is a source whose element ``step`` is that step's
+batch of records, cut from any random-access order of record indices::
+
+    order = grain.MapDataset.range(len(src)).shuffle(seed=0).repeat(3)
+    batches = grain.MapDataset.source(ScheduledBatches(src, [(0, 8), (100, 16)], order))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import operator
+import os
+import pickle
+import threading
+from collections.abc import Sequence
+from typing import Any, SupportsIndex
+
+import numpy as np
+
+from flat_tokens_jax.core.limits import check_loader_memory
+from flat_tokens_jax.core.values import integer
+from flat_tokens_jax.data.bins import BINS, BinRecords, PackingPlan, check_packing, make_records
+from flat_tokens_jax.data.dataset import Dataset, FlatTokens, open_dataset
+from flat_tokens_jax.data.records import PackedRecords, PaddedRecords, Records, recorded_info
+from flat_tokens_jax.decoding.hostdecode import BlockDecoder, default_threads
+from flat_tokens_jax.decoding.instancefilter import InstanceFilter, apply_filter
+from flat_tokens_jax.decoding.layouts import BatchLayout, row_starts
+from flat_tokens_jax.grain.grainbatches import Batches
+from flat_tokens_jax.grain.grainprocess import prepare_grain
+from flat_tokens_jax.sampling.mixture import Mixture
+from flat_tokens_jax.sampling.schedule import BatchSchedule, BatchSizeSpec
+from flat_tokens_jax.store.options import StoreOptions, resolve_options
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reopen:
+    """What opens the same records again, in another process."""
+
+    url: str
+    split: str
+    sequences: tuple[int, int]
+    options: StoreOptions
+    packed: bool | str
+    seq_len: int
+    in_memory: bool
+    plan: PackingPlan | None = None
+
+    @classmethod
+    def of(cls, records: Records) -> _Reopen | None:
+        """How to reopen ``records``; ``None`` for records of another type than ours."""
+        kinds = (PackedRecords, PaddedRecords, BinRecords)
+        # A subclass may read differently from the class it would reopen as.
+        if type(records) not in kinds or not isinstance(records, kinds):
+            return None
+        ft = records.ft
+        spec = ft.store.spec
+        # The resolved path, not the one given: a later chdir must not move the data.
+        url = spec["path"] if spec["driver"] == "file" else ft.url
+        return cls(
+            url=url,
+            split=ft.split_name,
+            sequences=ft.seq_range,
+            # A tensorstore Context cannot cross processes: each opens its own.
+            options=dataclasses.replace(ft.store.options, context=None),
+            packed=records.packed,
+            seq_len=records.seq_len,
+            in_memory=spec["driver"] == "memory",
+            plan=records.plan if isinstance(records, BinRecords) else None,
+        )
+
+    def open(self) -> Records:
+        ft = open_dataset(self.url, self.options)[self.split]
+        if ft.seq_range != self.sequences:
+            ft = ft.view(*self.sequences)
+        if self.plan is not None:
+            return BinRecords(ft, self.seq_len, plan=self.plan)
+        return make_records(ft, self.seq_len, self.packed)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Keep:
+    """Records of a type that cannot be reopened from a URL: pickled as they are."""
+
+    records: Records
+    in_memory = False
+
+    def open(self) -> Records:
+        return self.records
+
+
+class FlatTokensSource:
+    """A grain random-access source whose elements are the batch fields of one record.
+
+    Element ``i`` is a dict of ``inputs``, ``targets``, ``segment_ids``,
+    ``positions`` (``[seq_len] int32``) and ``loss_mask`` (``[seq_len] bool``):
+    row ``i`` of ``Loader(..., LoaderConfig(shuffle=False, ...))`` run over the
+    same records with the same ``start_token_id`` and ``pad_id``.
+
+    Contract: thread-safe, deterministic, and picklable. A pickled source holds
+    no tensorstore handle (tensorstore is not fork-safe, and grain sends its
+    worker processes pickled sources); it reopens the store on first use in
+    each process. Sources over ``memory://`` stores refuse to pickle, since
+    another process would find the store empty. Records of a custom type are
+    pickled as they are.
+
+    Args:
+        source: a path or URL, a :class:`FlatTokens` split (or view), or
+            records (:class:`PackedRecords`, :class:`PaddedRecords`, or any
+            :class:`Records`). A ``Mixture`` is refused: mix one source per
+            component with grain instead.
+        seq_len: tokens per record; required for a URL or a ``FlatTokens``,
+            and if given for records it must be theirs.
+        packing: True (the default for a URL or a ``FlatTokens``): consecutive
+            windows of the concatenated tokens; False: one sequence per record,
+            truncated and right-padded; ``"bins"``: whole sequences packed by
+            the split's packing plan (see ``LoaderConfig.packing``); the plan
+            travels with the pickled source. Records bring their own.
+        split: the split to read from a URL.
+        plan_cache: where a packing plan built for ``packing="bins"`` is
+            cached (``None``: built, not cached).
+        options: how to reach the store at a URL. Its ``context`` stays in
+            this process: unpickled copies open their own.
+        **option_fields: or the fields of ``options`` as keywords, e.g.
+            ``endpoint=...``.
+        start_token_id: the input token where a sequence starts; ``None``: the
+            one the dataset records, else 0 (as ``LoaderConfig``).
+        pad_id: input and target id of padding.
+        layout: the arrays of an element, as ``LoaderConfig.layout``
+            (``"fields"``, ``"segments"``, ``"tokens"``, ``"maxtext"``; see
+            docs/guide/loading.md, "Batch layouts"); :meth:`read_batch` and the batch sources
+            made from this one hold the same.
+        max_segments: as ``LoaderConfig.max_segments``: adds
+            ``segment_lengths`` ``[max_segments] int32`` to each element, and
+            with ``packing="bins"`` caps the runs per bin.
+        instance_filter: ``None`` (off), or an :class:`InstanceFilter` (or a
+            mapping of its fields): rejected records get ``loss_mask`` False,
+            as ``LoaderConfig.instance_filter`` does; it applies to every
+            read (``[i]``, :meth:`read_batch`, :meth:`batches`).
+
+    Raises:
+        ValueError: a bad ``seq_len``, ``start_token_id``, ``pad_id`` or
+            ``instance_filter``, records whose ``seq_len`` or packing differ
+            from those asked for, or no records at all.
+        TypeError: ``source`` is a ``Mixture`` or not a source of records.
+
+    Example:
+        >>> import grain
+        >>> import flat_tokens_jax as ftj
+        >>> from flat_tokens_jax.grain.grain import FlatTokensSource
+        >>> url = "memory://doc/grain"
+        >>> ftj.write_dataset(url, {"train": [[1, 2], [3, 4, 5], [6, 7, 8]]}, overwrite=True)
+        >>> src = FlatTokensSource(url, seq_len=4)
+        >>> len(src), src[1]["targets"].tolist(), src[1]["segment_ids"].tolist()
+        (2, [5, 6, 7, 8], [1, 2, 2, 2])
+        >>> batch = next(iter(grain.MapDataset.source(src).batch(2)))
+        >>> batch["inputs"].tolist()
+        [[0, 1, 0, 3], [4, 0, 6, 7]]
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike[str] | FlatTokens | Records,
+        seq_len: int | None = None,
+        packing: bool | str | None = None,
+        *,
+        split: str = "train",
+        plan_cache: str | os.PathLike[str] | None = None,
+        options: StoreOptions | None = None,
+        start_token_id: int | None = None,
+        pad_id: int = 0,
+        layout: str = "fields",
+        max_segments: int | None = None,
+        instance_filter: InstanceFilter | None = None,
+        **option_fields: Any,
+    ) -> None:
+        if start_token_id is not None and (
+            isinstance(start_token_id, bool)
+            or not isinstance(start_token_id, int)
+            or start_token_id < 0
+        ):
+            raise ValueError(f"start_token_id must be an int >= 0, got {start_token_id!r}")
+        if isinstance(pad_id, bool) or not isinstance(pad_id, int):
+            raise ValueError(f"pad_id must be an int, got {pad_id!r}")
+        self.instance_filter = InstanceFilter.of(instance_filter)
+        if option_fields or options is not None:
+            options = resolve_options(options, option_fields, "FlatTokensSource")
+        self.layout = BatchLayout(layout, max_segments)
+        if packing == BINS and max_segments is not None and max_segments < 2:
+            raise ValueError(f"max_segments must be >= 2 with packing='bins', got {max_segments}")
+        records = _as_records(source, seq_len, packing, split, options, plan_cache, max_segments)
+        if len(records) == 0:
+            raise ValueError(
+                f"{records!r} has no records: the split holds fewer than "
+                f"seq_len={records.seq_len} tokens or no sequences"
+            )
+        self.seq_len, self.packed = records.seq_len, records.packed
+        if start_token_id is None:
+            info = recorded_info(records)
+            recorded = None if info is None else info.start_token_id
+            start_token_id = 0 if recorded is None else recorded
+        self.start_token_id, self.pad_id = start_token_id, pad_id
+        self._records: Records | None = records
+        self._decoder: BlockDecoder | None = None
+        self._opener: _Reopen | _Keep = _Reopen.of(records) or _Keep(records)
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._length = len(records)
+        # Fixed here and carried through pickling: grain's DataLoader checks a
+        # restored checkpoint against repr(source), in whichever process.
+        rule = "" if self.instance_filter is None else f", instance_filter={self.instance_filter}"
+        shape = "" if self.layout.plain else f", layout={layout!r}, max_segments={max_segments}"
+        self._repr = (
+            f"FlatTokensSource({records!r}, start_token_id={start_token_id}, pad_id={pad_id}"
+            f"{rule}{shape})"
+        )
+        prepare_grain()
+
+    def __repr__(self) -> str:
+        return self._repr
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: SupportsIndex) -> dict[str, np.ndarray]:
+        """Record ``index`` (negative counts from the end): five ``[seq_len]`` fields."""
+        rows = self.read_batch(np.array([operator.index(index)], np.int64))
+        return {key: value[0] for key, value in rows.items()}
+
+    def _getitems(self, indices: Sequence[int]) -> list[dict[str, np.ndarray]]:
+        """grain's batched-read hook: the elements of ``indices``, from one batched read."""
+        rows = self.read_batch(indices)
+        return [dict(zip(rows, row, strict=True)) for row in zip(*rows.values(), strict=True)]
+
+    def read_batch(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
+        """Records ``indices`` (``[k]`` ints, negative from the end), stacked, in one read.
+
+        Returns:
+            The five fields, each ``[k, seq_len]``: ``inputs``, ``targets``,
+            ``segment_ids``, ``positions`` (``int32``) and ``loss_mask``
+            (``bool``); or the fields of this source's ``layout``.
+
+        Raises:
+            IndexError: an index outside ``[-len(self), len(self))``.
+            ValueError: a record of more runs than ``max_segments``.
+        """
+        idx = self._indices(indices)
+        records = self.records
+        decoder = self._block_decoder()
+        windows = records.read(idx)
+        fields = decoder.decode(
+            windows,
+            records.packed,
+            self.seq_len,
+            start_token_id=self.start_token_id,
+            pad_id=self.pad_id,
+        )
+        apply_filter(self.instance_filter, fields, decoder.run_blocks)
+        if self.layout.plain:
+            return fields
+        where = f"{self._repr} (rows by record index)"
+        starts = row_starts(windows, records.packed)
+        return self.layout.apply(fields, starts, where=where, rows=idx)
+
+    def batches(
+        self,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        num_epochs: int | None = 1,
+        shard: tuple[int, int] = (0, 1),
+    ) -> Batches:
+        """A grain source of whole shuffled batches: element ``step`` is one step.
+
+        ``grain.MapDataset.source(src.batches(256, seed=0))`` is the fast way to
+        batch this source: one batched read per step, decoded on several threads.
+        The order is ``Loader``'s: element ``step`` equals
+        ``Loader(records, LoaderConfig(batch_size, seed=seed, shuffle=shuffle,
+        num_epochs=num_epochs, ...)).host_batch(step)`` (rows of this shard).
+
+        Args:
+            batch_size: global rows per step, over all shards.
+            seed: the shuffle's key (a fresh order each epoch).
+            shuffle: False: records in order.
+            num_epochs: passes over the records; the last partial batch is
+                dropped. ``None``: unbounded (as many steps as sample indices
+                allow).
+            shard: ``(index, count)``: this host's share of each batch, rows
+                ``[index * batch_size // count, (index + 1) * batch_size // count)``,
+                e.g. ``(jax.process_index(), jax.process_count())``; the hosts
+                together read each global batch once.
+
+        Raises:
+            ValueError: a bad ``batch_size``, ``seed``, ``num_epochs`` or
+                ``shard``, or ``batch_size`` that does not divide over the shards.
+        """
+        count = shard[1] if isinstance(shard, tuple) and len(shard) == 2 else 1
+        if type(batch_size) is int and type(count) is int and batch_size > 0 and count > 0:
+            check_loader_memory(batch_size, self.seq_len, 0, count)
+        return Batches(
+            self, batch_size, seed=seed, shuffle=shuffle, num_epochs=num_epochs, shard=shard
+        )
+
+    def _block_decoder(self) -> BlockDecoder:
+        decoder = self._decoder
+        if decoder is None:
+            decoder = self._decoder = BlockDecoder(default_threads())
+        return decoder
+
+    @property
+    def records(self) -> Records:
+        """The records read from, opened in this process first if they need to be."""
+        records = self._records
+        if records is not None and self._pid == os.getpid():
+            return records
+        with self._lock:
+            records = self._records
+            if records is None or self._pid != os.getpid():
+                records = self._opener.open()
+                if len(records) != self._length:
+                    raise RuntimeError(
+                        f"the data changed after {self!r} was made: it had "
+                        f"{self._length} records, {records!r} has {len(records)}"
+                    )
+                self._records, self._pid = records, os.getpid()
+            return records
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._opener.in_memory:
+            raise pickle.PicklingError(
+                f"{self!r} reads a memory:// store, which exists only in this process: "
+                "write the dataset to a path or object store for grain worker processes, "
+                "or use worker_count=0"
+            )
+        state = dict(self.__dict__)
+        del state["_lock"]
+        state["_records"], state["_decoder"] = None, None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def _indices(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """``indices`` as ``[k] int64`` in ``[0, len)``, after counting negatives from the end."""
+        idx = np.asarray(indices)
+        if idx.ndim != 1:
+            raise ValueError(f"record indices must be 1-D [k], got shape {idx.shape}")
+        if idx.size and idx.dtype.kind not in "iu":
+            raise TypeError(f"record indices must be integers, got dtype {idx.dtype}")
+        idx = idx.astype(np.int64)
+        n = self._length
+        bad = np.flatnonzero((idx < -n) | (idx >= n))
+        if bad.size:
+            raise IndexError(
+                f"{self!r}: record index {idx[bad[0]]} is outside [-{n}, {n}) ({n} records)"
+            )
+        return np.where(idx < 0, idx + n, idx)
+
+
+class ScheduledBatches:
+    """A grain random-access source whose element ``step`` is the batch of that step.
+
+    Element ``step`` holds positions ``[samples_before(step),
+    samples_before(step + 1))`` of ``order`` (a batch-size schedule's cut,
+    as in :class:`~flat_tokens_jax.LoaderConfig`), read from ``source`` in one
+    batched read: the five fields, each ``[batch_size_at(step), seq_len]``.
+    The last step holds what is left of ``order``, so it may be shorter.
+
+    Contract: deterministic, thread-safe and picklable when ``source`` and
+    ``order`` are.
+
+    Args:
+        source: the records.
+        batch_size: an int or a schedule ``[(start_step, size), ...]``.
+        order: record indices in the order to train on, any random-access
+            sequence (``len`` and integer indexing), e.g. a
+            ``grain.MapDataset`` of indices; ``None``: ``range(len(source))``.
+
+    Example:
+        >>> import flat_tokens_jax as ftj
+        >>> url = "memory://doc/scheduled"
+        >>> ftj.write_dataset(url, {"train": [[1, 2, 3, 4, 5, 6, 7, 8, 9]]}, overwrite=True)
+        >>> batches = ScheduledBatches(FlatTokensSource(url, seq_len=2), [(0, 1), (2, 2)])
+        >>> len(batches), [batches[s]["targets"].tolist() for s in range(len(batches))]
+        (3, [[[1, 2]], [[3, 4]], [[5, 6], [7, 8]]])
+    """
+
+    def __init__(
+        self,
+        source: FlatTokensSource,
+        batch_size: BatchSizeSpec | BatchSchedule,
+        order: Sequence[int] | None = None,
+    ) -> None:
+        if not isinstance(source, FlatTokensSource):
+            raise TypeError(
+                f"ScheduledBatches reads a FlatTokensSource, got {type(source).__name__}"
+            )
+        self.source, self.schedule = source, BatchSchedule.of(batch_size)
+        largest = max(size for _, size in self.schedule.entries)
+        check_loader_memory(largest, source.seq_len, 0, 1)
+        self.order = order
+        self._num_samples = len(source) if order is None else len(order)
+        self._length = self.schedule.steps_to_cover(self._num_samples)
+
+    def __repr__(self) -> str:
+        order = "in order" if self.order is None else repr(self.order)
+        return f"ScheduledBatches({self.source!r}, batch_size={self.schedule}, order={order})"
+
+    def __len__(self) -> int:
+        return self._length
+
+    def positions(self, step: int) -> range:
+        """The positions of ``order`` that step ``step`` holds."""
+        first = self.schedule.samples_before(step)
+        return range(first, min(self.schedule.samples_before(step + 1), self._num_samples))
+
+    def __getitem__(self, step: SupportsIndex) -> dict[str, np.ndarray]:
+        """The batch of ``step``: five fields, each ``[rows, seq_len]``."""
+        index = operator.index(step)
+        if not 0 <= index < self._length:
+            raise IndexError(f"{self!r}: step {index} is outside [0, {self._length})")
+        where = self.positions(index)
+        if self.order is None:
+            records = np.arange(where.start, where.stop, dtype=np.int64)
+        else:
+            records = _record_indices(self.order, where)
+        return self.source.read_batch(records)
+
+
+def _record_indices(order: Sequence[int], where: range) -> np.ndarray:
+    """``[len(where)] int64`` entries ``where`` of ``order``, each an int: a
+    float or a bool in the order is refused naming its position, not truncated."""
+    raw = [order[i] for i in where]
+    if all(t is int or issubclass(t, np.integer) for t in set(map(type, raw))):
+        with contextlib.suppress(OverflowError):  # named below
+            return np.array(raw, np.int64)
+    for i, value in zip(where, raw, strict=True):
+        if not -(2**63) <= integer(value, f"ScheduledBatches order[{i}]") < 2**63:
+            raise IndexError(f"ScheduledBatches order[{i}] is {value}, not a record index")
+    return np.array(raw, np.int64)
+
+
+def _as_records(
+    source: str | os.PathLike[str] | FlatTokens | Records,
+    seq_len: int | None,
+    packing: bool | str | None,
+    split: str,
+    options: StoreOptions | None,
+    plan_cache: str | os.PathLike[str] | None,
+    max_segments: int | None = None,
+) -> Records:
+    """The records a :class:`FlatTokensSource` reads, checked against what was asked."""
+    if isinstance(source, Mixture):
+        raise TypeError(
+            f"{source!r} is a Mixture, which grain cannot index as one source: make a "
+            "FlatTokensSource per component and blend them with grain.MapDataset.mix"
+        )
+    if packing is not None:
+        check_packing(packing, "packing")
+    if seq_len is not None and (
+        isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1
+    ):
+        raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+    if isinstance(source, str | os.PathLike):
+        source = open_dataset(source, options)[split]
+    elif options is not None:
+        raise ValueError(f"options apply to a URL only; {source!r} is open already")
+    if isinstance(source, FlatTokens):
+        if seq_len is None:
+            raise ValueError(f"seq_len is required to make records of {source!r}")
+        packing = True if packing is None else packing
+        return make_records(source, seq_len, packing, plan_cache, max_segments)
+    if isinstance(source, Dataset):
+        raise TypeError(
+            f"{source!r} is a whole dataset; pick a split: ds[{source.splits[0]!r}] "
+            "(or pass the URL with split=...)"
+        )
+    if not all(hasattr(source, a) for a in ("read", "seq_len", "packed", "__len__")):
+        raise TypeError(
+            f"expected a path or URL, a FlatTokens or Records, got {type(source).__name__}"
+        )
+    asked = {"seq_len": seq_len, "packing": packing}
+    have = {"seq_len": source.seq_len, "packing": source.packed}
+    wrong = [f"{k} {asked[k]!r}" for k in asked if asked[k] is not None and asked[k] != have[k]]
+    if wrong:
+        raise ValueError(
+            f"{source!r} has seq_len {source.seq_len} and packing {source.packed}, but "
+            f"{' and '.join(wrong)} was asked for: leave them out to use the records' own"
+        )
+    return source

@@ -1,0 +1,124 @@
+"""Whole shuffled batches as one grain element: ``Batches``.
+
+``FlatTokensSource.batches(...)`` builds one. A grain pipeline that batches
+records one at a time (``MapDataset.source(src).shuffle(seed).batch(B)``)
+reads and decodes every record on its own; a ``Batches`` element is one
+batched read of a whole step, decoded in row blocks on several threads, in
+``Loader``'s order (same sampler, same seed), so a grain pipeline and a
+``Loader`` agree row for row.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol, SupportsIndex
+
+import numpy as np
+
+from flat_tokens_jax.sampling.sampling import IndexSampler
+
+
+class BatchReader(Protocol):
+    """What ``Batches`` reads from (a ``FlatTokensSource``)."""
+
+    def __len__(self) -> int: ...
+
+    def read_batch(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]: ...
+
+
+class Batches:
+    """A grain random-access source of whole batches (see :meth:`FlatTokensSource.batches`).
+
+    Element ``step``: the five fields, each ``[batch_size // count, seq_len]``,
+    of this shard's rows of global step ``step``. Contract: deterministic,
+    thread-safe, picklable (as its source).
+    """
+
+    def __init__(
+        self,
+        source: BatchReader,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        num_epochs: int | None = 1,
+        shard: tuple[int, int] = (0, 1),
+    ) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        index, count = _shard(shard)
+        if batch_size % count:
+            raise ValueError(
+                f"batch_size {batch_size} does not divide over {count} shards: "
+                f"choose a multiple of {count}"
+            )
+        self.source, self.batch_size, self.shard = source, batch_size, (index, count)
+        self.sampler = IndexSampler(len(source), seed=seed, shuffle=shuffle, num_epochs=num_epochs)
+        total = self.sampler.num_samples
+        self._length = (MAX_SAMPLE if total is None else total) // batch_size
+        rows = batch_size // count
+        self._rows = np.arange(index * rows, (index + 1) * rows, dtype=np.int64)
+        self._chunks: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_chunks"], state["_lock"] = {}, None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        s = self.sampler
+        return (
+            f"Batches({self.source!r}, batch_size={self.batch_size}, seed={s.seed}, "
+            f"shuffle={s.shuffle}, num_epochs={s.num_epochs}, shard={self.shard})"
+        )
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, step: SupportsIndex) -> dict[str, np.ndarray]:
+        """This shard's rows of ``step``: five fields, each ``[rows, seq_len]``."""
+        index = operator.index(step)
+        if not 0 <= index < self._length:
+            raise IndexError(f"{self!r}: step {index} is outside [0, {self._length})")
+        return self.source.read_batch(self._records(index))
+
+    def _records(self, step: int) -> np.ndarray:
+        """The records of this shard's rows of ``step``, from one sampler call for
+        the ``_CHUNK`` steps around it (kept for the others: grain's readers
+        ask for neighbouring steps; a call costs about the same for 256 samples
+        as for 2,048)."""
+        chunk = step // _CHUNK
+        with self._lock:
+            records = self._chunks.get(chunk)
+            if records is None:
+                steps = np.arange(chunk * _CHUNK, min((chunk + 1) * _CHUNK, self._length))
+                g = (steps[:, None] * self.batch_size + self._rows).reshape(-1)
+                records = self.sampler.records(g).reshape(steps.size, -1)
+                self._chunks[chunk] = records
+                for old in [c for c in self._chunks if c < chunk - 1 or c > chunk + 1]:
+                    del self._chunks[old]
+        return records[step - chunk * _CHUNK]
+
+
+def _shard(shard: tuple[int, int]) -> tuple[int, int]:
+    try:
+        index, count = (operator.index(v) for v in shard)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"shard must be (index, count), e.g. (jax.process_index(), jax.process_count()), "
+            f"got {shard!r}"
+        ) from None
+    if not 0 <= index < count:
+        raise ValueError(f"shard {shard!r}: need 0 <= index < count")
+    return index, count
+
+
+MAX_SAMPLE = 2**63 - 1  # Global sample indices are int64.
+_CHUNK = 8  # Steps whose records one sampler call finds.

@@ -1,0 +1,332 @@
+"""What a run says: ``LoaderConfig``, and the checks of a config against its data.
+
+A :class:`LoaderConfig` states every fact of a run once; the functions here
+check it against what the data records (``vocab_size``, ``start_token_id``),
+and turn a source into records of the config's ``seq_len`` and packing (saved
+fingerprints are compared in :mod:`~flat_tokens_jax.loader.resume`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from flat_tokens_jax.core.values import MAX_SEED, BadValue, integer, read_yaml
+from flat_tokens_jax.data.bins import BINS, make_records
+from flat_tokens_jax.data.dataset import FlatTokens
+from flat_tokens_jax.data.records import Records, check_source
+from flat_tokens_jax.decoding.instancefilter import InstanceFilter
+from flat_tokens_jax.decoding.layouts import LAYOUTS
+from flat_tokens_jax.sampling.schedule import BatchSchedule, BatchSizeSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderConfig:
+    """What a batch is. Every field but ``prefetch``, ``read_ahead_bytes``,
+    ``decode_threads``, ``decode``, ``layout`` and ``max_segments`` changes
+    the batches' values (the last two change their form).
+
+    Attributes:
+        batch_size: global rows per step, over all hosts: an int, or a schedule
+            ``[(start_step, size), ...]`` (first at step 0, steps increasing;
+            a mapping ``{start_step: size}`` works too), e.g. ``[(0, 256),
+            (2000, 512)]``. Step ``s`` holds global samples
+            ``[samples_before(s), samples_before(s + 1))``; the sample order
+            does not depend on the schedule, only its cut into batches does.
+            Stored as the int, or as a tuple of ``(start_step, size)`` pairs
+            (a one-size schedule becomes its int).
+        seq_len: tokens per row.
+        packing: what a row is. True: consecutive windows of the concatenated
+            tokens (no padding, sequences cut at window edges). False: one
+            sequence per row, truncated to ``seq_len`` and right-padded with
+            ``pad_id``. ``"bins"``: whole sequences (each truncated to
+            ``seq_len``) packed into a row by the split's packing plan, padded
+            at the end; for fine-tuning (see :class:`~flat_tokens_jax.BinRecords`).
+        shuffle: visit records in a fresh pseudo-random order each epoch.
+            False: in order (evaluation).
+        seed: the shuffle's key. Recommended: one per training run.
+        num_epochs: passes over the records; ``None``: unbounded. With a bound,
+            the last batch is completed with padding rows (``loss_mask`` 0).
+        prefetch: steps prepared ahead, in order, on background threads
+            (``iterate``, ``start``, and ``batch`` called with consecutive
+            steps). ``None`` (recommended): automatic; the loader measures a
+            step's fetch and decode and the trainer's step, and keeps
+            ``ceil(1.5 * (fetch + decode) / step) + 1`` steps in flight, at
+            least 2, within ``read_ahead_bytes``. An int pins the depth; 0
+            reads nothing ahead. Changes no batch.
+        read_ahead_bytes: the memory the steps prepared ahead may hold on this
+            host, with automatic ``prefetch`` (a step holds 17 bytes a token
+            of its rows on this host, 5 with ``decode="device"``; at least one
+            step is read ahead whatever its size). Recommended: the default
+            1 GiB, more for very slow stores. Changes no batch.
+        start_token_id: the input token where a sequence starts. ``None``: the
+            id the dataset records (``DatasetInfo.start_token_id``, set by
+            ``convert --start-token-id``), or the spec's 0 when it records none.
+        pad_id: input and target id of padding.
+        vocab_size: if given, the dataset's ``max_token_id`` (and the vocabulary
+            of the tokenizer it records) must fit below it. It checks the data
+            and changes no batch.
+        decode_threads: threads that decode one batch on the host, each a
+            block of rows; at most this many blocks decode at once, over all
+            the steps in flight. ``None``: the cores this process may use, at
+            most 8, and one fewer for steps read ahead (``iterate``,
+            consecutive ``batch`` calls), whose read stage takes a core of its
+            own. Changes no batch.
+        decode: where the fields are decoded. ``"host"``: on this host (by
+            compiled kernels with the ``fast`` extra, else numpy), then copied
+            to the devices (5 arrays, 17 bytes a token).
+            ``"device"``: the encoded tokens go to the devices (4 bytes a
+            token, plus the stored loss mask if any) and are decoded there,
+            inside ``jax.jit``; for GPU and TPU hosts whose CPUs cannot keep
+            up. The same values either way.
+        layout: the arrays a batch holds (see docs/guide/loading.md, "Batch layouts").
+            ``"fields"``: ``inputs``, ``targets``, ``segment_ids``,
+            ``positions``, ``loss_mask``. ``"segments"``: those and
+            ``sequence_start`` ``[B, L] bool``. ``"tokens"``: ``tokens``
+            ``[B, L + 1] int32`` (``tokens[:, 1:]`` the targets) with
+            ``loss_mask``, ``segment_ids``, ``positions``, ``sequence_start``,
+            for trainers that shift themselves. ``"maxtext"``: MaxText's
+            names (``inputs_segmentation``, ``targets_position``, ...) and
+            ``sequence_start``. Changes no value.
+        max_segments: if set, every layout adds ``segment_lengths`` ``[B,
+            max_segments] int32``, each row's run lengths (sequences,
+            fragments, padding) then zeros, for varlen attention
+            (``cu_seqlens``); a row of more runs is refused. With
+            ``packing="bins"`` it also caps the sequences per bin (the packing
+            plan is built with the cap). Recommended for bins: the most
+            sequences your kernel takes per row.
+        instance_filter: ``None`` (off), or an :class:`InstanceFilter` (or a
+            mapping of its fields, as YAML gives): rows that repeat an n-gram
+            of up to ``max_period`` tokens ``max_count`` times back to back get
+            ``loss_mask`` False on every column (OLMo's filter; see
+            :mod:`~flat_tokens_jax.decoding.instancefilter`). Recommended for
+            pretraining on web data: ``InstanceFilter()``.
+    """
+
+    batch_size: BatchSizeSpec
+    seq_len: int
+    packing: bool | str = True
+    shuffle: bool = True
+    seed: int = 0
+    num_epochs: int | None = None
+    prefetch: int | None = None
+    start_token_id: int | None = None
+    pad_id: int = 0
+    vocab_size: int | None = None
+    decode_threads: int | None = None
+    decode: str = "host"
+    read_ahead_bytes: int = 1 << 30
+    layout: str = "fields"
+    max_segments: int | None = None
+    instance_filter: InstanceFilter | None = None
+
+    def __post_init__(self) -> None:
+        path = "LoaderConfig."
+        if isinstance(self.batch_size, int | np.integer) and not isinstance(self.batch_size, bool):
+            object.__setattr__(
+                self, "batch_size", integer(self.batch_size, path + "batch_size", low=1)
+            )
+        else:
+            try:
+                schedule = BatchSchedule.of(self.batch_size)
+            except ValueError as e:
+                raise BadValue(path + "batch_size", str(e).removeprefix("batch_size ")) from None
+            spec = schedule.spec()
+            object.__setattr__(
+                self, "batch_size", spec if isinstance(spec, int) else schedule.entries
+            )
+        checked = {
+            "seq_len": integer(self.seq_len, path + "seq_len", low=1),
+            "prefetch": integer(self.prefetch, path + "prefetch", low=0, optional=True),
+            "read_ahead_bytes": integer(self.read_ahead_bytes, path + "read_ahead_bytes", low=1),
+            "seed": integer(self.seed, path + "seed", low=0, high=MAX_SEED),
+            "start_token_id": integer(
+                self.start_token_id, path + "start_token_id", low=0, optional=True
+            ),
+            "pad_id": integer(self.pad_id, path + "pad_id"),
+            **{
+                name: integer(getattr(self, name), path + name, low=1, optional=True)
+                for name in ("num_epochs", "vocab_size", "decode_threads", "max_segments")
+            },
+        }
+        for name, value in checked.items():  # numpy ints become Python ints
+            object.__setattr__(self, name, value)
+        if not (
+            isinstance(self.packing, bool)
+            or (isinstance(self.packing, str) and self.packing == BINS)
+        ):
+            raise BadValue(
+                path + "packing",
+                f"must be True (packed windows), False (padded sequences) or {BINS!r} "
+                f"(bins of whole sequences), got {self.packing!r}",
+            )
+        if not isinstance(self.shuffle, bool):
+            raise BadValue(path + "shuffle", f"must be True or False, got {self.shuffle!r}")
+        object.__setattr__(
+            self,
+            "instance_filter",
+            InstanceFilter.of(self.instance_filter, path + "instance_filter"),
+        )
+        if self.decode not in ("host", "device"):
+            raise BadValue(path + "decode", f"must be 'host' or 'device', got {self.decode!r}")
+        if self.packing == BINS and self.max_segments is not None and self.max_segments < 2:
+            raise BadValue(
+                path + "max_segments",
+                f"must be >= 2 with packing='bins' (a bin not full is a sequence and "
+                f"its padding: 2 runs), got {self.max_segments}",
+            )
+        if not isinstance(self.layout, str) or self.layout not in LAYOUTS:
+            raise BadValue(path + "layout", f"must be one of {list(LAYOUTS)}, got {self.layout!r}")
+        if self.vocab_size is not None:
+            for name in ("start_token_id", "pad_id"):
+                value = getattr(self, name)
+                if value is not None and not 0 <= value < self.vocab_size:
+                    raise BadValue(
+                        path + name, f"{value} is outside the vocabulary [0, {self.vocab_size})"
+                    )
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], path: str = "LoaderConfig") -> LoaderConfig:
+        """Builds a config from a mapping, refusing keys it does not know.
+
+        ``path`` names the mapping in errors: with ``"loader"`` a bad seed is
+        ``loader.seed must be an int in [0, ...], got 1.9``.
+        """
+        if not isinstance(values, Mapping):
+            raise BadValue(path, f"must be a mapping of LoaderConfig fields, got {values!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(map(str, set(values) - known))
+        if unknown:
+            raise ValueError(f"unknown LoaderConfig field(s) {unknown}; known: {sorted(known)}")
+        missing = [k for k in ("batch_size", "seq_len") if k not in values]
+        if missing:
+            raise ValueError(f"{path}: the field(s) {missing} are required")
+        try:
+            return cls(**values)
+        except BadValue as e:
+            raise e.moved("LoaderConfig", path) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str], key: str | None = "loader") -> LoaderConfig:
+        """Reads a config from YAML (needs PyYAML: ``pip install flat-tokens-jax[yaml]``).
+
+        Args:
+            path: the YAML file.
+            key: the mapping inside the file that holds the fields (``None``: the
+                whole file). The file may then hold other sections too.
+
+        Raises:
+            ValueError: the file is not valid YAML (safe loading only) or a value
+                is bad; the message names the file and the value (``loader.seed``).
+        """
+        doc = read_yaml(path)
+        fields = doc.get(key) if key is not None and isinstance(doc, dict) else doc
+        if not isinstance(fields, dict):
+            where = f"section {key!r} of " if key else ""
+            raise ValueError(f"{where}{os.fspath(path)} is not a mapping of LoaderConfig fields")
+        try:
+            return cls.from_dict(fields, key or "LoaderConfig")
+        except ValueError as e:
+            raise ValueError(f"{os.fspath(path)}: {e}") from None
+
+    @functools.cached_property
+    def schedule(self) -> BatchSchedule:
+        """The batch size of every step (constant for an int ``batch_size``)."""
+        return BatchSchedule.of(self.batch_size)
+
+    def batch_size_at(self, step: int) -> int:
+        """Global rows of the batch at ``step``."""
+        return self.schedule.size(step)
+
+    def batch_defining(self) -> dict[str, Any]:
+        """The fields that decide batch contents: all but ``prefetch``,
+        ``read_ahead_bytes``, ``decode_threads``, ``decode``, ``layout``,
+        ``max_segments`` (a bins plan it caps is in the data's fingerprint)
+        and ``vocab_size`` (which checks the data but changes no batch),
+        JSON-ready (``batch_size`` an int or ``[[start_step, size], ...]``;
+        ``instance_filter`` its fields, left out when off, so states saved
+        before the filter existed hold the same fields)."""
+        skip = (
+            "prefetch",
+            "read_ahead_bytes",
+            "vocab_size",
+            "decode_threads",
+            "decode",
+            "layout",
+            "max_segments",
+        )
+        values = {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
+        if self.instance_filter is None:
+            del values["instance_filter"]
+        return {**values, "batch_size": self.schedule.spec()}
+
+
+def records_for(source: Any, config: LoaderConfig, plan_cache: str | os.PathLike[str]) -> Records:
+    """The records of a single (non-Mixture) source, checked against the config."""
+    if isinstance(source, FlatTokens):
+        return make_records(source, config.seq_len, config.packing, plan_cache, config.max_segments)
+    check_source(source, "the Loader's source")
+    if source.seq_len != config.seq_len or source.packed != config.packing:
+        raise ValueError(
+            f"{source!r} has seq_len {source.seq_len} and packing "
+            f"{source.packed}, but the config asks for seq_len "
+            f"{config.seq_len} and packing {config.packing}"
+        )
+    return source
+
+
+def check_sharding(sharding: Any) -> None:
+    """Refuses what is not a ``Sharding`` (a bare ``PartitionSpec`` names the fix)."""
+    if sharding is None or isinstance(sharding, jax.sharding.Sharding):
+        return
+    if isinstance(sharding, jax.sharding.PartitionSpec):
+        raise TypeError(
+            f"sharding is a PartitionSpec ({sharding}); wrap it: NamedSharding(mesh, P(...))"
+        )
+    raise TypeError(f"sharding must be a jax.sharding.Sharding or None, got {sharding!r}")
+
+
+def check_vocab(
+    config: LoaderConfig, components: Sequence[Records], infos: Sequence[tuple[str, Any]]
+) -> None:
+    """``vocab_size`` must cover the data's ids and the tokenizer it was made with."""
+    if config.vocab_size is None:
+        return
+    max_id = max(int(r.fingerprint()["max_token_id"]) for r in components)
+    if config.vocab_size <= max_id:
+        raise ValueError(
+            f"dataset max_token_id is {max_id} but vocab_size is "
+            f"{config.vocab_size}: set vocab_size >= {max_id + 1}"
+        )
+    for name, info in infos:
+        tok = None if info is None else info.tokenizer
+        if tok is not None and tok.vocab_size > config.vocab_size:
+            where = "the data" if len(infos) == 1 else f"component {name!r}"
+            raise ValueError(
+                f"{where} was tokenized with {tok.name} ({tok.vocab_size} ids) but "
+                f"vocab_size is {config.vocab_size}: set vocab_size >= {tok.vocab_size}"
+            )
+
+
+def resolve_start_token_id(config: LoaderConfig, infos: Sequence[tuple[str, Any]]) -> int:
+    """The config's ``start_token_id``, else the one the data records, else the spec's 0."""
+    if config.start_token_id is not None:
+        return config.start_token_id
+    recorded = {
+        name: info.start_token_id
+        for name, info in infos
+        if info is not None and info.start_token_id is not None
+    }
+    if len(set(recorded.values())) > 1:
+        listed = ", ".join(f"{n!r}: {v}" for n, v in recorded.items())
+        raise ValueError(
+            f"the components record different start_token_id values ({listed}): "
+            "set LoaderConfig.start_token_id to the one to feed at every sequence start"
+        )
+    return next(iter(recorded.values()), 0)

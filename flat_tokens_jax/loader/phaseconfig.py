@@ -1,0 +1,116 @@
+"""A run's phases from a YAML ``phases`` section: :func:`phases_from_config`.
+
+The section is a list; each phase is a mapping of ``start_step``, an
+optional ``name``, and ``data`` (a mixture section, see
+:func:`~flat_tokens_jax.sampling.mixconfig.mixture_from_config`) and ``loader`` (the
+:class:`~flat_tokens_jax.LoaderConfig` fields). The first phase says both;
+a later one says what changes: its ``loader`` fields replace the previous
+phase's fields of those names, and its ``data``, when given, replaces the
+previous ``data`` whole. A bad value is named by its path
+(``phases[2].loader.seq_len``).
+
+Example (``configs/phases.yaml`` holds a whole one)::
+
+    phases:
+      - name: pretrain
+        start_step: 0
+        data: {datasets: {web: {url: data/web, weight: 1}}}
+        loader: {batch_size: 256, seq_len: 4096}
+      - name: long
+        start_step: 90000
+        loader: {batch_size: 32, seq_len: 32768, packing: bins}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from flat_tokens_jax.core.values import BadValue, child, integer, mapping, read_yaml, sequence, text
+from flat_tokens_jax.loader.config import LoaderConfig
+from flat_tokens_jax.loader.phases import Phase
+from flat_tokens_jax.sampling.mixconfig import mixture_from_config
+from flat_tokens_jax.sampling.mixture import Mixture
+from flat_tokens_jax.store.options import StoreOptions
+
+__all__ = ["phases_from_config", "phases_from_yaml"]
+
+_KEYS = {"name", "start_step", "data", "loader"}
+
+
+def phases_from_config(
+    phases: Any,
+    split: str = "train",
+    options: StoreOptions | None = None,
+    *,
+    path: str = "phases",
+) -> list[Phase]:
+    """The :class:`~flat_tokens_jax.loader.phases.Phase` list of a ``phases`` section.
+
+    Args:
+        phases: the section: a list of ``{start_step, name, data, loader}``.
+        split: the split (or part of a ``split`` cut) every ``data`` reads.
+        options: how to reach the datasets.
+        path: the section's name in errors.
+
+    Raises:
+        ValueError: a key is unknown, a value bad (named by its path), or the
+            first phase lacks ``data`` or ``loader``.
+    """
+    listed = sequence(phases, path, "a list of {start_step, name, data, loader}")
+    if not listed:
+        raise BadValue(path, "must list at least one phase")
+    out: list[Phase] = []
+    fields: dict[str, Any] = {}
+    data: Mapping[str, Any] | None = None
+    opened: dict[str, Mixture] = {}
+    for k, entry in enumerate(listed):
+        where = child(path, k)
+        entry = mapping(entry, where, "a mapping of start_step, name, data, loader")
+        unknown = sorted(map(str, set(entry) - _KEYS))
+        if unknown:
+            raise BadValue(where, f"has unknown key(s) {unknown}; known: {sorted(_KEYS)}")
+        for key in ("data", "loader"):
+            if k == 0 and key not in entry:
+                raise BadValue(where, f"must say {key!r}: the first phase states the whole run")
+        if "start_step" not in entry:
+            raise BadValue(where, "must say start_step (the first phase's is 0)")
+        start = integer(entry["start_step"], child(where, "start_step"), low=0, high=2**63 - 1)
+        name = None if entry.get("name") is None else text(entry["name"], child(where, "name"))
+        fields.update(mapping(entry.get("loader", {}), child(where, "loader")))
+        if "data" in entry:
+            data = mapping(entry["data"], child(where, "data"), "a mixture section")
+        if data is None:
+            raise BadValue(child(where, "data"), "must be given")
+        key = json.dumps(data, sort_keys=True, default=str)
+        if key not in opened:
+            try:
+                opened[key] = mixture_from_config(data, split, options, path=child(where, "data"))
+            except BadValue as e:
+                raise e.moved("data", child(where, "data")) from None
+        try:
+            config = LoaderConfig.from_dict(fields, child(where, "loader"))
+        except BadValue as e:
+            raise e.moved("LoaderConfig", child(where, "loader")) from None
+        out.append(Phase(start, opened[key], config, name))
+    return out
+
+
+def phases_from_yaml(
+    path: str | os.PathLike[str], split: str = "train", options: StoreOptions | None = None
+) -> list[Phase]:
+    """The phases of a run YAML's ``phases`` section (needs the ``yaml`` extra).
+
+    Raises:
+        ValueError: the file is not YAML or has no ``phases`` list; a bad
+            value, named by the file and its path.
+    """
+    doc = read_yaml(path)
+    if not isinstance(doc, Mapping) or "phases" not in doc:
+        raise ValueError(f"{os.fspath(path)} has no 'phases' section")
+    try:
+        return phases_from_config(doc["phases"], split, options)
+    except ValueError as e:
+        raise ValueError(f"{os.fspath(path)}: {e}") from None

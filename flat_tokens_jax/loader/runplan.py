@@ -1,0 +1,125 @@
+"""What a run in phases will read, before it runs: :func:`plan_rows` and :func:`draw_shares`.
+
+Per phase and component: steps, samples, tokens (rows times ``seq_len``,
+padding included) and epochs, from the same arithmetic the loader uses (no
+data is read beyond what opening the run reads). The picture (matplotlib, the
+``plot`` extra, imported only when drawing) shows each component's share of
+the tokens over steps, with the phase boundaries.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from flat_tokens_jax.core.extras import install_hint
+from flat_tokens_jax.loader.phasedloader import PhasedLoader
+from flat_tokens_jax.loader.phases import drawn
+
+__all__ = ["draw_shares", "plan_rows", "share_segments"]
+
+
+def plan_rows(run: PhasedLoader, end_step: int) -> list[dict[str, Any]]:
+    """One dict per phase and component, for the steps before ``end_step``.
+
+    Keys: ``phase``, ``phase_name``, ``start_step``, ``end_step``, ``steps``,
+    ``component``, ``seq_len``, ``packing``, ``records`` (of its stream),
+    ``stream`` (``"new"`` or ``"continued"``), ``samples``, ``tokens``,
+    ``epochs`` (this phase's samples over the records) and ``stream_epochs``
+    (the stream's samples by the phase's end over the records).
+    """
+    rows: list[dict[str, Any]] = []
+    for k, loader in enumerate(run.loaders):
+        start = run.starts[k]
+        if start >= end_step:
+            break
+        stop = min(end_step, run.starts[k + 1] if k + 1 < len(run.starts) else end_step)
+        counts = drawn(loader.mixture, loader.schedule, stop - start)
+        for c, name in enumerate(loader.names):
+            records, offset = len(loader.components[c]), run.offsets[k][c]
+            rows.append(
+                {
+                    "phase": k,
+                    "phase_name": run.phases[k].name,
+                    "start_step": start,
+                    "end_step": stop,
+                    "steps": stop - start,
+                    "component": name,
+                    "seq_len": loader.config.seq_len,
+                    "packing": loader.config.packing,
+                    "records": records,
+                    "stream": "continued" if offset else "new",
+                    "samples": counts[c],
+                    "tokens": counts[c] * loader.config.seq_len,
+                    "epochs": counts[c] / records,
+                    "stream_epochs": (offset + counts[c]) / records,
+                }
+            )
+    return rows
+
+
+def share_segments(run: PhasedLoader, end_step: int) -> list[tuple[int, int, dict[str, float]]]:
+    """``(first step, end step, {component: share of the tokens})`` of each
+    stretch of fixed weights (a phase, or a weight segment inside one)."""
+    out = []
+    for k, loader in enumerate(run.loaders):
+        start = run.starts[k]
+        if start >= end_step:
+            break
+        stop = min(end_step, run.starts[k + 1] if k + 1 < len(run.starts) else end_step)
+        if loader.mixture is None:
+            out.append((start, stop, {loader.names[0]: 1.0}))
+            continue
+        steps = [int(s) for s in loader.mixture.steps] + [stop - start]
+        for j, period in enumerate(loader.mixture.periods):
+            a, b = start + steps[j], min(stop, start + steps[j + 1])
+            if a >= b:
+                continue
+            shares = {
+                n: int(c) / period.period for n, c in zip(loader.names, period.counts, strict=True)
+            }
+            out.append((a, b, shares))
+    return out
+
+
+def draw_shares(run: PhasedLoader, end_step: int, path: str | os.PathLike[str]) -> None:
+    """Writes ``path`` (``.png`` or ``.svg``): each component's share of the
+    tokens over steps ``[0, end_step)``, stacked, with phase boundaries.
+
+    Raises:
+        ValueError: ``path`` ends in neither ``.png`` nor ``.svg``.
+        ImportError: matplotlib is missing (the message names the extra).
+    """
+    suffix = os.fspath(path).rsplit(".", 1)[-1].lower()
+    if suffix not in ("png", "svg"):
+        raise ValueError(f"--picture {os.fspath(path)!r}: name a .png or .svg file")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError(f"the picture needs matplotlib: {install_hint('plot')}") from None
+    segments = share_segments(run, end_step)
+    names = list(dict.fromkeys(n for _, _, shares in segments for n in shares))
+    xs: list[int] = []
+    ys: dict[str, list[float]] = {n: [] for n in names}
+    for a, b, shares in segments:
+        xs += [a, b]
+        for n in names:
+            ys[n] += [shares.get(n, 0.0)] * 2
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.stackplot(xs, *[ys[n] for n in names], labels=names)
+    for k, start in enumerate(run.starts):
+        if start < end_step:
+            ax.axvline(start, color="black", linewidth=0.8)
+            label = run.phases[k].name or f"phase {k}"
+            ax.text(start, 1.01, label, fontsize=8, va="bottom")
+    ax.set_xlim(0, end_step)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("share of tokens")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

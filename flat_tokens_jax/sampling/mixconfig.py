@@ -1,0 +1,196 @@
+"""A :class:`~flat_tokens_jax.Mixture` from a Nanoset-style mapping (a YAML ``data`` section).
+
+Every value is checked by :mod:`flat_tokens_jax.core.values` and a bad one is named
+by its path in the section (``data.datasets.web.weight``, ``data.seed``,
+``data.schedule[0].step``) with the form it must take.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+from flat_tokens_jax.core.concurrently import at_once
+from flat_tokens_jax.core.values import (
+    MAX_SEED,
+    BadValue,
+    boolean,
+    child,
+    integer,
+    mapping,
+    number,
+    sequence,
+    text,
+)
+from flat_tokens_jax.data.dataset import Dataset, open_dataset
+from flat_tokens_jax.sampling.mixture import MAX_PERIOD, Mixture, Source
+from flat_tokens_jax.store.options import StoreOptions
+
+_CONFIG_KEYS = {
+    "datasets",
+    "split",
+    "seed",
+    "period",
+    "schedule",
+    "allow_mixed_tokenizers",
+    "seq_len",
+    "packing",
+}
+_SPLIT_PARTS = ("train", "valid", "test")
+_USAGE = (
+    "{url: weight}, {name: {url: ..., weight: ...}} or a list of {name: ..., url: ..., weight: ...}"
+)
+
+
+def mixture_from_config(
+    config: Mapping[str, Any],
+    split: str = "train",
+    options: StoreOptions | None = None,
+    *,
+    path: str = "data",
+    **option_fields: Any,
+) -> Mixture:
+    """Builds a mixture from a Nanoset-style mapping (e.g. a YAML ``data`` section).
+
+    ``config`` holds ``datasets``: either ``{url: weight}`` (each component
+    named by its URL), ``{name: {url: ..., weight: ...}}`` or a list of
+    ``{name: ..., url: ..., weight: ...}``; an entry may add ``split`` (the
+    dataset split it reads, default ``split``). Optionally: ``split`` (e.g.
+    ``"949,50,1"``: each dataset's split is cut into train/valid/test views and
+    the ``split`` argument picks ``"train"``, ``"valid"`` or ``"test"``), ``seed``,
+    ``period``, ``schedule`` (a list of ``{step: ..., weights: [...] or {name:
+    weight}}``) and ``allow_mixed_tokenizers``: everything :class:`Mixture`
+    takes. ``seq_len`` and ``packing`` belong in the loader config; if present
+    here they must agree with it.
+
+    Args:
+        config: the mapping.
+        split: which split (or part of a ``split`` cut) the components read.
+        options: how to reach the datasets (see :class:`StoreOptions`).
+        path: the mapping's name in errors (``data.seed must be ...``).
+        **option_fields: the same fields as keywords, e.g. ``endpoint=...``.
+
+    Raises:
+        ValueError: a key is unknown or a value is of the wrong kind or out of
+            range (a :class:`~flat_tokens_jax.core.values.BadValue` naming its path:
+            weights are finite numbers >= 0, seeds ints >= 0, booleans
+            ``true``/``false``, ints never fractions or strings).
+    """
+    config = mapping(config, path, "a mapping with 'datasets'")
+    unknown = sorted(map(str, set(config) - _CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"unknown mixture config key(s) {unknown}; known: {sorted(_CONFIG_KEYS)}")
+    cut = config.get("split")
+    if cut is not None:
+        where = child(path, "split")
+        if isinstance(cut, list | tuple):
+            cut = [number(x, child(where, i), low=0) for i, x in enumerate(cut)]
+        elif not isinstance(cut, str):
+            raise BadValue(where, f"must be text such as '949,50,1' or a list, got {cut!r}")
+        if split not in _SPLIT_PARTS:
+            hint = (
+                " (a split cut names its parts train, valid, test)" if split == "validation" else ""
+            )
+            raise ValueError(
+                f"with 'split: {cut}' the parts are {list(_SPLIT_PARTS)}; got {split!r}{hint}: "
+                f"use {'valid' if split == 'validation' else 'one of them'}"
+            )
+    entries = _dataset_entries(config.get("datasets"), child(path, "datasets"))
+    schedule = _schedule(config.get("schedule"), child(path, "schedule"))
+    seed = integer(config.get("seed", 0), child(path, "seed"), low=0, high=MAX_SEED)
+    period = integer(
+        config.get("period"), child(path, "period"), low=1, high=MAX_PERIOD, optional=True
+    )
+    allow_mixed = boolean(
+        config.get("allow_mixed_tokenizers", False), child(path, "allow_mixed_tokenizers")
+    )
+    urls = list(dict.fromkeys(url for _, url, _, _ in entries))
+    opens = [functools.partial(open_dataset, url, options, **option_fields) for url in urls]
+    opened: dict[str, Dataset] = dict(zip(urls, at_once(opens), strict=True))
+
+    def part(
+        name: str, url: str, weight: float, dataset_split: str | None
+    ) -> tuple[str, Source, float]:
+        ds = opened[url]
+        if cut is None:
+            return name, ds[dataset_split or split], weight
+        views = dict(zip(_SPLIT_PARTS, ds[dataset_split or "train"].split(cut), strict=False))
+        if split not in views:
+            raise ValueError(f"'split: {cut}' has {len(views)} parts, so no {split!r} part")
+        return name, views[split], weight
+
+    # Datasets open, and views read their bounds, at once: N components cost
+    # the round trips of one.
+    parts = at_once([functools.partial(part, *entry) for entry in entries])
+    stated = {k: config[k] for k in ("seq_len", "packing") if k in config}
+    return Mixture(
+        parts,
+        seed=seed,
+        period=period,
+        schedule=schedule,
+        allow_mixed_tokenizers=allow_mixed,
+        **stated,
+    )
+
+
+def _schedule(changes: Any, path: str) -> list[tuple[int, Any]]:
+    """``(step, weights)`` of each entry of a ``schedule`` list, checked."""
+    out: list[tuple[int, Any]] = []
+    for i, change in enumerate(sequence(changes or (), path, "a list of {step: N, weights: ...}")):
+        if not isinstance(change, Mapping) or set(change) != {"step", "weights"}:
+            raise ValueError(
+                f"schedule entry {i} must be {{step: N, weights: ...}}, got {change!r}"
+            )
+        where = child(path, i)
+        weights = change["weights"]
+        if isinstance(weights, Mapping):
+            checked: Any = {
+                k: number(w, child(child(where, "weights"), k), low=0) for k, w in weights.items()
+            }
+        else:
+            listed = sequence(
+                weights, child(where, "weights"), "a list of numbers or {name: weight}"
+            )
+            checked = [
+                number(w, child(child(where, "weights"), j), low=0) for j, w in enumerate(listed)
+            ]
+        step = integer(change["step"], child(where, "step"), low=1, high=2**63 - 1)  # int64
+        out.append((step, checked))
+    return out
+
+
+def _dataset_entries(datasets: Any, path: str) -> list[tuple[str, str, float, str | None]]:
+    """``(name, url, weight, split or None)`` of a config's ``datasets``."""
+    items: list[tuple[str, Any, str]] = []  # (where, entry, where its weight is)
+    if isinstance(datasets, Mapping):
+        for key, value in datasets.items():
+            where = child(path, key)
+            if isinstance(value, Mapping):
+                items.append((where, {"name": key, **value}, child(where, "weight")))
+            else:  # {url: weight}
+                items.append((where, {"name": key, "url": key, "weight": value}, where))
+    elif isinstance(datasets, list | tuple):
+        items = [
+            (child(path, i), item, child(child(path, i), "weight"))
+            for i, item in enumerate(datasets)
+        ]
+    else:
+        raise BadValue(path, f"must be {_USAGE}, got {datasets!r}")
+    if not items:
+        raise BadValue(path, f"must name at least one dataset: {_USAGE}")
+    out = []
+    for where, item, weight_path in items:
+        if not isinstance(item, Mapping) or not {"url", "weight"} <= set(item):
+            raise BadValue(where, f"must be {{url: ..., weight: ...}} ({_USAGE}), got {item!r}")
+        extra = sorted(map(str, set(item) - {"name", "url", "weight", "split"}))
+        if extra:
+            raise BadValue(where, f"has unknown key(s) {extra}; known: name, url, weight, split")
+        name = text(item.get("name", item["url"]), child(where, "name"))
+        url = text(item["url"], child(where, "url"))
+        weight = number(item["weight"], weight_path, low=0)
+        dataset_split = item.get("split")
+        if dataset_split is not None:
+            dataset_split = text(dataset_split, child(where, "split"))
+        out.append((name, url, weight, dataset_split))
+    return out

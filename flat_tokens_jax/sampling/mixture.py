@@ -1,0 +1,448 @@
+"""Weighted blending of record sources, O(1) per sample from any step.
+
+Weights count records (samples). They are turned into exact per-period counts:
+over a period of ``P`` samples component ``c`` gets ``n_c`` samples, the
+weights times ``P`` rounded by largest remainder. Within a period the samples
+are laid out by ideal time: component ``c``'s ``k``-th sample sits at
+``(k + 1/2) / n_c`` of the period (ties to the lower component index), which
+spreads every component evenly. Global sample ``g`` in period ``p`` at offset
+``r`` is then component ``comp[r]``'s sample ``offset_c + p * n_c + rank[r]``:
+two table lookups of size ``P``, whatever ``g``.
+
+A weight schedule changes the weights at given steps; each component's
+consumption before a change is counted arithmetically (whole periods plus a
+prefix count), so any step is still O(1). Its boundaries are steps: a change
+at step ``s`` takes effect at global sample ``samples_before(s)`` of the
+loader's batch-size schedule (``s * batch_size`` for a constant batch size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from flat_tokens_jax.core.concurrently import at_once
+from flat_tokens_jax.core.values import MAX_SEED, BadValue, boolean, integer, number, sequence
+from flat_tokens_jax.data.bins import make_records
+from flat_tokens_jax.data.dataset import FlatTokens
+from flat_tokens_jax.data.records import Records, check_source, recorded_info
+from flat_tokens_jax.sampling.schedule import BatchSchedule
+from flat_tokens_jax.store.identity import DatasetInfo, check_tokenizers
+
+MAX_DEFAULT_PERIOD = 1 << 20
+# A period's tables take 8 bytes a sample (and its layout a few times more while
+# it is made): 2**24 samples stay well under a gigabyte.
+MAX_PERIOD = 1 << 24
+_MAX_SAMPLE = 2**63 - 1  # Global sample indices are int64.
+
+
+@dataclasses.dataclass(frozen=True)
+class Period:
+    """The layout of one period of ``period`` samples for fixed weights.
+
+    Attributes:
+        counts: ``[K] int64`` samples of each component per period.
+        component: ``[period] int32`` component of each offset in the period.
+        rank: ``[period] int32`` how many samples of that component precede it.
+    """
+
+    counts: np.ndarray
+    component: np.ndarray
+    rank: np.ndarray
+
+    @property
+    def period(self) -> int:
+        return int(self.component.size)
+
+    @classmethod
+    def layout(cls, weights: Sequence[float] | np.ndarray, period: int) -> Period:
+        w = np.asarray(weights, np.float64)
+        # Rounded so that weights meant as exact ratios split as their decimal
+        # values do, whatever the float error: 0.5 and 0.1 over 3 slots are a
+        # tie (2.5 and 0.5), not 2.5 and 0.49999999999999994.
+        share = np.round(_shares(w) * period, 9)
+        counts = np.floor(share).astype(np.int64)
+        short = period - int(counts.sum())
+        if short:  # largest remainder; ties to the lower index
+            order = np.lexsort((np.arange(w.size), -np.round(share - counts, 9)))
+            counts[order[:short]] += 1
+        component = np.repeat(np.arange(w.size, dtype=np.int32), counts)
+        rank = np.concatenate([np.arange(n, dtype=np.int32) for n in counts])
+        when = (2.0 * rank + 1.0) / (2.0 * counts[component])
+        order = np.lexsort((component, when))
+        return cls(counts, component[order], rank[order])
+
+    def consumed(self, num_samples: int) -> np.ndarray:
+        """``[K] int64`` samples each component gets in the first ``num_samples``."""
+        whole, rest = divmod(num_samples, self.period)
+        prefix = np.bincount(self.component[:rest], minlength=self.counts.size)
+        return whole * self.counts + prefix
+
+
+Source = Records | FlatTokens
+# What a Mixture takes: {name: (source, weight)}, [(name, source, weight)] or [(source, weight)].
+Components = Mapping[str, tuple[Source, float]] | Sequence[tuple[Any, ...]]
+
+
+class Mixture:
+    """Blends record sources by weight; each component keeps its own epochs.
+
+    The :class:`~flat_tokens_jax.LoaderConfig` decides what a record is: the
+    ``Loader`` makes each ``FlatTokens`` component's records with the config's
+    ``seq_len`` and ``packing``, and refuses a component of ready-made records
+    that disagrees with it. A Mixture says only which data, named how, in what
+    proportions.
+
+    Examples:
+        >>> import flat_tokens_jax as ftj
+        >>> ftj.write_dataset("memory://doc/web", {"train": [[1, 2, 3]] * 8}, overwrite=True)
+        >>> ftj.write_dataset("memory://doc/code", {"train": [[7, 8]] * 8}, overwrite=True)
+        >>> web = ftj.open_dataset("memory://doc/web")["train"]
+        >>> code = ftj.open_dataset("memory://doc/code")["train"]
+        >>> mix = ftj.Mixture({"web": (web, 3), "code": (code, 1)}, period=4)
+        >>> mix.names
+        ('web', 'code')
+        >>> [mix.names[c] for c in mix.route(np.arange(4), batch_size=4)[0]]
+        ['web', 'web', 'code', 'web']
+
+    Args:
+        components: ``{name: (source, weight)}``, ``[(name, source, weight), ...]``
+            or ``[(source, weight), ...]`` (named ``"0"``, ``"1"``, ...). A source
+            is a ``FlatTokens`` split or view, or a
+            :class:`~flat_tokens_jax.data.records.Records` of the config's ``seq_len``
+            and packing. Weights count records; 0 leaves a component unused.
+        seed: an int in ``[0, 2**64)``, mixed with the loader's seed into each
+            component's shuffle key, so each component reshuffles every one of
+            its own epochs.
+        period: samples per period, an int in ``[1, 2**24]``; ``None``:
+            ``max(1000, 100 / smallest positive weight share)``, at most
+            ``2**20``. Proportions are exact over every whole period.
+        schedule: ``[(step, weights), ...]``: from ``step`` on, use ``weights``
+            (one per component, or ``{name: weight}`` naming every component);
+            steps strictly increasing and > 0. Steps, not samples: with a
+            batch-size schedule a change at step ``s`` starts at the first row
+            of step ``s``, wherever the batch sizes before it put that row.
+        allow_mixed_tokenizers: mix datasets whose recorded tokenizers differ.
+            Datasets that record no tokenizer always mix.
+        seq_len: deprecated: the ``LoaderConfig`` says it. If given, the
+            ``Loader`` refuses a config that says otherwise.
+        packing: deprecated, as ``seq_len``.
+
+    Raises:
+        ValueError: a weight that is not a finite number >= 0 (a bool is not a
+            number), all-zero weights, a positive weight that rounds to no
+            sample per period, a seed, period or schedule step that is not an
+            int in range (a fraction is not rounded), a non-boolean
+            ``allow_mixed_tokenizers``, duplicate names, or components whose
+            datasets record different tokenizers.
+        TypeError: a component that is not a split or records (a ``Dataset``,
+            a URL, a ``Mixture``), with the fix in the message.
+    """
+
+    def __init__(
+        self,
+        components: Components,
+        seed: int = 0,
+        *,
+        period: int | None = None,
+        schedule: Sequence[tuple[int, Sequence[float] | Mapping[str, float]]] = (),
+        allow_mixed_tokenizers: bool = False,
+        seq_len: int | None = None,
+        packing: bool | None = None,
+    ) -> None:
+        named = _named_components(components)
+        self.names: tuple[str, ...] = tuple(n for n, _, _ in named)
+        self.sources: tuple[Source, ...] = tuple(s for _, s, _ in named)
+        if seq_len is not None or packing is not None:
+            warnings.warn(
+                "Mixture(seq_len=..., packing=...) is deprecated: the LoaderConfig decides "
+                "both for every component; leave them out",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        self.seq_len, self.packing = _stated_shape(self.sources, self.names, seq_len, packing)
+        self.seed: int = integer(seed, "Mixture.seed", low=0, high=MAX_SEED)
+        period = integer(period, "Mixture.period", low=1, high=MAX_PERIOD, optional=True)
+        changes = [
+            sequence(change, f"Mixture.schedule[{i}]", "a pair (step, weights)")
+            for i, change in enumerate(sequence(schedule, "Mixture.schedule"))
+        ]
+        for i, change in enumerate(changes):
+            if len(change) != 2:
+                raise BadValue(f"Mixture.schedule[{i}]", f"must be (step, weights), got {change!r}")
+        steps = [0] + [
+            integer(s, f"Mixture.schedule[{i}] step", low=1, high=_MAX_SAMPLE)
+            for i, (s, _) in enumerate(changes)
+        ]
+        if any(b <= a for a, b in itertools.pairwise(steps)):
+            raise ValueError(f"schedule steps must be > 0 and strictly increasing, got {steps[1:]}")
+        weights = [[w for _, _, w in named], *[self._by_name(w, s) for s, w in changes]]
+        self.steps = np.array(steps, np.int64)
+        self.weights = [
+            _check_weights(w, self.names, s) for s, w in zip(steps, weights, strict=True)
+        ]
+        self.periods = [Period.layout(w, period or _default_period(w)) for w in self.weights]
+        for s, w, p in zip(steps, self.weights, self.periods, strict=True):
+            lost = [i for i, x in enumerate(w) if x > 0 and p.counts[i] == 0]
+            if lost:
+                smallest = float(_shares(w)[lost].min())  # 0 where it underflows
+                need = 1 / smallest if smallest > 0 else math.inf
+                fix = (
+                    f"pass a period of at least {math.ceil(need)}"
+                    if need <= MAX_PERIOD
+                    else f"raise their weights (a period holds at most {MAX_PERIOD} samples)"
+                )
+                raise ValueError(
+                    f"weights from step {s}: component(s) {[self.names[i] for i in lost]} get "
+                    f"no sample in a period of {p.period}: {fix}, or set their weights to 0"
+                )
+        self.allow_mixed_tokenizers = boolean(
+            allow_mixed_tokenizers, "Mixture.allow_mixed_tokenizers"
+        )
+        check_tokenizers(
+            [(repr(n), self.info(i)) for i, n in enumerate(self.names)],
+            allow_mixed=self.allow_mixed_tokenizers,
+            fix="pass Mixture(..., allow_mixed_tokenizers=True)",
+        )
+        self._offsets: dict[BatchSchedule, tuple[np.ndarray, np.ndarray]] = {}
+
+    def info(self, component: int) -> DatasetInfo | None:
+        """What made component ``component``'s dataset, ``None`` if it records nothing."""
+        src = self.sources[component]
+        return src.info if isinstance(src, FlatTokens) else recorded_info(src)
+
+    @property
+    def components(self) -> tuple[Source, ...]:
+        """The sources, in order (the same as :attr:`sources`)."""
+        return self.sources
+
+    def _by_name(self, weights: Sequence[float] | Mapping[str, float], step: int) -> list[Any]:
+        if not isinstance(weights, Mapping):
+            return list(sequence(weights, f"weights from step {step}", "a list of numbers"))
+        unknown = sorted(set(weights) - set(self.names))
+        missing = [n for n in self.names if n not in weights]
+        if unknown or missing:
+            raise ValueError(
+                f"weights from step {step} must name every component {list(self.names)}: "
+                f"unknown {unknown}, missing {missing}"
+            )
+        return [weights[n] for n in self.names]
+
+    def __repr__(self) -> str:
+        parts = ", ".join(
+            f"{n!r}: ({s!r}, {w:g})"
+            for n, s, w in zip(self.names, self.sources, self.weights[0], strict=True)
+        )
+        return f"Mixture({{{parts}}}, seed={self.seed}, period={self.periods[0].period})"
+
+    def records(
+        self,
+        seq_len: int,
+        packing: bool | str,
+        plan_cache: str | os.PathLike[str] | None = None,
+        max_segments: int | None = None,
+    ) -> tuple[Records, ...]:
+        """Each component's records for a config of ``seq_len`` and ``packing``.
+
+        ``plan_cache`` is where packing plans of ``packing="bins"`` are cached
+        (``None``: built, not cached); ``max_segments`` caps the runs per bin.
+
+        Raises:
+            ValueError: the Mixture was given another ``seq_len`` or packing, or
+                a component of records is of another ``seq_len`` or packing.
+        """
+        stated = {"seq_len": self.seq_len, "packing": self.packing}
+        config = {"seq_len": seq_len, "packing": packing}
+        wrong = [k for k in stated if stated[k] is not None and stated[k] != config[k]]
+        if wrong:
+            said = " and ".join(f"{k} {stated[k]!r}" for k in wrong)
+            asked = " and ".join(f"{k} {config[k]!r}" for k in wrong)
+            raise ValueError(
+                f"the Mixture says {said} but the LoaderConfig says {asked}: the "
+                "LoaderConfig decides; drop seq_len/packing from the Mixture"
+            )
+
+        def component(name: str, src: Source) -> Records:
+            if isinstance(src, FlatTokens):
+                return make_records(src, seq_len, packing, plan_cache, max_segments)
+            if src.seq_len != seq_len or src.packed != packing:
+                raise ValueError(
+                    f"component {name!r} is {src!r} with seq_len {src.seq_len} and packing "
+                    f"{src.packed}, but the LoaderConfig says seq_len {seq_len} and packing "
+                    f"{packing}: pass the FlatTokens split and let the config make its records"
+                )
+            return src
+
+        # Records that read (bounds, packing plans) do so at once.
+        calls = [
+            functools.partial(component, n, s)
+            for n, s in zip(self.names, self.sources, strict=True)
+        ]
+        return tuple(at_once(calls))
+
+    def _segments(self, batch_size: BatchSchedule) -> tuple[np.ndarray, np.ndarray]:
+        """``[segments] int64`` first global sample of each weight segment that
+        int64 samples reach, and ``[segments, K]`` samples of each component
+        drawn before it."""
+        if batch_size not in self._offsets:
+            starts = [batch_size.samples_before(int(s)) for s in self.steps]
+            starts = [s for s in starts if s <= _MAX_SAMPLE]
+            offsets = np.zeros((len(starts), len(self.components)), np.int64)
+            for j in range(1, len(starts)):
+                drawn = self.periods[j - 1].consumed(starts[j] - starts[j - 1])
+                offsets[j] = offsets[j - 1] + drawn
+            self._offsets[batch_size] = (np.array(starts, np.int64), offsets)
+        return self._offsets[batch_size]
+
+    def route(
+        self, samples: np.ndarray, batch_size: int | BatchSchedule
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Maps global samples to ``(component [k] int64, component sample [k] int64)``.
+
+        ``batch_size`` (an int or a :class:`~flat_tokens_jax.sampling.schedule.BatchSchedule`)
+        turns the weight schedule's steps into samples.
+        """
+        g = np.asarray(samples, np.int64)
+        starts, offsets = self._segments(BatchSchedule.of(batch_size))
+        segment = np.searchsorted(starts, g, side="right") - 1
+        comp = np.empty(g.shape, np.int64)
+        sample = np.empty(g.shape, np.int64)
+        for j in np.unique(segment).tolist():
+            here = segment == j
+            p = self.periods[j]
+            whole, rest = np.divmod(g[here] - starts[j], p.period)
+            c = p.component[rest].astype(np.int64)
+            comp[here] = c
+            sample[here] = offsets[j, c] + whole * p.counts[c] + p.rank[rest]
+        return comp, sample
+
+    def fingerprint(self, records: Sequence[Records]) -> dict[str, Any]:
+        """The components' names and data (their ``records``) and the blending."""
+        found = at_once([r.fingerprint for r in records])  # their reads at once
+        return {
+            "components": [{"name": n, **f} for n, f in zip(self.names, found, strict=True)],
+            "weights": [list(map(float, w)) for w in self.weights],
+            "steps": self.steps.tolist(),
+            "periods": [p.period for p in self.periods],
+            "seed": self.seed,
+        }
+
+
+def _named_components(components: Components) -> list[tuple[str, Source, float]]:
+    """``(name, source, weight)`` of each component, checked."""
+    if isinstance(components, Mixture):
+        raise TypeError(_NESTED)
+    if isinstance(components, Mapping):
+        entries = []
+        for name, value in components.items():
+            if not isinstance(value, tuple | list) or len(value) != 2:
+                raise TypeError(
+                    f"component {name!r}: expected (source, weight), got {type(value).__name__}"
+                )
+            entries.append((name, *value))
+    elif isinstance(components, Sequence) and not isinstance(components, str):
+        entries = [_entry(c, i) for i, c in enumerate(components)]
+    else:
+        raise TypeError(
+            "Mixture components must be {name: (source, weight)}, [(name, source, weight)] "
+            f"or [(source, weight)], got {type(components).__name__}"
+        )
+    if not entries:
+        raise ValueError("a Mixture needs at least one component")
+    names = [name for name, _, _ in entries]
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"component names must be non-empty strings, got {name!r}")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"component names must be unique, {twice} appear more than once")
+    for name, source, _ in entries:
+        _check_source(name, source)
+    return entries
+
+
+def _entry(component: Any, index: int) -> tuple[Any, Any, Any]:
+    if not isinstance(component, tuple | list) or len(component) not in (2, 3):
+        raise TypeError(
+            f"component {index}: expected (source, weight) or (name, source, weight), "
+            f"got {component!r}"
+        )
+    if len(component) == 2:
+        return (str(index), *component)
+    return tuple(component)
+
+
+_NESTED = (
+    "a Mixture cannot hold a Mixture: list the inner Mixture's components in the outer "
+    "one, each with its weight times the inner Mixture's share"
+)
+
+
+def _check_source(name: str, source: Any) -> None:
+    """Refuses what is not a split or records, naming the fix."""
+    if isinstance(source, Mixture):
+        raise TypeError(f"component {name!r}: {_NESTED}")
+    check_source(source, f"component {name!r}")
+
+
+def _stated_shape(
+    sources: Sequence[Source], names: Sequence[str], seq_len: int | None, packing: bool | None
+) -> tuple[int | None, bool | None]:
+    """The ``seq_len`` and packing the Mixture itself fixes: given, or its records'."""
+    records = {n: s for n, s in zip(names, sources, strict=True) if not isinstance(s, FlatTokens)}
+    stated: dict[str, Any] = {"seq_len": seq_len, "packing": packing}
+    for what, attr in (("seq_len", "seq_len"), ("packing", "packed")):
+        found = {n: getattr(r, attr) for n, r in records.items()}
+        given = stated[what]
+        values = set(found.values()) | ({given} if given is not None else set())
+        if len(values) > 1:
+            listed = ", ".join(f"{n!r}: {v!r}" for n, v in found.items())
+            extra = "" if given is None else f" (and {what}={given!r} given)"
+            raise ValueError(f"the components' records disagree on {what}: {listed}{extra}")
+        if given is None and values:
+            stated[what] = values.pop()
+    return stated["seq_len"], stated["packing"]
+
+
+def _check_weights(weights: Sequence[Any], names: Sequence[str], step: int) -> np.ndarray:
+    """``[K] float64`` weights, each a finite number >= 0, at least one above 0."""
+    where = "weights" if step == 0 else f"weights from step {step}"
+    if len(weights) != len(names):
+        raise ValueError(
+            f"{where}: expected {len(names)} weights, one per component, got {len(weights)}"
+        )
+    w = np.array(
+        [
+            number(
+                x, f"Mixture weight of {n!r}" + ("" if step == 0 else f" from step {step}"), low=0
+            )
+            for n, x in zip(names, weights, strict=True)
+        ],
+        np.float64,
+    )
+    if not (w > 0).any():
+        raise ValueError(f"{where} are all zero: at least one component needs weight > 0")
+    return w
+
+
+def _default_period(weights: np.ndarray) -> int:
+    shares = _shares(weights)
+    smallest = float(shares[shares > 0].min())
+    if smallest * MAX_DEFAULT_PERIOD <= 100:
+        return MAX_DEFAULT_PERIOD
+    return max(1000, math.ceil(100 / smallest))
+
+
+def _shares(weights: np.ndarray) -> np.ndarray:
+    """``weights`` as fractions of their sum, for any finite weights (1e308 and
+    1e-320 too): scaled by the largest first, so the sum cannot overflow."""
+    scaled = weights / weights.max()
+    return scaled / scaled.sum()

@@ -1,0 +1,144 @@
+"""Which record each row of a step reads: ``StepSamples``.
+
+Global sample ``g = samples_before(step) + row`` (see
+:mod:`~flat_tokens_jax.sampling.schedule`) goes through the mixture, when there is one,
+to a component and its own sample index, and through that component's
+stateless sampler to a record. A sampler call costs about the same for 256
+samples as for 2,048 (it is a few dozen numpy passes over small arrays), so
+steps asked for in order take their records from one call for several steps.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from flat_tokens_jax.sampling.mixture import Mixture
+from flat_tokens_jax.sampling.sampling import IndexSampler
+from flat_tokens_jax.sampling.schedule import BatchSchedule
+
+MAX_SAMPLE = 2**63 - 1  # Global sample indices are int64.
+# Steps whose records one sampler call finds when steps are asked for in order.
+LOOKUP_AHEAD = 8
+
+
+class StepSamples:
+    """The records of a run's steps. Thread-safe.
+
+    Args:
+        samplers: one per component (one without a mixture).
+        mixture: the blend of the components, or ``None``.
+        schedule: the batch size of each step.
+        rows_at: the global rows this host reads at a step, ``[k] int64``.
+        num_epochs: the run's epochs (for messages), ``None`` when unbounded.
+    """
+
+    def __init__(
+        self,
+        samplers: Sequence[IndexSampler],
+        mixture: Mixture | None,
+        schedule: BatchSchedule,
+        rows_at: Callable[[int], np.ndarray],
+        num_epochs: int | None,
+    ) -> None:
+        self.samplers, self.mixture, self.schedule = samplers, mixture, schedule
+        self.rows_at, self.num_epochs = rows_at, num_epochs
+        # Records of the steps after the last one found in order: see `records`.
+        self._kept: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._last: int | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def num_batches(self) -> int | None:
+        """Steps in the run (``None`` when ``num_epochs`` is ``None``)."""
+        total = self.samplers[0].num_samples
+        return None if total is None else self.schedule.steps_to_cover(total)
+
+    def samples(self, step: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Global sample index ``[k] int64`` of ``rows`` at ``step`` and which are real.
+
+        Raises:
+            ValueError: ``step`` is not a non-negative int, or its samples pass
+                the largest index (the message names the last step).
+            IndexError: ``step`` is past the end of the run.
+        """
+        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        step = int(step)
+        first = self.schedule.samples_before(step)
+        last = self.schedule.samples_before(step + 1) - 1
+        if last > MAX_SAMPLE:
+            final = self.schedule.step_of(MAX_SAMPLE)
+            if self.schedule.samples_before(final + 1) - 1 > MAX_SAMPLE:
+                final -= 1
+            raise ValueError(
+                f"step {step} is too large: its samples reach index {last}, past the "
+                f"largest sample index 2**63 - 1; with batch_size {self.schedule} "
+                f"the last step is {final}"
+            )
+        end = self.num_batches
+        if end is not None and step >= end:
+            raise IndexError(
+                f"step {step} is past the end: this run has {end} "
+                f"steps ({self.num_epochs} epoch(s) of "
+                f"{self.samplers[0].num_records} records)"
+            )
+        g = np.int64(first) + rows
+        total = self.samplers[0].num_samples
+        return g, (np.ones(g.shape, bool) if total is None else g < total)
+
+    def lookup(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(component, record, epoch)`` ``[k] int64`` of global samples ``g``."""
+        if self.mixture is None:
+            zeros = np.zeros(g.shape, np.int64)
+            return zeros, self.samplers[0].records(g), self.samplers[0].epochs(g)
+        comp, sample = self.mixture.route(g, self.schedule)
+        record, epoch = np.empty_like(sample), np.empty_like(sample)
+        for c in np.unique(comp).tolist():
+            here = comp == c
+            record[here] = self.samplers[c].records(sample[here])
+            epoch[here] = self.samplers[c].epochs(sample[here])
+        return comp, record, epoch
+
+    def records(
+        self, step: int, rows: np.ndarray, ahead: int = 0
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(component, record)`` ``[k] int64`` of the real rows among ``rows``
+        (this host's rows at ``step``), and which rows are real (``[k] bool``).
+
+        With ``ahead > 0``, or when ``step`` follows the last step asked for,
+        the records of the next steps (``ahead``, at least ``LOOKUP_AHEAD``)
+        come from the same sampler call and are kept for them.
+        """
+        g, real = self.samples(step, rows)
+        with self._lock:
+            hit = self._kept.pop(step, None)
+            if hit is None and self._last is not None and step == self._last + 1:
+                ahead = max(ahead, LOOKUP_AHEAD)
+            self._last = step
+        if hit is not None:
+            return (*hit, real)
+        if not ahead:
+            comp, records, _ = self.lookup(g[real])
+            return comp, records, real
+        later = self._steps_after(step, ahead)
+        samples = [g[real]]
+        for s in later:
+            g_s, real_s = self.samples(s, self.rows_at(s))
+            samples.append(g_s[real_s])
+        comp, records, _ = self.lookup(np.concatenate(samples))
+        cuts = np.cumsum([x.size for x in samples])[:-1]
+        found = list(zip(np.split(comp, cuts), np.split(records, cuts), strict=True))
+        with self._lock:
+            self._kept = dict(zip(later, found[1:], strict=True))
+        return (*found[0], real)
+
+    def _steps_after(self, step: int, count: int) -> list[int]:
+        """Up to ``count`` steps after ``step``, before the run's end and the
+        largest sample index."""
+        end = self.num_batches
+        stop = step + 1 + count if end is None else min(step + 1 + count, end)
+        last = self.schedule.step_of(MAX_SAMPLE) - 1
+        return list(range(step + 1, min(stop, last + 1)))

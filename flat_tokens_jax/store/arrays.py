@@ -1,0 +1,282 @@
+"""Readers of 1-D arrays: tensorstore (memory-mapped local shards first), or zarr-python."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+import numpy as np
+import tensorstore as ts
+
+from flat_tokens_jax.core.buffers import Buffers
+from flat_tokens_jax.store.localshards import LocalShards
+from flat_tokens_jax.store.options import StoreOptions, wait
+
+if TYPE_CHECKING:
+    import zarr
+
+
+class ByteCounter:
+    """Bytes read so far, counted from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.value = 0
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.value += n
+
+
+class Known(NamedTuple):
+    """Whole chunks read already (by an integrity check), to serve ranges from.
+
+    Attributes:
+        chunk: elements per chunk.
+        values: chunk number to its elements (``[chunk]``, fewer in the last).
+    """
+
+    chunk: int
+    values: Mapping[int, np.ndarray]
+
+    def slice(self, start: int, stop: int) -> np.ndarray | None:
+        """Elements ``[start, stop)`` (non-empty) from the known chunks, or ``None``
+        when a chunk they touch is not known."""
+        chunk = self.chunk
+        parts = []
+        for c in range(start // chunk, (stop - 1) // chunk + 1):
+            found = self.values.get(c)
+            if found is None:
+                return None
+            base = c * chunk
+            parts.append(found[max(start, base) - base : min(stop, base + chunk) - base])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+class Pending(Protocol):
+    """Reads in flight."""
+
+    def result(self) -> list[np.ndarray]:
+        """Each range's elements, in order."""
+        ...
+
+    def rows(self, width: int, dtype: Any, right: bool = False) -> np.ndarray:
+        """The ranges as the rows of a ``[k, width]`` array of ``dtype``, zero-filled
+        past each range (or before it, ``right=True``); ranges hold at most ``width``."""
+        ...
+
+
+def stack_rows(pieces: list[np.ndarray], width: int, dtype: Any, right: bool = False) -> np.ndarray:
+    """Stacks ranges of at most ``width`` elements into ``[k, width]``, zero-filled."""
+    if pieces and all(piece.size == width for piece in pieces):  # one copy, in C
+        return np.concatenate(pieces).astype(dtype, copy=False).reshape(len(pieces), width)
+    out = np.zeros((len(pieces), width), dtype)
+    for row, piece in enumerate(pieces):
+        if right:
+            out[row, width - piece.size :] = piece
+        else:
+            out[row, : piece.size] = piece
+    return out
+
+
+class _Stacked:
+    """``rows`` from ``result``."""
+
+    def result(self) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def rows(self, width: int, dtype: Any, right: bool = False) -> np.ndarray:
+        return stack_rows(self.result(), width, dtype, right)
+
+
+class _Futures(_Stacked):
+    """Values read already, and tensorstore futures."""
+
+    def __init__(self, futures: list[Any], url: str, options: StoreOptions) -> None:
+        self.futures, self.url, self.options = futures, url, options
+
+    def result(self) -> list[np.ndarray]:
+        return [
+            f if isinstance(f, np.ndarray) else wait(f, self.url, self.options)
+            for f in self.futures
+        ]
+
+
+class _Done(_Stacked):
+    def __init__(self, values: list[np.ndarray]) -> None:
+        self.values = values
+
+    def result(self) -> list[np.ndarray]:
+        return self.values
+
+
+class _LocalRanges(_Stacked):
+    """Ranges of an array with memory-mapped local shards, copied when asked for.
+
+    ``rows`` copies each range straight into one reused buffer (see
+    :mod:`~flat_tokens_jax.core.buffers`); a range the shards cannot serve (across
+    shards, a shard not plain, a chunk failing its checksum) sends the whole
+    request through :meth:`TensorStoreArray.per_range`.
+    """
+
+    def __init__(
+        self, array: TensorStoreArray, local: LocalShards, starts: np.ndarray, stops: np.ndarray
+    ) -> None:
+        self.array, self.local, self.starts, self.stops = array, local, starts, stops
+
+    def result(self) -> list[np.ndarray]:
+        return self.array.per_range(self.starts, self.stops).result()
+
+    def rows(self, width: int, dtype: Any, right: bool = False) -> np.ndarray:
+        if np.dtype(dtype) != self.array.dtype:
+            return super().rows(width, dtype, right)
+        out = self.array.buffers.array((self.starts.size, width), dtype)
+        if (self.stops - self.starts != width).any():
+            out.fill(0)
+        if self.local.copy_rows(self.starts, self.stops, out, right):
+            return out
+        return super().rows(width, dtype, right)
+
+
+class ArrayReader(Protocol):
+    """A 1-D array that reads many ranges at once. Thread-safe."""
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def dtype(self) -> np.dtype[Any]: ...
+
+    @property
+    def bytes_read(self) -> ByteCounter:
+        """Bytes of elements requested so far through this reader."""
+        ...
+
+    def request_ranges(
+        self, starts: np.ndarray, stops: np.ndarray, known: Known | None = None
+    ) -> Pending:
+        """Requests elements ``[starts[i], stops[i])`` for every i; wait with ``.result()``.
+        A reader may serve ranges from ``known`` chunks instead of reading them."""
+        ...
+
+    def read_ranges(self, starts: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
+        """``request_ranges(starts, stops).result()``."""
+        ...
+
+    def read_points(self, indices: np.ndarray) -> np.ndarray:
+        """Elements at ``indices`` (``[k]``) in one request."""
+        ...
+
+    def stored_crc32c(self, chunks: np.ndarray, chunk: int) -> np.ndarray | None:
+        """The crc32c each of ``chunks`` (``[k] int64``, sorted, unique; of ``chunk``
+        elements) is stored with, ``[k] uint32``, where the reader has them at
+        hand, verified; else ``None``."""
+        ...
+
+
+class _Reader:
+    """What every :class:`ArrayReader` shares: byte counting and sync reads."""
+
+    dtype: np.dtype[Any]
+
+    def __init__(self, size: int, dtype: np.dtype[Any]) -> None:
+        self.size, self.dtype = size, dtype
+        self.bytes_read = ByteCounter()
+
+    def _count(self, elements: int) -> None:
+        self.bytes_read.add(elements * self.dtype.itemsize)
+
+    def request_ranges(
+        self, starts: np.ndarray, stops: np.ndarray, known: Known | None = None
+    ) -> Pending:
+        raise NotImplementedError
+
+    def read_ranges(self, starts: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
+        return self.request_ranges(starts, stops).result()
+
+    def stored_crc32c(self, chunks: np.ndarray, chunk: int) -> np.ndarray | None:
+        return None
+
+
+class TensorStoreArray(_Reader):
+    """An :class:`ArrayReader` over a tensorstore handle."""
+
+    def __init__(
+        self,
+        store: ts.TensorStore,
+        local: LocalShards | None = None,
+        url: str = "",
+        options: StoreOptions | None = None,
+    ) -> None:
+        super().__init__(int(store.shape[0]), np.dtype(store.dtype.numpy_dtype))
+        self.store = store
+        self.local = local
+        self.buffers = Buffers()
+        self.url, self.options = url, options or StoreOptions()
+
+    def request_ranges(
+        self, starts: np.ndarray, stops: np.ndarray, known: Known | None = None
+    ) -> Pending:
+        """Memory-mapped shards copy ranges without ``known``; tensorstore reads
+        only the ranges ``known`` cannot serve."""
+        self._count(int(np.sum(stops - starts)))
+        if self.local is None:
+            return self.per_range(starts, stops, known)
+        return _LocalRanges(self, self.local, starts, stops)
+
+    def per_range(
+        self, starts: np.ndarray, stops: np.ndarray, known: Known | None = None
+    ) -> Pending:
+        """Each range from the memory-mapped shards, or through tensorstore where
+        they cannot serve it (which then fails naming a corrupt shard); without
+        memory-mapped shards, from ``known`` chunks where they serve it."""
+        pairs = list(zip(starts.tolist(), stops.tolist(), strict=True))
+        if self.local is None:
+            served = [None if known is None or b <= a else known.slice(a, b) for a, b in pairs]
+        else:
+            served = [self.local.read(a, b) for a, b in pairs]
+        # One batch: tensorstore reads each chunk that ranges share once, and
+        # the chunks of one shard in as few requests as their byte ranges allow.
+        with ts.Batch() as batch:
+            out = [
+                self.store[a:b].read(batch=batch) if value is None else value
+                for (a, b), value in zip(pairs, served, strict=True)
+            ]
+        return _Futures(out, self.url, self.options)
+
+    def stored_crc32c(self, chunks: np.ndarray, chunk: int) -> np.ndarray | None:
+        """From the memory-mapped shards' chunk checksums (see :class:`LocalShards`)."""
+        return None if self.local is None else self.local.stored_crc32c(chunks, chunk)
+
+    def read_points(self, indices: np.ndarray) -> np.ndarray:
+        idx = np.asarray(indices, np.int64)
+        self._count(idx.size)
+        if idx.size == 0:
+            return np.zeros(0, self.dtype)
+        value = None if self.local is None else self.local.read_points(idx)
+        if value is None:
+            value = np.asarray(wait(self.store.vindex[idx].read(), self.url, self.options))
+        return value
+
+
+class ZarrPythonArray(_Reader):
+    """An :class:`ArrayReader` over a zarr-python array (synchronous reads)."""
+
+    def __init__(self, array: zarr.Array) -> None:
+        super().__init__(int(array.shape[0]), np.dtype(array.dtype))
+        self.array = array
+
+    def request_ranges(
+        self, starts: np.ndarray, stops: np.ndarray, known: Known | None = None
+    ) -> Pending:
+        self._count(int(np.sum(stops - starts)))
+        pairs = zip(starts.tolist(), stops.tolist(), strict=True)
+        return _Done([np.asarray(self.array[a:b]) for a, b in pairs])
+
+    def read_points(self, indices: np.ndarray) -> np.ndarray:
+        idx = np.asarray(indices, np.int64)
+        self._count(idx.size)
+        if idx.size == 0:
+            return np.zeros(0, self.dtype)
+        return np.asarray(self.array.get_coordinate_selection(idx))

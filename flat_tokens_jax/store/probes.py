@@ -1,0 +1,205 @@
+"""Shard probes: the recorded identity of every shard file, checked on first read.
+
+A checksum inside a shard (crc32c, ``Layout.checksum``) proves that its bytes
+are the ones written into that file; it cannot tell that a valid shard of
+another split or dataset was copied or linked in its place. So our writers
+record, in each array's attributes (``shard_probes``), a probe of every shard
+file (every chunk file in zarr v2): the CRC-32 of its first :data:`PROBE`
+values (all of them in a smaller shard). A reader checks a shard's probe the
+first time a read touches it (one small read per shard, once per process) and
+raises :class:`~flat_tokens_jax.core.format.FormatError` naming the array and the
+shard if it differs; ``validate`` checks every probe. Arrays without the
+attribute (older stores, other writers) are read without this check.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from flat_tokens_jax.core.format import FormatError
+from flat_tokens_jax.store.arrays import Pending, stack_rows
+from flat_tokens_jax.store.localshards import touched
+
+ATTRIBUTE = "shard_probes"
+PROBE = 1024  # values per probe: the start of each shard's first inner chunk
+
+ReadRanges = Callable[[np.ndarray, np.ndarray], Sequence[np.ndarray]]
+RequestRanges = Callable[[np.ndarray, np.ndarray], Pending]
+
+
+def _checked() -> None:
+    """The check of shards checked already."""
+
+
+class _Read:
+    """Values read already, as a :class:`~flat_tokens_jax.store.arrays.Pending`."""
+
+    def __init__(self, values: Sequence[np.ndarray]) -> None:
+        self.values = list(values)
+
+    def result(self) -> list[np.ndarray]:
+        return self.values
+
+    def rows(self, width: int, dtype: Any, right: bool = False) -> np.ndarray:
+        return stack_rows(self.values, width, dtype, right)
+
+
+def digest(values: np.ndarray) -> int:
+    """CRC-32 of ``values`` as little-endian bytes of their dtype."""
+    little = np.ascontiguousarray(values, dtype=values.dtype.newbyteorder("<"))
+    return zlib.crc32(little.tobytes())
+
+
+def probe_ranges(size: int, shard: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(starts, stops)`` ``[num_shards] int64`` of the probe of each shard."""
+    starts = np.arange(0, size, shard, dtype=np.int64)
+    return starts, np.minimum(starts + min(PROBE, shard), size)
+
+
+def record(read: ReadRanges, size: int, shard: int) -> dict[str, Any]:
+    """The ``shard_probes`` attribute of an array of ``size`` elements in shards
+    of ``shard``, whose values ``read`` returns (one batched read)."""
+    values = read(*probe_ranges(size, shard))
+    return {"shard": shard, "values": PROBE, "crc32": [digest(v) for v in values]}
+
+
+class ShardProbes:
+    """The recorded probes of one array, and which shards this process checked.
+
+    Thread-safe: concurrent reads may check the same shard; it is read once.
+    """
+
+    def __init__(self, where: str, size: int, shard: int, crcs: Sequence[int]) -> None:
+        self.where, self.size, self.shard = where, size, shard
+        self.crcs = np.asarray(crcs, np.int64)
+        self.checked = np.zeros(self.crcs.size, bool)
+        self.bytes_read = 0  # by the checks, over all views that share these probes
+        self._lock = threading.Lock()
+        self._checking: dict[int, threading.Event] = {}  # shard: set once its check ends
+
+    @classmethod
+    def of(cls, attributes: Mapping[str, Any], where: str, size: int) -> ShardProbes | None:
+        """The probes recorded in an array's ``attributes``; ``None`` when there are none.
+
+        Raises:
+            FormatError: a malformed attribute, or one whose count of probes does
+                not fit the array's size.
+        """
+        found = attributes.get(ATTRIBUTE)
+        if found is None:
+            return None
+        ok = (
+            isinstance(found, Mapping)
+            and isinstance(found.get("shard"), int)
+            and found["shard"] >= 1
+            and found.get("values") == PROBE
+            and isinstance(found.get("crc32"), list)
+            and all(isinstance(c, int) and 0 <= c < 2**32 for c in found["crc32"])
+        )
+        if not ok:
+            raise FormatError(f"{where}: attribute {ATTRIBUTE!r} is malformed: {found!r}")
+        expected = -(-size // found["shard"])
+        if len(found["crc32"]) != expected:
+            raise FormatError(
+                f"{where}: attribute {ATTRIBUTE!r} has {len(found['crc32'])} probes, expected "
+                f"{expected} (one per shard of {found['shard']} of {size} values)"
+            )
+        return cls(where, size, found["shard"], found["crc32"])
+
+    def unchecked(self, starts: np.ndarray, stops: np.ndarray) -> bool:
+        """Whether ranges ``[starts, stops)`` (within the array) touch a shard not checked yet."""
+        return not self.checked[touched(starts, stops, self.shard)].all()
+
+    def start_check(
+        self, request: RequestRanges, starts: np.ndarray, stops: np.ndarray
+    ) -> Callable[[], None]:
+        """Starts reading, with ``request`` (which returns before the values
+        arrive), the probe of every shard that ranges ``[starts, stops)`` touch
+        and that no read has checked or is checking; returns the call that
+        waits for them and checks them (it must be called, once), so that a
+        read's other checks go out in the same round trips.
+
+        Raises (the returned call):
+            FormatError: a shard whose first values are not those recorded.
+        """
+        shards = touched(starts, stops, self.shard)
+        if self.checked[shards].all():
+            return _checked
+        with self._lock:
+            todo = np.unique(shards)
+            todo = todo[~self.checked[todo]]
+            busy = np.array([s in self._checking for s in todo.tolist()], bool)
+            theirs = {self._checking[s] for s in todo[busy].tolist()}
+            mine = todo[~busy]
+            done = threading.Event()
+            for s in mine.tolist():
+                self._checking[s] = done
+        try:
+            pending = request(*self._ranges(mine)) if mine.size else None
+        except BaseException:
+            self._release(mine, done)
+            raise
+
+        def finish() -> None:
+            try:
+                if pending is not None:
+                    bad = self._compare(mine, pending.result())
+                    if bad:
+                        raise FormatError(f"{self.where}: {bad[0]}")
+                    self.checked[mine] = True
+            finally:
+                self._release(mine, done)
+            for event in theirs:
+                event.wait()
+            failed = todo[busy][~self.checked[todo[busy]]]
+            if failed.size:  # another read found it bad: read it here, for the message
+                bad = self._compare(failed, request(*self._ranges(failed)).result())
+                raise FormatError(f"{self.where}: {bad[0]}")
+
+        return finish
+
+    def _release(self, shards: np.ndarray, done: threading.Event) -> None:
+        with self._lock:
+            for s in shards.tolist():
+                del self._checking[s]
+        done.set()
+
+    def check(self, read: ReadRanges, starts: np.ndarray, stops: np.ndarray) -> None:
+        """:meth:`start_check` with ``read``, which returns the values it reads.
+
+        Raises:
+            FormatError: a shard whose first values are not those recorded.
+        """
+        self.start_check(lambda lo, hi: _Read(read(lo, hi)), starts, stops)()
+
+    def verify_all(self, read: ReadRanges) -> list[str]:
+        """Reads every shard's probe; a message for each that differs (for ``validate``)."""
+        return self._mismatches(read, np.arange(self.crcs.size, dtype=np.int64))
+
+    def _ranges(self, shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(starts, stops)`` of the probes of ``shards``."""
+        lo = shards * self.shard
+        return lo, np.minimum(lo + min(PROBE, self.shard), self.size)
+
+    def _mismatches(self, read: ReadRanges, shards: np.ndarray) -> list[str]:
+        if not shards.size:
+            return []
+        return self._compare(shards, read(*self._ranges(shards)))
+
+    def _compare(self, shards: np.ndarray, values: Sequence[np.ndarray]) -> list[str]:
+        """A message for each of ``shards`` whose probe ``values`` differ from the recorded."""
+        size = min(PROBE, self.shard)
+        with self._lock:
+            self.bytes_read += sum(v.nbytes for v in values)
+        return [
+            f"shard {s} (values [{s * self.shard}, {min((s + 1) * self.shard, self.size)})) "
+            f"is not the one written here: its first {size} values differ from the recorded "
+            "probe (a shard of another split or dataset copied or linked in its place?)"
+            for s, v in zip(shards.tolist(), values, strict=True)
+            if digest(v) != self.crcs[s]
+        ]

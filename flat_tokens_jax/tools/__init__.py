@@ -1,0 +1,1 @@
+"""What the ``flat-tokens`` command shows: ``show`` and ``phaseshow``."""

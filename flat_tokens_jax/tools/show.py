@@ -1,0 +1,499 @@
+"""What a run fed its model at a step: the run rebuilt from its config, and rows as text.
+
+``flat-tokens show`` rebuilds a run from what its user already has: a YAML
+config (``loader`` and ``data`` sections), a saved :meth:`Loader.state`, or a
+dataset URL, with any :class:`LoaderConfig` field given on top. The rows it
+prints are :meth:`Loader.host_batch` and :meth:`Loader.provenance` of that
+loader, so they are exactly what the run saw. :func:`row_text` renders one row
+as text with its segments, untrained tokens and padding marked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from flat_tokens_jax.core.limits import ROW_BYTES_PER_TOKEN, check_memory, memory_bytes
+from flat_tokens_jax.core.values import BadValue
+from flat_tokens_jax.data.dataset import FlatTokens, open_dataset
+from flat_tokens_jax.loader.config import LoaderConfig
+from flat_tokens_jax.loader.loader import Loader
+from flat_tokens_jax.loader.resume import check_resume
+from flat_tokens_jax.sampling.mixconfig import mixture_from_config
+from flat_tokens_jax.sampling.mixture import Mixture
+from flat_tokens_jax.sampling.schedule import BatchSchedule
+from flat_tokens_jax.store.options import StoreOptions
+
+FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+UNTRAINED = ("⟦", "⟧")  # around tokens whose loss_mask is 0
+ROW_BYTES = 1024  # per row of a step, besides its tokens: sample indices, provenance
+PRINTED_BYTES_PER_TOKEN = 200  # a printed row's five fields as Python lists, then text
+
+
+def read_state(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A saved :meth:`Loader.state` from a JSON file, its shape checked (a
+    :meth:`PhasedLoader.state`'s phases are checked as they are rebuilt).
+
+    Raises:
+        ValueError: the file is not JSON or not a loader state; the message
+            names the file and the field (``sources[0].split``).
+    """
+    where = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--state {where}: not JSON ({e})") from None
+    except RecursionError:
+        why = "nested too deeply to be a loader state"
+        raise ValueError(f"--state {where}: not JSON ({why})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--state {where}: not UTF-8 text ({e.reason})") from None
+    try:
+        if not (isinstance(state, Mapping) and "phases" in state):  # phases: checked each
+            check_state(state)
+    except ValueError as e:
+        raise ValueError(f"--state {where}: {e}") from None
+    return state
+
+
+def check_state(state: Any) -> None:
+    """Refuses a saved state whose fingerprint or ``sources`` ``show`` cannot
+    read, naming the field and what it should hold.
+
+    Raises:
+        ValueError: one line, e.g. ``sources[0].split: missing; expected the
+            split's name (a string), as loader.state() saves it``.
+    """
+    if not isinstance(state, Mapping):
+        raise ValueError(f"expected the mapping loader.state() saves, got {_kind(state)}")
+    _field(state, "step", int, "", "the next step (an int >= 0)")
+    for key in ("step", "samples"):
+        if key in state and not _is_count(state[key]):
+            raise ValueError(f"{key}: expected an int >= 0, got {_kind(state[key])}")
+    fingerprint = _field(state, "fingerprint", Mapping, "", "a mapping")
+    for key in ("config", "data"):
+        _field(fingerprint, key, Mapping, "fingerprint.", "a mapping")
+    _check_config(fingerprint)
+    sources = state.get("sources")
+    if sources is None:
+        return
+    if not isinstance(sources, list) or not sources:
+        raise ValueError(f"sources: expected a non-empty list, got {_kind(sources)}")
+    for i, src in enumerate(sources):
+        here = f"sources[{i}]."
+        if not isinstance(src, Mapping):
+            raise ValueError(f"sources[{i}]: expected a mapping, got {_kind(src)}")
+        _field(src, "name", str, here, "the component's name (a string)")
+        if "url" not in src:
+            _field(src, "repr", str, here, "a 'url' (a string) or the custom records' 'repr'")
+            continue
+        _field(src, "url", str, here, "the dataset URL (a string)")
+        _field(src, "split", str, here, "the split's name (a string)")
+        seqs = _field(src, "sequences", list, here, "[first, stop], two ints")
+        if len(seqs) != 2 or not all(_is_count(n) for n in seqs) or seqs[0] > seqs[1]:
+            raise ValueError(
+                f"{here}sequences: expected [first, stop], two ints with 0 <= first <= "
+                f"stop, got {seqs!r}"
+            )
+    if "components" in fingerprint["data"]:
+        _blend(fingerprint["data"], len(sources))
+    elif len(sources) != 1:
+        raise ValueError(
+            f"sources: {len(sources)} entries, but fingerprint.data is a single split "
+            "(no components): expected one"
+        )
+
+
+def _check_config(fingerprint: Mapping[str, Any]) -> None:
+    """Each saved config field checked as a ``LoaderConfig`` field, named by its path."""
+    extra = {k: fingerprint[k] for k in ("batch_size",) if k in fingerprint}
+    where = "fingerprint.batch_size" if extra else "fingerprint.config.batch_size"
+    try:
+        LoaderConfig.from_dict(
+            {"batch_size": 1, "seq_len": 1, **fingerprint["config"], **extra, "prefetch": 0}
+        )
+    except ValueError as e:
+        text = str(e).replace("LoaderConfig.batch_size", where)
+        raise ValueError(text.replace("LoaderConfig.", "fingerprint.config.")) from None
+
+
+def _field(
+    values: Mapping[str, Any], key: str, kind: type | Any, prefix: str, expected: str
+) -> Any:
+    """``values[key]``, refused naming ``prefix + key`` when missing or not a ``kind``."""
+    if key not in values:
+        raise ValueError(f"{prefix}{key}: missing; expected {expected}, as loader.state() saves it")
+    value = values[key]
+    if not isinstance(value, kind):
+        raise ValueError(f"{prefix}{key}: expected {expected}, got {_kind(value)}")
+    return value
+
+
+def _kind(value: Any) -> str:
+    text = repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f"{text} (a {type(value).__name__})"
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def build_loader(
+    *,
+    url: str | None = None,
+    split: str = "train",
+    config: Mapping[str, Any] | None = None,
+    state: Mapping[str, Any] | None = None,
+    fields: Mapping[str, Any] | None = None,
+    options: StoreOptions | None = None,
+    config_name: str = "--config",
+    state_name: str = "--state",
+) -> Loader:
+    """The loader of a run, from what describes it.
+
+    Args:
+        url: a dataset whose ``split`` the run read (not with a ``data`` section).
+        split: the split of ``url``, or the part a ``data`` section reads
+            (``train``, ``valid``, ``test`` with a ``split`` cut).
+        config: a parsed YAML document with a ``loader`` section (the
+            :class:`LoaderConfig` fields) and optionally a ``data`` section
+            (see :func:`~flat_tokens_jax.sampling.mixconfig.mixture_from_config`).
+        state: a saved :meth:`Loader.state`: its fingerprint gives the config,
+            its ``sources`` the data (unless ``url`` is given), and the data
+            found must match its fingerprint (a batch size given in ``fields``
+            may differ from the saved step on, as :meth:`Loader.restore` allows).
+        fields: :class:`LoaderConfig` fields that override the others.
+        options: how to reach the data.
+        config_name, state_name: the files ``config`` and ``state`` were read
+            from, which name a bad value in errors (``c.yaml: loader.seed``).
+
+    Raises:
+        ValueError: the run is said twice or not at all, a field is missing or
+            bad, or the data is not what the state's run read.
+    """
+    if config is not None and state is not None:
+        raise ValueError("give the run as --config or as --state, not both")
+    values: dict[str, Any] = {}
+    origin: dict[str, str] = {}  # where each field was given, to name a bad value
+    data: Mapping[str, Any] | None = None
+    if state is not None:
+        values.update(_state_config(state))
+        top = state["fingerprint"]
+        origin.update({k: f"{state_name}: fingerprint.config" for k in values})
+        origin.update({k: f"{state_name}: fingerprint" for k in values if k in top})
+    if config is not None:
+        if not isinstance(config, Mapping):
+            raise ValueError(f"{config_name} is not a mapping with a 'loader' section")
+        unknown = sorted(map(str, set(config) - {"loader", "data"}))
+        loader_section = config.get("loader") or {}
+        if not isinstance(loader_section, Mapping):
+            raise ValueError(f"{config_name}: the 'loader' section is not a mapping")
+        known = {f.name for f in dataclasses.fields(LoaderConfig)}
+        wrong = sorted(map(str, set(loader_section) - known))
+        if wrong:
+            raise ValueError(
+                f"{config_name}: loader: unknown LoaderConfig field(s) {wrong}; "
+                f"known: {sorted(known)}"
+            )
+        values.update(loader_section)
+        origin.update({k: f"{config_name}: loader" for k in loader_section})
+        data = config.get("data")
+        if unknown and not values:
+            raise ValueError(f"{config_name} has no 'loader' section (found {unknown})")
+    given = {k: v for k, v in (fields or {}).items() if v is not None}
+    values.update(given)
+    origin.update({k: "LoaderConfig" for k in given})
+    missing = [k for k in ("batch_size", "seq_len") if k not in values]
+    if missing:
+        flags = " and ".join("--" + k.replace("_", "-") for k in missing)
+        raise ValueError(f"the run's {' and '.join(missing)} is not known: pass {flags}")
+    try:
+        # show prints the five fields, whatever layout the run's trainer takes.
+        cfg = LoaderConfig.from_dict({**values, "prefetch": 0, "layout": "fields"})
+    except BadValue as e:
+        field = re.split(r"[ .\[]", e.path.removeprefix("LoaderConfig."))[0]
+        raise e.moved("LoaderConfig", origin.get(field, "LoaderConfig")) from None
+    check_show_memory(cfg, max(size for _, size in cfg.schedule.entries), 0)
+    if url is not None and data is not None:
+        raise ValueError("the data is given twice: as URL and as the --config 'data' section")
+    if url is not None:
+        source: FlatTokens | Mixture = open_dataset(url, options)[split]
+    elif data is not None:
+        try:
+            source = mixture_from_config(data, split, options)
+        except BadValue as e:
+            raise e.moved("data", f"{config_name}: data") from None
+    elif state is not None:
+        source = _state_source(state, options)
+    else:
+        raise ValueError("say where the data is: a URL, --config with a 'data' section, or --state")
+    loader = Loader(source, cfg)
+    if state is not None:
+        # Refuses (StateMismatch) or warns of fields an older state lacks, as restore does.
+        check_resume(
+            state,
+            loader.fingerprint(),
+            loader.schedule,
+            header="the data found is not what the saved run read",
+        )
+    return loader
+
+
+def check_show_memory(cfg: LoaderConfig, rows: int, printed: int) -> None:
+    """Refuses a step of ``rows`` rows, ``printed`` of them printed, that this
+    machine's memory cannot hold, before anything is allocated.
+
+    Raises:
+        ValueError: with the estimate and the largest batch size that fits.
+    """
+    per_row = cfg.seq_len * ROW_BYTES_PER_TOKEN + ROW_BYTES
+    per_printed = cfg.seq_len * PRINTED_BYTES_PER_TOKEN
+    need = rows * per_row + printed * per_printed
+    most = memory_bytes() // (per_row + (per_printed if printed else 0))
+    check_memory(
+        need,
+        f"a step of batch size {rows:,} at seq_len {cfg.seq_len:,}"
+        + (f" with {printed:,} rows printed" if printed else ""),
+        f"pass a --batch-size of at most {most:,}" + (" or fewer --rows" if printed else ""),
+    )
+
+
+def _state_config(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The config fields a saved state holds (checked by :func:`check_state`)."""
+    check_state(state)
+    fingerprint = state["fingerprint"]
+    # An older state keeps its int batch_size inside config.
+    extra = {k: fingerprint[k] for k in ("batch_size",) if k in fingerprint}
+    return {**fingerprint["config"], **extra}
+
+
+def _state_source(state: Mapping[str, Any], options: StoreOptions | None) -> FlatTokens | Mixture:
+    """The data a saved state's run read, from its ``sources``."""
+    check_state(state)
+    sources = state.get("sources")
+    if sources is None:
+        raise ValueError(
+            "the --state file does not say where the data is (saved by an older "
+            "version): pass the dataset URL or --config"
+        )
+    data = state["fingerprint"]["data"]
+    blend = _blend(data, len(sources)) if "components" in data else None
+    opened: dict[str, Any] = {}
+    views = []
+    for src in sources:
+        if "url" not in src:
+            raise ValueError(
+                f"component {src['name']!r} was custom records ({src['repr']}): "
+                "pass the data with a URL or --config"
+            )
+        if src["url"] not in opened:
+            opened[src["url"]] = open_dataset(src["url"], options)
+        ft = opened[src["url"]][src["split"]]
+        first, stop = src["sequences"]
+        views.append((src["name"], ft.view(first, stop) if (first, stop) != ft.seq_range else ft))
+    if blend is None:
+        return views[0][1]
+    weights, steps, periods, seed = blend
+    schedule = list(zip(steps[1:], weights[1:], strict=True))
+    parts = [(name, ft, w) for (name, ft), w in zip(views, weights[0], strict=True)]
+    try:
+        mix = Mixture(parts, seed=seed, schedule=schedule)
+        if [p.period for p in mix.periods] != periods:
+            mix = Mixture(parts, seed=seed, schedule=schedule, period=periods[0])
+    except ValueError as e:
+        raise ValueError(f"fingerprint.data does not make a Mixture: {e}") from None
+    return mix
+
+
+def _blend(
+    data: Mapping[str, Any], count: int
+) -> tuple[list[list[float]], list[int], list[int], int]:
+    """``(weights, steps, periods, seed)`` of a saved Mixture fingerprint of
+    ``count`` components, each checked, named by its path."""
+    here = "fingerprint.data."
+    components = _field(data, "components", list, here, "a list, one entry per component")
+    if len(components) != count:
+        raise ValueError(
+            f"sources: {count} entries, but fingerprint.data.components has "
+            f"{len(components)}: expected one source per component"
+        )
+    weights = _field(data, "weights", list, here, "a list of weight lists")
+    for i, w in enumerate(weights):
+        if (
+            not isinstance(w, list)
+            or len(w) != count
+            or not all(isinstance(x, int | float) and not isinstance(x, bool) for x in w)
+        ):
+            raise ValueError(
+                f"{here}weights[{i}]: expected {count} numbers, one per component, got {_kind(w)}"
+            )
+    steps = _field(data, "steps", list, here, "a list of ints, one per weight list")
+    periods = _field(data, "periods", list, here, "a list of ints, one per weight list")
+    for name, values in (("steps", steps), ("periods", periods)):
+        if len(values) != len(weights) or not all(_is_count(v) for v in values):
+            raise ValueError(
+                f"{here}{name}: expected {len(weights)} ints >= 0 (one per weight list), "
+                f"got {_kind(values)}"
+            )
+    if not weights or steps[0] != 0:
+        raise ValueError(f"{here}steps: expected a list starting at step 0, got {steps!r}")
+    seed = _field(data, "seed", int, here, "an int")
+    if isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"{here}seed: expected an int >= 0, got {_kind(seed)}")
+    return weights, steps, periods, seed
+
+
+def parse_batch_size(text: str) -> int | list[tuple[int, int]]:
+    """A batch size from ``--batch-size``: ``"256"``, or a schedule ``"0:256,2000:512"``.
+
+    Example:
+        >>> parse_batch_size("0:256,2000:512")
+        [(0, 256), (2000, 512)]
+    """
+    try:
+        if ":" not in text:
+            return int(text)  # LoaderConfig checks it
+        pairs = []
+        for part in text.split(","):
+            step, _, size = part.strip().partition(":")
+            pairs.append((int(step), int(size)))
+        BatchSchedule.of(pairs)
+    except ValueError as e:
+        why = "" if str(e).startswith("invalid literal") else f": {e}"
+        raise ValueError(
+            f"--batch-size {text!r}{why}; expected a size such as 256 or a schedule "
+            "START_STEP:SIZE,... such as 0:256,2000:512"
+        ) from None
+    return pairs
+
+
+def parse_rows(text: str | None, batch_size: int) -> list[int]:
+    """Row numbers from ``"0,5-7"`` (all rows for ``None``), each checked.
+
+    Example:
+        >>> parse_rows("0,5-7", 8)
+        [0, 5, 6, 7]
+    """
+    if text is None:
+        return list(range(batch_size))
+    rows: list[int] = []
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi if sep else lo)
+        except ValueError:
+            raise ValueError(
+                f"--rows {text!r}: expected numbers and ranges such as 0,5-7"
+            ) from None
+        if not 0 <= first <= last < batch_size:
+            raise ValueError(f"--rows {text!r}: {part.strip()} is outside rows 0-{batch_size - 1}")
+        rows.extend(range(first, last + 1))
+    return sorted(set(rows))
+
+
+def rows_of(loader: Loader, step: int, rows: Sequence[int]) -> list[dict[str, Any]]:
+    """Provenance and the five fields (as lists) of ``rows`` of ``step``, JSON-ready;
+    with an ``instance_filter``, a row it rejected also holds ``"filtered": True``."""
+    batch = loader.host_batch(step)
+    provenance = loader.provenance(step)
+    at = {int(r): i for i, r in enumerate(loader.host_rows_at(step))}
+    rule = loader.config.instance_filter
+    rejected = None if rule is None else rule.rejected(batch["targets"], batch["segment_ids"])
+    return [
+        {
+            **provenance[at[r]],
+            **({"filtered": True} if rejected is not None and rejected[at[r]] else {}),
+            **{k: batch[k][at[r]].astype(int).tolist() for k in FIELDS},
+        }
+        for r in rows
+        if r in at
+    ]
+
+
+def run_json(loader: Loader, step: int, rows: Sequence[int]) -> dict[str, Any]:
+    """What ``show --json`` prints: the step, the resolved config, the batch size
+    (an int or ``[[start_step, size], ...]``) and the rows."""
+    return {
+        "step": step,
+        "config": loader.fingerprint()["config"],
+        "batch_size": loader.fingerprint()["batch_size"],
+        "sources": loader.sources(),
+        "rows": rows_of(loader, step, rows),
+    }
+
+
+def where(row: Mapping[str, Any]) -> str:
+    """One line saying where a row came from."""
+    if row.get("padding"):
+        return f"row {row['row']}: padding"
+    name = f" ({row['component_name']})" if "component_name" in row else ""
+    members = f", sequences {row['sequences']}" if "sequences" in row else ""
+    filtered = ", filtered (instance_filter: loss_mask 0)" if row.get("filtered") else ""
+    return (
+        f"row {row['row']}{name}: sample {row['sample']}, epoch {row['epoch']}, "
+        f"record {row['record']}, tokens [{row['tokens'][0]}, {row['tokens'][1]})"
+        f"{members}{filtered}"
+    )
+
+
+def row_text(row: Mapping[str, Any], decode: Callable[[list[int]], str]) -> str:
+    """A row's targets as text: one line per segment, ``[n]`` its segment id,
+    untrained tokens (``loss_mask`` 0) between ⟦ ⟧, padding counted, not shown.
+
+    Args:
+        row: ``targets``, ``segment_ids`` and ``loss_mask`` of one row, each ``[seq_len]``.
+        decode: token ids to text (e.g. a tokenizer's ``decode``).
+
+    Example:
+        >>> row = {"targets": [72, 105, 33, 0], "segment_ids": [1, 1, 2, 0],
+        ...        "loss_mask": [0, 1, 1, 0]}
+        >>> print(row_text(row, lambda ids: bytes(ids).decode()))
+        [1] ⟦H⟧i
+        [2] !
+        (+1 padding)
+    """
+    targets = np.asarray(row["targets"])
+    segments = np.asarray(row["segment_ids"])
+    trained = np.asarray(row["loss_mask"]).astype(bool)
+    lines = []
+    for seg in _runs(segments):
+        if segments[seg.start] == 0:
+            continue
+        pieces = []
+        for run in _runs(trained[seg], seg.start):
+            text = decode(targets[run].tolist())
+            pieces.append(text if trained[run.start] else UNTRAINED[0] + text + UNTRAINED[1])
+        lines.append(f"[{segments[seg.start]}] " + "".join(pieces).replace("\n", "\n    "))
+    padding = int((segments == 0).sum())
+    if padding:
+        lines.append(f"(+{padding} padding)")
+    return "\n".join(lines)
+
+
+def _runs(values: np.ndarray, offset: int = 0) -> list[slice]:
+    """Slices (shifted by ``offset``) of the runs of equal consecutive ``values``."""
+    cuts = np.flatnonzero(np.diff(values)) + 1
+    bounds = [0, *cuts.tolist(), values.size]
+    return [slice(offset + a, offset + b) for a, b in itertools.pairwise(bounds)]
+
+
+def config_fields(args: Any) -> dict[str, Any]:
+    """The :class:`LoaderConfig` fields given as flags (``None`` where not given);
+    ``--batch-size`` text is parsed by :func:`parse_batch_size`."""
+    values = {
+        f.name: getattr(args, f.name, None)
+        for f in dataclasses.fields(LoaderConfig)
+        if f.name != "prefetch"
+    }
+    if isinstance(values["batch_size"], str):
+        values["batch_size"] = parse_batch_size(values["batch_size"])
+    return values

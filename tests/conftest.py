@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import uuid
 from pathlib import Path
 
 # Before anything imports jax: every test sees 8 CPU devices.
@@ -18,11 +17,6 @@ import pytest
 hypothesis.settings.register_profile("default", deadline=None, max_examples=60)
 hypothesis.settings.register_profile("ci", deadline=None, max_examples=60, derandomize=True)
 hypothesis.settings.load_profile("ci" if os.environ.get("CI") else "default")
-
-
-def memory_url(name: str = "ds") -> str:
-    """A fresh ``memory://`` URL that no other test uses."""
-    return f"memory://{name}-{uuid.uuid4().hex}"
 
 
 @pytest.fixture(autouse=True)

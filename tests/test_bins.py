@@ -10,9 +10,9 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import memory_url
 from hypothesis import given
 from hypothesis import strategies as st
+from memurls import memory_url
 from reference import bin_row
 
 import flat_tokens_jax as ftj

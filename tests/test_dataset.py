@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import memory_url
+from memurls import memory_url
 
 import flat_tokens_jax as ftj
 

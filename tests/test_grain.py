@@ -15,9 +15,9 @@ from typing import Any
 import grain
 import numpy as np
 import pytest
-from conftest import memory_url
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from memurls import memory_url
 from reference import packed_row, padded_row, reference_batch
 
 import flat_tokens_jax as ftj

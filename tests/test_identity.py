@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import memory_url
+from memurls import memory_url
 from textdata import EOS, train_tokenizer, write_jsonl
 
 import flat_tokens_jax as ftj

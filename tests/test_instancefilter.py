@@ -15,11 +15,11 @@ import jax
 import numpy as np
 import pytest
 import yaml
-from conftest import memory_url
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from memurls import memory_url
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.cli import main

@@ -14,11 +14,11 @@ import itertools
 import jax
 import numpy as np
 import pytest
-from conftest import memory_url
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from memurls import memory_url
 from reference import bin_row, packed_row, padded_row, padding_row
 from test_binpack import GOLDEN_DIGEST
 from test_sharding import CASES, mesh

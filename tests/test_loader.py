@@ -9,10 +9,10 @@ import jax
 import numpy as np
 import pytest
 import zarr
-from conftest import memory_url
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding, PartitionSpec
+from memurls import memory_url
 from reference import reference_batch
 
 import flat_tokens_jax as ftj

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
-from conftest import memory_url
+from memurls import memory_url
 from textdata import files
 
 import flat_tokens_jax as ftj

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import memory_url
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from memurls import memory_url
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.data.dataset import split_boundaries

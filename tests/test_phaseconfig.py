@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from conftest import memory_url
+from memurls import memory_url
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.cli import main

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import memory_url
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from memurls import memory_url
 from reference import bin_row, packed_row, padded_row
 
 import flat_tokens_jax as ftj

@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import memory_url
 from hypothesis import given
 from hypothesis import strategies as st
+from memurls import memory_url
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.loader.pipeline import Ahead, InFlight

@@ -14,11 +14,11 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from conftest import memory_url
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from memurls import memory_url
 from reference import padding_row, reference_batch
 
 import flat_tokens_jax as ftj

@@ -3,9 +3,9 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from conftest import memory_url
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from memurls import memory_url
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.decoding.sharding import HostPlan

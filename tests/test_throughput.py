@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import memory_url
 from hypothesis import given
 from hypothesis import strategies as st
+from memurls import memory_url
 from servers import DelayProxy, aws_profile, moto_s3
 
 import flat_tokens_jax as ftj

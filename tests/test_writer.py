@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
-from conftest import memory_url
 from hypothesis import given
 from hypothesis import strategies as st
+from memurls import memory_url
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.core.format import MAX_TOKEN_ID

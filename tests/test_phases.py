@@ -3,10 +3,13 @@ hands each row the next record of its stream, from each stream's whole order."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
+import io
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,6 +20,7 @@ from memurls import memory_url
 from reference import bin_row, packed_row, padded_row
 
 import flat_tokens_jax as ftj
+from flat_tokens_jax.cli import main
 from flat_tokens_jax.data.bins import BinRecords
 from flat_tokens_jax.loader.phasedloader import PhasedLoader
 from flat_tokens_jax.loader.phases import Phase
@@ -371,3 +375,94 @@ def test_a_loaders_iterate_stops_before_its_stop_step() -> None:
         assert loader.stats()["depth"] <= 5 - step
         got.append(step)
     assert got == [2, 3, 4, 5]
+
+
+def test_a_phase_that_cannot_read_its_first_step_is_refused_naming_the_latest_start() -> None:
+    """Issue 35: Phase(2**60 - 1, ...) ran into ``global sample index must be in
+    [0, 7]`` at its first batch, naming no phase and no fix."""
+    a = splits()["a"][0]
+    eight, sixteen = ftj.LoaderConfig(8, 3, prefetch=0), ftj.LoaderConfig(16, 3, prefetch=0)
+    # Brute force: the stream has drawn 8 * start samples when the phase starts,
+    # and its first step draws 16 more: 8 * start + 15 <= 2**63 - 1.
+    latest = max(s for s in range(2**60 - 8, 2**60) if 8 * s + 15 <= 2**63 - 1)
+    with pytest.raises(ValueError) as e:
+        PhasedLoader([Phase(0, a, eight), Phase(latest + 1, a, sixteen, "late")])
+    message = str(e.value)
+    assert message.startswith(f"phase 1 'late' (from step {latest + 1}) cannot read its first")
+    assert f"start it at step {latest} at most" in message
+    assert f"{8 * (latest + 1):,} samples drawn in earlier phases" in message
+    run = PhasedLoader([Phase(0, a, eight), Phase(latest, a, sixteen, "late")])
+    assert run.host_batch(latest)["targets"].shape == (16, 3)
+    assert run.end_step == latest + 1, "its stream has no samples left for a second step"
+
+
+def test_a_phase_whose_stream_runs_out_before_the_next_phase_is_refused() -> None:
+    a, b = splits()["a"][0], splits()["b"][0]
+    cfg = ftj.LoaderConfig(8, 3, prefetch=0)
+    # 8 samples a step: sample index 2**63 - 1 is in step 2**60 - 1, the last one.
+    with pytest.raises(ValueError) as e:
+        PhasedLoader([Phase(0, a, cfg), Phase(2**60 + 5, b, cfg)])
+    assert str(e.value).startswith(
+        f"phase 0 (from step 0) cannot read its steps from step {2**60} on"
+    )
+    assert f"phases[1] starts at step {2**60 + 5}: start it at step {2**60} at most" in str(e.value)
+    assert PhasedLoader([Phase(0, a, cfg), Phase(2**60, b, cfg)]).end_step == 2**60 + 2**60
+
+
+def test_a_step_past_the_runs_reach_names_the_runs_step_and_its_phase(tmp_path: Path) -> None:
+    """Issue 35: ``show --config run.yaml --step 4611686018427387904`` said
+    ``step 4611686018427387874 is too large``, a step inside the phase."""
+    a, b = splits()["a"][0], splits()["b"][0]
+    phases = [Phase(0, a, ftj.LoaderConfig(8, 3)), Phase(30, b, ftj.LoaderConfig(4, 3), "anneal")]
+    run = PhasedLoader(phases)
+    # Phase 1 reads a new stream: its samples 4 * n .. 4 * n + 3 fit while 4 * n + 3 < 2**63.
+    assert run.end_step == 30 + 2**61
+    assert run.host_batch(30 + 2**61 - 1)["targets"].shape == (4, 3)
+    step = 4611686018427387904
+    for call in (run.host_batch, run.batch, run.provenance, run.start, run.encoded_batch):
+        with pytest.raises(ValueError) as e:
+            call(step)
+        message = str(e.value)
+        assert message.startswith(
+            f"step {step} is past the last step this run can read, {30 + 2**61 - 1}"
+        )
+        assert "phase 1 'anneal' (from step 30)" in message
+        assert str(step - 30) not in message
+    with pytest.raises(ValueError, match=f"step {30 + 2**61} is past the last step"):
+        next(run.iterate(30 + 2**61))
+    a_url, b_url = a.url, b.url
+    (tmp_path / "run.yaml").write_text(
+        "phases:\n"
+        f"  - {{start_step: 0, data: {{datasets: {{a: {{url: '{a_url}', weight: 1}}}}}}, "
+        "loader: {batch_size: 8, seq_len: 3}}\n"
+        f"  - {{name: anneal, start_step: 30, data: {{datasets: {{b: {{url: '{b_url}', weight: 1}}}}}}, "
+        "loader: {batch_size: 4}}\n"
+    )
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["show", "--config", str(tmp_path / "run.yaml"), "--step", str(step)])
+    assert code == 1
+    assert err.getvalue().startswith(f"show: step {step} is past the last step")
+    assert "phase 1 'anneal' (from step 30)" in err.getvalue()
+    assert str(step - 30) not in err.getvalue()
+
+
+def test_an_error_inside_a_phase_names_the_runs_step_and_the_phase() -> None:
+    url = memory_url("phases-threes")
+    ftj.write_dataset(url, {"train": [[i + 1] * 3 for i in range(50)]})
+    threes = ftj.open_dataset(url)["train"]
+    # Rows of 12 tokens hold 4 sequences of 3: more runs than max_segments=2.
+    segs = ftj.LoaderConfig(2, 12, prefetch=0, max_segments=2)
+    run = PhasedLoader(
+        [Phase(0, threes, ftj.LoaderConfig(2, 4, prefetch=0)), Phase(10, threes, segs, "segs")]
+    )
+    for call in (run.host_batch, run.batch):
+        with pytest.raises(ValueError) as e:
+            call(13)
+        assert str(e.value).startswith("step 13 (in phase 1 'segs' (from step 10), its step 3): ")
+        assert "max_segments is 2" in str(e.value)
+    taken = []
+    with pytest.raises(ValueError, match=r"^step 10 \(in phase 1 'segs' \(from step 10\), its"):
+        for step, _ in run.iterate(8):
+            taken.append(step)
+    assert taken == [8, 9]

@@ -22,17 +22,28 @@ import logging
 import os
 import re
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import jax
 import numpy as np
 
+from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.decoding.sharding import HostPlan
 from flat_tokens_jax.loader.loader import Loader
-from flat_tokens_jax.loader.phases import Phase, check_phases, drawn, stream_key
+from flat_tokens_jax.loader.phases import (
+    Phase,
+    check_phases,
+    drawn,
+    largest,
+    steps_within,
+    stream_key,
+)
 from flat_tokens_jax.loader.resume import UNRECORDED, StateMismatch, compare_state, state_step
+from flat_tokens_jax.sampling.stepsamples import MAX_SAMPLE
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 NEXT_PHASE_AHEAD = 8
 """Steps before a phase's end at which :meth:`PhasedLoader.iterate` starts
@@ -57,11 +68,16 @@ class PhasedLoader:
         offsets: per phase, each component's stream samples drawn by the
             earlier phases: where the phase continues its streams.
         next_step: the step :meth:`iterate` starts at (set by :meth:`restore`).
+        end_step: the first step the run cannot read: there the last phase's
+            samples, or a stream's, would pass the largest sample index
+            ``2**63 - 1``. Errors of a step at or past it name it.
 
     Raises:
         ValueError: the phases are out of order, bound their epochs, or one
-            phase blends one stream twice; or a phase's ``Loader`` refuses its
-            source or config (the message names the phase).
+            phase blends one stream twice; a phase's ``Loader`` refuses its
+            source or config; or a phase cannot read all its steps (a stream
+            would pass the largest sample index: the message names the phase
+            and the latest start step that works). Each names the phase.
     """
 
     def __init__(
@@ -85,12 +101,14 @@ class PhasedLoader:
         self._before = [0]
         self.streams: list[list[str]] = []
         self.offsets: list[list[int]] = []
+        self._drawn_before: list[dict[str, int]] = []
         seeds: dict[str, int] = {}
         counts: dict[str, int] = {}
         for k, loader in enumerate(self.loaders):
             keys = self._keys(k)
             self.streams.append(keys)
             self.offsets.append([counts.get(key, 0) for key in keys])
+            self._drawn_before.append(dict(counts))
             for key, sampler in zip(keys, loader.samplers, strict=True):
                 seeds.setdefault(key, sampler.seed)
             if len(self.phases) > 1:
@@ -107,6 +125,7 @@ class PhasedLoader:
                 self._before.append(self._before[-1] + loader.schedule.samples_before(steps))
         self.sharding = sharding
         self.next_step = 0
+        self.end_step = self._reach()
 
     def _keys(self, k: int) -> list[str]:
         loader = self.loaders[k]
@@ -126,19 +145,113 @@ class PhasedLoader:
         name = self.phases[k].name
         return f"phase {k}{'' if name is None else f' {name!r}'} (from step {self.starts[k]})"
 
+    def _reach(self) -> int:
+        """:attr:`end_step`, after refusing a phase that cannot read all its steps."""
+        for k, loader in enumerate(self.loaders):
+            last = k + 1 == len(self.loaders)
+            most = MAX_SAMPLE + 1 if last else self.starts[k + 1] - self.starts[k]
+            n = steps_within(loader.mixture, loader.schedule, self.offsets[k], most)
+            if n == 0:
+                latest = self._latest_start(k)
+                fix = (
+                    f"start it at step {latest} at most"
+                    if latest is not None
+                    else f"no start after phases[{k - 1}]'s works: give it other streams"
+                )
+                raise ValueError(
+                    f"{self.label(k)} cannot read its first step: {self._past(k, 0)}; {fix}"
+                )
+            if not last and n < most:
+                raise ValueError(
+                    f"{self.label(k)} cannot read its steps from step {self.starts[k] + n} "
+                    f"on: {self._past(k, n)}; phases[{k + 1}] starts at step "
+                    f"{self.starts[k + 1]}: start it at step {self.starts[k] + n} at most"
+                )
+        return self.starts[-1] + n
+
+    def _past(self, k: int, local: int) -> str:
+        """Which sample index phase ``k``'s step ``local`` would take past ``2**63 - 1``."""
+        loader = self.loaders[k]
+        if loader.schedule.samples_before(local + 1) - 1 > MAX_SAMPLE:
+            return (
+                f"the phase's sample indices would pass 2**63 - 1 (batch_size "
+                f"{loader.schedule}, {loader.schedule.samples_before(local):,} samples before)"
+            )
+        counts = drawn(loader.mixture, loader.schedule, local + 1)
+        for c, (before, n) in enumerate(zip(self.offsets[k], counts, strict=True)):
+            if before + n - 1 > MAX_SAMPLE:
+                stream = "its stream" if loader.mixture is None else f"{loader.names[c]!r}'s stream"
+                return (
+                    f"{stream} would pass sample index 2**63 - 1 (it continues from "
+                    f"{before:,} samples drawn in earlier phases)"
+                )
+        raise AssertionError("a step within every sample index")
+
+    def _latest_start(self, k: int) -> int | None:
+        """The latest start after phase ``k - 1``'s at which phase ``k`` reads
+        its first step; ``None`` when there is none."""
+        if k == 0:
+            return None
+        before, earlier = self.loaders[k - 1], self.starts[k - 1]
+
+        def fits(start: int) -> bool:
+            counts = dict(self._drawn_before[k - 1])
+            taken = drawn(before.mixture, before.schedule, start - earlier)
+            for key, n in zip(self.streams[k - 1], taken, strict=True):
+                counts[key] = counts.get(key, 0) + n
+            offsets = [counts.get(key, 0) for key in self.streams[k]]
+            loader = self.loaders[k]
+            return steps_within(loader.mixture, loader.schedule, offsets, 1) == 1
+
+        first = earlier + 1
+        if first == self.starts[k] or not fits(first):
+            return None
+        return largest(fits, first, self.starts[k] - 1)
+
     def __repr__(self) -> str:
         return f"PhasedLoader({len(self.phases)} phases from steps {self.starts})"
 
     def phase_at(self, step: int) -> int:
         """The index of the phase that holds ``step``."""
-        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
-        return bisect.bisect_right(self.starts, int(step)) - 1
+        return bisect.bisect_right(self.starts, integer(step, "step", low=0)) - 1
 
     def locate(self, step: int) -> tuple[Loader, int]:
-        """The loader of the phase that holds ``step``, and the step inside that phase."""
+        """The loader of the phase that holds ``step``, and the step inside that phase.
+
+        Raises:
+            ValueError: ``step`` is not an int >= 0, or is at or past
+                :attr:`end_step` (the message names the run's last step, its
+                phase and the sample index it would pass).
+        """
         k = self.phase_at(step)
+        if step >= self.end_step:
+            raise ValueError(
+                f"step {step} is past the last step this run can read, {self.end_step - 1}: "
+                f"at step {self.end_step}, in {self.label(k)}, "
+                f"{self._past(k, self.end_step - self.starts[k])}"
+            )
         return self.loaders[k], int(step) - self.starts[k]
+
+    def _in_phase(self, step: int, use: Callable[[Loader, int], _T]) -> _T:
+        """``use(loader, local step)`` for the phase that holds ``step``; with
+        several phases, an error it raises names the run's step and the phase."""
+        loader, local = self.locate(step)
+        try:
+            return use(loader, local)
+        except (ValueError, IndexError) as e:
+            raise self._told(e, int(step)) from None
+
+    def _told(self, error: ValueError | IndexError, step: int) -> ValueError | IndexError:
+        """``error`` of the phase that holds the run's ``step``, told as the
+        run's (as it is with one phase, whose steps are the run's)."""
+        if len(self.loaders) == 1:
+            return error
+        k = self.phase_at(step)
+        text = f"step {step} (in {self.label(k)}, its step {step - self.starts[k]}): {error}"
+        try:
+            return type(error)(text)
+        except TypeError:  # an error type that takes more than a message
+            return IndexError(text) if isinstance(error, IndexError) else ValueError(text)
 
     @property
     def num_batches(self) -> int | None:
@@ -152,46 +265,39 @@ class PhasedLoader:
 
     def batch_size_at(self, step: int) -> int:
         """Global rows of the batch at ``step``."""
-        loader, local = self.locate(step)
-        return loader.schedule.size(local)
+        return self._in_phase(step, lambda loader, local: loader.schedule.size(local))
 
     def plan_at(self, step: int) -> HostPlan | None:
         """The blocks this host reads at ``step`` (``None`` without a sharding)."""
-        loader, local = self.locate(step)
-        return loader.plan_at(local)
+        return self._in_phase(step, Loader.plan_at)
 
     def host_rows_at(self, step: int) -> np.ndarray:
         """``[k] int64`` the global rows this host reads at ``step``, ascending."""
-        loader, local = self.locate(step)
-        return loader.host_rows_at(local)
+        return self._in_phase(step, Loader.host_rows_at)
 
     def batch(self, step: int) -> dict[str, jax.Array]:
         """The global batch at ``step``, ``[batch_size, seq_len]`` of its phase."""
-        loader, local = self.locate(step)
-        return loader.batch(local)
+        return self._in_phase(step, Loader.batch)
 
     def host_batch(self, step: int) -> dict[str, np.ndarray]:
         """This host's rows of the batch at ``step`` (numpy), in global row order."""
-        loader, local = self.locate(step)
-        return loader.host_batch(local)
+        return self._in_phase(step, Loader.host_batch)
 
     def encoded_batch(self, step: int) -> dict[str, jax.Array]:
         """:meth:`Loader.encoded_batch` of the phase that holds ``step``."""
-        loader, local = self.locate(step)
-        return loader.encoded_batch(local)
+        return self._in_phase(step, Loader.encoded_batch)
 
     def decoder(self, step: int = 0) -> Callable[[Mapping[str, jax.Array]], dict[str, jax.Array]]:
         """:meth:`Loader.decoder` of the phase that holds ``step``."""
-        loader, local = self.locate(step)
-        return loader.decoder(local)
+        return self._in_phase(step, Loader.decoder)
 
     def provenance(self, step: int) -> list[dict[str, Any]]:
         """:meth:`Loader.provenance` of ``step``; with several phases each
         row also says its ``phase``, and ``sample`` counts over the run."""
-        k = self.phase_at(step)
-        rows = self.loaders[k].provenance(step - self.starts[k])
+        rows = self._in_phase(step, Loader.provenance)
         if len(self.phases) == 1:
             return rows
+        k = self.phase_at(step)
         for row in rows:
             row["phase"] = k
             if "sample" in row:
@@ -200,36 +306,51 @@ class PhasedLoader:
 
     def iterate(self, start_step: int | None = None) -> Iterator[tuple[int, dict[str, jax.Array]]]:
         """Yields ``(step, batch)`` from ``start_step`` (default: the restored
-        step), each phase read ahead by its loader's ``iterate``."""
+        step), each phase read ahead by its loader's ``iterate``, up to
+        :attr:`end_step` (or the end of a single phase's epochs)."""
         step = self.next_step if start_step is None else start_step
+        self.locate(step)
         k = self.phase_at(step)
-        while k < len(self.loaders):
-            end = self.starts[k + 1] if k + 1 < len(self.starts) else None
-            stop = None if end is None else end - self.starts[k]
+        while True:
+            end = self.starts[k + 1] if k + 1 < len(self.starts) else self.end_step
             # Reads nothing ahead past the boundary; the next phase's first
             # steps are started a few steps before it.
-            batches = self.loaders[k].iterate(step - self.starts[k], stop)
+            batches = self.loaders[k].iterate(step - self.starts[k], end - self.starts[k])
             stream = cast(Generator[tuple[int, dict[str, jax.Array]], None, None], batches)
             started = False
             try:
-                for local, batch in stream:
-                    step = self.starts[k] + local
+                while (taken := self._next(stream, step)) is not None:
+                    step = self.starts[k] + taken[0]
                     self.next_step = step + 1
-                    if end is not None and not started and step >= end - NEXT_PHASE_AHEAD:
+                    if k + 1 < len(self.loaders) and not started and step >= end - NEXT_PHASE_AHEAD:
                         self.loaders[k + 1].start(0)
                         started = True
-                    yield step, batch
+                    yield step, taken[1]
+                    step += 1
             finally:
                 stream.close()
-            if end is None:
+            if k + 1 == len(self.loaders):
+                if step >= self.end_step:
+                    self.locate(step)  # raises: the run can read no further
                 return
             step, k = end, k + 1
+
+    def _next(
+        self, stream: Iterator[tuple[int, dict[str, jax.Array]]], step: int
+    ) -> tuple[int, dict[str, jax.Array]] | None:
+        """The next ``(local step, batch)`` of a phase's ``iterate`` (``None``
+        at its end); an error names the run's ``step`` and the phase."""
+        try:
+            return next(stream)
+        except StopIteration:
+            return None
+        except (ValueError, IndexError) as e:
+            raise self._told(e, step) from None
 
     def start(self, step: int | None = None) -> None:
         """Starts reading ``step`` (default: :attr:`next_step`) and the steps
         after it in its phase (see :meth:`Loader.start`)."""
-        loader, local = self.locate(self.next_step if step is None else step)
-        loader.start(local)
+        self._in_phase(self.next_step if step is None else step, Loader.start)
 
     def stats(self) -> dict[str, float | int]:
         """:meth:`Loader.stats` of the phase of the last step handed out, and

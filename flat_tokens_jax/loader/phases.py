@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,8 +31,9 @@ from flat_tokens_jax.data.records import Records, check_source
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.sampling.mixture import Mixture
 from flat_tokens_jax.sampling.schedule import BatchSchedule
+from flat_tokens_jax.sampling.stepsamples import MAX_SAMPLE
 
-__all__ = ["Phase", "check_phases", "drawn", "stream_key"]
+__all__ = ["Phase", "check_phases", "drawn", "largest", "steps_within", "stream_key"]
 
 _MAX_STEP = 2**63 - 1
 
@@ -127,3 +128,32 @@ def drawn(mixture: Mixture | None, schedule: BatchSchedule, steps: int) -> list[
         prefix = np.bincount(period.component[:rest], minlength=len(mixture.names))
         counts += [whole * int(n) + int(p) for n, p in zip(period.counts, prefix, strict=True)]
     return [int(n) for n in counts]
+
+
+def steps_within(
+    mixture: Mixture | None, schedule: BatchSchedule, offsets: Sequence[int], most: int
+) -> int:
+    """How many of a phase's first steps, up to ``most``, keep every sample
+    index within ``2**63 - 1``: the phase's own (``schedule``'s samples) and
+    each stream's (``offsets[c]``, its samples drawn before the phase, plus
+    the phase's draws of component ``c``). A bisection over :func:`drawn`.
+    """
+
+    def fits(steps: int) -> bool:
+        if schedule.samples_before(steps) - 1 > MAX_SAMPLE:
+            return False
+        counts = drawn(mixture, schedule, steps)
+        return all(o + n - 1 <= MAX_SAMPLE for o, n in zip(offsets, counts, strict=True))
+
+    return largest(fits, 0, most)
+
+
+def largest(fits: Callable[[int], bool], low: int, high: int) -> int:
+    """The largest ``x`` in ``[low, high]`` with ``fits(x)``, for a ``fits``
+    true up to some point and false after it, and true at ``low``."""
+    if fits(high):
+        return high
+    while high - low > 1:  # fits(low), not fits(high)
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low

@@ -150,6 +150,26 @@ def test_a_forged_minimal_state_is_refused(tmp_path: Path) -> None:
     assert code == 1 and err.count("\n") == 1 and "fingerprint.config" in err
 
 
+def test_a_phased_state_given_to_a_loader_says_to_restore_it_into_a_phased_loader() -> None:
+    """Issue 35: ``Loader.restore(phased_loader.state())`` said ``fingerprint:
+    expected a mapping, got None``."""
+    a, b = split(), split([[5, 6]] * 40)
+    run = ftj.PhasedLoader([ftj.Phase(0, a, CFG), ftj.Phase(3, b, CFG)])
+    run.next_step = 5
+    state = json.loads(json.dumps(run.state()))
+    loader = ftj.Loader(a, CFG)
+    message = refusal(loader, state)
+    assert "a PhasedLoader's state (a run in 2 phases)" in message
+    assert "ftj.PhasedLoader(phases).restore(state)" in message
+    assert "fingerprint: expected a mapping" not in message
+    assert loader.state_differences(state) == [
+        "phases: a PhasedLoader's state (a run in 2 phases): build the saved run's phases "
+        "and restore it with ftj.PhasedLoader(phases).restore(state)"
+    ]
+    # The reverse is a run of one phase, which a PhasedLoader continues.
+    assert ftj.PhasedLoader([ftj.Phase(0, a, CFG), ftj.Phase(9, b, CFG)]).restore(saved(a)) == 5
+
+
 # ------------------------------------------------ fields removed one at a time
 
 
@@ -494,3 +514,23 @@ def test_show_state_never_raises_on_a_changed_field(
 def disk_state(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
     folder = tmp_path_factory.mktemp("state-on-disk")
     return on_disk(folder), folder
+
+
+def test_show_state_of_a_phase_whose_data_now_holds_fewer_sequences_names_the_phase(
+    tmp_path: Path,
+) -> None:
+    """Issue 35: a phase whose URL now holds other data reported a sequence
+    range instead of saying that the phase's data is not what the run read."""
+    urls = [str(tmp_path / name) for name in ("a", "b")]
+    for url, seqs in zip(urls, (SEQS, [[9, 8, 7]] * 40), strict=True):
+        ftj.write_dataset(url, {"train": seqs})
+    a, b = (ftj.open_dataset(u)["train"] for u in urls)
+    run = ftj.PhasedLoader([ftj.Phase(0, a, CFG), ftj.Phase(3, b.split("1,1")[1], CFG)])
+    run.next_step = 5
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(run.state()))
+    ftj.write_dataset(urls[1], {"train": [[9, 8, 7]] * 10}, overwrite=True)
+    code, _, err = run_show("--state", str(path), "--step", "4")
+    assert code == 1
+    assert err.startswith("show: phases[1] (from step 3): its data is not what the saved run read")
+    assert "sequence range [20, 40) is outside [0, 10]" in err

@@ -108,6 +108,9 @@ def compare_state(
         out.append(f"samples: expected an int >= 0, got {_show(samples)}")
         samples = None
     saved = state.get("fingerprint")
+    phased = _phased(state)
+    if phased is not None:
+        return Comparison(step, [*out, f"phases: {phased}"], unrecorded)
     if not isinstance(saved, Mapping):
         out.append(f"fingerprint: expected a mapping, got {_show(saved)}")
         return Comparison(step, out, unrecorded)
@@ -145,6 +148,9 @@ def check_resume(
     Raises:
         StateMismatch: ``header`` and one line per difference.
     """
+    phased = _phased(state)
+    if phased is not None:
+        raise StateMismatch(f"Loader.restore takes one Loader's state; this is {phased}")
     found = compare_state(state, fingerprint, schedule)
     if found.differences or found.step is None:
         raise StateMismatch(f"{header}:\n  " + "\n  ".join(found.differences))
@@ -156,6 +162,18 @@ def check_resume(
             "; ".join(f"{p}: {UNRECORDED[_pattern(p)]}" for p in found.unrecorded),
         )
     return found.step
+
+
+def _phased(state: Mapping[str, Any]) -> str | None:
+    """What to do with a :meth:`PhasedLoader.state` of several phases, which
+    no single ``Loader`` continues; ``None`` for any other state."""
+    phases = state.get("phases")
+    if "fingerprint" in state or not isinstance(phases, list):
+        return None
+    return (
+        f"a PhasedLoader's state (a run in {len(phases)} phases): build the "
+        "saved run's phases and restore it with ftj.PhasedLoader(phases).restore(state)"
+    )
 
 
 def _kind_difference(saved: Any, now: Any) -> str | None:

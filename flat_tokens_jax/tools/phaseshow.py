@@ -70,6 +70,10 @@ def build_run(
             loader = build_loader(state=sub, options=options, state_name=state_name)
         except ValueError as e:
             raise ValueError(f"phases[{j}] (from step {start}): {e}") from None
+        except IndexError as e:  # the sequences it read are not there now
+            raise ValueError(
+                f"phases[{j}] (from step {start}): its data is not what the saved run read: {e}"
+            ) from None
         source = loader.mixture if loader.mixture is not None else loader.components[0]
         phases.append(Phase(start, source, loader.config))
     run = PhasedLoader(phases)

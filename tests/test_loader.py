@@ -215,6 +215,34 @@ def test_state_at_a_step_resumes_there() -> None:
                 loader.state(bad)
 
 
+@pytest.mark.parametrize("bad", ["3", 3.0, True, -1])
+def test_a_step_that_is_not_an_int_is_refused_naming_it_and_spoils_nothing(bad: object) -> None:
+    """Issue 35: ``host_batch("3")`` raised Python's ``'<' not supported``, and a
+    bad ``batch`` step left the read-ahead broken for every later call."""
+    ft = split_of([[i % 7 + 1] * (i % 5 + 1) for i in range(50)])
+    cfg = LoaderConfig(batch_size=2, seq_len=4, prefetch=2)
+    loader = ftj.Loader(ft, cfg)
+    calls = {
+        "batch": loader.batch,
+        "host_batch": loader.host_batch,
+        "encoded_batch": loader.encoded_batch,
+        "provenance": loader.provenance,
+        "plan_at": loader.plan_at,
+        "host_rows_at": loader.host_rows_at,
+        "samples_before": loader.samples_before,
+        "start": loader.start,
+        "iterate": lambda step: next(loader.iterate(step)),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError) as e:
+            call(bad)
+        assert str(e.value).startswith(
+            f"{'start_' if name == 'iterate' else ''}step must be an int >= 0, got {bad!r}"
+        ), name
+    assert as_lists(loader.batch(2)) == as_lists(ftj.Loader(ft, cfg).batch(2))
+    assert next(loader.iterate(3))[0] == 3
+
+
 def test_fingerprint_holds_what_changes_batches_only() -> None:
     ft = split_of([[i % 7 + 1] * (i % 5 + 1) for i in range(50)])
     cfg = LoaderConfig(batch_size=2, seq_len=4)

@@ -430,12 +430,11 @@ def test_a_step_past_the_runs_reach_names_the_runs_step_and_its_phase(tmp_path: 
         assert str(step - 30) not in message
     with pytest.raises(ValueError, match=f"step {30 + 2**61} is past the last step"):
         next(run.iterate(30 + 2**61))
-    a_url, b_url = a.url, b.url
     (tmp_path / "run.yaml").write_text(
         "phases:\n"
-        f"  - {{start_step: 0, data: {{datasets: {{a: {{url: '{a_url}', weight: 1}}}}}}, "
+        f"  - {{start_step: 0, data: {{datasets: {{'{a.url}': 1}}}}, "
         "loader: {batch_size: 8, seq_len: 3}}\n"
-        f"  - {{name: anneal, start_step: 30, data: {{datasets: {{b: {{url: '{b_url}', weight: 1}}}}}}, "
+        f"  - {{name: anneal, start_step: 30, data: {{datasets: {{'{b.url}': 1}}}}, "
         "loader: {batch_size: 4}}\n"
     )
     err = io.StringIO()

@@ -128,7 +128,7 @@ def test_schedule_forms_and_yaml(tmp_path: Path) -> None:
     numpy_ints = [(np.int64(0), np.int32(2)), (np.uint8(3), np.int64(4))]
     assert LoaderConfig(batch_size=numpy_ints, seq_len=4) == want
     assert BatchSchedule(((0, 2), (3, 4), (5, 4))) == BatchSchedule.of([(0, 2), (3, 4)])
-    with pytest.raises(ValueError, match="step must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="step must be an int >= 0, got -1"):
         want.schedule.samples_before(-1)
 
 

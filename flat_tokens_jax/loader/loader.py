@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flat_tokens_jax.core.limits import check_loader_memory
+from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.data.bins import BinRecords
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.plans import default_cache_dir
@@ -295,16 +296,14 @@ class Loader:
         iterating or asking for another step drops these reads. With
         ``prefetch=0`` it reads nothing.
         """
-        step = self.next_step if step is None else step
-        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
-            raise ValueError(f"Loader.start takes a step >= 0, got {step!r}")
-        self._feed.start(int(step), self.num_batches)
+        step = integer(self.next_step if step is None else step, "step", low=0)
+        self._feed.start(step, self.num_batches)
 
     def _take(self, step: int, ahead: bool, end: int | None = None) -> dict[str, jax.Array]:
         """The batch at ``step`` for the trainer (``ahead``: read ahead even
         after a jump; nothing at or past ``end``, default the run's end);
         measures its wait."""
-        end = self.num_batches if end is None else end
+        step, end = integer(step, "step", low=0), self.num_batches if end is None else end
         began = time.perf_counter()
         batch = self._on_devices(self._feed.take(step, ahead, end))
         now = time.perf_counter()
@@ -470,9 +469,10 @@ class Loader:
         last step waited for its batch: near zero when input keeps up; see
         :meth:`stats` for more.
         """
-        step = self.next_step if start_step is None else start_step
+        step = integer(self.next_step if start_step is None else start_step, "start_step", low=0)
         end = self.num_batches
         if stop_step is not None:
+            stop_step = integer(stop_step, "stop_step", low=0)
             end = stop_step if end is None else min(end, stop_step)
         try:
             while end is None or step < end:

@@ -21,6 +21,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from flat_tokens_jax.core.values import BadValue, integer
 from flat_tokens_jax.sampling.schedule import BatchSchedule, resume_differences
 
 log = logging.getLogger(__name__)
@@ -296,9 +297,10 @@ def state_step(step: object, default: int) -> int:
     """
     if step is None:
         return default
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-        raise ValueError(
-            f"state takes the step a restore resumes at, an int >= 0, got {step!r}: "
-            "after training step s, pass s + 1"
-        )
-    return int(step)
+    try:
+        return int(integer(step, "step", low=0))
+    except BadValue as e:
+        raise BadValue(
+            "state's step",
+            f"{e.problem}: the step a restore resumes at (after training step s, pass s + 1)",
+        ) from None

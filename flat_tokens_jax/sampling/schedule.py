@@ -25,6 +25,8 @@ import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from flat_tokens_jax.core.values import integer
+
 __all__ = ["BatchSchedule", "BatchSizeSpec", "resume_differences"]
 
 # What a config may hold: an int, [(start_step, size), ...] or {start_step: size}.
@@ -124,18 +126,22 @@ class BatchSchedule:
         constant = self.constant
         return constant if constant is not None else [[s, n] for s, n in self.entries]
 
-    def _segment(self, step: int) -> int:
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        return bisect.bisect_right(self._starts, step) - 1
+    def _segment(self, step: int) -> tuple[int, int]:
+        """The entry that holds ``step``, and ``step`` as a Python int.
+
+        Raises:
+            BadValue: ``step`` is not an int >= 0 (numpy's count).
+        """
+        step = integer(step, "step", low=0)
+        return bisect.bisect_right(self._starts, step) - 1, step
 
     def size(self, step: int) -> int:
         """Rows of the global batch at ``step`` (``step >= 0``)."""
-        return self.entries[self._segment(step)][1]
+        return self.entries[self._segment(step)[0]][1]
 
     def samples_before(self, step: int) -> int:
         """Global samples in steps ``[0, step)``: O(entries), whatever ``step``."""
-        j = self._segment(step)
+        j, step = self._segment(step)
         start, size = self.entries[j]
         return self._before[j] + (step - start) * size
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.sampling.mixture import Mixture
 from flat_tokens_jax.sampling.sampling import IndexSampler
 from flat_tokens_jax.sampling.schedule import BatchSchedule
@@ -64,9 +65,7 @@ class StepSamples:
                 the largest index (the message names the last step).
             IndexError: ``step`` is past the end of the run.
         """
-        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
-        step = int(step)
+        step = integer(step, "step", low=0)
         first = self.schedule.samples_before(step)
         last = self.schedule.samples_before(step + 1) - 1
         if last > MAX_SAMPLE:

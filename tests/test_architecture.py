@@ -162,10 +162,11 @@ def test_the_documented_import_paths_give_the_moved_names() -> None:
         from flat_tokens_jax.store import remote_bytes, remote_reads
 
     from flat_tokens_jax.grain.grain import FlatTokensSource as source
+    from flat_tokens_jax.grain.grain import ScheduledBatches as scheduled
     from flat_tokens_jax.loader.loader import Loader as loader
     from flat_tokens_jax.store.store import remote_bytes as bytes_read
 
-    assert FlatTokensSource is source and ScheduledBatches.__module__ == source.__module__
+    assert FlatTokensSource is source and ScheduledBatches is scheduled
     assert Loader is loader
     assert remote_bytes is bytes_read and remote_reads.__module__ == "flat_tokens_jax.store.store"
     assert permute.__module__ == "flat_tokens_jax.sampling.sampling"

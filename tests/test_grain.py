@@ -259,7 +259,7 @@ def test_indices_out_of_range_and_of_the_wrong_kind(path: Path) -> None:
         src[n]
     with pytest.raises(IndexError, match=rf"record index {-n - 1} is outside"):
         src.read_batch([0, -n - 1])
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match=r"FlatTokensSource index must be an int, got 1\.0"):
         src[1.0]  # type: ignore[index]
     with pytest.raises(TypeError, match="must be integers"):
         src.read_batch(np.array([0.5]))
@@ -450,6 +450,32 @@ def test_an_unset_start_token_id_is_the_recorded_one_as_in_the_loader(tmp_path: 
     assert src.read_batch([0, 1])["inputs"].tolist() == loader.host_batch(0)["inputs"].tolist()
     assert src[0]["inputs"].tolist() == [9, 1, 9, 3]
     assert FlatTokensSource(ft, 4, start_token_id=0)[0]["inputs"].tolist() == [0, 1, 0, 3]
+
+
+def test_an_index_past_64_bits_or_of_another_kind_is_named(path: Path) -> None:
+    """Issue 35: ``FlatTokensSource(...)[10**20]`` raised ``OverflowError: Python
+    int too large to convert to C long``; a uint64 past int64 wrapped to a
+    negative index and read a record from the end."""
+    src = FlatTokensSource(path, SEQ_LEN)
+    n = len(src)
+    for index in (10**20, -(10**20), np.uint64(2**63), np.uint64(2**64 - 1)):
+        with pytest.raises(IndexError, match=rf"record index {index} is outside \[-{n}, {n}\)"):
+            src[index]  # type: ignore[index]
+    with pytest.raises(IndexError, match=rf"record index {2**64 - 1} is outside"):
+        src.read_batch(np.array([0, 2**64 - 1], np.uint64))
+    with pytest.raises(IndexError, match=rf"record index {10**20} is outside"):
+        src.read_batch([0, 10**20])
+    with pytest.raises(ValueError, match=r"FlatTokensSource index must be an int, got '3' \("):
+        src["3"]  # type: ignore[index]
+    with pytest.raises(ValueError, match=r"record indices\[1\] must be an int, got None"):
+        src.read_batch([0, None])  # type: ignore[list-item]
+    batches = src.batches(2)
+    scheduled = ScheduledBatches(src, [(0, 2), (3, 4)])
+    for name, steps in (("Batches", batches), ("ScheduledBatches", scheduled)):
+        with pytest.raises(ValueError, match=rf"^{name} step must be an int, got '3' \("):
+            steps["3"]  # type: ignore[index]
+        with pytest.raises(IndexError, match=rf"step {10**20} is outside \[0, {len(steps)}\)"):
+            steps[10**20]
 
 
 def test_scheduled_batches_cut_any_order_by_the_schedule(path: Path) -> None:

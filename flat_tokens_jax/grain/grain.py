@@ -36,9 +36,7 @@ batch of records, cut from any random-access order of record indices::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import operator
 import os
 import pickle
 import threading
@@ -55,11 +53,12 @@ from flat_tokens_jax.data.records import PackedRecords, PaddedRecords, Records, 
 from flat_tokens_jax.decoding.hostdecode import BlockDecoder, default_threads
 from flat_tokens_jax.decoding.instancefilter import InstanceFilter, apply_filter
 from flat_tokens_jax.decoding.layouts import BatchLayout, row_starts
-from flat_tokens_jax.grain.grainbatches import Batches
+from flat_tokens_jax.grain.grainbatches import Batches, ScheduledBatches
 from flat_tokens_jax.grain.grainprocess import prepare_grain
 from flat_tokens_jax.sampling.mixture import Mixture
-from flat_tokens_jax.sampling.schedule import BatchSchedule, BatchSizeSpec
 from flat_tokens_jax.store.options import StoreOptions, resolve_options
+
+__all__ = ["FlatTokensSource", "ScheduledBatches"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +252,7 @@ class FlatTokensSource:
 
     def __getitem__(self, index: SupportsIndex) -> dict[str, np.ndarray]:
         """Record ``index`` (negative counts from the end): five ``[seq_len]`` fields."""
-        rows = self.read_batch(np.array([operator.index(index)], np.int64))
+        rows = self.read_batch([integer(index, "FlatTokensSource index")])
         return {key: value[0] for key, value in rows.items()}
 
     def _getitems(self, indices: Sequence[int]) -> list[dict[str, np.ndarray]]:
@@ -376,99 +375,20 @@ class FlatTokensSource:
         idx = np.asarray(indices)
         if idx.ndim != 1:
             raise ValueError(f"record indices must be 1-D [k], got shape {idx.shape}")
-        if idx.size and idx.dtype.kind not in "iu":
+        if idx.dtype == object:  # ints past 64 bits, or values of mixed kinds
+            for i, value in enumerate(idx.tolist()):
+                integer(value, f"record indices[{i}]")
+        elif idx.size and idx.dtype.kind not in "iu":
             raise TypeError(f"record indices must be integers, got dtype {idx.dtype}")
-        idx = idx.astype(np.int64)
         n = self._length
-        bad = np.flatnonzero((idx < -n) | (idx >= n))
+        # Compared before any cast: a uint64 or a Python int past int64 would wrap.
+        bad = np.flatnonzero((idx >= n) if idx.dtype.kind == "u" else (idx < -n) | (idx >= n))
         if bad.size:
             raise IndexError(
                 f"{self!r}: record index {idx[bad[0]]} is outside [-{n}, {n}) ({n} records)"
             )
+        idx = idx.astype(np.int64)
         return np.where(idx < 0, idx + n, idx)
-
-
-class ScheduledBatches:
-    """A grain random-access source whose element ``step`` is the batch of that step.
-
-    Element ``step`` holds positions ``[samples_before(step),
-    samples_before(step + 1))`` of ``order`` (a batch-size schedule's cut,
-    as in :class:`~flat_tokens_jax.LoaderConfig`), read from ``source`` in one
-    batched read: the five fields, each ``[batch_size_at(step), seq_len]``.
-    The last step holds what is left of ``order``, so it may be shorter.
-
-    Contract: deterministic, thread-safe and picklable when ``source`` and
-    ``order`` are.
-
-    Args:
-        source: the records.
-        batch_size: an int or a schedule ``[(start_step, size), ...]``.
-        order: record indices in the order to train on, any random-access
-            sequence (``len`` and integer indexing), e.g. a
-            ``grain.MapDataset`` of indices; ``None``: ``range(len(source))``.
-
-    Example:
-        >>> import flat_tokens_jax as ftj
-        >>> url = "memory://doc/scheduled"
-        >>> ftj.write_dataset(url, {"train": [[1, 2, 3, 4, 5, 6, 7, 8, 9]]}, overwrite=True)
-        >>> batches = ScheduledBatches(FlatTokensSource(url, seq_len=2), [(0, 1), (2, 2)])
-        >>> len(batches), [batches[s]["targets"].tolist() for s in range(len(batches))]
-        (3, [[[1, 2]], [[3, 4]], [[5, 6], [7, 8]]])
-    """
-
-    def __init__(
-        self,
-        source: FlatTokensSource,
-        batch_size: BatchSizeSpec | BatchSchedule,
-        order: Sequence[int] | None = None,
-    ) -> None:
-        if not isinstance(source, FlatTokensSource):
-            raise TypeError(
-                f"ScheduledBatches reads a FlatTokensSource, got {type(source).__name__}"
-            )
-        self.source, self.schedule = source, BatchSchedule.of(batch_size)
-        largest = max(size for _, size in self.schedule.entries)
-        check_loader_memory(largest, source.seq_len, 0, 1)
-        self.order = order
-        self._num_samples = len(source) if order is None else len(order)
-        self._length = self.schedule.steps_to_cover(self._num_samples)
-
-    def __repr__(self) -> str:
-        order = "in order" if self.order is None else repr(self.order)
-        return f"ScheduledBatches({self.source!r}, batch_size={self.schedule}, order={order})"
-
-    def __len__(self) -> int:
-        return self._length
-
-    def positions(self, step: int) -> range:
-        """The positions of ``order`` that step ``step`` holds."""
-        first = self.schedule.samples_before(step)
-        return range(first, min(self.schedule.samples_before(step + 1), self._num_samples))
-
-    def __getitem__(self, step: SupportsIndex) -> dict[str, np.ndarray]:
-        """The batch of ``step``: five fields, each ``[rows, seq_len]``."""
-        index = operator.index(step)
-        if not 0 <= index < self._length:
-            raise IndexError(f"{self!r}: step {index} is outside [0, {self._length})")
-        where = self.positions(index)
-        if self.order is None:
-            records = np.arange(where.start, where.stop, dtype=np.int64)
-        else:
-            records = _record_indices(self.order, where)
-        return self.source.read_batch(records)
-
-
-def _record_indices(order: Sequence[int], where: range) -> np.ndarray:
-    """``[len(where)] int64`` entries ``where`` of ``order``, each an int: a
-    float or a bool in the order is refused naming its position, not truncated."""
-    raw = [order[i] for i in where]
-    if all(t is int or issubclass(t, np.integer) for t in set(map(type, raw))):
-        with contextlib.suppress(OverflowError):  # named below
-            return np.array(raw, np.int64)
-    for i, value in zip(where, raw, strict=True):
-        if not -(2**63) <= integer(value, f"ScheduledBatches order[{i}]") < 2**63:
-            raise IndexError(f"ScheduledBatches order[{i}] is {value}, not a record index")
-    return np.array(raw, np.int64)
 
 
 def _as_records(

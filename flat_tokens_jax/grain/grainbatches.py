@@ -1,6 +1,7 @@
-"""Whole shuffled batches as one grain element: ``Batches``.
+"""Whole steps as grain elements: ``Batches`` (shuffled batches of one size)
+and ``ScheduledBatches`` (a batch-size schedule's steps of any order).
 
-``FlatTokensSource.batches(...)`` builds one. A grain pipeline that batches
+``FlatTokensSource.batches(...)`` builds a ``Batches``. A grain pipeline that batches
 records one at a time (``MapDataset.source(src).shuffle(seed).batch(B)``)
 reads and decodes every record on its own; a ``Batches`` element is one
 batched read of a whole step, decoded in row blocks on several threads, in
@@ -10,6 +11,7 @@ batched read of a whole step, decoded in row blocks on several threads, in
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
 from collections.abc import Sequence
@@ -17,11 +19,16 @@ from typing import Any, Protocol, SupportsIndex
 
 import numpy as np
 
+from flat_tokens_jax.core.limits import check_loader_memory
+from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.sampling.sampling import IndexSampler
+from flat_tokens_jax.sampling.schedule import BatchSchedule, BatchSizeSpec
 
 
 class BatchReader(Protocol):
-    """What ``Batches`` reads from (a ``FlatTokensSource``)."""
+    """What ``Batches`` and ``ScheduledBatches`` read from (a ``FlatTokensSource``)."""
+
+    seq_len: int
 
     def __len__(self) -> int: ...
 
@@ -84,7 +91,7 @@ class Batches:
 
     def __getitem__(self, step: SupportsIndex) -> dict[str, np.ndarray]:
         """This shard's rows of ``step``: five fields, each ``[rows, seq_len]``."""
-        index = operator.index(step)
+        index = integer(step, "Batches step")
         if not 0 <= index < self._length:
             raise IndexError(f"{self!r}: step {index} is outside [0, {self._length})")
         return self.source.read_batch(self._records(index))
@@ -105,6 +112,90 @@ class Batches:
                 for old in [c for c in self._chunks if c < chunk - 1 or c > chunk + 1]:
                     del self._chunks[old]
         return records[step - chunk * _CHUNK]
+
+
+class ScheduledBatches:
+    """A grain random-access source whose element ``step`` is the batch of that step.
+
+    Element ``step`` holds positions ``[samples_before(step),
+    samples_before(step + 1))`` of ``order`` (a batch-size schedule's cut,
+    as in :class:`~flat_tokens_jax.LoaderConfig`), read from ``source`` in one
+    batched read: the five fields, each ``[batch_size_at(step), seq_len]``.
+    The last step holds what is left of ``order``, so it may be shorter.
+
+    Contract: deterministic, thread-safe and picklable when ``source`` and
+    ``order`` are.
+
+    Args:
+        source: the records.
+        batch_size: an int or a schedule ``[(start_step, size), ...]``.
+        order: record indices in the order to train on, any random-access
+            sequence (``len`` and integer indexing), e.g. a
+            ``grain.MapDataset`` of indices; ``None``: ``range(len(source))``.
+
+    Example:
+        >>> import flat_tokens_jax as ftj
+        >>> from flat_tokens_jax.grain import FlatTokensSource
+        >>> url = "memory://doc/scheduled"
+        >>> ftj.write_dataset(url, {"train": [[1, 2, 3, 4, 5, 6, 7, 8, 9]]}, overwrite=True)
+        >>> batches = ScheduledBatches(FlatTokensSource(url, seq_len=2), [(0, 1), (2, 2)])
+        >>> len(batches), [batches[s]["targets"].tolist() for s in range(len(batches))]
+        (3, [[[1, 2]], [[3, 4]], [[5, 6], [7, 8]]])
+    """
+
+    def __init__(
+        self,
+        source: BatchReader,
+        batch_size: BatchSizeSpec | BatchSchedule,
+        order: Sequence[int] | None = None,
+    ) -> None:
+        if not all(hasattr(source, a) for a in ("read_batch", "seq_len", "__len__")):
+            raise TypeError(
+                f"ScheduledBatches reads a FlatTokensSource, got {type(source).__name__}"
+            )
+        self.source, self.schedule = source, BatchSchedule.of(batch_size)
+        largest = max(size for _, size in self.schedule.entries)
+        check_loader_memory(largest, source.seq_len, 0, 1)
+        self.order = order
+        self._num_samples = len(source) if order is None else len(order)
+        self._length = self.schedule.steps_to_cover(self._num_samples)
+
+    def __repr__(self) -> str:
+        order = "in order" if self.order is None else repr(self.order)
+        return f"ScheduledBatches({self.source!r}, batch_size={self.schedule}, order={order})"
+
+    def __len__(self) -> int:
+        return self._length
+
+    def positions(self, step: int) -> range:
+        """The positions of ``order`` that step ``step`` holds."""
+        first = self.schedule.samples_before(step)
+        return range(first, min(self.schedule.samples_before(step + 1), self._num_samples))
+
+    def __getitem__(self, step: SupportsIndex) -> dict[str, np.ndarray]:
+        """The batch of ``step``: five fields, each ``[rows, seq_len]``."""
+        index = integer(step, "ScheduledBatches step")
+        if not 0 <= index < self._length:
+            raise IndexError(f"{self!r}: step {index} is outside [0, {self._length})")
+        where = self.positions(index)
+        if self.order is None:
+            records = np.arange(where.start, where.stop, dtype=np.int64)
+        else:
+            records = _record_indices(self.order, where)
+        return self.source.read_batch(records)
+
+
+def _record_indices(order: Sequence[int], where: range) -> np.ndarray:
+    """``[len(where)] int64`` entries ``where`` of ``order``, each an int: a
+    float or a bool in the order is refused naming its position, not truncated."""
+    raw = [order[i] for i in where]
+    if all(t is int or issubclass(t, np.integer) for t in set(map(type, raw))):
+        with contextlib.suppress(OverflowError):  # named below
+            return np.array(raw, np.int64)
+    for i, value in zip(where, raw, strict=True):
+        if not -(2**63) <= integer(value, f"ScheduledBatches order[{i}]") < 2**63:
+            raise IndexError(f"ScheduledBatches order[{i}] is {value}, not a record index")
+    return np.array(raw, np.int64)
 
 
 def _shard(shard: tuple[int, int]) -> tuple[int, int]:

@@ -151,7 +151,8 @@ def test_every_command_that_takes_a_url_has_the_same_store_flags() -> None:
     ("words", "message"),
     [
         (["convert", "I", "U", "--workers", "0"], "argument --workers: must be at least 1, got 0"),
-        (["info", "U", "--retries", "0"], "argument --retries: must be at least 1, got 0"),
+        (["info", "U", "--retries", "0"], "argument --retries: must be an int in [1, 100], got 0"),
+        (["info", "U", "--retries", "1000000000"], "--retries: must be an int in [1, 100], got 1"),
         (["info", "U", "--timeout", "0"], "argument --timeout: must be above 0 seconds"),
         (["info", "U", "--concurrency", "x"], "argument --concurrency: expected int, got 'x'"),
         (["info", "U", "--credentials", "static"], "argument --credentials: invalid choice"),

@@ -2,6 +2,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import zarr
 from rawstore import BLOSC, DELTA, SPEC_STARTS, SPEC_TOKENS, flat_split, write_raw
@@ -104,6 +105,19 @@ def test_bad_urls_and_options_are_refused() -> None:
         ftj.open_dataset("/x", StoreOptions(), region="r")
 
 
+def test_retries_have_a_maximum() -> None:
+    """Issue 35: ``--retries 1000000000`` was accepted: a server that stays down
+    would have been retried for centuries."""
+    most = StoreOptions(retries=100)
+    assert context_spec(most)["s3_request_retries"]["max_retries"] == 99
+    assert StoreOptions(retries=np.int64(3)).retries == 3
+    for bad in (101, 10**9, 0, 2.0, True):
+        with pytest.raises(
+            ValueError, match=rf"^StoreOptions.retries must be an int in \[1, 100\], got {bad!r}"
+        ):
+            StoreOptions(retries=bad)  # type: ignore[arg-type]
+
+
 def test_plain_paths_and_file_urls_open_the_same(tmp_path: Path) -> None:
     ftj.write_dataset(tmp_path / "ds", {"train": [[5, 6]]})
     a = ftj.open_dataset(tmp_path / "ds")["train"].tokens(0, 2)
@@ -152,7 +166,7 @@ def test_every_url_taking_function_takes_the_store_options_as_keywords(tmp_path:
         # write_dataset hands its keywords to DatasetWriter, which names itself.
         name = "DatasetWriter" if name == "write_dataset" else name
         # The keywords reach StoreOptions, which checks them, before any work.
-        with pytest.raises(ValueError, match=r"StoreOptions.retries must be at least 1"):
+        with pytest.raises(ValueError, match=r"StoreOptions.retries must be an int in \[1, 100\]"):
             call(retries=0)
         with pytest.raises(
             TypeError, match=rf"{name} got unexpected keyword arguments \['bogus'\]"

@@ -11,7 +11,12 @@ from typing import Any
 
 from flat_tokens_jax.core.urls import redact, redact_text, scheme_of
 from flat_tokens_jax.store.location import OverwriteNeeded
-from flat_tokens_jax.store.options import CONCURRENCY_CEILING, CREDENTIAL_TYPES, StoreOptions
+from flat_tokens_jax.store.options import (
+    CONCURRENCY_CEILING,
+    CREDENTIAL_TYPES,
+    MAX_RETRIES,
+    StoreOptions,
+)
 
 _DEFAULTS = StoreOptions()
 
@@ -21,12 +26,34 @@ def at_least(minimum: int) -> Callable[[str], int]:
     names the flag of a bad value)."""
 
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected int, got {text!r}") from None
+        value = _int(text)
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {text}")
+        return value
+
+    return parse
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected int, got {text!r}") from None
+
+
+def store_count(field: str) -> Callable[[str], int]:
+    """An argparse ``type``: an int that :class:`StoreOptions` takes as
+    ``field``, checked by ``StoreOptions`` itself (argparse then names the flag)."""
+
+    def parse(text: str) -> int:
+        value = _int(text)
+        given: dict[str, Any] = {field: value}
+        try:
+            StoreOptions(**given)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(
+                str(e).removeprefix(f"StoreOptions.{field} ")
+            ) from None
         return value
 
     return parse
@@ -77,9 +104,10 @@ def add_store_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--retries",
-        type=at_least(1),
+        type=store_count("retries"),
         default=_DEFAULTS.retries,
-        help=f"attempts per gs:// or s3:// request (default {_DEFAULTS.retries})",
+        help=f"attempts per gs:// or s3:// request, at most {MAX_RETRIES} (default "
+        f"{_DEFAULTS.retries})",
     )
     group.add_argument(
         "--retry-delay",

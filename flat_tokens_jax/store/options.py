@@ -9,6 +9,7 @@ from typing import Any
 import tensorstore as ts
 
 from flat_tokens_jax.core.urls import redact, redact_text
+from flat_tokens_jax.core.values import integer
 
 # The aws_credentials types that StoreOptions.credentials may name alone.
 CREDENTIAL_TYPES = ("default", "anonymous", "environment", "imds", "ecs")
@@ -18,6 +19,13 @@ CREDENTIAL_TYPES = ("default", "anonymous", "environment", "imds", "ecs")
 # steps in flight), so the rows in flight decide, and below what one client
 # should open at once to one endpoint.
 CONCURRENCY_CEILING = 1024
+
+# The most attempts per request StoreOptions.retries takes. At the default
+# delays 100 attempts already wait about 51 minutes before a read fails
+# (1+2+4+8+16 s, then 32 s for each of the other 94 waits): a server down that
+# long is down, and more attempts would only hide it (10**9 would wait for
+# centuries).
+MAX_RETRIES = 100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +50,8 @@ class StoreOptions:
             steps in flight at once), up to :data:`CONCURRENCY_CEILING` (1024).
             An int pins the limit, e.g. to spare a shared endpoint.
         retries: ``gs://``/``s3://``: attempts per request before a read fails
-            (throttling, 5xx answers, refused or dropped connections). A server
+            (throttling, 5xx answers, refused or dropped connections), from 1
+            to :data:`MAX_RETRIES` (100: about 51 minutes of waits). A server
             that stays down fails a read after the waits between attempts,
             ``min(retry_delay * 2**k + jitter, max_retry_delay)`` for
             ``k < retries - 1``, with up to ``min(1, retry_delay)`` seconds of
@@ -79,8 +88,8 @@ class StoreOptions:
                 f"StoreOptions.concurrency must be at least 1, or None to follow the reads in "
                 f"flight (up to {CONCURRENCY_CEILING}), got {self.concurrency}"
             )
-        if self.retries < 1:
-            raise ValueError("StoreOptions.retries must be at least 1")
+        retries = integer(self.retries, "StoreOptions.retries", low=1, high=MAX_RETRIES)
+        object.__setattr__(self, "retries", retries)  # numpy ints become Python ints
         if not 0 < self.retry_delay <= self.max_retry_delay:
             raise ValueError(
                 f"StoreOptions.retry_delay ({self.retry_delay}) must be above 0 and at most "

@@ -1,4 +1,5 @@
-"""The ``flat-tokens`` command."""
+"""flat-tokens: write, check, inspect and convert flat-tokens datasets, and
+show or plan what a run's loader reads at any step."""
 
 from __future__ import annotations
 
@@ -323,7 +324,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("url", nargs="?", help="the dataset (not needed with --config data or --state)")
     add_store_flags(p)
-    p.add_argument("--step", type=at_least(0), required=True)
+    p.add_argument(
+        "--step",
+        type=at_least(0),
+        required=True,
+        help="the training step to show, counted from 0 (in a run in phases, the run's step)",
+    )
     p.add_argument("--config", help="YAML with a loader section and optionally a data section")
     p.add_argument("--state", help="a saved loader.state() as JSON")
     p.add_argument("--split", default="train", help="split of URL, or part of a data split cut")
@@ -331,8 +337,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-size",
         help="global batch size, or a schedule START_STEP:SIZE,... e.g. 0:256,2000:512",
     )
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--packing", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--seq-len", type=int, help="tokens per row")
+    p.add_argument(
+        "--packing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="rows are consecutive windows of the concatenated tokens (packing: true)",
+    )
     p.add_argument(
         "--padded", dest="packing", action="store_false", help="one sequence per row, padded"
     )
@@ -343,12 +354,21 @@ def build_parser() -> argparse.ArgumentParser:
         const="bins",
         help="whole sequences packed into rows by the packing plan (packing: bins)",
     )
-    p.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--num-epochs", type=int)
-    p.add_argument("--start-token-id", type=int)
-    p.add_argument("--pad-id", type=int)
-    p.add_argument("--vocab-size", type=int)
+    p.add_argument(
+        "--shuffle",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="records in a fresh shuffled order each epoch (--no-shuffle: in order)",
+    )
+    p.add_argument("--seed", type=int, help="the shuffle's seed (LoaderConfig.seed)")
+    p.add_argument("--num-epochs", type=int, help="passes over the records (default: unbounded)")
+    p.add_argument(
+        "--start-token-id",
+        type=int,
+        help="the input token at a sequence's start (default: the one the dataset records)",
+    )
+    p.add_argument("--pad-id", type=int, help="input and target id of padding (default 0)")
+    p.add_argument("--vocab-size", type=int, help="check that the data's token ids fit below it")
     p.add_argument("--rows", help="rows to print, e.g. 0,5-7 (default: all)")
     p.add_argument("--tokenizer", help="render rows as text with this tokenizer")
     p.add_argument("--json", action="store_true", help="print JSON")

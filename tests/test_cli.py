@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -145,6 +146,31 @@ def test_every_command_that_takes_a_url_has_the_same_store_flags() -> None:
     for command, words in COMMANDS.items():
         assert store_options(parser.parse_args([command, *words, *STORE_FLAGS])) == expected
         assert store_options(parser.parse_args([command, *words])) == ftj.StoreOptions()
+
+
+def test_every_option_of_every_command_says_what_it_does_in_plain_text() -> None:
+    """Issue 35: ``flat-tokens --help`` showed "The ``flat-tokens`` command.", and
+    ``show --help`` left ``--step``, ``--seq-len``, ``--seed``, ``--num-epochs``
+    and ``--pad-id`` (and more) without a word."""
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0]  # type: ignore[union-attr]
+    assert [c.dest for c in commands._choices_actions] == list(commands.choices)
+    assert all(c.help for c in commands._choices_actions), "every command has its line"
+    for name, command in [("flat-tokens", parser), *commands.choices.items()]:
+        for action in command._actions:
+            if action is not commands:
+                assert action.help, f"{name} {'/'.join(action.option_strings) or action.dest}"
+        text = command.format_help()
+        assert "``" not in text and ":class:" not in text and ":meth:" not in text, name
+
+
+def test_the_cli_guides_synopsis_lists_every_command() -> None:
+    """Issue 35: docs/guide/cli.md's synopsis lacked ``plan``, ``pack`` and ``convert-chat``."""
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "guide" / "cli.md").read_text()
+    synopsis = guide.split("```text\n", 1)[1].split("```", 1)[0]
+    listed = set(re.findall(r"^flat-tokens ([a-z][a-z-]*)", synopsis, re.M))
+    commands = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert listed == set(commands)
 
 
 @pytest.mark.parametrize(

@@ -209,7 +209,12 @@ def test_show_says_which_component_a_row_came_from(tmp_path: Path) -> None:
         (["--seq-len", "2", "--batch-size", "0"], "--batch-size must be an int >= 1"),
         (["--seq-len", "2", "--batch-size", "2", "--seed", "-1"], "--seed must be"),
         (["--seq-len", "2", "--batch-size", "2", "--num-epochs", "0"], "--num-epochs must be"),
-        (["--seq-len", "2"], "batch_size is not known: pass --batch-size"),
+        (
+            ["--seq-len", "2"],
+            "batch_size is not known: pass --batch-size, or --config with a loader section "
+            "that sets it, or the run's saved --state",
+        ),
+        ([], "batch_size and seq_len are not known: pass --batch-size and --seq-len, or --config"),
         (["--seq-len", "2", "--batch-size", "4", "--step", "10000000000000000000"], "too large"),
         (["--seq-len", "2", "--batch-size", "4", "--step", "4611686018427387904"], "too large"),
         (["--seq-len", "2", "--batch-size", "4", "--rows", "3-9"], "3-9 is outside rows 0-3"),

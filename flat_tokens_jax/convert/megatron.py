@@ -467,7 +467,7 @@ def add_commands(subparsers: Any) -> None:
     p = subparsers.add_parser("export-megatron", help="one split to Megatron PREFIX.idx/.bin")
     p.add_argument("url", metavar="URL", help="dataset path or URL")
     p.add_argument("prefix", metavar="PREFIX", help="output path without .idx/.bin")
-    p.add_argument("--split", default="train", choices=SPLITS)
+    p.add_argument("--split", default="train", choices=SPLITS, help="the split to export")
     p.add_argument(
         "--dtype-code",
         type=int,

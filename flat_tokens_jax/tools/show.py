@@ -215,7 +215,11 @@ def build_loader(
     missing = [k for k in ("batch_size", "seq_len") if k not in values]
     if missing:
         flags = " and ".join("--" + k.replace("_", "-") for k in missing)
-        raise ValueError(f"the run's {' and '.join(missing)} is not known: pass {flags}")
+        are, them = ("are", "them") if len(missing) > 1 else ("is", "it")
+        raise ValueError(
+            f"the run's {' and '.join(missing)} {are} not known: pass {flags}, or --config "
+            f"with a loader section that sets {them}, or the run's saved --state"
+        )
     try:
         # show prints the five fields, whatever layout the run's trainer takes.
         cfg = LoaderConfig.from_dict({**values, "prefetch": 0, "layout": "fields"})

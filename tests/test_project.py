@@ -3,7 +3,9 @@ tests the dependency floors pyproject.toml declares."""
 
 import builtins
 import importlib.util
+import json
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -126,6 +128,62 @@ def test_every_code_block_is_run_or_is_data() -> None:
         assert not odd, f"{page.relative_to(ROOT)}: code blocks in {odd}: use python or bash"
         skips = re.findall(r"<!--\s*pytest\.mark\.skip(.*?)-->", page.read_text())
         assert all("reason=" in s for s in skips), f"{page.relative_to(ROOT)}: skip without reason"
+
+
+def test_one_command_makes_the_sample_data_the_guides_read(tmp_path: Path) -> None:
+    """Issue 35: the guides read ``data/corpus``, ``data/books`` and
+    ``tokenizer.json``, which only the tests' set-up made."""
+    from tokenizers import Tokenizer
+
+    import flat_tokens_jax as ftj
+
+    made = subprocess.run(
+        [sys.executable, str(SCRIPTS / "sample_data.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert made.returncode == 0, made.stderr
+    guides = "\n".join(p.read_text() for p in sorted((ROOT / "docs" / "guide").glob("*.md")))
+    configs = "\n".join(p.read_text() for p in sorted((ROOT / "configs").glob("*.yaml")))
+    read = set(re.findall(r"(?:open_dataset|FlatTokensSource)\(\"(data/[\w-]+)\"", guides))
+    read |= set(re.findall(r"flat-tokens (?:show|info|validate) (data/[\w-]+)", guides))
+    read |= set(re.findall(r"url: (data/[\w-]+)", configs))
+    written = set(re.findall(r"(?:write_dataset|DatasetWriter)\(['\"](data/[\w-]+)", guides))
+    written |= set(re.findall(r"flat-tokens convert(?:-chat)? \S+ (data/[\w-]+)", guides))
+    assert {"data/corpus", "data/web", "data/books", "data/code"} <= read - written
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    for name in sorted(read - written):
+        for split in ftj.open_dataset(tmp_path / name).values():
+            assert 0 < split.max_token_id < tokenizer.get_vocab_size() == 500, name
+    for token in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+        assert tokenizer.token_to_id(token) is not None
+    for text in ("corpus.jsonl", "tokenizer.json", "chats.jsonl"):
+        assert re.search(rf"\b{re.escape(text)}\b", guides), text
+    docs = [json.loads(line)["text"] for line in (tmp_path / "corpus.jsonl").open()]
+    assert len(docs) == 40 and all(docs)
+    chat = json.loads((tmp_path / "chats.jsonl").read_text())
+    assert [t["from"] for t in chat["conversations"]] == ["human", "gpt"]
+
+
+def test_what_the_docs_examples_write_in_a_checkout_is_ignored_by_git(tmp_path: Path) -> None:
+    """Issue 35: the sample data and the examples' outputs (``data/``,
+    ``ckpt-example/``, ``log.jsonl``) were not in ``.gitignore``."""
+    written = ["data/corpus/zarr.json", "tokenizer.json", "corpus.jsonl", "chats.jsonl"]
+    written += ["ckpt/loader_state.json", "ckpt-example/0/x", "log.jsonl"]
+    shutil.copy(ROOT / ".gitignore", tmp_path / ".gitignore")
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    for path in written:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("x")
+    status = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert status.stdout.split() == ["??", ".gitignore"]
 
 
 def test_readme_links_to_docs_pages_that_exist() -> None:

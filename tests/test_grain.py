@@ -6,6 +6,7 @@ import concurrent.futures
 import importlib.metadata
 import os
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -317,6 +318,35 @@ def test_reads_per_batch(path: Path) -> None:
         assert_rows_equal(batched[i], firsts[i])
     assert records.reads == 3
     assert len(batched) == len(per_record)
+
+
+def test_the_guides_data_loader_example_runs_as_a_script_in_the_sample_data(
+    tmp_path: Path,
+) -> None:
+    """Issue 35: the guide's ``DataLoader`` example, pasted into a script, hung:
+    grain's workers import the script again and ran its top level, starting
+    workers of their own. The guide's block is a script with the guard; run as
+    one, where ``scripts/sample_data.py`` made the data it reads."""
+    root = Path(__file__).resolve().parents[1]
+    guide = (root / "docs" / "guide" / "trainers.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", guide, re.M | re.S)
+    (script,) = [b for b in blocks if "grain.DataLoader(" in b]
+    made = subprocess.run(
+        [sys.executable, str(root / "scripts" / "sample_data.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert made.returncode == 0, made.stderr
+    (tmp_path / "grain_loader.py").write_text(script)
+    ran = subprocess.run(
+        [sys.executable, "grain_loader.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (ran.returncode, ran.stdout) == (0, "(32, 256)\n"), ran.stderr
 
 
 @pytest.mark.parametrize("worker_count", [0, 2])

@@ -218,6 +218,8 @@ class FlatTokensSource:
         if packing == BINS and max_segments is not None and max_segments < 2:
             raise ValueError(f"max_segments must be >= 2 with packing='bins', got {max_segments}")
         records = _as_records(source, seq_len, packing, split, options, plan_cache, max_segments)
+        if self.instance_filter is not None:
+            self.instance_filter.check_seq_len(records.seq_len, "instance_filter")
         if len(records) == 0:
             raise ValueError(
                 f"{records!r} has no records: the split holds fewer than "

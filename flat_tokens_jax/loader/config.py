@@ -105,8 +105,9 @@ class LoaderConfig:
             mapping of its fields, as YAML gives): rows that repeat an n-gram
             of up to ``max_period`` tokens ``max_count`` times back to back get
             ``loss_mask`` False on every column (OLMo's filter; see
-            :mod:`~flat_tokens_jax.decoding.instancefilter`). Recommended for
-            pretraining on web data: ``InstanceFilter()``.
+            :mod:`~flat_tokens_jax.decoding.instancefilter`). One that could
+            reject no row (``max_count * min_period > seq_len``) is refused.
+            Recommended for pretraining on web data: ``InstanceFilter()``.
     """
 
     batch_size: BatchSizeSpec
@@ -168,11 +169,10 @@ class LoaderConfig:
             )
         if not isinstance(self.shuffle, bool):
             raise BadValue(path + "shuffle", f"must be True or False, got {self.shuffle!r}")
-        object.__setattr__(
-            self,
-            "instance_filter",
-            InstanceFilter.of(self.instance_filter, path + "instance_filter"),
-        )
+        rule = InstanceFilter.of(self.instance_filter, path + "instance_filter")
+        if rule is not None:
+            rule.check_seq_len(self.seq_len, path + "instance_filter")
+        object.__setattr__(self, "instance_filter", rule)
         if self.decode not in ("host", "device"):
             raise BadValue(path + "decode", f"must be 'host' or 'device', got {self.decode!r}")
         if self.packing == BINS and self.max_segments is not None and self.max_segments < 2:

@@ -22,7 +22,7 @@ from flat_tokens_jax.data.bins import BINS, make_records
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, check_source
 from flat_tokens_jax.decoding.instancefilter import InstanceFilter
-from flat_tokens_jax.decoding.layouts import LAYOUTS
+from flat_tokens_jax.decoding.layouts import LAYOUTS, check_max_segments
 from flat_tokens_jax.sampling.schedule import BatchSchedule, BatchSizeSpec
 
 
@@ -61,10 +61,12 @@ class LoaderConfig:
             least 2, within ``read_ahead_bytes``. An int pins the depth; 0
             reads nothing ahead. Changes no batch.
         read_ahead_bytes: the memory the steps prepared ahead may hold on this
-            host, with automatic ``prefetch`` (a step holds 17 bytes a token
-            of its rows on this host, 5 with ``decode="device"``; at least one
-            step is read ahead whatever its size). Recommended: the default
-            1 GiB, more for very slow stores. Changes no batch.
+            host, with automatic ``prefetch`` (a step holds its rows on this
+            host as ``layout``'s arrays: 17 bytes a token with ``"fields"``,
+            25 with ``"maxtext"``, plus ``4 * max_segments`` a row; 5 bytes a
+            token with ``decode="device"``; at least one step is read ahead
+            whatever its size). Recommended: the default 1 GiB, more for very
+            slow stores. Changes no batch.
         start_token_id: the input token where a sequence starts. ``None``: the
             id the dataset records (``DatasetInfo.start_token_id``, set by
             ``convert --start-token-id``), or the spec's 0 when it records none.
@@ -97,9 +99,10 @@ class LoaderConfig:
         max_segments: if set, every layout adds ``segment_lengths`` ``[B,
             max_segments] int32``, each row's run lengths (sequences,
             fragments, padding) then zeros, for varlen attention
-            (``cu_seqlens``); a row of more runs is refused. With
-            ``packing="bins"`` it also caps the sequences per bin (the packing
-            plan is built with the cap). Recommended for bins: the most
+            (``cu_seqlens``); a row of more runs is refused. At most
+            ``seq_len`` (a row holds no more runs). With ``packing="bins"``
+            it also caps the sequences per bin (the packing plan is built
+            with the cap; at least 2). Recommended for bins: the most
             sequences your kernel takes per row.
         instance_filter: ``None`` (off), or an :class:`InstanceFilter` (or a
             mapping of its fields, as YAML gives): rows that repeat an n-gram
@@ -175,12 +178,7 @@ class LoaderConfig:
         object.__setattr__(self, "instance_filter", rule)
         if self.decode not in ("host", "device"):
             raise BadValue(path + "decode", f"must be 'host' or 'device', got {self.decode!r}")
-        if self.packing == BINS and self.max_segments is not None and self.max_segments < 2:
-            raise BadValue(
-                path + "max_segments",
-                f"must be >= 2 with packing='bins' (a bin not full is a sequence and "
-                f"its padding: 2 runs), got {self.max_segments}",
-            )
+        check_max_segments(self.max_segments, self.seq_len, self.packing, path + "max_segments")
         if not isinstance(self.layout, str) or self.layout not in LAYOUTS:
             raise BadValue(path + "layout", f"must be one of {list(LAYOUTS)}, got {self.layout!r}")
         if self.vocab_size is not None:

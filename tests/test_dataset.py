@@ -56,3 +56,33 @@ def test_other_index_taking_methods_refuse_non_integers(
 def test_ranges_need_as_many_starts_as_stops(ft: ftj.FlatTokens) -> None:
     with pytest.raises(ValueError, match="2 range starts but 1 stops"):
         ft.encoded_ranges([0, 1], [2])
+
+
+@pytest.mark.parametrize(
+    ("fractions", "message"),
+    [
+        ("inf,1", r"split fractions 'inf,1': weight 0 \('inf'\) is not a finite non-negative"),
+        ("1,nan", r"weight 1 \('nan'\) is not a finite"),
+        ("-1,2", r"weight 0 \('-1'\) is not a finite non-negative"),
+        ("a,b", r"weight 0 \('a'\) is not"),
+        ([1, float("inf")], r"weight 1 \(inf\) is not"),
+        ([True, 1], r"weight 0 \(True\) is not"),
+        ("0,0", "the weights sum to 0"),
+        ("", "the weights sum to 0"),
+        ("1e308,1e308", "the weights sum to inf"),
+        (None, "expected a string or a list of numbers"),
+    ],
+)
+def test_split_refuses_fractions_it_cannot_use_naming_them_and_the_form(
+    ft: ftj.FlatTokens, fractions: Any, message: str
+) -> None:
+    # Before: split("inf,1") raised "cannot convert float NaN to integer".
+    with pytest.raises(ValueError, match=message) as e:
+        ft.split(fractions)
+    assert "such as '949,50,1'" in str(e.value)
+
+
+def test_split_by_good_fractions_cuts_as_before(ft: ftj.FlatTokens) -> None:
+    for fractions in ("2,1", "2/1", [2, 1], np.array([2.0, 1.0]), " 2 , 1 "):
+        views = ft.split(fractions)
+        assert [v.seq_range for v in views] == [(0, 2), (2, 3)]

@@ -26,6 +26,7 @@ from flat_tokens_jax.core.format import (
     as_indices,
     decode,
 )
+from flat_tokens_jax.data.splitfractions import split_boundaries
 from flat_tokens_jax.store.arrays import ArrayReader, Known, Pending
 from flat_tokens_jax.store.digests import DIGESTS, ChunkDigests
 from flat_tokens_jax.store.identity import DatasetInfo
@@ -299,6 +300,10 @@ class FlatTokens:
         and every boundary after the first is shifted so the last equals
         ``num_sequences``. A view works wherever a ``FlatTokens`` does; packed
         records of a view never cross its ends.
+
+        Raises:
+            ValueError: a weight that is no finite non-negative number, or no
+                positive sum, naming ``fractions`` and the form to write.
         """
         bounds = split_boundaries(fractions, self.num_sequences)
         return tuple(self.view(a, b) for a, b in itertools.pairwise(bounds))
@@ -477,28 +482,6 @@ def open_dataset(
         FormatError: nothing valid at ``url``, or an array that breaks the format.
     """
     return Dataset(Store(url, resolve_options(options, option_fields, "open_dataset")))
-
-
-def split_boundaries(fractions: str | Sequence[float], n: int) -> list[int]:
-    """Boundaries ``[0, ..., n]`` of a Megatron-style split of ``n`` items.
-
-    Example:
-        >>> split_boundaries("949,50,1", 1000)
-        [0, 949, 999, 1000]
-    """
-    text = fractions if isinstance(fractions, str) else ",".join(map(str, fractions))
-    try:
-        weights = [float(x) for x in text.replace("/", ",").split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"split {fractions!r}: expected numbers such as '949,50,1'") from None
-    if not weights or any(w < 0 or w != w for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"split {fractions!r}: weights must be non-negative with a positive sum")
-    total = sum(weights)
-    bounds = [0]
-    for w in weights:
-        bounds.append(bounds[-1] + round(w / total * float(n)))
-    excess = bounds[-1] - n
-    return [bounds[0], *(b - excess for b in bounds[1:])]
 
 
 def _max_token_id(attrs: Mapping[str, Any], where: str) -> int:

@@ -229,8 +229,6 @@ def export_megatron(
         )
     refuse_overlap([url], [os.fspath(prefix) + ext for ext in (".bin", ".idx")])
     ds = open_dataset(url, options)
-    if split not in ds:
-        raise ValueError(f"{ds.url} has no split {split!r}; it has {ds.splits}")
     ft = ds[split]
     recorded = ds.attributes.get("megatron")
     origin = "given"

@@ -27,6 +27,16 @@ LOSS_MASK = "loss_mask"
 SPLITS = ("train", "validation")
 
 
+class UnknownSplit(KeyError, ValueError):
+    """A split that a dataset or a writer does not have: a ``KeyError`` whose
+    text reads as a sentence (a plain one shows its message in quotes), and a
+    ``ValueError`` as every other bad name given is, so that whatever reports
+    bad input (the command line) reports it."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """One violation of the format: what is wrong and where.

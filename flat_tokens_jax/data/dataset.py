@@ -22,6 +22,7 @@ from flat_tokens_jax.core.format import (
     STARTS_DTYPE,
     TOKENS,
     FormatError,
+    UnknownSplit,
     as_index,
     as_indices,
     decode,
@@ -423,8 +424,8 @@ class Dataset(Mapping[str, FlatTokens]):
         except KeyError:
             hint = {"valid": "validation", "val": "validation"}.get(split)
             fix = f": use {hint!r}" if hint in self._splits else ""
-            raise KeyError(
-                f"{self.url} has no split {split!r}; it has {self.splits}{fix}"
+            raise UnknownSplit(
+                f"{self.url} has no split {split!r}; it has {', '.join(self.splits)}{fix}"
             ) from None
 
     def __iter__(self) -> Iterator[str]:

@@ -25,6 +25,7 @@ from flat_tokens_jax.core.format import (
     SPLITS,
     STARTS_DTYPE,
     TOKENS,
+    UnknownSplit,
     check_loss_mask,
     check_token_ids,
     encode_concatenated,
@@ -312,8 +313,9 @@ class DatasetWriter:
         try:
             return self._splits[split]
         except KeyError:
-            raise KeyError(
-                f"unknown split {split!r}; this writer has {tuple(self._splits)}"
+            raise UnknownSplit(
+                f"unknown split {split!r}; this writer has {tuple(self._splits)}: "
+                "name every split it writes in DatasetWriter(splits=...)"
             ) from None
 
     def append(
@@ -467,7 +469,7 @@ def write_dataset(
     masks = dict(loss_masks or {})
     unknown = sorted(set(masks) - set(splits))
     if unknown:
-        raise KeyError(f"loss_masks names splits {unknown} that splits does not have")
+        raise UnknownSplit(f"loss_masks names splits {unknown} that splits does not have")
     names = tuple(dict.fromkeys([*SPLITS, *splits]))
     with DatasetWriter(url, splits=names, **writer_args) as w:
         for name, seqs in splits.items():

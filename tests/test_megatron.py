@@ -418,3 +418,28 @@ def test_cli_errors_go_to_stderr_with_status_1(
     ftj.write_dataset(tmp_path / "ds", {"train": [[300]]})
     assert cli(["export-megatron", str(tmp_path / "ds"), str(tmp_path / "e"), "--dtype-code", "1"])
     assert "holds token ids up to 255" in capsys.readouterr().err
+
+
+def test_cli_imports_into_an_extra_split_and_exports_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: --split allowed only train and validation (argparse's exit 2).
+    write_reference(tmp_path / "a", [[[1, 2]], [[3, 4, 5]]], 8)
+    out = str(tmp_path / "ds")
+    assert cli(["import-megatron", str(tmp_path / "a"), out, "--split", "test"]) == 0
+    assert "[test]: 2 sequences, 5 tokens" in capsys.readouterr().out
+    assert ftj.open_dataset(out).splits == ("train", "validation", "test")
+    assert stored(out, "test") == [[1, 2], [3, 4, 5]] and stored(out) == []
+    assert cli(["export-megatron", out, str(tmp_path / "e"), "--split", "test"]) == 0
+    for ext in (".idx", ".bin"):
+        assert (tmp_path / f"e{ext}").read_bytes() == (tmp_path / f"a{ext}").read_bytes()
+    assert cli(["export-megatron", out, str(tmp_path / "f"), "--split", "dev"]) == 1
+    assert capsys.readouterr().err.endswith("has no split 'dev'; it has train, validation, test\n")
+    bad = str(tmp_path / "bad")
+    assert cli(["import-megatron", str(tmp_path / "a"), bad, "--split", "Test"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("import-megatron: split name 'Test' is not allowed")
+        and "write 'test'" in err
+    )
+    assert not Path(bad).exists()

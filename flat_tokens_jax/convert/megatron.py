@@ -26,7 +26,7 @@ from flat_tokens_jax.convert.mmidx import (
     read_tokens,
 )
 from flat_tokens_jax.convert.tokenizer import identity, load_tokenizer
-from flat_tokens_jax.core.format import SPLITS, decode, encode_concatenated
+from flat_tokens_jax.core.format import check_split_name, decode, encode_concatenated
 from flat_tokens_jax.data.dataset import open_dataset
 from flat_tokens_jax.data.writer import DatasetWriter, Layout
 from flat_tokens_jax.store.identity import DatasetInfo, inputs_record
@@ -93,8 +93,8 @@ def import_megatron(
         output: the new dataset's path or URL.
         layout, overwrite, options: as for :class:`DatasetWriter`.
         **option_fields: or the fields of ``options`` as keywords.
-        split: ``"train"`` or ``"validation"``: it receives everything; the other
-            is written empty.
+        split: the split that receives everything (``train`` and ``validation``
+            are written even when empty); see :func:`~flat_tokens_jax.core.format.check_split_name`.
         progress: called after each chunk with ``(tokens_done, tokens_total)``.
         chunk_tokens: tokens per write, in whole units. Recommended: ``1 << 20``.
         tokenizer: the tokenizer that made the ids (a ``tokenizers`` JSON file
@@ -117,8 +117,7 @@ def import_megatron(
     """
     options = resolve_options(options, option_fields, "import_megatron")
     began = time.perf_counter()
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    check_split_name(split)
     prefixes = [prefixes] if isinstance(prefixes, str | os.PathLike) else list(prefixes)
     if not prefixes:
         raise ValueError("import_megatron needs at least one prefix")
@@ -134,7 +133,12 @@ def import_megatron(
     files = [Path(f"{os.fspath(p)}{ext}") for p in prefixes for ext in (".idx", ".bin")]
     with (
         DatasetWriter(
-            output, layout=layout, overwrite=overwrite, options=options, attributes=attributes
+            output,
+            layout=layout,
+            overwrite=overwrite,
+            options=options,
+            splits=[split],
+            attributes=attributes,
         ) as writer,
         hash_inputs(files) as digests,
     ):
@@ -299,7 +303,7 @@ def add_commands(subparsers: Any) -> None:
         action="store_true",
         help="one sequence per Megatron sequence, not per document",
     )
-    p.add_argument("--split", default="train", choices=SPLITS, help="the split to write")
+    p.add_argument("--split", default="train", help="the split to write (e.g. test)")
     p.add_argument(
         "--tokenizer",
         help="the tokenizer that made the ids (JSON file or transformers directory), recorded "
@@ -312,7 +316,7 @@ def add_commands(subparsers: Any) -> None:
     p = subparsers.add_parser("export-megatron", help="one split to Megatron PREFIX.idx/.bin")
     p.add_argument("url", metavar="URL", help="dataset path or URL")
     p.add_argument("prefix", metavar="PREFIX", help="output path without .idx/.bin")
-    p.add_argument("--split", default="train", choices=SPLITS)
+    p.add_argument("--split", default="train", help="the split to export")
     p.add_argument(
         "--dtype-code",
         type=int,

@@ -30,7 +30,7 @@ from flat_tokens_jax.core.format import (
 from flat_tokens_jax.data.splitfractions import split_boundaries
 from flat_tokens_jax.store.arrays import ArrayReader, Known, Pending
 from flat_tokens_jax.store.digests import DIGESTS, ChunkDigests
-from flat_tokens_jax.store.identity import DatasetInfo
+from flat_tokens_jax.store.identity import DatasetInfo, dataset_splits
 from flat_tokens_jax.store.options import StoreOptions, resolve_options
 from flat_tokens_jax.store.probes import ShardProbes
 from flat_tokens_jax.store.store import (
@@ -385,13 +385,14 @@ def _side_opener(store: Store, key: str) -> Callable[[], ArrayReader]:
 class Dataset(Mapping[str, FlatTokens]):
     """A flat-tokens dataset: a zarr group whose splits are :class:`FlatTokens`.
 
-    ``dataset["train"]``, ``dataset["validation"]``; ``splits`` lists those present.
+    ``dataset["train"]``; ``splits`` lists those present: ``train``, ``validation``,
+    then the extra ones its root attributes record (``flat_tokens.splits``).
     """
 
     def __init__(self, store: Store) -> None:
-        store.prefetch_json(_metadata_keys(3))
+        store.prefetch_json(_metadata_keys(3, SPLITS))
         if store.read_json(V3_META) is None:
-            store.prefetch_json(_metadata_keys(2))
+            store.prefetch_json(_metadata_keys(2, SPLITS))
         found = store.group_attributes("")
         if found is None:
             raise FormatError(
@@ -402,12 +403,14 @@ class Dataset(Mapping[str, FlatTokens]):
         self.zarr_format, self.attributes = found
         self.info = DatasetInfo.from_attributes(self.attributes, store.url)
         """What made the dataset (tokenizer, flags, inputs); ``None`` when it does not say."""
-        present = [s for s in SPLITS if store.group_attributes(s) is not None]
+        names = dataset_splits(self.attributes, store.url)
+        store.prefetch_json(_metadata_keys(self.zarr_format, names[len(SPLITS) :]))
+        present = [s for s in names if store.group_attributes(s) is not None]
         opened = at_once([functools.partial(FlatTokens, store, s, info=self.info) for s in present])
         self._splits = dict(zip(present, opened, strict=True))
         if not self._splits:
             raise FormatError(
-                f"{store.url}: the group has neither a 'train' nor a 'validation' split"
+                f"{store.url}: the group holds none of its splits ({', '.join(names)})"
             )
 
     @property
@@ -438,16 +441,16 @@ class Dataset(Mapping[str, FlatTokens]):
         return f"Dataset({self.url!r}, splits={self.splits})"
 
 
-def _metadata_keys(zarr_format: int) -> list[str]:
-    """The metadata that opening a dataset of ``zarr_format`` reads: the root's,
-    each split's, and those of each split's arrays and their side arrays of
-    digests (zarr v3: and the v2 metadata looked for next where a split has no
-    loss mask)."""
+def _metadata_keys(zarr_format: int, splits: Sequence[str]) -> list[str]:
+    """The metadata that opening ``splits`` of a dataset of ``zarr_format``
+    reads: the root's, each split's, and those of each split's arrays and their
+    side arrays of digests (zarr v3: and the v2 metadata looked for next where
+    a split has no loss mask)."""
     group, array = (
         ([V3_META], [V3_META]) if zarr_format == 3 else ([V2_GROUP, V2_ATTRS], [V2_ARRAY, V2_ATTRS])
     )
     keys = list(group)
-    for split in SPLITS:
+    for split in splits:
         keys += [f"{split}/{key}" for key in group]
         for name in (TOKENS, SEQ_STARTS, LOSS_MASK):
             for folder in (f"{split}/{name}", f"{split}/{name}/{DIGESTS}"):

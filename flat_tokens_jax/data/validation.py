@@ -23,7 +23,7 @@ from flat_tokens_jax.data.dataset import FlatTokens, open_dataset
 from flat_tokens_jax.data.plans import check_stored_plans, plans_summary
 from flat_tokens_jax.store.arrays import ArrayReader
 from flat_tokens_jax.store.digests import ChunkDigests
-from flat_tokens_jax.store.identity import DatasetInfo
+from flat_tokens_jax.store.identity import DatasetInfo, dataset_splits
 from flat_tokens_jax.store.options import StoreError, StoreOptions, resolve_options
 from flat_tokens_jax.store.store import Store
 
@@ -44,7 +44,8 @@ def validate(
 ) -> None:
     """Checks every invariant of the dataset at ``url``, reading it in blocks.
 
-    Checks both splits are present; dtypes and shapes; ``seq_starts`` starts at
+    Checks every split is present (``train``, ``validation`` and those the root
+    attribute ``flat_tokens.splits`` records); dtypes and shapes; ``seq_starts`` starts at
     0, strictly increases and ends at the token count; start bits sit exactly at
     ``seq_starts``; every id is ``<= max_token_id``; an optional ``loss_mask``
     has one ``uint8`` 0/1 entry per token; the root attribute ``flat_tokens``,
@@ -77,11 +78,13 @@ def validate(
             )
         )
     problems: list[Problem] = []
+    names: tuple[str, ...] = SPLITS
     try:
         DatasetInfo.from_attributes(root[1])
+        names = dataset_splits(root[1])
     except FormatError as e:
         problems += e.problems
-    for split in SPLITS:
+    for split in names:
         try:
             ft = FlatTokens(store, split, check_end=False)
         except FormatError as e:

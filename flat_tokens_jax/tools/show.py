@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from flat_tokens_jax.core.limits import ROW_BYTES_PER_TOKEN, check_memory, memory_bytes
-from flat_tokens_jax.core.values import BadValue
+from flat_tokens_jax.core.values import BadValue, known_keys
 from flat_tokens_jax.data.dataset import FlatTokens, open_dataset
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.loader import Loader
@@ -197,13 +197,8 @@ def build_loader(
         loader_section = config.get("loader") or {}
         if not isinstance(loader_section, Mapping):
             raise ValueError(f"{config_name}: the 'loader' section is not a mapping")
-        known = {f.name for f in dataclasses.fields(LoaderConfig)}
-        wrong = sorted(map(str, set(loader_section) - known))
-        if wrong:
-            raise ValueError(
-                f"{config_name}: loader: unknown LoaderConfig field(s) {wrong}; "
-                f"known: {sorted(known)}"
-            )
+        known = (f.name for f in dataclasses.fields(LoaderConfig))
+        known_keys(loader_section, f"{config_name}: loader", known, "field")
         values.update(loader_section)
         origin.update({k: f"{config_name}: loader" for k in loader_section})
         data = config.get("data")

@@ -544,3 +544,144 @@ def test_a_pad_id_inputs_cannot_hold_is_refused_by_its_field() -> None:
             ftj.LoaderConfig(batch_size=1, seq_len=2, start_token_id=start)
     assert ftj.LoaderConfig(batch_size=1, seq_len=2, pad_id=-top - 1).pad_id == -top - 1
     assert ftj.LoaderConfig(batch_size=1, seq_len=2, start_token_id=top).start_token_id == top
+
+
+# --- issue 35: no input of a user's ends the CLI in "unexpected ... (a bug)"
+
+
+def two_phases(first: str = "", second: str = "") -> str:
+    """A run YAML of two phases on WEB, with lines added to each phase's mapping."""
+    return (
+        "phases:\n"
+        "  - name: pretrain\n"
+        "    start_step: 0\n"
+        f"    data: {{datasets: {{web: {{url: '{WEB}', weight: 1}}}}}}\n"
+        "    loader: {batch_size: 2, seq_len: 4}\n"
+        f"{first}"
+        "  - name: anneal\n"
+        "    start_step: 3\n"
+        f"{second}"
+    )
+
+
+HOSTILE_YAML = {
+    "loader-only": "loader: {batch_size: 2, seq_len: 4}\n",
+    "typo": "phase:\n  - start_step: 0\n",
+    "list": "- 1\n- 2\n",
+    "empty": "",
+    "nul": "loader: {seed: 1}\x00\n",
+    "pad-id": two_phases(second="    loader: {pad_id: 1099511627776}\n"),
+    "missing-split": two_phases(
+        second=f"    data: {{datasets: {{web: {{url: '{WEB}', weight: 1, split: test}}}}}}\n"
+    ),
+    "deep": nested(2000),
+    "base-60": two_phases().replace("start_step: 3", "start_step: 12:00"),
+    "octal": two_phases(second="    loader: {seed: 017}\n"),
+    "unknown-field": two_phases(second="    loader: {sead: 1}\n"),
+    "zero-weights": two_phases(
+        second=f"    data: {{datasets: {{web: {{url: '{WEB}', weight: 0}}}}}}\n"
+    ),
+    "weights-count": two_phases(
+        second=f"    data: {{datasets: {{web: {{url: '{WEB}', weight: 1}}}}, "
+        "schedule: [{step: 1, weights: [1, 2]}]}\n"
+    ),
+    "misspelt": two_phases(
+        second=f"    data: {{datasets: {{web: {{url: '{WEB}', wieght: 1}}}}}}\n"
+    ),
+}
+# Read by plan only (show takes its step as a flag).
+PLAN_ONLY = {"top-steps": "steps: many\n" + two_phases()}
+
+
+def saved_phased_state() -> dict[str, Any]:
+    run = ftj.PhasedLoader(
+        [
+            ftj.Phase(0, ftj.open_dataset(WEB)["train"], ftj.LoaderConfig(batch_size=2, seq_len=4)),
+            ftj.Phase(3, ftj.open_dataset(WEB)["train"], ftj.LoaderConfig(batch_size=2, seq_len=2)),
+        ]
+    )
+    run.next_step = 5
+    return run.state()
+
+
+def changed(path: str, value: Any) -> str:
+    """A saved phased state as JSON with the value at ``path`` (``phases.1.start_step``) set."""
+    state = saved_phased_state()
+    *parents, last = path.split(".")
+    here: Any = state
+    for key in parents:
+        here = here[int(key)] if isinstance(here, list) else here[key]
+    here[int(last) if isinstance(here, list) else last] = value
+    return json.dumps(state)
+
+
+HOSTILE_STATES = {
+    "start-step-text": changed("phases.1.start_step", "x"),
+    "start-step-float": changed("phases.1.start_step", 3.0),
+    "step-text": changed("step", "x"),
+    "phase-int": changed("phases.1", 5),
+    "long-int": '{"step": ' + "9" * 5000 + ', "phases": []}',
+}
+
+
+def corpus(tmp_path: Path) -> list[tuple[list[str], Path]]:
+    """(CLI words, the file they read) of every hostile input."""
+    runs = []
+    for name, text in HOSTILE_YAML.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(text)
+        runs += [(["plan", str(path), "--steps", "10"], path)]
+        runs += [(["show", "--config", str(path), "--step", "4"], path)]
+    for name, text in HOSTILE_STATES.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(text)
+        runs += [(["show", "--state", str(path), "--step", "4"], path)]
+    return runs
+
+
+def test_hostile_inputs_end_in_one_line_naming_the_file(tmp_path: Path) -> None:
+    for words, path in corpus(tmp_path):
+        code, out, err = run_main(*words)
+        assert code in (1, 2) and out == "", (words, code, err)
+        assert len(err.strip().splitlines()) == 1 and str(path) in err, (words, err)
+        assert "unexpected" not in err and "Traceback" not in err, (words, err)
+
+
+@pytest.mark.parametrize(
+    ("name", "fragments"),
+    [
+        ("pad-id", ["phase 1 'anneal' (from step 3): phases[1].loader.pad_id must be an int in"]),
+        ("missing-split", ["phases[1].data.datasets.web.split reads a split its dataset lacks"]),
+        ("unknown-field", ["phase 1 'anneal' (from step 3): phases[1].loader has unknown field"]),
+        ("zero-weights", ["phases[1].data does not make a mixture: weights are all zero"]),
+        ("weights-count", ["phases[1].data does not make a mixture: weights from step 1:"]),
+        ("misspelt", ["phases[1].data.datasets.web has unknown key 'wieght' (did you mean"]),
+        ("typo", ["found 'phase' (did you mean 'phases'?)"]),
+        ("loader-only", ["it has 'loader' but no 'data'"]),
+        ("top-steps", ["steps must be an int >= 1, got 'many'"]),
+        ("empty", ["is empty: plan reads a 'phases' section, or 'data' and 'loader'"]),
+        ("list", ["holds a list, not a mapping: plan reads a 'phases' section"]),
+    ],
+)
+def test_plan_errors_name_the_file_the_phase_and_the_path(
+    tmp_path: Path, name: str, fragments: list[str]
+) -> None:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text({**HOSTILE_YAML, **PLAN_ONLY}[name])
+    steps = [] if name in PLAN_ONLY else ["--steps", "10"]
+    code, _, err = run_main("plan", str(path), *steps)
+    assert code == 1 and err.startswith(f"plan: {path}"), err
+    assert "--state" not in err, "a flag plan does not have"
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+
+
+def test_a_saved_state_is_blamed_where_it_is_wrong(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    path.write_text(HOSTILE_STATES["start-step-float"])
+    code, _, err = run_main("show", "--state", str(path), "--step", "4")
+    assert code == 1 and "phases[1].start_step must be an int" in err, err
+    assert "phases[0]" not in err and "(write 3, without the fraction)" in err, err
+    path.write_text(HOSTILE_STATES["long-int"])
+    code, _, err = run_main("show", "--state", str(path), "--step", "4")
+    assert "it holds a number of 5,000 digits" in err and "sys.set_int_max_str_digits" not in err

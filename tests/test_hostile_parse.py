@@ -685,3 +685,22 @@ def test_a_saved_state_is_blamed_where_it_is_wrong(tmp_path: Path) -> None:
     path.write_text(HOSTILE_STATES["long-int"])
     code, _, err = run_main("show", "--state", str(path), "--step", "4")
     assert "it holds a number of 5,000 digits" in err and "sys.set_int_max_str_digits" not in err
+
+
+def test_a_store_error_of_a_phase_names_the_file_and_the_phase(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def unreachable(url: str, *args: Any, **kwargs: Any) -> Any:
+        raise ftj.StoreError(f"{url}: the server failed 3 attempts: is it reachable?")
+
+    monkeypatch.setattr("flat_tokens_jax.sampling.mixconfig.open_dataset", unreachable)
+    path = tmp_path / "run.yaml"
+    path.write_text(two_phases())
+    for words in (
+        ["plan", str(path), "--steps", "4"],
+        ["show", "--config", str(path), "--step", "4"],
+    ):
+        code, _, err = run_main(*words)
+        assert code == 1 and err.startswith(
+            f"{words[0]}: {path}: phase 0 'pretrain' (from step 0): {WEB}: the server failed"
+        ), err

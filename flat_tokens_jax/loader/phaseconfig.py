@@ -42,7 +42,7 @@ from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.phases import Phase
 from flat_tokens_jax.sampling.mixconfig import mixture_from_config
 from flat_tokens_jax.sampling.mixture import Mixture
-from flat_tokens_jax.store.options import StoreOptions
+from flat_tokens_jax.store.options import StoreError, StoreOptions
 
 __all__ = ["phases_from_config", "phases_from_yaml"]
 
@@ -70,6 +70,8 @@ def phases_from_config(
             ``data`` or ``loader``; the message names the phase (``phase 1
             'anneal' (from step 900)``) and the value's path
             (``phases[1].loader.seq_len``).
+        StoreError: a phase's dataset cannot be reached (the message names
+            the phase).
     """
     listed = sequence(phases, path, "a list of {start_step, name, data, loader}")
     if not listed:
@@ -106,6 +108,8 @@ def phases_from_config(
             config = LoaderConfig.from_dict(fields, child(where, "loader"))
         except ValueError as e:
             raise ValueError(f"{label}: {e}") from None
+        except StoreError as e:
+            raise StoreError(f"{label}: {e}") from None
         out.append(Phase(start, opened[key], config, name))
     return out
 

@@ -20,7 +20,7 @@ from flat_tokens_jax.loader.phasedloader import PhasedLoader
 from flat_tokens_jax.loader.phases import Phase
 from flat_tokens_jax.sampling.mixconfig import mixture_from_config
 from flat_tokens_jax.sampling.schedule import BatchSchedule
-from flat_tokens_jax.store.options import StoreOptions
+from flat_tokens_jax.store.options import StoreError, StoreOptions
 from flat_tokens_jax.tools.show import build_loader
 
 _MAX_STEP = 2**63 - 1  # steps count int64 samples
@@ -61,6 +61,8 @@ def build_run(
             return PhasedLoader(phases_from_config(config["phases"], split, options))
         except ValueError as e:
             raise ValueError(f"{config_name}: {e}") from None
+        except StoreError as e:
+            raise StoreError(f"{config_name}: {e}") from None
     if state is None or not isinstance(state.get("phases"), list):
         raise ValueError(f"{state_name}: not the state of a run in phases")
     try:
@@ -126,6 +128,8 @@ def plan_run(
             return PhasedLoader([Phase(0, mixture, config)])
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
+        except StoreError as e:
+            raise StoreError(f"{name}: {e}") from None
     wanted = "a 'phases' section, or 'data' and 'loader' sections (a run of one phase)"
     if not isinstance(doc, Mapping):
         found = "is empty" if doc is None else f"holds a {type(doc).__name__}, not a mapping"

@@ -47,7 +47,7 @@ from flat_tokens_jax.store.options import StoreError, StoreOptions
 __all__ = ["phases_from_config", "phases_from_yaml"]
 
 _KEYS = ("name", "start_step", "data", "loader")
-_MAX_STEP = 2**63 - 1  # steps count int64 samples
+MAX_STEP = 2**63 - 1  # The largest step: steps count int64 samples.
 
 
 def phases_from_config(
@@ -88,7 +88,7 @@ def phases_from_config(
             label += "" if name is None else f" {name!r}"
             if "start_step" in entry:
                 start = integer(
-                    entry["start_step"], child(where, "start_step"), low=0, high=_MAX_STEP
+                    entry["start_step"], child(where, "start_step"), low=0, high=MAX_STEP
                 )
                 label += f" (from step {start})"
             known_keys(entry, where, _KEYS)

@@ -15,15 +15,13 @@ from typing import Any
 
 from flat_tokens_jax.core.values import BadValue, child, close_match, integer, mapping, sequence
 from flat_tokens_jax.loader.config import LoaderConfig
-from flat_tokens_jax.loader.phaseconfig import phases_from_config
+from flat_tokens_jax.loader.phaseconfig import MAX_STEP, phases_from_config
 from flat_tokens_jax.loader.phasedloader import PhasedLoader
 from flat_tokens_jax.loader.phases import Phase
 from flat_tokens_jax.sampling.mixconfig import mixture_from_config
 from flat_tokens_jax.sampling.schedule import BatchSchedule
 from flat_tokens_jax.store.options import StoreError, StoreOptions
 from flat_tokens_jax.tools.show import build_loader
-
-_MAX_STEP = 2**63 - 1  # steps count int64 samples
 
 
 def is_phased(config: Any, state: Any) -> bool:
@@ -76,13 +74,13 @@ def _saved_run(
 ) -> PhasedLoader:
     """The run of a saved phased state, each phase rebuilt from its
     fingerprint and sources and checked against them."""
-    step = integer(state.get("step"), "step", low=0, high=_MAX_STEP)
+    step = integer(state.get("step"), "step", low=0, high=MAX_STEP)
     saved = sequence(state["phases"], "phases", "a list of the saved phases")
     if not saved:
         raise BadValue("phases", "must list at least one phase")
     entries = [mapping(p, child("phases", j)) for j, p in enumerate(saved)]
     starts = [
-        integer(p.get("start_step"), child(child("phases", j), "start_step"), low=0, high=_MAX_STEP)
+        integer(p.get("start_step"), child(child("phases", j), "start_step"), low=0, high=MAX_STEP)
         for j, p in enumerate(entries)
     ]
     phases = []

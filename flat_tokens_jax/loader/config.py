@@ -17,7 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from flat_tokens_jax.core.values import MAX_SEED, BadValue, integer, read_yaml
+from flat_tokens_jax.core.format import MAX_TOKEN_ID
+from flat_tokens_jax.core.values import MAX_SEED, BadValue, integer, known_keys, read_yaml
 from flat_tokens_jax.data.bins import BINS, make_records
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, check_source
@@ -69,8 +70,9 @@ class LoaderConfig:
             slow stores. Changes no batch.
         start_token_id: the input token where a sequence starts. ``None``: the
             id the dataset records (``DatasetInfo.start_token_id``, set by
-            ``convert --start-token-id``), or the spec's 0 when it records none.
-        pad_id: input and target id of padding.
+            ``convert --start-token-id``), or the spec's 0 when it records none;
+            at most ``2**31 - 1`` (inputs are ``int32``).
+        pad_id: input and target id of padding, an ``int32``.
         vocab_size: if given, the dataset's ``max_token_id`` (and the vocabulary
             of the tokenizer it records) must fit below it. It checks the data
             and changes no batch.
@@ -150,10 +152,17 @@ class LoaderConfig:
             "prefetch": integer(self.prefetch, path + "prefetch", low=0, optional=True),
             "read_ahead_bytes": integer(self.read_ahead_bytes, path + "read_ahead_bytes", low=1),
             "seed": integer(self.seed, path + "seed", low=0, high=MAX_SEED),
+            # Both are written into the int32 inputs and targets.
             "start_token_id": integer(
-                self.start_token_id, path + "start_token_id", low=0, optional=True
+                self.start_token_id,
+                path + "start_token_id",
+                low=0,
+                high=MAX_TOKEN_ID,
+                optional=True,
             ),
-            "pad_id": integer(self.pad_id, path + "pad_id"),
+            "pad_id": integer(
+                self.pad_id, path + "pad_id", low=-MAX_TOKEN_ID - 1, high=MAX_TOKEN_ID
+            ),
             **{
                 name: integer(getattr(self, name), path + name, low=1, optional=True)
                 for name in ("num_epochs", "vocab_size", "decode_threads", "max_segments")
@@ -198,10 +207,7 @@ class LoaderConfig:
         """
         if not isinstance(values, Mapping):
             raise BadValue(path, f"must be a mapping of LoaderConfig fields, got {values!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(map(str, set(values) - known))
-        if unknown:
-            raise ValueError(f"unknown LoaderConfig field(s) {unknown}; known: {sorted(known)}")
+        known_keys(values, path, (f.name for f in dataclasses.fields(cls)), "field")
         missing = [k for k in ("batch_size", "seq_len") if k not in values]
         if missing:
             raise ValueError(f"{path}: the field(s) {missing} are required")

@@ -463,3 +463,22 @@ def test_a_deleted_attribute_of_a_dataset_we_wrote_is_refused_at_open(
         ftj.open_dataset(path)
     with pytest.raises(FormatError, match=message):
         ftj.validate(path, quick=True)
+
+
+def test_a_state_does_not_restore_onto_data_that_records_other_or_no_contents(
+    tmp_path: Path,
+) -> None:
+    path, _ = two_versions(tmp_path, "v3")
+    state = ftj.Loader(ftj.open_dataset(path)["train"], SWAP_CONFIG).state()
+    other = ftj.open_dataset(tmp_path / "b")["train"]
+    what = r"fingerprint\.data\.content: the data is not what the saved run read"
+    with pytest.raises(
+        ftj.StateMismatch, match=what + r": .* was '[0-9a-f]{32}', now '[0-9a-f]{32}';"
+    ):
+        ftj.Loader(other, SWAP_CONFIG).restore(state)
+    # Another writer's store (no root identity) whose arrays record no digests.
+    drop_identity(path)
+    array_attributes(path, "encoded_tokens", lambda a: a.pop(DIGESTS))
+    bare = ftj.open_dataset(path)["train"]
+    with pytest.raises(ftj.StateMismatch, match=what + r".*now none is recorded"):
+        ftj.Loader(bare, SWAP_CONFIG).restore(state)

@@ -6,7 +6,7 @@ import copy
 import functools
 import itertools
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -29,7 +29,7 @@ from flat_tokens_jax.core.format import (
 )
 from flat_tokens_jax.data.splitfractions import split_boundaries
 from flat_tokens_jax.store.arrays import ArrayReader, Known, Pending
-from flat_tokens_jax.store.digests import DIGESTS, ChunkDigests
+from flat_tokens_jax.store.digests import DIGESTS, ChunkDigests, array_checks, side_opener
 from flat_tokens_jax.store.identity import DatasetInfo, dataset_splits
 from flat_tokens_jax.store.options import StoreOptions, resolve_options
 from flat_tokens_jax.store.probes import ShardProbes
@@ -44,7 +44,7 @@ from flat_tokens_jax.store.store import (
 
 
 class _Unread:
-    """The :attr:`FlatTokens.info` of a split opened on its own, until first read."""
+    """The :attr:`FlatTokens.info` of a split opened on its own, until opening reads it."""
 
 
 class FlatTokens:
@@ -57,7 +57,9 @@ class FlatTokens:
     thread-safe; every method that takes many indices or ranges requests them
     all before waiting.
     ``info`` is the dataset's :class:`DatasetInfo` when the caller has read it
-    (:class:`Dataset` does); otherwise :attr:`info` reads it on first use.
+    (:class:`Dataset` does); otherwise opening reads it: a dataset that records
+    what made it must record its arrays' shard probes and chunk digests
+    (:func:`~flat_tokens_jax.store.digests.array_checks`).
     """
 
     def __init__(
@@ -94,21 +96,17 @@ class FlatTokens:
         arrays = [(self.tokens_name, meta, self.encoded), (SEQ_STARTS, starts_meta, self.starts)]
         if mask_meta is not None and self.loss_mask is not None:
             arrays.append((LOSS_MASK, mask_meta, self.loss_mask))
-        self.probes = {
-            name: ShardProbes.of(
-                found[1].get("attributes") or {}, f"{store.url}/{split}/{name}", reader.size
-            )
-            for name, found, reader in arrays
-        }
-        self.digests = {
-            name: ChunkDigests.of(
+        ours = self.info is not None
+        self.probes: dict[str, ShardProbes | None] = {}
+        self.digests: dict[str, ChunkDigests | None] = {}
+        for name, found, reader in arrays:
+            self.probes[name], self.digests[name] = array_checks(
                 found[1].get("attributes") or {},
                 f"{store.url}/{split}/{name}",
                 reader.size,
-                _side_opener(store, f"{split}/{name}/{DIGESTS}"),
+                side_opener(store, f"{split}/{name}/{DIGESTS}"),
+                ours=ours,
             )
-            for name, found, reader in arrays
-        }
         self._check_shapes(check_end)
         self.seq_range = (0, self.starts.size - 1)
         self.token_range = (0, self.encoded.size)
@@ -365,21 +363,6 @@ class FlatTokens:
     def layout(self) -> dict[str, dict[str, Any]]:
         """Per array: zarr version, chunk and shard sizes, compression."""
         return {name: describe_layout(fmt, meta) for name, (fmt, meta) in self.metadata.items()}
-
-
-def _side_opener(store: Store, key: str) -> Callable[[], ArrayReader]:
-    """Opens the side array of chunk digests at ``key`` when first called."""
-
-    def open_side() -> ArrayReader:
-        found = store.array_metadata(key)
-        if found is None:
-            raise FormatError(
-                f"{store.url}/{key}: the chunk digests that the array's attribute "
-                f"{DIGESTS!r} announces are missing: rewrite the dataset"
-            )
-        return store.open_array(key, *found)
-
-    return open_side
 
 
 class Dataset(Mapping[str, FlatTokens]):

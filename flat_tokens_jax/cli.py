@@ -23,7 +23,7 @@ from flat_tokens_jax.convert.commands import (
 from flat_tokens_jax.convert.tokenizer import load_tokenizer
 from flat_tokens_jax.core.format import FormatError
 from flat_tokens_jax.core.urls import redact_text
-from flat_tokens_jax.core.values import read_yaml
+from flat_tokens_jax.core.values import integer, read_yaml
 from flat_tokens_jax.data.plans import pack_dataset, plan_group
 from flat_tokens_jax.data.records import recorded_info
 from flat_tokens_jax.data.validation import summary, validate
@@ -31,7 +31,7 @@ from flat_tokens_jax.loader import runplan
 from flat_tokens_jax.loader.loader import Loader
 from flat_tokens_jax.store.identity import library_version, tokenizer_info
 from flat_tokens_jax.store.options import StoreError
-from flat_tokens_jax.tools import phaseshow, show
+from flat_tokens_jax.tools import phaseshow, savedstate, show
 
 
 def _store_args(parser: argparse.ArgumentParser) -> None:
@@ -178,7 +178,12 @@ def _cmd_pack(args: argparse.Namespace) -> int:
 def _cmd_show(args: argparse.Namespace) -> int:
     try:
         config = None if args.config is None else read_yaml(args.config)
-        state = None if args.state is None else show.read_state(args.state)
+        if args.config is not None and config is None:
+            raise ValueError(
+                f"{args.config} is empty: --config reads a 'loader' section and optionally "
+                "a 'data' section, or a 'phases' section"
+            )
+        state = None if args.state is None else savedstate.read_state(args.state)
         run, step = None, args.step
         if phaseshow.is_phased(config, state):
             run = phaseshow.build_run(
@@ -187,6 +192,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
                 split=args.split,
                 options=store_options(args),
                 fields=show.config_fields(args),
+                config_name=args.config or "--config",
                 state_name=args.state or "--state",
             )
             loader, step = run.locate(args.step)
@@ -240,38 +246,30 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    doc = read_yaml(args.run_yaml)
-    end = args.steps if args.steps is not None else (doc or {}).get("steps")
-    if isinstance(end, bool) or not isinstance(end, int) or end < 1:
-        raise ValueError(
-            f"{args.run_yaml}: say where the run ends: --steps N (or a top-level 'steps: N'), "
-            f"got {end!r}"
-        )
-    run = phaseshow.build_run(config=doc, state=None, split=args.split, options=store_options(args))
-    rows = runplan.plan_rows(run, end)
+    name = args.run_yaml
+    doc = read_yaml(name)
+    run = phaseshow.plan_run(doc, name, split=args.split, options=store_options(args))
+    end = args.steps
+    if end is None:
+        if doc.get("steps") is None:
+            raise ValueError(
+                f"{name}: say where the run ends: --steps N (or a top-level 'steps: N')"
+            )
+        try:
+            end = integer(doc["steps"], "steps", low=1)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+    try:
+        rows = runplan.plan_rows(run, end)
+    except ValueError as e:
+        raise ValueError(f"{name}: --steps {end}: {e}") from None
+    warnings = runplan.repeat_warnings(run, rows)
     if args.picture is not None:
         runplan.draw_shares(run, end, args.picture)
-    if args.json:
-        print(json.dumps(rows))
-        return 0
-    for k in dict.fromkeys(r["phase"] for r in rows):
-        mine = [r for r in rows if r["phase"] == k]
-        first = mine[0]
-        name = "" if first["phase_name"] is None else f" {first['phase_name']!r}"
-        print(
-            f"phase {k}{name}: steps [{first['start_step']}, {first['end_step']}) "
-            f"({first['steps']:,} steps), seq_len {first['seq_len']}, packing {first['packing']}"
-        )
-        print(
-            f"  {'component':<16}{'stream':<11}{'samples':>16}{'tokens':>20}"
-            f"{'epochs':>11}{'stream epochs':>15}"
-        )
-        for r in mine:
-            print(
-                f"  {r['component']:<16}{r['stream']:<11}{r['samples']:>16,}{r['tokens']:>20,}"
-                f"{r['epochs']:>11.3f}{r['stream_epochs']:>15.3f}"
-            )
-    if args.picture is not None:
+    print(json.dumps(rows) if args.json else "\n".join(runplan.plan_table(rows)))
+    for line in warnings:
+        print(f"plan: warning: {line}", file=sys.stderr)
+    if args.picture is not None and not args.json:
         print(f"wrote {args.picture}")
     return 0
 

@@ -41,11 +41,16 @@ an upper bound where a check reads chunks whole, since the read then serves
 its ranges from them), and what the checks add to ``host_batch`` on a freshly
 opened split, with and without them.
 
+``--side-chunks`` measures only what checking each shard's side chunk of
+chunk digests against the array's attribute costs ``host_batch`` (see
+:func:`side_chunk_costs`).
+
 ``--layouts`` measures only what each batch layout (``LoaderConfig.layout``,
 with and without ``max_segments``) costs ``host_batch`` against the five
 fields, on the uncompressed layout, side by side in one run.
 
-Run: ``python scripts/bench_loader.py [--tokens 200_000_000] [--steps 20] [--padded] [--layouts]``
+Run: ``python scripts/bench_loader.py [--tokens 200_000_000] [--steps 20] [--padded] [--layouts]
+[--side-chunks]``
 """
 
 from __future__ import annotations
@@ -269,6 +274,53 @@ def layout_costs(path: Path, cfg: ftj.LoaderConfig, steps: list[int]) -> None:
         print(f"| {layout} | {segments} | {best[(layout, segments)]:.1f} | {ratio:.2f}x |")
 
 
+def side_chunk_costs(root: Path, tokens: int, cfg: ftj.LoaderConfig, steps: list[int]) -> None:
+    """Prints, for the default layout and shards of 2^16 tokens, what checking the
+    side chunks of digests against the attribute (or, ``content`` alone, the side
+    array read whole) adds to ``host_batch`` over ``steps`` on a fresh split
+    (first pass) and on a second pass (steady state), over a split that trusts
+    its side chunks, the three taking turns at each step; and the check alone
+    (every side chunk of tokens and starts read and checked as reads do, minus
+    read unchecked) over the first pass. Process CPU time (all threads: other
+    jobs' load aside), medians over 15 repetitions."""
+    variants = ("checked", "content only", "trusted")
+    print("| layout | variant | first pass | steady state | check alone, first pass |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for name, layout in (("default", ftj.Layout()), ("2^16", ftj.Layout(shard_tokens=1 << 16))):
+        write(path := root / name.replace("^", ""), layout, tokens)
+        times = np.zeros((15, len(variants), 3))  # [rep, variant, (first, steady, alone)]
+        for rep in range(15):
+            loaders, alone = [], []
+            for variant in variants:
+                splits = [ftj.open_dataset(path)["train"] for _ in range(2)]
+                for i, ft in enumerate(splits):
+                    for d in (d for d in ft.digests.values() if d is not None):
+                        d.shards = d.shards if variant == "checked" else None
+                        if variant == "trusted" or (variant, i) == ("checked", 1):
+                            d.content = None  # reads check shards alone; validate, content too
+                loaders.append(ftj.Loader(splits[0], cfg))
+                alone.append(splits[1])
+            for column in range(2):
+                for k, step in enumerate(steps):
+                    for v in np.roll(np.arange(len(variants)), rep + k):  # each order alike
+                        began = time.process_time()
+                        loaders[v].host_batch(step)
+                        times[rep, v, column] += time.process_time() - began
+            for v in np.roll(np.arange(len(variants)), rep):
+                found = [d for d in alone[v].digests.values() if d is not None]
+                for d in found:
+                    d.side()  # opened: what every variant pays alike
+                began = time.process_time()
+                for d in found:
+                    d.side_problems()
+                times[rep, v, 2] = time.process_time() - began
+        trusted = times[:, 2]
+        for v, variant in enumerate(variants[:2]):
+            first, steady = np.median(times[:, v, :2] / trusted[:, :2] - 1, axis=0)
+            check = np.median((times[:, v, 2] - trusted[:, 2]) / trusted[:, 0])
+            print(f"| {name} | {variant} | {first:+.2%} | {steady:+.2%} | {check:+.3%} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=200_000_000)
@@ -278,8 +330,20 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--padded", action="store_true", help="padded rows, and time the checks")
     parser.add_argument("--layouts", action="store_true", help="only the batch layouts' cost")
+    parser.add_argument("--side-chunks", action="store_true", help="only the side-chunk check")
     args = parser.parse_args()
     root = args.dir or Path(tempfile.mkdtemp(prefix="ftj-bench-"))
+    if args.side_chunks:
+        try:
+            cfg = ftj.LoaderConfig(
+                batch_size=args.batch, seq_len=args.seq_len, seed=1, packing=not args.padded
+            )
+            print(f"B={args.batch}, L={args.seq_len}, {args.steps} random steps\n")
+            side_chunk_costs(root, args.tokens, cfg, list(range(1000, 1000 + args.steps)))
+        finally:
+            if args.dir is None:
+                shutil.rmtree(root, ignore_errors=True)
+        return
     if args.layouts:
         try:
             path = root / "uncompressed"

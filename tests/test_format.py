@@ -1,3 +1,5 @@
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -97,3 +99,69 @@ def test_format_error_lists_and_truncates() -> None:
     assert len(err.problems) == 25
     assert "a[19]: p19" in str(err) and "a[20]" not in str(err)
     assert "and 5 more" in str(err)
+
+
+# A split name: lowercase ASCII, a letter first, at most 64 characters, and no
+# name of what a split holds (written out here, independently of the code).
+SPLIT_RULE = re.compile(r"[a-z][a-z0-9_-]{0,63}")
+SPLIT_MEMBERS = {"encoded_tokens", "tokens", "seq_starts", "loss_mask"}
+
+
+def allowed_split_name(name: object) -> bool:
+    return (
+        isinstance(name, str)
+        and SPLIT_RULE.fullmatch(name) is not None
+        and name not in SPLIT_MEMBERS
+        and not name.startswith("bins_")
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "why", "fix"),
+    [
+        ("Train", "is not allowed: a split name is lowercase ASCII", "write 'train'"),
+        ("é", "is not allowed", "write 'test'"),
+        ("a/b", "is not allowed", "write 'a_b'"),
+        ("a b", "is not allowed", "write 'a_b'"),
+        ("1st", "is not allowed", "write 'st'"),
+        ("bins_8", "names starting 'bins_' are the packing plans", "e.g. 'test'"),
+        ("_staging", "is not allowed (names starting with '_' or '.' are the store's", "'staging'"),
+        ("", "must be a non-empty string, got ''", "e.g. 'test'"),
+        (".", "is not allowed (names starting with '_' or '.'", "write 'test'"),
+        ("../x", "is not allowed (names starting with '_' or '.'", "write 'x'"),
+        ("zarr.json", "is not allowed", "write 'zarr_json'"),
+        ("seq_starts", "the store names an array inside every split so", "e.g. 'test'"),
+        ("encoded_tokens", "names an array inside every split", "e.g. 'test'"),
+        ("loss_mask", "names an array inside every split", "e.g. 'test'"),
+        ("tokens", "names an array inside every split", "e.g. 'test'"),
+        ("x" * 65, "(65 characters)", "write '" + "x" * 64 + "'"),
+        (7, "must be a non-empty string, got 7", "e.g. 'test'"),
+        (None, "must be a non-empty string, got None", "e.g. 'test'"),
+    ],
+)
+def test_a_split_name_outside_the_rule_is_refused_naming_it_and_the_fix(
+    name: object, why: str, fix: str
+) -> None:
+    with pytest.raises(ValueError) as e:
+        fmt.check_split_name(name)
+    message = str(e.value)
+    assert why in message and message.endswith(fix), message
+    if "is not allowed" in message:
+        assert "lowercase ASCII: a letter, then letters, digits, '_' or '-'" in message
+
+
+@pytest.mark.parametrize("name", ["train", "validation", "test", "dev-2", "a", "x" * 64, "bins"])
+def test_plain_split_names_are_accepted(name: str) -> None:
+    assert fmt.check_split_name(name) == name
+
+
+@given(st.text(max_size=80) | st.from_regex(r"[a-z][a-z0-9_-]{0,70}", fullmatch=True))
+def test_split_names_follow_the_rule_and_every_suggestion_is_allowed(name: str) -> None:
+    if allowed_split_name(name):
+        assert fmt.check_split_name(name) == name
+        return
+    with pytest.raises(ValueError) as e:
+        fmt.check_split_name(name)
+    suggestion = re.search(r"(?:write|e\.g\.) '([^']*)'$", str(e.value))
+    assert suggestion is not None, str(e.value)
+    assert allowed_split_name(suggestion.group(1))

@@ -17,6 +17,7 @@ import sys
 import textwrap
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,6 +25,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import flat_tokens_jax as ftj
+from flat_tokens_jax.core import limits
+from flat_tokens_jax.core.limits import READ_BYTES_PER_TOKEN, ROW_BYTES, STEP_BYTES
 from flat_tokens_jax.data.binpack import build_plan
 from flat_tokens_jax.data.bins import BinRecords
 from flat_tokens_jax.data.plans import (
@@ -34,6 +37,7 @@ from flat_tokens_jax.data.plans import (
     plan_group,
 )
 from flat_tokens_jax.data.validation import summary
+from flat_tokens_jax.grain.grain import FlatTokensSource
 from flat_tokens_jax.store.layout import Layout, create_array
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,6 +202,37 @@ def test_a_mixture_period_past_its_bound_is_refused_before_allocating(tmp_path: 
     )
     assert code == 0, out
     assert "refused: Mixture.period must be an int in [1, 16777216]" in out
+
+
+# Issue 35: the estimate of a step counts every field of its layout.
+
+
+def test_the_memory_estimate_counts_every_field_of_the_layout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that fits in memory as the five fields but not as MaxText's six
+    arrays, ``sequence_start`` and ``segment_lengths``: the second is refused
+    (by ``Loader`` and grain's batches), the first is not. The rows' bytes are
+    measured on real batches."""
+    url = write(tmp_path / "ds", lengths_of(50))
+    ft = ftj.open_dataset(url)["train"]
+    seq_len, rows = 64, 1000
+    wide = {"layout": "maxtext", "max_segments": seq_len}
+
+    def row_nbytes(**kw: Any) -> int:
+        batch = ftj.Loader(ft, ftj.LoaderConfig(2, seq_len, **kw)).host_batch(0)
+        return sum(v.nbytes for v in batch.values()) // 2
+
+    plain, widest = row_nbytes(), row_nbytes(**wide)
+    assert widest > plain
+    reading = rows * (seq_len * READ_BYTES_PER_TOKEN + ROW_BYTES) + STEP_BYTES
+    monkeypatch.setattr(limits, "memory_bytes", lambda: reading + rows * (plain + widest) // 2)
+    ftj.Loader(ft, ftj.LoaderConfig(rows, seq_len, prefetch=0))
+    FlatTokensSource(ft, seq_len).batches(rows)
+    with pytest.raises(ValueError, match=r"LoaderConfig batch_size 1,000 .*memory.*at most"):
+        ftj.Loader(ft, ftj.LoaderConfig(rows, seq_len, prefetch=0, **wide))
+    with pytest.raises(ValueError, match=r"memory.*at most"):
+        FlatTokensSource(ft, seq_len, **wide).batches(rows)
 
 
 # Finding 6 (and 9: a shard that is a folder): special files refused at open, no hang.

@@ -48,7 +48,6 @@ from flat_tokens_jax.data.records import PackedRecords, PaddedRecords
 from flat_tokens_jax.store.arrays import Known
 from flat_tokens_jax.store.digests import DIGESTS
 from flat_tokens_jax.store.options import StoreError
-from flat_tokens_jax.store.probes import ATTRIBUTE as PROBES
 from flat_tokens_jax.store.store import Store
 
 SHARD = 2048  # tokens per shard: each shard's probe covers only its first half
@@ -251,17 +250,20 @@ def assert_digests_recorded(path: Path, layout: ftj.Layout) -> None:
             expected = reference_digests(folder, chunk)
             np.testing.assert_array_equal(side, expected)
             content = hashlib.sha256(np.asarray(expected, "<u4").tobytes()).hexdigest()
+            per_shard = shard // chunk
+            sides = [expected[i : i + per_shard] for i in range(0, expected.size, per_shard)]
             assert attributes[DIGESTS] == {
                 "algorithm": "crc32c",
                 "chunk": chunk,
                 "shard": shard,
                 "content": content,
+                "shards": [google_crc32c.value(np.asarray(d, "<u4").tobytes()) for d in sides],
             }
 
 
 def rewrite_value(path: Path, index: int) -> None:
-    """Changes ``train/encoded_tokens[index]`` as a buggy tool would: through
-    tensorstore, checksums valid, the shard's probe dropped, the digests kept."""
+    """Changes ``train/encoded_tokens[index]`` (past its shard's probe) as a buggy
+    tool would: through tensorstore, checksums valid, the probes and digests kept."""
     folder = path / "train" / "encoded_tokens"
     v3 = (folder / "zarr.json").exists()
     spec = {
@@ -273,10 +275,6 @@ def rewrite_value(path: Path, index: int) -> None:
     handle = ts.open(spec).result()
     value = int(handle[index].read().result())
     handle[index].write(value ^ 2).result()
-    meta_file = folder / ("zarr.json" if v3 else ".zattrs")
-    meta = json.loads(meta_file.read_text())
-    (meta["attributes"] if v3 else meta).pop(PROBES)
-    meta_file.write_text(json.dumps(meta))
 
 
 def seqs_of(count: int) -> list[list[int]]:
@@ -379,6 +377,7 @@ def test_the_digest_format_is_frozen(tmp_path: Path) -> None:
         "chunk": 2,
         "shard": 4,
         "content": "c8e7efd7d3872d6b62ef9c7745cd19556a4453569d4481ba58843f4c5366ce3d",
+        "shards": [0x23267C09, 0x9E8253BE],  # crc32c of each side chunk above
     }
     side = json.loads((tokens / DIGESTS / "zarr.json").read_text())
     assert side["shape"] == [4] and side["data_type"] == "uint32"
@@ -393,6 +392,7 @@ def test_the_digest_format_is_frozen(tmp_path: Path) -> None:
         "chunk": 1,
         "shard": 2,
         "content": "b463fa50710ff611564be5099c2cf343e213ba3579db5b8cbf2df5cbe53bd41e",
+        "shards": [0x4394CC10, 0x9B1D1214],
     }
     stored = np.asarray(zarr.open_array(str(starts / DIGESTS), mode="r")[:])
     # seq_starts [0, 2, 5, 8], one uint64 a chunk.
@@ -400,9 +400,13 @@ def test_the_digest_format_is_frozen(tmp_path: Path) -> None:
 
 
 def test_a_store_without_digests_reads_as_before(written: dict[str, Path], tmp_path: Path) -> None:
-    """An older store (no attribute, no side array) reads and validates as before."""
+    """Another writer's store (no root attribute ``flat_tokens``, no digests'
+    attribute, no side array) reads and validates as before."""
     path = tmp_path / "ds"
     shutil.copytree(written["v3"], path)
+    root = json.loads((path / "zarr.json").read_text())
+    root["attributes"].pop("flat_tokens")
+    (path / "zarr.json").write_text(json.dumps(root))
     for array in ("encoded_tokens", "seq_starts"):
         folder = path / "train" / array
         meta = json.loads((folder / "zarr.json").read_text())
@@ -499,9 +503,10 @@ def test_known_chunks_serve_exactly_the_ranges_they_cover(
 
 def test_a_shard_swapped_in_with_its_digests_is_found_by_validate(tmp_path: Path) -> None:
     """A shard of another version copied in together with its side chunk of
-    digests passes every per-chunk check; the content digest recorded at write
-    tells (``validate``), and the loader's fingerprint holds it, so a saved
-    state of one version does not restore onto the other."""
+    digests would pass every per-chunk check; the side chunk's crc32c recorded
+    in the attribute at write tells (reads and ``validate``), and the loader's
+    fingerprint holds the content digest, so a saved state of one version does
+    not restore onto the other (issue 35, finding 2: ``tests/test_integrity.py``)."""
     layout = ftj.Layout(shard_tokens=SHARD, chunk_tokens=256)
     seqs = [np.arange(i, i + 97) % 500 + 1 for i in range(100)]
     other = [s.copy() for s in seqs]
@@ -515,8 +520,10 @@ def test_a_shard_swapped_in_with_its_digests_is_found_by_validate(tmp_path: Path
     shutil.copyfile(theirs / "c" / "1", ours / "c" / "1")
     shutil.copyfile(theirs / DIGESTS / "c" / "1", ours / DIGESTS / "c" / "1")
     ft = ftj.open_dataset(tmp_path / "ours")["train"]
-    assert ft.tokens(3930, 3931)[0] == other[40][50]  # every per-chunk check passes
-    with pytest.raises(FormatError, match=r"train/encoded_tokens.*chunk digests are not those"):
+    side = r"train/encoded_tokens/chunk_crc32c: shard 1's chunk digests are not those"
+    with pytest.raises(FormatError, match=side):
+        ft.tokens(3930, 3931)
+    with pytest.raises(FormatError, match=side):
         ftj.validate(tmp_path / "ours")
     ftj.validate(tmp_path / "theirs")
     # The attribute is what a state records: the same data rewritten restores,

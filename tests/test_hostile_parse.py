@@ -13,6 +13,7 @@ import contextlib
 import io
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,9 @@ from memurls import memory_url
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.cli import main
+from flat_tokens_jax.core.values import read_yaml
 from flat_tokens_jax.grain.grain import FlatTokensSource, ScheduledBatches
+from flat_tokens_jax.loader.phaseconfig import phases_from_yaml
 from flat_tokens_jax.sampling.mixture import Period
 from flat_tokens_jax.sampling.schedule import BatchSchedule
 
@@ -211,7 +214,7 @@ BAD_RUNS = [
     ("loader: {batch_size: 2, seq_len: 4, seed: 1.9}\n", ["loader.seed must be an int"]),
     ("loader: {batch_size: 2, seq_len: 4, shuffle: 'no'}\n", ["loader.shuffle"]),
     ("loader: {batch_size: [[0, 2], [2.5, 4]], seq_len: 4}\n", ["loader.batch_size entry 1"]),
-    ("loader: {batch_size: 2, seq_len: 4, sead: 1}\n", ["loader: unknown", "'sead'"]),
+    ("loader: {batch_size: 2, seq_len: 4, sead: 1}\n", ["loader has unknown field 'sead' (did"]),
     ("loader:\n  batch_size: 2\n  seq_len: 4\n  seed: 1\n  seed: 2\n", ["line 5", "'seed'"]),
     (yaml_of(with_weight([1])), ["data.datasets.web.weight"]),
     (yaml_of(with_weight(None)), ["data.datasets.web.weight"]),
@@ -384,3 +387,320 @@ def test_any_data_value_is_kept_exactly_or_refused_by_path(field: str, value: An
         assert not isinstance(value, bool) and isinstance(value, int | float) and got == value
     else:
         assert type(value) is type(got) and got == value, (field, value, got)
+
+
+# --- issue 35, finding 4: values that YAML 1.1 and YAML 1.2 read differently
+
+# (the loader section's seed as written, what the message must say)
+YAML_11_SEEDS = [
+    ("017", "loader.seed: 017 is 15 in YAML 1.1 (octal) and 17 in YAML 1.2: write 15 or 17"),
+    ("-017", "loader.seed: -017 is -15 in YAML 1.1 (octal)"),
+    ("0_17", "loader.seed: 0_17 is 15 in YAML 1.1 (octal)"),
+    ("1:30", "loader.seed: 1:30 is 90 in YAML 1.1 (base 60) and text in YAML 1.2: write 90"),
+    ("08", "loader.seed: 08 is text in YAML 1.1 and 8 in YAML 1.2: write 8"),
+    ("0o17", "loader.seed: 0o17 is text in YAML 1.1 and 15 in YAML 1.2: write 15"),
+]
+
+
+@pytest.mark.parametrize(("written", "message"), YAML_11_SEEDS)
+def test_a_number_yaml_versions_read_apart_is_refused_with_the_form_to_write(
+    tmp_path: Path, written: str, message: str
+) -> None:
+    path = tmp_path / "loader.yaml"
+    path.write_text(f"loader:\n  batch_size: 2\n  seq_len: 4\n  seed: {written}\n")
+    with pytest.raises(ValueError) as e:
+        ftj.LoaderConfig.from_yaml(path)
+    assert str(e.value).startswith(f"{path}: line 4: {message}"), str(e.value)
+    assert f"'{written}' in quotes for text" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        (
+            "shuffle: yes",
+            "loader.shuffle: yes is true in YAML 1.1 and text in YAML 1.2: write true",
+        ),
+        ("shuffle: Off", "loader.shuffle: Off is false in YAML 1.1"),
+        ("seed: 1:30.5", "loader.seed: 1:30.5 is 90.5 in YAML 1.1 (base 60)"),
+        ("seed: " + "9" * 5000, "loader.seed: a number of 5,000 digits"),
+    ],
+)
+def test_yaml_11_booleans_and_base_60_are_refused(
+    tmp_path: Path, section: str, message: str
+) -> None:
+    path = tmp_path / "loader.yaml"
+    path.write_text(f"loader:\n  batch_size: 2\n  seq_len: 4\n  {section}\n")
+    with pytest.raises(ValueError, match="^" + re.escape(f"{path}: line 4: {message}")):
+        ftj.LoaderConfig.from_yaml(path)
+
+
+def test_a_phase_start_step_in_base_60_is_refused_naming_the_phase_path(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "phases:\n"
+        "  - start_step: 0\n"
+        f"    data: {{datasets: {{web: {{url: '{WEB}', weight: 1}}}}}}\n"
+        "    loader: {batch_size: 2, seq_len: 4}\n"
+        "  - start_step: 12:00\n"
+    )
+    with pytest.raises(ValueError) as e:
+        phases_from_yaml(path)
+    assert str(e.value) == (
+        f"{path}: line 5: phases[1].start_step: 12:00 is 720 in YAML 1.1 (base 60) and text "
+        "in YAML 1.2: write 720 ('12:00' in quotes for text)"
+    )
+
+
+def test_a_key_yaml_11_reads_as_a_boolean_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(f"data:\n  datasets:\n    no: {{url: '{WEB}', weight: 1}}\n")
+    with pytest.raises(ValueError, match=re.escape("line 3: data.datasets: the key no is false")):
+        read_yaml(path)
+
+
+@pytest.mark.parametrize(
+    ("written", "value"),
+    [("0x1F", 31), ("0b101", 5), ("1_000", 1000), ("07", 7), ("00", 0), ("'017'", "017")],
+)
+def test_numbers_every_yaml_reads_alike_are_kept(tmp_path: Path, written: str, value: Any) -> None:
+    path = tmp_path / "v.yaml"
+    path.write_text(f"v: {written}\n")
+    assert read_yaml(path) == {"v": value}
+
+
+def nested(depth: int) -> str:
+    return "a: " + "[" * depth + "]" * depth + "\n"
+
+
+ALIAS_BOMB = "a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + "".join(
+    f"{b}: &{b} [{', '.join([f'*{a}'] * 10)}]\n" for a, b in zip("abcde", "bcdef", strict=True)
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (nested(2000), "nested more than 100 levels deep"),
+        (nested(150), "nested more than 100 levels deep"),
+        (ALIAS_BOMB, "holds 1,234,573 values once its aliases expand, more than 1,000,000"),
+        ("a: &x [1, *x]\n", "line 1: an alias inside the value it names (a cycle)"),
+        ("loader: {seed: 1}\x00\n", "not valid YAML: unacceptable character #x0000"),
+        ("\x00", "not valid YAML: unacceptable character #x0000"),
+    ],
+)
+def test_documents_no_config_needs_are_refused_in_one_line(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    for read in (read_yaml, phases_from_yaml, ftj.LoaderConfig.from_yaml):
+        with pytest.raises(ValueError) as e:
+            read(path)
+        assert str(e.value).startswith(f"{path}: ") and message in str(e.value), str(e.value)
+
+
+def test_a_config_nested_to_the_limit_is_read(tmp_path: Path) -> None:
+    """The mapping, its key's 99 lists: 100 levels; one list more is refused."""
+    path = tmp_path / "run.yaml"
+    path.write_text(nested(99))
+    value = read_yaml(path)["a"]
+    for _ in range(98):
+        value = value[0]
+    assert value == []
+    path.write_text(nested(100))
+    with pytest.raises(ValueError, match="nested more than 100 levels deep"):
+        read_yaml(path)
+
+
+# --- issue 35: unknown keys named as written, with the close match
+
+
+def test_a_misspelt_dataset_key_is_named_with_the_key_it_is_close_to() -> None:
+    with pytest.raises(ValueError) as e:
+        ftj.mixture_from_config({"datasets": {"web": {"url": WEB, "wieght": 1}}})
+    assert str(e.value) == (
+        "data.datasets.web has unknown key 'wieght' (did you mean 'weight'?); "
+        "known: name, split, url, weight"
+    )
+    with pytest.raises(ValueError) as e:
+        ftj.mixture_from_config({"datasets": {"web": {"url": WEB}}})
+    assert "'name'" not in str(e.value) and str(e.value).startswith(
+        "data.datasets.web must say weight"
+    ), str(e.value)
+
+
+def test_a_pad_id_inputs_cannot_hold_is_refused_by_its_field() -> None:
+    top = int(np.iinfo(np.int32).max)
+    for pad_id in (top + 1, -top - 2, 2**40):
+        with pytest.raises(
+            ValueError, match=r"LoaderConfig.pad_id must be an int in \[-2147483648"
+        ):
+            ftj.LoaderConfig(batch_size=1, seq_len=2, pad_id=pad_id)
+    for start in (top + 1, 2**40):
+        with pytest.raises(
+            ValueError, match=r"LoaderConfig.start_token_id must be an int in \[0, "
+        ):
+            ftj.LoaderConfig(batch_size=1, seq_len=2, start_token_id=start)
+    assert ftj.LoaderConfig(batch_size=1, seq_len=2, pad_id=-top - 1).pad_id == -top - 1
+    assert ftj.LoaderConfig(batch_size=1, seq_len=2, start_token_id=top).start_token_id == top
+
+
+# --- issue 35: no input of a user's ends the CLI in "unexpected ... (a bug)"
+
+
+def two_phases(first: str = "", second: str = "") -> str:
+    """A run YAML of two phases on WEB, with lines added to each phase's mapping."""
+    return (
+        "phases:\n"
+        "  - name: pretrain\n"
+        "    start_step: 0\n"
+        f"    data: {{datasets: {{web: {{url: '{WEB}', weight: 1}}}}}}\n"
+        "    loader: {batch_size: 2, seq_len: 4}\n"
+        f"{first}"
+        "  - name: anneal\n"
+        "    start_step: 3\n"
+        f"{second}"
+    )
+
+
+HOSTILE_YAML = {
+    "loader-only": "loader: {batch_size: 2, seq_len: 4}\n",
+    "typo": "phase:\n  - start_step: 0\n",
+    "list": "- 1\n- 2\n",
+    "empty": "",
+    "nul": "loader: {seed: 1}\x00\n",
+    "pad-id": two_phases(second="    loader: {pad_id: 1099511627776}\n"),
+    "missing-split": two_phases(
+        second=f"    data: {{datasets: {{web: {{url: '{WEB}', weight: 1, split: test}}}}}}\n"
+    ),
+    "deep": nested(2000),
+    "base-60": two_phases().replace("start_step: 3", "start_step: 12:00"),
+    "octal": two_phases(second="    loader: {seed: 017}\n"),
+    "unknown-field": two_phases(second="    loader: {sead: 1}\n"),
+    "zero-weights": two_phases(
+        second=f"    data: {{datasets: {{web: {{url: '{WEB}', weight: 0}}}}}}\n"
+    ),
+    "weights-count": two_phases(
+        second=f"    data: {{datasets: {{web: {{url: '{WEB}', weight: 1}}}}, "
+        "schedule: [{step: 1, weights: [1, 2]}]}\n"
+    ),
+    "misspelt": two_phases(
+        second=f"    data: {{datasets: {{web: {{url: '{WEB}', wieght: 1}}}}}}\n"
+    ),
+}
+# Read by plan only (show takes its step as a flag).
+PLAN_ONLY = {"top-steps": "steps: many\n" + two_phases()}
+
+
+def saved_phased_state() -> dict[str, Any]:
+    run = ftj.PhasedLoader(
+        [
+            ftj.Phase(0, ftj.open_dataset(WEB)["train"], ftj.LoaderConfig(batch_size=2, seq_len=4)),
+            ftj.Phase(3, ftj.open_dataset(WEB)["train"], ftj.LoaderConfig(batch_size=2, seq_len=2)),
+        ]
+    )
+    run.next_step = 5
+    return run.state()
+
+
+def changed(path: str, value: Any) -> str:
+    """A saved phased state as JSON with the value at ``path`` (``phases.1.start_step``) set."""
+    state = saved_phased_state()
+    *parents, last = path.split(".")
+    here: Any = state
+    for key in parents:
+        here = here[int(key)] if isinstance(here, list) else here[key]
+    here[int(last) if isinstance(here, list) else last] = value
+    return json.dumps(state)
+
+
+HOSTILE_STATES = {
+    "start-step-text": changed("phases.1.start_step", "x"),
+    "start-step-float": changed("phases.1.start_step", 3.0),
+    "step-text": changed("step", "x"),
+    "phase-int": changed("phases.1", 5),
+    "long-int": '{"step": ' + "9" * 5000 + ', "phases": []}',
+}
+
+
+def corpus(tmp_path: Path) -> list[tuple[list[str], Path]]:
+    """(CLI words, the file they read) of every hostile input."""
+    runs = []
+    for name, text in HOSTILE_YAML.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(text)
+        runs += [(["plan", str(path), "--steps", "10"], path)]
+        runs += [(["show", "--config", str(path), "--step", "4"], path)]
+    for name, text in HOSTILE_STATES.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(text)
+        runs += [(["show", "--state", str(path), "--step", "4"], path)]
+    return runs
+
+
+def test_hostile_inputs_end_in_one_line_naming_the_file(tmp_path: Path) -> None:
+    for words, path in corpus(tmp_path):
+        code, out, err = run_main(*words)
+        assert code in (1, 2) and out == "", (words, code, err)
+        assert len(err.strip().splitlines()) == 1 and str(path) in err, (words, err)
+        assert "unexpected" not in err and "Traceback" not in err, (words, err)
+
+
+@pytest.mark.parametrize(
+    ("name", "fragments"),
+    [
+        ("pad-id", ["phase 1 'anneal' (from step 3): phases[1].loader.pad_id must be an int in"]),
+        ("missing-split", ["phases[1].data.datasets.web.split reads a split its dataset lacks"]),
+        ("unknown-field", ["phase 1 'anneal' (from step 3): phases[1].loader has unknown field"]),
+        ("zero-weights", ["phases[1].data does not make a mixture: weights are all zero"]),
+        ("weights-count", ["phases[1].data does not make a mixture: weights from step 1:"]),
+        ("misspelt", ["phases[1].data.datasets.web has unknown key 'wieght' (did you mean"]),
+        ("typo", ["found 'phase' (did you mean 'phases'?)"]),
+        ("loader-only", ["it has 'loader' but no 'data'"]),
+        ("top-steps", ["steps must be an int >= 1, got 'many'"]),
+        ("empty", ["is empty: plan reads a 'phases' section, or 'data' and 'loader'"]),
+        ("list", ["holds a list, not a mapping: plan reads a 'phases' section"]),
+    ],
+)
+def test_plan_errors_name_the_file_the_phase_and_the_path(
+    tmp_path: Path, name: str, fragments: list[str]
+) -> None:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text({**HOSTILE_YAML, **PLAN_ONLY}[name])
+    steps = [] if name in PLAN_ONLY else ["--steps", "10"]
+    code, _, err = run_main("plan", str(path), *steps)
+    assert code == 1 and err.startswith(f"plan: {path}"), err
+    assert "--state" not in err, "a flag plan does not have"
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+
+
+def test_a_saved_state_is_blamed_where_it_is_wrong(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    path.write_text(HOSTILE_STATES["start-step-float"])
+    code, _, err = run_main("show", "--state", str(path), "--step", "4")
+    assert code == 1 and "phases[1].start_step must be an int" in err, err
+    assert "phases[0]" not in err and "(write 3, without the fraction)" in err, err
+    path.write_text(HOSTILE_STATES["long-int"])
+    code, _, err = run_main("show", "--state", str(path), "--step", "4")
+    assert "it holds a number of 5,000 digits" in err and "sys.set_int_max_str_digits" not in err
+
+
+def test_a_store_error_of_a_phase_names_the_file_and_the_phase(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def unreachable(url: str, *args: Any, **kwargs: Any) -> Any:
+        raise ftj.StoreError(f"{url}: the server failed 3 attempts: is it reachable?")
+
+    monkeypatch.setattr("flat_tokens_jax.sampling.mixconfig.open_dataset", unreachable)
+    path = tmp_path / "run.yaml"
+    path.write_text(two_phases())
+    for words in (
+        ["plan", str(path), "--steps", "4"],
+        ["show", "--config", str(path), "--step", "4"],
+    ):
+        code, _, err = run_main(*words)
+        assert code == 1 and err.startswith(
+            f"{words[0]}: {path}: phase 0 'pretrain' (from step 0): {WEB}: the server failed"
+        ), err

@@ -532,5 +532,5 @@ def test_show_state_of_a_phase_whose_data_now_holds_fewer_sequences_names_the_ph
     ftj.write_dataset(urls[1], {"train": [[9, 8, 7]] * 10}, overwrite=True)
     code, _, err = run_show("--state", str(path), "--step", "4")
     assert code == 1
-    assert err.startswith("show: phases[1] (from step 3): its data is not what the saved run read")
+    assert err.startswith(f"show: {path}: phase 1 (from step 3): its data is not what the saved")
     assert "sequence range [20, 40) is outside [0, 10]" in err

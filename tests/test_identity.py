@@ -101,6 +101,7 @@ def test_every_dataset_written_says_it_is_flat_tokens_and_the_version(tmp_path: 
             "library_version": version,
             "flags": {},
             "inputs": {},
+            "splits": ["train", "validation"],
         }
     }
     info = ftj.open_dataset(tmp_path / "ds").info

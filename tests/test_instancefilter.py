@@ -8,6 +8,7 @@ import dataclasses
 import io
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from memurls import memory_url
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.cli import main
+from flat_tokens_jax.decoding.instancefilter import MAX_ROW_TOKENS
 from flat_tokens_jax.grain.grain import FlatTokensSource
 
 RULE = ftj.InstanceFilter(max_period=3, max_count=4)
@@ -31,10 +33,10 @@ RULE = ftj.InstanceFilter(max_period=3, max_count=4)
 def brute_rejects(targets: list[int], segment_ids: list[int], rule: ftj.InstanceFilter) -> bool:
     """Whether some n-gram of length min_period..max_period occurs max_count
     times back to back in the row's real (non-padding) targets: counted
-    copy by copy from every start."""
+    copy by copy from every start (an n-gram longer than the row has no copy)."""
     tokens = [t for t, s in zip(targets, segment_ids, strict=True) if s != 0]
     n = len(tokens)
-    for p in range(rule.min_period, rule.max_period + 1):
+    for p in range(rule.min_period, min(rule.max_period, n) + 1):
         for i in range(n - p + 1):
             gram = tokens[i : i + p]
             copies = 1
@@ -143,6 +145,155 @@ def test_the_jax_twin_rejects_what_the_brute_force_counter_rejects(
         assert rule.rejected(targets, segments, kernel).tolist() == want.tolist()
 
 
+def every_path_against_the_brute_force(
+    rule: ftj.InstanceFilter, targets: np.ndarray, segments: np.ndarray
+) -> np.ndarray:
+    """The brute-force verdicts, after asserting that the jitted filter and
+    both host kernels give the same."""
+    want = brute_rows({"targets": targets, "segment_ids": segments}, rule)
+    got = np.asarray(jax.jit(rule.rejected_jax)(targets, segments))
+    assert got.tolist() == want.tolist()
+    for kernel in KERNELS:
+        assert rule.rejected(targets, segments, kernel).tolist() == want.tolist(), kernel
+    return want
+
+
+def edge_rows(width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows that sit at the edge of what a row holds: one token ``width``
+    times (and once less, the last column padding), a ``width // 2``-gram of
+    distinct tokens twice (and broken in its last token), distinct tokens
+    only, and short n-grams repeated, each with and without a padding tail."""
+    half = list(range(100, 100 + width // 2))
+    rows = [
+        [5] * width,
+        [5] * (width - 1),
+        half * 2,
+        [*half, *half[:-1], 7],
+        list(range(200, 200 + width)),
+        [1, 2, 3] * (width // 3),
+        ([1, 2] * width)[: width - 3],
+    ]
+    targets = np.full((len(rows), width), 9, np.int32)
+    segments = np.zeros((len(rows), width), np.int32)
+    for r, tokens in enumerate(rows):
+        targets[r, : len(tokens)], segments[r, : len(tokens)] = tokens, 1
+    return targets, segments
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"min_period": 3, "max_period": 13, "max_count": MAX_ROW_TOKENS // 3},
+        {"min_period": 3, "max_period": MAX_ROW_TOKENS, "max_count": MAX_ROW_TOKENS // 3},
+        {"min_period": 1, "max_period": MAX_ROW_TOKENS, "max_count": 2},
+        {"min_period": WIDTH // 2, "max_period": MAX_ROW_TOKENS, "max_count": 2},
+        {"min_period": 1, "max_period": MAX_ROW_TOKENS, "max_count": WIDTH},
+        {"min_period": 1, "max_period": 3, "max_count": WIDTH // 3},
+    ],
+)
+def test_host_device_and_brute_force_agree_at_the_largest_accepted_values(
+    fields: dict[str, int],
+) -> None:
+    """Issue 35, finding 3: at the largest values a filter accepts, and at
+    the largest a row of ``WIDTH`` holds, the compiled kernel, numpy, the
+    jitted filter and the brute force give the same rows (the compiled
+    kernel once wrapped its counts in int64 and rejected every row)."""
+    rule = ftj.InstanceFilter(**fields)
+    targets, segments = edge_rows(WIDTH)
+    want = every_path_against_the_brute_force(rule, targets, segments)
+    if rule.max_count * rule.min_period <= WIDTH:
+        assert 0 < want.sum() < len(want)  # the rows hold runs of this rule and rows without
+    else:
+        assert not want.any()
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (
+            {"min_period": 3, "max_period": 13, "max_count": 2**62},
+            "InstanceFilter.max_count must be at most 715,827,882 (a row holds at most "
+            "2,147,483,647 tokens, so no more copies of an n-gram of min_period 3), got "
+            f"{2**62}",
+        ),
+        (
+            {"max_period": 2**63},
+            "InstanceFilter.max_period must be at most 2,147,483,647 (a row holds at most "
+            f"2,147,483,647 tokens), got {2**63}",
+        ),
+        (
+            {"min_period": 2**31, "max_period": 2**31},
+            "InstanceFilter.min_period must be at most 2,147,483,647",
+        ),
+        (
+            {"max_count": MAX_ROW_TOKENS + 1},
+            "InstanceFilter.max_count must be at most 2,147,483,647",
+        ),
+    ],
+)
+def test_values_past_what_a_row_holds_are_refused_when_made(
+    fields: dict[str, int], message: str
+) -> None:
+    """Issue 35, finding 3: refused at construction, naming the field, the
+    value and the largest that works (``max_period=2**63`` was an
+    ``OverflowError`` at the first batch)."""
+    with pytest.raises(ValueError) as e:
+        ftj.InstanceFilter(**fields)
+    assert message in str(e.value)
+
+
+def test_a_filter_that_can_reject_no_row_of_the_run_is_refused() -> None:
+    """``max_count`` copies of the shortest n-gram longer than ``seq_len``:
+    refused where the filter meets the run's ``seq_len``, naming both."""
+    rule = ftj.InstanceFilter(min_period=2, max_count=9)
+    with pytest.raises(ValueError) as e:
+        ftj.LoaderConfig(8, 16, instance_filter=rule)
+    assert str(e.value) == (
+        "LoaderConfig.instance_filter.max_count is 9: 9 copies of an n-gram of min_period 2 "
+        "take 18 tokens, more than a row of seq_len 16 holds, so the filter could reject no "
+        "row; set max_count <= 8 or seq_len >= 18"
+    )
+    with pytest.raises(ValueError, match=r"^loader.instance_filter.max_count is 32: "):
+        ftj.LoaderConfig.from_dict(
+            {"batch_size": 2, "seq_len": 16, "instance_filter": {"max_count": 32}}, "loader"
+        )
+    with pytest.raises(ValueError, match=r"^instance_filter.max_count is 9: .* seq_len 16"):
+        FlatTokensSource(split(), seq_len=16, instance_filter=rule)
+    fits = ftj.InstanceFilter(min_period=2, max_count=8)  # 8 copies of a 2-gram: 16 tokens
+    assert ftj.LoaderConfig(8, 16, instance_filter=fits).instance_filter == fits
+
+
+def lowered(rule: ftj.InstanceFilter, targets: np.ndarray, segments: np.ndarray) -> str:
+    """The program ``jax.jit`` compiles for the filter, its numbers masked."""
+    text = jax.jit(rule.rejected_jax).lower(targets, segments).as_text()
+    return re.sub(r"[0-9]+", "0", text)
+
+
+def test_the_jitted_filter_is_the_same_program_for_any_max_period() -> None:
+    """Issue 35: the jitted filter unrolled one chain per period (66 s to
+    compile ``max_period=100`` at seq_len 2048). Its program is now one loop:
+    the same, but for its bounds, at 2 periods or a million; and it still
+    rejects what the brute force and the host kernels reject."""
+    width = 256
+    rng = np.random.default_rng(1)
+    rows = []
+    for _ in range(24):
+        gram = rng.integers(0, 1000, int(rng.integers(1, 130))).tolist()
+        head = rng.integers(1000, 2000, int(rng.integers(0, 20))).tolist()
+        rows.append((head + gram * 2 + rng.integers(2000, 3000, width).tolist())[:width])
+    targets = np.array(rows, np.int32)
+    segments = np.ones_like(targets)
+    segments[::3, -int(width / 4) :] = 0
+    programs = {
+        lowered(ftj.InstanceFilter(max_period=p, max_count=2), targets, segments)
+        for p in (2, 100, 10**6)
+    }
+    assert len(programs) == 1
+    rule = ftj.InstanceFilter(max_period=100, max_count=2)
+    want = every_path_against_the_brute_force(rule, targets, segments)
+    assert 0 < want.sum() < len(want)
+
+
 def test_config_from_yaml_and_bad_values_named_by_path(tmp_path: Path) -> None:
     path = tmp_path / "run.yaml"
     path.write_text(
@@ -239,8 +390,10 @@ def test_device_decoder_applies_the_filter() -> None:
     cfg = ftj.LoaderConfig(8, 16, seed=1, instance_filter=RULE)
     loader = ftj.Loader(split(), cfg)
     decode = jax.jit(loader.decoder())
-    off = ftj.Loader(split(), ftj.LoaderConfig(8, 16, seed=1)).host_batch(2)
-    filtered_like_brute(off, decode(loader.encoded_batch(2)), RULE)
+    plain = ftj.Loader(split(), ftj.LoaderConfig(8, 16, seed=1))
+    step = next(s for s in range(20) if brute_rows(plain.host_batch(s), RULE).any())
+    off = plain.host_batch(step)
+    assert filtered_like_brute(off, decode(loader.encoded_batch(step)), RULE) > 0
 
 
 def test_rows_are_judged_on_their_own_targets() -> None:

@@ -96,9 +96,10 @@ def write_element(path: Path, array: str, index: int, value: int, probes: bool =
     """Writes one element as a buggy tool would: through zarr, checksums valid.
 
     The array's shard probes and chunk digests are dropped too (unless
-    ``probes``), as a tool that rewrites the array would: the checks under test
-    are then those of every read, which stores without them (older ones, other
-    writers') get.
+    ``probes``), as a tool that rewrites the array would, and with them the
+    root attribute that says our writer made the dataset (which would refuse
+    arrays without them): the checks under test are then those of every read,
+    which stores without them (other writers') get.
     """
     folder = path / "train" / array
     driver = "zarr3" if (folder / "zarr.json").exists() else "zarr"
@@ -114,6 +115,15 @@ def write_element(path: Path, array: str, index: int, value: int, probes: bool =
         attributes.pop(PROBES)
         attributes.pop(DIGESTS)
         meta_file.write_text(json.dumps(meta))
+        drop_identity(path)
+
+
+def drop_identity(path: Path) -> None:
+    """Removes the root attribute ``flat_tokens`` (v3 or v2): the store of another writer."""
+    meta_file = path / "zarr.json" if (path / "zarr.json").exists() else path / ".zattrs"
+    meta = json.loads(meta_file.read_text())
+    (meta["attributes"] if meta_file.name == "zarr.json" else meta).pop("flat_tokens", None)
+    meta_file.write_text(json.dumps(meta))
 
 
 @settings(max_examples=40)
@@ -269,6 +279,7 @@ def test_a_store_without_probes_reads_as_before(tmp_path: Path) -> None:
         assert PROBES in meta["attributes"]
         del meta["attributes"][PROBES]
         meta_file.write_text(json.dumps(meta))
+    drop_identity(tmp_path / "a")
     assert ftj.open_dataset(tmp_path / "a")["train"].probes == {
         "encoded_tokens": None,
         "seq_starts": None,
@@ -332,3 +343,142 @@ def test_info_shows_the_checksums(
     assert main(["info", "--json", str(pristine["v2"])]) == 0
     layout = json.loads(capsys.readouterr().out)["splits"]["train"]["layout"]["encoded_tokens"]
     assert (layout["compression"], layout["checksum"], layout["chunk"]) == ("blosc", False, 64)
+
+
+# Issue 35, finding 2: two versions A and B of a dataset, equal sequence
+# lengths, one token apart in shard 1 past its probe; B's shard 1 and its side
+# chunk of digests copied into A.
+SWAP_LAYOUTS = {
+    "v3": ftj.Layout(shard_tokens=4096, chunk_tokens=512),
+    "v2": ftj.Layout(zarr_format=2, shard_tokens=4096),
+}
+SWAPPED = 4096 + 2000  # in shard 1, past its 1,024-value probe
+SIDE = r"train/encoded_tokens/chunk_crc32c: .*chunk digests are not those recorded"
+SWAP_CONFIG = ftj.LoaderConfig(batch_size=4, seq_len=64, shuffle=False)
+
+
+def two_versions(root: Path, fmt: str) -> tuple[Path, int]:
+    """Versions ``root/a`` and ``root/b`` (19,400 tokens, 5 shards); B's token
+    at :data:`SWAPPED`, which A's differs from."""
+    seqs = [np.arange(i, i + 97) % 500 + 1 for i in range(200)]
+    other = [s.copy() for s in seqs]
+    other[SWAPPED // 97][SWAPPED % 97] = seqs[SWAPPED // 97][SWAPPED % 97] % 500 + 1
+    for name, data in (("a", seqs), ("b", other)):
+        ftj.write_dataset(root / name, {"train": data}, layout=SWAP_LAYOUTS[fmt])
+    return root / "a", int(other[SWAPPED // 97][SWAPPED % 97])
+
+
+def copy_shard_with_digests(root: Path, fmt: str) -> None:
+    """B's ``train/encoded_tokens`` shard 1 and its side chunk, copied into A."""
+    name = "c/1" if fmt == "v3" else "1"
+    for folder in ("train/encoded_tokens", f"train/encoded_tokens/{DIGESTS}"):
+        mine, theirs = root / "a" / folder / name, root / "b" / folder / name
+        assert mine.read_bytes() != theirs.read_bytes()
+        shutil.copyfile(theirs, mine)
+
+
+def array_attributes(path: Path, array: str, change: Any) -> None:
+    """Applies ``change`` to the attributes of ``train/array`` (v3 or v2)."""
+    folder = path / "train" / array
+    meta_file = folder / ("zarr.json" if (folder / "zarr.json").exists() else ".zattrs")
+    meta = json.loads(meta_file.read_text())
+    change(meta["attributes"] if meta_file.name == "zarr.json" else meta)
+    meta_file.write_text(json.dumps(meta))
+
+
+def swapped_step() -> int:
+    """The step of :data:`SWAP_CONFIG` (packed, unshuffled) whose rows hold :data:`SWAPPED`."""
+    return SWAPPED // SWAP_CONFIG.seq_len // 4
+
+
+@pytest.mark.parametrize("fmt", ["v3", "v2"])
+def test_a_shard_copied_in_with_its_side_chunk_fails_reads_quick_validate_and_restore(
+    tmp_path: Path, fmt: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, theirs = two_versions(tmp_path, fmt)
+    ft = ftj.open_dataset(path)["train"]
+    assert ft.tokens(SWAPPED, SWAPPED + 1)[0] != theirs
+    before = ftj.Loader(ft, SWAP_CONFIG)
+    state = before.state()
+    step = swapped_step()
+    assert ftj.Loader(ftj.open_dataset(tmp_path / "b")["train"], SWAP_CONFIG).host_batch(step)
+    copy_shard_with_digests(tmp_path, fmt)
+    with pytest.raises(FormatError, match=SIDE):
+        ftj.Loader(ftj.open_dataset(path)["train"], SWAP_CONFIG).host_batch(step)
+    with pytest.raises(FormatError, match=SIDE):
+        ftj.open_dataset(path)["train"].tokens(SWAPPED, SWAPPED + 1)
+    with pytest.raises(FormatError, match=SIDE):
+        ftj.Loader(ftj.open_dataset(path)["train"], SWAP_CONFIG).restore(state)
+    capsys.readouterr()
+    assert main(["validate", "--quick", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "train/encoded_tokens/chunk_crc32c: shard 1's chunk digests are not those" in err, err
+    assert "restore" in err and "rewrite the dataset" in err
+    with pytest.raises(FormatError, match=r"shard 1's chunk digests are not those"):
+        ftj.validate(path)
+
+
+@pytest.mark.parametrize("fmt", ["v3", "v2"])
+def test_a_store_that_records_no_side_chunk_digests_checks_the_side_array_whole(
+    tmp_path: Path, fmt: str
+) -> None:
+    """A store written before each shard's side chunk had its crc32c in the
+    attribute (``content`` only): the first check reads the side array whole
+    and compares it with ``content``."""
+    path, _ = two_versions(tmp_path, fmt)
+    for array in ("encoded_tokens", "seq_starts"):
+        array_attributes(path, array, lambda a: a[DIGESTS].pop("shards", None))
+    ft = ftj.open_dataset(path)["train"]
+    np.testing.assert_array_equal(ft.tokens(0, 10), np.arange(1, 11))
+    digests = ft.digests["encoded_tokens"]
+    assert digests is not None and digests.side_bytes == 4 * digests.count
+    ftj.validate(path, quick=True)
+    copy_shard_with_digests(tmp_path, fmt)
+    with pytest.raises(FormatError, match=SIDE):
+        ftj.open_dataset(path)["train"].tokens(0, 10)
+    with pytest.raises(FormatError, match=SIDE):
+        ftj.validate(path, quick=True)
+
+
+@pytest.mark.parametrize("fmt", ["v3", "v2"])
+@pytest.mark.parametrize("attribute", [DIGESTS, PROBES, "content"])
+def test_a_deleted_attribute_of_a_dataset_we_wrote_is_refused_at_open(
+    tmp_path: Path, fmt: str, attribute: str
+) -> None:
+    """Our writers record both attributes, ``content`` included, on every array of
+    a dataset that records what made it: one deleted is no longer a store
+    without checks (the copied shard would read as ours)."""
+    path, _ = two_versions(tmp_path, fmt)
+    copy_shard_with_digests(tmp_path, fmt)
+    if attribute == "content":
+        array_attributes(path, "encoded_tokens", lambda a: a[DIGESTS].pop("content"))
+    else:
+        array_attributes(path, "encoded_tokens", lambda a: a.pop(attribute))
+    message = (
+        rf"train/encoded_tokens: attribute '{DIGESTS}' has no 'content'"
+        if attribute == "content"
+        else rf"train/encoded_tokens: attribute '{attribute}' is missing"
+    )
+    with pytest.raises(FormatError, match=message + r".*deleted\?.* rewrite the dataset"):
+        ftj.open_dataset(path)
+    with pytest.raises(FormatError, match=message):
+        ftj.validate(path, quick=True)
+
+
+def test_a_state_does_not_restore_onto_data_that_records_other_or_no_contents(
+    tmp_path: Path,
+) -> None:
+    path, _ = two_versions(tmp_path, "v3")
+    state = ftj.Loader(ftj.open_dataset(path)["train"], SWAP_CONFIG).state()
+    other = ftj.open_dataset(tmp_path / "b")["train"]
+    what = r"fingerprint\.data\.content: the data is not what the saved run read"
+    with pytest.raises(
+        ftj.StateMismatch, match=what + r": .* was '[0-9a-f]{32}', now '[0-9a-f]{32}';"
+    ):
+        ftj.Loader(other, SWAP_CONFIG).restore(state)
+    # Another writer's store (no root identity) whose arrays record no digests.
+    drop_identity(path)
+    array_attributes(path, "encoded_tokens", lambda a: a.pop(DIGESTS))
+    bare = ftj.open_dataset(path)["train"]
+    with pytest.raises(ftj.StateMismatch, match=what + r".*now none is recorded"):
+        ftj.Loader(bare, SWAP_CONFIG).restore(state)

@@ -25,6 +25,7 @@ from test_sharding import CASES, mesh
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.data.binpack import ALGORITHM, build_plan, plan_digest
+from flat_tokens_jax.decoding.layouts import BatchLayout
 from flat_tokens_jax.grain.grain import FlatTokensSource
 from flat_tokens_jax.tools.show import build_loader, rows_of
 
@@ -202,13 +203,14 @@ def test_host_layouts_equal_the_references(
             start_token_id=start,
             pad_id=pad,
             layout=layout,
-            max_segments=max(seq_len, 2),
+            # A row holds at most seq_len runs, and a cap on bins is at least 2.
+            max_segments=None if packing == "bins" and seq_len < 2 else seq_len,
         )
         loader = ftj.Loader(split, cfg)
         for step in range(loader.num_batches):
             got = loader.host_batch(step)
             rows = check_step(loader, seqs, step, got)
-            if layout == "tokens":
+            if layout == "tokens" and cfg.max_segments is not None:
                 from_five_fields(got, rows)
 
 
@@ -264,6 +266,45 @@ def test_a_row_of_too_many_runs_is_refused(decode: str) -> None:
     source = FlatTokensSource(split, seq_len=8, layout="tokens", max_segments=2)
     with pytest.raises(ValueError, match=r"row 0 has 3 runs .* max_segments is 2"):
         source.read_batch([1, 0])
+
+
+@pytest.mark.parametrize("max_segments", [None, 5])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_batch_holds_the_bytes_its_layout_counts(layout: str, max_segments: int | None) -> None:
+    """Issue 35: the memory estimate counts every field the layout makes
+    (``tokens`` ``[B, L + 1]``, MaxText's six, ``sequence_start``,
+    ``segment_lengths`` ``[B, M]``): the bytes of real batches, host and
+    device decode, field by field."""
+    split = split_of(SEQS)
+    kw = dict(batch_size=3, seq_len=8, packing="bins", layout=layout, max_segments=max_segments)
+    counted = BatchLayout(layout, max_segments).row_bytes(8)
+    for decode in ("host", "device"):
+        batch = ftj.Loader(split, ftj.LoaderConfig(**kw, decode=decode)).batch(0)
+        assert sum(np.asarray(v).nbytes for v in batch.values()) == 3 * counted, decode
+
+
+def test_max_segments_above_seq_len_is_refused_naming_both() -> None:
+    """Issue 35: ``max_segments=10**8`` at ``seq_len=16`` was accepted and
+    allocated 1.6 GB a step of zeros; a row of ``L`` columns holds at most
+    ``L`` runs."""
+    with pytest.raises(ValueError) as e:
+        ftj.LoaderConfig(batch_size=4, seq_len=16, max_segments=10**8)
+    assert str(e.value) == (
+        "LoaderConfig.max_segments must be <= seq_len (16): a row of 16 columns holds at "
+        "most 16 runs, got 100,000,000; set max_segments <= 16"
+    )
+    with pytest.raises(ValueError, match=r"^loader.max_segments must be <= seq_len \(8\)"):
+        ftj.LoaderConfig.from_dict(
+            {"batch_size": 4, "seq_len": 8, "packing": "bins", "max_segments": 9}, "loader"
+        )
+    split = split_of(SEQS)
+    for packing in (True, False, "bins"):
+        with pytest.raises(ValueError, match=r"^max_segments must be <= seq_len \(8\)"):
+            FlatTokensSource(split, seq_len=8, packing=packing, max_segments=9)
+    records = ftj.PackedRecords(split, 8)
+    with pytest.raises(ValueError, match=r"^max_segments must be <= seq_len \(8\)"):
+        FlatTokensSource(records, max_segments=9)
+    assert ftj.LoaderConfig(batch_size=4, seq_len=8, max_segments=8).max_segments == 8
 
 
 def test_grain_source_and_batches_hold_the_layout() -> None:

@@ -361,7 +361,7 @@ def test_validation_pass_pads_the_last_batch() -> None:
 def test_config_errors_name_the_field(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"LoaderConfig\.batch_size must be an int >= 1, got 0"):
         LoaderConfig(batch_size=0, seq_len=4)
-    with pytest.raises(ValueError, match="unknown LoaderConfig field"):
+    with pytest.raises(ValueError, match=r"LoaderConfig has unknown field 'seqlen' \(did you"):
         LoaderConfig.from_dict({"batch_size": 1, "seq_len": 2, "seqlen": 3})
     with pytest.raises(ValueError, match="pad_id 40 is outside the vocabulary"):
         LoaderConfig(batch_size=1, seq_len=2, vocab_size=32, pad_id=40)

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from memurls import memory_url
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.convert import megatron
-from flat_tokens_jax.convert.megatron import MegatronFormatError, export_megatron, import_megatron
+from flat_tokens_jax.convert import megatron, mmidx
+from flat_tokens_jax.convert.megatron import export_megatron, import_megatron
+from flat_tokens_jax.convert.mmidx import MegatronFormatError, read_index
 
 # Megatron-core's dtype codes as struct formats, and the largest id each holds exactly.
 FORMATS = {1: "B", 2: "b", 3: "h", 4: "i", 5: "q", 6: "d", 7: "f", 8: "H"}
@@ -91,7 +92,11 @@ def test_import_gives_one_sequence_per_document_or_per_sequence(
     out = memory_url("megatron")
     done: list[tuple[int, int]] = []
     # A small _BLOCK walks the index in many blocks, as a huge index would.
-    with tempfile.TemporaryDirectory() as tmp, mock.patch.object(megatron, "_BLOCK", block):
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        mock.patch.object(megatron, "_BLOCK", block),
+        mock.patch.object(mmidx, "_BLOCK", block),
+    ):
         prefixes = [Path(tmp, f"part{i}") for i in range(len(parts))]
         for prefix, (code, documents) in zip(prefixes, parts, strict=True):
             write_reference(prefix, documents, code)
@@ -349,6 +354,7 @@ def test_bad_input_is_refused_precisely_and_leaves_no_dataset(
     write_reference(good, [[[7, 8]]], 8)
     out = tmp_path / "out"
     monkeypatch.setattr(megatron, "_BLOCK", block)
+    monkeypatch.setattr(mmidx, "_BLOCK", block)
     with pytest.raises(MegatronFormatError, match=want):
         # chunk_tokens=1: a bad token is met after earlier chunks were written.
         import_megatron([good, prefix], out, chunk_tokens=1)
@@ -361,7 +367,7 @@ def test_bin_shorter_than_its_index_says(tmp_path: Path) -> None:
     with open(tmp_path / "p.bin", "r+b") as f:
         f.truncate(19)
     with pytest.raises(MegatronFormatError, match=r"sequence 1 .* spans bytes \[8, 20\)"):
-        megatron.read_index(tmp_path / "p")
+        read_index(tmp_path / "p")
 
 
 def cli(argv: list[str]) -> int:
@@ -412,3 +418,28 @@ def test_cli_errors_go_to_stderr_with_status_1(
     ftj.write_dataset(tmp_path / "ds", {"train": [[300]]})
     assert cli(["export-megatron", str(tmp_path / "ds"), str(tmp_path / "e"), "--dtype-code", "1"])
     assert "holds token ids up to 255" in capsys.readouterr().err
+
+
+def test_cli_imports_into_an_extra_split_and_exports_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: --split allowed only train and validation (argparse's exit 2).
+    write_reference(tmp_path / "a", [[[1, 2]], [[3, 4, 5]]], 8)
+    out = str(tmp_path / "ds")
+    assert cli(["import-megatron", str(tmp_path / "a"), out, "--split", "test"]) == 0
+    assert "[test]: 2 sequences, 5 tokens" in capsys.readouterr().out
+    assert ftj.open_dataset(out).splits == ("train", "validation", "test")
+    assert stored(out, "test") == [[1, 2], [3, 4, 5]] and stored(out) == []
+    assert cli(["export-megatron", out, str(tmp_path / "e"), "--split", "test"]) == 0
+    for ext in (".idx", ".bin"):
+        assert (tmp_path / f"e{ext}").read_bytes() == (tmp_path / f"a{ext}").read_bytes()
+    assert cli(["export-megatron", out, str(tmp_path / "f"), "--split", "dev"]) == 1
+    assert capsys.readouterr().err.endswith("has no split 'dev'; it has train, validation, test\n")
+    bad = str(tmp_path / "bad")
+    assert cli(["import-megatron", str(tmp_path / "a"), bad, "--split", "Test"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("import-megatron: split name 'Test' is not allowed")
+        and "write 'test'" in err
+    )
+    assert not Path(bad).exists()

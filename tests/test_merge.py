@@ -99,3 +99,28 @@ def test_merge_refuses_inputs_with_and_without_masks(tmp_path: Path) -> None:
         merge([tmp_path / "a", tmp_path / "b"], tmp_path / "m")
     with pytest.raises(ftj.FormatError):
         ftj.open_dataset(tmp_path / "m")
+
+
+def test_merge_keeps_every_split_of_every_input(tmp_path: Path) -> None:
+    # Before: merge wrote train and validation only, and dropped "test" and "dev" silently.
+    ftj.write_dataset(tmp_path / "a", {"train": [[1, 2]], "test": [[3], [4, 5]]})
+    ftj.write_dataset(
+        tmp_path / "b", {"dev": [[6]], "test": [[7]]}, layout=ftj.Layout(zarr_format=2)
+    )
+    ftj.write_dataset(tmp_path / "c", {"validation": [[8]]})
+    out = tmp_path / "m"
+    assert main(["merge", *(str(tmp_path / n) for n in "abc"), str(out)]) == 0
+    ds = ftj.open_dataset(out)
+    assert ds.splits == ("train", "validation", "test", "dev")
+    want = {"train": [[1, 2]], "validation": [[8]], "test": [[3], [4, 5], [7]], "dev": [[6]]}
+    for split, sequences in want.items():
+        ft = ds[split]
+        assert [s.tolist() for s in ft.sequences(np.arange(ft.num_sequences))] == sequences
+    ftj.validate(out)
+    summary = merge([tmp_path / "b", tmp_path / "c"], tmp_path / "m2")
+    assert summary["splits"] == {
+        "train": {"sequences": 0, "tokens": 0},
+        "validation": {"sequences": 1, "tokens": 1},
+        "dev": {"sequences": 1, "tokens": 1},
+        "test": {"sequences": 1, "tokens": 1},
+    }

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from memurls import memory_url
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.data.dataset import split_boundaries
+from flat_tokens_jax.data.splitfractions import split_boundaries
 from flat_tokens_jax.sampling.mixconfig import mixture_from_config
 from flat_tokens_jax.sampling.mixture import Mixture, Period
 
@@ -316,7 +316,7 @@ def test_split_views_are_exact_sequence_ranges() -> None:
     assert [v.num_sequences for v in ft.split([0.5, 0.5])] == [500, 500]
     with pytest.raises(IndexError, match="token range"):
         valid.tokens(0, 151)
-    with pytest.raises(ValueError, match="expected numbers"):
+    with pytest.raises(ValueError, match=r"weight 0 \('a'\) is not a finite non-negative number"):
         ft.split("a,b")
 
 
@@ -354,7 +354,7 @@ def test_mixture_from_yaml_config(tmp_path: Path) -> None:
     assert train.names == (web, books)
     loader = ftj.Loader(train, ftj.LoaderConfig(batch_size=10, seq_len=4))
     assert sorted(r["component"] for r in loader.provenance(0)) == [0] * 8 + [1] * 2
-    with pytest.raises(ValueError, match="unknown mixture config key"):
+    with pytest.raises(ValueError, match="data has unknown key 'weights'; known: allow_mixed"):
         mixture_from_config({**config, "weights": 1})
     with pytest.raises(ValueError, match="use valid"):
         mixture_from_config(config, "validation")
@@ -400,8 +400,10 @@ def test_mixture_config_takes_what_the_python_api_takes(tmp_path: Path) -> None:
         stated = mixture_from_config({**config, "seq_len": 8})
     with pytest.raises(ValueError, match="says seq_len 8 but the LoaderConfig says seq_len 4"):
         ftj.Loader(stated, cfg)
-    with pytest.raises(ValueError, match=r"schedule entry 0 must be \{step: N, weights"):
+    with pytest.raises(ValueError, match=r"data.schedule\[0\] has unknown key 'at'; known: step"):
         mixture_from_config({**config, "schedule": [{"at": 3}]})
+    with pytest.raises(ValueError, match=r"data.schedule\[0\] must be \{step: N, weights"):
+        mixture_from_config({**config, "schedule": [{"step": 3}]})
 
 
 def test_datasets_of_different_tokenizers_do_not_mix_unless_asked() -> None:

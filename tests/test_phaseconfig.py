@@ -104,7 +104,7 @@ def test_a_bad_phase_value_is_named_by_its_path() -> None:
     with pytest.raises(ValueError, match=r"phases\[2\].loader.seq_len must be an int"):
         phases_from_config(bad["phases"])
     bad["phases"][1]["steps"] = 3
-    with pytest.raises(ValueError, match=r"phases\[1\] has unknown key\(s\) \['steps'\]"):
+    with pytest.raises(ValueError, match=r"phases\[1\] has unknown key 'steps'; known: data,"):
         phases_from_config(bad["phases"])
     with pytest.raises(ValueError, match=r"phases\[0\] must say 'loader'"):
         phases_from_config([{"start_step": 0, "data": RUN["phases"][0]["data"]}])
@@ -140,7 +140,7 @@ def brute_force_counts(run: ftj.PhasedLoader, end: int) -> dict[tuple[int, str],
     counts: dict[tuple[int, str], int] = {}
     for step in range(end):
         for row in run.provenance(step):
-            key = (row["phase"], row.get("component_name", "0"))
+            key = (row.get("phase", 0), row.get("component_name", "0"))
             counts[key] = counts.get(key, 0) + 1
     return counts
 
@@ -219,3 +219,91 @@ def test_the_example_run_yaml_builds(tmp_path: Path) -> None:
     assert run.offsets[1] == [576000, 144000, 0], "web and code continue, books is new"
     assert run.offsets[2] == [0], "bins of 64 are a new stream of books"
     assert run.host_batch(100_000)["targets"].shape == (1, 64)
+
+
+def test_plan_of_a_data_and_loader_yaml_is_one_phase(tmp_path: Path) -> None:
+    """configs/mixture.yaml's shape: the counts of the Loader that show rebuilds from it."""
+    data = {"datasets": {n: {"url": URLS[n], "weight": w} for n, w in [("web", 3), ("code", 1)]}}
+    loader = {"batch_size": [[0, 2], [3, 4]], "seq_len": 6, "seed": 1}
+    path = tmp_path / "mixture.yaml"
+    path.write_text(yaml.safe_dump({"data": data, "loader": loader}, sort_keys=False))
+    code, out, err = run_main("plan", str(path), "--steps", "7", "--json")
+    assert code == 0, err
+    rows = json.loads(out)
+    run = ftj.PhasedLoader(
+        [ftj.Phase(0, ftj.mixture_from_config(data), ftj.LoaderConfig.from_dict(loader))]
+    )
+    assert {(r["phase"], r["component"]): r["samples"] for r in rows} == brute_force_counts(run, 7)
+    assert [r["stream"] for r in rows] == ["new", "new"]
+
+
+def test_plan_refuses_steps_the_loader_refuses(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(RUN, sort_keys=False))
+    run = ftj.PhasedLoader(by_hand())
+    # The last phase reads 2 rows a step: its last step's samples end at 2**63 - 1.
+    last = 9 + (2**63 - 2) // 2
+    run.loaders[2].steps.samples(last - 9, np.zeros(0, np.int64))  # the loader takes it
+    with pytest.raises(ValueError, match="too large"):
+        run.loaders[2].steps.samples(last - 9 + 1, np.zeros(0, np.int64))
+    code, out, err = run_main("plan", str(path), "--steps", str(last + 1), "--json")
+    assert code == 0, err
+    assert max(r["samples"] for r in json.loads(out)) < 2**63
+    for steps in (last + 2, 10**30):
+        code, out, err = run_main("plan", str(path), "--steps", str(steps))
+        assert code == 1 and out == "", err
+        assert err.startswith(f"plan: {path}: --steps {steps}: the run's step {steps - 1} is step")
+        assert "of phase 2 'long' (from step 9), and its loader refuses it" in err
+        assert f"the last step is {last - 9}" in err, err
+
+
+def test_plan_columns_fit_their_widest_value_and_heavy_repeats_warn(tmp_path: Path) -> None:
+    small = memory_url()
+    ftj.write_dataset(small, {"train": [[1, 2, 3]] * 13})
+    datasets = {"tiny": {"url": small, "weight": 1}, "web": {"url": URLS["web"], "weight": 1}}
+    phase = {
+        "start_step": 0,
+        "data": {"datasets": datasets},
+        "loader": {"batch_size": 4, "seq_len": 3, "packing": False},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"phases": [phase]}, sort_keys=False))
+    steps = 10**12
+    code, out, err = run_main("plan", str(path), "--steps", str(steps), "--json")
+    assert code == 0, err
+    rows = json.loads(out)
+    code, text, err = run_main("plan", str(path), "--steps", str(steps))
+    assert code == 0, err
+    lines = text.splitlines()
+    assert lines[1].split() == [
+        "component",
+        "stream",
+        "samples",
+        "tokens",
+        "epochs",
+        "stream",
+        "epochs",
+    ]
+    for line, r in zip(lines[2:], rows, strict=True):
+        assert line.split() == [
+            r["component"],
+            "new",
+            f"{r['samples']:,}",
+            f"{r['tokens']:,}",
+            f"{r['epochs']:,.3f}",
+            f"{r['stream_epochs']:,.3f}",
+        ], line
+    # Each component draws half of the 4 * 10**12 samples: tiny's 13 records repeat.
+    assert [r["samples"] for r in rows] == [2 * 10**12, 2 * 10**12]
+    warned = err.strip().splitlines()
+    assert len(warned) == 2 and all(w.startswith("plan: warning: component '") for w in warned)
+    assert f"'tiny' (13 records) is read {2 * 10**12 / 13:,.1f} epochs by step {steps}" in err
+    # Warned: exactly the streams read more than 100 epochs (web's 30 records
+    # about 93 and 107 times).
+    for step_count, web_warned in ((1400, False), (1600, True)):
+        code, out, _ = run_main("plan", str(path), "--steps", str(step_count), "--json")
+        web = next(r for r in json.loads(out) if r["component"] == "web")
+        assert (web["stream_epochs"] > 100) == web_warned, web
+        code, _, err = run_main("plan", str(path), "--steps", str(step_count))
+        assert code == 0 and ("'web' (30 records)" in err) == web_warned, err
+        assert "'tiny' (13 records)" in err

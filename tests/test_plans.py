@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,7 @@ from flat_tokens_jax.cli import main
 from flat_tokens_jax.data.binpack import ALGORITHM, build_plan
 from flat_tokens_jax.data.bins import BinRecords
 from flat_tokens_jax.data.plans import cached_plan, pack_dataset, read_stored_plan
+from flat_tokens_jax.store.claim import MARKER, Claim
 
 
 def seqs(n: int, seed: int = 0) -> list[np.ndarray]:
@@ -161,3 +164,66 @@ def test_an_unwritable_cache_still_gives_the_plan(dataset: Path, tmp_path: Path)
     ft = ftj.open_dataset(dataset)["train"]
     plan = cached_plan(ft, 16, blocked / "cache")
     assert plan.digest == cached_plan(ft, 16, tmp_path / "cache").digest
+
+
+def stored_equals_reference(dataset: Path, seq_len: int) -> bool:
+    ft = ftj.open_dataset(dataset)["train"]
+    lengths = np.array([s.size for s in ft.sequences(range(ft.num_sequences))])
+    starts, order = build_plan(lengths, seq_len)
+    stored = read_stored_plan(ft, seq_len)
+    return (
+        stored is not None
+        and np.array_equal(stored.bin_starts, starts)
+        and np.array_equal(stored.seq_order, order)
+    )
+
+
+def test_a_pack_while_another_write_runs_is_refused_in_one_line(
+    dataset: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 35: two packs at once deleted and wrote one plan's files under
+    each other, and one ended in a raw tensorstore message."""
+    ds = ftj.open_dataset(dataset)
+    running = Claim(ds.store, ds.splits)  # what a pack (or a conversion) holds while it writes
+    assert running.create()
+    try:
+        assert main(["pack", str(dataset), "--seq-len", "32"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"pack: {dataset}: another write to it is in progress (marker ")
+        assert f"by pid {os.getpid()}" in err and "run pack again when it has finished" in err
+        assert len(err.strip().splitlines()) == 1 and "tensorstore" not in err
+        assert read_stored_plan(ds["train"], 32) is None
+    finally:
+        running.release()
+    assert main(["pack", str(dataset), "--seq-len", "32"]) == 0
+    assert stored_equals_reference(dataset, 32)
+    assert not (dataset / MARKER).exists(), "pack drops its marker"
+
+
+def test_a_dead_packs_marker_does_not_block_the_next(dataset: Path) -> None:
+    (dataset / MARKER).write_text('{"writer": "gone", "pid": 1}')  # not locked: its writer died
+    pack_dataset(dataset, 32)
+    assert stored_equals_reference(dataset, 32)
+    assert not (dataset / MARKER).exists()
+
+
+def test_packs_at_once_leave_one_plan_and_say_why_they_stopped(dataset: Path) -> None:
+    def pack(outcomes: list[str]) -> None:
+        try:
+            pack_dataset(dataset, 32)
+            outcomes.append("packed")
+        except FileExistsError as e:
+            outcomes.append(str(e))
+        except Exception as e:  # what two packs at once gave before: a raw tensorstore error
+            outcomes.append(f"{type(e).__name__}: {e}")
+
+    for _ in range(3):
+        outcomes: list[str] = []
+        threads = [threading.Thread(target=pack, args=(outcomes,)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(outcomes) == 2 and "packed" in outcomes, outcomes
+        assert all(o == "packed" or "another write to it is in progress" in o for o in outcomes)
+        assert stored_equals_reference(dataset, 32)

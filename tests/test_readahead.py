@@ -218,6 +218,23 @@ def test_slow_fetches_keep_the_memory_budget() -> None:
     assert stats["read_ahead_bytes_peak"] <= 3 * STEP_BYTES
 
 
+def test_a_step_read_ahead_counts_every_field_of_its_layout() -> None:
+    """Issue 35: a step read ahead holds its layout's arrays (MaxText's six,
+    ``sequence_start`` and ``segment_lengths`` here: 29 bytes a token, not
+    the five fields' 17), measured on a real batch: the steps in flight are
+    counted in whole steps of those bytes, within the budget."""
+    ft = split()
+    wide = {"layout": "maxtext", "max_segments": SEQ_LEN}
+    batch = ftj.Loader(ft, cfg(prefetch=0, **wide)).host_batch(0)
+    step_bytes = sum(v.nbytes for v in batch.values())
+    loader = ftj.Loader(Logged(ft, delay=0.01), cfg(read_ahead_bytes=3 * step_bytes, **wide))
+    for step, _ in loader.iterate(0):
+        if step == 12:
+            break
+    peak = loader.stats()["read_ahead_bytes_peak"]
+    assert 0 < peak <= 3 * step_bytes and peak % step_bytes == 0, (peak, step_bytes)
+
+
 def test_start_reads_ahead_and_iterate_takes_those_reads() -> None:
     ft = split()
     records = Logged(ft)

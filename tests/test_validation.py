@@ -1,3 +1,6 @@
+import json
+import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -283,3 +286,47 @@ def test_written_loss_mask_validates_on_both_zarr_versions(tmp_path: Path) -> No
         )
         ftj.validate(url, block=2)
         assert ftj.summary(url)["splits"]["train"]["loss_mask"] is True
+
+
+def rewrite_attributes(meta_file: Path, change: Any) -> None:
+    meta = json.loads(meta_file.read_text())
+    change(meta["attributes"])
+    meta_file.write_text(json.dumps(meta))
+
+
+def test_validate_checks_every_split_the_dataset_records(tmp_path: Path) -> None:
+    # Before: validate checked train and validation only, and passed this dataset.
+    ftj.write_dataset(tmp_path / "d", {"train": [[1]], "test": [[1, 2, 3]], "dev": [[4]]})
+    rewrite_attributes(tmp_path / "d" / "test" / "zarr.json", lambda a: a.update(max_token_id=2))
+    shutil.rmtree(tmp_path / "d" / "dev")
+    for quick in (False, True):
+        found = problems_of(tmp_path / "d", quick=quick)
+        assert any(p.startswith("test/encoded_tokens[2]: token id above") for p in found), found
+        assert any("split 'dev' is missing" in p for p in found), found
+    assert ftj.open_dataset(tmp_path / "d").splits == ("train", "validation", "test")
+
+
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        ("test", "flat_tokens.splits must be a list of split names, got 'test'"),
+        (
+            ["train", "../x"],
+            "flat_tokens.splits is damaged (rewrite the dataset): split name '../x' is not",
+        ),
+        (
+            ["train", 3],
+            "splits is damaged (rewrite the dataset): a split name must be a non-empty string",
+        ),
+    ],
+)
+def test_a_malformed_splits_record_is_refused_naming_it(
+    tmp_path: Path, record: Any, message: str
+) -> None:
+    ftj.write_dataset(tmp_path / "d", {"train": [[1]]})
+    rewrite_attributes(
+        tmp_path / "d" / "zarr.json", lambda a: a["flat_tokens"].update(splits=record)
+    )
+    assert any(message in p for p in problems_of(tmp_path / "d")), problems_of(tmp_path / "d")
+    with pytest.raises(ftj.FormatError, match=re.escape(message)):
+        ftj.open_dataset(tmp_path / "d")

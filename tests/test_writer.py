@@ -366,3 +366,59 @@ def test_failed_masked_write_leaves_nothing(tmp_path: Path) -> None:
     assert not url.exists() or not any(url.rglob("*.json"))
     with pytest.raises(ftj.FormatError, match="no flat-tokens dataset here"):
         ftj.open_dataset(url)
+
+
+def all_sequences(ft: ftj.FlatTokens) -> list[list[int]]:
+    return [s.tolist() for s in ft.sequences(np.arange(ft.num_sequences))]
+
+
+@pytest.mark.parametrize("layout", [SMALL, ftj.Layout(zarr_format=2, shard_tokens=8)])
+def test_an_extra_split_is_written_and_read_back(tmp_path: Path, layout: ftj.Layout) -> None:
+    # Before: "test" was written, then open_dataset listed only train and validation.
+    test, train = [[1, 2, 3], [4, 5]], [[6]]
+    ftj.write_dataset(tmp_path / "a", {"test": test, "train": train}, layout=layout)
+    with ftj.DatasetWriter(tmp_path / "b", layout=layout, splits=("train", "test")) as w:
+        w.extend("test", test)
+        w.extend("train", train)
+    for name in ("a", "b"):
+        ds = ftj.open_dataset(tmp_path / name)
+        assert ds.splits == ("train", "validation", "test")
+        assert all_sequences(ds["test"]) == test and all_sequences(ds["train"]) == train
+        assert ds["validation"].num_sequences == 0 and ds["test"].max_token_id == 5
+        ftj.validate(tmp_path / name)
+        ftj.validate(tmp_path / name, quick=True)
+    # zarr-python sees the split as a plain group, as it sees train.
+    test_group = zarr.open_group(str(tmp_path / "a"), mode="r")["test"]
+    assert test_group["encoded_tokens"][:].tolist() == ftj.encode(test)[0].tolist()
+
+
+BAD_NAMES = ["Train", "é", "a/b", "bins_8", "_staging", "", ".", "../x", "zarr.json", "seq_starts"]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES)
+def test_a_bad_split_name_is_refused_before_anything_is_written(tmp_path: Path, name: str) -> None:
+    # Before: most were written and never read back; '', '.', '../x' and 'zarr.json'
+    # failed in tensorstore and left files that blocked the next write.
+    out = tmp_path / "out" / "d"
+    with pytest.raises(ValueError, match=r"split name") as e:
+        ftj.write_dataset(out, {"train": [[1]], name: [[2, 3]]})
+    assert "write" in str(e.value) or "choose another name" in str(e.value)
+    with pytest.raises(ValueError, match=r"split name"):
+        ftj.DatasetWriter(out, splits=["train", name])
+    assert not (tmp_path / "out").exists()  # nothing at all, not even beside the output
+    ftj.write_dataset(out, {"train": [[1]]})  # no overwrite needed
+    assert ftj.open_dataset(out).splits == ("train", "validation")
+
+
+def test_splits_must_be_a_list_of_names() -> None:
+    with pytest.raises(ValueError, match=r"splits must be a list of split names, got 'test'"):
+        ftj.DatasetWriter(memory_url(), splits="test")
+
+
+def test_overwrite_deletes_the_extra_splits_it_recorded(tmp_path: Path) -> None:
+    out = tmp_path / "d"
+    ftj.write_dataset(out, {"train": [[1]], "test": [[2]], "dev": [[3]]}, layout=SMALL)
+    (out / "dev" / "zarr.json").unlink()  # damaged: only the record says "dev" is ours
+    ftj.write_dataset(out, {"train": [[4]]}, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["train", "validation", "zarr.json"]
+    assert ftj.open_dataset(out).splits == ("train", "validation")

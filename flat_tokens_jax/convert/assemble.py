@@ -301,7 +301,7 @@ def finish(
     ``attributes`` and ``info`` are written to the root group as
     :class:`DatasetWriter` writes them.
     """
-    root = root_attributes(attributes, info)
+    root = root_attributes(attributes, info, plan.splits)
     for split in plan.splits:
         for array in plan.arrays(split):
             handle = open_for_writing(store, split, array, plan.layout)

@@ -1,21 +1,13 @@
-"""Megatron/Nanotron MMIDIDX indexed datasets (``PREFIX.idx`` + ``PREFIX.bin``) in and out.
-
-The index holds a 34-byte header (magic ``MMIDIDX\\0\\0``, version ``uint64`` 1,
-dtype code ``uint8``, ``num_sequences`` and ``num_documents + 1`` as ``uint64``),
-then ``sizes int32[num_sequences]``, ``pointers int64[num_sequences]`` (byte
-offsets into ``.bin``) and ``doc_idx int64[num_documents + 1]`` (the sequence
-where each document starts). All little-endian.
-"""
+"""Megatron/Nanotron MMIDIDX indexed datasets (``PREFIX.idx`` + ``PREFIX.bin``) in and out:
+``import-megatron`` and ``export-megatron`` (the index format: :mod:`.mmidx`)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import itertools
 import logging
 import os
-import struct
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -25,8 +17,16 @@ import numpy as np
 
 from flat_tokens_jax.convert.commands import add_store_flags, run_command, store_options
 from flat_tokens_jax.convert.inputs import hash_inputs
+from flat_tokens_jax.convert.mmidx import (
+    DTYPES,
+    HEADER,
+    MAGIC,
+    MegatronIndex,
+    read_index,
+    read_tokens,
+)
 from flat_tokens_jax.convert.tokenizer import identity, load_tokenizer
-from flat_tokens_jax.core.format import MAX_TOKEN_ID, SPLITS, decode, encode_concatenated
+from flat_tokens_jax.core.format import check_split_name, decode, encode_concatenated
 from flat_tokens_jax.data.dataset import open_dataset
 from flat_tokens_jax.data.writer import DatasetWriter, Layout
 from flat_tokens_jax.store.identity import DatasetInfo, inputs_record
@@ -35,161 +35,8 @@ from flat_tokens_jax.store.options import StoreOptions, resolve_options
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"MMIDIDX\x00\x00"
-HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, len(sizes), len(doc_idx)
-# Megatron-core's DType codes (legacy Megatron read 6 and 7 both as float64).
-_CODES = {1: "u1", 2: "i1", 3: "<i2", 4: "<i4", 5: "<i8", 6: "<f8", 7: "<f4", 8: "<u2"}
-DTYPES: dict[int, np.dtype[Any]] = {code: np.dtype(name) for code, name in _CODES.items()}
 CHUNK_TOKENS = 1 << 20
-_BLOCK = 1 << 20  # index entries checked or converted at a time
-
-
-class MegatronFormatError(ValueError):
-    """An ``.idx``/``.bin`` pair that breaks the MMIDIDX layout, or holds unstorable tokens."""
-
-
-@dataclasses.dataclass(frozen=True)
-class MegatronIndex:
-    """A checked ``PREFIX.idx`` (views of the mapped file) and ``PREFIX.bin`` mapped.
-
-    ``sizes`` ``[num_sequences] int32`` tokens per sequence; ``pointers``
-    ``[num_sequences] int64`` their byte offsets in ``bin`` (``[bin_bytes] uint8``);
-    ``doc_idx`` ``[num_documents + 1] int64`` the first sequence of each document.
-    """
-
-    prefix: str
-    dtype_code: int
-    sizes: np.ndarray
-    pointers: np.ndarray
-    doc_idx: np.ndarray
-    bin: np.ndarray
-
-    @property
-    def dtype(self) -> np.dtype[Any]:
-        return DTYPES[self.dtype_code]
-
-
-def _map(path: str) -> np.ndarray:
-    return np.memmap(path, np.uint8, "r") if os.path.getsize(path) else np.zeros(0, np.uint8)
-
-
-def read_index(prefix: str | os.PathLike[str]) -> MegatronIndex:
-    """Parses and checks ``PREFIX.idx`` against ``PREFIX.bin``.
-
-    Raises:
-        MegatronFormatError: naming the file, the field or byte offset, and the
-            expected and found values.
-        FileNotFoundError: either file is missing.
-    """
-    prefix = os.fspath(prefix)
-    idx_path, bin_path = prefix + ".idx", prefix + ".bin"
-    idx = _map(idx_path)
-    head = bytes(idx[: HEADER.size])
-    if head[:9] != MAGIC:
-        raise MegatronFormatError(
-            f"{idx_path}: bytes 0-8 are {head[:9]!r}, expected the magic {MAGIC!r}: "
-            "not a Megatron MMIDIDX index"
-        )
-    if len(head) < HEADER.size:
-        raise MegatronFormatError(
-            f"{idx_path}: {len(head)} bytes, shorter than the {HEADER.size}-byte header"
-        )
-    _, version, code, n, m = HEADER.unpack(head)
-    if version != 1:
-        raise MegatronFormatError(f"{idx_path}: version (byte 9) is {version}, expected 1")
-    if code not in DTYPES:
-        raise MegatronFormatError(
-            f"{idx_path}: dtype code (byte 17) is {code}, expected one of {sorted(DTYPES)}"
-        )
-    offset = HEADER.size
-    arrays: list[np.ndarray] = []
-    for name, dtype, count in (("sizes", "<i4", n), ("pointers", "<i8", n), ("doc_idx", "<i8", m)):
-        end = offset + np.dtype(dtype).itemsize * count
-        if end > idx.size:
-            raise MegatronFormatError(
-                f"{idx_path}: {name} ({count} entries from byte {offset}) would end at byte "
-                f"{end}, beyond the file's {idx.size} bytes: truncated, or a wrong count"
-            )
-        arrays.append(np.frombuffer(idx, dtype, count, offset))
-        offset = end
-    if offset < idx.size:
-        log.warning("%s: %d bytes after doc_idx ignored", idx_path, idx.size - offset)
-    sizes, pointers, doc_idx = arrays
-    index = MegatronIndex(prefix, code, sizes, pointers, doc_idx, _map(bin_path))
-    _check_doc_idx(index, idx_path)
-    _check_sequences(index, idx_path)
-    return index
-
-
-def _check_doc_idx(index: MegatronIndex, where: str) -> None:
-    doc, n = index.doc_idx, index.sizes.size
-    if doc.size == 0 or doc[0] != 0 or doc[-1] != n:
-        found = "empty" if doc.size == 0 else f"[{doc[0]}, ..., {doc[-1]}]"
-        raise MegatronFormatError(
-            f"{where}: doc_idx is {found}, expected to start at 0 and end at num_sequences {n}"
-        )
-    for lo in range(0, doc.size - 1, _BLOCK):
-        block = doc[lo : lo + _BLOCK + 1]
-        bad = np.flatnonzero(block[1:] < block[:-1])
-        if bad.size:
-            i = lo + int(bad[0]) + 1
-            raise MegatronFormatError(
-                f"{where}: doc_idx[{i}] is {doc[i]}, below doc_idx[{i - 1}] = {doc[i - 1]}: "
-                "expected non-decreasing"
-            )
-
-
-def _check_sequences(index: MegatronIndex, where: str) -> None:
-    limit = index.bin.size
-    for lo in range(0, index.sizes.size, _BLOCK):
-        sizes = index.sizes[lo : lo + _BLOCK].astype(np.int64)
-        ptrs = index.pointers[lo : lo + _BLOCK]
-        bad = np.flatnonzero(sizes < 0)
-        if bad.size:
-            i = lo + int(bad[0])
-            raise MegatronFormatError(f"{where}: sizes[{i}] is {sizes[i - lo]}, expected >= 0")
-        nbytes = sizes * index.dtype.itemsize
-        bad = np.flatnonzero((ptrs < 0) | (ptrs > limit) | (nbytes > limit - ptrs))
-        if bad.size:
-            i = lo + int(bad[0])
-            raise MegatronFormatError(
-                f"{where}: sequence {i} (pointers[{i}] = {ptrs[i - lo]}, sizes[{i}] = "
-                f"{sizes[i - lo]}) spans bytes [{ptrs[i - lo]}, "
-                f"{int(ptrs[i - lo]) + int(nbytes[i - lo])}), "
-                f"expected within the {limit} bytes of {index.prefix}.bin"
-            )
-
-
-def read_tokens(index: MegatronIndex, first: int, stop: int) -> np.ndarray:
-    """Token ids ``[sum(sizes[first:stop])] int64`` of sequences ``[first, stop)``, checked.
-
-    Raises:
-        MegatronFormatError: a token that is not a whole number in ``[0, 2**31 - 1]``.
-    """
-    size = index.dtype.itemsize
-    nbytes = index.sizes[first:stop].astype(np.int64) * size
-    ptrs = index.pointers[first:stop]
-    ends = np.cumsum(nbytes)
-    total = int(ends[-1]) if ends.size else 0
-    if ptrs.size and np.array_equal(ptrs[1:] - ptrs[0], ends[:-1]):
-        raw = np.asarray(index.bin[ptrs[0] : ptrs[0] + total])
-    else:  # sequences not stored back to back (rare): gather their bytes
-        raw = index.bin[np.repeat(ptrs - (ends - nbytes), nbytes) + np.arange(total)]
-    # Compare floats as float64: float32(2**31 - 1) rounds up to 2**31.
-    values = raw.view(index.dtype).astype(np.float64 if index.dtype.kind == "f" else np.int64)
-    ok = (values >= 0) & (values <= MAX_TOKEN_ID)
-    if index.dtype.kind == "f":
-        ok &= values == np.floor(values)
-    if not ok.all():
-        pos = int(np.flatnonzero(~ok)[0])
-        seq = int(np.searchsorted(ends // size, pos, side="right"))
-        at = pos - (int(ends[seq - 1]) // size if seq else 0)
-        raise MegatronFormatError(
-            f"{index.prefix}.bin: sequence {first + seq}, token {at} (byte "
-            f"{int(ptrs[seq]) + at * size}) is {values[pos]}, expected a whole number "
-            f"in [0, {MAX_TOKEN_ID}]"
-        )
-    return values.astype(np.int64, copy=False)
+_BLOCK = 1 << 20  # index entries converted or written at a time
 
 
 def _runs(
@@ -246,8 +93,8 @@ def import_megatron(
         output: the new dataset's path or URL.
         layout, overwrite, options: as for :class:`DatasetWriter`.
         **option_fields: or the fields of ``options`` as keywords.
-        split: ``"train"`` or ``"validation"``: it receives everything; the other
-            is written empty.
+        split: the split that receives everything (``train`` and ``validation``
+            are written even when empty); see :func:`~flat_tokens_jax.core.format.check_split_name`.
         progress: called after each chunk with ``(tokens_done, tokens_total)``.
         chunk_tokens: tokens per write, in whole units. Recommended: ``1 << 20``.
         tokenizer: the tokenizer that made the ids (a ``tokenizers`` JSON file
@@ -270,8 +117,7 @@ def import_megatron(
     """
     options = resolve_options(options, option_fields, "import_megatron")
     began = time.perf_counter()
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    check_split_name(split)
     prefixes = [prefixes] if isinstance(prefixes, str | os.PathLike) else list(prefixes)
     if not prefixes:
         raise ValueError("import_megatron needs at least one prefix")
@@ -287,7 +133,12 @@ def import_megatron(
     files = [Path(f"{os.fspath(p)}{ext}") for p in prefixes for ext in (".idx", ".bin")]
     with (
         DatasetWriter(
-            output, layout=layout, overwrite=overwrite, options=options, attributes=attributes
+            output,
+            layout=layout,
+            overwrite=overwrite,
+            options=options,
+            splits=[split],
+            attributes=attributes,
         ) as writer,
         hash_inputs(files) as digests,
     ):
@@ -382,8 +233,6 @@ def export_megatron(
         )
     refuse_overlap([url], [os.fspath(prefix) + ext for ext in (".bin", ".idx")])
     ds = open_dataset(url, options)
-    if split not in ds:
-        raise ValueError(f"{ds.url} has no split {split!r}; it has {ds.splits}")
     ft = ds[split]
     recorded = ds.attributes.get("megatron")
     origin = "given"
@@ -454,7 +303,7 @@ def add_commands(subparsers: Any) -> None:
         action="store_true",
         help="one sequence per Megatron sequence, not per document",
     )
-    p.add_argument("--split", default="train", choices=SPLITS, help="the split to write")
+    p.add_argument("--split", default="train", help="the split to write (e.g. test)")
     p.add_argument(
         "--tokenizer",
         help="the tokenizer that made the ids (JSON file or transformers directory), recorded "
@@ -467,7 +316,7 @@ def add_commands(subparsers: Any) -> None:
     p = subparsers.add_parser("export-megatron", help="one split to Megatron PREFIX.idx/.bin")
     p.add_argument("url", metavar="URL", help="dataset path or URL")
     p.add_argument("prefix", metavar="PREFIX", help="output path without .idx/.bin")
-    p.add_argument("--split", default="train", choices=SPLITS, help="the split to export")
+    p.add_argument("--split", default="train", help="the split to export")
     p.add_argument(
         "--dtype-code",
         type=int,

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from flat_tokens_jax.convert.commands import add_store_flags, run_command, store_options
-from flat_tokens_jax.core.format import SPLITS
+from flat_tokens_jax.core.format import split_names
 from flat_tokens_jax.data.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.data.writer import DatasetWriter, Layout
 from flat_tokens_jax.store.identity import (
@@ -41,10 +41,11 @@ def merge(
 ) -> dict[str, Any]:
     """Writes every split of ``inputs``, in order, into one new dataset at ``output``.
 
-    Sequence offsets are rebased and ``max_token_id`` is the largest of the
-    inputs'. Data moves in blocks of whole sequences of about ``block_tokens``
-    tokens, still encoded: memory stays bounded and no token passes through a
-    Python list. Loss masks are carried over when every input of a split has
+    The output has every split any input has (an input without a split adds
+    nothing to it). Sequence offsets are rebased and ``max_token_id`` is the
+    largest of the inputs'. Data moves in blocks of whole sequences of about
+    ``block_tokens`` tokens, still encoded: memory stays bounded and no token
+    passes through a Python list. Loss masks are carried over when every input of a split has
     one. ``options`` reach the inputs and the output alike. An output that
     is, contains or lies inside an input is refused before anything is written.
 
@@ -71,7 +72,8 @@ def merge(
         allow_mixed=allow_mixed_tokenizers,
         fix="pass --allow-mixed-tokenizers (allow_mixed_tokenizers=True in Python)",
     )
-    for split in SPLITS:
+    names = split_names(s for ds in datasets for s in ds.splits)
+    for split in names:
         masked = {ds[split].loss_mask is not None for ds in datasets if split in ds}
         if len(masked) > 1:
             listed = ", ".join(
@@ -84,9 +86,14 @@ def merge(
             )
     summary: dict[str, Any] = {"inputs": [ds.url for ds in datasets], "splits": {}}
     with DatasetWriter(
-        output, layout=layout, overwrite=overwrite, options=options, info=merged_info(datasets)
+        output,
+        layout=layout,
+        overwrite=overwrite,
+        options=options,
+        splits=names,
+        info=merged_info(datasets),
     ) as writer:
-        for split in SPLITS:
+        for split in names:
             sequences = tokens = 0
             for ds in datasets:
                 if split not in ds:

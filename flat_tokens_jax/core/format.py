@@ -11,10 +11,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+
+from flat_tokens_jax.core.values import BadValue, text
 
 MAX_TOKEN_ID = 2**31 - 1
 ENCODED_DTYPE = np.dtype(np.uint32)
@@ -25,6 +28,78 @@ LEGACY_TOKENS = "tokens"
 SEQ_STARTS = "seq_starts"
 LOSS_MASK = "loss_mask"
 SPLITS = ("train", "validation")
+"""The splits every dataset has (written empty when no data goes to them); any
+other split a dataset has is an extra one, recorded in its root attributes."""
+MAX_SPLIT_NAME = 64
+_SPLIT_NAME = re.compile(r"[a-z][a-z0-9_-]*")
+_SPLIT_RULE = (
+    "a split name is lowercase ASCII: a letter, then letters, digits, '_' or '-', "
+    f"at most {MAX_SPLIT_NAME} characters (one plain folder on every file system "
+    "and object store)"
+)
+# Names of what a split holds: a split of such a name would read as a member
+# of another split to a tool that lists the dataset one level down.
+_SPLIT_MEMBERS = (TOKENS, LEGACY_TOKENS, SEQ_STARTS, LOSS_MASK)
+_PLAN_PREFIX = "bins_"  # <split>/bins_<seq_len>: the packing plans `pack` stores
+
+
+def check_split_name(name: Any) -> str:
+    """``name`` if it may name a split: it follows the rule below and is no name
+    the store uses inside a split (``encoded_tokens``, ``tokens``,
+    ``seq_starts``, ``loss_mask``, ``bins_*``). The rule: lowercase ASCII,
+    ``[a-z][a-z0-9_-]*``, at most :data:`MAX_SPLIT_NAME` characters; it also
+    keeps split names off the store's own files (zarr metadata, the write
+    marker, the staging folder), which start with ``_`` or ``.``.
+
+    Raises:
+        ValueError: naming the name, the rule it breaks and a name to write.
+    """
+    try:
+        text(name, "a split name")
+    except BadValue as e:
+        raise ValueError(f"{e}; {_SPLIT_RULE}: write e.g. 'test'") from None
+    shown = repr(name) if len(name) <= 2 * MAX_SPLIT_NAME else f"{name[:MAX_SPLIT_NAME]!r}..."
+    if name in _SPLIT_MEMBERS:
+        raise ValueError(
+            f"split name {shown} is refused: the store names an array inside every "
+            "split so; choose another name, e.g. 'test'"
+        )
+    if name.startswith(_PLAN_PREFIX):
+        raise ValueError(
+            f"split name {shown} is refused: names starting {_PLAN_PREFIX!r} are the "
+            "packing plans that `pack` stores inside a split; choose another name, e.g. 'test'"
+        )
+    if len(name) > MAX_SPLIT_NAME or not _SPLIT_NAME.fullmatch(name):
+        why = f" ({len(name)} characters)" if len(name) > MAX_SPLIT_NAME else ""
+        if name[0] in "_.":
+            why += " (names starting with '_' or '.' are the store's own files)"
+        raise ValueError(
+            f"split name {shown} is not allowed{why}: {_SPLIT_RULE}; write {_plain(name)!r}"
+        )
+    return name
+
+
+def split_names(names: Iterable[Any]) -> tuple[str, ...]:
+    """:data:`SPLITS`, then ``names``, each checked by :func:`check_split_name`, repeats dropped."""
+    return tuple(dict.fromkeys([*SPLITS, *(check_split_name(name) for name in names)]))
+
+
+def _plain(name: str) -> str:
+    """A name near ``name`` that follows the rule of :func:`check_split_name`, else ``"test"``."""
+    plain = re.sub(r"[^a-z0-9_-]+", "_", name.lower()).lstrip("_-0123456789")
+    plain = plain[:MAX_SPLIT_NAME]
+    ok = plain and plain not in _SPLIT_MEMBERS and not plain.startswith(_PLAN_PREFIX)
+    return plain if ok else "test"
+
+
+class UnknownSplit(KeyError, ValueError):
+    """A split that a dataset or a writer does not have: a ``KeyError`` whose
+    text reads as a sentence (a plain one shows its message in quotes), and a
+    ``ValueError`` as every other bad name given is, so that whatever reports
+    bad input (the command line) reports it."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 @dataclasses.dataclass(frozen=True)

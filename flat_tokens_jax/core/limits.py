@@ -24,9 +24,13 @@ _KINDS = (
     (stat.S_ISSOCK, "socket"),
 )
 
-ROW_BYTES_PER_TOKEN = 25
-"""Bytes a batch holds per token of a row: the encoded window (4), four
-``int32`` fields (16), ``loss_mask`` (1) and the read buffers (4)."""
+READ_BYTES_PER_TOKEN = 8
+"""Bytes a row's reading holds per token besides its batch's arrays: the
+encoded window (4) and the read buffers (4)."""
+
+ROW_BYTES_PER_TOKEN = 17 + READ_BYTES_PER_TOKEN
+"""Bytes a row of the five fields holds per token, read and decoded: four
+``int32`` fields (16), ``loss_mask`` (1) and its reading."""
 
 
 def special_kind(path: str | os.PathLike[str]) -> str | None:
@@ -162,19 +166,23 @@ def check_loader_memory(
     prefetch: int | None,
     processes: int,
     read_ahead_bytes: int = 0,
+    *,
+    row_bytes: int,
 ) -> None:
     """Refuses a loader whose steps in flight cannot fit in this host's memory.
 
     Each of ``processes`` hosts holds at least ``batch_size / processes`` rows
     of the largest step, for the step being read and ``prefetch`` steps ahead;
     with ``prefetch=None`` (automatic depth) the steps ahead hold up to
-    ``read_ahead_bytes``, and at least one step.
+    ``read_ahead_bytes``, and at least one step. A row holds ``row_bytes``
+    (its batch's arrays, every field of the layout), its reading
+    (:data:`READ_BYTES_PER_TOKEN` a token) and :data:`ROW_BYTES`.
 
     Raises:
         ValueError: naming the fields, the estimate and the most rows that fit.
     """
     rows = -(-batch_size // max(processes, 1))
-    per_row = seq_len * ROW_BYTES_PER_TOKEN + ROW_BYTES
+    per_row = row_bytes + seq_len * READ_BYTES_PER_TOKEN + ROW_BYTES
     step = rows * per_row + STEP_BYTES
     memory = memory_bytes()
     if prefetch is None:
@@ -183,8 +191,8 @@ def check_loader_memory(
         check_memory(
             step + ahead,
             f"LoaderConfig batch_size {batch_size:,} at seq_len {seq_len:,} with "
-            f"read_ahead_bytes {read_ahead_bytes:,} ({rows:,} rows per host, automatic "
-            "prefetch)",
+            f"read_ahead_bytes {read_ahead_bytes:,} ({rows:,} rows per host of "
+            f"{per_row:,} bytes, automatic prefetch)",
             f"lower read_ahead_bytes (at most {max(memory - step, 0):,}) or batch_size "
             f"(at most {most_rows:,} at this seq_len and read_ahead_bytes)",
         )
@@ -198,6 +206,7 @@ def check_loader_memory(
     check_memory(
         steps * step,
         f"LoaderConfig batch_size {batch_size:,} at seq_len {seq_len:,} with prefetch "
-        f"{prefetch:,} ({rows:,} rows per host, {steps:,} steps in flight)",
+        f"{prefetch:,} ({rows:,} rows per host of {per_row:,} bytes, {steps:,} steps in "
+        "flight)",
         fix,
     )

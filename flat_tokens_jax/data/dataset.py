@@ -6,7 +6,7 @@ import copy
 import functools
 import itertools
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -22,13 +22,15 @@ from flat_tokens_jax.core.format import (
     STARTS_DTYPE,
     TOKENS,
     FormatError,
+    UnknownSplit,
     as_index,
     as_indices,
     decode,
 )
+from flat_tokens_jax.data.splitfractions import split_boundaries
 from flat_tokens_jax.store.arrays import ArrayReader, Known, Pending
-from flat_tokens_jax.store.digests import DIGESTS, ChunkDigests
-from flat_tokens_jax.store.identity import DatasetInfo
+from flat_tokens_jax.store.digests import DIGESTS, ChunkDigests, array_checks, side_opener
+from flat_tokens_jax.store.identity import DatasetInfo, dataset_splits
 from flat_tokens_jax.store.options import StoreOptions, resolve_options
 from flat_tokens_jax.store.probes import ShardProbes
 from flat_tokens_jax.store.store import (
@@ -42,7 +44,7 @@ from flat_tokens_jax.store.store import (
 
 
 class _Unread:
-    """The :attr:`FlatTokens.info` of a split opened on its own, until first read."""
+    """The :attr:`FlatTokens.info` of a split opened on its own, until opening reads it."""
 
 
 class FlatTokens:
@@ -55,7 +57,9 @@ class FlatTokens:
     thread-safe; every method that takes many indices or ranges requests them
     all before waiting.
     ``info`` is the dataset's :class:`DatasetInfo` when the caller has read it
-    (:class:`Dataset` does); otherwise :attr:`info` reads it on first use.
+    (:class:`Dataset` does); otherwise opening reads it: a dataset that records
+    what made it must record its arrays' shard probes and chunk digests
+    (:func:`~flat_tokens_jax.store.digests.array_checks`).
     """
 
     def __init__(
@@ -92,21 +96,17 @@ class FlatTokens:
         arrays = [(self.tokens_name, meta, self.encoded), (SEQ_STARTS, starts_meta, self.starts)]
         if mask_meta is not None and self.loss_mask is not None:
             arrays.append((LOSS_MASK, mask_meta, self.loss_mask))
-        self.probes = {
-            name: ShardProbes.of(
-                found[1].get("attributes") or {}, f"{store.url}/{split}/{name}", reader.size
-            )
-            for name, found, reader in arrays
-        }
-        self.digests = {
-            name: ChunkDigests.of(
+        ours = self.info is not None
+        self.probes: dict[str, ShardProbes | None] = {}
+        self.digests: dict[str, ChunkDigests | None] = {}
+        for name, found, reader in arrays:
+            self.probes[name], self.digests[name] = array_checks(
                 found[1].get("attributes") or {},
                 f"{store.url}/{split}/{name}",
                 reader.size,
-                _side_opener(store, f"{split}/{name}/{DIGESTS}"),
+                side_opener(store, f"{split}/{name}/{DIGESTS}"),
+                ours=ours,
             )
-            for name, found, reader in arrays
-        }
         self._check_shapes(check_end)
         self.seq_range = (0, self.starts.size - 1)
         self.token_range = (0, self.encoded.size)
@@ -299,6 +299,10 @@ class FlatTokens:
         and every boundary after the first is shifted so the last equals
         ``num_sequences``. A view works wherever a ``FlatTokens`` does; packed
         records of a view never cross its ends.
+
+        Raises:
+            ValueError: a weight that is no finite non-negative number, or no
+                positive sum, naming ``fractions`` and the form to write.
         """
         bounds = split_boundaries(fractions, self.num_sequences)
         return tuple(self.view(a, b) for a, b in itertools.pairwise(bounds))
@@ -361,31 +365,17 @@ class FlatTokens:
         return {name: describe_layout(fmt, meta) for name, (fmt, meta) in self.metadata.items()}
 
 
-def _side_opener(store: Store, key: str) -> Callable[[], ArrayReader]:
-    """Opens the side array of chunk digests at ``key`` when first called."""
-
-    def open_side() -> ArrayReader:
-        found = store.array_metadata(key)
-        if found is None:
-            raise FormatError(
-                f"{store.url}/{key}: the chunk digests that the array's attribute "
-                f"{DIGESTS!r} announces are missing: rewrite the dataset"
-            )
-        return store.open_array(key, *found)
-
-    return open_side
-
-
 class Dataset(Mapping[str, FlatTokens]):
     """A flat-tokens dataset: a zarr group whose splits are :class:`FlatTokens`.
 
-    ``dataset["train"]``, ``dataset["validation"]``; ``splits`` lists those present.
+    ``dataset["train"]``; ``splits`` lists those present: ``train``, ``validation``,
+    then the extra ones its root attributes record (``flat_tokens.splits``).
     """
 
     def __init__(self, store: Store) -> None:
-        store.prefetch_json(_metadata_keys(3))
+        store.prefetch_json(_metadata_keys(3, SPLITS))
         if store.read_json(V3_META) is None:
-            store.prefetch_json(_metadata_keys(2))
+            store.prefetch_json(_metadata_keys(2, SPLITS))
         found = store.group_attributes("")
         if found is None:
             raise FormatError(
@@ -396,12 +386,14 @@ class Dataset(Mapping[str, FlatTokens]):
         self.zarr_format, self.attributes = found
         self.info = DatasetInfo.from_attributes(self.attributes, store.url)
         """What made the dataset (tokenizer, flags, inputs); ``None`` when it does not say."""
-        present = [s for s in SPLITS if store.group_attributes(s) is not None]
+        names = dataset_splits(self.attributes, store.url)
+        store.prefetch_json(_metadata_keys(self.zarr_format, names[len(SPLITS) :]))
+        present = [s for s in names if store.group_attributes(s) is not None]
         opened = at_once([functools.partial(FlatTokens, store, s, info=self.info) for s in present])
         self._splits = dict(zip(present, opened, strict=True))
         if not self._splits:
             raise FormatError(
-                f"{store.url}: the group has neither a 'train' nor a 'validation' split"
+                f"{store.url}: the group holds none of its splits ({', '.join(names)})"
             )
 
     @property
@@ -418,8 +410,8 @@ class Dataset(Mapping[str, FlatTokens]):
         except KeyError:
             hint = {"valid": "validation", "val": "validation"}.get(split)
             fix = f": use {hint!r}" if hint in self._splits else ""
-            raise KeyError(
-                f"{self.url} has no split {split!r}; it has {self.splits}{fix}"
+            raise UnknownSplit(
+                f"{self.url} has no split {split!r}; it has {', '.join(self.splits)}{fix}"
             ) from None
 
     def __iter__(self) -> Iterator[str]:
@@ -432,16 +424,16 @@ class Dataset(Mapping[str, FlatTokens]):
         return f"Dataset({self.url!r}, splits={self.splits})"
 
 
-def _metadata_keys(zarr_format: int) -> list[str]:
-    """The metadata that opening a dataset of ``zarr_format`` reads: the root's,
-    each split's, and those of each split's arrays and their side arrays of
-    digests (zarr v3: and the v2 metadata looked for next where a split has no
-    loss mask)."""
+def _metadata_keys(zarr_format: int, splits: Sequence[str]) -> list[str]:
+    """The metadata that opening ``splits`` of a dataset of ``zarr_format``
+    reads: the root's, each split's, and those of each split's arrays and their
+    side arrays of digests (zarr v3: and the v2 metadata looked for next where
+    a split has no loss mask)."""
     group, array = (
         ([V3_META], [V3_META]) if zarr_format == 3 else ([V2_GROUP, V2_ATTRS], [V2_ARRAY, V2_ATTRS])
     )
     keys = list(group)
-    for split in SPLITS:
+    for split in splits:
         keys += [f"{split}/{key}" for key in group]
         for name in (TOKENS, SEQ_STARTS, LOSS_MASK):
             for folder in (f"{split}/{name}", f"{split}/{name}/{DIGESTS}"):
@@ -477,28 +469,6 @@ def open_dataset(
         FormatError: nothing valid at ``url``, or an array that breaks the format.
     """
     return Dataset(Store(url, resolve_options(options, option_fields, "open_dataset")))
-
-
-def split_boundaries(fractions: str | Sequence[float], n: int) -> list[int]:
-    """Boundaries ``[0, ..., n]`` of a Megatron-style split of ``n`` items.
-
-    Example:
-        >>> split_boundaries("949,50,1", 1000)
-        [0, 949, 999, 1000]
-    """
-    text = fractions if isinstance(fractions, str) else ",".join(map(str, fractions))
-    try:
-        weights = [float(x) for x in text.replace("/", ",").split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"split {fractions!r}: expected numbers such as '949,50,1'") from None
-    if not weights or any(w < 0 or w != w for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"split {fractions!r}: weights must be non-negative with a positive sum")
-    total = sum(weights)
-    bounds = [0]
-    for w in weights:
-        bounds.append(bounds[-1] + round(w / total * float(n)))
-    excess = bounds[-1] - n
-    return [bounds[0], *(b - excess for b in bounds[1:])]
 
 
 def _max_token_id(attrs: Mapping[str, Any], where: str) -> int:

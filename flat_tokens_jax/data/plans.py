@@ -14,6 +14,7 @@ another ``seq_len`` or from other data is refused, with what differs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -32,7 +33,8 @@ import tensorstore as ts
 from flat_tokens_jax.core.format import FormatError, Problem
 from flat_tokens_jax.core.limits import check_seq_len, special_kind
 from flat_tokens_jax.data.binpack import ALGORITHM, build_plan, capped_algorithm, plan_digest
-from flat_tokens_jax.data.dataset import FlatTokens, open_dataset
+from flat_tokens_jax.data.dataset import Dataset, FlatTokens, open_dataset
+from flat_tokens_jax.store.claim import Claim, describe_marker
 from flat_tokens_jax.store.layout import Layout, create_array
 from flat_tokens_jax.store.options import StoreOptions, resolve_options
 from flat_tokens_jax.store.store import V2_ATTRS, V2_GROUP, V3_META, Store
@@ -298,18 +300,44 @@ def pack_dataset(
 
     Returns:
         The plan of each split.
+
+    Raises:
+        FileExistsError: another write to the dataset (a pack, a conversion)
+            is in progress: packs of one dataset run one at a time.
     """
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
     check_seq_len(seq_len, "pack_dataset")
     ds = open_dataset(url, resolve_options(options, option_fields, "pack_dataset"))
     names = list(ds.splits if splits is None else splits)
+    claim = _claim(ds)
     out = {}
-    for name in names:
-        ft = ds[name]
-        out[name] = write_plan(ds.store, ft, seq_len, ds.zarr_format)
-        log.info("%s: packed %s into %d bins", ds.url, name, out[name].num_bins)
+    try:
+        for name in names:
+            ft = ds[name]
+            out[name] = write_plan(ds.store, ft, seq_len, ds.zarr_format)
+            log.info("%s: packed %s into %d bins", ds.url, name, out[name].num_bins)
+    except BaseException:
+        with contextlib.suppress(FileExistsError):  # lost to another writer: theirs now
+            claim.release()
+        raise
+    claim.release()
     return out
+
+
+def _claim(ds: Dataset) -> Claim:
+    """The dataset's write marker, ours while a pack writes its plans: two packs
+    at once would delete and write the same plan's files under each other."""
+    claim = Claim(ds.store, ds.splits)
+    if not claim.create():
+        try:
+            claim.take_over()  # the marker of a write that died is ours to replace
+        except FileExistsError:
+            raise FileExistsError(
+                f"{ds.url}: another write to it is in progress ({describe_marker(ds.store)}): "
+                "run pack again when it has finished; packs of one dataset run one at a time"
+            ) from None
+    return claim
 
 
 def stored_seq_lens(ft: FlatTokens) -> list[int]:

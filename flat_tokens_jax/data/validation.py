@@ -22,8 +22,8 @@ from flat_tokens_jax.core.format import (
 from flat_tokens_jax.data.dataset import FlatTokens, open_dataset
 from flat_tokens_jax.data.plans import check_stored_plans, plans_summary
 from flat_tokens_jax.store.arrays import ArrayReader
-from flat_tokens_jax.store.digests import ChunkDigests
-from flat_tokens_jax.store.identity import DatasetInfo
+from flat_tokens_jax.store.digests import DIGESTS, ChunkDigests
+from flat_tokens_jax.store.identity import DatasetInfo, dataset_splits
 from flat_tokens_jax.store.options import StoreError, StoreOptions, resolve_options
 from flat_tokens_jax.store.store import Store
 
@@ -44,7 +44,8 @@ def validate(
 ) -> None:
     """Checks every invariant of the dataset at ``url``, reading it in blocks.
 
-    Checks both splits are present; dtypes and shapes; ``seq_starts`` starts at
+    Checks every split is present (``train``, ``validation`` and those the root
+    attribute ``flat_tokens.splits`` records); dtypes and shapes; ``seq_starts`` starts at
     0, strictly increases and ends at the token count; start bits sit exactly at
     ``seq_starts``; every id is ``<= max_token_id``; an optional ``loss_mask``
     has one ``uint8`` 0/1 entry per token; the root attribute ``flat_tokens``,
@@ -59,8 +60,11 @@ def validate(
     scan: the metadata, both ends of ``seq_starts``, and ``samples`` sequences
     (spread over the split, the same ones every time): their bounds, and the
     start bits and ids of their first :data:`QUICK_TOKENS` tokens. Both check every
-    shard probe, and the chunk digests (see :mod:`~flat_tokens_jax.store.digests`)
-    where recorded: of every chunk, or (``quick``) of the chunks the sample reads.
+    shard probe and, where chunk digests are recorded (see
+    :mod:`~flat_tokens_jax.store.digests`), every shard's recorded digests
+    against its array's attribute (the side arrays read whole: 4 bytes a
+    chunk), then the digests of every chunk, or (``quick``) of the chunks the
+    sample reads.
 
     Raises:
         FormatError: listing every violation found, each with its array and index.
@@ -77,19 +81,27 @@ def validate(
             )
         )
     problems: list[Problem] = []
+    names: tuple[str, ...] = SPLITS
+    info = None
     try:
-        DatasetInfo.from_attributes(root[1])
+        info = DatasetInfo.from_attributes(root[1])
+        names = dataset_splits(root[1])
     except FormatError as e:
         problems += e.problems
-    for split in SPLITS:
+    for split in names:
         try:
-            ft = FlatTokens(store, split, check_end=False)
+            ft = FlatTokens(store, split, check_end=False, info=info)
         except FormatError as e:
             problems += e.problems
             continue
         try:
             problems += _check_probes(ft)
-            problems += _check_sample(ft, samples) if quick else _check_split(ft, block)
+            side, digests = _check_side(ft)
+            problems += side
+            if quick:
+                problems += _check_sample(ft, samples, digests)
+            else:
+                problems += _check_split(ft, block, digests)
         except StoreError as e:
             if "DATA_LOSS" not in str(e):
                 raise
@@ -110,11 +122,30 @@ def _check_probes(ft: FlatTokens) -> list[Problem]:
     ]
 
 
+def _check_side(ft: FlatTokens) -> tuple[list[Problem], dict[str, ChunkDigests]]:
+    """Every shard's recorded chunk digests against its array's attribute (see
+    :mod:`~flat_tokens_jax.store.digests`), where recorded; and the digests of
+    the arrays whose recorded digests all pass, the ones to check chunks with."""
+    problems: list[Problem] = []
+    trusted = {}
+    for name, digests in ft.digests.items():
+        if digests is None:
+            continue
+        found = _digest_problems(f"{ft.split_name}/{name}/{DIGESTS}", digests.side_problems)
+        problems += found
+        if not found:
+            trusted[name] = digests
+    return problems, trusted
+
+
 def _check_digests(
-    ft: FlatTokens, name: str, reader: ArrayReader, starts: np.ndarray, stops: np.ndarray
+    digests: ChunkDigests | None,
+    where: str,
+    reader: ArrayReader,
+    starts: np.ndarray,
+    stops: np.ndarray,
 ) -> list[Problem]:
-    """The chunk digests (where recorded) of the chunks ranges ``[starts, stops)`` touch."""
-    digests = ft.digests.get(name)
+    """The chunk ``digests`` (where trusted) of the chunks ranges ``[starts, stops)`` touch."""
     if digests is None:
         return []
 
@@ -122,10 +153,12 @@ def _check_digests(
         digests.check(reader, starts, stops)  # raises at the first chunk that differs
         return []
 
-    return _digest_problems(f"{ft.split_name}/{name}", check)
+    return _digest_problems(where, check)
 
 
-def _check_split(ft: FlatTokens, block: int) -> list[Problem]:
+def _check_split(ft: FlatTokens, block: int, digests: dict[str, ChunkDigests]) -> list[Problem]:
+    """The checks of :func:`validate` on every value of ``ft``, every chunk
+    checked with ``digests`` (of the arrays whose recorded digests pass)."""
     problems = _check_arrays(
         f"{ft.split_name}/{ft.tokens_name}",
         ft.encoded,
@@ -133,21 +166,15 @@ def _check_split(ft: FlatTokens, block: int) -> list[Problem]:
         ft.starts,
         ft.max_token_id,
         block,
-        (ft.digests.get(ft.tokens_name), ft.digests.get(SEQ_STARTS)),
+        (digests.get(ft.tokens_name), digests.get(SEQ_STARTS)),
     )
-    problems += [
-        Problem(f"{ft.split_name}/{name}", message)
-        for name, digests in ft.digests.items()
-        if digests is not None
-        for message in digests.content_problems()
-    ]
     if ft.loss_mask is not None:
         where = f"{ft.split_name}/{LOSS_MASK}"
         if ft.loss_mask.dtype != np.uint8:
             problems.append(Problem(where, f"dtype is {ft.loss_mask.dtype}, expected uint8"))
         else:
-            digests = ft.digests.get(LOSS_MASK)
-            for offset, values in _blocks(ft.loss_mask, block, digests, where, problems):
+            mask_digests = digests.get(LOSS_MASK)
+            for offset, values in _blocks(ft.loss_mask, block, mask_digests, where, problems):
                 bad = np.flatnonzero(values > 1)
                 problems += [
                     Problem(
@@ -158,8 +185,9 @@ def _check_split(ft: FlatTokens, block: int) -> list[Problem]:
     return problems
 
 
-def _check_sample(ft: FlatTokens, samples: int) -> list[Problem]:
-    """The checks of :func:`validate` on ``samples`` sequences of ``ft`` (see ``quick``)."""
+def _check_sample(ft: FlatTokens, samples: int, digests: dict[str, ChunkDigests]) -> list[Problem]:
+    """The checks of :func:`validate` on ``samples`` sequences of ``ft`` (see
+    ``quick``), the chunks read checked with ``digests``."""
     tokens_where = f"{ft.split_name}/{ft.tokens_name}"
     starts_where = f"{ft.split_name}/{SEQ_STARTS}"
     n, num_tokens = ft.starts.size - 1, ft.encoded.size
@@ -189,8 +217,8 @@ def _check_sample(ft: FlatTokens, samples: int) -> list[Problem]:
         return problems
     lo = values[: seqs.size].astype(np.int64)
     hi = np.minimum(values[seqs.size :].astype(np.int64), lo + QUICK_TOKENS)
-    problems += _check_digests(ft, SEQ_STARTS, ft.starts, at, at + 1)
-    problems += _check_digests(ft, ft.tokens_name, ft.encoded, lo, hi)
+    problems += _check_digests(digests.get(SEQ_STARTS), starts_where, ft.starts, at, at + 1)
+    problems += _check_digests(digests.get(ft.tokens_name), tokens_where, ft.encoded, lo, hi)
     for start, enc in zip(lo.tolist(), ft.encoded.read_ranges(lo, hi), strict=True):
         problems += check_tokens_block(enc, start, np.array([start]), ft.max_token_id, tokens_where)
     return problems[: FormatError.max_listed]

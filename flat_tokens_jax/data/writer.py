@@ -25,11 +25,14 @@ from flat_tokens_jax.core.format import (
     SPLITS,
     STARTS_DTYPE,
     TOKENS,
+    UnknownSplit,
     check_loss_mask,
     check_token_ids,
     encode_concatenated,
+    split_names,
 )
-from flat_tokens_jax.store.identity import ATTRIBUTE, DatasetInfo
+from flat_tokens_jax.core.values import sequence
+from flat_tokens_jax.store.identity import ATTRIBUTE, DatasetInfo, identity_attribute
 from flat_tokens_jax.store.layout import (
     PROVISIONAL_SIZE,
     Layout,
@@ -210,10 +213,11 @@ class _SplitWriter:
 
 
 def root_attributes(
-    attributes: Mapping[str, Any] | None, info: DatasetInfo | None
+    attributes: Mapping[str, Any] | None, info: DatasetInfo | None, splits: Sequence[str]
 ) -> dict[str, Any]:
     """The root group's attributes: ``attributes`` and, under ``"flat_tokens"``,
-    ``info`` (an empty one when ``None``: every dataset says what wrote it).
+    ``info`` (an empty one when ``None``: every dataset says what wrote it) and
+    the names of its ``splits``.
 
     Raises:
         ValueError: ``attributes`` has a ``"flat_tokens"`` key of its own.
@@ -224,7 +228,7 @@ def root_attributes(
             f"attributes may not have the key {ATTRIBUTE!r}: the writer fills it in; "
             "pass info=DatasetInfo(...) instead"
         )
-    return {**given, ATTRIBUTE: (info or DatasetInfo()).to_attributes()}
+    return {**given, ATTRIBUTE: identity_attribute(info, splits)}
 
 
 def write_groups(
@@ -269,7 +273,9 @@ class DatasetWriter:
             :func:`~flat_tokens_jax.store.location.claim_location`).
         options: how to reach the store (see :class:`StoreOptions`).
         **option_fields: or the fields of ``options`` as keywords, e.g. ``endpoint=...``.
-        splits: the splits to create; each is written even if it stays empty.
+        splits: the splits to create (``train`` and ``validation`` always are),
+            each written even if it stays empty; a name that breaks the rule of
+            :func:`~flat_tokens_jax.core.format.check_split_name` is refused at once.
         attributes: extra JSON attributes for the root group (any key but
             ``"flat_tokens"``).
         info: what made the data (tokenizer, flags, inputs), written under the
@@ -291,13 +297,14 @@ class DatasetWriter:
         **option_fields: Any,
     ) -> None:
         self.layout = layout or Layout()
-        root_attributes(attributes, info)  # refuses a bad key before anything is written
+        names = split_names(sequence(splits, "splits", "a list of split names"))
+        root_attributes(attributes, info, names)  # refuses a bad key before anything is written
         self.attributes = dict(attributes or {})
         self.info = info
         self.store = Store(url, resolve_options(options, option_fields, "DatasetWriter"))
-        self._claim = claim_location(self.store, overwrite, splits)
+        self._claim = claim_location(self.store, overwrite, names)
         try:
-            self._splits = {s: _SplitWriter(self.store, s, self.layout) for s in splits}
+            self._splits = {s: _SplitWriter(self.store, s, self.layout) for s in names}
         except BaseException:
             self._claim.discard()
             raise
@@ -312,8 +319,9 @@ class DatasetWriter:
         try:
             return self._splits[split]
         except KeyError:
-            raise KeyError(
-                f"unknown split {split!r}; this writer has {tuple(self._splits)}"
+            raise UnknownSplit(
+                f"unknown split {split!r}; this writer has {tuple(self._splits)}: "
+                "name every split it writes in DatasetWriter(splits=...)"
             ) from None
 
     def append(
@@ -403,7 +411,7 @@ class DatasetWriter:
             for w in self._splits.values():
                 w.finish()
             max_ids = {name: w.max_token_id for name, w in self._splits.items()}
-            root = root_attributes(self.attributes, self.info)
+            root = root_attributes(self.attributes, self.info, tuple(self._splits))
             write_groups(self.store, self.layout, max_ids, root)
         except BaseException:
             self._discard()
@@ -455,7 +463,8 @@ def write_dataset(
 ) -> None:
     """Writes a whole dataset: ``splits`` maps split names to iterables of sequences.
 
-    Splits of :data:`SPLITS` that ``splits`` omits are written empty. ``loss_masks``
+    ``train`` and ``validation`` are written empty when ``splits`` omits them; other
+    names are extra splits (see ``DatasetWriter(splits=...)``). ``loss_masks``
     maps some of the split names to one loss mask per sequence (see
     :meth:`DatasetWriter.append`). Other keyword arguments go to :class:`DatasetWriter`
     (``options=StoreOptions(...)`` or its fields as keywords among them).
@@ -467,9 +476,8 @@ def write_dataset(
     masks = dict(loss_masks or {})
     unknown = sorted(set(masks) - set(splits))
     if unknown:
-        raise KeyError(f"loss_masks names splits {unknown} that splits does not have")
-    names = tuple(dict.fromkeys([*SPLITS, *splits]))
-    with DatasetWriter(url, splits=names, **writer_args) as w:
+        raise UnknownSplit(f"loss_masks names splits {unknown} that splits does not have")
+    with DatasetWriter(url, splits=tuple(splits), **writer_args) as w:
         for name, seqs in splits.items():
             w.extend(name, seqs, loss_masks=masks.get(name))
 

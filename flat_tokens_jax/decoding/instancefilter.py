@@ -17,6 +17,14 @@ instance's ids, documents and all), and what the model sees as one context; a
 stored loss mask does not hide tokens from the count (OLMo counts prompts too).
 The verdict is a function of the row's targets and padding alone, so every
 host, every restart and both decodes (host and device) agree.
+
+Bounds: a row holds at most :data:`MAX_ROW_TOKENS` tokens (its positions are
+``int32``), so a filter whose ``max_count`` copies of its shortest n-gram could
+not fit in one is refused when made, and one that cannot fit in a row of the
+run's ``seq_len`` where it meets it (:meth:`InstanceFilter.check_seq_len`).
+Periods whose ``max_count`` copies are longer than a row are not checked: no
+row holds them. Within these bounds every count fits in ``int64`` on the host
+and every column index in ``int32`` on the devices.
 """
 
 from __future__ import annotations
@@ -32,6 +40,9 @@ import numpy as np
 
 from flat_tokens_jax.core import compiled
 from flat_tokens_jax.core.values import BadValue, integer, mapping
+
+MAX_ROW_TOKENS = 2**31 - 1
+"""The longest row a filter is checked against: ``positions`` are ``int32``."""
 
 # Probes in a row that a run must cover before the columns around them are
 # compared: with one, a common token pair sends every fourth row or so to
@@ -52,6 +63,9 @@ class InstanceFilter:
         max_period: longest n-gram checked. Recommended: 13 (OLMo's).
         min_period: shortest n-gram checked (1: one token repeated).
         max_count: copies that reject a row, at least 2. Recommended: 32 (OLMo's).
+
+    Each is at most :data:`MAX_ROW_TOKENS`, and ``max_count * min_period``
+    too: the tokens of the shortest run that rejects a row.
     """
 
     max_period: int = 13
@@ -60,8 +74,16 @@ class InstanceFilter:
 
     def __post_init__(self) -> None:
         path = "InstanceFilter."
-        for name, low in (("max_period", 1), ("min_period", 1), ("max_count", 2)):
-            object.__setattr__(self, name, integer(getattr(self, name), path + name, low=low))
+        row = f"a row holds at most {MAX_ROW_TOKENS:,} tokens"
+        for name, low in (("min_period", 1), ("max_period", 1), ("max_count", 2)):
+            value = integer(getattr(self, name), path + name, low=low)
+            most, why = MAX_ROW_TOKENS, row
+            if name == "max_count":
+                most = MAX_ROW_TOKENS // self.min_period
+                why += f", so no more copies of an n-gram of min_period {self.min_period}"
+            if value > most:
+                raise BadValue(path + name, f"must be at most {most:,} ({why}), got {value}")
+            object.__setattr__(self, name, value)
         if self.max_period < self.min_period:
             raise BadValue(
                 path + "max_period",
@@ -83,6 +105,28 @@ class InstanceFilter:
             return cls(**fields)
         except BadValue as e:
             raise e.moved("InstanceFilter", path) from None
+
+    def check_seq_len(self, seq_len: int, path: str) -> None:
+        """Refuses a filter that can reject no row of ``seq_len`` tokens:
+        ``max_count`` copies of its shortest n-gram are longer than a row.
+
+        Raises:
+            BadValue: naming ``path`` + ``.max_count``, both numbers and the fix.
+        """
+        need = self.max_count * self.min_period
+        if need > seq_len:
+            raise BadValue(
+                path + ".max_count",
+                f"is {self.max_count}: {self.max_count} copies of an n-gram of min_period "
+                f"{self.min_period} take {need:,} tokens, more than a row of seq_len "
+                f"{seq_len:,} holds, so the filter could reject no row; set max_count <= "
+                f"{max(seq_len // self.min_period, 1):,} or seq_len >= {need:,}",
+            )
+
+    def last_period(self, seq_len: int) -> int:
+        """The longest period whose ``max_count`` copies fit in a row of
+        ``seq_len`` tokens (below ``min_period``: none does)."""
+        return min(self.max_period, seq_len // self.max_count)
 
     def reach(self, period: int) -> int:
         """Consecutive columns ``j`` with ``targets[j] == targets[j + period]``
@@ -119,11 +163,9 @@ class InstanceFilter:
             )
         rows, width = targets.shape
         out = np.zeros(rows, bool)
-        for p in range(self.min_period, self.max_period + 1):
+        for p in range(self.min_period, self.last_period(width) + 1):
             reach = self.reach(p)
             pairs = width - p  # columns j with a j + p
-            if reach > pairs:
-                break  # longer periods reach further still
             need = min(_PROBES, reach)
             stride = reach // need  # any `reach` consecutive columns hold `need` probes
             probes = np.arange(0, pairs, stride)
@@ -150,19 +192,34 @@ class InstanceFilter:
         return out
 
     def rejected_jax(self, targets: jax.Array, segment_ids: jax.Array) -> jax.Array:
-        """``[rows] bool``, as :meth:`rejected`, with jax ops (inside ``jax.jit``)."""
+        """``[rows] bool``, as :meth:`rejected`, with jax ops (inside ``jax.jit``).
+
+        One loop over the periods, not a copy of the work per period, so the
+        program (and its compile time) is the same for any ``max_period``. For
+        each period ``p``: the equal pairs ``targets[j] == targets[j + p]``
+        (both real), and the run of them ending at each column, its length
+        taken from the last unequal column before it (a running maximum).
+        """
         rows, width = targets.shape
-        out = jnp.zeros(rows, bool)
+        last = self.last_period(width)
+        if last < self.min_period:
+            return jnp.zeros(rows, bool)
         real = segment_ids != 0
-        for p in range(self.min_period, self.max_period + 1):
-            reach = self.reach(p)
-            if reach > width - p:
-                break
-            pairs = (targets[:, :-p] == targets[:, p:]) & real[:, :-p] & real[:, p:]
-            sums = jnp.cumsum(pairs, axis=1, dtype=jnp.int32)
-            sums = jnp.pad(sums, ((0, 0), (1, 0)))
-            out |= jnp.any(sums[:, reach:] - sums[:, :-reach] == reach, axis=1)
-        return out
+        cols = jnp.arange(width, dtype=jnp.int32)[None, :]
+        # Column j + p of a row is column j of these at offset p; the wrapped
+        # columns (j + p >= width) are masked out below.
+        twice = jnp.concatenate([targets, targets], axis=1)
+        twice_real = jnp.concatenate([real, real], axis=1)
+
+        def period(p: jax.Array, out: jax.Array) -> jax.Array:
+            ahead = jax.lax.dynamic_slice_in_dim(twice, p, width, axis=1)
+            ahead_real = jax.lax.dynamic_slice_in_dim(twice_real, p, width, axis=1)
+            pairs = (targets == ahead) & real & ahead_real & (cols < width - p)
+            unequal = jax.lax.cummax(jnp.where(pairs, -1, cols), axis=1)
+            reach = (self.max_count - 1) * p
+            return out | jnp.any(cols - unequal >= reach, axis=1)
+
+        return jax.lax.fori_loop(self.min_period, last + 1, period, jnp.zeros(rows, bool))
 
 
 def apply_filter(

@@ -26,7 +26,9 @@ starts at that column):
 With ``max_segments`` every layout also holds ``segment_lengths`` ``[B,
 max_segments] int32``: the lengths of each row's runs in column order (a run
 is a maximal stretch of one segment id, and a new one begins at every sequence
-start; padding is a run of its own), then zeros; each row sums to ``L``.
+start; padding is a run of its own), then zeros; each row sums to ``L``. A row
+of ``L`` columns holds at most ``L`` runs, so ``max_segments`` is at most ``L``
+(:func:`check_max_segments`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from flat_tokens_jax.core.values import BadValue, integer
+from flat_tokens_jax.data.bins import BINS
 from flat_tokens_jax.data.records import Windows
 
 LAYOUTS = ("fields", "segments", "tokens", "maxtext")
@@ -46,6 +50,9 @@ LAYOUTS = ("fields", "segments", "tokens", "maxtext")
 WHOLE_ROWS = ("tokens", "segment_lengths")
 """Fields not ``[B, L]``: laid out over a sharding's batch axis only, whatever
 their width (``max_segments`` may equal ``L``)."""
+
+FLAGS = ("loss_mask", "sequence_start")
+"""The ``bool`` fields (1 byte a column); every other field is ``int32`` (4)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,11 +81,8 @@ class BatchLayout:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or self.name not in LAYOUTS:
             raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {self.name!r}")
-        m = self.max_segments
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int | np.integer) or m < 1):
-            raise ValueError(f"max_segments must be an int >= 1 or None, got {m!r}")
-        if m is not None:
-            object.__setattr__(self, "max_segments", int(m))
+        m = integer(self.max_segments, "max_segments", low=1, optional=True)
+        object.__setattr__(self, "max_segments", m)
 
     @property
     def plain(self) -> bool:
@@ -112,6 +116,12 @@ class BatchLayout:
         if self.max_segments is not None:
             out["segment_lengths"] = self.max_segments
         return out
+
+    def row_bytes(self, seq_len: int) -> int:
+        """Bytes one row of the layout's batch holds, every field counted
+        (``"fields"``: 17 a token; ``"maxtext"``: 25; ``segment_lengths``: 4
+        a segment)."""
+        return sum(w * (1 if k in FLAGS else 4) for k, w in self.widths(seq_len).items())
 
     def apply(
         self,
@@ -192,6 +202,32 @@ class BatchLayout:
 
 PLAIN = BatchLayout()
 """The five fields as decoded (``layout="fields"``, no ``max_segments``)."""
+
+
+def check_max_segments(
+    max_segments: int | None, seq_len: int, packing: bool | str, path: str
+) -> None:
+    """Refuses a ``max_segments`` (at ``path``) that no row of ``seq_len``
+    columns can use: above ``seq_len`` (a row holds at most one run a
+    column), or below 2 with ``packing="bins"``.
+
+    Raises:
+        BadValue: naming ``path``, the value and the bound.
+    """
+    if max_segments is None:
+        return
+    if packing == BINS and max_segments < 2:
+        raise BadValue(
+            path,
+            f"must be >= 2 with packing='bins' (a bin not full is a sequence and "
+            f"its padding: 2 runs), got {max_segments}",
+        )
+    if max_segments > seq_len:
+        raise BadValue(
+            path,
+            f"must be <= seq_len ({seq_len:,}): a row of {seq_len:,} columns holds at most "
+            f"{seq_len:,} runs, got {max_segments:,}; set max_segments <= {seq_len:,}",
+        )
 
 
 def sequence_starts(segment_ids: Any, positions: Any, row_starts: Any, xp: Any = np) -> Any:

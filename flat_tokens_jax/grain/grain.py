@@ -47,12 +47,12 @@ import numpy as np
 
 from flat_tokens_jax.core.limits import check_loader_memory
 from flat_tokens_jax.core.values import integer
-from flat_tokens_jax.data.bins import BINS, BinRecords, PackingPlan, check_packing, make_records
+from flat_tokens_jax.data.bins import BinRecords, PackingPlan, check_packing, make_records
 from flat_tokens_jax.data.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.data.records import PackedRecords, PaddedRecords, Records, recorded_info
 from flat_tokens_jax.decoding.hostdecode import BlockDecoder, default_threads
 from flat_tokens_jax.decoding.instancefilter import InstanceFilter, apply_filter
-from flat_tokens_jax.decoding.layouts import BatchLayout, row_starts
+from flat_tokens_jax.decoding.layouts import BatchLayout, check_max_segments, row_starts
 from flat_tokens_jax.grain.grainbatches import Batches, ScheduledBatches
 from flat_tokens_jax.grain.grainprocess import prepare_grain
 from flat_tokens_jax.sampling.mixture import Mixture
@@ -214,9 +214,9 @@ class FlatTokensSource:
         if option_fields or options is not None:
             options = resolve_options(options, option_fields, "FlatTokensSource")
         self.layout = BatchLayout(layout, max_segments)
-        if packing == BINS and max_segments is not None and max_segments < 2:
-            raise ValueError(f"max_segments must be >= 2 with packing='bins', got {max_segments}")
         records = _as_records(source, seq_len, packing, split, options, plan_cache, max_segments)
+        if self.instance_filter is not None:
+            self.instance_filter.check_seq_len(records.seq_len, "instance_filter")
         if len(records) == 0:
             raise ValueError(
                 f"{records!r} has no records: the split holds fewer than "
@@ -325,7 +325,8 @@ class FlatTokensSource:
         """
         count = shard[1] if isinstance(shard, tuple) and len(shard) == 2 else 1
         if type(batch_size) is int and type(count) is int and batch_size > 0 and count > 0:
-            check_loader_memory(batch_size, self.seq_len, 0, count)
+            row_bytes = self.layout.row_bytes(self.seq_len)
+            check_loader_memory(batch_size, self.seq_len, 0, count, row_bytes=row_bytes)
         return Batches(
             self, batch_size, seed=seed, shuffle=shuffle, num_epochs=num_epochs, shard=shard
         )
@@ -420,6 +421,7 @@ def _as_records(
         if seq_len is None:
             raise ValueError(f"seq_len is required to make records of {source!r}")
         packing = True if packing is None else packing
+        check_max_segments(max_segments, seq_len, packing, "max_segments")
         return make_records(source, seq_len, packing, plan_cache, max_segments)
     if isinstance(source, Dataset):
         raise TypeError(
@@ -438,4 +440,5 @@ def _as_records(
             f"{source!r} has seq_len {source.seq_len} and packing {source.packed}, but "
             f"{' and '.join(wrong)} was asked for: leave them out to use the records' own"
         )
+    check_max_segments(max_segments, source.seq_len, source.packed, "max_segments")
     return source

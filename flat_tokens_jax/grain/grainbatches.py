@@ -21,6 +21,7 @@ import numpy as np
 
 from flat_tokens_jax.core.limits import check_loader_memory
 from flat_tokens_jax.core.values import integer
+from flat_tokens_jax.decoding.layouts import BatchLayout
 from flat_tokens_jax.sampling.sampling import IndexSampler
 from flat_tokens_jax.sampling.schedule import BatchSchedule, BatchSizeSpec
 
@@ -29,6 +30,7 @@ class BatchReader(Protocol):
     """What ``Batches`` and ``ScheduledBatches`` read from (a ``FlatTokensSource``)."""
 
     seq_len: int
+    layout: BatchLayout
 
     def __len__(self) -> int: ...
 
@@ -149,13 +151,14 @@ class ScheduledBatches:
         batch_size: BatchSizeSpec | BatchSchedule,
         order: Sequence[int] | None = None,
     ) -> None:
-        if not all(hasattr(source, a) for a in ("read_batch", "seq_len", "__len__")):
+        if not all(hasattr(source, a) for a in ("read_batch", "seq_len", "layout", "__len__")):
             raise TypeError(
                 f"ScheduledBatches reads a FlatTokensSource, got {type(source).__name__}"
             )
         self.source, self.schedule = source, BatchSchedule.of(batch_size)
         largest = max(size for _, size in self.schedule.entries)
-        check_loader_memory(largest, source.seq_len, 0, 1)
+        row_bytes = source.layout.row_bytes(source.seq_len)
+        check_loader_memory(largest, source.seq_len, 0, 1, row_bytes=row_bytes)
         self.order = order
         self._num_samples = len(source) if order is None else len(order)
         self._length = self.schedule.steps_to_cover(self._num_samples)

@@ -17,12 +17,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from flat_tokens_jax.core.values import MAX_SEED, BadValue, integer, read_yaml
+from flat_tokens_jax.core.format import MAX_TOKEN_ID
+from flat_tokens_jax.core.values import MAX_SEED, BadValue, integer, known_keys, read_yaml
 from flat_tokens_jax.data.bins import BINS, make_records
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, check_source
 from flat_tokens_jax.decoding.instancefilter import InstanceFilter
-from flat_tokens_jax.decoding.layouts import LAYOUTS
+from flat_tokens_jax.decoding.layouts import LAYOUTS, check_max_segments
 from flat_tokens_jax.sampling.schedule import BatchSchedule, BatchSizeSpec
 
 
@@ -61,14 +62,17 @@ class LoaderConfig:
             least 2, within ``read_ahead_bytes``. An int pins the depth; 0
             reads nothing ahead. Changes no batch.
         read_ahead_bytes: the memory the steps prepared ahead may hold on this
-            host, with automatic ``prefetch`` (a step holds 17 bytes a token
-            of its rows on this host, 5 with ``decode="device"``; at least one
-            step is read ahead whatever its size). Recommended: the default
-            1 GiB, more for very slow stores. Changes no batch.
+            host, with automatic ``prefetch`` (a step holds its rows on this
+            host as ``layout``'s arrays: 17 bytes a token with ``"fields"``,
+            25 with ``"maxtext"``, plus ``4 * max_segments`` a row; 5 bytes a
+            token with ``decode="device"``; at least one step is read ahead
+            whatever its size). Recommended: the default 1 GiB, more for very
+            slow stores. Changes no batch.
         start_token_id: the input token where a sequence starts. ``None``: the
             id the dataset records (``DatasetInfo.start_token_id``, set by
-            ``convert --start-token-id``), or the spec's 0 when it records none.
-        pad_id: input and target id of padding.
+            ``convert --start-token-id``), or the spec's 0 when it records none;
+            at most ``2**31 - 1`` (inputs are ``int32``).
+        pad_id: input and target id of padding, an ``int32``.
         vocab_size: if given, the dataset's ``max_token_id`` (and the vocabulary
             of the tokenizer it records) must fit below it. It checks the data
             and changes no batch.
@@ -97,16 +101,18 @@ class LoaderConfig:
         max_segments: if set, every layout adds ``segment_lengths`` ``[B,
             max_segments] int32``, each row's run lengths (sequences,
             fragments, padding) then zeros, for varlen attention
-            (``cu_seqlens``); a row of more runs is refused. With
-            ``packing="bins"`` it also caps the sequences per bin (the packing
-            plan is built with the cap). Recommended for bins: the most
+            (``cu_seqlens``); a row of more runs is refused. At most
+            ``seq_len`` (a row holds no more runs). With ``packing="bins"``
+            it also caps the sequences per bin (the packing plan is built
+            with the cap; at least 2). Recommended for bins: the most
             sequences your kernel takes per row.
         instance_filter: ``None`` (off), or an :class:`InstanceFilter` (or a
             mapping of its fields, as YAML gives): rows that repeat an n-gram
             of up to ``max_period`` tokens ``max_count`` times back to back get
             ``loss_mask`` False on every column (OLMo's filter; see
-            :mod:`~flat_tokens_jax.decoding.instancefilter`). Recommended for
-            pretraining on web data: ``InstanceFilter()``.
+            :mod:`~flat_tokens_jax.decoding.instancefilter`). One that could
+            reject no row (``max_count * min_period > seq_len``) is refused.
+            Recommended for pretraining on web data: ``InstanceFilter()``.
     """
 
     batch_size: BatchSizeSpec
@@ -146,10 +152,17 @@ class LoaderConfig:
             "prefetch": integer(self.prefetch, path + "prefetch", low=0, optional=True),
             "read_ahead_bytes": integer(self.read_ahead_bytes, path + "read_ahead_bytes", low=1),
             "seed": integer(self.seed, path + "seed", low=0, high=MAX_SEED),
+            # Both are written into the int32 inputs and targets.
             "start_token_id": integer(
-                self.start_token_id, path + "start_token_id", low=0, optional=True
+                self.start_token_id,
+                path + "start_token_id",
+                low=0,
+                high=MAX_TOKEN_ID,
+                optional=True,
             ),
-            "pad_id": integer(self.pad_id, path + "pad_id"),
+            "pad_id": integer(
+                self.pad_id, path + "pad_id", low=-MAX_TOKEN_ID - 1, high=MAX_TOKEN_ID
+            ),
             **{
                 name: integer(getattr(self, name), path + name, low=1, optional=True)
                 for name in ("num_epochs", "vocab_size", "decode_threads", "max_segments")
@@ -168,19 +181,13 @@ class LoaderConfig:
             )
         if not isinstance(self.shuffle, bool):
             raise BadValue(path + "shuffle", f"must be True or False, got {self.shuffle!r}")
-        object.__setattr__(
-            self,
-            "instance_filter",
-            InstanceFilter.of(self.instance_filter, path + "instance_filter"),
-        )
+        rule = InstanceFilter.of(self.instance_filter, path + "instance_filter")
+        if rule is not None:
+            rule.check_seq_len(self.seq_len, path + "instance_filter")
+        object.__setattr__(self, "instance_filter", rule)
         if self.decode not in ("host", "device"):
             raise BadValue(path + "decode", f"must be 'host' or 'device', got {self.decode!r}")
-        if self.packing == BINS and self.max_segments is not None and self.max_segments < 2:
-            raise BadValue(
-                path + "max_segments",
-                f"must be >= 2 with packing='bins' (a bin not full is a sequence and "
-                f"its padding: 2 runs), got {self.max_segments}",
-            )
+        check_max_segments(self.max_segments, self.seq_len, self.packing, path + "max_segments")
         if not isinstance(self.layout, str) or self.layout not in LAYOUTS:
             raise BadValue(path + "layout", f"must be one of {list(LAYOUTS)}, got {self.layout!r}")
         if self.vocab_size is not None:
@@ -200,10 +207,7 @@ class LoaderConfig:
         """
         if not isinstance(values, Mapping):
             raise BadValue(path, f"must be a mapping of LoaderConfig fields, got {values!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(map(str, set(values) - known))
-        if unknown:
-            raise ValueError(f"unknown LoaderConfig field(s) {unknown}; known: {sorted(known)}")
+        known_keys(values, path, (f.name for f in dataclasses.fields(cls)), "field")
         missing = [k for k in ("batch_size", "seq_len") if k not in values]
         if missing:
             raise ValueError(f"{path}: the field(s) {missing} are required")

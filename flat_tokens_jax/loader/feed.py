@@ -19,11 +19,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from flat_tokens_jax.data.dataset import FlatTokens
+from flat_tokens_jax.decoding.layouts import BatchLayout
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.pipeline import Ahead, InFlight
 from flat_tokens_jax.loader.readahead import (
     DEVICE_BYTES_PER_TOKEN,
-    HOST_BYTES_PER_TOKEN,
     INITIAL_DEPTH,
     MAX_DEPTH,
     MIN_DEPTH,
@@ -50,8 +50,8 @@ class Feed:
     """Steps read ahead for one loader, with their measurements. Thread-safe.
 
     Args:
-        config: ``prefetch``, ``read_ahead_bytes``, ``seq_len`` and ``decode``
-            are used.
+        config: ``prefetch``, ``read_ahead_bytes``, ``seq_len``, ``decode``,
+            ``layout`` and ``max_segments`` are used.
         make: builds the :class:`Ahead` that prepares steps.
         read: prepares one step in the caller's thread.
         host_rows: this host's rows at a step.
@@ -68,8 +68,12 @@ class Feed:
     ) -> None:
         self.prefetch, self.budget = config.prefetch, config.read_ahead_bytes
         self._read, self._rows, self._seq_len = read, host_rows, config.seq_len
-        self._per_token = (
-            DEVICE_BYTES_PER_TOKEN if config.decode == "device" else HOST_BYTES_PER_TOKEN
+        # Decoded on the host, a step holds its layout's arrays; on the
+        # devices, its encoded tokens until they are placed there.
+        self._row_bytes = (
+            config.seq_len * DEVICE_BYTES_PER_TOKEN
+            if config.decode == "device"
+            else BatchLayout(config.layout, config.max_segments).row_bytes(config.seq_len)
         )
         found = [getattr(r, "ft", None) for r in components]
         self._splits = list({id(ft): ft for ft in found if isinstance(ft, FlatTokens)}.values())
@@ -99,8 +103,8 @@ class Feed:
         return MAX_DEPTH + 1 if self.prefetch is None else max(1, self.prefetch)
 
     def _step_bytes(self, step: int) -> int:
-        """Bytes a prepared step holds on this host (its rows' fields)."""
-        return self._rows(step) * self._seq_len * self._per_token
+        """Bytes a prepared step holds on this host (its rows' arrays)."""
+        return self._rows(step) * self._row_bytes
 
     def _bytes_read(self) -> int:
         return sum(ft.bytes_read + ft.probe_bytes for ft in self._splits)

@@ -116,9 +116,11 @@ class Loader:
                 "ftj.LoaderConfig(batch_size=..., seq_len=...)"
             )
         check_sharding(sharding)
+        self.layout = BatchLayout(config.layout, config.max_segments)
         largest = max(size for _, size in config.schedule.entries)
+        ahead, row = config.read_ahead_bytes, self.layout.row_bytes(config.seq_len)
         check_loader_memory(
-            largest, config.seq_len, config.prefetch, jax.process_count(), config.read_ahead_bytes
+            largest, config.seq_len, config.prefetch, jax.process_count(), ahead, row_bytes=row
         )
         self.mixture = source if isinstance(source, Mixture) else None
         cache = default_cache_dir() if plan_cache is None else plan_cache
@@ -145,7 +147,6 @@ class Loader:
         check_vocab(config, components, infos)
         self.start_token_id = resolve_start_token_id(config, infos)
         self.components, self.config, self.sharding = components, config, sharding
-        self.layout = BatchLayout(config.layout, config.max_segments)
         self.names = names
         self.records: Records | Mixture = components[0] if self.mixture is None else self.mixture
         self.samplers = [

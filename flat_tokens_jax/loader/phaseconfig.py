@@ -28,16 +28,26 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from flat_tokens_jax.core.values import BadValue, child, integer, mapping, read_yaml, sequence, text
+from flat_tokens_jax.core.values import (
+    BadValue,
+    child,
+    integer,
+    known_keys,
+    mapping,
+    read_yaml,
+    sequence,
+    text,
+)
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.phases import Phase
 from flat_tokens_jax.sampling.mixconfig import mixture_from_config
 from flat_tokens_jax.sampling.mixture import Mixture
-from flat_tokens_jax.store.options import StoreOptions
+from flat_tokens_jax.store.options import StoreError, StoreOptions
 
 __all__ = ["phases_from_config", "phases_from_yaml"]
 
-_KEYS = {"name", "start_step", "data", "loader"}
+_KEYS = ("name", "start_step", "data", "loader")
+MAX_STEP = 2**63 - 1  # The largest step: steps count int64 samples.
 
 
 def phases_from_config(
@@ -56,8 +66,12 @@ def phases_from_config(
         path: the section's name in errors.
 
     Raises:
-        ValueError: a key is unknown, a value bad (named by its path), or the
-            first phase lacks ``data`` or ``loader``.
+        ValueError: a key is unknown, a value bad, or the first phase lacks
+            ``data`` or ``loader``; the message names the phase (``phase 1
+            'anneal' (from step 900)``) and the value's path
+            (``phases[1].loader.seq_len``).
+        StoreError: a phase's dataset cannot be reached (the message names
+            the phase).
     """
     listed = sequence(phases, path, "a list of {start_step, name, data, loader}")
     if not listed:
@@ -67,33 +81,35 @@ def phases_from_config(
     data: Mapping[str, Any] | None = None
     opened: dict[str, Mixture] = {}
     for k, entry in enumerate(listed):
-        where = child(path, k)
-        entry = mapping(entry, where, "a mapping of start_step, name, data, loader")
-        unknown = sorted(map(str, set(entry) - _KEYS))
-        if unknown:
-            raise BadValue(where, f"has unknown key(s) {unknown}; known: {sorted(_KEYS)}")
-        for key in ("data", "loader"):
-            if k == 0 and key not in entry:
-                raise BadValue(where, f"must say {key!r}: the first phase states the whole run")
-        if "start_step" not in entry:
-            raise BadValue(where, "must say start_step (the first phase's is 0)")
-        start = integer(entry["start_step"], child(where, "start_step"), low=0, high=2**63 - 1)
-        name = None if entry.get("name") is None else text(entry["name"], child(where, "name"))
-        fields.update(mapping(entry.get("loader", {}), child(where, "loader")))
-        if "data" in entry:
-            data = mapping(entry["data"], child(where, "data"), "a mixture section")
-        if data is None:
-            raise BadValue(child(where, "data"), "must be given")
-        key = json.dumps(data, sort_keys=True, default=str)
-        if key not in opened:
-            try:
-                opened[key] = mixture_from_config(data, split, options, path=child(where, "data"))
-            except BadValue as e:
-                raise e.moved("data", child(where, "data")) from None
+        where, label = child(path, k), f"phase {k}"
         try:
+            entry = mapping(entry, where, "a mapping of start_step, name, data, loader")
+            name = None if entry.get("name") is None else text(entry["name"], child(where, "name"))
+            label += "" if name is None else f" {name!r}"
+            if "start_step" in entry:
+                start = integer(
+                    entry["start_step"], child(where, "start_step"), low=0, high=MAX_STEP
+                )
+                label += f" (from step {start})"
+            known_keys(entry, where, _KEYS)
+            if "start_step" not in entry:
+                raise BadValue(where, "must say start_step (the first phase's is 0)")
+            for key in ("data", "loader"):
+                if k == 0 and key not in entry:
+                    raise BadValue(where, f"must say {key!r}: the first phase states the whole run")
+            fields.update(mapping(entry.get("loader", {}), child(where, "loader")))
+            if "data" in entry:
+                data = mapping(entry["data"], child(where, "data"), "a mixture section")
+            if data is None:
+                raise BadValue(child(where, "data"), "must be given")
+            key = json.dumps(data, sort_keys=True, default=str)
+            if key not in opened:
+                opened[key] = mixture_from_config(data, split, options, path=child(where, "data"))
             config = LoaderConfig.from_dict(fields, child(where, "loader"))
-        except BadValue as e:
-            raise e.moved("LoaderConfig", child(where, "loader")) from None
+        except ValueError as e:
+            raise ValueError(f"{label}: {e}") from None
+        except StoreError as e:
+            raise StoreError(f"{label}: {e}") from None
         out.append(Phase(start, opened[key], config, name))
     return out
 
@@ -105,7 +121,7 @@ def phases_from_yaml(
 
     Raises:
         ValueError: the file is not YAML or has no ``phases`` list; a bad
-            value, named by the file and its path.
+            value, named by the file, the phase and its path.
     """
     doc = read_yaml(path)
     if not isinstance(doc, Mapping) or "phases" not in doc:

@@ -39,10 +39,6 @@ EMA_WEIGHT = 0.25
 COVER = 1.5
 """Steps in flight cover this many times a step's fetch and finish."""
 
-HOST_BYTES_PER_TOKEN = 17
-"""Bytes a step decoded on the host holds per token: four ``int32`` fields and
-``loss_mask``."""
-
 DEVICE_BYTES_PER_TOKEN = 5
 """Bytes a step decoded on the devices holds per token: the encoded ``uint32``
 token and a stored loss mask byte."""

@@ -51,6 +51,10 @@ UNRECORDED = {
     "fingerprint.data.components[].content": _CONTENT,
 }
 
+# The digests of the data's recorded contents: a saved one that differs now
+# (or is gone) means other data, said as such.
+CONTENTS = ("fingerprint.data.content", "fingerprint.data.components[].content")
+
 # Fields a fingerprint holds only when they are not the value here (a
 # feature that is off): absent on either side, that value is compared, so
 # states saved before the feature existed resume with it off, and only so.
@@ -241,10 +245,26 @@ def _compare(
             for i, (a, b) in enumerate(zip(saved, now, strict=True)):
                 _compare(a, b, f"{path}[{i}]", out, unrecorded)
         return
-    if _type(saved) != _type(now):
+    if isinstance(saved, str) and saved != now and _pattern(path) in CONTENTS:
+        out.append(_other_data(path, saved, now))
+    elif _type(saved) != _type(now):
         out.append(f"{path}: saved {_show(saved)}, now {_show(now)}")
     elif saved != now:
         out.append(f"{path}: saved {_show(saved, typed=False)}, now {_show(now, typed=False)}")
+
+
+def _other_data(path: str, saved: str, now: Any) -> str:
+    """The line of a content digest (:data:`CONTENTS`) saved as ``saved`` and ``now`` another."""
+    found = (
+        "none is recorded (an array's attribute chunk_crc32c is gone)"
+        if now is None
+        else _show(now, typed=False)
+    )
+    return (
+        f"{path}: the data is not what the saved run read: the digest of its recorded "
+        f"contents was {_show(saved, typed=False)}, now {found}; point the loader at the "
+        "data the run read, or start without the saved state"
+    )
 
 
 def _compare_absent(saved: Any, now: Any, path: str, out: list[str]) -> None:

@@ -2,9 +2,11 @@
 
 Per phase and component: steps, samples, tokens (rows times ``seq_len``,
 padding included) and epochs, from the same arithmetic the loader uses (no
-data is read beyond what opening the run reads). The picture (matplotlib, the
-``plot`` extra, imported only when drawing) shows each component's share of
-the tokens over steps, with the phase boundaries.
+data is read beyond what opening the run reads), as data or as a table
+(:func:`plan_table`), with a warning for each stream read more than
+:data:`REPEAT_WARNING_EPOCHS` times over (:func:`repeat_warnings`). The
+picture (matplotlib, the ``plot`` extra, imported only when drawing) shows
+each component's share of the tokens over steps, with the phase boundaries.
 """
 
 from __future__ import annotations
@@ -12,11 +14,26 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
+
 from flat_tokens_jax.core.extras import install_hint
 from flat_tokens_jax.loader.phasedloader import PhasedLoader
 from flat_tokens_jax.loader.phases import drawn
 
-__all__ = ["draw_shares", "plan_rows", "share_segments"]
+__all__ = [
+    "REPEAT_WARNING_EPOCHS",
+    "draw_shares",
+    "plan_rows",
+    "plan_table",
+    "repeat_warnings",
+    "share_segments",
+]
+
+# A stream read more epochs than this shows its model each record that many
+# times: fine for a small high-quality source, a mistake for most.
+REPEAT_WARNING_EPOCHS = 100
+
+_NO_ROWS = np.zeros(0, np.int64)
 
 
 def plan_rows(run: PhasedLoader, end_step: int) -> list[dict[str, Any]]:
@@ -27,6 +44,11 @@ def plan_rows(run: PhasedLoader, end_step: int) -> list[dict[str, Any]]:
     ``stream`` (``"new"`` or ``"continued"``), ``samples``, ``tokens``,
     ``epochs`` (this phase's samples over the records) and ``stream_epochs``
     (the stream's samples by the phase's end over the records).
+
+    Raises:
+        ValueError: the loader refuses a step before ``end_step`` (its samples
+            pass the largest sample index, or the run ends before it); the
+            message names the phase and the last step the run can reach.
     """
     rows: list[dict[str, Any]] = []
     for k, loader in enumerate(run.loaders):
@@ -34,6 +56,15 @@ def plan_rows(run: PhasedLoader, end_step: int) -> list[dict[str, Any]]:
         if start >= end_step:
             break
         stop = min(end_step, run.starts[k + 1] if k + 1 < len(run.starts) else end_step)
+        last = stop - start - 1
+        try:
+            # The loader's own check of a step, on the phase's last planned one.
+            loader.steps.samples(last, _NO_ROWS)
+        except (ValueError, IndexError) as e:
+            raise ValueError(
+                f"the run's step {stop - 1} is step {last} of {run.label(k)}, and its "
+                f"loader refuses it: {e}"
+            ) from None
         counts = drawn(loader.mixture, loader.schedule, stop - start)
         for c, name in enumerate(loader.names):
             records, offset = len(loader.components[c]), run.offsets[k][c]
@@ -56,6 +87,64 @@ def plan_rows(run: PhasedLoader, end_step: int) -> list[dict[str, Any]]:
                 }
             )
     return rows
+
+
+_COLUMNS = ("component", "stream", "samples", "tokens", "epochs", "stream epochs")
+
+
+def plan_table(rows: list[dict[str, Any]]) -> list[str]:
+    """:func:`plan_rows` as text: a line per phase, then its components, in
+    columns as wide as their widest value."""
+    cells = [
+        [
+            str(r["component"]),
+            r["stream"],
+            f"{r['samples']:,}",
+            f"{r['tokens']:,}",
+            f"{r['epochs']:,.3f}",
+            f"{r['stream_epochs']:,.3f}",
+        ]
+        for r in rows
+    ]
+    widths = [max(len(c[i]) for c in [list(_COLUMNS), *cells]) for i in range(len(_COLUMNS))]
+
+    def line(values: list[str]) -> str:
+        text = [
+            v.ljust(w) if i < 2 else v.rjust(w)
+            for i, (v, w) in enumerate(zip(values, widths, strict=True))
+        ]
+        return "  " + "  ".join(text)
+
+    lines = []
+    for k in dict.fromkeys(r["phase"] for r in rows):
+        mine = [i for i, r in enumerate(rows) if r["phase"] == k]
+        first = rows[mine[0]]
+        name = "" if first["phase_name"] is None else f" {first['phase_name']!r}"
+        lines.append(
+            f"phase {k}{name}: steps [{first['start_step']}, {first['end_step']}) "
+            f"({first['steps']:,} steps), seq_len {first['seq_len']}, packing {first['packing']}"
+        )
+        lines.append(line(list(_COLUMNS)))
+        lines += [line(cells[i]) for i in mine]
+    return lines
+
+
+def repeat_warnings(
+    run: PhasedLoader, rows: list[dict[str, Any]], most: float = REPEAT_WARNING_EPOCHS
+) -> list[str]:
+    """A line for each stream of :func:`plan_rows` read more than ``most``
+    epochs by the end of the plan (its last phase), naming the component."""
+    last: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        names = run.loaders[r["phase"]].names
+        last[run.streams[r["phase"]][names.index(r["component"])]] = r
+    return [
+        f"component {r['component']!r} ({r['records']:,} records) is read "
+        f"{r['stream_epochs']:,.1f} epochs by step {r['end_step']}, in {run.label(r['phase'])}: "
+        f"more than {most:g}, so each record repeats that often; give it more data or less weight"
+        for r in last.values()
+        if r["stream_epochs"] > most
+    ]
 
 
 def share_segments(run: PhasedLoader, end_step: int) -> list[tuple[int, int, dict[str, float]]]:

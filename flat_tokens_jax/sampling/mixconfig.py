@@ -18,6 +18,7 @@ from flat_tokens_jax.core.values import (
     boolean,
     child,
     integer,
+    known_keys,
     mapping,
     number,
     sequence,
@@ -72,15 +73,14 @@ def mixture_from_config(
         **option_fields: the same fields as keywords, e.g. ``endpoint=...``.
 
     Raises:
-        ValueError: a key is unknown or a value is of the wrong kind or out of
-            range (a :class:`~flat_tokens_jax.core.values.BadValue` naming its path:
+        ValueError: a key is unknown, a value is of the wrong kind or out of
+            range, or the values make no blend (a
+            :class:`~flat_tokens_jax.core.values.BadValue` naming its path:
             weights are finite numbers >= 0, seeds ints >= 0, booleans
             ``true``/``false``, ints never fractions or strings).
     """
     config = mapping(config, path, "a mapping with 'datasets'")
-    unknown = sorted(map(str, set(config) - _CONFIG_KEYS))
-    if unknown:
-        raise ValueError(f"unknown mixture config key(s) {unknown}; known: {sorted(_CONFIG_KEYS)}")
+    known_keys(config, path, _CONFIG_KEYS)
     cut = config.get("split")
     if cut is not None:
         where = child(path, "split")
@@ -105,44 +105,54 @@ def mixture_from_config(
     allow_mixed = boolean(
         config.get("allow_mixed_tokenizers", False), child(path, "allow_mixed_tokenizers")
     )
-    urls = list(dict.fromkeys(url for _, url, _, _ in entries))
+    urls = list(dict.fromkeys(url for _, _, url, _, _ in entries))
     opens = [functools.partial(open_dataset, url, options, **option_fields) for url in urls]
     opened: dict[str, Dataset] = dict(zip(urls, at_once(opens), strict=True))
 
     def part(
-        name: str, url: str, weight: float, dataset_split: str | None
+        where: str, name: str, url: str, weight: float, dataset_split: str | None
     ) -> tuple[str, Source, float]:
         ds = opened[url]
+        try:
+            found = ds[dataset_split or (split if cut is None else "train")]
+        except KeyError as e:
+            named = child(where, "split") if dataset_split else where
+            raise BadValue(named, f"reads a split its dataset lacks: {e.args[0]}") from None
         if cut is None:
-            return name, ds[dataset_split or split], weight
-        views = dict(zip(_SPLIT_PARTS, ds[dataset_split or "train"].split(cut), strict=False))
+            return name, found, weight
+        views = dict(zip(_SPLIT_PARTS, found.split(cut), strict=False))
         if split not in views:
-            raise ValueError(f"'split: {cut}' has {len(views)} parts, so no {split!r} part")
+            raise BadValue(child(path, "split"), f"{cut!r} has {len(views)} parts, so no {split!r}")
         return name, views[split], weight
 
-    # Datasets open, and views read their bounds, at once: N components cost
-    # the round trips of one.
-    parts = at_once([functools.partial(part, *entry) for entry in entries])
     stated = {k: config[k] for k in ("seq_len", "packing") if k in config}
-    return Mixture(
-        parts,
-        seed=seed,
-        period=period,
-        schedule=schedule,
-        allow_mixed_tokenizers=allow_mixed,
-        **stated,
-    )
+    try:
+        # Datasets open, and views read their bounds, at once: N components cost
+        # the round trips of one.
+        parts = at_once([functools.partial(part, *entry) for entry in entries])
+        return Mixture(
+            parts,
+            seed=seed,
+            period=period,
+            schedule=schedule,
+            allow_mixed_tokenizers=allow_mixed,
+            **stated,
+        )
+    except BadValue:
+        raise
+    except ValueError as e:  # weights the blend cannot use, records that disagree
+        raise BadValue(path, f"does not make a mixture: {e}") from None
 
 
 def _schedule(changes: Any, path: str) -> list[tuple[int, Any]]:
     """``(step, weights)`` of each entry of a ``schedule`` list, checked."""
     out: list[tuple[int, Any]] = []
     for i, change in enumerate(sequence(changes or (), path, "a list of {step: N, weights: ...}")):
-        if not isinstance(change, Mapping) or set(change) != {"step", "weights"}:
-            raise ValueError(
-                f"schedule entry {i} must be {{step: N, weights: ...}}, got {change!r}"
-            )
         where = child(path, i)
+        mapping(change, where, "{step: N, weights: ...}")
+        known_keys(change, where, ("step", "weights"))
+        if set(change) != {"step", "weights"}:
+            raise BadValue(where, f"must be {{step: N, weights: ...}}, got {change!r}")
         weights = change["weights"]
         if isinstance(weights, Mapping):
             checked: Any = {
@@ -160,19 +170,20 @@ def _schedule(changes: Any, path: str) -> list[tuple[int, Any]]:
     return out
 
 
-def _dataset_entries(datasets: Any, path: str) -> list[tuple[str, str, float, str | None]]:
-    """``(name, url, weight, split or None)`` of a config's ``datasets``."""
-    items: list[tuple[str, Any, str]] = []  # (where, entry, where its weight is)
+def _dataset_entries(datasets: Any, path: str) -> list[tuple[str, str, str, float, str | None]]:
+    """``(path, name, url, weight, split or None)`` of a config's ``datasets``."""
+    # (where, the entry as written, its name when the key gives it, where its weight is)
+    items: list[tuple[str, Any, str | None, str]] = []
     if isinstance(datasets, Mapping):
         for key, value in datasets.items():
             where = child(path, key)
             if isinstance(value, Mapping):
-                items.append((where, {"name": key, **value}, child(where, "weight")))
+                items.append((where, value, key, child(where, "weight")))
             else:  # {url: weight}
-                items.append((where, {"name": key, "url": key, "weight": value}, where))
+                items.append((where, {"url": key, "weight": value}, key, where))
     elif isinstance(datasets, list | tuple):
         items = [
-            (child(path, i), item, child(child(path, i), "weight"))
+            (child(path, i), item, None, child(child(path, i), "weight"))
             for i, item in enumerate(datasets)
         ]
     else:
@@ -180,17 +191,20 @@ def _dataset_entries(datasets: Any, path: str) -> list[tuple[str, str, float, st
     if not items:
         raise BadValue(path, f"must name at least one dataset: {_USAGE}")
     out = []
-    for where, item, weight_path in items:
-        if not isinstance(item, Mapping) or not {"url", "weight"} <= set(item):
-            raise BadValue(where, f"must be {{url: ..., weight: ...}} ({_USAGE}), got {item!r}")
-        extra = sorted(map(str, set(item) - {"name", "url", "weight", "split"}))
-        if extra:
-            raise BadValue(where, f"has unknown key(s) {extra}; known: name, url, weight, split")
-        name = text(item.get("name", item["url"]), child(where, "name"))
+    for where, item, key_name, weight_path in items:
+        mapping(item, where, f"{{url: ..., weight: ...}} ({_USAGE})")
+        known_keys(item, where, ("name", "url", "weight", "split"))
+        missing = [k for k in ("url", "weight") if k not in item]
+        if missing:
+            raise BadValue(where, f"must say {' and '.join(missing)} ({_USAGE}), got {item!r}")
+        if "name" in item:
+            name = text(item["name"], child(where, "name"))
+        else:
+            name = text(item["url"] if key_name is None else key_name, where)
         url = text(item["url"], child(where, "url"))
         weight = number(item["weight"], weight_path, low=0)
         dataset_split = item.get("split")
         if dataset_split is not None:
             dataset_split = text(dataset_split, child(where, "split"))
-        out.append((name, url, weight, dataset_split))
+        out.append((where, name, url, weight, dataset_split))
     return out

@@ -11,10 +11,22 @@ an edge chunk), computed from the values as they are written. They go in a
 side array ``chunk_crc32c`` (``uint32[ceil(size / C)]``, one side chunk per
 shard, so that writers of different shards never share an object) inside the
 array's folder, announced by the array's attribute ``chunk_crc32c``:
-``{"algorithm": "crc32c", "chunk": C, "shard": S, "content": H}`` (values per
-chunk and per shard, and H the sha256 of all the chunk digests in order, the
-identity of the array's whole contents that a loader's fingerprint records;
-stores written before it lack ``content``).
+``{"algorithm": "crc32c", "chunk": C, "shard": S, "content": H, "shards":
+[X0, X1, ...]}`` (values per chunk and per shard; H the sha256 of all the
+chunk digests in order, the identity of the array's whole contents that a
+loader's fingerprint records; Xi the crc32c of shard i's chunk digests, its
+side chunk's values as little-endian bytes). Stores written before ``shards``
+existed lack it, and before ``content`` lack that.
+
+A side chunk is a file beside its shard: whoever copies a shard of another
+version in can copy its digests with it, and every chunk would then match. The
+attribute lives in the array's metadata, which such a copy leaves alone, so
+the digests are trusted only once they match it: a shard's side chunk is
+checked against its ``shards`` entry when it is read (once per process, for
+the shard's first chunk checked: no other request). An array whose attribute
+has ``content`` but no ``shards`` has its side array read whole at the first
+check and compared with ``content`` (4 bytes per chunk: 1/8192 of the tokens'
+bytes with the default layout).
 
 A read checks every chunk it touches the first time it touches it (once per
 process) and raises :class:`~flat_tokens_jax.core.format.FormatError` naming the
@@ -24,7 +36,8 @@ so the memory-mapped path compares the 4 bytes after the chunk, verified as
 any read verifies them, with the recorded digest: nothing more is hashed.
 Otherwise the check reads the chunk whole (a read fetches whole chunks anyway)
 and hashes it. Arrays without the attribute (older stores, other writers) are
-read without this check.
+read without this check; an array of a dataset that records what made it
+(:mod:`~flat_tokens_jax.store.identity`) must have it (:func:`array_checks`).
 """
 
 from __future__ import annotations
@@ -32,7 +45,7 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -40,10 +53,14 @@ import numpy as np
 from flat_tokens_jax.core.format import FormatError
 from flat_tokens_jax.store.arrays import ArrayReader, Known
 from flat_tokens_jax.store.localshards import crc32c, touched
+from flat_tokens_jax.store.probes import ATTRIBUTE as PROBES
+from flat_tokens_jax.store.probes import ShardProbes, crc_list
+from flat_tokens_jax.store.store import Store
 
 DIGESTS = "chunk_crc32c"  # the array attribute, and the side array's name in the array's folder
 ALGORITHM = "crc32c"
 CONTENT = "content"  # the attribute's key of the whole array's content digest
+SHARDS = "shards"  # the attribute's key of the crc32c of each shard's side chunk
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 OpenSide = Callable[[], ArrayReader]
@@ -69,12 +86,35 @@ def chunk_digests(values: np.ndarray, chunk: int) -> np.ndarray:
     )
 
 
-def attribute(chunk: int, shard: int, content: str | None = None) -> dict[str, Any]:
+def side_digests(digests: np.ndarray, per_shard: int) -> list[int]:
+    """The ``shards`` entries of chunk ``digests`` (``[k] uint32``, from a shard's
+    first): crc32c of each run of ``per_shard`` of them (a shard's side chunk;
+    the last may be shorter) as little-endian bytes."""
+    return [
+        chunk_digest(digests[i : i + per_shard], digests[i : i + per_shard].size)
+        for i in range(0, digests.size, per_shard)
+    ]
+
+
+def attribute(chunk: int, shard: int, blocks: Iterable[np.ndarray]) -> dict[str, Any]:
     """The ``chunk_crc32c`` attribute of an array of ``chunk`` values per chunk and
-    ``shard`` per shard; ``content`` (see :func:`content_digest`) once the
-    digests of every chunk are written."""
-    found = {"algorithm": ALGORITHM, "chunk": chunk, "shard": shard}
-    return found if content is None else {**found, CONTENT: content}
+    ``shard`` per shard, whose chunk digests ``blocks`` hold (all of them, in
+    order, ``uint32``; each block but the last whole side chunks)."""
+    shards: list[int] = []
+
+    def hashed() -> Iterator[np.ndarray]:  # one pass over the blocks, for both
+        for block in blocks:
+            shards.extend(side_digests(block, shard // chunk))
+            yield block
+
+    content = content_digest(hashed())
+    return {
+        "algorithm": ALGORITHM,
+        "chunk": chunk,
+        "shard": shard,
+        CONTENT: content,
+        SHARDS: shards,
+    }
 
 
 def content_digest(blocks: Iterable[np.ndarray]) -> str:
@@ -94,7 +134,9 @@ class ChunkDigests:
 
     Thread-safe: concurrent reads may check the same chunk; it is checked once.
     The side array is opened on the first check, and a shard's recorded digests
-    are read at once, the first time one of its chunks is checked.
+    are read at once, the first time one of its chunks is checked, and checked
+    against the attribute (see the module doc) before any chunk is compared
+    with them.
     """
 
     def __init__(self, where: str, size: int, chunk: int, shard: int, open_side: OpenSide) -> None:
@@ -110,6 +152,8 @@ class ChunkDigests:
         self._open_side = open_side
         self._side: ArrayReader | None = None
         self.content: str | None = None  # the recorded content digest, if any
+        # The recorded crc32c of each shard's side chunk ([shards] int64), if any.
+        self.shards: np.ndarray | None = None
         self._lock = threading.Lock()
         self._checking: dict[int, threading.Event] = {}  # chunk: set once its check ends
         self._loading = threading.Lock()  # held while recorded digests are read
@@ -127,10 +171,12 @@ class ChunkDigests:
         if found is None:
             return None
         content = found.get(CONTENT) if isinstance(found, Mapping) else None
+        shards = crc_list(found.get(SHARDS)) if isinstance(found, Mapping) else None
         ok = (
             isinstance(found, Mapping)
-            and set(found) - {CONTENT} == {"algorithm", "chunk", "shard"}
+            and set(found) - {CONTENT, SHARDS} == {"algorithm", "chunk", "shard"}
             and (content is None or (isinstance(content, str) and _HEX64.fullmatch(content)))
+            and (SHARDS not in found or shards is not None)
             and found["algorithm"] == ALGORITHM
             and all(type(found[k]) is int and found[k] >= 1 for k in ("chunk", "shard"))
             and found["shard"] % found["chunk"] == 0
@@ -138,13 +184,20 @@ class ChunkDigests:
         if not ok:
             raise FormatError(
                 f"{where}: attribute {DIGESTS!r} is malformed: {found!r}; expected "
-                f'{{"algorithm": "{ALGORITHM}", "chunk": C, "shard": S[, "{CONTENT}": H]}}, '
-                "the values per digest and per shard (positive ints, C dividing S) and the "
-                "sha256 of all the digests (64 hex digits)"
+                f'{{"algorithm": "{ALGORITHM}", "chunk": C, "shard": S[, "{CONTENT}": H, '
+                f'"{SHARDS}": [X0, ...]]}}, the values per digest and per shard (positive ints, '
+                "C dividing S), the sha256 of all the digests (64 hex digits) and the crc32c "
+                "of each shard's digests (ints in [0, 2**32))"
             )
-        found_digests = cls(where, size, found["chunk"], found["shard"], open_side)
-        found_digests.content = content
-        return found_digests
+        made = cls(where, size, found["chunk"], found["shard"], open_side)
+        if shards is not None and shards.size != made._loaded.size:
+            raise FormatError(
+                f"{where}: attribute {DIGESTS!r} has {shards.size} {SHARDS!r} entries, expected "
+                f"{made._loaded.size} (one per shard of {made.shard} of {size} values): "
+                "the attribute belongs to another array: rewrite the dataset"
+            )
+        made.content, made.shards = content, shards
+        return made
 
     def side(self) -> ArrayReader:
         """The side array of digests, opened and its shape checked on first use."""
@@ -247,19 +300,28 @@ class ChunkDigests:
         self.checked[todo] = True
         return bad
 
-    def content_problems(self) -> list[str]:
-        """For ``validate``, once every chunk was checked: whether the recorded
-        digests are those the content digest was made from (a side array of
-        another version swapped in with its shards differs here)."""
-        if self.content is None:
-            return []
-        found = content_digest([self._load(np.arange(self.count, dtype=np.int64))])
-        if found == self.content:
+    def side_problems(self) -> list[str]:
+        """For ``validate`` (``quick`` too): every shard's recorded digests
+        checked against the attribute, a message for each shard whose digests
+        differ, and all of them against ``content``. The digests that pass are
+        kept for the chunks' checks."""
+        with self._loading:
+            bad = self._read_side(np.flatnonzero(~self._loaded))
+        if bad or self.content is None or self.shards is None:
+            return bad  # without ``shards``, reading them compared them with ``content``
+        return self._content_problems([self._recorded])
+
+    def _content_problems(self, digests: list[np.ndarray]) -> list[str]:
+        """A message if ``digests`` (all of them, in order) are not those whose
+        sha256 is the recorded ``content``."""
+        found = content_digest(digests)
+        if self.content is None or found == self.content:
             return []
         return [
-            f"{DIGESTS}: the chunk digests are not those recorded when the array was written "
-            f"(sha256 {found[:16]}..., recorded {self.content[:16]}...): a shard and its "
-            "digests of another version copied in? restore them or rewrite the dataset"
+            f"the chunk digests are not those recorded when the array was written (sha256 "
+            f"{found[:16]}..., recorded {self.content[:16]}...): a shard and its digests of "
+            "another version copied in? restore them from the dataset's source or rewrite "
+            "the dataset"
         ]
 
     def _mismatches(self, chunks: np.ndarray, got: np.ndarray) -> list[str]:
@@ -271,21 +333,60 @@ class ChunkDigests:
 
     def _load(self, chunks: np.ndarray) -> np.ndarray:
         """The recorded digests of ``chunks`` (``[k] int64``), reading those of their
-        shards not read yet (one request)."""
-        per_shard = self.shard // self.chunk
-        shards = np.unique(chunks // per_shard)
+        shards not read yet (one request).
+
+        Raises:
+            FormatError: recorded digests the attribute does not vouch for.
+        """
+        shards = np.unique(chunks // (self.shard // self.chunk))
         if not self._loaded[shards].all():
             with self._loading:  # each shard's digests read once (once per process)
-                shards = shards[~self._loaded[shards]]
-                if shards.size:
-                    lo = shards * per_shard
-                    hi = np.minimum(lo + per_shard, self.count)
-                    found = self.side().read_ranges(lo, hi)
-                    for a, values in zip(lo.tolist(), found, strict=True):
-                        self._recorded[a : a + values.size] = values
-                        self.side_bytes += values.nbytes
-                    self._loaded[shards] = True
+                bad = self._read_side(shards[~self._loaded[shards]])
+            if bad:
+                raise FormatError(f"{self.where}/{DIGESTS}: {bad[0]}")
         return self._recorded[chunks]
+
+    def _read_side(self, shards: np.ndarray) -> list[str]:
+        """Reads the recorded digests of ``shards`` (sorted, none loaded; the
+        ``_loading`` lock held) and keeps those the attribute vouches for: each
+        shard's against its ``shards`` entry, or, with ``content`` alone, every
+        shard's (all read) against ``content``. A message for each shard (or the
+        whole array) whose digests it does not vouch for."""
+        if self.shards is None and self.content is not None:
+            shards = np.flatnonzero(~self._loaded)
+        if not shards.size:
+            return []
+        per_shard = self.shard // self.chunk
+        lo = shards * per_shard
+        found = self.side().read_ranges(lo, np.minimum(lo + per_shard, self.count))
+        self.side_bytes += sum(values.nbytes for values in found)
+        bad: list[str] = []
+        good = np.ones(shards.size, bool)
+        if self.shards is not None:
+            got = np.array([side_digests(values, per_shard)[0] for values in found], np.int64)
+            good = got == self.shards[shards]
+            bad = [
+                self._side_message(int(shards[i]), int(got[i]), int(self.shards[shards[i]]))
+                for i in np.flatnonzero(~good)
+            ]
+        elif self.content is not None:
+            bad = self._content_problems(found)
+            good[:] = not bad
+        for i in np.flatnonzero(good).tolist():
+            self._recorded[lo[i] : lo[i] + found[i].size] = found[i]
+        self._loaded[shards[good]] = True
+        return bad
+
+    def _side_message(self, s: int, got: int, recorded: int) -> str:
+        per_shard = self.shard // self.chunk
+        a, b = s * per_shard, min((s + 1) * per_shard, self.count)
+        return (
+            f"shard {s}'s chunk digests are not those recorded when the array was written "
+            f"(entries [{a}, {b}), of values [{s * self.shard}, "
+            f"{min((s + 1) * self.shard, self.size)})): their crc32c {got:#010x} differs from "
+            f"the attribute's {recorded:#010x} (shard {s} and its digests copied in from "
+            "another version?): restore both from the dataset's source or rewrite the dataset"
+        )
 
     def _message(self, c: int, got: int, recorded: int) -> str:
         lo, hi = c * self.chunk, min((c + 1) * self.chunk, self.size)
@@ -295,3 +396,49 @@ class ChunkDigests:
             "(a shard of another version, split or dataset copied or linked in its place?): "
             "restore the shard or rewrite the dataset"
         )
+
+
+def array_checks(
+    attributes: Mapping[str, Any], where: str, size: int, open_side: OpenSide, *, ours: bool
+) -> tuple[ShardProbes | None, ChunkDigests | None]:
+    """The shard probes and chunk digests an array's ``attributes`` record.
+
+    ``ours``: the dataset's root attributes say one of our writers made it;
+    they record both, with ``content``, on every array they write, so one
+    missing was deleted (and a shard copied in with its digests would read as
+    ours). Other arrays (older stores, other tools') may lack them, and are
+    read without these checks.
+
+    Raises:
+        FormatError: a malformed attribute, or (``ours``) one missing.
+    """
+    probes = ShardProbes.of(attributes, where, size)
+    digests = ChunkDigests.of(attributes, where, size, open_side)
+    if not ours or (digests is not None and digests.content is not None and probes is not None):
+        return probes, digests
+    if probes is None:
+        missing = f"attribute {PROBES!r} is missing"
+    elif digests is None:
+        missing = f"attribute {DIGESTS!r} is missing"
+    else:
+        missing = f"attribute {DIGESTS!r} has no {CONTENT!r}"
+    raise FormatError(
+        f"{where}: {missing}, which our writers record on every array of a dataset whose "
+        "root attributes say they made it: deleted? restore the array's metadata from the "
+        "dataset's source, or rewrite the dataset"
+    )
+
+
+def side_opener(store: Store, key: str) -> OpenSide:
+    """Opens the side array of chunk digests at ``key`` when first called."""
+
+    def open_side() -> ArrayReader:
+        found = store.array_metadata(key)
+        if found is None:
+            raise FormatError(
+                f"{store.url}/{key}: the chunk digests that the array's attribute "
+                f"{DIGESTS!r} announces are missing: rewrite the dataset"
+            )
+        return store.open_array(key, *found)
+
+    return open_side

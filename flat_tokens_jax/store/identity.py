@@ -11,7 +11,11 @@ and refuse to combine datasets whose ids mean different things. The layout::
                       "bos_id": ..., "eos_id": ..., "pad_id": ...},   # or absent
         "start_token_id": 2,                   # or absent: unrecorded (the spec's 0)
         "flags": {"append_eos": true, ...},    # what shaped the tokens
-        "inputs": {"count": 2, "names": [...], "sha256": "sha256:..."}}}
+        "inputs": {"count": 2, "names": [...], "sha256": "sha256:..."},
+        "splits": ["train", "validation", "test"]}}   # the splits written, in order
+
+The writer fills in ``splits`` (see :func:`dataset_splits`); the rest is
+:class:`DatasetInfo`.
 
 Datasets written before this existed, or by other writers (seqax), have no
 such key and their :class:`DatasetInfo` is ``None``; they open and mix as before.
@@ -27,10 +31,11 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from flat_tokens_jax.core.format import FormatError
+from flat_tokens_jax.core.format import SPLITS, FormatError, split_names
 
 ATTRIBUTE = "flat_tokens"
 MARKER = "flat-tokens"
+SPLITS_KEY = "splits"
 MAX_NAMES = 1000
 
 
@@ -204,6 +209,36 @@ class DatasetInfo:
         if other is None or self.tokenizer is None or other.tokenizer is None:
             return True
         return self.tokenizer.vocab_hash == other.tokenizer.vocab_hash
+
+
+def identity_attribute(info: DatasetInfo | None, splits: Sequence[str]) -> dict[str, Any]:
+    """The :data:`ATTRIBUTE` root attribute a writer stores: ``info`` (an empty
+    one when ``None``) and the names of the ``splits`` it writes."""
+    return {**(info or DatasetInfo()).to_attributes(), SPLITS_KEY: list(splits)}
+
+
+def dataset_splits(attrs: Mapping[str, Any], where: str = "") -> tuple[str, ...]:
+    """The splits a dataset with root attributes ``attrs`` has: :data:`SPLITS`,
+    then the others that ``flat_tokens.splits`` records (datasets of other
+    writers record none, and have only :data:`SPLITS`).
+
+    Raises:
+        FormatError: a record that is not a list of split names, naming the
+            attribute (a name the writers refuse is never read as a path).
+    """
+    value = attrs.get(ATTRIBUTE)
+    recorded = value.get(SPLITS_KEY) if isinstance(value, Mapping) else None
+    if recorded is None:
+        return SPLITS
+    at = f"{where}: " if where else ""
+    is_list = isinstance(recorded, list)
+    _expect(is_list, at, SPLITS_KEY, "a list of split names", recorded)
+    try:
+        return split_names(recorded)
+    except ValueError as e:
+        raise FormatError(
+            f"{at}root attribute {ATTRIBUTE}.{SPLITS_KEY} is damaged (rewrite the dataset): {e}"
+        ) from None
 
 
 def _is_int(value: Any) -> bool:

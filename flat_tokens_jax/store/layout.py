@@ -15,7 +15,7 @@ import numpy as np
 import tensorstore as ts
 
 from flat_tokens_jax.core.format import SEQ_STARTS
-from flat_tokens_jax.store.digests import DIGESTS, attribute, chunk_digests, content_digest
+from flat_tokens_jax.store.digests import DIGESTS, attribute, chunk_digests
 from flat_tokens_jax.store.probes import ATTRIBUTE as PROBES
 from flat_tokens_jax.store.probes import record
 from flat_tokens_jax.store.store import EVERY_CHUNK_STORED, V2_ATTRS, V3_META, Store
@@ -270,8 +270,9 @@ def record_probes(
     store: Store, split: str, array: str, layout: Layout, handle: ts.TensorStore
 ) -> None:
     """Adds the ``shard_probes`` attribute (see :mod:`~flat_tokens_jax.store.probes`), and
-    the ``chunk_crc32c`` one that announces the chunk digests the writer wrote
-    and their content digest (see :mod:`~flat_tokens_jax.store.digests`), to the
+    the ``chunk_crc32c`` one that announces the chunk digests the writer wrote,
+    their content digest and each side chunk's crc32c (see
+    :mod:`~flat_tokens_jax.store.digests`), to the
     finished array ``split/array``, whose values ``handle`` reads and whose
     digests are all written."""
     size = int(handle.domain.exclusive_max[0])
@@ -284,11 +285,12 @@ def record_probes(
     probes = record(read, size, per_shard)
     side = open_digests(store, split, array, layout)
     count = int(side.domain.exclusive_max[0])
-    step = 1 << 22  # digests per read: 16 MiB
+    # Digests per read: 16 MiB in whole side chunks, one per shard.
+    step = max((1 << 22) // (per_shard // per_chunk), 1) * (per_shard // per_chunk)
     blocks = (
         np.asarray(store.wait(side[a : min(a + step, count)].read())) for a in range(0, count, step)
     )
-    digests = attribute(per_chunk, per_shard, content_digest(blocks))
+    digests = attribute(per_chunk, per_shard, blocks)
     key = f"{split}/{array}/{V3_META if layout.zarr_format == 3 else V2_ATTRS}"
     meta = store.read_json(key) or {}
     if layout.zarr_format == 3:

@@ -12,12 +12,12 @@ that write is dead (see :class:`~flat_tokens_jax.store.claim.Claim`), so of two
 ``overwrite`` writes to one location, too, exactly one proceeds.
 
 A location may be replaced (``overwrite``) only when everything in it is ours:
-a flat-tokens dataset (root attributes that say so, or the strict structure
-that older versions wrote: root group metadata and the ``train`` and
-``validation`` groups with their arrays, nothing else), or the leftover of our
-own interrupted write (marked), with the packing plans that ``pack`` stored
-in its splits. Anything else in the location makes the write
-refuse before anything is deleted, naming some of the foreign keys.
+a flat-tokens dataset (root attributes that say so, with the splits they
+record, or the strict structure that older versions wrote: root group metadata
+and the ``train`` and ``validation`` groups with their arrays, nothing else),
+or the leftover of our own interrupted write (marked), with the packing plans
+that ``pack`` stored in its splits. Anything else in the location makes the
+write refuse before anything is deleted, naming some of the foreign keys.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from flat_tokens_jax.store.claim import (
     describe_marker,
     read_marker,
 )
-from flat_tokens_jax.store.identity import ATTRIBUTE
+from flat_tokens_jax.store.identity import ATTRIBUTE, dataset_splits
 from flat_tokens_jax.store.identity import MARKER as DATASET_MARKER
 from flat_tokens_jax.store.store import V3_META, Store
 
@@ -138,10 +138,10 @@ def _check(store: Store, keys: Sequence[str], splits: tuple[str, ...], overwrite
     marker = read_marker(store) if MARKER in keys else None
     marked = marker.get("splits") if marker else None
     known = {*splits, *(s for s in marked or () if isinstance(s, str))}
-    group, says_dataset = _root(store)
+    group, says_dataset, recorded = _root(store)
     if says_dataset:
         pairs = [k.split("/") for k in keys if k.count("/") == 1]
-        known |= {folder for folder, name in pairs if name in GROUP_META}
+        known |= {folder for folder, name in pairs if name in GROUP_META} | set(recorded)
     foreign = sorted(k for k in keys if not _is_ours(k, known))
     if not group:
         foreign.insert(0, V3_META)
@@ -187,16 +187,22 @@ def _is_ours(key: str, splits: Iterable[str]) -> bool:
     return parts[1] in GROUP_META if len(parts) == 2 else parts[1] in _ARRAYS
 
 
-def _root(store: Store) -> tuple[bool, bool]:
-    """``(root is a group or absent, its attributes say it is a flat-tokens dataset)``."""
+def _root(store: Store) -> tuple[bool, bool, tuple[str, ...]]:
+    """``(root is a group or absent, its attributes say it is a flat-tokens
+    dataset, the splits they name)``."""
     try:
         found = store.group_attributes("")
     except FormatError:
-        return False, False  # an array, or metadata that is not ours to read
+        return False, False, ()  # an array, or metadata that is not ours to read
     if found is None:
-        return True, False
+        return True, False, ()
     mark = found[1].get(ATTRIBUTE)
-    return True, isinstance(mark, Mapping) and mark.get("dataset") == DATASET_MARKER
+    if not (isinstance(mark, Mapping) and mark.get("dataset") == DATASET_MARKER):
+        return True, False, ()
+    try:
+        return True, True, dataset_splits(found[1])
+    except FormatError:
+        return True, True, SPLITS  # a damaged record: its splits' group metadata still says
 
 
 def _where(url: str | os.PathLike[str]) -> tuple[str, ...]:

@@ -55,6 +55,14 @@ def digest(values: np.ndarray) -> int:
     return zlib.crc32(little.tobytes())
 
 
+def crc_list(value: Any) -> np.ndarray | None:
+    """``value`` as ``[n] int64`` if it is a JSON list of 32-bit checksums (ints
+    in ``[0, 2**32)``, not booleans), as attributes record one per shard; else ``None``."""
+    if not isinstance(value, list) or not all(type(c) is int and 0 <= c < 2**32 for c in value):
+        return None
+    return np.array(value, np.int64)
+
+
 def probe_ranges(size: int, shard: int) -> tuple[np.ndarray, np.ndarray]:
     """``(starts, stops)`` ``[num_shards] int64`` of the probe of each shard."""
     starts = np.arange(0, size, shard, dtype=np.int64)
@@ -98,8 +106,7 @@ class ShardProbes:
             and isinstance(found.get("shard"), int)
             and found["shard"] >= 1
             and found.get("values") == PROBE
-            and isinstance(found.get("crc32"), list)
-            and all(isinstance(c, int) and 0 <= c < 2**32 for c in found["crc32"])
+            and crc_list(found.get("crc32")) is not None
         )
         if not ok:
             raise FormatError(f"{where}: attribute {ATTRIBUTE!r} is malformed: {found!r}")

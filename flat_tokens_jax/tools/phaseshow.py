@@ -13,11 +13,14 @@ import contextlib
 from collections.abc import Mapping
 from typing import Any
 
-from flat_tokens_jax.loader.phaseconfig import phases_from_config
+from flat_tokens_jax.core.values import BadValue, child, close_match, integer, mapping, sequence
+from flat_tokens_jax.loader.config import LoaderConfig
+from flat_tokens_jax.loader.phaseconfig import MAX_STEP, phases_from_config
 from flat_tokens_jax.loader.phasedloader import PhasedLoader
 from flat_tokens_jax.loader.phases import Phase
+from flat_tokens_jax.sampling.mixconfig import mixture_from_config
 from flat_tokens_jax.sampling.schedule import BatchSchedule
-from flat_tokens_jax.store.options import StoreOptions
+from flat_tokens_jax.store.options import StoreError, StoreOptions
 from flat_tokens_jax.tools.show import build_loader
 
 
@@ -33,14 +36,16 @@ def build_run(
     split: str = "train",
     options: StoreOptions | None = None,
     fields: Mapping[str, Any] | None = None,
+    config_name: str = "--config",
     state_name: str = "--state",
 ) -> PhasedLoader:
     """The phased run of a ``phases`` YAML document or a saved phased state.
 
     Raises:
         ValueError: the run is given twice, LoaderConfig flags are given (a
-            phased run says them per phase), or a phase's data is not what the
-            saved run read (the message names the phase).
+            phased run says them per phase), a value is bad, or a phase's data
+            is not what the saved run read; the message names the file
+            (``config_name`` or ``state_name``) and the phase.
     """
     if config is not None and state is not None:
         raise ValueError("give the run as --config or as --state, not both")
@@ -50,35 +55,97 @@ def build_run(
             f"a run in phases says its LoaderConfig fields per phase: drop the flags for {given}"
         )
     if config is not None:
-        return PhasedLoader(phases_from_config(config["phases"], split, options))
+        try:
+            return PhasedLoader(phases_from_config(config["phases"], split, options))
+        except ValueError as e:
+            raise ValueError(f"{config_name}: {e}") from None
+        except StoreError as e:
+            raise StoreError(f"{config_name}: {e}") from None
     if state is None or not isinstance(state.get("phases"), list):
         raise ValueError(f"{state_name}: not the state of a run in phases")
-    saved, step = state["phases"], state.get("step", 0)
+    try:
+        return _saved_run(state, options, state_name)
+    except BadValue as e:
+        raise ValueError(f"{state_name}: {e}") from None
+
+
+def _saved_run(
+    state: Mapping[str, Any], options: StoreOptions | None, state_name: str
+) -> PhasedLoader:
+    """The run of a saved phased state, each phase rebuilt from its
+    fingerprint and sources and checked against them."""
+    step = integer(state.get("step"), "step", low=0, high=MAX_STEP)
+    saved = sequence(state["phases"], "phases", "a list of the saved phases")
+    if not saved:
+        raise BadValue("phases", "must list at least one phase")
+    entries = [mapping(p, child("phases", j)) for j, p in enumerate(saved)]
+    starts = [
+        integer(p.get("start_step"), child(child("phases", j), "start_step"), low=0, high=MAX_STEP)
+        for j, p in enumerate(entries)
+    ]
     phases = []
-    for j, entry in enumerate(saved):
-        if not isinstance(entry, Mapping):
-            raise ValueError(f"{state_name}: phases[{j}] is not a mapping")
-        start = entry.get("start_step", 0)
-        end = saved[j + 1].get("start_step", step) if j + 1 < len(saved) else step
-        local = max(0, min(end, step) - start) if isinstance(start, int) else 0
+    for j, entry in enumerate(entries):
+        start = starts[j]
+        end = starts[j + 1] if j + 1 < len(starts) else step
+        local = max(0, min(end, step) - start)
         fingerprint = entry.get("fingerprint")
         sub = {"step": local, "fingerprint": fingerprint, "sources": entry.get("sources")}
         if isinstance(fingerprint, Mapping):
             with contextlib.suppress(KeyError, ValueError):  # build_loader names them
                 sub["samples"] = BatchSchedule.of(fingerprint["batch_size"]).samples_before(local)
         try:
-            loader = build_loader(state=sub, options=options, state_name=state_name)
+            loader = build_loader(state=sub, options=options, state_name=child("phases", j))
         except ValueError as e:
-            raise ValueError(f"phases[{j}] (from step {start}): {e}") from None
+            raise ValueError(f"{state_name}: phase {j} (from step {start}): {e}") from None
         except IndexError as e:  # the sequences it read are not there now
             raise ValueError(
-                f"phases[{j}] (from step {start}): its data is not what the saved run read: {e}"
+                f"{state_name}: phase {j} (from step {start}): its data is not what the saved "
+                f"run read: {e}"
             ) from None
         source = loader.mixture if loader.mixture is not None else loader.components[0]
         phases.append(Phase(start, source, loader.config))
-    run = PhasedLoader(phases)
-    run.restore(state)
+    try:
+        run = PhasedLoader(phases)
+        run.restore(state)
+    except ValueError as e:
+        raise ValueError(f"{state_name}: {e}") from None
     return run
+
+
+def plan_run(
+    doc: Any, name: str, split: str = "train", options: StoreOptions | None = None
+) -> PhasedLoader:
+    """The run a YAML document (read from the file ``name``) describes, for
+    ``flat-tokens plan``: its ``phases``, or its ``data`` and ``loader`` as one phase.
+
+    Raises:
+        ValueError: the document says neither; a bad value, named by ``name``,
+            the phase and its path.
+    """
+    if isinstance(doc, Mapping) and "phases" in doc:
+        return build_run(config=doc, state=None, split=split, options=options, config_name=name)
+    if isinstance(doc, Mapping) and "data" in doc and "loader" in doc:
+        try:
+            config = LoaderConfig.from_dict(mapping(doc["loader"], "loader"), "loader")
+            mixture = mixture_from_config(doc["data"], split, options)
+            return PhasedLoader([Phase(0, mixture, config)])
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+        except StoreError as e:
+            raise StoreError(f"{name}: {e}") from None
+    wanted = "a 'phases' section, or 'data' and 'loader' sections (a run of one phase)"
+    if not isinstance(doc, Mapping):
+        found = "is empty" if doc is None else f"holds a {type(doc).__name__}, not a mapping"
+        raise ValueError(f"{name} {found}: plan reads {wanted}")
+    sections = ("phases", "data", "loader")
+    half = [k for k in ("data", "loader") if k in doc]
+    if half:
+        other = "loader" if half[0] == "data" else "data"
+        found = f"; it has {half[0]!r} but no {other!r}"
+    else:
+        named = ", ".join(f"{k!r}{close_match(k, sections)}" for k in doc)
+        found = f"; found {named}" if named else ""
+    raise ValueError(f"{name} has no run to plan: plan reads {wanted}{found}")
 
 
 def mark(shown: dict[str, Any], run: PhasedLoader, step: int) -> dict[str, Any]:

@@ -297,7 +297,7 @@ class Loader:
         iterating or asking for another step drops these reads. With
         ``prefetch=0`` it reads nothing.
         """
-        step = integer(self.next_step if step is None else step, "step", low=0)
+        step = integer(self.next_step if step is None else step, "Loader.start: step", low=0)
         self._feed.start(step, self.num_batches)
 
     def _take(self, step: int, ahead: bool, end: int | None = None) -> dict[str, jax.Array]:

@@ -236,9 +236,8 @@ def test_a_step_that_is_not_an_int_is_refused_naming_it_and_spoils_nothing(bad: 
     for name, call in calls.items():
         with pytest.raises(ValueError) as e:
             call(bad)
-        assert str(e.value).startswith(
-            f"{'start_' if name == 'iterate' else ''}step must be an int >= 0, got {bad!r}"
-        ), name
+        prefix = {"iterate": "start_", "start": "Loader.start: "}.get(name, "")
+        assert str(e.value).startswith(f"{prefix}step must be an int >= 0, got {bad!r}"), name
     assert as_lists(loader.batch(2)) == as_lists(ftj.Loader(ft, cfg).batch(2))
     assert next(loader.iterate(3))[0] == 3
 

@@ -92,6 +92,12 @@ class BinRecords:
         at = np.repeat(lo - first, counts) + np.arange(int(counts.sum()))
         return row, self.plan.seq_order[at]
 
+    def members(self, indices: np.ndarray) -> list[list[int]]:
+        """The sequences of each bin ``indices``, one list per bin, in bin order."""
+        row, seqs = self.sequences(indices)
+        cuts = np.searchsorted(row, np.arange(1, np.asarray(indices).size))
+        return [part.tolist() for part in np.split(seqs, cuts)]
+
     def token_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The span ``(start, stop)`` ``[k] int64`` from a bin's first sequence to its last."""
         row, seqs = self.sequences(indices)

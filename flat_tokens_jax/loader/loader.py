@@ -11,7 +11,6 @@ fields are decoded.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
 import time
@@ -149,10 +148,11 @@ class Loader:
         self.components, self.config, self.sharding = components, config, sharding
         self.names = names
         self.records: Records | Mixture = components[0] if self.mixture is None else self.mixture
+        mix = self.mixture
         self.samplers = [
             IndexSampler(
                 len(r),
-                seed=_component_seed(config.seed, self.mixture, c),
+                seed=config.seed if mix is None else mix.component_seed(config.seed, c),
                 shuffle=config.shuffle,
                 num_epochs=config.num_epochs,
             )
@@ -605,8 +605,9 @@ class Loader:
         at = np.flatnonzero(real)
         for c in np.unique(comp).tolist():
             mine = np.flatnonzero(comp == c)
-            starts, stops = self.components[c].token_ranges(records[mine])
-            members = _bin_members(self.components[c], records[mine])
+            source = self.components[c]
+            starts, stops = source.token_ranges(records[mine])
+            members = source.members(records[mine]) if isinstance(source, BinRecords) else None
             for i, k in enumerate(mine.tolist()):
                 pos = int(at[k])
                 row: dict[str, Any] = {"row": int(rows[pos]), "sample": int(g[pos])}
@@ -635,20 +636,3 @@ def _device_sharding(sharding: jax.sharding.Sharding | None) -> jax.sharding.Sha
         return sharding
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("batch",))
     return NamedSharding(mesh, PartitionSpec())
-
-
-def _bin_members(records: Records, indices: np.ndarray) -> list[list[int]] | None:
-    """The sequences of each bin ``indices`` of bin records; ``None`` for other records."""
-    if not isinstance(records, BinRecords):
-        return None
-    row, seqs = records.sequences(indices)
-    cuts = np.searchsorted(row, np.arange(1, indices.size))
-    return [part.tolist() for part in np.split(seqs, cuts)]
-
-
-def _component_seed(seed: int, mixture: Mixture | None, component: int) -> int:
-    """The shuffle key of one component: the config's seed alone without a mixture."""
-    if mixture is None:
-        return seed
-    text = f"{seed}/{mixture.seed}/{component}".encode()
-    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import itertools
 import math
 import os
@@ -242,6 +243,11 @@ class Mixture:
             for n, s, w in zip(self.names, self.sources, self.weights[0], strict=True)
         )
         return f"Mixture({{{parts}}}, seed={self.seed}, period={self.periods[0].period})"
+
+    def component_seed(self, seed: int, component: int) -> int:
+        """The shuffle key of ``component`` under a config's ``seed`` (and this mixture's)."""
+        text = f"{seed}/{self.seed}/{component}".encode()
+        return int.from_bytes(hashlib.sha256(text).digest()[:8], "little")
 
     def records(
         self,

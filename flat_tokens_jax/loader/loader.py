@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -45,6 +45,9 @@ from flat_tokens_jax.loader.resume import StateMismatch, check_resume, compare_s
 from flat_tokens_jax.sampling.mixture import Mixture
 from flat_tokens_jax.sampling.sampling import IndexSampler
 from flat_tokens_jax.sampling.stepsamples import LOOKUP_AHEAD, StepSamples
+
+if TYPE_CHECKING:
+    from flat_tokens_jax.loader.tograin import StepsDataset
 
 log = logging.getLogger(__name__)
 
@@ -509,6 +512,14 @@ class Loader:
         devices; :meth:`host_batch` is not counted either.
         """
         return {**self._feed.stats(), **self._filter.stats()}
+
+    def to_grain(self) -> StepsDataset:
+        """This host's rows of each step from :attr:`next_step` on, read ahead, as a
+        ``grain.IterDataset`` of :meth:`host_batch` dicts; its iterator's state is
+        :meth:`state`, checked by :meth:`restore` (see :mod:`~flat_tokens_jax.loader.tograin`)."""
+        from flat_tokens_jax.loader import tograin  # imports grain, only when asked
+
+        return tograin.StepsDataset(self, [tograin.Span(self, 0, self.num_batches)], self.next_step)
 
     def fingerprint(self) -> dict[str, Any]:
         """What the batches depend on: the data's identity and the batch-defining config.

@@ -22,7 +22,7 @@ import logging
 import os
 import re
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import jax
 import numpy as np
@@ -40,6 +40,9 @@ from flat_tokens_jax.loader.phases import (
 )
 from flat_tokens_jax.loader.resume import UNRECORDED, StateMismatch, compare_state, state_step
 from flat_tokens_jax.sampling.stepsamples import MAX_SAMPLE
+
+if TYPE_CHECKING:
+    from flat_tokens_jax.loader.tograin import StepsDataset
 
 log = logging.getLogger(__name__)
 
@@ -363,6 +366,17 @@ class PhasedLoader:
         """How long the last step of the current phase waited for its batch."""
         loader, _ = self.locate(max(0, self.next_step - 1))
         return loader.wait_seconds
+
+    def to_grain(self) -> StepsDataset:
+        """:meth:`Loader.to_grain` over the phases, from :attr:`next_step` to
+        :attr:`end_step` (or a single phase's end); its iterator's state is
+        :meth:`state`, checked by :meth:`restore`."""
+        from flat_tokens_jax.loader import tograin  # imports grain, only when asked
+
+        last = self.end_step if self.num_batches is None else min(self.end_step, self.num_batches)
+        stops = [*self.starts[1:], last]
+        spans = [tograin.Span(*s) for s in zip(self.loaders, self.starts, stops, strict=True)]
+        return tograin.StepsDataset(self, spans, self.next_step, lead=NEXT_PHASE_AHEAD)
 
     def fingerprint(self) -> list[dict[str, Any]]:
         """Each phase's ``{"start_step", "fingerprint"}`` (see :meth:`Loader.fingerprint`)."""

@@ -1,0 +1,252 @@
+"""The grain door: a loader's steps as a ``grain.IterDataset`` (``Loader.to_grain``).
+
+Element ``k`` of the dataset is the step ``start + k`` as host numpy arrays:
+this host's rows of it (:meth:`~flat_tokens_jax.Loader.host_rows_at`, all
+rows without a sharding), each field of ``config.layout`` ``[rows, seq_len]``,
+equal to :meth:`~flat_tokens_jax.Loader.host_batch`. The steps are read ahead
+by the loader's own :class:`~flat_tokens_jax.loader.feed.Feed` (its
+self-sizing depth, its read-ahead budget), only without the placement on the
+devices: there is one path from a step to its fields, and a grain pipeline
+gets the same read-ahead as ``Loader.iterate``.
+
+The iterator's state is the loader's ``state()`` at its next step, and
+``set_state`` is the loader's ``restore``: another seed's or another
+dataset's state is refused with ``StateMismatch`` naming the field. grain's
+checkpointing (``save``/``load``, orbax's grain handler) writes that state as
+JSON.
+
+The dataset holds the loader, its threads and its open stores: it cannot be
+pickled into grain's worker processes, so ``mp_prefetch`` is refused with a
+message; nothing is lost, since the loader reads ahead on threads of its own.
+This module imports grain; ``Loader.to_grain`` imports it only when called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import grain
+import numpy as np
+
+from flat_tokens_jax.loader.feed import Feed, timed
+from flat_tokens_jax.loader.pipeline import Ahead
+from flat_tokens_jax.sampling.stepsamples import LOOKUP_AHEAD
+
+NO_WORKERS = (
+    "a loader's grain dataset (to_grain) cannot go to grain's worker processes: "
+    "it holds the loader's threads and open stores, and reads ahead on those threads "
+    "already. Use it without mp_prefetch (.map and other transformations run in this "
+    "process), or, for worker processes, FlatTokensSource(...).batches(...) as a "
+    "grain.MapDataset source"
+)
+
+
+class StepReader(Protocol):
+    """The part of a :class:`~flat_tokens_jax.Loader` that reads one step on
+    the host: records of this host's rows, then their fields."""
+
+    @property
+    def config(self) -> Any: ...
+
+    @property
+    def components(self) -> Sequence[Any]: ...
+
+    @property
+    def _ahead_threads(self) -> int: ...
+
+    def host_rows_at(self, step: int) -> np.ndarray: ...
+
+    def _fetch_rows(self, step: int, rows: np.ndarray, ahead: int = 0) -> Any: ...
+
+    def _fields_of(
+        self, fetched: Any, step: int, threads: int | None = None, counted: bool = True
+    ) -> dict[str, np.ndarray]: ...
+
+
+class Resumable(Protocol):
+    """What the iterator's state goes through: ``Loader`` or ``PhasedLoader``."""
+
+    def state(self, step: int | None = None) -> dict[str, Any]: ...
+
+    def restore(self, state: Any) -> int: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """Steps ``[start, stop)`` of a run read by ``reader`` as its steps from 0
+    (a phase; the whole run for a ``Loader``, ``stop`` ``None`` without end)."""
+
+    reader: StepReader
+    start: int
+    stop: int | None
+
+
+class HostSteps:
+    """One reader's steps as host fields, read ahead by a :class:`Feed` of its own.
+
+    As ``Loader.iterate``'s: one sampler call looks up the samples of several
+    steps, and the decode takes the threads the loader gives its read-ahead.
+    """
+
+    def __init__(self, reader: StepReader) -> None:
+        self._reader, self._threads = reader, reader._ahead_threads
+        self._lookup = max(reader.config.prefetch or 0, LOOKUP_AHEAD)
+        self.feed = Feed(
+            reader.config,
+            self._ahead,
+            self._read,
+            lambda s: reader.host_rows_at(s).size,
+            reader.components,
+        )
+
+    def _fetch(self, step: int, ahead: int) -> Any:
+        rows = self._reader.host_rows_at(step)
+        return timed(self.feed.fetched, lambda: self._reader._fetch_rows(step, rows, ahead))
+
+    def _finish(self, step: int, fetched: Any, threads: int | None) -> dict[str, np.ndarray]:
+        fields: dict[str, np.ndarray] = timed(
+            self.feed.measures.finished,
+            lambda: self._reader._fields_of(fetched, step, threads, counted=False),
+        )
+        return fields
+
+    def _ahead(self) -> Ahead[tuple[int, Any], dict[str, np.ndarray]]:
+        return Ahead(
+            lambda step: (step, self._fetch(step, self._lookup)),
+            lambda done: self._finish(*done, self._threads),
+            "ftj-grain",
+            fetchers=self.feed.fetchers(),
+        )
+
+    def _read(self, step: int) -> dict[str, np.ndarray]:
+        return self._finish(step, self._fetch(step, 0), None)
+
+    def take(self, step: int, end: int | None) -> dict[str, np.ndarray]:
+        """Step ``step``'s fields (nothing read at or past ``end``); the next steps go on."""
+        began = time.perf_counter()
+        fields: dict[str, np.ndarray] = self.feed.take(step, True, end)
+        now = time.perf_counter()
+        self.feed.handed(step, now - began, now, end)
+        return fields
+
+
+class StepsDataset(grain.IterDataset):
+    """A run's steps from ``start`` as a ``grain.IterDataset`` of host numpy dicts.
+
+    Made by :meth:`~flat_tokens_jax.Loader.to_grain` and
+    :meth:`~flat_tokens_jax.PhasedLoader.to_grain`; see the module's docstring.
+
+    Args:
+        owner: whose ``state`` and ``restore`` the iterator's state goes through.
+        spans: the run's steps by reader, in order, without gaps from step 0.
+        start: the first step of a fresh iterator.
+        lead: steps before a span's end at which the next span starts reading.
+    """
+
+    def __init__(
+        self,
+        owner: Resumable,
+        spans: Sequence[Span],
+        start: int,
+        lead: int = 0,
+    ) -> None:
+        super().__init__()
+        self.owner, self.spans, self.start, self.lead = owner, tuple(spans), start, lead
+
+    def __repr__(self) -> str:
+        return f"StepsDataset({self.owner!r}, start={self.start})"
+
+    def __iter__(self) -> StepsIterator:
+        return StepsIterator(self)
+
+    def __reduce__(self) -> Any:
+        raise TypeError(NO_WORKERS)
+
+    def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+        """grain's hook for slicing a source among ``mp_prefetch``'s workers: refused."""
+        raise ValueError(NO_WORKERS)
+
+
+class StepsIterator(grain.DatasetIterator):
+    """The steps of a :class:`StepsDataset`; not thread-safe (as grain's iterators)."""
+
+    def __init__(self, dataset: StepsDataset) -> None:
+        super().__init__()
+        self._ds, self._step = dataset, dataset.start
+        self._open: dict[int, HostSteps] = {}
+        self._ended = False
+
+    def _span(self, step: int) -> tuple[int, Span] | None:
+        """The span that holds ``step`` (``None`` past the run's end)."""
+        for k, span in enumerate(self._ds.spans):
+            if span.stop is None or step < span.stop:
+                return k, span
+        return None
+
+    def _steps(self, k: int) -> HostSteps:
+        """Span ``k``'s read-ahead; those of other spans, but the next one, are closed."""
+        for j in [j for j in self._open if j not in (k, k + 1)]:
+            self._open.pop(j).feed.close()
+        if k not in self._open:
+            self._open[k] = HostSteps(self._ds.spans[k].reader)
+        return self._open[k]
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if self._ended:
+            raise ValueError(f"{self} is closed: iterate the dataset again for a new iterator")
+        found = self._span(self._step)
+        if found is None:
+            raise StopIteration
+        k, span = found
+        local = self._step - span.start
+        end = None if span.stop is None else span.stop - span.start
+        fields = self._steps(k).take(local, end)
+        if end is not None and k + 1 < len(self._ds.spans) and local + 1 >= end - self._ds.lead:
+            later = self._steps(k + 1)
+            later.feed.start(0, _length(self._ds.spans[k + 1]))
+        self._step += 1
+        return fields
+
+    def start_prefetch(self) -> None:
+        """Starts reading the next step and those after it (grain calls it after a
+        checkpoint's restore), as ``Loader.start`` does."""
+        found = self._span(self._step)
+        if found is not None:
+            k, span = found
+            self._steps(k).feed.start(self._step - span.start, _length(span))
+
+    def get_state(self) -> dict[str, Any]:
+        """The owner's ``state()`` at the next step this iterator yields (JSON-ready)."""
+        return self._ds.owner.state(self._step)
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continues from a :meth:`get_state` (or the owner's ``state()``),
+        checked by the owner's ``restore``, which it also restores.
+
+        Raises:
+            StateMismatch: the state is of other data or another config (see
+                :meth:`~flat_tokens_jax.Loader.restore`).
+        """
+        step = self._ds.owner.restore(state)
+        if step != self._step:
+            self._close_feeds()
+        self._step = step
+
+    def _close_feeds(self) -> None:
+        while self._open:
+            self._open.popitem()[1].feed.close()
+
+    def close(self) -> None:
+        """Stops the read-ahead; the iterator yields nothing after it."""
+        self._ended = True
+        self._close_feeds()
+
+    def __str__(self) -> str:
+        return f"StepsIterator(step={self._step})"
+
+
+def _length(span: Span) -> int | None:
+    return None if span.stop is None else span.stop - span.start

@@ -1,0 +1,168 @@
+"""``Loader.to_grain`` and ``PhasedLoader.to_grain`` against ``host_batch``: every
+source kind, resumes through ``get_state``/``set_state`` and grain's checkpoint
+handler, refusals of other data and of ``mp_prefetch``."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import grain
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from memurls import memory_url
+
+import flat_tokens_jax as ftj
+from flat_tokens_jax.grain.grainprocess import prepare_grain
+from flat_tokens_jax.loader.phasedloader import PhasedLoader
+from flat_tokens_jax.loader.phases import Phase
+from flat_tokens_jax.sampling.mixture import Mixture
+
+
+@functools.cache
+def split(name: str, count: int = 40, seed: int = 3) -> ftj.FlatTokens:
+    """A small split of ``count`` sequences whose tokens tell rows apart."""
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(1, 900, int(rng.integers(1, 30))).tolist() for _ in range(count)]
+    url = memory_url(f"tograin-{name}")
+    ftj.write_dataset(url, {"train": seqs})
+    return ftj.open_dataset(url)["train"]
+
+
+def config(**kw: Any) -> ftj.LoaderConfig:
+    return ftj.LoaderConfig(**{"batch_size": 4, "seq_len": 16, "seed": 1, **kw})
+
+
+def assert_steps(batches: list[dict[str, np.ndarray]], loader: Any, first: int = 0) -> None:
+    """``batches`` are the loader's ``host_batch`` of consecutive steps from ``first``."""
+    for k, batch in enumerate(batches):
+        want = loader.host_batch(first + k)
+        assert sorted(batch) == sorted(want), first + k
+        for key in want:
+            assert batch[key].dtype == want[key].dtype, (first + k, key)
+            np.testing.assert_array_equal(batch[key], want[key], err_msg=f"{first + k} {key}")
+
+
+@pytest.mark.parametrize("layout", ["fields", "segments", "tokens", "maxtext"])
+@pytest.mark.parametrize("packing", [True, False, "bins"])
+def test_a_split_to_its_end_is_host_batch(layout: str, packing: bool | str) -> None:
+    cfg = config(num_epochs=2, layout=layout, packing=packing)
+    loader = ftj.Loader(split("a"), cfg)
+    batches = list(loader.to_grain())
+    assert loader.num_batches is not None and len(batches) == loader.num_batches
+    assert_steps(batches, loader)
+
+
+def test_a_mixture_a_schedule_and_an_instance_filter_are_host_batch() -> None:
+    mixture = Mixture({"a": (split("a"), 2.0), "b": (split("b", 25, 4), 1.0)}, seed=5)
+    cfg = config(
+        batch_size=[(0, 2), (3, 6), (7, 3)],
+        instance_filter=ftj.InstanceFilter(max_period=2, max_count=2),
+    )
+    loader = ftj.Loader(mixture, cfg)
+    batches = list(itertools.islice(loader.to_grain(), 12))
+    assert [len(b["inputs"]) for b in batches] == [2, 2, 2, 6, 6, 6, 6, 3, 3, 3, 3, 3]
+    assert_steps(batches, loader)
+
+
+def test_it_starts_at_the_restored_step_and_maps_downstream() -> None:
+    loader = ftj.Loader(split("a"), config(num_epochs=3))
+    other = ftj.Loader(split("a"), config(num_epochs=3))
+    other.restore(loader.state(7))
+    sums = list(other.to_grain().map(lambda b: int(b["inputs"].sum())))
+    assert sums == [int(loader.host_batch(s)["inputs"].sum()) for s in range(7, 30)]
+
+
+def phased(seed: int = 1) -> PhasedLoader:
+    """Three phases: another batch size at step 5, a mixture from step 9."""
+    a, b = split("a"), split("b", 25, 4)
+    mixture = Mixture({"a": (a, 1.0), "b": (b, 1.0)}, seed=2)
+    return PhasedLoader(
+        [
+            Phase(0, a, config(seed=seed)),
+            Phase(5, a, config(batch_size=6, seed=seed)),
+            Phase(9, mixture, config(batch_size=2, seed=seed)),
+        ]
+    )
+
+
+def test_phases_across_their_boundaries_are_host_batch() -> None:
+    run = phased()
+    batches = list(itertools.islice(run.to_grain(), 14))
+    assert [len(b["inputs"]) for b in batches] == [4] * 5 + [6] * 4 + [2] * 5
+    assert_steps(batches, run)
+
+
+def test_one_phase_with_epochs_ends_where_its_loader_does() -> None:
+    run = PhasedLoader([Phase(0, split("a"), config(num_epochs=1))])
+    batches = list(run.to_grain())
+    assert run.num_batches is not None and len(batches) == run.num_batches
+    assert_steps(batches, run)
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.integers(0, 13), st.integers(1, 4))
+def test_get_state_then_set_state_continues_alike(step: int, more: int) -> None:
+    run = phased()
+    it = iter(run.to_grain())
+    for _ in range(step):
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    assert state == run.state(step)
+    fresh = phased()
+    again = iter(fresh.to_grain())
+    again.set_state(state)
+    assert_steps([next(again) for _ in range(more)], run, step)
+    assert again.get_state() == run.state(step + more)
+
+
+def test_a_loader_state_is_the_iterators_state() -> None:
+    loader = ftj.Loader(split("a"), config(batch_size=[(0, 4), (2, 8)]))
+    it = iter(loader.to_grain())
+    next(it), next(it), next(it)
+    assert it.get_state() == loader.state(3)
+    assert it.get_state()["samples"] == 4 + 4 + 8
+
+
+@pytest.mark.parametrize(
+    ("other", "field"),
+    [
+        (lambda: ftj.Loader(split("a"), config(seed=2)), "fingerprint.config.seed"),
+        (lambda: ftj.Loader(split("c", 40, 9), config()), "fingerprint.data"),
+    ],
+)
+def test_set_state_of_another_seed_or_dataset_is_refused(other: Any, field: str) -> None:
+    saved = ftj.Loader(split("a"), config()).state(3)
+    it = iter(other().to_grain())
+    with pytest.raises(ftj.StateMismatch, match=field.replace(".", r"\.")):
+        it.set_state(saved)
+
+
+def test_grains_checkpoint_handler_saves_and_restores_it(tmp_path: Path) -> None:
+    from etils import epath
+
+    run = phased()
+    it = iter(run.to_grain())
+    for _ in range(4):
+        next(it)
+    handler = grain.checkpoint.CheckpointHandler()
+    handler.save(epath.Path(tmp_path), item=it)
+    restored = handler.restore(epath.Path(tmp_path), item=iter(phased().to_grain()))
+    assert_steps([next(restored) for _ in range(7)], run, 4)
+    with pytest.raises(ftj.StateMismatch, match=r"phase 0.*fingerprint\.config\.seed"):
+        handler.restore(epath.Path(tmp_path), item=iter(phased(seed=9).to_grain()))
+
+
+def test_mp_prefetch_is_refused_naming_what_works() -> None:
+    prepare_grain()
+    loader = ftj.Loader(split("a"), config())
+    for workers in (1, 2):
+        options = grain.MultiprocessingOptions(num_workers=workers)
+        it = iter(loader.to_grain().mp_prefetch(options))
+        with pytest.raises(TypeError, match=r"without mp_prefetch .*FlatTokensSource"):
+            next(it)

@@ -54,6 +54,15 @@ def main() -> None:
     if config.get("restore_from"):
         with open(config["restore_from"]) as f:
             loader.restore(json.load(f))
+    if config.get("to_grain"):  # this process's elements of loader.to_grain()
+        steps = range(loader.next_step, loader.next_step + config["num_steps"])
+        report_grain = {
+            step: {
+                "rows": loader.host_rows_at(step).tolist(),
+                "target_row_sums": local["targets"].astype(np.int64).sum(1).tolist(),
+            }
+            for step, local in zip(steps, loader.to_grain(), strict=False)
+        }
     row_sums = jax.jit(lambda x: x.sum(axis=1))  # int32: ids < 2**15, at most 64 columns
     report: dict = {
         "rows": first.host_rows.tolist(),
@@ -74,6 +83,8 @@ def main() -> None:
         report.setdefault("rows_at", {})[step] = loader.host_rows_at(step).tolist()
         if step + 1 == start + config["num_steps"]:
             break
+    if config.get("to_grain"):
+        report["grain"] = report_grain
     if pid == 0 and config.get("save_state"):
         with open(config["save_state"], "w") as f:
             json.dump(loader.state(), f)

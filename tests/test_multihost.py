@@ -267,3 +267,17 @@ def test_a_phase_changing_batch_size_and_seq_len_across_hosts_and_a_restart(
     # Inside the second phase, on one process instead of two.
     second = launch(dataset, tmp_path, 1, num_steps=2, phases=PHASES, restore_from=str(state))
     assert second[0]["steps"] == {k: expected[k] for k in ("4", "5")}
+
+
+def test_to_grain_yields_each_process_only_its_rows(dataset: Path, tmp_path: Path) -> None:
+    """Two processes: each ``to_grain()`` element holds that process's rows of the
+    single-process batch, and together they hold every row once."""
+    reports = launch(dataset, tmp_path, 2, num_steps=3, to_grain=True)
+    loader = ftj.Loader(ftj.open_dataset(dataset)["train"], ftj.LoaderConfig(**LOADER))
+    for step in range(3):
+        sums = loader.host_batch(step)["targets"].astype(np.int64).sum(1)
+        held = [report["grain"][str(step)] for report in reports]
+        assert sorted(r for h in held for r in h["rows"]) == list(range(16))
+        for h in held:
+            assert 0 < len(h["rows"]) < 16
+            assert h["target_row_sums"] == sums[h["rows"]].tolist()

@@ -158,6 +158,22 @@ def test_grains_checkpoint_handler_saves_and_restores_it(tmp_path: Path) -> None
         handler.restore(epath.Path(tmp_path), item=iter(phased(seed=9).to_grain()))
 
 
+def test_an_orbax_checkpoint_manager_saves_and_restores_it(tmp_path: Path) -> None:
+    ocp = pytest.importorskip("orbax.checkpoint")
+    loader = ftj.Loader(split("a"), config(batch_size=[(0, 4), (3, 8)]))
+    it = iter(loader.to_grain())
+    for _ in range(5):
+        next(it)
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(5, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
+        manager.wait_until_finished()
+    resumed = iter(ftj.Loader(split("a"), config(batch_size=[(0, 4), (3, 8)])).to_grain())
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        args = ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(resumed))
+        manager.restore(5, args=args)
+    assert_steps([next(resumed) for _ in range(3)], loader, 5)
+
+
 def test_mp_prefetch_is_refused_naming_what_works() -> None:
     prepare_grain()
     loader = ftj.Loader(split("a"), config())

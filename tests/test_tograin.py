@@ -11,10 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import grain
+import jax
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from memurls import memory_url
 
 import flat_tokens_jax as ftj
@@ -67,6 +70,20 @@ def test_a_mixture_a_schedule_and_an_instance_filter_are_host_batch() -> None:
     loader = ftj.Loader(mixture, cfg)
     batches = list(itertools.islice(loader.to_grain(), 12))
     assert [len(b["inputs"]) for b in batches] == [2, 2, 2, 6, 6, 6, 6, 3, 3, 3, 3, 3]
+    assert_steps(batches, loader)
+
+
+@pytest.mark.parametrize("decode", ["host", "device"])
+@pytest.mark.parametrize("spec", [P("data"), P("data", "seq")])
+def test_a_sharded_loader_yields_host_batch_whatever_decodes_its_batches(
+    spec: P, decode: str
+) -> None:
+    """On 8 devices of one process, rows split or sequences split too, and
+    ``decode="device"``: the elements are this host's rows, all of them, decoded."""
+    mesh = jax.make_mesh((2, 4), ("data", "seq"))
+    loader = ftj.Loader(split("a"), config(batch_size=8, decode=decode), NamedSharding(mesh, spec))
+    batches = list(itertools.islice(loader.to_grain(), 4))
+    assert all(b["inputs"].shape == (8, 16) for b in batches)
     assert_steps(batches, loader)
 
 

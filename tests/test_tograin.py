@@ -122,6 +122,18 @@ def test_one_phase_with_epochs_ends_where_its_loader_does() -> None:
     assert_steps(batches, run)
 
 
+def test_an_error_of_a_phases_step_names_the_run_step_and_the_phase() -> None:
+    a = split("a")
+    segments = config(layout="segments", max_segments=1)
+    run = PhasedLoader([Phase(0, a, config()), Phase(3, a, segments)])
+    it = iter(run.to_grain())
+    next(it), next(it), next(it)
+    with pytest.raises(ValueError) as e:
+        next(it)
+    assert str(e.value).startswith("step 3 (in phase 1 (from step 3), its step 0): step 0: row ")
+    assert "set LoaderConfig.max_segments >= " in str(e.value)
+
+
 @settings(max_examples=6, deadline=None)
 @given(st.integers(0, 13), st.integers(1, 4))
 def test_get_state_then_set_state_continues_alike(step: int, more: int) -> None:

@@ -376,7 +376,7 @@ class PhasedLoader:
         last = self.end_step if self.num_batches is None else min(self.end_step, self.num_batches)
         stops = [*self.starts[1:], last]
         spans = [tograin.Span(*s) for s in zip(self.loaders, self.starts, stops, strict=True)]
-        return tograin.StepsDataset(self, spans, self.next_step, lead=NEXT_PHASE_AHEAD)
+        return tograin.StepsDataset(self, spans, self.next_step, NEXT_PHASE_AHEAD, self._told)
 
     def fingerprint(self) -> list[dict[str, Any]]:
         """Each phase's ``{"start_step", "fingerprint"}`` (see :meth:`Loader.fingerprint`)."""

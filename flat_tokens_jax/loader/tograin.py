@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import grain
@@ -144,6 +144,8 @@ class StepsDataset(grain.IterDataset):
         spans: the run's steps by reader, in order, without gaps from step 0.
         start: the first step of a fresh iterator.
         lead: steps before a span's end at which the next span starts reading.
+        told: an error of a step (``ValueError`` or ``IndexError``) and the
+            run's step to the error to raise: one that names the phase.
     """
 
     def __init__(
@@ -152,9 +154,11 @@ class StepsDataset(grain.IterDataset):
         spans: Sequence[Span],
         start: int,
         lead: int = 0,
+        told: Callable[[ValueError | IndexError, int], Exception] | None = None,
     ) -> None:
         super().__init__()
         self.owner, self.spans, self.start, self.lead = owner, tuple(spans), start, lead
+        self.told = told
 
     def __repr__(self) -> str:
         return f"StepsDataset({self.owner!r}, start={self.start})"
@@ -203,7 +207,12 @@ class StepsIterator(grain.DatasetIterator):
         k, span = found
         local = self._step - span.start
         end = None if span.stop is None else span.stop - span.start
-        fields = self._steps(k).take(local, end)
+        try:
+            fields = self._steps(k).take(local, end)
+        except (ValueError, IndexError) as e:
+            if self._ds.told is None:
+                raise
+            raise self._ds.told(e, self._step) from None
         if end is not None and k + 1 < len(self._ds.spans) and local + 1 >= end - self._ds.lead:
             later = self._steps(k + 1)
             later.feed.start(0, _length(self._ds.spans[k + 1]))

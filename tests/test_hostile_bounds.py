@@ -217,7 +217,7 @@ def test_the_memory_estimate_counts_every_field_of_the_layout(
     url = write(tmp_path / "ds", lengths_of(50))
     ft = ftj.open_dataset(url)["train"]
     seq_len, rows = 64, 1000
-    wide = {"layout": "maxtext", "max_segments": seq_len}
+    wide = {"layout": "maxtext", "sequence_start": True, "max_segments": seq_len}
 
     def row_nbytes(**kw: Any) -> int:
         batch = ftj.Loader(ft, ftj.LoaderConfig(2, seq_len, **kw)).host_batch(0)

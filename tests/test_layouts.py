@@ -9,6 +9,7 @@ runs, and the cap on runs per bin of the packing plan.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import jax
@@ -79,7 +80,9 @@ def raw_rows(
     return rows
 
 
-def expected_layout(rows: list[dict[str, list]], layout: str, max_segments: int | None) -> dict:
+def expected_layout(
+    rows: list[dict[str, list]], layout: str, max_segments: int | None, sequence_start: bool = False
+) -> dict:
     """A layout's arrays from the raw-sequence facts of :func:`raw_rows`."""
     out: dict[str, list] = {}
     for row in rows:
@@ -105,8 +108,9 @@ def expected_layout(rows: list[dict[str, list]], layout: str, max_segments: int 
                 "targets": row["targets"],
                 "targets_segmentation": [s if m else 0 for s, m in zip(seg, mask, strict=True)],
                 "targets_position": pos,
-                "sequence_start": row["starts"],
             }
+        if sequence_start:
+            got["sequence_start"] = row["starts"]
         if max_segments is not None:
             got["segment_lengths"] = row["runs"] + [0] * (max_segments - len(row["runs"]))
         for k, v in got.items():
@@ -166,7 +170,7 @@ def check_step(loader: ftj.Loader, seqs: list[list[int]], step: int, got: dict) 
         "pad_id": cfg.pad_id,
     }
     rows = raw_rows(seqs, records_of(loader, step, cfg.batch_size), bin_members(loader), facts)
-    want = expected_layout(rows, cfg.layout, cfg.max_segments)
+    want = expected_layout(rows, cfg.layout, cfg.max_segments, cfg.sequence_start)
     assert sorted(got) == sorted(want)
     for key, value in want.items():
         array = np.asarray(got[key])
@@ -185,9 +189,9 @@ def runs_case(draw: st.DrawFn) -> tuple[list[list[int]], int, int]:
 
 
 @settings(max_examples=15)
-@given(case=runs_case(), start=st.integers(0, 3), pad=st.integers(0, 3))
+@given(case=runs_case(), start=st.integers(0, 3), pad=st.integers(0, 3), flag=st.booleans())
 def test_host_layouts_equal_the_references(
-    case: tuple[list[list[int]], int, int], start: int, pad: int
+    case: tuple[list[list[int]], int, int], start: int, pad: int, flag: bool
 ) -> None:
     seqs, seq_len, batch = case
     split = split_of(seqs)
@@ -203,6 +207,7 @@ def test_host_layouts_equal_the_references(
             start_token_id=start,
             pad_id=pad,
             layout=layout,
+            sequence_start=flag,
             # A row holds at most seq_len runs, and a cap on bins is at least 2.
             max_segments=None if packing == "bins" and seq_len < 2 else seq_len,
         )
@@ -222,7 +227,8 @@ SEQS = [[i % 97 + 3] * n for i, n in enumerate([5, 1, 9, 3, 12, 2, 7, 4, 6, 8, 2
 def test_device_decode_equals_the_references(packing: bool | str, layout: str) -> None:
     split = split_of(SEQS)
     kw = dict(batch_size=4, seq_len=8, packing=packing, shuffle=False, num_epochs=1, pad_id=1)
-    kw.update(start_token_id=2, layout=layout, max_segments=6)
+    # One packing asks for sequence_start: a layout that lacks it gains it inside jit too.
+    kw.update(start_token_id=2, layout=layout, max_segments=6, sequence_start=packing is False)
     device = ftj.Loader(split, ftj.LoaderConfig(**kw, decode="device"))
     for step in range(device.num_batches):
         check_step(device, SEQS, step, device.batch(step))
@@ -268,19 +274,70 @@ def test_a_row_of_too_many_runs_is_refused(decode: str) -> None:
         source.read_batch([1, 0])
 
 
-@pytest.mark.parametrize("max_segments", [None, 5])
+@pytest.mark.parametrize(("max_segments", "flag"), [(None, False), (5, False), (None, True)])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_batch_holds_the_bytes_its_layout_counts(layout: str, max_segments: int | None) -> None:
+def test_a_batch_holds_the_bytes_its_layout_counts(
+    layout: str, max_segments: int | None, flag: bool
+) -> None:
     """Issue 35: the memory estimate counts every field the layout makes
     (``tokens`` ``[B, L + 1]``, MaxText's six, ``sequence_start``,
     ``segment_lengths`` ``[B, M]``): the bytes of real batches, host and
     device decode, field by field."""
     split = split_of(SEQS)
     kw = dict(batch_size=3, seq_len=8, packing="bins", layout=layout, max_segments=max_segments)
-    counted = BatchLayout(layout, max_segments).row_bytes(8)
+    kw["sequence_start"] = flag
+    counted = BatchLayout(layout, max_segments, flag).row_bytes(8)
     for decode in ("host", "device"):
         batch = ftj.Loader(split, ftj.LoaderConfig(**kw, decode=decode)).batch(0)
         assert sum(np.asarray(v).nbytes for v in batch.values()) == 3 * counted, decode
+
+
+FIVE = ["inputs", "targets", "segment_ids", "positions", "loss_mask"]
+MAXTEXT = [
+    "inputs",
+    "inputs_segmentation",
+    "inputs_position",
+    "targets",
+    "targets_segmentation",
+    "targets_position",
+]
+KEYS = {
+    "fields": FIVE,
+    "segments": [*FIVE, "sequence_start"],
+    "tokens": ["tokens", "loss_mask", "segment_ids", "positions", "sequence_start"],
+    "maxtext": MAXTEXT,
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_layout_holds_exactly_its_keys_with_and_without_the_flags(layout: str) -> None:
+    """Issue 36: ``"maxtext"`` is exactly MaxText's six keys (a seventh made
+    MaxText compile ``train_step`` twice); ``sequence_start=True`` and
+    ``max_segments`` add their keys, on the host, inside ``jax.jit``, and
+    through grain's source, its batches and the YAML form."""
+    split = split_of(SEQS)
+    kw = dict(batch_size=4, seq_len=8, packing="bins", layout=layout)
+    for flag, cap in itertools.product((False, True), (None, 4)):
+        want = set(KEYS[layout]) | ({"sequence_start"} if flag else set())
+        want |= {"segment_lengths"} if cap else set()
+        cfg = ftj.LoaderConfig(**kw, sequence_start=flag, max_segments=cap)
+        loader = ftj.Loader(split, cfg)
+        assert set(loader.host_batch(0)) == want, (flag, cap)
+        assert set(jax.jit(loader.decoder(0))(loader.encoded_batch(0))) == want
+        assert set(ftj.Loader(split, dataclasses.replace(cfg, decode="device")).batch(0)) == want
+        source = FlatTokensSource(
+            split, 8, "bins", layout=layout, sequence_start=flag, max_segments=cap
+        )
+        assert set(source[0]) == want and set(source.batches(4)[0]) == want
+        yaml_cfg = ftj.LoaderConfig.from_dict(
+            {**kw, "sequence_start": flag, "max_segments": cap}, "loader"
+        )
+        assert yaml_cfg == cfg
+    assert len(KEYS["maxtext"]) == 6
+    with pytest.raises(ValueError, match=r"^loader.sequence_start must be True or False, got 1"):
+        ftj.LoaderConfig.from_dict({**kw, "sequence_start": 1}, "loader")
+    with pytest.raises(ValueError, match=r"^sequence_start must be True or False, got 'yes'"):
+        FlatTokensSource(split, 8, sequence_start="yes")
 
 
 def test_max_segments_above_seq_len_is_refused_naming_both() -> None:
@@ -398,7 +455,10 @@ def test_config_values_are_checked_and_change_no_fingerprint() -> None:
     split = split_of(SEQS)
     base = ftj.Loader(split, ftj.LoaderConfig(batch_size=2, seq_len=8))
     other = ftj.Loader(
-        split, ftj.LoaderConfig(batch_size=2, seq_len=8, layout="tokens", max_segments=8)
+        split,
+        ftj.LoaderConfig(
+            batch_size=2, seq_len=8, layout="maxtext", max_segments=8, sequence_start=True
+        ),
     )
     assert other.state_differences(base.state()) == []
     assert sorted(base.host_batch(0)) == sorted(

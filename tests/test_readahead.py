@@ -224,7 +224,7 @@ def test_a_step_read_ahead_counts_every_field_of_its_layout() -> None:
     the five fields' 17), measured on a real batch: the steps in flight are
     counted in whole steps of those bytes, within the budget."""
     ft = split()
-    wide = {"layout": "maxtext", "max_segments": SEQ_LEN}
+    wide = {"layout": "maxtext", "sequence_start": True, "max_segments": SEQ_LEN}
     batch = ftj.Loader(ft, cfg(prefetch=0, **wide)).host_batch(0)
     step_bytes = sum(v.nbytes for v in batch.values())
     loader = ftj.Loader(Logged(ft, delay=0.01), cfg(read_ahead_bytes=3 * step_bytes, **wide))

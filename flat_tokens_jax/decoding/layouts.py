@@ -18,12 +18,15 @@ starts at that column):
   targets``, and ``tokens[:, 0] == inputs[:, 0]``, for trainers that shift
   the tokens themselves; plus ``loss_mask``, ``segment_ids``, ``positions``
   and ``sequence_start``, aligned with ``tokens[:, 1:]``.
-- ``"maxtext"``: MaxText's ``inputs``, ``inputs_segmentation``,
-  ``inputs_position``, ``targets``, ``targets_segmentation`` (``segment_ids``,
-  0 where ``loss_mask`` is False) and ``targets_position`` (all ``int32``),
-  plus ``sequence_start``.
+- ``"maxtext"``: exactly MaxText's six keys, ``inputs``,
+  ``inputs_segmentation``, ``inputs_position``, ``targets``,
+  ``targets_segmentation`` (``segment_ids``, 0 where ``loss_mask`` is False)
+  and ``targets_position`` (all ``int32``): a seventh key would make a
+  compiled MaxText ``train_step`` miss its cache.
 
-With ``max_segments`` every layout also holds ``segment_lengths`` ``[B,
+With ``sequence_start`` every layout holds ``sequence_start`` (``"fields"``
+and ``"maxtext"`` add it; the others hold it anyway). With ``max_segments``
+every layout also holds ``segment_lengths`` ``[B,
 max_segments] int32``: the lengths of each row's runs in column order (a run
 is a maximal stretch of one segment id, and a new one begins at every sequence
 start; padding is a run of its own), then zeros; each row sums to ``L``. A row
@@ -55,10 +58,18 @@ FLAGS = ("loss_mask", "sequence_start")
 """The ``bool`` fields (1 byte a column); every other field is ``int32`` (4)."""
 
 
+def check_flag(value: Any, path: str) -> None:
+    """Refuses a ``value`` (at ``path``) that is not True or False."""
+    if not isinstance(value, bool):
+        raise BadValue(path, f"must be True or False, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class BatchLayout:
-    """What a batch holds: ``name`` one of :data:`LAYOUTS`, and ``max_segments``
-    (``None``, or the width of ``segment_lengths``, ``>= 1``).
+    """What a batch holds: ``name`` one of :data:`LAYOUTS`, ``max_segments``
+    (``None``, or the width of ``segment_lengths``, ``>= 1``), and
+    ``sequence_start`` (True: the batch holds ``sequence_start`` whatever the
+    layout).
 
     Example:
         >>> five = {
@@ -77,17 +88,19 @@ class BatchLayout:
 
     name: str = "fields"
     max_segments: int | None = None
+    sequence_start: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or self.name not in LAYOUTS:
             raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {self.name!r}")
         m = integer(self.max_segments, "max_segments", low=1, optional=True)
         object.__setattr__(self, "max_segments", m)
+        check_flag(self.sequence_start, "sequence_start")
 
     @property
     def plain(self) -> bool:
         """True when the batch is the five fields as decoded."""
-        return self.name == "fields" and self.max_segments is None
+        return self.name == "fields" and self.max_segments is None and not self.sequence_start
 
     def widths(self, seq_len: int) -> dict[str, int]:
         """Every key of the layout's batch and its width (the second dimension)."""
@@ -109,17 +122,18 @@ class BatchLayout:
                 "targets",
                 "targets_segmentation",
                 "targets_position",
-                "sequence_start",
             ),
         }[self.name]
         out = {k: seq_len + 1 if k == "tokens" else seq_len for k in keys}
+        if self.sequence_start:
+            out["sequence_start"] = seq_len
         if self.max_segments is not None:
             out["segment_lengths"] = self.max_segments
         return out
 
     def row_bytes(self, seq_len: int) -> int:
         """Bytes one row of the layout's batch holds, every field counted
-        (``"fields"``: 17 a token; ``"maxtext"``: 25; ``segment_lengths``: 4
+        (``"fields"``: 17 a token; ``"maxtext"``: 24; ``segment_lengths``: 4
         a segment)."""
         return sum(w * (1 if k in FLAGS else 4) for k, w in self.widths(seq_len).items())
 
@@ -172,8 +186,9 @@ class BatchLayout:
                 "targets": fields["targets"],
                 "targets_segmentation": seg * fields["loss_mask"],
                 "targets_position": pos,
-                "sequence_start": start,
             }
+        if self.sequence_start:
+            out["sequence_start"] = start
         if self.max_segments is not None:
             bounds = run_bounds(seg, start, xp)
             if xp is np:

@@ -161,6 +161,9 @@ class FlatTokensSource:
         max_segments: as ``LoaderConfig.max_segments``: adds
             ``segment_lengths`` ``[max_segments] int32`` to each element, and
             with ``packing="bins"`` caps the runs per bin.
+        sequence_start: as ``LoaderConfig.sequence_start``: True adds
+            ``sequence_start`` ``[seq_len] bool`` to each element of a layout
+            that lacks it (``"fields"``, ``"maxtext"``).
         instance_filter: ``None`` (off), or an :class:`InstanceFilter` (or a
             mapping of its fields): rejected records get ``loss_mask`` False,
             as ``LoaderConfig.instance_filter`` does; it applies to every
@@ -199,6 +202,7 @@ class FlatTokensSource:
         pad_id: int = 0,
         layout: str = "fields",
         max_segments: int | None = None,
+        sequence_start: bool = False,
         instance_filter: InstanceFilter | None = None,
         **option_fields: Any,
     ) -> None:
@@ -213,7 +217,7 @@ class FlatTokensSource:
         self.instance_filter = InstanceFilter.of(instance_filter)
         if option_fields or options is not None:
             options = resolve_options(options, option_fields, "FlatTokensSource")
-        self.layout = BatchLayout(layout, max_segments)
+        self.layout = BatchLayout(layout, max_segments, sequence_start)
         records = _as_records(source, seq_len, packing, split, options, plan_cache, max_segments)
         if self.instance_filter is not None:
             self.instance_filter.check_seq_len(records.seq_len, "instance_filter")
@@ -238,6 +242,7 @@ class FlatTokensSource:
         # restored checkpoint against repr(source), in whichever process.
         rule = "" if self.instance_filter is None else f", instance_filter={self.instance_filter}"
         shape = "" if self.layout.plain else f", layout={layout!r}, max_segments={max_segments}"
+        shape += ", sequence_start=True" if sequence_start else ""
         self._repr = (
             f"FlatTokensSource({records!r}, start_token_id={start_token_id}, pad_id={pad_id}"
             f"{rule}{shape})"

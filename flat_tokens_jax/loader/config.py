@@ -23,15 +23,16 @@ from flat_tokens_jax.data.bins import BINS, make_records
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, check_source
 from flat_tokens_jax.decoding.instancefilter import InstanceFilter
-from flat_tokens_jax.decoding.layouts import LAYOUTS, check_max_segments
+from flat_tokens_jax.decoding.layouts import LAYOUTS, BatchLayout, check_flag, check_max_segments
 from flat_tokens_jax.sampling.schedule import BatchSchedule, BatchSizeSpec
 
 
 @dataclasses.dataclass(frozen=True)
 class LoaderConfig:
     """What a batch is. Every field but ``prefetch``, ``read_ahead_bytes``,
-    ``decode_threads``, ``decode``, ``layout`` and ``max_segments`` changes
-    the batches' values (the last two change their form).
+    ``decode_threads``, ``decode``, ``layout``, ``max_segments`` and
+    ``sequence_start`` changes the batches' values (the last three change
+    their form).
 
     Attributes:
         batch_size: global rows per step, over all hosts: an int, or a schedule
@@ -64,7 +65,8 @@ class LoaderConfig:
         read_ahead_bytes: the memory the steps prepared ahead may hold on this
             host, with automatic ``prefetch`` (a step holds its rows on this
             host as ``layout``'s arrays: 17 bytes a token with ``"fields"``,
-            25 with ``"maxtext"``, plus ``4 * max_segments`` a row; 5 bytes a
+            24 with ``"maxtext"``, plus ``4 * max_segments`` a row and 1 a
+            token with ``sequence_start``; 5 bytes a
             token with ``decode="device"``; at least one step is read ahead
             whatever its size). Recommended: the default 1 GiB, more for very
             slow stores. Changes no batch.
@@ -95,9 +97,10 @@ class LoaderConfig:
             ``sequence_start`` ``[B, L] bool``. ``"tokens"``: ``tokens``
             ``[B, L + 1] int32`` (``tokens[:, 1:]`` the targets) with
             ``loss_mask``, ``segment_ids``, ``positions``, ``sequence_start``,
-            for trainers that shift themselves. ``"maxtext"``: MaxText's
-            names (``inputs_segmentation``, ``targets_position``, ...) and
-            ``sequence_start``. Changes no value.
+            for trainers that shift themselves. ``"maxtext"``: exactly
+            MaxText's six keys (``inputs``, ``inputs_segmentation``,
+            ``inputs_position``, ``targets``, ``targets_segmentation``,
+            ``targets_position``). Changes no value.
         max_segments: if set, every layout adds ``segment_lengths`` ``[B,
             max_segments] int32``, each row's run lengths (sequences,
             fragments, padding) then zeros, for varlen attention
@@ -131,6 +134,7 @@ class LoaderConfig:
     layout: str = "fields"
     max_segments: int | None = None
     instance_filter: InstanceFilter | None = None
+    sequence_start: bool = False
 
     def __post_init__(self) -> None:
         path = "LoaderConfig."
@@ -190,6 +194,7 @@ class LoaderConfig:
         check_max_segments(self.max_segments, self.seq_len, self.packing, path + "max_segments")
         if not isinstance(self.layout, str) or self.layout not in LAYOUTS:
             raise BadValue(path + "layout", f"must be one of {list(LAYOUTS)}, got {self.layout!r}")
+        check_flag(self.sequence_start, path + "sequence_start")
         if self.vocab_size is not None:
             for name in ("start_token_id", "pad_id"):
                 value = getattr(self, name)
@@ -244,6 +249,11 @@ class LoaderConfig:
         """The batch size of every step (constant for an int ``batch_size``)."""
         return BatchSchedule.of(self.batch_size)
 
+    @property
+    def batch_layout(self) -> BatchLayout:
+        """The arrays a batch holds: ``layout``, ``max_segments`` and ``sequence_start``."""
+        return BatchLayout(self.layout, self.max_segments, self.sequence_start)
+
     def batch_size_at(self, step: int) -> int:
         """Global rows of the batch at ``step``."""
         return self.schedule.size(step)
@@ -251,7 +261,7 @@ class LoaderConfig:
     def batch_defining(self) -> dict[str, Any]:
         """The fields that decide batch contents: all but ``prefetch``,
         ``read_ahead_bytes``, ``decode_threads``, ``decode``, ``layout``,
-        ``max_segments`` (a bins plan it caps is in the data's fingerprint)
+        ``sequence_start``, ``max_segments`` (a bins plan it caps is in the data's fingerprint)
         and ``vocab_size`` (which checks the data but changes no batch),
         JSON-ready (``batch_size`` an int or ``[[start_step, size], ...]``;
         ``instance_filter`` its fields, left out when off, so states saved
@@ -264,6 +274,7 @@ class LoaderConfig:
             "decode",
             "layout",
             "max_segments",
+            "sequence_start",
         )
         values = {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
         if self.instance_filter is None:

@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from flat_tokens_jax.data.dataset import FlatTokens
-from flat_tokens_jax.decoding.layouts import BatchLayout
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.pipeline import Ahead, InFlight
 from flat_tokens_jax.loader.readahead import (
@@ -73,7 +72,7 @@ class Feed:
         self._row_bytes = (
             config.seq_len * DEVICE_BYTES_PER_TOKEN
             if config.decode == "device"
-            else BatchLayout(config.layout, config.max_segments).row_bytes(config.seq_len)
+            else config.batch_layout.row_bytes(config.seq_len)
         )
         found = [getattr(r, "ft", None) for r in components]
         self._splits = list({id(ft): ft for ft in found if isinstance(ft, FlatTokens)}.values())

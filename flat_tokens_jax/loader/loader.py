@@ -30,7 +30,7 @@ from flat_tokens_jax.data.records import Records, Windows, recorded_info, source
 from flat_tokens_jax.decoding.batch import padding_fields
 from flat_tokens_jax.decoding.hostdecode import BlockDecoder, default_threads
 from flat_tokens_jax.decoding.instancefilter import FilteredRows
-from flat_tokens_jax.decoding.layouts import BatchLayout, row_starts
+from flat_tokens_jax.decoding.layouts import row_starts
 from flat_tokens_jax.decoding.sharding import Block, BlockData, HostPlan, host_plans
 from flat_tokens_jax.loader.config import (
     LoaderConfig,
@@ -118,7 +118,7 @@ class Loader:
                 "ftj.LoaderConfig(batch_size=..., seq_len=...)"
             )
         check_sharding(sharding)
-        self.layout = BatchLayout(config.layout, config.max_segments)
+        self.layout = config.batch_layout
         largest = max(size for _, size in config.schedule.entries)
         ahead, row = config.read_ahead_bytes, self.layout.row_bytes(config.seq_len)
         check_loader_memory(

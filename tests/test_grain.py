@@ -608,3 +608,21 @@ def test_batches_refuse_what_they_cannot_cut(path: Path) -> None:
         src.batches(8, shard="host0")  # type: ignore[arg-type]
     with pytest.raises(IndexError, match="step 10000 is outside"):
         src.batches(8)[10000]
+
+
+def test_the_source_carries_the_datas_vocabulary(tmp_path: Path) -> None:
+    """Issue 36: a trainer sizes its embedding from the source, without opening
+    the dataset again: the recorded tokenizer's facts, else the largest id + 1
+    (counted here from the sequences written), in every copy of the source."""
+    seqs = [[1, 2], [3, 4, 70], [6, 7, 8]]
+    tok = ftj.TokenizerInfo("tok.json", "sha256:0123456789abcdef", 500, bos_id=1, eos_id=2)
+    ftj.write_dataset(tmp_path / "tok", {"train": seqs}, info=ftj.DatasetInfo(tokenizer=tok))
+    src = FlatTokensSource(tmp_path / "tok", 2)
+    again = pickle.loads(pickle.dumps(src))
+    for s in (src, again):
+        assert s.tokenizer == tok and s.info is not None and s.info.tokenizer == tok
+        assert (s.vocab_size, s.tokenizer.eos_id, s.max_token_id) == (500, 2, 70)
+    ftj.write_dataset(tmp_path / "bare", {"train": seqs})
+    bare = FlatTokensSource(ftj.PackedRecords(ftj.open_dataset(tmp_path / "bare")["train"], 2))
+    assert bare.tokenizer is None and bare.info is not None
+    assert bare.vocab_size == max(t for s in seqs for t in s) + 1 == 71

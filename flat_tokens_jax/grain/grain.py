@@ -55,7 +55,9 @@ from flat_tokens_jax.decoding.instancefilter import InstanceFilter, apply_filter
 from flat_tokens_jax.decoding.layouts import BatchLayout, check_max_segments, row_starts
 from flat_tokens_jax.grain.grainbatches import Batches, ScheduledBatches
 from flat_tokens_jax.grain.grainprocess import prepare_grain
+from flat_tokens_jax.loader.config import LoaderConfig, resolve_start_token_id
 from flat_tokens_jax.sampling.mixture import Mixture
+from flat_tokens_jax.store.identity import DatasetInfo, TokenizerInfo
 from flat_tokens_jax.store.options import StoreOptions, resolve_options
 
 __all__ = ["FlatTokensSource", "ScheduledBatches"]
@@ -124,6 +126,12 @@ class FlatTokensSource:
     ``positions`` (``[seq_len] int32``) and ``loss_mask`` (``[seq_len] bool``):
     row ``i`` of ``Loader(..., LoaderConfig(shuffle=False, ...))`` run over the
     same records with the same ``start_token_id`` and ``pad_id``.
+
+    What the data is: :attr:`info` (the ``DatasetInfo`` the dataset records,
+    or ``None``), :attr:`tokenizer` (its ``TokenizerInfo``: ``vocab_size``,
+    ``bos_id``, ``eos_id``, ``pad_id``), :attr:`max_token_id` and
+    :attr:`vocab_size` (the tokenizer's, else ``max_token_id + 1``), so a
+    trainer sizes its embedding without opening the dataset again.
 
     Contract: thread-safe, deterministic, and picklable. A pickled source holds
     no tensorstore handle (tensorstore is not fork-safe, and grain sends its
@@ -227,10 +235,10 @@ class FlatTokensSource:
                 f"seq_len={records.seq_len} tokens or no sequences"
             )
         self.seq_len, self.packed = records.seq_len, records.packed
+        self.info: DatasetInfo | None = recorded_info(records)
         if start_token_id is None:
-            info = recorded_info(records)
-            recorded = None if info is None else info.start_token_id
-            start_token_id = 0 if recorded is None else recorded
+            config = LoaderConfig(1, records.seq_len, records.packed)
+            start_token_id = resolve_start_token_id(config, [("0", self.info)])
         self.start_token_id, self.pad_id = start_token_id, pad_id
         self._records: Records | None = records
         self._decoder: BlockDecoder | None = None
@@ -251,6 +259,27 @@ class FlatTokensSource:
 
     def __repr__(self) -> str:
         return self._repr
+
+    @property
+    def tokenizer(self) -> TokenizerInfo | None:
+        """The tokenizer the data records (name, ``vocab_size``, ``bos_id``,
+        ``eos_id``, ``pad_id``); ``None`` when it records none."""
+        return None if self.info is None else self.info.tokenizer
+
+    @property
+    def max_token_id(self) -> int:
+        """The largest id in the data (the split's ``max_token_id``)."""
+        ft = getattr(self.records, "ft", None)
+        if isinstance(ft, FlatTokens):
+            return ft.max_token_id
+        return int(self.records.fingerprint()["max_token_id"])
+
+    @property
+    def vocab_size(self) -> int:
+        """The ids a model must embed: the recorded tokenizer's ``vocab_size``,
+        else ``max_token_id + 1``."""
+        tok = self.tokenizer
+        return self.max_token_id + 1 if tok is None else tok.vocab_size
 
     def __len__(self) -> int:
         return self._length

@@ -14,15 +14,16 @@ import concurrent.futures
 import itertools
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from flat_tokens_jax.core import compiled
 from flat_tokens_jax.core.buffers import Buffers
 from flat_tokens_jax.core.extras import install_hint
-from flat_tokens_jax.data.records import Windows
+from flat_tokens_jax.data.records import Records, Windows
 from flat_tokens_jax.decoding import batch as fields
+from flat_tokens_jax.decoding.layouts import row_starts
 
 _PAGE = 4096
 _STAGGER = 768  # a multiple of 64; five fields stay at distinct offsets modulo _PAGE
@@ -209,3 +210,46 @@ def _rows_of(windows: Windows, a: int, b: int) -> Windows:
         lengths=None if windows.lengths is None else windows.lengths[a:b],
         stored_mask=None if windows.stored_mask is None else windows.stored_mask[a:b],
     )
+
+
+Part = tuple[int, np.ndarray | None, Windows]
+"""Rows read from one component: ``(component, at, windows)``, ``at`` the
+rows they fill (``[k] int64``; ``None``: every row)."""
+
+
+def read_parts(
+    components: Sequence[Records], comp: np.ndarray, records: np.ndarray, real: np.ndarray
+) -> list[Part]:
+    """Reads the rows of a step: ``comp`` and ``records`` ``[r] int64`` the
+    component and record of each real row, ``real`` ``[k] bool`` which of the
+    step's ``k`` rows are real (the others are padding, read from nowhere)."""
+    present = np.unique(comp).tolist()
+    if real.all() and len(present) == 1:
+        return [(present[0], None, components[present[0]].read(records))]
+    at = np.flatnonzero(real)
+    return [(c, at[comp == c], components[c].read(records[comp == c])) for c in present]
+
+
+def join_parts(
+    num_rows: int,
+    parts: Sequence[Part],
+    decode: Callable[[int, Windows], dict[str, np.ndarray]],
+    packed: Sequence[bool | str],
+    seq_len: int,
+    pad_id: int,
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The five fields ``[num_rows, seq_len]`` of rows read by :func:`read_parts`
+    (``decode(component, windows)`` decodes one part), and ``row_starts``
+    ``[num_rows] bool`` (:func:`~flat_tokens_jax.decoding.layouts.row_starts`).
+    Rows of no part are padding: ``pad_id`` inputs and targets, ``loss_mask``
+    False, as the last step of an epoch pads them."""
+    if len(parts) == 1 and parts[0][1] is None:
+        c, _, windows = parts[0]
+        return decode(c, windows), row_starts(windows, packed[c])
+    out = fields.padding_fields(num_rows, seq_len, pad_id)
+    starts = np.zeros(num_rows, bool)
+    for c, at, windows in parts:
+        for key, value in decode(c, windows).items():
+            out[key][at] = value
+        starts[at] = row_starts(windows, packed[c])
+    return out, starts

@@ -36,7 +36,6 @@ batch of records, cut from any random-access order of record indices::
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pickle
 import threading
@@ -47,76 +46,27 @@ import numpy as np
 
 from flat_tokens_jax.core.limits import check_loader_memory
 from flat_tokens_jax.core.values import integer
-from flat_tokens_jax.data.bins import BinRecords, PackingPlan, check_packing, make_records
-from flat_tokens_jax.data.dataset import Dataset, FlatTokens, open_dataset
-from flat_tokens_jax.data.records import PackedRecords, PaddedRecords, Records, recorded_info
-from flat_tokens_jax.decoding.hostdecode import BlockDecoder, default_threads
+from flat_tokens_jax.data.dataset import FlatTokens
+from flat_tokens_jax.data.records import Records, Windows, recorded_info
+from flat_tokens_jax.decoding.hostdecode import (
+    BlockDecoder,
+    default_threads,
+    join_parts,
+    read_parts,
+)
 from flat_tokens_jax.decoding.instancefilter import InstanceFilter, apply_filter
-from flat_tokens_jax.decoding.layouts import BatchLayout, check_max_segments, row_starts
+from flat_tokens_jax.decoding.layouts import BatchLayout
 from flat_tokens_jax.grain.grainbatches import Batches, ScheduledBatches
 from flat_tokens_jax.grain.grainprocess import prepare_grain
+from flat_tokens_jax.grain.grainrecords import Keep, Reopen, as_components
 from flat_tokens_jax.loader.config import LoaderConfig, resolve_start_token_id
 from flat_tokens_jax.sampling.mixture import Mixture
+from flat_tokens_jax.sampling.sampling import IndexSampler
+from flat_tokens_jax.sampling.schedule import BatchSizeSpec
 from flat_tokens_jax.store.identity import DatasetInfo, TokenizerInfo
 from flat_tokens_jax.store.options import StoreOptions, resolve_options
 
 __all__ = ["FlatTokensSource", "ScheduledBatches"]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Reopen:
-    """What opens the same records again, in another process."""
-
-    url: str
-    split: str
-    sequences: tuple[int, int]
-    options: StoreOptions
-    packed: bool | str
-    seq_len: int
-    in_memory: bool
-    plan: PackingPlan | None = None
-
-    @classmethod
-    def of(cls, records: Records) -> _Reopen | None:
-        """How to reopen ``records``; ``None`` for records of another type than ours."""
-        kinds = (PackedRecords, PaddedRecords, BinRecords)
-        # A subclass may read differently from the class it would reopen as.
-        if type(records) not in kinds or not isinstance(records, kinds):
-            return None
-        ft = records.ft
-        spec = ft.store.spec
-        # The resolved path, not the one given: a later chdir must not move the data.
-        url = spec["path"] if spec["driver"] == "file" else ft.url
-        return cls(
-            url=url,
-            split=ft.split_name,
-            sequences=ft.seq_range,
-            # A tensorstore Context cannot cross processes: each opens its own.
-            options=dataclasses.replace(ft.store.options, context=None),
-            packed=records.packed,
-            seq_len=records.seq_len,
-            in_memory=spec["driver"] == "memory",
-            plan=records.plan if isinstance(records, BinRecords) else None,
-        )
-
-    def open(self) -> Records:
-        ft = open_dataset(self.url, self.options)[self.split]
-        if ft.seq_range != self.sequences:
-            ft = ft.view(*self.sequences)
-        if self.plan is not None:
-            return BinRecords(ft, self.seq_len, plan=self.plan)
-        return make_records(ft, self.seq_len, self.packed)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Keep:
-    """Records of a type that cannot be reopened from a URL: pickled as they are."""
-
-    records: Records
-    in_memory = False
-
-    def open(self) -> Records:
-        return self.records
 
 
 class FlatTokensSource:
@@ -141,10 +91,11 @@ class FlatTokensSource:
     pickled as they are.
 
     Args:
-        source: a path or URL, a :class:`FlatTokens` split (or view), or
+        source: a path or URL, a :class:`FlatTokens` split (or view),
             records (:class:`PackedRecords`, :class:`PaddedRecords`, or any
-            :class:`Records`). A ``Mixture`` is refused: mix one source per
-            component with grain instead.
+            :class:`Records`), or a ``Mixture``: its steps come from
+            :meth:`batches`, blended as ``Loader`` blends them; it has no
+            record index (``len``, ``[i]``) and does not pickle.
         seq_len: tokens per record; required for a URL or a ``FlatTokens``,
             and if given for records it must be theirs.
         packing: True (the default for a URL or a ``FlatTokens``): consecutive
@@ -181,7 +132,7 @@ class FlatTokensSource:
         ValueError: a bad ``seq_len``, ``start_token_id``, ``pad_id`` or
             ``instance_filter``, records whose ``seq_len`` or packing differ
             from those asked for, or no records at all.
-        TypeError: ``source`` is a ``Mixture`` or not a source of records.
+        TypeError: ``source`` is not a source of records.
 
     Example:
         >>> import grain
@@ -199,7 +150,7 @@ class FlatTokensSource:
 
     def __init__(
         self,
-        source: str | os.PathLike[str] | FlatTokens | Records,
+        source: str | os.PathLike[str] | FlatTokens | Records | Mixture,
         seq_len: int | None = None,
         packing: bool | str | None = None,
         *,
@@ -226,33 +177,39 @@ class FlatTokensSource:
         if option_fields or options is not None:
             options = resolve_options(options, option_fields, "FlatTokensSource")
         self.layout = BatchLayout(layout, max_segments, sequence_start)
-        records = _as_records(source, seq_len, packing, split, options, plan_cache, max_segments)
+        args = (seq_len, packing, split, options, plan_cache, max_segments)
+        components, self.mixture = as_components(source, *args)
+        first = components[0]
         if self.instance_filter is not None:
-            self.instance_filter.check_seq_len(records.seq_len, "instance_filter")
-        if len(records) == 0:
-            raise ValueError(
-                f"{records!r} has no records: the split holds fewer than "
-                f"seq_len={records.seq_len} tokens or no sequences"
-            )
-        self.seq_len, self.packed = records.seq_len, records.packed
-        self.info: DatasetInfo | None = recorded_info(records)
-        if start_token_id is None:
-            config = LoaderConfig(1, records.seq_len, records.packed)
-            start_token_id = resolve_start_token_id(config, [("0", self.info)])
-        self.start_token_id, self.pad_id = start_token_id, pad_id
-        self._records: Records | None = records
+            self.instance_filter.check_seq_len(first.seq_len, "instance_filter")
+        for records in components:
+            if len(records) == 0:
+                raise ValueError(
+                    f"{records!r} has no records: the split holds fewer than "
+                    f"seq_len={records.seq_len} tokens or no sequences"
+                )
+        self.seq_len, self.packed = first.seq_len, first.packed
+        names = ("0",) if self.mixture is None else self.mixture.names
+        self.infos = [(n, recorded_info(r)) for n, r in zip(names, components, strict=True)]
+        # A Mixture's components may record different things: then none is the data's.
+        same = all(i == self.infos[0][1] for _, i in self.infos)
+        self.info: DatasetInfo | None = self.infos[0][1] if same else None
+        config = LoaderConfig(1, self.seq_len, self.packed, start_token_id=start_token_id)
+        self.start_token_id, self.pad_id = resolve_start_token_id(config, self.infos), pad_id
+        self._components: tuple[Records, ...] | None = components
         self._decoder: BlockDecoder | None = None
-        self._opener: _Reopen | _Keep = _Reopen.of(records) or _Keep(records)
+        self._openers = [Reopen.of(r) or Keep(r) for r in components]
+        self._sizes = [len(r) for r in components]
         self._pid = os.getpid()
         self._lock = threading.Lock()
-        self._length = len(records)
         # Fixed here and carried through pickling: grain's DataLoader checks a
         # restored checkpoint against repr(source), in whichever process.
         rule = "" if self.instance_filter is None else f", instance_filter={self.instance_filter}"
         shape = "" if self.layout.plain else f", layout={layout!r}, max_segments={max_segments}"
         shape += ", sequence_start=True" if sequence_start else ""
+        read = first if self.mixture is None else self.mixture
         self._repr = (
-            f"FlatTokensSource({records!r}, start_token_id={start_token_id}, pad_id={pad_id}"
+            f"FlatTokensSource({read!r}, start_token_id={self.start_token_id}, pad_id={pad_id}"
             f"{rule}{shape})"
         )
         prepare_grain()
@@ -268,21 +225,24 @@ class FlatTokensSource:
 
     @property
     def max_token_id(self) -> int:
-        """The largest id in the data (the split's ``max_token_id``)."""
-        ft = getattr(self.records, "ft", None)
-        if isinstance(ft, FlatTokens):
-            return ft.max_token_id
-        return int(self.records.fingerprint()["max_token_id"])
+        """The largest id in the data (the split's ``max_token_id``; a
+        Mixture's: the largest of its components')."""
+        ids = []
+        for records in self.components:
+            ft = getattr(records, "ft", None)
+            found = ft.max_token_id if isinstance(ft, FlatTokens) else None
+            ids.append(int(records.fingerprint()["max_token_id"]) if found is None else found)
+        return max(ids)
 
     @property
     def vocab_size(self) -> int:
-        """The ids a model must embed: the recorded tokenizer's ``vocab_size``,
-        else ``max_token_id + 1``."""
-        tok = self.tokenizer
-        return self.max_token_id + 1 if tok is None else tok.vocab_size
+        """The ids a model must embed: the recorded tokenizer's ``vocab_size``
+        (the largest of a Mixture's), else ``max_token_id + 1``."""
+        tokens = [i.tokenizer.vocab_size for _, i in self.infos if i and i.tokenizer]
+        return max(tokens) if tokens else self.max_token_id + 1
 
     def __len__(self) -> int:
-        return self._length
+        return self._single_records_count()
 
     def __getitem__(self, index: SupportsIndex) -> dict[str, np.ndarray]:
         """Record ``index`` (negative counts from the end): five ``[seq_len]`` fields."""
@@ -304,29 +264,51 @@ class FlatTokensSource:
 
         Raises:
             IndexError: an index outside ``[-len(self), len(self))``.
+            TypeError: a source of a ``Mixture`` (its records are drawn by
+                step: :meth:`batches`).
             ValueError: a record of more runs than ``max_segments``.
         """
         idx = self._indices(indices)
-        records = self.records
-        decoder = self._block_decoder()
-        windows = records.read(idx)
-        fields = decoder.decode(
-            windows,
-            records.packed,
-            self.seq_len,
-            start_token_id=self.start_token_id,
-            pad_id=self.pad_id,
+        where = f"{self._repr} (rows by record index)"
+        return self.read_rows(
+            np.zeros(idx.size, np.int64), idx, np.ones(idx.size, bool), where, idx
         )
+
+    def read_rows(
+        self,
+        comp: np.ndarray,
+        records: np.ndarray,
+        real: np.ndarray,
+        where: str,
+        rows: np.ndarray | None = None,
+    ) -> dict[str, np.ndarray]:
+        """The layout's fields ``[k, seq_len]`` of ``k`` rows: the real ones
+        (``real`` ``[k] bool``) hold record ``records`` of component ``comp``
+        (``[r] int64`` each), the others are padding (``loss_mask`` False),
+        as a ``Loader`` makes them. ``where`` and ``rows`` name them in errors."""
+        components = self.components
+        decoder = self._block_decoder()
+        parts = read_parts(components, comp, records, real)
+
+        def decode(c: int, windows: Windows) -> dict[str, np.ndarray]:
+            return decoder.decode(
+                windows,
+                components[c].packed,
+                self.seq_len,
+                start_token_id=self.start_token_id,
+                pad_id=self.pad_id,
+            )
+
+        packed = [r.packed for r in components]
+        fields, starts = join_parts(real.size, parts, decode, packed, self.seq_len, self.pad_id)
         apply_filter(self.instance_filter, fields, decoder.run_blocks)
         if self.layout.plain:
             return fields
-        where = f"{self._repr} (rows by record index)"
-        starts = row_starts(windows, records.packed)
-        return self.layout.apply(fields, starts, where=where, rows=idx)
+        return self.layout.apply(fields, starts, where=where, rows=rows)
 
     def batches(
         self,
-        batch_size: int,
+        batch_size: BatchSizeSpec,
         *,
         seed: int = 0,
         shuffle: bool = True,
@@ -339,31 +321,49 @@ class FlatTokensSource:
         batch this source: one batched read per step, decoded on several threads.
         The order is ``Loader``'s: element ``step`` equals
         ``Loader(records, LoaderConfig(batch_size, seed=seed, shuffle=shuffle,
-        num_epochs=num_epochs, ...)).host_batch(step)`` (rows of this shard).
+        num_epochs=num_epochs, ...)).host_batch(step)`` (rows of this shard),
+        for a ``Mixture`` too (its blend, weight schedule and seeds).
 
         Args:
-            batch_size: global rows per step, over all shards.
+            batch_size: global rows per step, over all shards: an int, or a
+                schedule ``[(start_step, size), ...]`` as ``LoaderConfig.batch_size``.
             seed: the shuffle's key (a fresh order each epoch).
             shuffle: False: records in order.
-            num_epochs: passes over the records; the last partial batch is
-                dropped. ``None``: unbounded (as many steps as sample indices
-                allow).
+            num_epochs: passes over the records; the last step is completed
+                with padding rows (``loss_mask`` False, ``segment_ids`` 0), as
+                ``Loader`` pads it, so an evaluation pass (``num_epochs=1,
+                shuffle=False``) reads every record once. ``None``: unbounded
+                (as many steps as sample indices allow); a ``Mixture``'s
+                components run without end, so it needs ``None``.
             shard: ``(index, count)``: this host's share of each batch, rows
-                ``[index * batch_size // count, (index + 1) * batch_size // count)``,
-                e.g. ``(jax.process_index(), jax.process_count())``; the hosts
-                together read each global batch once.
+                ``[index * B // count, (index + 1) * B // count)`` of a step of
+                ``B`` rows, e.g. ``(jax.process_index(), jax.process_count())``;
+                the hosts together read each global batch once.
 
         Raises:
             ValueError: a bad ``batch_size``, ``seed``, ``num_epochs`` or
-                ``shard``, or ``batch_size`` that does not divide over the shards.
+                ``shard``, a batch size that does not divide over the shards,
+                or ``num_epochs`` with a ``Mixture``.
         """
         count = shard[1] if isinstance(shard, tuple) and len(shard) == 2 else 1
         if type(batch_size) is int and type(count) is int and batch_size > 0 and count > 0:
             row_bytes = self.layout.row_bytes(self.seq_len)
             check_loader_memory(batch_size, self.seq_len, 0, count, row_bytes=row_bytes)
-        return Batches(
-            self, batch_size, seed=seed, shuffle=shuffle, num_epochs=num_epochs, shard=shard
-        )
+        if self.mixture is not None and num_epochs is not None:
+            raise ValueError(
+                f"num_epochs={num_epochs!r} does not apply to a Mixture: each component "
+                "runs its own epochs, without end; pass num_epochs=None"
+            )
+        samplers = [
+            IndexSampler(
+                size,
+                seed=seed if self.mixture is None else self.mixture.component_seed(seed, c),
+                shuffle=shuffle,
+                num_epochs=num_epochs,
+            )
+            for c, size in enumerate(self._sizes)
+        ]
+        return Batches(self, batch_size, samplers, shard=shard)
 
     def _block_decoder(self) -> BlockDecoder:
         decoder = self._decoder
@@ -373,37 +373,60 @@ class FlatTokensSource:
 
     @property
     def records(self) -> Records:
-        """The records read from, opened in this process first if they need to be."""
-        records = self._records
-        if records is not None and self._pid == os.getpid():
-            return records
+        """The records read from, opened in this process first if they need to
+        be (a Mixture's: see :attr:`components`)."""
+        if self.mixture is not None:
+            raise TypeError(f"{self!r} reads a Mixture: its records are components[c]")
+        return self.components[0]
+
+    @property
+    def components(self) -> tuple[Records, ...]:
+        """The records of each component (one without a Mixture), opened in
+        this process first if they need to be."""
+        components = self._components
+        if components is not None and self._pid == os.getpid():
+            return components
         with self._lock:
-            records = self._records
-            if records is None or self._pid != os.getpid():
-                records = self._opener.open()
-                if len(records) != self._length:
-                    raise RuntimeError(
-                        f"the data changed after {self!r} was made: it had "
-                        f"{self._length} records, {records!r} has {len(records)}"
-                    )
-                self._records, self._pid = records, os.getpid()
-            return records
+            components = self._components
+            if components is None or self._pid != os.getpid():
+                components = tuple(opener.open() for opener in self._openers)
+                for records, size in zip(components, self._sizes, strict=True):
+                    if len(records) != size:
+                        raise RuntimeError(
+                            f"the data changed after {self!r} was made: it had "
+                            f"{size} records, {records!r} has {len(records)}"
+                        )
+                self._components, self._pid = components, os.getpid()
+            return components
 
     def __getstate__(self) -> dict[str, Any]:
-        if self._opener.in_memory:
+        if any(opener.in_memory for opener in self._openers):
             raise pickle.PicklingError(
                 f"{self!r} reads a memory:// store, which exists only in this process: "
                 "write the dataset to a path or object store for grain worker processes, "
                 "or use worker_count=0"
             )
+        if self.mixture is not None:
+            raise pickle.PicklingError(
+                f"{self!r} reads a Mixture, which does not cross processes: read its "
+                "batches in this process (no grain worker processes, worker_count=0)"
+            )
         state = dict(self.__dict__)
         del state["_lock"]
-        state["_records"], state["_decoder"] = None, None
+        state["_components"], state["_decoder"] = None, None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+
+    def _single_records_count(self) -> int:
+        if self.mixture is not None:
+            raise TypeError(
+                f"{self!r} reads a Mixture, whose records are drawn by step, not by "
+                "index: use its batches(batch_size, num_epochs=None, ...)"
+            )
+        return self._sizes[0]
 
     def _indices(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
         """``indices`` as ``[k] int64`` in ``[0, len)``, after counting negatives from the end."""
@@ -415,7 +438,7 @@ class FlatTokensSource:
                 integer(value, f"record indices[{i}]")
         elif idx.size and idx.dtype.kind not in "iu":
             raise TypeError(f"record indices must be integers, got dtype {idx.dtype}")
-        n = self._length
+        n = self._single_records_count()
         # Compared before any cast: a uint64 or a Python int past int64 would wrap.
         bad = np.flatnonzero((idx >= n) if idx.dtype.kind == "u" else (idx < -n) | (idx >= n))
         if bad.size:
@@ -424,55 +447,3 @@ class FlatTokensSource:
             )
         idx = idx.astype(np.int64)
         return np.where(idx < 0, idx + n, idx)
-
-
-def _as_records(
-    source: str | os.PathLike[str] | FlatTokens | Records,
-    seq_len: int | None,
-    packing: bool | str | None,
-    split: str,
-    options: StoreOptions | None,
-    plan_cache: str | os.PathLike[str] | None,
-    max_segments: int | None = None,
-) -> Records:
-    """The records a :class:`FlatTokensSource` reads, checked against what was asked."""
-    if isinstance(source, Mixture):
-        raise TypeError(
-            f"{source!r} is a Mixture, which grain cannot index as one source: make a "
-            "FlatTokensSource per component and blend them with grain.MapDataset.mix"
-        )
-    if packing is not None:
-        check_packing(packing, "packing")
-    if seq_len is not None and (
-        isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1
-    ):
-        raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
-    if isinstance(source, str | os.PathLike):
-        source = open_dataset(source, options)[split]
-    elif options is not None:
-        raise ValueError(f"options apply to a URL only; {source!r} is open already")
-    if isinstance(source, FlatTokens):
-        if seq_len is None:
-            raise ValueError(f"seq_len is required to make records of {source!r}")
-        packing = True if packing is None else packing
-        check_max_segments(max_segments, seq_len, packing, "max_segments")
-        return make_records(source, seq_len, packing, plan_cache, max_segments)
-    if isinstance(source, Dataset):
-        raise TypeError(
-            f"{source!r} is a whole dataset; pick a split: ds[{source.splits[0]!r}] "
-            "(or pass the URL with split=...)"
-        )
-    if not all(hasattr(source, a) for a in ("read", "seq_len", "packed", "__len__")):
-        raise TypeError(
-            f"expected a path or URL, a FlatTokens or Records, got {type(source).__name__}"
-        )
-    asked = {"seq_len": seq_len, "packing": packing}
-    have = {"seq_len": source.seq_len, "packing": source.packed}
-    wrong = [f"{k} {asked[k]!r}" for k in asked if asked[k] is not None and asked[k] != have[k]]
-    if wrong:
-        raise ValueError(
-            f"{source!r} has seq_len {source.seq_len} and packing {source.packed}, but "
-            f"{' and '.join(wrong)} was asked for: leave them out to use the records' own"
-        )
-    check_max_segments(max_segments, source.seq_len, source.packed, "max_segments")
-    return source

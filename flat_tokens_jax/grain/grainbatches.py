@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import threading
 from collections.abc import Sequence
 from typing import Any, Protocol, SupportsIndex
 
@@ -22,8 +21,10 @@ import numpy as np
 from flat_tokens_jax.core.limits import check_loader_memory
 from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.decoding.layouts import BatchLayout
+from flat_tokens_jax.sampling.mixture import Mixture
 from flat_tokens_jax.sampling.sampling import IndexSampler
 from flat_tokens_jax.sampling.schedule import BatchSchedule, BatchSizeSpec
+from flat_tokens_jax.sampling.stepsamples import MAX_SAMPLE, StepSamples
 
 
 class BatchReader(Protocol):
@@ -31,60 +32,90 @@ class BatchReader(Protocol):
 
     seq_len: int
     layout: BatchLayout
+    mixture: Mixture | None
 
     def __len__(self) -> int: ...
 
     def read_batch(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]: ...
 
+    def read_rows(
+        self,
+        comp: np.ndarray,
+        records: np.ndarray,
+        real: np.ndarray,
+        where: str,
+        rows: np.ndarray | None = None,
+    ) -> dict[str, np.ndarray]: ...
+
 
 class Batches:
     """A grain random-access source of whole batches (see :meth:`FlatTokensSource.batches`).
 
-    Element ``step``: the five fields, each ``[batch_size // count, seq_len]``,
-    of this shard's rows of global step ``step``. Contract: deterministic,
-    thread-safe, picklable (as its source).
+    Element ``step``: the layout's fields, each ``[rows, seq_len]``, of this
+    shard's rows of global step ``step``, ``rows`` the step's batch size over
+    the shard count. Which record each row reads is the loader's
+    :class:`~flat_tokens_jax.sampling.stepsamples.StepSamples` (the mixture's
+    routing, the samplers, the batch-size schedule); rows past the last
+    epoch are padding. Contract: deterministic, thread-safe, picklable (as
+    its source).
+
+    Args:
+        source: the records.
+        batch_size: an int or a schedule ``[(start_step, size), ...]``.
+        samplers: one per component of ``source`` (one without a mixture).
+        shard: ``(index, count)``.
     """
 
     def __init__(
         self,
         source: BatchReader,
-        batch_size: int,
+        batch_size: BatchSizeSpec,
+        samplers: Sequence[IndexSampler],
         *,
-        seed: int = 0,
-        shuffle: bool = True,
-        num_epochs: int | None = 1,
         shard: tuple[int, int] = (0, 1),
     ) -> None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        if isinstance(batch_size, bool) or (isinstance(batch_size, int) and batch_size < 1):
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        schedule = BatchSchedule.of(batch_size)
         index, count = _shard(shard)
-        if batch_size % count:
-            raise ValueError(
-                f"batch_size {batch_size} does not divide over {count} shards: "
-                f"choose a multiple of {count}"
-            )
-        self.source, self.batch_size, self.shard = source, batch_size, (index, count)
-        self.sampler = IndexSampler(len(source), seed=seed, shuffle=shuffle, num_epochs=num_epochs)
-        total = self.sampler.num_samples
-        self._length = (MAX_SAMPLE if total is None else total) // batch_size
-        rows = batch_size // count
-        self._rows = np.arange(index * rows, (index + 1) * rows, dtype=np.int64)
-        self._chunks: dict[int, np.ndarray] = {}
-        self._lock = threading.Lock()
+        for start, size in schedule.entries:
+            if size % count:
+                at = "" if start == 0 else f" (from step {start})"
+                raise ValueError(
+                    f"batch_size {size}{at} does not divide over {count} shards: "
+                    f"choose a multiple of {count}"
+                )
+        self.source, self.schedule, self.shard = source, schedule, (index, count)
+        self.samplers = list(samplers)
+        self.sampler = self.samplers[0]
+        self._steps = self._step_samples()
+        total = self._steps.num_batches
+        self._length = self.schedule.step_of(MAX_SAMPLE) if total is None else total
+
+    def _step_samples(self) -> StepSamples:
+        num_epochs = self.sampler.num_epochs
+        mixture = self.source.mixture
+        return StepSamples(self.samplers, mixture, self.schedule, self.rows_at, num_epochs)
+
+    def rows_at(self, step: int) -> np.ndarray:
+        """``[k] int64`` the global rows of this shard at ``step``."""
+        index, count = self.shard
+        rows = self.schedule.size(step) // count
+        return np.arange(index * rows, (index + 1) * rows, dtype=np.int64)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_chunks"], state["_lock"] = {}, None
+        del state["_steps"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._steps = self._step_samples()
 
     def __repr__(self) -> str:
         s = self.sampler
         return (
-            f"Batches({self.source!r}, batch_size={self.batch_size}, seed={s.seed}, "
+            f"Batches({self.source!r}, batch_size={self.schedule}, seed={s.seed}, "
             f"shuffle={s.shuffle}, num_epochs={s.num_epochs}, shard={self.shard})"
         )
 
@@ -92,28 +123,13 @@ class Batches:
         return self._length
 
     def __getitem__(self, step: SupportsIndex) -> dict[str, np.ndarray]:
-        """This shard's rows of ``step``: five fields, each ``[rows, seq_len]``."""
+        """This shard's rows of ``step``: the layout's fields, each ``[rows, seq_len]``."""
         index = integer(step, "Batches step")
         if not 0 <= index < self._length:
             raise IndexError(f"{self!r}: step {index} is outside [0, {self._length})")
-        return self.source.read_batch(self._records(index))
-
-    def _records(self, step: int) -> np.ndarray:
-        """The records of this shard's rows of ``step``, from one sampler call for
-        the ``_CHUNK`` steps around it (kept for the others: grain's readers
-        ask for neighbouring steps; a call costs about the same for 256 samples
-        as for 2,048)."""
-        chunk = step // _CHUNK
-        with self._lock:
-            records = self._chunks.get(chunk)
-            if records is None:
-                steps = np.arange(chunk * _CHUNK, min((chunk + 1) * _CHUNK, self._length))
-                g = (steps[:, None] * self.batch_size + self._rows).reshape(-1)
-                records = self.sampler.records(g).reshape(steps.size, -1)
-                self._chunks[chunk] = records
-                for old in [c for c in self._chunks if c < chunk - 1 or c > chunk + 1]:
-                    del self._chunks[old]
-        return records[step - chunk * _CHUNK]
+        rows = self.rows_at(index)
+        comp, records, real = self._steps.records(index, rows)
+        return self.source.read_rows(comp, records, real, f"step {index}", rows)
 
 
 class ScheduledBatches:
@@ -212,7 +228,3 @@ def _shard(shard: tuple[int, int]) -> tuple[int, int]:
     if not 0 <= index < count:
         raise ValueError(f"shard {shard!r}: need 0 <= index < count")
     return index, count
-
-
-MAX_SAMPLE = 2**63 - 1  # Global sample indices are int64.
-_CHUNK = 8  # Steps whose records one sampler call finds.

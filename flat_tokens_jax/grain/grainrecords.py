@@ -1,0 +1,143 @@
+"""What a :class:`~flat_tokens_jax.grain.grain.FlatTokensSource` reads: its
+records, checked against what was asked, and how another process opens them
+again (grain sends its worker processes pickled sources, and tensorstore
+handles do not cross processes)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from flat_tokens_jax.data.bins import BinRecords, PackingPlan, check_packing, make_records
+from flat_tokens_jax.data.dataset import Dataset, FlatTokens, open_dataset
+from flat_tokens_jax.data.records import PackedRecords, PaddedRecords, Records
+from flat_tokens_jax.decoding.layouts import check_max_segments
+from flat_tokens_jax.sampling.mixture import Mixture
+from flat_tokens_jax.store.options import StoreOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class Reopen:
+    """What opens the same records again, in another process."""
+
+    url: str
+    split: str
+    sequences: tuple[int, int]
+    options: StoreOptions
+    packed: bool | str
+    seq_len: int
+    in_memory: bool
+    plan: PackingPlan | None = None
+
+    @classmethod
+    def of(cls, records: Records) -> Reopen | None:
+        """How to reopen ``records``; ``None`` for records of another type than ours."""
+        kinds = (PackedRecords, PaddedRecords, BinRecords)
+        # A subclass may read differently from the class it would reopen as.
+        if type(records) not in kinds or not isinstance(records, kinds):
+            return None
+        ft = records.ft
+        spec = ft.store.spec
+        # The resolved path, not the one given: a later chdir must not move the data.
+        url = spec["path"] if spec["driver"] == "file" else ft.url
+        return cls(
+            url=url,
+            split=ft.split_name,
+            sequences=ft.seq_range,
+            # A tensorstore Context cannot cross processes: each opens its own.
+            options=dataclasses.replace(ft.store.options, context=None),
+            packed=records.packed,
+            seq_len=records.seq_len,
+            in_memory=spec["driver"] == "memory",
+            plan=records.plan if isinstance(records, BinRecords) else None,
+        )
+
+    def open(self) -> Records:
+        ft = open_dataset(self.url, self.options)[self.split]
+        if ft.seq_range != self.sequences:
+            ft = ft.view(*self.sequences)
+        if self.plan is not None:
+            return BinRecords(ft, self.seq_len, plan=self.plan)
+        return make_records(ft, self.seq_len, self.packed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Keep:
+    """Records of a type that cannot be reopened from a URL: pickled as they are."""
+
+    records: Records
+    in_memory = False
+
+    def open(self) -> Records:
+        return self.records
+
+
+def as_components(
+    source: str | os.PathLike[str] | FlatTokens | Records | Mixture,
+    seq_len: int | None,
+    packing: bool | str | None,
+    split: str,
+    options: StoreOptions | None,
+    plan_cache: str | os.PathLike[str] | None,
+    max_segments: int | None = None,
+) -> tuple[tuple[Records, ...], Mixture | None]:
+    """The records of each component a source reads (one without a mixture),
+    and its ``Mixture`` if it is one, checked against what was asked."""
+    if not isinstance(source, Mixture):
+        args = (seq_len, packing, split, options, plan_cache, max_segments)
+        return (as_records(source, *args),), None
+    if seq_len is None:
+        raise ValueError(f"seq_len is required to make records of {source!r}")
+    if options is not None:
+        raise ValueError(f"options apply to a URL only; {source!r} is open already")
+    packing = True if packing is None else packing
+    check_packing(packing, "packing")
+    check_max_segments(max_segments, seq_len, packing, "max_segments")
+    return source.records(seq_len, packing, plan_cache, max_segments), source
+
+
+def as_records(
+    source: str | os.PathLike[str] | FlatTokens | Records,
+    seq_len: int | None,
+    packing: bool | str | None,
+    split: str,
+    options: StoreOptions | None,
+    plan_cache: str | os.PathLike[str] | None,
+    max_segments: int | None = None,
+) -> Records:
+    """The records a :class:`FlatTokensSource` reads, checked against what was asked."""
+    if packing is not None:
+        check_packing(packing, "packing")
+    if seq_len is not None and (
+        isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1
+    ):
+        raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+    if isinstance(source, str | os.PathLike):
+        source = open_dataset(source, options)[split]
+    elif options is not None:
+        raise ValueError(f"options apply to a URL only; {source!r} is open already")
+    if isinstance(source, FlatTokens):
+        if seq_len is None:
+            raise ValueError(f"seq_len is required to make records of {source!r}")
+        packing = True if packing is None else packing
+        check_max_segments(max_segments, seq_len, packing, "max_segments")
+        return make_records(source, seq_len, packing, plan_cache, max_segments)
+    if isinstance(source, Dataset):
+        raise TypeError(
+            f"{source!r} is a whole dataset; pick a split: ds[{source.splits[0]!r}] "
+            "(or pass the URL with split=...)"
+        )
+    if not all(hasattr(source, a) for a in ("read", "seq_len", "packed", "__len__")):
+        raise TypeError(
+            f"expected a path or URL, a FlatTokens or Records, got {type(source).__name__}"
+        )
+    asked = {"seq_len": seq_len, "packing": packing}
+    have = {"seq_len": source.seq_len, "packing": source.packed}
+    wrong = [f"{k} {asked[k]!r}" for k in asked if asked[k] is not None and asked[k] != have[k]]
+    if wrong:
+        raise ValueError(
+            f"{source!r} has seq_len {source.seq_len} and packing {source.packed}, but "
+            f"{' and '.join(wrong)} was asked for: leave them out to use the records' own"
+        )
+    check_max_segments(max_segments, source.seq_len, source.packed, "max_segments")
+    return source

@@ -1,0 +1,134 @@
+"""``FlatTokensSource.batches``: whole steps as grain elements, picked by the
+loader's own step arithmetic (mixtures, batch-size schedules, the padded last
+step of an evaluation pass), checked against ``Loader.host_batch`` and a
+brute-force count."""
+
+from __future__ import annotations
+
+import collections
+import pickle
+from pathlib import Path
+
+import grain
+import numpy as np
+import pytest
+
+import flat_tokens_jax as ftj
+from flat_tokens_jax.grain.grain import FlatTokensSource
+
+SEQ_LEN = 16
+
+
+def sequences(n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, 5000, rng.integers(1, 40)) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two datasets on local disk: ``a`` with 300 validation sequences (not a
+    multiple of 8 or 24), and ``b``."""
+    root = tmp_path_factory.mktemp("grainbatches")
+    layout = ftj.Layout(shard_tokens=1024, chunk_tokens=64)
+    splits = {"train": sequences(200, 0), "validation": sequences(300, 1)}
+    ftj.write_dataset(root / "a", splits, layout=layout)
+    ftj.write_dataset(root / "b", {"train": sequences(150, 2)}, layout=layout)
+    return root
+
+
+def key(row: dict[str, np.ndarray]) -> tuple[bytes, ...]:
+    return tuple(row[k].tobytes() for k in ("inputs", "targets", "loss_mask"))
+
+
+def assert_equal(got: dict[str, np.ndarray], want: dict[str, np.ndarray], where: str) -> None:
+    assert sorted(got) == sorted(want), where
+    for key in want:
+        assert got[key].dtype == want[key].dtype, (where, key)
+        np.testing.assert_array_equal(got[key], want[key], err_msg=f"{where} {key}")
+
+
+def mixture(path: Path) -> ftj.Mixture:
+    a = ftj.open_dataset(path / "a")["train"]
+    b = ftj.open_dataset(path / "b")["train"]
+    return ftj.Mixture({"a": (a, 0.7), "b": (b, 0.3)}, seed=4, schedule=[(5, {"a": 0.2, "b": 0.8})])
+
+
+@pytest.mark.parametrize("layout", ["fields", "maxtext"])
+def test_a_mixtures_steps_are_the_loaders(path: Path, layout: str) -> None:
+    """Issue 36: a Mixture through grain is the loader's blend (its weight
+    schedule, per-component seeds and epochs), not grain's mixing: step ``s``
+    row ``r`` reads what ``Loader.host_batch(s)`` reads, whole and per shard."""
+    sizes = [(0, 8), (4, 16)]
+    cfg = ftj.LoaderConfig(sizes, SEQ_LEN, seed=9, prefetch=0, layout=layout, max_segments=8)
+    loader = ftj.Loader(mixture(path), cfg)
+    src = FlatTokensSource(mixture(path), SEQ_LEN, layout=layout, max_segments=8)
+    whole = src.batches(sizes, seed=9, num_epochs=None)
+    halves = [src.batches(sizes, seed=9, num_epochs=None, shard=(i, 2)) for i in range(2)]
+    for step in [0, 3, 4, 5, 11, 40, 3]:
+        want = loader.host_batch(step)
+        assert_equal(whole[step], want, f"step {step}")
+        joined = {k: np.concatenate([h[step][k] for h in halves]) for k in want}
+        assert_equal(joined, want, f"step {step}, two shards")
+    ds = grain.MapDataset.source(whole).to_iter_dataset()
+    for step, got in zip(range(6), ds, strict=False):
+        assert_equal(got, loader.host_batch(step), f"grain step {step}")
+
+
+def test_a_mixture_source_names_what_it_cannot_do(path: Path) -> None:
+    src = FlatTokensSource(mixture(path), SEQ_LEN)
+    with pytest.raises(ValueError, match=r"num_epochs=1 does not apply to a Mixture.*None"):
+        src.batches(8)
+    with pytest.raises(TypeError, match=r"drawn by step, not by index"):
+        src[0]
+    with pytest.raises(pickle.PicklingError, match=r"reads a Mixture.*worker_count=0"):
+        pickle.dumps(src)
+    assert src.vocab_size == 5000 and src.max_token_id == 4999
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_batch_size_schedule_is_the_loaders(path: Path, shuffle: bool) -> None:
+    ft = ftj.open_dataset(path / "a")["train"]
+    sizes = [(0, 4), (3, 12), (7, 8)]
+    cfg = ftj.LoaderConfig(sizes, SEQ_LEN, seed=2, shuffle=shuffle, num_epochs=2, prefetch=0)
+    loader = ftj.Loader(ft, cfg)
+    batches = FlatTokensSource(ft, SEQ_LEN).batches(sizes, seed=2, shuffle=shuffle, num_epochs=2)
+    assert len(batches) == loader.num_batches
+    for step in [0, 2, 3, 6, 7, 8, len(batches) - 1]:
+        assert_equal(batches[step], loader.host_batch(step), f"step {step}")
+    with pytest.raises(ValueError, match=r"batch_size 12 \(from step 3\) does not divide over 8"):
+        FlatTokensSource(ft, SEQ_LEN).batches([(0, 8), (3, 12)], shard=(0, 8))
+
+
+@pytest.mark.parametrize("packing", [True, False])
+@pytest.mark.parametrize("batch_size", [8, 24])
+def test_an_evaluation_pass_reads_every_record_once_the_last_step_padded(
+    path: Path, batch_size: int, packing: bool
+) -> None:
+    """Issue 36: ``num_epochs=1, shuffle=False`` over the validation split
+    (300 sequences) dropped the last partial step; now every record is read
+    exactly once, counted row by row against ``src[i]``, and the rows past the
+    last record are padding a trainer ignores (``loss_mask`` False), as the
+    ``Loader``'s own last step."""
+    val = ftj.open_dataset(path / "a")["validation"]
+    src = FlatTokensSource(val, SEQ_LEN, packing)
+    n = len(src)
+    assert n % batch_size, "the test needs a partial last step"
+    batches = src.batches(batch_size, shuffle=False, num_epochs=1)
+    steps = list(grain.MapDataset.source(batches).to_iter_dataset())
+    assert len(steps) == len(batches) == -(-n // batch_size)
+    records = collections.Counter(key(src[i]) for i in range(n))
+    seen: collections.Counter[tuple[bytes, ...]] = collections.Counter()
+    padding = 0
+    for step in steps:
+        for r in range(batch_size):
+            row = {k: v[r] for k, v in step.items()}
+            if not row["segment_ids"].any():
+                assert not row["loss_mask"].any() and not row["positions"].any()
+                padding += 1
+            else:
+                seen[key(row)] += 1
+    assert seen == records and padding == len(steps) * batch_size - n
+    assert not steps[-1]["loss_mask"][n % batch_size :].any()
+    cfg = ftj.LoaderConfig(batch_size, SEQ_LEN, packing, shuffle=False, num_epochs=1, prefetch=0)
+    loader = ftj.Loader(val, cfg)
+    assert_equal(steps[-1], loader.host_batch(len(steps) - 1), "the last step")

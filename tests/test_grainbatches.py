@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import flat_tokens_jax as ftj
+from flat_tokens_jax.core import limits
 from flat_tokens_jax.grain.grain import FlatTokensSource
 
 SEQ_LEN = 16
@@ -132,3 +133,18 @@ def test_an_evaluation_pass_reads_every_record_once_the_last_step_padded(
     cfg = ftj.LoaderConfig(batch_size, SEQ_LEN, packing, shuffle=False, num_epochs=1, prefetch=0)
     loader = ftj.Loader(val, cfg)
     assert_equal(steps[-1], loader.host_batch(len(steps) - 1), "the last step")
+
+
+def test_the_largest_step_of_a_schedule_must_fit_in_memory(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A schedule whose later steps could not fit in memory is refused when
+    the batches are made, as ``Loader`` refuses it, not at that step."""
+    ft = ftj.open_dataset(path / "a")["train"]
+    monkeypatch.setattr(limits, "memory_bytes", lambda: 64 << 20)
+    sizes = [(0, 8), (5, 10**6)]
+    FlatTokensSource(ft, SEQ_LEN).batches(8)
+    with pytest.raises(ValueError, match=r"memory"):
+        FlatTokensSource(ft, SEQ_LEN).batches(sizes)
+    with pytest.raises(ValueError, match=r"memory"):
+        ftj.Loader(ft, ftj.LoaderConfig(sizes, SEQ_LEN, prefetch=0))

@@ -44,7 +44,6 @@ from typing import Any, SupportsIndex
 
 import numpy as np
 
-from flat_tokens_jax.core.limits import check_loader_memory
 from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, Windows, recorded_info
@@ -345,10 +344,6 @@ class FlatTokensSource:
                 ``shard``, a batch size that does not divide over the shards,
                 or ``num_epochs`` with a ``Mixture``.
         """
-        count = shard[1] if isinstance(shard, tuple) and len(shard) == 2 else 1
-        if type(batch_size) is int and type(count) is int and batch_size > 0 and count > 0:
-            row_bytes = self.layout.row_bytes(self.seq_len)
-            check_loader_memory(batch_size, self.seq_len, 0, count, row_bytes=row_bytes)
         if self.mixture is not None and num_epochs is not None:
             raise ValueError(
                 f"num_epochs={num_epochs!r} does not apply to a Mixture: each component "

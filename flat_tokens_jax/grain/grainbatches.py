@@ -85,6 +85,9 @@ class Batches:
                     f"batch_size {size}{at} does not divide over {count} shards: "
                     f"choose a multiple of {count}"
                 )
+        largest = max(size for _, size in schedule.entries)
+        row_bytes = source.layout.row_bytes(source.seq_len)
+        check_loader_memory(largest, source.seq_len, 0, count, row_bytes=row_bytes)
         self.source, self.schedule, self.shard = source, schedule, (index, count)
         self.samplers = list(samplers)
         self.sampler = self.samplers[0]

@@ -81,9 +81,30 @@ def test_a_mixture_source_names_what_it_cannot_do(path: Path) -> None:
         src.batches(8)
     with pytest.raises(TypeError, match=r"drawn by step, not by index"):
         src[0]
-    with pytest.raises(pickle.PicklingError, match=r"reads a Mixture.*worker_count=0"):
-        pickle.dumps(src)
     assert src.vocab_size == 5000 and src.max_token_id == 4999
+
+
+def test_a_mixtures_steps_cross_processes(path: Path) -> None:
+    """A pickled Mixture source blends again over the components it reopens:
+    the same steps in a copy and in two grain worker processes (``mp_prefetch``)."""
+    cfg = ftj.LoaderConfig(8, SEQ_LEN, seed=3, prefetch=0)
+    loader = ftj.Loader(mixture(path), cfg)
+    batches = FlatTokensSource(mixture(path), SEQ_LEN).batches(8, seed=3, num_epochs=None)
+    again = pickle.loads(pickle.dumps(batches))
+    assert repr(again) == repr(batches) and again.source.mixture is not None
+    assert_equal(again[6], loader.host_batch(6), "a pickled copy")
+    options = grain.MultiprocessingOptions(num_workers=2)
+    ds = grain.MapDataset.source(batches)[:8].to_iter_dataset().mp_prefetch(options)
+    for step, got in enumerate(ds):
+        assert_equal(got, loader.host_batch(step), f"step {step} from a worker")
+    assert step == 7
+    a, b = (ftj.open_dataset(path / n)["train"] for n in ("a", "b"))
+    given = ftj.Mixture([(a, 1), (b, 2)], seed=1, period=50, schedule=[(2, [3, 1])])
+    want = ftj.Loader(given, cfg).host_batch(4)
+    source = FlatTokensSource(given, SEQ_LEN)
+    assert_equal(
+        pickle.loads(pickle.dumps(source)).batches(8, seed=3, num_epochs=None)[4], want, ""
+    )
 
 
 @pytest.mark.parametrize("shuffle", [True, False])

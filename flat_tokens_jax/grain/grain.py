@@ -57,7 +57,7 @@ from flat_tokens_jax.decoding.instancefilter import InstanceFilter, apply_filter
 from flat_tokens_jax.decoding.layouts import BatchLayout
 from flat_tokens_jax.grain.grainbatches import Batches, ScheduledBatches
 from flat_tokens_jax.grain.grainprocess import prepare_grain
-from flat_tokens_jax.grain.grainrecords import Keep, Reopen, as_components
+from flat_tokens_jax.grain.grainrecords import Keep, Remix, Reopen, as_components
 from flat_tokens_jax.loader.config import LoaderConfig, resolve_start_token_id
 from flat_tokens_jax.sampling.mixture import Mixture
 from flat_tokens_jax.sampling.sampling import IndexSampler
@@ -94,7 +94,7 @@ class FlatTokensSource:
             records (:class:`PackedRecords`, :class:`PaddedRecords`, or any
             :class:`Records`), or a ``Mixture``: its steps come from
             :meth:`batches`, blended as ``Loader`` blends them; it has no
-            record index (``len``, ``[i]``) and does not pickle.
+            record index (``len``, ``[i]``).
         seq_len: tokens per record; required for a URL or a ``FlatTokens``,
             and if given for records it must be theirs.
         packing: True (the default for a URL or a ``FlatTokens``): consecutive
@@ -177,7 +177,8 @@ class FlatTokensSource:
             options = resolve_options(options, option_fields, "FlatTokensSource")
         self.layout = BatchLayout(layout, max_segments, sequence_start)
         args = (seq_len, packing, split, options, plan_cache, max_segments)
-        components, self.mixture = as_components(source, *args)
+        components, self._mixture = as_components(source, *args)
+        self._remix: Remix | None = None
         first = components[0]
         if self.instance_filter is not None:
             self.instance_filter.check_seq_len(first.seq_len, "instance_filter")
@@ -401,19 +402,29 @@ class FlatTokensSource:
                 "write the dataset to a path or object store for grain worker processes, "
                 "or use worker_count=0"
             )
-        if self.mixture is not None:
-            raise pickle.PicklingError(
-                f"{self!r} reads a Mixture, which does not cross processes: read its "
-                "batches in this process (no grain worker processes, worker_count=0)"
-            )
         state = dict(self.__dict__)
         del state["_lock"]
         state["_components"], state["_decoder"] = None, None
+        # The blend travels, not its open sources: see `mixture`.
+        if self._mixture is not None:
+            state["_remix"] = Remix.of(self._mixture)
+        state["_mixture"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+
+    @property
+    def mixture(self) -> Mixture | None:
+        """The ``Mixture`` read (``None``: one split or records), made again
+        over this process's components in an unpickled copy."""
+        if self._mixture is None and self._remix is not None:
+            mixture = self._remix.open(self.components)
+            with self._lock:
+                if self._mixture is None:
+                    self._mixture = mixture
+        return self._mixture
 
     def _single_records_count(self) -> int:
         if self.mixture is not None:

@@ -32,7 +32,9 @@ class BatchReader(Protocol):
 
     seq_len: int
     layout: BatchLayout
-    mixture: Mixture | None
+
+    @property
+    def mixture(self) -> Mixture | None: ...
 
     def __len__(self) -> int: ...
 

@@ -6,7 +6,11 @@ handles do not cross processes)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
+from collections.abc import Sequence
+
+import numpy as np
 
 from flat_tokens_jax.data.bins import BinRecords, PackingPlan, check_packing, make_records
 from flat_tokens_jax.data.dataset import Dataset, FlatTokens, open_dataset
@@ -141,3 +145,54 @@ def as_records(
         )
     check_max_segments(max_segments, source.seq_len, source.packed, "max_segments")
     return source
+
+
+@dataclasses.dataclass(frozen=True)
+class Remix:
+    """What blends a Mixture's components again in another process: its
+    weights, their steps, periods and seed (a Mixture holds open sources,
+    which do not cross processes)."""
+
+    names: tuple[str, ...]
+    weights: tuple[tuple[float, ...], ...]
+    steps: tuple[int, ...]
+    periods: tuple[int, ...]
+    seed: int
+    allow_mixed_tokenizers: bool
+    tables: str  # a digest of the tables that route each sample (`Period`s)
+
+    @classmethod
+    def of(cls, mixture: Mixture) -> Remix:
+        digest = hashlib.sha256()
+        for p in mixture.periods:
+            for table in (p.counts, p.component, p.rank):
+                digest.update(np.ascontiguousarray(table).tobytes())
+        return cls(
+            names=mixture.names,
+            weights=tuple(tuple(map(float, w)) for w in mixture.weights),
+            steps=tuple(mixture.steps.tolist()),
+            periods=tuple(p.period for p in mixture.periods),
+            seed=mixture.seed,
+            allow_mixed_tokenizers=mixture.allow_mixed_tokenizers,
+            tables=digest.hexdigest(),
+        )
+
+    def open(self, components: Sequence[Records]) -> Mixture:
+        """The same blend over ``components`` (this process's records of the
+        Mixture's components, in order)."""
+        first, *later = self.weights
+        named = {n: (r, w) for n, r, w in zip(self.names, components, first, strict=True)}
+        schedule = list(zip(self.steps[1:], later, strict=True))
+        # A period given to the Mixture is the same for every weight; one left
+        # out is each weight's default, found again by leaving it out.
+        for period in (None, self.periods[0]):
+            mixture = Mixture(
+                named,
+                self.seed,
+                period=period,
+                schedule=schedule,
+                allow_mixed_tokenizers=self.allow_mixed_tokenizers,
+            )
+            if Remix.of(mixture) == self:
+                return mixture
+        raise RuntimeError(f"the Mixture {self} could not be made again in this process")

@@ -12,6 +12,9 @@ from pathlib import Path
 import grain
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from memurls import memory_url
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.core import limits
@@ -169,3 +172,33 @@ def test_the_largest_step_of_a_schedule_must_fit_in_memory(
         FlatTokensSource(ft, SEQ_LEN).batches(sizes)
     with pytest.raises(ValueError, match=r"memory"):
         ftj.Loader(ft, ftj.LoaderConfig(sizes, SEQ_LEN, prefetch=0))
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_any_blend_schedule_and_shard_is_the_loaders(data: st.DataObject) -> None:
+    """Random mixtures (weights, a weight change), batch-size schedules,
+    shard counts, seeds and steps: the shards of a step, joined, are
+    ``Loader.host_batch`` of that step."""
+    url = memory_url()
+    seqs = [list(range(1 + i, 1 + i + n)) for i, n in enumerate([3, 9, 4, 12, 5, 7, 2, 8])]
+    ftj.write_dataset(url, {"train": seqs, "validation": seqs[::-1]}, overwrite=True)
+    ds = ftj.open_dataset(url)
+    count = data.draw(st.sampled_from([1, 2, 4]), label="shards")
+    sizes = sorted(data.draw(st.sets(st.integers(1, 4), min_size=1, max_size=3)))
+    schedule = [(step * 3, count * n) for step, n in enumerate(sizes)]
+    weights = data.draw(st.lists(st.integers(1, 5), min_size=2, max_size=2), label="weights")
+    change = data.draw(st.lists(st.integers(0, 5), min_size=2, max_size=2).filter(any))
+    components = {"t": (ds["train"], weights[0]), "v": (ds["validation"], weights[1])}
+    seed = data.draw(st.integers(0, 2**32), label="seed")
+    blend = ftj.Mixture(components, seed=seed % 7, schedule=[(4, change)])
+    seq_len = data.draw(st.integers(2, 6), label="seq_len")
+    src = FlatTokensSource(blend, seq_len, data.draw(st.booleans(), label="packing"))
+    cfg = ftj.LoaderConfig(schedule, seq_len, src.packed, seed=seed, prefetch=0)
+    loader = ftj.Loader(blend, cfg)
+    shards = [
+        src.batches(schedule, seed=seed, num_epochs=None, shard=(i, count)) for i in range(count)
+    ]
+    for step in data.draw(st.lists(st.integers(0, 30), min_size=1, max_size=4), label="steps"):
+        got = {k: np.concatenate([s[step][k] for s in shards]) for k in shards[0][step]}
+        assert_equal(got, loader.host_batch(step), f"step {step}")

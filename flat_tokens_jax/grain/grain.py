@@ -20,15 +20,17 @@ them costs one batched read per batch::
 
 Simplest and fastest: :meth:`FlatTokensSource.batches` is a source whose
 element ``step`` is a whole shuffled batch (this host's share of it), read and
-decoded in row blocks on several threads; it stays plain grain::
+decoded in row blocks on several threads, the ``Loader``'s step for a split
+or a ``Mixture``, with a batch-size schedule or one size; it stays plain grain::
 
     ds = grain.MapDataset.source(src.batches(256, seed=0, shard=(jax.process_index(),
                                                                   jax.process_count())))
 
 A batch-size schedule (``[(start_step, size), ...]``, as
-``LoaderConfig.batch_size`` takes) is what ``.batch(B)`` cannot express:
-:class:`ScheduledBatches` is a source whose element ``step`` is that step's
-batch of records, cut from any random-access order of record indices::
+``LoaderConfig.batch_size`` takes) over an order of grain's making is what
+``.batch(B)`` cannot express: :class:`ScheduledBatches` is a source whose
+element ``step`` is that step's batch of records, cut from any random-access
+order of record indices::
 
     order = grain.MapDataset.range(len(src)).shuffle(seed=0).repeat(3)
     batches = grain.MapDataset.source(ScheduledBatches(src, [(0, 8), (100, 16)], order))

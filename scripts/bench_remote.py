@@ -8,6 +8,12 @@ runs a training loop with the **default** ``LoaderConfig`` and
 (``--step-times``) and added latency (``--delays``), each opening the dataset
 afresh (a cold cache):
 
+* each row for each of ``--paths``, side by side (one delay at a time, the
+  paths in turn): ``Loader.iterate``; ``Loader.to_grain()``, the loader's
+  steps as a grain ``IterDataset`` of host numpy dicts; ``FlatTokensSource
+  .batches`` as a ``grain.MapDataset`` source through ``to_iter_dataset()``
+  with grain's default ``ReadOptions`` (its own read-ahead, not the loader's);
+
 * the server's own ceiling: steps/s of a loop with ``prefetch=0`` and no added
   latency or step time (moto's server answers tens of requests a second on a
   busy machine, so its rows measure the server);
@@ -15,12 +21,15 @@ afresh (a cold cache):
 * how long the first step and the later steps waited for their batch (the
   loop's own clock around ``next()``), the later ones as a share of the step;
 * the first step's wait in round trips: ``(wait - wait at no latency) / latency``;
-* the read-ahead the loader chose (``loader.stats()``): steps in flight, and
-  the peak bytes of steps in flight against the budget ``read_ahead_bytes``;
+* the read-ahead the loader chose (``loader.stats()``; for ``to_grain`` its
+  iterator's): steps in flight, and the peak bytes of steps in flight against
+  the budget ``read_ahead_bytes``;
 * HTTP read requests per batch (tensorstore's metrics) and bytes read per
-  useful token;
-* ``--hosts N``: the same loop on N ``jax.distributed`` processes (gloo, one CPU
-  device each) reading one store through the proxy, each only its own rows;
+  useful token (not for ``batches``: grain's read-ahead, up to its
+  ``prefetch_buffer_size`` elements, is not known to the loop);
+* ``--hosts N`` (``Loader.iterate`` only): the same loop on N
+  ``jax.distributed`` processes (gloo, one CPU device each) reading one store
+  through the proxy, each only its own rows;
 * ``--bandwidth MB/s``: the proxy caps throughput instead, and the loop (no
   step time) reports the rate the loader reached against the cap.
 
@@ -41,14 +50,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import grain
+import jax
 import numpy as np
 
 import flat_tokens_jax as ftj
+from flat_tokens_jax.grain.grain import FlatTokensSource
 from flat_tokens_jax.store.store import remote_bytes, remote_reads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -115,6 +127,11 @@ class ProxyProcess:
 
 
 NAMES = {"gcs": "fake-gcs-server", "s3": "S3 stand-in (tests/s3files.py)", "moto": "moto S3"}
+PATHS = {
+    "iterate": "Loader.iterate",
+    "to_grain": "Loader.to_grain()",
+    "batches": "FlatTokensSource.batches, to_iter_dataset()",
+}
 
 
 @contextlib.contextmanager
@@ -142,45 +159,81 @@ def served(server: str, tmp: Path) -> Iterator[tuple[Where, ProxyProcess]]:
             yield where, proxy
 
 
+def opened(
+    path: str, where: Where, cfg: ftj.LoaderConfig, sharding: Any
+) -> tuple[Iterator[dict[str, Any]], Callable[[], dict[str, Any] | None]]:
+    """The batches of ``path`` on a freshly opened store (every array ready
+    when handed out), and what reads them ahead reports (``None``: unknown)."""
+    if path == "batches":
+        src = FlatTokensSource(where.url, cfg.seq_len, options=where.options)
+        source = src.batches(cfg.batch_size, seed=cfg.seed, num_epochs=cfg.num_epochs)
+        return iter(grain.MapDataset.source(source).to_iter_dataset()), lambda: None
+    ft = ftj.open_dataset(where.url, where.options)["train"]
+    loader = ftj.Loader(ft, cfg, sharding=sharding)
+    if path == "to_grain":
+        it = iter(loader.to_grain())
+        # The iterator's read-ahead (a Feed of its own); its stats are not public.
+        return it, lambda: it._open[0].feed.stats()  # type: ignore[attr-defined]
+
+    def placed() -> Iterator[dict[str, Any]]:
+        steps = loader.iterate(0)
+        try:
+            for _, batch in steps:
+                yield jax.block_until_ready(batch)
+        finally:
+            steps.close()
+
+    return placed(), loader.stats
+
+
 def loop(
-    where: Where, cfg: ftj.LoaderConfig, step_time: float, steps: int, sharding: Any = None
+    where: Where,
+    cfg: ftj.LoaderConfig,
+    step_time: float,
+    steps: int,
+    sharding: Any = None,
+    path: str = "iterate",
 ) -> dict[str, Any]:
     """A training loop of ``steps`` steps after the first, on a freshly opened store."""
     scheme = where.url[:2]
     requests_before, bytes_before = remote_reads()[scheme], remote_bytes()[scheme]
     began = time.perf_counter()
-    ft = ftj.open_dataset(where.url, where.options)["train"]
-    loader = ftj.Loader(ft, cfg, sharding=sharding)
-    opened = time.perf_counter() - began
+    it, ahead = opened(path, where, cfg, sharding)
+    opening = time.perf_counter() - began
     waits = []
-    it = loader.iterate(0)
     for _ in range(steps + 1):
         t = time.perf_counter()
-        _, batch = next(it)
-        for v in batch.values():
-            v.block_until_ready()
+        batch = next(it)
         waits.append(time.perf_counter() - t)
         if step_time:
             time.sleep(step_time)
-    took = time.perf_counter() - began - opened
-    stats = loader.stats()
-    it.close()
+    took = time.perf_counter() - began - opening
+    stats = ahead()
+    it.close()  # type: ignore[attr-defined]
+    got = {
+        "path": path,
+        "opened": opening,
+        "first": waits[0],
+        "later": float(np.mean(waits[1:])),
+        "later_p90": float(np.quantile(waits[1:], 0.9)),
+        "later_max": float(np.max(waits[1:])),
+        "took": took,
+        # this host's tokens handed out: a grain element holds this host's rows
+        "tokens": (steps + 1) * next(iter(batch.values())).size,
+    }
+    if stats is None:
+        return got
+    got["tokens"] = int(stats["tokens"]) or got["tokens"]
     fetched = steps + 1 + int(stats["depth"])  # steps read, the ones still ahead included
     requests = remote_reads()[scheme] - requests_before
     received = remote_bytes()[scheme] - bytes_before
-    tokens_per_step = stats["tokens"] / (steps + 1)
     return {
-        "opened": opened,
-        "first": waits[0],
-        "later": float(np.mean(waits[1:])),
-        "later_max": float(np.max(waits[1:])),
-        "took": took,
+        **got,
         "depth": int(stats["depth_target"]),
         "peak": int(stats["read_ahead_bytes_peak"]),
         "budget": int(stats["read_ahead_bytes"]),
         "requests": requests / fetched,
-        "bytes_per_token": received / (fetched * tokens_per_step),
-        "tokens": int(stats["tokens"]),
+        "bytes_per_token": received / (fetched * got["tokens"] / (steps + 1)),
     }
 
 
@@ -199,16 +252,18 @@ def single_host(
 ) -> list[dict[str, Any]]:
     cfg = ftj.LoaderConfig(batch_size=args.batch, seq_len=args.seq_len)
     proxy.delay = 0.0
-    loop(where, cfg, 0.0, 5)  # this process's one-time costs (jax, numba), not reported
+    for path in args.paths:  # this process's one-time costs (jax, numba, grain), not reported
+        loop(where, cfg, 0.0, 5, path=path)
     rows: list[dict[str, Any]] = []
     for step_time in args.step_times:
-        proxy.delay = 0.0
-        base = loop(where, cfg, step_time, args.steps)
+        bases: dict[str, dict[str, Any]] = {}
         for delay in [0.0, *args.delays]:
             proxy.delay = delay
-            got = base if delay == 0.0 else loop(where, cfg, step_time, args.steps)
-            trips = (got["first"] - base["first"]) / delay if delay else 0.0
-            rows.append({**got, "delay": delay, "step_time": step_time, "trips": trips})
+            for path in args.paths:
+                got = loop(where, cfg, step_time, args.steps, path=path)
+                base = bases.setdefault(path, got)
+                trips = (got["first"] - base["first"]) / delay if delay else 0.0
+                rows.append({**got, "delay": delay, "step_time": step_time, "trips": trips})
     return rows
 
 
@@ -322,19 +377,24 @@ def print_rows(
         f"({1e3 / top:.0f} ms a step) with prefetch=0, no added latency, no step time\n"
     )
     print(
-        "| step | added latency | open | first step waited | in round trips | later steps "
-        "waited (mean) | share of the step | steps ahead | peak read-ahead / budget | "
-        "requests/batch | bytes read / token |"
+        "| path | step | added latency | open | first step waited | in round trips | later "
+        "steps waited (mean) | share of the step | later waits p90 / max | steps ahead | "
+        "peak read-ahead / budget | requests/batch | bytes read / token |"
     )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- |" + " ---: |" * 12)
     for r in rows:
+        ahead = (
+            f"{r['depth']} | {r['peak'] / 2**20:.0f} / {r['budget'] / 2**20:.0f} MiB | "
+            f"{r['requests']:.1f} | {r['bytes_per_token']:.2f}"
+            if "depth" in r
+            else "- | - | - | -"
+        )
         print(
-            f"| {r['step_time'] * 1e3:.0f} ms | {r['delay'] * 1e3:.0f} ms | "
+            f"| {PATHS[r['path']]} | {r['step_time'] * 1e3:.0f} ms | {r['delay'] * 1e3:.0f} ms | "
             f"{r['opened'] * 1e3:.0f} ms | {r['first'] * 1e3:.0f} ms | "
             f"{r['trips']:.1f} | {r['later'] * 1e3:.3f} ms | "
-            f"{r['later'] / r['step_time'] * 100:.2f} % | {r['depth']} | "
-            f"{r['peak'] / 2**20:.0f} / {r['budget'] / 2**20:.0f} MiB | "
-            f"{r['requests']:.1f} | {r['bytes_per_token']:.2f} |"
+            f"{r['later'] / r['step_time'] * 100:.2f} % | "
+            f"{r['later_p90'] * 1e3:.2f} / {r['later_max'] * 1e3:.1f} ms | {ahead} |"
         )
 
 
@@ -343,6 +403,7 @@ def main() -> None:
     parser.add_argument("--servers", nargs="+", choices=list(NAMES), default=list(NAMES))
     parser.add_argument("--delays", type=float, nargs="+", default=[0.02, 0.1, 0.25])
     parser.add_argument("--step-times", type=float, nargs="+", default=[0.05, 0.5])
+    parser.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS))
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=30)
@@ -364,7 +425,7 @@ def main() -> None:
             bw = bandwidth(args, where, proxy) if args.bandwidth else None
         name = NAMES[server]
         print_rows(name, rows, args, top)
-        requests = float(np.mean([r["requests"] for r in rows if r["delay"]]))
+        requests = float(np.mean([r["requests"] for r in rows if r["delay"] and "requests" in r]))
         scheme = where.url[:2]
         per_trillion = requests * 1e12 / tokens
         print(

@@ -8,11 +8,13 @@ import hashlib
 import json
 import os
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 
@@ -35,7 +37,12 @@ def maxtext_config() -> ftj.LoaderConfig:
     )
 
 
-RECIPES = {"maxtext": maxtext_config}
+def nanodo_config() -> ftj.LoaderConfig:
+    """recipe_nanodo.py's Config(), written out by hand."""
+    return ftj.LoaderConfig(batch_size=16, seq_len=32, seed=0, layout="tokens")
+
+
+RECIPES = {"maxtext": maxtext_config, "nanodo": nanodo_config}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,3 +122,26 @@ def test_the_guides_excerpt_is_the_scripts(name: str) -> None:
     for line in filter(None, (line.strip() for line in block.splitlines())):
         assert line in script[at:], f"{line!r} is not in recipe_{name}.py after line {at}"
         at += script[at:].index(line) + 1
+
+
+def test_nanodos_get_in_out_is_the_loaders_inputs_targets_and_mask(tmp_path: Path) -> None:
+    """recipe_nanodo.py's ``get_in_out`` of a ``"tokens"`` batch: targets and
+    weights are the ``"fields"`` layout's targets and loss mask, inputs the
+    targets shifted by one after the first column's input; targets of id 0 (a
+    real token in its data) are weighted, which ``targets != pad_id`` would drop."""
+    get_in_out = runpy.run_path(str(ROOT / "scripts" / "recipe_nanodo.py"))["get_in_out"]
+    r = np.random.default_rng(0)
+    ftj.write_dataset(
+        tmp_path, {"train": [(r.integers(64) + np.arange(n)) % 64 for n in r.integers(8, 99, 400)]}
+    )
+    train = ftj.open_dataset(tmp_path)["train"]
+    fields = ftj.Loader(train, dataclasses.replace(nanodo_config(), layout="fields"))
+    tokens = ftj.Loader(train, nanodo_config())
+    for step in range(3):
+        x, y, weights = get_in_out(tokens.host_batch(step))
+        want = fields.host_batch(step)
+        np.testing.assert_array_equal(y, want["targets"])
+        np.testing.assert_array_equal(x[:, 0], want["inputs"][:, 0])
+        np.testing.assert_array_equal(x[:, 1:], want["targets"][:, :-1])  # one stream, shifted
+        np.testing.assert_array_equal(weights, want["loss_mask"].astype(np.float32))
+        assert ((np.asarray(y) == 0) & (np.asarray(weights) == 1)).any()

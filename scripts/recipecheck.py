@@ -15,8 +15,9 @@ step. :func:`main` runs the script again as fresh processes in ``DIR``:
 It prints ``resume: identical`` when the resumed steps' losses and batches
 equal the full run's bit for bit, and ``other seed: refused`` when the run of
 seed 1 stopped on ``StateMismatch`` naming the seed; exit 0 when both hold,
-else 1. Each process writes ``DIR/NAME.jsonl``: a line a step, with its loss
-and the sha256 of its arrays (by sorted key).
+else 1 (``--stale-iterator`` resumes wrongly, to see the check fail). Each
+process writes ``DIR/NAME.jsonl``: a line a step, with its loss and the sha256
+of its arrays (by sorted key).
 """
 
 from __future__ import annotations
@@ -90,6 +91,17 @@ def read_log(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def finalized(ckpt: Path) -> list[Path]:
+    """The iterator states of the finalized checkpoints in ``ckpt`` (``STEP/ITEM/FILE``)."""
+    saved = ckpt.glob("*/*/process_0-of-1.json")
+    return [p for p in saved if p.parent.parent.name.isdigit()]
+
+
+def step_of(saved: Path) -> int:
+    """The step of a checkpoint's file ``STEP/ITEM/FILE``."""
+    return int(saved.parent.parent.name)
+
+
 def main(train: Callable[[Run], None], doc: str) -> None:
     """The recipe's command line: the whole check, or one of its processes (``--child``)."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
@@ -97,6 +109,12 @@ def main(train: Callable[[Run], None], doc: str) -> None:
     parser.add_argument("--data", type=Path, help="a local store (default: DIR/data, made)")
     for flag, default in {"steps": 10, "every": 3, "kill-at": 6, "seed": 0}.items():
         parser.add_argument(f"--{flag}", type=int, default=default)
+    wrong = (
+        "before the resume, the newest checkpoint's iterator state is replaced by the one before"
+    )
+    parser.add_argument(
+        "--stale-iterator", action="store_true", help=wrong + ": the check must fail"
+    )
     parser.add_argument("--child", nargs=2, metavar=("RUN", "LOG"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.data = args.data or args.dir / "data"
@@ -142,6 +160,9 @@ def check(args: argparse.Namespace) -> bool:
         return out.stderr if out.returncode == expect else None
 
     ran = [child("full", "full", 0), child("killed", "killed", -signal.SIGKILL)]
+    if args.stale_iterator:
+        saved = sorted(finalized(args.dir / "killed"), key=step_of)
+        shutil.copyfile(saved[-2], saved[-1])
     ran.append(child("killed", "resumed", 0))
     full, killed, resumed = (
         read_log(args.dir / f"{n}.jsonl") for n in ("full", "killed", "resumed")

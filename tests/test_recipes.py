@@ -45,6 +45,14 @@ def nanodo_config() -> ftj.LoaderConfig:
 RECIPES = {"maxtext": maxtext_config, "nanodo": nanodo_config}
 
 
+def run(name: str, tmp: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """scripts/recipe_NAME.py's whole check in ``tmp``, at small sizes."""
+    script = ROOT / "scripts" / f"recipe_{name}.py"
+    sizes = [f"--steps={STEPS}", f"--every={EVERY}", f"--kill-at={KILL_AT}"]
+    command = [sys.executable, str(script), str(tmp), *sizes, *flags]
+    return subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=600)
+
+
 @dataclasses.dataclass(frozen=True)
 class Check:
     """A recipe's whole check, run once."""
@@ -60,11 +68,7 @@ class Check:
 @pytest.fixture(scope="module", params=sorted(RECIPES))
 def check(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Check:
     tmp = tmp_path_factory.mktemp(request.param)
-    script = ROOT / "scripts" / f"recipe_{request.param}.py"
-    flags = [f"--steps={STEPS}", f"--every={EVERY}", f"--kill-at={KILL_AT}"]
-    command = [sys.executable, str(script), str(tmp), *flags]
-    out = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=600)
-    return Check(request.param, tmp, out)
+    return Check(request.param, tmp, run(request.param, tmp))
 
 
 def test_the_killed_run_resumes_bit_identically(check: Check) -> None:
@@ -94,9 +98,10 @@ def test_its_batches_are_the_loaders(check: Check) -> None:
         batch = loader.host_batch(entry["step"])
         digest = hashlib.sha256(b"".join(batch[k].tobytes() for k in sorted(batch)))
         assert entry["digest"] == digest.hexdigest(), entry["step"]
-    saved = sorted(check.dir.glob("killed/*/*/process_0-of-1.json"))
-    assert saved
-    for path in saved:
+    saved = check.dir.glob("killed/*/*/process_0-of-1.json")
+    finalized = [p for p in saved if p.parent.parent.name.isdigit()]  # not "6.orbax-...-tmp"
+    assert finalized
+    for path in finalized:
         step = int(path.parent.parent.name)
         assert json.loads(path.read_text()) == json.loads(json.dumps(loader.state(step)))
 
@@ -145,3 +150,13 @@ def test_nanodos_get_in_out_is_the_loaders_inputs_targets_and_mask(tmp_path: Pat
         np.testing.assert_array_equal(x[:, 1:], want["targets"][:, :-1])  # one stream, shifted
         np.testing.assert_array_equal(weights, want["loss_mask"].astype(np.float32))
         assert ((np.asarray(y) == 0) & (np.asarray(weights) == 1)).any()
+
+
+def test_a_resume_with_a_stale_iterator_state_is_caught(tmp_path: Path) -> None:
+    """With the newest checkpoint's iterator state replaced by the one before
+    (a wrong resume: the params of one step, the data of another) the check
+    says DIFFERENT and exits 1."""
+    out = run("maxtext", tmp_path, "--stale-iterator")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert re.search(r"^resume: DIFFERENT, steps \d+-7$", out.stdout, re.MULTILINE), out.stdout
+    assert out.stdout.splitlines()[-1].startswith("other seed: refused: ")

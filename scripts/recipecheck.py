@@ -121,18 +121,8 @@ def main(train: Callable[[Run], None], doc: str) -> None:
     if args.child:
         name, log = args.child
         kill_at = args.kill_at if log == "killed" else None
-        steps, every = args.steps, args.every
-        train(
-            Run(
-                args.dir / name,
-                args.data,
-                args.dir / f"{log}.jsonl",
-                args.seed,
-                steps,
-                every,
-                kill_at,
-            )
-        )
+        log_path, sizes = args.dir / f"{log}.jsonl", (args.steps, args.every)
+        train(Run(args.dir / name, args.data, log_path, args.seed, *sizes, kill_at))
     else:
         sys.exit(0 if check(args) else 1)
 
@@ -162,6 +152,8 @@ def check(args: argparse.Namespace) -> bool:
     ran = [child("full", "full", 0), child("killed", "killed", -signal.SIGKILL)]
     if args.stale_iterator:
         saved = sorted(finalized(args.dir / "killed"), key=step_of)
+        if len(saved) < 2:
+            sys.exit(f"--stale-iterator needs 2 checkpoints before the kill, found {len(saved)}")
         shutil.copyfile(saved[-2], saved[-1])
     ran.append(child("killed", "resumed", 0))
     full, killed, resumed = (

@@ -30,10 +30,13 @@ from flat_tokens_jax.data.bins import BinRecords
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.plans import default_cache_dir
 from flat_tokens_jax.data.records import Records, Windows, recorded_info
-from flat_tokens_jax.decoding.batch import padding_fields
-from flat_tokens_jax.decoding.hostdecode import BlockDecoder, default_threads
+from flat_tokens_jax.decoding.hostdecode import (
+    BlockDecoder,
+    default_threads,
+    join_parts,
+    read_parts,
+)
 from flat_tokens_jax.decoding.instancefilter import FilteredRows
-from flat_tokens_jax.decoding.layouts import row_starts
 from flat_tokens_jax.decoding.sharding import Block, BlockData, HostPlan, host_plans
 from flat_tokens_jax.loader.config import (
     LoaderConfig,
@@ -199,14 +202,7 @@ class StepEngine:
 
     def fetch_rows(self, step: int, rows: np.ndarray, ahead: int = 0) -> Fetched:
         """Reads the records of ``rows`` at ``step`` (``ahead``: see ``StepSamples.records``)."""
-        comp, records, real = self.steps.records(step, rows, ahead)
-        present = np.unique(comp).tolist()
-        if real.all() and len(present) == 1:
-            return Fetched(
-                rows.size, [(present[0], None, self.components[present[0]].read(records))]
-            )
-        at = np.flatnonzero(real)
-        parts = [(c, at[comp == c], self.components[c].read(records[comp == c])) for c in present]
+        parts = read_parts(self.components, *self.steps.records(step, rows, ahead))
         return Fetched(rows.size, parts)
 
     def fields(
@@ -216,21 +212,17 @@ class StepEngine:
         decoded on at most ``threads`` threads (default: the decoder's), after
         the instance filter (its rejections noted for ``step`` when ``counted``)."""
         noted = step if counted else None
-        parts = fetched.parts
-        if len(parts) == 1 and parts[0][1] is None:
-            c, windows = parts[0][0], parts[0][2]
-            out = self.filter.apply(self._decode(c, windows, threads), noted, threads)
-            if self.layout.plain:
-                return out
-            starts = row_starts(windows, self.components[c].packed)
-        else:
-            out = padding_fields(fetched.rows, self.config.seq_len, self.config.pad_id)
-            starts = np.zeros(fetched.rows, bool)
-            for c, at, windows in parts:
-                for key, value in self._decode(c, windows, threads).items():
-                    out[key][at] = value
-                starts[at] = row_starts(windows, self.components[c].packed)
-            out = self.filter.apply(out, noted, threads)
+        out, starts = join_parts(
+            fetched.rows,
+            fetched.parts,
+            lambda c, windows: self._decode(c, windows, threads),
+            [r.packed for r in self.components],
+            self.config.seq_len,
+            self.config.pad_id,
+        )
+        out = self.filter.apply(out, noted, threads)
+        if self.layout.plain:
+            return out
         rows = self.host_rows_at(step)
         return self.layout.apply(out, starts, where=f"step {step}", rows=rows)
 

@@ -152,8 +152,8 @@ def test_out_arrays_are_checked() -> None:
 def in_flight(loader: ftj.Loader) -> list[int]:
     """The steps the loader has in flight, once the books of the steps handed
     out (which top up the read-ahead on a thread of their own) are done."""
-    loader._feed._flush()
-    return sorted(loader._feed.flight.steps())
+    loader._door.feed._flush()
+    return sorted(loader._door.feed.flight.steps())
 
 
 def test_batch_reads_ahead_only_after_consecutive_steps() -> None:

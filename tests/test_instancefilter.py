@@ -504,6 +504,20 @@ def test_stats_count_the_rows_filtered_in_the_steps_handed_out(prefetch: int) ->
     assert device.stats()["filtered_rows"] == 0  # decoded on the devices: not counted
 
 
+def test_stats_count_the_steps_and_filtered_rows_a_grain_iterator_hands_out() -> None:
+    loader = ftj.Loader(split(), ftj.LoaderConfig(8, 16, seed=2, instance_filter=RULE))
+    plain = ftj.Loader(split(), ftj.LoaderConfig(8, 16, seed=2))
+    counts = [int(brute_rows(plain.host_batch(s), RULE).sum()) for s in range(5)]
+    assert sum(counts) > 0
+    iterator = iter(loader.to_grain())
+    for step in range(5):
+        next(iterator)
+        assert loader.stats()["filtered_rows_last"] == counts[step]
+    stats = loader.stats()
+    assert stats["steps"] == 5 and stats["filtered_rows"] == sum(counts)
+    assert stats["tokens"] == 5 * 8 * 16
+
+
 def run_main(*args: str) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -261,9 +261,9 @@ def test_batch_takes_the_started_step_and_a_jump_drops_it() -> None:
     assert as_lists(loader.batch(9)) == as_lists(plain.batch(9))
     want = [row["record"] for row in plain.provenance(9)]
     assert records.reads.count(want) == 1
-    assert 10 in loader._feed.flight.steps()  # reading ahead, as after consecutive steps
+    assert 10 in loader._door.feed.flight.steps()  # reading ahead, as after consecutive steps
     assert as_lists(loader.batch(2)) == as_lists(plain.batch(2))
-    assert loader._feed.flight.steps() == []
+    assert loader._door.feed.flight.steps() == []
     with pytest.raises(ValueError, match=r"Loader\.start: step must be an int >= 0, got -1"):
         loader.start(-1)
 

@@ -375,7 +375,8 @@ class PhasedLoader:
 
         last = self.end_step if self.num_batches is None else min(self.end_step, self.num_batches)
         stops = [*self.starts[1:], last]
-        spans = [tograin.Span(*s) for s in zip(self.loaders, self.starts, stops, strict=True)]
+        engines = [loader.engine for loader in self.loaders]
+        spans = [tograin.Span(*s) for s in zip(engines, self.starts, stops, strict=True)]
         return tograin.StepsDataset(self, spans, self.next_step, NEXT_PHASE_AHEAD, self._told)
 
     def fingerprint(self) -> list[dict[str, Any]]:

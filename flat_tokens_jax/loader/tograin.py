@@ -4,10 +4,11 @@ Element ``k`` of the dataset is the step ``start + k`` as host numpy arrays:
 this host's rows of it (:meth:`~flat_tokens_jax.Loader.host_rows_at`, all
 rows without a sharding), each field of ``config.layout`` ``[rows, seq_len]``,
 equal to :meth:`~flat_tokens_jax.Loader.host_batch`. The steps are read ahead
-by the loader's own :class:`~flat_tokens_jax.loader.feed.Feed` (its
-self-sizing depth, its read-ahead budget), only without the placement on the
-devices: there is one path from a step to its fields, and a grain pipeline
-gets the same read-ahead as ``Loader.iterate``.
+by a :class:`~flat_tokens_jax.loader.engine.Door` of the loader's step
+engine (its self-sizing depth, its read-ahead budget), only without the
+placement on the devices: there is one path from a step to its fields, a
+grain pipeline gets the same read-ahead as ``Loader.iterate``, and
+``Loader.stats`` counts the steps it hands out.
 
 The iterator's state is the loader's ``state()`` at its next step, and
 ``set_state`` is the loader's ``restore``: another seed's or another
@@ -24,16 +25,13 @@ This module imports grain; ``Loader.to_grain`` imports it only when called.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import grain
 import numpy as np
 
-from flat_tokens_jax.loader.feed import Feed, timed
-from flat_tokens_jax.loader.pipeline import Ahead
-from flat_tokens_jax.sampling.stepsamples import LOOKUP_AHEAD
+from flat_tokens_jax.loader.engine import Blocks, Door, Fetched, StepEngine
 
 NO_WORKERS = (
     "a loader's grain dataset (to_grain) cannot go to grain's worker processes: "
@@ -42,28 +40,6 @@ NO_WORKERS = (
     "process), or, for worker processes, FlatTokensSource(...).batches(...) as a "
     "grain.MapDataset source"
 )
-
-
-class StepReader(Protocol):
-    """The part of a :class:`~flat_tokens_jax.Loader` that reads one step on
-    the host: records of this host's rows, then their fields."""
-
-    @property
-    def config(self) -> Any: ...
-
-    @property
-    def components(self) -> Sequence[Any]: ...
-
-    @property
-    def _ahead_threads(self) -> int: ...
-
-    def host_rows_at(self, step: int) -> np.ndarray: ...
-
-    def _fetch_rows(self, step: int, rows: np.ndarray, ahead: int = 0) -> Any: ...
-
-    def _fields_of(
-        self, fetched: Any, step: int, threads: int | None = None, counted: bool = True
-    ) -> dict[str, np.ndarray]: ...
 
 
 class Resumable(Protocol):
@@ -76,61 +52,12 @@ class Resumable(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Span:
-    """Steps ``[start, stop)`` of a run read by ``reader`` as its steps from 0
+    """Steps ``[start, stop)`` of a run read by ``engine`` as its steps from 0
     (a phase; the whole run for a ``Loader``, ``stop`` ``None`` without end)."""
 
-    reader: StepReader
+    engine: StepEngine
     start: int
     stop: int | None
-
-
-class HostSteps:
-    """One reader's steps as host fields, read ahead by a :class:`Feed` of its own.
-
-    As ``Loader.iterate``'s: one sampler call looks up the samples of several
-    steps, and the decode takes the threads the loader gives its read-ahead.
-    """
-
-    def __init__(self, reader: StepReader) -> None:
-        self._reader, self._threads = reader, reader._ahead_threads
-        self._lookup = max(reader.config.prefetch or 0, LOOKUP_AHEAD)
-        self.feed = Feed(
-            reader.config,
-            self._ahead,
-            self._read,
-            lambda s: reader.host_rows_at(s).size,
-            reader.components,
-        )
-
-    def _fetch(self, step: int, ahead: int) -> Any:
-        rows = self._reader.host_rows_at(step)
-        return timed(self.feed.fetched, lambda: self._reader._fetch_rows(step, rows, ahead))
-
-    def _finish(self, step: int, fetched: Any, threads: int | None) -> dict[str, np.ndarray]:
-        fields: dict[str, np.ndarray] = timed(
-            self.feed.measures.finished,
-            lambda: self._reader._fields_of(fetched, step, threads, counted=False),
-        )
-        return fields
-
-    def _ahead(self) -> Ahead[tuple[int, Any], dict[str, np.ndarray]]:
-        return Ahead(
-            lambda step: (step, self._fetch(step, self._lookup)),
-            lambda done: self._finish(*done, self._threads),
-            "ftj-grain",
-            fetchers=self.feed.fetchers(),
-        )
-
-    def _read(self, step: int) -> dict[str, np.ndarray]:
-        return self._finish(step, self._fetch(step, 0), None)
-
-    def take(self, step: int, end: int | None) -> dict[str, np.ndarray]:
-        """Step ``step``'s fields (nothing read at or past ``end``); the next steps go on."""
-        began = time.perf_counter()
-        fields: dict[str, np.ndarray] = self.feed.take(step, True, end)
-        now = time.perf_counter()
-        self.feed.handed(step, now - began, now, end)
-        return fields
 
 
 class StepsDataset(grain.IterDataset):
@@ -180,7 +107,7 @@ class StepsIterator(grain.DatasetIterator):
     def __init__(self, dataset: StepsDataset) -> None:
         super().__init__()
         self._ds, self._step = dataset, dataset.start
-        self._open: dict[int, HostSteps] = {}
+        self._open: dict[int, Door[dict[str, np.ndarray]]] = {}
         self._ended = False
 
     def _span(self, step: int) -> tuple[int, Span] | None:
@@ -190,12 +117,13 @@ class StepsIterator(grain.DatasetIterator):
                 return k, span
         return None
 
-    def _steps(self, k: int) -> HostSteps:
+    def _steps(self, k: int) -> Door[dict[str, np.ndarray]]:
         """Span ``k``'s read-ahead; those of other spans, but the next one, are closed."""
         for j in [j for j in self._open if j not in (k, k + 1)]:
-            self._open.pop(j).feed.close()
+            self._open.pop(j).close()
         if k not in self._open:
-            self._open[k] = HostSteps(self._ds.spans[k].reader)
+            engine = self._ds.spans[k].engine
+            self._open[k] = engine.door(_host_fields(engine), "ftj-grain", host=True)
         return self._open[k]
 
     def __next__(self) -> dict[str, np.ndarray]:
@@ -208,14 +136,14 @@ class StepsIterator(grain.DatasetIterator):
         local = self._step - span.start
         end = None if span.stop is None else span.stop - span.start
         try:
-            fields = self._steps(k).take(local, end)
+            fields = self._steps(k).take(local, True, end, _as_is)
         except (ValueError, IndexError) as e:
             if self._ds.told is None:
                 raise
             raise self._ds.told(e, self._step) from None
         if end is not None and k + 1 < len(self._ds.spans) and local + 1 >= end - self._ds.lead:
             later = self._steps(k + 1)
-            later.feed.start(0, _length(self._ds.spans[k + 1]))
+            later.start(0, _length(self._ds.spans[k + 1]))
         self._step += 1
         return fields
 
@@ -225,7 +153,7 @@ class StepsIterator(grain.DatasetIterator):
         found = self._span(self._step)
         if found is not None:
             k, span = found
-            self._steps(k).feed.start(self._step - span.start, _length(span))
+            self._steps(k).start(self._step - span.start, _length(span))
 
     def get_state(self) -> dict[str, Any]:
         """The owner's ``state()`` at the next step this iterator yields (JSON-ready)."""
@@ -246,7 +174,7 @@ class StepsIterator(grain.DatasetIterator):
 
     def _close_feeds(self) -> None:
         while self._open:
-            self._open.popitem()[1].feed.close()
+            self._open.popitem()[1].close()
 
     def close(self) -> None:
         """Stops the read-ahead; the iterator yields nothing after it."""
@@ -259,3 +187,19 @@ class StepsIterator(grain.DatasetIterator):
 
 def _length(span: Span) -> int | None:
     return None if span.stop is None else span.stop - span.start
+
+
+def _host_fields(
+    engine: StepEngine,
+) -> Callable[[int, Fetched | Blocks, int | None], dict[str, np.ndarray]]:
+    """A door's second stage that hands over the fields of a step read on the host."""
+
+    def finish(step: int, part: Fetched | Blocks, threads: int | None) -> dict[str, np.ndarray]:
+        assert isinstance(part, Fetched)  # a door with host=True reads no blocks
+        return engine.fields(part, step, threads)
+
+    return finish
+
+
+def _as_is(fields: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return fields

@@ -21,9 +21,9 @@ afresh (a cold cache):
 * how long the first step and the later steps waited for their batch (the
   loop's own clock around ``next()``), the later ones as a share of the step;
 * the first step's wait in round trips: ``(wait - wait at no latency) / latency``;
-* the read-ahead the loader chose (``loader.stats()``; for ``to_grain`` its
-  iterator's): steps in flight, and the peak bytes of steps in flight against
-  the budget ``read_ahead_bytes``;
+* the read-ahead the loader chose (``loader.stats()``, of ``iterate`` or of
+  the ``to_grain`` iterator): steps in flight, and the peak bytes of steps in
+  flight against the budget ``read_ahead_bytes``;
 * HTTP read requests per batch (tensorstore's metrics) and bytes read per
   useful token (not for ``batches``: grain's read-ahead, up to its
   ``prefetch_buffer_size`` elements, is not known to the loop);
@@ -170,10 +170,8 @@ def opened(
         return iter(grain.MapDataset.source(source).to_iter_dataset()), lambda: None
     ft = ftj.open_dataset(where.url, where.options)["train"]
     loader = ftj.Loader(ft, cfg, sharding=sharding)
-    if path == "to_grain":
-        it = iter(loader.to_grain())
-        # The iterator's read-ahead (a Feed of its own); its stats are not public.
-        return it, lambda: it._open[0].feed.stats()  # type: ignore[attr-defined]
+    if path == "to_grain":  # loader.stats() reports the door that handed out the last step
+        return iter(loader.to_grain()), loader.stats
 
     def placed() -> Iterator[dict[str, Any]]:
         steps = loader.iterate(0)

@@ -48,7 +48,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.core.values import read_yaml
+from flat_tokens_jax.core.yamlfile import read_yaml
 
 PyTree = Any
 State = dict[str, PyTree]  # {"params": ..., "opt": ...}

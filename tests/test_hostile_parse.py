@@ -26,7 +26,7 @@ from memurls import memory_url
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.cli import main
-from flat_tokens_jax.core.values import read_yaml
+from flat_tokens_jax.core.yamlfile import read_yaml
 from flat_tokens_jax.grain.grain import FlatTokensSource, ScheduledBatches
 from flat_tokens_jax.loader.phaseconfig import phases_from_yaml
 from flat_tokens_jax.sampling.mixture import Period

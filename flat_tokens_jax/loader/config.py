@@ -18,7 +18,8 @@ import jax
 import numpy as np
 
 from flat_tokens_jax.core.format import MAX_TOKEN_ID
-from flat_tokens_jax.core.values import MAX_SEED, BadValue, integer, known_keys, read_yaml
+from flat_tokens_jax.core.values import MAX_SEED, BadValue, integer, known_keys
+from flat_tokens_jax.core.yamlfile import read_yaml
 from flat_tokens_jax.data.bins import BINS, make_records
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, check_source

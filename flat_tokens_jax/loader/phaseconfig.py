@@ -34,10 +34,10 @@ from flat_tokens_jax.core.values import (
     integer,
     known_keys,
     mapping,
-    read_yaml,
     sequence,
     text,
 )
+from flat_tokens_jax.core.yamlfile import read_yaml
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.phases import Phase
 from flat_tokens_jax.sampling.mixconfig import mixture_from_config

@@ -275,7 +275,7 @@ def test_construction_errors_name_the_fix(path: Path) -> None:
         FlatTokensSource(path)
     with pytest.raises(TypeError, match=r"pick a split: ds\['train'\]"):
         FlatTokensSource(ftj.open_dataset(path), SEQ_LEN)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="seq_len must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"seq_len must be an int >= 1 or null/None, got 0"):
         FlatTokensSource(path, 0)
     with pytest.raises(ValueError, match="has no records"):
         FlatTokensSource(path, ft.num_tokens + 1)
@@ -283,8 +283,16 @@ def test_construction_errors_name_the_fix(path: Path) -> None:
         FlatTokensSource(ftj.PackedRecords(ft, SEQ_LEN), 8)
     with pytest.raises(ValueError, match="packing False was asked for"):
         FlatTokensSource(ftj.PackedRecords(ft, SEQ_LEN), packing=False)
-    with pytest.raises(ValueError, match="start_token_id must be an int >= 0, got -1"):
-        FlatTokensSource(path, SEQ_LEN, start_token_id=-1)
+    for field, bad, bounds in (
+        ("start_token_id", -1, r"in \[0, 2\*\*31 - 1\] or null/None"),
+        ("pad_id", 2**31, r"in \[-2147483648, 2\*\*31 - 1\]"),
+        ("pad_id", True, r"in \[-2147483648, 2\*\*31 - 1\]"),
+    ):
+        # The bounds of LoaderConfig's field of the same name: the ids are int32.
+        with pytest.raises(ValueError, match=rf"^{field} must be an int {bounds}, got {bad}"):
+            FlatTokensSource(path, SEQ_LEN, **{field: bad})
+        with pytest.raises(ValueError, match=rf"^LoaderConfig.{field} must be an int {bounds}"):
+            ftj.LoaderConfig(batch_size=1, seq_len=SEQ_LEN, **{field: bad})
     with pytest.raises(ValueError, match="options apply to a URL only"):
         FlatTokensSource(ft, SEQ_LEN, options=ftj.StoreOptions())
     mixture = ftj.Mixture([(ft, 1.0), (ft, 1.0)])

@@ -4,7 +4,9 @@ Each check takes the value and its path (``loader.seed``,
 ``data.datasets[1].weight``, ``Mixture.period``) and returns the value in its
 one accepted form, or raises :class:`BadValue` naming the path, what was given
 and what is accepted. Nothing is coerced: a YAML string ``'false'`` is not a
-boolean, ``1.9`` and ``2.0`` are not ints, ``True`` is not a number.
+boolean, ``1.9`` and ``2.0`` are not ints, ``True`` is not a number. The
+bounds of a field that several surfaces take (a seed, ``seq_len``, a token
+id) are in :mod:`~flat_tokens_jax.core.fields`.
 
 Example:
     >>> integer(3, "loader.seed", low=0)
@@ -30,6 +32,7 @@ __all__ = [
     "BadValue",
     "boolean",
     "child",
+    "choice",
     "close_match",
     "integer",
     "known_keys",
@@ -38,8 +41,6 @@ __all__ = [
     "sequence",
     "text",
 ]
-
-MAX_SEED = 2**64 - 1  # Seeds key a 64-bit mixer.
 
 
 class BadValue(ValueError):
@@ -107,10 +108,11 @@ def _yaml_float(value: float) -> str:
 
 
 def boolean(value: Any, path: str) -> bool:
-    """``value`` if it is a boolean (``True``/``False``, YAML ``true``/``false``)."""
+    """``value`` if it is a boolean (``True``/``False``, YAML ``true``/``false``;
+    numpy's too)."""
     if isinstance(value, bool | np.bool_):
         return bool(value)
-    raise BadValue(path, f"must be true or false, got {value!r}{_hint(value)}")
+    raise BadValue(path, f"must be True or False, got {value!r}{_hint(value)}")
 
 
 def _int_form(low: int | None, high: int | None) -> str:
@@ -166,6 +168,14 @@ def text(value: Any, path: str) -> str:
     if isinstance(value, str) and value:
         return value
     raise BadValue(path, f"must be a non-empty string, got {value!r}")
+
+
+def choice(value: Any, path: str, choices: Sequence[str]) -> str:
+    """``value`` if it is one of the strings ``choices``."""
+    if isinstance(value, str) and value in choices:
+        return value
+    form = " or ".join(map(repr, choices)) if len(choices) == 2 else f"one of {list(choices)}"
+    raise BadValue(path, f"must be {form}, got {value!r}")
 
 
 def mapping(value: Any, path: str, form: str = "a mapping") -> Mapping[Any, Any]:

@@ -26,6 +26,9 @@ import hashlib
 
 import numpy as np
 
+from flat_tokens_jax.core import fields
+from flat_tokens_jax.core.values import integer
+
 ALGORITHM = "best-fit-decreasing/blocks-of-262144"
 """The name of the packing algorithm, recorded with every plan."""
 
@@ -67,15 +70,14 @@ def build_plan(
         >>> [order[a:b].tolist() for a, b in zip(starts[:-1], starts[1:])]
         [[2, 3], [0, 1]]
     """
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int | np.integer) or seq_len < 1:
-        raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+    seq_len = fields.seq_len(seq_len, "seq_len")
     lens = np.asarray(lengths)
     if lens.ndim != 1 or (lens.size and lens.dtype.kind not in "iu"):
         raise ValueError(f"lengths must be 1-D integers, got {lens.dtype} {lens.shape}")
     if lens.size and lens.min() < 0:
         raise ValueError(f"lengths must be >= 0, got {lens.min()}")
-    m = max_segments
-    if m is not None and (isinstance(m, bool) or not isinstance(m, int | np.integer) or m < 2):
+    max_segments = m = integer(max_segments, "max_segments", optional=True)
+    if m is not None and m < 2:
         raise ValueError(
             f"max_segments must be an int >= 2 for bins (a bin not full is a sequence "
             f"and its padding: 2 runs), got {m!r}"

@@ -11,12 +11,12 @@ from typing import Any, cast
 
 import numpy as np
 
+from flat_tokens_jax.core import fields
 from flat_tokens_jax.core.concurrently import at_once
 from flat_tokens_jax.core.format import (
     ENCODED_DTYPE,
     LEGACY_TOKENS,
     LOSS_MASK,
-    MAX_TOKEN_ID,
     SEQ_STARTS,
     SPLITS,
     STARTS_DTYPE,
@@ -27,6 +27,7 @@ from flat_tokens_jax.core.format import (
     as_indices,
     decode,
 )
+from flat_tokens_jax.core.values import BadValue
 from flat_tokens_jax.data.splitfractions import split_boundaries
 from flat_tokens_jax.store.arrays import ArrayReader, Known, Pending
 from flat_tokens_jax.store.digests import DIGESTS, ChunkDigests, array_checks, side_opener
@@ -475,9 +476,8 @@ def _max_token_id(attrs: Mapping[str, Any], where: str) -> int:
     value = attrs.get("max_token_id")
     if value is None:
         raise FormatError(f"{where}: attribute 'max_token_id' is missing")
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKEN_ID:
-        raise FormatError(
-            f"{where}: attribute max_token_id must be an int in "
-            f"[0, {MAX_TOKEN_ID}], found {value!r}"
-        )
-    return value
+    try:
+        out: int = fields.token_id(value, "attribute max_token_id")
+    except BadValue as e:
+        raise FormatError(f"{where}: {e}") from None
+    return out

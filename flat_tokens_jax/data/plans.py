@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from flat_tokens_jax.core import fields
 from flat_tokens_jax.core.format import FormatError, Problem
 from flat_tokens_jax.core.limits import check_seq_len, special_kind
 from flat_tokens_jax.data.binpack import ALGORITHM, build_plan, capped_algorithm, plan_digest
@@ -305,8 +306,7 @@ def pack_dataset(
         FileExistsError: another write to the dataset (a pack, a conversion)
             is in progress: packs of one dataset run one at a time.
     """
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+    seq_len = fields.seq_len(seq_len, "seq_len")
     check_seq_len(seq_len, "pack_dataset")
     ds = open_dataset(url, resolve_options(options, option_fields, "pack_dataset"))
     names = list(ds.splits if splits is None else splits)

@@ -43,7 +43,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from flat_tokens_jax.core.values import BadValue, integer
+from flat_tokens_jax.core.values import BadValue, boolean, choice, integer
 from flat_tokens_jax.data.bins import BINS
 from flat_tokens_jax.data.records import Windows
 
@@ -56,12 +56,6 @@ their width (``max_segments`` may equal ``L``)."""
 
 FLAGS = ("loss_mask", "sequence_start")
 """The ``bool`` fields (1 byte a column); every other field is ``int32`` (4)."""
-
-
-def check_flag(value: Any, path: str) -> None:
-    """Refuses a ``value`` (at ``path``) that is not True or False."""
-    if not isinstance(value, bool):
-        raise BadValue(path, f"must be True or False, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,11 +85,10 @@ class BatchLayout:
     sequence_start: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or self.name not in LAYOUTS:
-            raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {self.name!r}")
+        choice(self.name, "layout", LAYOUTS)
         m = integer(self.max_segments, "max_segments", low=1, optional=True)
         object.__setattr__(self, "max_segments", m)
-        check_flag(self.sequence_start, "sequence_start")
+        object.__setattr__(self, "sequence_start", boolean(self.sequence_start, "sequence_start"))
 
     @property
     def plain(self) -> bool:

@@ -46,6 +46,7 @@ from typing import Any, SupportsIndex
 
 import numpy as np
 
+from flat_tokens_jax.core import fields
 from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, Windows, recorded_info
@@ -166,14 +167,8 @@ class FlatTokensSource:
         instance_filter: InstanceFilter | None = None,
         **option_fields: Any,
     ) -> None:
-        if start_token_id is not None and (
-            isinstance(start_token_id, bool)
-            or not isinstance(start_token_id, int)
-            or start_token_id < 0
-        ):
-            raise ValueError(f"start_token_id must be an int >= 0, got {start_token_id!r}")
-        if isinstance(pad_id, bool) or not isinstance(pad_id, int):
-            raise ValueError(f"pad_id must be an int, got {pad_id!r}")
+        start_token_id = fields.token_id(start_token_id, "start_token_id", optional=True)
+        pad_id = fields.pad_id(pad_id, "pad_id")
         self.instance_filter = InstanceFilter.of(instance_filter)
         if option_fields or options is not None:
             options = resolve_options(options, option_fields, "FlatTokensSource")

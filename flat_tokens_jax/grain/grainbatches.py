@@ -76,8 +76,6 @@ class Batches:
         *,
         shard: tuple[int, int] = (0, 1),
     ) -> None:
-        if isinstance(batch_size, bool) or (isinstance(batch_size, int) and batch_size < 1):
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         schedule = BatchSchedule.of(batch_size)
         index, count = _shard(shard)
         for start, size in schedule.entries:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from flat_tokens_jax.core import fields
 from flat_tokens_jax.data.bins import BinRecords, PackingPlan, check_packing, make_records
 from flat_tokens_jax.data.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.data.records import PackedRecords, PaddedRecords, Records
@@ -112,10 +113,7 @@ def as_records(
     """The records a :class:`FlatTokensSource` reads, checked against what was asked."""
     if packing is not None:
         check_packing(packing, "packing")
-    if seq_len is not None and (
-        isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1
-    ):
-        raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+    seq_len = fields.seq_len(seq_len, "seq_len", optional=True)
     if isinstance(source, str | os.PathLike):
         source = open_dataset(source, options)[split]
     elif options is not None:

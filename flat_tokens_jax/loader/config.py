@@ -11,20 +11,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
-from flat_tokens_jax.core.format import MAX_TOKEN_ID
-from flat_tokens_jax.core.values import MAX_SEED, BadValue, integer, known_keys
+from flat_tokens_jax.core import fields
+from flat_tokens_jax.core.values import BadValue, boolean, choice, integer, known_keys
 from flat_tokens_jax.core.yamlfile import read_yaml
 from flat_tokens_jax.data.bins import BINS, make_records
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, check_source
 from flat_tokens_jax.decoding.instancefilter import InstanceFilter
-from flat_tokens_jax.decoding.layouts import LAYOUTS, BatchLayout, check_flag, check_max_segments
+from flat_tokens_jax.decoding.layouts import LAYOUTS, BatchLayout, check_max_segments
 from flat_tokens_jax.sampling.schedule import BatchSchedule, BatchSizeSpec
 
 
@@ -139,63 +138,11 @@ class LoaderConfig:
 
     def __post_init__(self) -> None:
         path = "LoaderConfig."
-        if isinstance(self.batch_size, int | np.integer) and not isinstance(self.batch_size, bool):
-            object.__setattr__(
-                self, "batch_size", integer(self.batch_size, path + "batch_size", low=1)
-            )
-        else:
-            try:
-                schedule = BatchSchedule.of(self.batch_size)
-            except ValueError as e:
-                raise BadValue(path + "batch_size", str(e).removeprefix("batch_size ")) from None
-            spec = schedule.spec()
-            object.__setattr__(
-                self, "batch_size", spec if isinstance(spec, int) else schedule.entries
-            )
-        checked = {
-            "seq_len": integer(self.seq_len, path + "seq_len", low=1),
-            "prefetch": integer(self.prefetch, path + "prefetch", low=0, optional=True),
-            "read_ahead_bytes": integer(self.read_ahead_bytes, path + "read_ahead_bytes", low=1),
-            "seed": integer(self.seed, path + "seed", low=0, high=MAX_SEED),
-            # Both are written into the int32 inputs and targets.
-            "start_token_id": integer(
-                self.start_token_id,
-                path + "start_token_id",
-                low=0,
-                high=MAX_TOKEN_ID,
-                optional=True,
-            ),
-            "pad_id": integer(
-                self.pad_id, path + "pad_id", low=-MAX_TOKEN_ID - 1, high=MAX_TOKEN_ID
-            ),
-            **{
-                name: integer(getattr(self, name), path + name, low=1, optional=True)
-                for name in ("num_epochs", "vocab_size", "decode_threads", "max_segments")
-            },
-        }
-        for name, value in checked.items():  # numpy ints become Python ints
-            object.__setattr__(self, name, value)
-        if not (
-            isinstance(self.packing, bool)
-            or (isinstance(self.packing, str) and self.packing == BINS)
-        ):
-            raise BadValue(
-                path + "packing",
-                f"must be True (packed windows), False (padded sequences) or {BINS!r} "
-                f"(bins of whole sequences), got {self.packing!r}",
-            )
-        if not isinstance(self.shuffle, bool):
-            raise BadValue(path + "shuffle", f"must be True or False, got {self.shuffle!r}")
-        rule = InstanceFilter.of(self.instance_filter, path + "instance_filter")
-        if rule is not None:
-            rule.check_seq_len(self.seq_len, path + "instance_filter")
-        object.__setattr__(self, "instance_filter", rule)
-        if self.decode not in ("host", "device"):
-            raise BadValue(path + "decode", f"must be 'host' or 'device', got {self.decode!r}")
+        for f in dataclasses.fields(self):  # numpy ints become Python ints
+            object.__setattr__(self, f.name, FIELDS[f.name](getattr(self, f.name), path + f.name))
+        if self.instance_filter is not None:
+            self.instance_filter.check_seq_len(self.seq_len, path + "instance_filter")
         check_max_segments(self.max_segments, self.seq_len, self.packing, path + "max_segments")
-        if not isinstance(self.layout, str) or self.layout not in LAYOUTS:
-            raise BadValue(path + "layout", f"must be one of {list(LAYOUTS)}, got {self.layout!r}")
-        check_flag(self.sequence_start, path + "sequence_start")
         if self.vocab_size is not None:
             for name in ("start_token_id", "pad_id"):
                 value = getattr(self, name)
@@ -281,6 +228,55 @@ class LoaderConfig:
         if self.instance_filter is None:
             del values["instance_filter"]
         return {**values, "batch_size": self.schedule.spec()}
+
+
+def _batch_size(value: Any, path: str) -> BatchSizeSpec:
+    """An int, or a schedule as its ``(start_step, size)`` pairs (a one-size
+    schedule becomes its int)."""
+    try:
+        schedule = BatchSchedule.of(value)
+    except ValueError as e:
+        raise BadValue(path, str(e).removeprefix("batch_size ")) from None
+    spec = schedule.spec()
+    return spec if isinstance(spec, int) else schedule.entries
+
+
+def _packing(value: Any, path: str) -> bool | str:
+    if isinstance(value, bool) or (isinstance(value, str) and value == BINS):
+        return value
+    raise BadValue(
+        path,
+        f"must be True (packed windows), False (padded sequences) or {BINS!r} "
+        f"(bins of whole sequences), got {value!r}",
+    )
+
+
+_POSITIVE = functools.partial(integer, low=1, optional=True)
+
+FIELDS: dict[str, Callable[[Any, str], Any]] = {
+    "batch_size": _batch_size,
+    "seq_len": fields.seq_len,
+    "packing": _packing,
+    "shuffle": boolean,
+    "seed": fields.seed,
+    "num_epochs": _POSITIVE,
+    "prefetch": functools.partial(integer, low=0, optional=True),
+    # Both ids are written into the int32 inputs and targets.
+    "start_token_id": functools.partial(fields.token_id, optional=True),
+    "pad_id": fields.pad_id,
+    "vocab_size": _POSITIVE,
+    "decode_threads": _POSITIVE,
+    "decode": functools.partial(choice, choices=("host", "device")),
+    "read_ahead_bytes": functools.partial(integer, low=1),
+    "layout": functools.partial(choice, choices=LAYOUTS),
+    "max_segments": _POSITIVE,
+    "instance_filter": InstanceFilter.of,
+    "sequence_start": boolean,
+}
+"""Each :class:`LoaderConfig` field's check of type and bounds, alone: called
+with the value and the path that names it (``loader.seed``,
+``fingerprint.config.seed``), it returns the value in its one form or raises
+``BadValue``. The checks between fields are ``LoaderConfig``'s."""
 
 
 def records_for(source: Any, config: LoaderConfig, plan_cache: str | os.PathLike[str]) -> Records:

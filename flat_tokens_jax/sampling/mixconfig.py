@@ -11,9 +11,9 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
+from flat_tokens_jax.core import fields
 from flat_tokens_jax.core.concurrently import at_once
 from flat_tokens_jax.core.values import (
-    MAX_SEED,
     BadValue,
     boolean,
     child,
@@ -98,7 +98,7 @@ def mixture_from_config(
             )
     entries = _dataset_entries(config.get("datasets"), child(path, "datasets"))
     schedule = _schedule(config.get("schedule"), child(path, "schedule"))
-    seed = integer(config.get("seed", 0), child(path, "seed"), low=0, high=MAX_SEED)
+    seed = fields.seed(config.get("seed", 0), child(path, "seed"))
     period = integer(
         config.get("period"), child(path, "period"), low=1, high=MAX_PERIOD, optional=True
     )

@@ -30,8 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from flat_tokens_jax.core import fields
 from flat_tokens_jax.core.concurrently import at_once
-from flat_tokens_jax.core.values import MAX_SEED, BadValue, boolean, integer, number, sequence
+from flat_tokens_jax.core.values import BadValue, boolean, integer, number, sequence
 from flat_tokens_jax.data.bins import make_records
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, check_source, recorded_info
@@ -170,7 +171,7 @@ class Mixture:
                 stacklevel=2,
             )
         self.seq_len, self.packing = _stated_shape(self.sources, self.names, seq_len, packing)
-        self.seed: int = integer(seed, "Mixture.seed", low=0, high=MAX_SEED)
+        self.seed: int = fields.seed(seed, "Mixture.seed")
         period = integer(period, "Mixture.period", low=1, high=MAX_PERIOD, optional=True)
         changes = [
             sequence(change, f"Mixture.schedule[{i}]", "a pair (step, weights)")

@@ -11,6 +11,9 @@ import dataclasses
 import numpy as np
 import numpy.typing as npt
 
+from flat_tokens_jax.core import fields
+from flat_tokens_jax.core.values import boolean, integer
+
 __all__ = ["MAX_N", "EpochsExhausted", "IndexSampler", "permute"]
 
 MAX_N = 2**63 - 1  # Largest n or num_records: every index must fit in int64.
@@ -98,15 +101,6 @@ def _walk_int(x: int, n: int, keys: list[int], half_bits: int) -> int:
     return x
 
 
-def _check_int(name: str, value: object, low: int, high: int, hint: str) -> int:
-    """Returns ``value`` as an int if it is one in ``[low, high]``, else raises ValueError."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise ValueError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
-    if not low <= int(value) <= high:
-        raise ValueError(f"{name} must be in [{low}, {high}], got {value}: {hint}")
-    return int(value)
-
-
 def _as_u64(values: npt.ArrayLike, name: str, high: int, bounds: str = "") -> U64Array:
     """Checks ``values`` are integers in ``[0, high]``; returns them as uint64, same shape."""
     array = np.asarray(values)
@@ -150,7 +144,7 @@ def permute(
       >>> sorted(permute([0, 1, 2, 3, 4], 5, seed=0, epoch=0).tolist())
       [0, 1, 2, 3, 4]
     """
-    seed = _check_int("seed", seed, 0, _MAX_U64, "pass a non-negative 64-bit seed")
+    seed = fields.seed(seed, "seed")
     shape = np.broadcast_shapes(np.shape(indices), np.shape(n), np.shape(epoch))
     x = _flat(_as_u64(indices, "indices", MAX_N, "[0, n)"), shape)
     sizes = _flat(_as_u64(n, "n", MAX_N), shape, squeeze=True)
@@ -185,13 +179,11 @@ class IndexSampler:
     offset: int = 0
 
     def __post_init__(self) -> None:
-        _check_int("num_records", self.num_records, 1, MAX_N, "a sampler needs >= 1 record")
-        _check_int("seed", self.seed, 0, _MAX_U64, "pass a non-negative 64-bit seed")
-        if not isinstance(self.shuffle, bool):
-            raise ValueError(f"shuffle must be True or False, got {self.shuffle!r}")
-        if self.num_epochs is not None:
-            _check_int("num_epochs", self.num_epochs, 1, MAX_N, "or None for an endless stream")
-        _check_int("offset", self.offset, 0, MAX_N, "the stream's samples drawn before")
+        integer(self.num_records, "num_records", low=1, high=MAX_N)
+        fields.seed(self.seed, "seed")
+        boolean(self.shuffle, "shuffle")
+        integer(self.num_epochs, "num_epochs", low=1, high=MAX_N, optional=True)
+        integer(self.offset, "offset", low=0, high=MAX_N)
         if self.offset and self.num_epochs is not None:
             raise ValueError(
                 f"offset {self.offset} needs an endless stream: set num_epochs=None "

@@ -21,9 +21,10 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
-import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from flat_tokens_jax.core.values import integer
 
@@ -50,16 +51,11 @@ class BatchSchedule:
     def __post_init__(self) -> None:
         if not self.entries:
             raise ValueError("a batch-size schedule needs at least one (step, size) entry")
+        checked = []
         for i, (step, size) in enumerate(self.entries):
-            for what, value in (("step", step), ("size", size)):
-                if isinstance(value, bool) or not isinstance(value, int):
-                    raise ValueError(
-                        f"batch_size entry {i} ({step!r}, {size!r}): the {what} must be an int"
-                    )
-            if size < 1:
-                raise ValueError(
-                    f"batch_size entry {i} ({step}, {size}): the size must be >= 1 rows"
-                )
+            entry = f"batch_size entry {i} ({step!r}, {size!r}): the"
+            checked.append((integer(step, f"{entry} step"), integer(size, f"{entry} size", low=1)))
+        object.__setattr__(self, "entries", tuple(checked))
         first = self.entries[0][0]
         if first != 0:
             raise ValueError(
@@ -95,10 +91,8 @@ class BatchSchedule:
         """
         if isinstance(value, BatchSchedule):
             return value
-        if isinstance(value, int) and not isinstance(value, bool):
-            if value < 1:
-                raise ValueError(f"batch_size must be an int >= 1, got {value!r}")
-            return cls(((0, int(value)),))
+        if isinstance(value, int | np.integer) and not isinstance(value, bool):
+            return cls(((0, integer(value, "batch_size", low=1)),))
         if isinstance(value, Mapping):
             pairs: list[Any] = list(value.items())
         elif isinstance(value, Sequence) and not isinstance(value, str | bytes):
@@ -113,7 +107,7 @@ class BatchSchedule:
                 raise ValueError(
                     f"batch_size entry {i} must be a pair [start_step, size], got {pair!r}"
                 )
-            entries.append((_as_int(pair[0]), _as_int(pair[1])))
+            entries.append((pair[0], pair[1]))
         return cls(tuple(entries))
 
     @property
@@ -176,17 +170,6 @@ class BatchSchedule:
 
     def __str__(self) -> str:
         return str(self.spec())
-
-
-def _as_int(value: Any) -> Any:
-    """``value`` as a Python int if it is an integer of any kind (numpy's too);
-    otherwise as it is, for the entry check to name."""
-    if isinstance(value, bool):
-        return value
-    try:
-        return operator.index(value)
-    except TypeError:
-        return value
 
 
 def resume_differences(saved: Any, now: BatchSchedule, step: int, samples: Any) -> list[str]:

@@ -1,0 +1,53 @@
+"""The fields that several surfaces take, each with its one type and bounds.
+
+A seed is a seed whether it comes from ``LoaderConfig``, a YAML ``data``
+section, ``Mixture``, ``IndexSampler`` or a saved state: each surface checks
+it here, with the path it names the value by (``loader.seed``,
+``Mixture.seed``, ``fingerprint.config.seed``). Each check returns the value
+as a Python int, or raises :class:`~flat_tokens_jax.core.values.BadValue`
+naming the path, what was given and what is accepted.
+
+Example:
+    >>> seed(7, "Mixture.seed")
+    7
+    >>> try:
+    ...     seq_len(0, "loader.seq_len")
+    ... except ValueError as e:
+    ...     print(e)
+    loader.seq_len must be an int >= 1, got 0
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flat_tokens_jax.core.format import MAX_TOKEN_ID
+from flat_tokens_jax.core.values import integer
+
+__all__ = ["MAX_SEED", "pad_id", "seed", "seq_len", "token_id"]
+
+MAX_SEED = 2**64 - 1
+"""The largest seed: seeds key a 64-bit mixer."""
+
+
+def seed(value: Any, path: str) -> int:
+    """A shuffle key: an int in ``[0, 2**64 - 1]`` (it keys a 64-bit mixer)."""
+    out: int = integer(value, path, low=0, high=MAX_SEED)
+    return out
+
+
+def seq_len(value: Any, path: str, *, optional: bool = False) -> Any:
+    """Tokens per row: an int ``>= 1`` (``None`` passes when ``optional``)."""
+    return integer(value, path, low=1, optional=optional)
+
+
+def token_id(value: Any, path: str, *, optional: bool = False) -> Any:
+    """A token id written into the ``int32`` inputs: an int in ``[0, 2**31 - 1]``
+    (``None`` passes when ``optional``)."""
+    return integer(value, path, low=0, high=MAX_TOKEN_ID, optional=optional)
+
+
+def pad_id(value: Any, path: str) -> int:
+    """The id of padding in the ``int32`` inputs and targets: an int32."""
+    out: int = integer(value, path, low=-MAX_TOKEN_ID - 1, high=MAX_TOKEN_ID)
+    return out

@@ -36,10 +36,11 @@ if TYPE_CHECKING:
     from flat_tokens_jax.data.records import PackedRecords, PaddedRecords, Records
     from flat_tokens_jax.data.validation import summary, validate
     from flat_tokens_jax.data.writer import DatasetWriter, write_dataset
-    from flat_tokens_jax.loader.loader import Loader, StateMismatch
+    from flat_tokens_jax.loader.loader import Loader
     from flat_tokens_jax.loader.phaseconfig import phases_from_config, phases_from_yaml
     from flat_tokens_jax.loader.phasedloader import PhasedLoader
     from flat_tokens_jax.loader.phases import Phase
+    from flat_tokens_jax.loader.state import StateMismatch
     from flat_tokens_jax.sampling.mixconfig import mixture_from_config
     from flat_tokens_jax.sampling.mixture import Mixture
     from flat_tokens_jax.sampling.sampling import EpochsExhausted, IndexSampler, permute
@@ -72,7 +73,7 @@ _HOMES = {
     "PhasedLoader": "loader.phasedloader",
     "Problem": "core.format",
     "Records": "data.records",
-    "StateMismatch": "loader.loader",
+    "StateMismatch": "loader.state",
     "StoreError": "store.options",
     "StoreOptions": "store.options",
     "TokenizerInfo": "store.identity",

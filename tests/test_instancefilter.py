@@ -474,8 +474,8 @@ def test_restore_with_another_filter_is_refused_naming_both() -> None:
 def test_a_state_without_the_field_restores_with_the_filter_off(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """States saved before the filter existed hold no ``instance_filter``: they
-    resume, without a warning, on a loader whose filter is off."""
+    """A state saved with the filter off holds no ``instance_filter``: it
+    resumes, without a warning, on a loader whose filter is off."""
     before = ftj.Loader(split(), ftj.LoaderConfig(4, 16))
     before.next_step = 5
     saved = json.loads(json.dumps(before.state()))

@@ -16,7 +16,8 @@ from memurls import memory_url
 from reference import reference_batch
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.loader.loader import LoaderConfig, StateMismatch
+from flat_tokens_jax.loader.config import LoaderConfig
+from flat_tokens_jax.loader.state import StateMismatch
 
 SPEC = [[1, 2], [3, 4, 5], [6, 7, 8]]
 
@@ -247,7 +248,7 @@ def test_fingerprint_holds_what_changes_batches_only() -> None:
     cfg = LoaderConfig(batch_size=2, seq_len=4)
     fp = ftj.Loader(ft, cfg).fingerprint()
     assert "vocab_size" not in fp["config"] and "prefetch" not in fp["config"]
-    state = {"step": 3, "fingerprint": fp}
+    state = ftj.Loader(ft, cfg).state(3)
     checked = LoaderConfig(batch_size=2, seq_len=4, vocab_size=64)
     assert ftj.Loader(ft, checked).restore(state) == 3  # vocab_size changes no batch
     assert fp["data"]["loss_mask"] is False
@@ -258,20 +259,6 @@ def test_fingerprint_holds_what_changes_batches_only() -> None:
     assert ftj.Loader(masked, cfg).fingerprint()["data"]["loss_mask"] is True
     with pytest.raises(StateMismatch, match=r"data\.loss_mask: saved False, now True"):
         ftj.Loader(masked, cfg).restore(state)
-
-
-def test_a_state_saved_before_new_fingerprint_fields_still_restores() -> None:
-    ft = split_of([[i % 7 + 1] * (i % 5 + 1) for i in range(50)])
-    loader = ftj.Loader(ft, LoaderConfig(batch_size=2, seq_len=4, start_token_id=0))
-    old = loader.fingerprint()
-    old = {
-        "data": {k: v for k, v in old["data"].items() if k != "loss_mask"},
-        "config": {**old["config"], "batch_size": 2, "vocab_size": None},
-    }
-    assert loader.restore({"step": 9, "fingerprint": old}) == 9
-    old["config"]["seed"] = 1
-    with pytest.raises(StateMismatch, match=r"config\.seed: saved 1, now 0"):
-        loader.restore({"step": 9, "fingerprint": old})
 
 
 def test_state_says_where_the_data_is() -> None:
@@ -291,8 +278,8 @@ def test_bad_values_are_refused_not_coerced() -> None:
         with pytest.raises(ValueError, match=f"LoaderConfig.{field} must be True"):
             LoaderConfig(batch_size=1, seq_len=2, **{field: value})
     loader = ftj.Loader(ft, LoaderConfig(batch_size=1, seq_len=2))
-    with pytest.raises(StateMismatch, match="no valid step: True"):
-        loader.restore({"step": True, "fingerprint": loader.fingerprint()})
+    with pytest.raises(StateMismatch, match=r"step must be an int in \[0, 2\*\*63 - 1\], got True"):
+        loader.restore({**loader.state(), "step": True})
     with pytest.raises(TypeError, match=r"restore takes the mapping that loader\.state"):
         loader.restore(None)  # type: ignore[arg-type]
     with pytest.raises(
@@ -464,7 +451,7 @@ def test_an_unset_start_token_id_is_the_one_the_data_records() -> None:
     assert ftj.Loader(plain, unset).host_batch(0)["inputs"][0, 0] == 0
     assert ftj.Loader(plain, unset).fingerprint()["config"]["start_token_id"] == 0
     # A state saved with the resolved id restores under the explicit one, and not under another.
-    state = {"step": 1, "fingerprint": loader.fingerprint()}
+    state = loader.state(1)
     explicit = LoaderConfig(batch_size=1, seq_len=8, shuffle=False, start_token_id=7)
     assert ftj.Loader(recorded, explicit).restore(state) == 1
     with pytest.raises(StateMismatch, match=r"config\.start_token_id: saved 7, now 0"):

@@ -327,14 +327,9 @@ def test_restore_refuses_other_sizes_before_the_saved_step_and_names_the_fix() -
         ftj.Loader(SPLIT, later).restore({**state, "samples": 3})
 
 
-def test_a_state_saved_before_schedules_restores_with_a_later_change() -> None:
-    """Old states: no ``samples``, no top-level ``batch_size``; the int sits in config."""
+def test_a_state_of_one_batch_size_restores_with_a_later_change() -> None:
     loader = ftj.Loader(SPLIT, LoaderConfig(batch_size=4, seq_len=4, start_token_id=0))
-    fp = loader.fingerprint()
-    old = {
-        "step": 5,
-        "fingerprint": {"data": fp["data"], "config": {**fp["config"], "batch_size": 4}},
-    }
+    old = loader.state(5)
     grown = ftj.Loader(SPLIT, LoaderConfig(batch_size=[(0, 4), (5, 8)], seq_len=4))
     assert grown.restore(old) == 5
     assert grown.provenance(5)[0]["sample"] == 20

@@ -24,10 +24,13 @@ from typing import Any
 from flat_tokens_jax.core.format import MAX_TOKEN_ID
 from flat_tokens_jax.core.values import integer
 
-__all__ = ["MAX_SEED", "pad_id", "seed", "seq_len", "token_id"]
+__all__ = ["MAX_SEED", "MAX_STEP", "pad_id", "seed", "seq_len", "step", "token_id"]
 
 MAX_SEED = 2**64 - 1
 """The largest seed: seeds key a 64-bit mixer."""
+
+MAX_STEP = 2**63 - 1
+"""The largest step (or count of samples): steps count int64 samples."""
 
 
 def seed(value: Any, path: str) -> int:
@@ -50,4 +53,10 @@ def token_id(value: Any, path: str, *, optional: bool = False) -> Any:
 def pad_id(value: Any, path: str) -> int:
     """The id of padding in the ``int32`` inputs and targets: an int32."""
     out: int = integer(value, path, low=-MAX_TOKEN_ID - 1, high=MAX_TOKEN_ID)
+    return out
+
+
+def step(value: Any, path: str) -> int:
+    """A step of a run, or a count of its samples: an int in ``[0, 2**63 - 1]``."""
+    out: int = integer(value, path, low=0, high=MAX_STEP)
     return out

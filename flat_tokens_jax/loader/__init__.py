@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 from flat_tokens_jax.core.namesake import namesake_getattr
 
 if TYPE_CHECKING:
-    from flat_tokens_jax.loader.loader import Loader, StateMismatch
+    from flat_tokens_jax.loader.loader import Loader
 
-__all__ = ["Loader", "StateMismatch"]
+__all__ = ["Loader"]
 
 
 __getattr__ = namesake_getattr(__name__, globals())

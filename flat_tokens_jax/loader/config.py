@@ -207,27 +207,31 @@ class LoaderConfig:
         return self.schedule.size(step)
 
     def batch_defining(self) -> dict[str, Any]:
-        """The fields that decide batch contents: all but ``prefetch``,
-        ``read_ahead_bytes``, ``decode_threads``, ``decode``, ``layout``,
-        ``sequence_start``, ``max_segments`` (a bins plan it caps is in the data's fingerprint)
-        and ``vocab_size`` (which checks the data but changes no batch),
-        JSON-ready (``batch_size`` an int or ``[[start_step, size], ...]``;
-        ``instance_filter`` its fields, left out when off, so states saved
-        before the filter existed hold the same fields)."""
-        skip = (
-            "prefetch",
-            "read_ahead_bytes",
-            "vocab_size",
-            "decode_threads",
-            "decode",
-            "layout",
-            "max_segments",
-            "sequence_start",
-        )
-        values = {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
+        """The :data:`BATCH_DEFINING` fields, JSON-ready (``batch_size`` an int
+        or ``[[start_step, size], ...]``; ``instance_filter`` its fields, left
+        out when off)."""
+        values = {k: v for k, v in dataclasses.asdict(self).items() if k in BATCH_DEFINING}
         if self.instance_filter is None:
             del values["instance_filter"]
         return {**values, "batch_size": self.schedule.spec()}
+
+
+BATCH_DEFINING = (
+    "batch_size",
+    "seq_len",
+    "packing",
+    "shuffle",
+    "seed",
+    "num_epochs",
+    "start_token_id",
+    "pad_id",
+    "instance_filter",
+)
+"""The fields that decide batch contents, which a saved state's fingerprint
+holds: all but ``prefetch``, ``read_ahead_bytes``, ``decode_threads``,
+``decode``, ``layout``, ``sequence_start``, ``max_segments`` (a bins plan it
+caps is in the data's fingerprint) and ``vocab_size`` (which checks the data
+but changes no batch)."""
 
 
 def _batch_size(value: Any, path: str) -> BatchSizeSpec:

@@ -25,7 +25,8 @@ from flat_tokens_jax.decoding.hostdecode import BlockDecoder
 from flat_tokens_jax.decoding.sharding import HostPlan
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.engine import Blocks, Fetched, StepEngine
-from flat_tokens_jax.loader.resume import StateMismatch, check_resume, compare_state, state_step
+from flat_tokens_jax.loader.resume import check_resume, state_differences
+from flat_tokens_jax.loader.state import state_step
 from flat_tokens_jax.sampling.mixture import Mixture
 from flat_tokens_jax.sampling.sampling import IndexSampler
 from flat_tokens_jax.sampling.stepsamples import StepSamples
@@ -360,35 +361,32 @@ class Loader:
     def restore(self, state: Mapping[str, Any]) -> int:
         """Continues from a saved :meth:`state`; returns the step ``iterate`` resumes at.
 
-        Every field of :meth:`fingerprint` must be in the state with the same
-        value and JSON type (see :mod:`~flat_tokens_jax.loader.resume`); a state
-        saved by an older version may lack only fields that cannot change a
-        batch, and a warning names them. The batch size may change from the
-        saved step on: a ``batch_size`` (or schedule) that agrees with the
-        saved one on every step before it continues at exactly the next unseen
-        sample. An older state's batch size is its config's int.
+        The state must have the shape :meth:`state` saves (see
+        :mod:`~flat_tokens_jax.loader.state`), and every field of
+        :meth:`fingerprint` must be in it with the same value and JSON type
+        (see :mod:`~flat_tokens_jax.loader.resume`). The batch size may change
+        from the saved step on: a ``batch_size`` (or schedule) that agrees with
+        the saved one on every step before it continues at exactly the next
+        unseen sample.
 
         Raises:
             StateMismatch: other data (kind of source, a component's identity,
                 tokenizer) or config, other batch sizes before the saved step,
-                or a field missing or of the wrong type; each named by its path
-                in the state (``fingerprint.data.sample_digest``).
+                or a field missing, unknown or of the wrong type; each named by
+                its path in the state (``fingerprint.data.sample_digest``).
         """
         if not isinstance(state, Mapping):
             raise TypeError(
                 "restore takes the mapping that loader.state() returned, "
                 f"got {type(state).__name__}"
             )
-        step = state.get("step")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise StateMismatch(f"saved loader state has no valid step: {step!r} (an int >= 0)")
         self.next_step = check_resume(state, self.fingerprint(), self.schedule)
         return self.next_step
 
     def state_differences(self, state: Mapping[str, Any]) -> list[str]:
         """What keeps this loader from continuing a saved :meth:`state`, as
         ``path: saved X, now Y`` lines (none: it may; see :meth:`restore`)."""
-        return compare_state(state, self.fingerprint(), self.schedule).differences
+        return state_differences(state, self.fingerprint(), self.schedule)
 
     def provenance(self, step: int) -> list[dict[str, Any]]:
         """Where each of this host's rows at ``step`` came from.

@@ -28,10 +28,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from flat_tokens_jax.core import fields
 from flat_tokens_jax.core.values import (
     BadValue,
     child,
-    integer,
     known_keys,
     mapping,
     sequence,
@@ -47,7 +47,6 @@ from flat_tokens_jax.store.options import StoreError, StoreOptions
 __all__ = ["phases_from_config", "phases_from_yaml"]
 
 _KEYS = ("name", "start_step", "data", "loader")
-MAX_STEP = 2**63 - 1  # The largest step: steps count int64 samples.
 
 
 def phases_from_config(
@@ -77,7 +76,7 @@ def phases_from_config(
     if not listed:
         raise BadValue(path, "must list at least one phase")
     out: list[Phase] = []
-    fields: dict[str, Any] = {}
+    given: dict[str, Any] = {}
     data: Mapping[str, Any] | None = None
     opened: dict[str, Mixture] = {}
     for k, entry in enumerate(listed):
@@ -87,9 +86,7 @@ def phases_from_config(
             name = None if entry.get("name") is None else text(entry["name"], child(where, "name"))
             label += "" if name is None else f" {name!r}"
             if "start_step" in entry:
-                start = integer(
-                    entry["start_step"], child(where, "start_step"), low=0, high=MAX_STEP
-                )
+                start = fields.step(entry["start_step"], child(where, "start_step"))
                 label += f" (from step {start})"
             known_keys(entry, where, _KEYS)
             if "start_step" not in entry:
@@ -97,7 +94,7 @@ def phases_from_config(
             for key in ("data", "loader"):
                 if k == 0 and key not in entry:
                     raise BadValue(where, f"must say {key!r}: the first phase states the whole run")
-            fields.update(mapping(entry.get("loader", {}), child(where, "loader")))
+            given.update(mapping(entry.get("loader", {}), child(where, "loader")))
             if "data" in entry:
                 data = mapping(entry["data"], child(where, "data"), "a mixture section")
             if data is None:
@@ -105,7 +102,7 @@ def phases_from_config(
             key = json.dumps(data, sort_keys=True, default=str)
             if key not in opened:
                 opened[key] = mixture_from_config(data, split, options, path=child(where, "data"))
-            config = LoaderConfig.from_dict(fields, child(where, "loader"))
+            config = LoaderConfig.from_dict(given, child(where, "loader"))
         except ValueError as e:
             raise ValueError(f"{label}: {e}") from None
         except StoreError as e:

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import logging
 import os
-import re
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -38,13 +36,18 @@ from flat_tokens_jax.loader.phases import (
     steps_within,
     stream_key,
 )
-from flat_tokens_jax.loader.resume import UNRECORDED, StateMismatch, compare_state, state_step
+from flat_tokens_jax.loader.resume import differences
+from flat_tokens_jax.loader.state import (
+    SavedState,
+    StateMismatch,
+    read_state,
+    state_problems,
+    state_step,
+)
 from flat_tokens_jax.sampling.stepsamples import MAX_SAMPLE
 
 if TYPE_CHECKING:
     from flat_tokens_jax.loader.tograin import StepsDataset
-
-log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
@@ -406,14 +409,16 @@ class PhasedLoader:
     def state_differences(self, state: Mapping[str, Any]) -> list[str]:
         """What keeps this run from continuing a saved :meth:`state`, as lines
         naming phase, steps and field (none: it may)."""
-        return self._compare(state)[0]
+        saved, problems = state_problems(state)
+        return problems if saved is None else self._differences(saved)
 
     def restore(self, state: Mapping[str, Any]) -> int:
         """Continues from a saved :meth:`state` (or a :meth:`Loader.state`);
         returns the step :meth:`iterate` resumes at.
 
         Raises:
-            StateMismatch: a phase begun before the saved step starts elsewhere
+            StateMismatch: the state is not one this version reads (each field
+                named), or a phase begun before the saved step starts elsewhere
                 or differs in a field that decides its batches there; each
                 line names the phase, the steps seen and the field.
         """
@@ -424,75 +429,35 @@ class PhasedLoader:
         if len(self.loaders) == 1 and "phases" not in state:
             self.next_step = self.loaders[0].restore(state)
             return self.next_step
-        differences, step, unrecorded = self._compare(state)
-        if differences or step is None:
+        saved = read_state(state)
+        found = self._differences(saved)
+        if found:
             raise StateMismatch(
                 "the saved loader state does not continue into these phases:\n  "
-                + "\n  ".join(differences)
+                + "\n  ".join(found)
             )
-        if unrecorded:
-            log.warning(
-                "the saved loader state lacks %s (saved by an older version); it resumes "
-                "without comparing them: %s",
-                ", ".join(unrecorded),
-                "; ".join(sorted({UNRECORDED.get(_pattern(p), "") for p in unrecorded})),
-            )
-        self.next_step = step
-        return step
+        self.next_step = saved.step
+        return saved.step
 
-    def _compare(self, state: Any) -> tuple[list[str], int | None, list[str]]:
-        """``(differences, saved step, unrecorded paths)`` of ``state`` against these phases."""
-        if not isinstance(state, Mapping):
-            return [f"state: expected a mapping, got {type(state).__name__}"], None, []
-        step = state.get("step")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            return [f"step: expected an int >= 0, got {step!r}"], None, []
-        saved = _saved_phases(state)
-        if isinstance(saved, str):
-            return [saved], None, []
-        out: list[str] = []
-        unrecorded: list[str] = []
-        seen = [(s, fp, samples) for s, fp, samples in saved if s < step] or saved[:1]
+    def _differences(self, saved: SavedState) -> list[str]:
+        """What keeps these phases from continuing ``saved``: each phase begun
+        before the saved step must start where it did and resume there."""
+        step = saved.step
+        seen = [j for j, p in enumerate(saved.phases) if p.start_step < step] or [0]
+        before = [saved.phases[j].start_step for j in seen]
         now = [s for s in self.starts if s < step] or [0]
-        if [s for s, _, _ in seen] != now:
-            out.append(
+        if before != now:
+            return [
                 f"phases: the saved run's phases before step {step} start at steps "
-                f"{[s for s, _, _ in seen]}, these at {now}; phases may be added or "
-                f"changed only from the saved step {step} on"
-            )
-            return out, step, unrecorded
-        for j, (start, fp, samples) in enumerate(seen):
-            end = saved[j + 1][0] if j + 1 < len(saved) and saved[j + 1][0] < step else step
-            sub = {"step": end - start, "fingerprint": fp}
-            if samples is not None:
-                sub["samples"] = samples
+                f"{before}, these at {now}; phases may be added or changed only from the "
+                f"saved step {step} on"
+            ]
+        out = []
+        for j in seen:
+            alone, start = saved.phase(j), saved.phases[j].start_step
             loader = self.loaders[j]
-            found = compare_state(sub, loader.fingerprint(), loader.schedule)
+            end = start + alone.step
             where = f"{self.label(j)}, steps {start}..{end - 1} seen before the saved step {step}"
-            out += [f"{where}: {line}" for line in found.differences if line]
-            unrecorded += found.unrecorded
-        return out, step, [u for u in unrecorded if u != "samples"]
-
-
-def _saved_phases(state: Mapping[str, Any]) -> list[tuple[int, Any, int | None]] | str:
-    """``(start_step, fingerprint, samples)`` of each saved phase (``samples``:
-    the state's count, kept for a single-phase state), or a line saying why not."""
-    if "phases" not in state:
-        samples = state.get("samples")
-        return [(0, state.get("fingerprint"), samples if isinstance(samples, int) else None)]
-    phases = state["phases"]
-    if not isinstance(phases, list) or not phases:
-        return f"phases: expected a non-empty list, got {phases!r:.80}"
-    out: list[tuple[int, Any, int | None]] = []
-    for j, p in enumerate(phases):
-        start = p.get("start_step") if isinstance(p, Mapping) else None
-        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-            return f"phases[{j}].start_step: expected an int >= 0, got {start!r}"
-        if out and start <= out[-1][0]:
-            return f"phases[{j}].start_step: {start} is not after the previous phase's"
-        out.append((start, p.get("fingerprint"), None))
-    return out
-
-
-def _pattern(path: str) -> str:
-    return re.sub(r"\[\d+\]", "[]", path)
+            found = differences(alone, loader.fingerprint(), loader.schedule)
+            out += [f"{where}: {line}" for line in found]
+        return out

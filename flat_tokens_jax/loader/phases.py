@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from flat_tokens_jax.core.values import integer
+from flat_tokens_jax.core import fields
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, check_source
 from flat_tokens_jax.loader.config import LoaderConfig
@@ -34,8 +34,6 @@ from flat_tokens_jax.sampling.schedule import BatchSchedule
 from flat_tokens_jax.sampling.stepsamples import MAX_SAMPLE
 
 __all__ = ["Phase", "check_phases", "drawn", "largest", "steps_within", "stream_key"]
-
-_MAX_STEP = 2**63 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +55,7 @@ class Phase:
     name: str | None = None
 
     def __post_init__(self) -> None:
-        start = integer(self.start_step, "Phase.start_step", low=0, high=_MAX_STEP)
+        start = fields.step(self.start_step, "Phase.start_step")
         object.__setattr__(self, "start_step", start)  # numpy ints become Python ints
         if not isinstance(self.config, LoaderConfig):
             raise TypeError(

@@ -9,30 +9,29 @@ match its saved fingerprint.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from typing import Any
 
-from flat_tokens_jax.core.values import BadValue, child, close_match, integer, mapping, sequence
+from flat_tokens_jax.core.values import child, close_match, mapping
 from flat_tokens_jax.loader.config import LoaderConfig
-from flat_tokens_jax.loader.phaseconfig import MAX_STEP, phases_from_config
+from flat_tokens_jax.loader.phaseconfig import phases_from_config
 from flat_tokens_jax.loader.phasedloader import PhasedLoader
 from flat_tokens_jax.loader.phases import Phase
+from flat_tokens_jax.loader.state import SavedState
 from flat_tokens_jax.sampling.mixconfig import mixture_from_config
-from flat_tokens_jax.sampling.schedule import BatchSchedule
 from flat_tokens_jax.store.options import StoreError, StoreOptions
 from flat_tokens_jax.tools.show import build_loader
 
 
-def is_phased(config: Any, state: Any) -> bool:
+def is_phased(config: Any, state: SavedState | None) -> bool:
     """Whether the run given as ``--config`` or ``--state`` is one in phases."""
-    return any(isinstance(doc, Mapping) and "phases" in doc for doc in (config, state))
+    return (isinstance(config, Mapping) and "phases" in config) or bool(state and state.phased)
 
 
 def build_run(
     *,
     config: Mapping[str, Any] | None,
-    state: Mapping[str, Any] | None,
+    state: SavedState | None,
     split: str = "train",
     options: StoreOptions | None = None,
     fields: Mapping[str, Any] | None = None,
@@ -61,40 +60,15 @@ def build_run(
             raise ValueError(f"{config_name}: {e}") from None
         except StoreError as e:
             raise StoreError(f"{config_name}: {e}") from None
-    if state is None or not isinstance(state.get("phases"), list):
+    if state is None or not state.phased:
         raise ValueError(f"{state_name}: not the state of a run in phases")
-    try:
-        return _saved_run(state, options, state_name)
-    except BadValue as e:
-        raise ValueError(f"{state_name}: {e}") from None
-
-
-def _saved_run(
-    state: Mapping[str, Any], options: StoreOptions | None, state_name: str
-) -> PhasedLoader:
-    """The run of a saved phased state, each phase rebuilt from its
-    fingerprint and sources and checked against them."""
-    step = integer(state.get("step"), "step", low=0, high=MAX_STEP)
-    saved = sequence(state["phases"], "phases", "a list of the saved phases")
-    if not saved:
-        raise BadValue("phases", "must list at least one phase")
-    entries = [mapping(p, child("phases", j)) for j, p in enumerate(saved)]
-    starts = [
-        integer(p.get("start_step"), child(child("phases", j), "start_step"), low=0, high=MAX_STEP)
-        for j, p in enumerate(entries)
-    ]
     phases = []
-    for j, entry in enumerate(entries):
-        start = starts[j]
-        end = starts[j + 1] if j + 1 < len(starts) else step
-        local = max(0, min(end, step) - start)
-        fingerprint = entry.get("fingerprint")
-        sub = {"step": local, "fingerprint": fingerprint, "sources": entry.get("sources")}
-        if isinstance(fingerprint, Mapping):
-            with contextlib.suppress(KeyError, ValueError):  # build_loader names them
-                sub["samples"] = BatchSchedule.of(fingerprint["batch_size"]).samples_before(local)
+    for j, saved in enumerate(state.phases):
+        start = saved.start_step
         try:
-            loader = build_loader(state=sub, options=options, state_name=child("phases", j))
+            loader = build_loader(
+                state=state.phase(j), options=options, state_name=child("phases", j)
+            )
         except ValueError as e:
             raise ValueError(f"{state_name}: phase {j} (from step {start}): {e}") from None
         except IndexError as e:  # the sequences it read are not there now
@@ -106,9 +80,9 @@ def _saved_run(
         phases.append(Phase(start, source, loader.config))
     try:
         run = PhasedLoader(phases)
-        run.restore(state)
     except ValueError as e:
         raise ValueError(f"{state_name}: {e}") from None
+    run.next_step = state.step
     return run
 
 

@@ -24,11 +24,12 @@ from flat_tokens_jax.data.dataset import FlatTokens, open_dataset
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.loader import Loader
 from flat_tokens_jax.loader.resume import check_resume
+from flat_tokens_jax.loader.state import SavedState
 from flat_tokens_jax.sampling.mixconfig import mixture_from_config
 from flat_tokens_jax.sampling.mixture import Mixture
 from flat_tokens_jax.sampling.schedule import BatchSchedule
 from flat_tokens_jax.store.options import StoreOptions
-from flat_tokens_jax.tools.savedstate import saved_config, saved_source
+from flat_tokens_jax.tools.savedstate import saved_source
 
 FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 UNTRAINED = ("⟦", "⟧")  # around tokens whose loss_mask is 0
@@ -41,7 +42,7 @@ def build_loader(
     url: str | None = None,
     split: str = "train",
     config: Mapping[str, Any] | None = None,
-    state: Mapping[str, Any] | None = None,
+    state: SavedState | None = None,
     fields: Mapping[str, Any] | None = None,
     options: StoreOptions | None = None,
     config_name: str = "--config",
@@ -56,10 +57,12 @@ def build_loader(
         config: a parsed YAML document with a ``loader`` section (the
             :class:`LoaderConfig` fields) and optionally a ``data`` section
             (see :func:`~flat_tokens_jax.sampling.mixconfig.mixture_from_config`).
-        state: a saved :meth:`Loader.state`: its fingerprint gives the config,
-            its ``sources`` the data (unless ``url`` is given), and the data
-            found must match its fingerprint (a batch size given in ``fields``
-            may differ from the saved step on, as :meth:`Loader.restore` allows).
+        state: a saved :meth:`Loader.state` (of one phase), read by
+            :func:`~flat_tokens_jax.loader.state.read_state`: its fingerprint
+            gives the config, its ``sources`` the data (unless ``url`` is
+            given), and the data found must match its fingerprint (a batch
+            size given in ``fields`` may differ from the saved step on, as
+            :meth:`Loader.restore` allows).
         fields: :class:`LoaderConfig` fields that override the others.
         options: how to reach the data.
         config_name, state_name: the files ``config`` and ``state`` were read
@@ -75,10 +78,9 @@ def build_loader(
     origin: dict[str, str] = {}  # where each field was given, to name a bad value
     data: Mapping[str, Any] | None = None
     if state is not None:
-        values.update(saved_config(state))
-        top = state["fingerprint"]
+        values.update(state.phases[0].config)
         origin.update({k: f"{state_name}: fingerprint.config" for k in values})
-        origin.update({k: f"{state_name}: fingerprint" for k in values if k in top})
+        origin["batch_size"] = f"{state_name}: fingerprint"
     if config is not None:
         if not isinstance(config, Mapping):
             raise ValueError(f"{config_name} is not a mapping with a 'loader' section")
@@ -129,7 +131,7 @@ def build_loader(
         )
     loader = Loader(source, cfg)
     if state is not None:
-        # Refuses (StateMismatch) or warns of fields an older state lacks, as restore does.
+        # Refuses (StateMismatch) what restore refuses.
         check_resume(
             state,
             loader.fingerprint(),

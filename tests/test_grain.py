@@ -279,9 +279,9 @@ def test_construction_errors_name_the_fix(path: Path) -> None:
         FlatTokensSource(path, 0)
     with pytest.raises(ValueError, match="has no records"):
         FlatTokensSource(path, ft.num_tokens + 1)
-    with pytest.raises(ValueError, match="seq_len 8 was asked for"):
+    with pytest.raises(ValueError, match="seq_len 8 and packing True were asked for"):
         FlatTokensSource(ftj.PackedRecords(ft, SEQ_LEN), 8)
-    with pytest.raises(ValueError, match="packing False was asked for"):
+    with pytest.raises(ValueError, match="seq_len 16 and packing False were asked for"):
         FlatTokensSource(ftj.PackedRecords(ft, SEQ_LEN), packing=False)
     for field, bad, bounds in (
         ("start_token_id", -1, r"in \[0, 2\*\*31 - 1\] or null/None"),

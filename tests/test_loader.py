@@ -301,6 +301,14 @@ def test_common_mistakes_name_the_fix() -> None:
         ftj.Loader(url, cfg)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"wrap it: NamedSharding\(mesh, P\(...\)\)"):
         ftj.Loader(ds["train"], cfg, sharding=PartitionSpec("data"))  # type: ignore[arg-type]
+    records = ftj.PaddedRecords(ds["train"], 4)
+    with pytest.raises(
+        ValueError,
+        match=r"^the source is PaddedRecords\(.*\) with seq_len 4 and packing False, but "
+        r"seq_len 2 and packing True were asked for: pass the FlatTokens split and let the "
+        r"LoaderConfig make its records$",
+    ):
+        ftj.Loader(records, cfg)
 
 
 @pytest.mark.parametrize("batch_size", [1, 4, 3])

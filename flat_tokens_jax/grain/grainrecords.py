@@ -17,7 +17,7 @@ from flat_tokens_jax.data.bins import BinRecords, PackingPlan, check_packing, ma
 from flat_tokens_jax.data.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.data.records import PackedRecords, PaddedRecords, Records
 from flat_tokens_jax.decoding.layouts import check_max_segments
-from flat_tokens_jax.sampling.mixture import Mixture
+from flat_tokens_jax.sampling.mixture import Mixture, config_records
 from flat_tokens_jax.store.options import StoreOptions
 
 
@@ -133,16 +133,17 @@ def as_records(
         raise TypeError(
             f"expected a path or URL, a FlatTokens or Records, got {type(source).__name__}"
         )
-    asked = {"seq_len": seq_len, "packing": packing}
-    have = {"seq_len": source.seq_len, "packing": source.packed}
-    wrong = [f"{k} {asked[k]!r}" for k in asked if asked[k] is not None and asked[k] != have[k]]
-    if wrong:
-        raise ValueError(
-            f"{source!r} has seq_len {source.seq_len} and packing {source.packed}, but "
-            f"{' and '.join(wrong)} was asked for: leave them out to use the records' own"
-        )
-    check_max_segments(max_segments, source.seq_len, source.packed, "max_segments")
-    return source
+    records = config_records(
+        source,
+        source.seq_len if seq_len is None else seq_len,
+        source.packed if packing is None else packing,
+        plan_cache,
+        max_segments,
+        "the source",
+        "leave seq_len and packing out to use the records' own",
+    )
+    check_max_segments(max_segments, records.seq_len, records.packed, "max_segments")
+    return records
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,11 +19,12 @@ import jax
 from flat_tokens_jax.core import fields
 from flat_tokens_jax.core.values import BadValue, boolean, choice, integer, known_keys
 from flat_tokens_jax.core.yamlfile import read_yaml
-from flat_tokens_jax.data.bins import BINS, make_records
+from flat_tokens_jax.data.bins import BINS
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, check_source
 from flat_tokens_jax.decoding.instancefilter import InstanceFilter
 from flat_tokens_jax.decoding.layouts import LAYOUTS, BatchLayout, check_max_segments
+from flat_tokens_jax.sampling.mixture import config_records
 from flat_tokens_jax.sampling.schedule import BatchSchedule, BatchSizeSpec
 
 
@@ -285,16 +286,11 @@ with the value and the path that names it (``loader.seed``,
 
 def records_for(source: Any, config: LoaderConfig, plan_cache: str | os.PathLike[str]) -> Records:
     """The records of a single (non-Mixture) source, checked against the config."""
-    if isinstance(source, FlatTokens):
-        return make_records(source, config.seq_len, config.packing, plan_cache, config.max_segments)
-    check_source(source, "the Loader's source")
-    if source.seq_len != config.seq_len or source.packed != config.packing:
-        raise ValueError(
-            f"{source!r} has seq_len {source.seq_len} and packing "
-            f"{source.packed}, but the config asks for seq_len "
-            f"{config.seq_len} and packing {config.packing}"
-        )
-    return source
+    if not isinstance(source, FlatTokens):
+        check_source(source, "the Loader's source")
+    return config_records(
+        source, config.seq_len, config.packing, plan_cache, config.max_segments, "the source"
+    )
 
 
 def check_sharding(sharding: Any) -> None:

@@ -277,20 +277,11 @@ class Mixture:
                 "LoaderConfig decides; drop seq_len/packing from the Mixture"
             )
 
-        def component(name: str, src: Source) -> Records:
-            if isinstance(src, FlatTokens):
-                return make_records(src, seq_len, packing, plan_cache, max_segments)
-            if src.seq_len != seq_len or src.packed != packing:
-                raise ValueError(
-                    f"component {name!r} is {src!r} with seq_len {src.seq_len} and packing "
-                    f"{src.packed}, but the LoaderConfig says seq_len {seq_len} and packing "
-                    f"{packing}: pass the FlatTokens split and let the config make its records"
-                )
-            return src
-
         # Records that read (bounds, packing plans) do so at once.
         calls = [
-            functools.partial(component, n, s)
+            functools.partial(
+                config_records, s, seq_len, packing, plan_cache, max_segments, f"component {n!r}"
+            )
             for n, s in zip(self.names, self.sources, strict=True)
         ]
         return tuple(at_once(calls))
@@ -341,6 +332,28 @@ class Mixture:
             "periods": [p.period for p in self.periods],
             "seed": self.seed,
         }
+
+
+def config_records(
+    source: FlatTokens | Records,
+    seq_len: int,
+    packing: bool | str,
+    plan_cache: str | os.PathLike[str] | None,
+    max_segments: int | None,
+    who: str,
+    fix: str = "pass the FlatTokens split and let the LoaderConfig make its records",
+) -> Records:
+    """The records of ``source`` for ``seq_len`` and ``packing``: a split's
+    are made; ready-made records must be of that ``seq_len`` and packing
+    (refused naming ``who`` and the ``fix`` otherwise)."""
+    if isinstance(source, FlatTokens):
+        return make_records(source, seq_len, packing, plan_cache, max_segments)
+    if source.seq_len != seq_len or source.packed != packing:
+        raise ValueError(
+            f"{who} is {source!r} with seq_len {source.seq_len} and packing {source.packed}, "
+            f"but seq_len {seq_len} and packing {packing} were asked for: {fix}"
+        )
+    return source
 
 
 def _named_components(components: Components) -> list[tuple[str, Source, float]]:

@@ -450,6 +450,40 @@ def test_show_state_on_malformed_files_names_the_field_in_one_line(tmp_path: Pat
     assert wrong == []
 
 
+def test_restore_and_show_refuse_a_malformed_state_with_the_same_lines(tmp_path: Path) -> None:
+    """One schema: ``Loader.restore``, ``PhasedLoader.restore`` (of several
+    phases, given a Loader's state) and ``show --state`` name the same fields."""
+    state = on_disk(tmp_path)
+    web, code = (ftj.open_dataset(tmp_path / name)["train"] for name in ("web", "code"))
+    loader = ftj.Loader(mixture(web, code), CFG)
+    run = ftj.PhasedLoader(
+        [ftj.Phase(0, mixture(web, code), CFG), ftj.Phase(9, split([[5, 6]] * 40), CFG)]
+    )
+    assert loader.state_differences(state) == run.state_differences(state) == []
+    bad = tmp_path / "bad.json"
+    for change, named in MALFORMED[:-1]:  # the last is no mapping: restore's TypeError
+        changed = change(state)
+        lines = loader.state_differences(changed)
+        assert any(named in line for line in lines), (named, lines)
+        assert run.state_differences(changed) == lines
+        for restore in (loader.restore, run.restore):
+            assert refusal_of(restore, changed) == "\n  ".join(
+                ["not a loader state this version reads:", *lines]
+            )
+        bad.write_text(json.dumps(changed))
+        exit_code, _, err = run_show("--state", str(bad), "--step", "5")
+        assert exit_code == 1
+        assert err == f"show: --state {bad}: not a loader state this version reads: " + (
+            "; ".join(lines) + "\n"
+        )
+
+
+def refusal_of(restore: Any, state: Any) -> str:
+    with pytest.raises(ftj.StateMismatch) as e:
+        restore(state)
+    return str(e.value)
+
+
 def test_show_state_of_an_earlier_shape_names_what_it_lacks(tmp_path: Path) -> None:
     state = on_disk(tmp_path)
     del state["samples"]

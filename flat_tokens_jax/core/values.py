@@ -35,6 +35,7 @@ __all__ = [
     "choice",
     "close_match",
     "integer",
+    "is_integer",
     "known_keys",
     "mapping",
     "number",
@@ -144,6 +145,16 @@ def integer(
     if (low is not None and value < low) or (high is not None and value > high):
         raise BadValue(path, f"must be {form}, got {value!r}")
     return value
+
+
+def is_integer(value: Any, *, low: int | None = None) -> bool:
+    """Whether :func:`integer` takes ``value`` (an int, numpy's too, not a
+    bool, ``>= low``), for checks that word their own refusal."""
+    try:
+        integer(value, "", low=low)
+    except BadValue:
+        return False
+    return True
 
 
 def number(value: Any, path: str, *, low: float | None = None) -> float:

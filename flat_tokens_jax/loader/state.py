@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from flat_tokens_jax.core import fields
-from flat_tokens_jax.core.values import BadValue, child, integer, number
+from flat_tokens_jax.core.values import BadValue, child, integer, is_integer, number
 from flat_tokens_jax.loader.config import BATCH_DEFINING, FIELDS
 from flat_tokens_jax.sampling.schedule import BatchSchedule
 
@@ -299,14 +299,6 @@ def _field(
     return None
 
 
-def _is_int(value: Any, low: int) -> bool:
-    try:
-        integer(value, "", low=low)
-    except BadValue:
-        return False
-    return True
-
-
 # The shapes a state holds; :func:`_field` names what was expected.
 
 
@@ -329,7 +321,7 @@ def _text(value: Any, path: str) -> str:
 
 
 def _range(value: Any, path: str) -> list[int]:
-    pair = isinstance(value, list) and len(value) == 2 and all(_is_int(v, 0) for v in value)
+    pair = isinstance(value, list) and len(value) == 2 and all(is_integer(v, low=0) for v in value)
     if pair and value[0] <= value[1]:
         return value
     raise TypeError

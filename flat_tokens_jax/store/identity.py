@@ -32,6 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from flat_tokens_jax.core.format import SPLITS, FormatError, split_names
+from flat_tokens_jax.core.values import is_integer
 
 ATTRIBUTE = "flat_tokens"
 MARKER = "flat-tokens"
@@ -185,7 +186,7 @@ class DatasetInfo:
         version = value.get("library_version")
         flags = value.get("flags", {})
         inputs = value.get("inputs", {})
-        _expect(start is None or _is_int(start), at, "start_token_id", "an int", start)
+        _expect(start is None or is_integer(start), at, "start_token_id", "an int", start)
         is_str = version is None or isinstance(version, str)
         _expect(is_str, at, "library_version", "a str", version)
         _expect(isinstance(flags, Mapping), at, "flags", "an object", flags)
@@ -241,10 +242,6 @@ def dataset_splits(attrs: Mapping[str, Any], where: str = "") -> tuple[str, ...]
         ) from None
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _expect(ok: bool, at: str, key: str, what: str, value: Any) -> None:
     if not ok:
         raise FormatError(f"{at}root attribute {ATTRIBUTE}.{key} must be {what}, got {value!r}")
@@ -255,11 +252,11 @@ def _tokenizer(value: Any, at: str) -> TokenizerInfo:
     name, hashed, size = value.get("name"), value.get("vocab_hash"), value.get("vocab_size")
     _expect(isinstance(name, str), at, "tokenizer.name", "a str", name)
     _expect(isinstance(hashed, str), at, "tokenizer.vocab_hash", "a str", hashed)
-    _expect(_is_int(size), at, "tokenizer.vocab_size", "an int", size)
+    _expect(is_integer(size), at, "tokenizer.vocab_size", "an int", size)
     ids = {}
     for key in ("bos_id", "eos_id", "pad_id"):
         got = value.get(key)
-        _expect(got is None or _is_int(got), at, f"tokenizer.{key}", "an int or null", got)
+        _expect(got is None or is_integer(got), at, f"tokenizer.{key}", "an int or null", got)
         ids[key] = got
     return TokenizerInfo(name, hashed, size, **ids)
 

@@ -418,7 +418,9 @@ def cached_plan(
 
     An entry is used only when its whole key (URL, split, sequence range,
     ``seq_len``, algorithm with its cap, and the data's counts and sampled
-    digest) matches.
+    digest) matches and it holds a plan of ``ft``. A cache entry is disposable:
+    one that cannot be read (cut short, written by another version of this
+    code, of other data) is logged and built again in its place.
     """
     key = _cache_key(ft, seq_len, max_segments)
     text = json.dumps(key, sort_keys=True)
@@ -430,9 +432,9 @@ def cached_plan(
         try:
             with np.load(path) as f:
                 if str(f["key"]) == text:
-                    # Entries of older versions hold no "source" (nor its full digest).
-                    saved = json.loads(str(f["source"])) if "source" in f.files else {}
-                    source = {**key["source"], **(saved if isinstance(saved, dict) else {})}
+                    source = json.loads(str(f["source"]))
+                    if not isinstance(source, dict):
+                        raise ValueError(f"its source is {source!r}, not a mapping")
                     plan = PackingPlan(
                         seq_len, key["algorithm"], f["bin_starts"], f["seq_order"], source
                     )

@@ -7,20 +7,13 @@ tensorstore), that it uses.
 
 The modules live in subpackages that follow the data's path (``core``,
 ``store``, ``data``, ``sampling``, ``decoding``, ``loader``, ``grain``,
-``convert``, ``tools``). A module's path from before the subpackages
-(``flat_tokens_jax.batch``) still imports the same module object, with a
-``DeprecationWarning`` that names its path now (``flat_tokens_jax.decoding.batch``).
+``convert``, ``tools``).
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.machinery
 import importlib.util
-import sys
-import types
-import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -153,99 +146,3 @@ def __dir__() -> list[str]:
 
 def _is_submodule(name: str) -> bool:
     return importlib.util.find_spec(f"flat_tokens_jax.{name}") is not None
-
-
-# A module's name before the subpackages: the subpackage that holds it now. The
-# modules named like their subpackage (store, loader, sampling, grain) need no
-# entry: the subpackage gives their names.
-_MOVED = {
-    "arrays": "store",
-    "batch": "decoding",
-    "batch_jax": "decoding",
-    "binpack": "data",
-    "bins": "data",
-    "buffers": "core",
-    "claim": "store",
-    "compiled": "core",
-    "concurrently": "core",
-    "config": "loader",
-    "dataset": "data",
-    "digests": "store",
-    "extras": "core",
-    "feed": "loader",
-    "filterkernel": "core",
-    "format": "core",
-    "grainbatches": "grain",
-    "grainprocess": "grain",
-    "hostdecode": "decoding",
-    "identity": "store",
-    "instancefilter": "decoding",
-    "kernels": "core",
-    "layout": "store",
-    "layouts": "decoding",
-    "limits": "core",
-    "localshards": "store",
-    "location": "store",
-    "mixconfig": "sampling",
-    "mixture": "sampling",
-    "options": "store",
-    "phaseconfig": "loader",
-    "phasedloader": "loader",
-    "phases": "loader",
-    "phaseshow": "tools",
-    "pipeline": "loader",
-    "plans": "data",
-    "probes": "store",
-    "readahead": "loader",
-    "records": "data",
-    "resume": "loader",
-    "runplan": "loader",
-    "schedule": "sampling",
-    "sharding": "decoding",
-    "show": "tools",
-    "stepsamples": "sampling",
-    "urls": "core",
-    "validation": "data",
-    "values": "core",
-    "writer": "data",
-    "zarrpython": "store",
-}
-
-
-class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports ``flat_tokens_jax.<old name>`` as the moved module, with a warning."""
-
-    def __init__(self) -> None:
-        self._specs: dict[str, importlib.machinery.ModuleSpec | None] = {}
-
-    def find_spec(
-        self, fullname: str, path: Any = None, target: types.ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        package, _, name = fullname.rpartition(".")
-        if package != __name__ or name not in _MOVED:
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        module = importlib.import_module(_new_name(spec.name))
-        self._specs[module.__name__] = module.__spec__
-        return module
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        # The import system gave the moved module the old name's spec: give its own back.
-        new = module.__name__
-        module.__spec__ = self._specs.pop(new)
-        warnings.warn(
-            f"{__name__}.{new.rpartition('.')[2]} is now {new}: import it from there",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-
-
-def _new_name(old: str) -> str:
-    name = old.rpartition(".")[2]
-    return f"{__name__}.{_MOVED[name]}.{name}"
-
-
-if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
-    sys.meta_path.insert(0, _MovedModules())

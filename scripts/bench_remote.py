@@ -27,6 +27,7 @@ afresh (a cold cache):
 * HTTP read requests per batch (tensorstore's metrics) and bytes read per
   useful token (not for ``batches``: grain's read-ahead, up to its
   ``prefetch_buffer_size`` elements, is not known to the loop);
+* ``--waits``: every step's wait, in milliseconds, for each row;
 * ``--hosts N`` (``Loader.iterate`` only): the same loop on N
   ``jax.distributed`` processes (gloo, one CPU device each) reading one store
   through the proxy, each only its own rows;
@@ -215,6 +216,7 @@ def loop(
         "later": float(np.mean(waits[1:])),
         "later_p90": float(np.quantile(waits[1:], 0.9)),
         "later_max": float(np.max(waits[1:])),
+        "waits": waits,
         "took": took,
         # this host's tokens handed out: a grain element holds this host's rows
         "tokens": (steps + 1) * next(iter(batch.values())).size,
@@ -259,6 +261,10 @@ def single_host(
             proxy.delay = delay
             for path in args.paths:
                 got = loop(where, cfg, step_time, args.steps, path=path)
+                if args.waits:
+                    each = " ".join(f"{w * 1000:.0f}" for w in got["waits"])
+                    row = f"{PATHS[path]}, +{delay * 1e3:.0f} ms, {step_time * 1e3:.0f} ms steps"
+                    print(f"{row}: {each}")
                 base = bases.setdefault(path, got)
                 trips = (got["first"] - base["first"]) / delay if delay else 0.0
                 rows.append({**got, "delay": delay, "step_time": step_time, "trips": trips})
@@ -408,6 +414,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=40_000_000)
     parser.add_argument("--hosts", type=int, default=0, help="also run on N processes")
     parser.add_argument("--bandwidth", type=float, default=0.0, help="MB/s cap row")
+    parser.add_argument("--waits", action="store_true", help="print every step's wait (ms)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

@@ -1,5 +1,5 @@
 """The layout table of docs/design.md is the import graph: every module is in
-it, every import goes down it, and the old module paths still import."""
+it, every import goes down it, and a path that is not in it is no module."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def _exists(name: str) -> bool:
 def upward_imports(table: list[tuple[str, list[str]]], graph: dict[str, set[str]]) -> list[str]:
     """The imports in ``graph`` that go up ``table``: to a later row, to a later
     module of the same row, or to the package root (only the top may); and those
-    of a path that is no module (an old path, before the subpackages)."""
+    of a path that is no module of the table."""
     rank: dict[str, tuple[int, int]] = {"flat_tokens_jax": (len(table), 0)}
     for row, (place, modules) in enumerate(table):
         if place.endswith("/"):
@@ -132,44 +132,33 @@ def test_an_upward_import_is_reported() -> None:
 
 
 @pytest.mark.parametrize(
-    ("old", "new"),
-    [
-        ("flat_tokens_jax.batch", "flat_tokens_jax.decoding.batch"),
-        ("flat_tokens_jax.records", "flat_tokens_jax.data.records"),
-        ("flat_tokens_jax.format", "flat_tokens_jax.core.format"),
-        ("flat_tokens_jax.phaseshow", "flat_tokens_jax.tools.phaseshow"),
-    ],
+    "old", ["flat_tokens_jax.batch", "flat_tokens_jax.records", "flat_tokens_jax.phaseshow"]
 )
-def test_an_old_module_path_imports_the_moved_module_with_a_warning(
-    old: str, new: str, monkeypatch: pytest.MonkeyPatch
+def test_a_module_path_from_before_the_subpackages_is_no_module(
+    old: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delitem(sys.modules, old, raising=False)
-    if old.rpartition(".")[2] in vars(flat_tokens_jax):
-        monkeypatch.delattr(flat_tokens_jax, old.rpartition(".")[2])
-    with pytest.warns(DeprecationWarning, match=f"{old} is now {new}"):
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(new)
-    assert module.__name__ == new
-    assert module.__spec__ is not None and module.__spec__.name == new
+    with pytest.raises(ModuleNotFoundError, match=f"No module named '{old}'"):
+        importlib.import_module(old)
+    with pytest.raises(AttributeError, match=f"has no attribute '{old.rpartition('.')[2]}'"):
+        getattr(flat_tokens_jax, old.rpartition(".")[2])
 
 
-def test_the_documented_import_paths_give_the_moved_names() -> None:
+def test_the_documented_import_paths_give_the_names_of_the_namesake_module() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         from flat_tokens_jax.grain import FlatTokensSource, ScheduledBatches
-        from flat_tokens_jax.loader import Loader
-        from flat_tokens_jax.sampling import permute
         from flat_tokens_jax.store import remote_bytes, remote_reads
 
     from flat_tokens_jax.grain.grain import FlatTokensSource as source
     from flat_tokens_jax.grain.grain import ScheduledBatches as scheduled
-    from flat_tokens_jax.loader.loader import Loader as loader
     from flat_tokens_jax.store.store import remote_bytes as bytes_read
+    from flat_tokens_jax.store.store import remote_reads as reads
 
     assert FlatTokensSource is source and ScheduledBatches is scheduled
-    assert Loader is loader
-    assert remote_bytes is bytes_read and remote_reads.__module__ == "flat_tokens_jax.store.store"
-    assert permute.__module__ == "flat_tokens_jax.sampling.sampling"
+    assert remote_bytes is bytes_read and remote_reads is reads
+    with pytest.raises(ImportError, match="cannot import name 'Store'"):
+        from flat_tokens_jax.store import Store  # noqa: F401
 
 
 def test_the_subpackages_leave_the_public_names_as_they_are() -> None:

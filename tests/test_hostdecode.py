@@ -2,6 +2,7 @@
 blocks on threads, ``batch`` with read-ahead, and decoding on the devices."""
 
 import dataclasses
+from typing import Any
 
 import jax
 import numpy as np
@@ -15,7 +16,7 @@ import flat_tokens_jax as ftj
 from flat_tokens_jax.core.buffers import Buffers
 from flat_tokens_jax.data.records import Windows
 from flat_tokens_jax.decoding.batch import FIELDS, window_fields
-from flat_tokens_jax.decoding.hostdecode import BlockDecoder, empty_fields
+from flat_tokens_jax.decoding.hostdecode import BlockDecoder, empty_fields, request_parts
 
 datasets = st.lists(
     st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=15), min_size=1, max_size=25
@@ -251,3 +252,48 @@ def test_consecutive_steps_of_a_scheduled_mixture_equal_fresh_loaders() -> None:
         fresh = ftj.Loader(mix, cfg).host_batch(step)
         assert as_lists(loader.host_batch(step)) == as_lists(fresh), step
     assert len(calls) < 14 and max(calls) > 8  # several steps' samples in one call
+
+
+class Noted:
+    """Packed records that note when their reads start and when they are waited for."""
+
+    def __init__(self, ft: ftj.FlatTokens, name: str, notes: list[str]) -> None:
+        self.inner, self.name, self.notes = ftj.PackedRecords(ft, 4), name, notes
+        self.seq_len, self.packed = 4, True
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def read(self, indices: np.ndarray, columns: tuple[int, int] | None = None) -> Windows:
+        return self.request(indices, columns)()
+
+    def request(self, indices: np.ndarray, columns: tuple[int, int] | None = None) -> Any:
+        self.notes.append(f"request {self.name}")
+        waiting = self.inner.request(indices, columns)
+
+        def windows() -> Windows:
+            self.notes.append(f"wait {self.name}")
+            return waiting()
+
+        return windows
+
+
+def test_a_step_of_several_components_starts_every_read_before_waiting_for_one() -> None:
+    url = memory_url()
+    ftj.write_dataset(url, {"train": [list(range(1, 40))] * 3})
+    ft = ftj.open_dataset(url)["train"]
+    notes: list[str] = []
+    components = [Noted(ft, "a", notes), Noted(ft, "b", notes)]
+    comp = np.array([1, 0, 1], np.int64)
+    records = np.array([2, 5, 7], np.int64)
+    real = np.array([True, True, False, True])
+    waiting = request_parts(components, comp, records, real)
+    assert notes == ["request a", "request b"]
+    parts = waiting()
+    assert notes == ["request a", "request b", "wait a", "wait b"]
+    got = {c: (rows.tolist(), w.encoded.tolist()) for c, rows, w in parts}
+    direct = ftj.PackedRecords(ft, 4)
+    assert got == {
+        0: ([1], direct.read(np.array([5])).encoded.tolist()),
+        1: ([0, 3], direct.read(np.array([2, 7])).encoded.tolist()),
+    }

@@ -431,22 +431,25 @@ def test_a_plan_of_another_split_is_refused_naming_both(tmp_path: Path) -> None:
     assert "split='train'" in str(e.value)
 
 
-def test_an_older_plan_without_a_full_digest_is_checked_bin_by_bin(tmp_path: Path) -> None:
+def test_a_plan_is_checked_by_its_digest_then_bin_by_bin(tmp_path: Path) -> None:
     ours = lengths_of(400)
     url = write(tmp_path / "ds", ours, validation=moved_boundary(ours, 64))
     ds = ftj.open_dataset(url)
-    made = make_plan(ds["validation"], 64)
-    # As plans recorded before the full digest and the split: counts and sample only.
-    old = {k: made.source[k] for k in ("num_tokens", "num_sequences", "starts_sample")}
-    foreign = type(made)(64, made.algorithm, made.bin_starts, made.seq_order, old)
-    with pytest.raises(ftj.FormatError, match="holds more than seq_len=64"):
-        BinRecords(ds["train"], 64, plan=foreign)
-    # A correct older plan is still accepted.
     mine = make_plan(ds["train"], 64)
-    kept = {k: mine.source[k] for k in old}
-    records = BinRecords(
-        ds["train"], 64, plan=type(mine)(64, mine.algorithm, mine.bin_starts, mine.seq_order, kept)
-    )
+    plan = type(mine)
+    # Without the digest of its bounds a plan cannot be tied to a split: refused.
+    partial = {k: v for k, v in mine.source.items() if k != "starts_digest"}
+    with pytest.raises(ftj.FormatError, match=r"records no digest .*source.starts_digest"):
+        BinRecords(
+            ds["train"], 64, plan=plan(64, mine.algorithm, mine.bin_starts, mine.seq_order, partial)
+        )
+    # The bins of the other split's plan under this split's digest: each bin is
+    # still checked against this split's lengths.
+    foreign = make_plan(ds["validation"], 64)
+    mixed = plan(64, mine.algorithm, foreign.bin_starts, foreign.seq_order, dict(mine.source))
+    with pytest.raises(ftj.FormatError, match="holds more than seq_len=64"):
+        BinRecords(ds["train"], 64, plan=mixed)
+    records = BinRecords(ds["train"], 64, plan=mine)
     assert len(records) == mine.num_bins
     windows = records.read(np.arange(len(records)))
     assert windows.lengths is not None and windows.lengths.sum() == sum(min(n, 64) for n in ours)

@@ -45,7 +45,7 @@ from flat_tokens_jax.convert.merge import merge
 from flat_tokens_jax.convert.text import convert
 from flat_tokens_jax.core.format import FormatError
 from flat_tokens_jax.data.records import PackedRecords, PaddedRecords
-from flat_tokens_jax.store.arrays import Known
+from flat_tokens_jax.store.arrays import Known, from_chunks
 from flat_tokens_jax.store.digests import DIGESTS
 from flat_tokens_jax.store.options import StoreError
 from flat_tokens_jax.store.store import Store
@@ -490,15 +490,14 @@ def test_known_chunks_serve_exactly_the_ranges_they_cover(
     values = np.arange(size, dtype=np.uint32) * 7
     chunks = range(-(-size // chunk))
     have = set(data.draw(st.lists(st.sampled_from(list(chunks)), unique=True)))
-    known = Known(chunk, {c: values[c * chunk : (c + 1) * chunk] for c in have})
+    whole = {c: values[c * chunk : (c + 1) * chunk] for c in have}
+    known = Known(chunk, frozenset(have), lambda: whole)
     a = data.draw(st.integers(0, size - 1))
     b = data.draw(st.integers(a + 1, size))
-    got = known.slice(a, b)
-    if all(c in have for c in range(a // chunk, (b - 1) // chunk + 1)):
-        assert got is not None
-        np.testing.assert_array_equal(got, values[a:b])
-    else:
-        assert got is None
+    covered = all(c in have for c in range(a // chunk, (b - 1) // chunk + 1))
+    assert known.covers(a, b) == covered
+    if covered:
+        np.testing.assert_array_equal(from_chunks(whole, chunk, a, b), values[a:b])
 
 
 def test_a_shard_swapped_in_with_its_digests_is_found_by_validate(tmp_path: Path) -> None:

@@ -206,12 +206,17 @@ def test_records_components_must_agree_with_the_config() -> None:
     b = ftj.PaddedRecords(make_split(10, length=3, base=50), 4)
     with pytest.raises(ValueError, match=r"records disagree on packing: '0': True, '1': False"):
         Mixture([(a, 1), (b, 1)])
+    with pytest.raises(ValueError, match=r"records disagree on seq_len: '0': 4, '1': 3"):
+        Mixture([(a, 1), (ftj.PackedRecords(make_split(10, base=50), 3), 1)])
     mix = Mixture([("a", a, 1), ("b", ftj.PackedRecords(make_split(10, base=50), 4), 1)])
     with pytest.raises(
-        ValueError, match="says packing True but the LoaderConfig says packing False"
+        ValueError,
+        match=r"component 'a' is PackedRecords.* with seq_len 4 and packing True, but "
+        r"seq_len 4 and packing False were asked for: pass the FlatTokens split and let the "
+        r"LoaderConfig make its records",
     ):
         ftj.Loader(mix, ftj.LoaderConfig(batch_size=8, seq_len=4, packing=False))
-    with pytest.raises(ValueError, match="says seq_len 4 but the LoaderConfig says seq_len 2"):
+    with pytest.raises(ValueError, match=r"with seq_len 4 .* but seq_len 2 and packing True"):
         ftj.Loader(mix, ftj.LoaderConfig(batch_size=8, seq_len=2))
 
 
@@ -231,15 +236,6 @@ def test_the_config_decides_what_a_record_is(packing: bool) -> None:
     assert loader.fingerprint()["config"]["packing"] is packing
     assert [r.packed for r in loader.components] == [packing, packing]
     assert bool(batch["loss_mask"].all()) == packing  # padded rows of 3 tokens hold padding
-
-
-def test_deprecated_seq_len_must_agree_with_the_config() -> None:
-    ft = make_split(12, length=3)
-    with pytest.warns(DeprecationWarning, match="the LoaderConfig decides"):
-        mix = Mixture([(ft, 1)], seq_len=4, packing=True)
-    ftj.Loader(mix, ftj.LoaderConfig(batch_size=2, seq_len=4))
-    with pytest.raises(ValueError, match="Mixture says packing True but the LoaderConfig"):
-        ftj.Loader(mix, ftj.LoaderConfig(batch_size=2, seq_len=4, packing=False))
 
 
 def test_names_in_every_form_reach_provenance_and_fingerprint() -> None:
@@ -396,10 +392,8 @@ def test_mixture_config_takes_what_the_python_api_takes(tmp_path: Path) -> None:
         assert loader.fingerprint() == ftj.Loader(by_hand, cfg).fingerprint()
         for s in range(6):
             assert np.array_equal(loader.host_batch(s)["targets"], want[s])
-    with pytest.warns(DeprecationWarning):
-        stated = mixture_from_config({**config, "seq_len": 8})
-    with pytest.raises(ValueError, match="says seq_len 8 but the LoaderConfig says seq_len 4"):
-        ftj.Loader(stated, cfg)
+    with pytest.raises(ValueError, match="data has unknown key 'seq_len'; known: allow_mixed"):
+        mixture_from_config({**config, "seq_len": 4})
     with pytest.raises(ValueError, match=r"data.schedule\[0\] has unknown key 'at'; known: step"):
         mixture_from_config({**config, "schedule": [{"at": 3}]})
     with pytest.raises(ValueError, match=r"data.schedule\[0\] must be \{step: N, weights"):

@@ -1,14 +1,28 @@
-"""flat_tokens_jax.loader.pipeline: steps come back in order, each ``finish(fetch(step))``;
-the next step's fetch runs beside this step's finish; errors and cancellation
-reach the right step."""
+"""flat_tokens_jax.loader.pipeline: steps come back in order, each
+``finish(request(step)())``; the next step's fetch runs beside this step's
+finish; errors and cancellation reach the right step; the first step of a
+burst starts its reads before the others start theirs."""
 
 import concurrent.futures
 import threading
 from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 
 from flat_tokens_jax.loader.pipeline import Ahead
+
+T = TypeVar("T")
+
+
+def whole(fetch: Callable[[int], T]) -> Callable[[int], Callable[[], T]]:
+    """A request that does all of ``fetch`` when it starts."""
+
+    def request(step: int) -> Callable[[], T]:
+        out = fetch(step)
+        return lambda: out
+
+    return request
 
 
 def test_steps_come_back_in_order_from_two_threads() -> None:
@@ -22,7 +36,7 @@ def test_steps_come_back_in_order_from_two_threads() -> None:
         threads["finish"].add(threading.current_thread().name)
         return fetched + 1
 
-    ahead = Ahead(fetch, finish, "t")
+    ahead = Ahead(whole(fetch), finish, "t")
     futures = [ahead.submit(s) for s in range(50)]
     assert [f.result(timeout=10) for f in futures] == [s * 10 + 1 for s in range(50)]
     ahead.close()
@@ -45,7 +59,7 @@ def test_the_next_fetch_runs_beside_this_finish() -> None:
             raise AssertionError("fetch(1) did not start while finish(0) ran")
         return step
 
-    ahead = Ahead(fetch, finish, "t")
+    ahead = Ahead(whole(fetch), finish, "t")
     futures = [ahead.submit(s) for s in range(2)]
     assert [f.result(timeout=20) for f in futures] == [0, 1]
     ahead.close()
@@ -57,7 +71,7 @@ def test_an_error_reaches_its_step_only() -> None:
             raise ValueError("bad record at step 1")
         return step
 
-    ahead = Ahead(fetch, lambda x: x, "t")
+    ahead = Ahead(whole(fetch), lambda x: x, "t")
     futures = [ahead.submit(s) for s in range(3)]
     assert futures[0].result(timeout=10) == 0
     with pytest.raises(ValueError, match="step 1"):
@@ -81,7 +95,7 @@ def blocked_fetches() -> tuple[Callable[[int], int], threading.Event, list[int]]
 
 def test_cancelling_a_step_cancels_its_fetch() -> None:
     fetch, release, fetched = blocked_fetches()
-    ahead = Ahead(fetch, lambda x: x, "t")
+    ahead = Ahead(whole(fetch), lambda x: x, "t")
     first, second = ahead.submit(0), ahead.submit(1)
     assert second.cancel()
     release.set()
@@ -94,7 +108,7 @@ def test_cancelling_a_step_cancels_its_fetch() -> None:
 
 def test_close_drops_steps_not_started() -> None:
     fetch, release, fetched = blocked_fetches()
-    ahead = Ahead(fetch, lambda x: x, "t")
+    ahead = Ahead(whole(fetch), lambda x: x, "t")
     futures = [ahead.submit(s) for s in range(4)]
     threading.Timer(0.2, release.set).start()
     ahead.close()
@@ -119,7 +133,7 @@ def test_fetches_of_steps_in_flight_overlap_and_finish_in_order(fetchers: int) -
         finished.append(step)
         return step * 2
 
-    ahead = Ahead(fetch, finish, "t", fetchers=fetchers)
+    ahead = Ahead(whole(fetch), finish, "t", fetchers=fetchers)
     futures = [ahead.submit(s) for s in range(3 * fetchers)]
     assert [f.result(timeout=20) for f in futures] == [2 * s for s in range(3 * fetchers)]
     ahead.close()
@@ -128,7 +142,7 @@ def test_fetches_of_steps_in_flight_overlap_and_finish_in_order(fetchers: int) -
 
 def test_one_fetcher_runs_one_fetch_at_a_time() -> None:
     barrier = threading.Barrier(2, timeout=0.5)
-    ahead = Ahead(lambda step: barrier.wait(), lambda x: x, "t")
+    ahead = Ahead(whole(lambda step: barrier.wait()), lambda x: x, "t")
     futures = [ahead.submit(s) for s in range(2)]
     with pytest.raises(threading.BrokenBarrierError):
         futures[0].result(timeout=10)
@@ -138,4 +152,53 @@ def test_one_fetcher_runs_one_fetch_at_a_time() -> None:
 @pytest.mark.parametrize("fetchers", [0, -1, True, 1.5])
 def test_fetchers_must_be_a_positive_int(fetchers: object) -> None:
     with pytest.raises(ValueError, match=r"Ahead\.fetchers must be an int >= 1"):
-        Ahead(lambda s: s, lambda x: x, "t", fetchers=fetchers)  # type: ignore[arg-type]
+        Ahead(whole(lambda s: s), lambda x: x, "t", fetchers=fetchers)  # type: ignore[arg-type]
+
+
+def test_the_fetches_after_a_lead_start_their_reads_once_it_has_started_its_own() -> None:
+    """The lead's request waits up to a second for another request to begin,
+    and sees none (four fetchers: without the order, the others begin at
+    once); its reads then wait until another request has begun, which it
+    does (the others do not wait for the lead's reads to end)."""
+    other_began = threading.Event()
+    seen: list[bool] = []
+
+    def request(step: int) -> Callable[[], int]:
+        if step == 0:
+            seen.append(other_began.wait(1.0))
+            return lambda: step if other_began.wait(10) else -1
+        other_began.set()
+        return lambda: step
+
+    ahead = Ahead(request, lambda step: step, "t", fetchers=4)
+    futures = [ahead.submit(0, lead=True), *(ahead.submit(s) for s in range(1, 4))]
+    assert [f.result(timeout=20) for f in futures] == [0, 1, 2, 3]
+    ahead.close()
+    assert seen == [False]
+
+
+def test_the_fetches_after_a_lead_run_when_its_request_fails() -> None:
+    def request(step: int) -> Callable[[], int]:
+        if step == 0:
+            raise ValueError("the lead's own error")
+        return lambda: step
+
+    ahead = Ahead(request, lambda step: step, "t", fetchers=2)
+    futures = [ahead.submit(0, lead=True), *(ahead.submit(s) for s in range(1, 4))]
+    assert [f.result(timeout=20) for f in futures[1:]] == [1, 2, 3]
+    with pytest.raises(ValueError, match="the lead's own error"):
+        futures[0].result()
+    ahead.close()
+
+
+def test_the_fetches_after_a_lead_cancelled_unstarted_run() -> None:
+    """One fetcher, busy with step 0 while the lead (step 1) is cancelled:
+    step 2, submitted after the lead, still runs."""
+    fetch, release, fetched = blocked_fetches()
+    ahead = Ahead(whole(fetch), lambda x: x, "t")
+    first, lead, after = ahead.submit(0), ahead.submit(1, lead=True), ahead.submit(2)
+    assert lead.cancel()
+    release.set()
+    assert (first.result(timeout=10), after.result(timeout=10)) == (0, 2)
+    ahead.close()
+    assert fetched == [0, 2]

@@ -123,6 +123,39 @@ def test_the_cache_is_used_only_for_the_same_data(dataset: Path, tmp_path: Path)
     assert cached_plan(changed, 16, cache).digest != first.digest
 
 
+@pytest.mark.parametrize("source", [None, "[1, 2]"], ids=["no source", "not a mapping"])
+def test_a_cache_entry_of_another_shape_is_built_again(
+    dataset: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, source: str | None
+) -> None:
+    cache = tmp_path / "cache"
+    ft = ftj.open_dataset(dataset)["train"]
+    cached_plan(ft, 16, cache)
+    (entry,) = cache.iterdir()
+    # A valid plan, one sequence a bin, which the packing algorithm never makes:
+    # were the entry used, it would come back.
+    n = ft.num_sequences
+    fields = {
+        "key": np.load(entry)["key"],
+        "bin_starts": np.arange(n + 1),
+        "seq_order": np.arange(n),
+    }
+    if source is not None:
+        fields["source"] = np.array(source)
+    with entry.open("wb") as f:
+        np.savez(f, **fields)
+    with caplog.at_level("WARNING", logger="flat_tokens_jax.data.plans"):
+        plan = cached_plan(ft, 16, cache)
+    assert f"ignoring the unreadable cached packing plan {entry}" in caplog.text
+    lengths = np.array([s.size for s in ft.sequences(range(n))])
+    starts, order = build_plan(lengths, 16)
+    assert plan.num_bins < n
+    np.testing.assert_array_equal(plan.bin_starts, starts)
+    np.testing.assert_array_equal(plan.seq_order, order)
+    with np.load(entry) as f:  # written again, whole
+        assert json.loads(str(f["source"]))["num_sequences"] == n
+        np.testing.assert_array_equal(f["seq_order"], order)
+
+
 def test_cli_pack_info_validate_show(
     dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

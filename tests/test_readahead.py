@@ -70,6 +70,40 @@ class Logged:
         return self.inner.fingerprint()
 
 
+class LeadFirst(Logged):
+    """Logged records of a split off local disk (a memory store), so that the
+    steps in flight are fetched at once, which start their reads in
+    ``request``. The request of ``lead`` (a step's records) waits up to a
+    second for another request to begin; its reads then wait up to ten
+    seconds for one, and note whether one began."""
+
+    def __init__(self, ft: ftj.FlatTokens, lead: list[int]) -> None:
+        super().__init__(ft)
+        self.ft, self.lead = ft, lead
+        self.events: list[tuple[str, list[int]]] = []
+        self.other = threading.Event()
+        self.seen: list[bool] = []
+
+    def request(self, indices: np.ndarray, columns: tuple[int, int] | None = None) -> Any:
+        key = np.asarray(indices).tolist()
+        with self._lock:
+            self.events.append(("begin", key))
+        if key == self.lead:
+            self.other.wait(1.0)
+        else:
+            self.other.set()
+        waiting = self.inner.request(indices, columns)
+        with self._lock:
+            self.events.append(("issued", key))
+
+        def windows() -> Any:
+            if key == self.lead:
+                self.seen.append(self.other.wait(10.0))
+            return waiting()
+
+        return windows
+
+
 def cfg(**changes: Any) -> ftj.LoaderConfig:
     return ftj.LoaderConfig(batch_size=BATCH, seq_len=SEQ_LEN, seed=7, **changes)
 
@@ -153,7 +187,9 @@ def test_measures_grow_before_the_interval_is_known_then_follow_it() -> None:
 
 def test_in_flight_tops_up_within_the_budget_and_never_drops_a_started_step() -> None:
     sizes = {s: 10 * (1 + s % 3) for s in range(100)}  # steps of 10, 20 and 30 bytes
-    flight: InFlight[int] = InFlight(lambda: Ahead(lambda s: s, lambda s: s * s, "t"), sizes.get)
+    flight: InFlight[int] = InFlight(
+        lambda: Ahead(lambda s: lambda: s, lambda s: s * s, "t"), sizes.get
+    )
     try:
         first = flight.take(0, ahead=True, depth=8, end=None, budget=60)
         assert first is not None and first.result() == 0
@@ -360,3 +396,29 @@ def test_the_depth_grows_from_the_second_step_handed_out() -> None:
     next(it)
     assert loader.stats()["depth_target"] > MIN_DEPTH
     it.close()
+
+
+@pytest.mark.parametrize("first", [0, 3])
+@pytest.mark.parametrize("door", ["iterate", "to_grain"])
+def test_the_first_step_starts_its_reads_before_the_rest_of_the_opening_burst(
+    door: str, first: int
+) -> None:
+    """On a store off local disk the first step (0, or the restored one) and
+    the steps read ahead with it are fetched at once: the others start their
+    reads once the first one has started its own, and before its reads end,
+    whichever door asks."""
+    ft = split()
+    twin = ftj.Loader(ftj.PackedRecords(ft, SEQ_LEN), cfg())
+    lead = [row["record"] for row in twin.provenance(first)]
+    records = LeadFirst(ft, lead)
+    loader = ftj.Loader(records, cfg())
+    loader.restore(loader.state(first))
+    steps = iter(loader.to_grain()) if door == "to_grain" else (b for _, b in loader.iterate())
+    batches = [next(steps) for _ in range(4)]
+    steps.close()  # type: ignore[attr-defined]
+    for k, batch in enumerate(batches):
+        assert as_lists(batch) == as_lists(twin.host_batch(first + k))
+    issued = records.events.index(("issued", lead))
+    others = [k for k, (what, key) in enumerate(records.events) if what == "begin" and key != lead]
+    assert len(others) >= 3 and min(others) > issued, records.events
+    assert records.seen == [True]

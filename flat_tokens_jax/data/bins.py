@@ -9,6 +9,7 @@ first column starts a sequence, plus each bin's length.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -110,7 +111,14 @@ class BinRecords:
         return first, last
 
     def read(self, indices: np.ndarray, columns: tuple[int, int] | None = None) -> Windows:
-        """Bins as packed windows ``[k, c1 - c0 + 1]`` (column 0: the token before
+        """See :meth:`request`."""
+        return self.request(indices, columns)()
+
+    def request(
+        self, indices: np.ndarray, columns: tuple[int, int] | None = None
+    ) -> Callable[[], Windows]:
+        """Starts reading bins ``indices``; the function returned waits for
+        them: packed windows ``[k, c1 - c0 + 1]`` (column 0: the token before
         column ``c0``, 0 for ``c0 = 0``) with ``lengths`` ``[k]``, the tokens of
         each whole bin; sequences that follow each other in the split are one read."""
         c0, c1 = _check_columns(columns, self.seq_len)
@@ -143,11 +151,15 @@ class BinRecords:
         t_hi = t_lo + (hi - lo)
         tokens, masks = self.ft.request_encoded_and_mask(t_lo, t_hi, t_lo, t_hi)
         dest = p_row * width + lo - (c0 - 1)
-        out = _scatter(tokens.result(), dest, hi - lo, (k, width), ENCODED_DTYPE)
-        if masks is None:
-            return Windows(out, lengths=lengths)
-        mask = _scatter(masks.result(), dest, hi - lo, (k, width), np.uint8)
-        return Windows(out, lengths=lengths, stored_mask=mask[:, 1:])
+
+        def windows() -> Windows:
+            out = _scatter(tokens.result(), dest, hi - lo, (k, width), ENCODED_DTYPE)
+            if masks is None:
+                return Windows(out, lengths=lengths)
+            mask = _scatter(masks.result(), dest, hi - lo, (k, width), np.uint8)
+            return Windows(out, lengths=lengths, stored_mask=mask[:, 1:])
+
+        return windows
 
 
 def _scatter(

@@ -7,7 +7,7 @@ import functools
 import itertools
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -124,7 +124,7 @@ class FlatTokens:
             raise FormatError(f"{where}/{SEQ_STARTS}: empty; it needs num_sequences + 1 entries")
         if check_end:
             ends = np.array([0, self.starts.size - 1])
-            self._check_probes(SEQ_STARTS, self.starts, ends, ends + 1)
+            self._check(SEQ_STARTS, self.starts, ends, ends + 1)
             first, last = self.starts.read_points(ends).tolist()
             if first != 0:
                 raise FormatError(f"{where}/{SEQ_STARTS}[0]: first entry is {first}, expected 0")
@@ -210,7 +210,7 @@ class FlatTokens:
                 f"{self!r}: token range [{lo[i]}, {hi[i]}) is outside [0, {self.num_tokens})"
             )
         base = self.token_range[0]
-        known = self._check_probes(self.tokens_name, self.encoded, lo + base, hi + base)
+        known = self._start_checks(self.tokens_name, self.encoded, lo + base, hi + base)
         return self.encoded.request_ranges(lo + base, hi + base, known)
 
     def request_loss_mask(self, starts: np.ndarray, stops: np.ndarray) -> Pending | None:
@@ -219,7 +219,7 @@ class FlatTokens:
             return None
         base = self.token_range[0]
         lo, hi = np.asarray(starts, np.int64) + base, np.asarray(stops, np.int64) + base
-        known = self._check_probes(LOSS_MASK, self.loss_mask, lo, hi)
+        known = self._start_checks(LOSS_MASK, self.loss_mask, lo, hi)
         return self.loss_mask.request_ranges(lo, hi, known)
 
     def request_encoded_and_mask(
@@ -230,23 +230,10 @@ class FlatTokens:
         mask_stops: np.ndarray,
     ) -> tuple[Pending, Pending | None]:
         """:meth:`request_encoded` of ``[starts, stops)`` and
-        :meth:`request_loss_mask` of ``[mask_starts, mask_stops)`` at once: the
-        checks of their first touches (shard probes, chunk digests) read in the
-        same round trips."""
-        if self.loss_mask is None or not self._first_touch(
-            np.concatenate([np.asarray(starts, np.int64), mask_starts]),
-            np.concatenate([np.asarray(stops, np.int64), mask_stops]),
-        ):
-            return self.request_encoded(starts, stops), self.request_loss_mask(
-                mask_starts, mask_stops
-            )
-        tokens, mask = at_once(
-            [
-                lambda: (self.request_encoded(starts, stops), None),
-                lambda: (None, self.request_loss_mask(mask_starts, mask_stops)),
-            ]
-        )
-        return cast(Pending, tokens[0]), mask[1]
+        :meth:`request_loss_mask` of ``[mask_starts, mask_stops)``: both return
+        before any value arrives, so their reads, and those of the checks of
+        their first touches (shard probes, chunk digests), share round trips."""
+        return self.request_encoded(starts, stops), self.request_loss_mask(mask_starts, mask_stops)
 
     def sequence_bounds(self, indices: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(starts, stops)`` token offsets ``[k] int64`` of sequences ``indices``, one read."""
@@ -257,7 +244,7 @@ class FlatTokens:
                 f"{self!r}: sequence index {idx[bad[0]]} is outside [0, {self.num_sequences})"
             )
         at = idx + self.seq_range[0]
-        self._check_probes(SEQ_STARTS, self.starts, at, at + 2)
+        self._check(SEQ_STARTS, self.starts, at, at + 2)
         both = self.starts.read_points(np.concatenate([at, at + 1])).astype(np.int64)
         self.check_bounds(np.concatenate([at, at + 1]), both, idx.size)
         both -= self.token_range[0]
@@ -316,7 +303,7 @@ class FlatTokens:
                 f"{self!r}: sequence range [{first}, {stop}) is outside [0, {self.num_sequences}]"
             )
         at = np.array([first, stop], np.int64) + self.seq_range[0]
-        self._check_probes(SEQ_STARTS, self.starts, at, at + 1)
+        self._check(SEQ_STARTS, self.starts, at, at + 1)
         both = self.starts.read_points(at).astype(np.int64)
         # An empty view reads one entry twice: only its range can be checked.
         self.check_bounds(at, both, 1 if stop > first else 0)
@@ -326,40 +313,44 @@ class FlatTokens:
         out.token_range = (lo, hi)
         return out
 
-    def _check_probes(
+    def _start_checks(
         self, name: str, reader: ArrayReader, starts: np.ndarray, stops: np.ndarray
     ) -> Known | None:
-        """Checks the shard probes (:mod:`~flat_tokens_jax.store.probes`) and chunk
-        digests (:mod:`~flat_tokens_jax.store.digests`) of what a read touches; returns
-        the chunks the digests' check read whole, if any, to serve the read."""
+        """Starts checking the shard probes (:mod:`~flat_tokens_jax.store.probes`)
+        and chunk digests (:mod:`~flat_tokens_jax.store.digests`) of what a read
+        touches, so that their reads share the read's round trips; what the
+        read waits for before it gives values (``None``: all checked before)."""
         probes = self.probes.get(name)
         digests = self.digests.get(name)
-        # The probes' reads go out first and are checked last: both checks'
-        # reads share their round trips.
-        finish = (
+        probed = (
             None if probes is None else probes.start_check(reader.request_ranges, starts, stops)
         )
-        try:
-            known = None if digests is None else digests.check(reader, starts, stops)
-        except BaseException:
-            if finish is not None:
-                finish()  # a shard whose probe differs is named first
-            raise
-        if finish is not None:
-            finish()
-        return known
+        known = None if digests is None else digests.start_check(reader, starts, stops)
+        if probed is None:
+            return known
+        check_probes = probed
 
-    def _first_touch(self, starts: np.ndarray, stops: np.ndarray) -> bool:
-        """Whether token ranges ``[starts, stops)`` of this view touch a shard or
-        chunk of the tokens or the loss mask not checked yet (``False`` for
-        ranges outside the view, left to the reads to refuse)."""
-        lo, hi = np.asarray(starts, np.int64), np.asarray(stops, np.int64)
-        if lo.size == 0 or (lo < 0).any() or (hi < lo).any() or (hi > self.num_tokens).any():
-            return False
-        lo, hi = lo + self.token_range[0], hi + self.token_range[0]
-        checks = [self.probes.get(self.tokens_name), self.digests.get(self.tokens_name)]
-        checks += [self.probes.get(LOSS_MASK), self.digests.get(LOSS_MASK)]
-        return any(c is not None and c.unchecked(lo, hi) for c in checks)
+        def wait() -> Mapping[int, np.ndarray] | None:
+            # The digests' wait reads the recorded digests while the probes
+            # are in flight; a shard whose probe differs is named first.
+            try:
+                values = None if known is None else known.wait()
+            except BaseException:
+                check_probes()
+                raise
+            check_probes()
+            return values
+
+        if known is None:
+            return Known(1, frozenset(), wait)
+        return Known(known.chunk, known.chunks, wait)
+
+    def _check(self, name: str, reader: ArrayReader, starts: np.ndarray, stops: np.ndarray) -> None:
+        """:meth:`_start_checks`, waited for (before a read that cannot serve
+        its values from the checks' chunks)."""
+        known = self._start_checks(name, reader, starts, stops)
+        if known is not None:
+            known.wait()
 
     def layout(self) -> dict[str, dict[str, Any]]:
         """Per array: zarr version, chunk and shard sizes, compression."""

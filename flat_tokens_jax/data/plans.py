@@ -6,10 +6,10 @@ in this order: stored in the dataset by ``flat-tokens pack`` (group
 ``<split>/bins_<seq_len>``, whole splits only); in the local cache; else built
 (about 1 s per million sequences) and cached.
 
-A plan records what it was made from (``source``: the split's token and
-sequence counts and a digest of 64 evenly spaced ``seq_starts`` entries; a
-stored plan also the digest of all of ``seq_starts``). A stored plan made for
-another ``seq_len`` or from other data is refused, with what differs.
+A plan records what it was made from (``source``: the split's name, token and
+sequence counts, a digest of 64 evenly spaced ``seq_starts`` entries and one of
+all of them). A stored plan made for another ``seq_len`` or from other data is
+refused, with what differs.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ class PackingPlan:
             ``seq_order[bin_starts[b]:bin_starts[b + 1]]``, ascending.
         source: what it was made from (:func:`plan_source`): ``num_tokens``,
             ``num_sequences``, ``starts_sample`` (16 hex digits of SHA-256 over
-            64 evenly spaced ``seq_starts`` entries) and, when built here,
-            ``starts_digest`` (the same over all of them).
+            64 evenly spaced ``seq_starts`` entries), ``starts_digest`` (the
+            same over all of them) and ``split``, its name.
         tokens: tokens the bins hold (each sequence truncated to ``seq_len``),
             when known (plans built here).
     """
@@ -184,14 +184,23 @@ def plan_data_problems(
     plan: PackingPlan, ft: FlatTokens, starts: np.ndarray, where: str, fix: str
 ) -> list[Problem]:
     """Why ``plan`` (of a valid shape) is no plan of ``ft``'s sequences ``starts``
-    (:func:`split_starts`): it records a digest of other sequence bounds, or a
-    bin holds more than ``seq_len`` of these tokens. Each names the split the
-    plan was made from (where it records one) and ``ft``."""
+    (:func:`split_starts`): it records no digest of its sequence bounds, or a
+    digest of other bounds, or a bin holds more than ``seq_len`` of these
+    tokens. Each names the split the plan was made from (where it records one)
+    and ``ft``."""
     here = _digest(starts)
     recorded = plan.source.get("starts_digest")
+    if recorded is None:
+        return [
+            Problem(
+                where,
+                "the packing plan records no digest of the sequence bounds it was made "
+                f"from (source.starts_digest), so it cannot be checked against {ft!r}: {fix}",
+            )
+        ]
     split = plan.source.get("split")
     made = f"split {split!r}" if isinstance(split, str) else "other data"
-    if recorded is not None and recorded != here:
+    if recorded != here:
         return [
             Problem(
                 where,
@@ -418,7 +427,9 @@ def cached_plan(
 
     An entry is used only when its whole key (URL, split, sequence range,
     ``seq_len``, algorithm with its cap, and the data's counts and sampled
-    digest) matches.
+    digest) matches and it holds a plan of ``ft``. A cache entry is disposable:
+    one that cannot be read (cut short, written by another version of this
+    code, of other data) is logged and built again in its place.
     """
     key = _cache_key(ft, seq_len, max_segments)
     text = json.dumps(key, sort_keys=True)
@@ -430,9 +441,9 @@ def cached_plan(
         try:
             with np.load(path) as f:
                 if str(f["key"]) == text:
-                    # Entries of older versions hold no "source" (nor its full digest).
-                    saved = json.loads(str(f["source"])) if "source" in f.files else {}
-                    source = {**key["source"], **(saved if isinstance(saved, dict) else {})}
+                    source = json.loads(str(f["source"]))
+                    if not isinstance(source, dict):
+                        raise ValueError(f"its source is {source!r}, not a mapping")
                     plan = PackingPlan(
                         seq_len, key["algorithm"], f["bin_starts"], f["seq_order"], source
                     )

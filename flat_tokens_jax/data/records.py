@@ -8,10 +8,11 @@ from ``seq_starts``, then the tokens, each stage one batched request.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -49,6 +50,11 @@ class Records(Protocol):
     ``read``'s windows decode, as ``LoaderConfig.packing``: True packed
     windows, False padded sequences, ``"bins"`` bins of whole sequences
     (packed windows with ``lengths``, see ``flat_tokens_jax.data.bins``).
+
+    Records may also define ``request(indices, columns)``, which starts the
+    reads of ``read(indices, columns)`` and returns a function that waits for
+    them and gives its windows (see :func:`request_windows`); the records of
+    a split do.
     """
 
     seq_len: int
@@ -121,6 +127,21 @@ def _content(ft: FlatTokens) -> str | None:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+def request_windows(
+    records: Records, indices: np.ndarray, columns: tuple[int, int] | None = None
+) -> Callable[[], Windows]:
+    """Starts reading records ``indices`` and returns what waits for them:
+    ``request_windows(r, i, c)()`` is ``r.read(i, c)``. Records with a
+    ``request`` start their reads and return at once; others are read here
+    (so that what is asked first is read first all the same)."""
+    request = getattr(records, "request", None)
+    if request is not None:
+        waiting: Callable[[], Windows] = request(indices, columns)
+        return waiting
+    windows = records.read(indices, columns)
+    return lambda: windows
+
+
 def check_source(source: Any, who: str) -> None:
     """Refuses, naming the fix, a ``source`` that is neither a split nor records.
 
@@ -159,7 +180,7 @@ def recorded_info(records: object) -> Any:
     return getattr(ft, "info", None) if isinstance(ft, FlatTokens) else None
 
 
-class _SplitRecords:
+class _SplitRecords(abc.ABC):
     """Records over one split; subclasses say how a record maps to tokens."""
 
     packed: bool
@@ -172,6 +193,16 @@ class _SplitRecords:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.ft!r}, seq_len={self.seq_len})"
+
+    def read(self, indices: np.ndarray, columns: tuple[int, int] | None = None) -> Windows:
+        return self.request(indices, columns)()
+
+    @abc.abstractmethod
+    def request(
+        self, indices: np.ndarray, columns: tuple[int, int] | None = None
+    ) -> Callable[[], Windows]:
+        """Starts reading records ``indices``; the function returned waits for
+        them and gives what :meth:`Records.read` gives."""
 
     def fingerprint(self) -> dict[str, Any]:
         kind = "packed" if self.packed else "padded"
@@ -193,7 +224,9 @@ class PackedRecords(_SplitRecords):
         start = as_indices(indices, "record indices").reshape(np.shape(indices)) * self.seq_len
         return start, start + self.seq_len
 
-    def read(self, indices: np.ndarray, columns: tuple[int, int] | None = None) -> Windows:
+    def request(
+        self, indices: np.ndarray, columns: tuple[int, int] | None = None
+    ) -> Callable[[], Windows]:
         idx = _check_indices(indices, len(self), self)
         c0, c1 = _check_columns(columns, self.seq_len)
         base = idx * self.seq_len
@@ -201,10 +234,14 @@ class PackedRecords(_SplitRecords):
         tokens, masks = self.ft.request_encoded_and_mask(
             np.maximum(start - 1, 0), stop, start, stop
         )
-        # Record 0 has no token before it: its row is right-aligned, column 0 stays 0.
-        out = tokens.rows(c1 - c0 + 1, ENCODED_DTYPE, right=True)
-        mask = None if masks is None else masks.rows(c1 - c0, np.uint8)
-        return Windows(out, stored_mask=mask)
+
+        def windows() -> Windows:
+            # Record 0 has no token before it: its row is right-aligned, column 0 stays 0.
+            out = tokens.rows(c1 - c0 + 1, ENCODED_DTYPE, right=True)
+            mask = None if masks is None else masks.rows(c1 - c0, np.uint8)
+            return Windows(out, stored_mask=mask)
+
+        return windows
 
 
 class PaddedRecords(_SplitRecords):
@@ -219,17 +256,23 @@ class PaddedRecords(_SplitRecords):
         start, stop = self.ft.sequence_bounds(indices)
         return start, np.minimum(stop, start + self.seq_len)
 
-    def read(self, indices: np.ndarray, columns: tuple[int, int] | None = None) -> Windows:
+    def request(
+        self, indices: np.ndarray, columns: tuple[int, int] | None = None
+    ) -> Callable[[], Windows]:
         idx = _check_indices(indices, len(self), self)
         c0, c1 = _check_columns(columns, self.seq_len)
         start, stop = self.token_ranges(idx)
         lo = np.minimum(start + c0, stop)
         hi = np.minimum(start + c1, stop)
         tokens, masks = self.ft.request_encoded_and_mask(lo, hi, lo, hi)
-        out = tokens.rows(c1 - c0, ENCODED_DTYPE)
-        check_start_bits(self.ft, out, idx, start + c0, stop - start, c0 == 0)
-        mask = None if masks is None else masks.rows(c1 - c0, np.uint8)
-        return Windows(out, lengths=stop - start, stored_mask=mask)
+
+        def windows() -> Windows:
+            out = tokens.rows(c1 - c0, ENCODED_DTYPE)
+            check_start_bits(self.ft, out, idx, start + c0, stop - start, c0 == 0)
+            mask = None if masks is None else masks.rows(c1 - c0, np.uint8)
+            return Windows(out, lengths=stop - start, stored_mask=mask)
+
+        return windows
 
 
 def check_start_bits(

@@ -21,7 +21,7 @@ import numpy as np
 from flat_tokens_jax.core import compiled
 from flat_tokens_jax.core.buffers import Buffers
 from flat_tokens_jax.core.extras import install_hint
-from flat_tokens_jax.data.records import Records, Windows
+from flat_tokens_jax.data.records import Records, Windows, request_windows
 from flat_tokens_jax.decoding import batch as fields
 from flat_tokens_jax.decoding.layouts import row_starts
 
@@ -217,17 +217,22 @@ Part = tuple[int, np.ndarray | None, Windows]
 rows they fill (``[k] int64``; ``None``: every row)."""
 
 
-def read_parts(
+def request_parts(
     components: Sequence[Records], comp: np.ndarray, records: np.ndarray, real: np.ndarray
-) -> list[Part]:
-    """Reads the rows of a step: ``comp`` and ``records`` ``[r] int64`` the
+) -> Callable[[], list[Part]]:
+    """Starts reading the rows of a step, every component's at once, and
+    returns what waits for them: ``comp`` and ``records`` ``[r] int64`` the
     component and record of each real row, ``real`` ``[k] bool`` which of the
     step's ``k`` rows are real (the others are padding, read from nowhere)."""
     present = np.unique(comp).tolist()
     if real.all() and len(present) == 1:
-        return [(present[0], None, components[present[0]].read(records))]
+        only = request_windows(components[present[0]], records)
+        return lambda: [(present[0], None, only())]
     at = np.flatnonzero(real)
-    return [(c, at[comp == c], components[c].read(records[comp == c])) for c in present]
+    waiting = [
+        (c, at[comp == c], request_windows(components[c], records[comp == c])) for c in present
+    ]
+    return lambda: [(c, rows, windows()) for c, rows, windows in waiting]
 
 
 def join_parts(
@@ -238,7 +243,7 @@ def join_parts(
     seq_len: int,
     pad_id: int,
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """The five fields ``[num_rows, seq_len]`` of rows read by :func:`read_parts`
+    """The five fields ``[num_rows, seq_len]`` of rows read by :func:`request_parts`
     (``decode(component, windows)`` decodes one part), and ``row_starts``
     ``[num_rows] bool`` (:func:`~flat_tokens_jax.decoding.layouts.row_starts`).
     Rows of no part are padding: ``pad_id`` inputs and targets, ``loss_mask``

@@ -1,14 +1,11 @@
-"""The grain adapter: ``FlatTokensSource`` and ``ScheduledBatches``.
-
-The names of :mod:`flat_tokens_jax.grain.grain` are this package's too
-(``from flat_tokens_jax.grain import FlatTokensSource``), imported on first use.
+"""The grain adapter: ``FlatTokensSource`` and ``ScheduledBatches``, also
+importable from here (``from flat_tokens_jax.grain import FlatTokensSource``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from flat_tokens_jax.core.namesake import namesake_getattr
+import importlib
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from flat_tokens_jax.grain.grain import FlatTokensSource, ScheduledBatches
@@ -16,4 +13,9 @@ if TYPE_CHECKING:
 __all__ = ["FlatTokensSource", "ScheduledBatches"]
 
 
-__getattr__ = namesake_getattr(__name__, globals())
+def __getattr__(name: str) -> Any:
+    # On first use (docs/design.md): importing one module of this package, which
+    # runs this file first, then imports no other.
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module("flat_tokens_jax.grain.grain"), name)

@@ -54,7 +54,7 @@ from flat_tokens_jax.decoding.hostdecode import (
     BlockDecoder,
     default_threads,
     join_parts,
-    read_parts,
+    request_parts,
 )
 from flat_tokens_jax.decoding.instancefilter import InstanceFilter, apply_filter
 from flat_tokens_jax.decoding.layouts import BatchLayout
@@ -285,7 +285,7 @@ class FlatTokensSource:
         as a ``Loader`` makes them. ``where`` and ``rows`` name them in errors."""
         components = self.components
         decoder = self._block_decoder()
-        parts = read_parts(components, comp, records, real)
+        parts = request_parts(components, comp, records, real)()
 
         def decode(c: int, windows: Windows) -> dict[str, np.ndarray]:
             return decoder.decode(

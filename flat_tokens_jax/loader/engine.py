@@ -3,8 +3,9 @@ fields in the configured layout, read ahead.
 
 :class:`StepEngine` holds everything a step's fields depend on (the records,
 the samplers, the schedule, the sharding's row plans, the decoder and the
-instance filter) and computes a step in two stages: :meth:`StepEngine.fetch`
-reads its records (:class:`Fetched`), or for decoding on the devices its
+instance filter) and computes a step in two stages: :meth:`StepEngine.request`
+starts reading its records and returns what waits for them (:class:`Fetched`),
+or for decoding on the devices its
 encoded blocks (:class:`Blocks`); :meth:`StepEngine.fields` decodes records
 into the layout's fields. A :class:`Door` reads one consumer's steps ahead
 with those stages and hands them out: ``Loader`` places them on the devices
@@ -34,7 +35,7 @@ from flat_tokens_jax.decoding.hostdecode import (
     BlockDecoder,
     default_threads,
     join_parts,
-    read_parts,
+    request_parts,
 )
 from flat_tokens_jax.decoding.instancefilter import FilteredRows
 from flat_tokens_jax.decoding.sharding import Block, BlockData, HostPlan, host_plans
@@ -200,15 +201,16 @@ class StepEngine:
             threads=threads,
         )
 
-    def fetch_rows(self, step: int, rows: np.ndarray, ahead: int = 0) -> Fetched:
-        """Reads the records of ``rows`` at ``step`` (``ahead``: see ``StepSamples.records``)."""
-        parts = read_parts(self.components, *self.steps.records(step, rows, ahead))
-        return Fetched(rows.size, parts)
+    def request_rows(self, step: int, rows: np.ndarray, ahead: int = 0) -> Callable[[], Fetched]:
+        """Starts reading the records of ``rows`` at ``step`` (``ahead``: see
+        ``StepSamples.records``); the function returned waits for them."""
+        waiting = request_parts(self.components, *self.steps.records(step, rows, ahead))
+        return lambda: Fetched(rows.size, waiting())
 
     def fields(
         self, fetched: Fetched, step: int, threads: int | None = None, counted: bool = True
     ) -> dict[str, np.ndarray]:
-        """The layout's fields of records read by :meth:`fetch_rows` at ``step``,
+        """The layout's fields of records read by :meth:`request_rows` at ``step``,
         decoded on at most ``threads`` threads (default: the decoder's), after
         the instance filter (its rejections noted for ``step`` when ``counted``)."""
         noted = step if counted else None
@@ -228,21 +230,24 @@ class StepEngine:
 
     def host_batch(self, step: int) -> dict[str, np.ndarray]:
         """See ``Loader.host_batch`` (the instance filter's rejections are not counted)."""
-        return self.fields(self.fetch_rows(step, self.host_rows_at(step)), step, counted=False)
+        fetched = self.request_rows(step, self.host_rows_at(step))()
+        return self.fields(fetched, step, counted=False)
 
-    def fetch(self, step: int, ahead: int = 0, host: bool = False) -> Fetched | Blocks:
-        """A step's first stage: its records, read; or, to be decoded on the
-        devices (``decode="device"``, or the sequence dimension sharded;
-        unless ``host``), its blocks."""
+    def request(
+        self, step: int, ahead: int = 0, host: bool = False
+    ) -> Callable[[], Fetched | Blocks]:
+        """Starts a step's first stage; the function returned waits for it:
+        its records, read; or, to be decoded on the devices
+        (``decode="device"``, or the sequence dimension sharded; unless
+        ``host``), its blocks (read here)."""
         if host:
-            return self.fetch_rows(step, self.host_rows_at(step), ahead)
-        if self.config.decode == "device":
-            on_device = self.device_plan(step)
-            return Blocks(on_device, self.block_reads(step, on_device))
-        plan = self.plan_at(step)
-        if plan is not None and plan.columns_sharded:
-            return Blocks(plan, self.block_reads(step, plan))
-        return self.fetch_rows(step, self.host_rows_at(step), ahead)
+            return self.request_rows(step, self.host_rows_at(step), ahead)
+        device = self.config.decode == "device"
+        plan = self.device_plan(step) if device else self.plan_at(step)
+        if plan is not None and (device or plan.columns_sharded):
+            blocks = Blocks(plan, self.block_reads(step, plan))
+            return lambda: blocks
+        return self.request_rows(step, self.host_rows_at(step), ahead)
 
     def device_plan(self, step: int) -> HostPlan:
         """The blocks this host decodes on its devices at ``step``."""
@@ -371,10 +376,17 @@ class Door(Generic[Done]):
         )
         self.wait_seconds = 0.0
 
-    def _fetch(self, step: int, ahead: int) -> Fetched | Blocks:
-        fetched: Fetched | Blocks = timed(
-            self.feed.fetched, lambda: self.engine.fetch(step, ahead, self._host)
-        )
+    def _request(self, step: int, ahead: int) -> Callable[[], tuple[int, Fetched | Blocks]]:
+        """Starts fetching ``step``; the function returned waits for it. The
+        fetch is timed from its start to its end."""
+        began = time.perf_counter()
+        waiting = self.engine.request(step, ahead, self._host)
+
+        def fetched() -> tuple[int, Fetched | Blocks]:
+            out = waiting()
+            self.feed.fetched(time.perf_counter() - began)
+            return step, out
+
         return fetched
 
     def _finish(self, step: int, part: Fetched | Blocks, threads: int | None) -> Done:
@@ -389,7 +401,7 @@ class Door(Generic[Done]):
         """Background threads that prepare steps in order, reading records
         for several steps per sampler call (see :mod:`~flat_tokens_jax.loader.pipeline`)."""
         return Ahead(
-            lambda step: (step, self._fetch(step, self.engine.lookup)),
+            lambda step: self._request(step, self.engine.lookup),
             lambda done: self._finish(*done, self.engine.ahead_threads),
             self._name,
             fetchers=self.feed.fetchers(),
@@ -397,7 +409,7 @@ class Door(Generic[Done]):
 
     def _read(self, step: int) -> Done:
         """A step prepared in the caller's thread."""
-        return self._finish(step, self._fetch(step, 0), None)
+        return self._finish(*self._request(step, 0)(), None)
 
     def take(self, step: int, ahead: bool, end: int | None, deliver: Callable[[Done], Out]) -> Out:
         """``deliver`` of step ``step`` prepared (``ahead``: read ahead even

@@ -1,11 +1,15 @@
 """Steps prepared ahead, in order, on background threads.
 
-A step is made in two stages: ``fetch`` finds its records and reads their
+A step is made in two stages: the fetch finds its records and reads their
 encoded tokens, ``finish`` decodes them and places them on the devices. One
 thread runs each stage, step after step, so the next step's read runs beside
 this step's decode while the caller trains; on an object store, where a fetch
 mostly waits for round trips, the fetches of all the steps in flight run at
-once on threads of their own, so their round trips overlap. The stages overlap on separate
+once on threads of their own, so their round trips overlap. The first step of
+a burst (the step a caller waits for, with nothing in flight) asks for its
+reads first: the fetches after it start their reads once it has started its
+own, so that its requests are not queued behind theirs, and its round trips
+still overlap theirs. The stages overlap on separate
 cores where their heavy work runs outside the interpreter lock: the compiled
 kernels' copy and decode (the ``fast`` extra) never hold it. With numpy they
 hold it between their large passes, and the two stages overlap less (measured
@@ -28,11 +32,14 @@ Done = TypeVar("Done")
 
 
 class Ahead(Generic[Fetched, Done]):
-    """Runs ``finish(fetch(step))`` for submitted steps in submission order:
-    ``fetch`` on ``fetchers`` background threads, ``finish`` on another.
+    """Runs ``finish(request(step)())`` for submitted steps in submission
+    order: the fetch (``request``, then waiting for what it started) on
+    ``fetchers`` background threads, ``finish`` on another.
 
     Args:
-        fetch: the first stage of a step; thread-safe when ``fetchers > 1``.
+        request: starts the first stage of a step and returns a function
+            that waits for it and gives its result; thread-safe when
+            ``fetchers > 1``.
         finish: the second stage, given the first's result; steps finish in
             the order they were submitted, whatever order their fetches end in.
         name: the threads' name prefix.
@@ -45,27 +52,48 @@ class Ahead(Generic[Fetched, Done]):
 
     def __init__(
         self,
-        fetch: Callable[[int], Fetched],
+        request: Callable[[int], Callable[[], Fetched]],
         finish: Callable[[Fetched], Done],
         name: str,
         fetchers: int = 1,
     ) -> None:
         if isinstance(fetchers, bool) or not isinstance(fetchers, int) or fetchers < 1:
             raise ValueError(f"Ahead.fetchers must be an int >= 1, got {fetchers!r}")
-        self.fetch, self.finish = fetch, finish
+        self.request, self.finish = request, finish
         self._fetching = concurrent.futures.ThreadPoolExecutor(
             fetchers, thread_name_prefix=f"{name}-read"
         )
         self._finishing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._lead: threading.Event | None = None
 
-    def submit(self, step: int) -> concurrent.futures.Future[Done]:
-        """Starts ``step``; the future's result is ``finish(fetch(step))`` (or its
-        error). Cancelling it before it starts cancels the fetch too, if that
-        has not started either."""
-        fetched = self._fetching.submit(self.fetch, step)
+    def submit(self, step: int, lead: bool = False) -> concurrent.futures.Future[Done]:
+        """Starts ``step``; the future's result is ``finish(request(step)())``
+        (or its error). Cancelling it before it starts cancels the fetch too,
+        if that has not started either.
+
+        ``lead``: ``step`` is the first of a burst (the step a caller waits
+        for, with nothing in flight): the fetches submitted after it call
+        ``request`` once its ``request`` has returned (its reads started),
+        so that its reads are not queued behind theirs (a cold start on an
+        object store waited for the whole burst)."""
+        issued = threading.Event()
+        after = None if lead else self._lead
+        if lead:
+            self._lead = issued
+        fetched = self._fetching.submit(self._fetch, step, after, issued)
+        fetched.add_done_callback(lambda _: issued.set())  # also when cancelled unstarted
         finished = self._finishing.submit(self._finish, fetched)
         finished.add_done_callback(lambda f: f.cancelled() and fetched.cancel())
         return finished
+
+    def _fetch(self, step: int, after: threading.Event | None, issued: threading.Event) -> Fetched:
+        if after is not None:
+            after.wait()
+        try:
+            waiting = self.request(step)
+        finally:
+            issued.set()
+        return waiting()
 
     def _finish(self, fetched: concurrent.futures.Future[Fetched]) -> Done:
         return self.finish(fetched.result())
@@ -138,7 +166,7 @@ class InFlight(Generic[Done]):
             if not self._reading:
                 return future
             if future is None:
-                future = self._submit(step)
+                future = self._submit(step, lead=True)
             if not future.done():  # the caller waits anyway: top up now
                 self._top_up(step, depth, end, budget)
             return future
@@ -157,14 +185,14 @@ class InFlight(Generic[Done]):
             if step not in self._futures:
                 for other in list(self._futures):
                     self._futures.pop(other).cancel()
-                self._futures[step] = self._submit(step)
+                self._futures[step] = self._submit(step, lead=True)
             self._last, self._reading = step - 1, True
             self._top_up(step, depth, end, budget)
 
-    def _submit(self, step: int) -> concurrent.futures.Future[Done]:
+    def _submit(self, step: int, lead: bool = False) -> concurrent.futures.Future[Done]:
         if self._ahead is None:
             self._ahead = self._make()
-        return self._ahead.submit(step)
+        return self._ahead.submit(step, lead)
 
     def _top_up(self, step: int, depth: int, end: int | None, budget: int | None) -> None:
         after = [s for s in self._futures if s > step]

@@ -35,8 +35,6 @@ _CONFIG_KEYS = {
     "period",
     "schedule",
     "allow_mixed_tokenizers",
-    "seq_len",
-    "packing",
 }
 _SPLIT_PARTS = ("train", "valid", "test")
 _USAGE = (
@@ -62,8 +60,7 @@ def mixture_from_config(
     the ``split`` argument picks ``"train"``, ``"valid"`` or ``"test"``), ``seed``,
     ``period``, ``schedule`` (a list of ``{step: ..., weights: [...] or {name:
     weight}}``) and ``allow_mixed_tokenizers``: everything :class:`Mixture`
-    takes. ``seq_len`` and ``packing`` belong in the loader config; if present
-    here they must agree with it.
+    takes. ``seq_len`` and ``packing`` belong in the loader config.
 
     Args:
         config: the mapping.
@@ -125,7 +122,6 @@ def mixture_from_config(
             raise BadValue(child(path, "split"), f"{cut!r} has {len(views)} parts, so no {split!r}")
         return name, views[split], weight
 
-    stated = {k: config[k] for k in ("seq_len", "packing") if k in config}
     try:
         # Datasets open, and views read their bounds, at once: N components cost
         # the round trips of one.
@@ -136,7 +132,6 @@ def mixture_from_config(
             period=period,
             schedule=schedule,
             allow_mixed_tokenizers=allow_mixed,
-            **stated,
         )
     except BadValue:
         raise

@@ -24,7 +24,6 @@ import hashlib
 import itertools
 import math
 import os
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -134,9 +133,6 @@ class Mixture:
             of step ``s``, wherever the batch sizes before it put that row.
         allow_mixed_tokenizers: mix datasets whose recorded tokenizers differ.
             Datasets that record no tokenizer always mix.
-        seq_len: deprecated: the ``LoaderConfig`` says it. If given, the
-            ``Loader`` refuses a config that says otherwise.
-        packing: deprecated, as ``seq_len``.
 
     Raises:
         ValueError: a weight that is not a finite number >= 0 (a bool is not a
@@ -157,20 +153,11 @@ class Mixture:
         period: int | None = None,
         schedule: Sequence[tuple[int, Sequence[float] | Mapping[str, float]]] = (),
         allow_mixed_tokenizers: bool = False,
-        seq_len: int | None = None,
-        packing: bool | None = None,
     ) -> None:
         named = _named_components(components)
         self.names: tuple[str, ...] = tuple(n for n, _, _ in named)
         self.sources: tuple[Source, ...] = tuple(s for _, s, _ in named)
-        if seq_len is not None or packing is not None:
-            warnings.warn(
-                "Mixture(seq_len=..., packing=...) is deprecated: the LoaderConfig decides "
-                "both for every component; leave them out",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-        self.seq_len, self.packing = _stated_shape(self.sources, self.names, seq_len, packing)
+        _check_records_agree(self.sources, self.names)
         self.seed: int = fields.seed(seed, "Mixture.seed")
         period = integer(period, "Mixture.period", low=1, high=MAX_PERIOD, optional=True)
         changes = [
@@ -263,19 +250,8 @@ class Mixture:
         (``None``: built, not cached); ``max_segments`` caps the runs per bin.
 
         Raises:
-            ValueError: the Mixture was given another ``seq_len`` or packing, or
-                a component of records is of another ``seq_len`` or packing.
+            ValueError: a component of records is of another ``seq_len`` or packing.
         """
-        stated = {"seq_len": self.seq_len, "packing": self.packing}
-        config = {"seq_len": seq_len, "packing": packing}
-        wrong = [k for k in stated if stated[k] is not None and stated[k] != config[k]]
-        if wrong:
-            said = " and ".join(f"{k} {stated[k]!r}" for k in wrong)
-            asked = " and ".join(f"{k} {config[k]!r}" for k in wrong)
-            raise ValueError(
-                f"the Mixture says {said} but the LoaderConfig says {asked}: the "
-                "LoaderConfig decides; drop seq_len/packing from the Mixture"
-            )
 
         # Records that read (bounds, packing plans) do so at once.
         calls = [
@@ -413,23 +389,15 @@ def _check_source(name: str, source: Any) -> None:
     check_source(source, f"component {name!r}")
 
 
-def _stated_shape(
-    sources: Sequence[Source], names: Sequence[str], seq_len: int | None, packing: bool | None
-) -> tuple[int | None, bool | None]:
-    """The ``seq_len`` and packing the Mixture itself fixes: given, or its records'."""
+def _check_records_agree(sources: Sequence[Source], names: Sequence[str]) -> None:
+    """Refuses components of records that no one config fits: their ``seq_len``
+    or packing differ."""
     records = {n: s for n, s in zip(names, sources, strict=True) if not isinstance(s, FlatTokens)}
-    stated: dict[str, Any] = {"seq_len": seq_len, "packing": packing}
     for what, attr in (("seq_len", "seq_len"), ("packing", "packed")):
         found = {n: getattr(r, attr) for n, r in records.items()}
-        given = stated[what]
-        values = set(found.values()) | ({given} if given is not None else set())
-        if len(values) > 1:
+        if len(set(found.values())) > 1:
             listed = ", ".join(f"{n!r}: {v!r}" for n, v in found.items())
-            extra = "" if given is None else f" (and {what}={given!r} given)"
-            raise ValueError(f"the components' records disagree on {what}: {listed}{extra}")
-        if given is None and values:
-            stated[what] = values.pop()
-    return stated["seq_len"], stated["packing"]
+            raise ValueError(f"the components' records disagree on {what}: {listed}")
 
 
 def _check_weights(weights: Sequence[Any], names: Sequence[str], step: int) -> np.ndarray:

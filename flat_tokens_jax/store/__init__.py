@@ -1,20 +1,24 @@
 """Storage: store options, tensorstore and memory-mapped reads, probes, digests,
 the dataset's identity and layout, claims on a location.
 
-The names of :mod:`flat_tokens_jax.store.store` are this package's too
-(``from flat_tokens_jax.store import Store``), imported on first use.
+``remote_reads`` and ``remote_bytes`` (the requests and bytes read from object
+stores so far) are this package's too: ``flat_tokens_jax.store.remote_reads()``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from flat_tokens_jax.core.namesake import namesake_getattr
+import importlib
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from flat_tokens_jax.store.store import Store, remote_bytes, remote_reads
+    from flat_tokens_jax.store.store import remote_bytes, remote_reads
 
-__all__ = ["Store", "remote_bytes", "remote_reads"]
+__all__ = ["remote_bytes", "remote_reads"]
 
 
-__getattr__ = namesake_getattr(__name__, globals())
+def __getattr__(name: str) -> Any:
+    # On first use (docs/design.md): importing one module of this package, which
+    # runs this file first, then imports no other.
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module("flat_tokens_jax.store.store"), name)

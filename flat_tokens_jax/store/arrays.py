@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
@@ -30,28 +30,35 @@ class ByteCounter:
 
 
 class Known(NamedTuple):
-    """Whole chunks read already (by an integrity check), to serve ranges from.
+    """The integrity checks in flight of what a read touches, and the whole
+    chunks they read, to serve the read's ranges from: a read gives no
+    values before its checks have passed.
 
     Attributes:
         chunk: elements per chunk.
-        values: chunk number to its elements (``[chunk]``, fewer in the last).
+        chunks: the chunks the checks read whole (chunk numbers).
+        wait: waits for the checks (raising the error that names a bad shard
+            or chunk) and gives the values of ``chunks`` (chunk number to its
+            ``[chunk]`` elements, fewer in the last).
     """
 
     chunk: int
-    values: Mapping[int, np.ndarray]
+    chunks: frozenset[int]
+    wait: Callable[[], Mapping[int, np.ndarray] | None]
 
-    def slice(self, start: int, stop: int) -> np.ndarray | None:
-        """Elements ``[start, stop)`` (non-empty) from the known chunks, or ``None``
-        when a chunk they touch is not known."""
-        chunk = self.chunk
-        parts = []
-        for c in range(start // chunk, (stop - 1) // chunk + 1):
-            found = self.values.get(c)
-            if found is None:
-                return None
-            base = c * chunk
-            parts.append(found[max(start, base) - base : min(stop, base + chunk) - base])
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+    def covers(self, start: int, stop: int) -> bool:
+        """Whether ``chunks`` hold every element of ``[start, stop)`` (non-empty)."""
+        first, last = start // self.chunk, (stop - 1) // self.chunk
+        return stop > start and all(c in self.chunks for c in range(first, last + 1))
+
+
+def from_chunks(values: Mapping[int, np.ndarray], chunk: int, start: int, stop: int) -> np.ndarray:
+    """Elements ``[start, stop)`` (non-empty) of whole chunks ``values`` that hold them."""
+    parts = []
+    for c in range(start // chunk, (stop - 1) // chunk + 1):
+        base = c * chunk
+        parts.append(values[c][max(start, base) - base : min(stop, base + chunk) - base])
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 class Pending(Protocol):
@@ -90,24 +97,47 @@ class _Stacked:
         return stack_rows(self.result(), width, dtype, right)
 
 
-class _Futures(_Stacked):
-    """Values read already, and tensorstore futures."""
+def _checked(known: Known | None) -> Mapping[int, np.ndarray]:
+    """Waits for ``known``'s checks; the whole chunks they read."""
+    values = None if known is None else known.wait()
+    return {} if values is None else values
 
-    def __init__(self, futures: list[Any], url: str, options: StoreOptions) -> None:
+
+class _Futures(_Stacked):
+    """Values read already, tensorstore futures, and ranges the checks'
+    chunks serve (``None`` entries), given once the checks have passed."""
+
+    def __init__(
+        self,
+        futures: list[Any],
+        url: str,
+        options: StoreOptions,
+        known: Known | None,
+        pairs: list[tuple[int, int]],
+    ) -> None:
         self.futures, self.url, self.options = futures, url, options
+        self.known, self.pairs = known, pairs
 
     def result(self) -> list[np.ndarray]:
-        return [
-            f if isinstance(f, np.ndarray) else wait(f, self.url, self.options)
-            for f in self.futures
-        ]
+        values = _checked(self.known)
+        chunk = 0 if self.known is None else self.known.chunk
+        out = []
+        for f, pair in zip(self.futures, self.pairs, strict=True):
+            if f is None:
+                out.append(from_chunks(values, chunk, *pair))
+            else:
+                out.append(f if isinstance(f, np.ndarray) else wait(f, self.url, self.options))
+        return out
 
 
 class _Done(_Stacked):
-    def __init__(self, values: list[np.ndarray]) -> None:
-        self.values = values
+    """Values read already, given once the checks have passed."""
+
+    def __init__(self, values: list[np.ndarray], known: Known | None = None) -> None:
+        self.values, self.known = values, known
 
     def result(self) -> list[np.ndarray]:
+        _checked(self.known)
         return self.values
 
 
@@ -121,14 +151,21 @@ class _LocalRanges(_Stacked):
     """
 
     def __init__(
-        self, array: TensorStoreArray, local: LocalShards, starts: np.ndarray, stops: np.ndarray
+        self,
+        array: TensorStoreArray,
+        local: LocalShards,
+        starts: np.ndarray,
+        stops: np.ndarray,
+        known: Known | None,
     ) -> None:
         self.array, self.local, self.starts, self.stops = array, local, starts, stops
+        self.known = known
 
     def result(self) -> list[np.ndarray]:
-        return self.array.per_range(self.starts, self.stops).result()
+        return self.array.per_range(self.starts, self.stops, self.known).result()
 
     def rows(self, width: int, dtype: Any, right: bool = False) -> np.ndarray:
+        _checked(self.known)
         if np.dtype(dtype) != self.array.dtype:
             return super().rows(width, dtype, right)
         out = self.array.buffers.array((self.starts.size, width), dtype)
@@ -156,8 +193,9 @@ class ArrayReader(Protocol):
     def request_ranges(
         self, starts: np.ndarray, stops: np.ndarray, known: Known | None = None
     ) -> Pending:
-        """Requests elements ``[starts[i], stops[i])`` for every i; wait with ``.result()``.
-        A reader may serve ranges from ``known`` chunks instead of reading them."""
+        """Requests elements ``[starts[i], stops[i])`` for every i; wait with
+        ``.result()``, which waits for ``known``'s checks first. A reader may
+        serve ranges from ``known``'s chunks instead of reading them."""
         ...
 
     def read_ranges(self, starts: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
@@ -218,12 +256,12 @@ class TensorStoreArray(_Reader):
     def request_ranges(
         self, starts: np.ndarray, stops: np.ndarray, known: Known | None = None
     ) -> Pending:
-        """Memory-mapped shards copy ranges without ``known``; tensorstore reads
-        only the ranges ``known`` cannot serve."""
+        """Memory-mapped shards copy ranges without ``known``'s chunks;
+        tensorstore reads only the ranges those chunks cannot serve."""
         self._count(int(np.sum(stops - starts)))
         if self.local is None:
             return self.per_range(starts, stops, known)
-        return _LocalRanges(self, self.local, starts, stops)
+        return _LocalRanges(self, self.local, starts, stops, known)
 
     def per_range(
         self, starts: np.ndarray, stops: np.ndarray, known: Known | None = None
@@ -232,18 +270,20 @@ class TensorStoreArray(_Reader):
         they cannot serve it (which then fails naming a corrupt shard); without
         memory-mapped shards, from ``known`` chunks where they serve it."""
         pairs = list(zip(starts.tolist(), stops.tolist(), strict=True))
+        chunks = [known is not None and known.covers(a, b) for a, b in pairs]
         if self.local is None:
-            served = [None if known is None or b <= a else known.slice(a, b) for a, b in pairs]
+            served: list[np.ndarray | None] = [None] * len(pairs)
         else:
+            chunks = [False] * len(pairs)
             served = [self.local.read(a, b) for a, b in pairs]
         # One batch: tensorstore reads each chunk that ranges share once, and
         # the chunks of one shard in as few requests as their byte ranges allow.
         with ts.Batch() as batch:
             out = [
-                self.store[a:b].read(batch=batch) if value is None else value
-                for (a, b), value in zip(pairs, served, strict=True)
+                None if whole else self.store[a:b].read(batch=batch) if value is None else value
+                for (a, b), value, whole in zip(pairs, served, chunks, strict=True)
             ]
-        return _Futures(out, self.url, self.options)
+        return _Futures(out, self.url, self.options, known, pairs)
 
     def stored_crc32c(self, chunks: np.ndarray, chunk: int) -> np.ndarray | None:
         """From the memory-mapped shards' chunk checksums (see :class:`LocalShards`)."""
@@ -272,7 +312,7 @@ class ZarrPythonArray(_Reader):
     ) -> Pending:
         self._count(int(np.sum(stops - starts)))
         pairs = zip(starts.tolist(), stops.tolist(), strict=True)
-        return _Done([np.asarray(self.array[a:b]) for a, b in pairs])
+        return _Done([np.asarray(self.array[a:b]) for a, b in pairs], known)
 
     def read_points(self, indices: np.ndarray) -> np.ndarray:
         idx = np.asarray(indices, np.int64)

@@ -52,6 +52,7 @@ import numpy as np
 
 from flat_tokens_jax.core.format import FormatError
 from flat_tokens_jax.store.arrays import ArrayReader, Known
+from flat_tokens_jax.store.checks import Checks
 from flat_tokens_jax.store.localshards import crc32c, touched
 from flat_tokens_jax.store.probes import ATTRIBUTE as PROBES
 from flat_tokens_jax.store.probes import ShardProbes, crc_list
@@ -142,7 +143,6 @@ class ChunkDigests:
     def __init__(self, where: str, size: int, chunk: int, shard: int, open_side: OpenSide) -> None:
         self.where, self.size, self.chunk, self.shard = where, size, chunk, shard
         self.count = -(-size // chunk)
-        self.checked = np.zeros(self.count, bool)
         self.bytes_read = 0  # through the array's reader: the chunks read to hash
         self.side_bytes = 0  # of the side array: the recorded digests
         # The recorded digests of the shards loaded so far: [count] uint32, and
@@ -154,8 +154,8 @@ class ChunkDigests:
         self.content: str | None = None  # the recorded content digest, if any
         # The recorded crc32c of each shard's side chunk ([shards] int64), if any.
         self.shards: np.ndarray | None = None
-        self._lock = threading.Lock()
-        self._checking: dict[int, threading.Event] = {}  # chunk: set once its check ends
+        self._lock = threading.Lock()  # for bytes_read
+        self._checks: Checks[dict[int, np.ndarray]] = Checks(self.count)
         self._loading = threading.Lock()  # held while recorded digests are read
 
     @classmethod
@@ -212,61 +212,77 @@ class ChunkDigests:
             self._side = side
         return self._side
 
+    @property
+    def checked(self) -> np.ndarray:
+        """``[count] bool``: which chunks this process has checked."""
+        return self._checks.checked
+
     def unchecked(self, starts: np.ndarray, stops: np.ndarray) -> bool:
         """Whether ranges ``[starts, stops)`` (within the array) touch a chunk not checked yet."""
-        return not self.checked[touched(starts, stops, self.chunk)].all()
+        return self._checks.unchecked(touched(starts, stops, self.chunk))
 
-    def check(self, reader: ArrayReader, starts: np.ndarray, stops: np.ndarray) -> Known | None:
-        """Checks every chunk of ``reader`` (this array) that ranges ``[starts,
-        stops)`` touch and that this process has not checked yet.
+    def start_check(
+        self, reader: ArrayReader, starts: np.ndarray, stops: np.ndarray
+    ) -> Known | None:
+        """Starts checking every chunk of ``reader`` (this array) that ranges
+        ``[starts, stops)`` touch and that no read has checked or is checking
+        (see :mod:`~flat_tokens_jax.store.checks`): reads those chunks whole,
+        where the reader does not hold their stored checksums, and returns at
+        once; ``None`` when every chunk was checked already.
 
         Returns:
-            The chunks read whole to hash them, all checked, for the read to
-            serve its ranges from; ``None`` when none was read.
+            What the read waits for (``Known.wait``: every touched chunk's
+            check, raising ``FormatError`` naming a chunk whose values are not
+            those recorded) and the chunks read whole, to serve its ranges from.
+        """
+        chunks = touched(starts, stops, self.chunk)
+        if not self._checks.unchecked(chunks):
+            return None
+        whole: list[np.ndarray] = []
+
+        def begin(mine: np.ndarray) -> Callable[[], dict[int, np.ndarray]]:
+            check, read = self._begin(reader, mine)
+            if read:
+                whole.append(mine)
+            return check
+
+        waiting = self._checks.start(chunks, begin, lambda failed: self._begin(reader, failed)[0]())
+        read = frozenset(whole[0].tolist()) if whole else frozenset()
+        return Known(self.chunk, read, waiting)
+
+    def check(self, reader: ArrayReader, starts: np.ndarray, stops: np.ndarray) -> None:
+        """Checks every chunk of ``reader`` that ranges ``[starts, stops)`` touch,
+        once per process: :meth:`start_check`, waited for.
 
         Raises:
             FormatError: a chunk whose values are not those recorded.
         """
-        chunks = touched(starts, stops, self.chunk)
-        if self.checked[chunks].all():
-            return None
-        # Reads check their chunks at once, each chunk once: a chunk another
-        # read is checking is waited for, not read again, and no lock is held
-        # while chunks are read (the reads of steps in flight overlap).
-        with self._lock:
-            todo = np.unique(chunks)
-            todo = todo[~self.checked[todo]]
-            busy = np.array([c in self._checking for c in todo.tolist()], bool)
-            theirs = {self._checking[c] for c in todo[busy].tolist()}
-            mine = todo[~busy]
-            done = threading.Event()
-            for c in mine.tolist():
-                self._checking[c] = done
-        try:
-            known = self._check_chunks(reader, mine) if mine.size else None
-        finally:
-            with self._lock:
-                for c in mine.tolist():
-                    del self._checking[c]
-            done.set()
-        for event in theirs:
-            event.wait()
-        failed = todo[busy][~self.checked[todo[busy]]]
-        if failed.size:  # another read found it bad: check it here, for the message
-            self._check_chunks(reader, failed)
-        return known
+        known = self.start_check(reader, starts, stops)
+        if known is not None:
+            known.wait()
 
-    def _check_chunks(self, reader: ArrayReader, todo: np.ndarray) -> Known | None:
-        """Checks ``todo`` (sorted chunk numbers); the chunks read whole, if any."""
-        known = None
+    def _begin(
+        self, reader: ArrayReader, todo: np.ndarray
+    ) -> tuple[Callable[[], dict[int, np.ndarray]], bool]:
+        """Starts checking ``todo`` (sorted chunk numbers): the call that waits
+        and checks them, giving the chunks it read whole, and whether it reads them."""
         got = reader.stored_crc32c(todo, self.chunk)
-        if got is None:
-            # Runs of consecutive chunks as one range each: a store reads
-            # adjacent chunks of a shard in one request, as the read would.
-            runs = np.split(todo, np.flatnonzero(np.diff(todo) != 1) + 1)
-            lo = np.array([r[0] for r in runs], np.int64) * self.chunk
-            hi = np.minimum(np.array([r[-1] + 1 for r in runs], np.int64) * self.chunk, self.size)
-            pending = reader.request_ranges(lo, hi)
+        if got is not None:
+            stored = got
+
+            def compare() -> dict[int, np.ndarray]:
+                self._verify(todo, stored)
+                return {}
+
+            return compare, False
+        # Runs of consecutive chunks as one range each: a store reads
+        # adjacent chunks of a shard in one request, as the read would.
+        runs = np.split(todo, np.flatnonzero(np.diff(todo) != 1) + 1)
+        lo = np.array([r[0] for r in runs], np.int64) * self.chunk
+        hi = np.minimum(np.array([r[-1] + 1 for r in runs], np.int64) * self.chunk, self.size)
+        pending = reader.request_ranges(lo, hi)
+
+        def hashed() -> dict[int, np.ndarray]:
             self._load(todo)  # the recorded digests, read while the chunks are in flight
             values = [
                 run_values[i * self.chunk : (i + 1) * self.chunk]
@@ -275,13 +291,15 @@ class ChunkDigests:
             ]
             with self._lock:
                 self.bytes_read += sum(v.nbytes for v in values)
-            got = np.array([chunk_digest(v, self.chunk) for v in values], np.uint32)
-            known = Known(self.chunk, dict(zip(todo.tolist(), values, strict=True)))
-        bad = self._mismatches(todo, got)
+            self._verify(todo, np.array([chunk_digest(v, self.chunk) for v in values], np.uint32))
+            return dict(zip(todo.tolist(), values, strict=True))
+
+        return hashed, True
+
+    def _verify(self, chunks: np.ndarray, got: np.ndarray) -> None:
+        bad = self._mismatches(chunks, got)
         if bad:
             raise FormatError(f"{self.where}: {bad[0]}")
-        self.checked[todo] = True
-        return known
 
     def check_block(self, offset: int, values: np.ndarray) -> list[str]:
         """Checks the chunks wholly inside ``values``, the array's elements from

@@ -16,45 +16,22 @@ fails naming the shard, so a flipped byte never reads as a token.
 
 from __future__ import annotations
 
-import importlib
 import os
 import threading
 from collections.abc import Mapping
 from types import ModuleType
 from typing import Any, NamedTuple
 
+import google_crc32c
 import numpy as np
 
 from flat_tokens_jax.core import compiled
 from flat_tokens_jax.core.limits import check_regular_file
 
 
-def _crc32c_function() -> Any:
-    """The crc32c function of google_crc32c (a dependency) or of crc32c;
-    ``None`` if neither is installed."""
-    for module, name in (("google_crc32c", "value"), ("crc32c", "crc32c")):
-        try:
-            return getattr(importlib.import_module(module), name)
-        except ImportError:
-            continue
-    return None
-
-
-_crc32c = _crc32c_function()
-
-
 def crc32c(data: Any) -> int:
-    """The crc32c of ``data`` (bytes, or a C-contiguous array's bytes).
-
-    Raises:
-        RuntimeError: neither google_crc32c nor crc32c is installed.
-    """
-    if _crc32c is None:
-        raise RuntimeError(
-            "computing crc32c needs the package google-crc32c (or crc32c), a "
-            "dependency of flat-tokens-jax: pip install google-crc32c"
-        )
-    return int(_crc32c(data))
+    """The crc32c of ``data`` (bytes, or a C-contiguous array's bytes)."""
+    return int(google_crc32c.value(data))
 
 
 class Geometry(NamedTuple):
@@ -87,8 +64,6 @@ def plain_shard_geometry(meta: Mapping[str, Any]) -> Geometry | None:
     little = {"name": "bytes", "configuration": {"endian": "little"}}
     checksummed = bool(inner) and inner[-1] == {"name": "crc32c"}
     if checksummed:
-        if _crc32c is None:
-            return None
         inner = inner[:-1]
     if inner != [little] and not (
         inner == [{"name": "bytes"}] and meta.get("data_type") == "uint8"
@@ -98,8 +73,6 @@ def plain_shard_geometry(meta: Mapping[str, Any]) -> Geometry | None:
         ["bytes"],
         ["bytes", "crc32c"],
     ):
-        return None
-    if "crc32c" in index_codecs and _crc32c is None:
         return None
     if conf.get("index_codecs", [{}])[0].get("configuration", {}).get("endian", "little") != (
         "little"
@@ -156,7 +129,7 @@ class _Checksummed:
             if not self.verified[j]:
                 row = self.raw[j]
                 stored = int.from_bytes(row[self.chunk_bytes :].tobytes(), "little")
-                if _crc32c(row[: self.chunk_bytes]) != stored:
+                if crc32c(row[: self.chunk_bytes]) != stored:
                     return False
                 self.verified[j] = 1
         return True
@@ -271,7 +244,7 @@ class LocalShards:
             return None
         if self.index_bytes % 16 == 4:
             # As tensorstore does: an index that fails its checksum is not read.
-            if _crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+            if crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
                 return None
             raw = raw[:-4]
         index = np.frombuffer(raw, "<u8").reshape(n_chunks, 2)

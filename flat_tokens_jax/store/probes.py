@@ -23,6 +23,7 @@ import numpy as np
 
 from flat_tokens_jax.core.format import FormatError
 from flat_tokens_jax.store.arrays import Pending, stack_rows
+from flat_tokens_jax.store.checks import Checks
 from flat_tokens_jax.store.localshards import touched
 
 ATTRIBUTE = "shard_probes"
@@ -30,10 +31,6 @@ PROBE = 1024  # values per probe: the start of each shard's first inner chunk
 
 ReadRanges = Callable[[np.ndarray, np.ndarray], Sequence[np.ndarray]]
 RequestRanges = Callable[[np.ndarray, np.ndarray], Pending]
-
-
-def _checked() -> None:
-    """The check of shards checked already."""
 
 
 class _Read:
@@ -85,10 +82,9 @@ class ShardProbes:
     def __init__(self, where: str, size: int, shard: int, crcs: Sequence[int]) -> None:
         self.where, self.size, self.shard = where, size, shard
         self.crcs = np.asarray(crcs, np.int64)
-        self.checked = np.zeros(self.crcs.size, bool)
         self.bytes_read = 0  # by the checks, over all views that share these probes
-        self._lock = threading.Lock()
-        self._checking: dict[int, threading.Event] = {}  # shard: set once its check ends
+        self._lock = threading.Lock()  # for bytes_read
+        self._checks: Checks[None] = Checks(self.crcs.size)
 
     @classmethod
     def of(cls, attributes: Mapping[str, Any], where: str, size: int) -> ShardProbes | None:
@@ -118,9 +114,14 @@ class ShardProbes:
             )
         return cls(where, size, found["shard"], found["crc32"])
 
+    @property
+    def checked(self) -> np.ndarray:
+        """``[shards] bool``: which shards this process has checked."""
+        return self._checks.checked
+
     def unchecked(self, starts: np.ndarray, stops: np.ndarray) -> bool:
         """Whether ranges ``[starts, stops)`` (within the array) touch a shard not checked yet."""
-        return not self.checked[touched(starts, stops, self.shard)].all()
+        return self._checks.unchecked(touched(starts, stops, self.shard))
 
     def start_check(
         self, request: RequestRanges, starts: np.ndarray, stops: np.ndarray
@@ -128,53 +129,28 @@ class ShardProbes:
         """Starts reading, with ``request`` (which returns before the values
         arrive), the probe of every shard that ranges ``[starts, stops)`` touch
         and that no read has checked or is checking; returns the call that
-        waits for them and checks them (it must be called, once), so that a
-        read's other checks go out in the same round trips.
+        waits for the probes of all those shards and checks them, so that a
+        read's other checks and its own values go out in the same round trips
+        (see :mod:`~flat_tokens_jax.store.checks`).
 
         Raises (the returned call):
             FormatError: a shard whose first values are not those recorded.
         """
-        shards = touched(starts, stops, self.shard)
-        if self.checked[shards].all():
-            return _checked
-        with self._lock:
-            todo = np.unique(shards)
-            todo = todo[~self.checked[todo]]
-            busy = np.array([s in self._checking for s in todo.tolist()], bool)
-            theirs = {self._checking[s] for s in todo[busy].tolist()}
-            mine = todo[~busy]
-            done = threading.Event()
-            for s in mine.tolist():
-                self._checking[s] = done
-        try:
-            pending = request(*self._ranges(mine)) if mine.size else None
-        except BaseException:
-            self._release(mine, done)
-            raise
 
-        def finish() -> None:
-            try:
-                if pending is not None:
-                    bad = self._compare(mine, pending.result())
-                    if bad:
-                        raise FormatError(f"{self.where}: {bad[0]}")
-                    self.checked[mine] = True
-            finally:
-                self._release(mine, done)
-            for event in theirs:
-                event.wait()
-            failed = todo[busy][~self.checked[todo[busy]]]
-            if failed.size:  # another read found it bad: read it here, for the message
-                bad = self._compare(failed, request(*self._ranges(failed)).result())
-                raise FormatError(f"{self.where}: {bad[0]}")
+        def begin(mine: np.ndarray) -> Callable[[], None]:
+            pending = request(*self._ranges(mine))
+            return lambda: self._verify(mine, pending.result())
 
-        return finish
+        def again(failed: np.ndarray) -> None:
+            self._verify(failed, request(*self._ranges(failed)).result())
 
-    def _release(self, shards: np.ndarray, done: threading.Event) -> None:
-        with self._lock:
-            for s in shards.tolist():
-                del self._checking[s]
-        done.set()
+        waiting = self._checks.start(touched(starts, stops, self.shard), begin, again)
+        return lambda: waiting()
+
+    def _verify(self, shards: np.ndarray, values: Sequence[np.ndarray]) -> None:
+        bad = self._compare(shards, values)
+        if bad:
+            raise FormatError(f"{self.where}: {bad[0]}")
 
     def check(self, read: ReadRanges, starts: np.ndarray, stops: np.ndarray) -> None:
         """:meth:`start_check` with ``read``, which returns the values it reads.

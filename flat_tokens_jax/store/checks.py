@@ -1,0 +1,132 @@
+"""Integrity checks of an array's shards or chunks among concurrent reads: each
+item checked once, none waiting on a read that never waits for its own.
+
+A read claims the items it touches that no read has checked or claimed,
+starts reading them (the reads return at once: tensorstore reads in the
+background), and later waits for the checks of all it touched: its own, and
+those of the reads that claimed the others. A check runs once, by whichever
+thread asks for it first, so a read that starts a check and never waits for
+it (an error elsewhere in its step) holds no other read up: the next read of
+those items runs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import numpy as np
+
+R = TypeVar("R")
+
+
+class Once(Generic[R]):
+    """A call run once, by whichever thread asks for its result first; the
+    others wait for that run and get its result or its error."""
+
+    def __init__(self, call: Callable[[], R]) -> None:
+        self._call: Callable[[], R] | None = call
+        self._lock = threading.Lock()
+        self._out: R | None = None
+        self._error: BaseException | None = None
+
+    def result(self) -> R:
+        with self._lock:
+            if self._call is not None:
+                call, self._call = self._call, None
+                try:
+                    self._out = call()
+                except BaseException as e:
+                    self._error = e
+        if self._error is not None:
+            raise self._error
+        return self._out  # type: ignore[return-value]
+
+
+class Checks(Generic[R]):
+    """Which of ``count`` items (shards, chunks) this process has checked, and
+    the checks in flight. Thread-safe.
+
+    Args:
+        count: items in the array.
+    """
+
+    def __init__(self, count: int) -> None:
+        self.checked = np.zeros(count, bool)
+        self._lock = threading.Lock()
+        self._claimed: dict[int, Once[R]] = {}
+
+    def unchecked(self, items: np.ndarray) -> bool:
+        """Whether some of ``items`` (``[k] int64``) is not checked yet."""
+        return not self.checked[items].all()
+
+    def start(
+        self,
+        items: np.ndarray,
+        begin: Callable[[np.ndarray], Callable[[], R]],
+        again: Callable[[np.ndarray], object],
+    ) -> Callable[[], R | None]:
+        """Starts the checks of ``items`` (``[k] int64``, within ``count``).
+
+        Args:
+            items: what a read touches.
+            begin: given the items this read claims (sorted, unique), starts
+                reading them and returns the call that waits for those reads
+                and checks them (its result is kept, or it raises the error
+                that names a bad item). It runs under the lock that claims,
+                so it must only start reads.
+            again: checks items another read's check left unchecked (its
+                error, or its reads' failure), raising the error naming one;
+                they count as checked when it returns.
+
+        Returns:
+            The call that waits for every check of ``items``; its result is
+            ``begin``'s call's (``None`` when this read claimed no item).
+        """
+        todo = np.unique(items)
+        todo = todo[~self.checked[todo]]
+        if not todo.size:
+            return _nothing
+        with self._lock:
+            busy = np.array([i in self._claimed for i in todo.tolist()], bool)
+            claims = [self._claimed[i] for i in todo[busy].tolist()]
+            theirs = list({id(c): c for c in claims}.values())
+            mine = todo[~busy]
+            once: Once[R] | None = None
+            if mine.size:
+                once = Once(self._run(mine, begin(mine)))
+                for i in mine.tolist():
+                    self._claimed[i] = once
+        others = todo[busy]
+
+        def wait() -> R | None:
+            out = None if once is None else once.result()
+            for check in theirs:
+                with contextlib.suppress(Exception):  # left unchecked: checked again below
+                    check.result()
+            failed = others[~self.checked[others]]
+            if failed.size:
+                again(failed)
+                self.checked[failed] = True
+            return out
+
+        return wait
+
+    def _run(self, mine: np.ndarray, waiting: Callable[[], R]) -> Callable[[], R]:
+        def run() -> R:
+            try:
+                out = waiting()
+                self.checked[mine] = True
+                return out
+            finally:
+                with self._lock:
+                    for i in mine.tolist():
+                        del self._claimed[i]
+
+        return run
+
+
+def _nothing() -> None:
+    return None

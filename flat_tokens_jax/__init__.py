@@ -25,8 +25,9 @@ if TYPE_CHECKING:
     from flat_tokens_jax.store.identity import DatasetInfo, TokenizerInfo
 
     __version__: str
-    from flat_tokens_jax.data.plans import PackingPlan, pack_dataset
+    from flat_tokens_jax.data.plans import PackingPlan
     from flat_tokens_jax.data.records import PackedRecords, PaddedRecords, Records
+    from flat_tokens_jax.data.storedplans import pack_dataset
     from flat_tokens_jax.data.validation import summary, validate
     from flat_tokens_jax.data.writer import DatasetWriter, write_dataset
     from flat_tokens_jax.loader.loader import Loader
@@ -75,7 +76,7 @@ _HOMES = {
     "library_version": "store.identity",
     "mixture_from_config": "sampling.mixconfig",
     "open_dataset": "data.dataset",
-    "pack_dataset": "data.plans",
+    "pack_dataset": "data.storedplans",
     "permute": "sampling.sampling",
     "phases_from_config": "loader.phaseconfig",
     "phases_from_yaml": "loader.phaseconfig",

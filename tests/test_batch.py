@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 from flat_tokens_jax.decoding.batch import (
     FIELDS,
-    _fill_runs,
     packed_fields,
     packed_fields_jax,
     padded_fields,
@@ -271,36 +270,6 @@ def test_packed_large_batches_match_reference(mean_len: float) -> None:
     want = packed_reference(seqs, offsets, seq_len, 9)
     assert_fields(packed_fields(windows, start_token_id=9), want, (batch, seq_len))
     assert_fields(packed_jit(windows, start_token_id=9), want, (batch, seq_len))
-
-
-@settings(max_examples=60)
-@given(
-    batch=st.integers(1, 6),
-    seq_len=st.integers(1, 700),
-    every=st.sampled_from([2, 9, 60, 130, 400, 5000]),
-    data=st.data(),
-)
-def test_tiled_runs_match_a_token_by_token_reference(
-    batch: int, seq_len: int, every: int, data: st.DataObject
-) -> None:
-    """Segment ids and positions written tile by tile (a run start inside a tile,
-    on a tile's first token, a row start inside a tile, a last partial tile)
-    equal a loop over every token."""
-    size = batch * seq_len
-    picks = data.draw(st.lists(st.integers(0, size - 1), max_size=max(1, size // every)))
-    starts = np.unique(np.array(picks, np.int64))
-    segment_ids = np.full((batch, seq_len), -7, np.int32)
-    positions = np.full((batch, seq_len), -7, np.int32)
-    _fill_runs(starts, segment_ids, positions)
-    is_start = set(starts.tolist())
-    for r in range(batch):
-        segment, position = 1, 0
-        for c in range(seq_len):
-            if c and r * seq_len + c in is_start:
-                segment, position = segment + 1, 0
-            elif c:
-                position += 1
-            assert (segment_ids[r, c], positions[r, c]) == (segment, position), (r, c)
 
 
 # -- Stored loss masks. ------------------------------------------------------------

@@ -1,7 +1,8 @@
 """flat_tokens_jax.store.checks: each item is checked once among concurrent
 reads; a read that never waits for its check holds no other read up; a check
 another read failed is done again here, naming the bad item; and a split's
-reads start their checks without waiting for them."""
+reads (through ``flat_tokens_jax.store.integrity.CheckedArray``) start their
+checks without waiting for them and count their bytes apart."""
 
 from __future__ import annotations
 
@@ -145,3 +146,34 @@ def test_a_read_of_a_split_starts_its_checks_without_waiting_for_them() -> None:
     assert digests.checked[[300 // 16, 700 // 16]].all()
     flat = ftj.encode(seqs)[0]
     assert [g.tolist() for g in got] == [flat[300:340].tolist(), flat[700:720].tolist()]
+
+
+def test_a_checked_array_counts_the_bytes_of_its_values_apart_from_its_checks() -> None:
+    """Through ``CheckedArray`` a read checks the shards and chunks it touches
+    once; bytes of values and of checks are counted apart. Without memory-mapped
+    shards (a memory store) a chunk's check reads it whole and hashes it."""
+    url = memory_url()
+    seqs = [list(range(1, 60 + i)) for i in range(20)]  # 1,370 tokens: 6 shards of 256
+    ftj.write_dataset(url, {"train": seqs}, layout=ftj.Layout(shard_tokens=256, chunk_tokens=16))
+    ft = ftj.open_dataset(url)["train"]
+    tokens = ft.checked[ft.tokens_name]
+    assert tokens.reader is ft.encoded and tokens.digests is ft.digests[ft.tokens_name]
+    assert (tokens.data_bytes, tokens.check_bytes) == (0, 0)
+
+    got = tokens.request_ranges(np.array([300, 330]), np.array([340, 350])).result()
+    flat = ftj.encode(seqs)[0]
+    assert [g.tolist() for g in got] == [flat[300:340].tolist(), flat[330:350].tolist()]
+    # Values: 60 uint32. Checks: shard 1's probe (its 256 values), the recorded
+    # digests of its 16 chunks, and chunks 18..21 read whole (16 values each).
+    assert tokens.data_bytes == 60 * 4
+    assert tokens.check_bytes == 256 * 4 + 16 * 4 + 4 * 16 * 4
+    assert tokens.reader.bytes_read.value == 60 * 4 + 256 * 4 + 4 * 16 * 4
+
+    tokens.request_ranges(np.array([320]), np.array([336])).result()  # checked already
+    assert (tokens.data_bytes, tokens.check_bytes) == (76 * 4, 256 * 4 + 16 * 4 + 4 * 16 * 4)
+
+    before = tokens.digests.checked.copy()  # type: ignore[union-attr]
+    tokens.reader.read_ranges(np.array([1000]), np.array([1010]))  # not through the checks
+    np.testing.assert_array_equal(tokens.digests.checked, before)  # type: ignore[union-attr]
+    np.testing.assert_array_equal(tokens.read_points(np.array([1000, 1009])), flat[[1000, 1009]])
+    assert tokens.digests.checked[1000 // 16]  # type: ignore[union-attr]

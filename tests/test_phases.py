@@ -23,7 +23,7 @@ import flat_tokens_jax as ftj
 from flat_tokens_jax.cli import main
 from flat_tokens_jax.data.bins import BinRecords
 from flat_tokens_jax.loader.phasedloader import PhasedLoader
-from flat_tokens_jax.loader.phases import Phase
+from flat_tokens_jax.loader.phases import STREAM_FIELDS, Phase, stream_key
 from flat_tokens_jax.sampling.mixture import Mixture
 from flat_tokens_jax.sampling.sampling import permute
 
@@ -465,3 +465,71 @@ def test_an_error_inside_a_phase_names_the_runs_step_and_the_phase() -> None:
         for step, _ in run.iterate(8):
             taken.append(step)
     assert taken == [8, 9]
+
+
+@functools.cache
+def known_split() -> ftj.FlatTokens:
+    url = memory_url("phases-known")
+    ftj.write_dataset(url, {"train": [[5, 6, 7], [8, 9], [10, 11, 12, 13]]})
+    return ftj.open_dataset(url)["train"]
+
+
+def known(packing: bool | str) -> tuple[dict[str, Any], ftj.LoaderConfig]:
+    """A component's fingerprint of the known split, and its config."""
+    cfg = ftj.LoaderConfig(batch_size=2, seq_len=3, packing=packing, seed=7, shuffle=False)
+    return ftj.Loader(known_split(), cfg).fingerprint()["data"], cfg
+
+
+def test_the_key_of_a_known_stream_is_frozen() -> None:
+    assert stream_key(*known("bins")) == (
+        '[{"content": "9d8cb93bfd7d12cc621069f599738875", "loss_mask": false, '
+        '"max_token_id": 13, "num_sequences": 3, "num_tokens": 9, "plan": '
+        '{"algorithm": "best-fit-decreasing/blocks-of-262144", "digest": "3c6738af4aac56f3"}, '
+        '"records": "bins", "sample_digest": "3f50ee11472614f4", "seq_len": 3, '
+        '"tokenizer": null}, 7, false]'
+    )
+
+
+@pytest.mark.parametrize("packing", [True, False, "bins"])
+def test_a_key_is_todays_fingerprint_but_the_name_with_seed_and_shuffle(
+    packing: bool | str,
+) -> None:
+    """Every stream of a run made so far keeps its key: the whole fingerprint but
+    the component's name, as the key was before its fields were named."""
+    a, b = known_split(), splits()["b"][0]
+    cfg = ftj.LoaderConfig(batch_size=2, seq_len=3, packing=packing, seed=3)
+    mixed = ftj.Loader(Mixture({"a": (a, 1), "b": (b, 2)}), cfg).fingerprint()["data"]
+    parts = [*mixed["components"], known(packing)[0]]
+    assert {"name"} < set(parts[0])
+    for data in parts:
+        whole = {k: v for k, v in data.items() if k != "name"}
+        assert stream_key(data, cfg) == json.dumps([whole, 3, True], sort_keys=True)
+
+
+@pytest.mark.parametrize("packing", [True, False, "bins"])
+def test_a_fingerprint_field_outside_the_streams_fields_leaves_its_key(
+    packing: bool | str,
+) -> None:
+    data, cfg = known(packing)
+    key = stream_key(data, cfg)
+    assert stream_key({**data, "name": "web", "added_later": [1, 2]}, cfg) == key
+
+
+@pytest.mark.parametrize("field", [*STREAM_FIELDS, "seed", "shuffle"])
+def test_changing_any_field_of_a_stream_changes_its_key(field: str) -> None:
+    data, cfg = known("bins")
+    other = {"seed": {"seed": cfg.seed + 1}, "shuffle": {"shuffle": not cfg.shuffle}}
+    if field in other:
+        changed, changed_cfg = data, dataclasses.replace(cfg, **other[field])
+    else:
+        assert field in data, "the known bins' fingerprint holds every stream field"
+        changed, changed_cfg = {**data, field: {"changed": field}}, cfg
+    assert stream_key(changed, changed_cfg) != stream_key(data, cfg)
+
+
+def test_records_of_ones_own_are_known_by_their_whole_fingerprint_but_the_name() -> None:
+    cfg = ftj.LoaderConfig(batch_size=2, seq_len=3)
+    mine = {"name": "x", "num_tokens": 9, "source": "mine-v1"}
+    key = stream_key(mine, cfg)
+    assert stream_key({**mine, "name": "y"}, cfg) == key
+    assert stream_key({**mine, "source": "mine-v2"}, cfg) != key

@@ -29,9 +29,10 @@ from flat_tokens_jax.core.format import (
 )
 from flat_tokens_jax.core.values import BadValue
 from flat_tokens_jax.data.splitfractions import split_boundaries
-from flat_tokens_jax.store.arrays import ArrayReader, Known, Pending
-from flat_tokens_jax.store.digests import DIGESTS, ChunkDigests, array_checks, side_opener
+from flat_tokens_jax.store.arrays import ArrayReader, Pending
+from flat_tokens_jax.store.digests import DIGESTS, ChunkDigests
 from flat_tokens_jax.store.identity import DatasetInfo, dataset_splits
+from flat_tokens_jax.store.integrity import CheckedArray
 from flat_tokens_jax.store.options import StoreOptions, resolve_options
 from flat_tokens_jax.store.probes import ShardProbes
 from flat_tokens_jax.store.store import (
@@ -61,6 +62,14 @@ class FlatTokens:
     (:class:`Dataset` does); otherwise opening reads it: a dataset that records
     what made it must record its arrays' shard probes and chunk digests
     (:func:`~flat_tokens_jax.store.digests.array_checks`).
+
+    Attributes:
+        encoded, starts, loss_mask: the split's arrays' readers (``loss_mask``
+            ``None`` where none is stored); reads made through them directly
+            are not checked.
+        checked: each array's reads with its integrity checks
+            (:class:`~flat_tokens_jax.store.integrity.CheckedArray`), by array
+            name: every read of this class goes through them.
     """
 
     def __init__(
@@ -98,16 +107,12 @@ class FlatTokens:
         if mask_meta is not None and self.loss_mask is not None:
             arrays.append((LOSS_MASK, mask_meta, self.loss_mask))
         ours = self.info is not None
-        self.probes: dict[str, ShardProbes | None] = {}
-        self.digests: dict[str, ChunkDigests | None] = {}
-        for name, found, reader in arrays:
-            self.probes[name], self.digests[name] = array_checks(
-                found[1].get("attributes") or {},
-                f"{store.url}/{split}/{name}",
-                reader.size,
-                side_opener(store, f"{split}/{name}/{DIGESTS}"),
-                ours=ours,
+        self.checked = {
+            name: CheckedArray.open(
+                store, f"{split}/{name}", reader, found[1].get("attributes") or {}, ours=ours
             )
+            for name, found, reader in arrays
+        }
         self._check_shapes(check_end)
         self.seq_range = (0, self.starts.size - 1)
         self.token_range = (0, self.encoded.size)
@@ -124,8 +129,7 @@ class FlatTokens:
             raise FormatError(f"{where}/{SEQ_STARTS}: empty; it needs num_sequences + 1 entries")
         if check_end:
             ends = np.array([0, self.starts.size - 1])
-            self._check(SEQ_STARTS, self.starts, ends, ends + 1)
-            first, last = self.starts.read_points(ends).tolist()
+            first, last = self.checked[SEQ_STARTS].read_points(ends).tolist()
             if first != 0:
                 raise FormatError(f"{where}/{SEQ_STARTS}[0]: first entry is {first}, expected 0")
             if last != self.encoded.size:
@@ -162,21 +166,27 @@ class FlatTokens:
         return self._info  # type: ignore[return-value]
 
     @property
+    def probes(self) -> dict[str, ShardProbes | None]:
+        """Each array's shard probes, by array name; ``None`` where it records none."""
+        return {name: c.probes for name, c in self.checked.items()}
+
+    @property
+    def digests(self) -> dict[str, ChunkDigests | None]:
+        """Each array's chunk digests, by array name; ``None`` where it records none."""
+        return {name: c.digests for name, c in self.checked.items()}
+
+    @property
     def bytes_read(self) -> int:
         """Bytes requested so far from this split's arrays (tokens, starts, mask)
         for the data read; the checks' reads are :attr:`probe_bytes`."""
-        readers = (self.encoded, self.starts, self.loss_mask)
-        checks = [*self.probes.values(), *self.digests.values()]
-        through_readers = sum(c.bytes_read for c in checks if c is not None)
-        return sum(r.bytes_read.value for r in readers if r is not None) - through_readers
+        return sum(c.data_bytes for c in self.checked.values())
 
     @property
     def probe_bytes(self) -> int:
         """Bytes read to check shard probes (one small read per shard, once) and
         chunk digests (the recorded digests of each shard touched, once; each
         chunk touched, whole, once, where it carries no crc32c)."""
-        digests = sum(d.bytes_read + d.side_bytes for d in self.digests.values() if d is not None)
-        return digests + sum(p.bytes_read for p in self.probes.values() if p is not None)
+        return sum(c.check_bytes for c in self.checked.values())
 
     @property
     def num_tokens(self) -> int:
@@ -210,8 +220,7 @@ class FlatTokens:
                 f"{self!r}: token range [{lo[i]}, {hi[i]}) is outside [0, {self.num_tokens})"
             )
         base = self.token_range[0]
-        known = self._start_checks(self.tokens_name, self.encoded, lo + base, hi + base)
-        return self.encoded.request_ranges(lo + base, hi + base, known)
+        return self.checked[self.tokens_name].request_ranges(lo + base, hi + base)
 
     def request_loss_mask(self, starts: np.ndarray, stops: np.ndarray) -> Pending | None:
         """Starts reading the stored loss mask (``uint8``) of token ranges; ``None`` if none."""
@@ -219,8 +228,7 @@ class FlatTokens:
             return None
         base = self.token_range[0]
         lo, hi = np.asarray(starts, np.int64) + base, np.asarray(stops, np.int64) + base
-        known = self._start_checks(LOSS_MASK, self.loss_mask, lo, hi)
-        return self.loss_mask.request_ranges(lo, hi, known)
+        return self.checked[LOSS_MASK].request_ranges(lo, hi)
 
     def request_encoded_and_mask(
         self,
@@ -244,8 +252,7 @@ class FlatTokens:
                 f"{self!r}: sequence index {idx[bad[0]]} is outside [0, {self.num_sequences})"
             )
         at = idx + self.seq_range[0]
-        self._check(SEQ_STARTS, self.starts, at, at + 2)
-        both = self.starts.read_points(np.concatenate([at, at + 1])).astype(np.int64)
+        both = self.checked[SEQ_STARTS].read_points(np.concatenate([at, at + 1])).astype(np.int64)
         self.check_bounds(np.concatenate([at, at + 1]), both, idx.size)
         both -= self.token_range[0]
         return both[: idx.size], both[idx.size :]
@@ -303,8 +310,7 @@ class FlatTokens:
                 f"{self!r}: sequence range [{first}, {stop}) is outside [0, {self.num_sequences}]"
             )
         at = np.array([first, stop], np.int64) + self.seq_range[0]
-        self._check(SEQ_STARTS, self.starts, at, at + 1)
-        both = self.starts.read_points(at).astype(np.int64)
+        both = self.checked[SEQ_STARTS].read_points(at).astype(np.int64)
         # An empty view reads one entry twice: only its range can be checked.
         self.check_bounds(at, both, 1 if stop > first else 0)
         lo, hi = both.tolist()
@@ -312,45 +318,6 @@ class FlatTokens:
         out.seq_range = (int(at[0]), int(at[1]))
         out.token_range = (lo, hi)
         return out
-
-    def _start_checks(
-        self, name: str, reader: ArrayReader, starts: np.ndarray, stops: np.ndarray
-    ) -> Known | None:
-        """Starts checking the shard probes (:mod:`~flat_tokens_jax.store.probes`)
-        and chunk digests (:mod:`~flat_tokens_jax.store.digests`) of what a read
-        touches, so that their reads share the read's round trips; what the
-        read waits for before it gives values (``None``: all checked before)."""
-        probes = self.probes.get(name)
-        digests = self.digests.get(name)
-        probed = (
-            None if probes is None else probes.start_check(reader.request_ranges, starts, stops)
-        )
-        known = None if digests is None else digests.start_check(reader, starts, stops)
-        if probed is None:
-            return known
-        check_probes = probed
-
-        def wait() -> Mapping[int, np.ndarray] | None:
-            # The digests' wait reads the recorded digests while the probes
-            # are in flight; a shard whose probe differs is named first.
-            try:
-                values = None if known is None else known.wait()
-            except BaseException:
-                check_probes()
-                raise
-            check_probes()
-            return values
-
-        if known is None:
-            return Known(1, frozenset(), wait)
-        return Known(known.chunk, known.chunks, wait)
-
-    def _check(self, name: str, reader: ArrayReader, starts: np.ndarray, stops: np.ndarray) -> None:
-        """:meth:`_start_checks`, waited for (before a read that cannot serve
-        its values from the checks' chunks)."""
-        known = self._start_checks(name, reader, starts, stops)
-        if known is not None:
-            known.wait()
 
     def layout(self) -> dict[str, dict[str, Any]]:
         """Per array: zarr version, chunk and shard sizes, compression."""

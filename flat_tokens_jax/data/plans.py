@@ -1,9 +1,10 @@
-"""Packing plans of a split: built, stored in the dataset, or cached locally.
+"""Packing plans of a split: built, checked against the data, and found.
 
 A :class:`PackingPlan` says which sequences share each bin of ``seq_len``
 tokens (see :mod:`flat_tokens_jax.data.binpack` for the algorithm). A plan is found,
 in this order: stored in the dataset by ``flat-tokens pack`` (group
-``<split>/bins_<seq_len>``, whole splits only); in the local cache; else built
+``<split>/bins_<seq_len>``, whole splits only; written by
+:mod:`~flat_tokens_jax.data.storedplans`); in the local cache; else built
 (about 1 s per million sequences) and cached.
 
 A plan records what it was made from (``source``: the split's name, token and
@@ -14,7 +15,6 @@ refused, with what differs.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -23,28 +23,20 @@ import logging
 import os
 import tempfile
 import zipfile
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 
-from flat_tokens_jax.core import fields
 from flat_tokens_jax.core.format import FormatError, Problem
-from flat_tokens_jax.core.limits import check_seq_len, special_kind
+from flat_tokens_jax.core.limits import special_kind
 from flat_tokens_jax.data.binpack import ALGORITHM, build_plan, capped_algorithm, plan_digest
-from flat_tokens_jax.data.dataset import Dataset, FlatTokens, open_dataset
-from flat_tokens_jax.store.claim import Claim, describe_marker
-from flat_tokens_jax.store.layout import Layout, create_array
-from flat_tokens_jax.store.options import StoreOptions, resolve_options
-from flat_tokens_jax.store.store import V2_ATTRS, V2_GROUP, V3_META, Store
+from flat_tokens_jax.data.dataset import FlatTokens
 
 log = logging.getLogger(__name__)
 
 PLAN_ATTRIBUTE = "flat_tokens_packing_plan"
 PLAN_ARRAYS = ("bin_starts", "seq_order")
-_PLAN_DTYPE = np.dtype("<i8")
 _PROBES = 64
 
 
@@ -162,7 +154,9 @@ def _differences(plan: PackingPlan, ft: FlatTokens, seq_len: int) -> list[str]:
     return [f"{k}: plan {saved.get(k)!r}, data {v!r}" for k, v in now.items() if saved.get(k) != v]
 
 
-def _check_source(plan: PackingPlan, ft: FlatTokens, seq_len: int, where: str, fix: str) -> None:
+def check_plan_source(
+    plan: PackingPlan, ft: FlatTokens, seq_len: int, where: str, fix: str
+) -> None:
     """Refuses a plan whose recorded ``seq_len``, counts or sampled bounds differ."""
     diffs = _differences(plan, ft, seq_len)
     if diffs:
@@ -227,35 +221,11 @@ def check_plan(plan: PackingPlan, ft: FlatTokens, seq_len: int, where: str, fix:
     differs: the recorded counts and sampled bounds first (cheap), then the
     arrays' shape, then every bin against the sequences of ``ft`` (one read of
     its ``seq_starts``) and the digest of all bounds where the plan records it."""
-    _check_source(plan, ft, seq_len, where, fix)
+    check_plan_source(plan, ft, seq_len, where, fix)
     plan.check_shape(where)
     problems = plan_data_problems(plan, ft, split_starts(ft), where, fix)
     if problems:
         raise FormatError(problems)
-
-
-def write_plan(store: Store, ft: FlatTokens, seq_len: int, zarr_format: int) -> PackingPlan:
-    """Builds and stores the plan of the whole split ``ft`` under ``<split>/bins_<seq_len>``.
-
-    The group's metadata (with the plan's attributes) is removed first and
-    written last, after both arrays: an interrupted write leaves no plan that
-    opens.
-    """
-    if ft.seq_range != (0, ft.starts.size - 1):
-        raise ValueError(f"{ft!r} is a view: only whole splits store a packing plan")
-    plan = make_plan(ft, seq_len)
-    group = plan_group(ft.split_name, seq_len)
-    # The metadata first: a plan half deleted or half written never opens.
-    for key in (V3_META, V2_GROUP, V2_ATTRS):
-        store.delete(f"{group}/{key}")
-    store.delete_prefix(group)
-    layout = Layout(zarr_format=zarr_format)
-    for name, values in zip(PLAN_ARRAYS, (plan.bin_starts, plan.seq_order), strict=True):
-        array = create_array(store, group, name, _PLAN_DTYPE, layout, size=values.size)
-        if values.size:
-            store.wait(array[: values.size].write(values.astype(_PLAN_DTYPE)))
-    store.write_group(group, zarr_format, {PLAN_ATTRIBUTE: plan.attributes()})
-    return plan
 
 
 def read_stored_plan(ft: FlatTokens, seq_len: int) -> PackingPlan | None:
@@ -285,117 +255,6 @@ def read_stored_plan(ft: FlatTokens, seq_len: int) -> PackingPlan | None:
     )
     plan.check_shape(where)
     return plan
-
-
-def pack_dataset(
-    url: str | os.PathLike[str],
-    seq_len: int,
-    *,
-    splits: Sequence[str] | None = None,
-    options: StoreOptions | None = None,
-    **option_fields: Any,
-) -> dict[str, PackingPlan]:
-    """Builds and stores the packing plan of each split for ``seq_len``.
-
-    Replaces a plan stored before for the same ``seq_len``. The plan of
-    ``<split>`` lies in the group ``<split>/bins_<seq_len>``: arrays
-    ``bin_starts`` and ``seq_order`` (``int64``) and the attribute
-    ``flat_tokens_packing_plan`` (written last).
-
-    Args:
-        url: the dataset.
-        seq_len: tokens per bin.
-        splits: the splits to pack (default: all).
-        options: how to reach the store, or its fields as keywords.
-
-    Returns:
-        The plan of each split.
-
-    Raises:
-        FileExistsError: another write to the dataset (a pack, a conversion)
-            is in progress: packs of one dataset run one at a time.
-    """
-    seq_len = fields.seq_len(seq_len, "seq_len")
-    check_seq_len(seq_len, "pack_dataset")
-    ds = open_dataset(url, resolve_options(options, option_fields, "pack_dataset"))
-    names = list(ds.splits if splits is None else splits)
-    claim = _claim(ds)
-    out = {}
-    try:
-        for name in names:
-            ft = ds[name]
-            out[name] = write_plan(ds.store, ft, seq_len, ds.zarr_format)
-            log.info("%s: packed %s into %d bins", ds.url, name, out[name].num_bins)
-    except BaseException:
-        with contextlib.suppress(FileExistsError):  # lost to another writer: theirs now
-            claim.release()
-        raise
-    claim.release()
-    return out
-
-
-def _claim(ds: Dataset) -> Claim:
-    """The dataset's write marker, ours while a pack writes its plans: two packs
-    at once would delete and write the same plan's files under each other."""
-    claim = Claim(ds.store, ds.splits)
-    if not claim.create():
-        try:
-            claim.take_over()  # the marker of a write that died is ours to replace
-        except FileExistsError:
-            raise FileExistsError(
-                f"{ds.url}: another write to it is in progress ({describe_marker(ds.store)}): "
-                "run pack again when it has finished; packs of one dataset run one at a time"
-            ) from None
-    return claim
-
-
-def stored_seq_lens(ft: FlatTokens) -> list[int]:
-    """The ``seq_len`` of every plan stored for the split of ``ft``, ascending."""
-    prefix = f"{ft.split_name}/bins_"
-    keys = ft.store.wait(ft.store.kv.list(ts.KvStore.KeyRange(prefix, prefix[:-1] + "`")))
-    found = set()
-    for key in (k.decode() for k in keys):
-        name, _, rest = key[len(prefix) :].partition("/")
-        if name.isdigit() and rest in (V3_META, V2_GROUP):
-            found.add(int(name))
-    return sorted(found)
-
-
-def check_stored_plans(ft: FlatTokens) -> list[Problem]:
-    """Every problem of the plans stored for ``ft``'s split: unreadable, not a
-    permutation, a bin over its ``seq_len``, another digest than recorded, or
-    made from other data (sequence bounds differ)."""
-    problems: list[Problem] = []
-    starts = split_starts(ft)
-    for seq_len in stored_seq_lens(ft):
-        where = f"{ft.url}/{plan_group(ft.split_name, seq_len)}"
-        fix = f"rebuild it: flat-tokens pack {ft.url} --seq-len {seq_len}"
-        try:
-            plan = read_stored_plan(ft, seq_len)
-            if plan is None:  # removed while we looked
-                continue
-            _check_source(plan, ft, seq_len, where, fix)
-        except FormatError as e:
-            problems += e.problems
-            continue
-        problems += plan_data_problems(plan, ft, starts, where, fix)
-        stored = ft.store.group_attributes(plan_group(ft.split_name, seq_len))
-        digest = None if stored is None else stored[1][PLAN_ATTRIBUTE].get("digest")
-        if digest != plan.digest:
-            problems.append(
-                Problem(where, f"arrays digest {plan.digest}, attribute says {digest}: {fix}")
-            )
-    return problems
-
-
-def plans_summary(ft: FlatTokens) -> dict[str, Any]:
-    """``{seq_len: attributes}`` of the plans stored for ``ft``'s split (JSON-ready)."""
-    out = {}
-    for seq_len in stored_seq_lens(ft):
-        found = ft.store.group_attributes(plan_group(ft.split_name, seq_len))
-        if found is not None:
-            out[str(seq_len)] = found[1].get(PLAN_ATTRIBUTE)
-    return out
 
 
 def default_cache_dir() -> Path:

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from flat_tokens_jax.core import fields
+from flat_tokens_jax.data.bins import BINS
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, check_source
 from flat_tokens_jax.loader.config import LoaderConfig
@@ -33,7 +34,15 @@ from flat_tokens_jax.sampling.mixture import Mixture
 from flat_tokens_jax.sampling.schedule import BatchSchedule
 from flat_tokens_jax.sampling.stepsamples import MAX_SAMPLE
 
-__all__ = ["Phase", "check_phases", "drawn", "largest", "steps_within", "stream_key"]
+__all__ = [
+    "STREAM_FIELDS",
+    "Phase",
+    "check_phases",
+    "drawn",
+    "largest",
+    "steps_within",
+    "stream_key",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,10 +109,38 @@ def check_phases(phases: Sequence[Phase]) -> tuple[Phase, ...]:
     return tuple(phases)
 
 
+# The fields of a component's fingerprint that make its stream: the records
+# cut from the data (kind, length, packing plan) and the data itself (counts,
+# sampled digest, stored loss mask, tokenizer, content digest). Named one by one
+# so that a field added to fingerprints for another purpose leaves every
+# stream, and so where a phased run continues, as it was.
+STREAM_FIELDS = (
+    "records",
+    "seq_len",
+    "plan",
+    "num_tokens",
+    "num_sequences",
+    "max_token_id",
+    "loss_mask",
+    "sample_digest",
+    "tokenizer",
+    "content",
+)
+# The ``records`` kinds whose fingerprints this library writes.
+_OWN_RECORDS = ("packed", "padded", BINS)
+
+
 def stream_key(data: Mapping[str, Any], config: LoaderConfig) -> str:
-    """The identity of a stream: a component's data and record kind (its
-    ``fingerprint`` without the name) with the config's seed and shuffle."""
-    identity = {k: v for k, v in data.items() if k != "name"}
+    """The identity of a stream: the :data:`STREAM_FIELDS` a component's
+    ``fingerprint`` holds, with the config's seed and shuffle.
+
+    Records of another kind (a ``Records`` of one's own) are identified by
+    their whole fingerprint but its ``name``: only they know what it holds.
+    """
+    if data.get("records") in _OWN_RECORDS:
+        identity = {k: data[k] for k in STREAM_FIELDS if k in data}
+    else:
+        identity = {k: v for k, v in data.items() if k != "name"}
     return json.dumps([identity, config.seed, config.shuffle], sort_keys=True)
 
 

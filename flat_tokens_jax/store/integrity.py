@@ -1,0 +1,126 @@
+"""An array read with its integrity checks: the shard probes
+(:mod:`~flat_tokens_jax.store.probes`) and chunk digests
+(:mod:`~flat_tokens_jax.store.digests`) of what each read touches, started
+with the read's own requests and waited for before it gives values (see
+:mod:`~flat_tokens_jax.store.checks`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from flat_tokens_jax.store.arrays import ArrayReader, Known, Pending
+from flat_tokens_jax.store.digests import DIGESTS, ChunkDigests, array_checks, side_opener
+from flat_tokens_jax.store.probes import ShardProbes
+from flat_tokens_jax.store.store import Store
+
+
+class CheckedArray:
+    """Reads of one array that check every shard and chunk they touch, the
+    first time a read touches it (once per process). Thread-safe.
+
+    Attributes:
+        reader: the array's reader; reads made through it directly are not checked.
+        probes: its shard probes; ``None`` where the array records none.
+        digests: its chunk digests; ``None`` where the array records none.
+    """
+
+    def __init__(
+        self, reader: ArrayReader, probes: ShardProbes | None, digests: ChunkDigests | None
+    ) -> None:
+        self.reader, self.probes, self.digests = reader, probes, digests
+
+    @classmethod
+    def open(
+        cls,
+        store: Store,
+        key: str,
+        reader: ArrayReader,
+        attributes: Mapping[str, Any],
+        *,
+        ours: bool,
+    ) -> CheckedArray:
+        """The checks that the array at ``key`` records in its ``attributes``.
+
+        ``ours``: the dataset says one of our writers made it, so the array
+        must record them (:func:`~flat_tokens_jax.store.digests.array_checks`).
+
+        Raises:
+            FormatError: a malformed attribute, or (``ours``) one missing.
+        """
+        probes, digests = array_checks(
+            attributes,
+            f"{store.url}/{key}",
+            reader.size,
+            side_opener(store, f"{key}/{DIGESTS}"),
+            ours=ours,
+        )
+        return cls(reader, probes, digests)
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes requested through :attr:`reader` for the values read, not for the checks."""
+        through_reader = sum(c.bytes_read for c in (self.probes, self.digests) if c is not None)
+        return self.reader.bytes_read.value - through_reader
+
+    @property
+    def check_bytes(self) -> int:
+        """Bytes read to check shard probes (one small read per shard, once) and
+        chunk digests (the recorded digests of each shard touched, once; each
+        chunk touched, whole, once, where it carries no crc32c)."""
+        probes = 0 if self.probes is None else self.probes.bytes_read
+        if self.digests is None:
+            return probes
+        return probes + self.digests.bytes_read + self.digests.side_bytes
+
+    def request_ranges(self, starts: np.ndarray, stops: np.ndarray) -> Pending:
+        """Starts reading elements ``[starts[i], stops[i])`` and the checks of
+        what they touch; ``.result()`` gives the values once the checks pass."""
+        return self.reader.request_ranges(starts, stops, self.start_checks(starts, stops))
+
+    def read_points(self, indices: np.ndarray) -> np.ndarray:
+        """Elements at ``indices`` (``[k]``), read once what they touch is checked."""
+        self.check(indices, indices + 1)
+        return self.reader.read_points(indices)
+
+    def start_checks(self, starts: np.ndarray, stops: np.ndarray) -> Known | None:
+        """Starts checking the shard probes and chunk digests of what ranges
+        ``[starts, stops)`` touch, so that their reads share the read's round
+        trips; what the read waits for before it gives values (``None``: all
+        checked before)."""
+        probes, digests, reader = self.probes, self.digests, self.reader
+        request = reader.request_ranges
+        probed = None if probes is None else probes.start_check(request, starts, stops)
+        known = None if digests is None else digests.start_check(reader, starts, stops)
+        if probed is None:
+            return known
+        check_probes = probed
+
+        def wait() -> Mapping[int, np.ndarray] | None:
+            # The digests' wait reads the recorded digests while the probes
+            # are in flight; a shard whose probe differs is named first.
+            try:
+                values = None if known is None else known.wait()
+            except BaseException:
+                check_probes()
+                raise
+            check_probes()
+            return values
+
+        if known is None:
+            return Known(1, frozenset(), wait)
+        return Known(known.chunk, known.chunks, wait)
+
+    def check(self, starts: np.ndarray, stops: np.ndarray) -> None:
+        """:meth:`start_checks`, waited for (before a read that cannot serve
+        its values from the checks' chunks).
+
+        Raises:
+            FormatError: a shard or chunk whose values are not those recorded.
+        """
+        known = self.start_checks(starts, stops)
+        if known is not None:
+            known.wait()

@@ -398,6 +398,29 @@ def test_the_depth_grows_from_the_second_step_handed_out() -> None:
     it.close()
 
 
+class Remote(Logged):
+    """Logged records of a split off local disk (a memory store), each read
+    ``delay`` seconds long."""
+
+    def __init__(self, ft: ftj.FlatTokens, delay: float) -> None:
+        super().__init__(ft, delay)
+        self.ft = ft
+
+
+@pytest.mark.parametrize("door", ["iterate", "to_grain"])
+def test_on_an_object_store_the_first_fetch_moves_the_depth_before_a_step_is_handed_out(
+    door: str,
+) -> None:
+    """A 50 ms fetch against the assumed 10 ms step asks for more than the
+    opening burst: the depth grows when the first fetch ends, so the steps
+    after the burst are read by the time the first step is handed out."""
+    loader = ftj.Loader(Remote(split(), delay=0.05), cfg())
+    steps = iter(loader.to_grain()) if door == "to_grain" else (b for _, b in loader.iterate())
+    next(steps)
+    assert loader.stats()["depth_target"] > INITIAL_DEPTH
+    steps.close()  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("first", [0, 3])
 @pytest.mark.parametrize("door", ["iterate", "to_grain"])
 def test_the_first_step_starts_its_reads_before_the_rest_of_the_opening_burst(

@@ -283,3 +283,19 @@ def test_the_depth_still_grows_to_cover_latency(served: Served) -> None:
     with served.proxied(ftj.StoreOptions().cache_bytes, delay=0.1) as options:
         seen = depths_over_a_run(served, options, 40, step_s=0.01)
     assert max(d for d, _ in seen) > 2 * INITIAL_DEPTH, seen
+
+
+def test_no_trial_before_enough_fetches_to_compare_with() -> None:
+    """A growth after fewer than TRIAL_FETCHES fetches (a burst's first, fetched
+    alone ahead of the others) is not judged: no cap, before or after."""
+    trial = DepthTrial()
+    for k in range(TRIAL_FETCHES - 1):
+        trial.fetched(float(k), 0.1)
+    trial.grew(8, 16, 10.0)
+    assert trial.cap() is None and trial.trials == 0
+    for k in range(8):
+        trial.fetched(11.0 + k, 1.0)  # ten times slower after it: would fail a trial
+    assert trial.cap() is None and trial.ceiling is None
+    trial.fetched(20.0, 0.1)
+    trial.grew(8, 16, 21.0)
+    assert trial.trials == 1 and trial.cap() == 16

@@ -69,9 +69,12 @@ class DepthTrial:
 
     def grew(self, before: int, after: int, now: float) -> None:
         """The depth grew from ``before`` to ``after`` steps at ``now``. No
-        trial while one runs, or before a fetch ended (nothing to compare with)."""
+        trial while one runs, or before :data:`TRIAL_FETCHES` fetches ended:
+        nothing to compare with (the first fetches of a burst are not a
+        measure of the depth: its first step is fetched alone, ahead of the
+        others)."""
         with self._lock:
-            if self._pending is not None or not self._recent or after <= before:
+            if self._pending is not None or len(self._recent) < TRIAL_FETCHES or after <= before:
                 return
             measure = max(TRIAL_FETCHES, after - before)
             self._pending = (before, after, _mean(self._recent), now, measure)

@@ -17,7 +17,7 @@ from reference import bin_row
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.data import binpack
-from flat_tokens_jax.data.bins import BinRecords
+from flat_tokens_jax.data.bins import BinRecords, make_records
 from flat_tokens_jax.data.plans import make_plan
 from flat_tokens_jax.decoding.batch import FIELDS, bin_fields, bin_fields_jax, window_fields
 from flat_tokens_jax.grain.grain import FlatTokensSource
@@ -155,6 +155,30 @@ def test_config_values(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("loader:\n  batch_size: 2\n  seq_len: 8\n  packing: bins\n")
     assert ftj.LoaderConfig.from_yaml(path).packing == "bins"
+
+
+@pytest.mark.parametrize("packing", ["bin", 1, 0, np.True_, None])
+def test_every_surface_refuses_a_packing_in_the_same_words(packing: object) -> None:
+    """LoaderConfig, the records a split makes and the grain source check
+    packing in one place: only True, False and "bins" pass, a 1 or numpy's True
+    no more than a misspelt "bin"."""
+    ft = split_of([[1, 2, 3], [4, 5], [6]])
+    words = r"packing must be True \(packed windows\), False \(padded sequences\) or 'bins'"
+    with pytest.raises(ValueError, match=rf"^LoaderConfig\.{words}.* got {packing!r}$"):
+        ftj.LoaderConfig(batch_size=1, seq_len=4, packing=packing)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=rf"^{words}.* got {packing!r}$"):
+        make_records(ft, 4, packing)  # type: ignore[arg-type]
+    if packing is not None:  # the grain source's None: the records' own packing
+        with pytest.raises(ValueError, match=rf"^{words}.* got {packing!r}$"):
+            FlatTokensSource(ft, 4, packing)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("seq_len", [0, -1, True, 4.0, "4"])
+def test_bins_refuse_a_seq_len_that_is_not_a_positive_int(seq_len: object) -> None:
+    ft = split_of([[1, 2, 3], [4, 5], [6]])
+    with pytest.raises(ValueError, match=r"^BinRecords\.seq_len must be an int >= 1, got "):
+        BinRecords(ft, seq_len)  # type: ignore[arg-type]
+    assert len(BinRecords(ft, np.int64(4))) == len(BinRecords(ft, 4)) == 2
 
 
 def test_mixture_components_are_bins(tmp_path: Path) -> None:

@@ -132,6 +132,13 @@ def test_blocks_cover_the_rows_in_order() -> None:
         BlockDecoder(0)
 
 
+@pytest.mark.parametrize("threads", [0, True, 2.0, "2", None])
+def test_threads_must_be_a_positive_int(threads: object) -> None:
+    with pytest.raises(ValueError, match=r"^BlockDecoder\.threads must be an int >= 1, got "):
+        BlockDecoder(threads)  # type: ignore[arg-type]
+    assert BlockDecoder(np.int64(2)).threads == 2
+
+
 def test_fields_are_aligned_so_jax_uses_them_in_place() -> None:
     out = empty_fields(8, 4096)
     offsets = {v.ctypes.data % 4096 for v in out.values()}

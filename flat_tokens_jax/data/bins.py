@@ -14,8 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from flat_tokens_jax.core import fields
 from flat_tokens_jax.core.format import ENCODED_DTYPE, FormatError, Problem
 from flat_tokens_jax.core.limits import check_seq_len
+from flat_tokens_jax.core.values import BadValue
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.plans import PackingPlan, check_plan, find_plan
 from flat_tokens_jax.data.records import (
@@ -56,8 +58,7 @@ class BinRecords:
         cache_dir: str | os.PathLike[str] | None = None,
         max_segments: int | None = None,
     ) -> None:
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-            raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+        seq_len = fields.seq_len(seq_len, "BinRecords.seq_len")
         check_seq_len(seq_len, f"bins of {ft!r}:")
         self.ft, self.seq_len = ft, seq_len
         if plan is not None:
@@ -189,19 +190,25 @@ def make_records(
     """The records a config's ``packing`` makes of a split: True packed windows,
     False padded sequences, ``"bins"`` :class:`BinRecords` (with at most
     ``max_segments`` runs per bin if given)."""
+    packing = check_packing(packing, "packing")
     if packing == BINS:
         return BinRecords(ft, seq_len, cache_dir=cache_dir, max_segments=max_segments)
-    if packing is True:
-        return PackedRecords(ft, seq_len)
-    if packing is False:
-        return PaddedRecords(ft, seq_len)
-    raise ValueError(f"packing must be True, False or {BINS!r}, got {packing!r}")
+    return PackedRecords(ft, seq_len) if packing is True else PaddedRecords(ft, seq_len)
 
 
-def check_packing(value: Any, where: str) -> None:
-    """Refuses a ``packing`` other than True, False or ``"bins"``."""
-    if not (isinstance(value, bool) or value == BINS):
-        raise ValueError(
-            f"{where} must be True (packed windows), False (padded sequences) or "
-            f"{BINS!r} (bins of whole sequences), got {value!r}"
-        )
+def check_packing(value: Any, path: str) -> bool | str:
+    """``value`` if it is a ``packing``: True, False or ``"bins"``; the one
+    check of every surface (``LoaderConfig``, YAML, a saved state, the grain
+    source). Strict as a config's booleans are not: ``1`` and numpy's ``True``
+    are refused.
+
+    Raises:
+        BadValue: naming ``path``, what was given and the three that work.
+    """
+    if isinstance(value, bool) or (isinstance(value, str) and value == BINS):
+        return value
+    raise BadValue(
+        path,
+        f"must be True (packed windows), False (padded sequences) or {BINS!r} "
+        f"(bins of whole sequences), got {value!r}",
+    )

@@ -21,6 +21,7 @@ import numpy as np
 from flat_tokens_jax.core import compiled
 from flat_tokens_jax.core.buffers import Buffers
 from flat_tokens_jax.core.extras import install_hint
+from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.data.records import Records, Windows, request_windows
 from flat_tokens_jax.decoding import batch as fields
 from flat_tokens_jax.decoding.layouts import row_starts
@@ -80,8 +81,7 @@ class BlockDecoder:
     def __init__(
         self, threads: int, min_block_rows: int = MIN_BLOCK_ROWS, kernel: str = "auto"
     ) -> None:
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        threads = integer(threads, "BlockDecoder.threads", low=1)
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         self.threads, self.min_block_rows = threads, max(1, min_block_rows)

@@ -19,7 +19,7 @@ import jax
 from flat_tokens_jax.core import fields
 from flat_tokens_jax.core.values import BadValue, boolean, choice, integer, known_keys
 from flat_tokens_jax.core.yamlfile import read_yaml
-from flat_tokens_jax.data.bins import BINS
+from flat_tokens_jax.data.bins import check_packing
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, check_source
 from flat_tokens_jax.decoding.instancefilter import InstanceFilter
@@ -246,22 +246,12 @@ def _batch_size(value: Any, path: str) -> BatchSizeSpec:
     return spec if isinstance(spec, int) else schedule.entries
 
 
-def _packing(value: Any, path: str) -> bool | str:
-    if isinstance(value, bool) or (isinstance(value, str) and value == BINS):
-        return value
-    raise BadValue(
-        path,
-        f"must be True (packed windows), False (padded sequences) or {BINS!r} "
-        f"(bins of whole sequences), got {value!r}",
-    )
-
-
 _POSITIVE = functools.partial(integer, low=1, optional=True)
 
 FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "batch_size": _batch_size,
     "seq_len": fields.seq_len,
-    "packing": _packing,
+    "packing": check_packing,
     "shuffle": boolean,
     "seed": fields.seed,
     "num_epochs": _POSITIVE,

@@ -1,15 +1,18 @@
 """The step engine: a step, this host's rows of it, their records, and their
 fields in the configured layout, read ahead.
 
-:class:`StepEngine` holds everything a step's fields depend on (the records,
-the samplers, the schedule, the sharding's row plans, the decoder and the
-instance filter) and computes a step in two stages: :meth:`StepEngine.request`
-starts reading its records and returns what waits for them (:class:`Fetched`),
-or for decoding on the devices its
-encoded blocks (:class:`Blocks`); :meth:`StepEngine.fields` decodes records
-into the layout's fields. A :class:`Door` reads one consumer's steps ahead
-with those stages and hands them out: ``Loader`` places them on the devices
-as global ``jax.Array``\\ s, ``to_grain`` hands the host numpy dicts over.
+:class:`StepEngine` holds everything a step's fields depend on (what the
+loader reads, :class:`~flat_tokens_jax.loader.sources.Sources`; the samplers,
+the schedule, the sharding's row plans, the decoder and the instance filter)
+and computes a step in two stages: :meth:`StepEngine.request` starts reading
+its records and returns what waits for them (:class:`Fetched`), or for
+decoding on the devices its encoded blocks
+(:class:`~flat_tokens_jax.loader.deviceblocks.Blocks`, read by
+:class:`~flat_tokens_jax.loader.deviceblocks.DeviceBlocks`);
+:meth:`StepEngine.fields` decodes records into the layout's fields. A
+:class:`Door` reads one consumer's steps ahead with those stages and hands
+them out: ``Loader`` places them on the devices as global ``jax.Array``\\ s,
+``to_grain`` hands the host numpy dicts over.
 Both doors count their waits and the instance filter's rejections here, so
 ``Loader.stats`` reports whichever door handed out the last step.
 """
@@ -17,20 +20,15 @@ Both doors count their waits and the instance filter's rejections here, so
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, Generic, TypeVar
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
-from flat_tokens_jax.core.limits import check_loader_memory
 from flat_tokens_jax.data.bins import BinRecords
-from flat_tokens_jax.data.dataset import FlatTokens
-from flat_tokens_jax.data.plans import default_cache_dir
-from flat_tokens_jax.data.records import Records, Windows, recorded_info
+from flat_tokens_jax.data.records import Windows
 from flat_tokens_jax.decoding.hostdecode import (
     BlockDecoder,
     default_threads,
@@ -38,18 +36,11 @@ from flat_tokens_jax.decoding.hostdecode import (
     request_parts,
 )
 from flat_tokens_jax.decoding.instancefilter import FilteredRows
-from flat_tokens_jax.decoding.sharding import Block, BlockData, HostPlan, host_plans
-from flat_tokens_jax.loader.config import (
-    LoaderConfig,
-    check_sharding,
-    check_vocab,
-    records_for,
-    resolve_start_token_id,
-)
+from flat_tokens_jax.decoding.sharding import HostPlan, host_plans
+from flat_tokens_jax.loader.deviceblocks import Blocks, DeviceBlocks
 from flat_tokens_jax.loader.feed import Feed, timed
 from flat_tokens_jax.loader.pipeline import Ahead
-from flat_tokens_jax.sampling.mixture import Mixture
-from flat_tokens_jax.sampling.sampling import IndexSampler
+from flat_tokens_jax.loader.sources import Sources
 from flat_tokens_jax.sampling.stepsamples import LOOKUP_AHEAD, StepSamples
 
 Done = TypeVar("Done")
@@ -69,87 +60,37 @@ class Fetched:
     parts: list[tuple[int, np.ndarray | None, Windows]]
 
 
-@dataclasses.dataclass(frozen=True)
-class Blocks:
-    """A step's blocks read on this host, still to be decoded on the devices."""
-
-    plan: HostPlan
-    data: dict[Block, BlockData]
-
-
 class StepEngine:
     """A loader's steps as this host's records and fields: see the module's docstring.
 
-    Args: as :class:`~flat_tokens_jax.Loader`'s, which checks them here.
+    Args:
+        sources: what the loader reads (see :class:`~flat_tokens_jax.loader.sources.Sources`).
+        sharding: as :class:`~flat_tokens_jax.Loader`'s.
+        streams: component ``c``'s ``(seed, offset)``, where its stream goes on
+            (a phase of a run, see :mod:`~flat_tokens_jax.loader.phasedloader`);
+            ``None``: the config's seeds, from sample 0.
     """
 
     def __init__(
         self,
-        source: FlatTokens | Records | Mixture,
-        config: LoaderConfig,
+        sources: Sources,
         sharding: jax.sharding.Sharding | None = None,
-        *,
-        plan_cache: str | os.PathLike[str] | None = None,
+        streams: Sequence[tuple[int, int]] | None = None,
     ) -> None:
-        if not isinstance(config, LoaderConfig):
-            raise TypeError(
-                f"config must be a LoaderConfig, got {type(config).__name__}: "
-                "ftj.LoaderConfig(batch_size=..., seq_len=...)"
-            )
-        check_sharding(sharding)
+        config = sources.config
+        self.sources, self.config, self.sharding = sources, config, sharding
         self.layout = config.batch_layout
-        largest = max(size for _, size in config.schedule.entries)
-        ahead, row = config.read_ahead_bytes, self.layout.row_bytes(config.seq_len)
-        check_loader_memory(
-            largest, config.seq_len, config.prefetch, jax.process_count(), ahead, row_bytes=row
-        )
-        self.mixture = source if isinstance(source, Mixture) else None
-        cache = default_cache_dir() if plan_cache is None else plan_cache
-        if isinstance(source, Mixture):
-            if config.num_epochs is not None:
-                raise ValueError(
-                    "num_epochs does not apply to a Mixture: each component "
-                    "runs its own epochs, without end; set num_epochs=None"
-                )
-            components = source.records(
-                config.seq_len, config.packing, plan_cache=cache, max_segments=config.max_segments
-            )
-            names = source.names
-        else:
-            components = (records_for(source, config, cache),)
-            names = ("0",)
-        for records in components:
-            if len(records) == 0:
-                raise ValueError(
-                    f"{records!r} has no records: the split holds fewer than "
-                    f"seq_len={config.seq_len} tokens or no sequences"
-                )
-        infos = [(n, recorded_info(r)) for n, r in zip(names, components, strict=True)]
-        check_vocab(config, components, infos)
-        self.start_token_id = resolve_start_token_id(config, infos)
-        self.components, self.config, self.sharding = components, config, sharding
-        self.names = names
-        self.records: Records | Mixture = components[0] if self.mixture is None else self.mixture
-        mix = self.mixture
-        self.samplers = [
-            IndexSampler(
-                len(r),
-                seed=config.seed if mix is None else mix.component_seed(config.seed, c),
-                shuffle=config.shuffle,
-                num_epochs=config.num_epochs,
-            )
-            for c, r in enumerate(components)
-        ]
+        self.mixture, self.components = sources.mixture, sources.components
+        self.names, self.start_token_id = sources.names, sources.start_token_id
+        self.records = sources.records
+        self.samplers = sources.samplers(streams)
         self.sampler = self.samplers[0]
         self.schedule = config.schedule
         self._plans = host_plans(sharding, self.schedule, config.seq_len)
         self.steps = StepSamples(
             self.samplers, self.mixture, self.schedule, self.host_rows_at, config.num_epochs
         )
-        self._device_plans = self._plans if sharding is not None else None
-        # Whether device decoding ships a stored loss mask: unless every
-        # component is a split known to store none (custom records may).
-        self._ships_mask = not all(map(_stores_no_mask, components))
+        self.blocks = DeviceBlocks(sources, self.steps, sharding, self._plans)
         self.block_decoder = BlockDecoder(config.decode_threads or default_threads())
         self.filter = FilteredRows(config.instance_filter, self.block_decoder.run_blocks)
         # Reading ahead, the read stage takes a core of its own (see pipeline).
@@ -158,20 +99,10 @@ class StepEngine:
         self.lookup = max(config.prefetch or 0, LOOKUP_AHEAD)
         self._last: Door[Any] | None = None  # the door that handed out the last step
         if config.decode == "device":
-            self.device_plan(0)  # refuses a sharding it cannot decode under
+            self.blocks.plan(0)  # refuses a sharding it cannot decode under
 
     def __repr__(self) -> str:
         return f"StepEngine({self.records!r}, {self.config!r})"
-
-    def use_samplers(self, samplers: list[IndexSampler]) -> None:
-        """See ``Loader.use_samplers``."""
-        sizes = [len(r) for r in self.components]
-        if [s.num_records for s in samplers] != sizes:
-            raise ValueError(f"samplers must be one per component of {sizes} records")
-        self.samplers, self.sampler = samplers, samplers[0]
-        self.steps = StepSamples(
-            samplers, self.mixture, self.schedule, self.host_rows_at, self.config.num_epochs
-        )
 
     def plan_at(self, step: int) -> HostPlan | None:
         """The blocks this host reads at ``step`` (``None`` without a sharding)."""
@@ -243,57 +174,11 @@ class StepEngine:
         if host:
             return self.request_rows(step, self.host_rows_at(step), ahead)
         device = self.config.decode == "device"
-        plan = self.device_plan(step) if device else self.plan_at(step)
+        plan = self.blocks.plan(step) if device else self.plan_at(step)
         if plan is not None and (device or plan.columns_sharded):
-            blocks = Blocks(plan, self.block_reads(step, plan))
+            blocks = self.blocks.read(step, plan)
             return lambda: blocks
         return self.request_rows(step, self.host_rows_at(step), ahead)
-
-    def device_plan(self, step: int) -> HostPlan:
-        """The blocks this host decodes on its devices at ``step``."""
-        if self._device_plans is None:
-            self._device_plans = host_plans(
-                _device_sharding(None), self.schedule, self.config.seq_len
-            )
-        plan = self._device_plans.get(self.schedule.size(step))
-        if plan is None or not isinstance(plan.sharding, NamedSharding):
-            raise ValueError(
-                "decoding on the devices needs a NamedSharding (or no sharding), got "
-                f"{self.sharding!r}: use NamedSharding(mesh, PartitionSpec(...))"
-            )
-        return plan
-
-    def block_reads(self, step: int, plan: HostPlan) -> dict[Block, BlockData]:
-        """The encoded tokens of ``plan``'s blocks at ``step``."""
-        data = {b: self._block_data(step, b) for b in plan.blocks}
-        if self.layout.max_segments is not None:
-            where = f"step {step}"
-            self.layout.check_blocks(data, self.config.seq_len, self.config.packing, where)
-        return data
-
-    def _block_data(self, step: int, block: Block) -> BlockData:
-        """Encoded tokens of one block (its columns only) for decoding on device."""
-        g, real = self.steps.samples(step, np.arange(*block.rows, dtype=np.int64))
-        comp, records, _ = self.steps.lookup(g[real])
-        n, width = g.size, block.cols[1] - block.cols[0]
-        encoded = np.zeros((n, width), np.uint32)
-        before = np.zeros((n, 1), np.uint32)
-        lengths = np.zeros(n, np.int32)
-        mask = np.ones((n, width), np.uint8) if self._ships_mask else None
-        at = np.flatnonzero(real)
-        for c in np.unique(comp).tolist():
-            rows = at[comp == c]
-            windows = self.components[c].read(records[comp == c], columns=block.cols)
-            if self.components[c].packed:  # packed windows, and bins: their column 0 is before
-                encoded[rows], before[rows, 0] = windows.encoded[:, 1:], windows.encoded[:, 0]
-            else:
-                encoded[rows] = windows.encoded
-            if self.components[c].packed is not True:
-                assert windows.lengths is not None
-                lengths[rows] = windows.lengths
-            if windows.stored_mask is not None and mask is not None:
-                mask[rows] = windows.stored_mask
-        return BlockData(encoded, before, lengths, mask, real)
 
     def provenance(self, step: int) -> list[dict[str, Any]]:
         """See ``Loader.provenance``."""
@@ -423,6 +308,18 @@ class Door(Generic[Done]):
         self.engine.handed(self, step)
         return out
 
+    def steps(
+        self, step: int, end: int | None, deliver: Callable[[Done], Out]
+    ) -> Generator[tuple[int, Out], None, None]:
+        """``(s, take(s, ...))`` for steps ``s`` from ``step`` to ``end``
+        (``None``: without end), read ahead; closing it stops the read-ahead."""
+        try:
+            while end is None or step < end:
+                yield step, self.take(step, True, end, deliver)
+                step += 1
+        finally:
+            self.close()
+
     def start(self, step: int, end: int | None) -> None:
         """Starts ``step`` and the steps after it (see ``Loader.start``)."""
         self.feed.start(step, end)
@@ -430,17 +327,3 @@ class Door(Generic[Done]):
     def close(self) -> None:
         """Stops the read-ahead (a later step starts it again)."""
         self.feed.close()
-
-
-def _stores_no_mask(records: Records) -> bool:
-    ft = getattr(records, "ft", None)
-    return isinstance(ft, FlatTokens) and ft.loss_mask is None
-
-
-def _device_sharding(sharding: jax.sharding.Sharding | None) -> jax.sharding.Sharding:
-    """The sharding device decoding lays a batch out with: ``sharding``, or
-    for none, whole batches on the default device (as ``jax.device_put``)."""
-    if sharding is not None:
-        return sharding
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("batch",))
-    return NamedSharding(mesh, PartitionSpec())

@@ -5,12 +5,14 @@
 sample ``g = samples_before(step) + row`` (``step * batch_size + row`` for a
 constant batch size, see :mod:`~flat_tokens_jax.sampling.schedule`) goes through the
 stateless sampler to a record, the record's tokens are read, and the model
-fields are decoded.
+fields are decoded. The step engine (:mod:`~flat_tokens_jax.loader.engine`)
+does all of that; ``Loader`` makes global ``jax.Array``\\ s of its steps and
+saves and restores where a run is.
 """
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -24,30 +26,25 @@ from flat_tokens_jax.data.records import Records, sources_of
 from flat_tokens_jax.decoding.hostdecode import BlockDecoder
 from flat_tokens_jax.decoding.sharding import HostPlan
 from flat_tokens_jax.loader.config import LoaderConfig
-from flat_tokens_jax.loader.engine import Blocks, Fetched, StepEngine
+from flat_tokens_jax.loader.deviceblocks import Blocks
+from flat_tokens_jax.loader.engine import Fetched, StepEngine
 from flat_tokens_jax.loader.resume import check_resume, state_differences
-from flat_tokens_jax.loader.state import state_step
+from flat_tokens_jax.loader.sources import Sources
+from flat_tokens_jax.loader.state import restorable, state_step
 from flat_tokens_jax.sampling.mixture import Mixture
-from flat_tokens_jax.sampling.sampling import IndexSampler
-from flat_tokens_jax.sampling.stepsamples import StepSamples
 
 if TYPE_CHECKING:
     from flat_tokens_jax.loader.tograin import StepsDataset
-
-log = logging.getLogger(__name__)
-
-FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 
 class Loader:
     """Batches of model fields for any step, with background prefetching.
 
     Every batch holds ``inputs``, ``targets``, ``segment_ids``, ``positions``
-    (``[batch_size, seq_len] int32``) and ``loss_mask`` (``[batch_size, seq_len]
-    bool``; multiply the per-token loss by it); with a batch-size schedule
-    ``batch_size`` is the step's, ``config.batch_size_at(step)``. Other
-    arrays with ``config.layout`` and ``config.max_segments`` (see
-    :class:`LoaderConfig`).
+    (``[batch_size, seq_len] int32``) and ``loss_mask`` (``[batch_size, seq_len] bool``;
+    multiply the per-token loss by it); with a batch-size schedule ``batch_size`` is the
+    step's, ``config.batch_size_at(step)``. Other arrays with ``config.layout`` and
+    ``config.max_segments`` (see :class:`LoaderConfig`).
 
     Args:
         source: a :class:`FlatTokens` split (records made per ``config.packing``)
@@ -61,6 +58,11 @@ class Loader:
         plan_cache: where packing plans built for ``packing="bins"`` are cached
             (splits without a stored plan, see ``flat-tokens pack``). ``None``:
             ``$XDG_CACHE_HOME/flat_tokens_jax/plans`` (``~/.cache/...``).
+
+    Attributes:
+        samplers: ``[K]`` component ``c``'s sampler (``sampler``: the first's).
+        steps: which record each row of a step reads.
+        next_step: the step :meth:`iterate` starts at (set by :meth:`restore`).
 
     Raises:
         ValueError: the sharding cannot split ``[batch_size, seq_len]`` evenly
@@ -76,35 +78,31 @@ class Loader:
         *,
         plan_cache: str | os.PathLike[str] | None = None,
     ) -> None:
-        self.engine = engine = StepEngine(source, config, sharding, plan_cache=plan_cache)
-        self.config, self.sharding, self.layout = config, sharding, engine.layout
+        self._open(StepEngine(Sources.of(source, config, sharding, plan_cache), sharding))
+
+    @classmethod
+    def _of(cls, engine: StepEngine) -> Loader:
+        """A loader of ``engine``'s steps: a phase's, whose samplers go on where
+        the earlier phases left its streams (see :mod:`~flat_tokens_jax.loader.phasedloader`)."""
+        loader = cls.__new__(cls)
+        loader._open(engine)
+        return loader
+
+    def _open(self, engine: StepEngine) -> None:
+        self.engine = engine
+        self.config, self.sharding, self.layout = engine.config, engine.sharding, engine.layout
         self.mixture, self.components, self.names = engine.mixture, engine.components, engine.names
-        self.records, self.schedule = engine.records, config.schedule
+        self.records, self.schedule = engine.records, engine.schedule
         self.start_token_id = engine.start_token_id
+        self.samplers, self.sampler, self.steps = engine.samplers, engine.sampler, engine.steps
         # Steps read ahead, for `iterate`, `start` and consecutive `batch` calls.
         self._door = engine.door(self._finish, "ftj-prefetch")
         # Step 0's; a schedule's later steps may differ: see plan_at, host_rows_at.
-        self.plan = self.plan_at(0)
-        self.host_rows = self.host_rows_at(0)
+        self.plan, self.host_rows = self.plan_at(0), self.host_rows_at(0)
         self.next_step = 0
-        self._fingerprint: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
         return f"Loader({self.records!r}, {self.config!r})"
-
-    @property
-    def samplers(self) -> list[IndexSampler]:
-        """Component ``c``'s sampler is ``samplers[c]`` (see :meth:`use_samplers`)."""
-        return self.engine.samplers
-
-    @property
-    def sampler(self) -> IndexSampler:
-        return self.engine.sampler
-
-    @property
-    def steps(self) -> StepSamples:
-        """Which record each row of a step reads."""
-        return self.engine.steps
 
     @property
     def block_decoder(self) -> BlockDecoder:
@@ -119,13 +117,6 @@ class Loader:
     def wait_seconds(self) -> float:
         """How long the last step :meth:`batch` or :meth:`iterate` handed out waited for it."""
         return self._door.wait_seconds
-
-    def use_samplers(self, samplers: list[IndexSampler]) -> None:
-        """Reads component ``c`` through ``samplers[c]`` (of its record count)
-        instead of the config's sampler; call before the first batch. A run in
-        phases passes samplers that continue each stream where earlier phases
-        left it (see :mod:`~flat_tokens_jax.loader.phasedloader`)."""
-        self.engine.use_samplers(samplers)
 
     def plan_at(self, step: int) -> HostPlan | None:
         """The blocks this host reads at ``step`` (``None`` without a sharding)."""
@@ -153,68 +144,51 @@ class Loader:
         """The global batch at ``step`` as ``jax.Array``\\ s ``[batch_size, seq_len]``
         (``batch_size`` the step's).
 
-        Called with consecutive steps (a loop that asks by step), or at the
-        step given to :meth:`start`, it reads the next steps ahead in
-        background threads, as :meth:`iterate` does; another step drops what
-        was read ahead. The batches are the same either way.
+        Called with consecutive steps (a loop that asks by step), or at the step given to
+        :meth:`start`, it reads the next steps ahead in background threads, as
+        :meth:`iterate` does; another step drops what was read ahead. The batches are the
+        same either way.
         """
-        return self._take(step, ahead=False)
+        step = integer(step, "step", low=0)
+        return self._door.take(step, False, self.num_batches, self._on_devices)
 
     def start(self, step: int | None = None) -> None:
         """Starts reading ``step`` (default: :attr:`next_step`, e.g. after
         :meth:`restore`) and the steps after it in the background, and returns.
 
-        The next :meth:`iterate` from ``step`` (or :meth:`batch` at ``step``)
-        takes them, so a trainer can start its input before it restores its
-        own checkpoint. Calling it again at the same step changes nothing;
-        iterating or asking for another step drops these reads. With
-        ``prefetch=0`` it reads nothing.
+        The next :meth:`iterate` from ``step`` (or :meth:`batch` at ``step``) takes them,
+        so a trainer can start its input before it restores its own checkpoint. Calling
+        it again at the same step changes nothing; iterating or asking for another step
+        drops these reads. With ``prefetch=0`` it reads nothing.
         """
         step = integer(self.next_step if step is None else step, "Loader.start: step", low=0)
         self._door.start(step, self.num_batches)
 
-    def _take(self, step: int, ahead: bool, end: int | None = None) -> dict[str, jax.Array]:
-        """The batch at ``step`` for the trainer (``ahead``: read ahead even
-        after a jump; nothing at or past ``end``, default the run's end);
-        measures its wait."""
-        step, end = integer(step, "step", low=0), self.num_batches if end is None else end
-        return self._door.take(step, ahead, end, self._on_devices)
-
     def encoded_batch(self, step: int) -> dict[str, jax.Array]:
         """The batch at ``step`` still encoded, as global arrays, for :meth:`decoder`.
 
-        Host-to-device traffic is 4 bytes a token (plus 1 for a stored loss
-        mask), against 17 for the decoded fields. Decode inside your jitted
-        step: ``fields = loader.decoder(step)(encoded)``.
+        Host-to-device traffic is 4 bytes a token (plus 1 for a stored loss mask), against
+        17 for the decoded fields. Decode inside your jitted step: ``fields =
+        loader.decoder(step)(encoded)``.
 
         Returns:
-            ``encoded`` ``[batch_size, seq_len] uint32`` (encoded tokens),
-            ``before`` ``[batch_size, column shards] uint32`` (the token before
-            each column shard), ``lengths`` ``[batch_size] int32`` (tokens of
-            padded rows and bins), ``real`` ``[batch_size] bool`` (False for
-            padding rows past the last epoch), and ``stored_mask``
-            ``[batch_size, seq_len] uint8`` when the data stores a loss mask.
-            Laid out as the loader's sharding (whole rows on one device
-            without one).
+            ``encoded`` ``[batch_size, seq_len] uint32`` (encoded tokens), ``before``
+            ``[batch_size, column shards] uint32`` (the token before each column shard),
+            ``lengths`` ``[batch_size] int32`` (tokens of padded rows and bins), ``real``
+            ``[batch_size] bool`` (False for padding rows past the last epoch), and
+            ``stored_mask`` ``[batch_size, seq_len] uint8`` when the data stores a loss
+            mask. Laid out as the loader's sharding (whole rows on one device without one).
         """
-        plan = self.engine.device_plan(step)
-        return plan.encoded_arrays(self.engine.block_reads(step, plan))
+        return self.engine.blocks.encoded(step)
 
     def decoder(self, step: int = 0) -> Callable[[Mapping[str, jax.Array]], dict[str, jax.Array]]:
         """The function from :meth:`encoded_batch`'s arrays to the fields of
-        ``config.layout`` (the values :meth:`batch` returns), to call inside
-        ``jax.jit``.
+        ``config.layout`` (the values :meth:`batch` returns), to call inside ``jax.jit``.
 
-        ``step`` matters only with a batch-size schedule whose sizes lay out
-        differently over the mesh: pass any step of the size in use.
+        ``step`` matters only with a batch-size schedule whose sizes lay out differently
+        over the mesh: pass any step of the size in use.
         """
-        return self.engine.device_plan(step).decoder(
-            packed=self.config.packing,
-            start_token_id=self.start_token_id,
-            pad_id=self.config.pad_id,
-            instance_filter=self.config.instance_filter,
-            layout=self.layout,
-        )
+        return self.engine.blocks.decoder(step)
 
     def _finish(
         self, step: int, part: Fetched | Blocks, threads: int | None = None
@@ -224,25 +198,12 @@ class Loader:
         Everything of it involves no collective: safe in any thread."""
         if isinstance(part, Blocks):
             return part
-        fields = self.engine.fields(part, step, threads)
-        plan = self.plan_at(step)
-        if plan is None:
-            placed: dict[str, jax.Array] = jax.device_put(fields)
-            return placed
-        return plan.assemble_rows(fields)
+        fields, plan = self.engine.fields(part, step, threads), self.plan_at(step)
+        return jax.device_put(fields) if plan is None else plan.assemble_rows(fields)
 
     def _on_devices(self, part: dict[str, jax.Array] | Blocks) -> dict[str, jax.Array]:
         """Finishes a step; decoding across hosts runs collectives, so call it in step order."""
-        if not isinstance(part, Blocks):
-            return part
-        return part.plan.assemble_blocks(
-            part.data,
-            packed=self.config.packing,
-            start_token_id=self.start_token_id,
-            pad_id=self.config.pad_id,
-            instance_filter=self.config.instance_filter,
-            layout=self.layout,
-        )
+        return self.engine.blocks.decode(part) if isinstance(part, Blocks) else part
 
     def iterate(
         self, start_step: int | None = None, stop_step: int | None = None
@@ -251,12 +212,11 @@ class Loader:
         to ``stop_step`` (exclusive; default: the run's end, if any), reading
         nothing ahead past ``stop_step``.
 
-        The next steps (``config.prefetch``, or as many as the measured times
-        ask for, see :class:`LoaderConfig`) are read, decoded and placed on
-        device by background threads while the caller trains (work that needs
-        collectives across hosts is dispatched here, in step order); steps
-        begun by :meth:`start` are used. ``wait_seconds`` holds how long the
-        last step waited for its batch: near zero when input keeps up; see
+        The next steps (``config.prefetch``, or as many as the measured times ask for, see
+        :class:`LoaderConfig`) are read, decoded and placed on device by background threads
+        while the caller trains (work that needs collectives across hosts is dispatched
+        here, in step order); steps begun by :meth:`start` are used. ``wait_seconds`` holds
+        how long the last step waited for its batch: near zero when input keeps up; see
         :meth:`stats` for more.
         """
         step = integer(self.next_step if start_step is None else start_step, "start_step", low=0)
@@ -264,40 +224,33 @@ class Loader:
         if stop_step is not None:
             stop_step = integer(stop_step, "stop_step", low=0)
             end = stop_step if end is None else min(end, stop_step)
-        try:
-            while end is None or step < end:
-                batch = self._take(step, ahead=True, end=end)
+        with contextlib.closing(self._door.steps(step, end, self._on_devices)) as steps:
+            for step, batch in steps:
                 self.next_step = step + 1
                 yield step, batch
-                step += 1
-        finally:
-            self._door.close()
 
     def stats(self) -> dict[str, float | int]:
         """What the input pipeline did so far, JSON-ready, for a trainer to log.
 
-        ``steps``: batches handed out (``batch`` and ``iterate``); the
-        trainer's waits for them, ``wait_first_s`` for the first and
-        ``wait_last_s``, ``wait_mean_s``, ``wait_p99_s`` (of the last 1024)
-        over the others; ``fetch_last_s``, ``fetch_mean_s`` (a step's read:
-        latency), ``decode_mean_s`` (decode and placement), ``interval_mean_s``
-        (between batches taken: the trainer's step); ``depth`` (steps in
-        flight now), ``depth_target`` (the automatic depth last set; the
-        pinned ``prefetch``), ``read_ahead_bytes_peak`` (most bytes the steps
-        in flight held) and ``read_ahead_bytes`` (the budget);
-        ``requests``: HTTP reads to GCS and S3 since the loader was made, by
-        the whole process (other loaders' too); ``bytes_read``: bytes the
-        components' readers requested, checks included, since then;
-        ``tokens``: tokens of this host's rows handed out (rows x
-        ``seq_len``, padding included); ``filtered_rows`` and
-        ``filtered_rows_last``: this host's rows whose loss mask the
-        ``instance_filter`` cleared, over the steps handed out and in the
-        last one. Only rows decoded on the host are counted: steps decoded on
-        the devices (``decode="device"``, or the sequence dimension sharded)
-        count 0, since counting them would cost a transfer back from the
-        devices; :meth:`host_batch` is not counted either. The read-ahead's
-        numbers are those of the door that handed out the last step:
-        ``batch`` and ``iterate``, or an iterator of :meth:`to_grain`; the
+        ``steps``: batches handed out (``batch`` and ``iterate``); the trainer's waits for
+        them, ``wait_first_s`` for the first and ``wait_last_s``, ``wait_mean_s``,
+        ``wait_p99_s`` (of the last 1024) over the others; ``fetch_last_s``,
+        ``fetch_mean_s`` (a step's read: latency), ``decode_mean_s`` (decode and
+        placement), ``interval_mean_s`` (between batches taken: the trainer's step);
+        ``depth`` (steps in flight now), ``depth_target`` (the automatic depth last set;
+        the pinned ``prefetch``), ``depth_ceiling`` (the cap after a growth that did not
+        pay; 0: none), ``read_ahead_bytes_peak`` (most bytes the steps in flight held) and
+        ``read_ahead_bytes`` (the budget); ``requests``: HTTP reads to GCS and S3 since the
+        loader was made, by the whole process (other loaders' too); ``bytes_read``: bytes
+        the components' readers requested, checks included, since then; ``tokens``: tokens
+        of this host's rows handed out (rows x ``seq_len``, padding included);
+        ``filtered_rows`` and ``filtered_rows_last``: this host's rows whose loss mask the
+        ``instance_filter`` cleared, over the steps handed out and in the last one. Only
+        rows decoded on the host are counted: steps decoded on the devices
+        (``decode="device"``, or the sequence dimension sharded) count 0, since counting
+        them would cost a transfer back from the devices; :meth:`host_batch` is not
+        counted either. The read-ahead's numbers are those of the door that handed out the
+        last step: ``batch`` and ``iterate``, or an iterator of :meth:`to_grain`; the
         filter's count the steps of both.
         """
         return self.engine.stats()
@@ -315,23 +268,14 @@ class Loader:
     def fingerprint(self) -> dict[str, Any]:
         """What the batches depend on: the data's identity and the batch-defining config.
 
-        ``data`` and ``config`` decide the sample order: ``data`` the records'
-        counts, a digest of sampled tokens, whether a loss mask is stored and
-        the vocabulary hash of the tokenizer the data records, and for a
-        Mixture the components' names and the blending; ``config`` every
-        other field that changes batches, with ``start_token_id`` resolved
-        (see :class:`LoaderConfig`). ``batch_size`` (an int or ``[[start_step,
-        size], ...]``) decides only how that order is cut into batches.
+        ``data`` and ``config`` decide the sample order: ``data`` the records' counts, a
+        digest of sampled tokens, whether a loss mask is stored and the vocabulary hash of
+        the tokenizer the data records, and for a Mixture the components' names and the
+        blending; ``config`` every other field that changes batches, with
+        ``start_token_id`` resolved (see :class:`LoaderConfig`). ``batch_size`` (an int or
+        ``[[start_step, size], ...]``) decides only how that order is cut into batches.
         """
-        if self._fingerprint is None:
-            if self.mixture is None:
-                data = self.components[0].fingerprint()
-            else:
-                data = self.mixture.fingerprint(self.components)
-            config = {**self.config.batch_defining(), "start_token_id": self.start_token_id}
-            batch_size = config.pop("batch_size")
-            self._fingerprint = {"data": data, "config": config, "batch_size": batch_size}
-        return self._fingerprint
+        return self.engine.sources.fingerprint()
 
     def sources(self) -> list[dict[str, Any]]:
         """Where each component's data lives: ``name``, ``url``, ``split`` and the
@@ -343,12 +287,12 @@ class Loader:
         JSON-ready.
 
         ``step`` is the step a :meth:`restore` of it resumes at: by default
-        :attr:`next_step`, the step after the last one :meth:`iterate` yielded;
-        a loop that asks :meth:`batch` by step passes ``step + 1`` after training
-        ``step``. ``samples`` counts the global samples of the steps before ``step``;
-        ``fingerprint`` is what :meth:`restore` checks; ``sources`` (see
-        :meth:`sources`) says where the data was, for ``flat-tokens show
-        --state``, and is not checked (data may move between stores).
+        :attr:`next_step`, the step after the last one :meth:`iterate` yielded; a loop that
+        asks :meth:`batch` by step passes ``step + 1`` after training ``step``.
+        ``samples`` counts the global samples of the steps before ``step``;
+        ``fingerprint`` is what :meth:`restore` checks; ``sources`` (see :meth:`sources`)
+        says where the data was, for ``flat-tokens show --state``, and is not checked
+        (data may move between stores).
         """
         step = state_step(step, self.next_step)
         return {
@@ -362,12 +306,11 @@ class Loader:
         """Continues from a saved :meth:`state`; returns the step ``iterate`` resumes at.
 
         The state must have the shape :meth:`state` saves (see
-        :mod:`~flat_tokens_jax.loader.state`), and every field of
-        :meth:`fingerprint` must be in it with the same value and JSON type
-        (see :mod:`~flat_tokens_jax.loader.resume`). The batch size may change
-        from the saved step on: a ``batch_size`` (or schedule) that agrees with
-        the saved one on every step before it continues at exactly the next
-        unseen sample.
+        :mod:`~flat_tokens_jax.loader.state`), and every field of :meth:`fingerprint` must
+        be in it with the same value and JSON type (see
+        :mod:`~flat_tokens_jax.loader.resume`). The batch size may change from the saved
+        step on: a ``batch_size`` (or schedule) that agrees with the saved one on every
+        step before it continues at exactly the next unseen sample.
 
         Raises:
             StateMismatch: other data (kind of source, a component's identity,
@@ -375,12 +318,9 @@ class Loader:
                 or a field missing, unknown or of the wrong type; each named by
                 its path in the state (``fingerprint.data.sample_digest``).
         """
-        if not isinstance(state, Mapping):
-            raise TypeError(
-                "restore takes the mapping that loader.state() returned, "
-                f"got {type(state).__name__}"
-            )
-        self.next_step = check_resume(state, self.fingerprint(), self.schedule)
+        self.next_step = check_resume(
+            restorable(state, "loader"), self.fingerprint(), self.schedule
+        )
         return self.next_step
 
     def state_differences(self, state: Mapping[str, Any]) -> list[str]:
@@ -391,10 +331,9 @@ class Loader:
     def provenance(self, step: int) -> list[dict[str, Any]]:
         """Where each of this host's rows at ``step`` came from.
 
-        One dict per row: ``row``, ``sample`` (global index), ``epoch``, ``record``
-        and ``tokens`` (``[start, stop)`` of its targets in the split; for a bin,
-        from its first sequence's start to its last one's end, and
-        ``sequences``, the indices of the sequences it holds); padding rows are
-        ``{"row": r, "padding": True}``.
+        One dict per row: ``row``, ``sample`` (global index), ``epoch``, ``record`` and
+        ``tokens`` (``[start, stop)`` of its targets in the split; for a bin, from its
+        first sequence's start to its last one's end, and ``sequences``, the indices of the
+        sequences it holds); padding rows are ``{"row": r, "padding": True}``.
         """
         return self.engine.provenance(step)

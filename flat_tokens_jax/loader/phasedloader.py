@@ -17,7 +17,6 @@ Phases may be added or changed from the saved step on.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import os
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -27,6 +26,7 @@ import numpy as np
 
 from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.decoding.sharding import HostPlan
+from flat_tokens_jax.loader.engine import StepEngine
 from flat_tokens_jax.loader.loader import Loader
 from flat_tokens_jax.loader.phases import (
     Phase,
@@ -37,10 +37,12 @@ from flat_tokens_jax.loader.phases import (
     stream_key,
 )
 from flat_tokens_jax.loader.resume import differences
+from flat_tokens_jax.loader.sources import Sources
 from flat_tokens_jax.loader.state import (
     SavedState,
     StateMismatch,
     read_state,
+    restorable,
     state_problems,
     state_step,
 )
@@ -96,13 +98,6 @@ class PhasedLoader:
         self.phases = check_phases(phases)
         self.starts = [p.start_step for p in self.phases]
         self.loaders: list[Loader] = []
-        for k, phase in enumerate(self.phases):
-            try:
-                self.loaders.append(
-                    Loader(phase.source, phase.config, sharding, plan_cache=plan_cache)
-                )
-            except ValueError as e:
-                raise ValueError(f"{self.label(k)}: {e}") from None
         # Samples of the run before each phase, and each stream's drawn before it.
         self._before = [0]
         self.streams: list[list[str]] = []
@@ -110,20 +105,24 @@ class PhasedLoader:
         self._drawn_before: list[dict[str, int]] = []
         seeds: dict[str, int] = {}
         counts: dict[str, int] = {}
-        for k, loader in enumerate(self.loaders):
-            keys = self._keys(k)
+        for k, phase in enumerate(self.phases):
+            try:
+                sources = Sources.of(phase.source, phase.config, sharding, plan_cache)
+                keys = self._keys(sources)
+                for key, seed in zip(keys, sources.seeds(), strict=True):
+                    seeds.setdefault(key, seed)
+                # A stream goes on where the earlier phases left it, under the seed
+                # of the phase it first appeared in. One phase reads as a Loader
+                # does (its mixture may even blend one stream twice).
+                streams = [(seeds[key], counts.get(key, 0)) for key in keys]
+                engine = StepEngine(sources, sharding, streams if len(self.phases) > 1 else None)
+            except ValueError as e:
+                raise ValueError(f"{self.label(k)}: {e}") from None
+            loader = Loader._of(engine)
+            self.loaders.append(loader)
             self.streams.append(keys)
             self.offsets.append([counts.get(key, 0) for key in keys])
             self._drawn_before.append(dict(counts))
-            for key, sampler in zip(keys, loader.samplers, strict=True):
-                seeds.setdefault(key, sampler.seed)
-            if len(self.phases) > 1:
-                loader.use_samplers(
-                    [
-                        dataclasses.replace(s, seed=seeds[key], offset=counts.get(key, 0))
-                        for key, s in zip(keys, loader.samplers, strict=True)
-                    ]
-                )
             if k + 1 < len(self.phases):
                 steps = self.starts[k + 1] - self.starts[k]
                 for key, n in zip(keys, drawn(loader.mixture, loader.schedule, steps), strict=True):
@@ -133,15 +132,14 @@ class PhasedLoader:
         self.next_step = 0
         self.end_step = self._reach()
 
-    def _keys(self, k: int) -> list[str]:
-        loader = self.loaders[k]
-        data = loader.fingerprint()["data"]
-        parts = data["components"] if loader.mixture is not None else [data]
-        keys = [stream_key(d, loader.config) for d in parts]
+    def _keys(self, sources: Sources) -> list[str]:
+        data = sources.fingerprint()["data"]
+        parts = data["components"] if sources.mixture is not None else [data]
+        keys = [stream_key(d, sources.config) for d in parts]
         if len(self.phases) > 1 and len(set(keys)) < len(keys):
-            twice = [n for n, key in zip(loader.names, keys, strict=True) if keys.count(key) > 1]
+            twice = [n for n, key in zip(sources.names, keys, strict=True) if keys.count(key) > 1]
             raise ValueError(
-                f"{self.label(k)}: components {twice} are one stream (the same records, "
+                f"components {twice} are one stream (the same records, "
                 "seed and shuffle): list it once, with their weights summed"
             )
         return keys
@@ -422,11 +420,7 @@ class PhasedLoader:
                 or differs in a field that decides its batches there; each
                 line names the phase, the steps seen and the field.
         """
-        if not isinstance(state, Mapping):
-            raise TypeError(
-                f"restore takes the mapping that state() returned, got {type(state).__name__}"
-            )
-        if len(self.loaders) == 1 and "phases" not in state:
+        if len(self.loaders) == 1 and "phases" not in restorable(state, "run"):
             self.next_step = self.loaders[0].restore(state)
             return self.next_step
         saved = read_state(state)

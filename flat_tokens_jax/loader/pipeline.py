@@ -27,6 +27,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from flat_tokens_jax.core.values import integer
+
 Fetched = TypeVar("Fetched")
 Done = TypeVar("Done")
 
@@ -57,8 +59,7 @@ class Ahead(Generic[Fetched, Done]):
         name: str,
         fetchers: int = 1,
     ) -> None:
-        if isinstance(fetchers, bool) or not isinstance(fetchers, int) or fetchers < 1:
-            raise ValueError(f"Ahead.fetchers must be an int >= 1, got {fetchers!r}")
+        fetchers = integer(fetchers, "Ahead.fetchers", low=1)
         self.request, self.finish = request, finish
         self._fetching = concurrent.futures.ThreadPoolExecutor(
             fetchers, thread_name_prefix=f"{name}-read"

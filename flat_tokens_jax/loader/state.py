@@ -354,6 +354,20 @@ def shown(value: Any, limit: int = 80, typed: bool = True) -> str:
     return f"{text} (a {kind})"
 
 
+def restorable(state: Any, who: str) -> Mapping[str, Any]:
+    """``state`` if ``restore`` can take it: a mapping (``who``: ``loader``, as
+    the error names the call that made it); what it holds is checked later.
+
+    Raises:
+        TypeError: ``state`` is not a mapping.
+    """
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            f"restore takes the mapping that {who}.state() returned, got {type(state).__name__}"
+        )
+    return state
+
+
 def state_step(step: object, default: int) -> int:
     """The step a saved state resumes at: ``step``, or ``default`` when it is ``None``.
 

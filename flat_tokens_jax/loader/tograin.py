@@ -31,7 +31,8 @@ from typing import Any, Protocol
 import grain
 import numpy as np
 
-from flat_tokens_jax.loader.engine import Blocks, Door, Fetched, StepEngine
+from flat_tokens_jax.loader.deviceblocks import Blocks
+from flat_tokens_jax.loader.engine import Door, Fetched, StepEngine
 
 NO_WORKERS = (
     "a loader's grain dataset (to_grain) cannot go to grain's worker processes: "

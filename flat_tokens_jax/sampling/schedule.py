@@ -24,9 +24,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
-from flat_tokens_jax.core.values import integer
+from flat_tokens_jax.core.values import integer, is_integer
 
 __all__ = ["BatchSchedule", "BatchSizeSpec", "resume_differences"]
 
@@ -91,7 +89,7 @@ class BatchSchedule:
         """
         if isinstance(value, BatchSchedule):
             return value
-        if isinstance(value, int | np.integer) and not isinstance(value, bool):
+        if is_integer(value):
             return cls(((0, integer(value, "batch_size", low=1)),))
         if isinstance(value, Mapping):
             pairs: list[Any] = list(value.items())

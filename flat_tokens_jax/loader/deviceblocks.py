@@ -1,0 +1,136 @@
+"""A step's blocks for decoding on the devices: each block of this host's
+devices read as encoded tokens (its columns only), and decoded into global
+``jax.Array``\\ s there.
+
+The step engine reads a step this way under ``decode="device"`` and when the
+sequence dimension is sharded; ``Loader.encoded_batch`` and ``Loader.decoder``
+hand the two halves to a trainer that decodes inside its own jitted step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from flat_tokens_jax.data.dataset import FlatTokens
+from flat_tokens_jax.data.records import Records
+from flat_tokens_jax.decoding.sharding import Block, BlockData, HostPlan, host_plans
+from flat_tokens_jax.loader.sources import Sources
+from flat_tokens_jax.sampling.stepsamples import StepSamples
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """A step's blocks read on this host, still to be decoded on the devices."""
+
+    plan: HostPlan
+    data: dict[Block, BlockData]
+
+
+class DeviceBlocks:
+    """A loader's steps as encoded blocks, decoded on the devices.
+
+    Args:
+        sources: what the loader reads.
+        steps: which record each row of a step reads.
+        sharding: as :class:`~flat_tokens_jax.Loader`'s.
+        plans: the sharding's plan for each batch size (see
+            :func:`~flat_tokens_jax.decoding.sharding.host_plans`).
+    """
+
+    def __init__(
+        self,
+        sources: Sources,
+        steps: StepSamples,
+        sharding: jax.sharding.Sharding | None,
+        plans: dict[int, HostPlan],
+    ) -> None:
+        config = sources.config
+        self.components, self.steps, self.sharding = sources.components, steps, sharding
+        self.config, self.layout = config, config.batch_layout
+        self._plans = plans if sharding is not None else None
+        # Whether a step ships a stored loss mask: unless every component is
+        # a split known to store none (custom records may).
+        self._ships_mask = not all(map(_stores_no_mask, sources.components))
+        self._decoding: dict[str, Any] = {
+            "packed": config.packing,
+            "start_token_id": sources.start_token_id,
+            "pad_id": config.pad_id,
+            "instance_filter": config.instance_filter,
+            "layout": self.layout,
+        }
+
+    def plan(self, step: int) -> HostPlan:
+        """The blocks this host decodes on its devices at ``step``."""
+        if self._plans is None:
+            self._plans = host_plans(_one_device(), self.config.schedule, self.config.seq_len)
+        plan = self._plans.get(self.config.schedule.size(step))
+        if plan is None or not isinstance(plan.sharding, NamedSharding):
+            raise ValueError(
+                "decoding on the devices needs a NamedSharding (or no sharding), got "
+                f"{self.sharding!r}: use NamedSharding(mesh, PartitionSpec(...))"
+            )
+        return plan
+
+    def read(self, step: int, plan: HostPlan) -> Blocks:
+        """The encoded tokens of ``plan``'s blocks at ``step``."""
+        data = {b: self._block_data(step, b) for b in plan.blocks}
+        if self.layout.max_segments is not None:
+            where = f"step {step}"
+            self.layout.check_blocks(data, self.config.seq_len, self.config.packing, where)
+        return Blocks(plan, data)
+
+    def encoded(self, step: int) -> dict[str, jax.Array]:
+        """``Loader.encoded_batch``."""
+        blocks = self.read(step, self.plan(step))
+        return blocks.plan.encoded_arrays(blocks.data)
+
+    def decoder(self, step: int) -> Callable[[Mapping[str, jax.Array]], dict[str, jax.Array]]:
+        """``Loader.decoder``."""
+        return self.plan(step).decoder(**self._decoding)
+
+    def decode(self, blocks: Blocks) -> dict[str, jax.Array]:
+        """The fields of ``blocks`` decoded on the devices. Decoding across
+        hosts runs collectives: call it in step order."""
+        return blocks.plan.assemble_blocks(blocks.data, **self._decoding)
+
+    def _block_data(self, step: int, block: Block) -> BlockData:
+        """Encoded tokens of one block (its columns only) for decoding on device."""
+        g, real = self.steps.samples(step, np.arange(*block.rows, dtype=np.int64))
+        comp, records, _ = self.steps.lookup(g[real])
+        n, width = g.size, block.cols[1] - block.cols[0]
+        encoded = np.zeros((n, width), np.uint32)
+        before = np.zeros((n, 1), np.uint32)
+        lengths = np.zeros(n, np.int32)
+        mask = np.ones((n, width), np.uint8) if self._ships_mask else None
+        at = np.flatnonzero(real)
+        for c in np.unique(comp).tolist():
+            rows = at[comp == c]
+            windows = self.components[c].read(records[comp == c], columns=block.cols)
+            if self.components[c].packed:  # packed windows, and bins: their column 0 is before
+                encoded[rows], before[rows, 0] = windows.encoded[:, 1:], windows.encoded[:, 0]
+            else:
+                encoded[rows] = windows.encoded
+            if self.components[c].packed is not True:
+                assert windows.lengths is not None
+                lengths[rows] = windows.lengths
+            if windows.stored_mask is not None and mask is not None:
+                mask[rows] = windows.stored_mask
+        return BlockData(encoded, before, lengths, mask, real)
+
+
+def _stores_no_mask(records: Records) -> bool:
+    ft = getattr(records, "ft", None)
+    return isinstance(ft, FlatTokens) and ft.loss_mask is None
+
+
+def _one_device() -> NamedSharding:
+    """How device decoding lays a batch out without a sharding: whole, on the
+    default device (as ``jax.device_put``)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("batch",))
+    return NamedSharding(mesh, PartitionSpec())

@@ -1,0 +1,140 @@
+"""What a loader reads: its source's components as records checked against
+its config, and the samplers that order them.
+
+:meth:`Sources.of` checks a loader's arguments and resolves its source once;
+``Loader`` hands the result to its step engine. A run in phases resolves each
+phase's sources first, since where a phase's streams continue depends on
+their data (see :mod:`~flat_tokens_jax.loader.phasedloader`), then gives the
+engine samplers that continue them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from flat_tokens_jax.core.limits import check_loader_memory
+from flat_tokens_jax.data.dataset import FlatTokens
+from flat_tokens_jax.data.plans import default_cache_dir
+from flat_tokens_jax.data.records import Records, recorded_info
+from flat_tokens_jax.loader.config import (
+    LoaderConfig,
+    check_sharding,
+    check_vocab,
+    records_for,
+    resolve_start_token_id,
+)
+from flat_tokens_jax.sampling.mixture import Mixture
+from flat_tokens_jax.sampling.sampling import IndexSampler
+
+
+@dataclasses.dataclass(eq=False)
+class Sources:
+    """A loader's source, resolved under its config.
+
+    Attributes:
+        config: the batch definition.
+        mixture: the ``Mixture`` blending the components, or ``None`` for one source.
+        components: ``[K]`` each component's records (one without a mixture).
+        names: ``[K]`` each component's name (``("0",)`` without a mixture).
+        start_token_id: the config's ``start_token_id``, else the one the data records.
+    """
+
+    config: LoaderConfig
+    mixture: Mixture | None
+    components: tuple[Records, ...]
+    names: tuple[str, ...]
+    start_token_id: int
+    _fingerprint: dict[str, Any] | None = dataclasses.field(default=None, init=False, repr=False)
+
+    @classmethod
+    def of(
+        cls,
+        source: FlatTokens | Records | Mixture,
+        config: LoaderConfig,
+        sharding: jax.sharding.Sharding | None,
+        plan_cache: str | os.PathLike[str] | None,
+    ) -> Sources:
+        """Checks a loader's arguments (config, sharding, the memory of its
+        steps in flight, then the records against the config and the
+        vocabulary) and resolves ``source``: see ``Loader``."""
+        if not isinstance(config, LoaderConfig):
+            raise TypeError(
+                f"config must be a LoaderConfig, got {type(config).__name__}: "
+                "ftj.LoaderConfig(batch_size=..., seq_len=...)"
+            )
+        check_sharding(sharding)
+        largest = max(size for _, size in config.schedule.entries)
+        ahead, row = config.read_ahead_bytes, config.batch_layout.row_bytes(config.seq_len)
+        check_loader_memory(
+            largest, config.seq_len, config.prefetch, jax.process_count(), ahead, row_bytes=row
+        )
+        cache = default_cache_dir() if plan_cache is None else plan_cache
+        if isinstance(source, Mixture):
+            if config.num_epochs is not None:
+                raise ValueError(
+                    "num_epochs does not apply to a Mixture: each component "
+                    "runs its own epochs, without end; set num_epochs=None"
+                )
+            components = source.records(
+                config.seq_len, config.packing, plan_cache=cache, max_segments=config.max_segments
+            )
+            names = source.names
+        else:
+            components = (records_for(source, config, cache),)
+            names = ("0",)
+        for records in components:
+            if len(records) == 0:
+                raise ValueError(
+                    f"{records!r} has no records: the split holds fewer than "
+                    f"seq_len={config.seq_len} tokens or no sequences"
+                )
+        infos = [(n, recorded_info(r)) for n, r in zip(names, components, strict=True)]
+        check_vocab(config, components, infos)
+        mixture = source if isinstance(source, Mixture) else None
+        start = resolve_start_token_id(config, infos)
+        return cls(config, mixture, tuple(components), tuple(names), start)
+
+    @property
+    def records(self) -> Records | Mixture:
+        """The mixture, or the one component's records."""
+        return self.components[0] if self.mixture is None else self.mixture
+
+    def fingerprint(self) -> dict[str, Any]:
+        """``Loader.fingerprint``, computed once (a split's reads samples of its data)."""
+        if self._fingerprint is None:
+            if self.mixture is None:
+                data = self.components[0].fingerprint()
+            else:
+                data = self.mixture.fingerprint(self.components)
+            config = {**self.config.batch_defining(), "start_token_id": self.start_token_id}
+            batch_size = config.pop("batch_size")
+            self._fingerprint = {"data": data, "config": config, "batch_size": batch_size}
+        return self._fingerprint
+
+    def seeds(self) -> list[int]:
+        """``[K]`` each component's shuffle key under the config's ``seed``."""
+        mix, seed = self.mixture, self.config.seed
+        return (
+            [seed] if mix is None else [mix.component_seed(seed, c) for c in range(len(mix.names))]
+        )
+
+    def samplers(self, streams: Sequence[tuple[int, int]] | None = None) -> list[IndexSampler]:
+        """``[K]`` component ``c``'s sampler, of its records, under the config's
+        shuffle and epochs: from sample 0 under :meth:`seeds`, or where
+        ``streams[c]``, its ``(seed, offset)``, says its stream goes on."""
+        at = [(seed, 0) for seed in self.seeds()] if streams is None else streams
+        return [
+            IndexSampler(
+                len(records),
+                seed=seed,
+                shuffle=self.config.shuffle,
+                num_epochs=self.config.num_epochs,
+                offset=offset,
+            )
+            for records, (seed, offset) in zip(self.components, at, strict=True)
+        ]

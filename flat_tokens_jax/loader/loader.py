@@ -261,9 +261,8 @@ class Loader:
         :meth:`state`, checked by :meth:`restore` (see :mod:`~flat_tokens_jax.loader.tograin`)."""
         from flat_tokens_jax.loader import tograin  # imports grain, only when asked
 
-        return tograin.StepsDataset(
-            self, [tograin.Span(self.engine, 0, self.num_batches)], self.next_step
-        )
+        spans = [tograin.Span(self.engine, 0, self.num_batches)]
+        return tograin.StepsDataset(self, spans, self.next_step)
 
     def fingerprint(self) -> dict[str, Any]:
         """What the batches depend on: the data's identity and the batch-defining config.
@@ -318,9 +317,8 @@ class Loader:
                 or a field missing, unknown or of the wrong type; each named by
                 its path in the state (``fingerprint.data.sample_digest``).
         """
-        self.next_step = check_resume(
-            restorable(state, "loader"), self.fingerprint(), self.schedule
-        )
+        state = restorable(state, "loader")
+        self.next_step = check_resume(state, self.fingerprint(), self.schedule)
         return self.next_step
 
     def state_differences(self, state: Mapping[str, Any]) -> list[str]:

@@ -281,9 +281,10 @@ class ChunkDigests:
         lo = np.array([r[0] for r in runs], np.int64) * self.chunk
         hi = np.minimum(np.array([r[-1] + 1 for r in runs], np.int64) * self.chunk, self.size)
         pending = reader.request_ranges(lo, hi)
+        recorded = self._start_load(todo)  # read while the chunks are in flight
 
         def hashed() -> dict[int, np.ndarray]:
-            self._load(todo)  # the recorded digests, read while the chunks are in flight
+            recorded()
             values = [
                 run_values[i * self.chunk : (i + 1) * self.chunk]
                 for run, run_values in zip(runs, pending.result(), strict=True)
@@ -356,27 +357,62 @@ class ChunkDigests:
         Raises:
             FormatError: recorded digests the attribute does not vouch for.
         """
+        self._start_load(chunks)()
+        return self._recorded[chunks]
+
+    def _start_load(self, chunks: np.ndarray) -> Callable[[], None]:
+        """Starts reading the recorded digests of the shards of ``chunks`` not
+        read yet (one request, returning at once); the call returned waits
+        for them and keeps those the attribute vouches for (see
+        :meth:`_read_side`), raising ``FormatError`` for one it does not.
+        Concurrent reads may read a shard's digests twice (they are small):
+        none waits for another's."""
         shards = np.unique(chunks // (self.shard // self.chunk))
-        if not self._loaded[shards].all():
-            with self._loading:  # each shard's digests read once (once per process)
-                bad = self._read_side(shards[~self._loaded[shards]])
+        todo = shards[~self._loaded[shards]]
+        if not todo.size:
+            return _nothing
+        if self.shards is None and self.content is not None:
+            todo = np.flatnonzero(~self._loaded)
+        lo, hi = self._side_ranges(todo)
+        pending = self.side().request_ranges(lo, hi)
+
+        def keep() -> None:
+            found = pending.result()
+            with self._loading:
+                fresh = ~self._loaded[todo]
+                if self.shards is not None and not fresh.all():  # another read kept some
+                    found = [f for f, new in zip(found, fresh.tolist(), strict=True) if new]
+                    bad = self._keep_side(todo[fresh], found)
+                else:
+                    bad = self._keep_side(todo, found) if fresh.any() else []
             if bad:
                 raise FormatError(f"{self.where}/{DIGESTS}: {bad[0]}")
-        return self._recorded[chunks]
+
+        return keep
+
+    def _side_ranges(self, shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        per_shard = self.shard // self.chunk
+        lo = shards * per_shard
+        return lo, np.minimum(lo + per_shard, self.count)
 
     def _read_side(self, shards: np.ndarray) -> list[str]:
         """Reads the recorded digests of ``shards`` (sorted, none loaded; the
-        ``_loading`` lock held) and keeps those the attribute vouches for: each
-        shard's against its ``shards`` entry, or, with ``content`` alone, every
-        shard's (all read) against ``content``. A message for each shard (or the
-        whole array) whose digests it does not vouch for."""
+        ``_loading`` lock held) and keeps those the attribute vouches for (see
+        :meth:`_keep_side`)."""
         if self.shards is None and self.content is not None:
             shards = np.flatnonzero(~self._loaded)
         if not shards.size:
             return []
+        return self._keep_side(shards, self.side().read_ranges(*self._side_ranges(shards)))
+
+    def _keep_side(self, shards: np.ndarray, found: list[np.ndarray]) -> list[str]:
+        """Keeps the recorded digests ``found`` of ``shards`` (sorted; the
+        ``_loading`` lock held) that the attribute vouches for: each shard's
+        against its ``shards`` entry, or, with ``content`` alone, every
+        shard's (all read) against ``content``. A message for each shard (or
+        the whole array) whose digests it does not vouch for."""
         per_shard = self.shard // self.chunk
         lo = shards * per_shard
-        found = self.side().read_ranges(lo, np.minimum(lo + per_shard, self.count))
         self.side_bytes += sum(values.nbytes for values in found)
         bad: list[str] = []
         good = np.ones(shards.size, bool)
@@ -460,3 +496,7 @@ def side_opener(store: Store, key: str) -> OpenSide:
         return store.open_array(key, *found)
 
     return open_side
+
+
+def _nothing() -> None:
+    return None

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
+from commands import flat_tokens
 from memurls import memory_url
 from textdata import files
 
@@ -30,15 +31,6 @@ from flat_tokens_jax.store.options import StoreError
 from flat_tokens_jax.store.store import Store
 
 SMALL = ftj.Layout(shard_tokens=1 << 10, chunk_tokens=1 << 6)
-
-
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "flat_tokens_jax.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def tokens(url: str | Path) -> list[list[int]]:
@@ -59,7 +51,9 @@ def test_cli_overwrite_keeps_files_that_are_not_ours(tmp_path: Path, eos_tokeniz
     (proj / "README.md").write_text("hi")
     good = good_jsonl(tmp_path / "good.jsonl")
     before = files(proj)
-    out = run("convert", str(good), str(proj), "--tokenizer", str(eos_tokenizer), "--overwrite")
+    out = flat_tokens(
+        "convert", str(good), str(proj), "--tokenizer", str(eos_tokenizer), "--overwrite"
+    )
     assert out.returncode == 1
     assert len([x for x in out.stderr.splitlines() if x.startswith("convert:")]) == 1
     assert "README.md" in out.stderr and "train/img.png" in out.stderr
@@ -168,7 +162,7 @@ def test_python_and_cli_errors_name_their_own_overwrite(tmp_path: Path) -> None:
         merge([tmp_path / "a"], tmp_path / "out")
     copy = pickle.loads(pickle.dumps(e.value))
     assert str(copy) == str(e.value) and copy.cli_message() == e.value.cli_message()
-    out = run("merge", str(tmp_path / "a"), str(tmp_path / "out"))
+    out = flat_tokens("merge", str(tmp_path / "a"), str(tmp_path / "out"))
     assert out.returncode == 1
     assert "pass --overwrite to replace it" in out.stderr
     assert "overwrite=True" not in out.stderr
@@ -179,7 +173,7 @@ def test_merge_into_its_own_input_is_refused_and_the_input_kept(tmp_path: Path) 
     m = tmp_path / "m"
     ftj.write_dataset(m, {"train": [[1, 2], [3]]})
     before = files(m)
-    out = run("merge", str(m), str(m), "--overwrite")
+    out = flat_tokens("merge", str(m), str(m), "--overwrite")
     assert out.returncode == 1
     assert "is the input" in out.stderr, out.stderr
     assert files(m) == before
@@ -219,7 +213,7 @@ def test_every_command_refuses_an_output_overlapping_an_input(
         import_megatron([tmp_path / "meg"], tmp_path, overwrite=True)
     assert sorted(files(proj)) == ["chat.jsonl", "good.jsonl"]
     assert tokens(ds) == [[1, 2], [3]]
-    out = run("import-megatron", str(tmp_path / "meg"), str(tmp_path), "--overwrite")
+    out = flat_tokens("import-megatron", str(tmp_path / "meg"), str(tmp_path), "--overwrite")
     assert out.returncode == 1 and "contains the input" in out.stderr
 
 

@@ -1,0 +1,18 @@
+"""The ``flat-tokens`` command line run in this process, for the tests whose
+point is what a command does rather than the process it runs in."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import subprocess
+
+from flat_tokens_jax.cli import main
+
+
+def flat_tokens(*args: str) -> subprocess.CompletedProcess[str]:
+    """``flat-tokens ARGS``: its exit status and what it printed."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(["flat-tokens", *args], code, out.getvalue(), err.getvalue())

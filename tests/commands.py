@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import io
-import subprocess
 
 from flat_tokens_jax.cli import main
 
 
-def flat_tokens(*args: str) -> subprocess.CompletedProcess[str]:
-    """``flat-tokens ARGS``: its exit status and what it printed."""
+def run_main(*args: str) -> tuple[int, str, str]:
+    """``flat-tokens ARGS``: its exit status, and what it printed to stdout and stderr."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(list(args))
-    return subprocess.CompletedProcess(["flat-tokens", *args], code, out.getvalue(), err.getvalue())
+    return code, out.getvalue(), err.getvalue()

@@ -76,8 +76,8 @@ def test_rounds_counts_the_rounds_requests_were_answered_in() -> None:
 
 
 def test_the_proxy_answers_requests_sent_together_in_one_round(s3: S3) -> None:
-    """Requests sent at once share a round, however long the client takes to
-    send them; each sent after an answer is in a round of its own."""
+    """Requests sent without waiting for an answer share a round; each sent
+    after an answer is in a round of its own."""
     proxy = LockstepProxy(s3.port)
     try:
         proxy.start()

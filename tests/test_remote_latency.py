@@ -151,10 +151,11 @@ def test_a_server_answering_503_mid_run_gives_the_same_batches(served: Served, h
 def test_a_server_that_stalls_mid_run_fails_at_the_timeout_then_recovers(
     served: Served, how: str
 ) -> None:
-    cfg = ftj.LoaderConfig(batch_size=ROWS, seq_len=SEQ_LEN, seed=6, prefetch=4)
+    # Two steps read ahead: each step in flight when the server stalls waits
+    # out a timeout that a step's reads from a server answering at once stay
+    # far below, however loaded the machine.
+    cfg = ftj.LoaderConfig(batch_size=ROWS, seq_len=SEQ_LEN, seed=6, prefetch=2)
     here = local_loader(served, cfg)
-    # A timeout that a step's reads from a server answering at once stay far
-    # below, however loaded the machine.
     with served.proxied(timeout=TIMEOUT) as (proxy, options):
         loader = ftj.Loader(ftj.open_dataset(served.url, options)["train"], cfg)
         began, done = None, -1

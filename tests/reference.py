@@ -1,7 +1,8 @@
 """Brute-force reference of the batch semantics, from a split decoded in memory.
 
-Plain Python loops over tokens, written from DESIGN.md's "Semantics that tests
-pin down", independent of the package's vectorised code.
+Plain Python loops over tokens, written from "Semantics that tests pin down" in
+the design brief (``shared/DESIGN.md`` beside the checkout), independent of the
+package's vectorised code.
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import http.client
 import http.server
 import json
@@ -19,7 +18,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple
 
 
 def free_port() -> int:
@@ -410,24 +408,14 @@ class DelayProxy:
         self._thread.join(5)
 
 
-def timeline(records: list[Record]) -> str:
-    """The records as lines of start and end (seconds after the first start),
-    method, path and range, in order of start: what a failed bound shows."""
-    first = min((r.start for r in records), default=0.0)
-    return "\n" + "\n".join(
-        f"{r.start - first:7.3f} {r.end - first:7.3f} {r.method} {r.path} {r.range or ''}"
-        for r in sorted(records, key=lambda r: r.start)
-    )
-
-
-class _ManyClients(http.server.ThreadingHTTPServer):
+class ManyClients(http.server.ThreadingHTTPServer):
     daemon_threads = True
     # A client opens a connection per request in flight; past the listen
     # backlog (5 by default) a connection waits a second for its SYN's resend.
     request_queue_size = 512
 
 
-def _forward(
+def forward(
     handler: http.server.BaseHTTPRequestHandler, port: int, body: bytes | None
 ) -> tuple[http.client.HTTPResponse, bytes] | None:
     """Sends ``handler``'s request to the server on ``port``; its reply and
@@ -448,7 +436,7 @@ def _forward(
     return reply, data
 
 
-def _answer(
+def answer(
     handler: http.server.BaseHTTPRequestHandler,
     reply: http.client.HTTPResponse,
     data: bytes,
@@ -505,13 +493,13 @@ class FaultProxy:
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
-                answer = _forward(self, proxy.target_port, body)
-                if answer is not None:
-                    _answer(self, *answer, close=False)
+                reply = forward(self, proxy.target_port, body)
+                if reply is not None:
+                    answer(self, *reply, close=False)
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
 
-        self._server = _ManyClients(("127.0.0.1", 0), Handler)
+        self._server = ManyClients(("127.0.0.1", 0), Handler)
         self.port = int(self._server.server_address[1])
         self.url = f"http://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -524,91 +512,6 @@ class FaultProxy:
     def count(self) -> int:
         with self._lock:
             return len(self.requests)
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(5)
-
-
-class Record(NamedTuple):
-    """One request a :class:`RecordingProxy` forwarded: ``start`` when its
-    headers arrived, ``end`` when its answer was sent (``time.monotonic``)."""
-
-    method: str
-    path: str
-    range: str | None
-    start: float
-    end: float
-
-
-def rounds(records: list[Record]) -> int:
-    """The longest chain of requests each sent after the one before it was answered.
-
-    Under a delay that dwarfs the work between requests, this counts the
-    sequential round trips a client waited: requests issued together share a
-    round.
-    """
-    ordered = sorted(records, key=lambda r: r.start)
-    ended: list[tuple[float, int]] = []  # (end, chain length), a heap by end
-    best_done = longest = 0
-    for r in ordered:
-        while ended and ended[0][0] <= r.start:
-            best_done = max(best_done, heapq.heappop(ended)[1])
-        chain = best_done + 1
-        longest = max(longest, chain)
-        heapq.heappush(ended, (r.end, chain))
-    return longest
-
-
-class RecordingProxy:
-    """An HTTP proxy on 127.0.0.1 that holds each request ``delay`` seconds and
-    records it (:class:`Record`), so that a test counts requests and the round
-    trips a client waited (:func:`rounds`)."""
-
-    def __init__(self, target_port: int, delay: float = 0.0) -> None:
-        self.target_port, self.delay = target_port, delay
-        self.records: list[Record] = []
-        self._lock = threading.Lock()
-        proxy = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-            def _any(self) -> None:
-                start = time.monotonic()
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else None
-                if proxy.delay:
-                    time.sleep(proxy.delay)
-                answer = _forward(self, proxy.target_port, body)
-                if answer is None:
-                    return
-                record = Record(
-                    self.command, self.path, self.headers.get("Range"), start, time.monotonic()
-                )
-                with proxy._lock:  # before the answer: the client never sees it unrecorded
-                    proxy.records.append(record)
-                # One request per connection: a client's requests in flight
-                # never queue behind each other on a kept-alive connection.
-                _answer(self, *answer, close=True)
-
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
-
-        self._server = _ManyClients(("127.0.0.1", 0), Handler)
-        self.port = int(self._server.server_address[1])
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def take(self) -> list[Record]:
-        """The records so far, and a fresh list for the next."""
-        with self._lock:
-            found, self.records = self.records, []
-        return found
 
     def close(self) -> None:
         self._server.shutdown()

@@ -1,19 +1,9 @@
 """Bad input on the command line ends in one line on stderr and exit status 1, never a traceback."""
 
-import contextlib
-import io
 from pathlib import Path
 
 import pytest
-
-from flat_tokens_jax.cli import main
-
-
-def run_main(*args: str) -> tuple[int, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(args))
-    return code, err.getvalue()
+from commands import run_main
 
 
 def one_line_failure(code: int, err: str, *expected: str) -> None:
@@ -44,7 +34,7 @@ def test_a_tokenizer_file_that_is_not_one(
     inputs = tmp_path / "in.jsonl"
     inputs.write_text('{"text": "hello", "messages": [{"role": "user", "content": "hi"}]}\n')
     tok = bad_tokenizers(tmp_path, eos_tokenizer)[kind]
-    code, err = run_main(command, str(inputs), str(tmp_path / "out"), "--tokenizer", str(tok))
+    code, _, err = run_main(command, str(inputs), str(tmp_path / "out"), "--tokenizer", str(tok))
     one_line_failure(code, err, f"{command}: {tok}: not a tokenizers JSON file")
     assert not (tmp_path / "out").exists()
 
@@ -54,7 +44,7 @@ def test_a_chat_template_that_does_not_parse(tmp_path: Path, eos_tokenizer: Path
     inputs.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     template = tmp_path / "bad.yaml"
     template.write_text("chat: [unclosed\n")
-    code, err = run_main(
+    code, _, err = run_main(
         "convert-chat",
         str(inputs),
         str(tmp_path / "out"),
@@ -75,5 +65,5 @@ def test_a_chat_template_that_does_not_parse(tmp_path: Path, eos_tokenizer: Path
     ],
 )
 def test_an_unsupported_or_incomplete_url(command: str, url: str, message: str) -> None:
-    code, err = run_main(command, url)
+    code, _, err = run_main(command, url)
     one_line_failure(code, err, f"{command}: ", message)

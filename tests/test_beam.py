@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +18,9 @@ import pytest
 from apache_beam.io.filesystem import CompressionTypes, FileMetadata, MatchResult
 from apache_beam.io.localfilesystem import LocalFileSystem
 from apache_beam.options.pipeline_options import DirectOptions, StandardOptions
+from buckets import S3
 from rawstore import stored
-from servers import aws_profile, moto_s3
-from textdata import EOS, corpus_texts, files, train_tokenizer, write_format, write_jsonl
+from textdata import corpus_texts, files, write_format, write_jsonl
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.cli import main
@@ -44,13 +43,6 @@ RETRYING = ["--runner=BundleBasedDirectRunner"]
 # Input files: documents per file (0: an empty file), and the format of each.
 SIZES = [3, 1, 0, 7, 2, 1, 12, 4, 1, 5]
 KINDS = ["jsonl", "gz", "jsonl", "parquet", "zst", "jsonl", "jsonl", "gz", "parquet", "jsonl"]
-
-
-@pytest.fixture(scope="module")
-def tok_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tok") / "bpe.json"
-    train_tokenizer([EOS]).save(str(path))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -315,21 +307,14 @@ def test_default_runner_is_fnapi_with_a_process_per_cpu(
     assert (direct.direct_num_workers, direct.direct_running_mode) == (workers, mode)
 
 
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, ftj.StoreOptions]]:
-    with moto_s3() as base:
-        credentials = aws_profile(tmp_path_factory.mktemp("aws"))
-        yield base, ftj.StoreOptions(endpoint=base, region="us-east-1", credentials=credentials)
-
-
 @pytest.mark.remote
 def test_inputs_and_output_on_s3(
     tmp_path: Path,
     tok_file: Path,
     corpus: Path,
-    s3: tuple[str, ftj.StoreOptions],
+    s3: S3,
 ) -> None:
-    base, options = s3
+    base, options = s3.base, s3.options
     bucket = Store("s3://bucket/in/", options)
     for path in sorted(corpus.iterdir()):
         bucket.wait(bucket.kv.write(path.name, path.read_bytes()))

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from textdata import SPECIALS
+from tokenizers import Tokenizer
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.cli import main
@@ -28,40 +29,10 @@ from flat_tokens_jax.convert.inputs import InputError
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 CHAT_YAML = Path(__file__).resolve().parents[1] / "configs" / "chat.yaml"
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", "</s>"]
 CHATML_JINJA = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 )
 FROM = {"user": "human", "assistant": "gpt", "system": "system"}
-
-
-def _corpus_texts(n: int) -> list[str]:
-    """The first ``n`` documents of the shared corpus, or made-up text without it."""
-    corpus = DATA / "corpus.jsonl"
-    if not corpus.is_file():
-        rng = np.random.default_rng(0)
-        letters = list("etaoinshrdlucmfwypvbgkjqxz")
-        words = ["".join(rng.choice(letters, k)) for k in rng.integers(2, 9, 400)]
-        return [" ".join(rng.choice(words, 400)) + f" ({i}) “é” ?!\n" for i in range(n)]
-    with corpus.open("rb") as f:
-        return [json.loads(line)["text"][:2000] for line, _ in zip(f, range(n), strict=False)]
-
-
-@pytest.fixture(scope="module")
-def tok_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=600,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus_texts(300), trainer)
-    path = tmp_path_factory.mktemp("tok") / "bpe.json"
-    tok.save(str(path))
-    return path
 
 
 @pytest.fixture(scope="module")

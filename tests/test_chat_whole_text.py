@@ -313,7 +313,7 @@ def test_yaml_template_ids_are_the_whole_texts(
 def test_a_tokenizer_directory_and_its_json_file_may_tokenize_differently(
     hf: dict[str, Any],
 ) -> None:
-    """Why the README says to pass the directory: transformers rebuilds Phi-3's
+    """Why docs/guide/finetuning.md says to pass the directory: transformers rebuilds Phi-3's
     pipeline (a prefix space only at the very start), so the JSON file alone
     gives other ids after special tokens than inference with transformers."""
     text = "<|user|>\nHi there<|end|>\n"

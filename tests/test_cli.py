@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from commands import run_main
 from rawstore import SPEC_TOKENS, flat_split, write_raw
 
 import flat_tokens_jax as ftj
@@ -15,28 +16,19 @@ from flat_tokens_jax.cli import build_parser, main
 from flat_tokens_jax.convert.commands import store_options
 
 
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "flat_tokens_jax.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
 def test_validate_exit_status_and_report(tmp_path: Path) -> None:
     ftj.write_dataset(tmp_path / "good", {"train": [[1, 2], [3]]})
-    ok = run("validate", str(tmp_path / "good"))
-    assert ok.returncode == 0 and "valid" in ok.stdout
+    code, out, _ = run_main("validate", str(tmp_path / "good"))
+    assert code == 0 and "valid" in out
     write_raw(
         tmp_path / "bad",
         {"train": flat_split(SPEC_TOKENS, [0, 3, 5, 8], 8), "validation": flat_split([], [0], 0)},
     )
-    bad = run("validate", str(tmp_path / "bad"))
-    assert bad.returncode == 1
-    assert "INVALID" in bad.stderr
-    assert "train/encoded_tokens[3]: seq_starts marks a sequence start here" in bad.stderr
-    assert "train/encoded_tokens[2]: start bit set where" in bad.stderr
+    code, _, err = run_main("validate", str(tmp_path / "bad"))
+    assert code == 1
+    assert "INVALID" in err
+    assert "train/encoded_tokens[3]: seq_starts marks a sequence start here" in err
+    assert "train/encoded_tokens[2]: start bit set where" in err
 
 
 def test_info_text_and_json(tmp_path: Path, capsys: object) -> None:
@@ -45,12 +37,12 @@ def test_info_text_and_json(tmp_path: Path, capsys: object) -> None:
         {"train": [[1, 2], [3, 4, 5]], "validation": [[9]]},
         layout=ftj.Layout(shard_tokens=1024, chunk_tokens=64, compression="zstd"),
     )
-    out = run("info", str(tmp_path), "--json")
-    assert out.returncode == 0, out.stderr
-    info = json.loads(out.stdout)
+    code, out, err = run_main("info", str(tmp_path), "--json")
+    assert code == 0, err
+    info = json.loads(out)
     assert info["splits"]["train"]["num_tokens"] == 5
     assert info["splits"]["validation"]["max_token_id"] == 9
-    text = run("info", str(tmp_path)).stdout
+    _, text, _ = run_main("info", str(tmp_path))
     assert "train: 5 tokens, 2 sequences, max_token_id 5" in text
     assert "encoded_tokens: chunk 64, shard 1024, compression zstd" in text
 
@@ -62,7 +54,7 @@ def test_info_on_missing_dataset_fails_cleanly(tmp_path: Path) -> None:
 
 def test_show_prints_the_batch_and_its_provenance(tmp_path: Path) -> None:
     ftj.write_dataset(tmp_path, {"train": [[1, 2], [3, 4, 5], [6, 7, 8]]})
-    out = run(
+    code, out, err = run_main(
         "show",
         str(tmp_path),
         "--step",
@@ -74,11 +66,11 @@ def test_show_prints_the_batch_and_its_provenance(tmp_path: Path) -> None:
         "--no-shuffle",
         "--json",
     )
-    assert out.returncode == 0, out.stderr
-    rows = json.loads(out.stdout)["rows"]
+    assert code == 0, err
+    rows = json.loads(out)["rows"]
     assert rows[1]["targets"] == [5, 6, 7, 8] and rows[1]["inputs"] == [4, 0, 6, 7]
     assert rows[1]["tokens"] == [4, 8] and rows[1]["record"] == 1
-    text = run(
+    _, text, _ = run_main(
         "show",
         str(tmp_path),
         "--step",
@@ -89,12 +81,14 @@ def test_show_prints_the_batch_and_its_provenance(tmp_path: Path) -> None:
         "4",
         "--padded",
         "--no-shuffle",
-    ).stdout
+    )
     assert text.startswith(f"step 0, batch_size 1, data {tmp_path}: {{'seq_len': 4,"), text
     assert "row 0: sample 0, epoch 0, record 0, tokens [0, 2)" in text
     assert "targets     [1, 2, 0, 0]" in text
-    bad = run("show", str(tmp_path), "--step", "0", "--batch-size", "1", "--seq-len", "9")
-    assert bad.returncode == 1 and "has no records" in bad.stderr
+    code, _, err = run_main(
+        "show", str(tmp_path), "--step", "0", "--batch-size", "1", "--seq-len", "9"
+    )
+    assert code == 1 and "has no records" in err
 
 
 STORE_FLAGS = [
@@ -221,20 +215,25 @@ def test_info_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
 def test_validate_names_a_location_in_every_line(tmp_path: Path) -> None:
     ftj.write_dataset(tmp_path, {"train": [[1, 2], [3]]})
     shutil.rmtree(tmp_path / "train")
-    bad = run("validate", str(tmp_path))
-    assert bad.returncode == 1
-    header, *problems = bad.stderr.splitlines()
+    code, _, err = run_main("validate", str(tmp_path))
+    assert code == 1
+    header, *problems = err.splitlines()
     assert header == f"{tmp_path}: INVALID, 1 problem(s):"
     assert problems == [f"  {tmp_path}: split 'train' is missing (no zarr group train/)"]
-    empty = run("validate", "")
-    assert empty.returncode == 1
-    assert empty.stderr == "validate: the store's URL is empty: give a path or a URL\n"
+    code, _, err = run_main("validate", "")
+    assert code == 1
+    assert err == "validate: the store's URL is empty: give a path or a URL\n"
 
 
 def test_version_prints_the_installed_version() -> None:
     import importlib.metadata
 
-    r = run("--version")
+    r = subprocess.run(
+        [sys.executable, "-m", "flat_tokens_jax.cli", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"flat-tokens-jax {importlib.metadata.version('flat-tokens-jax')}"
 

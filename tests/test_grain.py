@@ -319,7 +319,7 @@ def test_reads_per_batch(path: Path) -> None:
     firsts = [per_record[i] for i in range(3)]
     assert records.reads == 3 * batch, (
         "grain's MapDataset.batch now reads through _getitems: update the read "
-        "costs in flat_tokens_jax/grain/grain.py and the README"
+        "costs in flat_tokens_jax/grain/grain.py and docs/guide/trainers.md"
     )
 
     records.reads = 0

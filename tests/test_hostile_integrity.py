@@ -364,7 +364,8 @@ def test_a_value_rewritten_in_a_store_of_every_writer_path_is_refused(
 
 
 def test_the_digest_format_is_frozen(tmp_path: Path) -> None:
-    """The attribute and the side array of the README's example store, byte for byte."""
+    """The attribute and the side array of docs/format.md's example sequences, in
+    chunks of 2 tokens and shards of 4, byte for byte."""
     ftj.write_dataset(
         tmp_path / "ds",
         {"train": [[1, 2], [3, 4, 5], [6, 7, 8]], "validation": [[1]]},

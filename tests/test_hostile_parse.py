@@ -9,8 +9,6 @@ reaches a CLI user. Finding 10: extreme weights work or say what to change.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import math
 import re
@@ -20,24 +18,17 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
+from commands import run_main
 from hypothesis import given
 from hypothesis import strategies as st
 from memurls import memory_url
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.cli import main
 from flat_tokens_jax.core.yamlfile import read_yaml
 from flat_tokens_jax.grain.grain import FlatTokensSource, ScheduledBatches
 from flat_tokens_jax.loader.phaseconfig import phases_from_yaml
 from flat_tokens_jax.sampling.mixture import Period
 from flat_tokens_jax.sampling.schedule import BatchSchedule
-
-
-def run_main(*args: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(args))
-    return code, out.getvalue(), err.getvalue()
 
 
 def dataset(token: int, tokenizer: tuple[str, str] | None = None) -> str:

@@ -8,6 +8,7 @@ import dataclasses
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,9 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from buckets import S3
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from servers import DelayProxy, fake_gcs, moto_s3
+from servers import DelayProxy
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax import cli
@@ -201,40 +203,38 @@ _DELAY = 0.05  # seconds per request, and per 64 KiB sent
 
 
 @pytest.fixture(scope="module")
-def s3() -> Iterator[Backend]:
-    with moto_s3() as base:
-        proxy = DelayProxy(int(base.rsplit(":", 1)[1]), _DELAY)
-        env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-        flags = ["--region", "us-east-1", "--credentials", "environment"]
-        slowed = ["--endpoint", f"http://127.0.0.1:{proxy.port}", *flags]
-        try:
-            yield Backend(
-                "s3://bucket",
-                ["--endpoint", base, *flags],
-                env,
-                (slowed, env),
-                f"{base}/bucket?list-type=2&prefix=",
-            )
-        finally:
-            proxy.close()
+def s3_backend(s3: S3) -> Iterator[Backend]:
+    proxy = DelayProxy(s3.port, _DELAY)
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+    flags = ["--region", "us-east-1", "--credentials", "environment"]
+    slowed = ["--endpoint", f"http://127.0.0.1:{proxy.port}", *flags]
+    try:
+        yield Backend(
+            "s3://bucket",
+            ["--endpoint", s3.base, *flags],
+            env,
+            (slowed, env),
+            f"{s3.base}/bucket?list-type=2&prefix=",
+        )
+    finally:
+        proxy.close()
 
 
 @pytest.fixture(scope="module")
-def gcs() -> Iterator[Backend]:
-    with fake_gcs() as base:
-        proxy = DelayProxy(int(base.rsplit(":", 1)[1]), _DELAY)
-        env = {**os.environ, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test"}
-        slowed = {**env, "TENSORSTORE_GCS_HTTP_URL": f"http://127.0.0.1:{proxy.port}"}
-        try:
-            yield Backend(
-                "gs://bucket",
-                [],
-                {**env, "TENSORSTORE_GCS_HTTP_URL": base},
-                ([], slowed),
-                f"{base}/storage/v1/b/bucket/o?prefix=",
-            )
-        finally:
-            proxy.close()
+def gcs_backend(gcs: str) -> Iterator[Backend]:
+    proxy = DelayProxy(int(gcs.rsplit(":", 1)[1]), _DELAY)
+    env = {**os.environ, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test"}
+    slowed = {**env, "TENSORSTORE_GCS_HTTP_URL": f"http://127.0.0.1:{proxy.port}"}
+    try:
+        yield Backend(
+            "gs://bucket",
+            [],
+            {**env, "TENSORSTORE_GCS_HTTP_URL": gcs},
+            ([], slowed),
+            f"{gcs}/storage/v1/b/bucket/o?prefix=",
+        )
+    finally:
+        proxy.close()
 
 
 def _inputs(folder: Path, docs: list[int]) -> list[Path]:
@@ -314,57 +314,85 @@ def _winner_is_alone(
     return results
 
 
-def _race(backend: Backend, tmp_path: Path, rounds: int, docs: int, staggered: bool) -> None:
-    """``rounds`` times: a dataset at one output, then two ``convert
-    --overwrite`` onto it, slowed, started at once; or the second, small and
-    not slowed, once the first's marker is there."""
+def _marked_pid(out: str) -> int | None:
+    """The process id in the local marker at ``out``, once it is written."""
+    try:
+        return int(json.loads((Path(out) / MARKER).read_text())["pid"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _race(backend: Backend, tmp_path: Path, docs: int, staggered: bool) -> None:
+    """A dataset at one output, then two ``convert --overwrite`` onto it:
+    slowed and started at once (local disk only: the test reads the marker's
+    process id); or the second, small and not slowed, once the first's
+    marker is there. The writer whose marker is there is stopped (SIGSTOP)
+    until the other has ended, so the other meets a live claim however a
+    loaded machine times the two."""
     sizes = [docs, docs // 100] if staggered else [docs, docs]
     srcs = _inputs(tmp_path, sizes)
-    for r in range(rounds):
-        out = f"{backend.root}/race-{staggered}-{r}-{time.monotonic_ns()}"
-        first = subprocess.run(
-            [*_CONVERT, str(srcs[1]), out, *backend.flags],
-            capture_output=True,
-            text=True,
-            env=backend.env,
-            timeout=300,
-        )
-        assert first.returncode == 0, first.stderr
-        procs = [_writer(srcs[0], out, *backend.slowed)]
+    out = f"{backend.root}/race-{staggered}-{time.monotonic_ns()}"
+    first = subprocess.run(
+        [*_CONVERT, str(srcs[1]), out, *backend.flags],
+        capture_output=True,
+        text=True,
+        env=backend.env,
+        timeout=300,
+    )
+    assert first.returncode == 0, first.stderr
+    procs = [_writer(srcs[0], out, *backend.slowed)]
+    if not staggered:
+        procs.append(_writer(srcs[1], out, *backend.slowed))
+
+    def holder() -> subprocess.Popen[str] | None:
         if staggered:
-            deadline = time.monotonic() + 120
-            while not backend.marker_seen(out):
-                assert procs[0].poll() is None, procs[0].communicate()
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-        second = (backend.flags, backend.env) if staggered else backend.slowed
-        procs.append(_writer(srcs[1], out, *second))
-        results = _winner_is_alone(procs, out, backend, sizes)
+            return procs[0] if backend.marker_seen(out) else None
+        pid = _marked_pid(out)
+        return next((p for p in procs if p.pid == pid), None)
+
+    deadline = time.monotonic() + 120
+    while (holding := holder()) is None:
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        assert time.monotonic() < deadline, "no marker within 120 s"
+        time.sleep(0.01)
+    holding.send_signal(signal.SIGSTOP)
+    try:
         if staggered:
-            assert procs[0].returncode == 0, (results, [p.pid for p in procs])
+            procs.append(_writer(srcs[1], out, backend.flags, backend.env))
+        for p in procs:
+            if p is not holding:
+                p.wait(timeout=300)
+    finally:
+        holding.send_signal(signal.SIGCONT)
+    results = _winner_is_alone(procs, out, backend, sizes)
+    assert holding.returncode == 0, (results, [p.pid for p in procs])
 
 
 @pytest.mark.parametrize("staggered", [False, True])
 def test_of_two_overwrites_at_once_exactly_one_wins_on_local_disk(
     local: Backend, tmp_path: Path, staggered: bool
 ) -> None:
-    _race(local, tmp_path, rounds=2, docs=100_000, staggered=staggered)
+    _race(local, tmp_path, docs=10_000, staggered=staggered)
 
 
 @pytest.mark.remote
-def test_an_overwrite_while_an_s3_write_runs_is_refused(s3: Backend, tmp_path: Path) -> None:
+def test_an_overwrite_while_an_s3_write_runs_is_refused(
+    s3_backend: Backend, tmp_path: Path
+) -> None:
     """Two started at the exact same time were already decided by the marker's
     conditional create (S3's If-None-Match): the overwrite that finds the
     other's marker is what used to win too."""
-    _race(s3, tmp_path, rounds=2, docs=5_000, staggered=True)
+    _race(s3_backend, tmp_path, docs=2_000, staggered=True)
 
 
 @pytest.mark.remote
-def test_an_overwrite_while_a_gcs_write_runs_is_refused(gcs: Backend, tmp_path: Path) -> None:
+def test_an_overwrite_while_a_gcs_write_runs_is_refused(
+    gcs_backend: Backend, tmp_path: Path
+) -> None:
     """fake-gcs-server ignores the conditions of writes (ifGenerationMatch), so
     only the live writer's lease decides here: the second writer starts once
     the first one's marker is there."""
-    _race(gcs, tmp_path, rounds=2, docs=5_000, staggered=True)
+    _race(gcs_backend, tmp_path, docs=2_000, staggered=True)
 
 
 def test_an_overwrite_refuses_a_live_writer_in_this_process(tmp_path: Path) -> None:

@@ -3,10 +3,8 @@ restores only onto the data and config it was saved from."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
-import io
 import json
 import re
 from collections.abc import Iterator
@@ -15,12 +13,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from commands import run_main
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from memurls import memory_url
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.cli import main
 
 SEQS = [[i % 7 + 1] * (i % 5 + 1) for i in range(120)]
 CFG = ftj.LoaderConfig(batch_size=4, seq_len=8, seed=3)
@@ -352,10 +350,7 @@ def test_config_values_equal_in_python_but_not_in_type_are_refused() -> None:
 
 
 def run_show(*args: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(["show", *args])
-    return code, out.getvalue(), err.getvalue()
+    return run_main("show", *args)
 
 
 def on_disk(tmp_path: Path) -> dict[str, Any]:

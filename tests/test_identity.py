@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from memurls import memory_url
-from textdata import EOS, train_tokenizer, write_jsonl
+from textdata import EOS, write_jsonl
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.cli import main
@@ -25,15 +25,6 @@ from flat_tokens_jax.convert.text import convert
 from flat_tokens_jax.store.identity import check_tokenizers, tokenizer_info
 
 CHAT_YAML = Path(__file__).resolve().parents[1] / "configs" / "chat.yaml"
-SPECIALS = [EOS, "<s>", "<|im_start|>", "<|im_end|>"]
-
-
-@pytest.fixture(scope="module")
-def tok_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small BPE tokenizer with bos ``<s>`` and eos ``<|endoftext|>``."""
-    path = tmp_path_factory.mktemp("tok") / "bpe.json"
-    train_tokenizer(SPECIALS).save(str(path))
-    return path
 
 
 def expected_vocab_hash(tokenizer_json: Path) -> str:

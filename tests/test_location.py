@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
+from commands import run_main
 from memurls import memory_url
 from textdata import files
 
@@ -30,15 +31,6 @@ from flat_tokens_jax.store.options import StoreError
 from flat_tokens_jax.store.store import Store
 
 SMALL = ftj.Layout(shard_tokens=1 << 10, chunk_tokens=1 << 6)
-
-
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "flat_tokens_jax.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def tokens(url: str | Path) -> list[list[int]]:
@@ -59,14 +51,13 @@ def test_cli_overwrite_keeps_files_that_are_not_ours(tmp_path: Path, eos_tokeniz
     (proj / "README.md").write_text("hi")
     good = good_jsonl(tmp_path / "good.jsonl")
     before = files(proj)
-    out = run("convert", str(good), str(proj), "--tokenizer", str(eos_tokenizer), "--overwrite")
-    assert out.returncode == 1
-    assert len([x for x in out.stderr.splitlines() if x.startswith("convert:")]) == 1
-    assert "README.md" in out.stderr and "train/img.png" in out.stderr
-    assert (
-        "(README.md, train/img.png: 2 files in all)" in out.stderr
-        and "refusing to delete them" in out.stderr
+    code, _, err = run_main(
+        "convert", str(good), str(proj), "--tokenizer", str(eos_tokenizer), "--overwrite"
     )
+    assert code == 1
+    assert len([x for x in err.splitlines() if x.startswith("convert:")]) == 1
+    assert "README.md" in err and "train/img.png" in err
+    assert "(README.md, train/img.png: 2 files in all)" in err and "refusing to delete them" in err
     assert files(proj) == before
 
 
@@ -168,10 +159,10 @@ def test_python_and_cli_errors_name_their_own_overwrite(tmp_path: Path) -> None:
         merge([tmp_path / "a"], tmp_path / "out")
     copy = pickle.loads(pickle.dumps(e.value))
     assert str(copy) == str(e.value) and copy.cli_message() == e.value.cli_message()
-    out = run("merge", str(tmp_path / "a"), str(tmp_path / "out"))
-    assert out.returncode == 1
-    assert "pass --overwrite to replace it" in out.stderr
-    assert "overwrite=True" not in out.stderr
+    code, _, err = run_main("merge", str(tmp_path / "a"), str(tmp_path / "out"))
+    assert code == 1
+    assert "pass --overwrite to replace it" in err
+    assert "overwrite=True" not in err
     assert tokens(tmp_path / "out") == [[3]]
 
 
@@ -179,9 +170,9 @@ def test_merge_into_its_own_input_is_refused_and_the_input_kept(tmp_path: Path) 
     m = tmp_path / "m"
     ftj.write_dataset(m, {"train": [[1, 2], [3]]})
     before = files(m)
-    out = run("merge", str(m), str(m), "--overwrite")
-    assert out.returncode == 1
-    assert "is the input" in out.stderr, out.stderr
+    code, _, err = run_main("merge", str(m), str(m), "--overwrite")
+    assert code == 1
+    assert "is the input" in err, err
     assert files(m) == before
     for output, how in ((m / "sub", "lies inside"), (tmp_path, "contains")):
         with pytest.raises(ValueError, match=how):
@@ -219,8 +210,8 @@ def test_every_command_refuses_an_output_overlapping_an_input(
         import_megatron([tmp_path / "meg"], tmp_path, overwrite=True)
     assert sorted(files(proj)) == ["chat.jsonl", "good.jsonl"]
     assert tokens(ds) == [[1, 2], [3]]
-    out = run("import-megatron", str(tmp_path / "meg"), str(tmp_path), "--overwrite")
-    assert out.returncode == 1 and "contains the input" in out.stderr
+    code, _, err = run_main("import-megatron", str(tmp_path / "meg"), str(tmp_path), "--overwrite")
+    assert code == 1 and "contains the input" in err
 
 
 def race(url: str | Path, writers: int) -> list[BaseException | None]:

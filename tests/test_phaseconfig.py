@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import sys
 from pathlib import Path
@@ -12,18 +10,11 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
+from commands import run_main
 from memurls import memory_url
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.cli import main
 from flat_tokens_jax.loader.phaseconfig import phases_from_config, phases_from_yaml
-
-
-def run_main(*args: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(args))
-    return code, out.getvalue(), err.getvalue()
 
 
 def dataset(base: int, n: int) -> str:

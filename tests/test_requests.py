@@ -4,12 +4,12 @@ read it once and a shard's chunks are fetched in few requests."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 import pytest
-from servers import aws_profile, moto_s3
+from buckets import S3
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.store.store import remote_bytes, remote_reads
@@ -21,25 +21,21 @@ SEQS = [RNG.integers(1, 1000, int(n)).tolist() for n in RNG.integers(20, 300, 20
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ftj.StoreOptions]:
-    with moto_s3() as base:
-        yield ftj.StoreOptions(
-            endpoint=base,
-            region="us-east-1",
-            credentials=aws_profile(tmp_path_factory.mktemp("aws")),
-            cache_bytes=0,  # every read goes to the server, to be counted
-        )
+def uncached(s3: S3) -> ftj.StoreOptions:
+    """Options that reach moto's S3 server with no cache: every read goes to
+    the server, to be counted."""
+    return dataclasses.replace(s3.options, cache_bytes=0)
 
 
 @pytest.mark.parametrize("packing", [True, False])
 def test_rows_that_share_chunks_cost_fewer_requests_than_rows(
-    s3: ftj.StoreOptions, tmp_path: Path, packing: bool
+    uncached: ftj.StoreOptions, tmp_path: Path, packing: bool
 ) -> None:
     url = f"s3://bucket/shared-{packing}"
-    ftj.write_dataset(url, {"train": SEQS}, layout=LAYOUT, options=s3)
+    ftj.write_dataset(url, {"train": SEQS}, layout=LAYOUT, options=uncached)
     ftj.write_dataset(tmp_path, {"train": SEQS}, layout=LAYOUT)
     cfg = ftj.LoaderConfig(batch_size=32, seq_len=64, packing=packing, shuffle=False, prefetch=0)
-    loader = ftj.Loader(ftj.open_dataset(url, s3)["train"], cfg)
+    loader = ftj.Loader(ftj.open_dataset(url, uncached)["train"], cfg)
     here = ftj.Loader(ftj.open_dataset(tmp_path)["train"], cfg)
     for step in (0, 1):
         loader.host_batch(step)  # the first touch checks the chunks, reading them whole

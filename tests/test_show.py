@@ -1,7 +1,5 @@
 """`flat-tokens show` rebuilds any run and prints exactly what its Loader gives."""
 
-import contextlib
-import io
 import json
 from pathlib import Path
 from typing import Any
@@ -9,19 +7,12 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
+from commands import run_main
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from memurls import memory_url
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.cli import main
-
-
-def run_main(*args: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(args))
-    return code, out.getvalue(), err.getvalue()
 
 
 def dataset(base: int, n: int) -> str:

@@ -12,6 +12,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "corpus.jsonl"
 EOS = "<|endoftext|>"
+SPECIALS = [EOS, "<|im_start|>", "<|im_end|>", "<s>", "</s>"]
+"""The added tokens of the ``tok_file`` fixture: GPT-2's end of sequence,
+ChatML's turn markers, and Llama's beginning and end of sequence."""
 
 
 def corpus_texts(n: int, chars: int) -> list[str]:

@@ -370,7 +370,7 @@ class ChunkDigests:
         shards = np.unique(chunks // (self.shard // self.chunk))
         todo = shards[~self._loaded[shards]]
         if not todo.size:
-            return _nothing
+            return lambda: None
         if self.shards is None and self.content is not None:
             todo = np.flatnonzero(~self._loaded)
         lo, hi = self._side_ranges(todo)
@@ -496,7 +496,3 @@ def side_opener(store: Store, key: str) -> OpenSide:
         return store.open_array(key, *found)
 
     return open_side
-
-
-def _nothing() -> None:
-    return None

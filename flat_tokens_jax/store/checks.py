@@ -86,10 +86,10 @@ class Checks(Generic[R]):
             ``begin``'s call's (``None`` when this read claimed no item).
         """
         todo = np.unique(items)
-        todo = todo[~self.checked[todo]]
-        if not todo.size:
+        if self.checked[todo].all():
             return _nothing
-        with self._lock:
+        with self._lock:  # checked again here: a check may have ended since
+            todo = todo[~self.checked[todo]]
             busy = np.array([i in self._claimed for i in todo.tolist()], bool)
             claims = [self._claimed[i] for i in todo[busy].tolist()]
             theirs = list({id(c): c for c in claims}.values())

@@ -156,6 +156,7 @@ class ChunkDigests:
         self.shards: np.ndarray | None = None
         self._lock = threading.Lock()  # for bytes_read
         self._checks: Checks[dict[int, np.ndarray]] = Checks(self.count)
+        self._sides: Checks[None] = Checks(-(-size // shard))  # recorded digests read
         self._loading = threading.Lock()  # held while recorded digests are read
 
     @classmethod
@@ -351,54 +352,52 @@ class ChunkDigests:
         ]
 
     def _load(self, chunks: np.ndarray) -> np.ndarray:
-        """The recorded digests of ``chunks`` (``[k] int64``), reading those of their
-        shards not read yet (one request).
-
-        Raises:
-            FormatError: recorded digests the attribute does not vouch for.
-        """
+        """The recorded digests of ``chunks`` (``[k] int64``), read where not yet
+        (raises ``FormatError`` for recorded digests the attribute does not vouch for)."""
         self._start_load(chunks)()
         return self._recorded[chunks]
 
     def _start_load(self, chunks: np.ndarray) -> Callable[[], None]:
         """Starts reading the recorded digests of the shards of ``chunks`` not
-        read yet (one request, returning at once); the call returned waits
-        for them and keeps those the attribute vouches for (see
-        :meth:`_read_side`), raising ``FormatError`` for one it does not.
-        Concurrent reads may read a shard's digests twice (they are small):
-        none waits for another's."""
+        read yet (each once among concurrent reads); the call returned waits and
+        keeps them (:meth:`_keep_side`), raising ``FormatError`` for a bad one."""
         shards = np.unique(chunks // (self.shard // self.chunk))
-        todo = shards[~self._loaded[shards]]
-        if not todo.size:
+        if self._loaded[shards].all():
             return lambda: None
         if self.shards is None and self.content is not None:
-            todo = np.flatnonzero(~self._loaded)
-        lo, hi = self._side_ranges(todo)
-        pending = self.side().request_ranges(lo, hi)
+            shards = np.arange(self._loaded.size, dtype=np.int64)  # all, for content
 
-        def keep() -> None:
-            found = pending.result()
+        def begin(mine: np.ndarray) -> Callable[[], None]:
+            todo = mine[~self._loaded[mine]]
+            if not todo.size:
+                return lambda: None
+            pending = self.side().request_ranges(*self._side_ranges(todo))
+
+            def keep() -> None:
+                found = pending.result()
+                with self._loading:
+                    bad = self._keep_side(todo, found)
+                if bad:
+                    raise FormatError(f"{self.where}/{DIGESTS}: {bad[0]}")
+
+            return keep
+
+        def again(failed: np.ndarray) -> None:
             with self._loading:
-                fresh = ~self._loaded[todo]
-                if self.shards is not None and not fresh.all():  # another read kept some
-                    found = [f for f, new in zip(found, fresh.tolist(), strict=True) if new]
-                    bad = self._keep_side(todo[fresh], found)
-                else:
-                    bad = self._keep_side(todo, found) if fresh.any() else []
+                bad = self._read_side(failed[~self._loaded[failed]])
             if bad:
                 raise FormatError(f"{self.where}/{DIGESTS}: {bad[0]}")
 
-        return keep
+        waiting = self._sides.start(shards, begin, again)
+        return lambda: waiting()
 
     def _side_ranges(self, shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        per_shard = self.shard // self.chunk
-        lo = shards * per_shard
-        return lo, np.minimum(lo + per_shard, self.count)
+        lo = shards * (self.shard // self.chunk)
+        return lo, np.minimum(lo + self.shard // self.chunk, self.count)
 
     def _read_side(self, shards: np.ndarray) -> list[str]:
-        """Reads the recorded digests of ``shards`` (sorted, none loaded; the
-        ``_loading`` lock held) and keeps those the attribute vouches for (see
-        :meth:`_keep_side`)."""
+        """Reads and keeps (:meth:`_keep_side`) the recorded digests of ``shards``
+        (sorted, none loaded; the ``_loading`` lock held)."""
         if self.shards is None and self.content is not None:
             shards = np.flatnonzero(~self._loaded)
         if not shards.size:

@@ -262,7 +262,13 @@ class DelayProxy:
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         self._server = self._loop.run_until_complete(
-            asyncio.start_server(self._handle, "127.0.0.1", self.port, limit=1 << 20)
+            # A client opens a connection per request in flight, hundreds at
+            # once when its read-ahead grows; past the listen backlog (100 by
+            # default) a connection waits a second for its SYN's resend: a
+            # stall of the proxy's making, not of the store it stands for.
+            asyncio.start_server(
+                self._handle, "127.0.0.1", self.port, limit=1 << 20, backlog=4096
+            )
         )
         self._ready.set()
         self._loop.run_forever()

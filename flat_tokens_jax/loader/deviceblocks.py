@@ -69,7 +69,7 @@ class DeviceBlocks:
         """The blocks this host decodes on its devices at ``step``."""
         if self._plans is None:
             self._plans = host_plans(_one_device(), self.config.schedule, self.config.seq_len)
-        plan = self._plans.get(self.config.schedule.size(step))
+        plan = self._plans.get(self.steps.size(step))
         if plan is None or not isinstance(plan.sharding, NamedSharding):
             raise ValueError(
                 "decoding on the devices needs a NamedSharding (or no sharding), got "

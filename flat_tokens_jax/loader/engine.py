@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -41,6 +42,7 @@ from flat_tokens_jax.loader.deviceblocks import Blocks, DeviceBlocks
 from flat_tokens_jax.loader.feed import Feed, timed
 from flat_tokens_jax.loader.pipeline import Ahead
 from flat_tokens_jax.loader.sources import Sources
+from flat_tokens_jax.sampling.steering import Steering
 from flat_tokens_jax.sampling.stepsamples import LOOKUP_AHEAD, StepSamples
 
 Done = TypeVar("Done")
@@ -98,6 +100,7 @@ class StepEngine:
         # Steps whose samples one sampler call looks up, reading ahead.
         self.lookup = max(config.prefetch or 0, LOOKUP_AHEAD)
         self._last: Door[Any] | None = None  # the door that handed out the last step
+        self._doors: weakref.WeakSet[Door[Any]] = weakref.WeakSet()
         if config.decode == "device":
             self.blocks.plan(0)  # refuses a sharding it cannot decode under
 
@@ -106,13 +109,13 @@ class StepEngine:
 
     def plan_at(self, step: int) -> HostPlan | None:
         """The blocks this host reads at ``step`` (``None`` without a sharding)."""
-        return self._plans.get(self.schedule.size(step))
+        return self._plans.get(self.steps.size(step))
 
     def host_rows_at(self, step: int) -> np.ndarray:
         """``[k] int64`` the global rows this host reads at ``step``, ascending."""
         plan = self.plan_at(step)
         if plan is None:
-            return np.arange(self.schedule.size(step), dtype=np.int64)
+            return np.arange(self.steps.size(step), dtype=np.int64)
         return plan.rows
 
     @property
@@ -217,7 +220,23 @@ class StepEngine:
         made = Door(self, finish, name, host)
         if self._last is None:
             self._last = made
+        self._doors.add(made)
         return made
+
+    def restream(self, streams: Sequence[tuple[int, int]]) -> None:
+        """Continues component ``c``'s stream at ``streams[c]``, its ``(seed,
+        offset)``; every step read ahead is dropped."""
+        self.samplers[:] = self.sources.samplers(streams)
+        self.sampler = self.samplers[0]
+        self.steer(self.steps.steering, 0)
+
+    def steer(self, steering: Steering, since: int) -> None:
+        """Reads with ``steering`` (the trainer's skips and weight changes)
+        from now on; the steps at or after ``since`` read ahead by any door
+        are dropped, to be read again with it."""
+        self.steps.steer(steering)
+        for door in list(self._doors):
+            door.feed.drop_from(since)
 
     def handed(self, door: Door[Any], step: int) -> None:
         """Counts ``step`` handed out by ``door``: the filter's rejections in it."""

@@ -166,6 +166,10 @@ class Feed:
                 pass
         return self._read(step)
 
+    def drop_from(self, step: int) -> None:
+        """Drops the steps read ahead at or after ``step``, to be read again."""
+        self.flight.drop_from(step)
+
     def start(self, step: int, end: int | None) -> None:
         """Starts ``step`` and the steps after it (see ``Loader.start``)."""
         if self.prefetch != 0 and (end is None or step < end):

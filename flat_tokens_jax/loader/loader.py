@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -30,8 +30,17 @@ from flat_tokens_jax.loader.deviceblocks import Blocks
 from flat_tokens_jax.loader.engine import Fetched, StepEngine
 from flat_tokens_jax.loader.resume import check_resume, state_differences
 from flat_tokens_jax.loader.sources import Sources
-from flat_tokens_jax.loader.state import restorable, state_step
+from flat_tokens_jax.loader.state import SavedState, read_state, restorable, state_step
+from flat_tokens_jax.loader.steered import (
+    check_step,
+    merged,
+    skip_count,
+    state_fields,
+    weight_counts,
+    with_weights,
+)
 from flat_tokens_jax.sampling.mixture import Mixture
+from flat_tokens_jax.sampling.steering import Change, Skips, Steering
 
 if TYPE_CHECKING:
     from flat_tokens_jax.loader.tograin import StepsDataset
@@ -127,8 +136,67 @@ class Loader:
         return self.engine.host_rows_at(step)
 
     def samples_before(self, step: int) -> int:
-        """Global samples in the steps before ``step`` (``step * batch_size`` if constant)."""
-        return self.schedule.samples_before(step)
+        """Global samples before ``step``'s: ``step * batch_size`` for a constant
+        batch size; with skips, those of the data steps before the one it reads
+        (skipped batches included), the global index of its first sample."""
+        return self.schedule.samples_before(self.engine.steps.data_step(step))
+
+    def skip(self, step: int, count: int) -> None:
+        """From ``step`` on, step ``s`` reads what step ``s + count`` would have read
+        (with the skips before: what its data step plus ``count`` would have read).
+
+        Skips add up (two at one step, or at several steps); each is kept in
+        :meth:`state` and replayed by :meth:`restore`. Steps read ahead at or
+        after ``step`` are dropped and read again.
+
+        Raises:
+            ValueError: ``step`` is before :attr:`next_step`, or ``count`` is not an int >= 1.
+        """
+        step = check_step(step, self.next_step, "Loader.skip")
+        count = skip_count(count, "Loader.skip")
+        steering = self.steering
+        self._steer(steering.skips.added(step, count), steering.changes, step)
+
+    def set_weights(self, step: int, weights: Sequence[float] | Mapping[str, float]) -> None:
+        """From ``step`` on, the mixture blends its components by ``weights``
+        (one per component, or ``{name: weight}`` naming every component).
+
+        The change starts a weight segment at the data step ``step`` reads, over the
+        mixture's ``period`` (or the default period of these weights); a change of the
+        mixture's declared schedule at a later step still applies from there. Each
+        component's stream continues where it was. A second change at the same step
+        replaces the first. Kept in :meth:`state` (as the samples per period the weights
+        round to) and replayed by :meth:`restore`; steps read ahead at or after ``step``
+        are dropped and read again.
+
+        Raises:
+            ValueError: ``step`` is before :attr:`next_step`, the loader reads a single
+                source, or the mixture refuses the weights (as it refuses its own).
+        """
+        step = check_step(step, self.next_step, "Loader.set_weights")
+        counts = weight_counts(self.mixture, weights, step, "Loader.set_weights")
+        steering = self.steering
+        self._steer(steering.skips, with_weights(steering.changes, step, counts), step)
+
+    def _steer(self, skips: Skips, changes: tuple[Change, ...], since: int) -> None:
+        """Reads with these skips and weight changes, which differ from now's from ``since`` on."""
+        now = self.steering
+        if (skips, changes) != (now.skips, now.changes):
+            self.engine.steer(now.steered(skips, changes, since), since)
+
+    def _restream(self, streams: Sequence[tuple[int, int]]) -> None:
+        """Continues component ``c``'s stream at ``streams[c]``, its ``(seed,
+        offset)`` (a phase, after the earlier phases' weights changed)."""
+        self.engine.restream(streams)
+        self.sampler = self.engine.sampler
+
+    @property
+    def steering(self) -> Steering:
+        """The skips (``steering.skips.entries``, ``((step, count), ...)``) and weight
+        changes (``steering.changes``, ``((step, counts), ...)``: from ``step`` on,
+        ``counts[c]`` samples of component ``c`` per period of ``sum(counts)``) that
+        this loader reads with (see :meth:`skip` and :meth:`set_weights`)."""
+        return self.engine.steps.steering
 
     @property
     def num_batches(self) -> int | None:
@@ -288,21 +356,27 @@ class Loader:
         ``step`` is the step a :meth:`restore` of it resumes at: by default
         :attr:`next_step`, the step after the last one :meth:`iterate` yielded; a loop that
         asks :meth:`batch` by step passes ``step + 1`` after training ``step``.
-        ``samples`` counts the global samples of the steps before ``step``;
+        ``samples`` counts the global samples before ``step``'s (see :meth:`samples_before`);
         ``fingerprint`` is what :meth:`restore` checks; ``sources`` (see :meth:`sources`)
         says where the data was, for ``flat-tokens show --state``, and is not checked
-        (data may move between stores).
+        (data may move between stores). A run with :meth:`set_weights` or :meth:`skip`
+        also holds ``weights``, ``[[step, [n, ...]], ...]``, and ``skips``, ``[[step,
+        count], ...]`` (see :mod:`~flat_tokens_jax.loader.steered`).
         """
         step = state_step(step, self.next_step)
+        steering = self.steering
         return {
             "step": step,
             "samples": self.samples_before(step),
             "fingerprint": self.fingerprint(),
             "sources": self.sources(),
+            **state_fields(steering.skips, steering.changes),
         }
 
-    def restore(self, state: Mapping[str, Any]) -> int:
-        """Continues from a saved :meth:`state`; returns the step ``iterate`` resumes at.
+    def restore(self, state: Mapping[str, Any] | SavedState) -> int:
+        """Continues from a saved :meth:`state` (or one read back by
+        :func:`~flat_tokens_jax.loader.state.read_state`); returns the step
+        ``iterate`` resumes at.
 
         The state must have the shape :meth:`state` saves (see
         :mod:`~flat_tokens_jax.loader.state`), and every field of :meth:`fingerprint` must
@@ -311,15 +385,23 @@ class Loader:
         step on: a ``batch_size`` (or schedule) that agrees with the saved one on every
         step before it continues at exactly the next unseen sample.
 
+        The saved weight changes and skips are replayed, with this loader's own (e.g. a
+        YAML ``skip`` list applied before): see :func:`~flat_tokens_jax.loader.steered.merged`.
+
         Raises:
             StateMismatch: other data (kind of source, a component's identity,
                 tokenizer) or config, other batch sizes before the saved step,
                 or a field missing, unknown or of the wrong type; each named by
-                its path in the state (``fingerprint.data.sample_digest``).
+                its path in the state (``fingerprint.data.sample_digest``); or
+                this loader's changes disagree with the saved ones.
         """
-        state = restorable(state, "loader")
-        self.next_step = check_resume(state, self.fingerprint(), self.schedule)
-        return self.next_step
+        if not isinstance(state, SavedState):
+            state = restorable(state, "loader")
+        step = check_resume(state, self.fingerprint(), self.schedule)
+        saved = state if isinstance(state, SavedState) else read_state(state)
+        self._steer(*merged(saved, self.steering.skips, self.steering.changes), 0)
+        self.next_step = step
+        return step
 
     def state_differences(self, state: Mapping[str, Any]) -> list[str]:
         """What keeps this loader from continuing a saved :meth:`state`, as

@@ -28,14 +28,7 @@ from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.decoding.sharding import HostPlan
 from flat_tokens_jax.loader.engine import StepEngine
 from flat_tokens_jax.loader.loader import Loader
-from flat_tokens_jax.loader.phases import (
-    Phase,
-    check_phases,
-    drawn,
-    largest,
-    steps_within,
-    stream_key,
-)
+from flat_tokens_jax.loader.phases import Phase, PhaseStreams, check_phases, drawn, stream_key
 from flat_tokens_jax.loader.resume import differences
 from flat_tokens_jax.loader.sources import Sources
 from flat_tokens_jax.loader.state import (
@@ -46,7 +39,15 @@ from flat_tokens_jax.loader.state import (
     state_problems,
     state_step,
 )
-from flat_tokens_jax.sampling.stepsamples import MAX_SAMPLE
+from flat_tokens_jax.loader.steered import (
+    check_step,
+    merged,
+    skip_count,
+    state_fields,
+    weight_counts,
+    with_weights,
+)
+from flat_tokens_jax.sampling.steering import NO_SKIPS, Change, Skips
 
 if TYPE_CHECKING:
     from flat_tokens_jax.loader.tograin import StepsDataset
@@ -97,11 +98,15 @@ class PhasedLoader:
     ) -> None:
         self.phases = check_phases(phases)
         self.starts = [p.start_step for p in self.phases]
+        self.firsts = list(self.starts)
+        self._skips: Skips = NO_SKIPS
+        self._changes: tuple[Change, ...] = ()
         self.loaders: list[Loader] = []
         # Samples of the run before each phase, and each stream's drawn before it.
         self._before = [0]
         self.streams: list[list[str]] = []
         self.offsets: list[list[int]] = []
+        self._seeds: list[list[int]] = []
         self._drawn_before: list[dict[str, int]] = []
         seeds: dict[str, int] = {}
         counts: dict[str, int] = {}
@@ -121,16 +126,18 @@ class PhasedLoader:
             loader = Loader._of(engine)
             self.loaders.append(loader)
             self.streams.append(keys)
+            self._seeds.append([seeds[key] for key in keys])
             self.offsets.append([counts.get(key, 0) for key in keys])
             self._drawn_before.append(dict(counts))
             if k + 1 < len(self.phases):
                 steps = self.starts[k + 1] - self.starts[k]
-                for key, n in zip(keys, drawn(loader.mixture, loader.schedule, steps), strict=True):
+                for key, n in zip(keys, drawn(loader.steering, steps), strict=True):
                     counts[key] = counts.get(key, 0) + n
                 self._before.append(self._before[-1] + loader.schedule.samples_before(steps))
         self.sharding = sharding
         self.next_step = 0
-        self.end_step = self._reach()
+        self._data_end = self._streams().reach()
+        self.end_step = self._data_end
 
     def _keys(self, sources: Sources) -> list[str]:
         data = sources.fingerprint()["data"]
@@ -149,75 +156,20 @@ class PhasedLoader:
         name = self.phases[k].name
         return f"phase {k}{'' if name is None else f' {name!r}'} (from step {self.starts[k]})"
 
-    def _reach(self) -> int:
-        """:attr:`end_step`, after refusing a phase that cannot read all its steps."""
-        for k, loader in enumerate(self.loaders):
-            last = k + 1 == len(self.loaders)
-            most = MAX_SAMPLE + 1 if last else self.starts[k + 1] - self.starts[k]
-            n = steps_within(loader.mixture, loader.schedule, self.offsets[k], most)
-            if n == 0:
-                latest = self._latest_start(k)
-                fix = (
-                    f"start it at step {latest} at most"
-                    if latest is not None
-                    else f"no start after phases[{k - 1}]'s works: give it other streams"
-                )
-                raise ValueError(
-                    f"{self.label(k)} cannot read its first step: {self._past(k, 0)}; {fix}"
-                )
-            if not last and n < most:
-                raise ValueError(
-                    f"{self.label(k)} cannot read its steps from step {self.starts[k] + n} "
-                    f"on: {self._past(k, n)}; phases[{k + 1}] starts at step "
-                    f"{self.starts[k + 1]}: start it at step {self.starts[k] + n} at most"
-                )
-        return self.starts[-1] + n
-
-    def _past(self, k: int, local: int) -> str:
-        """Which sample index phase ``k``'s step ``local`` would take past ``2**63 - 1``."""
-        loader = self.loaders[k]
-        if loader.schedule.samples_before(local + 1) - 1 > MAX_SAMPLE:
-            return (
-                f"the phase's sample indices would pass 2**63 - 1 (batch_size "
-                f"{loader.schedule}, {loader.schedule.samples_before(local):,} samples before)"
-            )
-        counts = drawn(loader.mixture, loader.schedule, local + 1)
-        for c, (before, n) in enumerate(zip(self.offsets[k], counts, strict=True)):
-            if before + n - 1 > MAX_SAMPLE:
-                stream = "its stream" if loader.mixture is None else f"{loader.names[c]!r}'s stream"
-                return (
-                    f"{stream} would pass sample index 2**63 - 1 (it continues from "
-                    f"{before:,} samples drawn in earlier phases)"
-                )
-        raise AssertionError("a step within every sample index")
-
-    def _latest_start(self, k: int) -> int | None:
-        """The latest start after phase ``k - 1``'s at which phase ``k`` reads
-        its first step; ``None`` when there is none."""
-        if k == 0:
-            return None
-        before, earlier = self.loaders[k - 1], self.starts[k - 1]
-
-        def fits(start: int) -> bool:
-            counts = dict(self._drawn_before[k - 1])
-            taken = drawn(before.mixture, before.schedule, start - earlier)
-            for key, n in zip(self.streams[k - 1], taken, strict=True):
-                counts[key] = counts.get(key, 0) + n
-            offsets = [counts.get(key, 0) for key in self.streams[k]]
-            loader = self.loaders[k]
-            return steps_within(loader.mixture, loader.schedule, offsets, 1) == 1
-
-        first = earlier + 1
-        if first == self.starts[k] or not fits(first):
-            return None
-        return largest(fits, first, self.starts[k] - 1)
+    def _streams(self) -> PhaseStreams:
+        """The phases' streams as the reach checks read them."""
+        labels = [self.label(k) for k in range(len(self.phases))]
+        steerings = [loader.steering for loader in self.loaders]
+        return PhaseStreams(
+            self.starts, steerings, self.streams, self.offsets, self._drawn_before, labels
+        )
 
     def __repr__(self) -> str:
         return f"PhasedLoader({len(self.phases)} phases from steps {self.starts})"
 
     def phase_at(self, step: int) -> int:
-        """The index of the phase that holds ``step``."""
-        return bisect.bisect_right(self.starts, integer(step, "step", low=0)) - 1
+        """The index of the phase that holds ``step`` (whose data ``step`` reads)."""
+        return bisect.bisect_right(self.firsts, integer(step, "step", low=0)) - 1
 
     def locate(self, step: int) -> tuple[Loader, int]:
         """The loader of the phase that holds ``step``, and the step inside that phase.
@@ -232,9 +184,9 @@ class PhasedLoader:
             raise ValueError(
                 f"step {step} is past the last step this run can read, {self.end_step - 1}: "
                 f"at step {self.end_step}, in {self.label(k)}, "
-                f"{self._past(k, self.end_step - self.starts[k])}"
+                f"{self._streams().past(k, self._data_end - self.starts[k])}"
             )
-        return self.loaders[k], int(step) - self.starts[k]
+        return self.loaders[k], int(step) - self.firsts[k]
 
     def _in_phase(self, step: int, use: Callable[[Loader, int], _T]) -> _T:
         """``use(loader, local step)`` for the phase that holds ``step``; with
@@ -251,7 +203,7 @@ class PhasedLoader:
         if len(self.loaders) == 1:
             return error
         k = self.phase_at(step)
-        text = f"step {step} (in {self.label(k)}, its step {step - self.starts[k]}): {error}"
+        text = f"step {step} (in {self.label(k)}, its step {step - self.firsts[k]}): {error}"
         try:
             return type(error)(text)
         except TypeError:  # an error type that takes more than a message
@@ -263,9 +215,9 @@ class PhasedLoader:
         return self.loaders[0].num_batches if len(self.loaders) == 1 else None
 
     def samples_before(self, step: int) -> int:
-        """Global samples of the run in the steps before ``step``."""
+        """Global samples of the run before ``step``'s (see :meth:`Loader.samples_before`)."""
         k = self.phase_at(step)
-        return self._before[k] + self.loaders[k].samples_before(step - self.starts[k])
+        return self._before[k] + self.loaders[k].samples_before(step - self.firsts[k])
 
     def batch_size_at(self, step: int) -> int:
         """Global rows of the batch at ``step``."""
@@ -316,15 +268,16 @@ class PhasedLoader:
         self.locate(step)
         k = self.phase_at(step)
         while True:
-            end = self.starts[k + 1] if k + 1 < len(self.starts) else self.end_step
+            first = self.firsts[k]
+            end = self.firsts[k + 1] if k + 1 < len(self.firsts) else self.end_step
             # Reads nothing ahead past the boundary; the next phase's first
             # steps are started a few steps before it.
-            batches = self.loaders[k].iterate(step - self.starts[k], end - self.starts[k])
+            batches = self.loaders[k].iterate(step - first, end - first)
             stream = cast(Generator[tuple[int, dict[str, jax.Array]], None, None], batches)
             started = False
             try:
                 while (taken := self._next(stream, step)) is not None:
-                    step = self.starts[k] + taken[0]
+                    step = first + taken[0]
                     self.next_step = step + 1
                     if k + 1 < len(self.loaders) and not started and step >= end - NEXT_PHASE_AHEAD:
                         self.loaders[k + 1].start(0)
@@ -375,9 +328,9 @@ class PhasedLoader:
         from flat_tokens_jax.loader import tograin  # imports grain, only when asked
 
         last = self.end_step if self.num_batches is None else min(self.end_step, self.num_batches)
-        stops = [*self.starts[1:], last]
+        stops = [*self.firsts[1:], last]
         engines = [loader.engine for loader in self.loaders]
-        spans = [tograin.Span(*s) for s in zip(engines, self.starts, stops, strict=True)]
+        spans = [tograin.Span(*s) for s in zip(engines, self.firsts, stops, strict=True)]
         return tograin.StepsDataset(self, spans, self.next_step, NEXT_PHASE_AHEAD, self._told)
 
     def fingerprint(self) -> list[dict[str, Any]]:
@@ -402,7 +355,77 @@ class PhasedLoader:
                 {**p, "sources": loader.sources()}
                 for p, loader in zip(self.fingerprint(), self.loaders, strict=True)
             ],
+            **state_fields(self._skips, self._changes),
         }
+
+    def skip(self, step: int, count: int) -> None:
+        """:meth:`Loader.skip` over the run: from ``step`` on, step ``s`` reads the
+        data of step ``s + count``, phases included (a phase declared to start at
+        step ``B`` starts at the first step whose data step is ``B`` or later).
+
+        Raises:
+            ValueError: as :meth:`Loader.skip`, or the skip would move a weight
+                change into another phase.
+        """
+        step = check_step(step, self.next_step, "PhasedLoader.skip")
+        count = skip_count(count, "PhasedLoader.skip")
+        skips = self._skips.added(step, count)
+        moved = [
+            (t, self.phase_at(t), self._phase_of(skips, t)) for t, _ in self._changes if t >= step
+        ]
+        for t, was, now in moved:
+            if was != now:
+                raise ValueError(
+                    f"PhasedLoader.skip: skipping {count} batches at step {step} moves the "
+                    f"weight change at step {t} from {self.label(was)} to {self.label(now)}, "
+                    "whose weights it does not give: skip fewer, or set the weights again"
+                )
+        self._apply(skips, self._changes, step)
+
+    def set_weights(self, step: int, weights: Sequence[float] | Mapping[str, float]) -> None:
+        """:meth:`Loader.set_weights` of the phase whose data ``step`` reads,
+        from ``step`` to that phase's end (later phases keep their own weights).
+
+        Raises:
+            ValueError: as :meth:`Loader.set_weights`, naming the phase.
+        """
+        step = check_step(step, self.next_step, "PhasedLoader.set_weights")
+        k = self.phase_at(step)
+        call = "PhasedLoader.set_weights" + ("" if len(self.phases) == 1 else f" ({self.label(k)})")
+        counts = weight_counts(self.loaders[k].mixture, weights, step, call)
+        self._apply(self._skips, with_weights(self._changes, step, counts), step)
+
+    def _phase_of(self, skips: Skips, step: int) -> int:
+        return bisect.bisect_right(self.starts, skips.data_step(step)) - 1
+
+    def _apply(self, skips: Skips, changes: tuple[Change, ...], since: int) -> None:
+        """Reads with the run's skips and weight changes, which differ from now's
+        from step ``since`` on: each phase's own, by its steps (see
+        :meth:`~flat_tokens_jax.sampling.steering.Skips.within`); a phase whose
+        streams the earlier phases' weights now leave elsewhere continues them there."""
+        firsts = [skips.trainer_step(b) for b in self.starts]
+        homes = [bisect.bisect_right(firsts, t) - 1 for t, _ in changes]
+        counts: dict[str, int] = {}
+        for k, loader in enumerate(self.loaders):
+            stop = firsts[k + 1] if k + 1 < len(firsts) else None
+            own = skips.within(firsts[k], stop, self.starts[k])
+            mine = tuple(
+                (t - firsts[k], c) for (t, c), h in zip(changes, homes, strict=True) if h == k
+            )
+            offsets = [counts.get(key, 0) for key in self.streams[k]]
+            if offsets != self.offsets[k]:
+                loader._restream(list(zip(self._seeds[k], offsets, strict=True)))
+                self.offsets[k] = offsets
+            self._drawn_before[k] = dict(counts)
+            unmoved = firsts[k] == self.firsts[k]
+            loader._steer(own, mine, max(0, since - firsts[k]) if unmoved else 0)
+            if stop is not None:
+                taken = drawn(loader.steering, self.starts[k + 1] - self.starts[k])
+                for key, n in zip(self.streams[k], taken, strict=True):
+                    counts[key] = counts.get(key, 0) + n
+        self.firsts, self._skips, self._changes = firsts, skips, changes
+        self._data_end = self._streams().reach()
+        self.end_step = skips.trainer_step(self._data_end)
 
     def state_differences(self, state: Mapping[str, Any]) -> list[str]:
         """What keeps this run from continuing a saved :meth:`state`, as lines
@@ -422,6 +445,8 @@ class PhasedLoader:
         """
         if len(self.loaders) == 1 and "phases" not in restorable(state, "run"):
             self.next_step = self.loaders[0].restore(state)
+            steering = self.loaders[0].steering
+            self._apply(steering.skips, steering.changes, 0)
             return self.next_step
         saved = read_state(state)
         found = self._differences(saved)
@@ -430,27 +455,29 @@ class PhasedLoader:
                 "the saved loader state does not continue into these phases:\n  "
                 + "\n  ".join(found)
             )
+        self._apply(*merged(saved, self._skips, self._changes), 0)
         self.next_step = saved.step
         return saved.step
 
     def _differences(self, saved: SavedState) -> list[str]:
         """What keeps these phases from continuing ``saved``: each phase begun
         before the saved step must start where it did and resume there."""
-        step = saved.step
-        seen = [j for j, p in enumerate(saved.phases) if p.start_step < step] or [0]
+        step, data = saved.step, saved.data_step
+        seen = [j for j, p in enumerate(saved.phases) if p.start_step < data] or [0]
         before = [saved.phases[j].start_step for j in seen]
-        now = [s for s in self.starts if s < step] or [0]
+        now = [s for s in self.starts if s < data] or [0]
         if before != now:
+            at = "" if data == step else f" (data step {data})"
             return [
-                f"phases: the saved run's phases before step {step} start at steps "
+                f"phases: the saved run's phases before step {step}{at} start at steps "
                 f"{before}, these at {now}; phases may be added or changed only from the "
-                f"saved step {step} on"
+                f"saved step {step}{at} on"
             ]
         out = []
         for j in seen:
             alone, start = saved.phase(j), saved.phases[j].start_step
             loader = self.loaders[j]
-            end = start + alone.step
+            end = start + alone.data_step
             where = f"{self.label(j)}, steps {start}..{end - 1} seen before the saved step {step}"
             found = differences(alone, loader.fingerprint(), loader.schedule)
             out += [f"{where}: {line}" for line in found]

@@ -10,9 +10,10 @@ A *stream* is one sequence of records: a split's records of one kind
 in several phases, or comes back after an absence, continues where the
 earlier phases left it: its samples drawn in earlier phases are counted at
 each boundary (whole weight periods plus a prefix, as a weight schedule
-counts), so the count costs O(weight segments) per phase, once, and a step
-costs the same at step 10**12 as at step 1. A stream keeps the shuffle key of
-the phase it first appears in. Pure arithmetic, no I/O.
+counts, the trainer's weight changes included), so the count costs a
+bisection per phase, and a step costs the same at step 10**12 as at step 1.
+A stream keeps the shuffle key of the phase it first appears in. Pure
+arithmetic, no I/O.
 """
 
 from __future__ import annotations
@@ -23,20 +24,19 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from flat_tokens_jax.core import fields
 from flat_tokens_jax.data.bins import BINS
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, check_source
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.sampling.mixture import Mixture
-from flat_tokens_jax.sampling.schedule import BatchSchedule
+from flat_tokens_jax.sampling.steering import Steering
 from flat_tokens_jax.sampling.stepsamples import MAX_SAMPLE
 
 __all__ = [
     "STREAM_FIELDS",
     "Phase",
+    "PhaseStreams",
     "check_phases",
     "drawn",
     "largest",
@@ -144,43 +144,121 @@ def stream_key(data: Mapping[str, Any], config: LoaderConfig) -> str:
     return json.dumps([identity, config.seed, config.shuffle], sort_keys=True)
 
 
-def drawn(mixture: Mixture | None, schedule: BatchSchedule, steps: int) -> list[int]:
-    """Samples of each component drawn in a phase's first ``steps`` steps.
+def drawn(steering: Steering, steps: int) -> list[int]:
+    """Samples of each component drawn in a phase's first ``steps`` data steps.
 
     ``[K]`` Python ints (one without a mixture): whole weight periods plus the
-    prefix of the last one, per weight segment.
+    prefix of the last one, per weight segment, with the trainer's weight
+    changes (``steering``, of the phase's mixture and batch-size schedule).
     """
-    total = schedule.samples_before(steps)
-    if mixture is None:
-        return [total]
-    starts = [schedule.samples_before(int(s)) for s in mixture.steps]
-    counts = np.zeros(len(mixture.names), dtype=object)
-    for j, period in enumerate(mixture.periods):
-        if starts[j] >= total:
-            break
-        end = total if j + 1 == len(starts) else min(total, starts[j + 1])
-        whole, rest = divmod(end - starts[j], period.period)
-        prefix = np.bincount(period.component[:rest], minlength=len(mixture.names))
-        counts += [whole * int(n) + int(p) for n, p in zip(period.counts, prefix, strict=True)]
-    return [int(n) for n in counts]
+    return steering.drawn(steering.schedule.samples_before(steps))
 
 
-def steps_within(
-    mixture: Mixture | None, schedule: BatchSchedule, offsets: Sequence[int], most: int
-) -> int:
-    """How many of a phase's first steps, up to ``most``, keep every sample
-    index within ``2**63 - 1``: the phase's own (``schedule``'s samples) and
+def steps_within(steering: Steering, offsets: Sequence[int], most: int) -> int:
+    """How many of a phase's first data steps, up to ``most``, keep every sample
+    index within ``2**63 - 1``: the phase's own (its schedule's samples) and
     each stream's (``offsets[c]``, its samples drawn before the phase, plus
     the phase's draws of component ``c``). A bisection over :func:`drawn`.
     """
 
     def fits(steps: int) -> bool:
-        if schedule.samples_before(steps) - 1 > MAX_SAMPLE:
+        if steering.schedule.samples_before(steps) - 1 > MAX_SAMPLE:
             return False
-        counts = drawn(mixture, schedule, steps)
+        counts = drawn(steering, steps)
         return all(o + n - 1 <= MAX_SAMPLE for o, n in zip(offsets, counts, strict=True))
 
     return largest(fits, 0, most)
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseStreams:
+    """A run's phases as the checks of their reach read them: how far each
+    phase reads before a sample index, its own or a stream's, would pass
+    ``2**63 - 1``.
+
+    Attributes:
+        starts: ``[K]`` each phase's first (data) step.
+        steerings: ``[K]`` each phase's mixture, batch sizes and changes.
+        streams: ``[K]`` each phase's components' stream keys.
+        offsets: ``[K]`` each phase's components' samples drawn before it.
+        drawn_before: ``[K]`` each stream's samples drawn before each phase.
+        labels: ``[K]`` how messages name each phase.
+    """
+
+    starts: Sequence[int]
+    steerings: Sequence[Steering]
+    streams: Sequence[Sequence[str]]
+    offsets: Sequence[Sequence[int]]
+    drawn_before: Sequence[Mapping[str, int]]
+    labels: Sequence[str]
+
+    def reach(self) -> int:
+        """The first data step the run cannot read, after refusing a phase
+        that cannot read all its steps.
+
+        Raises:
+            ValueError: naming the phase and the latest start that works.
+        """
+        for k, steering in enumerate(self.steerings):
+            last = k + 1 == len(self.steerings)
+            most = MAX_SAMPLE + 1 if last else self.starts[k + 1] - self.starts[k]
+            n = steps_within(steering, self.offsets[k], most)
+            if n == 0:
+                latest = self.latest_start(k)
+                fix = (
+                    f"start it at step {latest} at most"
+                    if latest is not None
+                    else f"no start after phases[{k - 1}]'s works: give it other streams"
+                )
+                raise ValueError(
+                    f"{self.labels[k]} cannot read its first step: {self.past(k, 0)}; {fix}"
+                )
+            if not last and n < most:
+                raise ValueError(
+                    f"{self.labels[k]} cannot read its steps from step {self.starts[k] + n} "
+                    f"on: {self.past(k, n)}; phases[{k + 1}] starts at step "
+                    f"{self.starts[k + 1]}: start it at step {self.starts[k] + n} at most"
+                )
+        return self.starts[-1] + n
+
+    def past(self, k: int, local: int) -> str:
+        """Which sample index phase ``k``'s data step ``local`` would take past ``2**63 - 1``."""
+        steering = self.steerings[k]
+        schedule, mixture = steering.schedule, steering.mixture
+        if schedule.samples_before(local + 1) - 1 > MAX_SAMPLE:
+            return (
+                f"the phase's sample indices would pass 2**63 - 1 (batch_size "
+                f"{schedule}, {schedule.samples_before(local):,} samples before)"
+            )
+        counts = drawn(steering, local + 1)
+        for c, (before, n) in enumerate(zip(self.offsets[k], counts, strict=True)):
+            if before + n - 1 > MAX_SAMPLE:
+                stream = "its stream" if mixture is None else f"{mixture.names[c]!r}'s stream"
+                return (
+                    f"{stream} would pass sample index 2**63 - 1 (it continues from "
+                    f"{before:,} samples drawn in earlier phases)"
+                )
+        raise AssertionError("a step within every sample index")
+
+    def latest_start(self, k: int) -> int | None:
+        """The latest start after phase ``k - 1``'s at which phase ``k`` reads
+        its first step; ``None`` when there is none."""
+        if k == 0:
+            return None
+        earlier = self.starts[k - 1]
+
+        def fits(start: int) -> bool:
+            counts = dict(self.drawn_before[k - 1])
+            taken = drawn(self.steerings[k - 1], start - earlier)
+            for key, n in zip(self.streams[k - 1], taken, strict=True):
+                counts[key] = counts.get(key, 0) + n
+            offsets = [counts.get(key, 0) for key in self.streams[k]]
+            return steps_within(self.steerings[k], offsets, 1) == 1
+
+        first = earlier + 1
+        if first == self.starts[k] or not fits(first):
+            return None
+        return largest(fits, first, self.starts[k] - 1)
 
 
 def largest(fits: Callable[[int], bool], low: int, high: int) -> int:

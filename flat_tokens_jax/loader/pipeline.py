@@ -190,6 +190,13 @@ class InFlight(Generic[Done]):
             self._last, self._reading = step - 1, True
             self._top_up(step, depth, end, budget)
 
+    def drop_from(self, step: int) -> None:
+        """Drops the steps in flight at or after ``step`` (a result under way
+        is never handed out); the next take reads them again."""
+        with self._lock:
+            for other in [s for s in self._futures if s >= step]:
+                self._futures.pop(other).cancel()
+
     def _submit(self, step: int, lead: bool = False) -> concurrent.futures.Future[Done]:
         if self._ahead is None:
             self._ahead = self._make()

@@ -53,7 +53,10 @@ def differences(
         out.append(kind)
         del was["data"], now["data"]
     _compare(was, now, "fingerprint", out)
-    for line in resume_differences(fp["batch_size"], schedule, saved.step, saved.samples):
+    found = resume_differences(
+        fp["batch_size"], schedule, saved.step, saved.samples, saved.data_step
+    )
+    for line in found:
         out.append("fingerprint." + line if line.startswith("batch_size") else line)
     return out
 

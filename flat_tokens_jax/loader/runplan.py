@@ -65,7 +65,7 @@ def plan_rows(run: PhasedLoader, end_step: int) -> list[dict[str, Any]]:
                 f"the run's step {stop - 1} is step {last} of {run.label(k)}, and its "
                 f"loader refuses it: {e}"
             ) from None
-        counts = drawn(loader.mixture, loader.schedule, stop - start)
+        counts = drawn(loader.steering, stop - start)
         for c, name in enumerate(loader.names):
             records, offset = len(loader.components[c]), run.offsets[k][c]
             rows.append(

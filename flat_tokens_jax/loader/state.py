@@ -14,6 +14,11 @@ What :meth:`~flat_tokens_jax.Loader.state` saves::
 ``components``, ``weights``, ``steps``, ``periods`` and ``seed``), and
 :meth:`~flat_tokens_jax.PhasedLoader.state` of several phases ``{"step",
 "samples", "phases": [{"start_step", "fingerprint", "sources"}, ...]}``.
+A run its trainer steered (see :mod:`~flat_tokens_jax.loader.steered`) also
+holds, in either shape, ``"weights": [[step, [n, ...]], ...]`` (each weight
+change: from trainer ``step`` on, ``n`` samples of each component per period
+of their sum) and ``"skips": [[step, count], ...]``, steps strictly
+increasing; a state without them is a run without changes.
 
 That is the format this version reads. A state carries no version of its own,
 so one it cannot read is refused by what is wrong with it: each field missing,
@@ -25,7 +30,9 @@ another version), named by its path (``fingerprint.config.seed``,
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import functools
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -33,14 +40,20 @@ from typing import Any
 from flat_tokens_jax.core import fields
 from flat_tokens_jax.core.values import BadValue, child, integer, is_integer, number
 from flat_tokens_jax.loader.config import BATCH_DEFINING, FIELDS
+from flat_tokens_jax.sampling.mixture import MAX_PERIOD
 from flat_tokens_jax.sampling.schedule import BatchSchedule
+from flat_tokens_jax.sampling.steering import Skips
 
-_STATE = ("step", "samples", "fingerprint", "sources")
-_PHASED = ("step", "samples", "phases")
+_STEERED = ("weights", "skips")  # optional: absent, the trainer changed nothing
+_STATE = ("step", "samples", "fingerprint", "sources", *_STEERED)
+_PHASED = ("step", "samples", "phases", *_STEERED)
 _PHASE = ("start_step", "fingerprint", "sources")
 _FINGERPRINT = ("data", "config", "batch_size")
 _BLEND = ("components", "weights", "steps", "periods", "seed")  # a Mixture's data
 _SAVED_CONFIG = tuple(name for name in BATCH_DEFINING if name != "batch_size")
+SKIP_COUNT = functools.partial(integer, low=1, high=fields.MAX_STEP)
+"""The check of the batches a skip passes over: an int in ``[1, 2**63 - 1]``."""
+_COUNT = functools.partial(integer, low=0, high=MAX_PERIOD)  # a component's samples per period
 # Fields a saved config holds only when on: absent, they are off.
 _WHEN_ON = ("instance_filter",)
 _URL_SOURCE = {
@@ -87,29 +100,51 @@ class SavedState:
 
     Attributes:
         step: where a restore resumes.
-        samples: global samples of the steps before ``step``.
+        samples: global samples of the data steps before ``step``'s.
         phases: the saved phases by start step (one for a ``Loader``'s state).
         phased: saved by a :class:`~flat_tokens_jax.PhasedLoader` of several
             phases (``phases`` in the state).
+        skips: ``((step, count), ...)`` the batches the trainer skipped.
+        weights: ``((step, counts), ...)`` the trainer's weight changes.
+        data_step: the data step ``step`` reads (for one phase, its data reached).
     """
 
     step: int
     samples: int
     phases: tuple[SavedPhase, ...]
     phased: bool
+    skips: tuple[tuple[int, int], ...] = ()
+    weights: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    data_step: int = -1
+
+    def __post_init__(self) -> None:
+        if self.data_step < 0:
+            object.__setattr__(self, "data_step", Skips(self.skips).data_step(self.step))
 
     def phase(self, j: int) -> SavedState:
         """Phase ``j`` as a ``Loader``'s state of its own: at its step where the
-        run stopped in it (0 for a phase not begun), with the samples of its
-        saved batch size before that step."""
+        run stopped in it (0 for a phase not begun), the samples before the
+        data it reached, and its skips and weight changes (see ``Skips.within``)."""
         if not self.phased:
             return self
-        here = self.phases[j]
-        end = self.phases[j + 1].start_step if j + 1 < len(self.phases) else self.step
-        local = max(0, min(end, self.step) - here.start_step)
-        samples = BatchSchedule.of(here.fingerprint["batch_size"]).samples_before(local)
+        skips, here = Skips(self.skips), self.phases[j]
+        first = skips.trainer_step(here.start_step)
+        stop = data_stop = None
+        if j + 1 < len(self.phases):
+            data_stop = self.phases[j + 1].start_step
+            stop = skips.trainer_step(data_stop)
+        local = max(0, (self.step if stop is None else min(stop, self.step)) - first)
+        reached = self.data_step if data_stop is None else min(data_stop, self.data_step)
+        data = max(0, reached - here.start_step)
+        samples = BatchSchedule.of(here.fingerprint["batch_size"]).samples_before(data)
         alone = dataclasses.replace(here, start_step=0)
-        return SavedState(local, samples, (alone,), phased=False)
+        weights = tuple(
+            (t - first, counts)
+            for t, counts in self.weights
+            if first <= t and (stop is None or t < stop)
+        )
+        own = skips.within(first, stop, here.start_step).entries
+        return SavedState(local, samples, (alone,), False, own, weights, data)
 
 
 def phased_runs(state: Any) -> int | None:
@@ -131,9 +166,14 @@ def state_problems(state: Any) -> tuple[SavedState | None, list[str]]:
     step = _field(state, "step", "", fields.step, "the next step (an int >= 0)", out)
     samples = _field(state, "samples", "", fields.step, "the samples before it", out)
     phases = _phases(state["phases"], out) if phased else [_phase(state, "", 0, out)]
+    skips = _skips(state["skips"], out) if "skips" in state else ()
     if out:
         return None, out
-    return SavedState(step, samples, tuple(p for p in phases if p is not None), phased), []
+    found = tuple(p for p in phases if p is not None)
+    weights = _weights(state["weights"], found, Skips(skips), out) if "weights" in state else ()
+    if out:
+        return None, out
+    return SavedState(step, samples, found, phased, skips, weights), []
 
 
 def read_state(state: Any, header: str = "not a loader state this version reads") -> SavedState:
@@ -262,6 +302,79 @@ def _blend(data: Mapping[str, Any], path: str, count: int, sources: str, out: li
         elif name == "steps" and values[0] != 0:
             out.append(f"{path}.steps: expected a list starting at step 0, got {shown(values)}")
     _field(data, "seed", path, fields.seed, "the Mixture's seed", out)
+
+
+def _pairs(value: Any, name: str, form: str, out: list[str]) -> list[tuple[str, Any, Any]]:
+    """``(path, step, second)`` of each pair of the list saved as ``name``,
+    steps strictly increasing (lines in ``out`` for what is not)."""
+    if not isinstance(value, list) or not value:
+        out.append(f"{name}: expected a non-empty list of {form}, got {shown(value)}")
+        return []
+    found, last = [], None
+    for i, pair in enumerate(value):
+        path = child(name, i)
+        if not isinstance(pair, list) or len(pair) != 2:
+            out.append(f"{path}: expected {form}, got {shown(pair)}")
+            continue
+        step = _checked(fields.step, pair[0], child(path, 0), out)
+        if step is None:
+            continue
+        if last is not None and step <= last:
+            out.append(f"{child(path, 0)}: step {step} is not after the previous entry's, {last}")
+        last = step
+        found.append((path, step, pair[1]))
+    return found
+
+
+def _skips(value: Any, out: list[str]) -> tuple[tuple[int, int], ...]:
+    """The saved ``skips``: ``[[step, count], ...]``, counts ints >= 1."""
+    entries = []
+    for path, step, count in _pairs(value, "skips", "[step, count] pairs", out):
+        count = _checked(SKIP_COUNT, count, child(path, 1), out)
+        if count is not None:
+            entries.append((step, count))
+    return tuple(entries)
+
+
+def _weights(
+    value: Any, phases: Sequence[SavedPhase], skips: Skips, out: list[str]
+) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """The saved ``weights``: ``[[step, [n, ...]], ...]``, one count per
+    component of the mixture of the phase whose data the step reads."""
+    starts = [p.start_step for p in phases]
+    entries = []
+    for path, step, counts in _pairs(value, "weights", "[step, [n, ...]] pairs", out):
+        here = child(path, 1)
+        phase = phases[bisect.bisect_right(starts, skips.data_step(step)) - 1]
+        if not any(key in phase.fingerprint["data"] for key in _BLEND):
+            where = "" if len(phases) == 1 else f" (phase from step {phase.start_step})"
+            out.append(f"{path}: the data{where} is a single source, which has no weights")
+            continue
+        n = len(phase.sources)
+        if not isinstance(counts, list) or len(counts) != n:
+            out.append(f"{here}: expected {n} ints >= 0, one per component, got {shown(counts)}")
+            continue
+        checked = [_checked(_COUNT, x, child(here, c), out) for c, x in enumerate(counts)]
+        if any(x is None for x in checked):
+            continue
+        total = sum(checked)
+        if not 0 < total <= MAX_PERIOD:
+            out.append(
+                f"{here}: the samples of each component per period, which sum to the period: "
+                f"expected a sum in [1, {MAX_PERIOD}], got {total}"
+            )
+            continue
+        entries.append((step, tuple(checked)))
+    return tuple(entries)
+
+
+def _checked(check: Callable[[Any, str], Any], value: Any, path: str, out: list[str]) -> Any:
+    """``check(value, path)``, or ``None`` and its refusal in ``out``."""
+    try:
+        return check(value, path)
+    except BadValue as e:
+        out.append(str(e))
+        return None
 
 
 def _known(values: Mapping[str, Any], path: str, known: Sequence[str], out: list[str]) -> None:

@@ -24,7 +24,7 @@ import hashlib
 import itertools
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -65,17 +65,17 @@ class Period:
 
     @classmethod
     def layout(cls, weights: Sequence[float] | np.ndarray, period: int) -> Period:
-        w = np.asarray(weights, np.float64)
-        # Rounded so that weights meant as exact ratios split as their decimal
-        # values do, whatever the float error: 0.5 and 0.1 over 3 slots are a
-        # tie (2.5 and 0.5), not 2.5 and 0.49999999999999994.
-        share = np.round(_shares(w) * period, 9)
-        counts = np.floor(share).astype(np.int64)
-        short = period - int(counts.sum())
-        if short:  # largest remainder; ties to the lower index
-            order = np.lexsort((np.arange(w.size), -np.round(share - counts, 9)))
-            counts[order[:short]] += 1
-        component = np.repeat(np.arange(w.size, dtype=np.int32), counts)
+        """The layout of ``weights`` over ``period`` samples: :meth:`of_counts`
+        of :func:`period_counts`."""
+        return cls.of_counts(period_counts(weights, period))
+
+    @classmethod
+    def of_counts(cls, counts: Sequence[int] | np.ndarray) -> Period:
+        """The layout of ``counts[c]`` samples of each component ``c`` over a
+        period of ``sum(counts)`` samples (:meth:`layout` of weights that
+        round to these counts gives the same tables)."""
+        counts = np.array(counts, np.int64)
+        component = np.repeat(np.arange(counts.size, dtype=np.int32), counts)
         rank = np.concatenate([np.arange(n, dtype=np.int32) for n in counts])
         when = (2.0 * rank + 1.0) / (2.0 * counts[component])
         order = np.lexsort((component, when))
@@ -86,6 +86,22 @@ class Period:
         whole, rest = divmod(num_samples, self.period)
         prefix = np.bincount(self.component[:rest], minlength=self.counts.size)
         return whole * self.counts + prefix
+
+
+def period_counts(weights: Sequence[float] | np.ndarray, period: int) -> np.ndarray:
+    """``[K] int64`` samples of each component per period of ``period``
+    samples: ``weights`` times ``period``, rounded by largest remainder."""
+    w = np.asarray(weights, np.float64)
+    # Rounded so that weights meant as exact ratios split as their decimal
+    # values do, whatever the float error: 0.5 and 0.1 over 3 slots are a
+    # tie (2.5 and 0.5), not 2.5 and 0.49999999999999994.
+    share = np.round(_shares(w) * period, 9)
+    counts = np.floor(share).astype(np.int64)
+    short = period - int(counts.sum())
+    if short:  # largest remainder; ties to the lower index
+        order = np.lexsort((np.arange(w.size), -np.round(share - counts, 9)))
+        counts[order[:short]] += 1
+    return counts
 
 
 Source = Records | FlatTokens
@@ -173,26 +189,12 @@ class Mixture:
         ]
         if any(b <= a for a, b in itertools.pairwise(steps)):
             raise ValueError(f"schedule steps must be > 0 and strictly increasing, got {steps[1:]}")
-        weights = [[w for _, _, w in named], *[self._by_name(w, s) for s, w in changes]]
+        self.period: int | None = period
+        weights = [[w for _, _, w in named], *[w for _, w in changes]]
         self.steps = np.array(steps, np.int64)
-        self.weights = [
-            _check_weights(w, self.names, s) for s, w in zip(steps, weights, strict=True)
-        ]
-        self.periods = [Period.layout(w, period or _default_period(w)) for w in self.weights]
-        for s, w, p in zip(steps, self.weights, self.periods, strict=True):
-            lost = [i for i, x in enumerate(w) if x > 0 and p.counts[i] == 0]
-            if lost:
-                smallest = float(_shares(w)[lost].min())  # 0 where it underflows
-                need = 1 / smallest if smallest > 0 else math.inf
-                fix = (
-                    f"pass a period of at least {math.ceil(need)}"
-                    if need <= MAX_PERIOD
-                    else f"raise their weights (a period holds at most {MAX_PERIOD} samples)"
-                )
-                raise ValueError(
-                    f"weights from step {s}: component(s) {[self.names[i] for i in lost]} get "
-                    f"no sample in a period of {p.period}: {fix}, or set their weights to 0"
-                )
+        checked = [self.weight_counts(w, s) for s, w in zip(steps, weights, strict=True)]
+        self.weights = [w for w, _ in checked]
+        self.periods = [Period.of_counts(counts) for _, counts in checked]
         self.allow_mixed_tokenizers = boolean(
             allow_mixed_tokenizers, "Mixture.allow_mixed_tokenizers"
         )
@@ -212,6 +214,37 @@ class Mixture:
     def components(self) -> tuple[Source, ...]:
         """The sources, in order (the same as :attr:`sources`)."""
         return self.sources
+
+    def weight_counts(
+        self, weights: Sequence[float] | Mapping[str, float], step: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``weights`` from ``step`` on, checked: ``([K] float64 weights, [K]
+        int64 samples of each component per period)``, over this mixture's
+        ``period`` (or the default period of those weights).
+
+        Raises:
+            ValueError: ``weights`` is not one finite number >= 0 per
+                component (or ``{name: weight}`` naming every component), all
+                are zero, or a positive weight gets no sample per period (the
+                message says the period it needs).
+        """
+        w = _check_weights(self._by_name(weights, step), self.names, step)
+        period = self.period or _default_period(w)
+        counts = period_counts(w, period)
+        lost = [i for i, x in enumerate(w) if x > 0 and counts[i] == 0]
+        if lost:
+            smallest = float(_shares(w)[lost].min())  # 0 where it underflows
+            need = 1 / smallest if smallest > 0 else math.inf
+            fix = (
+                f"pass a period of at least {math.ceil(need)}"
+                if need <= MAX_PERIOD
+                else f"raise their weights (a period holds at most {MAX_PERIOD} samples)"
+            )
+            raise ValueError(
+                f"weights from step {step}: component(s) {[self.names[i] for i in lost]} get "
+                f"no sample in a period of {period}: {fix}, or set their weights to 0"
+            )
+        return w, counts
 
     def _by_name(self, weights: Sequence[float] | Mapping[str, float], step: int) -> list[Any]:
         if not isinstance(weights, Mapping):
@@ -284,19 +317,8 @@ class Mixture:
         ``batch_size`` (an int or a :class:`~flat_tokens_jax.sampling.schedule.BatchSchedule`)
         turns the weight schedule's steps into samples.
         """
-        g = np.asarray(samples, np.int64)
         starts, offsets = self._segments(BatchSchedule.of(batch_size))
-        segment = np.searchsorted(starts, g, side="right") - 1
-        comp = np.empty(g.shape, np.int64)
-        sample = np.empty(g.shape, np.int64)
-        for j in np.unique(segment).tolist():
-            here = segment == j
-            p = self.periods[j]
-            whole, rest = np.divmod(g[here] - starts[j], p.period)
-            c = p.component[rest].astype(np.int64)
-            comp[here] = c
-            sample[here] = offsets[j, c] + whole * p.counts[c] + p.rank[rest]
-        return comp, sample
+        return route_segments(samples, starts, offsets, self.periods.__getitem__)
 
     def fingerprint(self, records: Sequence[Records]) -> dict[str, Any]:
         """The components' names and data (their ``records``) and the blending."""
@@ -308,6 +330,30 @@ class Mixture:
             "periods": [p.period for p in self.periods],
             "seed": self.seed,
         }
+
+
+def route_segments(
+    samples: np.ndarray,
+    starts: np.ndarray,
+    offsets: np.ndarray,
+    period_of: Callable[[int], Period],
+) -> tuple[np.ndarray, np.ndarray]:
+    """Global samples to ``(component [k] int64, component sample [k] int64)``
+    over weight segments: ``starts`` ``[S] int64`` each segment's first global
+    sample (the first 0), ``offsets`` ``[S, K] int64`` the samples of each
+    component drawn before it, ``period_of(j)`` segment ``j``'s layout."""
+    g = np.asarray(samples, np.int64)
+    segment = np.searchsorted(starts, g, side="right") - 1
+    comp = np.empty(g.shape, np.int64)
+    sample = np.empty(g.shape, np.int64)
+    for j in np.unique(segment).tolist():
+        here = segment == j
+        p = period_of(j)
+        whole, rest = np.divmod(g[here] - starts[j], p.period)
+        c = p.component[rest].astype(np.int64)
+        comp[here] = c
+        sample[here] = offsets[j, c] + whole * p.counts[c] + p.rank[rest]
+    return comp, sample
 
 
 def config_records(

@@ -170,30 +170,35 @@ class BatchSchedule:
         return str(self.spec())
 
 
-def resume_differences(saved: Any, now: BatchSchedule, step: int, samples: Any) -> list[str]:
+def resume_differences(
+    saved: Any, now: BatchSchedule, step: int, samples: Any, data_step: int | None = None
+) -> list[str]:
     """Why a run saved at ``step`` cannot resume with the batch sizes ``now``, as lines.
 
     A run may change its batch size from the saved step on: ``now`` must
     agree with ``saved`` (the saved int or ``[[start_step, size], ...]``) on
     every step before ``step``, and ``samples`` (the saved count of samples
     before ``step``; ``None`` for states that predate it) must be what the
-    saved sizes give.
+    saved sizes give. A run that skipped batches reads ``step``'s data at
+    ``data_step``: the batch sizes are those of data steps.
     """
     try:
         before = BatchSchedule.of(saved)
     except ValueError:
         return [f"batch_size: the saved state has no valid batch size: {saved!r}"]
     out = []
-    at = before.first_difference(now, step)
+    data = step if data_step is None else data_step
+    named = f"step {step}" if data == step else f"step {step} (data step {data})"
+    at = before.first_difference(now, data)
     if at is not None:
         out.append(
             f"batch_size: saved {before}, now {now}: step {at} had {before.size(at)} rows, "
-            f"now {now.size(at)}; the batch size may change only from the saved step {step} "
-            f"on: batch_size {before.continued(step, now)}"
+            f"now {now.size(at)}; the batch size may change only from the saved {named} "
+            f"on: batch_size {before.continued(data, now)}"
         )
-    if samples is not None and samples != before.samples_before(step):
+    if samples is not None and samples != before.samples_before(data):
         out.append(
-            f"samples: saved {samples!r}, but the {step} steps of batch_size {before} "
-            f"hold {before.samples_before(step)}"
+            f"samples: saved {samples!r}, but the {data} steps of batch_size {before} "
+            f"hold {before.samples_before(data)}"
         )
     return out

@@ -1,11 +1,13 @@
 """Which record each row of a step reads: ``StepSamples``.
 
-Global sample ``g = samples_before(step) + row`` (see
-:mod:`~flat_tokens_jax.sampling.schedule`) goes through the mixture, when there is one,
-to a component and its own sample index, and through that component's
-stateless sampler to a record. A sampler call costs about the same for 256
-samples as for 2,048 (it is a few dozen numpy passes over small arrays), so
-steps asked for in order take their records from one call for several steps.
+Global sample ``g = samples_before(d) + row``, where ``d`` is the data step
+that the trainer's step reads (the step itself unless batches were skipped,
+see :mod:`~flat_tokens_jax.sampling.steering`), goes through the mixture, when
+there is one (with the trainer's weight changes), to a component and its own
+sample index, and through that component's stateless sampler to a record. A
+sampler call costs about the same for 256 samples as for 2,048 (it is a few
+dozen numpy passes over small arrays), so steps asked for in order take their
+records from one call for several steps.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.sampling.mixture import Mixture
 from flat_tokens_jax.sampling.sampling import IndexSampler
 from flat_tokens_jax.sampling.schedule import BatchSchedule
+from flat_tokens_jax.sampling.steering import Steering
 
 MAX_SAMPLE = 2**63 - 1  # Global sample indices are int64.
 # Steps whose records one sampler call finds when steps are asked for in order.
@@ -34,6 +37,7 @@ class StepSamples:
         schedule: the batch size of each step.
         rows_at: the global rows this host reads at a step, ``[k] int64``.
         num_epochs: the run's epochs (for messages), ``None`` when unbounded.
+        steering: the trainer's skips and weight changes (``None``: none).
     """
 
     def __init__(
@@ -43,21 +47,46 @@ class StepSamples:
         schedule: BatchSchedule,
         rows_at: Callable[[int], np.ndarray],
         num_epochs: int | None,
+        steering: Steering | None = None,
     ) -> None:
         self.samplers, self.mixture, self.schedule = samplers, mixture, schedule
         self.rows_at, self.num_epochs = rows_at, num_epochs
+        self.steering = Steering(mixture, schedule) if steering is None else steering
         # Records of the steps after the last one found in order: see `records`.
         self._kept: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._last: int | None = None
         self._lock = threading.Lock()
 
+    def steer(self, steering: Steering) -> None:
+        """Routes with ``steering`` from now on; records found ahead with the
+        one before are dropped (a lookup under way keeps none)."""
+        with self._lock:
+            self.steering = steering
+            self._kept, self._last = {}, None
+
+    def data_step(self, step: int) -> int:
+        """The data step that ``step`` reads (``step`` itself without skips).
+
+        Raises:
+            ValueError: ``step`` is not an int >= 0.
+        """
+        return self.steering.data_step(integer(step, "step", low=0))
+
+    def size(self, step: int) -> int:
+        """Global rows of the batch at ``step``: its data step's."""
+        return self.schedule.size(self.data_step(step))
+
     @property
     def num_batches(self) -> int | None:
         """Steps in the run (``None`` when ``num_epochs`` is ``None``)."""
         total = self.samplers[0].num_samples
-        return None if total is None else self.schedule.steps_to_cover(total)
+        if total is None:
+            return None
+        return self.steering.skips.trainer_step(self.schedule.steps_to_cover(total))
 
-    def samples(self, step: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def samples(
+        self, step: int, rows: np.ndarray, steering: Steering | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Global sample index ``[k] int64`` of ``rows`` at ``step`` and which are real.
 
         Raises:
@@ -66,34 +95,40 @@ class StepSamples:
             IndexError: ``step`` is past the end of the run.
         """
         step = integer(step, "step", low=0)
-        first = self.schedule.samples_before(step)
-        last = self.schedule.samples_before(step + 1) - 1
+        skips = (self.steering if steering is None else steering).skips
+        data = skips.data_step(step)
+        first = self.schedule.samples_before(data)
+        last = self.schedule.samples_before(data + 1) - 1
+        read = "" if data == step else f" (it reads data step {data})"
         if last > MAX_SAMPLE:
             final = self.schedule.step_of(MAX_SAMPLE)
             if self.schedule.samples_before(final + 1) - 1 > MAX_SAMPLE:
                 final -= 1
+            shown = final if not skips else skips.trainer_step(final + 1) - 1
             raise ValueError(
-                f"step {step} is too large: its samples reach index {last}, past the "
+                f"step {step}{read} is too large: its samples reach index {last}, past the "
                 f"largest sample index 2**63 - 1; with batch_size {self.schedule} "
-                f"the last step is {final}"
+                f"the last step is {shown}"
             )
-        end = self.num_batches
-        if end is not None and step >= end:
+        total = self.samplers[0].num_samples
+        if total is not None and first >= total:
+            end = skips.trainer_step(self.schedule.steps_to_cover(total))
             raise IndexError(
-                f"step {step} is past the end: this run has {end} "
+                f"step {step}{read} is past the end: this run has {end} "
                 f"steps ({self.num_epochs} epoch(s) of "
                 f"{self.samplers[0].num_records} records)"
             )
         g = np.int64(first) + rows
-        total = self.samplers[0].num_samples
         return g, (np.ones(g.shape, bool) if total is None else g < total)
 
-    def lookup(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def lookup(
+        self, g: np.ndarray, steering: Steering | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(component, record, epoch)`` ``[k] int64`` of global samples ``g``."""
         if self.mixture is None:
             zeros = np.zeros(g.shape, np.int64)
             return zeros, self.samplers[0].records(g), self.samplers[0].epochs(g)
-        comp, sample = self.mixture.route(g, self.schedule)
+        comp, sample = (self.steering if steering is None else steering).route(g)
         record, epoch = np.empty_like(sample), np.empty_like(sample)
         for c in np.unique(comp).tolist():
             here = comp == c
@@ -111,33 +146,38 @@ class StepSamples:
         the records of the next steps (``ahead``, at least ``LOOKUP_AHEAD``)
         come from the same sampler call and are kept for them.
         """
-        g, real = self.samples(step, rows)
         with self._lock:
+            steering = self.steering
             hit = self._kept.pop(step, None)
             if hit is None and self._last is not None and step == self._last + 1:
                 ahead = max(ahead, LOOKUP_AHEAD)
             self._last = step
+        g, real = self.samples(step, rows, steering)
         if hit is not None:
             return (*hit, real)
         if not ahead:
-            comp, records, _ = self.lookup(g[real])
+            comp, records, _ = self.lookup(g[real], steering)
             return comp, records, real
-        later = self._steps_after(step, ahead)
+        later = self._steps_after(step, ahead, steering)
         samples = [g[real]]
         for s in later:
-            g_s, real_s = self.samples(s, self.rows_at(s))
+            g_s, real_s = self.samples(s, self.rows_at(s), steering)
             samples.append(g_s[real_s])
-        comp, records, _ = self.lookup(np.concatenate(samples))
+        comp, records, _ = self.lookup(np.concatenate(samples), steering)
         cuts = np.cumsum([x.size for x in samples])[:-1]
         found = list(zip(np.split(comp, cuts), np.split(records, cuts), strict=True))
         with self._lock:
-            self._kept = dict(zip(later, found[1:], strict=True))
+            if self.steering is steering:  # else steered meanwhile: these may be stale
+                self._kept = dict(zip(later, found[1:], strict=True))
         return (*found[0], real)
 
-    def _steps_after(self, step: int, count: int) -> list[int]:
+    def _steps_after(self, step: int, count: int, steering: Steering) -> list[int]:
         """Up to ``count`` steps after ``step``, before the run's end and the
         largest sample index."""
-        end = self.num_batches
-        stop = step + 1 + count if end is None else min(step + 1 + count, end)
-        last = self.schedule.step_of(MAX_SAMPLE) - 1
+        skips = steering.skips
+        stop = step + 1 + count
+        total = self.samplers[0].num_samples
+        if total is not None:
+            stop = min(stop, skips.trainer_step(self.schedule.steps_to_cover(total)))
+        last = skips.trainer_step(self.schedule.step_of(MAX_SAMPLE)) - 1
         return list(range(step + 1, min(stop, last + 1)))

@@ -1,0 +1,315 @@
+"""A run steered while it trains: skipped batches and weight changes, as arithmetic.
+
+A trainer passes its own steps ``t``. Skips, ``(step, count)`` pairs, define
+the *data step* ``d(t) = t + sum(count for (s, count) in skips if s <= t)``,
+strictly increasing in ``t``: step ``t`` reads what step ``d(t)`` of the run
+without skips would read (its samples, batch size and weight segment), so a
+skip of 3 at step 5 makes step 7 read the data of step 10 (:class:`Skips`).
+
+A weight change from step ``t`` starts a weight segment at data step
+``d(t)``, merged with the mixture's declared schedule: each boundary, declared
+or runtime, uses its own weights from its step on (a runtime change wins over
+a declared one at the same data step). A change is held as the exact samples
+of each component per period its weights round to: counts that sum to the
+period reproduce its layout (:meth:`~flat_tokens_jax.sampling.mixture.Period.of_counts`).
+Each component's stream continues across segments, as across a declared
+schedule's: segment ``j`` starts with the samples each component drew before
+it, counted when the segment is added (whole periods plus a prefix, found by
+arithmetic without the period's tables: :func:`prefix_counts`). A step finds
+its segment by bisection and builds the period tables it routes with on
+demand, keeping the last few (:data:`TABLES_KEPT`), so a run with ``10**4``
+changes costs at any step what it costs at step 1. Pure arithmetic, no I/O.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import itertools
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from flat_tokens_jax.sampling.mixture import Mixture, Period, route_segments
+from flat_tokens_jax.sampling.schedule import BatchSchedule
+
+__all__ = ["TABLES_KEPT", "Skips", "Steering", "consumed", "prefix_counts"]
+
+MAX_SAMPLE = 2**63 - 1  # Global sample indices are int64.
+TABLES_KEPT = 8
+"""Period tables of runtime weight changes a :class:`Steering` keeps built
+(a table takes 8 bytes a sample of its period, up to ``2**24`` samples)."""
+
+# (trainer step, samples of each component per period) of each weight change.
+Change = tuple[int, tuple[int, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Skips:
+    """Skipped batches: the data step of each trainer step.
+
+    Attributes:
+        entries: ``((step, count), ...)``, steps strictly increasing, counts
+            >= 1: from trainer ``step`` on, ``count`` more data steps are skipped.
+    """
+
+    entries: tuple[tuple[int, int], ...] = ()
+    _steps: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
+    _through: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        steps = tuple(s for s, _ in self.entries)
+        if any(b <= a for a, b in itertools.pairwise(steps)):
+            raise ValueError(f"skip steps must increase strictly, got {list(steps)}")
+        through, total = [], 0
+        for _, count in self.entries:
+            total += count
+            through.append(total)
+        object.__setattr__(self, "_steps", steps)
+        object.__setattr__(self, "_through", tuple(through))
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    def skipped(self, step: int) -> int:
+        """Data steps skipped at trainer steps ``<= step``."""
+        j = bisect.bisect_right(self._steps, step)
+        return self._through[j - 1] if j else 0
+
+    def data_step(self, step: int) -> int:
+        """``d(step)``: the step of the run without skips whose data ``step`` reads."""
+        return step + self.skipped(step)
+
+    def trainer_step(self, data_step: int) -> int:
+        """The first trainer step whose data step is ``data_step`` or later."""
+        low, high = max(0, data_step - (self._through[-1] if self._through else 0)), data_step
+        while low < high:  # d is strictly increasing, and d(t) >= t
+            mid = (low + high) // 2
+            low, high = (mid + 1, high) if self.data_step(mid) < data_step else (low, mid)
+        return low
+
+    def added(self, step: int, count: int) -> Skips:
+        """These skips and ``count`` more at ``step`` (skips at one step add up)."""
+        found = dict(self.entries)
+        found[step] = found.get(step, 0) + count
+        return Skips(tuple(sorted(found.items())))
+
+    def skipped_at(self, step: int) -> int:
+        """Data steps skipped at trainer step ``step`` itself."""
+        j = bisect.bisect_left(self._steps, step)
+        return self.entries[j][1] if j < len(self._steps) and self._steps[j] == step else 0
+
+    def within(self, first: int, stop: int | None, data_first: int) -> Skips:
+        """The skips of trainer steps ``[first, stop)`` counted from ``first``
+        (``stop`` ``None``: no end), for steps whose data counts from data
+        step ``data_first``: a phase's own, with what ``d(first)`` passes over
+        ``data_first`` skipped at its step 0."""
+        lead = self.data_step(first) - data_first
+        local = tuple(
+            (s - first, c) for s, c in self.entries if first < s and (stop is None or s < stop)
+        )
+        return Skips((((0, lead),) if lead > 0 else ()) + local)
+
+
+NO_SKIPS = Skips()
+
+
+def prefix_counts(counts: Sequence[int] | np.ndarray, rest: int) -> np.ndarray:
+    """``[K] int64`` samples of each component among the first ``rest``
+    offsets of the period laid out from ``counts`` (``Period.of_counts``),
+    found without its tables: O(K^2 log period).
+
+    Component ``c``'s ``k``-th sample sits at ``(2k + 1) / (2 n_c)`` of the
+    period, ties to the lower component: the first ``rest`` offsets hold every
+    sample before the ``rest``-th smallest position, and of the samples at
+    that position, those of the lowest components.
+    """
+    n = np.asarray(counts, np.int64)
+    total = int(n.sum())
+    if rest <= 0:
+        return np.zeros(n.size, np.int64)
+    if rest >= total:
+        return n.copy()
+    live = np.flatnonzero(n > 0)
+
+    def at_most(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+        """``[m, K]`` samples of each component at positions <= ``p / q`` (``[m]``)."""
+        return np.minimum((2 * p[:, None] * n[None, :] + q[:, None]) // (2 * q[:, None]), n)
+
+    # For each component, its first sample whose position has >= rest samples at or before it.
+    low, high = np.zeros(live.size, np.int64), n[live] - 1
+    while True:
+        left = low < high
+        if not left.any():
+            break
+        mid = (low + high) // 2
+        enough = at_most(2 * mid + 1, 2 * n[live]).sum(axis=1) >= rest
+        high = np.where(left & enough, mid, high)
+        low = np.where(left & ~enough, mid + 1, low)
+    p, q = 2 * low + 1, 2 * n[live]
+    fits = at_most(p, q).sum(axis=1) >= rest
+    # The smallest such position, compared exactly: p_a / q_a < p_b / q_b.
+    best = None
+    for i in np.flatnonzero(fits).tolist():
+        if best is None or int(p[i]) * int(q[best]) < int(p[best]) * int(q[i]):
+            best = i
+    assert best is not None  # the largest position of all holds every sample
+    pb, qb = int(p[best]), int(q[best])
+    below = np.minimum((2 * pb * n - 1 + qb) // (2 * qb), n)  # positions < p/q
+    at = at_most(np.array([pb]), np.array([qb]))[0] - below  # 0 or 1 each
+    need = rest - int(below.sum())
+    taken = np.flatnonzero(at)[:need]
+    out = below.copy()
+    out[taken] += 1
+    return out
+
+
+def consumed(counts: Sequence[int] | np.ndarray, num_samples: int) -> list[int]:
+    """Samples of each component in the first ``num_samples`` of a run of
+    periods laid out from ``counts``, as Python ints (``Period.consumed``
+    without the tables)."""
+    n = np.asarray(counts, np.int64)
+    whole, rest = divmod(int(num_samples), int(n.sum()))
+    prefix = prefix_counts(n, rest)
+    return [whole * int(a) + int(b) for a, b in zip(n.tolist(), prefix.tolist(), strict=True)]
+
+
+class Steering:
+    """What a loader (or a phase's) routes with: its mixture's declared
+    weight segments merged with runtime changes, and its skips. Immutable
+    once made, and safe to share between threads: a change makes a new one
+    (:meth:`steered`) that reuses the segments before it.
+
+    Args:
+        mixture: the blend (``None``: one source, no weights, only skips).
+        schedule: the batch size of each data step.
+        skips: the skipped batches, by trainer step.
+        changes: ``((trainer step, counts), ...)`` by strictly increasing
+            step: from that step on, ``counts[c]`` samples of component ``c``
+            per period of ``sum(counts)`` samples.
+    """
+
+    _steps: list[int]  # each segment's first data step
+    _keys: list[Any]  # a declared entry's index, or a runtime change's counts
+    _start_list: list[int]  # each segment's first global sample
+    _starts: np.ndarray  # the same, [S] int64
+    _offsets: np.ndarray  # [S, K] int64 samples of each component drawn before it
+
+    def __init__(
+        self,
+        mixture: Mixture | None,
+        schedule: BatchSchedule,
+        skips: Skips = NO_SKIPS,
+        changes: Sequence[Change] = (),
+    ) -> None:
+        self.mixture, self.schedule = mixture, schedule
+        self._tables: collections.OrderedDict[tuple[int, ...], Period] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._set(skips, tuple(changes), None, 0)
+
+    def _set(
+        self, skips: Skips, changes: tuple[Change, ...], before: Steering | None, since: int
+    ) -> None:
+        """Holds ``skips`` and ``changes``, keeping ``before``'s segments that
+        start before trainer step ``since``'s data step (in both) and adding the rest."""
+        self.skips, self.changes = skips, changes
+        self._change_steps = [t for t, _ in changes]
+        mix = self.mixture
+        if mix is None:
+            return
+        if before is None:
+            kept = 0
+            steps: list[int] = []
+            keys: list[Any] = []
+            starts: list[int] = []
+            offsets = np.zeros((0, len(mix.names)), np.int64)
+            data_from = 0
+        else:
+            data_from = min(before.skips.data_step(since), skips.data_step(since))
+            kept = bisect.bisect_left(before._steps, data_from)
+            steps, keys = before._steps[:kept], before._keys[:kept]
+            starts = before._start_list[:kept]
+            offsets = before._offsets[:kept]
+        later: dict[int, Any] = {int(s): j for j, s in enumerate(mix.steps) if s >= data_from}
+        for t, counts in changes[bisect.bisect_left(self._change_steps, since) :]:
+            later[skips.data_step(t)] = counts  # a runtime change wins at its step
+        rows = [offsets[-1]] if kept else []
+        for step in sorted(later):
+            start = self.schedule.samples_before(step)
+            if start > MAX_SAMPLE:
+                break
+            if steps:
+                drawn = consumed(self._counts(keys[-1]), start - starts[-1])
+                rows.append(rows[-1] + np.array(drawn, np.int64))
+            else:
+                rows.append(np.zeros(len(mix.names), np.int64))
+            steps.append(step)
+            keys.append(later[step])
+            starts.append(start)
+        new = rows[1:] if kept else rows
+        self._steps, self._keys, self._start_list = steps, keys, starts
+        self._starts = np.array(starts, np.int64)
+        self._offsets = np.concatenate([offsets, *[r[None] for r in new]]) if new else offsets
+
+    def steered(self, skips: Skips, changes: Sequence[Change], since: int) -> Steering:
+        """A steering of ``skips`` and ``changes``, which agree with this
+        one's before trainer step ``since``: its segments from there on are
+        counted again, the earlier ones reused."""
+        out = Steering.__new__(Steering)
+        out.mixture, out.schedule = self.mixture, self.schedule
+        out._tables, out._lock = self._tables, self._lock  # tables depend on counts alone
+        out._set(skips, tuple(changes), self, since)
+        return out
+
+    def _counts(self, key: Any) -> np.ndarray:
+        """The per-period counts of a segment's ``key``: a declared entry's
+        index, or a runtime change's counts."""
+        assert self.mixture is not None
+        if isinstance(key, int):
+            return self.mixture.periods[key].counts
+        return np.asarray(key, np.int64)
+
+    def _table(self, j: int) -> Period:
+        key = self._keys[j]
+        assert self.mixture is not None
+        if isinstance(key, int):
+            return self.mixture.periods[key]
+        with self._lock:
+            found = self._tables.get(key)
+            if found is not None:
+                self._tables.move_to_end(key)
+                return found
+        made = Period.of_counts(key)  # outside the lock: a large one takes a while
+        with self._lock:
+            self._tables[key] = made
+            while len(self._tables) > TABLES_KEPT:
+                self._tables.popitem(last=False)
+        return made
+
+    def data_step(self, step: int) -> int:
+        """The data step that trainer step ``step`` reads."""
+        return self.skips.data_step(step)
+
+    def route(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Global samples to ``(component [k] int64, component sample [k] int64)``."""
+        return route_segments(samples, self._starts, self._offsets, self._table)
+
+    def drawn(self, num_samples: int) -> list[int]:
+        """``[K]`` samples of each component drawn in the first
+        ``num_samples`` global samples (``<= 2**63``), as Python ints."""
+        if self.mixture is None:
+            return [num_samples]
+        j = bisect.bisect_right(self._start_list, num_samples) - 1
+        more = consumed(self._counts(self._keys[j]), num_samples - self._start_list[j])
+        return [int(a) + b for a, b in zip(self._offsets[j].tolist(), more, strict=True)]
+
+    def segment_at(self, data_step: int) -> tuple[int, np.ndarray, bool]:
+        """The weight segment that holds ``data_step``: its first data step,
+        ``[K] int64`` samples of each component per period, and whether it is
+        a runtime change (else declared)."""
+        j = bisect.bisect_right(self._steps, data_step) - 1
+        key = self._keys[j]
+        return self._steps[j], self._counts(key), not isinstance(key, int)

@@ -9,7 +9,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from flat_tokens_jax.convert import chat, megatron, merge, text
@@ -31,6 +31,7 @@ from flat_tokens_jax.data.storedplans import pack_dataset
 from flat_tokens_jax.data.validation import summary, validate
 from flat_tokens_jax.loader import runplan
 from flat_tokens_jax.loader.loader import Loader
+from flat_tokens_jax.loader.steered import skips_from_config
 from flat_tokens_jax.store.identity import library_version, tokenizer_info
 from flat_tokens_jax.store.options import StoreError
 from flat_tokens_jax.tools import phaseshow, savedstate, show
@@ -186,6 +187,9 @@ def _cmd_show(args: argparse.Namespace) -> int:
                 "a 'data' section, or a 'phases' section"
             )
         state = None if args.state is None else savedstate.read_state(args.state)
+        planned = [show.parse_skip(text) for text in args.skip or ()]
+        if isinstance(config, Mapping) and "skip" in config:
+            planned = [*_yaml_skips(config["skip"], args.config), *planned]
         run, step = None, args.step
         if phaseshow.is_phased(config, state):
             run = phaseshow.build_run(
@@ -197,6 +201,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
                 config_name=args.config or "--config",
                 state_name=args.state or "--state",
             )
+            for at, count in planned:
+                run.skip(at, count)
             loader, step = run.locate(args.step)
         else:
             loader = show.build_loader(
@@ -209,7 +215,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
                 config_name=args.config or "--config",
                 state_name=args.state or "--state",
             )
-        size = loader.config.batch_size_at(step)
+            for at, count in planned:
+                loader.skip(at, count)
+        steered = (run or loader).state()
+        size = loader.steps.size(step)
         show.check_show_memory(loader.config, size, size if args.rows is None else 0)
         rows = show.parse_rows(args.rows, size)
         show.check_show_memory(loader.config, size, len(rows))
@@ -217,6 +226,9 @@ def _cmd_show(args: argparse.Namespace) -> int:
         shown = show.run_json(loader, step, rows)
         if run is not None:
             shown = phaseshow.mark(shown, run, args.step)
+        steering = show.steering_lines(steered, args.step)
+        if steering:
+            shown["steering"] = show.steering_json(steered, args.step)
     except (StoreError, IndexError, KeyError, ValueError, OSError) as e:
         return fail("show", e)
     if args.json:
@@ -233,6 +245,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
             f"{phase['start_step']}; its step {phase['step']})"
         )
     print(f"step {args.step}, batch_size {shown['batch_size']}, data {names}: {shown['config']}")
+    for line in steering:
+        print(line)
     if decode is not None:
         print(f"[n]: segment n; {show.UNTRAINED[0]}...{show.UNTRAINED[1]}: loss_mask 0")
     for row in shown["rows"]:
@@ -251,6 +265,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     name = args.run_yaml
     doc = read_yaml(name)
     run = phaseshow.plan_run(doc, name, split=args.split, options=store_options(args))
+    if isinstance(doc, Mapping) and "skip" in doc:
+        for step, count in _yaml_skips(doc["skip"], name):
+            run.skip(step, count)
+    if args.state is not None:
+        try:
+            run.restore(savedstate.read_state(args.state))
+        except ValueError as e:
+            raise ValueError(f"--state {args.state}: {e}") from None
     end = args.steps
     if end is None:
         if doc.get("steps") is None:
@@ -268,12 +290,24 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     warnings = runplan.repeat_warnings(run, rows)
     if args.picture is not None:
         runplan.draw_shares(run, end, args.picture)
-    print(json.dumps(rows) if args.json else "\n".join(runplan.plan_table(rows)))
+    steered = runplan.steering_rows(run)
+    if args.json:
+        print(json.dumps({"rows": rows, "steering": steered} if steered else rows))
+    else:
+        print("\n".join(runplan.plan_table(rows) + runplan.steering_table(steered)))
     for line in warnings:
         print(f"plan: warning: {line}", file=sys.stderr)
     if args.picture is not None and not args.json:
         print(f"wrote {args.picture}")
     return 0
+
+
+def _yaml_skips(section: Any, name: str) -> list[tuple[int, int]]:
+    """The ``skip`` list of the YAML ``name``, its errors naming the file."""
+    try:
+        return skips_from_config(section)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
 
 
 def _decoder(path: str, loader: Loader) -> Any:
@@ -369,6 +403,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--pad-id", type=int, help="input and target id of padding (default 0)")
     p.add_argument("--vocab-size", type=int, help="check that the data's token ids fit below it")
+    p.add_argument(
+        "--skip",
+        action="append",
+        metavar="STEP:COUNT",
+        help="a planned skip: COUNT batches skipped at STEP, after the run's own (repeatable)",
+    )
     p.add_argument("--rows", help="rows to print, e.g. 0,5-7 (default: all)")
     p.add_argument("--tokenizer", help="render rows as text with this tokenizer")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -383,6 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_yaml", metavar="RUN", help="a run YAML with a phases section")
     add_store_flags(p)
     p.add_argument("--steps", type=at_least(1), help="where the run ends (default: its 'steps')")
+    p.add_argument(
+        "--state",
+        help="a saved state of the run: plan with its weight changes and skipped batches",
+    )
     p.add_argument("--split", default="train", help="the split (or part of a split cut) read")
     p.add_argument("--picture", help="also draw each component's share of tokens (.png or .svg)")
     p.add_argument("--json", action="store_true", help="print JSON")

@@ -76,6 +76,9 @@ class PhasedLoader:
             :func:`~flat_tokens_jax.loader.phases.stream_key`).
         offsets: per phase, each component's stream samples drawn by the
             earlier phases: where the phase continues its streams.
+        phase_samples: ``[K]`` the run's global samples before each phase.
+        firsts: ``[K]`` the first step that reads each phase's data (its
+            ``start_step``, unless batches were skipped before it).
         next_step: the step :meth:`iterate` starts at (set by :meth:`restore`).
         end_step: the first step the run cannot read: there the last phase's
             samples, or a stream's, would pass the largest sample index
@@ -103,7 +106,7 @@ class PhasedLoader:
         self._changes: tuple[Change, ...] = ()
         self.loaders: list[Loader] = []
         # Samples of the run before each phase, and each stream's drawn before it.
-        self._before = [0]
+        self.phase_samples = [0]
         self.streams: list[list[str]] = []
         self.offsets: list[list[int]] = []
         self._seeds: list[list[int]] = []
@@ -133,7 +136,9 @@ class PhasedLoader:
                 steps = self.starts[k + 1] - self.starts[k]
                 for key, n in zip(keys, drawn(loader.steering, steps), strict=True):
                     counts[key] = counts.get(key, 0) + n
-                self._before.append(self._before[-1] + loader.schedule.samples_before(steps))
+                self.phase_samples.append(
+                    self.phase_samples[-1] + loader.schedule.samples_before(steps)
+                )
         self.sharding = sharding
         self.next_step = 0
         self._data_end = self._streams().reach()
@@ -217,7 +222,7 @@ class PhasedLoader:
     def samples_before(self, step: int) -> int:
         """Global samples of the run before ``step``'s (see :meth:`Loader.samples_before`)."""
         k = self.phase_at(step)
-        return self._before[k] + self.loaders[k].samples_before(step - self.firsts[k])
+        return self.phase_samples[k] + self.loaders[k].samples_before(step - self.firsts[k])
 
     def batch_size_at(self, step: int) -> int:
         """Global rows of the batch at ``step``."""
@@ -257,7 +262,7 @@ class PhasedLoader:
         for row in rows:
             row["phase"] = k
             if "sample" in row:
-                row["sample"] += self._before[k]
+                row["sample"] += self.phase_samples[k]
         return rows
 
     def iterate(self, start_step: int | None = None) -> Iterator[tuple[int, dict[str, jax.Array]]]:
@@ -433,9 +438,11 @@ class PhasedLoader:
         saved, problems = state_problems(state)
         return problems if saved is None else self._differences(saved)
 
-    def restore(self, state: Mapping[str, Any]) -> int:
-        """Continues from a saved :meth:`state` (or a :meth:`Loader.state`);
-        returns the step :meth:`iterate` resumes at.
+    def restore(self, state: Mapping[str, Any] | SavedState) -> int:
+        """Continues from a saved :meth:`state` (or a :meth:`Loader.state`, or
+        one read back by :func:`~flat_tokens_jax.loader.state.read_state`),
+        with its skips and weight changes; returns the step :meth:`iterate`
+        resumes at.
 
         Raises:
             StateMismatch: the state is not one this version reads (each field
@@ -443,12 +450,15 @@ class PhasedLoader:
                 or differs in a field that decides its batches there; each
                 line names the phase, the steps seen and the field.
         """
-        if len(self.loaders) == 1 and "phases" not in restorable(state, "run"):
+        if not isinstance(state, SavedState):
+            state = restorable(state, "run")
+        phased = state.phased if isinstance(state, SavedState) else "phases" in state
+        if len(self.loaders) == 1 and not phased:
             self.next_step = self.loaders[0].restore(state)
             steering = self.loaders[0].steering
             self._apply(steering.skips, steering.changes, 0)
             return self.next_step
-        saved = read_state(state)
+        saved = state if isinstance(state, SavedState) else read_state(state)
         found = self._differences(saved)
         if found:
             raise StateMismatch(

@@ -19,6 +19,7 @@ import numpy as np
 from flat_tokens_jax.core.extras import install_hint
 from flat_tokens_jax.loader.phasedloader import PhasedLoader
 from flat_tokens_jax.loader.phases import drawn
+from flat_tokens_jax.loader.steered import steering_at
 
 __all__ = [
     "REPEAT_WARNING_EPOCHS",
@@ -27,6 +28,8 @@ __all__ = [
     "plan_table",
     "repeat_warnings",
     "share_segments",
+    "steering_rows",
+    "steering_table",
 ]
 
 # A stream read more epochs than this shows its model each record that many
@@ -43,7 +46,10 @@ def plan_rows(run: PhasedLoader, end_step: int) -> list[dict[str, Any]]:
     ``component``, ``seq_len``, ``packing``, ``records`` (of its stream),
     ``stream`` (``"new"`` or ``"continued"``), ``samples``, ``tokens``,
     ``epochs`` (this phase's samples over the records) and ``stream_epochs``
-    (the stream's samples by the phase's end over the records).
+    (the stream's samples by the phase's end over the records). A run its
+    trainer steered counts with its weight changes, by the trainer's steps
+    (:attr:`PhasedLoader.firsts`); a stream's samples are those it gave up,
+    skipped batches included.
 
     Raises:
         ValueError: the loader refuses a step before ``end_step`` (its samples
@@ -52,10 +58,12 @@ def plan_rows(run: PhasedLoader, end_step: int) -> list[dict[str, Any]]:
     """
     rows: list[dict[str, Any]] = []
     for k, loader in enumerate(run.loaders):
-        start = run.starts[k]
+        start = run.firsts[k]
         if start >= end_step:
             break
-        stop = min(end_step, run.starts[k + 1] if k + 1 < len(run.starts) else end_step)
+        stop = min(end_step, run.firsts[k + 1] if k + 1 < len(run.firsts) else end_step)
+        if stop == start:
+            continue  # a phase whose every step was skipped
         last = stop - start - 1
         try:
             # The loader's own check of a step, on the phase's last planned one.
@@ -65,7 +73,7 @@ def plan_rows(run: PhasedLoader, end_step: int) -> list[dict[str, Any]]:
                 f"the run's step {stop - 1} is step {last} of {run.label(k)}, and its "
                 f"loader refuses it: {e}"
             ) from None
-        counts = drawn(loader.steering, stop - start)
+        counts = drawn(loader.steering, loader.steering.data_step(last) + 1)
         for c, name in enumerate(loader.names):
             records, offset = len(loader.components[c]), run.offsets[k][c]
             rows.append(
@@ -145,6 +153,46 @@ def repeat_warnings(
         for r in last.values()
         if r["stream_epochs"] > most
     ]
+
+
+def steering_rows(run: PhasedLoader) -> list[dict[str, Any]]:
+    """One dict per skip and per weight change of a run its trainer steered
+    (none for another), by step: ``step``, ``data_step`` (what it reads),
+    ``skipped`` (batches skipped there, 0 for a weight change), ``phase``
+    and ``weights`` (``{component: share of the samples}`` in effect from
+    that step; ``None`` for a single source)."""
+    state = run.state()
+    steps = sorted(
+        {s for s, _ in state.get("skips", [])} | {t for t, _ in state.get("weights", [])}
+    )
+    skipped = dict(state.get("skips", []))
+    out = []
+    for step in steps:
+        at = steering_at(state, step)
+        out.append(
+            {
+                "step": step,
+                "data_step": at.data_step,
+                "skipped": skipped.get(step, 0),
+                "phase": at.phase,
+                "weights": at.shares,
+            }
+        )
+    return out
+
+
+def steering_table(rows: list[dict[str, Any]]) -> list[str]:
+    """:func:`steering_rows` as text, a line each."""
+    lines = []
+    for r in rows:
+        told = f"step {r['step']} reads the data of step {r['data_step']}"
+        if r["skipped"]:
+            told += f" ({r['skipped']:,} batches skipped there)"
+        if r["weights"] is not None:
+            shares = ", ".join(f"{n} {w:.4g}" for n, w in r["weights"].items())
+            told += f"; weights from it: {shares}"
+        lines.append(told)
+    return lines
 
 
 def share_segments(run: PhasedLoader, end_step: int) -> list[tuple[int, int, dict[str, float]]]:

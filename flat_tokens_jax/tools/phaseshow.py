@@ -82,7 +82,7 @@ def build_run(
         run = PhasedLoader(phases)
     except ValueError as e:
         raise ValueError(f"{state_name}: {e}") from None
-    run.next_step = state.step
+    run.restore(state)  # its step, skips and weight changes
     return run
 
 
@@ -127,7 +127,7 @@ def mark(shown: dict[str, Any], run: PhasedLoader, step: int) -> dict[str, Any]:
     (``index``, ``name``, ``start_step``, ``step`` inside it) and each row's
     run-wide ``sample`` and ``phase``."""
     k = run.phase_at(step)
-    before = run.samples_before(run.starts[k])
+    before = run.phase_samples[k]
     for row in shown["rows"]:
         row["phase"] = k
         if "sample" in row:
@@ -136,6 +136,6 @@ def mark(shown: dict[str, Any], run: PhasedLoader, step: int) -> dict[str, Any]:
         "index": k,
         "name": run.phases[k].name,
         "start_step": run.starts[k],
-        "step": step - run.starts[k],
+        "step": step - run.firsts[k],
     }
     return {**shown, "step": step, "phase": phase}

@@ -25,6 +25,7 @@ from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.loader import Loader
 from flat_tokens_jax.loader.resume import check_resume
 from flat_tokens_jax.loader.state import SavedState
+from flat_tokens_jax.loader.steered import steering_at
 from flat_tokens_jax.sampling.mixconfig import mixture_from_config
 from flat_tokens_jax.sampling.mixture import Mixture
 from flat_tokens_jax.sampling.schedule import BatchSchedule
@@ -138,7 +139,73 @@ def build_loader(
             loader.schedule,
             header="the data found is not what the saved run read",
         )
+        loader.restore(state)  # its skips and weight changes
     return loader
+
+
+def parse_skip(text: str) -> tuple[int, int]:
+    """A planned skip from ``--skip``: ``"5:3"``, 3 batches skipped at step 5.
+
+    Example:
+        >>> parse_skip("5:3")
+        (5, 3)
+    """
+    step, sep, count = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(step), int(count)  # Loader.skip checks them
+    except ValueError:
+        raise ValueError(
+            f"--skip {text!r}: expected STEP:COUNT, e.g. 5:3 (3 batches skipped at step 5)"
+        ) from None
+
+
+def steering_lines(state: Mapping[str, Any], step: int) -> list[str]:
+    """What ``show`` prints of a run its trainer steered (a ``state()`` with
+    ``weights`` or ``skips``; none for another): the changes, the data step
+    that ``step`` reads and the weights in effect there."""
+    if not any(key in state for key in ("weights", "skips")):
+        return []
+    lines = []
+    if "skips" in state:
+        listed = ", ".join(f"{n} at step {s}" for s, n in state["skips"])
+        lines.append(f"skipped batches: {listed}")
+    if "weights" in state:
+        listed = "; ".join(f"from step {t}: {counts}" for t, counts in state["weights"])
+        lines.append(f"weight changes (samples of each component per period): {listed}")
+    at = steering_at(state, step)
+    if at.data_step != step:
+        (first, n), *rest = at.skipped
+        more = "".join(f", {m} at step {s}" for s, m in rest)
+        lines.append(
+            f"step {step} reads the data of step {at.data_step}: "
+            f"{n} batches skipped at step {first}{more}"
+        )
+    if at.counts is not None and at.shares is not None:
+        period = sum(at.counts)
+        shares = ", ".join(f"{n} {share:.4g}" for n, share in at.shares.items())
+        how = "set at step" if at.changed else "declared, from step"
+        lines.append(
+            f"weights at step {step}: {shares} ({list(at.counts)} samples per period of "
+            f"{period}; {how} {at.since})"
+        )
+    return lines
+
+
+def steering_json(state: Mapping[str, Any], step: int) -> dict[str, Any]:
+    """``show --json``'s ``steering`` of ``step``: ``data_step``, ``skipped``
+    (``[[step, count], ...]`` at steps <= it), ``weights`` (``{name: samples
+    per period}``, ``None`` for a single source), ``since`` and ``changed``."""
+    at = steering_at(state, step)
+    counts = None if at.counts is None else dict(zip(at.names, at.counts, strict=True))
+    return {
+        "data_step": at.data_step,
+        "skipped": [list(pair) for pair in at.skipped],
+        "weights": counts,
+        "since": at.since,
+        "changed": at.changed,
+    }
 
 
 def check_show_memory(cfg: LoaderConfig, rows: int, printed: int) -> None:

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from flat_tokens_jax.loader.phasedloader import PhasedLoader
     from flat_tokens_jax.loader.phases import Phase
     from flat_tokens_jax.loader.state import StateMismatch
+    from flat_tokens_jax.loader.steered import skips_from_config, skips_from_yaml, steering_at
     from flat_tokens_jax.sampling.mixconfig import mixture_from_config
     from flat_tokens_jax.sampling.mixture import Mixture
     from flat_tokens_jax.sampling.sampling import EpochsExhausted, IndexSampler, permute
@@ -80,6 +81,9 @@ _HOMES = {
     "permute": "sampling.sampling",
     "phases_from_config": "loader.phaseconfig",
     "phases_from_yaml": "loader.phaseconfig",
+    "skips_from_config": "loader.steered",
+    "skips_from_yaml": "loader.steered",
+    "steering_at": "loader.steered",
     "summary": "data.validation",
     "validate": "data.validation",
     "write_dataset": "data.writer",
@@ -120,6 +124,9 @@ __all__ = [
     "permute",
     "phases_from_config",
     "phases_from_yaml",
+    "skips_from_config",
+    "skips_from_yaml",
+    "steering_at",
     "summary",
     "validate",
     "write_dataset",

@@ -95,9 +95,9 @@ def with_weights(
     changes: Sequence[Change], step: int, counts: tuple[int, ...]
 ) -> tuple[Change, ...]:
     """``changes`` with ``counts`` from ``step`` on (replacing one at that step)."""
-    found = dict(changes)
-    found[step] = counts
-    return tuple(sorted(found.items()))
+    at = bisect.bisect_left(changes, (step,))
+    after = at + 1 if at < len(changes) and changes[at][0] == step else at
+    return (*changes[:at], (step, counts), *changes[after:])
 
 
 def state_fields(skips: Skips, changes: Sequence[Change]) -> dict[str, Any]:

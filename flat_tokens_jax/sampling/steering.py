@@ -120,51 +120,38 @@ NO_SKIPS = Skips()
 def prefix_counts(counts: Sequence[int] | np.ndarray, rest: int) -> np.ndarray:
     """``[K] int64`` samples of each component among the first ``rest``
     offsets of the period laid out from ``counts`` (``Period.of_counts``),
-    found without its tables: O(K^2 log period).
+    found without its tables.
 
     Component ``c``'s ``k``-th sample sits at ``(2k + 1) / (2 n_c)`` of the
-    period, ties to the lower component: the first ``rest`` offsets hold every
-    sample before the ``rest``-th smallest position, and of the samples at
-    that position, those of the lowest components.
+    period, ties to the lower component, so the first ``rest`` offsets are a
+    prefix of that order. The samples at or before ``rest / period`` are such
+    a prefix, within ``K / 2`` of ``rest`` long (each component's count is
+    within 1/2 of its share): the last ones are taken off, or the next ones
+    added, one at a time. O(K^2) exact integer arithmetic.
     """
-    n = np.asarray(counts, np.int64)
-    total = int(n.sum())
-    if rest <= 0:
-        return np.zeros(n.size, np.int64)
-    if rest >= total:
-        return n.copy()
-    live = np.flatnonzero(n > 0)
-
-    def at_most(p: np.ndarray, q: np.ndarray) -> np.ndarray:
-        """``[m, K]`` samples of each component at positions <= ``p / q`` (``[m]``)."""
-        return np.minimum((2 * p[:, None] * n[None, :] + q[:, None]) // (2 * q[:, None]), n)
-
-    # For each component, its first sample whose position has >= rest samples at or before it.
-    low, high = np.zeros(live.size, np.int64), n[live] - 1
-    while True:
-        left = low < high
-        if not left.any():
-            break
-        mid = (low + high) // 2
-        enough = at_most(2 * mid + 1, 2 * n[live]).sum(axis=1) >= rest
-        high = np.where(left & enough, mid, high)
-        low = np.where(left & ~enough, mid + 1, low)
-    p, q = 2 * low + 1, 2 * n[live]
-    fits = at_most(p, q).sum(axis=1) >= rest
-    # The smallest such position, compared exactly: p_a / q_a < p_b / q_b.
-    best = None
-    for i in np.flatnonzero(fits).tolist():
-        if best is None or int(p[i]) * int(q[best]) < int(p[best]) * int(q[i]):
-            best = i
-    assert best is not None  # the largest position of all holds every sample
-    pb, qb = int(p[best]), int(q[best])
-    below = np.minimum((2 * pb * n - 1 + qb) // (2 * qb), n)  # positions < p/q
-    at = at_most(np.array([pb]), np.array([qb]))[0] - below  # 0 or 1 each
-    need = rest - int(below.sum())
-    taken = np.flatnonzero(at)[:need]
-    out = below.copy()
-    out[taken] += 1
-    return out
+    n = [int(x) for x in counts]
+    period = sum(n)
+    if rest >= period:
+        return np.array(n, np.int64)
+    rest = max(rest, 0)
+    # Component c's samples at positions <= rest / period: (2k + 1) / (2 n_c) <= rest / period.
+    m = [min(c, (2 * rest * c + period) // (2 * period)) for c in n]
+    total = sum(m)
+    while total > rest:  # drop the last taken: the latest position, ties the higher component
+        last = -1
+        for c in range(len(n)):
+            if m[c] and (last < 0 or (2 * m[c] - 1) * n[last] >= (2 * m[last] - 1) * n[c]):
+                last = c
+        m[last] -= 1
+        total -= 1
+    while total < rest:  # take the next: the earliest position, ties the lower component
+        first = -1
+        for c in range(len(n)):
+            if m[c] < n[c] and (first < 0 or (2 * m[c] + 1) * n[first] < (2 * m[first] + 1) * n[c]):
+                first = c
+        m[first] += 1
+        total += 1
+    return np.array(m, np.int64)
 
 
 def consumed(counts: Sequence[int] | np.ndarray, num_samples: int) -> list[int]:
@@ -194,8 +181,7 @@ class Steering:
 
     _steps: list[int]  # each segment's first data step
     _keys: list[Any]  # a declared entry's index, or a runtime change's counts
-    _start_list: list[int]  # each segment's first global sample
-    _starts: np.ndarray  # the same, [S] int64
+    _starts: np.ndarray  # [S] int64 each segment's first global sample
     _offsets: np.ndarray  # [S, K] int64 samples of each component drawn before it
 
     def __init__(
@@ -216,43 +202,41 @@ class Steering:
         """Holds ``skips`` and ``changes``, keeping ``before``'s segments that
         start before trainer step ``since``'s data step (in both) and adding the rest."""
         self.skips, self.changes = skips, changes
-        self._change_steps = [t for t, _ in changes]
         mix = self.mixture
         if mix is None:
             return
         if before is None:
-            kept = 0
+            kept, data_from = 0, 0
             steps: list[int] = []
             keys: list[Any] = []
-            starts: list[int] = []
+            starts = np.zeros(0, np.int64)
             offsets = np.zeros((0, len(mix.names)), np.int64)
-            data_from = 0
         else:
             data_from = min(before.skips.data_step(since), skips.data_step(since))
             kept = bisect.bisect_left(before._steps, data_from)
             steps, keys = before._steps[:kept], before._keys[:kept]
-            starts = before._start_list[:kept]
-            offsets = before._offsets[:kept]
+            starts, offsets = before._starts[:kept], before._offsets[:kept]
         later: dict[int, Any] = {int(s): j for j, s in enumerate(mix.steps) if s >= data_from}
-        for t, counts in changes[bisect.bisect_left(self._change_steps, since) :]:
+        for t, counts in changes[bisect.bisect_left(changes, (since,)) :]:
             later[skips.data_step(t)] = counts  # a runtime change wins at its step
-        rows = [offsets[-1]] if kept else []
+        last = (int(starts[-1]), offsets[-1]) if kept else None
+        added: list[tuple[int, np.ndarray]] = []
         for step in sorted(later):
             start = self.schedule.samples_before(step)
             if start > MAX_SAMPLE:
                 break
-            if steps:
-                drawn = consumed(self._counts(keys[-1]), start - starts[-1])
-                rows.append(rows[-1] + np.array(drawn, np.int64))
+            if last is None:
+                drawn = np.zeros(len(mix.names), np.int64)
             else:
-                rows.append(np.zeros(len(mix.names), np.int64))
+                more = consumed(self._counts(keys[-1]), start - last[0])
+                drawn = last[1] + np.array(more, np.int64)
             steps.append(step)
             keys.append(later[step])
-            starts.append(start)
-        new = rows[1:] if kept else rows
-        self._steps, self._keys, self._start_list = steps, keys, starts
-        self._starts = np.array(starts, np.int64)
-        self._offsets = np.concatenate([offsets, *[r[None] for r in new]]) if new else offsets
+            last = (start, drawn)
+            added.append(last)
+        self._steps, self._keys = steps, keys
+        self._starts = np.concatenate([starts, np.array([a for a, _ in added], np.int64)])
+        self._offsets = np.concatenate([offsets, *[d[None] for _, d in added]])
 
     def steered(self, skips: Skips, changes: Sequence[Change], since: int) -> Steering:
         """A steering of ``skips`` and ``changes``, which agree with this
@@ -302,8 +286,8 @@ class Steering:
         ``num_samples`` global samples (``<= 2**63``), as Python ints."""
         if self.mixture is None:
             return [num_samples]
-        j = bisect.bisect_right(self._start_list, num_samples) - 1
-        more = consumed(self._counts(self._keys[j]), num_samples - self._start_list[j])
+        j = bisect.bisect_right(self._starts, num_samples) - 1  # num_samples may be 2**63
+        more = consumed(self._counts(self._keys[j]), num_samples - int(self._starts[j]))
         return [int(a) + b for a, b in zip(self._offsets[j].tolist(), more, strict=True)]
 
     def segment_at(self, data_step: int) -> tuple[int, np.ndarray, bool]:

@@ -1,0 +1,168 @@
+"""Benchmark: a run whose trainer changes the weights every 100 steps for 10**6
+steps (10**4 changes) costs at step 10**6 what it costs at step 1.
+
+This writes ten small local splits, blends them in a ``Mixture`` (default
+period), and calls ``set_weights`` every 100 steps with random weights, 10**4
+times. It times, interleaved (median of the repeats), at step 1 and step
+10**6: ``host_batch`` (the mean over the 64 steps from each, 64 rows x 1024
+tokens, decoded on one thread) and the sampler path alone,
+``StepSamples.records`` of a whole step (every other step, so no call finds
+its records ahead); beside the same loader without changes. A step that opens
+a segment whose period tables are not built yet (a step right after a change,
+each repeat a new one) is timed too. It also reports the time ``set_weights``
+takes (the last 1,000 of the 10**4), the size of ``state()`` as JSON, the time
+a fresh loader takes to restore it (every change replayed), and the Python
+calls a step makes at both steps (timings on a shared machine move; the count
+does not).
+
+Run: ``python scripts/bench_steering.py [--repeats 30]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+import flat_tokens_jax as ftj
+
+FAR = 10**6
+EVERY = 100
+CHANGES = FAR // EVERY
+SPAN = 64
+COMPONENTS = 10
+FIXED = {"seed": 1, "prefetch": 0, "decode_threads": 1}
+
+
+def medians(fns: dict[str, Callable[[int], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each function, called in turn ``repeats`` times
+    (interleaved) with the repeat's index."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn(repeats)
+    for r in range(repeats):
+        for name, fn in fns.items():
+            began = time.perf_counter()
+            fn(r)
+            times[name].append(time.perf_counter() - began)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def calls(fn: Callable[[], object]) -> int:
+    """Python function calls that ``fn`` makes (a count that load on the machine cannot move)."""
+    fn()
+    profile = cProfile.Profile()
+    profile.enable()
+    fn()
+    profile.disable()
+    return int(pstats.Stats(profile).total_calls)  # type: ignore[attr-defined]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        parts = {}
+        for c in range(COMPONENTS):
+            seqs = (rng.integers(0, 50_000, int(n)) for n in rng.integers(50, 2000, 500))
+            ftj.write_dataset(Path(tmp) / f"s{c}", {"train": seqs})
+            parts[f"s{c}"] = (ftj.open_dataset(Path(tmp) / f"s{c}")["train"], 1.0)
+        mix = ftj.Mixture(parts)
+        cfg = ftj.LoaderConfig(batch_size=64, seq_len=1024, **FIXED)
+        steered, plain = ftj.Loader(mix, cfg), ftj.Loader(mix, cfg)
+        weights = rng.dirichlet(np.ones(COMPONENTS), CHANGES)
+        began = time.perf_counter()
+        for k in range(CHANGES - 1_000):
+            steered.set_weights(EVERY * (k + 1), weights[k].tolist())
+        middle = time.perf_counter()
+        for k in range(CHANGES - 1_000, CHANGES):
+            steered.set_weights(EVERY * (k + 1), weights[k].tolist())
+        ended = time.perf_counter()
+        rows = steered.host_rows_at(0)
+
+        def batches(loader: ftj.Loader, first: int) -> Callable[[int], object]:
+            return lambda _: [loader.host_batch(first + k) for k in range(SPAN)]
+
+        def records(loader: ftj.Loader, first: int) -> Callable[[int], object]:
+            return lambda _: [loader.steps.records(first + 2 * k, rows) for k in range(SPAN)]
+
+        def opening(loader: ftj.Loader) -> Callable[[int], object]:
+            # A segment's first step, its tables not built yet: a new segment each repeat.
+            return lambda r: loader.steps.records(FAR - EVERY * (2 + 3 * r), rows)
+
+        got = medians(
+            {
+                "batch 1": batches(steered, 1),
+                "batch far": batches(steered, FAR),
+                "plain batch 1": batches(plain, 1),
+                "plain batch far": batches(plain, FAR),
+                "records 1": records(steered, 1),
+                "records far": records(steered, FAR),
+                "plain records 1": records(plain, 1),
+                "plain records far": records(plain, FAR),
+                "opening": opening(steered),
+            },
+            args.repeats,
+        )
+        got = {k: v if k == "opening" else v / SPAN for k, v in got.items()}
+        counted = {
+            "1": calls(lambda: [steered.host_batch(1 + k) for k in range(SPAN)]) / SPAN,
+            "far": calls(lambda: [steered.host_batch(FAR + k) for k in range(SPAN)]) / SPAN,
+            "plain": calls(lambda: [plain.host_batch(1 + k) for k in range(SPAN)]) / SPAN,
+        }
+        state = steered.state(FAR)
+        size = len(json.dumps(state).encode())
+        base = len(json.dumps(plain.state(FAR)).encode())
+        began_restore = time.perf_counter()
+        fresh = ftj.Loader(mix, cfg)
+        fresh.restore(json.loads(json.dumps(state)))
+        restored = time.perf_counter() - began_restore
+        assert all(
+            np.array_equal(fresh.host_batch(s)["targets"], steered.host_batch(s)["targets"])
+            for s in (FAR, FAR + 1)
+        )
+    print(
+        f"{COMPONENTS} components, default period; a weight change every {EVERY} steps, "
+        f"{CHANGES:,} changes; 64 rows x 1024 tokens; per step, mean of {SPAN} steps, "
+        f"median of {args.repeats}"
+    )
+    print("| what | step 1 | step 10**6 | ratio |")
+    print("| --- | ---: | ---: | ---: |")
+    for label, key in (
+        ("`host_batch`, 10^4 changes", "batch"),
+        ("`host_batch`, no change", "plain batch"),
+        ("`StepSamples.records`, 10^4 changes", "records"),
+        ("`StepSamples.records`, no change", "plain records"),
+    ):
+        one, far = got[f"{key} 1"], got[f"{key} far"]
+        print(f"| {label} | {one * 1e3:.3f} ms | {far * 1e3:.3f} ms | {far / one:.2f} |")
+    print(
+        f"a segment's first step, its period table built then: "
+        f"{got['opening'] * 1e3:.3f} ms (`StepSamples.records`)"
+    )
+    print(
+        f"Python calls per step: {counted['1']:.0f} at step 1, {counted['far']:.0f} at step "
+        f"10**6 ({counted['far'] / counted['1']:.3f}x); without changes: {counted['plain']:.0f}"
+    )
+    print(
+        f"set_weights: {(middle - began) / (CHANGES - 1_000) * 1e3:.2f} ms each over the first "
+        f"{CHANGES - 1_000:,}, {(ended - middle) / 1_000 * 1e3:.2f} ms each over the last 1,000"
+    )
+    print(
+        f"state() as JSON: {size:,} bytes with {CHANGES:,} changes ({(size - base) / CHANGES:.1f} "
+        f"bytes a change), {base:,} without; a fresh loader restores it in {restored:.2f} s"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -80,7 +80,7 @@ def main() -> None:
         mix = ftj.Mixture(parts)
         cfg = ftj.LoaderConfig(batch_size=64, seq_len=1024, **FIXED)
         steered, plain = ftj.Loader(mix, cfg), ftj.Loader(mix, cfg)
-        weights = rng.dirichlet(np.ones(COMPONENTS), CHANGES)
+        weights = rng.uniform(0.1, 1.0, (CHANGES, COMPONENTS))  # default periods up to 10**4
         began = time.perf_counter()
         for k in range(CHANGES - 1_000):
             steered.set_weights(EVERY * (k + 1), weights[k].tolist())

@@ -218,7 +218,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
             for at, count in planned:
                 loader.skip(at, count)
         steered = (run or loader).state()
-        size = loader.steps.size(step)
+        size = loader.batch_size_at(step)
         show.check_show_memory(loader.config, size, size if args.rows is None else 0)
         rows = show.parse_rows(args.rows, size)
         show.check_show_memory(loader.config, size, len(rows))

@@ -587,3 +587,15 @@ def test_thousands_of_changes_keep_a_small_state_and_few_period_tables() -> None
     for step in range(0, 200_000, 997):  # a step in most segments
         loader.provenance(step)
     assert len(loader.steering._tables) <= TABLES_KEPT
+
+
+def test_a_grain_iterator_follows_changes_made_while_it_reads_ahead() -> None:
+    run = phased_run()
+    steps = iter(run.to_grain())
+    got = [next(steps)["targets"] for _ in range(3)]
+    run.skip(4, 3)  # phase 1, declared at step 6, now starts at step 4
+    run.set_weights(8, [0, 4])
+    got += [next(steps)["targets"] for _ in range(9)]
+    for step, targets in enumerate(got):
+        np.testing.assert_array_equal(targets, run.host_batch(step)["targets"], f"step {step}")
+    assert run.firsts == [0, 4]

@@ -52,7 +52,7 @@ class Loader:
     Every batch holds ``inputs``, ``targets``, ``segment_ids``, ``positions``
     (``[batch_size, seq_len] int32``) and ``loss_mask`` (``[batch_size, seq_len] bool``;
     multiply the per-token loss by it); with a batch-size schedule ``batch_size`` is the
-    step's, ``config.batch_size_at(step)``. Other arrays with ``config.layout`` and
+    step's, :meth:`batch_size_at`. Other arrays with ``config.layout`` and
     ``config.max_segments`` (see :class:`LoaderConfig`).
 
     Args:
@@ -134,6 +134,11 @@ class Loader:
     def host_rows_at(self, step: int) -> np.ndarray:
         """``[k] int64`` the global rows this host reads at ``step``, ascending."""
         return self.engine.host_rows_at(step)
+
+    def batch_size_at(self, step: int) -> int:
+        """Global rows of the batch at ``step``: ``config.batch_size_at`` of the data
+        step it reads (``step`` itself unless batches were skipped, see :meth:`skip`)."""
+        return self.engine.steps.size(step)
 
     def samples_before(self, step: int) -> int:
         """Global samples before ``step``'s: ``step * batch_size`` for a constant
@@ -329,7 +334,9 @@ class Loader:
         :meth:`state`, checked by :meth:`restore` (see :mod:`~flat_tokens_jax.loader.tograin`)."""
         from flat_tokens_jax.loader import tograin  # imports grain, only when asked
 
-        spans = [tograin.Span(self.engine, 0, self.num_batches)]
+        def spans() -> list[tograin.Span]:
+            return [tograin.Span(self.engine, 0, self.num_batches)]
+
         return tograin.StepsDataset(self, spans, self.next_step)
 
     def fingerprint(self) -> dict[str, Any]:

@@ -226,7 +226,7 @@ class PhasedLoader:
 
     def batch_size_at(self, step: int) -> int:
         """Global rows of the batch at ``step``."""
-        return self._in_phase(step, lambda loader, local: loader.schedule.size(local))
+        return self._in_phase(step, Loader.batch_size_at)
 
     def plan_at(self, step: int) -> HostPlan | None:
         """The blocks this host reads at ``step`` (``None`` without a sharding)."""
@@ -332,10 +332,14 @@ class PhasedLoader:
         :meth:`state`, checked by :meth:`restore`."""
         from flat_tokens_jax.loader import tograin  # imports grain, only when asked
 
-        last = self.end_step if self.num_batches is None else min(self.end_step, self.num_batches)
-        stops = [*self.firsts[1:], last]
-        engines = [loader.engine for loader in self.loaders]
-        spans = [tograin.Span(*s) for s in zip(engines, self.firsts, stops, strict=True)]
+        def spans() -> list[tograin.Span]:
+            end = (
+                self.end_step if self.num_batches is None else min(self.end_step, self.num_batches)
+            )
+            stops = [*self.firsts[1:], end]
+            engines = [loader.engine for loader in self.loaders]
+            return [tograin.Span(*s) for s in zip(engines, self.firsts, stops, strict=True)]
+
         return tograin.StepsDataset(self, spans, self.next_step, NEXT_PHASE_AHEAD, self._told)
 
     def fingerprint(self) -> list[dict[str, Any]]:

@@ -69,7 +69,8 @@ class StepsDataset(grain.IterDataset):
 
     Args:
         owner: whose ``state`` and ``restore`` the iterator's state goes through.
-        spans: the run's steps by reader, in order, without gaps from step 0.
+        spans: the run's steps by reader, in order, without gaps from step 0,
+            as they are now (a skip moves a phase's first step).
         start: the first step of a fresh iterator.
         lead: steps before a span's end at which the next span starts reading.
         told: an error of a step (``ValueError`` or ``IndexError``) and the
@@ -79,14 +80,19 @@ class StepsDataset(grain.IterDataset):
     def __init__(
         self,
         owner: Resumable,
-        spans: Sequence[Span],
+        spans: Callable[[], Sequence[Span]],
         start: int,
         lead: int = 0,
         told: Callable[[ValueError | IndexError, int], Exception] | None = None,
     ) -> None:
         super().__init__()
-        self.owner, self.spans, self.start, self.lead = owner, tuple(spans), start, lead
+        self.owner, self._spans, self.start, self.lead = owner, spans, start, lead
         self.told = told
+
+    @property
+    def spans(self) -> tuple[Span, ...]:
+        """The run's steps by reader, as they are now."""
+        return tuple(self._spans())
 
     def __repr__(self) -> str:
         return f"StepsDataset({self.owner!r}, start={self.start})"

@@ -50,7 +50,11 @@ def main() -> None:
         loader = ftj.PhasedLoader(phases, sharding=sharding)
         first = loader.loaders[0]
     else:
-        loader = first = ftj.Loader(ft, ftj.LoaderConfig(**config["loader"]), sharding=sharding)
+        source = ft
+        if config.get("mixture"):  # [[first, stop, weight], ...]: views of the split, blended
+            parts = [(str(i), ft.view(a, b), w) for i, (a, b, w) in enumerate(config["mixture"])]
+            source = ftj.Mixture(parts, seed=4)
+        loader = first = ftj.Loader(source, ftj.LoaderConfig(**config["loader"]), sharding=sharding)
     if config.get("restore_from"):
         with open(config["restore_from"]) as f:
             loader.restore(json.load(f))
@@ -81,6 +85,11 @@ def main() -> None:
         sums = np.asarray(multihost_utils.process_allgather(row_sums(batch["targets"]), tiled=True))
         report["steps"][step] = {"digest": digest(gathered), "target_row_sums": sums.tolist()}
         report.setdefault("rows_at", {})[step] = loader.host_rows_at(step).tolist()
+        # config["steer"]: [[after_step, "skip" | "set_weights", step, value], ...],
+        # each made once after_step is handed out, with later steps in flight.
+        for after, call, at, value in config.get("steer", []):
+            if after == step:
+                getattr(loader, call)(at, value)
         if step + 1 == start + config["num_steps"]:
             break
     if config.get("to_grain"):

@@ -144,6 +144,28 @@ def test_global_batches_equal_the_single_process_batches(
         assert report["bytes_read_one_step"] == full // processes
 
 
+def test_hosts_steered_mid_run_equal_one_process_steered_the_same(
+    dataset: Path, tmp_path: Path
+) -> None:
+    """Two processes change the weights and skip batches while steps are read
+    ahead; their global batches are one process's with the same changes."""
+    mixture = [[0, 200, 1], [200, 500, 1]]
+    steer = [[1, "set_weights", 3, [1, 3]], [2, "skip", 4, 2], [4, "set_weights", 6, [3, 1]]]
+    reports = launch(dataset, tmp_path, 2, num_steps=8, mixture=mixture, steer=steer)
+    ft = ftj.open_dataset(dataset)["train"]
+    mix = ftj.Mixture([(str(i), ft.view(a, b), w) for i, (a, b, w) in enumerate(mixture)], seed=4)
+    loader = ftj.Loader(mix, ftj.LoaderConfig(**LOADER))
+    for _, call, at, value in steer:
+        getattr(loader, call)(at, value)
+    plain = ftj.Loader(mix, ftj.LoaderConfig(**LOADER))
+    for step in range(8):
+        batch = loader.host_batch(step)
+        want = {"digest": digest(batch), "target_row_sums": batch["targets"].sum(1).tolist()}
+        for report in reports:
+            assert report["steps"][str(step)] == want, f"step {step}"
+    assert digest(plain.host_batch(7)) != digest(loader.host_batch(7)), "the changes change it"
+
+
 def test_read_ahead_sized_on_each_host_gives_the_single_process_batches(
     dataset: Path, tmp_path: Path
 ) -> None:

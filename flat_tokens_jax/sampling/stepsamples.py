@@ -84,9 +84,7 @@ class StepSamples:
             return None
         return self.steering.skips.trainer_step(self.schedule.steps_to_cover(total))
 
-    def samples(
-        self, step: int, rows: np.ndarray, steering: Steering | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def samples(self, step: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Global sample index ``[k] int64`` of ``rows`` at ``step`` and which are real.
 
         Raises:
@@ -95,7 +93,7 @@ class StepSamples:
             IndexError: ``step`` is past the end of the run.
         """
         step = integer(step, "step", low=0)
-        skips = (self.steering if steering is None else steering).skips
+        skips = self.steering.skips
         data = skips.data_step(step)
         first = self.schedule.samples_before(data)
         last = self.schedule.samples_before(data + 1) - 1
@@ -121,14 +119,12 @@ class StepSamples:
         g = np.int64(first) + rows
         return g, (np.ones(g.shape, bool) if total is None else g < total)
 
-    def lookup(
-        self, g: np.ndarray, steering: Steering | None = None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def lookup(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(component, record, epoch)`` ``[k] int64`` of global samples ``g``."""
         if self.mixture is None:
             zeros = np.zeros(g.shape, np.int64)
             return zeros, self.samplers[0].records(g), self.samplers[0].epochs(g)
-        comp, sample = (self.steering if steering is None else steering).route(g)
+        comp, sample = self.steering.route(g)
         record, epoch = np.empty_like(sample), np.empty_like(sample)
         for c in np.unique(comp).tolist():
             here = comp == c
@@ -152,18 +148,20 @@ class StepSamples:
             if hit is None and self._last is not None and step == self._last + 1:
                 ahead = max(ahead, LOOKUP_AHEAD)
             self._last = step
-        g, real = self.samples(step, rows, steering)
+        # A change made meanwhile leaves the steps before it as they were, and
+        # drops the later ones read ahead: only what is kept must not be stale.
+        g, real = self.samples(step, rows)
         if hit is not None:
             return (*hit, real)
         if not ahead:
-            comp, records, _ = self.lookup(g[real], steering)
+            comp, records, _ = self.lookup(g[real])
             return comp, records, real
         later = self._steps_after(step, ahead, steering)
         samples = [g[real]]
         for s in later:
-            g_s, real_s = self.samples(s, self.rows_at(s), steering)
+            g_s, real_s = self.samples(s, self.rows_at(s))
             samples.append(g_s[real_s])
-        comp, records, _ = self.lookup(np.concatenate(samples), steering)
+        comp, records, _ = self.lookup(np.concatenate(samples))
         cuts = np.cumsum([x.size for x in samples])[:-1]
         found = list(zip(np.split(comp, cuts), np.split(records, cuts), strict=True))
         with self._lock:

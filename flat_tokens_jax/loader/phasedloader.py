@@ -379,10 +379,8 @@ class PhasedLoader:
         step = check_step(step, self.next_step, "PhasedLoader.skip")
         count = skip_count(count, "PhasedLoader.skip")
         skips = self._skips.added(step, count)
-        moved = [
-            (t, self.phase_at(t), self._phase_of(skips, t)) for t, _ in self._changes if t >= step
-        ]
-        for t, was, now in moved:
+        for t, _ in self._changes:
+            was, now = self.phase_at(t), bisect.bisect_right(self.starts, skips.data_step(t)) - 1
             if was != now:
                 raise ValueError(
                     f"PhasedLoader.skip: skipping {count} batches at step {step} moves the "
@@ -404,16 +402,15 @@ class PhasedLoader:
         counts = weight_counts(self.loaders[k].mixture, weights, step, call)
         self._apply(self._skips, with_weights(self._changes, step, counts), step)
 
-    def _phase_of(self, skips: Skips, step: int) -> int:
-        return bisect.bisect_right(self.starts, skips.data_step(step)) - 1
-
     def _apply(self, skips: Skips, changes: tuple[Change, ...], since: int) -> None:
         """Reads with the run's skips and weight changes, which differ from now's
-        from step ``since`` on: each phase's own, by its steps (see
-        :meth:`~flat_tokens_jax.sampling.steering.Skips.within`); a phase whose
-        streams the earlier phases' weights now leave elsewhere continues them there."""
+        from step ``since`` on: each phase's own (see ``Skips.within``); a phase
+        whose streams the earlier phases' weights leave elsewhere continues them there."""
         firsts = [skips.trainer_step(b) for b in self.starts]
         homes = [bisect.bisect_right(firsts, t) - 1 for t, _ in changes]
+        for (t, given), k in zip(changes, homes, strict=True):
+            if len(given) != len(self.loaders[k].names) or self.loaders[k].mixture is None:
+                raise ValueError(f"the weight change at step {t} is not {self.label(k)}'s")
         counts: dict[str, int] = {}
         for k, loader in enumerate(self.loaders):
             stop = firsts[k + 1] if k + 1 < len(firsts) else None

@@ -599,3 +599,23 @@ def test_a_grain_iterator_follows_changes_made_while_it_reads_ahead() -> None:
     for step, targets in enumerate(got):
         np.testing.assert_array_equal(targets, run.host_batch(step)["targets"], f"step {step}")
     assert run.firsts == [0, 4]
+
+
+def test_a_skip_ends_a_bounded_run_sooner_even_while_iterating() -> None:
+    split = splits()["a"]  # 7 records: 3 steps of 3 rows, the last padded
+    cfg = ftj.LoaderConfig(batch_size=3, seq_len=2, packing=False, num_epochs=2, prefetch=2)
+    loader = ftj.Loader(split, cfg)
+    assert loader.num_batches == 5
+    want = ftj.Loader(split, cfg)
+    seen = []
+    for step, batch in loader.iterate():
+        seen.append((step, np.asarray(batch["targets"])))
+        if step == 0:
+            loader.skip(1, 2)
+    assert [s for s, _ in seen] == [0, 1, 2] and loader.num_batches == 3
+    for step, targets in seen:
+        np.testing.assert_array_equal(targets, want.host_batch(step + 2 * (step >= 1))["targets"])
+    with pytest.raises(
+        IndexError, match=r"step 3 \(it reads data step 5\) is past the end: this run has 3 steps"
+    ):
+        loader.host_batch(3)

@@ -301,6 +301,9 @@ class Loader:
             for step, batch in steps:
                 self.next_step = step + 1
                 yield step, batch
+                last = self.num_batches  # a skip made meanwhile ends a bounded run sooner
+                if last is not None and self.next_step >= last:
+                    return
 
     def stats(self) -> dict[str, float | int]:
         """What the input pipeline did so far, JSON-ready, for a trainer to log.

@@ -68,9 +68,9 @@ class LoaderConfig:
             host as ``layout``'s arrays: 17 bytes a token with ``"fields"``,
             24 with ``"maxtext"``, plus ``4 * max_segments`` a row, 1 a
             token with ``sequence_start`` and 4 a row with ``source_field``;
-            5 bytes a token with ``decode="device"``; at least one step is read ahead
-            whatever its size). Recommended: the default 1 GiB, more for very
-            slow stores. Changes no batch.
+            5 bytes a token with ``decode="device"``; at least one step is
+            read ahead whatever its size). Recommended: the default 1 GiB,
+            more for very slow stores. Changes no batch.
         start_token_id: the input token where a sequence starts. ``None``: the
             id the dataset records (``DatasetInfo.start_token_id``, set by
             ``convert --start-token-id``), or the spec's 0 when it records none;
@@ -239,8 +239,8 @@ BATCH_DEFINING = (
 """The fields that decide batch contents, which a saved state's fingerprint
 holds: all but ``prefetch``, ``read_ahead_bytes``, ``decode_threads``,
 ``decode``, ``layout``, ``sequence_start``, ``source_field``, ``max_segments``
-(a bins plan it caps is in the data's fingerprint) and ``vocab_size`` (which checks the data
-but changes no batch)."""
+(a bins plan it caps is in the data's fingerprint) and ``vocab_size`` (which
+checks the data but changes no batch)."""
 
 
 def _batch_size(value: Any, path: str) -> BatchSizeSpec:

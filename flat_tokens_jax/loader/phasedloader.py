@@ -371,8 +371,9 @@ class PhasedLoader:
         after it in its phase (see :meth:`Loader.start`)."""
         self._in_phase(self.next_step if step is None else step, Loader.start)
 
-    def stats(self) -> dict[str, float | int]:
-        """:meth:`Loader.stats` of the phase of the last step handed out, and
+    def stats(self) -> dict[str, Any]:
+        """:meth:`Loader.stats` of the phase of the last step handed out (its
+        ``tokens`` and ``source_tokens`` count that phase's steps), and
         ``phase``, its index."""
         k = self.phase_at(max(0, self.next_step - 1))
         return {**self.loaders[k].stats(), "phase": k}

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from flat_tokens_jax.data.bins import BinRecords
     from flat_tokens_jax.data.dataset import Dataset, FlatTokens, open_dataset
     from flat_tokens_jax.decoding.instancefilter import InstanceFilter
+    from flat_tokens_jax.decoding.persource import per_source
     from flat_tokens_jax.loader.config import LoaderConfig
     from flat_tokens_jax.store.identity import DatasetInfo, TokenizerInfo
 
@@ -77,6 +78,7 @@ _HOMES = {
     "mixture_from_config": "sampling.mixconfig",
     "open_dataset": "data.dataset",
     "pack_dataset": "data.storedplans",
+    "per_source": "decoding.persource",
     "permute": "sampling.sampling",
     "phases_from_config": "loader.phaseconfig",
     "phases_from_yaml": "loader.phaseconfig",
@@ -117,6 +119,7 @@ __all__ = [
     "mixture_from_config",
     "open_dataset",
     "pack_dataset",
+    "per_source",
     "permute",
     "phases_from_config",
     "phases_from_yaml",

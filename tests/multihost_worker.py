@@ -50,7 +50,11 @@ def main() -> None:
         loader = ftj.PhasedLoader(phases, sharding=sharding)
         first = loader.loaders[0]
     else:
-        loader = first = ftj.Loader(ft, ftj.LoaderConfig(**config["loader"]), sharding=sharding)
+        source = ft
+        if config.get("mixture"):  # {name: weight}: the split blended with itself
+            source = ftj.Mixture({name: (ft, w) for name, w in config["mixture"].items()})
+        cfg = ftj.LoaderConfig(**config["loader"])
+        loader = first = ftj.Loader(source, cfg, sharding=sharding)
     if config.get("restore_from"):
         with open(config["restore_from"]) as f:
             loader.restore(json.load(f))

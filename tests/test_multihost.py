@@ -85,9 +85,14 @@ def launch(
 
 
 def reference(
-    dataset: Path, steps: range, loader_config: dict[str, Any] = LOADER
+    dataset: Path,
+    steps: range,
+    loader_config: dict[str, Any] = LOADER,
+    mixture: dict[str, float] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    loader = ftj.Loader(ftj.open_dataset(dataset)["train"], ftj.LoaderConfig(**loader_config))
+    ft = ftj.open_dataset(dataset)["train"]
+    source = ft if mixture is None else ftj.Mixture({n: (ft, w) for n, w in mixture.items()})
+    loader = ftj.Loader(source, ftj.LoaderConfig(**loader_config))
     out = {}
     for step in steps:
         batch = loader.host_batch(step)
@@ -142,6 +147,24 @@ def test_global_batches_equal_the_single_process_batches(
     full = LOADER["batch_size"] * (LOADER["seq_len"] + 1) * 4
     for report in reports:
         assert report["bytes_read_one_step"] == full // processes
+
+
+@pytest.mark.parametrize("decode", ["host", "device"])
+def test_the_source_field_of_a_mixture_is_the_single_process_one(
+    dataset: Path, tmp_path: Path, decode: str
+) -> None:
+    """``source`` (issue 38) is one global array over 2 processes, each
+    holding its rows' sources: its digest, with every other field's, equals
+    the single process's batch."""
+    loader = {**LOADER, "source_field": True, "decode": decode}
+    mixture = {"x": 1.0, "y": 3.0}
+    reports = launch(dataset, tmp_path, 2, num_steps=3, loader=loader, mixture=mixture)
+    expected = reference(dataset, range(3), loader, mixture)
+    for report in reports:
+        assert report["steps"] == expected
+    one = ftj.Mixture({n: (ftj.open_dataset(dataset)["train"], w) for n, w in mixture.items()})
+    sources = ftj.Loader(one, ftj.LoaderConfig(**loader)).host_batch(0)["source"]
+    assert set(sources.tolist()) == {0, 1}  # the digests cover both sources
 
 
 def test_read_ahead_sized_on_each_host_gives_the_single_process_batches(

@@ -235,6 +235,16 @@ def request_parts(
     return lambda: [(c, rows, windows()) for c, rows, windows in waiting]
 
 
+def row_sources(comp: np.ndarray, real: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
+    """``[k] int32``: the source of each of a step's ``k`` rows, ``-1`` for
+    padding: ``comp`` ``[r] int64`` the component of each real row (``real``
+    ``[k] bool``, as :func:`request_parts` takes them), and ``ids`` ``[K]``
+    each component's run-wide index (``None``: its own)."""
+    out = np.full(real.shape, -1, np.int32)
+    out[real] = comp if ids is None else ids[comp]
+    return out
+
+
 def join_parts(
     num_rows: int,
     parts: Sequence[Part],

@@ -54,6 +54,8 @@ class BlockData:
         stored_mask: ``[rows, cols] uint8`` stored loss mask (ones where a row
             has none), or ``None`` when no record of the loader has one.
         real: ``[rows] bool``: False for padding rows past the last epoch.
+        source: ``[rows] int32`` the run-wide source of each row, ``-1`` for
+            padding (shipped when the layout holds ``source``).
     """
 
     encoded: np.ndarray
@@ -61,6 +63,7 @@ class BlockData:
     lengths: np.ndarray
     stored_mask: np.ndarray | None
     real: np.ndarray
+    source: np.ndarray
 
 
 def _block(index: tuple[slice, ...] | None, shape: tuple[int, int]) -> Block:
@@ -131,36 +134,41 @@ class HostPlan:
         return f"HostPlan({len(self.blocks)} blocks, {self.rows.size} rows of {self.shape})"
 
     def assemble_rows(self, host: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Global arrays from this host's whole rows (``host[k]`` is ``[rows.size, width]``).
+        """Global arrays from this host's whole rows (``host[k]`` is ``[rows.size,
+        width]``, or ``[rows.size]``).
 
         Fields ``[B, seq_len]`` are laid out as the sharding says; a layout's
-        ``tokens`` and ``segment_lengths`` are split over the batch axis only.
+        ``tokens``, ``segment_lengths`` and ``source`` are split over the
+        batch axis only.
         """
 
         def make(key: str, values: np.ndarray) -> jax.Array:
-            shape = (self.shape[0], values.shape[1])
-            sharding = self.rows_sharding() if key in WHOLE_ROWS else self.sharding
+            shape = (self.shape[0], *values.shape[1:])
+            sharding = self.rows_sharding(values.ndim) if key in WHOLE_ROWS else self.sharding
 
             def piece(index: tuple[slice, ...] | None) -> np.ndarray:
-                b = _block(index, shape)
+                b = _block(index, (shape[0], shape[-1] if values.ndim > 1 else 1))
                 at = int(np.searchsorted(self.rows, b.rows[0]))
+                if values.ndim == 1:
+                    return values[at : at + b.num_rows]
                 return values[at : at + b.num_rows, b.cols[0] : b.cols[1]]
 
             return jax.make_array_from_callback(shape, sharding, piece)
 
         return {k: make(k, v) for k, v in host.items()}
 
-    def rows_sharding(self) -> jax.sharding.Sharding:
-        """The sharding's split of the batch axis, with whole rows on each device:
-        how a layout's ``tokens`` and ``segment_lengths`` are laid out."""
+    def rows_sharding(self, ndim: int = 2) -> jax.sharding.Sharding:
+        """The sharding's split of the batch axis, with whole rows on each device,
+        for an array of ``ndim`` dimensions: how a layout's ``tokens``,
+        ``segment_lengths`` (2) and ``source`` (1) are laid out."""
         if not isinstance(self.sharding, NamedSharding):
             raise ValueError(
-                "a layout with tokens or segment_lengths needs a NamedSharding, "
+                "a layout with tokens, segment_lengths or source needs a NamedSharding, "
                 f"got {self.sharding!r}: "
                 "use NamedSharding(mesh, PartitionSpec(...))"
             )
         spec = tuple(self.sharding.spec) + (None,) * 2
-        return NamedSharding(self.sharding.mesh, PartitionSpec(spec[0], None))
+        return NamedSharding(self.sharding.mesh, PartitionSpec(spec[0], *[None] * (ndim - 1)))
 
     def assemble_blocks(
         self,
@@ -184,17 +192,21 @@ class HostPlan:
                     layout=layout,
                 )
             )
-        out: dict[str, jax.Array] = self._decode[key](self.encoded_arrays(data))
+        encoded = self.encoded_arrays(data, source=layout.source)
+        out: dict[str, jax.Array] = self._decode[key](encoded)
         return out
 
-    def encoded_arrays(self, data: Mapping[Block, BlockData]) -> dict[str, jax.Array]:
+    def encoded_arrays(
+        self, data: Mapping[Block, BlockData], source: bool = False
+    ) -> dict[str, jax.Array]:
         """Global arrays of what the blocks hold, laid out as the batch is.
 
         Returns:
             ``encoded`` ``[batch, seq_len] uint32``; ``before`` ``[batch,
             column shards] uint32`` (the token before each column shard);
-            ``lengths`` ``[batch] int32``; ``real`` ``[batch] bool``; and
-            ``stored_mask`` ``[batch, seq_len] uint8`` when the blocks hold one.
+            ``lengths`` ``[batch] int32``; ``real`` ``[batch] bool``;
+            ``stored_mask`` ``[batch, seq_len] uint8`` when the blocks hold
+            one; and with ``source``, ``source`` ``[batch] int32``.
         """
         assert isinstance(self.sharding, NamedSharding)
         mesh, spec = self.sharding.mesh, tuple(self.sharding.spec) + (None,) * 2
@@ -226,6 +238,8 @@ class HostPlan:
             "lengths": make((batch,), rows_part, lambda b: by_rows[b.rows].lengths),
             "real": make((batch,), rows_part, lambda b: by_rows[b.rows].real),
         }
+        if source:
+            out["source"] = make((batch,), rows_part, lambda b: by_rows[b.rows].source)
         if any(d.stored_mask is not None for d in data.values()):
             out["stored_mask"] = make((batch, seq), both, lambda b: _mask_of(data[b]))
         return out
@@ -242,13 +256,15 @@ class HostPlan:
         """The function (to call inside ``jax.jit``) from :meth:`encoded_arrays`
         to the fields of ``layout`` (default: the five fields), after the
         ``instance_filter`` (on whole rows) when one is given, laid out as
-        this plan's sharding (``tokens`` and ``segment_lengths``: over its
-        batch axis only)."""
+        this plan's sharding (``tokens``, ``segment_lengths`` and ``source``:
+        over its batch axis only). With ``layout.source`` the arrays must hold
+        ``source`` (``encoded_arrays(..., source=True)``)."""
         assert isinstance(self.sharding, NamedSharding)
         mesh, spec = self.sharding.mesh, tuple(self.sharding.spec) + (None,) * 2
         # Segment ids and positions scan whole rows: decode on row-sharded
         # copies (columns gathered on device), then lay the fields out as asked.
         whole_rows = NamedSharding(mesh, PartitionSpec(spec[0], None))
+        by_row = NamedSharding(mesh, PartitionSpec(spec[0]))
         explicit = jax.sharding.AxisType.Explicit in mesh.axis_types
         lay_out = _reshard() if explicit else jax.lax.with_sharding_constraint
         sharding = self.sharding
@@ -269,9 +285,11 @@ class HostPlan:
             fields = apply_filter_jax(instance_filter, fields)
             if not layout.plain:
                 starts = (rows[:, 0] & 1) == 1 if packed is True else encoded["lengths"] > 0
-                fields = layout.apply(fields, starts & encoded["real"], xp=jnp)
+                sources = encoded.get("source")
+                fields = layout.apply(fields, starts & encoded["real"], xp=jnp, sources=sources)
+            rows_only = {1: by_row, 2: whole_rows}
             return {
-                k: lay_out(v, whole_rows if k in WHOLE_ROWS else sharding)
+                k: lay_out(v, rows_only[v.ndim] if k in WHOLE_ROWS else sharding)
                 for k, v in fields.items()
             }
 

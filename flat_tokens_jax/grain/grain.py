@@ -55,6 +55,7 @@ from flat_tokens_jax.decoding.hostdecode import (
     default_threads,
     join_parts,
     request_parts,
+    row_sources,
 )
 from flat_tokens_jax.decoding.instancefilter import InstanceFilter, apply_filter
 from flat_tokens_jax.decoding.layouts import BatchLayout
@@ -125,6 +126,9 @@ class FlatTokensSource:
         sequence_start: as ``LoaderConfig.sequence_start``: True adds
             ``sequence_start`` ``[seq_len] bool`` to each element of a layout
             that lacks it (``"fields"``, ``"maxtext"``).
+        source_field: as ``LoaderConfig.source_field``: True adds ``source``
+            (``int32``, one a record: the index in :attr:`source_names` of its
+            component, ``-1`` for a padding row of :meth:`batches`).
         instance_filter: ``None`` (off), or an :class:`InstanceFilter` (or a
             mapping of its fields): rejected records get ``loss_mask`` False,
             as ``LoaderConfig.instance_filter`` does; it applies to every
@@ -164,6 +168,7 @@ class FlatTokensSource:
         layout: str = "fields",
         max_segments: int | None = None,
         sequence_start: bool = False,
+        source_field: bool = False,
         instance_filter: InstanceFilter | None = None,
         **option_fields: Any,
     ) -> None:
@@ -172,7 +177,7 @@ class FlatTokensSource:
         self.instance_filter = InstanceFilter.of(instance_filter)
         if option_fields or options is not None:
             options = resolve_options(options, option_fields, "FlatTokensSource")
-        self.layout = BatchLayout(layout, max_segments, sequence_start)
+        self.layout = BatchLayout(layout, max_segments, sequence_start, source_field)
         args = (seq_len, packing, split, options, plan_cache, max_segments)
         components, self._mixture = as_components(source, *args)
         self._remix: Remix | None = None
@@ -204,6 +209,7 @@ class FlatTokensSource:
         rule = "" if self.instance_filter is None else f", instance_filter={self.instance_filter}"
         shape = "" if self.layout.plain else f", layout={layout!r}, max_segments={max_segments}"
         shape += ", sequence_start=True" if sequence_start else ""
+        shape += ", source_field=True" if source_field else ""
         read = first if self.mixture is None else self.mixture
         self._repr = (
             f"FlatTokensSource({read!r}, start_token_id={self.start_token_id}, pad_id={pad_id}"
@@ -219,6 +225,12 @@ class FlatTokensSource:
         """The tokenizer the data records (name, ``vocab_size``, ``bos_id``,
         ``eos_id``, ``pad_id``); ``None`` when it records none."""
         return None if self.info is None else self.info.tokenizer
+
+    @property
+    def source_names(self) -> tuple[str, ...]:
+        """The components' names, in order (``("0",)`` for one split): what
+        ``source`` counts (``source_field``)."""
+        return tuple(name for name, _ in self.infos)
 
     @property
     def max_token_id(self) -> int:
@@ -301,7 +313,8 @@ class FlatTokensSource:
         apply_filter(self.instance_filter, fields, decoder.run_blocks)
         if self.layout.plain:
             return fields
-        return self.layout.apply(fields, starts, where=where, rows=rows)
+        sources = row_sources(comp, real)
+        return self.layout.apply(fields, starts, where=where, rows=rows, sources=sources)
 
     def batches(
         self,

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records
+from flat_tokens_jax.decoding.hostdecode import row_sources
 from flat_tokens_jax.decoding.sharding import Block, BlockData, HostPlan, host_plans
 from flat_tokens_jax.loader.sources import Sources
 from flat_tokens_jax.sampling.stepsamples import StepSamples
@@ -31,6 +32,13 @@ class Blocks:
     plan: HostPlan
     data: dict[Block, BlockData]
 
+    @property
+    def sources(self) -> np.ndarray:
+        """``[k] int32`` the run-wide source of each of this host's rows
+        (``plan.rows``), ``-1`` for padding."""
+        by_rows = {b.rows: self.data[b].source for b in sorted(self.data)}
+        return np.concatenate(list(by_rows.values()))
+
 
 class DeviceBlocks:
     """A loader's steps as encoded blocks, decoded on the devices.
@@ -41,6 +49,7 @@ class DeviceBlocks:
         sharding: as :class:`~flat_tokens_jax.Loader`'s.
         plans: the sharding's plan for each batch size (see
             :func:`~flat_tokens_jax.decoding.sharding.host_plans`).
+        source_ids: ``[K]`` each component's run-wide source index.
     """
 
     def __init__(
@@ -49,8 +58,10 @@ class DeviceBlocks:
         steps: StepSamples,
         sharding: jax.sharding.Sharding | None,
         plans: dict[int, HostPlan],
+        source_ids: np.ndarray,
     ) -> None:
         config = sources.config
+        self.source_ids = source_ids
         self.components, self.steps, self.sharding = sources.components, steps, sharding
         self.config, self.layout = config, config.batch_layout
         self._plans = plans if sharding is not None else None
@@ -88,7 +99,7 @@ class DeviceBlocks:
     def encoded(self, step: int) -> dict[str, jax.Array]:
         """``Loader.encoded_batch``."""
         blocks = self.read(step, self.plan(step))
-        return blocks.plan.encoded_arrays(blocks.data)
+        return blocks.plan.encoded_arrays(blocks.data, source=self.layout.source)
 
     def decoder(self, step: int) -> Callable[[Mapping[str, jax.Array]], dict[str, jax.Array]]:
         """``Loader.decoder``."""
@@ -121,7 +132,8 @@ class DeviceBlocks:
                 lengths[rows] = windows.lengths
             if windows.stored_mask is not None and mask is not None:
                 mask[rows] = windows.stored_mask
-        return BlockData(encoded, before, lengths, mask, real)
+        sources = row_sources(comp, real, self.source_ids)
+        return BlockData(encoded, before, lengths, mask, real, sources)
 
 
 def _stores_no_mask(records: Records) -> bool:

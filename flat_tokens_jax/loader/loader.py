@@ -43,8 +43,8 @@ class Loader:
     Every batch holds ``inputs``, ``targets``, ``segment_ids``, ``positions``
     (``[batch_size, seq_len] int32``) and ``loss_mask`` (``[batch_size, seq_len] bool``;
     multiply the per-token loss by it); with a batch-size schedule ``batch_size`` is the
-    step's, ``config.batch_size_at(step)``. Other arrays with ``config.layout`` and
-    ``config.max_segments`` (see :class:`LoaderConfig`).
+    step's, ``config.batch_size_at(step)``. Other arrays with ``config.layout``,
+    ``config.max_segments`` and ``config.source_field`` (see :class:`LoaderConfig`).
 
     Args:
         source: a :class:`FlatTokens` split (records made per ``config.packing``)
@@ -60,6 +60,9 @@ class Loader:
             ``$XDG_CACHE_HOME/flat_tokens_jax/plans`` (``~/.cache/...``).
 
     Attributes:
+        source_names: the names of the sources a batch's ``source`` counts
+            (``config.source_field``): a ``Mixture``'s components in order,
+            ``("0",)`` for one split; a phase's: the whole run's.
         samplers: ``[K]`` component ``c``'s sampler (``sampler``: the first's).
         steps: which record each row of a step reads.
         next_step: the step :meth:`iterate` starts at (set by :meth:`restore`).
@@ -92,6 +95,7 @@ class Loader:
         self.engine = engine
         self.config, self.sharding, self.layout = engine.config, engine.sharding, engine.layout
         self.mixture, self.components, self.names = engine.mixture, engine.components, engine.names
+        self.source_names = engine.source_names
         self.records, self.schedule = engine.records, engine.schedule
         self.start_token_id = engine.start_token_id
         self.samplers, self.sampler, self.steps = engine.samplers, engine.sampler, engine.steps
@@ -175,9 +179,10 @@ class Loader:
             ``encoded`` ``[batch_size, seq_len] uint32`` (encoded tokens), ``before``
             ``[batch_size, column shards] uint32`` (the token before each column shard),
             ``lengths`` ``[batch_size] int32`` (tokens of padded rows and bins), ``real``
-            ``[batch_size] bool`` (False for padding rows past the last epoch), and
+            ``[batch_size] bool`` (False for padding rows past the last epoch),
             ``stored_mask`` ``[batch_size, seq_len] uint8`` when the data stores a loss
-            mask. Laid out as the loader's sharding (whole rows on one device without one).
+            mask, and ``source`` ``[batch_size] int32`` with ``config.source_field``.
+            Laid out as the loader's sharding (whole rows on one device without one).
         """
         return self.engine.blocks.encoded(step)
 
@@ -229,7 +234,7 @@ class Loader:
                 self.next_step = step + 1
                 yield step, batch
 
-    def stats(self) -> dict[str, float | int]:
+    def stats(self) -> dict[str, Any]:
         """What the input pipeline did so far, JSON-ready, for a trainer to log.
 
         ``steps``: batches handed out (``batch`` and ``iterate``); the trainer's waits for
@@ -244,6 +249,9 @@ class Loader:
         loader was made, by the whole process (other loaders' too); ``bytes_read``: bytes
         the components' readers requested, checks included, since then; ``tokens``: tokens
         of this host's rows handed out (rows x ``seq_len``, padding included);
+        ``source_tokens``: those tokens by source, ``{name: tokens}`` over
+        :attr:`source_names` (padding rows counted nowhere; decoded on the host or the
+        devices, with or without ``source_field``);
         ``filtered_rows`` and ``filtered_rows_last``: this host's rows whose loss mask the
         ``instance_filter`` cleared, over the steps handed out and in the last one. Only
         rows decoded on the host are counted: steps decoded on the devices

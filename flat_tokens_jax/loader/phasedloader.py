@@ -75,6 +75,10 @@ class PhasedLoader:
             :func:`~flat_tokens_jax.loader.phases.stream_key`).
         offsets: per phase, each component's stream samples drawn by the
             earlier phases: where the phase continues its streams.
+        source_names: the run's components, numbered by name in the order
+            they first appear (phase by phase, each phase's in its order): a
+            batch's ``source`` (``config.source_field``) is an index into it,
+            the same for a component in every phase.
         next_step: the step :meth:`iterate` starts at (set by :meth:`restore`).
         end_step: the first step the run cannot read: there the last phase's
             samples, or a stream's, would pass the largest sample index
@@ -97,6 +101,13 @@ class PhasedLoader:
     ) -> None:
         self.phases = check_phases(phases)
         self.starts = [p.start_step for p in self.phases]
+        resolved = []
+        for k, phase in enumerate(self.phases):
+            try:
+                resolved.append(Sources.of(phase.source, phase.config, sharding, plan_cache))
+            except ValueError as e:
+                raise ValueError(f"{self.label(k)}: {e}") from None
+        self.source_names = tuple(dict.fromkeys(n for r in resolved for n in r.names))
         self.loaders: list[Loader] = []
         # Samples of the run before each phase, and each stream's drawn before it.
         self._before = [0]
@@ -105,9 +116,8 @@ class PhasedLoader:
         self._drawn_before: list[dict[str, int]] = []
         seeds: dict[str, int] = {}
         counts: dict[str, int] = {}
-        for k, phase in enumerate(self.phases):
+        for k, sources in enumerate(resolved):
             try:
-                sources = Sources.of(phase.source, phase.config, sharding, plan_cache)
                 keys = self._keys(sources)
                 for key, seed in zip(keys, sources.seeds(), strict=True):
                     seeds.setdefault(key, seed)
@@ -115,7 +125,12 @@ class PhasedLoader:
                 # of the phase it first appeared in. One phase reads as a Loader
                 # does (its mixture may even blend one stream twice).
                 streams = [(seeds[key], counts.get(key, 0)) for key in keys]
-                engine = StepEngine(sources, sharding, streams if len(self.phases) > 1 else None)
+                engine = StepEngine(
+                    sources,
+                    sharding,
+                    streams if len(self.phases) > 1 else None,
+                    self.source_names,
+                )
             except ValueError as e:
                 raise ValueError(f"{self.label(k)}: {e}") from None
             loader = Loader._of(engine)
@@ -356,8 +371,9 @@ class PhasedLoader:
         after it in its phase (see :meth:`Loader.start`)."""
         self._in_phase(self.next_step if step is None else step, Loader.start)
 
-    def stats(self) -> dict[str, float | int]:
-        """:meth:`Loader.stats` of the phase of the last step handed out, and
+    def stats(self) -> dict[str, Any]:
+        """:meth:`Loader.stats` of the phase of the last step handed out (its
+        ``tokens`` and ``source_tokens`` count that phase's steps), and
         ``phase``, its index."""
         k = self.phase_at(max(0, self.next_step - 1))
         return {**self.loaders[k].stats(), "phase": k}

@@ -17,6 +17,7 @@ import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from flat_tokens_jax.core.fields import Packing
     from flat_tokens_jax.core.format import FormatError, Problem, decode, encode
     from flat_tokens_jax.data.bins import BinRecords
     from flat_tokens_jax.data.dataset import Dataset, FlatTokens, open_dataset
@@ -61,6 +62,7 @@ _HOMES = {
     "Mixture": "sampling.mixture",
     "OverwriteNeeded": "store.location",
     "PackedRecords": "data.records",
+    "Packing": "core.fields",
     "PackingPlan": "data.plans",
     "PaddedRecords": "data.records",
     "Phase": "loader.phases",
@@ -102,6 +104,7 @@ __all__ = [
     "Mixture",
     "OverwriteNeeded",
     "PackedRecords",
+    "Packing",
     "PackingPlan",
     "PaddedRecords",
     "Phase",

@@ -232,7 +232,7 @@ def stage_costs(
             f"decode: the five fields from the windows ({loader.block_decoder.kernel})",
             ms(
                 lambda s: loader.block_decoder.decode(
-                    windows[s], True, cfg.seq_len, start_token_id=0, pad_id=0
+                    windows[s], ftj.Packing.WINDOWS, cfg.seq_len, start_token_id=0, pad_id=0
                 )
             ),
         ),
@@ -240,7 +240,7 @@ def stage_costs(
             "decode: the same with numpy",
             ms(
                 lambda s: numpy_decoder.decode(
-                    windows[s], True, cfg.seq_len, start_token_id=0, pad_id=0
+                    windows[s], ftj.Packing.WINDOWS, cfg.seq_len, start_token_id=0, pad_id=0
                 )
             ),
         ),

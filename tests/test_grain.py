@@ -85,7 +85,7 @@ class CountingRecords:
 
     def __init__(self, records: ftj.Records) -> None:
         self.inner, self.reads = records, 0
-        self.seq_len, self.packed = records.seq_len, records.packed
+        self.seq_len, self.packing = records.seq_len, records.packing
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -107,7 +107,7 @@ class CountingRecords:
 class ArrayRecords:
     """Packed records over encoded tokens held in memory: picklable, unlike a store's."""
 
-    packed = True
+    packing = ftj.Packing.WINDOWS
 
     def __init__(self, seqs: list[np.ndarray], seq_len: int) -> None:
         self.encoded, _ = ftj.encode(seqs)

@@ -194,7 +194,7 @@ def test_any_blend_schedule_and_shard_is_the_loaders(data: st.DataObject) -> Non
     blend = ftj.Mixture(components, seed=seed % 7, schedule=[(4, change)])
     seq_len = data.draw(st.integers(2, 6), label="seq_len")
     src = FlatTokensSource(blend, seq_len, data.draw(st.booleans(), label="packing"))
-    cfg = ftj.LoaderConfig(schedule, seq_len, src.packed, seed=seed, prefetch=0)
+    cfg = ftj.LoaderConfig(schedule, seq_len, src.packing, seed=seed, prefetch=0)
     loader = ftj.Loader(blend, cfg)
     shards = [
         src.batches(schedule, seed=seed, num_epochs=None, shard=(i, count)) for i in range(count)

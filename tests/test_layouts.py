@@ -165,7 +165,7 @@ def check_step(loader: ftj.Loader, seqs: list[list[int]], step: int, got: dict) 
     cfg = loader.config
     facts = {
         "seq_len": cfg.seq_len,
-        "packing": cfg.packing,
+        "packing": cfg.packing.value,
         "start_token_id": loader.start_token_id,
         "pad_id": cfg.pad_id,
     }

@@ -234,7 +234,8 @@ def test_the_config_decides_what_a_record_is(packing: bool) -> None:
         for key, value in batch.items():
             assert np.array_equal(value[row["row"]], want[key][0]), key
     assert loader.fingerprint()["config"]["packing"] is packing
-    assert [r.packed for r in loader.components] == [packing, packing]
+    rows = ftj.Packing.WINDOWS if packing else ftj.Packing.PADDED
+    assert [r.packing for r in loader.components] == [rows, rows]
     assert bool(batch["loss_mask"].all()) == packing  # padded rows of 3 tokens hold padding
 
 

@@ -45,7 +45,7 @@ class Logged:
 
     def __init__(self, ft: ftj.FlatTokens, delay: float = 0.0) -> None:
         self.inner = ftj.PackedRecords(ft, SEQ_LEN)
-        self.seq_len, self.packed, self.delay = SEQ_LEN, True, delay
+        self.seq_len, self.packing, self.delay = SEQ_LEN, ftj.Packing.WINDOWS, delay
         self.reads: list[list[int]] = []
         self.first = threading.Event()
         self._lock = threading.Lock()

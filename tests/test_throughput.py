@@ -111,7 +111,7 @@ class Modelled:
         )
         self.ft = ftj.open_dataset(url)["train"]  # not on local disk: fetched a thread a step
         self.inner = ftj.PackedRecords(self.ft, SEQ)
-        self.seq_len, self.packed = SEQ, True
+        self.seq_len, self.packing = SEQ, ftj.Packing.WINDOWS
         self.latency, self.service = latency, service
         self._lock = threading.Lock()
         self._free = 0.0  # when the server has served every read given to it

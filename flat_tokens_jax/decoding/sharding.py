@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.decoding.batch_jax import bin_fields_jax, packed_fields_jax, padded_fields_jax
 from flat_tokens_jax.decoding.instancefilter import InstanceFilter, apply_filter_jax
 from flat_tokens_jax.decoding.layouts import PLAIN, WHOLE_ROWS, BatchLayout
@@ -125,7 +126,7 @@ class HostPlan:
         self.columns_sharded = any(b.cols != (0, seq_len) for b in self.blocks)
         if self.columns_sharded and not isinstance(sharding, NamedSharding):
             raise ValueError("sharding the sequence dimension needs a NamedSharding")
-        self._decode: dict[tuple[bool | str, int, int, Any, BatchLayout], Callable[..., Any]] = {}
+        self._decode: dict[tuple[Packing, int, int, Any, BatchLayout], Callable[..., Any]] = {}
 
     def __repr__(self) -> str:
         return f"HostPlan({len(self.blocks)} blocks, {self.rows.size} rows of {self.shape})"
@@ -166,18 +167,18 @@ class HostPlan:
         self,
         data: Mapping[Block, BlockData],
         *,
-        packed: bool | str,
+        packing: Packing,
         start_token_id: int,
         pad_id: int,
         instance_filter: InstanceFilter | None = None,
         layout: BatchLayout = PLAIN,
     ) -> dict[str, jax.Array]:
         """Global fields decoded on the devices from per-block encoded tokens."""
-        key = (packed, start_token_id, pad_id, instance_filter, layout)
+        key = (packing, start_token_id, pad_id, instance_filter, layout)
         if key not in self._decode:
             self._decode[key] = jax.jit(
                 self.decoder(
-                    packed=packed,
+                    packing=packing,
                     start_token_id=start_token_id,
                     pad_id=pad_id,
                     instance_filter=instance_filter,
@@ -233,7 +234,7 @@ class HostPlan:
     def decoder(
         self,
         *,
-        packed: bool | str,
+        packing: Packing,
         start_token_id: int,
         pad_id: int,
         instance_filter: InstanceFilter | None = None,
@@ -262,13 +263,15 @@ class HostPlan:
                 encoded["lengths"],
                 None if mask is None else lay_out(mask, whole_rows),
                 encoded["real"],
-                packed=packed,
+                packing=packing,
                 start_token_id=start_token_id,
                 pad_id=pad_id,
             )
             fields = apply_filter_jax(instance_filter, fields)
             if not layout.plain:
-                starts = (rows[:, 0] & 1) == 1 if packed is True else encoded["lengths"] > 0
+                starts = (
+                    (rows[:, 0] & 1) == 1 if packing is Packing.WINDOWS else encoded["lengths"] > 0
+                )
                 fields = layout.apply(fields, starts & encoded["real"], xp=jnp)
             return {
                 k: lay_out(v, whole_rows if k in WHOLE_ROWS else sharding)
@@ -291,16 +294,16 @@ def _decode(
     stored_mask: jax.Array | None,
     real: jax.Array,
     *,
-    packed: bool | str,
+    packing: Packing,
     start_token_id: int,
     pad_id: int,
 ) -> dict[str, jax.Array]:
-    if packed == "bins":
+    if packing is Packing.BINS:
         windows = jnp.concatenate([before[:, :1], encoded], axis=1)
         fields = bin_fields_jax(
             windows, lengths, start_token_id=start_token_id, pad_id=pad_id, stored_mask=stored_mask
         )
-    elif packed:
+    elif packing is Packing.WINDOWS:
         windows = jnp.concatenate([before[:, :1], encoded], axis=1)
         fields = packed_fields_jax(windows, start_token_id=start_token_id, stored_mask=stored_mask)
     else:

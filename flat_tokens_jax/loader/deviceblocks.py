@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records
 from flat_tokens_jax.decoding.sharding import Block, BlockData, HostPlan, host_plans
@@ -58,7 +59,7 @@ class DeviceBlocks:
         # a split known to store none (custom records may).
         self._ships_mask = not all(map(_stores_no_mask, sources.components))
         self._decoding: dict[str, Any] = {
-            "packed": config.packing,
+            "packing": config.packing,
             "start_token_id": sources.start_token_id,
             "pad_id": config.pad_id,
             "instance_filter": config.instance_filter,
@@ -112,11 +113,12 @@ class DeviceBlocks:
         for c in np.unique(comp).tolist():
             rows = at[comp == c]
             windows = self.components[c].read(records[comp == c], columns=block.cols)
-            if self.components[c].packed:  # packed windows, and bins: their column 0 is before
+            packing = self.components[c].packing
+            if packing is not Packing.PADDED:  # windows and bins: their column 0 is before
                 encoded[rows], before[rows, 0] = windows.encoded[:, 1:], windows.encoded[:, 0]
             else:
                 encoded[rows] = windows.encoded
-            if self.components[c].packed is not True:
+            if packing is not Packing.WINDOWS:
                 assert windows.lengths is not None
                 lengths[rows] = windows.lengths
             if windows.stored_mask is not None and mask is not None:

@@ -125,7 +125,7 @@ class StepEngine:
     ) -> dict[str, np.ndarray]:
         return self.block_decoder.decode(
             windows,
-            self.components[component].packed,
+            self.components[component].packing,
             self.config.seq_len,
             start_token_id=self.start_token_id,
             pad_id=self.config.pad_id,
@@ -149,7 +149,7 @@ class StepEngine:
             fetched.rows,
             fetched.parts,
             lambda c, windows: self._decode(c, windows, threads),
-            [r.packed for r in self.components],
+            [r.packing for r in self.components],
             self.config.seq_len,
             self.config.pad_id,
         )

@@ -31,6 +31,7 @@ import numpy as np
 
 from flat_tokens_jax.core import fields
 from flat_tokens_jax.core.concurrently import at_once
+from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.core.values import BadValue, boolean, integer, number, sequence
 from flat_tokens_jax.data.bins import make_records
 from flat_tokens_jax.data.dataset import FlatTokens
@@ -240,7 +241,7 @@ class Mixture:
     def records(
         self,
         seq_len: int,
-        packing: bool | str,
+        packing: Packing | bool | str,
         plan_cache: str | os.PathLike[str] | None = None,
         max_segments: int | None = None,
     ) -> tuple[Records, ...]:
@@ -252,6 +253,7 @@ class Mixture:
         Raises:
             ValueError: a component of records is of another ``seq_len`` or packing.
         """
+        packing = fields.packing(packing, "packing")
 
         # Records that read (bounds, packing plans) do so at once.
         calls = [
@@ -313,7 +315,7 @@ class Mixture:
 def config_records(
     source: FlatTokens | Records,
     seq_len: int,
-    packing: bool | str,
+    packing: Packing,
     plan_cache: str | os.PathLike[str] | None,
     max_segments: int | None,
     who: str,
@@ -324,10 +326,11 @@ def config_records(
     (refused naming ``who`` and the ``fix`` otherwise)."""
     if isinstance(source, FlatTokens):
         return make_records(source, seq_len, packing, plan_cache, max_segments)
-    if source.seq_len != seq_len or source.packed != packing:
+    if source.seq_len != seq_len or source.packing is not packing:
         raise ValueError(
-            f"{who} is {source!r} with seq_len {source.seq_len} and packing {source.packed}, "
-            f"but seq_len {seq_len} and packing {packing} were asked for: {fix}"
+            f"{who} is {source!r} with seq_len {source.seq_len} and packing "
+            f"{source.packing.value}, but seq_len {seq_len} and packing {packing.value} "
+            f"were asked for: {fix}"
         )
     return source
 
@@ -393,8 +396,9 @@ def _check_records_agree(sources: Sequence[Source], names: Sequence[str]) -> Non
     """Refuses components of records that no one config fits: their ``seq_len``
     or packing differ."""
     records = {n: s for n, s in zip(names, sources, strict=True) if not isinstance(s, FlatTokens)}
-    for what, attr in (("seq_len", "seq_len"), ("packing", "packed")):
-        found = {n: getattr(r, attr) for n, r in records.items()}
+    seq_lens = {n: r.seq_len for n, r in records.items()}
+    packings = {n: r.packing.value for n, r in records.items()}  # as a config writes it
+    for what, found in (("seq_len", seq_lens), ("packing", packings)):
         if len(set(found.values())) > 1:
             listed = ", ".join(f"{n!r}: {v!r}" for n, v in found.items())
             raise ValueError(f"the components' records disagree on {what}: {listed}")

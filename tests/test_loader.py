@@ -232,7 +232,7 @@ def test_a_step_that_is_not_an_int_is_refused_naming_it_and_spoils_nothing(bad: 
         "host_batch": loader.host_batch,
         "encoded_batch": loader.encoded_batch,
         "provenance": loader.provenance,
-        "plan_at": loader.plan_at,
+        "host_blocks_at": loader.host_blocks_at,
         "host_rows_at": loader.host_rows_at,
         "samples_before": loader.samples_before,
         "start": loader.start,

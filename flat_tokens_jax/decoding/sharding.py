@@ -108,7 +108,7 @@ def check_divisible(sharding: jax.sharding.Sharding, batch_size: int, seq_len: i
         )
 
 
-class HostPlan:
+class HostBlocks:
     """The blocks of a ``[batch_size, seq_len]`` batch that this host's devices hold.
 
     Attributes:
@@ -129,7 +129,7 @@ class HostPlan:
         self._decode: dict[tuple[Packing, int, int, Any, BatchLayout], Callable[..., Any]] = {}
 
     def __repr__(self) -> str:
-        return f"HostPlan({len(self.blocks)} blocks, {self.rows.size} rows of {self.shape})"
+        return f"HostBlocks({len(self.blocks)} blocks, {self.rows.size} rows of {self.shape})"
 
     def assemble_rows(self, host: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
         """Global arrays from this host's whole rows (``host[k]`` is ``[rows.size, width]``).
@@ -243,7 +243,7 @@ class HostPlan:
         """The function (to call inside ``jax.jit``) from :meth:`encoded_arrays`
         to the fields of ``layout`` (default: the five fields), after the
         ``instance_filter`` (on whole rows) when one is given, laid out as
-        this plan's sharding (``tokens`` and ``segment_lengths``: over its
+        these blocks' sharding (``tokens`` and ``segment_lengths``: over its
         batch axis only)."""
         assert isinstance(self.sharding, NamedSharding)
         mesh, spec = self.sharding.mesh, tuple(self.sharding.spec) + (None,) * 2
@@ -315,17 +315,17 @@ def _decode(
     return {k: jnp.where(keep, v, jnp.asarray(fills.get(k, 0), v.dtype)) for k, v in fields.items()}
 
 
-def host_plans(
+def host_blocks_per_size(
     sharding: jax.sharding.Sharding | None, schedule: BatchSchedule, seq_len: int
-) -> dict[int, HostPlan]:
-    """This host's plan for each batch size of ``schedule`` (none without a sharding)."""
-    plans: dict[int, HostPlan] = {}
+) -> dict[int, HostBlocks]:
+    """This host's blocks for each batch size of ``schedule`` (none without a sharding)."""
+    held: dict[int, HostBlocks] = {}
     if sharding is None:
-        return plans
+        return held
     for step, size in schedule.entries:
-        if size not in plans:
+        if size not in held:
             try:
-                plans[size] = HostPlan(sharding, size, seq_len)
+                held[size] = HostBlocks(sharding, size, seq_len)
             except ValueError as e:
                 if schedule.constant is not None:
                     raise
@@ -333,7 +333,7 @@ def host_plans(
                     f"batch_size entry ({step}, {size}): from step {step} {e}; choose "
                     "sizes that divide over the mesh"
                 ) from None
-    return plans
+    return held
 
 
 def _reshard() -> Callable[[jax.Array, NamedSharding], jax.Array]:

@@ -40,9 +40,9 @@ if TYPE_CHECKING:
     from flat_tokens_jax.sampling.mixture import Mixture
     from flat_tokens_jax.sampling.sampling import EpochsExhausted, IndexSampler, permute
     from flat_tokens_jax.sampling.schedule import BatchSchedule
-    from flat_tokens_jax.store.layout import Layout
     from flat_tokens_jax.store.location import OverwriteNeeded
     from flat_tokens_jax.store.options import StoreError, StoreOptions
+    from flat_tokens_jax.store.storageformat import StorageFormat
 
 # Public name: the module that defines it.
 _HOMES = {
@@ -56,7 +56,6 @@ _HOMES = {
     "FormatError": "core.format",
     "IndexSampler": "sampling.sampling",
     "InstanceFilter": "decoding.instancefilter",
-    "Layout": "store.layout",
     "Loader": "loader.loader",
     "LoaderConfig": "loader.config",
     "Mixture": "sampling.mixture",
@@ -70,6 +69,7 @@ _HOMES = {
     "Problem": "core.format",
     "Records": "data.records",
     "StateMismatch": "loader.state",
+    "StorageFormat": "store.storageformat",
     "StoreError": "store.options",
     "StoreOptions": "store.options",
     "TokenizerInfo": "store.identity",
@@ -98,7 +98,6 @@ __all__ = [
     "FormatError",
     "IndexSampler",
     "InstanceFilter",
-    "Layout",
     "Loader",
     "LoaderConfig",
     "Mixture",
@@ -112,6 +111,7 @@ __all__ = [
     "Problem",
     "Records",
     "StateMismatch",
+    "StorageFormat",
     "StoreError",
     "StoreOptions",
     "TokenizerInfo",

@@ -29,7 +29,7 @@ def split_of(seqs: list[list[int]], masks: list[list[int]] | None = None) -> ftj
         url,
         {"train": seqs},
         loss_masks=None if masks is None else {"train": masks},
-        layout=ftj.Layout(shard_tokens=64, chunk_tokens=8),
+        storage_format=ftj.StorageFormat(shard_tokens=64, chunk_tokens=8),
     )
     return ftj.open_dataset(url)["train"]
 

@@ -31,7 +31,7 @@ from flat_tokens_jax.convert.inputs import InputError, expand_inputs
 from flat_tokens_jax.convert.text import add_commands, convert
 from flat_tokens_jax.convert.tokenizer import validation_mask
 
-SMALL = ftj.Layout(shard_tokens=64, chunk_tokens=16)
+SMALL = ftj.StorageFormat(shard_tokens=64, chunk_tokens=16)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ def test_same_bytes_for_one_and_two_workers(
             workers=workers,
             append_eos=True,
             validation_fraction=0.3,
-            layout=SMALL,
+            storage_format=SMALL,
         )
         assert summary["splits"]["validation"]["documents"] > 0
         outs.append(out)
@@ -233,10 +233,10 @@ def test_bad_record_names_file_and_line_and_leaves_no_dataset(
     args: dict[str, Any] = {"tokens_key": "ids"} if key == "ids" else {"tokenizer": eos_tokenizer}
     out = tmp_path / "out"
     with pytest.raises(InputError, match=rf"{re.escape(str(src))} line {GOOD + 1}: {message}"):
-        convert(src, out, layout=SMALL, **args)
+        convert(src, out, storage_format=SMALL, **args)
     with pytest.raises(ftj.FormatError):
         ftj.open_dataset(out)
-    summary = convert(src, out, layout=SMALL, skip_bad=True, **args)
+    summary = convert(src, out, storage_format=SMALL, skip_bad=True, **args)
     assert (summary["documents"], summary["skipped_bad"]) == (GOOD + 1, 1)
     assert ftj.open_dataset(out)["train"].num_sequences == GOOD + 1
 
@@ -279,7 +279,7 @@ def test_interrupt_leaves_no_dataset(
 
     monkeypatch.setattr(convert_tokenizer, "tokenize_batch", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        convert(src, tmp_path / "out", tokenizer=eos_tokenizer, layout=SMALL)
+        convert(src, tmp_path / "out", tokenizer=eos_tokenizer, storage_format=SMALL)
     with pytest.raises(ftj.FormatError):
         ftj.open_dataset(tmp_path / "out")
 

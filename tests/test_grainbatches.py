@@ -33,10 +33,10 @@ def path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two datasets on local disk: ``a`` with 300 validation sequences (not a
     multiple of 8 or 24), and ``b``."""
     root = tmp_path_factory.mktemp("grainbatches")
-    layout = ftj.Layout(shard_tokens=1024, chunk_tokens=64)
+    storage_format = ftj.StorageFormat(shard_tokens=1024, chunk_tokens=64)
     splits = {"train": sequences(200, 0), "validation": sequences(300, 1)}
-    ftj.write_dataset(root / "a", splits, layout=layout)
-    ftj.write_dataset(root / "b", {"train": sequences(150, 2)}, layout=layout)
+    ftj.write_dataset(root / "a", splits, storage_format=storage_format)
+    ftj.write_dataset(root / "b", {"train": sequences(150, 2)}, storage_format=storage_format)
     return root
 
 

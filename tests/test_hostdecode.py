@@ -29,9 +29,12 @@ def as_lists(batch: dict) -> dict:
 
 def split_of(seqs: list[list[int]], masks: list[list[int]] | None) -> ftj.FlatTokens:
     url = memory_url()
-    layout = ftj.Layout(shard_tokens=16, chunk_tokens=4)
+    storage_format = ftj.StorageFormat(shard_tokens=16, chunk_tokens=4)
     ftj.write_dataset(
-        url, {"train": seqs}, loss_masks=None if masks is None else {"train": masks}, layout=layout
+        url,
+        {"train": seqs},
+        loss_masks=None if masks is None else {"train": masks},
+        storage_format=storage_format,
     )
     return ftj.open_dataset(url)["train"]
 

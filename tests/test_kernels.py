@@ -192,7 +192,7 @@ np.save(sys.argv[1], np.stack([list(loader.host_batch(s).values()) for s in rang
 """
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, 1000, rng.integers(1, 20)).tolist() for _ in range(30)]
-    ftj.write_dataset(tmp_path, {"train": seqs}, layout=ftj.Layout(chunk_tokens=16))
+    ftj.write_dataset(tmp_path, {"train": seqs}, storage_format=ftj.StorageFormat(chunk_tokens=16))
     out = tmp_path / "batches.npy"
     subprocess.run([sys.executable, "-c", script, str(out)], check=True, cwd=ROOT)
     ft = ftj.open_dataset(tmp_path)["train"]
@@ -229,9 +229,9 @@ def test_a_new_process_takes_the_kernels_from_the_disk_cache(tmp_path: Path) -> 
     first batches (packed, padded, bins, a stored loss mask; memory-mapped copies)."""
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, 1000, rng.integers(1, 20)).tolist() for _ in range(30)]
-    layout = ftj.Layout(chunk_tokens=16)
-    ftj.write_dataset(tmp_path / "plain", {"train": seqs}, layout=layout)
-    with ftj.DatasetWriter(tmp_path / "masked", layout=layout) as w:
+    storage_format = ftj.StorageFormat(chunk_tokens=16)
+    ftj.write_dataset(tmp_path / "plain", {"train": seqs}, storage_format=storage_format)
+    with ftj.DatasetWriter(tmp_path / "masked", storage_format=storage_format) as w:
         for s in seqs:
             w.append("train", s, loss_mask=[i % 2 == 0 for i in range(len(s))])
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")}

@@ -35,7 +35,9 @@ LAYOUTS = ("fields", "segments", "tokens", "maxtext")
 
 def split_of(seqs: list[list[int]]) -> ftj.FlatTokens:
     url = memory_url("layouts")
-    ftj.write_dataset(url, {"train": seqs}, layout=ftj.Layout(shard_tokens=64, chunk_tokens=8))
+    ftj.write_dataset(
+        url, {"train": seqs}, storage_format=ftj.StorageFormat(shard_tokens=64, chunk_tokens=8)
+    )
     return ftj.open_dataset(url)["train"]
 
 

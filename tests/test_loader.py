@@ -26,10 +26,14 @@ from flat_tokens_jax.loader.state import StateMismatch
 SPEC = [[1, 2], [3, 4, 5], [6, 7, 8]]
 
 
-def split_of(seqs: list[list[int]], **layout: int) -> ftj.FlatTokens:
+def split_of(seqs: list[list[int]], **storage: int) -> ftj.FlatTokens:
     url = memory_url()
-    lay = ftj.Layout(**layout) if layout else ftj.Layout(shard_tokens=64, chunk_tokens=8)
-    ftj.write_dataset(url, {"train": seqs}, layout=lay)
+    fmt = (
+        ftj.StorageFormat(**storage)
+        if storage
+        else ftj.StorageFormat(shard_tokens=64, chunk_tokens=8)
+    )
+    ftj.write_dataset(url, {"train": seqs}, storage_format=fmt)
     return ftj.open_dataset(url)["train"]
 
 
@@ -82,8 +86,10 @@ def test_stored_loss_mask_batches_equal_brute_force_reference(
 ) -> None:
     masks = [data.draw(st.lists(st.integers(0, 1), min_size=len(s), max_size=len(s))) for s in seqs]
     url = memory_url()
-    layout = ftj.Layout(shard_tokens=16, chunk_tokens=4)
-    ftj.write_dataset(url, {"train": seqs}, loss_masks={"train": masks}, layout=layout)
+    storage_format = ftj.StorageFormat(shard_tokens=16, chunk_tokens=4)
+    ftj.write_dataset(
+        url, {"train": seqs}, loss_masks={"train": masks}, storage_format=storage_format
+    )
     ft = ftj.open_dataset(url)["train"]
     assert ft.loss_mask is not None
     assert_matches_reference(ft, seqs, masks, data)
@@ -133,8 +139,10 @@ def test_stored_loss_mask_on_disk_and_sequence_sharded(tmp_path: Path, packing: 
     rng = np.random.default_rng(7)
     seqs = [rng.integers(0, 5000, rng.integers(1, 40)).tolist() for _ in range(300)]
     masks = [rng.integers(0, 2, len(s)).tolist() for s in seqs]
-    layout = ftj.Layout(shard_tokens=256, chunk_tokens=32)
-    ftj.write_dataset(tmp_path, {"train": seqs}, loss_masks={"train": masks}, layout=layout)
+    storage_format = ftj.StorageFormat(shard_tokens=256, chunk_tokens=32)
+    ftj.write_dataset(
+        tmp_path, {"train": seqs}, loss_masks={"train": masks}, storage_format=storage_format
+    )
     assert (tmp_path / "train" / "loss_mask" / "zarr.json").is_file()
     ft = ftj.open_dataset(tmp_path)["train"]
     cfg = LoaderConfig(batch_size=8, seq_len=16, packing=packing, seed=2, pad_id=3)
@@ -381,7 +389,7 @@ def test_records_of_ones_own_must_say_their_packing_as_a_packing() -> None:
     )
 
 
-# Loader.state() of GOLDEN_SEQS (written with the default layout) under
+# Loader.state() of GOLDEN_SEQS (written in the default storage format) under
 # LoaderConfig(batch_size=2, seq_len=8, seed=3, packing=...), saved at step 3 when
 # packing was a bool or "bins" inside too: the states this version reads and writes.
 GOLDEN_SEQS = [[i % 7 + 1] * (i % 5 + 1) for i in range(60)]

@@ -36,7 +36,9 @@ STEP_BYTES = BATCH * SEQ_LEN * 17  # decoded fields of a step on the host
 
 def split() -> ftj.FlatTokens:
     url = memory_url()
-    ftj.write_dataset(url, {"train": SEQS}, layout=ftj.Layout(shard_tokens=256, chunk_tokens=16))
+    ftj.write_dataset(
+        url, {"train": SEQS}, storage_format=ftj.StorageFormat(shard_tokens=256, chunk_tokens=16)
+    )
     return ftj.open_dataset(url)["train"]
 
 

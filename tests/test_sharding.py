@@ -40,7 +40,9 @@ def split() -> ftj.FlatTokens:
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, 5000, rng.integers(1, 40)) for _ in range(400)]
     url = memory_url()
-    ftj.write_dataset(url, {"train": seqs}, layout=ftj.Layout(shard_tokens=512, chunk_tokens=64))
+    ftj.write_dataset(
+        url, {"train": seqs}, storage_format=ftj.StorageFormat(shard_tokens=512, chunk_tokens=64)
+    )
     return ftj.open_dataset(url)["train"]
 
 

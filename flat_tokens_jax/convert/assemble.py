@@ -16,7 +16,7 @@ flat-tokens dataset under the output's :data:`STAGING` prefix
    and the write's marker is dropped.
 
 The result is, byte for byte, what :class:`DatasetWriter` writes when given the
-parts' sequences in order: the same layout writes the same whole shards.
+parts' sequences in order: the same storage format writes the same whole shards.
 """
 
 from __future__ import annotations
@@ -39,8 +39,10 @@ from flat_tokens_jax.data.dataset import Dataset, open_dataset
 from flat_tokens_jax.data.writer import root_attributes, write_groups
 from flat_tokens_jax.store.arrays import Pending
 from flat_tokens_jax.store.identity import DatasetInfo
-from flat_tokens_jax.store.layout import (
-    Layout,
+from flat_tokens_jax.store.location import MARKER, STAGING
+from flat_tokens_jax.store.options import StoreOptions
+from flat_tokens_jax.store.storageformat import (
+    StorageFormat,
     create_array,
     create_digests,
     open_digests,
@@ -48,8 +50,6 @@ from flat_tokens_jax.store.layout import (
     record_probes,
     write_digests,
 )
-from flat_tokens_jax.store.location import MARKER, STAGING
-from flat_tokens_jax.store.options import StoreOptions
 from flat_tokens_jax.store.store import Store
 
 DTYPES: dict[str, np.dtype[Any]] = {
@@ -129,7 +129,7 @@ class Plan:
 
     Attributes:
         output: the output dataset's URL.
-        layout: its layout.
+        storage_format: its storage format.
         parts: the parts, in input order.
         token_offsets: per split, ``[len(parts) + 1] int64``: part ``p``'s
             tokens are output tokens ``[token_offsets[p], token_offsets[p + 1])``.
@@ -137,7 +137,7 @@ class Plan:
     """
 
     output: str
-    layout: Layout
+    storage_format: StorageFormat
     parts: tuple[PartInfo, ...]
     token_offsets: Mapping[str, np.ndarray]
     sequence_offsets: Mapping[str, np.ndarray]
@@ -167,12 +167,12 @@ class Plan:
         out: list[Task] = []
         for split in self.splits:
             for array, size in self.arrays(split).items():
-                per_shard = self.layout.elements(array)[0]
+                per_shard = self.storage_format.elements(array)[0]
                 out.extend(Task(split, array, k) for k in range(-(-size // per_shard)))
         return out
 
 
-def make_plan(output: str, layout: Layout, parts: list[PartInfo]) -> Plan:
+def make_plan(output: str, storage_format: StorageFormat, parts: list[PartInfo]) -> Plan:
     """The :class:`Plan` of ``parts`` (in any order; they are sorted by index).
 
     Raises:
@@ -197,15 +197,15 @@ def make_plan(output: str, layout: Layout, parts: list[PartInfo]) -> Plan:
             raise ValueError(f"split {split!r}: some parts have a loss mask and some do not")
         token_offsets[split] = np.cumsum([0] + [c.tokens for c in counts], dtype=np.int64)
         sequence_offsets[split] = np.cumsum([0] + [c.sequences for c in counts], dtype=np.int64)
-    return Plan(output, layout, ordered, token_offsets, sequence_offsets)
+    return Plan(output, storage_format, ordered, token_offsets, sequence_offsets)
 
 
 def create_arrays(plan: Plan, store: Store) -> None:
     """Creates every output array at its final size, replacing any left from a failed try."""
     for split in plan.splits:
         for array, size in plan.arrays(split).items():
-            create_array(store, split, array, DTYPES[array], plan.layout, size)
-            create_digests(store, split, array, plan.layout, size)
+            create_array(store, split, array, DTYPES[array], plan.storage_format, size)
+            create_digests(store, split, array, plan.storage_format, size)
 
 
 def _overlaps(offsets: np.ndarray, lo: int, hi: int) -> list[tuple[int, int, int]]:
@@ -263,7 +263,7 @@ def assemble_shard(
     """
     split, array, shard = task
     size = plan.arrays(split)[array]
-    per_shard = plan.layout.elements(array)[0]
+    per_shard = plan.storage_format.elements(array)[0]
     lo, hi = shard * per_shard, min((shard + 1) * per_shard, size)
     # seq_starts has one entry past the parts' own: the token count.
     data_end = plan.num_sequences(split) if array == SEQ_STARTS else size
@@ -281,10 +281,10 @@ def assemble_shard(
             f"{plan.output}: {split}/{array} shard {shard} needs {hi - lo} entries but the "
             f"parts gave {values.size}: a part holds other data than it reported"
         )
-    handle = open_for_writing(store, split, array, plan.layout)
-    side = open_digests(store, split, array, plan.layout)
+    handle = open_for_writing(store, split, array, plan.storage_format)
+    side = open_digests(store, split, array, plan.storage_format)
     store.wait(handle[lo:hi].write(values))
-    store.wait(write_digests(side, lo, values, plan.layout, array))
+    store.wait(write_digests(side, lo, values, plan.storage_format, array))
     return hi - lo
 
 
@@ -304,8 +304,8 @@ def finish(
     root = root_attributes(attributes, info, plan.splits)
     for split in plan.splits:
         for array in plan.arrays(split):
-            handle = open_for_writing(store, split, array, plan.layout)
-            record_probes(store, split, array, plan.layout, handle)
+            handle = open_for_writing(store, split, array, plan.storage_format)
+            record_probes(store, split, array, plan.storage_format, handle)
     store.delete_prefix(STAGING)
-    write_groups(store, plan.layout, plan.max_token_ids(), root)
+    write_groups(store, plan.storage_format, plan.max_token_ids(), root)
     store.delete(MARKER)

@@ -64,7 +64,7 @@ from flat_tokens_jax.convert.parts import Conversion, ConvertOptions, Totals, wr
 from flat_tokens_jax.convert.tokenizer import BatchTokenizer
 from flat_tokens_jax.core.urls import redact
 from flat_tokens_jax.data.dataset import Dataset, open_dataset
-from flat_tokens_jax.data.writer import DatasetWriter, Layout
+from flat_tokens_jax.data.writer import DatasetWriter, StorageFormat
 from flat_tokens_jax.store.identity import DatasetInfo, inputs_record
 from flat_tokens_jax.store.location import STAGING, Claim, claim_location, refuse_overlap
 from flat_tokens_jax.store.options import StoreOptions, context_spec, resolve_options
@@ -75,7 +75,7 @@ log = logging.getLogger(__name__)
 NAMESPACE = "flat_tokens"
 TOKENIZER_KEY = f"{STAGING}/tokenizer.json"
 # Parts are read once, in long slices: large chunks, no compression.
-PART_LAYOUT = Layout(shard_tokens=1 << 22, chunk_tokens=1 << 16)
+PART_STORAGE_FORMAT = StorageFormat(shard_tokens=1 << 22, chunk_tokens=1 << 16)
 # Runners that run where the launcher runs, and so can read its local files.
 LOCAL_RUNNERS = frozenset(r.lower() for r in StandardOptions.LOCAL_RUNNERS)
 # Without --runner: FnApiRunner, one worker process per CPU (0). Flags given win.
@@ -95,7 +95,7 @@ class _Job:
     """Everything a worker needs; pickled into the pipeline."""
 
     output: str
-    layout: Layout
+    storage_format: StorageFormat
     options: StoreOptions
     convert: ConvertOptions
     bos_id: int | None
@@ -196,7 +196,7 @@ class _Tokenize(beam.DoFn):
         fraction = 0.0 if all_validation else job.convert.validation_fraction
         totals = Totals(None)
         started = time.perf_counter()
-        with DatasetWriter(url, layout=PART_LAYOUT, options=job.options) as writer:
+        with DatasetWriter(url, storage_format=PART_STORAGE_FORMAT, options=job.options) as writer:
             write_documents(
                 writer,
                 [([path], fraction, all_validation)],
@@ -226,7 +226,7 @@ class _Tokenize(beam.DoFn):
 
 
 def _plan(parts: list[PartInfo], job: _Job) -> Plan:
-    plan = make_plan(job.output, job.layout, parts)
+    plan = make_plan(job.output, job.storage_format, parts)
     create_arrays(plan, Store(job.output, job.options))
     return plan
 
@@ -360,7 +360,7 @@ def convert_beam(
     prepend_bos: bool = False,
     add_special_tokens: bool = False,
     skip_bad: bool = False,
-    layout: Layout | None = None,
+    storage_format: StorageFormat | None = None,
     overwrite: bool = False,
     options: StoreOptions | None = None,
     pipeline_args: Sequence[str] = (),
@@ -442,7 +442,7 @@ def convert_beam(
     store = Store(out, options)
     job = _Job(
         out,
-        layout or Layout(),
+        storage_format or StorageFormat(),
         store.options,
         opts,
         tokenize.bos_id,

@@ -66,7 +66,7 @@ from flat_tokens_jax.convert.tokenizer import (
     warn_if_zero_is_ordinary,
 )
 from flat_tokens_jax.core.format import SPLITS, encode_concatenated
-from flat_tokens_jax.data.writer import DatasetWriter, Layout
+from flat_tokens_jax.data.writer import DatasetWriter, StorageFormat
 from flat_tokens_jax.store.identity import DatasetInfo, inputs_record
 from flat_tokens_jax.store.location import refuse_overlap
 from flat_tokens_jax.store.options import StoreOptions, resolve_options
@@ -95,7 +95,7 @@ def convert_chat(
     validation_inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] = (),
     skip_bad: bool = False,
     strict: bool = False,
-    layout: Layout | None = None,
+    storage_format: StorageFormat | None = None,
     overwrite: bool = False,
     options: StoreOptions | None = None,
     progress: bool | None = None,
@@ -122,7 +122,7 @@ def convert_chat(
             nothing is a bad record (stops the run, or with ``skip_bad`` is
             skipped and counted there); otherwise it is written without that
             message, and counted in ``dropped_messages``.
-        layout: chunking and compression of the output.
+        storage_format: chunking and compression of the output.
         overwrite: replace a flat-tokens dataset, or the leftover of an
             interrupted write, at ``output`` (never other files: see
             :class:`~flat_tokens_jax.data.writer.DatasetWriter`). An ``output`` that
@@ -184,7 +184,9 @@ def convert_chat(
     bar = _progress_bar(progress)
     try:
         with (
-            DatasetWriter(output, layout=layout, overwrite=overwrite, options=options) as writer,
+            DatasetWriter(
+                output, storage_format=storage_format, overwrite=overwrite, options=options
+            ) as writer,
             hash_inputs([*train_paths, *valid_paths]) as digests,
         ):
             for paths, fraction, all_validation in passes:

@@ -26,7 +26,8 @@ import numpy as np
 
 from flat_tokens_jax.convert.inputs import BadRecord, require
 
-LAYOUTS = (("conversations", "from", "value"), ("messages", "role", "content"))
+# A conversation's (list, role, text) keys, in either of the two common forms.
+CONVERSATION_KEYS = (("conversations", "from", "value"), ("messages", "role", "content"))
 ROLE_ALIASES = {"human": "user", "gpt": "assistant"}
 # The code points for which str.isspace() is true.
 SPACE_CODES = np.array(
@@ -226,13 +227,13 @@ def parse_messages(
     """``(role, content)`` of each message, roles renamed by ``aliases``.
 
     Raises:
-        BadRecord: neither layout, not a list, an empty list, a malformed
+        BadRecord: neither form of conversation, not a list, an empty list, a malformed
             message, or content that ``forbidden`` matches.
     """
-    layout = next((keys for keys in LAYOUTS if keys[0] in record), None)
-    if layout is None:
+    found = next((keys for keys in CONVERSATION_KEYS if keys[0] in record), None)
+    if found is None:
         raise BadRecord(f"no 'conversations' or 'messages' list (keys: {sorted(record)[:10]})")
-    key, role_key, text_key = layout
+    key, role_key, text_key = found
     turns = record[key]
     if not isinstance(turns, list):
         raise BadRecord(f"{key!r} is {type(turns).__name__}, not a list of messages")

@@ -40,15 +40,15 @@ from flat_tokens_jax.sampling.schedule import BatchSchedule
 from flat_tokens_jax.store.identity import DatasetInfo, check_tokenizers
 
 MAX_DEFAULT_PERIOD = 1 << 20
-# A period's tables take 8 bytes a sample (and its layout a few times more while
-# it is made): 2**24 samples stay well under a gigabyte.
+# A period's tables take 8 bytes a sample (and a few times more while it is
+# made): 2**24 samples stay well under a gigabyte.
 MAX_PERIOD = 1 << 24
 _MAX_SAMPLE = 2**63 - 1  # Global sample indices are int64.
 
 
 @dataclasses.dataclass(frozen=True)
 class Period:
-    """The layout of one period of ``period`` samples for fixed weights.
+    """Which component each sample of a period of ``period`` samples reads (fixed weights).
 
     Attributes:
         counts: ``[K] int64`` samples of each component per period.
@@ -65,7 +65,7 @@ class Period:
         return int(self.component.size)
 
     @classmethod
-    def layout(cls, weights: Sequence[float] | np.ndarray, period: int) -> Period:
+    def of(cls, weights: Sequence[float] | np.ndarray, period: int) -> Period:
         w = np.asarray(weights, np.float64)
         # Rounded so that weights meant as exact ratios split as their decimal
         # values do, whatever the float error: 0.5 and 0.1 over 3 slots are a
@@ -179,7 +179,7 @@ class Mixture:
         self.weights = [
             _check_weights(w, self.names, s) for s, w in zip(steps, weights, strict=True)
         ]
-        self.periods = [Period.layout(w, period or _default_period(w)) for w in self.weights]
+        self.periods = [Period.of(w, period or _default_period(w)) for w in self.weights]
         for s, w, p in zip(steps, self.weights, self.periods, strict=True):
             lost = [i for i, x in enumerate(w) if x > 0 and p.counts[i] == 0]
             if lost:

@@ -47,17 +47,17 @@ KINDS = ["jsonl", "gz", "jsonl", "parquet", "zst", "jsonl", "jsonl", "gz", "parq
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Ten small input files of several formats, one of them empty, one record empty."""
+    """Ten small input files of several formats, one of them empty, one document empty."""
     root = tmp_path_factory.mktemp("corpus")
     texts = iter(corpus_texts(sum(SIZES), 1200))
     for i, (size, kind) in enumerate(zip(SIZES, KINDS, strict=True)):
-        records: list[dict[str, Any]] = [{"text": next(texts), "i": i} for _ in range(size)]
+        documents: list[dict[str, Any]] = [{"text": next(texts), "i": i} for _ in range(size)]
         if i == 5:
-            records.append({"text": "", "i": i})
+            documents.append({"text": "", "i": i})
         if kind == "jsonl":
-            write_jsonl(root / f"f{i:02d}.jsonl", records)
+            write_jsonl(root / f"f{i:02d}.jsonl", documents)
         else:
-            write_format(kind, root / f"f{i:02d}", records)
+            write_format(kind, root / f"f{i:02d}", documents)
     return root
 
 

@@ -14,7 +14,7 @@
 4. **Finish**, once, after every shard: the staging prefix is deleted and the
    groups are written, the root group last.
 
-Documents keep input order (files in the order given, globs sorted; records in
+Documents keep input order (files in the order given, globs sorted; documents in
 file order) and go to "validation" by the same hash as the local converter's,
 so the output is byte for byte the local converter's, whatever the runner,
 its parallelism or its bundles. Text is read once, parts are written once and
@@ -65,7 +65,7 @@ from flat_tokens_jax.convert.tokenizer import BatchTokenizer
 from flat_tokens_jax.core.urls import redact
 from flat_tokens_jax.data.dataset import Dataset, open_dataset
 from flat_tokens_jax.data.writer import DatasetWriter, StorageFormat
-from flat_tokens_jax.store.identity import DatasetInfo, inputs_record
+from flat_tokens_jax.store.identity import DatasetInfo, inputs_field
 from flat_tokens_jax.store.location import STAGING, Claim, claim_location, refuse_overlap
 from flat_tokens_jax.store.options import StoreOptions, context_spec, resolve_options
 from flat_tokens_jax.store.store import Store
@@ -266,7 +266,7 @@ def _finish(shards: int, job: _Job, plan: Plan) -> None:
         raise RuntimeError(f"{job.output}: {shards} shards were written, expected {expected}")
     digests = [p.sha256 for p in plan.parts]
     hashed = None if None in digests else [d for d in digests if d is not None]
-    info = dataclasses.replace(job.info, inputs=inputs_record(job.input_names, hashed))
+    info = dataclasses.replace(job.info, inputs=inputs_field(job.input_names, hashed))
     finish(plan, Store(job.output, job.options), info=info)
     for name in ("skipped_empty", "skipped_bad"):
         Metrics.counter(NAMESPACE, name).inc(sum(getattr(p, name) for p in plan.parts))
@@ -402,7 +402,7 @@ def convert_beam(
         FileExistsError: ``output`` exists and ``overwrite`` is off, or holds
             files that are not a flat-tokens dataset.
         Exception: whatever the runner raises when the pipeline fails (a bad
-            record, named by file and line, among its messages).
+            document, named by file and line, among its messages).
     """
     options = resolve_options(options, option_fields, "convert_beam")
     opts = ConvertOptions(

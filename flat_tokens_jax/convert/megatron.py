@@ -29,7 +29,7 @@ from flat_tokens_jax.convert.tokenizer import identity, load_tokenizer
 from flat_tokens_jax.core.format import check_split_name, decode, encode_concatenated
 from flat_tokens_jax.data.dataset import open_dataset
 from flat_tokens_jax.data.writer import DatasetWriter, StorageFormat
-from flat_tokens_jax.store.identity import DatasetInfo, inputs_record
+from flat_tokens_jax.store.identity import DatasetInfo, inputs_field
 from flat_tokens_jax.store.location import refuse_overlap
 from flat_tokens_jax.store.options import StoreOptions, resolve_options
 
@@ -173,7 +173,7 @@ def import_megatron(
                 "per_sequence": per_sequence,
                 "dtype_code": code,
             },
-            inputs=inputs_record([os.fspath(p) for p in prefixes], digests()),
+            inputs=inputs_field([os.fspath(p) for p in prefixes], digests()),
         )
     return {
         "output": os.fspath(output),

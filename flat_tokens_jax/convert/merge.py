@@ -20,7 +20,7 @@ from flat_tokens_jax.store.identity import (
     DatasetInfo,
     check_tokenizers,
     common_tokenizer,
-    inputs_record,
+    inputs_field,
 )
 from flat_tokens_jax.store.location import refuse_overlap
 from flat_tokens_jax.store.options import StoreOptions, resolve_options
@@ -117,7 +117,7 @@ def merged_info(datasets: Sequence[Dataset]) -> DatasetInfo:
         tokenizer=common_tokenizer(infos),
         start_token_id=starts.pop() if len(starts) == 1 else None,
         flags=dict(infos[0].flags) if common and infos[0] is not None else {},
-        inputs=inputs_record([ds.url for ds in datasets], [_fingerprint(ds) for ds in datasets]),
+        inputs=inputs_field([ds.url for ds in datasets], [_fingerprint(ds) for ds in datasets]),
     )
 
 

@@ -82,7 +82,7 @@ def convert(
         output: the new dataset's path or URL.
         tokenizer: a ``tokenizers`` JSON file or ``transformers`` tokenizer directory.
         text_key: the field holding each document's text.
-        tokens_key: read token ids (a list of ints per record) from this field
+        tokens_key: read token ids (a list of ints per document) from this field
             instead of tokenizing text; ``tokenizer`` is then only needed for
             ``append_eos``/``prepend_bos``.
         validation_fraction: send about this fraction of documents to
@@ -95,7 +95,7 @@ def convert(
         add_special_tokens: let the tokenizer's post-processor add its tokens.
         max_tokens: stop before the first document that would take the total
             (both splits) past this; documents are never cut.
-        skip_bad: count and skip bad records instead of stopping at the first.
+        skip_bad: count and skip bad documents instead of stopping at the first.
         storage_format: chunking and compression of the output.
         overwrite: replace a flat-tokens dataset, or the leftover of an
             interrupted write, at ``output`` (never other files: see
@@ -119,7 +119,7 @@ def convert(
         ``stopped_early``, ``seconds``, ``tokens_per_s`` and the settings.
 
     Raises:
-        InputError: a bad record (naming its file and line or row) or input file.
+        InputError: a bad document (naming its file and line or row) or input file.
         ValueError: bad arguments, or a tokenizer that cannot be used.
         FileExistsError: ``output`` exists and ``overwrite`` is off, or holds
             files that are not a flat-tokens dataset.

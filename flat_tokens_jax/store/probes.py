@@ -66,7 +66,7 @@ def probe_ranges(size: int, shard: int) -> tuple[np.ndarray, np.ndarray]:
     return starts, np.minimum(starts + min(PROBE, shard), size)
 
 
-def record(read: ReadRanges, size: int, shard: int) -> dict[str, Any]:
+def probe_attribute(read: ReadRanges, size: int, shard: int) -> dict[str, Any]:
     """The ``shard_probes`` attribute of an array of ``size`` elements in shards
     of ``shard``, whose values ``read`` returns (one batched read)."""
     values = read(*probe_ranges(size, shard))

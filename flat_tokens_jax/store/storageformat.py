@@ -17,7 +17,7 @@ import tensorstore as ts
 from flat_tokens_jax.core.format import SEQ_STARTS
 from flat_tokens_jax.store.digests import DIGESTS, attribute, chunk_digests
 from flat_tokens_jax.store.probes import ATTRIBUTE as PROBES
-from flat_tokens_jax.store.probes import record
+from flat_tokens_jax.store.probes import probe_attribute
 from flat_tokens_jax.store.store import EVERY_CHUNK_STORED, V2_ATTRS, V3_META, Store
 
 # The size arrays are created with when the final one is not known yet; the
@@ -294,7 +294,7 @@ def record_probes(
         pending = [handle[a:b].read() for a, b in zip(starts.tolist(), stops.tolist(), strict=True)]
         return [np.asarray(store.wait(f)) for f in pending]
 
-    probes = record(read, size, per_shard)
+    probes = probe_attribute(read, size, per_shard)
     side = open_digests(store, split, array, storage_format)
     count = int(side.domain.exclusive_max[0])
     # Digests per read: 16 MiB in whole side chunks, one per shard.

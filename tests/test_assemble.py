@@ -18,8 +18,8 @@ from flat_tokens_jax.convert.assemble import (
     assemble_shard,
     create_arrays,
     finish,
-    make_plan,
     part_url,
+    place_parts,
 )
 from flat_tokens_jax.core.format import SPLITS
 from flat_tokens_jax.data.writer import STAGING
@@ -51,13 +51,13 @@ def assemble_all(
     store = Store(output)
     shuffled = list(infos)
     random.Random(seed).shuffle(shuffled)
-    plan = make_plan(output, storage_format, shuffled)
-    create_arrays(plan, store)
-    tasks = plan.tasks()
+    placement = place_parts(output, storage_format, shuffled)
+    create_arrays(placement, store)
+    tasks = placement.tasks()
     random.Random(seed + 1).shuffle(tasks)
     for task in tasks:
-        assemble_shard(plan, task, store, ftj.open_dataset)
-    finish(plan, store)
+        assemble_shard(placement, task, store, ftj.open_dataset)
+    finish(placement, store)
 
 
 def reference(url: str, parts: list[dict[str, Split]], storage_format: ftj.StorageFormat) -> None:
@@ -132,10 +132,10 @@ def test_a_sequence_longer_than_several_shards() -> None:
     ]
     output, expected = "memory://assemble/long/out", "memory://assemble/long/ref"
     infos = write_parts(output, parts, storage_format)
-    plan = make_plan(output, storage_format, infos)
+    placement = place_parts(output, storage_format, infos)
     # 32 tokens in 8-token shards, and 5 starts in 4-entry shards.
-    tokens_tasks = [t for t in plan.tasks() if t.split == "train" and t.array != "seq_starts"]
-    assert len(tokens_tasks) == 4 and plan.num_tokens("train") == 32
+    tokens_tasks = [t for t in placement.tasks() if t.split == "train" and t.array != "seq_starts"]
+    assert len(tokens_tasks) == 4 and placement.num_tokens("train") == 32
     assemble_all(output, infos, storage_format, 0)
     reference(expected, parts, storage_format)
     assert stored(output) == stored(expected)
@@ -150,13 +150,13 @@ def test_plan_refusals() -> None:
     c = PartInfo(1, "c", {"train": SplitCounts(1, 2, 3, True)})
     d = PartInfo(2, "d", {"validation": SplitCounts(1, 2, 3, False)})
     with pytest.raises(ValueError, match="no parts"):
-        make_plan("o", storage_format, [])
+        place_parts("o", storage_format, [])
     with pytest.raises(ValueError, match="repeat an index"):
-        make_plan("o", storage_format, [a, b])
+        place_parts("o", storage_format, [a, b])
     with pytest.raises(ValueError, match="loss mask"):
-        make_plan("o", storage_format, [a, c])
+        place_parts("o", storage_format, [a, c])
     with pytest.raises(ValueError, match="has splits"):
-        make_plan("o", storage_format, [a, d])
+        place_parts("o", storage_format, [a, d])
 
 
 def test_a_part_that_lies_about_its_size_fails_its_shard() -> None:
@@ -164,7 +164,9 @@ def test_a_part_that_lies_about_its_size_fails_its_shard() -> None:
     output = "memory://assemble/lie/out"
     infos = write_parts(output, [{"train": [([1, 2, 3], None)], "validation": []}], storage_format)
     lie = PartInfo(0, infos[0].url, {**infos[0].splits, "train": SplitCounts(1, 5, 3, False)})
-    plan = make_plan(output, storage_format, [lie])
-    create_arrays(plan, Store(output))
+    placement = place_parts(output, storage_format, [lie])
+    create_arrays(placement, Store(output))
     with pytest.raises(IndexError, match="outside"):
-        assemble_shard(plan, Task("train", "encoded_tokens", 0), Store(output), ftj.open_dataset)
+        assemble_shard(
+            placement, Task("train", "encoded_tokens", 0), Store(output), ftj.open_dataset
+        )

@@ -37,8 +37,8 @@ from flat_tokens_jax.convert.assemble import (
     assemble_shard,
     create_arrays,
     finish,
-    make_plan,
     part_url,
+    place_parts,
 )
 from flat_tokens_jax.convert.megatron import export_megatron, import_megatron
 from flat_tokens_jax.convert.merge import merge
@@ -325,11 +325,11 @@ def assemble(
         ftj.write_dataset(url, splits)
         infos.append(PartInfo.read(index, url))
     store = Store(output)
-    plan = make_plan(output, storage_format, infos)
-    create_arrays(plan, store)
-    for task in plan.tasks():
-        assemble_shard(plan, task, store, ftj.open_dataset)
-    finish(plan, store)
+    placement = place_parts(output, storage_format, infos)
+    create_arrays(placement, store)
+    for task in placement.tasks():
+        assemble_shard(placement, task, store, ftj.open_dataset)
+    finish(placement, store)
 
 
 @pytest.fixture(scope="module")

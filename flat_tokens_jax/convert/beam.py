@@ -7,7 +7,7 @@
    tokenizer once per worker (``setup``) and writes the file's documents, with
    :func:`~flat_tokens_jax.convert.parts.write_documents`, to a *part* under
    the output's staging prefix.
-2. **Plan**, once: every part's token and sequence offsets; the output
+2. **Place**, once: every part's token and sequence offsets; the output
    arrays are created at their final sizes.
 3. **Assemble**, one element per output shard, in parallel: each shard is
    written whole by one worker from the parts it overlaps.
@@ -45,13 +45,13 @@ from apache_beam.runners.runner import PipelineState
 
 from flat_tokens_jax.convert.assemble import (
     PartInfo,
-    Plan,
+    Placement,
     Task,
     assemble_shard,
     create_arrays,
     finish,
-    make_plan,
     part_url,
+    place_parts,
 )
 from flat_tokens_jax.convert.inputs import (
     InputPath,
@@ -225,14 +225,14 @@ class _Tokenize(beam.DoFn):
         )
 
 
-def _plan(parts: list[PartInfo], job: _Job) -> Plan:
-    plan = make_plan(job.output, job.storage_format, parts)
-    create_arrays(plan, Store(job.output, job.options))
-    return plan
+def _place(parts: list[PartInfo], job: _Job) -> Placement:
+    placement = place_parts(job.output, job.storage_format, parts)
+    create_arrays(placement, Store(job.output, job.options))
+    return placement
 
 
-def _tasks(plan: Plan) -> list[Task]:
-    return plan.tasks()
+def _tasks(placement: Placement) -> list[Task]:
+    return placement.tasks()
 
 
 class _Assemble(beam.DoFn):
@@ -251,8 +251,8 @@ class _Assemble(beam.DoFn):
             functools.partial(_open_part, options=shared)
         )
 
-    def process(self, task: Task, plan: Plan) -> Iterator[int]:
-        yield assemble_shard(plan, task, self.store, self.open_part)
+    def process(self, task: Task, placement: Placement) -> Iterator[int]:
+        yield assemble_shard(placement, task, self.store, self.open_part)
         self.shards.inc()
 
 
@@ -260,16 +260,16 @@ def _open_part(url: str, options: StoreOptions) -> Dataset:
     return open_dataset(url, options)
 
 
-def _finish(shards: int, job: _Job, plan: Plan) -> None:
-    expected = len(plan.tasks())
+def _finish(shards: int, job: _Job, placement: Placement) -> None:
+    expected = len(placement.tasks())
     if shards != expected:
         raise RuntimeError(f"{job.output}: {shards} shards were written, expected {expected}")
-    digests = [p.sha256 for p in plan.parts]
+    digests = [p.sha256 for p in placement.parts]
     hashed = None if None in digests else [d for d in digests if d is not None]
     info = dataclasses.replace(job.info, inputs=inputs_field(job.input_names, hashed))
-    finish(plan, Store(job.output, job.options), info=info)
+    finish(placement, Store(job.output, job.options), info=info)
     for name in ("skipped_empty", "skipped_bad"):
-        Metrics.counter(NAMESPACE, name).inc(sum(getattr(p, name) for p in plan.parts))
+        Metrics.counter(NAMESPACE, name).inc(sum(getattr(p, name) for p in placement.parts))
 
 
 def build_pipeline(
@@ -282,18 +282,18 @@ def build_pipeline(
         | "Spread inputs" >> beam.Reshuffle()
         | "Tokenize" >> beam.ParDo(_Tokenize(job))
     )
-    plan = parts | "Gather parts" >> beam.combiners.ToList() | "Plan" >> beam.Map(_plan, job)
-    plan_view = beam.pvalue.AsSingleton(plan)
+    placement = parts | "Gather parts" >> beam.combiners.ToList() | "Place" >> beam.Map(_place, job)
+    placement_view = beam.pvalue.AsSingleton(placement)
     written = (
-        plan
+        placement
         | "Tasks" >> beam.FlatMap(_tasks)
         | "Spread shards" >> beam.Reshuffle()
-        | "Assemble" >> beam.ParDo(_Assemble(job), plan_view)
+        | "Assemble" >> beam.ParDo(_Assemble(job), placement_view)
     )
     _ = (
         written
         | "Count shards" >> beam.combiners.Count.Globally()
-        | "Finish" >> beam.Map(_finish, job, plan_view)
+        | "Finish" >> beam.Map(_finish, job, placement_view)
     )
 
 

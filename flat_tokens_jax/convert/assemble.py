@@ -314,5 +314,5 @@ def finish(
             handle = open_for_writing(store, split, array, placement.storage_format)
             record_probes(store, split, array, placement.storage_format, handle)
     store.delete_prefix(STAGING)
-    write_groups(store, placement.storage_format, placement.max_token_ids(), root)
+    write_groups(store, placement.storage_format.zarr_format, placement.max_token_ids(), root)
     store.delete(MARKER)

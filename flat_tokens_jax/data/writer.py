@@ -55,12 +55,7 @@ class _ArrayAppender:
     """Appends to one 1-D array, writing whole shards from a bounded buffer."""
 
     def __init__(
-        self,
-        store: Store,
-        split: str,
-        array: str,
-        dtype: np.dtype[Any],
-        storage_format: StorageFormat,
+        self, store: Store, split: str, array: str, dtype: np.dtype, storage_format: StorageFormat
     ) -> None:
         self.wait = store.wait
         self.where = (store, split, array, storage_format)
@@ -237,10 +232,7 @@ def root_attributes(
 
 
 def write_groups(
-    store: Store,
-    storage_format: StorageFormat,
-    max_token_ids: Mapping[str, int],
-    attributes: Mapping[str, Any],
+    store: Store, zarr_format: int, max_token_ids: Mapping[str, int], attributes: Mapping[str, Any]
 ) -> None:
     """Writes each split's group (with its ``max_token_id``), then the root group.
 
@@ -248,8 +240,8 @@ def write_groups(
     last thing written, after every array.
     """
     for name, max_id in max_token_ids.items():
-        store.write_group(name, storage_format.zarr_format, {"max_token_id": max_id})
-    store.write_group("", storage_format.zarr_format, attributes)
+        store.write_group(name, zarr_format, {"max_token_id": max_id})
+    store.write_group("", zarr_format, attributes)
 
 
 class DatasetWriter:
@@ -420,7 +412,7 @@ class DatasetWriter:
                 w.finish()
             max_ids = {name: w.max_token_id for name, w in self._splits.items()}
             root = root_attributes(self.attributes, self.info, tuple(self._splits))
-            write_groups(self.store, self.storage_format, max_ids, root)
+            write_groups(self.store, self.storage_format.zarr_format, max_ids, root)
         except BaseException:
             self._discard()
             raise

@@ -17,6 +17,7 @@ import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from flat_tokens_jax.core.fields import Packing
     from flat_tokens_jax.core.format import FormatError, Problem, decode, encode
     from flat_tokens_jax.data.bins import BinRecords
     from flat_tokens_jax.data.dataset import Dataset, FlatTokens, open_dataset
@@ -40,9 +41,9 @@ if TYPE_CHECKING:
     from flat_tokens_jax.sampling.mixture import Mixture
     from flat_tokens_jax.sampling.sampling import EpochsExhausted, IndexSampler, permute
     from flat_tokens_jax.sampling.schedule import BatchSchedule
-    from flat_tokens_jax.store.layout import Layout
     from flat_tokens_jax.store.location import OverwriteNeeded
     from flat_tokens_jax.store.options import StoreError, StoreOptions
+    from flat_tokens_jax.store.storageformat import StorageFormat
 
 # Public name: the module that defines it.
 _HOMES = {
@@ -56,12 +57,12 @@ _HOMES = {
     "FormatError": "core.format",
     "IndexSampler": "sampling.sampling",
     "InstanceFilter": "decoding.instancefilter",
-    "Layout": "store.layout",
     "Loader": "loader.loader",
     "LoaderConfig": "loader.config",
     "Mixture": "sampling.mixture",
     "OverwriteNeeded": "store.location",
     "PackedRecords": "data.records",
+    "Packing": "core.fields",
     "PackingPlan": "data.plans",
     "PaddedRecords": "data.records",
     "Phase": "loader.phases",
@@ -69,6 +70,7 @@ _HOMES = {
     "Problem": "core.format",
     "Records": "data.records",
     "StateMismatch": "loader.state",
+    "StorageFormat": "store.storageformat",
     "StoreError": "store.options",
     "StoreOptions": "store.options",
     "TokenizerInfo": "store.identity",
@@ -98,12 +100,12 @@ __all__ = [
     "FormatError",
     "IndexSampler",
     "InstanceFilter",
-    "Layout",
     "Loader",
     "LoaderConfig",
     "Mixture",
     "OverwriteNeeded",
     "PackedRecords",
+    "Packing",
     "PackingPlan",
     "PaddedRecords",
     "Phase",
@@ -111,6 +113,7 @@ __all__ = [
     "Problem",
     "Records",
     "StateMismatch",
+    "StorageFormat",
     "StoreError",
     "StoreOptions",
     "TokenizerInfo",

@@ -71,7 +71,7 @@ def main() -> None:
     report: dict = {
         "rows": first.host_rows.tolist(),
         "steps": {},
-        "blocks": [[list(b.rows), list(b.cols)] for b in first.plan.blocks],
+        "blocks": [[list(b.rows), list(b.cols)] for b in first.host_blocks.blocks],
     }
     start = loader.next_step
     before = ft.bytes_read

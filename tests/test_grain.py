@@ -39,8 +39,8 @@ def sequences() -> list[np.ndarray]:
 def path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A store of :func:`sequences` on local disk, so grain's worker processes can open it."""
     out = tmp_path_factory.mktemp("grain") / "ds"
-    layout = ftj.Layout(shard_tokens=1024, chunk_tokens=64)
-    ftj.write_dataset(out, {"train": sequences()}, layout=layout)
+    storage_format = ftj.StorageFormat(shard_tokens=1024, chunk_tokens=64)
+    ftj.write_dataset(out, {"train": sequences()}, storage_format=storage_format)
     return out
 
 
@@ -85,7 +85,7 @@ class CountingRecords:
 
     def __init__(self, records: ftj.Records) -> None:
         self.inner, self.reads = records, 0
-        self.seq_len, self.packed = records.seq_len, records.packed
+        self.seq_len, self.packing = records.seq_len, records.packing
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -107,7 +107,7 @@ class CountingRecords:
 class ArrayRecords:
     """Packed records over encoded tokens held in memory: picklable, unlike a store's."""
 
-    packed = True
+    packing = ftj.Packing.WINDOWS
 
     def __init__(self, seqs: list[np.ndarray], seq_len: int) -> None:
         self.encoded, _ = ftj.encode(seqs)
@@ -189,7 +189,9 @@ def test_elements_equal_brute_force_reference(seqs: list[list[int]], data: st.Da
     seq_len = data.draw(st.integers(1, num_tokens if packing else 20))
     start_token_id, pad_id = data.draw(st.integers(0, 5)), data.draw(st.integers(0, 5))
     url = memory_url()
-    ftj.write_dataset(url, {"train": seqs}, layout=ftj.Layout(shard_tokens=64, chunk_tokens=8))
+    ftj.write_dataset(
+        url, {"train": seqs}, storage_format=ftj.StorageFormat(shard_tokens=64, chunk_tokens=8)
+    )
     src = FlatTokensSource(
         url, seq_len, packing=packing, start_token_id=start_token_id, pad_id=pad_id
     )
@@ -562,7 +564,9 @@ def test_batches_equal_brute_force_reference_on_every_shard(
     seqs: list[list[int]], data: st.DataObject
 ) -> None:
     url = memory_url()
-    ftj.write_dataset(url, {"train": seqs}, layout=ftj.Layout(shard_tokens=32, chunk_tokens=4))
+    ftj.write_dataset(
+        url, {"train": seqs}, storage_format=ftj.StorageFormat(shard_tokens=32, chunk_tokens=4)
+    )
     packing = data.draw(st.booleans())
     seq_len = data.draw(st.integers(1, max(1, sum(map(len, seqs)) // 2)))
     src = FlatTokensSource(url, seq_len, packing)

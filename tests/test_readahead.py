@@ -36,7 +36,9 @@ STEP_BYTES = BATCH * SEQ_LEN * 17  # decoded fields of a step on the host
 
 def split() -> ftj.FlatTokens:
     url = memory_url()
-    ftj.write_dataset(url, {"train": SEQS}, layout=ftj.Layout(shard_tokens=256, chunk_tokens=16))
+    ftj.write_dataset(
+        url, {"train": SEQS}, storage_format=ftj.StorageFormat(shard_tokens=256, chunk_tokens=16)
+    )
     return ftj.open_dataset(url)["train"]
 
 
@@ -45,7 +47,7 @@ class Logged:
 
     def __init__(self, ft: ftj.FlatTokens, delay: float = 0.0) -> None:
         self.inner = ftj.PackedRecords(ft, SEQ_LEN)
-        self.seq_len, self.packed, self.delay = SEQ_LEN, True, delay
+        self.seq_len, self.packing, self.delay = SEQ_LEN, ftj.Packing.WINDOWS, delay
         self.reads: list[list[int]] = []
         self.first = threading.Event()
         self._lock = threading.Lock()

@@ -53,7 +53,9 @@ def splits() -> dict[str, ftj.FlatTokens]:
     out = {}
     for name, seqs in data.items():
         url = memory_url(f"source-{name}")
-        ftj.write_dataset(url, {"train": seqs}, layout=ftj.Layout(shard_tokens=64, chunk_tokens=8))
+        ftj.write_dataset(
+            url, {"train": seqs}, storage_format=ftj.StorageFormat(shard_tokens=64, chunk_tokens=8)
+        )
         out[name] = ftj.open_dataset(url)["train"]
     return out
 

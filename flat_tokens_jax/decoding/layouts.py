@@ -46,8 +46,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.core.values import BadValue, boolean, choice, integer
-from flat_tokens_jax.data.bins import BINS
 from flat_tokens_jax.data.records import Windows
 
 LAYOUTS = ("fields", "segments", "tokens", "maxtext")
@@ -207,7 +207,7 @@ class BatchLayout:
         return out
 
     def check_blocks(
-        self, data: Mapping[Any, Any], seq_len: int, packed: bool | str, where: str
+        self, data: Mapping[Any, Any], seq_len: int, packing: Packing, where: str
     ) -> None:
         """Refuses rows of more runs than ``max_segments`` in blocks read for
         decoding on the devices (``data``: ``Block`` to ``BlockData``, see
@@ -217,7 +217,7 @@ class BatchLayout:
             return
         runs: dict[tuple[int, int], np.ndarray] = {}
         for block, d in data.items():
-            counted = block_runs(d.encoded, d.lengths, block.cols[0], seq_len, packed)
+            counted = block_runs(d.encoded, d.lengths, block.cols[0], seq_len, packing)
             runs[block.rows] = runs.get(block.rows, 0) + counted
         for (first, _), counts in sorted(runs.items()):
             rows = np.arange(first, first + counts.size)
@@ -228,9 +228,7 @@ PLAIN = BatchLayout()
 """The five fields as decoded (``layout="fields"``, no ``max_segments``)."""
 
 
-def check_max_segments(
-    max_segments: int | None, seq_len: int, packing: bool | str, path: str
-) -> None:
+def check_max_segments(max_segments: int | None, seq_len: int, packing: Packing, path: str) -> None:
     """Refuses a ``max_segments`` (at ``path``) that no row of ``seq_len``
     columns can use: above ``seq_len`` (a row holds at most one run a
     column), or below 2 with ``packing="bins"``.
@@ -240,7 +238,7 @@ def check_max_segments(
     """
     if max_segments is None:
         return
-    if packing == BINS and max_segments < 2:
+    if packing is Packing.BINS and max_segments < 2:
         raise BadValue(
             path,
             f"must be >= 2 with packing='bins' (a bin not full is a sequence and "
@@ -290,13 +288,13 @@ def check_runs(
     )
 
 
-def row_starts(windows: Windows, packed: bool | str) -> np.ndarray:
+def row_starts(windows: Windows, packing: Packing) -> np.ndarray:
     """``[k] bool``: whether column 0 of each row read as ``windows`` starts a sequence.
 
     Packed windows: the start bit of their first target (column 1 of the
     window); padded rows and bins: whether the row holds a token.
     """
-    if packed is True:
+    if packing is Packing.WINDOWS:
         return (windows.encoded[:, 1] & 1) == 1
     assert windows.lengths is not None
     return np.asarray(windows.lengths) > 0
@@ -337,7 +335,7 @@ def _lengths_jnp(bounds: Any, max_segments: int) -> Any:
 
 
 def block_runs(
-    encoded: np.ndarray, lengths: np.ndarray, first_column: int, seq_len: int, packed: bool | str
+    encoded: np.ndarray, lengths: np.ndarray, first_column: int, seq_len: int, packing: Packing
 ) -> np.ndarray:
     """``[n] int64``: the runs that begin in a block of encoded rows.
 
@@ -351,7 +349,7 @@ def block_runs(
     if first_column == 0:
         starts[:, :1] = 0
     runs = starts.sum(axis=1) + (1 if first_column == 0 else 0)
-    if packed is not True:
+    if packing is not Packing.WINDOWS:
         eff = np.asarray(lengths, np.int64)
         into_padding = (eff > 0) & (eff < seq_len)
         into_padding &= (eff >= first_column) & (eff < first_column + width)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.decoding.batch_jax import bin_fields_jax, packed_fields_jax, padded_fields_jax
 from flat_tokens_jax.decoding.instancefilter import InstanceFilter, apply_filter_jax
 from flat_tokens_jax.decoding.layouts import PLAIN, WHOLE_ROWS, BatchLayout
@@ -110,7 +111,7 @@ def check_divisible(sharding: jax.sharding.Sharding, batch_size: int, seq_len: i
         )
 
 
-class HostPlan:
+class HostBlocks:
     """The blocks of a ``[batch_size, seq_len]`` batch that this host's devices hold.
 
     Attributes:
@@ -128,10 +129,10 @@ class HostPlan:
         self.columns_sharded = any(b.cols != (0, seq_len) for b in self.blocks)
         if self.columns_sharded and not isinstance(sharding, NamedSharding):
             raise ValueError("sharding the sequence dimension needs a NamedSharding")
-        self._decode: dict[tuple[bool | str, int, int, Any, BatchLayout], Callable[..., Any]] = {}
+        self._decode: dict[tuple[Packing, int, int, Any, BatchLayout], Callable[..., Any]] = {}
 
     def __repr__(self) -> str:
-        return f"HostPlan({len(self.blocks)} blocks, {self.rows.size} rows of {self.shape})"
+        return f"HostBlocks({len(self.blocks)} blocks, {self.rows.size} rows of {self.shape})"
 
     def assemble_rows(self, host: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
         """Global arrays from this host's whole rows (``host[k]`` is ``[rows.size,
@@ -174,18 +175,18 @@ class HostPlan:
         self,
         data: Mapping[Block, BlockData],
         *,
-        packed: bool | str,
+        packing: Packing,
         start_token_id: int,
         pad_id: int,
         instance_filter: InstanceFilter | None = None,
         layout: BatchLayout = PLAIN,
     ) -> dict[str, jax.Array]:
         """Global fields decoded on the devices from per-block encoded tokens."""
-        key = (packed, start_token_id, pad_id, instance_filter, layout)
+        key = (packing, start_token_id, pad_id, instance_filter, layout)
         if key not in self._decode:
             self._decode[key] = jax.jit(
                 self.decoder(
-                    packed=packed,
+                    packing=packing,
                     start_token_id=start_token_id,
                     pad_id=pad_id,
                     instance_filter=instance_filter,
@@ -247,7 +248,7 @@ class HostPlan:
     def decoder(
         self,
         *,
-        packed: bool | str,
+        packing: Packing,
         start_token_id: int,
         pad_id: int,
         instance_filter: InstanceFilter | None = None,
@@ -256,7 +257,7 @@ class HostPlan:
         """The function (to call inside ``jax.jit``) from :meth:`encoded_arrays`
         to the fields of ``layout`` (default: the five fields), after the
         ``instance_filter`` (on whole rows) when one is given, laid out as
-        this plan's sharding (``tokens``, ``segment_lengths`` and ``source``:
+        these blocks' sharding (``tokens``, ``segment_lengths`` and ``source``:
         over its batch axis only). With ``layout.source`` the arrays must hold
         ``source`` (``encoded_arrays(..., source=True)``)."""
         assert isinstance(self.sharding, NamedSharding)
@@ -278,13 +279,15 @@ class HostPlan:
                 encoded["lengths"],
                 None if mask is None else lay_out(mask, whole_rows),
                 encoded["real"],
-                packed=packed,
+                packing=packing,
                 start_token_id=start_token_id,
                 pad_id=pad_id,
             )
             fields = apply_filter_jax(instance_filter, fields)
             if not layout.plain:
-                starts = (rows[:, 0] & 1) == 1 if packed is True else encoded["lengths"] > 0
+                starts = (
+                    (rows[:, 0] & 1) == 1 if packing is Packing.WINDOWS else encoded["lengths"] > 0
+                )
                 sources = encoded.get("source")
                 fields = layout.apply(fields, starts & encoded["real"], xp=jnp, sources=sources)
             rows_only = {1: by_row, 2: whole_rows}
@@ -309,16 +312,16 @@ def _decode(
     stored_mask: jax.Array | None,
     real: jax.Array,
     *,
-    packed: bool | str,
+    packing: Packing,
     start_token_id: int,
     pad_id: int,
 ) -> dict[str, jax.Array]:
-    if packed == "bins":
+    if packing is Packing.BINS:
         windows = jnp.concatenate([before[:, :1], encoded], axis=1)
         fields = bin_fields_jax(
             windows, lengths, start_token_id=start_token_id, pad_id=pad_id, stored_mask=stored_mask
         )
-    elif packed:
+    elif packing is Packing.WINDOWS:
         windows = jnp.concatenate([before[:, :1], encoded], axis=1)
         fields = packed_fields_jax(windows, start_token_id=start_token_id, stored_mask=stored_mask)
     else:
@@ -330,17 +333,17 @@ def _decode(
     return {k: jnp.where(keep, v, jnp.asarray(fills.get(k, 0), v.dtype)) for k, v in fields.items()}
 
 
-def host_plans(
+def host_blocks_per_size(
     sharding: jax.sharding.Sharding | None, schedule: BatchSchedule, seq_len: int
-) -> dict[int, HostPlan]:
-    """This host's plan for each batch size of ``schedule`` (none without a sharding)."""
-    plans: dict[int, HostPlan] = {}
+) -> dict[int, HostBlocks]:
+    """This host's blocks for each batch size of ``schedule`` (none without a sharding)."""
+    held: dict[int, HostBlocks] = {}
     if sharding is None:
-        return plans
+        return held
     for step, size in schedule.entries:
-        if size not in plans:
+        if size not in held:
             try:
-                plans[size] = HostPlan(sharding, size, seq_len)
+                held[size] = HostBlocks(sharding, size, seq_len)
             except ValueError as e:
                 if schedule.constant is not None:
                     raise
@@ -348,7 +351,7 @@ def host_plans(
                     f"batch_size entry ({step}, {size}): from step {step} {e}; choose "
                     "sizes that divide over the mesh"
                 ) from None
-    return plans
+    return held
 
 
 def _reshard() -> Callable[[jax.Array, NamedSharding], jax.Array]:

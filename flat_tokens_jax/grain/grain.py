@@ -47,6 +47,7 @@ from typing import Any, SupportsIndex
 import numpy as np
 
 from flat_tokens_jax.core import fields
+from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, Windows, recorded_info
@@ -105,7 +106,8 @@ class FlatTokensSource:
             windows of the concatenated tokens; False: one sequence per record,
             truncated and right-padded; ``"bins"``: whole sequences packed by
             the split's packing plan (see ``LoaderConfig.packing``); the plan
-            travels with the pickled source. Records bring their own.
+            travels with the pickled source. Records bring their own. Held
+            as its :class:`~flat_tokens_jax.Packing` (attribute ``packing``).
         split: the split to read from a URL.
         plan_cache: where a packing plan built for ``packing="bins"`` is
             cached (``None``: built, not cached).
@@ -158,7 +160,7 @@ class FlatTokensSource:
         self,
         source: str | os.PathLike[str] | FlatTokens | Records | Mixture,
         seq_len: int | None = None,
-        packing: bool | str | None = None,
+        packing: Packing | bool | str | None = None,
         *,
         split: str = "train",
         plan_cache: str | os.PathLike[str] | None = None,
@@ -190,13 +192,13 @@ class FlatTokensSource:
                     f"{records!r} has no records: the split holds fewer than "
                     f"seq_len={records.seq_len} tokens or no sequences"
                 )
-        self.seq_len, self.packed = first.seq_len, first.packed
+        self.seq_len, self.packing = first.seq_len, first.packing
         names = ("0",) if self.mixture is None else self.mixture.names
         self.infos = [(n, recorded_info(r)) for n, r in zip(names, components, strict=True)]
         # A Mixture's components may record different things: then none is the data's.
         same = all(i == self.infos[0][1] for _, i in self.infos)
         self.info: DatasetInfo | None = self.infos[0][1] if same else None
-        config = LoaderConfig(1, self.seq_len, self.packed, start_token_id=start_token_id)
+        config = LoaderConfig(1, self.seq_len, self.packing, start_token_id=start_token_id)
         self.start_token_id, self.pad_id = resolve_start_token_id(config, self.infos), pad_id
         self._components: tuple[Records, ...] | None = components
         self._decoder: BlockDecoder | None = None
@@ -302,14 +304,14 @@ class FlatTokensSource:
         def decode(c: int, windows: Windows) -> dict[str, np.ndarray]:
             return decoder.decode(
                 windows,
-                components[c].packed,
+                components[c].packing,
                 self.seq_len,
                 start_token_id=self.start_token_id,
                 pad_id=self.pad_id,
             )
 
-        packed = [r.packed for r in components]
-        fields, starts = join_parts(real.size, parts, decode, packed, self.seq_len, self.pad_id)
+        packings = [r.packing for r in components]
+        fields, starts = join_parts(real.size, parts, decode, packings, self.seq_len, self.pad_id)
         apply_filter(self.instance_filter, fields, decoder.run_blocks)
         if self.layout.plain:
             return fields

@@ -19,7 +19,6 @@ import jax
 from flat_tokens_jax.core import fields
 from flat_tokens_jax.core.values import BadValue, boolean, choice, integer, known_keys
 from flat_tokens_jax.core.yamlfile import read_yaml
-from flat_tokens_jax.data.bins import check_packing
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, check_source
 from flat_tokens_jax.decoding.instancefilter import InstanceFilter
@@ -51,6 +50,9 @@ class LoaderConfig:
             ``pad_id``. ``"bins"``: whole sequences (each truncated to
             ``seq_len``) packed into a row by the split's packing plan, padded
             at the end; for fine-tuning (see :class:`~flat_tokens_jax.BinRecords`).
+            Held as its :class:`~flat_tokens_jax.Packing` (``WINDOWS``,
+            ``PADDED``, ``BINS``), which may also be given; saved states and
+            fingerprints hold the value as written (``true``, ``false``, ``"bins"``).
         shuffle: visit records in a fresh pseudo-random order each epoch.
             False: in order (evaluation).
         seed: the shuffle's key. Recommended: one per training run.
@@ -127,7 +129,7 @@ class LoaderConfig:
 
     batch_size: BatchSizeSpec
     seq_len: int
-    packing: bool | str = True
+    packing: fields.Packing = fields.Packing.WINDOWS
     shuffle: bool = True
     seed: int = 0
     num_epochs: int | None = None
@@ -217,12 +219,12 @@ class LoaderConfig:
 
     def batch_defining(self) -> dict[str, Any]:
         """The :data:`BATCH_DEFINING` fields, JSON-ready (``batch_size`` an int
-        or ``[[start_step, size], ...]``; ``instance_filter`` its fields, left
-        out when off)."""
+        or ``[[start_step, size], ...]``; ``packing`` as written, ``true``,
+        ``false`` or ``"bins"``; ``instance_filter`` its fields, left out when off)."""
         values = {k: v for k, v in dataclasses.asdict(self).items() if k in BATCH_DEFINING}
         if self.instance_filter is None:
             del values["instance_filter"]
-        return {**values, "batch_size": self.schedule.spec()}
+        return {**values, "batch_size": self.schedule.spec(), "packing": self.packing.value}
 
 
 BATCH_DEFINING = (
@@ -259,7 +261,7 @@ _POSITIVE = functools.partial(integer, low=1, optional=True)
 FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "batch_size": _batch_size,
     "seq_len": fields.seq_len,
-    "packing": check_packing,
+    "packing": fields.packing,
     "shuffle": boolean,
     "seed": fields.seed,
     "num_epochs": _POSITIVE,

@@ -3,7 +3,7 @@ fields in the configured layout, read ahead.
 
 :class:`StepEngine` holds everything a step's fields depend on (what the
 loader reads, :class:`~flat_tokens_jax.loader.sources.Sources`; the samplers,
-the schedule, the sharding's row plans, the decoder and the instance filter)
+the schedule, this host's blocks under the sharding, the decoder and the instance filter)
 and computes a step in two stages: :meth:`StepEngine.request` starts reading
 its records and returns what waits for them (:class:`Fetched`), or for
 decoding on the devices its encoded blocks
@@ -37,7 +37,7 @@ from flat_tokens_jax.decoding.hostdecode import (
     row_sources,
 )
 from flat_tokens_jax.decoding.instancefilter import FilteredRows
-from flat_tokens_jax.decoding.sharding import HostPlan, host_plans
+from flat_tokens_jax.decoding.sharding import HostBlocks, host_blocks_per_size
 from flat_tokens_jax.loader.deviceblocks import Blocks, DeviceBlocks
 from flat_tokens_jax.loader.feed import Feed, timed
 from flat_tokens_jax.loader.pipeline import Ahead
@@ -95,11 +95,13 @@ class StepEngine:
         self.samplers = sources.samplers(streams)
         self.sampler = self.samplers[0]
         self.schedule = config.schedule
-        self._plans = host_plans(sharding, self.schedule, config.seq_len)
+        self._host_blocks = host_blocks_per_size(sharding, self.schedule, config.seq_len)
         self.steps = StepSamples(
             self.samplers, self.mixture, self.schedule, self.host_rows_at, config.num_epochs
         )
-        self.blocks = DeviceBlocks(sources, self.steps, sharding, self._plans, self.source_ids)
+        self.blocks = DeviceBlocks(
+            sources, self.steps, sharding, self._host_blocks, self.source_ids
+        )
         self.block_decoder = BlockDecoder(config.decode_threads or default_threads())
         self.filter = FilteredRows(config.instance_filter, self.block_decoder.run_blocks)
         # Reading ahead, the read stage takes a core of its own (see pipeline).
@@ -108,21 +110,21 @@ class StepEngine:
         self.lookup = max(config.prefetch or 0, LOOKUP_AHEAD)
         self._last: Door[Any] | None = None  # the door that handed out the last step
         if config.decode == "device":
-            self.blocks.plan(0)  # refuses a sharding it cannot decode under
+            self.blocks.host_blocks_at(0)  # refuses a sharding it cannot decode under
 
     def __repr__(self) -> str:
         return f"StepEngine({self.records!r}, {self.config!r})"
 
-    def plan_at(self, step: int) -> HostPlan | None:
+    def host_blocks_at(self, step: int) -> HostBlocks | None:
         """The blocks this host reads at ``step`` (``None`` without a sharding)."""
-        return self._plans.get(self.schedule.size(step))
+        return self._host_blocks.get(self.schedule.size(step))
 
     def host_rows_at(self, step: int) -> np.ndarray:
         """``[k] int64`` the global rows this host reads at ``step``, ascending."""
-        plan = self.plan_at(step)
-        if plan is None:
+        held = self.host_blocks_at(step)
+        if held is None:
             return np.arange(self.schedule.size(step), dtype=np.int64)
-        return plan.rows
+        return held.rows
 
     @property
     def num_batches(self) -> int | None:
@@ -134,7 +136,7 @@ class StepEngine:
     ) -> dict[str, np.ndarray]:
         return self.block_decoder.decode(
             windows,
-            self.components[component].packed,
+            self.components[component].packing,
             self.config.seq_len,
             start_token_id=self.start_token_id,
             pad_id=self.config.pad_id,
@@ -160,7 +162,7 @@ class StepEngine:
             fetched.rows,
             fetched.parts,
             lambda c, windows: self._decode(c, windows, threads),
-            [r.packed for r in self.components],
+            [r.packing for r in self.components],
             self.config.seq_len,
             self.config.pad_id,
         )
@@ -186,9 +188,9 @@ class StepEngine:
         if host:
             return self.request_rows(step, self.host_rows_at(step), ahead)
         device = self.config.decode == "device"
-        plan = self.blocks.plan(step) if device else self.plan_at(step)
-        if plan is not None and (device or plan.columns_sharded):
-            blocks = self.blocks.read(step, plan)
+        held = self.blocks.host_blocks_at(step) if device else self.host_blocks_at(step)
+        if held is not None and (device or held.columns_sharded):
+            blocks = self.blocks.read(step, held)
             return lambda: blocks
         return self.request_rows(step, self.host_rows_at(step), ahead)
 

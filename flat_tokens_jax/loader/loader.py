@@ -24,7 +24,7 @@ from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, sources_of
 from flat_tokens_jax.decoding.hostdecode import BlockDecoder
-from flat_tokens_jax.decoding.sharding import HostPlan
+from flat_tokens_jax.decoding.sharding import HostBlocks
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.deviceblocks import Blocks
 from flat_tokens_jax.loader.engine import Fetched, StepEngine
@@ -101,8 +101,8 @@ class Loader:
         self.samplers, self.sampler, self.steps = engine.samplers, engine.sampler, engine.steps
         # Steps read ahead, for `iterate`, `start` and consecutive `batch` calls.
         self._door = engine.door(self._finish, "ftj-prefetch")
-        # Step 0's; a schedule's later steps may differ: see plan_at, host_rows_at.
-        self.plan, self.host_rows = self.plan_at(0), self.host_rows_at(0)
+        # Step 0's; a schedule's later steps may differ: see host_blocks_at, host_rows_at.
+        self.host_blocks, self.host_rows = self.host_blocks_at(0), self.host_rows_at(0)
         self.next_step = 0
 
     def __repr__(self) -> str:
@@ -122,9 +122,9 @@ class Loader:
         """How long the last step :meth:`batch` or :meth:`iterate` handed out waited for it."""
         return self._door.wait_seconds
 
-    def plan_at(self, step: int) -> HostPlan | None:
+    def host_blocks_at(self, step: int) -> HostBlocks | None:
         """The blocks this host reads at ``step`` (``None`` without a sharding)."""
-        return self.engine.plan_at(step)
+        return self.engine.host_blocks_at(step)
 
     def host_rows_at(self, step: int) -> np.ndarray:
         """``[k] int64`` the global rows this host reads at ``step``, ascending."""
@@ -203,8 +203,8 @@ class Loader:
         Everything of it involves no collective: safe in any thread."""
         if isinstance(part, Blocks):
             return part
-        fields, plan = self.engine.fields(part, step, threads), self.plan_at(step)
-        return jax.device_put(fields) if plan is None else plan.assemble_rows(fields)
+        fields, held = self.engine.fields(part, step, threads), self.host_blocks_at(step)
+        return jax.device_put(fields) if held is None else held.assemble_rows(fields)
 
     def _on_devices(self, part: dict[str, jax.Array] | Blocks) -> dict[str, jax.Array]:
         """Finishes a step; decoding across hosts runs collectives, so call it in step order."""

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from flat_tokens_jax.core.values import integer
-from flat_tokens_jax.decoding.sharding import HostPlan
+from flat_tokens_jax.decoding.sharding import HostBlocks
 from flat_tokens_jax.loader.engine import StepEngine
 from flat_tokens_jax.loader.loader import Loader
 from flat_tokens_jax.loader.phases import (
@@ -286,9 +286,9 @@ class PhasedLoader:
         """Global rows of the batch at ``step``."""
         return self._in_phase(step, lambda loader, local: loader.schedule.size(local))
 
-    def plan_at(self, step: int) -> HostPlan | None:
+    def host_blocks_at(self, step: int) -> HostBlocks | None:
         """The blocks this host reads at ``step`` (``None`` without a sharding)."""
-        return self._in_phase(step, Loader.plan_at)
+        return self._in_phase(step, Loader.host_blocks_at)
 
     def host_rows_at(self, step: int) -> np.ndarray:
         """``[k] int64`` the global rows this host reads at ``step``, ascending."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import importlib.metadata
 import os
 import pickle
 import re
@@ -26,7 +25,6 @@ from flat_tokens_jax.data.records import Windows
 from flat_tokens_jax.grain.grain import FlatTokensSource, ScheduledBatches
 
 SEQ_LEN = 16
-GRAIN_VERSION = tuple(int(p) for p in importlib.metadata.version("grain").split(".")[:3])
 FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 
@@ -464,8 +462,11 @@ def test_worker_processes_from_a_plain_script_exit_cleanly(
     assert done.returncode == 0, done.stderr
     for noise in ("Traceback", "Exception ignored"):
         assert noise not in done.stderr, done.stderr
-    if GRAIN_VERSION >= (0, 2, 18):  # grain 0.2.13 drops batches still queued without unlinking
-        assert "leaked shared_memory" not in done.stderr, done.stderr
+    # The shared memory of a batch the script leaves, queued or held, is
+    # removed by Python's resource tracker once the script ends, with this
+    # warning, before the run returns: /dev/shm counted before and after
+    # would show nothing left, leak or not.
+    assert "leaked shared_memory" not in done.stderr, done.stderr
     got = np.load(out)
     src = FlatTokensSource(path, SEQ_LEN)
     sampler = grain.samplers.IndexSampler(

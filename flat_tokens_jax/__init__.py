@@ -17,10 +17,12 @@ import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from flat_tokens_jax.core.fields import Packing
     from flat_tokens_jax.core.format import FormatError, Problem, decode, encode
     from flat_tokens_jax.data.bins import BinRecords
     from flat_tokens_jax.data.dataset import Dataset, FlatTokens, open_dataset
     from flat_tokens_jax.decoding.instancefilter import InstanceFilter
+    from flat_tokens_jax.decoding.persource import per_source
     from flat_tokens_jax.loader.config import LoaderConfig
     from flat_tokens_jax.store.identity import DatasetInfo, TokenizerInfo
 
@@ -40,9 +42,9 @@ if TYPE_CHECKING:
     from flat_tokens_jax.sampling.mixture import Mixture
     from flat_tokens_jax.sampling.sampling import EpochsExhausted, IndexSampler, permute
     from flat_tokens_jax.sampling.schedule import BatchSchedule
-    from flat_tokens_jax.store.layout import Layout
     from flat_tokens_jax.store.location import OverwriteNeeded
     from flat_tokens_jax.store.options import StoreError, StoreOptions
+    from flat_tokens_jax.store.storageformat import StorageFormat
 
 # Public name: the module that defines it.
 _HOMES = {
@@ -56,12 +58,12 @@ _HOMES = {
     "FormatError": "core.format",
     "IndexSampler": "sampling.sampling",
     "InstanceFilter": "decoding.instancefilter",
-    "Layout": "store.layout",
     "Loader": "loader.loader",
     "LoaderConfig": "loader.config",
     "Mixture": "sampling.mixture",
     "OverwriteNeeded": "store.location",
     "PackedRecords": "data.records",
+    "Packing": "core.fields",
     "PackingPlan": "data.plans",
     "PaddedRecords": "data.records",
     "Phase": "loader.phases",
@@ -69,6 +71,7 @@ _HOMES = {
     "Problem": "core.format",
     "Records": "data.records",
     "StateMismatch": "loader.state",
+    "StorageFormat": "store.storageformat",
     "StoreError": "store.options",
     "StoreOptions": "store.options",
     "TokenizerInfo": "store.identity",
@@ -78,6 +81,7 @@ _HOMES = {
     "mixture_from_config": "sampling.mixconfig",
     "open_dataset": "data.dataset",
     "pack_dataset": "data.storedplans",
+    "per_source": "decoding.persource",
     "permute": "sampling.sampling",
     "phases_from_config": "loader.phaseconfig",
     "phases_from_yaml": "loader.phaseconfig",
@@ -100,12 +104,12 @@ __all__ = [
     "FormatError",
     "IndexSampler",
     "InstanceFilter",
-    "Layout",
     "Loader",
     "LoaderConfig",
     "Mixture",
     "OverwriteNeeded",
     "PackedRecords",
+    "Packing",
     "PackingPlan",
     "PaddedRecords",
     "Phase",
@@ -113,6 +117,7 @@ __all__ = [
     "Problem",
     "Records",
     "StateMismatch",
+    "StorageFormat",
     "StoreError",
     "StoreOptions",
     "TokenizerInfo",
@@ -121,6 +126,7 @@ __all__ = [
     "mixture_from_config",
     "open_dataset",
     "pack_dataset",
+    "per_source",
     "permute",
     "phases_from_config",
     "phases_from_yaml",

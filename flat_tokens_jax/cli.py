@@ -434,9 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "pack",
         help="store the packing plan of whole sequences into rows of --seq-len",
-        description="Builds the plan that LoaderConfig(packing='bins') uses and stores it "
-        "in the dataset (group <split>/bins_<seq_len>), so loaders need not build it. "
-        "Replaces a plan stored before for the same --seq-len.",
+        description="Builds the packing plan that LoaderConfig(packing='bins') uses and "
+        "stores it in the dataset (group <split>/bins_<seq_len>), so loaders need not build "
+        "it. Replaces a packing plan stored before for the same --seq-len.",
     )
     _store_args(p)
     p.add_argument("--seq-len", type=at_least(1), required=True, help="tokens per row")

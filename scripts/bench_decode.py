@@ -48,6 +48,7 @@ import jax
 import numpy as np
 
 from flat_tokens_jax.core import compiled
+from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.data.records import Windows
 from flat_tokens_jax.decoding.batch import FIELDS, packed_fields, packed_fields_jax, padded_fields
 from flat_tokens_jax.decoding.hostdecode import BlockDecoder
@@ -61,9 +62,10 @@ t = time.perf_counter()
 from flat_tokens_jax.core import compiled
 kernels = compiled.kernels()
 imported = time.perf_counter() - t
+from flat_tokens_jax.core.fields import Packing
 w = np.zeros((4, 9), np.uint32)
 t = time.perf_counter()
-kernels.decode_rows(w, None, None, True, (0, 4), start_token_id=0, pad_id=0, out={
+kernels.decode_rows(w, None, None, Packing.WINDOWS, (0, 4), start_token_id=0, pad_id=0, out={
     k: np.empty((4, 8), bool if k == "loss_mask" else np.int32)
     for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")})
 print(imported, time.perf_counter() - t)
@@ -204,7 +206,9 @@ def main() -> None:
                 decoder = BlockDecoder(threads, kernel=kernel)
                 name = f"BlockDecoder {kernel}, {threads} thread(s)"
                 decoders[name] = decoder
-                variants[name] = partial(decoder.decode, Windows(w), True, seq_len, **IDS)
+                variants[name] = partial(
+                    decoder.decode, Windows(w), Packing.WINDOWS, seq_len, **IDS
+                )
 
         expected = packed_fields(w)
         for name, got in [
@@ -212,7 +216,10 @@ def main() -> None:
             ("dense", dense_into(w, empty_fields(batch, seq_len))),
             ("dense blocked", dense_blocked_into(w, empty_fields(batch, seq_len))),
             ("jax", {k: np.asarray(v) for k, v in jitted(w).items()}),
-            *((name, d.decode(Windows(w), True, seq_len, **IDS)) for name, d in decoders.items()),
+            *(
+                (name, d.decode(Windows(w), Packing.WINDOWS, seq_len, **IDS))
+                for name, d in decoders.items()
+            ),
         ]:
             for k in FIELDS:
                 if not np.array_equal(got[k], expected[k]):

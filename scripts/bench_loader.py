@@ -83,9 +83,9 @@ def synthetic(num_tokens: int, seed: int = 0) -> Iterator[np.ndarray]:
         yield np.minimum(rng.zipf(1.2, n), 50_000)
 
 
-def write(path: Path, layout: ftj.Layout, num_tokens: int) -> float:
+def write(path: Path, storage_format: ftj.StorageFormat, num_tokens: int) -> float:
     began = time.perf_counter()
-    with ftj.DatasetWriter(path, layout=layout, overwrite=True) as w:
+    with ftj.DatasetWriter(path, storage_format=storage_format, overwrite=True) as w:
         w.extend("train", synthetic(num_tokens))
     return time.perf_counter() - began
 
@@ -232,7 +232,7 @@ def stage_costs(
             f"decode: the five fields from the windows ({loader.block_decoder.kernel})",
             ms(
                 lambda s: loader.block_decoder.decode(
-                    windows[s], True, cfg.seq_len, start_token_id=0, pad_id=0
+                    windows[s], ftj.Packing.WINDOWS, cfg.seq_len, start_token_id=0, pad_id=0
                 )
             ),
         ),
@@ -240,7 +240,7 @@ def stage_costs(
             "decode: the same with numpy",
             ms(
                 lambda s: numpy_decoder.decode(
-                    windows[s], True, cfg.seq_len, start_token_id=0, pad_id=0
+                    windows[s], ftj.Packing.WINDOWS, cfg.seq_len, start_token_id=0, pad_id=0
                 )
             ),
         ),
@@ -287,8 +287,9 @@ def side_chunk_costs(root: Path, tokens: int, cfg: ftj.LoaderConfig, steps: list
     variants = ("checked", "content only", "trusted")
     print("| layout | variant | first pass | steady state | check alone, first pass |")
     print("| --- | --- | ---: | ---: | ---: |")
-    for name, layout in (("default", ftj.Layout()), ("2^16", ftj.Layout(shard_tokens=1 << 16))):
-        write(path := root / name.replace("^", ""), layout, tokens)
+    formats = (("default", ftj.StorageFormat()), ("2^16", ftj.StorageFormat(shard_tokens=1 << 16)))
+    for name, storage_format in formats:
+        write(path := root / name.replace("^", ""), storage_format, tokens)
         times = np.zeros((15, len(variants), 3))  # [rep, variant, (first, steady, alone)]
         for rep in range(15):
             loaders, alone = [], []
@@ -348,7 +349,7 @@ def main() -> None:
     if args.layouts:
         try:
             path = root / "uncompressed"
-            write(path, ftj.Layout(), args.tokens)
+            write(path, ftj.StorageFormat(), args.tokens)
             cfg = ftj.LoaderConfig(
                 batch_size=args.batch, seq_len=args.seq_len, seed=1, packing=not args.padded
             )
@@ -358,18 +359,18 @@ def main() -> None:
             if args.dir is None:
                 shutil.rmtree(root, ignore_errors=True)
         return
-    layouts = {
-        "uncompressed": ftj.Layout(),
-        "uncompressed, no checksums": ftj.Layout(checksum=False),
-        "zstd": ftj.Layout(compression="zstd", chunk_tokens=1 << 14),
+    formats = {
+        "uncompressed": ftj.StorageFormat(),
+        "uncompressed, no checksums": ftj.StorageFormat(checksum=False),
+        "zstd": ftj.StorageFormat(compression="zstd", chunk_tokens=1 << 14),
     }
     B, L = args.batch, args.seq_len
     rows = []
     stages: list[tuple[str, float]] = []
     try:
-        for name, layout in layouts.items():
+        for name, storage_format in formats.items():
             path = root / name
-            write_s = write(path, layout, args.tokens)
+            write_s = write(path, storage_format, args.tokens)
             ft = ftj.open_dataset(path)["train"]
             raw = root / f"{name}.u32"
             ft.encoded_ranges([0], [ft.num_tokens])[0].tofile(raw)

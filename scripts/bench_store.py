@@ -1,8 +1,8 @@
-"""Benchmark flat-tokens store layouts against a raw ``np.memmap`` file.
+"""Benchmark flat-tokens storage formats against a raw ``np.memmap`` file.
 
 Writes synthetic tokens (Zipf-distributed ids, which compress like real BPE text,
 in lognormal-length sequences of ~1,000 tokens) to a raw ``uint32`` file and to
-datasets in several zarr layouts, reads the same random slices through
+datasets in several zarr storage formats, reads the same random slices through
 ``FlatTokens.encoded_ranges`` and ``np.memmap``, and prints a Markdown table.
 
 Every file is read once before timing, so both readers run from a warm page
@@ -13,7 +13,7 @@ between readers, to damp noise from other jobs.
 Run from the repository root (about 10 minutes on 2 cores with the defaults)::
 
     .venv/bin/python scripts/bench_store.py
-    .venv/bin/python scripts/bench_store.py --tokens 50_000_000 --layouts v3-c13,v3-c16-zstd3
+    .venv/bin/python scripts/bench_store.py --tokens 50_000_000 --formats v3-c13,v3-c16-zstd3
 """
 
 from __future__ import annotations
@@ -35,15 +35,15 @@ import flat_tokens_jax as ftj
 VOCAB = 50257
 GEN_BLOCK = 1 << 24  # tokens generated, or fed to the writer, at a time
 DEFAULT = "v3-c13"
-LAYOUTS = {
-    DEFAULT: ftj.Layout(),
-    "v3-c13-nocrc": ftj.Layout(checksum=False),
-    "v3-c14": ftj.Layout(chunk_tokens=1 << 14),
-    "v3-c16": ftj.Layout(chunk_tokens=1 << 16),
-    "v3-c14-zstd3": ftj.Layout(chunk_tokens=1 << 14, compression="zstd"),
-    "v3-c16-zstd3": ftj.Layout(chunk_tokens=1 << 16, compression="zstd"),
-    "v2-c20": ftj.Layout(zarr_format=2, shard_tokens=1 << 20, compression=None),
-    "v2-c20-blosc": ftj.Layout(zarr_format=2),
+FORMATS = {
+    DEFAULT: ftj.StorageFormat(),
+    "v3-c13-nocrc": ftj.StorageFormat(checksum=False),
+    "v3-c14": ftj.StorageFormat(chunk_tokens=1 << 14),
+    "v3-c16": ftj.StorageFormat(chunk_tokens=1 << 16),
+    "v3-c14-zstd3": ftj.StorageFormat(chunk_tokens=1 << 14, compression="zstd"),
+    "v3-c16-zstd3": ftj.StorageFormat(chunk_tokens=1 << 16, compression="zstd"),
+    "v2-c20": ftj.StorageFormat(zarr_format=2, shard_tokens=1 << 20, compression=None),
+    "v2-c20-blosc": ftj.StorageFormat(zarr_format=2),
 }
 
 HEADER = (
@@ -145,11 +145,11 @@ def compare(
 def measure(
     name: str, n: int, raw: np.ndarray, lengths: np.ndarray, root: Path, args: argparse.Namespace
 ) -> tuple[list[list[str]], dict[int, dict[str, float]]]:
-    """Writes ``n`` tokens in layout ``name`` and reads them; returns table rows and,
-    for the default layout at full size, slices/s by read length."""
+    """Writes ``n`` tokens in storage format ``name`` and reads them; returns table rows and,
+    for the default storage format at full size, slices/s by read length."""
     path = root / f"{name}-{n}"
     t0 = time.perf_counter()
-    with ftj.DatasetWriter(path, layout=LAYOUTS[name], splits=("train",)) as w:
+    with ftj.DatasetWriter(path, storage_format=FORMATS[name], splits=("train",)) as w:
         w.extend("train", sequences(raw, truncate(lengths, n)))
     write_s = time.perf_counter() - t0
     disk = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
@@ -168,7 +168,7 @@ def measure(
     overhead = {1: compare(readers, starts, 1, args), args.slice: rates} if full else {}
     if not args.keep:
         shutil.rmtree(path)
-    desc, mb, slice_mb = describe(LAYOUTS[name]), 4 * n / 1e6, 4 * args.slice / 1e6
+    desc, mb, slice_mb = describe(FORMATS[name]), 4 * n / 1e6, 4 * args.slice / 1e6
     rows = [
         [
             desc if reader == "ours" else f"{desc} + {reader}",
@@ -186,14 +186,24 @@ def measure(
     return rows, overhead
 
 
-def describe(layout: ftj.Layout) -> str:
-    shard, chunk = layout.shard_tokens.bit_length() - 1, layout.chunk_tokens.bit_length() - 1
-    where = (
-        f"v2 chunk 2^{shard}" if layout.zarr_format == 2 else f"v3 shard 2^{shard} chunk 2^{chunk}"
+def describe(storage_format: ftj.StorageFormat) -> str:
+    shard, chunk = (
+        storage_format.shard_tokens.bit_length() - 1,
+        storage_format.chunk_tokens.bit_length() - 1,
     )
-    codec = {"zstd": f" zstd{layout.zstd_level}", "blosc": f" blosc-zstd{layout.zstd_level}"}
+    where = (
+        f"v2 chunk 2^{shard}"
+        if storage_format.zarr_format == 2
+        else f"v3 shard 2^{shard} chunk 2^{chunk}"
+    )
+    codec = {
+        "zstd": f" zstd{storage_format.zstd_level}",
+        "blosc": f" blosc-zstd{storage_format.zstd_level}",
+    }
     return (
-        where + codec.get(layout.compression or "", " raw") + (" crc32c" if layout.checksum else "")
+        where
+        + codec.get(storage_format.compression or "", " raw")
+        + (" crc32c" if storage_format.checksum else "")
     )
 
 
@@ -204,8 +214,12 @@ def markdown(header: list[str], rows: list[list[str]]) -> str:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=500_000_000, help="default layout's dataset")
-    p.add_argument("--small-tokens", type=int, default=100_000_000, help="other layouts' dataset")
+    p.add_argument(
+        "--tokens", type=int, default=500_000_000, help="default storage format's dataset"
+    )
+    p.add_argument(
+        "--small-tokens", type=int, default=100_000_000, help="other storage formats' dataset"
+    )
     p.add_argument("--dir", default=None, help="parent of the work folder (default: /tmp)")
     p.add_argument("--keep", action="store_true", help="keep the work folder")
     p.add_argument("--reads", type=int, default=20_000, help="random slices per measurement")
@@ -213,17 +227,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=256, help="slices per encoded_ranges call")
     p.add_argument("--repeats", type=int, default=3, help="runs per reader; the best counts")
     p.add_argument("--max-seconds", type=float, default=10.0, help="time cap per run")
-    p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"subset of {','.join(LAYOUTS)}")
+    p.add_argument("--formats", default=",".join(FORMATS), help=f"subset of {','.join(FORMATS)}")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    names = args.layouts.split(",")
-    unknown = sorted(set(names) - LAYOUTS.keys())
+    names = args.formats.split(",")
+    unknown = sorted(set(names) - FORMATS.keys())
     if unknown:
-        raise SystemExit(f"unknown layouts {unknown}: choose from {','.join(LAYOUTS)}")
+        raise SystemExit(f"unknown storage formats {unknown}: choose from {','.join(FORMATS)}")
     small = min(args.small_tokens, args.tokens)
     plan = [(n, args.tokens) for n in names if n == DEFAULT]
     plan += [(n, small) for n in names if (n, small) not in plan]

@@ -82,14 +82,14 @@ def served(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Served]:
     """500 random sequences of 20 to 400 tokens, written with the test
-    module's ``LAYOUT`` to local disk and served from there as
+    module's ``STORAGE_FORMAT`` to local disk and served from there as
     ``s3://bucket/ds`` by the read-only S3 stand-in (its work per request is a
     file read, so a loaded machine slows it little)."""
-    layout: ftj.Layout = request.module.LAYOUT
+    storage_format: ftj.StorageFormat = request.module.STORAGE_FORMAT
     rng = np.random.default_rng(3)
     seqs = [rng.integers(1, 1000, int(n)) for n in rng.integers(20, 400, 500)]
     folder = tmp_path_factory.mktemp("served")
-    ftj.write_dataset(folder / "bucket" / "ds", {"train": seqs}, layout=layout)
+    ftj.write_dataset(folder / "bucket" / "ds", {"train": seqs}, storage_format=storage_format)
     with s3_files(folder) as base:
         options = ftj.StoreOptions(endpoint=base, region="us-east-1", credentials="anonymous")
         yield Served(

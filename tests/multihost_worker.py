@@ -51,10 +51,10 @@ def main() -> None:
         first = loader.loaders[0]
     else:
         source = ft
-        if config.get("mixture"):  # [[first, stop, weight], ...]: views of the split, blended
-            parts = [(str(i), ft.view(a, b), w) for i, (a, b, w) in enumerate(config["mixture"])]
-            source = ftj.Mixture(parts, seed=4)
-        loader = first = ftj.Loader(source, ftj.LoaderConfig(**config["loader"]), sharding=sharding)
+        if config.get("mixture"):  # {name: weight}: the split blended with itself
+            source = ftj.Mixture({name: (ft, w) for name, w in config["mixture"].items()})
+        cfg = ftj.LoaderConfig(**config["loader"])
+        loader = first = ftj.Loader(source, cfg, sharding=sharding)
     if config.get("restore_from"):
         with open(config["restore_from"]) as f:
             loader.restore(json.load(f))
@@ -71,7 +71,7 @@ def main() -> None:
     report: dict = {
         "rows": first.host_rows.tolist(),
         "steps": {},
-        "blocks": [[list(b.rows), list(b.cols)] for b in first.plan.blocks],
+        "blocks": [[list(b.rows), list(b.cols)] for b in first.host_blocks.blocks],
     }
     start = loader.next_step
     before = ft.bytes_read

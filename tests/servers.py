@@ -266,9 +266,7 @@ class DelayProxy:
             # once when its read-ahead grows; past the listen backlog (100 by
             # default) a connection waits a second for its SYN's resend: a
             # stall of the proxy's making, not of the store it stands for.
-            asyncio.start_server(
-                self._handle, "127.0.0.1", self.port, limit=1 << 20, backlog=4096
-            )
+            asyncio.start_server(self._handle, "127.0.0.1", self.port, limit=1 << 20, backlog=4096)
         )
         self._ready.set()
         self._loop.run_forever()

@@ -32,7 +32,7 @@ from flat_tokens_jax.data.writer import STAGING
 from flat_tokens_jax.store.location import claim_location
 from flat_tokens_jax.store.store import Store
 
-SMALL = ftj.Layout(shard_tokens=64, chunk_tokens=16)
+SMALL = ftj.StorageFormat(shard_tokens=64, chunk_tokens=16)
 TWO_PROCESSES = [
     "--runner=FnApiRunner",
     "--direct_running_mode=multi_processing",
@@ -47,17 +47,17 @@ KINDS = ["jsonl", "gz", "jsonl", "parquet", "zst", "jsonl", "jsonl", "gz", "parq
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Ten small input files of several formats, one of them empty, one record empty."""
+    """Ten small input files of several formats, one of them empty, one document empty."""
     root = tmp_path_factory.mktemp("corpus")
     texts = iter(corpus_texts(sum(SIZES), 1200))
     for i, (size, kind) in enumerate(zip(SIZES, KINDS, strict=True)):
-        records: list[dict[str, Any]] = [{"text": next(texts), "i": i} for _ in range(size)]
+        documents: list[dict[str, Any]] = [{"text": next(texts), "i": i} for _ in range(size)]
         if i == 5:
-            records.append({"text": "", "i": i})
+            documents.append({"text": "", "i": i})
         if kind == "jsonl":
-            write_jsonl(root / f"f{i:02d}.jsonl", records)
+            write_jsonl(root / f"f{i:02d}.jsonl", documents)
         else:
-            write_format(kind, root / f"f{i:02d}", records)
+            write_format(kind, root / f"f{i:02d}", documents)
     return root
 
 
@@ -79,9 +79,9 @@ def local_and_beam(
     tmp_path: Path, inputs: list[Any], pipeline_args: list[str], **kwargs: Any
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Converts ``inputs`` with the local converter and with Beam; checks the bytes."""
-    local = convert(inputs, tmp_path / "local", layout=SMALL, progress=False, **kwargs)
+    local = convert(inputs, tmp_path / "local", storage_format=SMALL, progress=False, **kwargs)
     beam = convert_beam(
-        inputs, tmp_path / "beam", layout=SMALL, pipeline_args=pipeline_args, **kwargs
+        inputs, tmp_path / "beam", storage_format=SMALL, pipeline_args=pipeline_args, **kwargs
     )
     assert files(tmp_path / "beam") == files(tmp_path / "local")
     return local, beam
@@ -200,12 +200,12 @@ def test_a_failed_bundle_is_retried_and_the_output_is_the_same(
     # Two batches of documents, so that the first is written to a part before the break.
     many = [{"text": f"line {i} " + "word " * (i % 7)} for i in range(1500)]
     write_jsonl(inputs / "f03_flaky.jsonl", many)
-    local = convert(str(inputs / "*"), tmp_path / "local", tokenizer=tok_file, layout=SMALL)
+    local = convert(str(inputs / "*"), tmp_path / "local", tokenizer=tok_file, storage_format=SMALL)
     beam = convert_beam(
         f"flaky://{inputs}/*",
         tmp_path / "beam",
         tokenizer=tok_file,
-        layout=SMALL,
+        storage_format=SMALL,
         pipeline_args=RETRYING,
     )
     assert (inputs / "f03_flaky.jsonl.broke").exists()
@@ -222,11 +222,13 @@ def test_a_failed_pipeline_leaves_nothing_and_a_rerun_starts_clean(
     (inputs / "f09.jsonl").write_text(good + '{"text": 3}\n')
     every, out = str(inputs / "*"), tmp_path / "beam"
     with pytest.raises(Exception, match=r"f09\.jsonl line 6: 'text' is int, not a string"):
-        convert_beam(every, out, tokenizer=tok_file, layout=SMALL, pipeline_args=TWO_PROCESSES)
+        convert_beam(
+            every, out, tokenizer=tok_file, storage_format=SMALL, pipeline_args=TWO_PROCESSES
+        )
     assert stored(out) == {}
     (inputs / "f09.jsonl").write_text(good)
-    convert(every, tmp_path / "local", tokenizer=tok_file, layout=SMALL)
-    convert_beam(every, out, tokenizer=tok_file, layout=SMALL, pipeline_args=IN_PROCESS)
+    convert(every, tmp_path / "local", tokenizer=tok_file, storage_format=SMALL)
+    convert_beam(every, out, tokenizer=tok_file, storage_format=SMALL, pipeline_args=IN_PROCESS)
     assert files(out) == files(tmp_path / "local")
 
 
@@ -240,11 +242,16 @@ def test_leftovers_of_a_killed_run_need_overwrite_and_are_all_removed(
     ftj.write_dataset(tmp_path / "partial", {"train": [[4, 5]]})
     shutil.copytree(tmp_path / "partial" / "train", out / "train")
     with pytest.raises(FileExistsError, match="leftover of an interrupted write"):
-        convert_beam(every, out, tokenizer=tok_file, layout=SMALL, pipeline_args=IN_PROCESS)
+        convert_beam(every, out, tokenizer=tok_file, storage_format=SMALL, pipeline_args=IN_PROCESS)
     convert_beam(
-        every, out, tokenizer=tok_file, layout=SMALL, overwrite=True, pipeline_args=IN_PROCESS
+        every,
+        out,
+        tokenizer=tok_file,
+        storage_format=SMALL,
+        overwrite=True,
+        pipeline_args=IN_PROCESS,
     )
-    convert(every, tmp_path / "local", tokenizer=tok_file, layout=SMALL)
+    convert(every, tmp_path / "local", tokenizer=tok_file, storage_format=SMALL)
     assert files(out) == files(tmp_path / "local")
 
 
@@ -330,7 +337,7 @@ def test_inputs_and_output_on_s3(
         out,
         tokenizer=tok_file,
         validation_fraction=0.3,
-        layout=SMALL,
+        storage_format=SMALL,
         options=options,
         pipeline_args=[*TWO_PROCESSES, *s3_flags],
     )
@@ -339,6 +346,6 @@ def test_inputs_and_output_on_s3(
         tmp_path / "local",
         tokenizer=tok_file,
         validation_fraction=0.3,
-        layout=SMALL,
+        storage_format=SMALL,
     )
     same_but_input_names(stored(out, options), files(tmp_path / "local"))

@@ -17,7 +17,7 @@ from reference import bin_row
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.data import binpack
-from flat_tokens_jax.data.bins import BinRecords, make_records
+from flat_tokens_jax.data.bins import BinRecords
 from flat_tokens_jax.data.plans import make_plan
 from flat_tokens_jax.decoding.batch import FIELDS, bin_fields, bin_fields_jax, window_fields
 from flat_tokens_jax.grain.grain import FlatTokensSource
@@ -29,7 +29,7 @@ def split_of(seqs: list[list[int]], masks: list[list[int]] | None = None) -> ftj
         url,
         {"train": seqs},
         loss_masks=None if masks is None else {"train": masks},
-        layout=ftj.Layout(shard_tokens=64, chunk_tokens=8),
+        storage_format=ftj.StorageFormat(shard_tokens=64, chunk_tokens=8),
     )
     return ftj.open_dataset(url)["train"]
 
@@ -59,7 +59,7 @@ def test_rows_equal_the_reference(
     members = [plan.seq_order[a:b].tolist() for a, b in itertools.pairwise(plan.bin_starts)]
     assert sorted(i for m in members for i in m) == list(range(len(seqs)))
     got = window_fields(
-        records.read(np.arange(len(records))), "bins", start_token_id=start, pad_id=pad
+        records.read(np.arange(len(records))), ftj.Packing.BINS, start_token_id=start, pad_id=pad
     )
     for b, m in enumerate(members):
         expected = bin_row(seqs, m, seq_len, start, pad, masks)  # refuses bins over seq_len
@@ -149,25 +149,25 @@ def test_a_plan_for_other_data_or_seq_len_is_refused() -> None:
 
 
 def test_config_values(tmp_path: Path) -> None:
-    assert ftj.LoaderConfig(batch_size=1, seq_len=4, packing="bins").packing == "bins"
+    assert ftj.LoaderConfig(batch_size=1, seq_len=4, packing="bins").packing is ftj.Packing.BINS
     with pytest.raises(ValueError, match=r"LoaderConfig.packing must be True .* got 'bin'"):
         ftj.LoaderConfig(batch_size=1, seq_len=4, packing="bin")
     path = tmp_path / "c.yaml"
     path.write_text("loader:\n  batch_size: 2\n  seq_len: 8\n  packing: bins\n")
-    assert ftj.LoaderConfig.from_yaml(path).packing == "bins"
+    assert ftj.LoaderConfig.from_yaml(path).packing is ftj.Packing.BINS
 
 
 @pytest.mark.parametrize("packing", ["bin", 1, 0, np.True_, None])
 def test_every_surface_refuses_a_packing_in_the_same_words(packing: object) -> None:
-    """LoaderConfig, the records a split makes and the grain source check
-    packing in one place: only True, False and "bins" pass, a 1 or numpy's True
-    no more than a misspelt "bin"."""
+    """LoaderConfig, a Mixture's records and the grain source check packing in
+    one place: only True, False and "bins" pass, a 1 or numpy's True no more
+    than a misspelt "bin"."""
     ft = split_of([[1, 2, 3], [4, 5], [6]])
     words = r"packing must be True \(packed windows\), False \(padded sequences\) or 'bins'"
     with pytest.raises(ValueError, match=rf"^LoaderConfig\.{words}.* got {packing!r}$"):
         ftj.LoaderConfig(batch_size=1, seq_len=4, packing=packing)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=rf"^{words}.* got {packing!r}$"):
-        make_records(ft, 4, packing)  # type: ignore[arg-type]
+        ftj.Mixture({"a": (ft, 1)}).records(4, packing)  # type: ignore[arg-type]
     if packing is not None:  # the grain source's None: the records' own packing
         with pytest.raises(ValueError, match=rf"^{words}.* got {packing!r}$"):
             FlatTokensSource(ft, 4, packing)  # type: ignore[arg-type]

@@ -151,14 +151,14 @@ def stored(url: Path, split: str = "train") -> list[tuple[list[int], list[int]]]
     ]
 
 
-def record(messages: list[tuple[str, str]], layout: str, **extra: Any) -> dict[str, Any]:
-    if layout == "conversations":
+def document(messages: list[tuple[str, str]], form: str, **extra: Any) -> dict[str, Any]:
+    if form == "conversations":
         return {"conversations": [{"from": FROM[r], "value": c} for r, c in messages], **extra}
     return {"messages": [{"role": r, "content": c} for r, c in messages], **extra}
 
 
-def write_jsonl(path: Path, records: list[Any]) -> Path:
-    lines = [r if isinstance(r, str) else json.dumps(r) for r in records]
+def write_jsonl(path: Path, documents: list[Any]) -> Path:
+    lines = [r if isinstance(r, str) else json.dumps(r) for r in documents]
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     return path
 
@@ -193,12 +193,12 @@ def test_masks_equal_the_byte_level_reference(
     tok_file: Path,
     hf_dir: Path,
 ) -> None:
-    """Both layouts, both template sources: ids are the whole text's, masks the reference's."""
-    records = [
-        record(m, layout, **({"system": s} if s is not None else {})) for m, layout, s in convs
+    """Both forms, both template sources: ids are the whole text's, masks the reference's."""
+    documents = [
+        document(m, form, **({"system": s} if s is not None else {})) for m, form, s in convs
     ]
     with tempfile.TemporaryDirectory() as tmp:
-        src = write_jsonl(Path(tmp) / "chats.jsonl", records)
+        src = write_jsonl(Path(tmp) / "chats.jsonl", documents)
         convert_chat(src, Path(tmp) / "yaml", tokenizer=tok_file, template=CHAT_YAML)
         convert_chat(src, Path(tmp) / "jinja", tokenizer=hf_dir)
         plain_template = ChatTemplate.from_dict(PLAIN)
@@ -263,8 +263,8 @@ def test_yaml_bos_eos_and_fields_before_the_conversation(
     src = write_jsonl(
         tmp_path / "c.jsonl",
         [
-            record(conv, "conversations", instruction="Be brief.", role="Vicuna", id=0),
-            record(conv[:2], "messages"),
+            document(conv, "conversations", instruction="Be brief.", role="Vicuna", id=0),
+            document(conv[:2], "messages"),
         ],
     )
     summary = convert_chat(src, tmp_path / "out", tokenizer=tok_file, template=template)
@@ -300,7 +300,7 @@ def test_phi3_tokenizer_and_its_own_chat_template(tmp_path: Path) -> None:
         ("assistant", "Hello! How can I help?"),
     ]
     conv += [("user", "Who are you?"), ("assistant", "  A model, trained by people.")]
-    src = write_jsonl(tmp_path / "c.jsonl", [record(conv, "conversations")])
+    src = write_jsonl(tmp_path / "c.jsonl", [document(conv, "conversations")])
     convert_chat(src, tmp_path / "out", tokenizer=hf)
     ((ids, mask),) = stored(tmp_path / "out")
     from transformers import AutoTokenizer
@@ -325,7 +325,7 @@ def test_batches_carry_the_mask_aligned_with_targets(
     convs = [
         [("user", f"question {i}"), ("assistant", f"answer {i}!" * (i % 3 + 1))] for i in range(12)
     ]
-    src = write_jsonl(tmp_path / "c.jsonl", [record(c, "messages") for c in convs])
+    src = write_jsonl(tmp_path / "c.jsonl", [document(c, "messages") for c in convs])
     convert_chat(src, tmp_path / "out", tokenizer=tok_file, template=CHAT_YAML)
     ft = ftj.open_dataset(tmp_path / "out")["train"]
     seqs = stored(tmp_path / "out")
@@ -353,19 +353,19 @@ def test_batches_carry_the_mask_aligned_with_targets(
 @pytest.mark.parametrize("kind", ["parquet", "hf"])
 def test_columnar_inputs_give_what_jsonl_gives(tmp_path: Path, tok_file: Path, kind: str) -> None:
     convs = [[("user", f"q{i}"), ("assistant", f"a{i}")] for i in range(20)]
-    records = [record(c, "messages", id=i) for i, c in enumerate(convs)]
-    jsonl = write_jsonl(tmp_path / "c.jsonl", records)
+    documents = [document(c, "messages", id=i) for i, c in enumerate(convs)]
+    jsonl = write_jsonl(tmp_path / "c.jsonl", documents)
     if kind == "parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         other = tmp_path / "c.parquet"
-        pq.write_table(pa.Table.from_pylist(records), other, row_group_size=7)
+        pq.write_table(pa.Table.from_pylist(documents), other, row_group_size=7)
     else:
         import datasets
 
         other = tmp_path / "c_hf"
-        datasets.Dataset.from_list(records).save_to_disk(str(other))
+        datasets.Dataset.from_list(documents).save_to_disk(str(other))
     convert_chat(jsonl, tmp_path / "a", tokenizer=tok_file, template=CHAT_YAML)
     convert_chat(other, tmp_path / "b", tokenizer=tok_file, template=CHAT_YAML)
     assert stored(tmp_path / "a") == stored(tmp_path / "b")
@@ -395,10 +395,10 @@ BAD = [
 
 
 @pytest.mark.parametrize(("bad", "why"), BAD)
-def test_bad_record_names_file_and_line_or_is_skipped(
+def test_bad_document_names_file_and_line_or_is_skipped(
     tmp_path: Path, tok_file: Path, bad: dict[str, Any] | str, why: str
 ) -> None:
-    good = record([("user", "q"), ("assistant", "a")], "messages")
+    good = document([("user", "q"), ("assistant", "a")], "messages")
     src = write_jsonl(tmp_path / "c.jsonl", [good, good, bad, good])
     with pytest.raises(InputError, match=rf"{re.escape(str(src))} line 3: {why}"):
         convert_chat(src, tmp_path / "out", tokenizer=tok_file, template=CHAT_YAML)
@@ -420,7 +420,7 @@ def test_unknown_role_of_the_tokenizer_template(tmp_path: Path, hf_dir: Path) ->
 def test_template_tokens_must_be_single_tokens_of_the_vocabulary(
     tmp_path: Path, tok: Tokenizer, tok_file: Path, hf_dir: Path
 ) -> None:
-    src = write_jsonl(tmp_path / "c.jsonl", [record([("assistant", "a")], "messages")])
+    src = write_jsonl(tmp_path / "c.jsonl", [document([("assistant", "a")], "messages")])
     base = {"roles": {"assistant": {"prefix": "<|assistant|>", "suffix": "<|im_end|>"}}}
     with pytest.raises(
         ValueError, match=r"template token '<\|assistant\|>' is not in the tokenizer's vocab"
@@ -461,7 +461,7 @@ def test_end_of_turn_options_of_the_tokenizer_template(
     tmp_path: Path, tok: Tokenizer, hf_dir: Path
 ) -> None:
     src = write_jsonl(
-        tmp_path / "c.jsonl", [record([("user", "q"), ("assistant", "answer")], "messages")]
+        tmp_path / "c.jsonl", [document([("user", "q"), ("assistant", "answer")], "messages")]
     )
     for end_of_turn, want in (
         (None, "answer<|im_end|>"),
@@ -482,7 +482,7 @@ def test_end_of_turn_options_of_the_tokenizer_template(
 
 
 def test_command_line(tmp_path: Path, tok_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    convs = [record([("user", f"q{i}"), ("assistant", f"a{i}")], "messages") for i in range(30)]
+    convs = [document([("user", f"q{i}"), ("assistant", f"a{i}")], "messages") for i in range(30)]
     src = write_jsonl(tmp_path / "c.jsonl", [*convs, {"messages": []}])
     args = ["convert-chat", str(src), str(tmp_path / "out"), "--tokenizer", str(tok_file)]
     args += ["--template", str(CHAT_YAML), "--validation-fraction", "0.3"]
@@ -531,8 +531,8 @@ TOOL_CONVS = [
 
 
 def _tool_files(tmp_path: Path) -> tuple[Path, Path]:
-    a = write_jsonl(tmp_path / "a.jsonl", [record(m, "messages") for m in TOOL_CONVS])
-    b = write_jsonl(tmp_path / "b.jsonl", [record(m, "messages") for m in TOOL_CONVS[:1] * 2])
+    a = write_jsonl(tmp_path / "a.jsonl", [document(m, "messages") for m in TOOL_CONVS])
+    b = write_jsonl(tmp_path / "b.jsonl", [document(m, "messages") for m in TOOL_CONVS[:1] * 2])
     return a, b
 
 
@@ -593,10 +593,10 @@ def test_strict_refuses_a_conversation_that_loses_a_message(
     assert json.loads(capsys.readouterr().out)["skipped_bad"] == 2
 
 
-def test_a_trained_role_rendered_to_nothing_is_a_bad_record(
+def test_a_trained_role_rendered_to_nothing_is_a_bad_document(
     tmp_path: Path, hf_no_tools: Path
 ) -> None:
-    src = write_jsonl(tmp_path / "c.jsonl", [record(TOOL_CONVS[1], "messages")])
+    src = write_jsonl(tmp_path / "c.jsonl", [document(TOOL_CONVS[1], "messages")])
     with pytest.raises(
         InputError, match=r"line 1: message 1 \(tool\) is trained on, but the chat template"
     ):
@@ -608,7 +608,9 @@ def test_yaml_templates_drop_nothing(tmp_path: Path, tok: Tokenizer, tok_file: P
     template = ChatTemplate.from_dict(
         {"roles": {"user": {}, "assistant": {"suffix": "<|im_end|>"}}, "end_of_turn": "<|im_end|>"}
     )
-    src = write_jsonl(tmp_path / "c.jsonl", [record([("user", ""), ("assistant", "")], "messages")])
+    src = write_jsonl(
+        tmp_path / "c.jsonl", [document([("user", ""), ("assistant", "")], "messages")]
+    )
     summary = convert_chat(src, tmp_path / "o", tokenizer=tok_file, template=template, strict=True)
     assert (summary["conversations"], summary["dropped_messages"]) == (1, {})
     assert stored(tmp_path / "o") == [([tok.token_to_id("<|im_end|>")], [1])]
@@ -629,7 +631,7 @@ def test_a_template_that_leaves_out_empty_messages_drops_them(
         [("system", ""), ("user", "q"), ("user", ""), ("assistant", "a")],
         [("user", "q"), ("assistant", "a")],
     ]
-    src = write_jsonl(tmp_path / "c.jsonl", [record(m, "messages") for m in convs])
+    src = write_jsonl(tmp_path / "c.jsonl", [document(m, "messages") for m in convs])
     summary = convert_chat(src, tmp_path / "o", tokenizer=tmp_path / "hf")
     assert summary["dropped_messages"] == {
         str(src): {
@@ -645,7 +647,7 @@ def test_a_template_that_leaves_out_empty_messages_drops_them(
         for t, spans in want
     ]
     trained_empty = write_jsonl(
-        tmp_path / "e.jsonl", [record([("user", "q"), ("assistant", "")], "messages")]
+        tmp_path / "e.jsonl", [document([("user", "q"), ("assistant", "")], "messages")]
     )
     with pytest.raises(InputError, match=r"line 1: message 1 \(assistant\) is trained on, but"):
         convert_chat(trained_empty, tmp_path / "e", tokenizer=tmp_path / "hf")

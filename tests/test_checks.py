@@ -135,7 +135,9 @@ def test_a_read_of_a_split_starts_its_checks_without_waiting_for_them() -> None:
     reads share the round trips of the values); the values wait for the checks."""
     url = memory_url()
     seqs = [list(range(1, 60 + i)) for i in range(20)]
-    ftj.write_dataset(url, {"train": seqs}, layout=ftj.Layout(shard_tokens=256, chunk_tokens=16))
+    ftj.write_dataset(
+        url, {"train": seqs}, storage_format=ftj.StorageFormat(shard_tokens=256, chunk_tokens=16)
+    )
     ft = ftj.open_dataset(url)["train"]
     digests = ft.digests[ft.tokens_name]
     assert digests is not None
@@ -154,7 +156,9 @@ def test_a_checked_array_counts_the_bytes_of_its_values_apart_from_its_checks() 
     shards (a memory store) a chunk's check reads it whole and hashes it."""
     url = memory_url()
     seqs = [list(range(1, 60 + i)) for i in range(20)]  # 1,370 tokens: 6 shards of 256
-    ftj.write_dataset(url, {"train": seqs}, layout=ftj.Layout(shard_tokens=256, chunk_tokens=16))
+    ftj.write_dataset(
+        url, {"train": seqs}, storage_format=ftj.StorageFormat(shard_tokens=256, chunk_tokens=16)
+    )
     ft = ftj.open_dataset(url)["train"]
     tokens = ft.checked[ft.tokens_name]
     assert tokens.reader is ft.encoded and tokens.digests is ft.digests[ft.tokens_name]

@@ -35,7 +35,7 @@ def test_info_text_and_json(tmp_path: Path, capsys: object) -> None:
     ftj.write_dataset(
         tmp_path,
         {"train": [[1, 2], [3, 4, 5]], "validation": [[9]]},
-        layout=ftj.Layout(shard_tokens=1024, chunk_tokens=64, compression="zstd"),
+        storage_format=ftj.StorageFormat(shard_tokens=1024, chunk_tokens=64, compression="zstd"),
     )
     code, out, err = run_main("info", str(tmp_path), "--json")
     assert code == 0, err

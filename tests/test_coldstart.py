@@ -51,19 +51,26 @@ def _no_rounds_to_write(proxied: Proxied) -> Iterator[None]:
 
 
 def write(
-    proxied: Proxied, name: str, layout: ftj.Layout, seed: int = 0, mask: bool = False
+    proxied: Proxied,
+    name: str,
+    storage_format: ftj.StorageFormat,
+    seed: int = 0,
+    mask: bool = False,
 ) -> str:
     rng = np.random.default_rng(seed)
     seqs = [rng.integers(1, 1000, int(n)) for n in rng.integers(20, 600, 200)]
     url = f"s3://bucket/{name}"
     if mask:
         masks = [rng.integers(0, 2, s.size).astype(bool) for s in seqs]
-        with ftj.DatasetWriter(url, layout=layout, options=proxied.options) as w:
+        with ftj.DatasetWriter(url, storage_format=storage_format, options=proxied.options) as w:
             for s, m in zip(seqs, masks, strict=True):
                 w.append("train", s, loss_mask=m)
     else:
         ftj.write_dataset(
-            url, {"train": seqs, "validation": seqs[:5]}, layout=layout, options=proxied.options
+            url,
+            {"train": seqs, "validation": seqs[:5]},
+            storage_format=storage_format,
+            options=proxied.options,
         )
     return url
 
@@ -101,18 +108,18 @@ def test_the_proxy_answers_requests_sent_together_in_one_round(s3: S3) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "layout", "mask"),
+    ("name", "storage_format", "mask"),
     [
-        ("one-shard", ftj.Layout(shard_tokens=1 << 17, chunk_tokens=1 << 10), False),
-        ("many-shards", ftj.Layout(shard_tokens=1 << 10, chunk_tokens=1 << 8), False),
-        ("loss-mask", ftj.Layout(shard_tokens=1 << 12, chunk_tokens=1 << 8), True),
+        ("one-shard", ftj.StorageFormat(shard_tokens=1 << 17, chunk_tokens=1 << 10), False),
+        ("many-shards", ftj.StorageFormat(shard_tokens=1 << 10, chunk_tokens=1 << 8), False),
+        ("loss-mask", ftj.StorageFormat(shard_tokens=1 << 12, chunk_tokens=1 << 8), True),
     ],
 )
 @pytest.mark.parametrize("packing", [True, False])
 def test_open_and_first_batch_wait_a_bounded_number_of_round_trips(
-    proxied: Proxied, name: str, layout: ftj.Layout, mask: bool, packing: bool
+    proxied: Proxied, name: str, storage_format: ftj.StorageFormat, mask: bool, packing: bool
 ) -> None:
-    url = write(proxied, f"{name}-{packing}", layout, mask=mask)
+    url = write(proxied, f"{name}-{packing}", storage_format, mask=mask)
     proxied.proxy.start()
     ft = ftj.open_dataset(url, proxied.options)["train"]
     opened = proxied.proxy.take()
@@ -130,8 +137,8 @@ def test_open_and_first_batch_wait_a_bounded_number_of_round_trips(
 
 
 def test_a_mixture_of_three_opens_in_the_round_trips_of_one(proxied: Proxied) -> None:
-    layout = ftj.Layout(shard_tokens=1 << 13, chunk_tokens=1 << 8)
-    urls = [write(proxied, f"mix-{i}", layout, seed=i) for i in range(3)]
+    storage_format = ftj.StorageFormat(shard_tokens=1 << 13, chunk_tokens=1 << 8)
+    urls = [write(proxied, f"mix-{i}", storage_format, seed=i) for i in range(3)]
     proxied.proxy.start()
     config = {"datasets": {f"c{i}": {"url": u, "weight": 1.0} for i, u in enumerate(urls)}}
     mix = mixture_from_config({**config, "split": "90,10"}, "train", proxied.options)

@@ -31,7 +31,7 @@ from flat_tokens_jax.convert.inputs import InputError, expand_inputs
 from flat_tokens_jax.convert.text import add_commands, convert
 from flat_tokens_jax.convert.tokenizer import validation_mask
 
-SMALL = ftj.Layout(shard_tokens=64, chunk_tokens=16)
+SMALL = ftj.StorageFormat(shard_tokens=64, chunk_tokens=16)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ def test_same_bytes_for_one_and_two_workers(
             workers=workers,
             append_eos=True,
             validation_fraction=0.3,
-            layout=SMALL,
+            storage_format=SMALL,
         )
         assert summary["splits"]["validation"]["documents"] > 0
         outs.append(out)
@@ -115,9 +115,9 @@ def test_same_bytes_for_one_and_two_workers(
 def test_other_formats_give_what_jsonl_gives(
     tmp_path: Path, eos_tokenizer: Path, docs: list[str], kind: str
 ) -> None:
-    records = [{"text": d, "n": i} for i, d in enumerate(docs)]
-    plain = write_jsonl(tmp_path / "plain.jsonl", records)
-    other = write_format(kind, tmp_path / "other", records)
+    documents = [{"text": d, "n": i} for i, d in enumerate(docs)]
+    plain = write_jsonl(tmp_path / "plain.jsonl", documents)
+    other = write_format(kind, tmp_path / "other", documents)
     convert(plain, tmp_path / "a", tokenizer=eos_tokenizer, validation_fraction=0.2)
     convert(other, tmp_path / "b", tokenizer=eos_tokenizer, validation_fraction=0.2)
     assert _arrays(tmp_path / "a") == _arrays(tmp_path / "b")
@@ -125,9 +125,9 @@ def test_other_formats_give_what_jsonl_gives(
 
 @pytest.mark.parametrize("kind", ["parquet", "hf"])
 def test_columnar_bad_rows_name_the_row(tmp_path: Path, eos_tokenizer: Path, kind: str) -> None:
-    records: list[dict[str, Any]] = [{"text": f"doc {i}"} for i in range(30)]
-    records[17] = {"text": None}
-    src = write_format(kind, tmp_path / "in", records)
+    documents: list[dict[str, Any]] = [{"text": f"doc {i}"} for i in range(30)]
+    documents[17] = {"text": None}
+    src = write_format(kind, tmp_path / "in", documents)
     with pytest.raises(InputError, match=rf"{re.escape(str(src))} row 18: 'text' is null"):
         convert(src, tmp_path / "out", tokenizer=eos_tokenizer)
     summary = convert(src, tmp_path / "out", tokenizer=eos_tokenizer, skip_bad=True)
@@ -218,11 +218,11 @@ BAD_TOKENS: list[tuple[str | bytes, str]] = [
     ('{"ids": [1.5, 2]}', "'ids' must be a flat list of integers"),
     ('{"ids": [[1], [2]]}', "'ids' must be a flat list of integers"),
 ]
-GOOD = 3000  # good records before the bad one: whole batches are written, then deleted
+GOOD = 3000  # good documents before the bad one: whole batches are written, then deleted
 
 
 @pytest.mark.parametrize(("bad", "message"), BAD_TEXT + BAD_TOKENS)
-def test_bad_record_names_file_and_line_and_leaves_no_dataset(
+def test_bad_document_names_file_and_line_and_leaves_no_dataset(
     tmp_path: Path, eos_tokenizer: Path, bad: str | bytes, message: str
 ) -> None:
     key = "ids" if (bad, message) in BAD_TOKENS else "text"
@@ -233,10 +233,10 @@ def test_bad_record_names_file_and_line_and_leaves_no_dataset(
     args: dict[str, Any] = {"tokens_key": "ids"} if key == "ids" else {"tokenizer": eos_tokenizer}
     out = tmp_path / "out"
     with pytest.raises(InputError, match=rf"{re.escape(str(src))} line {GOOD + 1}: {message}"):
-        convert(src, out, layout=SMALL, **args)
+        convert(src, out, storage_format=SMALL, **args)
     with pytest.raises(ftj.FormatError):
         ftj.open_dataset(out)
-    summary = convert(src, out, layout=SMALL, skip_bad=True, **args)
+    summary = convert(src, out, storage_format=SMALL, skip_bad=True, **args)
     assert (summary["documents"], summary["skipped_bad"]) == (GOOD + 1, 1)
     assert ftj.open_dataset(out)["train"].num_sequences == GOOD + 1
 
@@ -279,7 +279,7 @@ def test_interrupt_leaves_no_dataset(
 
     monkeypatch.setattr(convert_tokenizer, "tokenize_batch", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        convert(src, tmp_path / "out", tokenizer=eos_tokenizer, layout=SMALL)
+        convert(src, tmp_path / "out", tokenizer=eos_tokenizer, storage_format=SMALL)
     with pytest.raises(ftj.FormatError):
         ftj.open_dataset(tmp_path / "out")
 

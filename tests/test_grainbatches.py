@@ -33,10 +33,10 @@ def path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two datasets on local disk: ``a`` with 300 validation sequences (not a
     multiple of 8 or 24), and ``b``."""
     root = tmp_path_factory.mktemp("grainbatches")
-    layout = ftj.Layout(shard_tokens=1024, chunk_tokens=64)
+    storage_format = ftj.StorageFormat(shard_tokens=1024, chunk_tokens=64)
     splits = {"train": sequences(200, 0), "validation": sequences(300, 1)}
-    ftj.write_dataset(root / "a", splits, layout=layout)
-    ftj.write_dataset(root / "b", {"train": sequences(150, 2)}, layout=layout)
+    ftj.write_dataset(root / "a", splits, storage_format=storage_format)
+    ftj.write_dataset(root / "b", {"train": sequences(150, 2)}, storage_format=storage_format)
     return root
 
 
@@ -194,7 +194,7 @@ def test_any_blend_schedule_and_shard_is_the_loaders(data: st.DataObject) -> Non
     blend = ftj.Mixture(components, seed=seed % 7, schedule=[(4, change)])
     seq_len = data.draw(st.integers(2, 6), label="seq_len")
     src = FlatTokensSource(blend, seq_len, data.draw(st.booleans(), label="packing"))
-    cfg = ftj.LoaderConfig(schedule, seq_len, src.packed, seed=seed, prefetch=0)
+    cfg = ftj.LoaderConfig(schedule, seq_len, src.packing, seed=seed, prefetch=0)
     loader = ftj.Loader(blend, cfg)
     shards = [
         src.batches(schedule, seed=seed, num_epochs=None, shard=(i, count)) for i in range(count)

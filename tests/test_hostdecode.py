@@ -29,9 +29,12 @@ def as_lists(batch: dict) -> dict:
 
 def split_of(seqs: list[list[int]], masks: list[list[int]] | None) -> ftj.FlatTokens:
     url = memory_url()
-    layout = ftj.Layout(shard_tokens=16, chunk_tokens=4)
+    storage_format = ftj.StorageFormat(shard_tokens=16, chunk_tokens=4)
     ftj.write_dataset(
-        url, {"train": seqs}, loss_masks=None if masks is None else {"train": masks}, layout=layout
+        url,
+        {"train": seqs},
+        loss_masks=None if masks is None else {"train": masks},
+        storage_format=storage_format,
     )
     return ftj.open_dataset(url)["train"]
 
@@ -69,7 +72,7 @@ def expected(seqs: list[list[int]], masks: list[list[int]] | None, cfg, step: in
         step,
         cfg.batch_size,
         cfg.seq_len,
-        packing=cfg.packing,
+        packing=cfg.packing.value,
         shuffle=cfg.shuffle,
         seed=cfg.seed,
         num_epochs=cfg.num_epochs,
@@ -154,7 +157,7 @@ def test_out_arrays_are_checked() -> None:
     bad = {k: np.zeros((2, 4), np.int32) for k in FIELDS}
     want = r"out\['loss_mask'\] must be a C-contiguous \[2, 4\] bool"
     with pytest.raises(ValueError, match=want):
-        window_fields(windows, True, out=bad)
+        window_fields(windows, ftj.Packing.WINDOWS, out=bad)
 
 
 def in_flight(loader: ftj.Loader) -> list[int]:
@@ -266,7 +269,7 @@ class Noted:
 
     def __init__(self, ft: ftj.FlatTokens, name: str, notes: list[str]) -> None:
         self.inner, self.name, self.notes = ftj.PackedRecords(ft, 4), name, notes
-        self.seq_len, self.packed = 4, True
+        self.seq_len, self.packing = 4, ftj.Packing.WINDOWS
 
     def __len__(self) -> int:
         return len(self.inner)

@@ -38,7 +38,7 @@ from flat_tokens_jax.data.plans import (
 )
 from flat_tokens_jax.data.validation import summary
 from flat_tokens_jax.grain.grain import FlatTokensSource
-from flat_tokens_jax.store.layout import Layout, create_array
+from flat_tokens_jax.store.storageformat import StorageFormat, create_array
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 3 << 30  # address space of a subprocess: the old code ran out of it, not of the machine
@@ -82,7 +82,9 @@ def write(path: Path, lengths: list[int], **splits: list[int]) -> Path:
         return [(np.arange(n) * 7 + i) % 1000 for i, n in enumerate(ls)]
 
     data = {"train": seqs(lengths), **{k: seqs(v) for k, v in splits.items()}}
-    ftj.write_dataset(path, data, layout=ftj.Layout(shard_tokens=256, chunk_tokens=32))
+    ftj.write_dataset(
+        path, data, storage_format=ftj.StorageFormat(shard_tokens=256, chunk_tokens=32)
+    )
     return path
 
 
@@ -356,7 +358,9 @@ def test_validate_names_a_plan_with_empty_trailing_bins(tmp_path: Path) -> None:
     bad = PackingPlan(64, plan.algorithm, starts, plan.seq_order, plan.source)
     group = plan_group("train", 64)
     for name, values in zip(PLAN_ARRAYS, (bad.bin_starts, bad.seq_order), strict=True):
-        array = create_array(ft.store, group, name, np.dtype("<i8"), Layout(), size=values.size)
+        array = create_array(
+            ft.store, group, name, np.dtype("<i8"), StorageFormat(), size=values.size
+        )
         ft.store.wait(array[: values.size].write(values))
     ft.store.write_group(group, 3, {PLAN_ATTRIBUTE: bad.attributes()})
     with pytest.raises(ftj.FormatError, match="is empty"):

@@ -37,8 +37,8 @@ from flat_tokens_jax.convert.assemble import (
     assemble_shard,
     create_arrays,
     finish,
-    make_plan,
     part_url,
+    place_parts,
 )
 from flat_tokens_jax.convert.megatron import export_megatron, import_megatron
 from flat_tokens_jax.convert.merge import merge
@@ -51,11 +51,11 @@ from flat_tokens_jax.store.options import StoreError
 from flat_tokens_jax.store.store import Store
 
 SHARD = 2048  # tokens per shard: each shard's probe covers only its first half
-LAYOUTS = {
-    "v3": ftj.Layout(shard_tokens=SHARD, chunk_tokens=256),
-    "v3-nocrc": ftj.Layout(shard_tokens=SHARD, chunk_tokens=256, checksum=False),
-    "v3-zstd": ftj.Layout(shard_tokens=SHARD, chunk_tokens=256, compression="zstd"),
-    "v2": ftj.Layout(zarr_format=2, shard_tokens=SHARD),
+STORAGE_FORMATS = {
+    "v3": ftj.StorageFormat(shard_tokens=SHARD, chunk_tokens=256),
+    "v3-nocrc": ftj.StorageFormat(shard_tokens=SHARD, chunk_tokens=256, checksum=False),
+    "v3-zstd": ftj.StorageFormat(shard_tokens=SHARD, chunk_tokens=256, compression="zstd"),
+    "v2": ftj.StorageFormat(zarr_format=2, shard_tokens=SHARD),
 }
 FIXTURES = [HealthCheck.function_scoped_fixture]
 FOREIGN = r"train/encoded_tokens: shard 3, chunk \d+ \(values \[\d+, \d+\)\) is not the one written"
@@ -73,10 +73,12 @@ def shard_file(path: Path, array: str, shard: int, fmt: int) -> Path:
 @pytest.fixture(scope="module")
 def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {}
-    for name, layout in LAYOUTS.items():
+    for name, storage_format in STORAGE_FORMATS.items():
         out[name] = tmp_path_factory.mktemp(name) / "ds"
         ftj.write_dataset(
-            out[name], {"train": sequences(), "validation": sequences(5)}, layout=layout
+            out[name],
+            {"train": sequences(), "validation": sequences(5)},
+            storage_format=storage_format,
         )
     return out
 
@@ -93,8 +95,10 @@ def other_version(name: str, position: int) -> tuple[Path, int]:
     seqs[index][at] = (seqs[index][at] + 1) % 1000
     root = Path(tempfile.mkdtemp())
     other = root / "other"
-    layout = LAYOUTS[name]
-    ftj.write_dataset(other, {"train": seqs, "validation": sequences(5)}, layout=layout)
+    storage_format = STORAGE_FORMATS[name]
+    ftj.write_dataset(
+        other, {"train": seqs, "validation": sequences(5)}, storage_format=storage_format
+    )
     return root / "ds", index
 
 
@@ -117,7 +121,7 @@ def assert_other_version_fails(path: Path, index: int, position: int) -> None:
         ftj.validate(path, quick=True)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", list(STORAGE_FORMATS))
 @settings(
     max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -131,7 +135,7 @@ def test_a_shard_of_another_version_fails_every_read(
     1,024 values are ours), and fails wherever a read touches the changed chunk."""
     position = 3 * SHARD + offset
     path, index = other_version(name, position)
-    fmt = LAYOUTS[name].zarr_format
+    fmt = STORAGE_FORMATS[name].zarr_format
     shutil.copytree(written[name], path)
     mine, theirs = (shard_file(p, "encoded_tokens", 3, fmt) for p in (path, path.parent / "other"))
     assert mine.read_bytes() != theirs.read_bytes()
@@ -171,7 +175,7 @@ def test_a_shard_of_another_version_fails_remote_reads(tmp_path: Path) -> None:
         ftj.write_dataset(
             url,
             {"train": sequences(), "validation": sequences(5)},
-            layout=LAYOUTS["v3"],
+            storage_format=STORAGE_FORMATS["v3"],
             options=options,
         )
         store = Store(url, options)
@@ -238,14 +242,14 @@ def reference_digests(folder: Path, chunk: int) -> np.ndarray:
     return np.array([google_crc32c.value(row.tobytes()) for row in rows], np.uint32)
 
 
-def assert_digests_recorded(path: Path, layout: ftj.Layout) -> None:
+def assert_digests_recorded(path: Path, storage_format: ftj.StorageFormat) -> None:
     for split in ("train", "validation"):
         for array in ("encoded_tokens", "seq_starts"):
             folder = path / split / array
             v3 = (folder / "zarr.json").exists()
             meta = json.loads((folder / ("zarr.json" if v3 else ".zattrs")).read_text())
             attributes = meta["attributes"] if v3 else meta
-            shard, chunk = layout.elements(array)
+            shard, chunk = storage_format.elements(array)
             side = np.asarray(zarr.open_array(str(folder / DIGESTS), mode="r")[:])
             expected = reference_digests(folder, chunk)
             np.testing.assert_array_equal(side, expected)
@@ -281,31 +285,39 @@ def seqs_of(count: int) -> list[list[int]]:
     return [[int(t) for t in s] for s in sequences(count)]
 
 
-def by_writer(tmp: Path, layout: ftj.Layout) -> dict[str, Path]:
+def by_writer(tmp: Path, storage_format: ftj.StorageFormat) -> dict[str, Path]:
     """A dataset written by every writer path: ``{path name: dataset}``."""
     splits = {"train": seqs_of(600), "validation": seqs_of(7)}
     out: dict[str, Path] = {}
     out["writer"] = tmp / "writer"
-    ftj.write_dataset(out["writer"], splits, layout=layout)
+    ftj.write_dataset(out["writer"], splits, storage_format=storage_format)
     jsonl = tmp / "in.jsonl"
     jsonl.write_text("".join(json.dumps({"ids": s}) + "\n" for s in splits["train"]))
     out["convert"] = tmp / "convert"
-    convert([jsonl], out["convert"], tokens_key="ids", validation_fraction=0.01, layout=layout)
+    convert(
+        [jsonl],
+        out["convert"],
+        tokens_key="ids",
+        validation_fraction=0.01,
+        storage_format=storage_format,
+    )
     half = {k: v[: len(v) // 2] for k, v in splits.items()}
     rest = {k: v[len(v) // 2 :] for k, v in splits.items()}
     ftj.write_dataset(tmp / "m1", half)
     ftj.write_dataset(tmp / "m2", rest)
     out["merge"] = tmp / "merge"
-    merge([tmp / "m1", tmp / "m2"], out["merge"], layout=layout)
+    merge([tmp / "m1", tmp / "m2"], out["merge"], storage_format=storage_format)
     export_megatron(out["writer"], tmp / "mega")
     out["import-megatron"] = tmp / "megatron"
-    import_megatron([tmp / "mega"], out["import-megatron"], layout=layout)
+    import_megatron([tmp / "mega"], out["import-megatron"], storage_format=storage_format)
     out["beam-assembler"] = tmp / "assembled"
-    assemble(str(out["beam-assembler"]), [half, rest], layout)
+    assemble(str(out["beam-assembler"]), [half, rest], storage_format)
     return out
 
 
-def assemble(output: str, parts: list[dict[str, list[list[int]]]], layout: ftj.Layout) -> None:
+def assemble(
+    output: str, parts: list[dict[str, list[list[int]]]], storage_format: ftj.StorageFormat
+) -> None:
     """What the Beam pipeline does after converting: parts joined shard by shard."""
     infos = []
     for index, splits in enumerate(parts):
@@ -313,11 +325,11 @@ def assemble(output: str, parts: list[dict[str, list[list[int]]]], layout: ftj.L
         ftj.write_dataset(url, splits)
         infos.append(PartInfo.read(index, url))
     store = Store(output)
-    plan = make_plan(output, layout, infos)
-    create_arrays(plan, store)
-    for task in plan.tasks():
-        assemble_shard(plan, task, store, ftj.open_dataset)
-    finish(plan, store)
+    placement = place_parts(output, storage_format, infos)
+    create_arrays(placement, store)
+    for task in placement.tasks():
+        assemble_shard(placement, task, store, ftj.open_dataset)
+    finish(placement, store)
 
 
 @pytest.fixture(scope="module")
@@ -325,8 +337,8 @@ def writers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tupl
     out = {}
     for name in ("v3", "v2"):
         tmp = tmp_path_factory.mktemp(f"writers-{name}")
-        for path_name, path in by_writer(tmp, LAYOUTS[name]).items():
-            out[f"{path_name}-{name}"] = (path, LAYOUTS[name])
+        for path_name, path in by_writer(tmp, STORAGE_FORMATS[name]).items():
+            out[f"{path_name}-{name}"] = (path, STORAGE_FORMATS[name])
     yield out
 
 
@@ -336,15 +348,15 @@ WRITER_PATHS = [f"{p}-{f}" for f in ("v3", "v2") for p in PATHS]
 
 @pytest.mark.parametrize("case", WRITER_PATHS)
 def test_every_writer_path_records_the_digests(
-    writers: dict[str, tuple[Path, ftj.Layout]], case: str
+    writers: dict[str, tuple[Path, ftj.StorageFormat]], case: str
 ) -> None:
-    path, layout = writers[case]
-    assert_digests_recorded(path, layout)
+    path, storage_format = writers[case]
+    assert_digests_recorded(path, storage_format)
 
 
 @pytest.mark.parametrize("case", WRITER_PATHS)
 def test_a_value_rewritten_in_a_store_of_every_writer_path_is_refused(
-    writers: dict[str, tuple[Path, ftj.Layout]], case: str
+    writers: dict[str, tuple[Path, ftj.StorageFormat]], case: str
 ) -> None:
     """One token past its shard's probe rewritten (checksums valid): reads and
     both validates fail naming the shard and chunk."""
@@ -369,7 +381,7 @@ def test_the_digest_format_is_frozen(tmp_path: Path) -> None:
     ftj.write_dataset(
         tmp_path / "ds",
         {"train": [[1, 2], [3, 4, 5], [6, 7, 8]], "validation": [[1]]},
-        layout=ftj.Layout(shard_tokens=4, chunk_tokens=2),
+        storage_format=ftj.StorageFormat(shard_tokens=4, chunk_tokens=2),
     )
     tokens = tmp_path / "ds" / "train" / "encoded_tokens"
     meta = json.loads((tokens / "zarr.json").read_text())
@@ -507,12 +519,12 @@ def test_a_shard_swapped_in_with_its_digests_is_found_by_validate(tmp_path: Path
     in the attribute at write tells (reads and ``validate``), and the loader's
     fingerprint holds the content digest, so a saved state of one version does
     not restore onto the other (issue 35, finding 2: ``tests/test_integrity.py``)."""
-    layout = ftj.Layout(shard_tokens=SHARD, chunk_tokens=256)
+    storage_format = ftj.StorageFormat(shard_tokens=SHARD, chunk_tokens=256)
     seqs = [np.arange(i, i + 97) % 500 + 1 for i in range(100)]
     other = [s.copy() for s in seqs]
     other[40][50] = other[40][50] % 500 + 1  # token 3930: shard 1, past its probe
     for name, data in (("ours", seqs), ("theirs", other)):
-        ftj.write_dataset(tmp_path / name, {"train": data}, layout=layout)
+        ftj.write_dataset(tmp_path / name, {"train": data}, storage_format=storage_format)
     ours = tmp_path / "ours" / "train" / "encoded_tokens"
     theirs = tmp_path / "theirs" / "train" / "encoded_tokens"
     cfg = ftj.LoaderConfig(batch_size=4, seq_len=64, seed=1)
@@ -531,5 +543,5 @@ def test_a_shard_swapped_in_with_its_digests_is_found_by_validate(tmp_path: Path
     again = ftj.open_dataset(tmp_path / "theirs")["train"]
     with pytest.raises(ftj.StateMismatch, match=r"fingerprint\.data\.content"):
         ftj.Loader(again, cfg).restore(state)
-    ftj.write_dataset(tmp_path / "again", {"train": seqs}, layout=layout)
+    ftj.write_dataset(tmp_path / "again", {"train": seqs}, storage_format=storage_format)
     assert ftj.Loader(ftj.open_dataset(tmp_path / "again")["train"], cfg).restore(state) == 0

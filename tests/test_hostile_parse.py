@@ -158,8 +158,8 @@ def test_huge_weights_blend_as_their_ratio(weights: list[float], same_as: list[f
 def test_weights_blend_the_same_at_any_scale(weights: list[int], exponent: int) -> None:
     scaled = [w * 10.0**exponent for w in weights]
     assert all(math.isfinite(w) for w in scaled)
-    want = Period.layout(weights, 1000)
-    got = Period.layout(scaled, 1000)
+    want = Period.of(weights, 1000)
+    got = Period.of(scaled, 1000)
     np.testing.assert_array_equal(got.counts, want.counts)
     np.testing.assert_array_equal(got.component, want.component)
 

@@ -26,8 +26,8 @@ CFG = ftj.LoaderConfig(batch_size=4, seq_len=8, seed=3)
 
 def split(seqs: list[list[int]] = SEQS, info: ftj.DatasetInfo | None = None) -> ftj.FlatTokens:
     url = memory_url()
-    layout = ftj.Layout(shard_tokens=64, chunk_tokens=8)
-    ftj.write_dataset(url, {"train": seqs}, layout=layout, info=info)
+    storage_format = ftj.StorageFormat(shard_tokens=64, chunk_tokens=8)
+    ftj.write_dataset(url, {"train": seqs}, storage_format=storage_format, info=info)
     return ftj.open_dataset(url)["train"]
 
 
@@ -358,7 +358,9 @@ def on_disk(tmp_path: Path) -> dict[str, Any]:
     urls = []
     for name, seqs in (("web", SEQS), ("code", [[9, 8, 7]] * 40)):
         url = str(tmp_path / name)
-        ftj.write_dataset(url, {"train": seqs}, layout=ftj.Layout(shard_tokens=64, chunk_tokens=8))
+        ftj.write_dataset(
+            url, {"train": seqs}, storage_format=ftj.StorageFormat(shard_tokens=64, chunk_tokens=8)
+        )
         urls.append(url)
     web, code = (ftj.open_dataset(u)["train"] for u in urls)
     return saved(mixture(web, code))

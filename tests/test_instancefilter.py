@@ -334,7 +334,9 @@ def repetitive_dataset(seed: int = 0) -> str:
             seq[at:at] = gram * int(rng.integers(2, 8))
         seqs.append(seq)
     url = memory_url("filter")
-    ftj.write_dataset(url, {"train": seqs}, layout=ftj.Layout(shard_tokens=256, chunk_tokens=16))
+    ftj.write_dataset(
+        url, {"train": seqs}, storage_format=ftj.StorageFormat(shard_tokens=256, chunk_tokens=16)
+    )
     return url
 
 

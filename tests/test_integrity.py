@@ -33,9 +33,9 @@ from flat_tokens_jax.store.options import StoreError
 from flat_tokens_jax.store.probes import ATTRIBUTE as PROBES
 
 SEQ_LEN = 8
-LAYOUTS = {
-    "v3": ftj.Layout(shard_tokens=64, chunk_tokens=8),
-    "v2": ftj.Layout(zarr_format=2, shard_tokens=64),
+STORAGE_FORMATS = {
+    "v3": ftj.StorageFormat(shard_tokens=64, chunk_tokens=8),
+    "v2": ftj.StorageFormat(zarr_format=2, shard_tokens=64),
 }
 
 
@@ -47,9 +47,9 @@ def sequences() -> list[np.ndarray]:
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {}
-    for name, layout in LAYOUTS.items():
+    for name, storage_format in STORAGE_FORMATS.items():
         path = tmp_path_factory.mktemp(name) / "ds"
-        ftj.write_dataset(path, {"train": sequences()}, layout=layout)
+        ftj.write_dataset(path, {"train": sequences()}, storage_format=storage_format)
         out[name] = path
     return out
 
@@ -243,9 +243,13 @@ def test_a_shard_of_another_store_fails_every_read(
     other = [rng.integers(0, 1000, int(n)) for n in rng.integers(1, 13, 40)]
     masks = {"train": [np.ones(len(q), np.uint8) for q in sequences()]}
     other_masks = {"train": [(rng.random(len(q)) < 0.5).astype(np.uint8) for q in other]}
-    layout = LAYOUTS[fmt]
-    ftj.write_dataset(tmp_path / "a", {"train": sequences()}, loss_masks=masks, layout=layout)
-    ftj.write_dataset(tmp_path / "b", {"train": other}, loss_masks=other_masks, layout=layout)
+    storage_format = STORAGE_FORMATS[fmt]
+    ftj.write_dataset(
+        tmp_path / "a", {"train": sequences()}, loss_masks=masks, storage_format=storage_format
+    )
+    ftj.write_dataset(
+        tmp_path / "b", {"train": other}, loss_masks=other_masks, storage_format=storage_format
+    )
     name = (
         ("c/1" if fmt == "v3" else "1")
         if array != "seq_starts"
@@ -271,7 +275,7 @@ def test_a_shard_of_another_store_fails_every_read(
 
 
 def test_a_store_without_probes_reads_as_before(tmp_path: Path) -> None:
-    ftj.write_dataset(tmp_path / "a", {"train": sequences()}, layout=LAYOUTS["v3"])
+    ftj.write_dataset(tmp_path / "a", {"train": sequences()}, storage_format=STORAGE_FORMATS["v3"])
     expected = read_all(tmp_path / "a")
     for array in ("encoded_tokens", "seq_starts"):
         meta_file = tmp_path / "a" / "train" / array / "zarr.json"
@@ -341,16 +345,22 @@ def test_info_shows_the_checksums(
     text = capsys.readouterr().out
     assert "encoded_tokens: chunk 8, shard 64, compression none, crc32c checksums" in text
     assert main(["info", "--json", str(pristine["v2"])]) == 0
-    layout = json.loads(capsys.readouterr().out)["splits"]["train"]["layout"]["encoded_tokens"]
-    assert (layout["compression"], layout["checksum"], layout["chunk"]) == ("blosc", False, 64)
+    storage_format = json.loads(capsys.readouterr().out)["splits"]["train"]["layout"][
+        "encoded_tokens"
+    ]
+    assert (storage_format["compression"], storage_format["checksum"], storage_format["chunk"]) == (
+        "blosc",
+        False,
+        64,
+    )
 
 
 # Issue 35, finding 2: two versions A and B of a dataset, equal sequence
 # lengths, one token apart in shard 1 past its probe; B's shard 1 and its side
 # chunk of digests copied into A.
-SWAP_LAYOUTS = {
-    "v3": ftj.Layout(shard_tokens=4096, chunk_tokens=512),
-    "v2": ftj.Layout(zarr_format=2, shard_tokens=4096),
+SWAP_FORMATS = {
+    "v3": ftj.StorageFormat(shard_tokens=4096, chunk_tokens=512),
+    "v2": ftj.StorageFormat(zarr_format=2, shard_tokens=4096),
 }
 SWAPPED = 4096 + 2000  # in shard 1, past its 1,024-value probe
 SIDE = r"train/encoded_tokens/chunk_crc32c: .*chunk digests are not those recorded"
@@ -364,7 +374,7 @@ def two_versions(root: Path, fmt: str) -> tuple[Path, int]:
     other = [s.copy() for s in seqs]
     other[SWAPPED // 97][SWAPPED % 97] = seqs[SWAPPED // 97][SWAPPED % 97] % 500 + 1
     for name, data in (("a", seqs), ("b", other)):
-        ftj.write_dataset(root / name, {"train": data}, layout=SWAP_LAYOUTS[fmt])
+        ftj.write_dataset(root / name, {"train": data}, storage_format=SWAP_FORMATS[fmt])
     return root / "a", int(other[SWAPPED // 97][SWAPPED % 97])
 
 

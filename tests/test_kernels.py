@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.core import compiled
+from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.data.records import Windows
 from flat_tokens_jax.decoding.batch import FIELDS, checked_windows, window_fields
 from flat_tokens_jax.decoding.hostdecode import BlockDecoder, empty_fields
@@ -29,19 +30,19 @@ def test_the_test_environment_has_the_kernels() -> None:
 
 
 @st.composite
-def batches(draw: st.DrawFn) -> tuple[Windows, bool | str, int, int]:
-    packed = draw(st.sampled_from([True, False, "bins"]))
+def batches(draw: st.DrawFn) -> tuple[Windows, Packing, int, int]:
+    packing = draw(st.sampled_from(Packing))
     rows = draw(st.integers(1, 12))
     # Short rows, and rows of many of the kernels' 32-token scan blocks.
     seq_len = draw(st.one_of(st.integers(1, 70), st.integers(70, 400)))
-    cols = seq_len + (packed is not False)
+    cols = seq_len + (packing is not Packing.PADDED)
     # Starts anywhere from never to every token, ids up to the largest encodable.
     start_rate = draw(st.sampled_from([0.0, 0.003, 0.02, 0.1, 0.3, 1.0]))
     seed = draw(st.integers(0, 2**32 - 1))
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, 2**31, (rows, cols), dtype=np.uint32)
     encoded = ids * np.uint32(2) + (rng.random((rows, cols)) < start_rate)
-    lengths = None if packed is True else rng.integers(0, seq_len + 1, rows)
+    lengths = None if packing is Packing.WINDOWS else rng.integers(0, seq_len + 1, rows)
     mask = None
     kind = draw(st.sampled_from([None, np.uint8, np.bool_, np.int32, "view"]))
     if kind == "view":  # a non-contiguous view, as bins store their mask
@@ -50,19 +51,19 @@ def batches(draw: st.DrawFn) -> tuple[Windows, bool | str, int, int]:
         mask = rng.integers(0, 3, (rows, seq_len)).astype(kind)
     start_token_id = draw(st.sampled_from([0, 1, 2**31 - 1]))
     pad_id = draw(st.sampled_from([0, 7, 2**31 - 1]))
-    return Windows(encoded, lengths=lengths, stored_mask=mask), packed, start_token_id, pad_id
+    return Windows(encoded, lengths=lengths, stored_mask=mask), packing, start_token_id, pad_id
 
 
 @settings(max_examples=300, deadline=None)
 @given(case=batches(), data=st.data())
 def test_decode_rows_equals_the_numpy_decode(
-    case: tuple[Windows, bool | str, int, int], data: st.DataObject
+    case: tuple[Windows, Packing, int, int], data: st.DataObject
 ) -> None:
-    windows, packed, start, pad = case
+    windows, packing, start, pad = case
     rows = windows.encoded.shape[0]
-    seq_len = windows.encoded.shape[1] - (packed is not False)
-    expected = window_fields(windows, packed, start_token_id=start, pad_id=pad)
-    checked = checked_windows(windows, packed, seq_len, start_token_id=start, pad_id=pad)
+    seq_len = windows.encoded.shape[1] - (packing is not Packing.PADDED)
+    expected = window_fields(windows, packing, start_token_id=start, pad_id=pad)
+    checked = checked_windows(windows, packing, seq_len, start_token_id=start, pad_id=pad)
     out = empty_fields(rows, seq_len)
     for v in out.values():
         v.view(np.uint8)[...] = 0xAB  # garbage a kernel must overwrite
@@ -74,7 +75,7 @@ def test_decode_rows_equals_the_numpy_decode(
             checked.encoded,
             checked.lengths,
             checked.stored_mask,
-            packed,
+            packing,
             block,
             start_token_id=start,
             pad_id=pad,
@@ -87,14 +88,14 @@ def test_decode_rows_equals_the_numpy_decode(
 @settings(max_examples=100, deadline=None)
 @given(case=batches(), threads=st.integers(1, 4), min_rows=st.integers(1, 4))
 def test_block_decoders_equal_the_numpy_decode(
-    case: tuple[Windows, bool | str, int, int], threads: int, min_rows: int
+    case: tuple[Windows, Packing, int, int], threads: int, min_rows: int
 ) -> None:
-    windows, packed, start, pad = case
-    seq_len = windows.encoded.shape[1] - (packed is not False)
-    expected = window_fields(windows, packed, start_token_id=start, pad_id=pad)
+    windows, packing, start, pad = case
+    seq_len = windows.encoded.shape[1] - (packing is not Packing.PADDED)
+    expected = window_fields(windows, packing, start_token_id=start, pad_id=pad)
     for kernel in ("numba", "numpy"):
         decoder = BlockDecoder(threads, min_block_rows=min_rows, kernel=kernel)
-        got = decoder.decode(windows, packed, seq_len, start_token_id=start, pad_id=pad)
+        got = decoder.decode(windows, packing, seq_len, start_token_id=start, pad_id=pad)
         for key in FIELDS:
             assert got[key].tolist() == expected[key].tolist(), (kernel, key)
         decoder.close()
@@ -153,19 +154,17 @@ def test_gather_equals_a_copy_by_element(
 def test_checked_windows_refuses_what_window_fields_refuses() -> None:
     w = np.zeros((2, 5), np.uint32)
     with pytest.raises(ValueError, match="rows of 6"):
-        checked_windows(Windows(w), True, 6)
+        checked_windows(Windows(w), Packing.WINDOWS, 6)
     with pytest.raises(ValueError, match="uint32"):
-        checked_windows(Windows(w.astype(np.int64)), True, 4)
+        checked_windows(Windows(w.astype(np.int64)), Packing.WINDOWS, 4)
     with pytest.raises(TypeError, match="lengths"):
-        checked_windows(Windows(w), "bins", 4)
+        checked_windows(Windows(w), Packing.BINS, 4)
     with pytest.raises(ValueError, match=r"\[0, 4\]"):
-        checked_windows(Windows(w, lengths=np.array([1, 5])), "bins", 4)
+        checked_windows(Windows(w, lengths=np.array([1, 5])), Packing.BINS, 4)
     with pytest.raises(ValueError, match="stored_mask"):
-        checked_windows(Windows(w, stored_mask=np.ones((2, 5), np.uint8)), True, 4)
+        checked_windows(Windows(w, stored_mask=np.ones((2, 5), np.uint8)), Packing.WINDOWS, 4)
     with pytest.raises(ValueError, match="start_token_id"):
-        checked_windows(Windows(w), True, 4, start_token_id=2**31)
-    with pytest.raises(ValueError, match="packed"):
-        checked_windows(Windows(w), "yes", 4)
+        checked_windows(Windows(w), Packing.WINDOWS, 4, start_token_id=2**31)
     with pytest.raises(ValueError, match="kernel"):
         BlockDecoder(2, kernel="cuda")
 
@@ -193,7 +192,7 @@ np.save(sys.argv[1], np.stack([list(loader.host_batch(s).values()) for s in rang
 """
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, 1000, rng.integers(1, 20)).tolist() for _ in range(30)]
-    ftj.write_dataset(tmp_path, {"train": seqs}, layout=ftj.Layout(chunk_tokens=16))
+    ftj.write_dataset(tmp_path, {"train": seqs}, storage_format=ftj.StorageFormat(chunk_tokens=16))
     out = tmp_path / "batches.npy"
     subprocess.run([sys.executable, "-c", script, str(out)], check=True, cwd=ROOT)
     ft = ftj.open_dataset(tmp_path)["train"]
@@ -208,6 +207,7 @@ import json, sys
 import numba
 import flat_tokens_jax as ftj
 from flat_tokens_jax.core import compiled
+from flat_tokens_jax.core.fields import Packing
 kernels = compiled.kernels()
 root = sys.argv[1]
 for name, packing in (("plain", True), ("plain", False), ("plain", "bins"), ("masked", True)):
@@ -229,9 +229,9 @@ def test_a_new_process_takes_the_kernels_from_the_disk_cache(tmp_path: Path) -> 
     first batches (packed, padded, bins, a stored loss mask; memory-mapped copies)."""
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, 1000, rng.integers(1, 20)).tolist() for _ in range(30)]
-    layout = ftj.Layout(chunk_tokens=16)
-    ftj.write_dataset(tmp_path / "plain", {"train": seqs}, layout=layout)
-    with ftj.DatasetWriter(tmp_path / "masked", layout=layout) as w:
+    storage_format = ftj.StorageFormat(chunk_tokens=16)
+    ftj.write_dataset(tmp_path / "plain", {"train": seqs}, storage_format=storage_format)
+    with ftj.DatasetWriter(tmp_path / "masked", storage_format=storage_format) as w:
         for s in seqs:
             w.append("train", s, loss_mask=[i % 2 == 0 for i in range(len(s))])
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")}

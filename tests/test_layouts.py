@@ -35,7 +35,9 @@ LAYOUTS = ("fields", "segments", "tokens", "maxtext")
 
 def split_of(seqs: list[list[int]]) -> ftj.FlatTokens:
     url = memory_url("layouts")
-    ftj.write_dataset(url, {"train": seqs}, layout=ftj.Layout(shard_tokens=64, chunk_tokens=8))
+    ftj.write_dataset(
+        url, {"train": seqs}, storage_format=ftj.StorageFormat(shard_tokens=64, chunk_tokens=8)
+    )
     return ftj.open_dataset(url)["train"]
 
 
@@ -165,7 +167,7 @@ def check_step(loader: ftj.Loader, seqs: list[list[int]], step: int, got: dict) 
     cfg = loader.config
     facts = {
         "seq_len": cfg.seq_len,
-        "packing": cfg.packing,
+        "packing": cfg.packing.value,
         "start_token_id": loader.start_token_id,
         "pad_id": cfg.pad_id,
     }

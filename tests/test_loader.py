@@ -1,9 +1,12 @@
+import dataclasses
+import json
 import subprocess
 import sys
 import threading
 import time
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -16,16 +19,21 @@ from memurls import memory_url
 from reference import reference_batch
 
 import flat_tokens_jax as ftj
+from flat_tokens_jax.grain.grain import FlatTokensSource
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.state import StateMismatch
 
 SPEC = [[1, 2], [3, 4, 5], [6, 7, 8]]
 
 
-def split_of(seqs: list[list[int]], **layout: int) -> ftj.FlatTokens:
+def split_of(seqs: list[list[int]], **storage: int) -> ftj.FlatTokens:
     url = memory_url()
-    lay = ftj.Layout(**layout) if layout else ftj.Layout(shard_tokens=64, chunk_tokens=8)
-    ftj.write_dataset(url, {"train": seqs}, layout=lay)
+    fmt = (
+        ftj.StorageFormat(**storage)
+        if storage
+        else ftj.StorageFormat(shard_tokens=64, chunk_tokens=8)
+    )
+    ftj.write_dataset(url, {"train": seqs}, storage_format=fmt)
     return ftj.open_dataset(url)["train"]
 
 
@@ -78,8 +86,10 @@ def test_stored_loss_mask_batches_equal_brute_force_reference(
 ) -> None:
     masks = [data.draw(st.lists(st.integers(0, 1), min_size=len(s), max_size=len(s))) for s in seqs]
     url = memory_url()
-    layout = ftj.Layout(shard_tokens=16, chunk_tokens=4)
-    ftj.write_dataset(url, {"train": seqs}, loss_masks={"train": masks}, layout=layout)
+    storage_format = ftj.StorageFormat(shard_tokens=16, chunk_tokens=4)
+    ftj.write_dataset(
+        url, {"train": seqs}, loss_masks={"train": masks}, storage_format=storage_format
+    )
     ft = ftj.open_dataset(url)["train"]
     assert ft.loss_mask is not None
     assert_matches_reference(ft, seqs, masks, data)
@@ -129,8 +139,10 @@ def test_stored_loss_mask_on_disk_and_sequence_sharded(tmp_path: Path, packing: 
     rng = np.random.default_rng(7)
     seqs = [rng.integers(0, 5000, rng.integers(1, 40)).tolist() for _ in range(300)]
     masks = [rng.integers(0, 2, len(s)).tolist() for s in seqs]
-    layout = ftj.Layout(shard_tokens=256, chunk_tokens=32)
-    ftj.write_dataset(tmp_path, {"train": seqs}, loss_masks={"train": masks}, layout=layout)
+    storage_format = ftj.StorageFormat(shard_tokens=256, chunk_tokens=32)
+    ftj.write_dataset(
+        tmp_path, {"train": seqs}, loss_masks={"train": masks}, storage_format=storage_format
+    )
     assert (tmp_path / "train" / "loss_mask" / "zarr.json").is_file()
     ft = ftj.open_dataset(tmp_path)["train"]
     cfg = LoaderConfig(batch_size=8, seq_len=16, packing=packing, seed=2, pad_id=3)
@@ -228,7 +240,7 @@ def test_a_step_that_is_not_an_int_is_refused_naming_it_and_spoils_nothing(bad: 
         "host_batch": loader.host_batch,
         "encoded_batch": loader.encoded_batch,
         "provenance": loader.provenance,
-        "plan_at": loader.plan_at,
+        "host_blocks_at": loader.host_blocks_at,
         "host_rows_at": loader.host_rows_at,
         "samples_before": loader.samples_before,
         "start": loader.start,
@@ -309,6 +321,116 @@ def test_common_mistakes_name_the_fix() -> None:
         r"LoaderConfig make its records$",
     ):
         ftj.Loader(records, cfg)
+
+
+@pytest.mark.parametrize(
+    ("written", "member"),
+    [(True, ftj.Packing.WINDOWS), (False, ftj.Packing.PADDED), ("bins", ftj.Packing.BINS)],
+)
+def test_packing_is_held_as_its_type_and_saved_as_written(
+    written: bool | str, member: ftj.Packing, tmp_path: Path
+) -> None:
+    """Each way of saying a packing gives one config, holding its Packing; the
+    fingerprint holds the value as written (its JSON type too); a Packing has
+    no truth value to test by mistake."""
+    cfg = LoaderConfig(batch_size=2, seq_len=8, packing=written)
+    assert cfg.packing is member
+    assert cfg == LoaderConfig(batch_size=2, seq_len=8, packing=written)
+    assert cfg == LoaderConfig(batch_size=2, seq_len=8, packing=member)
+    assert hash(cfg) == hash(LoaderConfig(batch_size=2, seq_len=8, packing=member))
+    assert dataclasses.replace(cfg, seed=1).packing is member
+    assert LoaderConfig.from_dict({"batch_size": 2, "seq_len": 8, "packing": written}) == cfg
+    yaml_word = {True: "true", False: "false", "bins": "bins"}[written]
+    path = tmp_path / "loader.yaml"
+    path.write_text(f"loader:\n  batch_size: 2\n  seq_len: 8\n  packing: {yaml_word}\n")
+    assert LoaderConfig.from_yaml(path) == cfg
+    saved = cfg.batch_defining()["packing"]
+    assert saved == written and type(saved) is type(written)
+    assert f'"packing": {json.dumps(written)}' in json.dumps(cfg.batch_defining())
+    with pytest.raises(TypeError, match="no truth value: compare it with a Packing member"):
+        bool(member)
+    assert LoaderConfig(batch_size=2, seq_len=8).packing is ftj.Packing.WINDOWS
+
+
+def test_records_of_ones_own_must_say_their_packing_as_a_packing() -> None:
+    """A ``packing = True`` on records of one's own, written as in a config,
+    is refused naming the members, where the records are given."""
+
+    class Written:
+        seq_len, packing = 2, True
+
+        def __init__(self) -> None:
+            self.inner = ftj.PackedRecords(split_of(SPEC), 2)
+
+        def __len__(self) -> int:
+            return len(self.inner)
+
+        def read(self, indices: np.ndarray, columns: tuple[int, int] | None = None) -> Any:
+            return self.inner.read(indices, columns)
+
+        def token_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            return self.inner.token_ranges(indices)
+
+        def fingerprint(self) -> dict[str, Any]:
+            return self.inner.fingerprint()
+
+    words = r"Written.packing is True; records say how they decode with a flat_tokens_jax.Packing"
+    cfg = LoaderConfig(batch_size=2, seq_len=2)
+    with pytest.raises(TypeError, match=rf"^the Loader's source: {words}"):
+        ftj.Loader(Written(), cfg)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=rf"^component 'w': {words}"):
+        ftj.Mixture({"w": (Written(), 1)})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match=rf"^the source: {words}"):
+        FlatTokensSource(Written(), 2)  # type: ignore[arg-type]
+    mine = Written()
+    mine.packing = ftj.Packing.WINDOWS  # type: ignore[assignment]
+    assert as_lists(ftj.Loader(mine, cfg).host_batch(0)) == as_lists(
+        ftj.Loader(mine.inner, cfg).host_batch(0)
+    )
+
+
+# Loader.state() of GOLDEN_SEQS (written in the default storage format) under
+# LoaderConfig(batch_size=2, seq_len=8, seed=3, packing=...), saved at step 3 when
+# packing was a bool or "bins" inside too: the states this version reads and writes.
+GOLDEN_SEQS = [[i % 7 + 1] * (i % 5 + 1) for i in range(60)]
+GOLDEN_DATA = (
+    '"num_tokens": 180, "num_sequences": 60, "max_token_id": 7, "loss_mask": false, '
+    '"sample_digest": "63035f0af0e32763", "tokenizer": null, '
+    '"content": "11a0483f6ab75781a024adcf348c50f8"'
+)
+GOLDEN_PLAN = (
+    '"plan": {"algorithm": "best-fit-decreasing/blocks-of-262144", "digest": "b02fb1be2cb58ea2"}, '
+)
+GOLDEN_STATES = {
+    True: '{"step": 3, "samples": 6, "fingerprint": {"data": {"records": "packed", '
+    '"seq_len": 8, ' + GOLDEN_DATA + '}, "config": {"seq_len": 8, "packing": true, '
+    '"shuffle": true, "seed": 3, "num_epochs": null, "start_token_id": 0, "pad_id": 0}, '
+    '"batch_size": 2}, "sources": [{"name": "0", "url": "URL", "split": "train", '
+    '"sequences": [0, 60]}]}',
+    False: '{"step": 3, "samples": 6, "fingerprint": {"data": {"records": "padded", '
+    '"seq_len": 8, ' + GOLDEN_DATA + '}, "config": {"seq_len": 8, "packing": false, '
+    '"shuffle": true, "seed": 3, "num_epochs": null, "start_token_id": 0, "pad_id": 0}, '
+    '"batch_size": 2}, "sources": [{"name": "0", "url": "URL", "split": "train", '
+    '"sequences": [0, 60]}]}',
+    "bins": '{"step": 3, "samples": 6, "fingerprint": {"data": {"records": "bins", '
+    '"seq_len": 8, ' + GOLDEN_PLAN + GOLDEN_DATA + '}, "config": {"seq_len": 8, '
+    '"packing": "bins", "shuffle": true, "seed": 3, "num_epochs": null, '
+    '"start_token_id": 0, "pad_id": 0}, "batch_size": 2}, "sources": [{"name": "0", '
+    '"url": "URL", "split": "train", "sequences": [0, 60]}]}',
+}
+
+
+@pytest.mark.parametrize("packing", [True, False, "bins"], ids=["packed", "padded", "bins"])
+def test_saved_state_golden(packing: bool | str, tmp_path: Path) -> None:
+    """A state saved as this version saves it restores, and the state saved
+    now is the same text, key for key."""
+    url = memory_url()
+    ftj.write_dataset(url, {"train": GOLDEN_SEQS})
+    cfg = LoaderConfig(batch_size=2, seq_len=8, seed=3, packing=packing)
+    loader = ftj.Loader(ftj.open_dataset(url)["train"], cfg, plan_cache=tmp_path)
+    golden = GOLDEN_STATES[packing].replace('"URL"', json.dumps(url))
+    assert loader.restore(json.loads(golden)) == 3
+    assert json.dumps(loader.state(3)) == golden
 
 
 @pytest.mark.parametrize("batch_size", [1, 4, 3])

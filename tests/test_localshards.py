@@ -40,7 +40,9 @@ def test_memory_mapped_reads_equal_tensorstore_reads(
     ftj.write_dataset(
         path,
         {"train": [values]},
-        layout=ftj.Layout(shard_tokens=chunk * per_shard, chunk_tokens=chunk, checksum=checksum),
+        storage_format=ftj.StorageFormat(
+            shard_tokens=chunk * per_shard, chunk_tokens=chunk, checksum=checksum
+        ),
     )
     reader = tokens_array(path)
     assert reader.local is not None
@@ -72,7 +74,9 @@ def punch_hole(path: Path, start: int, stop: int) -> None:
 
 def test_a_shard_that_is_not_plain_falls_back_to_tensorstore(tmp_path: Path) -> None:
     ftj.write_dataset(
-        tmp_path, {"train": [[5] * 100]}, layout=ftj.Layout(shard_tokens=32, chunk_tokens=8)
+        tmp_path,
+        {"train": [[5] * 100]},
+        storage_format=ftj.StorageFormat(shard_tokens=32, chunk_tokens=8),
     )
     punch_hole(tmp_path, 40, 48)
     meta_path = tmp_path / "train" / "encoded_tokens" / "zarr.json"
@@ -90,7 +94,9 @@ def test_a_shard_that_is_not_plain_falls_back_to_tensorstore(tmp_path: Path) -> 
 
 def test_a_chunk_missing_from_our_own_store_fails_the_read(tmp_path: Path) -> None:
     ftj.write_dataset(
-        tmp_path, {"train": [[5] * 100]}, layout=ftj.Layout(shard_tokens=32, chunk_tokens=8)
+        tmp_path,
+        {"train": [[5] * 100]},
+        storage_format=ftj.StorageFormat(shard_tokens=32, chunk_tokens=8),
     )
     reader = tokens_array(tmp_path)
     assert reader.read_ranges(np.array([40]), np.array([48]))[0].tolist() == [10] * 8
@@ -101,10 +107,14 @@ def test_a_chunk_missing_from_our_own_store_fails_the_read(tmp_path: Path) -> No
         reader.read_ranges(np.array([30]), np.array([50]))
 
 
-def test_compressed_or_foreign_layouts_are_not_memory_mapped(tmp_path: Path) -> None:
-    ftj.write_dataset(tmp_path / "z", {"train": [[1, 2, 3]]}, layout=ftj.Layout(compression="zstd"))
+def test_compressed_or_foreign_storage_formats_are_not_memory_mapped(tmp_path: Path) -> None:
+    ftj.write_dataset(
+        tmp_path / "z", {"train": [[1, 2, 3]]}, storage_format=ftj.StorageFormat(compression="zstd")
+    )
     assert tokens_array(tmp_path / "z").local is None
-    ftj.write_dataset(tmp_path / "v2", {"train": [[1, 2, 3]]}, layout=ftj.Layout(zarr_format=2))
+    ftj.write_dataset(
+        tmp_path / "v2", {"train": [[1, 2, 3]]}, storage_format=ftj.StorageFormat(zarr_format=2)
+    )
     assert tokens_array(tmp_path / "v2").local is None
     meta = {
         "shape": [10],
@@ -118,7 +128,9 @@ def test_compressed_or_foreign_layouts_are_not_memory_mapped(tmp_path: Path) -> 
 def test_an_empty_read_at_the_end_of_a_checksummed_array(tmp_path: Path) -> None:
     """The last shard holds one whole chunk; an empty read just past it is empty."""
     ftj.write_dataset(
-        tmp_path, {"train": [list(range(12))]}, layout=ftj.Layout(shard_tokens=8, chunk_tokens=4)
+        tmp_path,
+        {"train": [list(range(12))]},
+        storage_format=ftj.StorageFormat(shard_tokens=8, chunk_tokens=4),
     )
     reader = tokens_array(tmp_path)
     assert reader.local is not None and reader.local.checksummed
@@ -152,8 +164,12 @@ def test_rows_equal_the_ranges_stacked(
     path = tmp_path_factory.mktemp("ds")
     values = data.draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n))
     mask = data.draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
-    layout = ftj.Layout(shard_tokens=chunk * per_shard, chunk_tokens=chunk, checksum=checksum)
-    ftj.write_dataset(path, {"train": [values]}, loss_masks={"train": [mask]}, layout=layout)
+    storage_format = ftj.StorageFormat(
+        shard_tokens=chunk * per_shard, chunk_tokens=chunk, checksum=checksum
+    )
+    ftj.write_dataset(
+        path, {"train": [values]}, loss_masks={"train": [mask]}, storage_format=storage_format
+    )
     ft = ftj.open_dataset(path)["train"]
     width = data.draw(st.integers(1, n))
     lo = np.array(data.draw(st.lists(st.integers(0, n), min_size=0, max_size=12)), np.int64)
@@ -196,7 +212,7 @@ def test_rows_through_a_chunk_that_fails_its_checksum_fail(tmp_path: Path) -> No
     ftj.write_dataset(
         tmp_path,
         {"train": [list(range(1, 65))]},
-        layout=ftj.Layout(shard_tokens=32, chunk_tokens=8),
+        storage_format=ftj.StorageFormat(shard_tokens=32, chunk_tokens=8),
     )
     shard = tmp_path / "train" / "encoded_tokens" / "c" / "0"
     raw = bytearray(shard.read_bytes())

@@ -30,7 +30,7 @@ from flat_tokens_jax.store.location import MARKER, OverwriteNeeded
 from flat_tokens_jax.store.options import StoreError
 from flat_tokens_jax.store.store import Store
 
-SMALL = ftj.Layout(shard_tokens=1 << 10, chunk_tokens=1 << 6)
+SMALL = ftj.StorageFormat(shard_tokens=1 << 10, chunk_tokens=1 << 6)
 
 
 def tokens(url: str | Path) -> list[list[int]]:
@@ -93,8 +93,12 @@ def test_an_old_dataset_without_the_attribute_is_still_overwritten(
     tmp_path: Path, zarr_format: int
 ) -> None:
     url = tmp_path / "ds"
-    layout = ftj.Layout(shard_tokens=1 << 10, chunk_tokens=1 << 6, zarr_format=zarr_format)
-    ftj.write_dataset(url, {"train": [[1, 2]]}, loss_masks={"train": [[0, 1]]}, layout=layout)
+    storage_format = ftj.StorageFormat(
+        shard_tokens=1 << 10, chunk_tokens=1 << 6, zarr_format=zarr_format
+    )
+    ftj.write_dataset(
+        url, {"train": [[1, 2]]}, loss_masks={"train": [[0, 1]]}, storage_format=storage_format
+    )
     # What older versions wrote: no flat_tokens root attribute.
     meta = json.loads((url / "zarr.json").read_text()) if zarr_format == 3 else None
     if meta is not None:
@@ -119,7 +123,10 @@ def test_a_dataset_that_says_so_is_overwritten_with_its_own_splits(tmp_path: Pat
 def test_a_finished_write_leaves_no_marker_and_a_failed_one_nothing(tmp_path: Path) -> None:
     ftj.write_dataset(tmp_path / "ok", {"train": [[1]]})
     assert MARKER not in files(tmp_path / "ok")
-    with pytest.raises(RuntimeError), ftj.DatasetWriter(tmp_path / "bad", layout=SMALL) as w:
+    with (
+        pytest.raises(RuntimeError),
+        ftj.DatasetWriter(tmp_path / "bad", storage_format=SMALL) as w,
+    ):
         w.extend("train", [[1, 2, 3]] * 500)
         raise RuntimeError("stop")
     assert files(tmp_path / "bad") == {}
@@ -222,7 +229,7 @@ def race(url: str | Path, writers: int) -> list[BaseException | None]:
     def write(i: int) -> None:
         barrier.wait()
         try:
-            ftj.write_dataset(url, {"train": [[i + 1] * 5000] * 20}, layout=SMALL)
+            ftj.write_dataset(url, {"train": [[i + 1] * 5000] * 20}, storage_format=SMALL)
         except FileExistsError as e:
             outcomes[i] = e
 
@@ -259,12 +266,12 @@ def test_racing_processes_one_wins(tmp_path: Path) -> None:
         import flat_tokens_jax as ftj
         from pathlib import Path
         url, value, folder = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
-        small = ftj.Layout(shard_tokens=1 << 10, chunk_tokens=1 << 6)
+        small = ftj.StorageFormat(shard_tokens=1 << 10, chunk_tokens=1 << 6)
         (folder / f"ready-{value}").touch()
         while len(list(folder.glob("ready-*"))) < 2:  # both started: go
             time.sleep(0.001)
         try:
-            ftj.write_dataset(url, {"train": [[value] * 5000] * 20}, layout=small)
+            ftj.write_dataset(url, {"train": [[value] * 5000] * 20}, storage_format=small)
         except FileExistsError as e:
             print(e, file=sys.stderr)
             sys.exit(3)
@@ -305,7 +312,7 @@ def tiny_disk(folder: Path, size: str) -> Iterator[Path]:
 
 
 def test_a_full_disk_at_the_final_write_leaves_nothing_and_says_so(tmp_path: Path) -> None:
-    # 384k: a dataset of three tokens in the default layout takes about 270k
+    # 384k: a dataset of three tokens in the default storage format takes about 270k
     # on a tmpfs (whole inner chunks, shard indexes of 2,048 entries, and a
     # side chunk of 2,048 chunk digests per shard).
     with tiny_disk(tmp_path / "disk", "384k") as disk:
@@ -313,9 +320,9 @@ def test_a_full_disk_at_the_final_write_leaves_nothing_and_says_so(tmp_path: Pat
         filler.write_bytes(b"\0" * (200 << 10))
         url = disk / "ds"
         # One sequence, smaller than a shard: it is written only by close().
-        big = ftj.Layout(shard_tokens=1 << 16, chunk_tokens=1 << 10)
+        big = ftj.StorageFormat(shard_tokens=1 << 16, chunk_tokens=1 << 10)
         with pytest.raises(StoreError, match="no space left on device"):
-            ftj.write_dataset(url, {"train": [np.arange(1, 30_000)]}, layout=big)
+            ftj.write_dataset(url, {"train": [np.arange(1, 30_000)]}, storage_format=big)
         assert Store(url).keys() == []
         # Now not even the marker fits.
         with contextlib.suppress(OSError), open(disk / "more", "wb", buffering=0) as f:
@@ -338,9 +345,9 @@ def test_a_failed_final_write_leaves_nothing_without_root(tmp_path: Path) -> Non
         import flat_tokens_jax as ftj
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, 16 << 10))
-        big = ftj.Layout(shard_tokens=1 << 16, chunk_tokens=1 << 16)
+        big = ftj.StorageFormat(shard_tokens=1 << 16, chunk_tokens=1 << 16)
         try:
-            ftj.write_dataset(sys.argv[1], {"train": [np.arange(1, 30_000)]}, layout=big)
+            ftj.write_dataset(sys.argv[1], {"train": [np.arange(1, 30_000)]}, storage_format=big)
         except OSError as e:
             print(e, file=sys.stderr)
             sys.exit(3)

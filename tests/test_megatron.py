@@ -106,7 +106,7 @@ def test_import_gives_one_sequence_per_document_or_per_sequence(
             per_sequence=per_sequence,
             chunk_tokens=chunk_tokens,
             progress=lambda a, b: done.append((a, b)),
-            layout=ftj.Layout(shard_tokens=16, chunk_tokens=4),
+            storage_format=ftj.StorageFormat(shard_tokens=16, chunk_tokens=4),
         )
     want = [s for _, documents in parts for s in expected(documents, per_sequence)]
     assert stored(out) == want

@@ -24,7 +24,7 @@ def test_merge_concatenates_every_split_in_order(
         ftj.write_dataset(
             urls[-1],
             {"train": train, "validation": valid},
-            layout=ftj.Layout(shard_tokens=16, chunk_tokens=4),
+            storage_format=ftj.StorageFormat(shard_tokens=16, chunk_tokens=4),
         )
     out = memory_url("merged")
     summary = merge(urls, out, block_tokens=block)
@@ -80,7 +80,7 @@ def test_merge_carries_loss_masks(parts: list[list[list[bool]]], block: int) -> 
             urls[-1],
             {"train": seqs},
             loss_masks={"train": masks},
-            layout=ftj.Layout(shard_tokens=16, chunk_tokens=4),
+            storage_format=ftj.StorageFormat(shard_tokens=16, chunk_tokens=4),
         )
     out = memory_url("merged")
     merge(urls, out, block_tokens=block)
@@ -105,7 +105,9 @@ def test_merge_keeps_every_split_of_every_input(tmp_path: Path) -> None:
     # Before: merge wrote train and validation only, and dropped "test" and "dev" silently.
     ftj.write_dataset(tmp_path / "a", {"train": [[1, 2]], "test": [[3], [4, 5]]})
     ftj.write_dataset(
-        tmp_path / "b", {"dev": [[6]], "test": [[7]]}, layout=ftj.Layout(zarr_format=2)
+        tmp_path / "b",
+        {"dev": [[6]], "test": [[7]]},
+        storage_format=ftj.StorageFormat(zarr_format=2),
     )
     ftj.write_dataset(tmp_path / "c", {"validation": [[8]]})
     out = tmp_path / "m"

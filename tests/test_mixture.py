@@ -18,7 +18,9 @@ from flat_tokens_jax.sampling.mixture import Mixture, Period
 def make_split(num_seqs: int, length: int = 4, base: int = 1) -> ftj.FlatTokens:
     url = memory_url()
     seqs = [[base + i] * length for i in range(num_seqs)]
-    ftj.write_dataset(url, {"train": seqs}, layout=ftj.Layout(shard_tokens=256, chunk_tokens=16))
+    ftj.write_dataset(
+        url, {"train": seqs}, storage_format=ftj.StorageFormat(shard_tokens=256, chunk_tokens=16)
+    )
     return ftj.open_dataset(url)["train"]
 
 
@@ -57,10 +59,10 @@ weight_lists = st.lists(st.sampled_from([0, 0.5, 1, 2, 3, 7, 0.1]), min_size=1, 
 )
 
 
-def test_remainders_that_tie_in_decimal_tie_in_the_layout() -> None:
+def test_remainders_that_tie_in_decimal_tie_in_the_period() -> None:
     # 0.1, 0.1, 0.7 over 3 slots: shares 1/3, 1/3, 7/3, remainders all 1/3, so the
     # spare slot goes to the lowest index; float shares alone would give it to 2.
-    assert Period.layout([0.1, 0.1, 0.7], 3).counts.tolist() == [1, 0, 2]
+    assert Period.of([0.1, 0.1, 0.7], 3).counts.tolist() == [1, 0, 2]
     assert reference_counts([0.1, 0.1, 0.7], 3) == [1, 0, 2]
 
 
@@ -234,7 +236,8 @@ def test_the_config_decides_what_a_record_is(packing: bool) -> None:
         for key, value in batch.items():
             assert np.array_equal(value[row["row"]], want[key][0]), key
     assert loader.fingerprint()["config"]["packing"] is packing
-    assert [r.packed for r in loader.components] == [packing, packing]
+    rows = ftj.Packing.WINDOWS if packing else ftj.Packing.PADDED
+    assert [r.packing for r in loader.components] == [rows, rows]
     assert bool(batch["loss_mask"].all()) == packing  # padded rows of 3 tokens hold padding
 
 
@@ -325,7 +328,9 @@ def test_split_views_are_exact_sequence_ranges() -> None:
 def test_packed_records_never_cross_a_view(lengths: list[int], seq_len: int, cut: float) -> None:
     url = memory_url()
     seqs = [[i + 1] * n for i, n in enumerate(lengths)]
-    ftj.write_dataset(url, {"train": seqs}, layout=ftj.Layout(shard_tokens=64, chunk_tokens=8))
+    ftj.write_dataset(
+        url, {"train": seqs}, storage_format=ftj.StorageFormat(shard_tokens=64, chunk_tokens=8)
+    )
     first, second = ftj.open_dataset(url)["train"].split([cut, 1 - cut])
     for view in (first, second):
         records = ftj.PackedRecords(view, seq_len)

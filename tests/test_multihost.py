@@ -85,9 +85,14 @@ def launch(
 
 
 def reference(
-    dataset: Path, steps: range, loader_config: dict[str, Any] = LOADER
+    dataset: Path,
+    steps: range,
+    loader_config: dict[str, Any] = LOADER,
+    mixture: dict[str, float] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    loader = ftj.Loader(ftj.open_dataset(dataset)["train"], ftj.LoaderConfig(**loader_config))
+    ft = ftj.open_dataset(dataset)["train"]
+    source = ft if mixture is None else ftj.Mixture({n: (ft, w) for n, w in mixture.items()})
+    loader = ftj.Loader(source, ftj.LoaderConfig(**loader_config))
     out = {}
     for step in steps:
         batch = loader.host_batch(step)
@@ -148,22 +153,40 @@ def test_hosts_steered_mid_run_equal_one_process_steered_the_same(
     dataset: Path, tmp_path: Path
 ) -> None:
     """Two processes change the weights and skip batches while steps are read
-    ahead; their global batches are one process's with the same changes."""
-    mixture = [[0, 200, 1], [200, 500, 1]]
+    ahead; their global batches, ``source`` included, are one process's with
+    the same changes."""
+    loader = {**LOADER, "source_field": True}
+    mixture = {"x": 1.0, "y": 1.0}
     steer = [[1, "set_weights", 3, [1, 3]], [2, "skip", 4, 2], [4, "set_weights", 6, [3, 1]]]
-    reports = launch(dataset, tmp_path, 2, num_steps=8, mixture=mixture, steer=steer)
-    ft = ftj.open_dataset(dataset)["train"]
-    mix = ftj.Mixture([(str(i), ft.view(a, b), w) for i, (a, b, w) in enumerate(mixture)], seed=4)
-    loader = ftj.Loader(mix, ftj.LoaderConfig(**LOADER))
+    reports = launch(dataset, tmp_path, 2, num_steps=8, loader=loader, mixture=mixture, steer=steer)
+    one = ftj.Mixture({n: (ftj.open_dataset(dataset)["train"], w) for n, w in mixture.items()})
+    steered = ftj.Loader(one, ftj.LoaderConfig(**loader))
     for _, call, at, value in steer:
-        getattr(loader, call)(at, value)
-    plain = ftj.Loader(mix, ftj.LoaderConfig(**LOADER))
+        getattr(steered, call)(at, value)
     for step in range(8):
-        batch = loader.host_batch(step)
+        batch = steered.host_batch(step)
         want = {"digest": digest(batch), "target_row_sums": batch["targets"].sum(1).tolist()}
         for report in reports:
             assert report["steps"][str(step)] == want, f"step {step}"
-    assert digest(plain.host_batch(7)) != digest(loader.host_batch(7)), "the changes change it"
+    assert reports[0]["steps"] != reference(dataset, range(8), loader, mixture), "they change it"
+
+
+@pytest.mark.parametrize("decode", ["host", "device"])
+def test_the_source_field_of_a_mixture_is_the_single_process_one(
+    dataset: Path, tmp_path: Path, decode: str
+) -> None:
+    """``source`` (issue 38) is one global array over 2 processes, each
+    holding its rows' sources: its digest, with every other field's, equals
+    the single process's batch."""
+    loader = {**LOADER, "source_field": True, "decode": decode}
+    mixture = {"x": 1.0, "y": 3.0}
+    reports = launch(dataset, tmp_path, 2, num_steps=3, loader=loader, mixture=mixture)
+    expected = reference(dataset, range(3), loader, mixture)
+    for report in reports:
+        assert report["steps"] == expected
+    one = ftj.Mixture({n: (ftj.open_dataset(dataset)["train"], w) for n, w in mixture.items()})
+    sources = ftj.Loader(one, ftj.LoaderConfig(**loader)).host_batch(0)["source"]
+    assert set(sources.tolist()) == {0, 1}  # the digests cover both sources
 
 
 def test_read_ahead_sized_on_each_host_gives_the_single_process_batches(

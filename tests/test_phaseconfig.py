@@ -205,7 +205,7 @@ def test_the_example_run_yaml_builds(tmp_path: Path) -> None:
         ("long-context", 100000),
     ]
     assert phases[1].config == phases[0].config, "the anneal phase keeps the loader"
-    assert phases[2].config.packing == "bins" and phases[2].config.seq_len == 64
+    assert phases[2].config.packing is ftj.Packing.BINS and phases[2].config.seq_len == 64
     run = ftj.PhasedLoader(phases)
     assert run.offsets[1] == [576000, 144000, 0], "web and code continue, books is new"
     assert run.offsets[2] == [0], "bins of 64 are a new stream of books"

@@ -182,7 +182,9 @@ def test_cli_pack_info_validate_show(
 @pytest.mark.parametrize("zarr_format", [2, 3])
 def test_pack_zarr_v2_and_an_empty_split(tmp_path: Path, zarr_format: int) -> None:
     path = tmp_path / "ds"
-    ftj.write_dataset(path, {"train": seqs(50)}, layout=ftj.Layout(zarr_format=zarr_format))
+    ftj.write_dataset(
+        path, {"train": seqs(50)}, storage_format=ftj.StorageFormat(zarr_format=zarr_format)
+    )
     plans = ftj.pack_dataset(path, 16)
     assert plans["validation"].num_bins == 0 and plans["train"].num_bins > 0
     ftj.validate(path)

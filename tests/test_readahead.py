@@ -36,7 +36,9 @@ STEP_BYTES = BATCH * SEQ_LEN * 17  # decoded fields of a step on the host
 
 def split() -> ftj.FlatTokens:
     url = memory_url()
-    ftj.write_dataset(url, {"train": SEQS}, layout=ftj.Layout(shard_tokens=256, chunk_tokens=16))
+    ftj.write_dataset(
+        url, {"train": SEQS}, storage_format=ftj.StorageFormat(shard_tokens=256, chunk_tokens=16)
+    )
     return ftj.open_dataset(url)["train"]
 
 
@@ -45,7 +47,7 @@ class Logged:
 
     def __init__(self, ft: ftj.FlatTokens, delay: float = 0.0) -> None:
         self.inner = ftj.PackedRecords(ft, SEQ_LEN)
-        self.seq_len, self.packed, self.delay = SEQ_LEN, True, delay
+        self.seq_len, self.packing, self.delay = SEQ_LEN, ftj.Packing.WINDOWS, delay
         self.reads: list[list[int]] = []
         self.first = threading.Event()
         self._lock = threading.Lock()
@@ -318,13 +320,14 @@ def test_stats_count_what_the_trainer_got() -> None:
         "steps", "wait_first_s", "wait_last_s", "wait_mean_s", "wait_p99_s",
         "fetch_last_s", "fetch_mean_s", "decode_mean_s", "interval_mean_s", "depth",
         "depth_target", "depth_ceiling", "read_ahead_bytes_peak", "read_ahead_bytes", "requests",
-        "bytes_read", "tokens", "filtered_rows", "filtered_rows_last",
+        "bytes_read", "tokens", "source_tokens", "filtered_rows", "filtered_rows_last",
     }  # fmt: skip
     assert stats["steps"] == 10 and stats["tokens"] == 10 * BATCH * SEQ_LEN
+    assert stats["source_tokens"] == {"0": 10 * BATCH * SEQ_LEN}  # one split, no padding
     assert stats["wait_first_s"] == waits[0] and stats["wait_last_s"] == waits[-1]
     assert stats["wait_mean_s"] == pytest.approx(np.mean(waits[1:]))
     assert stats["wait_mean_s"] <= stats["wait_p99_s"] <= max(waits[1:])
-    assert min(stats[k] for k in stats) >= 0
+    assert min(v for v in stats.values() if not isinstance(v, dict)) >= 0
     assert stats["fetch_mean_s"] > 0 and stats["decode_mean_s"] > 0
     assert stats["interval_mean_s"] > 0 and stats["depth_target"] >= MIN_DEPTH
     assert 0 < stats["read_ahead_bytes_peak"] <= stats["read_ahead_bytes"] == 1 << 30

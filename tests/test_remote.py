@@ -25,7 +25,7 @@ from flat_tokens_jax.store.store import Store
 
 pytestmark = pytest.mark.remote
 SEQS = [[i % 500 + 1] * (i % 37 + 1) for i in range(400)]
-SMALL = ftj.Layout(shard_tokens=1 << 10, chunk_tokens=1 << 6)
+SMALL = ftj.StorageFormat(shard_tokens=1 << 10, chunk_tokens=1 << 6)
 # Retries that give up fast: 3 attempts, 0.05 s then 0.1 s apart.
 FAST = {"retries": 3, "retry_delay": 0.05, "max_retry_delay": 0.2}
 
@@ -81,8 +81,10 @@ def unique(remote: Remote, name: str) -> str:
 
 def local_and_remote(remote: Remote, tmp_path: Path, options: ftj.StoreOptions) -> tuple[str, Path]:
     url = unique(remote, "ds")
-    ftj.write_dataset(tmp_path, {"train": SEQS, "validation": SEQS[:9]}, layout=SMALL)
-    ftj.write_dataset(url, {"train": SEQS, "validation": SEQS[:9]}, layout=SMALL, options=options)
+    ftj.write_dataset(tmp_path, {"train": SEQS, "validation": SEQS[:9]}, storage_format=SMALL)
+    ftj.write_dataset(
+        url, {"train": SEQS, "validation": SEQS[:9]}, storage_format=SMALL, options=options
+    )
     return url, tmp_path
 
 
@@ -166,7 +168,7 @@ def test_s3_server_stopped_mid_run_fails_within_the_retry_budget(tmp_path: Path)
         options = ftj.StoreOptions(
             endpoint=base, region="us-east-1", credentials=aws_profile(tmp_path), **FAST
         )
-        ftj.write_dataset("s3://bucket/ds", {"train": SEQS}, layout=SMALL, options=options)
+        ftj.write_dataset("s3://bucket/ds", {"train": SEQS}, storage_format=SMALL, options=options)
         cfg = ftj.LoaderConfig(batch_size=8, seq_len=32, seed=1, prefetch=4)
         loader = ftj.Loader(ftj.open_dataset("s3://bucket/ds", options)["train"], cfg)
         loader.host_batch(0)
@@ -181,7 +183,9 @@ def test_gcs_server_stopped_mid_run_fails_within_the_retry_budget(faulty_gcs: Re
         with contextlib.ExitStack() as server:
             faulty_gcs.proxy.target_port = port_of(server.enter_context(fake_gcs()))
             options = faulty_gcs.with_options(**FAST)
-            ftj.write_dataset("gs://bucket/ds", {"train": SEQS}, layout=SMALL, options=options)
+            ftj.write_dataset(
+                "gs://bucket/ds", {"train": SEQS}, storage_format=SMALL, options=options
+            )
             cfg = ftj.LoaderConfig(batch_size=8, seq_len=32, seed=1, prefetch=4)
             loader = ftj.Loader(ftj.open_dataset("gs://bucket/ds", options)["train"], cfg)
             loader.host_batch(0)
@@ -262,8 +266,10 @@ def test_a_packed_batch_costs_about_one_request_per_row_and_each_index_one_read(
     rng = np.random.default_rng(5)
     seqs = [rng.integers(1, 1000, int(n)).tolist() for n in rng.integers(20, 600, 300)]
     url = unique(faulty_s3, "requests")
-    layout = ftj.Layout(shard_tokens=1 << 13, chunk_tokens=1 << 10)
-    ftj.write_dataset(url, {"train": seqs}, layout=layout, options=faulty_s3.options)
+    storage_format = ftj.StorageFormat(shard_tokens=1 << 13, chunk_tokens=1 << 10)
+    ftj.write_dataset(
+        url, {"train": seqs}, storage_format=storage_format, options=faulty_s3.options
+    )
     cfg = ftj.LoaderConfig(batch_size=16, seq_len=64, seed=3, prefetch=0)
     opened = faulty_s3.proxy.count()
     ft = ftj.open_dataset(url, faulty_s3.options)["train"]
@@ -290,7 +296,7 @@ def test_a_packed_batch_costs_about_one_request_per_row_and_each_index_one_read(
     ]
     shards = [p for p in index_reads if key in p]
     # Every shard's index is read once, and only once.
-    assert len(shards) == len(set(shards)) == -(-ft.num_tokens // layout.shard_tokens)
+    assert len(shards) == len(set(shards)) == -(-ft.num_tokens // storage_format.shard_tokens)
     assert data_reads <= rows * 1.25
 
 
@@ -371,7 +377,7 @@ def test_racing_writers_on_s3_one_wins(faulty_s3: Remote) -> None:
         barrier.wait()
         try:
             ftj.write_dataset(
-                url, {"train": [[i + 1] * 300]}, layout=SMALL, options=faulty_s3.options
+                url, {"train": [[i + 1] * 300]}, storage_format=SMALL, options=faulty_s3.options
             )
         except FileExistsError as e:
             outcomes[i] = e

@@ -19,7 +19,7 @@ from flat_tokens_jax.store.options import StoreError
 
 pytestmark = pytest.mark.remote
 # Small shards, so that the rows of a few steps touch hundreds of them.
-LAYOUT = ftj.Layout(shard_tokens=1 << 8, chunk_tokens=1 << 5)
+STORAGE_FORMAT = ftj.StorageFormat(shard_tokens=1 << 8, chunk_tokens=1 << 5)
 ROWS, SEQ_LEN = 32, 32
 # Retries that give up fast: 5 attempts, 0.01 s then up to 0.05 s apart.
 FAST = {"retries": 5, "retry_delay": 0.01, "max_retry_delay": 0.05}
@@ -32,7 +32,10 @@ def shards_read(loader: ftj.Loader, step: int) -> set[int]:
     for row in loader.provenance(step):
         lo, hi = row["tokens"]
         shards.update(
-            range(max(lo - 1, 0) // LAYOUT.shard_tokens, (hi - 1) // LAYOUT.shard_tokens + 1)
+            range(
+                max(lo - 1, 0) // STORAGE_FORMAT.shard_tokens,
+                (hi - 1) // STORAGE_FORMAT.shard_tokens + 1,
+            )
         )
     return shards
 

@@ -15,7 +15,7 @@ import flat_tokens_jax as ftj
 from flat_tokens_jax.store.store import remote_bytes, remote_reads
 
 pytestmark = pytest.mark.remote
-LAYOUT = ftj.Layout(shard_tokens=1 << 14, chunk_tokens=1 << 10)
+STORAGE_FORMAT = ftj.StorageFormat(shard_tokens=1 << 14, chunk_tokens=1 << 10)
 RNG = np.random.default_rng(7)
 SEQS = [RNG.integers(1, 1000, int(n)).tolist() for n in RNG.integers(20, 300, 200)]
 
@@ -32,8 +32,8 @@ def test_rows_that_share_chunks_cost_fewer_requests_than_rows(
     uncached: ftj.StoreOptions, tmp_path: Path, packing: bool
 ) -> None:
     url = f"s3://bucket/shared-{packing}"
-    ftj.write_dataset(url, {"train": SEQS}, layout=LAYOUT, options=uncached)
-    ftj.write_dataset(tmp_path, {"train": SEQS}, layout=LAYOUT)
+    ftj.write_dataset(url, {"train": SEQS}, storage_format=STORAGE_FORMAT, options=uncached)
+    ftj.write_dataset(tmp_path, {"train": SEQS}, storage_format=STORAGE_FORMAT)
     cfg = ftj.LoaderConfig(batch_size=32, seq_len=64, packing=packing, shuffle=False, prefetch=0)
     loader = ftj.Loader(ftj.open_dataset(url, uncached)["train"], cfg)
     here = ftj.Loader(ftj.open_dataset(tmp_path)["train"], cfg)

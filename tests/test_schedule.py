@@ -27,7 +27,9 @@ from flat_tokens_jax import BatchSchedule, LoaderConfig, StateMismatch
 RNG = np.random.default_rng(17)
 SEQS = [RNG.integers(1, 90, int(k)).tolist() for k in RNG.integers(1, 12, 40)]
 URL = memory_url("schedule")
-ftj.write_dataset(URL, {"train": SEQS}, layout=ftj.Layout(shard_tokens=128, chunk_tokens=16))
+ftj.write_dataset(
+    URL, {"train": SEQS}, storage_format=ftj.StorageFormat(shard_tokens=128, chunk_tokens=16)
+)
 SPLIT = ftj.open_dataset(URL)["train"]
 PARTS = SPLIT.split([1, 1, 1])  # three components of one mixture
 

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 from memurls import memory_url
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.decoding.sharding import HostPlan
+from flat_tokens_jax.decoding.sharding import HostBlocks
 
 MESHES = {
     "data8": ((8,), ("data",)),
@@ -40,7 +40,9 @@ def split() -> ftj.FlatTokens:
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, 5000, rng.integers(1, 40)) for _ in range(400)]
     url = memory_url()
-    ftj.write_dataset(url, {"train": seqs}, layout=ftj.Layout(shard_tokens=512, chunk_tokens=64))
+    ftj.write_dataset(
+        url, {"train": seqs}, storage_format=ftj.StorageFormat(shard_tokens=512, chunk_tokens=64)
+    )
     return ftj.open_dataset(url)["train"]
 
 
@@ -72,17 +74,17 @@ def test_global_batch_equals_single_device_batch(
             )
 
 
-def test_plan_reads_each_block_once() -> None:
-    plan = HostPlan(NamedSharding(mesh("data2_model2_seq2"), P("data", "seq")), 8, 16)
-    assert [(b.rows, b.cols) for b in plan.blocks] == [
+def test_host_blocks_read_each_block_once() -> None:
+    held = HostBlocks(NamedSharding(mesh("data2_model2_seq2"), P("data", "seq")), 8, 16)
+    assert [(b.rows, b.cols) for b in held.blocks] == [
         ((0, 4), (0, 8)),
         ((0, 4), (8, 16)),
         ((4, 8), (0, 8)),
         ((4, 8), (8, 16)),
     ]
-    assert plan.columns_sharded
-    assert plan.rows.tolist() == list(range(8))
-    rows_only = HostPlan(NamedSharding(mesh("data4_fsdp2"), P(("data", "fsdp"))), 16, 4)
+    assert held.columns_sharded
+    assert held.rows.tolist() == list(range(8))
+    rows_only = HostBlocks(NamedSharding(mesh("data4_fsdp2"), P(("data", "fsdp"))), 16, 4)
     assert len(rows_only.blocks) == 8 and not rows_only.columns_sharded
 
 

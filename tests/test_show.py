@@ -19,7 +19,9 @@ def dataset(base: int, n: int) -> str:
     url = memory_url()
     rng = np.random.default_rng(base)
     seqs = [rng.integers(base, base + 50, int(k)) for k in rng.integers(1, 9, n)]
-    ftj.write_dataset(url, {"train": seqs}, layout=ftj.Layout(shard_tokens=256, chunk_tokens=16))
+    ftj.write_dataset(
+        url, {"train": seqs}, storage_format=ftj.StorageFormat(shard_tokens=256, chunk_tokens=16)
+    )
     return url
 
 

@@ -270,7 +270,7 @@ def test_prefix_counts_match_the_period_tables(counts: list[int], data: st.DataO
     rest = data.draw(st.integers(0, table.period))
     want = np.bincount(table.component[:rest], minlength=len(counts))
     np.testing.assert_array_equal(prefix_counts(counts, rest), want)
-    np.testing.assert_array_equal(Period.layout(counts, sum(counts)).component, table.component)
+    np.testing.assert_array_equal(Period.of(counts, sum(counts)).component, table.component)
 
 
 @settings(max_examples=100, deadline=None)

@@ -31,7 +31,7 @@ def test_reads_zarr_v2_with_blosc(tmp_path: Path) -> None:
     write_raw(tmp_path, spec_dataset(tokens_kwargs=BLOSC, starts_kwargs=BLOSC), zarr_format=2)
     ft = check_spec_train(tmp_path)
     assert isinstance(ft.encoded, TensorStoreArray)
-    assert ft.layout()["encoded_tokens"]["compression"] == "blosc"
+    assert ft.storage_formats()["encoded_tokens"]["compression"] == "blosc"
 
 
 def test_reads_delta_filtered_seq_starts_through_zarr_python(tmp_path: Path) -> None:
@@ -41,14 +41,14 @@ def test_reads_delta_filtered_seq_starts_through_zarr_python(tmp_path: Path) -> 
     ft = check_spec_train(tmp_path)
     assert isinstance(ft.starts, ZarrPythonArray)
     assert isinstance(ft.encoded, TensorStoreArray)
-    assert ft.layout()["seq_starts"]["filters"] == ["delta"]
+    assert ft.storage_formats()["seq_starts"]["filters"] == ["delta"]
 
 
 def test_reads_zarr_v3_written_by_zarr_python(tmp_path: Path) -> None:
     zstd = {"compressors": zarr.codecs.ZstdCodec(level=5)}
     write_raw(tmp_path, spec_dataset(tokens_kwargs=zstd), zarr_format=3)
     ft = check_spec_train(tmp_path)
-    assert ft.layout()["encoded_tokens"]["compression"] == "zstd"
+    assert ft.storage_formats()["encoded_tokens"]["compression"] == "zstd"
 
 
 def test_accepts_the_legacy_tokens_name(tmp_path: Path) -> None:

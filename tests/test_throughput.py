@@ -107,11 +107,13 @@ class Modelled:
     def __init__(self, latency: float, service: float) -> None:
         url = memory_url()
         ftj.write_dataset(
-            url, {"train": SEQS}, layout=ftj.Layout(shard_tokens=256, chunk_tokens=16)
+            url,
+            {"train": SEQS},
+            storage_format=ftj.StorageFormat(shard_tokens=256, chunk_tokens=16),
         )
         self.ft = ftj.open_dataset(url)["train"]  # not on local disk: fetched a thread a step
         self.inner = ftj.PackedRecords(self.ft, SEQ)
-        self.seq_len, self.packed = SEQ, True
+        self.seq_len, self.packing = SEQ, ftj.Packing.WINDOWS
         self.latency, self.service = latency, service
         self._lock = threading.Lock()
         self._free = 0.0  # when the server has served every read given to it
@@ -196,7 +198,7 @@ def test_a_store_bound_by_latency_lets_the_depth_grow() -> None:
 
 ROWS, SEQ_LEN = 4, 512
 # Two shards: their indexes are read early, and the steps after cost about the same.
-LAYOUT = ftj.Layout(shard_tokens=1 << 16, chunk_tokens=1 << 6)
+STORAGE_FORMAT = ftj.StorageFormat(shard_tokens=1 << 16, chunk_tokens=1 << 6)
 
 
 def depths_over_a_run(

@@ -221,7 +221,7 @@ def test_summary_reports_counts_lengths_and_layout(tmp_path: Path) -> None:
     ftj.write_dataset(
         tmp_path,
         {"train": [[1, 2], [3, 4, 5], [6, 7, 8, 9]]},
-        layout=ftj.Layout(shard_tokens=64, chunk_tokens=8, compression="zstd"),
+        storage_format=ftj.StorageFormat(shard_tokens=64, chunk_tokens=8, compression="zstd"),
     )
     info = ftj.summary(tmp_path)
     train = info["splits"]["train"]
@@ -282,7 +282,9 @@ def test_written_loss_mask_validates_on_both_zarr_versions(tmp_path: Path) -> No
             url,
             {"train": [[1, 2], [3, 4, 5]], "validation": [[6]]},
             loss_masks={"train": [[0, 1], [1, 0, 1]], "validation": [[1]]},
-            layout=ftj.Layout(zarr_format=zarr_format, shard_tokens=4, chunk_tokens=2),
+            storage_format=ftj.StorageFormat(
+                zarr_format=zarr_format, shard_tokens=4, chunk_tokens=2
+            ),
         )
         ftj.validate(url, block=2)
         assert ftj.summary(url)["splits"]["train"]["loss_mask"] is True

@@ -17,25 +17,25 @@ import flat_tokens_jax as ftj
 from flat_tokens_jax.core.format import MAX_TOKEN_ID
 
 MAX = MAX_TOKEN_ID
-SMALL = ftj.Layout(shard_tokens=16, chunk_tokens=4)
-layouts = st.sampled_from(
+SMALL = ftj.StorageFormat(shard_tokens=16, chunk_tokens=4)
+storage_formats = st.sampled_from(
     [
         SMALL,
-        ftj.Layout(shard_tokens=8, chunk_tokens=8, compression="zstd"),
-        ftj.Layout(zarr_format=2, shard_tokens=8, chunk_tokens=2),
-        ftj.Layout(zarr_format=2, shard_tokens=32, chunk_tokens=2, compression="zstd"),
-        ftj.Layout(),
+        ftj.StorageFormat(shard_tokens=8, chunk_tokens=8, compression="zstd"),
+        ftj.StorageFormat(zarr_format=2, shard_tokens=8, chunk_tokens=2),
+        ftj.StorageFormat(zarr_format=2, shard_tokens=32, chunk_tokens=2, compression="zstd"),
+        ftj.StorageFormat(),
     ]
 )
 seqs = st.lists(st.lists(st.integers(0, MAX), min_size=1, max_size=40), max_size=30)
 
 
-@given(train=seqs, valid=seqs, layout=layouts)
+@given(train=seqs, valid=seqs, storage_format=storage_formats)
 def test_write_open_read_round_trip(
-    train: list[list[int]], valid: list[list[int]], layout: ftj.Layout
+    train: list[list[int]], valid: list[list[int]], storage_format: ftj.StorageFormat
 ) -> None:
     url = memory_url()
-    ftj.write_dataset(url, {"train": train, "validation": valid}, layout=layout)
+    ftj.write_dataset(url, {"train": train, "validation": valid}, storage_format=storage_format)
     ds = ftj.open_dataset(url)
     assert ds.splits == ("train", "validation")
     for name, expected in (("train", train), ("validation", valid)):
@@ -58,7 +58,7 @@ def test_token_ranges_and_sequence_subsets(data: st.DataObject) -> None:
         st.lists(st.lists(st.integers(0, 1000), min_size=1, max_size=30), min_size=1, max_size=30)
     )
     url = memory_url()
-    ftj.write_dataset(url, {"train": train}, layout=SMALL)
+    ftj.write_dataset(url, {"train": train}, storage_format=SMALL)
     ft = ftj.open_dataset(url)["train"]
     flat = [t for s in train for t in s]
     a = data.draw(st.integers(0, len(flat)))
@@ -82,8 +82,8 @@ def test_streams_with_bounded_memory_and_many_shards(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 300, size=2000)
     data = [rng.integers(0, 50_000, size=n) for n in lengths]
-    layout = ftj.Layout(shard_tokens=1 << 12, chunk_tokens=1 << 8)
-    with ftj.DatasetWriter(tmp_path / "ds", layout=layout) as w:
+    storage_format = ftj.StorageFormat(shard_tokens=1 << 12, chunk_tokens=1 << 8)
+    with ftj.DatasetWriter(tmp_path / "ds", storage_format=storage_format) as w:
         for i, seq in enumerate(data):
             w.append("train" if i % 10 else "validation", seq)
     ds = ftj.open_dataset(tmp_path / "ds")
@@ -100,12 +100,14 @@ def test_zarr_python_reads_what_we_write(tmp_path: Path) -> None:
         url = tmp_path / f"v{fmt_version}"
         # v2: its default compressor (blosc), which numcodecs decodes in every version;
         # numcodecs before 0.16 cannot decode the zstd frames tensorstore writes.
-        layout = (
-            ftj.Layout(shard_tokens=8, chunk_tokens=4, compression="zstd")
+        storage_format = (
+            ftj.StorageFormat(shard_tokens=8, chunk_tokens=4, compression="zstd")
             if fmt_version == 3
-            else ftj.Layout(zarr_format=2, shard_tokens=8)
+            else ftj.StorageFormat(zarr_format=2, shard_tokens=8)
         )
-        ftj.write_dataset(url, {"train": [[1, 2], [3, 4, 5], [6, 7, 8]]}, layout=layout)
+        ftj.write_dataset(
+            url, {"train": [[1, 2], [3, 4, 5], [6, 7, 8]]}, storage_format=storage_format
+        )
         group = zarr.open_group(str(url), mode="r")
         assert sorted(group.group_keys()) == ["train", "validation"]
         train = group["train"]
@@ -119,7 +121,7 @@ def test_zarr_v2_defaults_keep_a_small_dataset_small(tmp_path: Path) -> None:
     """50 sequences, ~60k tokens: once 257 MB on disk (full 64 MiB chunk files)."""
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, 50_000, int(n)) for n in rng.integers(1, 2400, 50)]
-    ftj.write_dataset(tmp_path, {"train": seqs}, layout=ftj.Layout(zarr_format=2))
+    ftj.write_dataset(tmp_path, {"train": seqs}, storage_format=ftj.StorageFormat(zarr_format=2))
     raw = 4 * sum(map(len, seqs)) + 8 * 51
 
     def on_disk(folder: Path) -> int:
@@ -127,8 +129,8 @@ def test_zarr_v2_defaults_keep_a_small_dataset_small(tmp_path: Path) -> None:
 
     assert on_disk(tmp_path) <= raw
     assert on_disk(tmp_path / "train" / "seq_starts") < 4096
-    layout = ftj.open_dataset(tmp_path)["train"].layout()["encoded_tokens"]
-    assert (layout["chunk"], layout["compression"]) == (1 << 20, "blosc")
+    storage_format = ftj.open_dataset(tmp_path)["train"].storage_formats()["encoded_tokens"]
+    assert (storage_format["chunk"], storage_format["compression"]) == (1 << 20, "blosc")
     assert zarr.open_array(str(tmp_path / "train" / "seq_starts"), mode="r")[-1] == sum(
         map(len, seqs)
     )
@@ -151,7 +153,7 @@ def test_bad_input_names_the_sequence() -> None:
 
 def test_failed_write_leaves_nothing(tmp_path: Path) -> None:
     url = tmp_path / "ds"
-    with pytest.raises(RuntimeError), ftj.DatasetWriter(url, layout=SMALL) as w:
+    with pytest.raises(RuntimeError), ftj.DatasetWriter(url, storage_format=SMALL) as w:
         w.extend("train", [[1, 2, 3]] * 50)
         raise RuntimeError("tokenizer crashed")
     with pytest.raises(ftj.FormatError, match="no flat-tokens dataset here"):
@@ -179,17 +181,17 @@ def test_never_overwrites_unless_asked(tmp_path: Path) -> None:
     assert (other / "notes.txt").read_text() == "precious"
 
 
-def test_bad_layouts_are_refused() -> None:
+def test_bad_storage_formats_are_refused() -> None:
     with pytest.raises(ValueError, match="chunk_tokens 3 must divide shard_tokens 16"):
-        ftj.Layout(shard_tokens=16, chunk_tokens=3)
+        ftj.StorageFormat(shard_tokens=16, chunk_tokens=3)
     with pytest.raises(ValueError, match="compression must be None, 'zstd' or 'blosc'"):
-        ftj.Layout(compression="gzip")
+        ftj.StorageFormat(compression="gzip")
     with pytest.raises(ValueError, match="'blosc' needs zarr_format=2"):
-        ftj.Layout(compression="blosc")
+        ftj.StorageFormat(compression="blosc")
     with pytest.raises(ValueError, match="checksum=True needs zarr_format=3"):
-        ftj.Layout(zarr_format=2, checksum=True)
+        ftj.StorageFormat(zarr_format=2, checksum=True)
     with pytest.raises(ValueError, match="zarr_format must be 2 or 3"):
-        ftj.Layout(zarr_format=4)
+        ftj.StorageFormat(zarr_format=4)
 
 
 KILLED_WRITER = textwrap.dedent("""
@@ -202,13 +204,13 @@ KILLED_WRITER = textwrap.dedent("""
             if i == 5000:
                 marker.write_text("writing")
             yield [i % 1000 + 1] * 7
-    layout = ftj.Layout(shard_tokens=1 << 10, chunk_tokens=1 << 6)
+    storage_format = ftj.StorageFormat(shard_tokens=1 << 10, chunk_tokens=1 << 6)
     if len(sys.argv) > 3:
-        with ftj.DatasetWriter(url, layout=layout) as w:
+        with ftj.DatasetWriter(url, storage_format=storage_format) as w:
             for seq in forever():
                 w.append("train", seq, loss_mask=[0, 0, 1, 1, 1, 1, 1])
     else:
-        ftj.write_dataset(url, {"train": forever()}, layout=layout)
+        ftj.write_dataset(url, {"train": forever()}, storage_format=storage_format)
 """)
 
 
@@ -254,17 +256,17 @@ masked_seqs = st.lists(
 )
 
 
-@given(train=masked_seqs, valid=seqs, layout=layouts, data=st.data())
+@given(train=masked_seqs, valid=seqs, storage_format=storage_formats, data=st.data())
 def test_loss_mask_round_trip_through_every_write_method(
     train: list[list[tuple[int, int]]],
     valid: list[list[int]],
-    layout: ftj.Layout,
+    storage_format: ftj.StorageFormat,
     data: st.DataObject,
 ) -> None:
     tokens = [[t for t, _ in s] for s in train]
     masks = [[m for _, m in s] for s in train]
     url = memory_url()
-    with ftj.DatasetWriter(url, layout=layout) as w:
+    with ftj.DatasetWriter(url, storage_format=storage_format) as w:
         i = 0
         while i < len(tokens):
             n = data.draw(st.integers(1, len(tokens) - i))
@@ -340,13 +342,13 @@ def test_zarr_python_reads_a_dataset_with_a_loss_mask(tmp_path: Path) -> None:
     """An older reader that knows only zarr opens the extended dataset and its base arrays."""
     for fmt_version in (3, 2):
         url = tmp_path / f"v{fmt_version}"
-        layout = ftj.Layout(zarr_format=fmt_version, shard_tokens=8, chunk_tokens=4)
+        storage_format = ftj.StorageFormat(zarr_format=fmt_version, shard_tokens=8, chunk_tokens=4)
         masks = [[0, 1], [0, 0, 1], [1, 1, 1]]
         ftj.write_dataset(
             url,
             {"train": [[1, 2], [3, 4, 5], [6, 7, 8]]},
             loss_masks={"train": masks},
-            layout=layout,
+            storage_format=storage_format,
         )
         group = zarr.open_group(str(url), mode="r")
         train = group["train"]
@@ -359,7 +361,7 @@ def test_zarr_python_reads_a_dataset_with_a_loss_mask(tmp_path: Path) -> None:
 
 def test_failed_masked_write_leaves_nothing(tmp_path: Path) -> None:
     url = tmp_path / "ds"
-    with pytest.raises(RuntimeError), ftj.DatasetWriter(url, layout=SMALL) as w:
+    with pytest.raises(RuntimeError), ftj.DatasetWriter(url, storage_format=SMALL) as w:
         w.extend("train", [[1, 2, 3]] * 50, loss_masks=[[0, 1, 1]] * 50)
         assert (url / "train" / "loss_mask").is_dir()
         raise RuntimeError("tokenizer crashed")
@@ -372,12 +374,18 @@ def all_sequences(ft: ftj.FlatTokens) -> list[list[int]]:
     return [s.tolist() for s in ft.sequences(np.arange(ft.num_sequences))]
 
 
-@pytest.mark.parametrize("layout", [SMALL, ftj.Layout(zarr_format=2, shard_tokens=8)])
-def test_an_extra_split_is_written_and_read_back(tmp_path: Path, layout: ftj.Layout) -> None:
+@pytest.mark.parametrize(
+    "storage_format", [SMALL, ftj.StorageFormat(zarr_format=2, shard_tokens=8)]
+)
+def test_an_extra_split_is_written_and_read_back(
+    tmp_path: Path, storage_format: ftj.StorageFormat
+) -> None:
     # Before: "test" was written, then open_dataset listed only train and validation.
     test, train = [[1, 2, 3], [4, 5]], [[6]]
-    ftj.write_dataset(tmp_path / "a", {"test": test, "train": train}, layout=layout)
-    with ftj.DatasetWriter(tmp_path / "b", layout=layout, splits=("train", "test")) as w:
+    ftj.write_dataset(tmp_path / "a", {"test": test, "train": train}, storage_format=storage_format)
+    with ftj.DatasetWriter(
+        tmp_path / "b", storage_format=storage_format, splits=("train", "test")
+    ) as w:
         w.extend("test", test)
         w.extend("train", train)
     for name in ("a", "b"):
@@ -417,7 +425,7 @@ def test_splits_must_be_a_list_of_names() -> None:
 
 def test_overwrite_deletes_the_extra_splits_it_recorded(tmp_path: Path) -> None:
     out = tmp_path / "d"
-    ftj.write_dataset(out, {"train": [[1]], "test": [[2]], "dev": [[3]]}, layout=SMALL)
+    ftj.write_dataset(out, {"train": [[1]], "test": [[2]], "dev": [[3]]}, storage_format=SMALL)
     (out / "dev" / "zarr.json").unlink()  # damaged: only the record says "dev" is ours
     ftj.write_dataset(out, {"train": [[4]]}, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == ["train", "validation", "zarr.json"]

@@ -4,7 +4,7 @@ A distributed conversion writes each input file's documents to a *part*, a
 flat-tokens dataset under the output's :data:`STAGING` prefix
 (:mod:`flat_tokens_jax.convert.parts`). Joining them takes three steps:
 
-1. :func:`make_plan` (once, small): every part's token and sequence offsets
+1. :func:`place_parts` (once, small): every part's token and sequence offsets
    per split, from the counts each part reports (:class:`PartInfo`); then
    :func:`create_arrays` creates the output arrays at their final sizes.
 2. :func:`assemble_shard` (in parallel, one call per :class:`Task`): writes one
@@ -16,7 +16,7 @@ flat-tokens dataset under the output's :data:`STAGING` prefix
    and the write's marker is dropped.
 
 The result is, byte for byte, what :class:`DatasetWriter` writes when given the
-parts' sequences in order: the same layout writes the same whole shards.
+parts' sequences in order: the same storage format writes the same whole shards.
 """
 
 from __future__ import annotations
@@ -39,8 +39,10 @@ from flat_tokens_jax.data.dataset import Dataset, open_dataset
 from flat_tokens_jax.data.writer import root_attributes, write_groups
 from flat_tokens_jax.store.arrays import Pending
 from flat_tokens_jax.store.identity import DatasetInfo
-from flat_tokens_jax.store.layout import (
-    Layout,
+from flat_tokens_jax.store.location import MARKER, STAGING
+from flat_tokens_jax.store.options import StoreOptions
+from flat_tokens_jax.store.storageformat import (
+    StorageFormat,
     create_array,
     create_digests,
     open_digests,
@@ -48,8 +50,6 @@ from flat_tokens_jax.store.layout import (
     record_probes,
     write_digests,
 )
-from flat_tokens_jax.store.location import MARKER, STAGING
-from flat_tokens_jax.store.options import StoreOptions
 from flat_tokens_jax.store.store import Store
 
 DTYPES: dict[str, np.dtype[Any]] = {
@@ -124,12 +124,12 @@ class Task(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Placement:
     """Where each part's tokens and sequences go in the output. Picklable.
 
     Attributes:
         output: the output dataset's URL.
-        layout: its layout.
+        storage_format: its storage format.
         parts: the parts, in input order.
         token_offsets: per split, ``[len(parts) + 1] int64``: part ``p``'s
             tokens are output tokens ``[token_offsets[p], token_offsets[p + 1])``.
@@ -137,7 +137,7 @@ class Plan:
     """
 
     output: str
-    layout: Layout
+    storage_format: StorageFormat
     parts: tuple[PartInfo, ...]
     token_offsets: Mapping[str, np.ndarray]
     sequence_offsets: Mapping[str, np.ndarray]
@@ -167,13 +167,13 @@ class Plan:
         out: list[Task] = []
         for split in self.splits:
             for array, size in self.arrays(split).items():
-                per_shard = self.layout.elements(array)[0]
+                per_shard = self.storage_format.elements(array)[0]
                 out.extend(Task(split, array, k) for k in range(-(-size // per_shard)))
         return out
 
 
-def make_plan(output: str, layout: Layout, parts: list[PartInfo]) -> Plan:
-    """The :class:`Plan` of ``parts`` (in any order; they are sorted by index).
+def place_parts(output: str, storage_format: StorageFormat, parts: list[PartInfo]) -> Placement:
+    """The :class:`Placement` of ``parts`` (in any order; they are sorted by index).
 
     Raises:
         ValueError: no parts, parts that do not have the same splits, indexes
@@ -197,15 +197,15 @@ def make_plan(output: str, layout: Layout, parts: list[PartInfo]) -> Plan:
             raise ValueError(f"split {split!r}: some parts have a loss mask and some do not")
         token_offsets[split] = np.cumsum([0] + [c.tokens for c in counts], dtype=np.int64)
         sequence_offsets[split] = np.cumsum([0] + [c.sequences for c in counts], dtype=np.int64)
-    return Plan(output, layout, ordered, token_offsets, sequence_offsets)
+    return Placement(output, storage_format, ordered, token_offsets, sequence_offsets)
 
 
-def create_arrays(plan: Plan, store: Store) -> None:
+def create_arrays(placement: Placement, store: Store) -> None:
     """Creates every output array at its final size, replacing any left from a failed try."""
-    for split in plan.splits:
-        for array, size in plan.arrays(split).items():
-            create_array(store, split, array, DTYPES[array], plan.layout, size)
-            create_digests(store, split, array, plan.layout, size)
+    for split in placement.splits:
+        for array, size in placement.arrays(split).items():
+            create_array(store, split, array, DTYPES[array], placement.storage_format, size)
+            create_digests(store, split, array, placement.storage_format, size)
 
 
 def _overlaps(offsets: np.ndarray, lo: int, hi: int) -> list[tuple[int, int, int]]:
@@ -222,18 +222,25 @@ def _overlaps(offsets: np.ndarray, lo: int, hi: int) -> list[tuple[int, int, int
 
 
 def _request(
-    plan: Plan, split: str, array: str, lo: int, hi: int, open_part: Callable[[str], Dataset]
+    placement: Placement,
+    split: str,
+    array: str,
+    lo: int,
+    hi: int,
+    open_part: Callable[[str], Dataset],
 ) -> tuple[list[Pending], list[int]]:
     """Reads in flight for output elements ``[lo, hi)`` (``hi`` at most the part
     data's end), and what to add to each read's values."""
     pending, add = [], []
-    offsets = plan.sequence_offsets[split] if array == SEQ_STARTS else plan.token_offsets[split]
+    offsets = (
+        placement.sequence_offsets[split] if array == SEQ_STARTS else placement.token_offsets[split]
+    )
     for p, a, b in _overlaps(offsets, lo, hi):
-        ft = open_part(plan.parts[p].url)[split]
+        ft = open_part(placement.parts[p].url)[split]
         span = (np.array([a]), np.array([b]))
         if array == SEQ_STARTS:
             pending.append(ft.starts.request_ranges(*span))
-            add.append(int(plan.token_offsets[split][p]))
+            add.append(int(placement.token_offsets[split][p]))
         elif array == LOSS_MASK:
             got = ft.request_loss_mask(*span)
             if got is None:
@@ -247,12 +254,12 @@ def _request(
 
 
 def assemble_shard(
-    plan: Plan, task: Task, store: Store, open_part: Callable[[str], Dataset]
+    placement: Placement, task: Task, store: Store, open_part: Callable[[str], Dataset]
 ) -> int:
     """Writes the output shard of ``task`` whole, from the parts; returns its elements.
 
     Args:
-        plan: the plan.
+        placement: where each part goes (:func:`place_parts`).
         task: which shard of which array.
         store: the output.
         open_part: opens a part's dataset from its URL (a cache may serve it).
@@ -262,34 +269,34 @@ def assemble_shard(
             :class:`PartInfo` says (fewer tokens or sequences, or no loss mask).
     """
     split, array, shard = task
-    size = plan.arrays(split)[array]
-    per_shard = plan.layout.elements(array)[0]
+    size = placement.arrays(split)[array]
+    per_shard = placement.storage_format.elements(array)[0]
     lo, hi = shard * per_shard, min((shard + 1) * per_shard, size)
     # seq_starts has one entry past the parts' own: the token count.
-    data_end = plan.num_sequences(split) if array == SEQ_STARTS else size
-    pending, add = _request(plan, split, array, lo, min(hi, data_end), open_part)
+    data_end = placement.num_sequences(split) if array == SEQ_STARTS else size
+    pending, add = _request(placement, split, array, lo, min(hi, data_end), open_part)
     dtype = DTYPES[array]
     pieces = [
         np.asarray(p.result()[0], dtype) + np.asarray(a, dtype)
         for p, a in zip(pending, add, strict=True)
     ]
     if hi > data_end:
-        pieces.append(np.array([plan.num_tokens(split)], dtype))
+        pieces.append(np.array([placement.num_tokens(split)], dtype))
     values = np.concatenate(pieces) if pieces else np.zeros(0, dtype)
     if values.size != hi - lo:
         raise ValueError(
-            f"{plan.output}: {split}/{array} shard {shard} needs {hi - lo} entries but the "
+            f"{placement.output}: {split}/{array} shard {shard} needs {hi - lo} entries but the "
             f"parts gave {values.size}: a part holds other data than it reported"
         )
-    handle = open_for_writing(store, split, array, plan.layout)
-    side = open_digests(store, split, array, plan.layout)
+    handle = open_for_writing(store, split, array, placement.storage_format)
+    side = open_digests(store, split, array, placement.storage_format)
     store.wait(handle[lo:hi].write(values))
-    store.wait(write_digests(side, lo, values, plan.layout, array))
+    store.wait(write_digests(side, lo, values, placement.storage_format, array))
     return hi - lo
 
 
 def finish(
-    plan: Plan,
+    placement: Placement,
     store: Store,
     attributes: Mapping[str, Any] | None = None,
     info: DatasetInfo | None = None,
@@ -301,11 +308,11 @@ def finish(
     ``attributes`` and ``info`` are written to the root group as
     :class:`DatasetWriter` writes them.
     """
-    root = root_attributes(attributes, info, plan.splits)
-    for split in plan.splits:
-        for array in plan.arrays(split):
-            handle = open_for_writing(store, split, array, plan.layout)
-            record_probes(store, split, array, plan.layout, handle)
+    root = root_attributes(attributes, info, placement.splits)
+    for split in placement.splits:
+        for array in placement.arrays(split):
+            handle = open_for_writing(store, split, array, placement.storage_format)
+            record_probes(store, split, array, placement.storage_format, handle)
     store.delete_prefix(STAGING)
-    write_groups(store, plan.layout, plan.max_token_ids(), root)
+    write_groups(store, placement.storage_format.zarr_format, placement.max_token_ids(), root)
     store.delete(MARKER)

@@ -7,14 +7,14 @@
    tokenizer once per worker (``setup``) and writes the file's documents, with
    :func:`~flat_tokens_jax.convert.parts.write_documents`, to a *part* under
    the output's staging prefix.
-2. **Plan**, once: every part's token and sequence offsets; the output
+2. **Place**, once: every part's token and sequence offsets; the output
    arrays are created at their final sizes.
 3. **Assemble**, one element per output shard, in parallel: each shard is
    written whole by one worker from the parts it overlaps.
 4. **Finish**, once, after every shard: the staging prefix is deleted and the
    groups are written, the root group last.
 
-Documents keep input order (files in the order given, globs sorted; records in
+Documents keep input order (files in the order given, globs sorted; documents in
 file order) and go to "validation" by the same hash as the local converter's,
 so the output is byte for byte the local converter's, whatever the runner,
 its parallelism or its bundles. Text is read once, parts are written once and
@@ -45,13 +45,13 @@ from apache_beam.runners.runner import PipelineState
 
 from flat_tokens_jax.convert.assemble import (
     PartInfo,
-    Plan,
+    Placement,
     Task,
     assemble_shard,
     create_arrays,
     finish,
-    make_plan,
     part_url,
+    place_parts,
 )
 from flat_tokens_jax.convert.inputs import (
     InputPath,
@@ -64,8 +64,8 @@ from flat_tokens_jax.convert.parts import Conversion, ConvertOptions, Totals, wr
 from flat_tokens_jax.convert.tokenizer import BatchTokenizer
 from flat_tokens_jax.core.urls import redact
 from flat_tokens_jax.data.dataset import Dataset, open_dataset
-from flat_tokens_jax.data.writer import DatasetWriter, Layout
-from flat_tokens_jax.store.identity import DatasetInfo, inputs_record
+from flat_tokens_jax.data.writer import DatasetWriter, StorageFormat
+from flat_tokens_jax.store.identity import DatasetInfo, inputs_field
 from flat_tokens_jax.store.location import STAGING, Claim, claim_location, refuse_overlap
 from flat_tokens_jax.store.options import StoreOptions, context_spec, resolve_options
 from flat_tokens_jax.store.store import Store
@@ -75,7 +75,7 @@ log = logging.getLogger(__name__)
 NAMESPACE = "flat_tokens"
 TOKENIZER_KEY = f"{STAGING}/tokenizer.json"
 # Parts are read once, in long slices: large chunks, no compression.
-PART_LAYOUT = Layout(shard_tokens=1 << 22, chunk_tokens=1 << 16)
+PART_STORAGE_FORMAT = StorageFormat(shard_tokens=1 << 22, chunk_tokens=1 << 16)
 # Runners that run where the launcher runs, and so can read its local files.
 LOCAL_RUNNERS = frozenset(r.lower() for r in StandardOptions.LOCAL_RUNNERS)
 # Without --runner: FnApiRunner, one worker process per CPU (0). Flags given win.
@@ -95,7 +95,7 @@ class _Job:
     """Everything a worker needs; pickled into the pipeline."""
 
     output: str
-    layout: Layout
+    storage_format: StorageFormat
     options: StoreOptions
     convert: ConvertOptions
     bos_id: int | None
@@ -196,7 +196,7 @@ class _Tokenize(beam.DoFn):
         fraction = 0.0 if all_validation else job.convert.validation_fraction
         totals = Totals(None)
         started = time.perf_counter()
-        with DatasetWriter(url, layout=PART_LAYOUT, options=job.options) as writer:
+        with DatasetWriter(url, storage_format=PART_STORAGE_FORMAT, options=job.options) as writer:
             write_documents(
                 writer,
                 [([path], fraction, all_validation)],
@@ -225,14 +225,14 @@ class _Tokenize(beam.DoFn):
         )
 
 
-def _plan(parts: list[PartInfo], job: _Job) -> Plan:
-    plan = make_plan(job.output, job.layout, parts)
-    create_arrays(plan, Store(job.output, job.options))
-    return plan
+def _place(parts: list[PartInfo], job: _Job) -> Placement:
+    placement = place_parts(job.output, job.storage_format, parts)
+    create_arrays(placement, Store(job.output, job.options))
+    return placement
 
 
-def _tasks(plan: Plan) -> list[Task]:
-    return plan.tasks()
+def _tasks(placement: Placement) -> list[Task]:
+    return placement.tasks()
 
 
 class _Assemble(beam.DoFn):
@@ -251,8 +251,8 @@ class _Assemble(beam.DoFn):
             functools.partial(_open_part, options=shared)
         )
 
-    def process(self, task: Task, plan: Plan) -> Iterator[int]:
-        yield assemble_shard(plan, task, self.store, self.open_part)
+    def process(self, task: Task, placement: Placement) -> Iterator[int]:
+        yield assemble_shard(placement, task, self.store, self.open_part)
         self.shards.inc()
 
 
@@ -260,16 +260,16 @@ def _open_part(url: str, options: StoreOptions) -> Dataset:
     return open_dataset(url, options)
 
 
-def _finish(shards: int, job: _Job, plan: Plan) -> None:
-    expected = len(plan.tasks())
+def _finish(shards: int, job: _Job, placement: Placement) -> None:
+    expected = len(placement.tasks())
     if shards != expected:
         raise RuntimeError(f"{job.output}: {shards} shards were written, expected {expected}")
-    digests = [p.sha256 for p in plan.parts]
+    digests = [p.sha256 for p in placement.parts]
     hashed = None if None in digests else [d for d in digests if d is not None]
-    info = dataclasses.replace(job.info, inputs=inputs_record(job.input_names, hashed))
-    finish(plan, Store(job.output, job.options), info=info)
+    info = dataclasses.replace(job.info, inputs=inputs_field(job.input_names, hashed))
+    finish(placement, Store(job.output, job.options), info=info)
     for name in ("skipped_empty", "skipped_bad"):
-        Metrics.counter(NAMESPACE, name).inc(sum(getattr(p, name) for p in plan.parts))
+        Metrics.counter(NAMESPACE, name).inc(sum(getattr(p, name) for p in placement.parts))
 
 
 def build_pipeline(
@@ -282,18 +282,18 @@ def build_pipeline(
         | "Spread inputs" >> beam.Reshuffle()
         | "Tokenize" >> beam.ParDo(_Tokenize(job))
     )
-    plan = parts | "Gather parts" >> beam.combiners.ToList() | "Plan" >> beam.Map(_plan, job)
-    plan_view = beam.pvalue.AsSingleton(plan)
+    placement = parts | "Gather parts" >> beam.combiners.ToList() | "Place" >> beam.Map(_place, job)
+    placement_view = beam.pvalue.AsSingleton(placement)
     written = (
-        plan
+        placement
         | "Tasks" >> beam.FlatMap(_tasks)
         | "Spread shards" >> beam.Reshuffle()
-        | "Assemble" >> beam.ParDo(_Assemble(job), plan_view)
+        | "Assemble" >> beam.ParDo(_Assemble(job), placement_view)
     )
     _ = (
         written
         | "Count shards" >> beam.combiners.Count.Globally()
-        | "Finish" >> beam.Map(_finish, job, plan_view)
+        | "Finish" >> beam.Map(_finish, job, placement_view)
     )
 
 
@@ -360,7 +360,7 @@ def convert_beam(
     prepend_bos: bool = False,
     add_special_tokens: bool = False,
     skip_bad: bool = False,
-    layout: Layout | None = None,
+    storage_format: StorageFormat | None = None,
     overwrite: bool = False,
     options: StoreOptions | None = None,
     pipeline_args: Sequence[str] = (),
@@ -402,7 +402,7 @@ def convert_beam(
         FileExistsError: ``output`` exists and ``overwrite`` is off, or holds
             files that are not a flat-tokens dataset.
         Exception: whatever the runner raises when the pipeline fails (a bad
-            record, named by file and line, among its messages).
+            document, named by file and line, among its messages).
     """
     options = resolve_options(options, option_fields, "convert_beam")
     opts = ConvertOptions(
@@ -442,7 +442,7 @@ def convert_beam(
     store = Store(out, options)
     job = _Job(
         out,
-        layout or Layout(),
+        storage_format or StorageFormat(),
         store.options,
         opts,
         tokenize.bos_id,

@@ -1,8 +1,9 @@
 """Chat conversations into a flat-tokens dataset with a loss mask: ``flat-tokens convert-chat``.
 
-A record holds one conversation in either common layout: ``conversations: [{from,
-value}]`` (FastChat/ShareGPT: ``human``, ``gpt``, ``system``) or ``messages: [{role,
-content}]`` (``user``, ``assistant``, ``system``). It becomes one sequence: the
+A document (a JSON line, or a Parquet or dataset row) holds one conversation
+in either common form: ``conversations: [{from, value}]`` (FastChat/ShareGPT:
+``human``, ``gpt``, ``system``) or ``messages: [{role, content}]`` (``user``,
+``assistant``, ``system``). It becomes one sequence: the
 conversation rendered to text by a chat template and tokenized whole, once, with
 a loss mask that is 1 on the tokens of the trained turns (by default the
 assistant's, with the end-of-turn token that closes each).
@@ -14,7 +15,7 @@ top-level fields placed before the turns), or the ``chat_template`` of a
 (messages only), where each content is located by rendering again with markers
 in place of the contents. A message that template renders to nothing (a role
 it has no branch for) is left out and counted per input file in the summary's
-``dropped_messages``, or, with ``strict``, makes its record a bad one.
+``dropped_messages``, or, with ``strict``, makes its document a bad one.
 
 Trained characters become trained tokens through the tokenizer's offsets: a
 token is trained when one of its non-space characters is trained (a token of
@@ -49,8 +50,8 @@ from flat_tokens_jax.convert.commands import (
     store_options,
 )
 from flat_tokens_jax.convert.inputs import (
-    BadRecord,
-    RecordReader,
+    BadDocument,
+    DocumentReader,
     Where,
     as_patterns,
     expand_inputs,
@@ -66,8 +67,8 @@ from flat_tokens_jax.convert.tokenizer import (
     warn_if_zero_is_ordinary,
 )
 from flat_tokens_jax.core.format import SPLITS, encode_concatenated
-from flat_tokens_jax.data.writer import DatasetWriter, Layout
-from flat_tokens_jax.store.identity import DatasetInfo, inputs_record
+from flat_tokens_jax.data.writer import DatasetWriter, StorageFormat
+from flat_tokens_jax.store.identity import DatasetInfo, inputs_field
 from flat_tokens_jax.store.location import refuse_overlap
 from flat_tokens_jax.store.options import StoreOptions, resolve_options
 
@@ -95,7 +96,7 @@ def convert_chat(
     validation_inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] = (),
     skip_bad: bool = False,
     strict: bool = False,
-    layout: Layout | None = None,
+    storage_format: StorageFormat | None = None,
     overwrite: bool = False,
     options: StoreOptions | None = None,
     progress: bool | None = None,
@@ -106,7 +107,7 @@ def convert_chat(
 
     Args:
         inputs: files or globs, as for :func:`~flat_tokens_jax.convert.text.convert`;
-            each record holds ``conversations`` or ``messages``.
+            each document holds ``conversations`` or ``messages``.
         output: the new dataset's path or URL.
         tokenizer: a ``tokenizers`` JSON file or ``transformers`` tokenizer directory.
         template: a YAML chat template (path or :class:`ChatTemplate`); ``None``:
@@ -117,12 +118,12 @@ def convert_chat(
         validation_fraction: send about this fraction of conversations, chosen by a
             hash of the rendered text, to "validation".
         validation_inputs: or read "validation" from these files.
-        skip_bad: count and skip bad records instead of stopping at the first.
+        skip_bad: count and skip bad documents instead of stopping at the first.
         strict: a conversation with a message that the template renders to
-            nothing is a bad record (stops the run, or with ``skip_bad`` is
+            nothing is a bad document (stops the run, or with ``skip_bad`` is
             skipped and counted there); otherwise it is written without that
             message, and counted in ``dropped_messages``.
-        layout: chunking and compression of the output.
+        storage_format: chunking and compression of the output.
         overwrite: replace a flat-tokens dataset, or the leftover of an
             interrupted write, at ``output`` (never other files: see
             :class:`~flat_tokens_jax.data.writer.DatasetWriter`). An ``output`` that
@@ -143,10 +144,10 @@ def convert_chat(
         ``dropped_messages`` maps each input file with messages the template
         rendered to nothing, in conversations that were written, to
         ``{"messages", "conversations", "roles": {role: messages}, "first"}``
-        (``first``: the first such record, ``"FILE line N"``).
+        (``first``: the first such document, ``"FILE line N"``).
 
     Raises:
-        InputError: a bad record, named by file and line or row (unless ``skip_bad``).
+        InputError: a bad document, named by file and line or row (unless ``skip_bad``).
         ValueError: bad arguments, or a template that does not fit the tokenizer.
     """
     options = resolve_options(options, option_fields, "convert_chat")
@@ -166,12 +167,12 @@ def convert_chat(
     render = make_renderer(loaded, template, train_on, end_of_turn)
     tok = _whole_offsets(loaded.tokenizer)
 
-    def check(record: Mapping[str, Any], where: Where) -> _Doc:
-        rendered = render(record)
+    def check(document: Mapping[str, Any], where: Where) -> _Doc:
+        rendered = render(document)
         if not any(a < b for a, b in rendered.spans):
-            raise BadRecord("no trained turn: nothing in the conversation is trained on")
+            raise BadDocument("no trained turn: nothing in the conversation is trained on")
         if strict and rendered.dropped:
-            raise BadRecord(
+            raise BadDocument(
                 f"{_dropped_text(rendered)}, which strict refuses: remove such messages or "
                 "use a template that renders their role"
             )
@@ -184,11 +185,13 @@ def convert_chat(
     bar = _progress_bar(progress)
     try:
         with (
-            DatasetWriter(output, layout=layout, overwrite=overwrite, options=options) as writer,
+            DatasetWriter(
+                output, storage_format=storage_format, overwrite=overwrite, options=options
+            ) as writer,
             hash_inputs([*train_paths, *valid_paths]) as digests,
         ):
             for paths, fraction, all_validation in passes:
-                reader = RecordReader(paths, None, skip_bad=skip_bad, check=check)
+                reader = DocumentReader(paths, None, skip_bad=skip_bad, check=check)
                 for docs in _batches(cast(Iterable[_Doc], reader)):
                     texts, ids, masks = _tokenize(tok, docs, reader, dropped)
                     valid = validation_mask(texts, fraction) | all_validation
@@ -206,7 +209,7 @@ def convert_chat(
                 tokenizer=identity(loaded),
                 start_token_id=start,
                 flags=_flags(loaded, template, train_on, end_of_turn, validation_fraction),
-                inputs=inputs_record([str(p) for p in [*train_paths, *valid_paths]], digests()),
+                inputs=inputs_field([str(p) for p in [*train_paths, *valid_paths]], digests()),
             )
     finally:
         if bar is not None:
@@ -275,7 +278,7 @@ def _batches(docs: Iterable[_Doc]) -> Iterator[list[_Doc]]:
 
 
 def _tokenize(
-    tokenizer: Any, docs: list[_Doc], reader: RecordReader, dropped: _DroppedMessages
+    tokenizer: Any, docs: list[_Doc], reader: DocumentReader, dropped: _DroppedMessages
 ) -> tuple[list[str], list[np.ndarray], list[np.ndarray]]:
     """Texts, ids ``[n_i]`` and masks ``[n_i] uint8`` of the documents with a trained
     token, whose lost messages are counted in ``dropped``.
@@ -300,7 +303,7 @@ def _tokenize(
 
 
 def _dropped_text(rendered: Rendered) -> str:
-    """What a record lost, e.g. "message 2 (tool) renders to nothing with the chat template"."""
+    """What a document lost, e.g. "message 2 (tool) renders to nothing with the chat template"."""
     listed = ", ".join(f"{i} ({role})" for i, role in rendered.dropped)
     verb = "message {} renders" if len(rendered.dropped) == 1 else "messages {} render"
     return f"{verb.format(listed)} to nothing with the chat template"
@@ -379,7 +382,7 @@ def add_commands(subparsers: Any) -> None:
         "--strict",
         action="store_true",
         help="a conversation with a message the template renders to nothing (e.g. a tool "
-        "message) is a bad record: stop, or with --skip-bad skip it (default: leave the "
+        "message) is a bad document: stop, or with --skip-bad skip it (default: leave the "
         "message out and count it in the summary)",
     )
     add_converter_flags(p)

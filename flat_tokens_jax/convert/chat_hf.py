@@ -26,7 +26,7 @@ from flat_tokens_jax.convert.chat_template import (
     forbidden_tokens,
     parse_messages,
 )
-from flat_tokens_jax.convert.inputs import BadRecord, require
+from flat_tokens_jax.convert.inputs import BadDocument, require
 from flat_tokens_jax.convert.tokenizer import LoadedTokenizer
 
 # Roles a tokenizer's chat template may be given: the common ones, and the tool
@@ -48,7 +48,7 @@ class _TokenizerTemplate:
     replaced by a marker. Putting the contents (or, for templates that trim them,
     the trimmed contents) in place of the markers must give the first text, and
     the markers' places are then the contents'. A message whose marker is not in
-    the text was rendered to nothing: a bad record if its role is trained, else
+    the text was rendered to nothing: a bad document if its role is trained, else
     listed in :attr:`Rendered.dropped`. A template that leaves out messages with
     empty content renders them to nothing too: when rendering markers for the
     other messages only finds them, and the conversation without the empty
@@ -64,11 +64,11 @@ class _TokenizerTemplate:
     forbidden: re.Pattern[str] | None
     template_error: type[Exception]
 
-    def render(self, record: Mapping[str, Any]) -> Rendered:
-        messages = parse_messages(record, ROLE_ALIASES, self.forbidden)
+    def render(self, document: Mapping[str, Any]) -> Rendered:
+        messages = parse_messages(document, ROLE_ALIASES, self.forbidden)
         for i, (role, _) in enumerate(messages):
             if role not in CHAT_TEMPLATE_ROLES:
-                raise BadRecord(
+                raise BadDocument(
                     f"message {i} has unknown role {role!r} (known: "
                     f"{sorted({*CHAT_TEMPLATE_ROLES, *ROLE_ALIASES})})"
                 )
@@ -79,7 +79,7 @@ class _TokenizerTemplate:
         if found is None and not all(contents):
             found = self._find_without_empty(roles, contents, text)
         if found is None:
-            raise BadRecord(
+            raise BadDocument(
                 "the chat template changes message contents (beyond trimming spaces), so the "
                 "trained turns cannot be found in its text; use a YAML template (--template)"
             )
@@ -88,7 +88,7 @@ class _TokenizerTemplate:
         for i, role in enumerate(roles):
             if i not in found:
                 if role in self.train_on:
-                    raise BadRecord(
+                    raise BadDocument(
                         f"message {i} ({role}) is trained on, but the chat template renders it "
                         "to nothing; use a YAML template (--template) that renders that role"
                     )
@@ -124,7 +124,7 @@ class _TokenizerTemplate:
             return None
         try:
             without = self._apply([roles[i] for i in full], [contents[i] for i in full])
-        except BadRecord:
+        except BadDocument:
             return None
         return self._find(roles, contents, text, full) if without == text else None
 
@@ -133,7 +133,7 @@ class _TokenizerTemplate:
         try:
             text: str = self.hf.apply_chat_template(chat, tokenize=False)
         except (self.template_error, ValueError, TypeError) as e:
-            raise BadRecord(f"the chat template refused the conversation: {e}") from None
+            raise BadDocument(f"the chat template refused the conversation: {e}") from None
         return text
 
     def _turn_end(self, text: str, end: int, i: int) -> int:
@@ -141,7 +141,7 @@ class _TokenizerTemplate:
         start = end if after is None else after.end()
         if self.end_of_turn:
             if not text.startswith(self.end_of_turn, start):
-                raise BadRecord(
+                raise BadDocument(
                     f"message {i} is not followed by the end-of-turn {self.end_of_turn!r} in the "
                     f"chat template's text (found {text[end : end + 24]!r})"
                 )
@@ -192,7 +192,7 @@ def make_renderer(
         tpl = template if isinstance(template, ChatTemplate) else ChatTemplate.from_yaml(template)
         check_template_tokens(tok, tpl.tokens(), f"template {template}")
         forbidden = forbidden_tokens(tok, tpl.tokens())
-        return lambda record: Rendered(*tpl.render(record, forbidden))
+        return lambda document: Rendered(*tpl.render(document, forbidden))
     source = getattr(loaded.hf, "chat_template", None)
     if not isinstance(source, str):
         raise ValueError(

@@ -24,9 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from flat_tokens_jax.convert.inputs import BadRecord, require
+from flat_tokens_jax.convert.inputs import BadDocument, require
 
-LAYOUTS = (("conversations", "from", "value"), ("messages", "role", "content"))
+# A conversation's (list, role, text) keys, in either of the two common forms.
+CONVERSATION_KEYS = (("conversations", "from", "value"), ("messages", "role", "content"))
 ROLE_ALIASES = {"human": "user", "gpt": "assistant"}
 # The code points for which str.isspace() is true.
 SPACE_CODES = np.array(
@@ -77,7 +78,7 @@ class ChatTemplate:
     """A chat template from a YAML config; see ``configs/chat.yaml``.
 
     Attributes:
-        roles: each role's prefix and suffix; a message of any other role is a bad record.
+        roles: each role's prefix and suffix; a message of any other role is a bad document.
         train_on: roles (and fields) whose content is trained on.
         end_of_turn: trained with each trained turn: the turn's suffix up to and
             including this token (it must be in those suffixes); ``None``: only the content.
@@ -85,8 +86,8 @@ class ChatTemplate:
         eos: placed once after everything, trained when the last turn is.
         special_tokens: every other special token the strings use; each must be a
             single token of the tokenizer, and no content may contain one.
-        fields: top-level record fields rendered, in this order, before the turns
-            (``system``, ``instruction``, ...); a record without one leaves it out.
+        fields: top-level document fields rendered, in this order, before the turns
+            (``system``, ``instruction``, ...); a document without one leaves it out.
         role_aliases: other names of roles (``human`` -> ``user``, ``gpt`` -> ``assistant``).
     """
 
@@ -163,28 +164,28 @@ class ChatTemplate:
         return list(dict.fromkeys(t for t in [*declared, *seen] if t))
 
     def render(
-        self, record: Mapping[str, Any], forbidden: re.Pattern[str] | None = None
+        self, document: Mapping[str, Any], forbidden: re.Pattern[str] | None = None
     ) -> tuple[str, list[Span]]:
         """The conversation's text and its trained character spans.
 
         Raises:
-            BadRecord: no conversation, an unknown role, a field that is not a
+            BadDocument: no conversation, an unknown role, a field that is not a
                 string, or content that ``forbidden`` matches.
         """
         pieces: list[tuple[str, bool]] = [(self.bos, False)] if self.bos else []
         for name, affix in self.fields:
-            value = record.get(name)
+            value = document.get(name)
             if value is None or value == "":
                 continue
             if not isinstance(value, str):
-                raise BadRecord(f"field {name!r} is {type(value).__name__}, not a string")
+                raise BadDocument(f"field {name!r} is {type(value).__name__}, not a string")
             _check_content(value, f"field {name!r}", forbidden)
             pieces += self._turn(affix, value, name in self.train_on)
         trained = False
-        for i, (role, content) in enumerate(parse_messages(record, self.role_aliases, forbidden)):
+        for i, (role, content) in enumerate(parse_messages(document, self.role_aliases, forbidden)):
             if role not in self.roles:
                 known = sorted({*self.roles, *self.role_aliases})
-                raise BadRecord(f"message {i} has unknown role {role!r} (known: {known})")
+                raise BadDocument(f"message {i} has unknown role {role!r} (known: {known})")
             trained = role in self.train_on
             pieces += self._turn(self.roles[role], content, trained)
         if self.eos:
@@ -219,25 +220,25 @@ def _join(pieces: Sequence[tuple[str, bool]]) -> tuple[str, list[Span]]:
 
 
 def parse_messages(
-    record: Mapping[str, Any],
+    document: Mapping[str, Any],
     aliases: Mapping[str, str],
     forbidden: re.Pattern[str] | None = None,
 ) -> list[tuple[str, str]]:
     """``(role, content)`` of each message, roles renamed by ``aliases``.
 
     Raises:
-        BadRecord: neither layout, not a list, an empty list, a malformed
+        BadDocument: neither form of conversation, not a list, an empty list, a malformed
             message, or content that ``forbidden`` matches.
     """
-    layout = next((keys for keys in LAYOUTS if keys[0] in record), None)
-    if layout is None:
-        raise BadRecord(f"no 'conversations' or 'messages' list (keys: {sorted(record)[:10]})")
-    key, role_key, text_key = layout
-    turns = record[key]
+    found = next((keys for keys in CONVERSATION_KEYS if keys[0] in document), None)
+    if found is None:
+        raise BadDocument(f"no 'conversations' or 'messages' list (keys: {sorted(document)[:10]})")
+    key, role_key, text_key = found
+    turns = document[key]
     if not isinstance(turns, list):
-        raise BadRecord(f"{key!r} is {type(turns).__name__}, not a list of messages")
+        raise BadDocument(f"{key!r} is {type(turns).__name__}, not a list of messages")
     if not turns:
-        raise BadRecord(f"{key!r} is empty: a conversation needs at least one message")
+        raise BadDocument(f"{key!r} is empty: a conversation needs at least one message")
     out = []
     for i, m in enumerate(turns):
         if not (
@@ -245,7 +246,7 @@ def parse_messages(
             and isinstance(m.get(role_key), str)
             and isinstance(m.get(text_key), str)
         ):
-            raise BadRecord(
+            raise BadDocument(
                 f"{key}[{i}] must be an object with strings {role_key!r} and {text_key!r}, "
                 f"got {m!r:.80}"
             )
@@ -258,10 +259,10 @@ def _check_content(text: str, what: str, forbidden: re.Pattern[str] | None) -> N
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise BadRecord(f"{what} is not valid Unicode ({e})") from None
+        raise BadDocument(f"{what} is not valid Unicode ({e})") from None
     hit = None if forbidden is None else forbidden.search(text)
     if hit is not None:
-        raise BadRecord(f"{what} holds the special token {hit.group()!r}")
+        raise BadDocument(f"{what} holds the special token {hit.group()!r}")
 
 
 def check_template_tokens(tokenizer: Any, tokens: Iterable[str], where: str) -> None:

@@ -130,9 +130,9 @@ def add_store_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_converter_flags(parser: argparse.ArgumentParser) -> None:
-    """Adds what every command that reads records into a new dataset takes:
+    """Adds what every command that reads documents into a new dataset takes:
     ``--skip-bad``, ``--overwrite``, ``--no-progress``, ``--json`` and the store flags."""
-    parser.add_argument("--skip-bad", action="store_true", help="skip and count bad records")
+    parser.add_argument("--skip-bad", action="store_true", help="skip and count bad documents")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")

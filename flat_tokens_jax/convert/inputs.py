@@ -1,9 +1,10 @@
-"""Reading one field of every record from JSONL, Parquet and saved Hugging Face datasets.
+"""Reading one field of every document from JSONL, Parquet and saved Hugging Face datasets.
 
 Formats, by name: ``.jsonl`` and ``.json`` (JSON Lines, one object per line),
 either optionally compressed as ``.gz`` or ``.zst``; ``.parquet``; and a
 directory written by ``datasets.Dataset.save_to_disk`` (it holds
-``dataset_info.json`` or ``state.json``). Records come out in file order, files
+``dataset_info.json`` or ``state.json``). A document is one JSON line, or one
+Parquet or dataset row. Documents come out in file order, files
 in the order :func:`expand_inputs` gives. Optional libraries (pyarrow,
 zstandard, datasets) are imported only when a file needs them. Files that are
 not on local disk (``gs://``, ``s3://``) are read through an ``opener`` that
@@ -40,7 +41,7 @@ JSONL_SUFFIXES = (".jsonl", ".json")
 COMPRESSION_SUFFIXES = ("", ".gz", ".zst")
 HF_MARKERS = ("dataset_info.json", "state.json")
 ARROW_BATCH_ROWS = 1024
-_WARN_BAD = 5  # bad records logged one by one before the rest are only counted
+_WARN_BAD = 5  # bad documents logged one by one before the rest are only counted
 
 
 # A local file or directory, or the URL of a file that an Opener reads.
@@ -50,11 +51,11 @@ Opener = Callable[[str], IO[bytes]]  # a URL's raw (still compressed) bytes, as 
 
 
 class InputError(ValueError):
-    """A bad input file or record; the message names the file and its line or row."""
+    """A bad input file or document; the message names the file and its line or row."""
 
 
-class BadRecord(ValueError):
-    """Raised by a :class:`RecordReader` ``check`` for a record it refuses; says why."""
+class BadDocument(ValueError):
+    """Raised by a :class:`DocumentReader` ``check`` for a document it refuses; says why."""
 
 
 def require(module: str, extra: str) -> ModuleType:
@@ -209,20 +210,20 @@ def _is_text_type(pa: ModuleType, t: Any) -> bool:
     return bool(pa.types.is_string(t) or pa.types.is_large_string(t) or (is_view and is_view(t)))
 
 
-class RecordReader:
-    """Iterates over one field of every record of ``paths``: texts, or token ids.
+class DocumentReader:
+    """Iterates over one field of every document of ``paths``: texts, or token ids.
 
     Yields each non-empty value in order: a ``str`` when reading text, an
     ``int32`` array ``[n]`` of token ids when ``tokens=True``. Empty values are
-    counted in :attr:`skipped_empty`. A bad record (unparsable line, not an
+    counted in :attr:`skipped_empty`. A bad document (unparsable line, not an
     object, missing key, wrong type, token id outside ``[0, 2**31 - 1]``) raises
     :class:`InputError` naming the file and 1-based line (JSONL) or row (Parquet,
     datasets); with ``skip_bad`` it is counted in :attr:`skipped_bad` instead.
     A file that cannot be read at all (corrupt compression) always raises.
 
-    ``key=None`` reads whole records instead (a JSON object, or a row as a
-    ``dict``), which ``check(record, where)`` turns into what is yielded, raising
-    :class:`BadRecord` for a record it refuses (handled like any bad record).
+    ``key=None`` reads whole documents instead (a JSON object, or a row as a
+    ``dict``), which ``check(document, where)`` turns into what is yielded, raising
+    :class:`BadDocument` for a document it refuses (handled like any bad document).
 
     ``opener`` reads the files that are URLs (``str`` paths); local files
     (``Path``) are opened directly.
@@ -249,11 +250,11 @@ class RecordReader:
         if check is not None:
             self.check = self._caller_check(check)
         elif key is None:
-            raise ValueError("RecordReader(key=None) reads whole records and needs a check")
+            raise ValueError("DocumentReader(key=None) reads whole documents and needs a check")
 
     def __repr__(self) -> str:
         what = "tokens" if self.tokens else "text"
-        return f"RecordReader({len(self.paths)} files, {what} key {self.key!r})"
+        return f"DocumentReader({len(self.paths)} files, {what} key {self.key!r})"
 
     def __iter__(self) -> Iterator[str | np.ndarray]:
         for path in self.paths:
@@ -269,21 +270,21 @@ class RecordReader:
         def checked(value: Any, where: Where) -> Any:
             try:
                 return check(value, where)
-            except BadRecord as e:
+            except BadDocument as e:
                 self._bad(where, str(e))
                 return None
 
         return checked
 
     def reject(self, where: Where, why: str) -> None:
-        """A record found bad after it was read: counted with ``skip_bad``, else InputError."""
+        """A document found bad after it was read: counted with ``skip_bad``, else InputError."""
         self._bad(where, why)
 
     def _bad(self, where: Where, why: str, count: int = 1) -> None:
         path, unit, number = where
         at = f"{path} {unit} {number}" if number else str(path)
         if not self.skip_bad:
-            raise InputError(f"{at}: {why} (skip_bad skips such records)")
+            raise InputError(f"{at}: {why} (skip_bad skips such documents)")
         if self.skipped_bad < _WARN_BAD:
             log.warning("skipping %s: %s", at, why)
         self.skipped_bad += count
@@ -336,20 +337,20 @@ class RecordReader:
             try:
                 for line, raw_line in enumerate(f, 1):
                     try:
-                        record = json.loads(raw_line)
+                        document = json.loads(raw_line)
                     except ValueError as e:
                         if raw_line.strip():
                             why = f"not valid JSON ({e}); expected one JSON object per line"
                             self._bad((path, "line", line), why)
                         continue
-                    if not isinstance(record, dict):
+                    if not isinstance(document, dict):
                         self._bad((path, "line", line), "not a JSON object")
                         continue
-                    if key is not None and key not in record:
-                        keys = sorted(record)[:10]
+                    if key is not None and key not in document:
+                        keys = sorted(document)[:10]
                         self._bad((path, "line", line), f"no key {key!r} (keys: {keys})")
                         continue
-                    value = check(record if key is None else record[key], (path, "line", line))
+                    value = check(document if key is None else document[key], (path, "line", line))
                     if value is not None:
                         yield value
             except unreadable as e:

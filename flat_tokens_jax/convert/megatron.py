@@ -28,8 +28,8 @@ from flat_tokens_jax.convert.mmidx import (
 from flat_tokens_jax.convert.tokenizer import identity, load_tokenizer
 from flat_tokens_jax.core.format import check_split_name, decode, encode_concatenated
 from flat_tokens_jax.data.dataset import open_dataset
-from flat_tokens_jax.data.writer import DatasetWriter, Layout
-from flat_tokens_jax.store.identity import DatasetInfo, inputs_record
+from flat_tokens_jax.data.writer import DatasetWriter, StorageFormat
+from flat_tokens_jax.store.identity import DatasetInfo, inputs_field
 from flat_tokens_jax.store.location import refuse_overlap
 from flat_tokens_jax.store.options import StoreOptions, resolve_options
 
@@ -71,7 +71,7 @@ def import_megatron(
     output: str | os.PathLike[str],
     *,
     per_sequence: bool = False,
-    layout: Layout | None = None,
+    storage_format: StorageFormat | None = None,
     overwrite: bool = False,
     split: str = "train",
     progress: Callable[[int, int], None] | None = None,
@@ -91,7 +91,7 @@ def import_megatron(
     Args:
         prefixes: paths without ``.idx``/``.bin``.
         output: the new dataset's path or URL.
-        layout, overwrite, options: as for :class:`DatasetWriter`.
+        storage_format, overwrite, options: as for :class:`DatasetWriter`.
         **option_fields: or the fields of ``options`` as keywords.
         split: the split that receives everything (``train`` and ``validation``
             are written even when empty); see :func:`~flat_tokens_jax.core.format.check_split_name`.
@@ -134,7 +134,7 @@ def import_megatron(
     with (
         DatasetWriter(
             output,
-            layout=layout,
+            storage_format=storage_format,
             overwrite=overwrite,
             options=options,
             splits=[split],
@@ -173,7 +173,7 @@ def import_megatron(
                 "per_sequence": per_sequence,
                 "dtype_code": code,
             },
-            inputs=inputs_record([os.fspath(p) for p in prefixes], digests()),
+            inputs=inputs_field([os.fspath(p) for p in prefixes], digests()),
         )
     return {
         "output": os.fspath(output),

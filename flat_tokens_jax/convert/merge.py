@@ -15,12 +15,12 @@ import numpy as np
 from flat_tokens_jax.convert.commands import add_store_flags, run_command, store_options
 from flat_tokens_jax.core.format import split_names
 from flat_tokens_jax.data.dataset import Dataset, FlatTokens, open_dataset
-from flat_tokens_jax.data.writer import DatasetWriter, Layout
+from flat_tokens_jax.data.writer import DatasetWriter, StorageFormat
 from flat_tokens_jax.store.identity import (
     DatasetInfo,
     check_tokenizers,
     common_tokenizer,
-    inputs_record,
+    inputs_field,
 )
 from flat_tokens_jax.store.location import refuse_overlap
 from flat_tokens_jax.store.options import StoreOptions, resolve_options
@@ -32,7 +32,7 @@ def merge(
     inputs: Sequence[str | os.PathLike[str]],
     output: str | os.PathLike[str],
     *,
-    layout: Layout | None = None,
+    storage_format: StorageFormat | None = None,
     overwrite: bool = False,
     block_tokens: int = BLOCK_TOKENS,
     options: StoreOptions | None = None,
@@ -87,7 +87,7 @@ def merge(
     summary: dict[str, Any] = {"inputs": [ds.url for ds in datasets], "splits": {}}
     with DatasetWriter(
         output,
-        layout=layout,
+        storage_format=storage_format,
         overwrite=overwrite,
         options=options,
         splits=names,
@@ -117,7 +117,7 @@ def merged_info(datasets: Sequence[Dataset]) -> DatasetInfo:
         tokenizer=common_tokenizer(infos),
         start_token_id=starts.pop() if len(starts) == 1 else None,
         flags=dict(infos[0].flags) if common and infos[0] is not None else {},
-        inputs=inputs_record([ds.url for ds in datasets], [_fingerprint(ds) for ds in datasets]),
+        inputs=inputs_field([ds.url for ds in datasets], [_fingerprint(ds) for ds in datasets]),
     )
 
 

@@ -1,6 +1,6 @@
 """The conversion core: input files tokenized, in order, into a flat-tokens array.
 
-:func:`write_documents` reads input files record by record, tokenizes them in
+:func:`write_documents` reads input files document by document, tokenizes them in
 batches (:func:`batches`, :func:`~flat_tokens_jax.convert.tokenizer.batch_encoder`),
 routes each document to "train" or "validation" and appends them, split by
 split and in input order, to a :class:`DatasetWriter`. The local converter
@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from flat_tokens_jax.convert.inputs import (
+    DocumentReader,
     InputPath,
     Opener,
-    RecordReader,
     hash_inputs,
     open_local,
 )
@@ -43,7 +43,7 @@ from flat_tokens_jax.convert.tokenizer import (
 )
 from flat_tokens_jax.core.format import encode_concatenated
 from flat_tokens_jax.data.writer import DatasetWriter
-from flat_tokens_jax.store.identity import DatasetInfo, inputs_record
+from flat_tokens_jax.store.identity import DatasetInfo, inputs_field
 
 # One pass over input files: (files, validation fraction, every document to validation).
 Pass = tuple[Sequence[InputPath], float, bool]
@@ -192,7 +192,7 @@ class Conversion:
             tokenizer=identity(self.tokenizer) if self.tokenizer else None,
             start_token_id=self.start_token_id,
             flags={**self.opts.flags(), **validation},
-            inputs=inputs_record(self.input_names, digests),
+            inputs=inputs_field(self.input_names, digests),
         )
 
     @property
@@ -300,10 +300,10 @@ def write_documents(
         passes: the files to read, each with its validation fraction and
             whether all its documents go to "validation".
         tokenize: what turns a batch of documents into token ids.
-        opts: the record key, bad-record handling and token budget.
-        totals: counts documents, tokens and skipped records as they go.
+        opts: the documents' key, bad-document handling and token budget.
+        totals: counts documents, tokens and skipped documents as they go.
         bar: a tqdm bar updated with the tokens written, or ``None``.
-        opener: reads the files given as URLs (see :class:`RecordReader`).
+        opener: reads the files given as URLs (see :class:`DocumentReader`).
     """
     files = [path for paths, _, _ in passes for path in paths]
     if opts.max_tokens is not None:
@@ -327,7 +327,7 @@ def _write_passes(
     try:
         with batch_encoder(tokenize, opts.workers) as encode:
             for paths, fraction, all_validation in passes:
-                reader = RecordReader(
+                reader = DocumentReader(
                     paths,
                     key,
                     tokens=opts.tokens_key is not None,

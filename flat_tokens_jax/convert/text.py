@@ -28,7 +28,7 @@ from flat_tokens_jax.convert.commands import (
 )
 from flat_tokens_jax.convert.inputs import as_patterns, expand_inputs, require
 from flat_tokens_jax.convert.parts import Conversion, ConvertOptions, Totals, write_documents
-from flat_tokens_jax.data.writer import DatasetWriter, Layout
+from flat_tokens_jax.data.writer import DatasetWriter, StorageFormat
 from flat_tokens_jax.store.location import refuse_overlap
 from flat_tokens_jax.store.options import StoreOptions, resolve_options
 
@@ -62,7 +62,7 @@ def convert(
     add_special_tokens: bool = False,
     max_tokens: int | None = None,
     skip_bad: bool = False,
-    layout: Layout | None = None,
+    storage_format: StorageFormat | None = None,
     overwrite: bool = False,
     progress: bool | None = None,
     options: StoreOptions | None = None,
@@ -82,7 +82,7 @@ def convert(
         output: the new dataset's path or URL.
         tokenizer: a ``tokenizers`` JSON file or ``transformers`` tokenizer directory.
         text_key: the field holding each document's text.
-        tokens_key: read token ids (a list of ints per record) from this field
+        tokens_key: read token ids (a list of ints per document) from this field
             instead of tokenizing text; ``tokenizer`` is then only needed for
             ``append_eos``/``prepend_bos``.
         validation_fraction: send about this fraction of documents to
@@ -95,8 +95,8 @@ def convert(
         add_special_tokens: let the tokenizer's post-processor add its tokens.
         max_tokens: stop before the first document that would take the total
             (both splits) past this; documents are never cut.
-        skip_bad: count and skip bad records instead of stopping at the first.
-        layout: chunking and compression of the output.
+        skip_bad: count and skip bad documents instead of stopping at the first.
+        storage_format: chunking and compression of the output.
         overwrite: replace a flat-tokens dataset, or the leftover of an
             interrupted write, at ``output`` (never other files: see
             :class:`~flat_tokens_jax.data.writer.DatasetWriter`). An ``output`` that
@@ -119,7 +119,7 @@ def convert(
         ``stopped_early``, ``seconds``, ``tokens_per_s`` and the settings.
 
     Raises:
-        InputError: a bad record (naming its file and line or row) or input file.
+        InputError: a bad document (naming its file and line or row) or input file.
         ValueError: bad arguments, or a tokenizer that cannot be used.
         FileExistsError: ``output`` exists and ``overwrite`` is off, or holds
             files that are not a flat-tokens dataset.
@@ -144,7 +144,9 @@ def convert(
     )
     refuse_overlap([*conv.train, *conv.validation], [output])
     totals = Totals(opts.max_tokens)
-    with DatasetWriter(output, layout=layout, overwrite=overwrite, options=options) as writer:
+    with DatasetWriter(
+        output, storage_format=storage_format, overwrite=overwrite, options=options
+    ) as writer:
         write_documents(writer, conv.passes, conv.tokenize, opts, totals, _progress_bar(progress))
         writer.info = conv.info(totals.digests)
     return conv.summary(

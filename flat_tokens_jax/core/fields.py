@@ -7,6 +7,9 @@ it here, with the path it names the value by (``loader.seed``,
 as a Python int, or raises :class:`~flat_tokens_jax.core.values.BadValue`
 naming the path, what was given and what is accepted.
 
+A ``packing`` is read here into :class:`Packing`, the closed type the rest
+of the code compares by member.
+
 Example:
     >>> seed(7, "Mixture.seed")
     7
@@ -19,12 +22,23 @@ Example:
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 from flat_tokens_jax.core.format import MAX_TOKEN_ID
-from flat_tokens_jax.core.values import integer
+from flat_tokens_jax.core.values import BadValue, integer
 
-__all__ = ["MAX_SEED", "MAX_STEP", "pad_id", "seed", "seq_len", "step", "token_id"]
+__all__ = [
+    "MAX_SEED",
+    "MAX_STEP",
+    "Packing",
+    "packing",
+    "pad_id",
+    "seed",
+    "seq_len",
+    "step",
+    "token_id",
+]
 
 MAX_SEED = 2**64 - 1
 """The largest seed: seeds key a 64-bit mixer."""
@@ -60,3 +74,45 @@ def step(value: Any, path: str) -> int:
     """A step of a run, or a count of its samples: an int in ``[0, 2**63 - 1]``."""
     out: int = integer(value, path, low=0, high=MAX_STEP)
     return out
+
+
+class Packing(enum.Enum):
+    """What a row is: ``LoaderConfig.packing`` once read (see :func:`packing`).
+
+    Each member's value is what a user writes for it (``packing: true``,
+    ``false`` or ``bins``), and what saved states and fingerprints hold.
+
+    Example:
+        >>> packing("bins", "loader.packing") is Packing.BINS
+        True
+        >>> Packing.WINDOWS.value
+        True
+    """
+
+    WINDOWS = True
+    """Consecutive windows of the concatenated tokens (no padding)."""
+    PADDED = False
+    """One sequence per row, truncated and right-padded."""
+    BINS = "bins"
+    """Whole sequences packed into a row by the split's packing plan, padded at the end."""
+
+    def __bool__(self) -> bool:
+        # Every member would be true: a test of truth is a comparison forgotten.
+        raise TypeError(f"{self} has no truth value: compare it with a Packing member")
+
+
+def packing(value: Any, path: str) -> Packing:
+    """A ``packing`` as its :class:`Packing`: ``True``, ``False``, ``"bins"``
+    or a member. Strict as a config's booleans are not: ``1`` and numpy's
+    ``True`` are refused."""
+    if isinstance(value, Packing):
+        return value
+    if isinstance(value, bool):
+        return Packing.WINDOWS if value else Packing.PADDED
+    if isinstance(value, str) and value == Packing.BINS.value:
+        return Packing.BINS
+    raise BadValue(
+        path,
+        "must be True (packed windows), False (padded sequences) or 'bins' "
+        f"(bins of whole sequences), got {value!r}",
+    )

@@ -28,6 +28,8 @@ from typing import Any
 import numba
 import numpy as np
 
+from flat_tokens_jax.core.fields import Packing
+
 # Tokens OR-ed together before looking at each: sequence starts are rare.
 _SCAN = 32
 # No stored loss mask, no lengths: empty arrays of the kernels' types, so one
@@ -164,7 +166,7 @@ def decode_rows(
     encoded: np.ndarray,
     lengths: np.ndarray | None,
     stored_mask: np.ndarray | None,
-    packed: bool | str,
+    packing: Packing,
     rows: tuple[int, int],
     *,
     start_token_id: int,
@@ -177,12 +179,12 @@ def decode_rows(
     Args:
         encoded, lengths, stored_mask: the batch's ``Windows`` as
             :func:`~flat_tokens_jax.decoding.batch.checked_windows` returns them.
-        packed: True, False or ``"bins"``, as for ``window_fields``.
+        packing: as for ``window_fields``.
         rows: ``(start, stop)`` rows to decode.
         start_token_id, pad_id: as for ``window_fields`` (each fits ``int32``).
         out: the five C-contiguous fields ``[batch, seq_len]`` of the whole batch.
     """
-    kernel = _packed_rows if packed is not False else _padded_rows
+    kernel = _padded_rows if packing is Packing.PADDED else _packed_rows
     kernel(
         encoded,
         rows[0],

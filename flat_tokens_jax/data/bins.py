@@ -17,7 +17,6 @@ import numpy as np
 from flat_tokens_jax.core import fields
 from flat_tokens_jax.core.format import ENCODED_DTYPE, FormatError, Problem
 from flat_tokens_jax.core.limits import check_seq_len
-from flat_tokens_jax.core.values import BadValue
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.plans import PackingPlan, check_plan, find_plan
 from flat_tokens_jax.data.records import (
@@ -29,9 +28,6 @@ from flat_tokens_jax.data.records import (
     _check_indices,
     _data_fingerprint,
 )
-
-BINS = "bins"
-"""``LoaderConfig.packing`` (and ``Records.packed``) of bins of whole sequences."""
 
 
 class BinRecords:
@@ -47,7 +43,7 @@ class BinRecords:
             padding when not full); ``None``: no cap. Ignored with ``plan``.
     """
 
-    packed = BINS
+    packing = fields.Packing.BINS
 
     def __init__(
         self,
@@ -78,7 +74,7 @@ class BinRecords:
 
     def fingerprint(self) -> dict[str, Any]:
         return {
-            "records": BINS,
+            "records": "bins",
             "seq_len": self.seq_len,
             "plan": {"algorithm": self.plan.algorithm, "digest": self.plan.digest},
             **_data_fingerprint(self.ft),
@@ -183,32 +179,15 @@ def _scatter(
 def make_records(
     ft: FlatTokens,
     seq_len: int,
-    packing: bool | str,
+    packing: fields.Packing,
     cache_dir: str | os.PathLike[str] | None = None,
     max_segments: int | None = None,
 ) -> Records:
-    """The records a config's ``packing`` makes of a split: True packed windows,
-    False padded sequences, ``"bins"`` :class:`BinRecords` (with at most
-    ``max_segments`` runs per bin if given)."""
-    packing = check_packing(packing, "packing")
-    if packing == BINS:
+    """The records ``packing`` makes of a split: packed windows, padded
+    sequences, or :class:`BinRecords` (with at most ``max_segments`` runs per
+    bin if given)."""
+    if packing is fields.Packing.BINS:
         return BinRecords(ft, seq_len, cache_dir=cache_dir, max_segments=max_segments)
-    return PackedRecords(ft, seq_len) if packing is True else PaddedRecords(ft, seq_len)
-
-
-def check_packing(value: Any, path: str) -> bool | str:
-    """``value`` if it is a ``packing``: True, False or ``"bins"``; the one
-    check of every surface (``LoaderConfig``, YAML, a saved state, the grain
-    source). Strict as a config's booleans are not: ``1`` and numpy's ``True``
-    are refused.
-
-    Raises:
-        BadValue: naming ``path``, what was given and the three that work.
-    """
-    if isinstance(value, bool) or (isinstance(value, str) and value == BINS):
-        return value
-    raise BadValue(
-        path,
-        f"must be True (packed windows), False (padded sequences) or {BINS!r} "
-        f"(bins of whole sequences), got {value!r}",
-    )
+    if packing is fields.Packing.WINDOWS:
+        return PackedRecords(ft, seq_len)
+    return PaddedRecords(ft, seq_len)

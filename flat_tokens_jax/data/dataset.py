@@ -41,7 +41,7 @@ from flat_tokens_jax.store.store import (
     V2_GROUP,
     V3_META,
     Store,
-    describe_layout,
+    describe_storage_format,
 )
 
 
@@ -319,9 +319,11 @@ class FlatTokens:
         out.token_range = (lo, hi)
         return out
 
-    def layout(self) -> dict[str, dict[str, Any]]:
-        """Per array: zarr version, chunk and shard sizes, compression."""
-        return {name: describe_layout(fmt, meta) for name, (fmt, meta) in self.metadata.items()}
+    def storage_formats(self) -> dict[str, dict[str, Any]]:
+        """Per array, its storage format: zarr version, chunk and shard sizes, compression."""
+        return {
+            name: describe_storage_format(fmt, meta) for name, (fmt, meta) in self.metadata.items()
+        }
 
 
 class Dataset(Mapping[str, FlatTokens]):

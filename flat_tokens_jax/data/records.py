@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from flat_tokens_jax.core.concurrently import at_once
+from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.core.format import ENCODED_DTYPE, FormatError, as_indices
 from flat_tokens_jax.core.limits import check_seq_len
 from flat_tokens_jax.core.urls import redact
@@ -46,10 +47,11 @@ class Records(Protocol):
     """Random access to fixed-length records.
 
     Contract: deterministic (the same index gives the same record every time),
-    thread-safe, and ``repr`` tells two sources apart. ``packed`` says how
-    ``read``'s windows decode, as ``LoaderConfig.packing``: True packed
-    windows, False padded sequences, ``"bins"`` bins of whole sequences
-    (packed windows with ``lengths``, see ``flat_tokens_jax.data.bins``).
+    thread-safe, and ``repr`` tells two sources apart. ``packing`` says how
+    ``read``'s windows decode, as ``LoaderConfig.packing`` does:
+    ``Packing.WINDOWS`` packed windows, ``Packing.PADDED`` padded sequences,
+    ``Packing.BINS`` bins of whole sequences (packed windows with
+    ``lengths``, see ``flat_tokens_jax.data.bins``).
 
     Records may also define ``request(indices, columns)``, which starts the
     reads of ``read(indices, columns)`` and returns a function that waits for
@@ -60,7 +62,7 @@ class Records(Protocol):
     seq_len: int
 
     @property
-    def packed(self) -> bool | str: ...
+    def packing(self) -> Packing: ...
 
     def __len__(self) -> int: ...
 
@@ -163,10 +165,26 @@ def check_source(source: Any, who: str) -> None:
         raise TypeError(
             f"{who} is the URL {url!r}; open a split: ftj.open_dataset({url!r})['train']"
         )
-    if not all(hasattr(source, a) for a in ("read", "seq_len", "packed", "token_ranges")):
+    if not all(hasattr(source, a) for a in ("read", "seq_len", "packing", "token_ranges")):
         raise TypeError(
             f"{who}: expected a FlatTokens split (ds['train']) or Records, "
             f"got {type(source).__name__}"
+        )
+    check_packing(source, who)
+
+
+def check_packing(records: Any, who: str) -> None:
+    """Refuses records whose ``packing`` is not a :class:`Packing` member (a
+    ``True`` written as in a config would decode as nothing it says).
+
+    Raises:
+        TypeError: naming ``who``, the value and the members.
+    """
+    if not isinstance(records.packing, Packing):
+        raise TypeError(
+            f"{who}: {type(records).__name__}.packing is {records.packing!r}; records "
+            "say how they decode with a flat_tokens_jax.Packing: Packing.WINDOWS "
+            "(packed windows), Packing.PADDED (padded sequences) or Packing.BINS"
         )
 
 
@@ -183,7 +201,7 @@ def recorded_info(records: object) -> Any:
 class _SplitRecords(abc.ABC):
     """Records over one split; subclasses say how a record maps to tokens."""
 
-    packed: bool
+    packing: Packing
 
     def __init__(self, ft: FlatTokens, seq_len: int) -> None:
         if seq_len < 1:
@@ -205,7 +223,7 @@ class _SplitRecords(abc.ABC):
         them and gives what :meth:`Records.read` gives."""
 
     def fingerprint(self) -> dict[str, Any]:
-        kind = "packed" if self.packed else "padded"
+        kind = "packed" if self.packing is Packing.WINDOWS else "padded"
         return {"records": kind, "seq_len": self.seq_len, **_data_fingerprint(self.ft)}
 
 
@@ -215,7 +233,7 @@ class PackedRecords(_SplitRecords):
     ``num_tokens // L`` records; a tail shorter than ``L`` is never used.
     """
 
-    packed = True
+    packing = Packing.WINDOWS
 
     def __len__(self) -> int:
         return self.ft.num_tokens // self.seq_len
@@ -247,7 +265,7 @@ class PackedRecords(_SplitRecords):
 class PaddedRecords(_SplitRecords):
     """Record ``i`` is sequence ``i``, truncated to ``L`` tokens, padded on the right."""
 
-    packed = False
+    packing = Packing.PADDED
 
     def __len__(self) -> int:
         return self.ft.num_sequences

@@ -33,8 +33,8 @@ from flat_tokens_jax.data.plans import (
     split_starts,
 )
 from flat_tokens_jax.store.claim import Claim, describe_marker
-from flat_tokens_jax.store.layout import Layout, create_array
 from flat_tokens_jax.store.options import StoreOptions, resolve_options
+from flat_tokens_jax.store.storageformat import StorageFormat, create_array
 from flat_tokens_jax.store.store import V2_ATTRS, V2_GROUP, V3_META, Store
 
 log = logging.getLogger(__name__)
@@ -119,9 +119,9 @@ def write_plan(store: Store, ft: FlatTokens, seq_len: int, zarr_format: int) -> 
     for key in (V3_META, V2_GROUP, V2_ATTRS):
         store.delete(f"{group}/{key}")
     store.delete_prefix(group)
-    layout = Layout(zarr_format=zarr_format)
+    storage_format = StorageFormat(zarr_format=zarr_format)
     for name, values in zip(PLAN_ARRAYS, (plan.bin_starts, plan.seq_order), strict=True):
-        array = create_array(store, group, name, _PLAN_DTYPE, layout, size=values.size)
+        array = create_array(store, group, name, _PLAN_DTYPE, storage_format, size=values.size)
         if values.size:
             store.wait(array[: values.size].write(values.astype(_PLAN_DTYPE)))
     store.write_group(group, zarr_format, {PLAN_ATTRIBUTE: plan.attributes()})

@@ -333,7 +333,7 @@ def summary(
             "num_sequences": n,
             "max_token_id": ft.max_token_id,
             "loss_mask": ft.loss_mask is not None,
-            "layout": ft.layout(),
+            "layout": ft.storage_formats(),  # info --json's key
             "packing_plans": plans_summary(ft),
         }
         if n:

@@ -33,17 +33,17 @@ from flat_tokens_jax.core.format import (
 )
 from flat_tokens_jax.core.values import sequence
 from flat_tokens_jax.store.identity import ATTRIBUTE, DatasetInfo, identity_attribute
-from flat_tokens_jax.store.layout import (
+from flat_tokens_jax.store.location import STAGING as STAGING
+from flat_tokens_jax.store.location import claim_location
+from flat_tokens_jax.store.options import StoreOptions, resolve_options
+from flat_tokens_jax.store.storageformat import (
     PROVISIONAL_SIZE,
-    Layout,
+    StorageFormat,
     create_array,
     create_digests,
     record_probes,
     write_digests,
 )
-from flat_tokens_jax.store.location import STAGING as STAGING
-from flat_tokens_jax.store.location import claim_location
-from flat_tokens_jax.store.options import StoreOptions, resolve_options
 from flat_tokens_jax.store.store import Store
 
 log = logging.getLogger(__name__)
@@ -55,13 +55,13 @@ class _ArrayAppender:
     """Appends to one 1-D array, writing whole shards from a bounded buffer."""
 
     def __init__(
-        self, store: Store, split: str, array: str, dtype: np.dtype[Any], layout: Layout
+        self, store: Store, split: str, array: str, dtype: np.dtype, storage_format: StorageFormat
     ) -> None:
         self.wait = store.wait
-        self.where = (store, split, array, layout)
-        self.array = create_array(store, split, array, dtype, layout)
-        self.digests = create_digests(store, split, array, layout)
-        self.buffer = np.empty(layout.elements(array)[0], dtype)
+        self.where = (store, split, array, storage_format)
+        self.array = create_array(store, split, array, dtype, storage_format)
+        self.digests = create_digests(store, split, array, storage_format)
+        self.buffer = np.empty(storage_format.elements(array)[0], dtype)
         self.filled = 0
         self.written = 0
         self.pending: list[Any] = []
@@ -87,8 +87,8 @@ class _ArrayAppender:
             raise ValueError(f"a split may hold at most {PROVISIONAL_SIZE} elements")
         data, self.buffer = self.buffer[: self.filled], np.empty_like(self.buffer)
         self.pending.append(self.array[self.written : end].write(data))
-        array, layout = self.where[2:]
-        self.pending.append(write_digests(self.digests, self.written, data, layout, array))
+        array, storage_format = self.where[2:]
+        self.pending.append(write_digests(self.digests, self.written, data, storage_format, array))
         self.written, self.filled = end, 0
         while len(self.pending) > 2 * _MAX_PENDING_WRITES:  # a shard's and its digests' writes
             self.wait(self.pending.pop(0))
@@ -116,11 +116,11 @@ class _ArrayAppender:
 
 
 class _SplitWriter:
-    def __init__(self, store: Store, split: str, layout: Layout) -> None:
-        self.tokens = _ArrayAppender(store, split, TOKENS, ENCODED_DTYPE, layout)
-        self.starts = _ArrayAppender(store, split, SEQ_STARTS, STARTS_DTYPE, layout)
+    def __init__(self, store: Store, split: str, storage_format: StorageFormat) -> None:
+        self.tokens = _ArrayAppender(store, split, TOKENS, ENCODED_DTYPE, storage_format)
+        self.starts = _ArrayAppender(store, split, SEQ_STARTS, STARTS_DTYPE, storage_format)
         self.starts.append(np.zeros(1, STARTS_DTYPE))
-        self.store, self.split, self.layout = store, split, layout
+        self.store, self.split, self.storage_format = store, split, storage_format
         # Created by the first sequences written with a loss mask; `masked` records
         # whether the first sequences came with one, and every later one must agree.
         self.mask: _ArrayAppender | None = None
@@ -138,7 +138,7 @@ class _SplitWriter:
             self.masked = masked
             if masked:
                 self.mask = _ArrayAppender(
-                    self.store, self.split, LOSS_MASK, MASK_DTYPE, self.layout
+                    self.store, self.split, LOSS_MASK, MASK_DTYPE, self.storage_format
                 )
         elif masked != self.masked:
             given, earlier = ("a", "none") if masked else ("no", "one")
@@ -232,7 +232,7 @@ def root_attributes(
 
 
 def write_groups(
-    store: Store, layout: Layout, max_token_ids: Mapping[str, int], attributes: Mapping[str, Any]
+    store: Store, zarr_format: int, max_token_ids: Mapping[str, int], attributes: Mapping[str, Any]
 ) -> None:
     """Writes each split's group (with its ``max_token_id``), then the root group.
 
@@ -240,8 +240,8 @@ def write_groups(
     last thing written, after every array.
     """
     for name, max_id in max_token_ids.items():
-        store.write_group(name, layout.zarr_format, {"max_token_id": max_id})
-    store.write_group("", layout.zarr_format, attributes)
+        store.write_group(name, zarr_format, {"max_token_id": max_id})
+    store.write_group("", zarr_format, attributes)
 
 
 class DatasetWriter:
@@ -264,7 +264,7 @@ class DatasetWriter:
     Args:
         url: where to write; a local path or a ``file://``, ``memory://``, ``gs://``
             or ``s3://`` URL.
-        layout: chunking, sharding, compression and zarr version.
+        storage_format: chunking, sharding, compression and zarr version.
         overwrite: replace a flat-tokens dataset, or the leftover of an
             interrupted write, at ``url``. Without it such a ``url`` is refused
             (:class:`~flat_tokens_jax.store.location.OverwriteNeeded`); a ``url``
@@ -288,7 +288,7 @@ class DatasetWriter:
         self,
         url: str | os.PathLike[str],
         *,
-        layout: Layout | None = None,
+        storage_format: StorageFormat | None = None,
         overwrite: bool = False,
         options: StoreOptions | None = None,
         splits: Sequence[str] = SPLITS,
@@ -296,7 +296,7 @@ class DatasetWriter:
         info: DatasetInfo | None = None,
         **option_fields: Any,
     ) -> None:
-        self.layout = layout or Layout()
+        self.storage_format = storage_format or StorageFormat()
         names = split_names(sequence(splits, "splits", "a list of split names"))
         root_attributes(attributes, info, names)  # refuses a bad key before anything is written
         self.attributes = dict(attributes or {})
@@ -304,7 +304,7 @@ class DatasetWriter:
         self.store = Store(url, resolve_options(options, option_fields, "DatasetWriter"))
         self._claim = claim_location(self.store, overwrite, names)
         try:
-            self._splits = {s: _SplitWriter(self.store, s, self.layout) for s in names}
+            self._splits = {s: _SplitWriter(self.store, s, self.storage_format) for s in names}
         except BaseException:
             self._claim.discard()
             raise
@@ -412,7 +412,7 @@ class DatasetWriter:
                 w.finish()
             max_ids = {name: w.max_token_id for name, w in self._splits.items()}
             root = root_attributes(self.attributes, self.info, tuple(self._splits))
-            write_groups(self.store, self.layout, max_ids, root)
+            write_groups(self.store, self.storage_format.zarr_format, max_ids, root)
         except BaseException:
             self._discard()
             raise

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.data.records import Windows
 from flat_tokens_jax.decoding.batch_jax import bin_fields_jax, packed_fields_jax, padded_fields_jax
 from flat_tokens_jax.decoding.segments import sequence_starts, write_segments
@@ -327,23 +328,22 @@ def bin_fields(
 
 def window_fields(
     windows: Windows,
-    packed: bool | str,
+    packing: Packing,
     *,
     start_token_id: int = 0,
     pad_id: int = 0,
     out: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """The fields of records read as ``windows`` (:meth:`Records.read`): packed,
-    padded or bins (``packed`` is the records' ``packed``: True, False or
-    ``"bins"``), with the stored loss mask when there is one; written into
-    ``out`` when given (as for ``packed_fields``)."""
-    if packed is True:
+    padded or bins (``packing``, the records' own), with the stored loss mask
+    when there is one; written into ``out`` when given (as for ``packed_fields``)."""
+    if packing is Packing.WINDOWS:
         return packed_fields(
             windows.encoded, start_token_id=start_token_id, stored_mask=windows.stored_mask, out=out
         )
     if windows.lengths is None:
         raise TypeError("padded records and bins were read without their lengths")
-    if packed == "bins":
+    if packing is Packing.BINS:
         return bin_fields(
             windows.encoded,
             windows.lengths,
@@ -352,8 +352,6 @@ def window_fields(
             stored_mask=windows.stored_mask,
             out=out,
         )
-    if packed is not False:
-        raise ValueError(f"packed must be True, False or 'bins', got {packed!r}")
     return padded_fields(
         windows.encoded,
         windows.lengths,
@@ -366,7 +364,7 @@ def window_fields(
 
 def checked_windows(
     windows: Windows,
-    packed: bool | str,
+    packing: Packing,
     seq_len: int,
     *,
     start_token_id: int = 0,
@@ -383,19 +381,17 @@ def checked_windows(
             rows of another length than ``seq_len``.
         TypeError: padded records or bins without their lengths.
     """
-    if packed not in (True, False, "bins"):
-        raise ValueError(f"packed must be True, False or 'bins', got {packed!r}")
     _int32("start_token_id", start_token_id)
     _int32("pad_id", pad_id)
-    if packed is False:
+    if packing is Packing.PADDED:
         encoded = _encoded(windows.encoded, "tokens", min_cols=1)
     else:
         encoded = _encoded(windows.encoded, "windows", min_cols=2)
-    batch, width = encoded.shape[0], encoded.shape[1] - (packed is not False)
+    batch, width = encoded.shape[0], encoded.shape[1] - (packing is not Packing.PADDED)
     if width != seq_len:
         raise ValueError(f"records of {width} tokens cannot be decoded into rows of {seq_len}")
     lengths = None
-    if packed is not True:
+    if packing is not Packing.WINDOWS:
         if windows.lengths is None:
             raise TypeError("padded records and bins were read without their lengths")
         lengths = _lengths(windows.lengths, batch, seq_len).astype(np.int64)

@@ -21,6 +21,7 @@ import numpy as np
 from flat_tokens_jax.core import compiled
 from flat_tokens_jax.core.buffers import Buffers
 from flat_tokens_jax.core.extras import install_hint
+from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.data.records import Records, Windows, request_windows
 from flat_tokens_jax.decoding import batch as fields
@@ -111,7 +112,7 @@ class BlockDecoder:
     def decode(
         self,
         windows: Windows,
-        packed: bool | str,
+        packing: Packing,
         seq_len: int,
         *,
         start_token_id: int,
@@ -121,14 +122,14 @@ class BlockDecoder:
         """The five fields ``[k, seq_len]`` of records read as ``windows`` (``k`` rows),
         decoded on at most ``threads`` threads (default: ``self.threads``).
 
-        Equal to ``window_fields(windows, packed, ...)``.
+        Equal to ``window_fields(windows, packing, ...)``.
         """
         rows = windows.encoded.shape[0]
         out = empty_fields(rows, seq_len, self.buffers)
         kernels = self._kernels
         if kernels is not None:
             windows = fields.checked_windows(
-                windows, packed, seq_len, start_token_id=start_token_id, pad_id=pad_id
+                windows, packing, seq_len, start_token_id=start_token_id, pad_id=pad_id
             )
 
         def run(block: tuple[int, int]) -> None:
@@ -140,7 +141,7 @@ class BlockDecoder:
                         windows.encoded,
                         windows.lengths,
                         windows.stored_mask,
-                        packed,
+                        packing,
                         block,
                         start_token_id=start_token_id,
                         pad_id=pad_id,
@@ -149,7 +150,7 @@ class BlockDecoder:
                     return
                 fields.window_fields(
                     _rows_of(windows, a, b),
-                    packed,
+                    packing,
                     start_token_id=start_token_id,
                     pad_id=pad_id,
                     out={k: v[a:b] for k, v in out.items()},
@@ -235,11 +236,21 @@ def request_parts(
     return lambda: [(c, rows, windows()) for c, rows, windows in waiting]
 
 
+def row_sources(comp: np.ndarray, real: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
+    """``[k] int32``: the source of each of a step's ``k`` rows, ``-1`` for
+    padding: ``comp`` ``[r] int64`` the component of each real row (``real``
+    ``[k] bool``, as :func:`request_parts` takes them), and ``ids`` ``[K]``
+    each component's run-wide index (``None``: its own)."""
+    out = np.full(real.shape, -1, np.int32)
+    out[real] = comp if ids is None else ids[comp]
+    return out
+
+
 def join_parts(
     num_rows: int,
     parts: Sequence[Part],
     decode: Callable[[int, Windows], dict[str, np.ndarray]],
-    packed: Sequence[bool | str],
+    packings: Sequence[Packing],
     seq_len: int,
     pad_id: int,
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -250,11 +261,11 @@ def join_parts(
     False, as the last step of an epoch pads them."""
     if len(parts) == 1 and parts[0][1] is None:
         c, _, windows = parts[0]
-        return decode(c, windows), row_starts(windows, packed[c])
+        return decode(c, windows), row_starts(windows, packings[c])
     out = fields.padding_fields(num_rows, seq_len, pad_id)
     starts = np.zeros(num_rows, bool)
     for c, at, windows in parts:
         for key, value in decode(c, windows).items():
             out[key][at] = value
-        starts[at] = row_starts(windows, packed[c])
+        starts[at] = row_starts(windows, packings[c])
     return out, starts

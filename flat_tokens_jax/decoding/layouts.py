@@ -31,7 +31,10 @@ max_segments] int32``: the lengths of each row's runs in column order (a run
 is a maximal stretch of one segment id, and a new one begins at every sequence
 start; padding is a run of its own), then zeros; each row sums to ``L``. A row
 of ``L`` columns holds at most ``L`` runs, so ``max_segments`` is at most ``L``
-(:func:`check_max_segments`).
+(:func:`check_max_segments`). With ``source`` every layout also holds
+``source`` ``[B] int32``: the run-wide index of the component each row was
+read from, ``-1`` for padding rows (given to :meth:`BatchLayout.apply` by
+whoever picked the rows' records).
 """
 
 from __future__ import annotations
@@ -43,16 +46,16 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.core.values import BadValue, boolean, choice, integer
-from flat_tokens_jax.data.bins import BINS
 from flat_tokens_jax.data.records import Windows
 
 LAYOUTS = ("fields", "segments", "tokens", "maxtext")
 """The values of ``LoaderConfig.layout``."""
 
-WHOLE_ROWS = ("tokens", "segment_lengths")
+WHOLE_ROWS = ("tokens", "segment_lengths", "source")
 """Fields not ``[B, L]``: laid out over a sharding's batch axis only, whatever
-their width (``max_segments`` may equal ``L``)."""
+their width (``max_segments`` may equal ``L``; ``source`` is ``[B]``)."""
 
 FLAGS = ("loss_mask", "sequence_start")
 """The ``bool`` fields (1 byte a column); every other field is ``int32`` (4)."""
@@ -61,9 +64,9 @@ FLAGS = ("loss_mask", "sequence_start")
 @dataclasses.dataclass(frozen=True)
 class BatchLayout:
     """What a batch holds: ``name`` one of :data:`LAYOUTS`, ``max_segments``
-    (``None``, or the width of ``segment_lengths``, ``>= 1``), and
+    (``None``, or the width of ``segment_lengths``, ``>= 1``),
     ``sequence_start`` (True: the batch holds ``sequence_start`` whatever the
-    layout).
+    layout) and ``source`` (True: it holds ``source`` ``[B] int32``).
 
     Example:
         >>> five = {
@@ -83,20 +86,24 @@ class BatchLayout:
     name: str = "fields"
     max_segments: int | None = None
     sequence_start: bool = False
+    source: bool = False
 
     def __post_init__(self) -> None:
         choice(self.name, "layout", LAYOUTS)
         m = integer(self.max_segments, "max_segments", low=1, optional=True)
         object.__setattr__(self, "max_segments", m)
         object.__setattr__(self, "sequence_start", boolean(self.sequence_start, "sequence_start"))
+        object.__setattr__(self, "source", boolean(self.source, "source_field"))
 
     @property
     def plain(self) -> bool:
         """True when the batch is the five fields as decoded."""
-        return self.name == "fields" and self.max_segments is None and not self.sequence_start
+        extra = self.max_segments is not None or self.sequence_start or self.source
+        return self.name == "fields" and not extra
 
     def widths(self, seq_len: int) -> dict[str, int]:
-        """Every key of the layout's batch and its width (the second dimension)."""
+        """Every key of the layout's batch and its width (the second
+        dimension; 1 for ``source``, one value a row)."""
         keys = {
             "fields": ("inputs", "targets", "segment_ids", "positions", "loss_mask"),
             "segments": (
@@ -122,12 +129,14 @@ class BatchLayout:
             out["sequence_start"] = seq_len
         if self.max_segments is not None:
             out["segment_lengths"] = self.max_segments
+        if self.source:
+            out["source"] = 1
         return out
 
     def row_bytes(self, seq_len: int) -> int:
         """Bytes one row of the layout's batch holds, every field counted
         (``"fields"``: 17 a token; ``"maxtext"``: 24; ``segment_lengths``: 4
-        a segment)."""
+        a segment; ``source``: 4 a row)."""
         return sum(w * (1 if k in FLAGS else 4) for k, w in self.widths(seq_len).items())
 
     def apply(
@@ -138,6 +147,7 @@ class BatchLayout:
         xp: Any = np,
         where: str = "the batch",
         rows: np.ndarray | None = None,
+        sources: Any = None,
     ) -> dict[str, Any]:
         """The layout's arrays from the five fields ``[B, L]`` and ``row_starts`` ``[B] bool``.
 
@@ -150,6 +160,8 @@ class BatchLayout:
                 with :func:`check_runs`.
             where: names the batch in errors, e.g. ``"step 12"``.
             rows: the global row of each row, for errors (default: ``0 .. B-1``).
+            sources: ``[B]`` the run-wide source of each row, ``-1`` for
+                padding: the batch's ``source`` (needed with ``source``).
 
         Raises:
             ValueError: (numpy) a row has more runs than ``max_segments``.
@@ -188,10 +200,14 @@ class BatchLayout:
                 out["segment_lengths"] = _lengths_np(bounds, self.max_segments, where, rows)
             else:
                 out["segment_lengths"] = _lengths_jnp(bounds, self.max_segments)
+        if self.source:
+            if sources is None:
+                raise ValueError("a layout with source needs each row's source (sources=)")
+            out["source"] = xp.asarray(sources, dtype=xp.int32)
         return out
 
     def check_blocks(
-        self, data: Mapping[Any, Any], seq_len: int, packed: bool | str, where: str
+        self, data: Mapping[Any, Any], seq_len: int, packing: Packing, where: str
     ) -> None:
         """Refuses rows of more runs than ``max_segments`` in blocks read for
         decoding on the devices (``data``: ``Block`` to ``BlockData``, see
@@ -201,7 +217,7 @@ class BatchLayout:
             return
         runs: dict[tuple[int, int], np.ndarray] = {}
         for block, d in data.items():
-            counted = block_runs(d.encoded, d.lengths, block.cols[0], seq_len, packed)
+            counted = block_runs(d.encoded, d.lengths, block.cols[0], seq_len, packing)
             runs[block.rows] = runs.get(block.rows, 0) + counted
         for (first, _), counts in sorted(runs.items()):
             rows = np.arange(first, first + counts.size)
@@ -212,9 +228,7 @@ PLAIN = BatchLayout()
 """The five fields as decoded (``layout="fields"``, no ``max_segments``)."""
 
 
-def check_max_segments(
-    max_segments: int | None, seq_len: int, packing: bool | str, path: str
-) -> None:
+def check_max_segments(max_segments: int | None, seq_len: int, packing: Packing, path: str) -> None:
     """Refuses a ``max_segments`` (at ``path``) that no row of ``seq_len``
     columns can use: above ``seq_len`` (a row holds at most one run a
     column), or below 2 with ``packing="bins"``.
@@ -224,7 +238,7 @@ def check_max_segments(
     """
     if max_segments is None:
         return
-    if packing == BINS and max_segments < 2:
+    if packing is Packing.BINS and max_segments < 2:
         raise BadValue(
             path,
             f"must be >= 2 with packing='bins' (a bin not full is a sequence and "
@@ -274,13 +288,13 @@ def check_runs(
     )
 
 
-def row_starts(windows: Windows, packed: bool | str) -> np.ndarray:
+def row_starts(windows: Windows, packing: Packing) -> np.ndarray:
     """``[k] bool``: whether column 0 of each row read as ``windows`` starts a sequence.
 
     Packed windows: the start bit of their first target (column 1 of the
     window); padded rows and bins: whether the row holds a token.
     """
-    if packed is True:
+    if packing is Packing.WINDOWS:
         return (windows.encoded[:, 1] & 1) == 1
     assert windows.lengths is not None
     return np.asarray(windows.lengths) > 0
@@ -321,7 +335,7 @@ def _lengths_jnp(bounds: Any, max_segments: int) -> Any:
 
 
 def block_runs(
-    encoded: np.ndarray, lengths: np.ndarray, first_column: int, seq_len: int, packed: bool | str
+    encoded: np.ndarray, lengths: np.ndarray, first_column: int, seq_len: int, packing: Packing
 ) -> np.ndarray:
     """``[n] int64``: the runs that begin in a block of encoded rows.
 
@@ -335,7 +349,7 @@ def block_runs(
     if first_column == 0:
         starts[:, :1] = 0
     runs = starts.sum(axis=1) + (1 if first_column == 0 else 0)
-    if packed is not True:
+    if packing is not Packing.WINDOWS:
         eff = np.asarray(lengths, np.int64)
         into_padding = (eff > 0) & (eff < seq_len)
         into_padding &= (eff >= first_column) & (eff < first_column + width)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.decoding.batch_jax import bin_fields_jax, packed_fields_jax, padded_fields_jax
 from flat_tokens_jax.decoding.instancefilter import InstanceFilter, apply_filter_jax
 from flat_tokens_jax.decoding.layouts import PLAIN, WHOLE_ROWS, BatchLayout
@@ -54,6 +55,8 @@ class BlockData:
         stored_mask: ``[rows, cols] uint8`` stored loss mask (ones where a row
             has none), or ``None`` when no record of the loader has one.
         real: ``[rows] bool``: False for padding rows past the last epoch.
+        source: ``[rows] int32`` the run-wide source of each row, ``-1`` for
+            padding (shipped when the layout holds ``source``).
     """
 
     encoded: np.ndarray
@@ -61,6 +64,7 @@ class BlockData:
     lengths: np.ndarray
     stored_mask: np.ndarray | None
     real: np.ndarray
+    source: np.ndarray
 
 
 def _block(index: tuple[slice, ...] | None, shape: tuple[int, int]) -> Block:
@@ -107,7 +111,7 @@ def check_divisible(sharding: jax.sharding.Sharding, batch_size: int, seq_len: i
         )
 
 
-class HostPlan:
+class HostBlocks:
     """The blocks of a ``[batch_size, seq_len]`` batch that this host's devices hold.
 
     Attributes:
@@ -125,76 +129,85 @@ class HostPlan:
         self.columns_sharded = any(b.cols != (0, seq_len) for b in self.blocks)
         if self.columns_sharded and not isinstance(sharding, NamedSharding):
             raise ValueError("sharding the sequence dimension needs a NamedSharding")
-        self._decode: dict[tuple[bool | str, int, int, Any, BatchLayout], Callable[..., Any]] = {}
+        self._decode: dict[tuple[Packing, int, int, Any, BatchLayout], Callable[..., Any]] = {}
 
     def __repr__(self) -> str:
-        return f"HostPlan({len(self.blocks)} blocks, {self.rows.size} rows of {self.shape})"
+        return f"HostBlocks({len(self.blocks)} blocks, {self.rows.size} rows of {self.shape})"
 
     def assemble_rows(self, host: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Global arrays from this host's whole rows (``host[k]`` is ``[rows.size, width]``).
+        """Global arrays from this host's whole rows (``host[k]`` is ``[rows.size,
+        width]``, or ``[rows.size]``).
 
         Fields ``[B, seq_len]`` are laid out as the sharding says; a layout's
-        ``tokens`` and ``segment_lengths`` are split over the batch axis only.
+        ``tokens``, ``segment_lengths`` and ``source`` are split over the
+        batch axis only.
         """
 
         def make(key: str, values: np.ndarray) -> jax.Array:
-            shape = (self.shape[0], values.shape[1])
-            sharding = self.rows_sharding() if key in WHOLE_ROWS else self.sharding
+            shape = (self.shape[0], *values.shape[1:])
+            sharding = self.rows_sharding(values.ndim) if key in WHOLE_ROWS else self.sharding
 
             def piece(index: tuple[slice, ...] | None) -> np.ndarray:
-                b = _block(index, shape)
+                b = _block(index, (shape[0], shape[-1] if values.ndim > 1 else 1))
                 at = int(np.searchsorted(self.rows, b.rows[0]))
+                if values.ndim == 1:
+                    return values[at : at + b.num_rows]
                 return values[at : at + b.num_rows, b.cols[0] : b.cols[1]]
 
             return jax.make_array_from_callback(shape, sharding, piece)
 
         return {k: make(k, v) for k, v in host.items()}
 
-    def rows_sharding(self) -> jax.sharding.Sharding:
-        """The sharding's split of the batch axis, with whole rows on each device:
-        how a layout's ``tokens`` and ``segment_lengths`` are laid out."""
+    def rows_sharding(self, ndim: int = 2) -> jax.sharding.Sharding:
+        """The sharding's split of the batch axis, with whole rows on each device,
+        for an array of ``ndim`` dimensions: how a layout's ``tokens``,
+        ``segment_lengths`` (2) and ``source`` (1) are laid out."""
         if not isinstance(self.sharding, NamedSharding):
             raise ValueError(
-                "a layout with tokens or segment_lengths needs a NamedSharding, "
+                "a layout with tokens, segment_lengths or source needs a NamedSharding, "
                 f"got {self.sharding!r}: "
                 "use NamedSharding(mesh, PartitionSpec(...))"
             )
         spec = tuple(self.sharding.spec) + (None,) * 2
-        return NamedSharding(self.sharding.mesh, PartitionSpec(spec[0], None))
+        return NamedSharding(self.sharding.mesh, PartitionSpec(spec[0], *[None] * (ndim - 1)))
 
     def assemble_blocks(
         self,
         data: Mapping[Block, BlockData],
         *,
-        packed: bool | str,
+        packing: Packing,
         start_token_id: int,
         pad_id: int,
         instance_filter: InstanceFilter | None = None,
         layout: BatchLayout = PLAIN,
     ) -> dict[str, jax.Array]:
         """Global fields decoded on the devices from per-block encoded tokens."""
-        key = (packed, start_token_id, pad_id, instance_filter, layout)
+        key = (packing, start_token_id, pad_id, instance_filter, layout)
         if key not in self._decode:
             self._decode[key] = jax.jit(
                 self.decoder(
-                    packed=packed,
+                    packing=packing,
                     start_token_id=start_token_id,
                     pad_id=pad_id,
                     instance_filter=instance_filter,
                     layout=layout,
                 )
             )
-        out: dict[str, jax.Array] = self._decode[key](self.encoded_arrays(data))
+        encoded = self.encoded_arrays(data, source=layout.source)
+        out: dict[str, jax.Array] = self._decode[key](encoded)
         return out
 
-    def encoded_arrays(self, data: Mapping[Block, BlockData]) -> dict[str, jax.Array]:
+    def encoded_arrays(
+        self, data: Mapping[Block, BlockData], source: bool = False
+    ) -> dict[str, jax.Array]:
         """Global arrays of what the blocks hold, laid out as the batch is.
 
         Returns:
             ``encoded`` ``[batch, seq_len] uint32``; ``before`` ``[batch,
             column shards] uint32`` (the token before each column shard);
-            ``lengths`` ``[batch] int32``; ``real`` ``[batch] bool``; and
-            ``stored_mask`` ``[batch, seq_len] uint8`` when the blocks hold one.
+            ``lengths`` ``[batch] int32``; ``real`` ``[batch] bool``;
+            ``stored_mask`` ``[batch, seq_len] uint8`` when the blocks hold
+            one; and with ``source``, ``source`` ``[batch] int32``.
         """
         assert isinstance(self.sharding, NamedSharding)
         mesh, spec = self.sharding.mesh, tuple(self.sharding.spec) + (None,) * 2
@@ -226,6 +239,8 @@ class HostPlan:
             "lengths": make((batch,), rows_part, lambda b: by_rows[b.rows].lengths),
             "real": make((batch,), rows_part, lambda b: by_rows[b.rows].real),
         }
+        if source:
+            out["source"] = make((batch,), rows_part, lambda b: by_rows[b.rows].source)
         if any(d.stored_mask is not None for d in data.values()):
             out["stored_mask"] = make((batch, seq), both, lambda b: _mask_of(data[b]))
         return out
@@ -233,7 +248,7 @@ class HostPlan:
     def decoder(
         self,
         *,
-        packed: bool | str,
+        packing: Packing,
         start_token_id: int,
         pad_id: int,
         instance_filter: InstanceFilter | None = None,
@@ -242,13 +257,15 @@ class HostPlan:
         """The function (to call inside ``jax.jit``) from :meth:`encoded_arrays`
         to the fields of ``layout`` (default: the five fields), after the
         ``instance_filter`` (on whole rows) when one is given, laid out as
-        this plan's sharding (``tokens`` and ``segment_lengths``: over its
-        batch axis only)."""
+        these blocks' sharding (``tokens``, ``segment_lengths`` and ``source``:
+        over its batch axis only). With ``layout.source`` the arrays must hold
+        ``source`` (``encoded_arrays(..., source=True)``)."""
         assert isinstance(self.sharding, NamedSharding)
         mesh, spec = self.sharding.mesh, tuple(self.sharding.spec) + (None,) * 2
         # Segment ids and positions scan whole rows: decode on row-sharded
         # copies (columns gathered on device), then lay the fields out as asked.
         whole_rows = NamedSharding(mesh, PartitionSpec(spec[0], None))
+        by_row = NamedSharding(mesh, PartitionSpec(spec[0]))
         explicit = jax.sharding.AxisType.Explicit in mesh.axis_types
         lay_out = _reshard() if explicit else jax.lax.with_sharding_constraint
         sharding = self.sharding
@@ -262,16 +279,20 @@ class HostPlan:
                 encoded["lengths"],
                 None if mask is None else lay_out(mask, whole_rows),
                 encoded["real"],
-                packed=packed,
+                packing=packing,
                 start_token_id=start_token_id,
                 pad_id=pad_id,
             )
             fields = apply_filter_jax(instance_filter, fields)
             if not layout.plain:
-                starts = (rows[:, 0] & 1) == 1 if packed is True else encoded["lengths"] > 0
-                fields = layout.apply(fields, starts & encoded["real"], xp=jnp)
+                starts = (
+                    (rows[:, 0] & 1) == 1 if packing is Packing.WINDOWS else encoded["lengths"] > 0
+                )
+                sources = encoded.get("source")
+                fields = layout.apply(fields, starts & encoded["real"], xp=jnp, sources=sources)
+            rows_only = {1: by_row, 2: whole_rows}
             return {
-                k: lay_out(v, whole_rows if k in WHOLE_ROWS else sharding)
+                k: lay_out(v, rows_only[v.ndim] if k in WHOLE_ROWS else sharding)
                 for k, v in fields.items()
             }
 
@@ -291,16 +312,16 @@ def _decode(
     stored_mask: jax.Array | None,
     real: jax.Array,
     *,
-    packed: bool | str,
+    packing: Packing,
     start_token_id: int,
     pad_id: int,
 ) -> dict[str, jax.Array]:
-    if packed == "bins":
+    if packing is Packing.BINS:
         windows = jnp.concatenate([before[:, :1], encoded], axis=1)
         fields = bin_fields_jax(
             windows, lengths, start_token_id=start_token_id, pad_id=pad_id, stored_mask=stored_mask
         )
-    elif packed:
+    elif packing is Packing.WINDOWS:
         windows = jnp.concatenate([before[:, :1], encoded], axis=1)
         fields = packed_fields_jax(windows, start_token_id=start_token_id, stored_mask=stored_mask)
     else:
@@ -312,17 +333,17 @@ def _decode(
     return {k: jnp.where(keep, v, jnp.asarray(fills.get(k, 0), v.dtype)) for k, v in fields.items()}
 
 
-def host_plans(
+def host_blocks_per_size(
     sharding: jax.sharding.Sharding | None, schedule: BatchSchedule, seq_len: int
-) -> dict[int, HostPlan]:
-    """This host's plan for each batch size of ``schedule`` (none without a sharding)."""
-    plans: dict[int, HostPlan] = {}
+) -> dict[int, HostBlocks]:
+    """This host's blocks for each batch size of ``schedule`` (none without a sharding)."""
+    held: dict[int, HostBlocks] = {}
     if sharding is None:
-        return plans
+        return held
     for step, size in schedule.entries:
-        if size not in plans:
+        if size not in held:
             try:
-                plans[size] = HostPlan(sharding, size, seq_len)
+                held[size] = HostBlocks(sharding, size, seq_len)
             except ValueError as e:
                 if schedule.constant is not None:
                     raise
@@ -330,7 +351,7 @@ def host_plans(
                     f"batch_size entry ({step}, {size}): from step {step} {e}; choose "
                     "sizes that divide over the mesh"
                 ) from None
-    return plans
+    return held
 
 
 def _reshard() -> Callable[[jax.Array, NamedSharding], jax.Array]:

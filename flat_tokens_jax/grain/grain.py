@@ -47,6 +47,7 @@ from typing import Any, SupportsIndex
 import numpy as np
 
 from flat_tokens_jax.core import fields
+from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, Windows, recorded_info
@@ -55,6 +56,7 @@ from flat_tokens_jax.decoding.hostdecode import (
     default_threads,
     join_parts,
     request_parts,
+    row_sources,
 )
 from flat_tokens_jax.decoding.instancefilter import InstanceFilter, apply_filter
 from flat_tokens_jax.decoding.layouts import BatchLayout
@@ -104,7 +106,8 @@ class FlatTokensSource:
             windows of the concatenated tokens; False: one sequence per record,
             truncated and right-padded; ``"bins"``: whole sequences packed by
             the split's packing plan (see ``LoaderConfig.packing``); the plan
-            travels with the pickled source. Records bring their own.
+            travels with the pickled source. Records bring their own. Held
+            as its :class:`~flat_tokens_jax.Packing` (attribute ``packing``).
         split: the split to read from a URL.
         plan_cache: where a packing plan built for ``packing="bins"`` is
             cached (``None``: built, not cached).
@@ -125,6 +128,9 @@ class FlatTokensSource:
         sequence_start: as ``LoaderConfig.sequence_start``: True adds
             ``sequence_start`` ``[seq_len] bool`` to each element of a layout
             that lacks it (``"fields"``, ``"maxtext"``).
+        source_field: as ``LoaderConfig.source_field``: True adds ``source``
+            (``int32``, one a record: the index in :attr:`source_names` of its
+            component, ``-1`` for a padding row of :meth:`batches`).
         instance_filter: ``None`` (off), or an :class:`InstanceFilter` (or a
             mapping of its fields): rejected records get ``loss_mask`` False,
             as ``LoaderConfig.instance_filter`` does; it applies to every
@@ -154,7 +160,7 @@ class FlatTokensSource:
         self,
         source: str | os.PathLike[str] | FlatTokens | Records | Mixture,
         seq_len: int | None = None,
-        packing: bool | str | None = None,
+        packing: Packing | bool | str | None = None,
         *,
         split: str = "train",
         plan_cache: str | os.PathLike[str] | None = None,
@@ -164,6 +170,7 @@ class FlatTokensSource:
         layout: str = "fields",
         max_segments: int | None = None,
         sequence_start: bool = False,
+        source_field: bool = False,
         instance_filter: InstanceFilter | None = None,
         **option_fields: Any,
     ) -> None:
@@ -172,7 +179,7 @@ class FlatTokensSource:
         self.instance_filter = InstanceFilter.of(instance_filter)
         if option_fields or options is not None:
             options = resolve_options(options, option_fields, "FlatTokensSource")
-        self.layout = BatchLayout(layout, max_segments, sequence_start)
+        self.layout = BatchLayout(layout, max_segments, sequence_start, source_field)
         args = (seq_len, packing, split, options, plan_cache, max_segments)
         components, self._mixture = as_components(source, *args)
         self._remix: Remix | None = None
@@ -185,13 +192,13 @@ class FlatTokensSource:
                     f"{records!r} has no records: the split holds fewer than "
                     f"seq_len={records.seq_len} tokens or no sequences"
                 )
-        self.seq_len, self.packed = first.seq_len, first.packed
+        self.seq_len, self.packing = first.seq_len, first.packing
         names = ("0",) if self.mixture is None else self.mixture.names
         self.infos = [(n, recorded_info(r)) for n, r in zip(names, components, strict=True)]
         # A Mixture's components may record different things: then none is the data's.
         same = all(i == self.infos[0][1] for _, i in self.infos)
         self.info: DatasetInfo | None = self.infos[0][1] if same else None
-        config = LoaderConfig(1, self.seq_len, self.packed, start_token_id=start_token_id)
+        config = LoaderConfig(1, self.seq_len, self.packing, start_token_id=start_token_id)
         self.start_token_id, self.pad_id = resolve_start_token_id(config, self.infos), pad_id
         self._components: tuple[Records, ...] | None = components
         self._decoder: BlockDecoder | None = None
@@ -204,6 +211,7 @@ class FlatTokensSource:
         rule = "" if self.instance_filter is None else f", instance_filter={self.instance_filter}"
         shape = "" if self.layout.plain else f", layout={layout!r}, max_segments={max_segments}"
         shape += ", sequence_start=True" if sequence_start else ""
+        shape += ", source_field=True" if source_field else ""
         read = first if self.mixture is None else self.mixture
         self._repr = (
             f"FlatTokensSource({read!r}, start_token_id={self.start_token_id}, pad_id={pad_id}"
@@ -219,6 +227,12 @@ class FlatTokensSource:
         """The tokenizer the data records (name, ``vocab_size``, ``bos_id``,
         ``eos_id``, ``pad_id``); ``None`` when it records none."""
         return None if self.info is None else self.info.tokenizer
+
+    @property
+    def source_names(self) -> tuple[str, ...]:
+        """The components' names, in order (``("0",)`` for one split): what
+        ``source`` counts (``source_field``)."""
+        return tuple(name for name, _ in self.infos)
 
     @property
     def max_token_id(self) -> int:
@@ -290,18 +304,19 @@ class FlatTokensSource:
         def decode(c: int, windows: Windows) -> dict[str, np.ndarray]:
             return decoder.decode(
                 windows,
-                components[c].packed,
+                components[c].packing,
                 self.seq_len,
                 start_token_id=self.start_token_id,
                 pad_id=self.pad_id,
             )
 
-        packed = [r.packed for r in components]
-        fields, starts = join_parts(real.size, parts, decode, packed, self.seq_len, self.pad_id)
+        packings = [r.packing for r in components]
+        fields, starts = join_parts(real.size, parts, decode, packings, self.seq_len, self.pad_id)
         apply_filter(self.instance_filter, fields, decoder.run_blocks)
         if self.layout.plain:
             return fields
-        return self.layout.apply(fields, starts, where=where, rows=rows)
+        sources = row_sources(comp, real)
+        return self.layout.apply(fields, starts, where=where, rows=rows, sources=sources)
 
     def batches(
         self,

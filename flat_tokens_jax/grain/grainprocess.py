@@ -12,11 +12,15 @@ and #398):
   line (``absl.app.run``) still sets them.
 - grain's iterators and its batches in shared memory, when still alive as the
   interpreter shuts down, are deleted after the modules they use are torn
-  down: each prints an "Exception ignored" traceback, and the shared memory of
-  every batch still queued leaks. The exit hook that :func:`prepare_grain`
-  registers runs before that tear-down (:func:`close_grain`): it does what
-  those deletions would do (workers stop, queued batches are unlinked) and
-  releases the shared memory of batches the program still holds.
+  down: the ``__del__`` of each fails and prints an "Exception ignored"
+  traceback, and the shared memory of every batch still queued or held leaks
+  (the resource tracker removes it, with a warning). The exit hook that
+  :func:`prepare_grain` registers runs before that tear-down
+  (:func:`close_grain`): through grain's public API it closes the iterators
+  (workers stop, queued batches are unlinked) and unlinks the shared memory of
+  batches the program still holds. Their deletion in the tear-down then has
+  nothing left to do but still fails, in grain's code: the hook drops those
+  reports, and only those.
 
 Nothing here imports grain until a source asks for it.
 """
@@ -31,8 +35,7 @@ import importlib
 import logging
 import mmap
 import sys
-import types
-from typing import Any
+from collections.abc import Callable
 
 _log = logging.getLogger(__name__)
 
@@ -58,58 +61,51 @@ def _register_exit_hook() -> None:
 
 
 def close_grain() -> None:
-    """Shuts down what grain still runs in this process, while grain's modules
-    still stand: closes its generators (their ``with`` blocks stop worker
-    pools) and iterators, runs the ``__del__`` of every other live object of
-    a grain class that has one (worker pools), and releases the shared memory
-    of grain's batches still alive.
+    """Closes grain's iterators still open in this process and unlinks the
+    shared memory of grain's batches still alive, while grain's modules still
+    stand: what their deletion in the interpreter's tear-down would do.
 
-    Each of those objects is then of a subclass of its own class whose
-    ``__del__`` does nothing: its deletion in the interpreter's tear-down, with
-    nothing left to do, prints nothing. A released batch keeps its values (its
-    memory stays mapped until the process ends); only its name is removed from
-    the system's shared memory.
+    A released batch keeps its values (its memory stays mapped until the
+    process ends); only its name is removed from the system's shared memory.
+    From then on, an exception raised in the tear-down by the ``__del__`` of
+    ``grain.DatasetIterator`` or ``grain.multiprocessing.SharedMemoryArray``
+    is not reported (``sys.unraisablehook``); any other still is.
     """
     grain = sys.modules.get("grain")
     if grain is None:
         return
-    shared_type = grain.multiprocessing.SharedMemoryArray
-    generators, finalized, arrays = [], [], []
+    iterator_type, array_type = grain.DatasetIterator, grain.multiprocessing.SharedMemoryArray
+    iterators, arrays = [], []
     for obj in gc.get_objects():
-        if isinstance(obj, types.GeneratorType):
-            frame = obj.gi_frame
-            if frame is not None and _of_grain(frame.f_globals.get("__name__")):
-                generators.append(obj)
-        elif isinstance(obj, shared_type):
-            arrays.append(obj)
-        elif _of_grain(type(obj).__module__) and hasattr(type(obj), "__del__"):
-            finalized.append(obj)
-    for step, objects in (("close", generators), ("__del__", finalized)):
-        for obj in objects:
-            try:
-                getattr(obj, step)()
-            except Exception as e:  # one that fails must not stop the others
-                _log.debug("%s of %r at exit: %s", step, obj, e)
+        kind = type(obj)  # not isinstance: it would run a __class__ property
+        if issubclass(kind, iterator_type):
+            iterators.append(obj)
+        elif issubclass(kind, array_type) and isinstance(obj.base, mmap.mmap):
+            arrays.append(obj)  # over a whole mapping, not a view
+    for it in iterators:
+        try:
+            it.close()
+        except Exception as e:  # one that fails must not stop the others
+            _log.debug("close of %r at exit: %s", it, e)
     for array in arrays:
-        shm = getattr(array, "shm", None)
-        # As the array's __del__ would: only the array over the whole mapping,
-        # not a view, and only where this process owns the memory. Closing the
-        # mapping would fail while the array uses it.
-        owner = getattr(array, "_unlink_on_del", False)
-        if shm is not None and owner and isinstance(array.base, mmap.mmap):
-            with contextlib.suppress(FileNotFoundError):
-                shm.unlink()
-    quiet: dict[type, type] = {}
-    for obj in finalized + arrays:
-        cls = type(obj)
-        if cls not in quiet:
-            quiet[cls] = type(cls.__name__, (cls,), {"__del__": _nothing})
-        obj.__class__ = quiet[cls]
+        with contextlib.suppress(FileNotFoundError):  # unlinked already
+            array.metadata.close_and_unlink_shm()
+    sys.unraisablehook = _quiet_teardown(
+        sys.unraisablehook, (iterator_type.__del__, array_type.__del__), sys.is_finalizing
+    )
 
 
-def _of_grain(module: object) -> bool:
-    return isinstance(module, str) and (module == "grain" or module.startswith("grain."))
+def _quiet_teardown(
+    report: Callable[[sys.UnraisableHookArgs], object],
+    deletes: tuple[Callable[..., object], ...],
+    finalizing: Callable[[], bool],
+) -> Callable[[sys.UnraisableHookArgs], None]:
+    """``report``, but for the exceptions that ``deletes`` raise in the
+    interpreter's tear-down. All it uses is bound here: it runs after this
+    module's globals are gone."""
 
+    def hook(unraisable: sys.UnraisableHookArgs) -> None:
+        if not (finalizing() and unraisable.object in deletes):
+            report(unraisable)
 
-def _nothing(self: Any) -> None:
-    """A ``__del__`` with nothing left to do."""
+    return hook

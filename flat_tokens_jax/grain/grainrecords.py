@@ -13,9 +13,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from flat_tokens_jax.core import fields
-from flat_tokens_jax.data.bins import BinRecords, PackingPlan, check_packing, make_records
+from flat_tokens_jax.data.bins import BinRecords, PackingPlan, make_records
 from flat_tokens_jax.data.dataset import Dataset, FlatTokens, open_dataset
-from flat_tokens_jax.data.records import PackedRecords, PaddedRecords, Records
+from flat_tokens_jax.data.records import PackedRecords, PaddedRecords, Records, check_packing
 from flat_tokens_jax.decoding.layouts import check_max_segments
 from flat_tokens_jax.sampling.mixture import Mixture, config_records
 from flat_tokens_jax.store.options import StoreOptions
@@ -29,7 +29,7 @@ class Reopen:
     split: str
     sequences: tuple[int, int]
     options: StoreOptions
-    packed: bool | str
+    packing: fields.Packing
     seq_len: int
     in_memory: bool
     plan: PackingPlan | None = None
@@ -51,7 +51,7 @@ class Reopen:
             sequences=ft.seq_range,
             # A tensorstore Context cannot cross processes: each opens its own.
             options=dataclasses.replace(ft.store.options, context=None),
-            packed=records.packed,
+            packing=records.packing,
             seq_len=records.seq_len,
             in_memory=spec["driver"] == "memory",
             plan=records.plan if isinstance(records, BinRecords) else None,
@@ -63,7 +63,7 @@ class Reopen:
             ft = ft.view(*self.sequences)
         if self.plan is not None:
             return BinRecords(ft, self.seq_len, plan=self.plan)
-        return make_records(ft, self.seq_len, self.packed)
+        return make_records(ft, self.seq_len, self.packing)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +80,7 @@ class Keep:
 def as_components(
     source: str | os.PathLike[str] | FlatTokens | Records | Mixture,
     seq_len: int | None,
-    packing: bool | str | None,
+    packing: fields.Packing | bool | str | None,
     split: str,
     options: StoreOptions | None,
     plan_cache: str | os.PathLike[str] | None,
@@ -95,24 +95,22 @@ def as_components(
         raise ValueError(f"seq_len is required to make records of {source!r}")
     if options is not None:
         raise ValueError(f"options apply to a URL only; {source!r} is open already")
-    packing = True if packing is None else packing
-    check_packing(packing, "packing")
-    check_max_segments(max_segments, seq_len, packing, "max_segments")
-    return source.records(seq_len, packing, plan_cache, max_segments), source
+    rows = fields.Packing.WINDOWS if packing is None else fields.packing(packing, "packing")
+    check_max_segments(max_segments, seq_len, rows, "max_segments")
+    return source.records(seq_len, rows, plan_cache, max_segments), source
 
 
 def as_records(
     source: str | os.PathLike[str] | FlatTokens | Records,
     seq_len: int | None,
-    packing: bool | str | None,
+    packing: fields.Packing | bool | str | None,
     split: str,
     options: StoreOptions | None,
     plan_cache: str | os.PathLike[str] | None,
     max_segments: int | None = None,
 ) -> Records:
     """The records a :class:`FlatTokensSource` reads, checked against what was asked."""
-    if packing is not None:
-        check_packing(packing, "packing")
+    asked = None if packing is None else fields.packing(packing, "packing")
     seq_len = fields.seq_len(seq_len, "seq_len", optional=True)
     if isinstance(source, str | os.PathLike):
         source = open_dataset(source, options)[split]
@@ -121,28 +119,29 @@ def as_records(
     if isinstance(source, FlatTokens):
         if seq_len is None:
             raise ValueError(f"seq_len is required to make records of {source!r}")
-        packing = True if packing is None else packing
-        check_max_segments(max_segments, seq_len, packing, "max_segments")
-        return make_records(source, seq_len, packing, plan_cache, max_segments)
+        rows = fields.Packing.WINDOWS if asked is None else asked
+        check_max_segments(max_segments, seq_len, rows, "max_segments")
+        return make_records(source, seq_len, rows, plan_cache, max_segments)
     if isinstance(source, Dataset):
         raise TypeError(
             f"{source!r} is a whole dataset; pick a split: ds[{source.splits[0]!r}] "
             "(or pass the URL with split=...)"
         )
-    if not all(hasattr(source, a) for a in ("read", "seq_len", "packed", "__len__")):
+    if not all(hasattr(source, a) for a in ("read", "seq_len", "packing", "__len__")):
         raise TypeError(
             f"expected a path or URL, a FlatTokens or Records, got {type(source).__name__}"
         )
+    check_packing(source, "the source")
     records = config_records(
         source,
         source.seq_len if seq_len is None else seq_len,
-        source.packed if packing is None else packing,
+        source.packing if asked is None else asked,
         plan_cache,
         max_segments,
         "the source",
         "leave seq_len and packing out to use the records' own",
     )
-    check_max_segments(max_segments, records.seq_len, records.packed, "max_segments")
+    check_max_segments(max_segments, records.seq_len, records.packing, "max_segments")
     return records
 
 

@@ -19,7 +19,6 @@ import jax
 from flat_tokens_jax.core import fields
 from flat_tokens_jax.core.values import BadValue, boolean, choice, integer, known_keys
 from flat_tokens_jax.core.yamlfile import read_yaml
-from flat_tokens_jax.data.bins import check_packing
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, check_source
 from flat_tokens_jax.decoding.instancefilter import InstanceFilter
@@ -31,9 +30,9 @@ from flat_tokens_jax.sampling.schedule import BatchSchedule, BatchSizeSpec
 @dataclasses.dataclass(frozen=True)
 class LoaderConfig:
     """What a batch is. Every field but ``prefetch``, ``read_ahead_bytes``,
-    ``decode_threads``, ``decode``, ``layout``, ``max_segments`` and
-    ``sequence_start`` changes the batches' values (the last three change
-    their form).
+    ``decode_threads``, ``decode``, ``layout``, ``max_segments``,
+    ``sequence_start`` and ``source_field`` changes the batches' values (the
+    last four change their form).
 
     Attributes:
         batch_size: global rows per step, over all hosts: an int, or a schedule
@@ -51,6 +50,9 @@ class LoaderConfig:
             ``pad_id``. ``"bins"``: whole sequences (each truncated to
             ``seq_len``) packed into a row by the split's packing plan, padded
             at the end; for fine-tuning (see :class:`~flat_tokens_jax.BinRecords`).
+            Held as its :class:`~flat_tokens_jax.Packing` (``WINDOWS``,
+            ``PADDED``, ``BINS``), which may also be given; saved states and
+            fingerprints hold the value as written (``true``, ``false``, ``"bins"``).
         shuffle: visit records in a fresh pseudo-random order each epoch.
             False: in order (evaluation).
         seed: the shuffle's key. Recommended: one per training run.
@@ -66,11 +68,11 @@ class LoaderConfig:
         read_ahead_bytes: the memory the steps prepared ahead may hold on this
             host, with automatic ``prefetch`` (a step holds its rows on this
             host as ``layout``'s arrays: 17 bytes a token with ``"fields"``,
-            24 with ``"maxtext"``, plus ``4 * max_segments`` a row and 1 a
-            token with ``sequence_start``; 5 bytes a
-            token with ``decode="device"``; at least one step is read ahead
-            whatever its size). Recommended: the default 1 GiB, more for very
-            slow stores. Changes no batch.
+            24 with ``"maxtext"``, plus ``4 * max_segments`` a row, 1 a
+            token with ``sequence_start`` and 4 a row with ``source_field``;
+            5 bytes a token with ``decode="device"``; at least one step is
+            read ahead whatever its size). Recommended: the default 1 GiB,
+            more for very slow stores. Changes no batch.
         start_token_id: the input token where a sequence starts. ``None``: the
             id the dataset records (``DatasetInfo.start_token_id``, set by
             ``convert --start-token-id``), or the spec's 0 when it records none;
@@ -117,11 +119,17 @@ class LoaderConfig:
             :mod:`~flat_tokens_jax.decoding.instancefilter`). One that could
             reject no row (``max_count * min_period > seq_len``) is refused.
             Recommended for pretraining on web data: ``InstanceFilter()``.
+        source_field: True adds ``source`` ``[B] int32`` to every layout: the
+            index in ``Loader.source_names`` of the component each row was
+            read from (a plain split is one source, ``"0"``; a run in phases
+            numbers its components by name), ``-1`` for padding rows. For
+            per-source losses (:func:`~flat_tokens_jax.per_source`). Changes
+            no other array, nor the fingerprint.
     """
 
     batch_size: BatchSizeSpec
     seq_len: int
-    packing: bool | str = True
+    packing: fields.Packing = fields.Packing.WINDOWS
     shuffle: bool = True
     seed: int = 0
     num_epochs: int | None = None
@@ -136,6 +144,7 @@ class LoaderConfig:
     max_segments: int | None = None
     instance_filter: InstanceFilter | None = None
     sequence_start: bool = False
+    source_field: bool = False
 
     def __post_init__(self) -> None:
         path = "LoaderConfig."
@@ -200,8 +209,9 @@ class LoaderConfig:
 
     @property
     def batch_layout(self) -> BatchLayout:
-        """The arrays a batch holds: ``layout``, ``max_segments`` and ``sequence_start``."""
-        return BatchLayout(self.layout, self.max_segments, self.sequence_start)
+        """The arrays a batch holds: ``layout``, ``max_segments``,
+        ``sequence_start`` and ``source_field``."""
+        return BatchLayout(self.layout, self.max_segments, self.sequence_start, self.source_field)
 
     def batch_size_at(self, step: int) -> int:
         """Global rows of the batch at ``step``."""
@@ -209,12 +219,12 @@ class LoaderConfig:
 
     def batch_defining(self) -> dict[str, Any]:
         """The :data:`BATCH_DEFINING` fields, JSON-ready (``batch_size`` an int
-        or ``[[start_step, size], ...]``; ``instance_filter`` its fields, left
-        out when off)."""
+        or ``[[start_step, size], ...]``; ``packing`` as written, ``true``,
+        ``false`` or ``"bins"``; ``instance_filter`` its fields, left out when off)."""
         values = {k: v for k, v in dataclasses.asdict(self).items() if k in BATCH_DEFINING}
         if self.instance_filter is None:
             del values["instance_filter"]
-        return {**values, "batch_size": self.schedule.spec()}
+        return {**values, "batch_size": self.schedule.spec(), "packing": self.packing.value}
 
 
 BATCH_DEFINING = (
@@ -230,9 +240,9 @@ BATCH_DEFINING = (
 )
 """The fields that decide batch contents, which a saved state's fingerprint
 holds: all but ``prefetch``, ``read_ahead_bytes``, ``decode_threads``,
-``decode``, ``layout``, ``sequence_start``, ``max_segments`` (a bins plan it
-caps is in the data's fingerprint) and ``vocab_size`` (which checks the data
-but changes no batch)."""
+``decode``, ``layout``, ``sequence_start``, ``source_field``, ``max_segments``
+(a bins plan it caps is in the data's fingerprint) and ``vocab_size`` (which
+checks the data but changes no batch)."""
 
 
 def _batch_size(value: Any, path: str) -> BatchSizeSpec:
@@ -251,7 +261,7 @@ _POSITIVE = functools.partial(integer, low=1, optional=True)
 FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "batch_size": _batch_size,
     "seq_len": fields.seq_len,
-    "packing": check_packing,
+    "packing": fields.packing,
     "shuffle": boolean,
     "seed": fields.seed,
     "num_epochs": _POSITIVE,
@@ -267,6 +277,7 @@ FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "max_segments": _POSITIVE,
     "instance_filter": InstanceFilter.of,
     "sequence_start": boolean,
+    "source_field": boolean,
 }
 """Each :class:`LoaderConfig` field's check of type and bounds, alone: called
 with the value and the path that names it (``loader.seed``,

@@ -17,9 +17,11 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records
-from flat_tokens_jax.decoding.sharding import Block, BlockData, HostPlan, host_plans
+from flat_tokens_jax.decoding.hostdecode import row_sources
+from flat_tokens_jax.decoding.sharding import Block, BlockData, HostBlocks, host_blocks_per_size
 from flat_tokens_jax.loader.sources import Sources
 from flat_tokens_jax.sampling.stepsamples import StepSamples
 
@@ -28,8 +30,15 @@ from flat_tokens_jax.sampling.stepsamples import StepSamples
 class Blocks:
     """A step's blocks read on this host, still to be decoded on the devices."""
 
-    plan: HostPlan
+    host_blocks: HostBlocks
     data: dict[Block, BlockData]
+
+    @property
+    def sources(self) -> np.ndarray:
+        """``[k] int32`` the run-wide source of each of this host's rows
+        (``host_blocks.rows``), ``-1`` for padding."""
+        by_rows = {b.rows: self.data[b].source for b in sorted(self.data)}
+        return np.concatenate(list(by_rows.values()))
 
 
 class DeviceBlocks:
@@ -39,8 +48,9 @@ class DeviceBlocks:
         sources: what the loader reads.
         steps: which record each row of a step reads.
         sharding: as :class:`~flat_tokens_jax.Loader`'s.
-        plans: the sharding's plan for each batch size (see
-            :func:`~flat_tokens_jax.decoding.sharding.host_plans`).
+        host_blocks: this host's blocks under the sharding, for each batch
+            size (see :func:`~flat_tokens_jax.decoding.sharding.host_blocks_per_size`).
+        source_ids: ``[K]`` each component's run-wide source index.
     """
 
     def __init__(
@@ -48,56 +58,59 @@ class DeviceBlocks:
         sources: Sources,
         steps: StepSamples,
         sharding: jax.sharding.Sharding | None,
-        plans: dict[int, HostPlan],
+        host_blocks: dict[int, HostBlocks],
+        source_ids: np.ndarray,
     ) -> None:
         config = sources.config
+        self.source_ids = source_ids
         self.components, self.steps, self.sharding = sources.components, steps, sharding
         self.config, self.layout = config, config.batch_layout
-        self._plans = plans if sharding is not None else None
+        self._host_blocks = host_blocks if sharding is not None else None
         # Whether a step ships a stored loss mask: unless every component is
         # a split known to store none (custom records may).
         self._ships_mask = not all(map(_stores_no_mask, sources.components))
         self._decoding: dict[str, Any] = {
-            "packed": config.packing,
+            "packing": config.packing,
             "start_token_id": sources.start_token_id,
             "pad_id": config.pad_id,
             "instance_filter": config.instance_filter,
             "layout": self.layout,
         }
 
-    def plan(self, step: int) -> HostPlan:
+    def host_blocks_at(self, step: int) -> HostBlocks:
         """The blocks this host decodes on its devices at ``step``."""
-        if self._plans is None:
-            self._plans = host_plans(_one_device(), self.config.schedule, self.config.seq_len)
-        plan = self._plans.get(self.steps.size(step))
-        if plan is None or not isinstance(plan.sharding, NamedSharding):
+        if self._host_blocks is None:
+            one = _one_device()
+            self._host_blocks = host_blocks_per_size(one, self.config.schedule, self.config.seq_len)
+        held = self._host_blocks.get(self.steps.size(step))
+        if held is None or not isinstance(held.sharding, NamedSharding):
             raise ValueError(
                 "decoding on the devices needs a NamedSharding (or no sharding), got "
                 f"{self.sharding!r}: use NamedSharding(mesh, PartitionSpec(...))"
             )
-        return plan
+        return held
 
-    def read(self, step: int, plan: HostPlan) -> Blocks:
-        """The encoded tokens of ``plan``'s blocks at ``step``."""
-        data = {b: self._block_data(step, b) for b in plan.blocks}
+    def read(self, step: int, held: HostBlocks) -> Blocks:
+        """The encoded tokens of the blocks ``held`` at ``step``."""
+        data = {b: self._block_data(step, b) for b in held.blocks}
         if self.layout.max_segments is not None:
             where = f"step {step}"
             self.layout.check_blocks(data, self.config.seq_len, self.config.packing, where)
-        return Blocks(plan, data)
+        return Blocks(held, data)
 
     def encoded(self, step: int) -> dict[str, jax.Array]:
         """``Loader.encoded_batch``."""
-        blocks = self.read(step, self.plan(step))
-        return blocks.plan.encoded_arrays(blocks.data)
+        blocks = self.read(step, self.host_blocks_at(step))
+        return blocks.host_blocks.encoded_arrays(blocks.data, source=self.layout.source)
 
     def decoder(self, step: int) -> Callable[[Mapping[str, jax.Array]], dict[str, jax.Array]]:
         """``Loader.decoder``."""
-        return self.plan(step).decoder(**self._decoding)
+        return self.host_blocks_at(step).decoder(**self._decoding)
 
     def decode(self, blocks: Blocks) -> dict[str, jax.Array]:
         """The fields of ``blocks`` decoded on the devices. Decoding across
         hosts runs collectives: call it in step order."""
-        return blocks.plan.assemble_blocks(blocks.data, **self._decoding)
+        return blocks.host_blocks.assemble_blocks(blocks.data, **self._decoding)
 
     def _block_data(self, step: int, block: Block) -> BlockData:
         """Encoded tokens of one block (its columns only) for decoding on device."""
@@ -112,16 +125,18 @@ class DeviceBlocks:
         for c in np.unique(comp).tolist():
             rows = at[comp == c]
             windows = self.components[c].read(records[comp == c], columns=block.cols)
-            if self.components[c].packed:  # packed windows, and bins: their column 0 is before
+            packing = self.components[c].packing
+            if packing is not Packing.PADDED:  # windows and bins: their column 0 is before
                 encoded[rows], before[rows, 0] = windows.encoded[:, 1:], windows.encoded[:, 0]
             else:
                 encoded[rows] = windows.encoded
-            if self.components[c].packed is not True:
+            if packing is not Packing.WINDOWS:
                 assert windows.lengths is not None
                 lengths[rows] = windows.lengths
             if windows.stored_mask is not None and mask is not None:
                 mask[rows] = windows.stored_mask
-        return BlockData(encoded, before, lengths, mask, real)
+        sources = row_sources(comp, real, self.source_ids)
+        return BlockData(encoded, before, lengths, mask, real, sources)
 
 
 def _stores_no_mask(records: Records) -> bool:

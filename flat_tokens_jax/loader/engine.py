@@ -3,7 +3,7 @@ fields in the configured layout, read ahead.
 
 :class:`StepEngine` holds everything a step's fields depend on (what the
 loader reads, :class:`~flat_tokens_jax.loader.sources.Sources`; the samplers,
-the schedule, the sharding's row plans, the decoder and the instance filter)
+the schedule, this host's blocks under the sharding, the decoder and the instance filter)
 and computes a step in two stages: :meth:`StepEngine.request` starts reading
 its records and returns what waits for them (:class:`Fetched`), or for
 decoding on the devices its encoded blocks
@@ -35,9 +35,10 @@ from flat_tokens_jax.decoding.hostdecode import (
     default_threads,
     join_parts,
     request_parts,
+    row_sources,
 )
 from flat_tokens_jax.decoding.instancefilter import FilteredRows
-from flat_tokens_jax.decoding.sharding import HostPlan, host_plans
+from flat_tokens_jax.decoding.sharding import HostBlocks, host_blocks_per_size
 from flat_tokens_jax.loader.deviceblocks import Blocks, DeviceBlocks
 from flat_tokens_jax.loader.feed import Feed, timed
 from flat_tokens_jax.loader.pipeline import Ahead
@@ -55,11 +56,13 @@ class Fetched:
 
     ``parts`` holds ``(component, rows, windows)``: ``rows`` the positions
     among the step's ``rows`` rows, or ``None`` for all of them (one
-    component, no padding rows).
+    component, no padding rows); ``sources`` ``[rows] int32`` the run-wide
+    source of each row, ``-1`` for padding.
     """
 
     rows: int
     parts: list[tuple[int, np.ndarray | None, Windows]]
+    sources: np.ndarray
 
 
 class StepEngine:
@@ -71,6 +74,8 @@ class StepEngine:
         streams: component ``c``'s ``(seed, offset)``, where its stream goes on
             (a phase of a run, see :mod:`~flat_tokens_jax.loader.phasedloader`);
             ``None``: the config's seeds, from sample 0.
+        source_names: the run's sources, each component's name among them
+            (a phase's, numbered over the run); ``None``: the components'.
     """
 
     def __init__(
@@ -78,21 +83,27 @@ class StepEngine:
         sources: Sources,
         sharding: jax.sharding.Sharding | None = None,
         streams: Sequence[tuple[int, int]] | None = None,
+        source_names: Sequence[str] | None = None,
     ) -> None:
         config = sources.config
         self.sources, self.config, self.sharding = sources, config, sharding
         self.layout = config.batch_layout
         self.mixture, self.components = sources.mixture, sources.components
         self.names, self.start_token_id = sources.names, sources.start_token_id
+        self.source_names = self.names if source_names is None else tuple(source_names)
+        # Each component's index among the run's sources: what `source` holds.
+        self.source_ids = np.array([self.source_names.index(n) for n in self.names], np.int32)
         self.records = sources.records
         self.samplers = sources.samplers(streams)
         self.sampler = self.samplers[0]
         self.schedule = config.schedule
-        self._plans = host_plans(sharding, self.schedule, config.seq_len)
+        self._host_blocks = host_blocks_per_size(sharding, self.schedule, config.seq_len)
         self.steps = StepSamples(
             self.samplers, self.mixture, self.schedule, self.host_rows_at, config.num_epochs
         )
-        self.blocks = DeviceBlocks(sources, self.steps, sharding, self._plans)
+        self.blocks = DeviceBlocks(
+            sources, self.steps, sharding, self._host_blocks, self.source_ids
+        )
         self.block_decoder = BlockDecoder(config.decode_threads or default_threads())
         self.filter = FilteredRows(config.instance_filter, self.block_decoder.run_blocks)
         # Reading ahead, the read stage takes a core of its own (see pipeline).
@@ -102,21 +113,21 @@ class StepEngine:
         self._last: Door[Any] | None = None  # the door that handed out the last step
         self._doors: weakref.WeakSet[Door[Any]] = weakref.WeakSet()
         if config.decode == "device":
-            self.blocks.plan(0)  # refuses a sharding it cannot decode under
+            self.blocks.host_blocks_at(0)  # refuses a sharding it cannot decode under
 
     def __repr__(self) -> str:
         return f"StepEngine({self.records!r}, {self.config!r})"
 
-    def plan_at(self, step: int) -> HostPlan | None:
+    def host_blocks_at(self, step: int) -> HostBlocks | None:
         """The blocks this host reads at ``step`` (``None`` without a sharding)."""
-        return self._plans.get(self.steps.size(step))
+        return self._host_blocks.get(self.steps.size(step))
 
     def host_rows_at(self, step: int) -> np.ndarray:
         """``[k] int64`` the global rows this host reads at ``step``, ascending."""
-        plan = self.plan_at(step)
-        if plan is None:
+        held = self.host_blocks_at(step)
+        if held is None:
             return np.arange(self.steps.size(step), dtype=np.int64)
-        return plan.rows
+        return held.rows
 
     @property
     def num_batches(self) -> int | None:
@@ -128,7 +139,7 @@ class StepEngine:
     ) -> dict[str, np.ndarray]:
         return self.block_decoder.decode(
             windows,
-            self.components[component].packed,
+            self.components[component].packing,
             self.config.seq_len,
             start_token_id=self.start_token_id,
             pad_id=self.config.pad_id,
@@ -138,8 +149,10 @@ class StepEngine:
     def request_rows(self, step: int, rows: np.ndarray, ahead: int = 0) -> Callable[[], Fetched]:
         """Starts reading the records of ``rows`` at ``step`` (``ahead``: see
         ``StepSamples.records``); the function returned waits for them."""
-        waiting = request_parts(self.components, *self.steps.records(step, rows, ahead))
-        return lambda: Fetched(rows.size, waiting())
+        comp, records, real = self.steps.records(step, rows, ahead)
+        waiting = request_parts(self.components, comp, records, real)
+        sources = row_sources(comp, real, self.source_ids)
+        return lambda: Fetched(rows.size, waiting(), sources)
 
     def fields(
         self, fetched: Fetched, step: int, threads: int | None = None, counted: bool = True
@@ -152,7 +165,7 @@ class StepEngine:
             fetched.rows,
             fetched.parts,
             lambda c, windows: self._decode(c, windows, threads),
-            [r.packed for r in self.components],
+            [r.packing for r in self.components],
             self.config.seq_len,
             self.config.pad_id,
         )
@@ -160,7 +173,8 @@ class StepEngine:
         if self.layout.plain:
             return out
         rows = self.host_rows_at(step)
-        return self.layout.apply(out, starts, where=f"step {step}", rows=rows)
+        where = f"step {step}"
+        return self.layout.apply(out, starts, where=where, rows=rows, sources=fetched.sources)
 
     def host_batch(self, step: int) -> dict[str, np.ndarray]:
         """See ``Loader.host_batch`` (the instance filter's rejections are not counted)."""
@@ -177,9 +191,9 @@ class StepEngine:
         if host:
             return self.request_rows(step, self.host_rows_at(step), ahead)
         device = self.config.decode == "device"
-        plan = self.blocks.plan(step) if device else self.plan_at(step)
-        if plan is not None and (device or plan.columns_sharded):
-            blocks = self.blocks.read(step, plan)
+        held = self.blocks.host_blocks_at(step) if device else self.host_blocks_at(step)
+        if held is not None and (device or held.columns_sharded):
+            blocks = self.blocks.read(step, held)
             return lambda: blocks
         return self.request_rows(step, self.host_rows_at(step), ahead)
 
@@ -243,7 +257,7 @@ class StepEngine:
         self._last = door
         self.filter.handed(step)
 
-    def stats(self) -> dict[str, float | int]:
+    def stats(self) -> dict[str, Any]:
         """See ``Loader.stats``: the read-ahead's of the door that handed out
         the last step (the first door made, before any), and the filter's."""
         feed = self._last.feed.stats() if self._last is not None else {}
@@ -277,6 +291,7 @@ class Door(Generic[Done]):
             self._read,
             lambda s: engine.host_rows_at(s).size,
             engine.components,
+            engine.source_names,
         )
         self.wait_seconds = 0.0
 
@@ -293,15 +308,18 @@ class Door(Generic[Done]):
 
         return fetched
 
-    def _finish(self, step: int, part: Fetched | Blocks, threads: int | None) -> Done:
+    def _finish(
+        self, step: int, part: Fetched | Blocks, threads: int | None
+    ) -> tuple[Done, np.ndarray]:
+        """A step finished, with its rows' sources (counted when it is handed out)."""
         if isinstance(part, Blocks):  # decoded on the devices, in step order
-            return self._finishing(step, part, threads)
+            return self._finishing(step, part, threads), part.sources
         done: Done = timed(
             self.feed.measures.finished, lambda: self._finishing(step, part, threads)
         )
-        return done
+        return done, part.sources
 
-    def _ahead(self) -> Ahead[tuple[int, Fetched | Blocks], Done]:
+    def _ahead(self) -> Ahead[tuple[int, Fetched | Blocks], tuple[Done, np.ndarray]]:
         """Background threads that prepare steps in order, reading records
         for several steps per sampler call (see :mod:`~flat_tokens_jax.loader.pipeline`)."""
         return Ahead(
@@ -311,7 +329,7 @@ class Door(Generic[Done]):
             fetchers=self.feed.fetchers(),
         )
 
-    def _read(self, step: int) -> Done:
+    def _read(self, step: int) -> tuple[Done, np.ndarray]:
         """A step prepared in the caller's thread."""
         return self._finish(*self._request(step, 0)(), None)
 
@@ -320,10 +338,11 @@ class Door(Generic[Done]):
         after a jump; nothing read at or past ``end``); its wait, ``deliver``
         included, is measured and the next steps go on."""
         began = time.perf_counter()
-        out = deliver(self.feed.take(step, ahead, end))
+        done, sources = self.feed.take(step, ahead, end)
+        out = deliver(done)
         now = time.perf_counter()
         self.wait_seconds = now - began
-        self.feed.handed(step, now - began, now, end)
+        self.feed.handed(step, now - began, now, end, sources)
         self.engine.handed(self, step)
         return out
 

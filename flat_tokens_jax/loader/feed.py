@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.pipeline import Ahead, InFlight
@@ -55,6 +57,7 @@ class Feed:
         read: prepares one step in the caller's thread.
         host_rows: this host's rows at a step.
         components: the loader's records (their splits' bytes are counted).
+        source_names: the run's sources, which ``source_tokens`` counts by name.
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class Feed:
         read: Callable[[int], Any],
         host_rows: Callable[[int], int],
         components: Sequence[Any],
+        source_names: Sequence[str],
     ) -> None:
         self.prefetch, self.budget = config.prefetch, config.read_ahead_bytes
         self._read, self._rows, self._seq_len = read, host_rows, config.seq_len
@@ -87,6 +91,8 @@ class Feed:
         self._books: concurrent.futures.ThreadPoolExecutor | None = None
         self._booked: concurrent.futures.Future[None] | None = None
         self._tokens = 0
+        self._source_names = tuple(source_names)
+        self._source_rows = np.zeros(len(self._source_names), np.int64)
         self._requests_before = sum(remote_reads().values())
         self._bytes_before = self._bytes_read()
 
@@ -175,9 +181,12 @@ class Feed:
         if self.prefetch != 0 and (end is None or step < end):
             self.flight.start(step, self.depth(step), end, self._bound())
 
-    def handed(self, step: int, wait: float, now: float, end: int | None) -> None:
+    def handed(
+        self, step: int, wait: float, now: float, end: int | None, sources: np.ndarray
+    ) -> None:
         """Counts step ``step`` handed to the trainer at ``now`` after ``wait``
-        seconds, tops up the steps in flight, and warns once of a stall: on a
+        seconds (``sources`` ``[k]`` its rows' sources, ``-1`` for padding),
+        tops up the steps in flight, and warns once of a stall: on a
         thread of its own, so the trainer has its batch without waiting for
         this work (or for the interpreter lock the fetches it starts take)."""
         with self._lock:
@@ -185,7 +194,7 @@ class Feed:
                 self._books = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="ftj-feed"
                 )
-            self._booked = self._books.submit(self._handed, step, wait, now, end)
+            self._booked = self._books.submit(self._handed, step, wait, now, end, sources)
 
     def _flush(self) -> None:
         """Waits for the steps handed out so far to be counted."""
@@ -194,7 +203,9 @@ class Feed:
         if booked is not None:
             booked.result()
 
-    def _handed(self, step: int, wait: float, now: float, end: int | None) -> None:
+    def _handed(
+        self, step: int, wait: float, now: float, end: int | None, sources: np.ndarray
+    ) -> None:
         """See :meth:`handed`.
 
         The depth grows from the second step handed out on: when the first is,
@@ -205,8 +216,10 @@ class Feed:
             time.sleep(BOOKS_DELAY)  # a fast trainer would wait for the top-up instead
         grow = self.measures.steps > 0
         self.flight.grow(step, self.depth(step + 1, grow=grow), end, self._bound())
+        rows = np.bincount(sources[sources >= 0], minlength=self._source_rows.size)
         with self._lock:
             self._tokens += self._rows(step) * self._seq_len
+            self._source_rows += rows
         interval = self.measures.taken(wait, now)
         window = None if interval is None else self._watch.add(wait, interval)
         if window is not None:
@@ -244,11 +257,12 @@ class Feed:
             books.shutdown()
         self.flight.close()
 
-    def stats(self) -> dict[str, float | int]:
+    def stats(self) -> dict[str, Any]:
         """See ``Loader.stats``."""
         self._flush()
         with self._lock:
             tokens = self._tokens
+            rows = self._source_rows.tolist()
         return {
             **self.measures.stats(),
             "depth": len(self.flight.steps()),
@@ -259,6 +273,9 @@ class Feed:
             "requests": sum(remote_reads().values()) - self._requests_before,
             "bytes_read": self._bytes_read() - self._bytes_before,
             "tokens": tokens,
+            "source_tokens": {
+                name: n * self._seq_len for name, n in zip(self._source_names, rows, strict=True)
+            },
         }
 
 

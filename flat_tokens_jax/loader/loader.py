@@ -24,7 +24,7 @@ from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, sources_of
 from flat_tokens_jax.decoding.hostdecode import BlockDecoder
-from flat_tokens_jax.decoding.sharding import HostPlan
+from flat_tokens_jax.decoding.sharding import HostBlocks
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.deviceblocks import Blocks
 from flat_tokens_jax.loader.engine import Fetched, StepEngine
@@ -52,8 +52,8 @@ class Loader:
     Every batch holds ``inputs``, ``targets``, ``segment_ids``, ``positions``
     (``[batch_size, seq_len] int32``) and ``loss_mask`` (``[batch_size, seq_len] bool``;
     multiply the per-token loss by it); with a batch-size schedule ``batch_size`` is the
-    step's, :meth:`batch_size_at`. Other arrays with ``config.layout`` and
-    ``config.max_segments`` (see :class:`LoaderConfig`).
+    step's, :meth:`batch_size_at`. Other arrays with ``config.layout``,
+    ``config.max_segments`` and ``config.source_field`` (see :class:`LoaderConfig`).
 
     Args:
         source: a :class:`FlatTokens` split (records made per ``config.packing``)
@@ -69,6 +69,9 @@ class Loader:
             ``$XDG_CACHE_HOME/flat_tokens_jax/plans`` (``~/.cache/...``).
 
     Attributes:
+        source_names: the names of the sources a batch's ``source`` counts
+            (``config.source_field``): a ``Mixture``'s components in order,
+            ``("0",)`` for one split; a phase's: the whole run's.
         samplers: ``[K]`` component ``c``'s sampler (``sampler``: the first's).
         steps: which record each row of a step reads.
         next_step: the step :meth:`iterate` starts at (set by :meth:`restore`).
@@ -101,13 +104,14 @@ class Loader:
         self.engine = engine
         self.config, self.sharding, self.layout = engine.config, engine.sharding, engine.layout
         self.mixture, self.components, self.names = engine.mixture, engine.components, engine.names
+        self.source_names = engine.source_names
         self.records, self.schedule = engine.records, engine.schedule
         self.start_token_id = engine.start_token_id
         self.samplers, self.sampler, self.steps = engine.samplers, engine.sampler, engine.steps
         # Steps read ahead, for `iterate`, `start` and consecutive `batch` calls.
         self._door = engine.door(self._finish, "ftj-prefetch")
-        # Step 0's; a schedule's later steps may differ: see plan_at, host_rows_at.
-        self.plan, self.host_rows = self.plan_at(0), self.host_rows_at(0)
+        # Step 0's; a schedule's later steps may differ: see host_blocks_at, host_rows_at.
+        self.host_blocks, self.host_rows = self.host_blocks_at(0), self.host_rows_at(0)
         self.next_step = 0
 
     def __repr__(self) -> str:
@@ -127,9 +131,9 @@ class Loader:
         """How long the last step :meth:`batch` or :meth:`iterate` handed out waited for it."""
         return self._door.wait_seconds
 
-    def plan_at(self, step: int) -> HostPlan | None:
+    def host_blocks_at(self, step: int) -> HostBlocks | None:
         """The blocks this host reads at ``step`` (``None`` without a sharding)."""
-        return self.engine.plan_at(step)
+        return self.engine.host_blocks_at(step)
 
     def host_rows_at(self, step: int) -> np.ndarray:
         """``[k] int64`` the global rows this host reads at ``step``, ascending."""
@@ -248,9 +252,10 @@ class Loader:
             ``encoded`` ``[batch_size, seq_len] uint32`` (encoded tokens), ``before``
             ``[batch_size, column shards] uint32`` (the token before each column shard),
             ``lengths`` ``[batch_size] int32`` (tokens of padded rows and bins), ``real``
-            ``[batch_size] bool`` (False for padding rows past the last epoch), and
+            ``[batch_size] bool`` (False for padding rows past the last epoch),
             ``stored_mask`` ``[batch_size, seq_len] uint8`` when the data stores a loss
-            mask. Laid out as the loader's sharding (whole rows on one device without one).
+            mask, and ``source`` ``[batch_size] int32`` with ``config.source_field``.
+            Laid out as the loader's sharding (whole rows on one device without one).
         """
         return self.engine.blocks.encoded(step)
 
@@ -271,8 +276,8 @@ class Loader:
         Everything of it involves no collective: safe in any thread."""
         if isinstance(part, Blocks):
             return part
-        fields, plan = self.engine.fields(part, step, threads), self.plan_at(step)
-        return jax.device_put(fields) if plan is None else plan.assemble_rows(fields)
+        fields, held = self.engine.fields(part, step, threads), self.host_blocks_at(step)
+        return jax.device_put(fields) if held is None else held.assemble_rows(fields)
 
     def _on_devices(self, part: dict[str, jax.Array] | Blocks) -> dict[str, jax.Array]:
         """Finishes a step; decoding across hosts runs collectives, so call it in step order."""
@@ -305,7 +310,7 @@ class Loader:
                 if last is not None and self.next_step >= last:
                     return
 
-    def stats(self) -> dict[str, float | int]:
+    def stats(self) -> dict[str, Any]:
         """What the input pipeline did so far, JSON-ready, for a trainer to log.
 
         ``steps``: batches handed out (``batch`` and ``iterate``); the trainer's waits for
@@ -320,6 +325,9 @@ class Loader:
         loader was made, by the whole process (other loaders' too); ``bytes_read``: bytes
         the components' readers requested, checks included, since then; ``tokens``: tokens
         of this host's rows handed out (rows x ``seq_len``, padding included);
+        ``source_tokens``: those tokens by source, ``{name: tokens}`` over
+        :attr:`source_names` (padding rows counted nowhere; decoded on the host or the
+        devices, with or without ``source_field``);
         ``filtered_rows`` and ``filtered_rows_last``: this host's rows whose loss mask the
         ``instance_filter`` cleared, over the steps handed out and in the last one. Only
         rows decoded on the host are counted: steps decoded on the devices

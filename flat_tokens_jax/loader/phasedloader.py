@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from flat_tokens_jax.core.values import integer
-from flat_tokens_jax.decoding.sharding import HostPlan
+from flat_tokens_jax.decoding.sharding import HostBlocks
 from flat_tokens_jax.loader.engine import StepEngine
 from flat_tokens_jax.loader.loader import Loader
 from flat_tokens_jax.loader.phases import Phase, PhaseStreams, check_phases, drawn, stream_key
@@ -79,6 +79,10 @@ class PhasedLoader:
         phase_samples: ``[K]`` the run's global samples before each phase.
         firsts: ``[K]`` the first step that reads each phase's data (its
             ``start_step``, unless batches were skipped before it).
+        source_names: the run's components, numbered by name in the order
+            they first appear (phase by phase, each phase's in its order): a
+            batch's ``source`` (``config.source_field``) is an index into it,
+            the same for a component in every phase.
         next_step: the step :meth:`iterate` starts at (set by :meth:`restore`).
         end_step: the first step the run cannot read: there the last phase's
             samples, or a stream's, would pass the largest sample index
@@ -104,45 +108,41 @@ class PhasedLoader:
         self.firsts = list(self.starts)
         self._skips: Skips = NO_SKIPS
         self._changes: tuple[Change, ...] = ()
-        self.loaders: list[Loader] = []
-        # Samples of the run before each phase, and each stream's drawn before it.
-        self.phase_samples = [0]
-        self.streams: list[list[str]] = []
-        self.offsets: list[list[int]] = []
-        self._seeds: list[list[int]] = []
-        self._drawn_before: list[dict[str, int]] = []
-        seeds: dict[str, int] = {}
-        counts: dict[str, int] = {}
+        resolved = []
         for k, phase in enumerate(self.phases):
             try:
-                sources = Sources.of(phase.source, phase.config, sharding, plan_cache)
+                resolved.append(Sources.of(phase.source, phase.config, sharding, plan_cache))
+            except ValueError as e:
+                raise ValueError(f"{self.label(k)}: {e}") from None
+        self.source_names = tuple(dict.fromkeys(n for r in resolved for n in r.names))
+        self.loaders: list[Loader] = []
+        self.streams: list[list[str]] = []
+        self._seeds: list[list[int]] = []
+        seeds: dict[str, int] = {}
+        for k, sources in enumerate(resolved):
+            try:
                 keys = self._keys(sources)
                 for key, seed in zip(keys, sources.seeds(), strict=True):
                     seeds.setdefault(key, seed)
-                # A stream goes on where the earlier phases left it, under the seed
-                # of the phase it first appeared in. One phase reads as a Loader
+                # A stream goes on where the earlier phases left it (see _apply), under
+                # the seed of the phase it first appeared in. One phase reads as a Loader
                 # does (its mixture may even blend one stream twice).
-                streams = [(seeds[key], counts.get(key, 0)) for key in keys]
-                engine = StepEngine(sources, sharding, streams if len(self.phases) > 1 else None)
+                streams = [(seeds[key], 0) for key in keys] if len(self.phases) > 1 else None
+                engine = StepEngine(sources, sharding, streams, self.source_names)
             except ValueError as e:
                 raise ValueError(f"{self.label(k)}: {e}") from None
-            loader = Loader._of(engine)
-            self.loaders.append(loader)
+            self.loaders.append(Loader._of(engine))
             self.streams.append(keys)
             self._seeds.append([seeds[key] for key in keys])
-            self.offsets.append([counts.get(key, 0) for key in keys])
-            self._drawn_before.append(dict(counts))
-            if k + 1 < len(self.phases):
-                steps = self.starts[k + 1] - self.starts[k]
-                for key, n in zip(keys, drawn(loader.steering, steps), strict=True):
-                    counts[key] = counts.get(key, 0) + n
-                self.phase_samples.append(
-                    self.phase_samples[-1] + loader.schedule.samples_before(steps)
-                )
-        self.sharding = sharding
-        self.next_step = 0
-        self._data_end = self._streams().reach()
-        self.end_step = self._data_end
+        # Samples of the run before each phase, and each stream's drawn before it.
+        self.phase_samples = [0]
+        for k, loader in enumerate(self.loaders[:-1]):
+            drew = loader.schedule.samples_before(self.starts[k + 1] - self.starts[k])
+            self.phase_samples.append(self.phase_samples[-1] + drew)
+        self.offsets = [[0] * len(keys) for keys in self.streams]
+        self._drawn_before: list[dict[str, int]] = [{} for _ in self.streams]
+        self.sharding, self.next_step = sharding, 0
+        self._apply(NO_SKIPS, (), 0)
 
     def _keys(self, sources: Sources) -> list[str]:
         data = sources.fingerprint()["data"]
@@ -228,9 +228,9 @@ class PhasedLoader:
         """Global rows of the batch at ``step``."""
         return self._in_phase(step, Loader.batch_size_at)
 
-    def plan_at(self, step: int) -> HostPlan | None:
+    def host_blocks_at(self, step: int) -> HostBlocks | None:
         """The blocks this host reads at ``step`` (``None`` without a sharding)."""
-        return self._in_phase(step, Loader.plan_at)
+        return self._in_phase(step, Loader.host_blocks_at)
 
     def host_rows_at(self, step: int) -> np.ndarray:
         """``[k] int64`` the global rows this host reads at ``step``, ascending."""
@@ -314,8 +314,9 @@ class PhasedLoader:
         after it in its phase (see :meth:`Loader.start`)."""
         self._in_phase(self.next_step if step is None else step, Loader.start)
 
-    def stats(self) -> dict[str, float | int]:
-        """:meth:`Loader.stats` of the phase of the last step handed out, and
+    def stats(self) -> dict[str, Any]:
+        """:meth:`Loader.stats` of the phase of the last step handed out (its
+        ``tokens`` and ``source_tokens`` count that phase's steps), and
         ``phase``, its index."""
         k = self.phase_at(max(0, self.next_step - 1))
         return {**self.loaders[k].stats(), "phase": k}

@@ -25,7 +25,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from flat_tokens_jax.core import fields
-from flat_tokens_jax.data.bins import BINS
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, check_source
 from flat_tokens_jax.loader.config import LoaderConfig
@@ -127,7 +126,7 @@ STREAM_FIELDS = (
     "content",
 )
 # The ``records`` kinds whose fingerprints this library writes.
-_OWN_RECORDS = ("packed", "padded", BINS)
+_OWN_RECORDS = ("packed", "padded", "bins")
 
 
 def stream_key(data: Mapping[str, Any], config: LoaderConfig) -> str:

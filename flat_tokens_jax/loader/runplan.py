@@ -85,7 +85,7 @@ def plan_rows(run: PhasedLoader, end_step: int) -> list[dict[str, Any]]:
                     "steps": stop - start,
                     "component": name,
                     "seq_len": loader.config.seq_len,
-                    "packing": loader.config.packing,
+                    "packing": loader.config.packing.value,
                     "records": records,
                     "stream": "continued" if offset else "new",
                     "samples": counts[c],

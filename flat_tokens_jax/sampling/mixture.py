@@ -31,6 +31,7 @@ import numpy as np
 
 from flat_tokens_jax.core import fields
 from flat_tokens_jax.core.concurrently import at_once
+from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.core.values import BadValue, boolean, integer, number, sequence
 from flat_tokens_jax.data.bins import make_records
 from flat_tokens_jax.data.dataset import FlatTokens
@@ -39,15 +40,15 @@ from flat_tokens_jax.sampling.schedule import BatchSchedule
 from flat_tokens_jax.store.identity import DatasetInfo, check_tokenizers
 
 MAX_DEFAULT_PERIOD = 1 << 20
-# A period's tables take 8 bytes a sample (and its layout a few times more while
-# it is made): 2**24 samples stay well under a gigabyte.
+# A period's tables take 8 bytes a sample (and a few times more while it is
+# made): 2**24 samples stay well under a gigabyte.
 MAX_PERIOD = 1 << 24
 _MAX_SAMPLE = 2**63 - 1  # Global sample indices are int64.
 
 
 @dataclasses.dataclass(frozen=True)
 class Period:
-    """The layout of one period of ``period`` samples for fixed weights.
+    """Which component each sample of a period of ``period`` samples reads (fixed weights).
 
     Attributes:
         counts: ``[K] int64`` samples of each component per period.
@@ -64,7 +65,7 @@ class Period:
         return int(self.component.size)
 
     @classmethod
-    def layout(cls, weights: Sequence[float] | np.ndarray, period: int) -> Period:
+    def of(cls, weights: Sequence[float] | np.ndarray, period: int) -> Period:
         """The layout of ``weights`` over ``period`` samples: :meth:`of_counts`
         of :func:`period_counts`."""
         return cls.of_counts(period_counts(weights, period))
@@ -72,7 +73,7 @@ class Period:
     @classmethod
     def of_counts(cls, counts: Sequence[int] | np.ndarray) -> Period:
         """The layout of ``counts[c]`` samples of each component ``c`` over a
-        period of ``sum(counts)`` samples (:meth:`layout` of weights that
+        period of ``sum(counts)`` samples (:meth:`of` of weights that
         round to these counts gives the same tables)."""
         counts = np.array(counts, np.int64)
         component = np.repeat(np.arange(counts.size, dtype=np.int32), counts)
@@ -273,7 +274,7 @@ class Mixture:
     def records(
         self,
         seq_len: int,
-        packing: bool | str,
+        packing: Packing | bool | str,
         plan_cache: str | os.PathLike[str] | None = None,
         max_segments: int | None = None,
     ) -> tuple[Records, ...]:
@@ -285,6 +286,7 @@ class Mixture:
         Raises:
             ValueError: a component of records is of another ``seq_len`` or packing.
         """
+        packing = fields.packing(packing, "packing")
 
         # Records that read (bounds, packing plans) do so at once.
         calls = [
@@ -359,7 +361,7 @@ def route_segments(
 def config_records(
     source: FlatTokens | Records,
     seq_len: int,
-    packing: bool | str,
+    packing: Packing,
     plan_cache: str | os.PathLike[str] | None,
     max_segments: int | None,
     who: str,
@@ -370,10 +372,11 @@ def config_records(
     (refused naming ``who`` and the ``fix`` otherwise)."""
     if isinstance(source, FlatTokens):
         return make_records(source, seq_len, packing, plan_cache, max_segments)
-    if source.seq_len != seq_len or source.packed != packing:
+    if source.seq_len != seq_len or source.packing is not packing:
         raise ValueError(
-            f"{who} is {source!r} with seq_len {source.seq_len} and packing {source.packed}, "
-            f"but seq_len {seq_len} and packing {packing} were asked for: {fix}"
+            f"{who} is {source!r} with seq_len {source.seq_len} and packing "
+            f"{source.packing.value}, but seq_len {seq_len} and packing {packing.value} "
+            f"were asked for: {fix}"
         )
     return source
 
@@ -439,8 +442,9 @@ def _check_records_agree(sources: Sequence[Source], names: Sequence[str]) -> Non
     """Refuses components of records that no one config fits: their ``seq_len``
     or packing differ."""
     records = {n: s for n, s in zip(names, sources, strict=True) if not isinstance(s, FlatTokens)}
-    for what, attr in (("seq_len", "seq_len"), ("packing", "packed")):
-        found = {n: getattr(r, attr) for n, r in records.items()}
+    seq_lens = {n: r.seq_len for n, r in records.items()}
+    packings = {n: r.packing.value for n, r in records.items()}  # as a config writes it
+    for what, found in (("seq_len", seq_lens), ("packing", packings)):
         if len(set(found.values())) > 1:
             listed = ", ".join(f"{n!r}: {v!r}" for n, v in found.items())
             raise ValueError(f"the components' records disagree on {what}: {listed}")

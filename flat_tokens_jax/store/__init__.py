@@ -1,5 +1,5 @@
 """Storage: store options, tensorstore and memory-mapped reads, probes, digests,
-the dataset's identity and layout, claims on a location.
+the dataset's identity and storage format, claims on a location.
 
 ``remote_reads`` and ``remote_bytes`` (the requests and bytes read from object
 stores so far) are this package's too: ``flat_tokens_jax.store.remote_reads()``.

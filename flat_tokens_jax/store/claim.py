@@ -63,7 +63,7 @@ class Claim:
         self._stop = threading.Event()
         self._mutex = threading.Lock()  # renewals against release and discard
 
-    def record(self) -> bytes:
+    def marker_json(self) -> bytes:
         """The marker's JSON: who writes, since when, which splits, and the lease."""
         found = {
             "writer": self.writer,
@@ -124,7 +124,7 @@ class Claim:
             raise _raced(self.store)
 
     def _hold(self, found: BinaryIO, created: bool) -> bool:
-        """Locks the open marker ``found`` and writes our record into it, if it
+        """Locks the open marker ``found`` and writes our :meth:`marker_json` into it, if it
         is still the marker at its path."""
         path = _marker_path(self.store)
         try:
@@ -135,7 +135,7 @@ class Claim:
                 return False
             found.seek(0)
             found.truncate()
-            found.write(self.record())
+            found.write(self.marker_json())
             found.flush()
         except BlockingIOError:
             found.close()  # taken over in the instant after we created it
@@ -152,7 +152,9 @@ class Claim:
     def _put(self, generation: bytes) -> bool:
         """Writes our marker over ``generation`` (a missing key's, or a dead
         write's marker); on success starts the renewals."""
-        written = self.store.wait(self.store.kv.write(MARKER, self.record(), if_equal=generation))
+        written = self.store.wait(
+            self.store.kv.write(MARKER, self.marker_json(), if_equal=generation)
+        )
         if not written.generation or _writer_of(self.store) != self.writer:
             return False  # the last check: a store that ignores the condition
         self._generation = written.generation
@@ -173,7 +175,7 @@ class Claim:
                     self._stop.set()  # released by another process (Beam's last step)
                     return
                 written = self.store.wait(
-                    self.store.kv.write(MARKER, self.record(), if_equal=self._generation)
+                    self.store.kv.write(MARKER, self.marker_json(), if_equal=self._generation)
                 )
             except (OSError, ValueError) as e:
                 log.warning("could not renew the claim on %s (will retry): %s", self.store.url, e)

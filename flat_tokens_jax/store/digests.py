@@ -26,12 +26,12 @@ checked against its ``shards`` entry when it is read (once per process, for
 the shard's first chunk checked: no other request). An array whose attribute
 has ``content`` but no ``shards`` has its side array read whole at the first
 check and compared with ``content`` (4 bytes per chunk: 1/8192 of the tokens'
-bytes with the default layout).
+bytes with the default storage format).
 
 A read checks every chunk it touches the first time it touches it (once per
 process) and raises :class:`~flat_tokens_jax.core.format.FormatError` naming the
 array, the shard and the chunk if it differs. For an uncompressed chunk
-stored with its crc32c (our default layout), the digest is that stored crc32c,
+stored with its crc32c (our default storage format), the digest is that stored crc32c,
 so the memory-mapped path compares the 4 bytes after the chunk, verified as
 any read verifies them, with the recorded digest: nothing more is hashed.
 Otherwise the check reads the chunk whole (a read fetches whole chunks anyway)

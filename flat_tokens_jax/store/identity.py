@@ -76,11 +76,11 @@ def combined_sha256(digests: Iterable[str]) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def inputs_record(names: Sequence[str], digests: Sequence[str] | None) -> dict[str, Any]:
+def inputs_field(names: Sequence[str], digests: Sequence[str] | None) -> dict[str, Any]:
     """The ``inputs`` field: count, the first :data:`MAX_NAMES` names, the combined hash.
 
     ``digests`` holds one SHA-256 hex digest per input (of its bytes as stored),
-    or is ``None`` when they were not computed (the record then has no hash).
+    or is ``None`` when they were not computed (the field then has no hash).
     """
     out: dict[str, Any] = {"count": len(names), "names": list(names[:MAX_NAMES])}
     if digests is not None:
@@ -224,7 +224,7 @@ def dataset_splits(attrs: Mapping[str, Any], where: str = "") -> tuple[str, ...]
     writers record none, and have only :data:`SPLITS`).
 
     Raises:
-        FormatError: a record that is not a list of split names, naming the
+        FormatError: a ``splits`` value that is not a list of split names, naming the
             attribute (a name the writers refuse is never read as a path).
     """
     value = attrs.get(ATTRIBUTE)

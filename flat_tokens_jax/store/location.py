@@ -202,7 +202,7 @@ def _root(store: Store) -> tuple[bool, bool, tuple[str, ...]]:
     try:
         return True, True, dataset_splits(found[1])
     except FormatError:
-        return True, True, SPLITS  # a damaged record: its splits' group metadata still says
+        return True, True, SPLITS  # a damaged attribute: its splits' group metadata still says
 
 
 def _where(url: str | os.PathLike[str]) -> tuple[str, ...]:

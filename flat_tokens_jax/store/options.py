@@ -64,7 +64,7 @@ class StoreOptions:
             never answers). ``None``: no limit.
         cache_bytes: memory for cached shard indexes and chunks, per dataset.
             Shard indexes are read once while they fit: ``16 * shard / chunk``
-            bytes per shard (32 KiB with the default layout).
+            bytes per shard (32 KiB with the default storage format).
         context: a ``tensorstore.Context`` to share caches and concurrency limits
             between datasets; it replaces ``concurrency``, ``retries``, the delays
             and ``cache_bytes`` (see :func:`context_spec`). ``None``: one new

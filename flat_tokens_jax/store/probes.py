@@ -1,6 +1,6 @@
 """Shard probes: the recorded identity of every shard file, checked on first read.
 
-A checksum inside a shard (crc32c, ``Layout.checksum``) proves that its bytes
+A checksum inside a shard (crc32c, ``StorageFormat.checksum``) proves that its bytes
 are the ones written into that file; it cannot tell that a valid shard of
 another split or dataset was copied or linked in its place. So our writers
 record, in each array's attributes (``shard_probes``), a probe of every shard
@@ -66,7 +66,7 @@ def probe_ranges(size: int, shard: int) -> tuple[np.ndarray, np.ndarray]:
     return starts, np.minimum(starts + min(PROBE, shard), size)
 
 
-def record(read: ReadRanges, size: int, shard: int) -> dict[str, Any]:
+def probe_attribute(read: ReadRanges, size: int, shard: int) -> dict[str, Any]:
     """The ``shard_probes`` attribute of an array of ``size`` elements in shards
     of ``shard``, whose values ``read`` returns (one batched read)."""
     values = read(*probe_ranges(size, shard))

@@ -353,7 +353,7 @@ def _unsupported_codec(error: ValueError) -> bool:
     return str(error).startswith(("INVALID_ARGUMENT", "FAILED_PRECONDITION"))
 
 
-def describe_layout(zarr_format: int, meta: Mapping[str, Any]) -> dict[str, Any]:
+def describe_storage_format(zarr_format: int, meta: Mapping[str, Any]) -> dict[str, Any]:
     """Chunking and compression of an array, from its zarr metadata, for ``info``."""
     if zarr_format == 2:
         comp = meta.get("compressor")

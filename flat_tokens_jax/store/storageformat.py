@@ -1,7 +1,7 @@
-"""How arrays are laid out on storage, and creating them.
+"""The storage format of a dataset's arrays, and creating them.
 
-:class:`Layout` holds the chunking, sharding, compression and zarr version of
-a dataset's arrays; :func:`create_array` creates one of them, and
+:class:`StorageFormat` holds the chunking, sharding, compression and zarr
+version of a dataset's arrays; :func:`create_array` creates one of them, and
 :func:`open_for_writing` opens it again, so that a streaming writer and a
 distributed one (each shard written by one worker) write the same bytes.
 """
@@ -17,7 +17,7 @@ import tensorstore as ts
 from flat_tokens_jax.core.format import SEQ_STARTS
 from flat_tokens_jax.store.digests import DIGESTS, attribute, chunk_digests
 from flat_tokens_jax.store.probes import ATTRIBUTE as PROBES
-from flat_tokens_jax.store.probes import record
+from flat_tokens_jax.store.probes import probe_attribute
 from flat_tokens_jax.store.store import EVERY_CHUNK_STORED, V2_ATTRS, V3_META, Store
 
 # The size arrays are created with when the final one is not known yet; the
@@ -26,8 +26,9 @@ PROVISIONAL_SIZE = 1 << 50
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
-    """How arrays are laid out on storage.
+class StorageFormat:
+    """How a dataset's arrays are stored: zarr version, shard and chunk sizes,
+    compression and checksums.
 
     Fields left unset take the defaults of the zarr version (see "Default layout" in
     docs/format.md): zarr v3 shards of ``1 << 24`` tokens with inner chunks of
@@ -66,7 +67,7 @@ class Layout:
 
     def __post_init__(self) -> None:
         if self.zarr_format not in (2, 3):
-            raise ValueError(f"Layout.zarr_format must be 2 or 3, got {self.zarr_format!r}")
+            raise ValueError(f"StorageFormat.zarr_format must be 2 or 3, got {self.zarr_format!r}")
         v2 = self.zarr_format == 2
         if self.shard_tokens is None:
             default = self.chunk_tokens if v2 and self.chunk_tokens is not None else None
@@ -79,27 +80,30 @@ class Layout:
             object.__setattr__(self, "checksum", not v2)
         if v2 and self.checksum:
             raise ValueError(
-                "Layout.checksum=True needs zarr_format=3: zarr v2 has no checksum codec "
+                "StorageFormat.checksum=True needs zarr_format=3: zarr v2 has no checksum codec "
                 "that tensorstore reads"
             )
         if self.chunk_tokens < 2 or self.shard_tokens < 2:
             raise ValueError(
-                f"Layout.chunk_tokens ({self.chunk_tokens}) and shard_tokens "
+                f"StorageFormat.chunk_tokens ({self.chunk_tokens}) and shard_tokens "
                 f"({self.shard_tokens}) must be at least 2"
             )
         if self.shard_tokens % self.chunk_tokens:
             raise ValueError(
-                f"Layout.chunk_tokens {self.chunk_tokens} must divide "
+                f"StorageFormat.chunk_tokens {self.chunk_tokens} must divide "
                 f"shard_tokens {self.shard_tokens}"
             )
         if self.compression not in (None, "zstd", "blosc"):
             raise ValueError(
-                f"Layout.compression must be None, 'zstd' or 'blosc', got {self.compression!r}"
+                "StorageFormat.compression must be None, 'zstd' or 'blosc', "
+                f"got {self.compression!r}"
             )
         if self.compression == "blosc" and not v2:
-            raise ValueError("Layout.compression='blosc' needs zarr_format=2: use 'zstd' in v3")
+            raise ValueError(
+                "StorageFormat.compression='blosc' needs zarr_format=2: use 'zstd' in v3"
+            )
         if not 1 <= self.zstd_level <= 22:
-            raise ValueError(f"Layout.zstd_level must be in [1, 22], got {self.zstd_level}")
+            raise ValueError(f"StorageFormat.zstd_level must be in [1, 22], got {self.zstd_level}")
 
     def elements(self, array: str) -> tuple[int, int]:
         """``(per shard, per chunk)`` elements of ``array`` (a name such as ``seq_starts``).
@@ -177,18 +181,18 @@ def create_array(
     split: str,
     array: str,
     dtype: np.dtype[Any],
-    layout: Layout,
+    storage_format: StorageFormat,
     size: int = PROVISIONAL_SIZE,
 ) -> ts.TensorStore:
     """Creates (replacing any old one) the array ``split/array`` of ``size`` elements.
 
-    Writes of whole shards (``layout.elements(array)[0]`` elements, the last
+    Writes of whole shards (``storage_format.elements(array)[0]`` elements, the last
     one cut at ``size``) give the same bytes whether the array was created at
     its final size or at a provisional one and resized at the end.
     """
-    per_shard, per_chunk = layout.elements(array)
-    meta = layout.array_spec(dtype, per_shard, per_chunk, size)
-    return _create(store, f"{split}/{array}", meta, layout.zarr_format)
+    per_shard, per_chunk = storage_format.elements(array)
+    meta = storage_format.array_spec(dtype, per_shard, per_chunk, size)
+    return _create(store, f"{split}/{array}", meta, storage_format.zarr_format)
 
 
 def _create(store: Store, key: str, meta: dict[str, Any], zarr_format: int) -> ts.TensorStore:
@@ -209,10 +213,12 @@ def _create(store: Store, key: str, meta: dict[str, Any], zarr_format: int) -> t
     return created
 
 
-def open_for_writing(store: Store, split: str, array: str, layout: Layout) -> ts.TensorStore:
+def open_for_writing(
+    store: Store, split: str, array: str, storage_format: StorageFormat
+) -> ts.TensorStore:
     """Opens the array ``split/array`` that :func:`create_array` made, to write shards."""
     spec = {
-        "driver": "zarr3" if layout.zarr_format == 3 else "zarr",
+        "driver": "zarr3" if storage_format.zarr_format == 3 else "zarr",
         "kvstore": store.sub(f"{split}/{array}"),
         "open": True,
         "store_data_equal_to_fill_value": True,
@@ -221,14 +227,18 @@ def open_for_writing(store: Store, split: str, array: str, layout: Layout) -> ts
 
 
 def create_digests(
-    store: Store, split: str, array: str, layout: Layout, size: int = PROVISIONAL_SIZE
+    store: Store,
+    split: str,
+    array: str,
+    storage_format: StorageFormat,
+    size: int = PROVISIONAL_SIZE,
 ) -> ts.TensorStore:
     """Creates the side array of chunk digests (see :mod:`~flat_tokens_jax.store.digests`)
     of the array ``split/array`` of ``size`` elements, which :func:`create_array`
     made: ``[ceil(size / chunk)] uint32``, one side chunk per shard of the array."""
-    per_shard, per_chunk = layout.elements(array)
+    per_shard, per_chunk = storage_format.elements(array)
     count, per_side = -(-size // per_chunk), per_shard // per_chunk
-    if layout.zarr_format == 2:
+    if storage_format.zarr_format == 2:
         meta: dict[str, Any] = {
             "shape": [count],
             "chunks": [per_side],
@@ -246,28 +256,30 @@ def create_digests(
             "fill_value": 0,
             "attributes": {EVERY_CHUNK_STORED: True},
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [per_side]}},
-            "codecs": codecs + ([{"name": "crc32c"}] if layout.checksum else []),
+            "codecs": codecs + ([{"name": "crc32c"}] if storage_format.checksum else []),
         }
-    return _create(store, f"{split}/{array}/{DIGESTS}", meta, layout.zarr_format)
+    return _create(store, f"{split}/{array}/{DIGESTS}", meta, storage_format.zarr_format)
 
 
-def open_digests(store: Store, split: str, array: str, layout: Layout) -> ts.TensorStore:
+def open_digests(
+    store: Store, split: str, array: str, storage_format: StorageFormat
+) -> ts.TensorStore:
     """Opens the side array that :func:`create_digests` made, to write digests."""
-    return open_for_writing(store, split, f"{array}/{DIGESTS}", layout)
+    return open_for_writing(store, split, f"{array}/{DIGESTS}", storage_format)
 
 
 def write_digests(
-    side: ts.TensorStore, lo: int, values: np.ndarray, layout: Layout, array: str
+    side: ts.TensorStore, lo: int, values: np.ndarray, storage_format: StorageFormat, array: str
 ) -> Any:
     """Starts writing the digests of ``values``, the elements of ``array`` from
     ``lo`` (the start of a shard), into its side array; returns the write's future."""
-    chunk = layout.elements(array)[1]
+    chunk = storage_format.elements(array)[1]
     found = chunk_digests(values, chunk)
     return side[lo // chunk : lo // chunk + found.size].write(found)
 
 
 def record_probes(
-    store: Store, split: str, array: str, layout: Layout, handle: ts.TensorStore
+    store: Store, split: str, array: str, storage_format: StorageFormat, handle: ts.TensorStore
 ) -> None:
     """Adds the ``shard_probes`` attribute (see :mod:`~flat_tokens_jax.store.probes`), and
     the ``chunk_crc32c`` one that announces the chunk digests the writer wrote,
@@ -276,14 +288,14 @@ def record_probes(
     finished array ``split/array``, whose values ``handle`` reads and whose
     digests are all written."""
     size = int(handle.domain.exclusive_max[0])
-    per_shard, per_chunk = layout.elements(array)
+    per_shard, per_chunk = storage_format.elements(array)
 
     def read(starts: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
         pending = [handle[a:b].read() for a, b in zip(starts.tolist(), stops.tolist(), strict=True)]
         return [np.asarray(store.wait(f)) for f in pending]
 
-    probes = record(read, size, per_shard)
-    side = open_digests(store, split, array, layout)
+    probes = probe_attribute(read, size, per_shard)
+    side = open_digests(store, split, array, storage_format)
     count = int(side.domain.exclusive_max[0])
     # Digests per read: 16 MiB in whole side chunks, one per shard.
     step = max((1 << 22) // (per_shard // per_chunk), 1) * (per_shard // per_chunk)
@@ -291,9 +303,9 @@ def record_probes(
         np.asarray(store.wait(side[a : min(a + step, count)].read())) for a in range(0, count, step)
     )
     digests = attribute(per_chunk, per_shard, blocks)
-    key = f"{split}/{array}/{V3_META if layout.zarr_format == 3 else V2_ATTRS}"
+    key = f"{split}/{array}/{V3_META if storage_format.zarr_format == 3 else V2_ATTRS}"
     meta = store.read_json(key) or {}
-    if layout.zarr_format == 3:
+    if storage_format.zarr_format == 3:
         meta["attributes"] = {**meta.get("attributes", {}), PROBES: probes, DIGESTS: digests}
     else:
         meta.update({PROBES: probes, DIGESTS: digests})

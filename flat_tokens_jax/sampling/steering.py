@@ -36,7 +36,7 @@ import numpy as np
 from flat_tokens_jax.sampling.mixture import Mixture, Period, route_segments
 from flat_tokens_jax.sampling.schedule import BatchSchedule
 
-__all__ = ["TABLES_KEPT", "Skips", "Steering", "consumed", "prefix_counts"]
+__all__ = ["NO_SKIPS", "TABLES_KEPT", "Skips", "Steering", "consumed", "prefix_counts"]
 
 MAX_SAMPLE = 2**63 - 1  # Global sample indices are int64.
 TABLES_KEPT = 8
@@ -96,11 +96,6 @@ class Skips:
         found = dict(self.entries)
         found[step] = found.get(step, 0) + count
         return Skips(tuple(sorted(found.items())))
-
-    def skipped_at(self, step: int) -> int:
-        """Data steps skipped at trainer step ``step`` itself."""
-        j = bisect.bisect_left(self._steps, step)
-        return self.entries[j][1] if j < len(self._steps) and self._steps[j] == step else 0
 
     def within(self, first: int, stop: int | None, data_first: int) -> Skips:
         """The skips of trainer steps ``[first, stop)`` counted from ``first``
@@ -289,11 +284,3 @@ class Steering:
         j = bisect.bisect_right(self._starts, num_samples) - 1  # num_samples may be 2**63
         more = consumed(self._counts(self._keys[j]), num_samples - int(self._starts[j]))
         return [int(a) + b for a, b in zip(self._offsets[j].tolist(), more, strict=True)]
-
-    def segment_at(self, data_step: int) -> tuple[int, np.ndarray, bool]:
-        """The weight segment that holds ``data_step``: its first data step,
-        ``[K] int64`` samples of each component per period, and whether it is
-        a runtime change (else declared)."""
-        j = bisect.bisect_right(self._steps, data_step) - 1
-        key = self._keys[j]
-        return self._steps[j], self._counts(key), not isinstance(key, int)

@@ -21,9 +21,7 @@ Run: ``python scripts/bench_steering.py [--repeats 30]``
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
-import pstats
 import statistics
 import tempfile
 import time
@@ -31,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from bench_phases import FIXED, calls  # this folder is on the path of a script run
 
 import flat_tokens_jax as ftj
 
@@ -39,7 +38,6 @@ EVERY = 100
 CHANGES = FAR // EVERY
 SPAN = 64
 COMPONENTS = 10
-FIXED = {"seed": 1, "prefetch": 0, "decode_threads": 1}
 
 
 def medians(fns: dict[str, Callable[[int], object]], repeats: int) -> dict[str, float]:
@@ -54,16 +52,6 @@ def medians(fns: dict[str, Callable[[int], object]], repeats: int) -> dict[str, 
             fn(r)
             times[name].append(time.perf_counter() - began)
     return {name: statistics.median(t) for name, t in times.items()}
-
-
-def calls(fn: Callable[[], object]) -> int:
-    """Python function calls that ``fn`` makes (a count that load on the machine cannot move)."""
-    fn()
-    profile = cProfile.Profile()
-    profile.enable()
-    fn()
-    profile.disable()
-    return int(pstats.Stats(profile).total_calls)  # type: ignore[attr-defined]
 
 
 def main() -> None:

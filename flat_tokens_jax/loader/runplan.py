@@ -19,7 +19,7 @@ import numpy as np
 from flat_tokens_jax.core.extras import install_hint
 from flat_tokens_jax.loader.phasedloader import PhasedLoader
 from flat_tokens_jax.loader.phases import drawn
-from flat_tokens_jax.loader.steered import steering_at
+from flat_tokens_jax.loader.steered import RunSteering
 
 __all__ = [
     "REPEAT_WARNING_EPOCHS",
@@ -161,14 +161,12 @@ def steering_rows(run: PhasedLoader) -> list[dict[str, Any]]:
     ``skipped`` (batches skipped there, 0 for a weight change), ``phase``
     and ``weights`` (``{component: share of the samples}`` in effect from
     that step; ``None`` for a single source)."""
-    state = run.state()
-    steps = sorted(
-        {s for s, _ in state.get("skips", [])} | {t for t, _ in state.get("weights", [])}
-    )
-    skipped = dict(state.get("skips", []))
+    steered = RunSteering.of(run)
+    saved = steered.saved
+    skipped = dict(saved.skips)
     out = []
-    for step in steps:
-        at = steering_at(state, step)
+    for step in sorted(set(skipped) | {t for t, _ in saved.weights}):
+        at = steered.at(step)
         out.append(
             {
                 "step": step,

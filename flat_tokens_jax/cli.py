@@ -428,7 +428,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="a saved state of the run: plan with its weight changes and skipped batches",
     )
     p.add_argument("--split", default="train", help="the split (or part of a split cut) read")
-    p.add_argument("--picture", help="also draw each component's share of tokens (.png or .svg)")
+    p.add_argument(
+        "--picture",
+        help="also draw each component's share of tokens over steps (.png or .svg), with "
+        "phases, and the --state's weight changes and skips, marked",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_cmd_plan)
     p = sub.add_parser(

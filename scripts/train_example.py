@@ -14,9 +14,11 @@ refused before anything is trained, then the model, laid out for this run's mesh
 which may differ from the one that saved it. The loader's ``batch_size`` may be
 a schedule ``[[start_step, size], ...]``; a run resumed with a schedule that
 changes the batch size from its checkpoint's step on continues at exactly the
-next unseen sample. A YAML with a ``phases`` section instead of ``data`` and
-``loader`` trains a run in phases (``ftj.PhasedLoader``; see
-``configs/phases.yaml``), which may gain phases from its checkpoint's step on.
+next unseen sample. ``data`` is a dataset URL, or a mixture of several (a
+``data`` section as in ``configs/mixture.yaml``). A YAML with a ``phases``
+section instead of ``data`` and ``loader`` trains a run in phases
+(``ftj.PhasedLoader``; see ``configs/phases.yaml``), which may gain phases
+from its checkpoint's step on.
 Usage::
 
     python scripts/train_example.py --config configs/train_example.yaml \\
@@ -93,7 +95,7 @@ class ModelConfig:
 class TrainConfig:
     """One training run; the YAML file's top-level keys."""
 
-    data: str | None
+    data: str | Mapping[str, Any] | None  # a dataset URL, or a mixture (configs/mixture.yaml)
     checkpoint_dir: str
     loader: ftj.LoaderConfig | None
     model: ModelConfig
@@ -260,12 +262,13 @@ def forward(params: PyTree, batch: Mapping[str, jax.Array]) -> jax.Array:
     return rms_norm(x, params["final_norm"]) @ params["unembed"]
 
 
-def loss_fn(params: PyTree, batch: Mapping[str, jax.Array]) -> jax.Array:
-    """Mean cross-entropy of ``targets`` over the tokens where ``loss_mask`` is set."""
+def loss_fn(params: PyTree, batch: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Mean cross-entropy of ``targets`` over the tokens where ``loss_mask`` is
+    set, and each token's ``[batch, seq_len] float32`` (for a loss per source)."""
     logits = forward(params, batch)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     mask = batch["loss_mask"].astype(jnp.float32)
-    return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0), losses
 
 
 class Trainer:
@@ -310,9 +313,13 @@ class Trainer:
         return {"params": params, "opt": self._init_opt(params)}
 
     def _step(self, state: State, batch: dict[str, jax.Array]) -> tuple[State, jax.Array]:
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
+        (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch)
+        return self.apply(state, grads), loss
+
+    def apply(self, state: State, grads: PyTree) -> State:
+        """The state after one optimizer step on ``grads`` (inside the jitted step)."""
         updates, opt = self.optimizer.update(grads, state["opt"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}
 
 
 def restore(manager: ocp.CheckpointManager, loader: Feed, trainer: Trainer) -> tuple[int, State]:
@@ -373,25 +380,28 @@ def log_step(out: TextIO | None, step: int, loss: float, tokens_per_s: float, lo
         out.flush()
 
 
-def build(cfg: TrainConfig) -> tuple[Trainer, Feed]:
-    """The trainer and the loader for this run's mesh and data."""
+def build(cfg: TrainConfig, trainer_type: type[Trainer] = Trainer) -> tuple[Trainer, Feed]:
+    """The trainer (a ``trainer_type``) and the loader for this run's mesh and data."""
     mesh = make_mesh(cfg.mesh)
     if cfg.phases is not None:
         phases = ftj.phases_from_config(cfg.phases)
         splits = [s for p in phases for s in _splits(p.source)]
         vocab = cfg.model.vocab_size or max(s.max_token_id for s in splits) + 1
-        trainer = Trainer(cfg, mesh, vocab, max(p.config.seq_len for p in phases))
+        trainer = trainer_type(cfg, mesh, vocab, max(p.config.seq_len for p in phases))
         phases = [
             dataclasses.replace(p, config=dataclasses.replace(p.config, vocab_size=vocab))
             for p in phases
         ]
         return trainer, ftj.PhasedLoader(phases, sharding=trainer.batch_sharding)
     assert cfg.data is not None and cfg.loader is not None  # checked by from_dict
-    split = ftj.open_dataset(cfg.data)["train"]
-    vocab = cfg.model.vocab_size or split.max_token_id + 1
-    trainer = Trainer(cfg, mesh, vocab, cfg.loader.seq_len)
+    if isinstance(cfg.data, str):
+        source: ftj.FlatTokens | ftj.Mixture = ftj.open_dataset(cfg.data)["train"]
+    else:
+        source = ftj.mixture_from_config(cfg.data, "train")
+    vocab = cfg.model.vocab_size or max(s.max_token_id for s in _splits(source)) + 1
+    trainer = trainer_type(cfg, mesh, vocab, cfg.loader.seq_len)
     loader_cfg = dataclasses.replace(cfg.loader, vocab_size=vocab)
-    return trainer, ftj.Loader(split, loader_cfg, sharding=trainer.batch_sharding)
+    return trainer, ftj.Loader(source, loader_cfg, sharding=trainer.batch_sharding)
 
 
 def _splits(source: Any) -> list[ftj.FlatTokens]:

@@ -6,7 +6,9 @@ data is read beyond what opening the run reads), as data or as a table
 (:func:`plan_table`), with a warning for each stream read more than
 :data:`REPEAT_WARNING_EPOCHS` times over (:func:`repeat_warnings`). The
 picture (matplotlib, the ``plot`` extra, imported only when drawing) shows
-each component's share of the tokens over steps, with the phase boundaries.
+each component's share of the tokens over the trainer's steps, with the phase
+boundaries; of a run its trainer steered, the shares follow its weight changes
+and skipped batches as its state records them, both marked where their steps are.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 from flat_tokens_jax.core.extras import install_hint
 from flat_tokens_jax.loader.phasedloader import PhasedLoader
 from flat_tokens_jax.loader.phases import drawn
-from flat_tokens_jax.loader.steered import steering_at
+from flat_tokens_jax.loader.steered import RunSteering, sample_shares
 
 __all__ = [
     "REPEAT_WARNING_EPOCHS",
@@ -161,14 +163,12 @@ def steering_rows(run: PhasedLoader) -> list[dict[str, Any]]:
     ``skipped`` (batches skipped there, 0 for a weight change), ``phase``
     and ``weights`` (``{component: share of the samples}`` in effect from
     that step; ``None`` for a single source)."""
-    state = run.state()
-    steps = sorted(
-        {s for s, _ in state.get("skips", [])} | {t for t, _ in state.get("weights", [])}
-    )
-    skipped = dict(state.get("skips", []))
+    steered = RunSteering.of(run)
+    saved = steered.saved
+    skipped = dict(saved.skips)
     out = []
-    for step in steps:
-        at = steering_at(state, step)
+    for step in sorted(set(skipped) | {t for t, _ in saved.weights}):
+        at = steered.at(step)
         out.append(
             {
                 "step": step,
@@ -197,31 +197,24 @@ def steering_table(rows: list[dict[str, Any]]) -> list[str]:
 
 def share_segments(run: PhasedLoader, end_step: int) -> list[tuple[int, int, dict[str, float]]]:
     """``(first step, end step, {component: share of the tokens})`` of each
-    stretch of fixed weights (a phase, or a weight segment inside one)."""
+    stretch of trainer steps ``[0, end_step)`` that reads fixed weights: a
+    phase, or a weight segment inside one, declared or set by the trainer,
+    as the run's state records them (a segment whose steps were all skipped
+    is left out)."""
+    steered = RunSteering.of(run)
     out = []
-    for k, loader in enumerate(run.loaders):
-        start = run.starts[k]
-        if start >= end_step:
-            break
-        stop = min(end_step, run.starts[k + 1] if k + 1 < len(run.starts) else end_step)
-        if loader.mixture is None:
-            out.append((start, stop, {loader.names[0]: 1.0}))
-            continue
-        steps = [int(s) for s in loader.mixture.steps] + [stop - start]
-        for j, period in enumerate(loader.mixture.periods):
-            a, b = start + steps[j], min(stop, start + steps[j + 1])
-            if a >= b:
-                continue
-            shares = {
-                n: int(c) / period.period for n, c in zip(loader.names, period.counts, strict=True)
-            }
-            out.append((a, b, shares))
+    for k, found in steered.stretches(end_step):
+        assert found.stop is not None  # stretches() cuts each at end_step
+        names = steered.names[k]
+        out.append((found.first, found.stop, sample_shares(names, found.counts) or {names[0]: 1.0}))
     return out
 
 
 def draw_shares(run: PhasedLoader, end_step: int, path: str | os.PathLike[str]) -> None:
     """Writes ``path`` (``.png`` or ``.svg``): each component's share of the
-    tokens over steps ``[0, end_step)``, stacked, with phase boundaries.
+    tokens over trainer steps ``[0, end_step)``, stacked (see
+    :func:`share_segments`), with phase boundaries, weight changes and skipped
+    batches marked where their steps are.
 
     Raises:
         ValueError: ``path`` ends in neither ``.png`` nor ``.svg``.
@@ -247,14 +240,24 @@ def draw_shares(run: PhasedLoader, end_step: int, path: str | os.PathLike[str]) 
             ys[n] += [shares.get(n, 0.0)] * 2
     fig, ax = plt.subplots(figsize=(10, 4))
     ax.stackplot(xs, *[ys[n] for n in names], labels=names)
-    for k, start in enumerate(run.starts):
-        if start < end_step:
-            ax.axvline(start, color="black", linewidth=0.8)
+    for k, first in enumerate(run.firsts):
+        if first < end_step:
+            ax.axvline(first, color="black", linewidth=0.8)
             label = run.phases[k].name or f"phase {k}"
-            ax.text(start, 1.01, label, fontsize=8, va="bottom")
+            ax.text(first, 1.01, label, fontsize=8, va="bottom")
+    state = run.state()
+    changes = [t for t, _ in state.get("weights", []) if t < end_step]
+    for i, t in enumerate(changes):  # one legend entry for them all ("_": none)
+        label = "weight change" if i == 0 else "_weight change"
+        ax.axvline(t, color="black", linestyle="--", linewidth=0.8, label=label)
+    skips = [(s, count) for s, count in state.get("skips", []) if s < end_step]
+    for i, (s, count) in enumerate(skips):
+        label = "skipped batches" if i == 0 else "_skipped batches"
+        ax.axvline(s, color="red", linestyle=":", linewidth=1.2, label=label)
+        ax.text(s, 0.02, f" skip {count}", color="red", fontsize=8, rotation=90)
     ax.set_xlim(0, end_step)
     ax.set_ylim(0, 1)
-    ax.set_xlabel("step")
+    ax.set_xlabel("step (a skip: the data jumps ahead there)")
     ax.set_ylabel("share of tokens")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()

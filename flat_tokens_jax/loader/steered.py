@@ -25,6 +25,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+import numpy as np
+
 from flat_tokens_jax.core import fields
 from flat_tokens_jax.core.values import (
     BadValue,
@@ -36,13 +38,16 @@ from flat_tokens_jax.core.values import (
 )
 from flat_tokens_jax.core.yamlfile import read_yaml
 from flat_tokens_jax.loader.state import SKIP_COUNT, SavedState, StateMismatch, read_state
-from flat_tokens_jax.sampling.mixture import Mixture, period_counts
-from flat_tokens_jax.sampling.steering import Change, Skips
+from flat_tokens_jax.sampling.mixture import Mixture, Period, period_counts
+from flat_tokens_jax.sampling.schedule import BatchSchedule
+from flat_tokens_jax.sampling.steering import Change, Skips, Steering, Stretch
 
 __all__ = [
+    "RunSteering",
     "StepSteering",
     "check_step",
     "merged",
+    "sample_shares",
     "skip_count",
     "skips_from_config",
     "skips_from_yaml",
@@ -234,10 +239,106 @@ class StepSteering:
     @property
     def shares(self) -> dict[str, float] | None:
         """``{name: share of the samples}`` in effect (``None`` for a single source)."""
-        if self.counts is None:
-            return None
-        period = sum(self.counts)
-        return {n: c / period for n, c in zip(self.names, self.counts, strict=True)}
+        return sample_shares(self.names, self.counts)
+
+
+def sample_shares(names: Sequence[str], counts: Sequence[int] | None) -> dict[str, float] | None:
+    """``{name: share of the samples}`` of weights held as samples per period
+    (``None`` for ``None``: a single source)."""
+    if counts is None:
+        return None
+    period = sum(counts)
+    return {n: c / period for n, c in zip(names, counts, strict=True)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _SavedBlend:
+    """A saved phase's mixture as a :class:`Steering` reads it (a ``Blend``)."""
+
+    names: tuple[str, ...]
+    steps: np.ndarray
+    periods: tuple[Period, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSteering:
+    """A run's skips and weight changes phase by phase, rebuilt from its
+    state alone, each phase's by :class:`Steering` (the one place the
+    weights in effect are worked out): what :func:`steering_at`, ``show``
+    and ``plan`` read.
+
+    Attributes:
+        saved: the state read.
+        firsts: ``[P]`` the first trainer step that reads each phase's data.
+        names: ``[P]`` each phase's components.
+        steerings: ``[P]`` each phase's steering, by its own steps (counted
+            from its first).
+    """
+
+    saved: SavedState
+    firsts: tuple[int, ...]
+    names: tuple[tuple[str, ...], ...]
+    steerings: tuple[Steering, ...]
+
+    @classmethod
+    def of(cls, run: Mapping[str, Any] | Saves) -> RunSteering:
+        """From a saved state (as ``state()`` returns it, or its JSON read
+        back) or a ``Loader``/``PhasedLoader`` (its ``state()``: its changes so far).
+
+        Raises:
+            StateMismatch: the state is not one this version reads.
+        """
+        saved = read_state(run if isinstance(run, Mapping) else run.state())
+        skips = Skips(saved.skips)
+        names, steerings = [], []
+        for k, phase in enumerate(saved.phases):
+            own = saved.phase(k)
+            blend = phase.fingerprint["data"]
+            names.append(tuple(str(s["name"]) for s in phase.sources))
+            mixture = None
+            if "components" in blend:
+                periods = zip(blend["weights"], blend["periods"], strict=True)
+                mixture = _SavedBlend(
+                    names[-1],
+                    np.array(blend["steps"], np.int64),
+                    tuple(Period.of_counts(period_counts(w, p)) for w, p in periods),
+                )
+            schedule = BatchSchedule.of(phase.fingerprint["batch_size"])
+            steerings.append(Steering(mixture, schedule, Skips(own.skips), own.weights))
+        firsts = tuple(skips.trainer_step(p.start_step) for p in saved.phases)
+        return cls(saved, firsts, tuple(names), tuple(steerings))
+
+    def phase_at(self, step: int) -> int:
+        """The index of the phase whose data trainer step ``step`` reads."""
+        return bisect.bisect_right(self.firsts, step) - 1
+
+    def at(self, step: int) -> StepSteering:
+        """What trainer step ``step`` reads: see :func:`steering_at`."""
+        step = fields.step(step, "step")
+        k = self.phase_at(step)
+        first = self.firsts[k]
+        found = self.steerings[k].stretch_at(step - first)
+        data = self.saved.phases[k].start_step + self.steerings[k].data_step(step - first)
+        skipped = tuple((s, n) for s, n in self.saved.skips if s <= step)
+        since = first + found.first
+        return StepSteering(
+            step, data, skipped, k, self.names[k], found.counts, since, found.changed
+        )
+
+    def stretches(self, stop: int) -> list[tuple[int, Stretch]]:
+        """``(phase, stretch)`` of each weight segment that trainer steps
+        ``[0, stop)`` read, in order, by the run's trainer steps."""
+        out = []
+        for k, steering in enumerate(self.steerings):
+            first = self.firsts[k]
+            end = min(stop, self.firsts[k + 1]) if k + 1 < len(self.firsts) else stop
+            for found in steering.stretches(end - first):
+                assert found.stop is not None  # stretches() cuts the last one
+                moved = dataclasses.replace(
+                    found, first=first + found.first, stop=first + found.stop
+                )
+                out.append((k, moved))
+        return out
 
 
 def steering_at(run: Mapping[str, Any] | Saves, step: int) -> StepSteering:
@@ -245,30 +346,10 @@ def steering_at(run: Mapping[str, Any] | Saves, step: int) -> StepSteering:
     a saved state (as ``state()`` returns it, or its JSON read back) or a
     ``Loader``/``PhasedLoader`` (its ``state()``: its changes so far).
 
+    For many steps of one run, read :meth:`RunSteering.at` of one
+    :meth:`RunSteering.of`: this builds it again each call.
+
     Raises:
         StateMismatch: the state is not one this version reads.
     """
-    step = fields.step(step, "step")
-    saved = read_state(run if isinstance(run, Mapping) else run.state())
-    skips = Skips(saved.skips)
-    data = skips.data_step(step)
-    starts = [p.start_step for p in saved.phases]
-    k = bisect.bisect_right(starts, data) - 1
-    phase = saved.phases[k]
-    names = tuple(str(s["name"]) for s in phase.sources)
-    skipped = tuple((s, n) for s, n in saved.skips if s <= step)
-    blend = phase.fingerprint["data"]
-    if "components" not in blend:
-        return StepSteering(
-            step, data, skipped, k, names, None, skips.trainer_step(starts[k]), False
-        )
-    local = data - starts[k]
-    j = bisect.bisect_right(blend["steps"], local) - 1
-    declared = starts[k] + blend["steps"][j]
-    counts = tuple(int(n) for n in period_counts(blend["weights"][j], blend["periods"][j]))
-    since, changed = skips.trainer_step(declared), False
-    for t, found in saved.weights:
-        at = skips.data_step(t)
-        if t <= step and starts[k] <= at and at >= declared:
-            since, counts, changed, declared = t, found, True, at
-    return StepSteering(step, data, skipped, k, names, counts, since, changed)
+    return RunSteering.of(run).at(step)

@@ -18,7 +18,9 @@ it, counted when the segment is added (whole periods plus a prefix, found by
 arithmetic without the period's tables: :func:`prefix_counts`). A step finds
 its segment by bisection and builds the period tables it routes with on
 demand, keeping the last few (:data:`TABLES_KEPT`), so a run with ``10**4``
-changes costs at any step what it costs at step 1. Pure arithmetic, no I/O.
+changes costs at any step what it costs at step 1. The weights a trainer
+step reads, and the trainer steps that read each segment, are read back as
+stretches of steps (:class:`Stretch`). Pure arithmetic, no I/O.
 """
 
 from __future__ import annotations
@@ -29,14 +31,23 @@ import dataclasses
 import itertools
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from flat_tokens_jax.sampling.mixture import Mixture, Period, route_segments
+from flat_tokens_jax.sampling.mixture import Period, route_segments
 from flat_tokens_jax.sampling.schedule import BatchSchedule
 
-__all__ = ["NO_SKIPS", "TABLES_KEPT", "Skips", "Steering", "consumed", "prefix_counts"]
+__all__ = [
+    "NO_SKIPS",
+    "TABLES_KEPT",
+    "Blend",
+    "Skips",
+    "Steering",
+    "Stretch",
+    "consumed",
+    "prefix_counts",
+]
 
 MAX_SAMPLE = 2**63 - 1  # Global sample indices are int64.
 TABLES_KEPT = 8
@@ -159,11 +170,53 @@ def consumed(counts: Sequence[int] | np.ndarray, num_samples: int) -> list[int]:
     return [whole * int(a) + int(b) for a, b in zip(n.tolist(), prefix.tolist(), strict=True)]
 
 
+class Blend(Protocol):
+    """What a :class:`Steering` reads of a mixture (a ``Mixture`` is one):
+    its components and its declared weight schedule."""
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """``[K]`` the components' names."""
+        ...
+
+    @property
+    def steps(self) -> np.ndarray:
+        """``[P] int64`` the data step each declared entry starts at, the first 0."""
+        ...
+
+    @property
+    def periods(self) -> Sequence[Period]:
+        """``[P]`` each declared entry's layout."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Stretch:
+    """The trainer steps that read one weight segment, and its weights.
+
+    Attributes:
+        first: the first trainer step that reads it.
+        stop: the trainer step after the last (``None``: the last segment, no end).
+        counts: ``[K]`` samples of each component per period (``None``: one source).
+        changed: whether a trainer's change set them (else the mixture declared them).
+    """
+
+    first: int
+    stop: int | None
+    counts: tuple[int, ...] | None
+    changed: bool
+
+
 class Steering:
     """What a loader (or a phase's) routes with: its mixture's declared
     weight segments merged with runtime changes, and its skips. Immutable
     once made, and safe to share between threads: a change makes a new one
     (:meth:`steered`) that reuses the segments before it.
+
+    Each boundary, declared or a runtime change, holds from its data step
+    until the next one; a runtime change at a declared boundary's data step
+    wins over it. That rule is here alone: routing, what a stream draws and
+    what :meth:`stretch_at` reads back all follow it.
 
     Args:
         mixture: the blend (``None``: one source, no weights, only skips).
@@ -181,7 +234,7 @@ class Steering:
 
     def __init__(
         self,
-        mixture: Mixture | None,
+        mixture: Blend | None,
         schedule: BatchSchedule,
         skips: Skips = NO_SKIPS,
         changes: Sequence[Change] = (),
@@ -284,3 +337,35 @@ class Steering:
         j = bisect.bisect_right(self._starts, num_samples) - 1  # num_samples may be 2**63
         more = consumed(self._counts(self._keys[j]), num_samples - int(self._starts[j]))
         return [int(a) + b for a, b in zip(self._offsets[j].tolist(), more, strict=True)]
+
+    def _stretch(self, j: int) -> Stretch:
+        """Segment ``j`` as the trainer steps that read it."""
+        key = self._keys[j]
+        stop = self.skips.trainer_step(self._steps[j + 1]) if j + 1 < len(self._steps) else None
+        counts = tuple(int(n) for n in self._counts(key))
+        first = self.skips.trainer_step(self._steps[j])
+        return Stretch(first, stop, counts, not isinstance(key, int))
+
+    def stretch_at(self, step: int) -> Stretch:
+        """The weight segment that trainer step ``step`` reads: the latest
+        boundary at or before its data step."""
+        if self.mixture is None:
+            return Stretch(0, None, None, False)
+        return self._stretch(bisect.bisect_right(self._steps, self.data_step(step)) - 1)
+
+    def stretches(self, stop: int) -> list[Stretch]:
+        """The weight segments that trainer steps ``[0, stop)`` read, in order,
+        the last one cut at ``stop``; a segment whose every data step is
+        skipped is left out."""
+        if stop <= 0:
+            return []
+        if self.mixture is None:
+            return [Stretch(0, stop, None, False)]
+        last = bisect.bisect_right(self._steps, self.data_step(stop - 1)) - 1
+        out = []
+        for j in range(last + 1):
+            found = self._stretch(j)
+            end = stop if found.stop is None else min(found.stop, stop)
+            if found.first < end:
+                out.append(dataclasses.replace(found, stop=end))
+        return out

@@ -40,6 +40,19 @@ def _wait_for(url: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> N
             time.sleep(0.2)
 
 
+def _wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    """Waits until a server listens on ``port``, sending it no request."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+            return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server on port {port} did not start") from None
+            time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def fake_gcs(bucket: str = "bucket") -> Iterator[str]:
     """fake-gcs-server (in-memory) with ``bucket``; yields its base URL."""
@@ -121,12 +134,16 @@ def moto_s3_with_auth(bucket: str = "bucket") -> Iterator[tuple[str, str, str]]:
     """moto's S3 server checking signatures, with ``bucket`` and one IAM user
     allowed everything; yields ``(base URL, access key id, secret key)``."""
     import boto3
+    import botocore.config
 
     port = free_port()
     server = Path(sys.executable).with_name("moto_server")
-    # moto lets the first requests through unsigned: the start-up probe and
-    # the three IAM calls that create the user, its key and its policy.
-    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "4"}
+    # moto lets the first requests through unsigned: the three IAM calls that
+    # create the user, its key and its policy. Nothing else may reach it before
+    # them (on a loaded machine an HTTP probe that timed out, or a retried
+    # call, used one up): the start is awaited by connecting alone, and the
+    # calls are made once, with time to spare.
+    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"}
     proc = subprocess.Popen(
         [str(server), "-H", "127.0.0.1", "-p", str(port)],
         env=env,
@@ -135,8 +152,9 @@ def moto_s3_with_auth(bucket: str = "bucket") -> Iterator[tuple[str, str, str]]:
     )
     try:
         base = f"http://127.0.0.1:{port}"
-        _wait_for(base, proc)
-        anyone = {"endpoint_url": base, "region_name": "us-east-1"}
+        _wait_for_port(port, proc)
+        once = botocore.config.Config(retries={"total_max_attempts": 1}, read_timeout=120)
+        anyone = {"endpoint_url": base, "region_name": "us-east-1", "config": once}
         iam = boto3.client("iam", aws_access_key_id="x", aws_secret_access_key="x", **anyone)
         iam.create_user(UserName="trainer")
         key = iam.create_access_key(UserName="trainer")["AccessKey"]

@@ -56,6 +56,36 @@ if "PYTHONPYCACHEPREFIX" not in os.environ and os.environ.pop("PYTHONDONTWRITEBY
     _session_cache("PYTHONPYCACHEPREFIX")
 
 
+# The files that take longest (their time in a run of the README's command),
+# longest first. With ``--dist loadfile`` each file goes whole to the worker
+# that asks for work next: these start first, so that the two workers end
+# together (xdist's own order, by number of tests, would start them last).
+SLOWEST_FIRST = (
+    "tests/test_remote.py",
+    "tests/test_train_phases.py",
+    "tests/test_beam.py",
+    "tests/test_train_example.py",
+    "tests/test_grain.py",
+    "tests/test_install.py",
+    "tests/test_recipes.py",
+    "tests/test_hostile_secrets.py",
+    "docs/guide/trainers.md",
+    "tests/test_sharding.py",
+    "tests/test_multihost.py",
+    "tests/test_layouts.py",
+    "tests/test_hostile_integrity.py",
+    "tests/test_hostile_bounds.py",
+    "tests/test_convert.py",
+    "tests/test_train_grain.py",
+)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
 def _is_code_block(item: pytest.Item) -> bool:
     return type(item).__module__.startswith("pytest_codeblocks")
 

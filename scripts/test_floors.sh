@@ -7,17 +7,17 @@
 # the test extra's floor, in a second virtual environment, .venv-floors (no
 # tests that start a GCS or S3 server: its servers are test extras), installed
 # with uv as the README's command installs the test extras, and run on two
-# workers as there, the longest files first so that neither waits on the
-# other at the end. Part of the README's test command.
+# workers as there, in the same order (the longest files first: conftest.py).
+# Part of the README's test command.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv-floors
 mapfile -t pins < <(python3 scripts/floors.py)
 .venv-floors/bin/pip install -q uv
 .venv-floors/bin/uv pip install -q -p .venv-floors/bin/python "${pins[@]}" \
-  'pytest>=8' 'pytest-xdist>=3.6' 'hypothesis>=6.100' -e .
+  'pytest>=8' 'pytest-xdist>=3.8' 'hypothesis>=6.100' -e .
 .venv-floors/bin/pip list 2>/dev/null | grep -E '^(jax|jaxlib|numpy|zarr|numcodecs|tensorstore|grain|google-crc32c|numba) '
-.venv-floors/bin/python -m pytest -q -p no:cacheprovider -o addopts="" -n 2 --dist loadfile \
+.venv-floors/bin/python -m pytest -q -p no:cacheprovider -o addopts="" -n 2 --dist loadfile --no-loadscope-reorder \
   -m "not remote" \
   tests/test_multihost.py tests/test_grain.py \
   tests/test_format.py tests/test_dataset.py tests/test_store.py tests/test_localshards.py \

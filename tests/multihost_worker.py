@@ -1,8 +1,10 @@
 """One process of a multi-host run on CPU: builds global batches, checks them with collectives.
 
-Started by ``tests/test_multihost.py`` (and ``scripts/launch_multihost.py``) as
-``python multihost_worker.py CONFIG_JSON PROCESS_ID``; writes its report to
-``CONFIG["out"] + f".{process_id}.json"``.
+Started by ``tests/test_multihost.py`` as ``python multihost_worker.py CONFIG_JSON
+PROCESS_ID``. ``CONFIG["jobs"]`` names the runs this process takes part in, one
+after another in the same ``jax.distributed`` session (the same order on every
+process), each with a dataset opened and a loader made of its own; the reports,
+by job name, go to ``CONFIG["out"] + f".{process_id}.json"``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import hashlib
 import json
 import os
 import sys
+from typing import Any
 
 
 def digest(arrays: dict) -> str:
@@ -21,45 +24,37 @@ def digest(arrays: dict) -> str:
     return h.hexdigest()
 
 
-def main() -> None:
-    config = json.loads(sys.argv[1])
-    pid = int(sys.argv[2])
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={config['devices']}"
+def run(config: dict[str, Any], job: dict[str, Any], pid: int) -> dict[str, Any]:
+    """One job: its loader's first ``num_steps`` steps from where it starts, gathered."""
     import jax
     import numpy as np
     from jax.experimental import multihost_utils
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{config['port']}",
-        num_processes=config["processes"],
-        process_id=pid,
-    )
     import flat_tokens_jax as ftj
 
     # config["options"]: StoreOptions fields, for a dataset on an object store.
     ft = ftj.open_dataset(config["dataset"], ftj.StoreOptions(**config.get("options", {})))["train"]
-    devices = np.array(jax.devices()).reshape(config["mesh_shape"])
-    mesh = Mesh(devices, tuple(config["mesh_axes"]))
-    spec = P(*[tuple(a) if isinstance(a, list) else a for a in config["spec"]])
+    devices = np.array(jax.devices()).reshape(job["mesh_shape"])
+    mesh = Mesh(devices, tuple(job["mesh_axes"]))
+    spec = P(*[tuple(a) if isinstance(a, list) else a for a in job["spec"]])
     sharding = NamedSharding(mesh, spec)
-    if config.get("phases"):  # [[start_step, loader fields], ...]: a run in phases
-        phases = [ftj.Phase(s, ft, ftj.LoaderConfig(**fields)) for s, fields in config["phases"]]
+    if job.get("phases"):  # [[start_step, loader fields], ...]: a run in phases
+        phases = [ftj.Phase(s, ft, ftj.LoaderConfig(**fields)) for s, fields in job["phases"]]
         loader = ftj.PhasedLoader(phases, sharding=sharding)
         first = loader.loaders[0]
     else:
         source = ft
-        if config.get("mixture"):  # {name: weight}: the split blended with itself
-            source = ftj.Mixture({name: (ft, w) for name, w in config["mixture"].items()})
-        cfg = ftj.LoaderConfig(**config["loader"])
+        if job.get("mixture"):  # {name: weight}: the split blended with itself
+            source = ftj.Mixture({name: (ft, w) for name, w in job["mixture"].items()})
+        cfg = ftj.LoaderConfig(**job["loader"])
         loader = first = ftj.Loader(source, cfg, sharding=sharding)
-    if config.get("restore_from"):
-        with open(config["restore_from"]) as f:
+    if job.get("restore_from"):
+        with open(job["restore_from"]) as f:
             loader.restore(json.load(f))
-    if config.get("to_grain"):  # this process's elements of loader.to_grain()
-        steps = range(loader.next_step, loader.next_step + config["num_steps"])
+    if job.get("to_grain"):  # this process's elements of loader.to_grain()
+        steps = range(loader.next_step, loader.next_step + job["num_steps"])
         report_grain = {
             step: {
                 "rows": loader.host_rows_at(step).tolist(),
@@ -85,20 +80,36 @@ def main() -> None:
         sums = np.asarray(multihost_utils.process_allgather(row_sums(batch["targets"]), tiled=True))
         report["steps"][step] = {"digest": digest(gathered), "target_row_sums": sums.tolist()}
         report.setdefault("rows_at", {})[step] = loader.host_rows_at(step).tolist()
-        # config["steer"]: [[after_step, "skip" | "set_weights", step, value], ...],
+        # job["steer"]: [[after_step, "skip" | "set_weights", step, value], ...],
         # each made once after_step is handed out, with later steps in flight.
-        for after, call, at, value in config.get("steer", []):
+        for after, call, at, value in job.get("steer", []):
             if after == step:
                 getattr(loader, call)(at, value)
-        if step + 1 == start + config["num_steps"]:
+        if step + 1 == start + job["num_steps"]:
             break
-    if config.get("to_grain"):
+    if job.get("to_grain"):
         report["grain"] = report_grain
-    if pid == 0 and config.get("save_state"):
-        with open(config["save_state"], "w") as f:
+    if pid == 0 and job.get("save_state"):
+        with open(job["save_state"], "w") as f:
             json.dump(loader.state(), f)
+    return report
+
+
+def main() -> None:
+    config = json.loads(sys.argv[1])
+    pid = int(sys.argv[2])
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={config['devices']}"
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{config['port']}",
+        num_processes=config["processes"],
+        process_id=pid,
+    )
+    reports = {name: run(config, job, pid) for name, job in config["jobs"].items()}
     with open(f"{config['out']}.{pid}.json", "w") as f:
-        json.dump(report, f)
+        json.dump(reports, f)
     jax.distributed.shutdown()
 
 

@@ -246,46 +246,65 @@ SPECIAL = [
     "train/encoded_tokens/c/1",
     "train/seq_starts/c/0",
 ]
+KINDS = ["fifo", "folder"]
 
 
-@pytest.mark.parametrize("kind", ["fifo", "folder"])
-@pytest.mark.parametrize("key", SPECIAL)
-def test_a_special_file_in_the_store_is_refused_naming_it(
-    tmp_path: Path, key: str, kind: str
-) -> None:
-    url = write(tmp_path / "ds", lengths_of(60), validation=lengths_of(20, 1))
-    path = url / key
-    path.unlink()
-    if kind == "fifo":
-        os.mkfifo(path)
-    else:
-        path.mkdir()
+@pytest.fixture(scope="module")
+def special_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]]:
+    """For each key of :data:`SPECIAL` and each kind of :data:`KINDS`, a dataset
+    whose file at that key is replaced by a FIFO or a folder, opened three ways
+    (validate, info, a loader's batch) in one subprocess: by ``f"{key} {kind}"``,
+    the dataset and the subprocess's output, a line ``f"{key} {kind} {way} ..."``
+    for each way; a hang on any of them fails every test."""
+    urls: dict[str, Path] = {}
+    for key, kind in itertools.product(SPECIAL, KINDS):
+        folder = tmp_path_factory.mktemp("special")
+        url = write(folder / "ds", lengths_of(60), validation=lengths_of(20, 1))
+        path = url / key
+        path.unlink()
+        if kind == "fifo":
+            os.mkfifo(path)
+        else:
+            path.mkdir()
+        urls[f"{key} {kind}"] = url
+    cases = {case: str(url) for case, url in urls.items()}
     code, out = python(
         f"""
         import flat_tokens_jax as ftj
         from flat_tokens_jax.store.options import StoreError
         from flat_tokens_jax.data.validation import summary
-        url = {str(url)!r}
-        for name, run in [
-            ("validate", lambda: ftj.validate(url)),
-            ("info", lambda: summary(url)),
-            ("loader", lambda: ftj.Loader(
-                ftj.open_dataset(url)["train"],
-                ftj.LoaderConfig(batch_size=4, seq_len=16, prefetch=0, shuffle=False),
-            ).host_batch(0)),
-        ]:
-            try:
-                run()
-                print(name, "accepted")
-            except (ftj.FormatError, StoreError) as e:
-                print(name, "refused:", e)
+        for case, url in {cases!r}.items():
+            for name, run in [
+                ("validate", lambda: ftj.validate(url)),
+                ("info", lambda: summary(url)),
+                ("loader", lambda: ftj.Loader(
+                    ftj.open_dataset(url)["train"],
+                    ftj.LoaderConfig(batch_size=4, seq_len=16, prefetch=0, shuffle=False),
+                ).host_batch(0)),
+            ]:
+                try:
+                    run()
+                    print(case, name, "accepted", flush=True)
+                except (ftj.FormatError, StoreError) as e:
+                    print(case, name, "refused:", e, flush=True)
         """,
-        timeout=60,
+        timeout=120,
     )
     assert code == 0, out
+    return {case: (url, out) for case, url in urls.items()}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("key", SPECIAL)
+def test_a_special_file_in_the_store_is_refused_naming_it(
+    special_files: dict[str, tuple[Path, str]], key: str, kind: str
+) -> None:
+    case = f"{key} {kind}"
+    url, out = special_files[case]
+    path = url / key
     what = "FIFO" if kind == "fifo" else "folder"
     for name in ("validate", "info", "loader"):
-        line = next(x for x in out.splitlines() if x.startswith(name))
+        line = next(x for x in out.splitlines() if x.startswith(f"{case} {name} "))
         assert f"refused: {path}: is a {what}" in line, out
 
 

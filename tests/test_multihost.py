@@ -1,5 +1,6 @@
 """Real jax.distributed processes on CPU with gloo collectives."""
 
+import dataclasses
 import json
 import os
 import socket
@@ -38,29 +39,38 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def launch(
     dataset: Path | str,
-    tmp: Path,
+    out: Path,
     processes: int,
-    num_steps: int,
-    mesh_shape: list[int] | None = None,
-    mesh_axes: list[str] | None = None,
-    spec: list[Any] | None = None,
+    jobs: dict[str, dict[str, Any]],
     **extra: Any,
-) -> list[dict[str, Any]]:
+) -> dict[str, list[dict[str, Any]]]:
+    """``jobs`` run one after another by the same ``processes`` processes (2 CPU
+    devices each): each job's reports, one per process, by job name. A job
+    takes ``num_steps`` (3), a mesh (``mesh_shape``, ``mesh_axes``: every device
+    on ``"data"``), ``spec`` (``["data"]``), ``loader`` fields (``LOADER``) or
+    ``phases``, and ``restore_from``, ``save_state``, ``to_grain``."""
     devices = 2
+    default = {
+        "num_steps": 3,
+        "mesh_shape": [processes * devices],
+        "mesh_axes": ["data"],
+        "spec": ["data"],
+        "loader": LOADER,
+    }
     config = {
         "dataset": str(dataset),
         "processes": processes,
         "port": free_port(),
         "devices": devices,
-        "mesh_shape": mesh_shape or [processes * devices],
-        "mesh_axes": mesh_axes or ["data"],
-        "spec": spec or ["data"],
-        "loader": LOADER,
-        "num_steps": num_steps,
-        "out": str(tmp / f"report{processes}"),
+        "jobs": {name: {**default, **job} for name, job in jobs.items()},
+        "out": str(out),
         **extra,
     }
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # Without the session's compilation cache: where one process compiles a
+    # program and another reads it from the cache, the two can disagree on its
+    # collectives (jax 0.6: gloo's "op.preamble.length <= op.nbytes" aborts).
+    drop = ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     procs = [
         subprocess.Popen(
             [sys.executable, str(WORKER), json.dumps(config), str(i)],
@@ -74,14 +84,19 @@ def launch(
     outputs = []
     for p in procs:
         try:
-            out, _ = p.communicate(timeout=240)
+            out_text, _ = p.communicate(timeout=600)  # a bound for a hang
         finally:
             p.kill()
-        outputs.append(out)
-    for i, p in enumerate(procs):
-        lines = [ln for ln in outputs[i].splitlines() if not ln.startswith("[Gloo]")]
-        assert p.returncode == 0, f"process {i} failed:\n" + "\n".join(lines[-40:])
-    return [json.loads(Path(f"{config['out']}.{i}.json").read_text()) for i in range(processes)]
+        outputs.append(out_text)
+    failed = [
+        f"process {i} failed:\n"
+        + "\n".join([ln for ln in out_text.splitlines() if not ln.startswith("[Gloo]")][-40:])
+        for i, (p, out_text) in enumerate(zip(procs, outputs, strict=True))
+        if p.returncode != 0
+    ]
+    assert not failed, "\n".join(failed)  # each one's: the first to fail may not be the first
+    reports = [json.loads(Path(f"{out}.{i}.json").read_text()) for i in range(processes)]
+    return {name: [report[name] for report in reports] for name in jobs}
 
 
 def reference(
@@ -103,6 +118,91 @@ def reference(
     return out
 
 
+# A phase at step 2 doubles the batch and the sequence length: a new stream.
+PHASES = [[0, LOADER], [2, {**LOADER, "batch_size": 32, "seq_len": 64}]]
+SEQ_MESH = {"mesh_shape": [2, 2], "mesh_axes": ["seq", "data"]}  # process p: devices 2p, 2p+1
+GROWN = {**LOADER, "batch_size": [[0, 16], [2, 32]]}
+MORE_ROWS = {**LOADER, "batch_size": [[0, 16], [3, 32]]}  # from the restart's step on
+# The split blended with itself, its rows' sources a field of the batch; steered mid-run:
+# [after_step, call, step, value], each call made once after_step is handed out.
+STEERED = {"loader": {**LOADER, "source_field": True}, "mixture": {"x": 1.0, "y": 1.0}}
+STEER = [[1, "set_weights", 3, [1, 3]], [2, "skip", 4, 2], [4, "set_weights", 6, [3, 1]]]
+SOURCES = {"mixture": {"x": 1.0, "y": 3.0}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Runs:
+    """The module's multi-host runs, by job name (see :func:`runs`), and the
+    states they saved (``elastic``, ``restart``, ``phases``) in ``tmp``."""
+
+    reports: dict[str, list[dict[str, Any]]]
+    tmp: Path
+
+    def state(self, name: str) -> Path:
+        return self.tmp / f"{name}.json"
+
+
+@pytest.fixture(scope="module")
+def runs(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """Every run of the tests below, in four launches of fresh processes: the
+    jobs of a launch run one after another in its processes, each in a loader
+    of its own; a restore is always in a later launch than the save."""
+    tmp = tmp_path_factory.mktemp("runs")
+    state = {name: str(tmp / f"{name}.json") for name in ("elastic", "restart", "phases")}
+    reports = launch(dataset, tmp / "four", 4, {"four": {"save_state": state["elastic"]}})
+    reports |= launch(
+        dataset,
+        tmp / "two",
+        2,
+        {
+            "two": {"save_state": state["restart"]},
+            "read_ahead": {"num_steps": 8, "loader": {**LOADER, "prefetch": None}},
+            "sequence": {"num_steps": 2, **SEQ_MESH, "spec": ["data", "seq"]},
+            "bins": {
+                "num_steps": 2,
+                **SEQ_MESH,
+                "spec": ["data", "seq"],
+                "loader": {**LOADER, "packing": "bins"},
+            },
+            "doubling_rows": {"num_steps": 4, "loader": GROWN},
+            "doubling_rows_and_sequence": {
+                "num_steps": 4,
+                **SEQ_MESH,
+                "spec": ["data", "seq"],
+                "loader": GROWN,
+            },
+            "phases": {"num_steps": 4, "phases": PHASES, "save_state": state["phases"]},
+            "to_grain": {"to_grain": True},
+            "steered": {"num_steps": 8, **STEERED, "steer": STEER},
+            "source_host": {
+                **SOURCES,
+                "loader": {**LOADER, "source_field": True, "decode": "host"},
+            },
+            "source_device": {
+                **SOURCES,
+                "loader": {**LOADER, "source_field": True, "decode": "device"},
+            },
+            "elastic_on_two": {"num_steps": 2, "restore_from": state["elastic"]},
+        },
+    )
+    reports |= launch(
+        dataset,
+        tmp / "restarted",
+        2,
+        {"more_rows": {"num_steps": 2, "loader": MORE_ROWS, "restore_from": state["restart"]}},
+    )
+    reports |= launch(
+        dataset,
+        tmp / "one",
+        1,
+        {
+            "elastic_on_one": {"num_steps": 2, "restore_from": state["elastic"]},
+            "phases_on_one": {"num_steps": 2, "phases": PHASES, "restore_from": state["phases"]},
+        },
+    )
+    return Runs(reports, tmp)
+
+
 @pytest.mark.remote
 def test_four_processes_read_one_s3_store_through_a_proxy(dataset: Path, tmp_path: Path) -> None:
     """Each process reads only its own rows from moto's S3 server, every
@@ -120,7 +220,9 @@ def test_four_processes_read_one_s3_store_through_a_proxy(dataset: Path, tmp_pat
             direct = ftj.StoreOptions(**{**through, "endpoint": base})
             ftj.write_dataset("s3://bucket/ds", {"train": seqs}, options=direct)
             proxy.reset()
-            reports = launch("s3://bucket/ds", tmp_path, 4, num_steps=3, options=through)
+            reports = launch("s3://bucket/ds", tmp_path / "report", 4, {"s3": {}}, options=through)[
+                "s3"
+            ]
             assert proxy.count() > 0 and proxy.in_flight == 0
         finally:
             proxy.close()
@@ -136,9 +238,10 @@ def test_four_processes_read_one_s3_store_through_a_proxy(dataset: Path, tmp_pat
 
 @pytest.mark.parametrize("processes", [2, 4])
 def test_global_batches_equal_the_single_process_batches(
-    dataset: Path, tmp_path: Path, processes: int
+    dataset: Path, runs: Runs, processes: int
 ) -> None:
-    reports = launch(dataset, tmp_path, processes, num_steps=3)
+    reports = runs.reports[{2: "two", 4: "four"}[processes]]
+    assert len(reports) == processes
     expected = reference(dataset, range(3))
     for report in reports:
         assert report["steps"] == expected
@@ -150,18 +253,16 @@ def test_global_batches_equal_the_single_process_batches(
 
 
 def test_hosts_steered_mid_run_equal_one_process_steered_the_same(
-    dataset: Path, tmp_path: Path
+    dataset: Path, runs: Runs
 ) -> None:
     """Two processes change the weights and skip batches while steps are read
     ahead; their global batches, ``source`` included, are one process's with
     the same changes."""
-    loader = {**LOADER, "source_field": True}
-    mixture = {"x": 1.0, "y": 1.0}
-    steer = [[1, "set_weights", 3, [1, 3]], [2, "skip", 4, 2], [4, "set_weights", 6, [3, 1]]]
-    reports = launch(dataset, tmp_path, 2, num_steps=8, loader=loader, mixture=mixture, steer=steer)
+    loader, mixture = STEERED["loader"], STEERED["mixture"]
+    reports = runs.reports["steered"]
     one = ftj.Mixture({n: (ftj.open_dataset(dataset)["train"], w) for n, w in mixture.items()})
     steered = ftj.Loader(one, ftj.LoaderConfig(**loader))
-    for _, call, at, value in steer:
+    for _, call, at, value in STEER:
         getattr(steered, call)(at, value)
     for step in range(8):
         batch = steered.host_batch(step)
@@ -173,14 +274,14 @@ def test_hosts_steered_mid_run_equal_one_process_steered_the_same(
 
 @pytest.mark.parametrize("decode", ["host", "device"])
 def test_the_source_field_of_a_mixture_is_the_single_process_one(
-    dataset: Path, tmp_path: Path, decode: str
+    dataset: Path, runs: Runs, decode: str
 ) -> None:
     """``source`` (issue 38) is one global array over 2 processes, each
     holding its rows' sources: its digest, with every other field's, equals
     the single process's batch."""
     loader = {**LOADER, "source_field": True, "decode": decode}
-    mixture = {"x": 1.0, "y": 3.0}
-    reports = launch(dataset, tmp_path, 2, num_steps=3, loader=loader, mixture=mixture)
+    mixture = SOURCES["mixture"]
+    reports = runs.reports[f"source_{decode}"]
     expected = reference(dataset, range(3), loader, mixture)
     for report in reports:
         assert report["steps"] == expected
@@ -190,28 +291,18 @@ def test_the_source_field_of_a_mixture_is_the_single_process_one(
 
 
 def test_read_ahead_sized_on_each_host_gives_the_single_process_batches(
-    dataset: Path, tmp_path: Path
+    dataset: Path, runs: Runs
 ) -> None:
     """Each host measures its own times and keeps its own depth in flight
     (prefetch None); the global batches are still the single process's."""
-    auto = {**LOADER, "prefetch": None}
-    reports = launch(dataset, tmp_path, 2, num_steps=8, loader=auto)
-    expected = reference(dataset, range(8), auto)
-    for report in reports:
+    expected = reference(dataset, range(8), {**LOADER, "prefetch": None})
+    for report in runs.reports["read_ahead"]:
         assert report["steps"] == expected
 
 
-def test_sequence_sharded_hosts_read_only_their_columns(dataset: Path, tmp_path: Path) -> None:
+def test_sequence_sharded_hosts_read_only_their_columns(dataset: Path, runs: Runs) -> None:
     # Process p holds devices 2p, 2p+1: the "seq" axis runs across processes.
-    reports = launch(
-        dataset,
-        tmp_path,
-        2,
-        num_steps=2,
-        mesh_shape=[2, 2],
-        mesh_axes=["seq", "data"],
-        spec=["data", "seq"],
-    )
+    reports = runs.reports["sequence"]
     expected = reference(dataset, range(2))
     for report in reports:
         assert report["steps"] == expected
@@ -221,67 +312,44 @@ def test_sequence_sharded_hosts_read_only_their_columns(dataset: Path, tmp_path:
         assert report["bytes_read_one_step"] == LOADER["batch_size"] * (half + 1) * 4
 
 
-def test_bins_on_hosts_equal_the_single_process_bins(dataset: Path, tmp_path: Path) -> None:
+def test_bins_on_hosts_equal_the_single_process_bins(dataset: Path, runs: Runs) -> None:
     # Each process finds (or builds) the same plan; the sequence axis runs across processes.
-    bins = {**LOADER, "packing": "bins"}
-    reports = launch(
-        dataset,
-        tmp_path,
-        2,
-        num_steps=2,
-        mesh_shape=[2, 2],
-        mesh_axes=["seq", "data"],
-        spec=["data", "seq"],
-        loader=bins,
-    )
-    expected = reference(dataset, range(2), bins)
+    expected = reference(dataset, range(2), {**LOADER, "packing": "bins"})
     assert expected != reference(dataset, range(2))
-    for report in reports:
+    for report in runs.reports["bins"]:
         assert report["steps"] == expected
 
 
-def test_elastic_restart_on_fewer_hosts(dataset: Path, tmp_path: Path) -> None:
-    state = tmp_path / "state.json"
-    first = launch(dataset, tmp_path, 4, num_steps=3, save_state=str(state))
-    assert json.loads(state.read_text())["step"] == 3
-    second = launch(dataset, tmp_path, 2, num_steps=2, restore_from=str(state))
-    third = launch(dataset, tmp_path, 1, num_steps=2, restore_from=str(state))
+def test_elastic_restart_on_fewer_hosts(dataset: Path, runs: Runs) -> None:
+    assert json.loads(runs.state("elastic").read_text())["step"] == 3
     expected = reference(dataset, range(5))
-    assert first[0]["steps"] == {k: expected[k] for k in ("0", "1", "2")}
+    assert runs.reports["four"][0]["steps"] == {k: expected[k] for k in ("0", "1", "2")}
+    second, third = runs.reports["elastic_on_two"], runs.reports["elastic_on_one"]
+    assert (len(second), len(third)) == (2, 1)
     for report in second + third:
         assert report["steps"] == {k: expected[k] for k in ("3", "4")}
 
 
-@pytest.mark.parametrize("spec", [["data"], ["data", "seq"]], ids=["rows", "rows_and_sequence"])
+@pytest.mark.parametrize("spec", ["rows", "rows_and_sequence"])
 def test_a_batch_size_that_doubles_equals_the_single_process_run(
-    dataset: Path, tmp_path: Path, spec: list[str]
+    dataset: Path, runs: Runs, spec: str
 ) -> None:
-    grown = {**LOADER, "batch_size": [[0, 16], [2, 32]]}
-    mesh = {"mesh_shape": [2, 2], "mesh_axes": ["seq", "data"]} if "seq" in spec else {}
-    reports = launch(dataset, tmp_path, 2, num_steps=4, spec=spec, loader=grown, **mesh)
-    expected = reference(dataset, range(4), grown)
+    reports = runs.reports[f"doubling_{spec}"]
+    expected = reference(dataset, range(4), GROWN)
     assert [len(expected[str(s)]["target_row_sums"]) for s in range(4)] == [16, 16, 32, 32]
     for report in reports:
         assert report["steps"] == expected
-    if "seq" not in spec:
+    if spec == "rows":
         for step, size in (("1", 16), ("3", 32)):
             rows = sorted(r for report in reports for r in report["rows_at"][step])
             assert rows == list(range(size)), "every row is read by exactly one host"
 
 
-def test_restart_on_more_rows_continues_at_the_next_sample(dataset: Path, tmp_path: Path) -> None:
-    state = tmp_path / "state.json"
-    launch(dataset, tmp_path, 2, num_steps=3, save_state=str(state))
-    assert json.loads(state.read_text())["samples"] == 3 * 16
-    grown = {**LOADER, "batch_size": [[0, 16], [3, 32]]}
-    second = launch(dataset, tmp_path, 2, num_steps=2, loader=grown, restore_from=str(state))
-    expected = reference(dataset, range(5), grown)
-    for report in second:
+def test_restart_on_more_rows_continues_at_the_next_sample(dataset: Path, runs: Runs) -> None:
+    assert json.loads(runs.state("restart").read_text())["samples"] == 3 * 16
+    expected = reference(dataset, range(5), MORE_ROWS)
+    for report in runs.reports["more_rows"]:
         assert report["steps"] == {k: expected[k] for k in ("3", "4")}
-
-
-# A phase at step 2 doubles the batch and the sequence length: a new stream.
-PHASES = [[0, LOADER], [2, {**LOADER, "batch_size": 32, "seq_len": 64}]]
 
 
 def reference_phases(dataset: Path, steps: range) -> dict[str, dict[str, Any]]:
@@ -298,26 +366,25 @@ def reference_phases(dataset: Path, steps: range) -> dict[str, dict[str, Any]]:
 
 
 def test_a_phase_changing_batch_size_and_seq_len_across_hosts_and_a_restart(
-    dataset: Path, tmp_path: Path
+    dataset: Path, runs: Runs
 ) -> None:
-    state = tmp_path / "state.json"
-    first = launch(dataset, tmp_path, 2, num_steps=4, phases=PHASES, save_state=str(state))
+    first = runs.reports["phases"]
     expected = reference_phases(dataset, range(6))
     assert [len(expected[str(s)]["target_row_sums"]) for s in range(4)] == [16, 16, 32, 32]
     for report in first:
         assert report["steps"] == {k: expected[k] for k in ("0", "1", "2", "3")}
     rows = sorted(r for report in first for r in report["rows_at"]["3"])
     assert rows == list(range(32)), "every row of the new phase is read by exactly one host"
-    assert json.loads(state.read_text())["step"] == 4
+    assert json.loads(runs.state("phases").read_text())["step"] == 4
     # Inside the second phase, on one process instead of two.
-    second = launch(dataset, tmp_path, 1, num_steps=2, phases=PHASES, restore_from=str(state))
+    second = runs.reports["phases_on_one"]
     assert second[0]["steps"] == {k: expected[k] for k in ("4", "5")}
 
 
-def test_to_grain_yields_each_process_only_its_rows(dataset: Path, tmp_path: Path) -> None:
+def test_to_grain_yields_each_process_only_its_rows(dataset: Path, runs: Runs) -> None:
     """Two processes: each ``to_grain()`` element holds that process's rows of the
     single-process batch, and together they hold every row once."""
-    reports = launch(dataset, tmp_path, 2, num_steps=3, to_grain=True)
+    reports = runs.reports["to_grain"]
     loader = ftj.Loader(ftj.open_dataset(dataset)["train"], ftj.LoaderConfig(**LOADER))
     for step in range(3):
         sums = loader.host_batch(step)["targets"].astype(np.int64).sum(1)

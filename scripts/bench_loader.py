@@ -101,7 +101,9 @@ def numpy_only(path: Path, cfg: ftj.LoaderConfig) -> tuple[ftj.Loader, ftj.Loade
     loaders = []
     for prefetch in (0, 2):
         loader = ftj.Loader(ft, dataclasses.replace(cfg, prefetch=prefetch))
-        loader.block_decoder = BlockDecoder(loader.block_decoder.threads, kernel="numpy")
+        loader.engine.block_decoder = BlockDecoder(
+            loader.engine.block_decoder.threads, kernel="numpy"
+        )
         loaders.append(loader)
     return loaders[0], loaders[1]
 
@@ -229,9 +231,9 @@ def stage_costs(
         ),
         ("read: the records' encoded windows", ms(lambda s: records.read(chosen[s]))),
         (
-            f"decode: the five fields from the windows ({loader.block_decoder.kernel})",
+            f"decode: the five fields from the windows ({loader.engine.block_decoder.kernel})",
             ms(
-                lambda s: loader.block_decoder.decode(
+                lambda s: loader.engine.block_decoder.decode(
                     windows[s], ftj.Packing.WINDOWS, cfg.seq_len, start_token_id=0, pad_id=0
                 )
             ),
@@ -409,7 +411,7 @@ def main() -> None:
             base_wall, base_cpu = timed(memmap_copy, steps)
             tokens = B * L * len(steps)
             variants = [(name, loader, ahead)]
-            if name == "uncompressed" and loader.block_decoder.kernel == "numba":
+            if name == "uncompressed" and loader.engine.block_decoder.kernel == "numba":
                 variants.append((f"{name}, numpy, no numba", *numpy_only(path, cfg)))
             for row_name, sync, reading_ahead in variants:
                 for label, fn in (
@@ -469,7 +471,7 @@ def main() -> None:
                 f"{name}: wrote {args.tokens:,} tokens in {write_s:.1f}s "
                 f"({args.tokens * 4 / write_s / 1e6:.0f} MB/s)"
             )
-        decoder = ftj.Loader(ft, cfg).block_decoder
+        decoder = ftj.Loader(ft, cfg).engine.block_decoder
         print(
             f"\nB={B}, L={L}, {args.steps} random steps, best of 3, page cache warm; "
             f"decode_threads={decoder.threads} of {os.cpu_count()} cores "

@@ -21,15 +21,15 @@ Run: ``python scripts/bench_steering.py [--repeats 30]``
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from bench_phases import FIXED, calls  # this folder is on the path of a script run
+from bench_phases import FIXED, calls, medians  # this folder is on the path of a script run
 
 import flat_tokens_jax as ftj
 
@@ -38,20 +38,6 @@ EVERY = 100
 CHANGES = FAR // EVERY
 SPAN = 64
 COMPONENTS = 10
-
-
-def medians(fns: dict[str, Callable[[int], object]], repeats: int) -> dict[str, float]:
-    """Median seconds of each function, called in turn ``repeats`` times
-    (interleaved) with the repeat's index."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn(repeats)
-    for r in range(repeats):
-        for name, fn in fns.items():
-            began = time.perf_counter()
-            fn(r)
-            times[name].append(time.perf_counter() - began)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -78,15 +64,16 @@ def main() -> None:
         ended = time.perf_counter()
         rows = steered.host_rows_at(0)
 
-        def batches(loader: ftj.Loader, first: int) -> Callable[[int], object]:
-            return lambda _: [loader.host_batch(first + k) for k in range(SPAN)]
+        def batches(loader: ftj.Loader, first: int) -> Callable[[], object]:
+            return lambda: [loader.host_batch(first + k) for k in range(SPAN)]
 
-        def records(loader: ftj.Loader, first: int) -> Callable[[int], object]:
-            return lambda _: [loader.steps.records(first + 2 * k, rows) for k in range(SPAN)]
+        def records(loader: ftj.Loader, first: int) -> Callable[[], object]:
+            return lambda: [loader.steps.records(first + 2 * k, rows) for k in range(SPAN)]
 
-        def opening(loader: ftj.Loader) -> Callable[[int], object]:
-            # A segment's first step, its tables not built yet: a new segment each repeat.
-            return lambda r: loader.steps.records(FAR - EVERY * (2 + 3 * r), rows)
+        def opening(loader: ftj.Loader) -> Callable[[], object]:
+            # A segment's first step, its tables not built yet: a new segment each call.
+            index = itertools.count()
+            return lambda: loader.steps.records(FAR - EVERY * (2 + 3 * next(index)), rows)
 
         got = medians(
             {

@@ -92,7 +92,7 @@ def test_row_blocks_on_threads_equal_reference(seqs: list[list[int]], data: st.D
     loader = ftj.Loader(ft, cfg)
     threads = data.draw(st.integers(1, 5))
     kernel = data.draw(st.sampled_from(["numba", "numpy"]))
-    loader.block_decoder = BlockDecoder(
+    loader.engine.block_decoder = BlockDecoder(
         threads, min_block_rows=data.draw(st.integers(1, 4)), kernel=kernel
     )
     last = (loader.num_batches or 30) - 1

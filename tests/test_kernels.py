@@ -180,7 +180,7 @@ import flat_tokens_jax as ftj
 from flat_tokens_jax.decoding.hostdecode import BlockDecoder
 ft = ftj.open_dataset({str(tmp_path)!r})["train"]
 loader = ftj.Loader(ft, ftj.LoaderConfig(batch_size=4, seq_len=8, seed=3))
-assert loader.block_decoder.kernel == "numpy", loader.block_decoder
+assert loader.engine.block_decoder.kernel == "numpy", loader.engine.block_decoder
 assert ft.encoded.local.kernels is None
 try:
     BlockDecoder(2, kernel="numba")
@@ -197,7 +197,7 @@ np.save(sys.argv[1], np.stack([list(loader.host_batch(s).values()) for s in rang
     subprocess.run([sys.executable, "-c", script, str(out)], check=True, cwd=ROOT)
     ft = ftj.open_dataset(tmp_path)["train"]
     loader = ftj.Loader(ft, ftj.LoaderConfig(batch_size=4, seq_len=8, seed=3))
-    assert loader.block_decoder.kernel == "numba"
+    assert loader.engine.block_decoder.kernel == "numba"
     here = np.stack([list(loader.host_batch(s).values()) for s in range(5)])
     assert np.load(out).tolist() == here.tolist()
 

@@ -12,10 +12,7 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import yaml
+from trainruns import kill_when, script_command
 
 import flat_tokens_jax as ftj
 
@@ -61,17 +59,16 @@ def write_data(path: Path, seed: int) -> Path:
 def command(
     data: Path, checkpoints: Path, log: Path, steps: int, mesh: str, config: Path = CONFIG
 ) -> list[str]:
-    return [
-        sys.executable,
-        str(SCRIPT),
-        f"--config={config}",
-        f"--data={data}",
-        f"--checkpoint-dir={checkpoints}",
-        f"--log-jsonl={log}",
-        f"--steps={steps}",
-        f"--checkpoint-every={EVERY}",
-        f"--mesh={mesh}",
-    ]
+    return script_command(
+        SCRIPT,
+        config=config,
+        data=data,
+        checkpoint_dir=checkpoints,
+        log_jsonl=log,
+        steps=steps,
+        checkpoint_every=EVERY,
+        mesh=mesh,
+    )
 
 
 def train(*args: Any) -> subprocess.CompletedProcess[str]:
@@ -98,21 +95,13 @@ def finalized(checkpoints: Path) -> list[int]:
 
 def run_and_kill(data: Path, checkpoints: Path, log: Path) -> None:
     """Starts a run far longer than needed and SIGKILLs it after checkpoint ``KILL_AT``."""
-    with open(log.with_suffix(".out"), "w") as out:
-        proc = subprocess.Popen(
-            command(data, checkpoints, log, 100_000, "8"), env=ENV, stdout=out, stderr=out
-        )
-        try:
-            deadline = time.monotonic() + 300
-            while max(finalized(checkpoints), default=-1) < KILL_AT:
-                assert proc.poll() is None, log.with_suffix(".out").read_text()
-                assert time.monotonic() < deadline, "no checkpoint within 300 s"
-                time.sleep(0.02)
-            os.kill(proc.pid, signal.SIGKILL)
-        finally:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    kill_when(
+        command(data, checkpoints, log, 100_000, "8"),
+        ENV,
+        log.with_suffix(".out"),
+        lambda: max(finalized(checkpoints), default=-1) >= KILL_AT,
+        f"checkpoint {KILL_AT}",
+    )
 
 
 def restore_state(checkpoints: Path, step: int) -> Any:

@@ -13,10 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +21,7 @@ import numpy as np
 import pytest
 import yaml
 from test_train_example import finalized, read_log
+from trainruns import kill_when, script_command
 
 import flat_tokens_jax as ftj
 
@@ -67,15 +65,9 @@ def run_config(tmp: Path, phases: list[dict[str, Any]] | None = None) -> Path:
 
 
 def command(config: Path, checkpoints: Path, log: Path, steps: int) -> list[str]:
-    return [
-        sys.executable,
-        str(SCRIPT),
-        f"--config={config}",
-        f"--checkpoint-dir={checkpoints}",
-        f"--log-jsonl={log}",
-        f"--steps={steps}",
-        "--mesh=8",
-    ]
+    return script_command(
+        SCRIPT, config=config, checkpoint_dir=checkpoints, log_jsonl=log, steps=steps, mesh=8
+    )
 
 
 def train(config: Path, checkpoints: Path, log: Path, tmp: Path, steps: int) -> str:
@@ -100,21 +92,13 @@ def crash(tmp_path_factory: pytest.TempPathFactory) -> Crash:
         ftj.write_dataset(tmp / "data" / name, {"train": seqs})
     config = run_config(tmp)
     killed, log = tmp / "killed", tmp / "killed.jsonl"
-    with open(tmp / "killed.out", "w") as out:
-        proc = subprocess.Popen(
-            command(config, killed, log, 100_000), env=env(tmp), stdout=out, stderr=out
-        )
-        try:
-            deadline = time.monotonic() + 300
-            while max(finalized(killed), default=-1) < KILL_AT:
-                assert proc.poll() is None, (tmp / "killed.out").read_text()[-3000:]
-                assert time.monotonic() < deadline, "no checkpoint within 300 s"
-                time.sleep(0.02)
-            os.kill(proc.pid, signal.SIGKILL)
-        finally:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    kill_when(
+        command(config, killed, log, 100_000),
+        env(tmp),
+        tmp / "killed.out",
+        lambda: max(finalized(killed), default=-1) >= KILL_AT,
+        f"checkpoint {KILL_AT}",
+    )
     resume_step = finalized(killed)[-1]
     steps = max(STEPS, resume_step + 4)
     train(config, tmp / "reference", tmp / "reference.jsonl", tmp, steps)

@@ -9,19 +9,16 @@ environment and log reader)."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import yaml
 from test_train_example import ENV, read_log
+from trainruns import kill_when, script_command
 
 import flat_tokens_jax as ftj
 
@@ -59,15 +56,14 @@ def write_config(folder: Path, urls: dict[str, str]) -> Path:
 
 
 def command(config: Path, checkpoints: Path, log: Path, steps: int) -> list[str]:
-    return [
-        sys.executable,
-        str(SCRIPT),
-        f"--config={config}",
-        f"--checkpoint-dir={checkpoints}",
-        f"--log-jsonl={log}",
-        f"--steps={steps}",
-        f"--reweight-every={EVERY}",
-    ]
+    return script_command(
+        SCRIPT,
+        config=config,
+        checkpoint_dir=checkpoints,
+        log_jsonl=log,
+        steps=steps,
+        reweight_every=EVERY,
+    )
 
 
 def logged_steps(log: Path) -> list[int]:
@@ -80,23 +76,13 @@ def logged_steps(log: Path) -> list[int]:
 def run_and_kill(config: Path, checkpoints: Path, log: Path, at: int) -> str:
     """Starts a run far longer than needed, SIGKILLs it once it has logged
     step ``at`` and a step after its first (so it saved a checkpoint); its output."""
-    out = log.with_suffix(".out")
-    with open(out, "w") as sink:
-        proc = subprocess.Popen(
-            command(config, checkpoints, log, 100_000), env=ENV, stdout=sink, stderr=sink
-        )
-        try:
-            deadline = time.monotonic() + 300
-            while max(steps := logged_steps(log), default=-1) < at or len(steps) < 2:
-                assert proc.poll() is None, out.read_text()
-                assert time.monotonic() < deadline, f"step {at} not logged within 300 s"
-                time.sleep(0.01)
-            os.kill(proc.pid, signal.SIGKILL)
-        finally:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    return out.read_text()
+
+    def logged() -> bool:
+        steps = logged_steps(log)
+        return max(steps, default=-1) >= at and len(steps) >= 2
+
+    run = command(config, checkpoints, log, 100_000)
+    return kill_when(run, ENV, log.with_suffix(".out"), logged, f"step {at} logged")
 
 
 def resumed_at(output: str) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -23,7 +23,6 @@ import numpy as np
 from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, sources_of
-from flat_tokens_jax.decoding.hostdecode import BlockDecoder
 from flat_tokens_jax.decoding.sharding import HostBlocks
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.deviceblocks import Blocks
@@ -31,22 +30,15 @@ from flat_tokens_jax.loader.engine import Fetched, StepEngine
 from flat_tokens_jax.loader.resume import check_resume, state_differences
 from flat_tokens_jax.loader.sources import Sources
 from flat_tokens_jax.loader.state import SavedState, read_state, restorable, state_step
-from flat_tokens_jax.loader.steered import (
-    check_step,
-    merged,
-    skip_count,
-    state_fields,
-    weight_counts,
-    with_weights,
-)
+from flat_tokens_jax.loader.steerable import Steerable
+from flat_tokens_jax.loader.steered import merged, state_fields
 from flat_tokens_jax.sampling.mixture import Mixture
-from flat_tokens_jax.sampling.steering import Change, Skips, Steering
 
 if TYPE_CHECKING:
     from flat_tokens_jax.loader.tograin import StepsDataset
 
 
-class Loader:
+class Loader(Steerable):
     """Batches of model fields for any step, with background prefetching.
 
     Every batch holds ``inputs``, ``targets``, ``segment_ids``, ``positions``
@@ -59,13 +51,12 @@ class Loader:
         source: a :class:`FlatTokens` split (records made per ``config.packing``)
             or any :class:`Records` source, e.g. a ``Mixture``.
         config: the batch definition.
-        sharding: how the global batch is laid out over devices, e.g.
-            ``NamedSharding(mesh, P("data"))``, ``P(("data", "fsdp"))`` or
-            ``P("data", "seq")`` (sequence dimension sharded too). Each host then
-            reads only the blocks its own devices hold. ``None``: whole batches on
-            the default device.
-        plan_cache: where packing plans built for ``packing="bins"`` are cached
-            (splits without a stored plan, see ``flat-tokens pack``). ``None``:
+        sharding: how the global batch is laid out over devices, e.g. ``NamedSharding(mesh,
+            P("data"))``, ``P(("data", "fsdp"))`` or ``P("data", "seq")`` (sequence dimension
+            sharded too). Each host then reads only the blocks its own devices hold.
+            ``None``: whole batches on the default device.
+        plan_cache: where packing plans built for ``packing="bins"`` are cached (splits
+            without a stored plan, see ``flat-tokens pack``). ``None``:
             ``$XDG_CACHE_HOME/flat_tokens_jax/plans`` (``~/.cache/...``).
 
     Attributes:
@@ -77,9 +68,9 @@ class Loader:
         next_step: the step :meth:`iterate` starts at (set by :meth:`restore`).
 
     Raises:
-        ValueError: the sharding cannot split ``[batch_size, seq_len]`` evenly
-            (for a schedule: the first step whose size it cannot split is
-            named), or ``vocab_size`` is too small for the data.
+        ValueError: the sharding cannot split ``[batch_size, seq_len]`` evenly (for a
+            schedule: the first step whose size it cannot split is named), or
+            ``vocab_size`` is too small for the data.
     """
 
     def __init__(
@@ -94,8 +85,7 @@ class Loader:
 
     @classmethod
     def _of(cls, engine: StepEngine) -> Loader:
-        """A loader of ``engine``'s steps: a phase's, whose samplers go on where
-        the earlier phases left its streams (see :mod:`~flat_tokens_jax.loader.phasedloader`)."""
+        """A loader of ``engine``'s steps (a phase's, made by ``PhasedLoader``)."""
         loader = cls.__new__(cls)
         loader._open(engine)
         return loader
@@ -104,9 +94,8 @@ class Loader:
         self.engine = engine
         self.config, self.sharding, self.layout = engine.config, engine.sharding, engine.layout
         self.mixture, self.components, self.names = engine.mixture, engine.components, engine.names
-        self.source_names = engine.source_names
+        self.source_names, self.start_token_id = engine.source_names, engine.start_token_id
         self.records, self.schedule = engine.records, engine.schedule
-        self.start_token_id = engine.start_token_id
         self.samplers, self.sampler, self.steps = engine.samplers, engine.sampler, engine.steps
         # Steps read ahead, for `iterate`, `start` and consecutive `batch` calls.
         self._door = engine.door(self._finish, "ftj-prefetch")
@@ -116,15 +105,6 @@ class Loader:
 
     def __repr__(self) -> str:
         return f"Loader({self.records!r}, {self.config!r})"
-
-    @property
-    def block_decoder(self) -> BlockDecoder:
-        """Decodes a step's rows on the host, in row blocks on threads."""
-        return self.engine.block_decoder
-
-    @block_decoder.setter
-    def block_decoder(self, decoder: BlockDecoder) -> None:
-        self.engine.block_decoder = decoder
 
     @property
     def wait_seconds(self) -> float:
@@ -145,67 +125,10 @@ class Loader:
         return self.engine.steps.size(step)
 
     def samples_before(self, step: int) -> int:
-        """Global samples before ``step``'s: ``step * batch_size`` for a constant
-        batch size; with skips, those of the data steps before the one it reads
-        (skipped batches included), the global index of its first sample."""
+        """Global samples before ``step``'s (the global index of its first sample):
+        ``step * batch_size`` for a constant batch size; with skips, those of the data
+        steps before the one it reads, skipped batches included."""
         return self.schedule.samples_before(self.engine.steps.data_step(step))
-
-    def skip(self, step: int, count: int) -> None:
-        """From ``step`` on, step ``s`` reads what step ``s + count`` would have read
-        (with the skips before: what its data step plus ``count`` would have read).
-
-        Skips add up (two at one step, or at several steps); each is kept in
-        :meth:`state` and replayed by :meth:`restore`. Steps read ahead at or
-        after ``step`` are dropped and read again.
-
-        Raises:
-            ValueError: ``step`` is before :attr:`next_step`, or ``count`` is not an int >= 1.
-        """
-        step = check_step(step, self.next_step, "Loader.skip")
-        count = skip_count(count, "Loader.skip")
-        steering = self.steering
-        self._steer(steering.skips.added(step, count), steering.changes, step)
-
-    def set_weights(self, step: int, weights: Sequence[float] | Mapping[str, float]) -> None:
-        """From ``step`` on, the mixture blends its components by ``weights``
-        (one per component, or ``{name: weight}`` naming every component).
-
-        The change starts a weight segment at the data step ``step`` reads, over the
-        mixture's ``period`` (or the default period of these weights); a change of the
-        mixture's declared schedule at a later step still applies from there. Each
-        component's stream continues where it was. A second change at the same step
-        replaces the first. Kept in :meth:`state` (as the samples per period the weights
-        round to) and replayed by :meth:`restore`; steps read ahead at or after ``step``
-        are dropped and read again.
-
-        Raises:
-            ValueError: ``step`` is before :attr:`next_step`, the loader reads a single
-                source, or the mixture refuses the weights (as it refuses its own).
-        """
-        step = check_step(step, self.next_step, "Loader.set_weights")
-        counts = weight_counts(self.mixture, weights, step, "Loader.set_weights")
-        steering = self.steering
-        self._steer(steering.skips, with_weights(steering.changes, step, counts), step)
-
-    def _steer(self, skips: Skips, changes: tuple[Change, ...], since: int) -> None:
-        """Reads with these skips and weight changes, which differ from now's from ``since`` on."""
-        now = self.steering
-        if (skips, changes) != (now.skips, now.changes):
-            self.engine.steer(now.steered(skips, changes, since), since)
-
-    def _restream(self, streams: Sequence[tuple[int, int]]) -> None:
-        """Continues component ``c``'s stream at ``streams[c]``, its ``(seed,
-        offset)`` (a phase, after the earlier phases' weights changed)."""
-        self.engine.restream(streams)
-        self.sampler = self.engine.sampler
-
-    @property
-    def steering(self) -> Steering:
-        """The skips (``steering.skips.entries``, ``((step, count), ...)``) and weight
-        changes (``steering.changes``, ``((step, counts), ...)``: from ``step`` on,
-        ``counts[c]`` samples of component ``c`` per period of ``sum(counts)``) that
-        this loader reads with (see :meth:`skip` and :meth:`set_weights`)."""
-        return self.engine.steps.steering
 
     @property
     def num_batches(self) -> int | None:
@@ -311,32 +234,11 @@ class Loader:
                     return
 
     def stats(self) -> dict[str, Any]:
-        """What the input pipeline did so far, JSON-ready, for a trainer to log.
-
-        ``steps``: batches handed out (``batch`` and ``iterate``); the trainer's waits for
-        them, ``wait_first_s`` for the first and ``wait_last_s``, ``wait_mean_s``,
-        ``wait_p99_s`` (of the last 1024) over the others; ``fetch_last_s``,
-        ``fetch_mean_s`` (a step's read: latency), ``decode_mean_s`` (decode and
-        placement), ``interval_mean_s`` (between batches taken: the trainer's step);
-        ``depth`` (steps in flight now), ``depth_target`` (the automatic depth last set;
-        the pinned ``prefetch``), ``depth_ceiling`` (the cap after a growth that did not
-        pay; 0: none), ``read_ahead_bytes_peak`` (most bytes the steps in flight held) and
-        ``read_ahead_bytes`` (the budget); ``requests``: HTTP reads to GCS and S3 since the
-        loader was made, by the whole process (other loaders' too); ``bytes_read``: bytes
-        the components' readers requested, checks included, since then; ``tokens``: tokens
-        of this host's rows handed out (rows x ``seq_len``, padding included);
-        ``source_tokens``: those tokens by source, ``{name: tokens}`` over
-        :attr:`source_names` (padding rows counted nowhere; decoded on the host or the
-        devices, with or without ``source_field``);
-        ``filtered_rows`` and ``filtered_rows_last``: this host's rows whose loss mask the
-        ``instance_filter`` cleared, over the steps handed out and in the last one. Only
-        rows decoded on the host are counted: steps decoded on the devices
-        (``decode="device"``, or the sequence dimension sharded) count 0, since counting
-        them would cost a transfer back from the devices; :meth:`host_batch` is not
-        counted either. The read-ahead's numbers are those of the door that handed out the
-        last step: ``batch`` and ``iterate``, or an iterator of :meth:`to_grain`; the
-        filter's count the steps of both.
-        """
+        """What the input pipeline did so far, JSON-ready, for a trainer to log: the
+        trainer's waits, the fetch and decode times, the read-ahead's depth and bytes,
+        requests and bytes read, tokens (by source too) and the instance filter's
+        rejections; each key is described in docs/guide/loading.md, "Where the work
+        runs, and read-ahead"."""
         return self.engine.stats()
 
     def to_grain(self) -> StepsDataset:

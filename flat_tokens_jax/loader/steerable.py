@@ -1,0 +1,80 @@
+"""What a trainer calls to steer a :class:`~flat_tokens_jax.loader.loader.Loader`
+while it trains: ``skip`` and ``set_weights`` (the arithmetic is
+:mod:`~flat_tokens_jax.sampling.steering`'s; the checks, the saved lists and
+their merge on restore :mod:`~flat_tokens_jax.loader.steered`'s)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from flat_tokens_jax.loader.engine import StepEngine
+from flat_tokens_jax.loader.steered import check_step, skip_count, weight_counts, with_weights
+from flat_tokens_jax.sampling.mixture import Mixture
+from flat_tokens_jax.sampling.sampling import IndexSampler
+from flat_tokens_jax.sampling.steering import Change, Skips, Steering
+
+
+class Steerable:
+    """``Loader``'s steering: skipped batches and weight changes from a step on."""
+
+    engine: StepEngine
+    mixture: Mixture | None
+    next_step: int
+    sampler: IndexSampler
+
+    def skip(self, step: int, count: int) -> None:
+        """From ``step`` on, step ``s`` reads what step ``s + count`` would have read
+        (with the skips before: what its data step plus ``count`` would have read).
+
+        Skips add up (two at one step, or at several steps); each is kept in
+        :meth:`state` and replayed by :meth:`restore`. Steps read ahead at or
+        after ``step`` are dropped and read again.
+
+        Raises:
+            ValueError: ``step`` is before :attr:`next_step`, or ``count`` is not an int >= 1.
+        """
+        step = check_step(step, self.next_step, "Loader.skip")
+        count = skip_count(count, "Loader.skip")
+        steering = self.steering
+        self._steer(steering.skips.added(step, count), steering.changes, step)
+
+    def set_weights(self, step: int, weights: Sequence[float] | Mapping[str, float]) -> None:
+        """From ``step`` on, the mixture blends its components by ``weights``
+        (one per component, or ``{name: weight}`` naming every component).
+
+        The change starts a weight segment at the data step ``step`` reads, over the
+        mixture's ``period`` (or the default period of these weights); a change of the
+        mixture's declared schedule at a later step still applies from there. Each
+        component's stream continues where it was. A second change at the same step
+        replaces the first. Kept in :meth:`state` (as the samples per period the weights
+        round to) and replayed by :meth:`restore`; steps read ahead at or after ``step``
+        are dropped and read again.
+
+        Raises:
+            ValueError: ``step`` is before :attr:`next_step`, the loader reads a single
+                source, or the mixture refuses the weights (as it refuses its own).
+        """
+        step = check_step(step, self.next_step, "Loader.set_weights")
+        counts = weight_counts(self.mixture, weights, step, "Loader.set_weights")
+        steering = self.steering
+        self._steer(steering.skips, with_weights(steering.changes, step, counts), step)
+
+    def _steer(self, skips: Skips, changes: tuple[Change, ...], since: int) -> None:
+        """Reads with these skips and weight changes, which differ from now's from ``since`` on."""
+        now = self.steering
+        if (skips, changes) != (now.skips, now.changes):
+            self.engine.steer(now.steered(skips, changes, since), since)
+
+    def _restream(self, streams: Sequence[tuple[int, int]]) -> None:
+        """Continues component ``c``'s stream at ``streams[c]``, its ``(seed,
+        offset)`` (a phase, after the earlier phases' weights changed)."""
+        self.engine.restream(streams)
+        self.sampler = self.engine.sampler
+
+    @property
+    def steering(self) -> Steering:
+        """The skips (``steering.skips.entries``, ``((step, count), ...)``) and weight
+        changes (``steering.changes``, ``((step, counts), ...)``: from ``step`` on,
+        ``counts[c]`` samples of component ``c`` per period of ``sum(counts)``) that
+        this loader reads with (see :meth:`skip` and :meth:`set_weights`)."""
+        return self.engine.steps.steering

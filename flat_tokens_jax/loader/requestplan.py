@@ -1,0 +1,415 @@
+"""What a run asks of an object store, before it runs: requests and bytes per step.
+
+:func:`plan_requests` runs a loader's sampler for a sample of steps, splits
+each step's rows over ``hosts`` hosts, and counts the HTTP requests and the
+bytes each host's reads cost, from the records' token ranges and each array's
+chunking in its zarr metadata: no token is read (padded rows and bins read
+the sequence bounds they need from ``seq_starts``). :func:`ramp_minutes`
+says how long a fresh GCS bucket would throttle that rate.
+
+The rule it counts by, measured with tensorstore on fake-gcs-server and
+moto's S3 (``scripts/bench_requestplan.py`` prints the measurements):
+
+- A host reads a step's rows of one component, per array, in one tensorstore
+  batch, and the batch fetches each inner chunk its ranges touch whole
+  (``chunk_tokens`` values, plus the 4-byte crc32c of the default format).
+- Touched chunks of one shard with no untouched chunk between them go out in
+  one HTTP range request, however many there are (one request for 1 to 63
+  adjacent chunks, up to 2 MiB, measured); a gap of a chunk or more, or a
+  shard boundary, starts another request. In zarr v2 each chunk is an object
+  of its own: one request each.
+- So with the default format (2**24-token shards of 2**13-token chunks) one
+  2049-token window costs 1 request of 1 chunk (32 KiB), or of 2 when it
+  straddles a chunk boundary; 2**18 contiguous tokens cost 1 request of 33
+  chunks (2 across a shard boundary); a step of 32 random windows costs 32
+  requests, one per run of adjacent chunks (fewer where chunks were cached by
+  an earlier step). Rows of one step that share a chunk read it once.
+- The plan counts no chunk as cached from an earlier step: right for a store
+  much larger than ``StoreOptions.cache_bytes``; a smaller store costs less.
+- It leaves out what a host reads once per shard, the first time it touches
+  it: the shard index, its probe and its chunk digests (3 requests), cached
+  afterwards while ``cache_bytes`` holds them.
+
+Two ways a host reads a step's records, side by side: :func:`row_reads` (full
+shuffle, or none: each row's range, read at its step) and :func:`block_reads`
+(``shuffle="blocks"``: record ``r`` lies in block ``r // B``; a host reads a
+block whole, as one range from its first record's start to its last record's
+end, at the first step one of its rows needs it, once per epoch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from flat_tokens_jax.core.fields import Packing
+from flat_tokens_jax.core.format import LOSS_MASK, SEQ_STARTS
+from flat_tokens_jax.core.values import integer, number
+from flat_tokens_jax.data.bins import BinRecords
+from flat_tokens_jax.data.dataset import FlatTokens
+from flat_tokens_jax.data.records import PackedRecords, PaddedRecords
+from flat_tokens_jax.loader.loader import Loader
+
+__all__ = [
+    "GCS_DOUBLING_MINUTES",
+    "GCS_INITIAL_READS",
+    "Chunking",
+    "HostSamples",
+    "RequestPlan",
+    "StepReads",
+    "block_reads",
+    "host_samples",
+    "plan_requests",
+    "ramp_minutes",
+    "row_reads",
+]
+
+# A fresh GCS bucket serves about 5,000 object reads/s; Google's guidelines
+# ask to double the rate no faster than every 20 minutes while it scales
+# (https://cloud.google.com/storage/docs/request-rate).
+GCS_INITIAL_READS = 5000
+GCS_DOUBLING_MINUTES = 20
+
+
+def ramp_minutes(
+    rate: float, initial: float = GCS_INITIAL_READS, doubling: float = GCS_DOUBLING_MINUTES
+) -> float:
+    """Minutes until a bucket that serves ``initial`` reads/s, doubling every
+    ``doubling`` minutes, serves ``rate`` reads/s: ``doubling * log2(rate /
+    initial)``, 0 at or below ``initial``."""
+    return doubling * math.log2(rate / initial) if rate > initial else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunking:
+    """How one array is stored, as far as requests go.
+
+    Attributes:
+        chunk: values per inner chunk (zarr v3) or chunk file (zarr v2).
+        shard: values per shard file; ``None`` in zarr v2 (a chunk is an object).
+        chunk_bytes: bytes a request returns per chunk: the chunk's values,
+            plus 4 for a crc32c; uncompressed size, so an upper bound for a
+            compressed array.
+    """
+
+    chunk: int
+    shard: int | None
+    chunk_bytes: int
+
+    @classmethod
+    def of(cls, ft: FlatTokens, array: str) -> Chunking:
+        """The chunking of ``ft``'s ``array`` (a name such as ``seq_starts``), from its metadata."""
+        described = ft.storage_formats()[array]
+        reader = {ft.tokens_name: ft.encoded, SEQ_STARTS: ft.starts, LOSS_MASK: ft.loss_mask}
+        itemsize = np.dtype(reader[array].dtype).itemsize  # type: ignore[union-attr]
+        chunk = int(described["chunk"])
+        shard = described["shard"]
+        extra = 4 if described["checksum"] else 0
+        return cls(chunk, None if shard is None else int(shard), chunk * itemsize + extra)
+
+    def count(self, group: np.ndarray, lo: np.ndarray, hi: np.ndarray, groups: int) -> np.ndarray:
+        """``[groups, 2] int64``: requests and bytes of each group's ranges
+        ``[lo, hi)`` (values of this array; ``group`` ``[k]`` in ``[0,
+        groups)``), a group being one batch of reads."""
+        keep = hi > lo
+        group, lo, hi = group[keep], lo[keep], hi[keep]
+        first, last = lo // self.chunk, (hi - 1) // self.chunk
+        n = last - first + 1
+        owner = np.repeat(group, n)
+        offset = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+        chunks = np.repeat(first, n) + offset
+        span = int(chunks.max()) + 1 if chunks.size else 1
+        touched = np.unique(owner * span + chunks)
+        owner, chunks = touched // span, touched % span
+        starts = np.ones(touched.shape, bool)
+        if self.shard is not None:
+            per_shard = self.shard // self.chunk
+            starts[1:] = (np.diff(touched) != 1) | (chunks[1:] % per_shard == 0)
+        out = np.zeros((groups, 2), np.int64)
+        out[:, 0] = np.bincount(owner[starts], minlength=groups)
+        out[:, 1] = np.bincount(owner, minlength=groups) * self.chunk_bytes
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSamples:
+    """The records each host's rows read at each sampled step, flattened.
+
+    Attributes:
+        steps: the sampled steps ``[s] int64``, in order.
+        hosts: how many hosts share each step's rows.
+        at: ``[k] int64`` index into ``steps`` of each real row.
+        host: ``[k] int64`` the host that reads it.
+        component, record, epoch: ``[k] int64`` what it reads.
+    """
+
+    steps: np.ndarray
+    hosts: int
+    at: np.ndarray
+    host: np.ndarray
+    component: np.ndarray
+    record: np.ndarray
+    epoch: np.ndarray
+
+
+def host_samples(loader: Loader, hosts: int, steps: Sequence[int]) -> HostSamples:
+    """The sampler's records for ``steps``, each step's rows split into
+    ``hosts`` equal runs of consecutive rows (data sharding: host ``h`` holds
+    rows ``[h*bs/H, (h+1)*bs/H)``).
+
+    Raises:
+        ValueError: ``hosts`` is not an int >= 1 or does not divide a step's
+            batch (the message names the step and the sizes), or the loader
+            refuses a step.
+    """
+    hosts = integer(hosts, "hosts", low=1)
+    parts: list[tuple[np.ndarray, ...]] = []
+    for i, step in enumerate(steps):
+        size = loader.batch_size_at(step)
+        if size % hosts:
+            raise ValueError(
+                f"hosts: {hosts} hosts do not split step {step}'s batch of {size} rows "
+                "evenly: give a host count that divides every batch size"
+            )
+        g, real = loader.steps.samples(step, np.arange(size, dtype=np.int64))
+        comp, record, epoch = loader.steps.lookup(g[real])
+        host = np.flatnonzero(real) // (size // hosts)
+        parts.append((np.full(host.size, i, np.int64), host, comp, record, epoch))
+    joined = [np.concatenate(p) for p in zip(*parts, strict=True)]
+    return HostSamples(np.asarray(list(steps), np.int64), hosts, *joined)
+
+
+def _split_of(records: Any, name: str) -> FlatTokens:
+    if isinstance(records, PackedRecords | PaddedRecords | BinRecords):
+        return records.ft
+    raise ValueError(
+        f"component {name!r}: {type(records).__name__} records name no store to plan from: "
+        "the requests plan takes a split's records (packed, padded or bins)"
+    )
+
+
+def _targets(records: Any, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(row, start, stop)`` ``[m] int64``: the token ranges the targets of
+    records ``idx`` come from (a bin's: each sequence), ``row`` indexing ``idx``."""
+    if isinstance(records, BinRecords):
+        row, seqs = records.sequences(idx)
+        start, stop = records.ft.sequence_bounds(seqs)
+        return row, start, np.minimum(stop, start + records.seq_len)
+    start, stop = records.token_ranges(idx)
+    return np.arange(idx.size, dtype=np.int64), start, stop
+
+
+def _ranges(records: Any, idx: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per array of the records' split, the value ranges reading records
+    ``idx`` (``[k] int64``) takes: ``(row, lo, hi)`` ``[m] int64`` each, ``row``
+    indexing ``idx``; in the array's own coordinates (a split's view offset added)."""
+    ft: FlatTokens = records.ft
+    base, seq_base = ft.token_range[0], ft.seq_range[0]
+    row, start, stop = _targets(records, idx)
+    out = {}
+    lo = start
+    if records.packing is Packing.WINDOWS:
+        lo = np.maximum(start - 1, 0)  # a window's inputs begin one token before its targets
+    elif isinstance(records, BinRecords):
+        seqs = records.sequences(idx)[1] + seq_base
+        out[SEQ_STARTS] = (row, seqs, seqs + 2)
+    else:
+        out[SEQ_STARTS] = (row, idx + seq_base, idx + seq_base + 2)
+    out[ft.tokens_name] = (row, lo + base, stop + base)
+    if ft.loss_mask is not None:
+        out[LOSS_MASK] = (row, start + base, stop + base)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReads:
+    """What each host reads at each sampled step: ``[steps, hosts] int64`` each.
+
+    Attributes:
+        requests: HTTP range requests.
+        bytes: bytes those requests return.
+        useful: bytes of the tokens the rows train on (their targets' tokens).
+    """
+
+    requests: np.ndarray
+    bytes: np.ndarray
+    useful: np.ndarray
+
+
+def _count(
+    loader: Loader,
+    samples: HostSamples,
+    comp: np.ndarray,
+    record: np.ndarray,
+    group: np.ndarray,
+    block: Sequence[int] | None,
+) -> StepReads:
+    """Requests and bytes of reading ``record`` of component ``comp``, each
+    in batch ``group`` (``step index * hosts + host``); with ``block``
+    (records per block, per component), ``record`` are blocks, each read
+    whole as one range."""
+    groups = samples.steps.size * samples.hosts
+    totals = np.zeros((groups, 2), np.int64)
+    for c, records in enumerate(loader.components):
+        ft = _split_of(records, loader.names[c])
+        mine = comp == c
+        idx, owner = record[mine], group[mine]
+        if block is None:
+            reads = _ranges(records, idx)
+        elif isinstance(records, BinRecords):  # a bin's sequences lie anywhere: each is read
+            first = np.repeat(idx * block[c], block[c]) + np.tile(np.arange(block[c]), idx.size)
+            inside = first < len(records)
+            reads = _ranges(records, first[inside])
+            of_block = np.repeat(np.arange(idx.size), block[c])[inside]
+            reads = {k: (of_block[row], lo, hi) for k, (row, lo, hi) in reads.items()}
+        else:
+            first = idx * block[c]
+            last = np.minimum(first + block[c], len(records)) - 1
+            ranges = _ranges(records, np.concatenate([first, last]))
+            reads = {k: _block_span(v, idx.size) for k, v in ranges.items()}
+        for array, (row, lo, hi) in reads.items():
+            totals += Chunking.of(ft, array).count(owner[row], lo, hi, groups)
+    shape = (samples.steps.size, samples.hosts)
+    return StepReads(totals[:, 0].reshape(shape), totals[:, 1].reshape(shape), np.zeros(shape))
+
+
+def _block_span(
+    ranges: tuple[np.ndarray, np.ndarray, np.ndarray], blocks: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One range per block, from the start of its first record's ranges to the
+    end of its last record's (``ranges`` of the first records, then the last)."""
+    row, lo, hi = ranges
+    start = np.full(2 * blocks, np.iinfo(np.int64).max)
+    stop = np.zeros(2 * blocks, np.int64)
+    np.minimum.at(start, row, lo)
+    np.maximum.at(stop, row, hi)
+    return np.arange(blocks, dtype=np.int64), start[:blocks], stop[blocks:]
+
+
+def _useful(loader: Loader, samples: HostSamples) -> np.ndarray:
+    """``[steps, hosts]`` bytes of the tokens the rows' targets come from."""
+    out = np.zeros(samples.steps.size * samples.hosts, np.int64)
+    group = samples.at * samples.hosts + samples.host
+    for c, records in enumerate(loader.components):
+        ft = _split_of(records, loader.names[c])
+        mine = samples.component == c
+        row, start, stop = _targets(records, samples.record[mine])
+        size = (stop - start) * ft.encoded.dtype.itemsize
+        out += np.bincount(group[mine][row], weights=size, minlength=out.size).astype(np.int64)
+    return out.reshape(samples.steps.size, samples.hosts)
+
+
+def row_reads(loader: Loader, samples: HostSamples) -> StepReads:
+    """Full shuffle (or none): each host reads each of its rows' ranges at its
+    step, a step's rows of a component in one batch per array."""
+    group = samples.at * samples.hosts + samples.host
+    counted = _count(loader, samples, samples.component, samples.record, group, None)
+    return dataclasses.replace(counted, useful=_useful(loader, samples))
+
+
+def block_reads(loader: Loader, samples: HostSamples, block: Sequence[int]) -> StepReads:
+    """Block shuffle: record ``r`` of component ``c`` lies in block ``r //
+    block[c]``; each host reads each block its rows need once per epoch,
+    whole, at the first sampled step one of them needs it (the first sampled
+    step reads every block its rows are in: a cold start)."""
+    if len(block) != len(loader.components):
+        raise ValueError(f"block: {len(block)} block sizes for {len(loader.components)} components")
+    for c, b in enumerate(block):
+        integer(b, f"block[{c}]", low=1)
+    blocks = samples.record // np.asarray(block, np.int64)[samples.component]
+    key = np.stack([samples.host, samples.component, samples.epoch, blocks])
+    # Rows come in step order, so each block's first row is its first need.
+    _, first = np.unique(key, axis=1, return_index=True)
+    group = samples.at[first] * samples.hosts + samples.host[first]
+    counted = _count(loader, samples, samples.component[first], blocks[first], group, block)
+    return dataclasses.replace(counted, useful=_useful(loader, samples))
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestPlan:
+    """A pod's reads at ``step_seconds`` a step, from :func:`plan_requests`.
+
+    Attributes:
+        shuffle: ``"full"`` (each row's range; also ``shuffle=False``) or ``"blocks"``.
+        hosts, step_seconds: as asked.
+        steps: the sampled steps ``[s] int64``; a block plan's rates leave
+            the first out (its cold start, in ``first_step_requests``).
+        reads: what each host read at each sampled step.
+        host_requests: mean requests per step of a host (the busiest's in
+            ``host_requests_max``).
+        requests_per_second, bytes_per_second, useful_bytes_per_second: the
+            pod's, at ``step_seconds``.
+        bytes_per_token: bytes read per useful token.
+        first_step_requests: the pod's requests at the first sampled step.
+        ramp_minutes: minutes a fresh GCS bucket throttles that rate (:func:`ramp_minutes`).
+    """
+
+    shuffle: str
+    hosts: int
+    step_seconds: float
+    steps: np.ndarray
+    reads: StepReads
+    host_requests: float
+    host_requests_max: float
+    requests_per_second: float
+    bytes_per_second: float
+    useful_bytes_per_second: float
+    bytes_per_token: float
+    first_step_requests: int
+    ramp_minutes: float
+
+
+def plan_requests(
+    loader: Loader,
+    hosts: int,
+    step_seconds: float,
+    steps: Sequence[int] = range(8),
+    block: Sequence[int] | None = None,
+) -> RequestPlan:
+    """Requests/s and bytes/s of ``hosts`` hosts running ``loader`` at
+    ``step_seconds`` a step, from its sampler at ``steps`` (consecutive, for a
+    block plan: a block is read once per host per epoch) and its arrays'
+    chunking (see the module's rule). ``block``: records per block of each
+    component, for a block shuffle's reads (:func:`block_reads`).
+
+    Raises:
+        ValueError: ``hosts`` or ``step_seconds`` out of range, ``steps``
+            empty, a host count that does not divide a batch, or a component
+            that is not a split's records; each message names the value.
+    """
+    step_seconds = number(step_seconds, "step_seconds")
+    if not step_seconds > 0:
+        raise ValueError(f"step_seconds must be > 0, got {step_seconds}")
+    if not len(steps):
+        raise ValueError("steps: give at least one step to sample")
+    samples = host_samples(loader, hosts, steps)
+    reads = row_reads(loader, samples) if block is None else block_reads(loader, samples, block)
+    counted = slice(1 if block is not None and len(steps) > 1 else 0, None)
+    pod = {name: getattr(reads, name)[counted].sum(axis=1) for name in ("requests", "bytes")}
+    useful = reads.useful[counted].sum(axis=1).mean()
+    per_step = pod["requests"].mean()
+    itemsize = _token_itemsize(loader)
+    return RequestPlan(
+        shuffle="full" if block is None else "blocks",
+        hosts=samples.hosts,
+        step_seconds=step_seconds,
+        steps=samples.steps,
+        reads=reads,
+        host_requests=float(reads.requests[counted].mean()),
+        host_requests_max=float(reads.requests[counted].mean(axis=0).max()),
+        requests_per_second=float(per_step / step_seconds),
+        bytes_per_second=float(pod["bytes"].mean() / step_seconds),
+        useful_bytes_per_second=float(useful / step_seconds),
+        bytes_per_token=float(pod["bytes"].mean() * itemsize / useful) if useful else math.nan,
+        first_step_requests=int(reads.requests[0].sum()),
+        ramp_minutes=ramp_minutes(per_step / step_seconds),
+    )
+
+
+def _token_itemsize(loader: Loader) -> int:
+    pairs = zip(loader.components, loader.names, strict=True)
+    return max(_split_of(r, n).encoded.dtype.itemsize for r, n in pairs)

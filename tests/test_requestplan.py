@@ -1,0 +1,224 @@
+"""The requests plan (``loader/requestplan``): its counts against a brute-force
+count of every row's chunks, the ramp of a fresh bucket, the counts measured on
+fake-gcs-server, and ``flat-tokens plan --requests``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import flat_tokens_jax as ftj
+from flat_tokens_jax.loader.requestplan import plan_requests, ramp_minutes
+
+ROOT = Path(__file__).resolve().parent.parent
+FORMATS = [
+    ftj.StorageFormat(shard_tokens=64, chunk_tokens=16),
+    ftj.StorageFormat(shard_tokens=1024, chunk_tokens=64),
+    ftj.StorageFormat(zarr_format=2, shard_tokens=128),
+]
+_STORES: dict[int, ftj.FlatTokens] = {}
+
+
+def store(k: int) -> ftj.FlatTokens:
+    """Split ``train`` of a store of 300 sequences of 1 to 60 tokens in ``FORMATS[k]``."""
+    if k not in _STORES:
+        rng = np.random.default_rng(k)
+        seqs = [rng.integers(1, 500, int(n)) for n in rng.integers(1, 60, 300)]
+        url = tempfile.mkdtemp(prefix="requestplan-")
+        ftj.write_dataset(url, {"train": seqs}, storage_format=FORMATS[k])
+        _STORES[k] = ftj.open_dataset(url)["train"]
+    return _STORES[k]
+
+
+def chunks_of(lo: int, hi: int, chunk: int) -> set[int]:
+    return set(range(lo // chunk, (hi - 1) // chunk + 1)) if hi > lo else set()
+
+
+def requests_of(chunks: set[int], per_shard: int | None) -> int:
+    """One request per run of adjacent chunks of one shard of ``per_shard``
+    chunks (zarr v2, ``None``: one per chunk)."""
+    count, last = 0, None
+    for c in sorted(chunks):
+        if per_shard is None or last is None or c != last + 1 or c % per_shard == 0:
+            count += 1
+        last = c
+    return count
+
+
+def brute_force(k: int, chunks: dict[str, set[int]]) -> tuple[int, int]:
+    """Requests and bytes of one batch that touches ``chunks`` of each array."""
+    fmt = FORMATS[k]
+    requests = got = 0
+    for array, touched in chunks.items():
+        shard, chunk = fmt.elements(array)
+        requests += requests_of(touched, shard // chunk if fmt.zarr_format == 3 else None)
+        itemsize = 8 if array == "seq_starts" else 4
+        got += len(touched) * (chunk * itemsize + (4 if fmt.checksum else 0))
+    return requests, got
+
+
+def row_chunks(
+    ft: ftj.FlatTokens, k: int, row: dict[str, Any], packing: object, seq_len: int
+) -> dict[str, set[int]]:
+    """The chunks of each array that reading one row (``provenance``) touches."""
+    tokens_chunk = FORMATS[k].elements("encoded_tokens")[1]
+    starts_chunk = FORMATS[k].elements("seq_starts")[1]
+    out: dict[str, set[int]] = {"encoded_tokens": set(), "seq_starts": set()}
+    if packing == "bins":
+        for s in row["sequences"]:
+            start, stop = (int(x[0]) for x in ft.sequence_bounds([s]))
+            out["encoded_tokens"] |= chunks_of(start, min(stop, start + seq_len), tokens_chunk)
+            out["seq_starts"] |= chunks_of(s, s + 2, starts_chunk)
+        return out
+    lo, hi = row["tokens"]
+    if packing:
+        out["encoded_tokens"] = chunks_of(max(lo - 1, 0), hi, tokens_chunk)
+    else:
+        out["encoded_tokens"] = chunks_of(lo, hi, tokens_chunk)
+        out["seq_starts"] = chunks_of(row["record"], row["record"] + 2, starts_chunk)
+    return out
+
+
+@given(
+    k=st.integers(0, len(FORMATS) - 1),
+    packing=st.sampled_from([True, False, "bins"]),
+    seq_len=st.integers(4, 90),
+    per_host=st.integers(1, 6),
+    hosts=st.sampled_from([1, 2, 3, 4]),
+    seed=st.integers(0, 100),
+)
+def test_full_shuffle_counts_every_rows_chunks_in_runs(
+    k: int, packing: object, seq_len: int, per_host: int, hosts: int, seed: int
+) -> None:
+    ft = store(k)
+    cfg = ftj.LoaderConfig(
+        batch_size=per_host * hosts, seq_len=seq_len, packing=packing, seed=seed, prefetch=0
+    )
+    loader = ftj.Loader(ft, cfg)
+    steps = [0, 1, 5]
+    plan = plan_requests(loader, hosts, 0.5, steps)
+    for i, step in enumerate(steps):
+        rows = loader.provenance(step)
+        for h in range(hosts):
+            touched: dict[str, set[int]] = {"encoded_tokens": set(), "seq_starts": set()}
+            for row in rows[h * per_host : (h + 1) * per_host]:
+                for array, chunks in row_chunks(ft, k, row, packing, seq_len).items():
+                    touched[array] |= chunks
+            expected = brute_force(k, touched)
+            assert (plan.reads.requests[i, h], plan.reads.bytes[i, h]) == expected
+    assert plan.requests_per_second == pytest.approx(plan.reads.requests.sum() / len(steps) / 0.5)
+
+
+@given(
+    k=st.integers(0, 1),
+    packing=st.booleans(),
+    seq_len=st.integers(4, 40),
+    block=st.integers(1, 9),
+    hosts=st.sampled_from([1, 2, 4]),
+    seed=st.integers(0, 100),
+)
+def test_blocks_are_read_whole_once_per_host_and_epoch(
+    k: int, packing: bool, seq_len: int, block: int, hosts: int, seed: int
+) -> None:
+    """Hand-made record -> block maps (block ``r // B``) over the full
+    shuffle's records: each host reads a block at the first step that needs
+    it, once per epoch, from its first record's start to its last record's end."""
+    ft = store(k)
+    cfg = ftj.LoaderConfig(batch_size=4 * hosts, seq_len=seq_len, packing=packing, seed=seed)
+    loader = ftj.Loader(ft, cfg)
+    n = len(loader.components[0])
+    steps = list(range(12))
+    plan = plan_requests(loader, hosts, 1.0, steps, block=[block])
+    fmt = FORMATS[k]
+    seen: set[tuple[int, int, int]] = set()
+    for i, step in enumerate(steps):
+        rows = loader.provenance(step)
+        for h in range(hosts):
+            touched: dict[str, set[int]] = {"encoded_tokens": set(), "seq_starts": set()}
+            for row in rows[h * 4 : (h + 1) * 4]:
+                if row.get("padding"):
+                    continue
+                b = row["record"] // block
+                if (h, row["epoch"], b) in seen:
+                    continue
+                seen.add((h, row["epoch"], b))
+                first, last = b * block, min((b + 1) * block, n) - 1
+                if packing:
+                    lo, hi = max(first * seq_len - 1, 0), (last + 1) * seq_len
+                else:
+                    lo = int(ft.sequence_bounds([first])[0][0])
+                    start, stop = (int(x[0]) for x in ft.sequence_bounds([last]))
+                    hi = min(stop, start + seq_len)
+                    touched["seq_starts"] |= chunks_of(
+                        first, last + 2, fmt.elements("seq_starts")[1]
+                    )
+                touched["encoded_tokens"] |= chunks_of(lo, hi, fmt.chunk_tokens)
+            assert (plan.reads.requests[i, h], plan.reads.bytes[i, h]) == brute_force(k, touched)
+
+
+def test_the_ramp_of_a_fresh_bucket() -> None:
+    assert ramp_minutes(0) == ramp_minutes(4999.0) == ramp_minutes(5000) == 0
+    assert ramp_minutes(10_000) == 20
+    assert ramp_minutes(40_000) == 60
+    assert ramp_minutes(5000 * 2**0.5) == pytest.approx(10)
+    assert ramp_minutes(160_000, initial=1000, doubling=10) == pytest.approx(10 * math.log2(160))
+
+
+def test_bad_values_are_named() -> None:
+    loader = ftj.Loader(store(1), ftj.LoaderConfig(batch_size=6, seq_len=16))
+    with pytest.raises(ValueError, match="hosts: 4 hosts do not split step 0's batch of 6"):
+        plan_requests(loader, 4, 1.0)
+    with pytest.raises(ValueError, match="hosts must be an int >= 1"):
+        plan_requests(loader, 0, 1.0)
+    with pytest.raises(ValueError, match="step_seconds must be > 0"):
+        plan_requests(loader, 2, 0)
+    with pytest.raises(ValueError, match="block: 2 block sizes for 1 components"):
+        plan_requests(loader, 2, 1.0, block=[4, 4])
+
+
+@pytest.mark.remote
+def test_the_plan_matches_the_requests_measured_on_fake_gcs(gcs: str) -> None:
+    """``scripts/bench_requestplan.py`` in a process of its own (tensorstore
+    reads the server's address at its first gcs open): per step of 32
+    random 2048-token windows, the plan's count is an upper bound that
+    chunks cached by earlier steps lower by at most a few, and the plan
+    itself sends no request."""
+    found = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_requestplan.py"),
+            "--json",
+            "--servers",
+            "gcs",
+            "--gcs",
+            gcs,
+            "--formats",
+            "small",
+            "--tokens",
+            str(1 << 22),
+            "--steps",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=True,
+    )
+    checked = json.loads(found.stdout.strip().splitlines()[-1])["gcs/small"]
+    assert checked["plan_requests"] == 0
+    for r in checked["steps"]:
+        assert r["planned_requests"] >= 32  # 32 windows of 2048 tokens: a run each at least
+        assert r["planned_requests"] - 3 <= r["measured_requests"] <= r["planned_requests"]
+        assert 0.9 * r["planned_bytes"] <= r["measured_bytes"] <= r["planned_bytes"]

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from commands import run_main
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -222,3 +223,30 @@ def test_the_plan_matches_the_requests_measured_on_fake_gcs(gcs: str) -> None:
         assert r["planned_requests"] >= 32  # 32 windows of 2048 tokens: a run each at least
         assert r["planned_requests"] - 3 <= r["measured_requests"] <= r["planned_requests"]
         assert 0.9 * r["planned_bytes"] <= r["measured_bytes"] <= r["planned_bytes"]
+
+
+def test_the_command_prints_the_plan(tmp_path: Path) -> None:
+    """Unshuffled rows of 64 tokens in chunks of 64 and shards of 16 chunks:
+    each of 2 hosts reads 4 consecutive rows a step (5 chunks, 4 at step 0),
+    one request unless the chunks cross a shard (host 0 at step 2): 9
+    requests and 39 chunks of 260 bytes over steps 0 to 3."""
+    fmt = ftj.StorageFormat(shard_tokens=1024, chunk_tokens=64)
+    ftj.write_dataset(tmp_path / "ds", {"train": [[7] * 50] * 100}, storage_format=fmt)
+    run = tmp_path / "run.yaml"
+    run.write_text(
+        f"data: {{datasets: {{web: {{url: {tmp_path / 'ds'}, weight: 1}}}}}}\n"
+        "loader: {batch_size: 8, seq_len: 64, shuffle: false}\n"
+    )
+    flags = ["--hosts", "2", "--step-seconds", "0.25", "--sample-steps", "4"]
+    code, out, err = run_main("plan", str(run), "--requests", *flags)
+    assert (code, err) == (0, "")
+    head, row = out.splitlines()[:2]
+    assert head.split()[:3] == ["shuffle", "requests/step", "requests/s"]
+    # 9 requests / 4 steps; 39 * 260 / 4 bytes a step; 8 rows of 64 4-byte tokens.
+    assert row.split() == ["full", "2", "9", "10.1", "kB", "8.19", "kB", "5.0", "0", "min"]
+    assert "2 hosts, 0.25 s a step" in out
+    code, _, err = run_main("plan", str(run), "--requests", "--hosts", "3", "--step-seconds", "1")
+    assert code == 1
+    assert "--hosts: 3 hosts do not split step 0's batch of 8 rows" in err
+    code, _, err = run_main("plan", str(run), "--requests", "--hosts", "2")
+    assert code == 1 and "give --step-seconds" in err

@@ -65,6 +65,7 @@ __all__ = [
     "host_samples",
     "plan_requests",
     "ramp_minutes",
+    "request_table",
     "row_reads",
 ]
 
@@ -413,3 +414,43 @@ def plan_requests(
 def _token_itemsize(loader: Loader) -> int:
     pairs = zip(loader.components, loader.names, strict=True)
     return max(_split_of(r, n).encoded.dtype.itemsize for r, n in pairs)
+
+
+def _si(value: float, unit: str) -> str:
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= scale:
+            return f"{value / scale:,.3g} {prefix}{unit}"
+    return f"{value:,.3g} {unit}"
+
+
+def request_table(plans: Sequence[RequestPlan]) -> list[str]:
+    """:func:`plan_requests` results as text: a line each, in columns."""
+    head = (
+        "shuffle",
+        "requests/step",
+        "requests/s",
+        "bytes/s",
+        "useful bytes/s",
+        "bytes/useful token",
+        "fresh GCS bucket throttles",
+    )
+    cells = [
+        (
+            p.shuffle,
+            f"{p.requests_per_second * p.step_seconds:,.0f}",
+            f"{p.requests_per_second:,.0f}",
+            _si(p.bytes_per_second, "B"),
+            _si(p.useful_bytes_per_second, "B"),
+            f"{p.bytes_per_token:.1f}",
+            f"{p.ramp_minutes:.0f} min",
+        )
+        for p in plans
+    ]
+    widths = [max(len(row[i]) for row in [head, *cells]) for i in range(len(head))]
+    return [
+        "  ".join(
+            v.ljust(w) if i == 0 else v.rjust(w)
+            for i, (v, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in [head, *cells]
+    ]

@@ -23,15 +23,14 @@ from flat_tokens_jax.convert.commands import (
 from flat_tokens_jax.convert.tokenizer import load_tokenizer
 from flat_tokens_jax.core.format import FormatError
 from flat_tokens_jax.core.urls import redact_text
-from flat_tokens_jax.core.values import integer, number
+from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.core.yamlfile import read_yaml
 from flat_tokens_jax.data.plans import plan_group
 from flat_tokens_jax.data.records import recorded_info
 from flat_tokens_jax.data.storedplans import pack_dataset
 from flat_tokens_jax.data.validation import summary, validate
-from flat_tokens_jax.loader import requestplan, runplan
+from flat_tokens_jax.loader import runplan
 from flat_tokens_jax.loader.loader import Loader
-from flat_tokens_jax.loader.steered import skips_from_config
 from flat_tokens_jax.store.identity import library_version, tokenizer_info
 from flat_tokens_jax.store.options import StoreError
 from flat_tokens_jax.tools import phaseshow, savedstate, show
@@ -189,7 +188,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
         state = None if args.state is None else savedstate.read_state(args.state)
         planned = [show.parse_skip(text) for text in args.skip or ()]
         if isinstance(config, Mapping) and "skip" in config:
-            planned = [*_yaml_skips(config["skip"], args.config), *planned]
+            planned = [*phaseshow.yaml_skips(config["skip"], args.config), *planned]
         run, step = None, args.step
         if phaseshow.is_phased(config, state):
             run = phaseshow.build_run(
@@ -266,7 +265,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     doc = read_yaml(name)
     run = phaseshow.plan_run(doc, name, split=args.split, options=store_options(args))
     if isinstance(doc, Mapping) and "skip" in doc:
-        for step, count in _yaml_skips(doc["skip"], name):
+        for step, count in phaseshow.yaml_skips(doc["skip"], name):
             run.skip(step, count)
     if args.state is not None:
         try:
@@ -274,7 +273,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise ValueError(f"--state {args.state}: {e}") from None
     if args.requests:
-        return _plan_requests(run, args)
+        print("\n".join(phaseshow.request_lines(run, args)))
+        return 0
     end = args.steps
     if end is None:
         if doc.get("steps") is None:
@@ -302,52 +302,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.picture is not None and not args.json:
         print(f"wrote {args.picture}")
     return 0
-
-
-def _plan_requests(run: Any, args: argparse.Namespace) -> int:
-    """``plan --requests``: each phase's requests and bytes per second."""
-    missing = [f for f in ("hosts", "step_seconds") if getattr(args, f) is None]
-    if missing:
-        flags = " and ".join("--" + f.replace("_", "-") for f in missing)
-        raise ValueError(f"plan --requests: give {flags} (the pod's hosts and its step time)")
-    steps = range(args.sample_steps)
-    for k, loader in enumerate(run.loaders):
-        try:
-            plans = [requestplan.plan_requests(loader, args.hosts, args.step_seconds, steps)]
-        except ValueError as e:
-            told = str(e)
-            told = f"--{told}" if told.startswith("hosts:") else told  # the flag that set it
-            raise ValueError(f"{args.run_yaml}: {run.label(k)}: {told}") from None
-        if len(run.loaders) > 1:
-            print(f"{run.label(k)}:")
-        print("\n".join(requestplan.request_table(plans)))
-    print(
-        f"{args.hosts:,} hosts, {args.step_seconds:g} s a step, from steps 0 to "
-        f"{args.sample_steps - 1} of each phase; a fresh GCS bucket serves "
-        f"{requestplan.GCS_INITIAL_READS:,} reads/s, doubling every "
-        f"{requestplan.GCS_DOUBLING_MINUTES} minutes at most"
-    )
-    print("block shuffle: not in this version (LoaderConfig has no shuffle='blocks'): full only")
-    return 0
-
-
-def _positive(text: str) -> float:
-    """An argparse ``type``: a finite number above 0 (argparse names the flag)."""
-    try:
-        value = number(float(text), "")
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
-    return value
-
-
-def _yaml_skips(section: Any, name: str) -> list[tuple[int, int]]:
-    """The ``skip`` list of the YAML ``name``, its errors naming the file."""
-    try:
-        return skips_from_config(section)
-    except ValueError as e:
-        raise ValueError(f"{name}: {e}") from None
 
 
 def _decoder(path: str, loader: Loader) -> Any:
@@ -473,20 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also draw each component's share of tokens over steps (.png or .svg), with "
         "phases, and the --state's weight changes and skips, marked",
     )
-    p.add_argument(
-        "--requests",
-        action="store_true",
-        help="print the requests/s and bytes/s the run asks of its store on --hosts hosts at "
-        "--step-seconds a step, and how long a fresh GCS bucket would throttle them",
-    )
-    p.add_argument("--hosts", type=at_least(1), help="hosts of the pod (with --requests)")
-    p.add_argument("--step-seconds", type=_positive, help="seconds a step (with --requests)")
-    p.add_argument(
-        "--sample-steps",
-        type=at_least(1),
-        default=8,
-        help="steps of each phase the sampler is run for (with --requests; default 8)",
-    )
+    phaseshow.add_request_flags(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_cmd_plan)
     p = sub.add_parser(

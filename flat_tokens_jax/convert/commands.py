@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flat_tokens_jax.core.urls import redact, redact_text, scheme_of
+from flat_tokens_jax.core.values import number
 from flat_tokens_jax.store.location import OverwriteNeeded
 from flat_tokens_jax.store.options import (
     CONCURRENCY_CEILING,
@@ -32,6 +33,17 @@ def at_least(minimum: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def above_zero(text: str) -> float:
+    """An argparse ``type``: a finite number above 0 (argparse then names the flag)."""
+    try:
+        value = number(float(text), "")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
 
 
 def _int(text: str) -> int:

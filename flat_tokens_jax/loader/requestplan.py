@@ -53,6 +53,7 @@ from flat_tokens_jax.data.bins import BinRecords
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import PackedRecords, PaddedRecords
 from flat_tokens_jax.loader.loader import Loader
+from flat_tokens_jax.loader.phasedloader import PhasedLoader
 
 __all__ = [
     "GCS_DOUBLING_MINUTES",
@@ -67,6 +68,7 @@ __all__ = [
     "ramp_minutes",
     "request_table",
     "row_reads",
+    "run_table",
 ]
 
 # A fresh GCS bucket serves about 5,000 object reads/s; Google's guidelines
@@ -453,4 +455,34 @@ def request_table(plans: Sequence[RequestPlan]) -> list[str]:
             for i, (v, w) in enumerate(zip(row, widths, strict=True))
         )
         for row in [head, *cells]
+    ]
+
+
+def run_table(
+    run: PhasedLoader, hosts: int, step_seconds: float, steps: Sequence[int], name: str
+) -> list[str]:
+    """``flat-tokens plan --requests``: :func:`request_table` of each phase of
+    ``run`` (read from the file ``name``) at its ``steps``, and what it assumed.
+
+    Raises:
+        ValueError: as :func:`plan_requests`, naming the file, the phase and
+            the ``--hosts`` flag where the host count is wrong.
+    """
+    lines = []
+    for k, loader in enumerate(run.loaders):
+        try:
+            plans = [plan_requests(loader, hosts, step_seconds, steps)]
+        except ValueError as e:
+            told = str(e)
+            told = f"--{told}" if told.startswith("hosts:") else told  # the flag that set it
+            raise ValueError(f"{name}: {run.label(k)}: {told}") from None
+        if len(run.loaders) > 1:
+            lines.append(f"{run.label(k)}:")
+        lines += request_table(plans)
+    return [
+        *lines,
+        f"{hosts:,} hosts, {step_seconds:g} s a step, from steps {steps[0]} to {steps[-1]} of "
+        f"each phase; a fresh GCS bucket serves {GCS_INITIAL_READS:,} reads/s, doubling every "
+        f"{GCS_DOUBLING_MINUTES} minutes at most",
+        "block shuffle: not in this version (LoaderConfig has no shuffle='blocks'): full only",
     ]

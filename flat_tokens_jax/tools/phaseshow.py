@@ -9,15 +9,19 @@ match its saved fingerprint.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Mapping
 from typing import Any
 
+from flat_tokens_jax.convert.commands import above_zero, at_least
 from flat_tokens_jax.core.values import child, close_match, mapping
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.phaseconfig import phases_from_config
 from flat_tokens_jax.loader.phasedloader import PhasedLoader
 from flat_tokens_jax.loader.phases import Phase
+from flat_tokens_jax.loader.requestplan import run_table
 from flat_tokens_jax.loader.state import SavedState
+from flat_tokens_jax.loader.steered import skips_from_config
 from flat_tokens_jax.sampling.mixconfig import mixture_from_config
 from flat_tokens_jax.store.options import StoreError, StoreOptions
 from flat_tokens_jax.tools.show import build_loader
@@ -139,3 +143,39 @@ def mark(shown: dict[str, Any], run: PhasedLoader, step: int) -> dict[str, Any]:
         "step": step - run.firsts[k],
     }
     return {**shown, "step": step, "phase": phase}
+
+
+def add_request_flags(parser: argparse.ArgumentParser) -> None:
+    """``plan``'s flags of :func:`request_lines`."""
+    parser.add_argument(
+        "--requests",
+        action="store_true",
+        help="print the requests/s and bytes/s the run asks of its store on --hosts hosts at "
+        "--step-seconds a step, and how long a fresh GCS bucket would throttle them",
+    )
+    parser.add_argument("--hosts", type=at_least(1), help="hosts of the pod (with --requests)")
+    parser.add_argument("--step-seconds", type=above_zero, help="seconds a step (with --requests)")
+    parser.add_argument(
+        "--sample-steps",
+        type=at_least(1),
+        default=8,
+        help="steps of each phase the sampler is run for (with --requests; default 8)",
+    )
+
+
+def request_lines(run: PhasedLoader, args: argparse.Namespace) -> list[str]:
+    """``plan --requests``: each phase's requests and bytes per second (:func:`run_table`)."""
+    missing = [f for f in ("hosts", "step_seconds") if getattr(args, f) is None]
+    if missing:
+        flags = " and ".join("--" + f.replace("_", "-") for f in missing)
+        raise ValueError(f"plan --requests: give {flags} (the pod's hosts and its step time)")
+    steps = range(args.sample_steps)
+    return run_table(run, args.hosts, args.step_seconds, steps, args.run_yaml)
+
+
+def yaml_skips(section: Any, name: str) -> list[tuple[int, int]]:
+    """The ``skip`` list of the YAML ``name``, its errors naming the file."""
+    try:
+        return skips_from_config(section)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None

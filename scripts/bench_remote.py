@@ -32,7 +32,11 @@ afresh (a cold cache):
   ``jax.distributed`` processes (gloo, one CPU device each) reading one store
   through the proxy, each only its own rows;
 * ``--bandwidth MB/s``: the proxy caps throughput instead, and the loop (no
-  step time) reports the rate the loader reached against the cap.
+  step time) reports the rate the loader reached against the cap;
+* ``--throttle RATE``: in the rows (not the warm-up or the ceiling) the proxy
+  answers the requests over RATE a second (a token bucket of one request)
+  as a throttled bucket does (GCS: 429, S3: 503 SlowDown), and a column
+  gives the requests refused per batch (``stats()["throttled_requests"]``).
 
 Run: ``python scripts/bench_remote.py`` (needs the test extras); ``--servers
 gcs`` for one server. The cost model in docs/benchmarks.md is computed from the
@@ -65,7 +69,7 @@ from flat_tokens_jax.grain.grain import FlatTokensSource
 from flat_tokens_jax.store.store import remote_bytes, remote_reads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from servers import DelayProxy, aws_profile, fake_gcs, free_port, moto_s3, s3_files
+from servers import ThrottleProxy, aws_profile, fake_gcs, free_port, moto_s3, s3_files
 
 # List prices per 1,000 read requests (GCS Standard class B operations; S3
 # Standard GET), US regions, as published by Google and AWS.
@@ -83,10 +87,11 @@ class Where:
     write_to: str | Path  # where the dataset is written: the url, or the stand-in's folder
 
 
-def _serve_proxy(target_port: int, pipe: Connection) -> None:
-    """A :class:`DelayProxy` in a process of its own, driven through ``pipe``:
-    ``(name,)`` answers an attribute, ``(name, value)`` sets it."""
-    proxy = DelayProxy(target_port, 0.0)
+def _serve_proxy(target_port: int, service: str, pipe: Connection) -> None:
+    """A :class:`ThrottleProxy` (not throttling until told) in a process of its
+    own, driven through ``pipe``: ``(name,)`` answers an attribute, ``(name,
+    value)`` sets it."""
+    proxy = ThrottleProxy(target_port, service, None)
     pipe.send(proxy.port)
     while (message := pipe.recv()) is not None:
         if len(message) == 2:
@@ -96,15 +101,18 @@ def _serve_proxy(target_port: int, pipe: Connection) -> None:
 
 
 class ProxyProcess:
-    """A delay proxy in another process, so that its work on every request
-    does not take this process's interpreter from the loader's threads (an
-    object store runs elsewhere too). ``delay``, ``rate`` (settable) and
-    ``downloaded`` as :class:`DelayProxy`'s."""
+    """A throttling delay proxy in another process, so that its work on every
+    request does not take this process's interpreter from the loader's threads
+    (an object store runs elsewhere too). ``delay``, ``rate``,
+    ``requests_per_s`` (settable) and ``downloaded`` as
+    :class:`ThrottleProxy`'s."""
 
-    def __init__(self, target_port: int) -> None:
+    def __init__(self, target_port: int, service: str) -> None:
         spawn = multiprocessing.get_context("spawn")  # not a fork of a process with threads
         self._pipe, theirs = spawn.Pipe()
-        self._process = spawn.Process(target=_serve_proxy, args=(target_port, theirs), daemon=True)
+        self._process = spawn.Process(
+            target=_serve_proxy, args=(target_port, service, theirs), daemon=True
+        )
         self._process.start()
         self.port = self._pipe.recv()
 
@@ -113,7 +121,7 @@ class ProxyProcess:
         return self._pipe.recv()
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("delay", "rate"):
+        if name in ("delay", "rate", "requests_per_s"):
             self._ask(name, value)
         else:
             super().__setattr__(name, value)
@@ -140,7 +148,7 @@ def served(server: str, tmp: Path) -> Iterator[tuple[Where, ProxyProcess]]:
     """The server, a proxy in front of it, and how to reach the store through it."""
     starts = {"gcs": fake_gcs, "moto": moto_s3, "s3": lambda: s3_files(tmp / "files")}
     with starts[server]() as base:
-        proxy = ProxyProcess(int(base.rsplit(":", 1)[1]))
+        proxy = ProxyProcess(int(base.rsplit(":", 1)[1]), "gcs" if server == "gcs" else "s3")
         through = f"http://127.0.0.1:{proxy.port}"
         if server == "gcs":
             env = {
@@ -233,6 +241,7 @@ def loop(
         "peak": int(stats["read_ahead_bytes_peak"]),
         "budget": int(stats["read_ahead_bytes"]),
         "requests": requests / fetched,
+        "throttled": int(stats["throttled_requests"]) / fetched,
         "bytes_per_token": received / (fetched * got["tokens"] / (steps + 1)),
     }
 
@@ -254,6 +263,7 @@ def single_host(
     proxy.delay = 0.0
     for path in args.paths:  # this process's one-time costs (jax, numba, grain), not reported
         loop(where, cfg, 0.0, 5, path=path)
+    proxy.requests_per_s = args.throttle or None
     rows: list[dict[str, Any]] = []
     for step_time in args.step_times:
         bases: dict[str, dict[str, Any]] = {}
@@ -268,6 +278,7 @@ def single_host(
                 base = bases.setdefault(path, got)
                 trips = (got["first"] - base["first"]) / delay if delay else 0.0
                 rows.append({**got, "delay": delay, "step_time": step_time, "trips": trips})
+    proxy.requests_per_s = None
     return rows
 
 
@@ -380,12 +391,15 @@ def print_rows(
         f"{args.steps} steps after the first; the server's ceiling: {top:.1f} steps/s "
         f"({1e3 / top:.0f} ms a step) with prefetch=0, no added latency, no step time\n"
     )
+    throttled = " | throttled/batch" if args.throttle else ""
+    if args.throttle:
+        print(f"the proxy refused requests over {args.throttle:g} a second in these rows\n")
     print(
         "| path | step | added latency | open | first step waited | in round trips | later "
         "steps waited (mean) | share of the step | later waits p90 / max | steps ahead | "
-        "peak read-ahead / budget | requests/batch | bytes read / token |"
+        f"peak read-ahead / budget | requests/batch | bytes read / token{throttled} |"
     )
-    print("| --- |" + " ---: |" * 12)
+    print("| --- |" + " ---: |" * (13 if args.throttle else 12))
     for r in rows:
         ahead = (
             f"{r['depth']} | {r['peak'] / 2**20:.0f} / {r['budget'] / 2**20:.0f} MiB | "
@@ -393,6 +407,8 @@ def print_rows(
             if "depth" in r
             else "- | - | - | -"
         )
+        if args.throttle:
+            ahead += f" | {r['throttled']:.1f}" if "throttled" in r else " | -"
         print(
             f"| {PATHS[r['path']]} | {r['step_time'] * 1e3:.0f} ms | {r['delay'] * 1e3:.0f} ms | "
             f"{r['opened'] * 1e3:.0f} ms | {r['first'] * 1e3:.0f} ms | "
@@ -414,6 +430,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=40_000_000)
     parser.add_argument("--hosts", type=int, default=0, help="also run on N processes")
     parser.add_argument("--bandwidth", type=float, default=0.0, help="MB/s cap row")
+    parser.add_argument(
+        "--throttle", type=float, default=0.0, help="requests/s over which the proxy refuses"
+    )
     parser.add_argument("--waits", action="store_true", help="print every step's wait (ms)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import http.client
 import http.server
 import json
@@ -209,6 +210,31 @@ class Link:
 _HELD = object()  # a request the proxy keeps without answering
 
 
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """An answer the proxy gives in the server's stead: ``status`` and
+    ``reason``, ``body`` (left out for a ``HEAD``) of ``content_type``;
+    ``close``: the connection is closed after it; ``held``: it comes back
+    after the proxy's ``delay``, as from the distant server."""
+
+    status: int
+    reason: str
+    body: bytes = b""
+    content_type: str | None = None
+    close: bool = True
+    held: bool = False
+
+    def message(self, method: bytes) -> bytes:
+        """The answer to a request of ``method``, head and body."""
+        body = b"" if method == b"HEAD" else self.body
+        lines = [f"HTTP/1.1 {self.status} {self.reason}", f"Content-Length: {len(self.body)}"]
+        if self.content_type:
+            lines.append(f"Content-Type: {self.content_type}")
+        if self.close:
+            lines.append("Connection: close")
+        return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
 class DelayProxy:
     """An HTTP/1.1 proxy on 127.0.0.1 (TCP in between: the client's bytes pass
     unchanged) that holds each client write ``delay`` seconds, caps the answers'
@@ -252,7 +278,7 @@ class DelayProxy:
         """Answers the next ``n`` requests with ``status`` (empty body, and the
         connection closed after it) instead of forwarding them."""
         with self._lock:
-            self._switches.extend([status] * n)
+            self._switches.extend([Refusal(status, "Proxy Fault")] * n)
 
     def stall(self, n: int) -> None:
         """Holds the next ``n`` requests unanswered, their connections open."""
@@ -291,13 +317,16 @@ class DelayProxy:
         self._loop.run_until_complete(self._server.wait_closed())
         self._loop.close()
 
-    def _begin(self) -> int | object | None:
-        """Counts a request in flight; what to do with it (a status, _HELD, or None: forward)."""
+    def _begin(self) -> Refusal | object | None:
+        """Counts a request in flight; what to do with it (a :class:`Refusal`,
+        _HELD, or None: forward)."""
         with self._lock:
             self._requests += 1
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
-            return self._switches.pop(0) if self._switches else None
+            action = self._switches.pop(0) if self._switches else None
+            self.failed += isinstance(action, Refusal)
+            return action
 
     def _end(self, n: int = 1) -> None:
         with self._lock:
@@ -360,19 +389,22 @@ class DelayProxy:
                     if self._gate is gate:  # the first held request to go on
                         self._gate = asyncio.Event()
                     action = None
-                if action is not None:
-                    if b"100-continue" not in head.lower():
+                if isinstance(action, Refusal):
+                    # Without its body a client that awaits "100 Continue"
+                    # would send it as the next request: the connection closes.
+                    if b"100-continue" in head.lower():
+                        action = dataclasses.replace(action, close=True)
+                    else:
                         await self._body(reader, head, None)
+                    if action.held:
+                        await self._hold()
                     waiting[0] -= 1
                     self._end()
-                    with self._lock:
-                        self.failed += 1
-                    client.write(
-                        f"HTTP/1.1 {action} Proxy Fault\r\nContent-Length: 0\r\n"
-                        "Connection: close\r\n\r\n".encode()
-                    )
+                    client.write(action.message(head.split(b" ", 1)[0]))
                     await client.drain()
-                    return
+                    if action.close:
+                        return
+                    continue
                 await self._hold()
                 writer.write(head)
                 await writer.drain()
@@ -428,6 +460,95 @@ class DelayProxy:
     def close(self) -> None:
         asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
         self._thread.join(5)
+
+
+# What GCS (JSON API) and S3 answer a request over the bucket's request rate.
+THROTTLED = {
+    "gcs": Refusal(
+        429,
+        "Too Many Requests",
+        json.dumps(
+            {
+                "error": {
+                    "code": 429,
+                    "message": "The rate of requests to this bucket exceeds its rate limit. "
+                    "Please reduce the rate of requests.",
+                    "errors": [
+                        {
+                            "message": "The rate of requests to this bucket exceeds its rate "
+                            "limit. Please reduce the rate of requests.",
+                            "domain": "usageLimits",
+                            "reason": "rateLimitExceeded",
+                        }
+                    ],
+                }
+            }
+        ).encode(),
+        "application/json; charset=UTF-8",
+        close=False,
+        held=True,
+    ),
+    "s3": Refusal(
+        503,
+        "Slow Down",
+        b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+        b"<Message>Please reduce your request rate.</Message>"
+        b"<RequestId>0000000000000000</RequestId><HostId>throttle-proxy</HostId></Error>",
+        "application/xml",
+        close=False,
+        held=True,
+    ),
+}
+
+
+class ThrottleProxy(DelayProxy):
+    """A :class:`DelayProxy` that answers the requests over a request rate as
+    a throttled bucket does: 429 Too Many Requests (``service="gcs"``) or 503
+    SlowDown (``"s3"``), with those services' bodies, after ``delay`` (the
+    round trip), keeping the connection open.
+
+    A token bucket decides: it holds up to ``burst`` tokens (full at the
+    start) and gains ``requests_per_s`` a second; a request that finds a
+    token takes it and is forwarded, one that finds none is refused (and
+    takes none, so refusals do not lower the rate forwarded). Both may
+    change at any time; ``requests_per_s=None`` forwards everything.
+    ``refused`` and ``forwarded`` count the requests since the start (what
+    :meth:`fail` and :meth:`stall` do comes first and counts in neither).
+    """
+
+    def __init__(
+        self,
+        target_port: int,
+        service: str,
+        requests_per_s: float | None,
+        burst: float = 1.0,
+        delay: float = 0.0,
+        rate: float | None = None,
+    ) -> None:
+        if service not in THROTTLED:
+            raise ValueError(f"service must be one of {sorted(THROTTLED)}, got {service!r}")
+        self.refusal = THROTTLED[service]
+        self.requests_per_s, self.burst = requests_per_s, burst
+        self.refused = self.forwarded = 0
+        self._tokens, self._filled = burst, time.monotonic()
+        super().__init__(target_port, delay, rate)
+
+    def _begin(self) -> Refusal | object | None:
+        action = super()._begin()
+        if action is not None:
+            return action
+        with self._lock:
+            now = time.monotonic()
+            per_s = self.requests_per_s
+            if per_s is not None:
+                self._tokens = min(self.burst, self._tokens + (now - self._filled) * per_s)
+            self._filled = now
+            if per_s is None or self._tokens >= 1:
+                self._tokens = max(self._tokens - 1, 0.0)
+                self.forwarded += 1
+                return None
+            self.refused += 1
+            return self.refusal
 
 
 class ManyClients(http.server.ThreadingHTTPServer):

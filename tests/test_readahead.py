@@ -226,6 +226,16 @@ def test_stall_watch_reports_one_window_and_names_the_cause() -> None:
     assert "raise LoaderConfig.read_ahead_bytes" in latency
     bandwidth = stall_message(**args, fetch_s=1.0, finish_s=0.0, depth=2, capped_by=None)
     assert "delivers 1 MB/s" in bandwidth and "needs 25 MB/s" in bandwidth
+    assert "throttled" not in bandwidth + latency
+    # Requests refused as throttled over the window name throttling before
+    # latency and bandwidth; a decode slower than the step still comes first.
+    throttled = stall_message(
+        **args, fetch_s=1.0, finish_s=0.0, depth=2, capped_by=capped, throttled=7
+    )
+    assert "refused 7 requests as throttled" in throttled
+    assert 'LoaderConfig(shuffle="blocks")' in throttled
+    decode = stall_message(**args, fetch_s=0.01, finish_s=0.2, depth=4, capped_by=None, throttled=7)
+    assert "decode_threads" in decode and "throttled" not in decode
 
 
 def test_automatic_depth_gives_the_batches_of_no_read_ahead() -> None:
@@ -320,7 +330,8 @@ def test_stats_count_what_the_trainer_got() -> None:
         "steps", "wait_first_s", "wait_last_s", "wait_mean_s", "wait_p99_s",
         "fetch_last_s", "fetch_mean_s", "decode_mean_s", "interval_mean_s", "depth",
         "depth_target", "depth_ceiling", "read_ahead_bytes_peak", "read_ahead_bytes", "requests",
-        "bytes_read", "tokens", "source_tokens", "filtered_rows", "filtered_rows_last",
+        "throttled_requests", "bytes_read", "tokens", "source_tokens", "filtered_rows",
+        "filtered_rows_last",
     }  # fmt: skip
     assert stats["steps"] == 10 and stats["tokens"] == 10 * BATCH * SEQ_LEN
     assert stats["source_tokens"] == {"0": 10 * BATCH * SEQ_LEN}  # one split, no padding
@@ -331,7 +342,7 @@ def test_stats_count_what_the_trainer_got() -> None:
     assert stats["fetch_mean_s"] > 0 and stats["decode_mean_s"] > 0
     assert stats["interval_mean_s"] > 0 and stats["depth_target"] >= MIN_DEPTH
     assert 0 < stats["read_ahead_bytes_peak"] <= stats["read_ahead_bytes"] == 1 << 30
-    assert stats["requests"] == 0 and stats["bytes_read"] > 0
+    assert stats["requests"] == stats["throttled_requests"] == 0 and stats["bytes_read"] > 0
 
 
 def test_warns_once_when_the_trainer_waits(caplog: pytest.LogCaptureFixture) -> None:

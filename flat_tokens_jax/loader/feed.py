@@ -5,7 +5,8 @@
 steps read ahead, its depth (pinned by ``prefetch``, or set by
 :func:`~flat_tokens_jax.loader.readahead.auto_depth` from the
 :class:`~flat_tokens_jax.loader.readahead.Measures` within ``read_ahead_bytes``), the
-statistics and the one stall warning.
+statistics and the one stall warning (which names throttling when the store
+refused requests as throttled during the steps that stalled).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from flat_tokens_jax.loader.readahead import (
     stall_message,
 )
 from flat_tokens_jax.loader.throughput import DepthTrial
-from flat_tokens_jax.store.store import remote_reads
+from flat_tokens_jax.store.store import remote_reads, throttled_requests
 
 log = logging.getLogger("flat_tokens_jax.loader")
 
@@ -94,6 +95,7 @@ class Feed:
         self._source_names = tuple(source_names)
         self._source_rows = np.zeros(len(self._source_names), np.int64)
         self._requests_before = sum(remote_reads().values())
+        self._throttled_before = self._throttled_window = throttled_requests()
         self._bytes_before = self._bytes_read()
 
     @property
@@ -221,6 +223,8 @@ class Feed:
             self._tokens += self._rows(step) * self._seq_len
             self._source_rows += rows
         interval = self.measures.taken(wait, now)
+        if interval is not None and self._watch.steps == 0 and not self._watch.fired:
+            self._throttled_window = throttled_requests()  # a stall window begins
         window = None if interval is None else self._watch.add(wait, interval)
         if window is not None:
             log.warning(self._stall(step, window))
@@ -245,6 +249,7 @@ class Feed:
             capped_by=capped,
             bytes_per_step=read / max(m.steps, 1),
             delivered_bps=read / max(elapsed, 1e-9),
+            throttled=throttled_requests() - self._throttled_window,
         )
 
     def close(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
@@ -271,6 +276,7 @@ class Feed:
             "read_ahead_bytes_peak": self.flight.peak_bytes,
             "read_ahead_bytes": self.budget,
             "requests": sum(remote_reads().values()) - self._requests_before,
+            "throttled_requests": throttled_requests() - self._throttled_before,
             "bytes_read": self._bytes_read() - self._bytes_before,
             "tokens": tokens,
             "source_tokens": {

@@ -236,9 +236,9 @@ class Loader(Steerable):
     def stats(self) -> dict[str, Any]:
         """What the input pipeline did so far, JSON-ready, for a trainer to log: the
         trainer's waits, the fetch and decode times, the read-ahead's depth and bytes,
-        requests and bytes read, tokens (by source too) and the instance filter's
-        rejections; each key is described in docs/guide/loading.md, "Where the work
-        runs, and read-ahead"."""
+        requests and bytes read, requests refused as throttled, tokens (by source too)
+        and the instance filter's rejections; each key is described in
+        docs/guide/loading.md, "Where the work runs, and read-ahead"."""
         return self.engine.stats()
 
     def to_grain(self) -> StepsDataset:

@@ -7,7 +7,7 @@ use toward it (fast up, slowly down, within the memory budget);
 trainer's wait and the interval between the batches it takes) and the
 statistics a trainer logs; :class:`StallWatch` decides when the trainer's
 waits are worth one warning, and :func:`stall_message` names the likely
-cause and the knob.
+cause (throttling among them) and the knob.
 """
 
 from __future__ import annotations
@@ -208,7 +208,8 @@ class StallWatch:
     after the first, and reports the first window whose waits exceed
     ``share`` of its time in more than a tenth of its steps (so one pause of
     the whole process is no stall); after that it stays quiet (one warning
-    per loader)."""
+    per loader). ``steps``: the steps added to the window under way (0: the
+    next :meth:`add` begins one)."""
 
     def __init__(self, window: int = STALL_WINDOW, share: float = STALL_SHARE) -> None:
         if window < 1 or not 0 < share < 1:
@@ -218,7 +219,7 @@ class StallWatch:
         self.window, self.share = window, share
         self.fired = False
         self._waited = self._elapsed = 0.0
-        self._steps = self._slow = 0
+        self.steps = self._slow = 0
 
     def add(self, wait: float, interval: float) -> tuple[float, float, int] | None:
         """Adds one step: ``wait`` for its batch within ``interval`` since the
@@ -228,13 +229,13 @@ class StallWatch:
             return None
         self._waited += wait
         self._elapsed += interval
-        self._steps += 1
+        self.steps += 1
         self._slow += wait > self.share * interval
-        if self._steps < self.window:
+        if self.steps < self.window:
             return None
-        window, slow = (self._waited, self._elapsed, self._steps), self._slow
+        window, slow = (self._waited, self._elapsed, self.steps), self._slow
         self._waited = self._elapsed = 0.0
-        self._steps = self._slow = 0
+        self.steps = self._slow = 0
         if window[0] > self.share * window[1] and 10 * slow > window[2]:
             self.fired = True
             return window
@@ -250,6 +251,7 @@ def stall_message(
     capped_by: str | None,
     bytes_per_step: float,
     delivered_bps: float,
+    throttled: int = 0,
 ) -> str:
     """The warning for a window that stalled: how much the trainer waited, the
     likely cause and the knob.
@@ -262,6 +264,9 @@ def stall_message(
             held the depth below what the measurements ask for, else ``None``.
         bytes_per_step: bytes a step reads from the store.
         delivered_bps: bytes per second the store delivered over the window.
+        throttled: requests the store refused as throttled (HTTP 429 or 503)
+            over the window; any names throttling, unless decoding is slower
+            than the trainer's step (no store could feed it then).
     """
     waited, elapsed, steps = window
     step = max((elapsed - waited) / steps, 1e-9)  # the trainer's own work per step
@@ -274,6 +279,15 @@ def stall_message(
         return head + (
             f"decoding a step takes {1e3 * finish_s:.1f} ms, longer than the trainer's "
             "step (decode CPU): raise LoaderConfig.decode_threads or set decode='device'"
+        )
+    if throttled:
+        return head + (
+            f"the store refused {throttled} requests as throttled (HTTP 429 or 503) over "
+            "these steps, each retried after a backoff (throttling): need fewer requests "
+            'with LoaderConfig(shuffle="blocks") (a request reads a block of records, '
+            "not about one a row), or ramp the run's request rate up as the bucket's "
+            "grows (a fresh GCS bucket serves about 5,000 reads/s, doubling about every "
+            "20 minutes)"
         )
     if capped_by is not None and fetch_s > depth * step:
         fix = (

@@ -1,8 +1,9 @@
 """Storage: store options, tensorstore and memory-mapped reads, probes, digests,
 the dataset's identity and storage format, claims on a location.
 
-``remote_reads`` and ``remote_bytes`` (the requests and bytes read from object
-stores so far) are this package's too: ``flat_tokens_jax.store.remote_reads()``.
+``remote_reads``, ``remote_bytes`` and ``throttled_requests`` (the requests and
+bytes read from object stores so far, and the requests they refused as
+throttled) are this package's too: ``flat_tokens_jax.store.remote_reads()``.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from flat_tokens_jax.store.store import remote_bytes, remote_reads
+    from flat_tokens_jax.store.store import remote_bytes, remote_reads, throttled_requests
 
-__all__ = ["remote_bytes", "remote_reads"]
+__all__ = ["remote_bytes", "remote_reads", "throttled_requests"]
 
 
 def __getattr__(name: str) -> Any:

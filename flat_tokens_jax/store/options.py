@@ -55,8 +55,11 @@ class StoreOptions:
             that stays down fails a read after the waits between attempts,
             ``min(retry_delay * 2**k + jitter, max_retry_delay)`` for
             ``k < retries - 1``, with up to ``min(1, retry_delay)`` seconds of
-            jitter: at most 100 s with the defaults (1+2+4+8+16, up to 1 s of
-            jitter each, then 32+32).
+            jitter: at most 498 s with the defaults (1+2+4+8+16, then 14 waits
+            of 32, each up to 1 s more), within ``timeout``. The default (20)
+            outlasts a throttled bucket's refusals: with 8 attempts a loader
+            asking about 3 times a bucket's rate failed its first step, with
+            20 it read on (docs/guide/remote.md, "A throttled bucket").
         retry_delay: seconds before the first retry; doubling after each.
         max_retry_delay: the longest wait between two attempts, in seconds.
         timeout: seconds any one wait for data may take, retries included,
@@ -75,7 +78,7 @@ class StoreOptions:
     region: str | None = None
     credentials: str | Mapping[str, Any] | None = None
     concurrency: int | None = None
-    retries: int = 8
+    retries: int = 20
     retry_delay: float = 1.0
     max_retry_delay: float = 32.0
     timeout: float | None = 600.0
@@ -217,6 +220,16 @@ def store_error(url: str, error: BaseException, options: StoreOptions) -> StoreE
         hint = "no space left on device: free space there, or write elsewhere"
     elif code in _HINTS:
         hint = _HINTS[code]
+    elif "retry attempts failed" in text and any(
+        f"http_response_code='{status}'" in text for status in ("429", "503")
+    ):
+        hint = (
+            f"the store refused the request as throttled (HTTP 429 or 503) in all "
+            f"{options.retries} attempts (StoreOptions.retries, StoreOptions.retry_delay, "
+            "StoreOptions.max_retry_delay): raise StoreOptions.retries (at most "
+            f"{MAX_RETRIES}), or need fewer requests per second (a bucket's rate grows "
+            "with time)"
+        )
     elif "retry attempts failed" in text or code in ("UNAVAILABLE", "ABORTED"):
         hint = (
             f"the server failed {options.retries} attempts (StoreOptions.retries, "

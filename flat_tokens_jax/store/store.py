@@ -56,6 +56,26 @@ def remote_bytes() -> dict[str, int]:
     return _by_scheme("bytes_read")
 
 
+# The HTTP answers of a throttled bucket: GCS's 429 Too Many Requests, S3's 503
+# SlowDown. tensorstore retries both (StoreOptions.retries).
+THROTTLED_CODES = ("429", "503")
+
+
+def throttled_requests() -> int:
+    """HTTP requests of this process that a server answered 429 (Too Many
+    Requests, GCS over a bucket's request rate) or 503 (Service Unavailable,
+    S3's SlowDown) so far, each one an attempt that tensorstore retried after
+    a backoff (its ``/tensorstore/http/response_codes`` metric: every HTTP
+    request tensorstore sent, GCS and S3 alike)."""
+    found = ts.experimental_collect_matching_metrics("/tensorstore/http/response_codes")
+    return sum(
+        int(v.get("value", 0))
+        for m in found
+        for v in m["values"]
+        if str(v.get("code")) in THROTTLED_CODES
+    )
+
+
 def _by_scheme(metric: str) -> dict[str, int]:
     counts = {}
     for scheme, driver in (("gs", "gcs"), ("s3", "s3")):

@@ -376,9 +376,8 @@ class FlatTokensSource:
             shuffle_block=shuffle_block,
             shuffle_window=shuffle_window,
         )
-        blocks = config.shuffle == fields.BLOCKS
-        block = shuffle_block
-        if blocks and block is None:
+        block = config.shuffle_block
+        if config.shuffle == fields.BLOCKS and block is None:
             block = default_block(self.components, self.seq_len)
         if self.mixture is not None and num_epochs is not None:
             raise ValueError(

@@ -242,6 +242,29 @@ def test_a_mixture_reads_each_component_once_per_epoch() -> None:
         assert (sampler.seed, sampler.lanes) == (mix.component_seed(0, c), 8)
 
 
+def test_a_steered_mixture_skips_and_reweights_its_block_streams() -> None:
+    """A skip reads the data step it skips to; a weight change continues
+    each component's block stream, each epoch reading every record once."""
+    a, b = split(40, seed=1), split(70, seed=2)
+    mix = ftj.Mixture({"a": (a, 1.0), "b": (b, 1.0)}, seed=5)
+    plain = ftj.Loader(mix, blocks_config(shuffle_block=2))
+    steered = ftj.Loader(mix, blocks_config(shuffle_block=2))
+    steered.skip(2, 3)
+    assert steered.provenance(2) == plain.provenance(5)
+    assert steered.provenance(1) == plain.provenance(1)
+    steered = ftj.Loader(mix, blocks_config(shuffle_block=2))
+    steered.set_weights(4, [1.0, 3.0])
+    seen: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
+    for step in range(40):
+        for row in steered.provenance(step):
+            seen[row["component"], row["epoch"]].append(row["record"])
+    assert seen[1, 1], "component b is read past its first epoch"
+    for (c, epoch), records in seen.items():
+        assert len(set(records)) == len(records), (c, epoch)
+        if (c, epoch + 1) in seen:
+            assert sorted(records) == list(range(len(steered.components[c])))
+
+
 def test_bins_are_each_read_once_per_epoch() -> None:
     ft = split(150)
     loader = ftj.Loader(ft, blocks_config(packing="bins", seq_len=32, num_epochs=1))

@@ -388,6 +388,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="records in a fresh shuffled order each epoch (--no-shuffle: in order)",
     )
+    p.add_argument(
+        "--blocks",
+        dest="shuffle",
+        action="store_const",
+        const="blocks",
+        help="the block shuffle: records read in blocks of consecutive ones (shuffle: blocks)",
+    )
+    p.add_argument(
+        "--shuffle-block",
+        type=int,
+        help="with --blocks, records per block (default: about 2**18 tokens)",
+    )
+    p.add_argument(
+        "--shuffle-window",
+        type=int,
+        help="with --blocks, blocks shuffled together (default 1)",
+    )
     p.add_argument("--seed", type=int, help="the shuffle's seed (LoaderConfig.seed)")
     p.add_argument("--num-epochs", type=int, help="passes over the records (default: unbounded)")
     p.add_argument(

@@ -128,6 +128,8 @@ MORE_ROWS = {**LOADER, "batch_size": [[0, 16], [3, 32]]}  # from the restart's s
 STEERED = {"loader": {**LOADER, "source_field": True}, "mixture": {"x": 1.0, "y": 1.0}}
 STEER = [[1, "set_weights", 3, [1, 3]], [2, "skip", 4, 2], [4, "set_weights", 6, [3, 1]]]
 SOURCES = {"mixture": {"x": 1.0, "y": 3.0}}
+# The block shuffle: blocks of 3 windows, windows of 2 blocks; 16 lanes.
+BLOCKS = {**LOADER, "shuffle": "blocks", "shuffle_block": 3, "shuffle_window": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +151,12 @@ def runs(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Runs:
     of its own; a restore is always in a later launch than the save."""
     tmp = tmp_path_factory.mktemp("runs")
     state = {name: str(tmp / f"{name}.json") for name in ("elastic", "restart", "phases")}
-    reports = launch(dataset, tmp / "four", 4, {"four": {"save_state": state["elastic"]}})
+    reports = launch(
+        dataset,
+        tmp / "four",
+        4,
+        {"four": {"save_state": state["elastic"]}, "blocks_on_four": {"loader": BLOCKS}},
+    )
     reports |= launch(
         dataset,
         tmp / "two",
@@ -183,6 +190,7 @@ def runs(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Runs:
                 "loader": {**LOADER, "source_field": True, "decode": "device"},
             },
             "elastic_on_two": {"num_steps": 2, "restore_from": state["elastic"]},
+            "blocks_on_two": {"loader": BLOCKS},
         },
     )
     reports |= launch(
@@ -198,6 +206,7 @@ def runs(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Runs:
         {
             "elastic_on_one": {"num_steps": 2, "restore_from": state["elastic"]},
             "phases_on_one": {"num_steps": 2, "phases": PHASES, "restore_from": state["phases"]},
+            "blocks_on_one": {"loader": BLOCKS},
         },
     )
     return Runs(reports, tmp)
@@ -393,3 +402,19 @@ def test_to_grain_yields_each_process_only_its_rows(dataset: Path, runs: Runs) -
         for h in held:
             assert 0 < len(h["rows"]) < 16
             assert h["target_row_sums"] == sums[h["rows"]].tolist()
+
+
+def test_block_shuffle_batches_are_the_same_for_one_two_and_four_processes(
+    dataset: Path, runs: Runs
+) -> None:
+    """``shuffle="blocks"``: the global batches of 1, 2 and 4 processes are
+    the single process's, and each process's rows are whole lanes."""
+    expected = reference(dataset, range(3), BLOCKS)
+    assert expected != reference(dataset, range(3)), "not the full shuffle's batches"
+    for processes, name in ((1, "blocks_on_one"), (2, "blocks_on_two"), (4, "blocks_on_four")):
+        reports = runs.reports[name]
+        assert len(reports) == processes
+        for pid, report in enumerate(reports):
+            assert report["steps"] == expected, (name, pid)
+            lanes = 16 // processes
+            assert report["rows"] == list(range(pid * lanes, (pid + 1) * lanes))

@@ -8,7 +8,7 @@ as a Python int, or raises :class:`~flat_tokens_jax.core.values.BadValue`
 naming the path, what was given and what is accepted.
 
 A ``packing`` is read here into :class:`Packing`, the closed type the rest
-of the code compares by member.
+of the code compares by member; a ``shuffle`` into its :data:`Shuffle`.
 
 Example:
     >>> seed(7, "Mixture.seed")
@@ -23,19 +23,22 @@ Example:
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Any, Literal
 
 from flat_tokens_jax.core.format import MAX_TOKEN_ID
-from flat_tokens_jax.core.values import BadValue, integer
+from flat_tokens_jax.core.values import BadValue, boolean, integer
 
 __all__ = [
+    "BLOCKS",
     "MAX_SEED",
     "MAX_STEP",
     "Packing",
+    "Shuffle",
     "packing",
     "pad_id",
     "seed",
     "seq_len",
+    "shuffle",
     "step",
     "token_id",
 ]
@@ -116,3 +119,22 @@ def packing(value: Any, path: str) -> Packing:
         "must be True (packed windows), False (padded sequences) or 'bins' "
         f"(bins of whole sequences), got {value!r}",
     )
+
+
+Shuffle = bool | Literal["blocks"]
+"""A ``shuffle``: ``True`` (a full shuffle), ``False`` (in order) or ``"blocks"``
+(the block shuffle, :mod:`~flat_tokens_jax.sampling.blocks`). Booleans stay
+booleans, so fingerprints and saved states of either hold them as before."""
+
+BLOCKS: Literal["blocks"] = "blocks"
+"""The ``shuffle`` of the block shuffle."""
+
+
+def shuffle(value: Any, path: str) -> Shuffle:
+    """A ``shuffle``: a boolean (numpy's too, as a config's booleans) or ``"blocks"``."""
+    if isinstance(value, str) and value == BLOCKS:
+        return BLOCKS
+    try:
+        return boolean(value, path)
+    except BadValue as e:
+        raise BadValue(path, f"{e.problem}; or 'blocks' for the block shuffle") from None

@@ -64,8 +64,8 @@ from flat_tokens_jax.grain.grainbatches import Batches, ScheduledBatches
 from flat_tokens_jax.grain.grainprocess import prepare_grain
 from flat_tokens_jax.grain.grainrecords import Keep, Remix, Reopen, as_components
 from flat_tokens_jax.loader.config import LoaderConfig, resolve_start_token_id
+from flat_tokens_jax.sampling.blocks import default_block, sampler
 from flat_tokens_jax.sampling.mixture import Mixture
-from flat_tokens_jax.sampling.sampling import IndexSampler
 from flat_tokens_jax.sampling.schedule import BatchSizeSpec
 from flat_tokens_jax.store.identity import DatasetInfo, TokenizerInfo
 from flat_tokens_jax.store.options import StoreOptions, resolve_options
@@ -323,9 +323,11 @@ class FlatTokensSource:
         batch_size: BatchSizeSpec,
         *,
         seed: int = 0,
-        shuffle: bool = True,
+        shuffle: fields.Shuffle = True,
         num_epochs: int | None = 1,
         shard: tuple[int, int] = (0, 1),
+        shuffle_block: int | None = None,
+        shuffle_window: int = 1,
     ) -> Batches:
         """A grain source of whole shuffled batches: element ``step`` is one step.
 
@@ -340,7 +342,9 @@ class FlatTokensSource:
             batch_size: global rows per step, over all shards: an int, or a
                 schedule ``[(start_step, size), ...]`` as ``LoaderConfig.batch_size``.
             seed: the shuffle's key (a fresh order each epoch).
-            shuffle: False: records in order.
+            shuffle: False: records in order; ``"blocks"``: the block shuffle
+                (see ``LoaderConfig.shuffle``), whose lanes are the batch
+                size (the gcd of a schedule's sizes), as ``Loader``'s.
             num_epochs: passes over the records; the last step is completed
                 with padding rows (``loss_mask`` False, ``segment_ids`` 0), as
                 ``Loader`` pads it, so an evaluation pass (``num_epochs=1,
@@ -351,23 +355,44 @@ class FlatTokensSource:
                 ``[index * B // count, (index + 1) * B // count)`` of a step of
                 ``B`` rows, e.g. ``(jax.process_index(), jax.process_count())``;
                 the hosts together read each global batch once.
+            shuffle_block: as ``LoaderConfig.shuffle_block`` (``None``: sized
+                from the store's chunking).
+            shuffle_window: as ``LoaderConfig.shuffle_window``.
 
         Raises:
-            ValueError: a bad ``batch_size``, ``seed``, ``num_epochs`` or
+            ValueError: a bad ``batch_size``, ``seed``, ``shuffle``,
+                ``num_epochs``, ``shuffle_block``, ``shuffle_window`` or
                 ``shard``, a batch size that does not divide over the shards,
                 or ``num_epochs`` with a ``Mixture``.
         """
+        # The loader's checks of these fields, and its lanes.
+        config = LoaderConfig(
+            batch_size,
+            self.seq_len,
+            self.packing,
+            shuffle=shuffle,
+            seed=seed,
+            num_epochs=num_epochs,
+            shuffle_block=shuffle_block,
+            shuffle_window=shuffle_window,
+        )
+        block = config.shuffle_block
+        if config.shuffle == fields.BLOCKS and block is None:
+            block = default_block(self.components, self.seq_len)
         if self.mixture is not None and num_epochs is not None:
             raise ValueError(
                 f"num_epochs={num_epochs!r} does not apply to a Mixture: each component "
                 "runs its own epochs, without end; pass num_epochs=None"
             )
         samplers = [
-            IndexSampler(
+            sampler(
                 size,
+                config.shuffle,
                 seed=seed if self.mixture is None else self.mixture.component_seed(seed, c),
-                shuffle=shuffle,
                 num_epochs=num_epochs,
+                block=block or 1,
+                window=config.shuffle_window,
+                lane_count=config.lanes,
             )
             for c, size in enumerate(self._sizes)
         ]

@@ -21,8 +21,8 @@ import numpy as np
 from flat_tokens_jax.core.limits import check_loader_memory
 from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.decoding.layouts import BatchLayout
+from flat_tokens_jax.sampling.blocks import BlockSampler, Sampler
 from flat_tokens_jax.sampling.mixture import Mixture
-from flat_tokens_jax.sampling.sampling import IndexSampler
 from flat_tokens_jax.sampling.schedule import BatchSchedule, BatchSizeSpec
 from flat_tokens_jax.sampling.stepsamples import MAX_SAMPLE, StepSamples
 
@@ -72,7 +72,7 @@ class Batches:
         self,
         source: BatchReader,
         batch_size: BatchSizeSpec,
-        samplers: Sequence[IndexSampler],
+        samplers: Sequence[Sampler],
         *,
         shard: tuple[int, int] = (0, 1),
     ) -> None:
@@ -117,9 +117,12 @@ class Batches:
 
     def __repr__(self) -> str:
         s = self.sampler
+        blocks = ""
+        if isinstance(s, BlockSampler):
+            blocks = f", shuffle_block={s.block}, shuffle_window={s.window}"
         return (
             f"Batches({self.source!r}, batch_size={self.schedule}, seed={s.seed}, "
-            f"shuffle={s.shuffle}, num_epochs={s.num_epochs}, shard={self.shard})"
+            f"shuffle={s.shuffle!r}{blocks}, num_epochs={s.num_epochs}, shard={self.shard})"
         )
 
     def __len__(self) -> int:

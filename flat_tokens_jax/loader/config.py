@@ -23,6 +23,7 @@ from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, check_source
 from flat_tokens_jax.decoding.instancefilter import InstanceFilter
 from flat_tokens_jax.decoding.layouts import LAYOUTS, BatchLayout, check_max_segments
+from flat_tokens_jax.sampling.blocks import lanes
 from flat_tokens_jax.sampling.mixture import config_records
 from flat_tokens_jax.sampling.schedule import BatchSchedule, BatchSizeSpec
 
@@ -54,7 +55,11 @@ class LoaderConfig:
             ``PADDED``, ``BINS``), which may also be given; saved states and
             fingerprints hold the value as written (``true``, ``false``, ``"bins"``).
         shuffle: visit records in a fresh pseudo-random order each epoch.
-            False: in order (evaluation).
+            False: in order (evaluation). ``"blocks"``: the block shuffle
+            (see docs/guide/loading.md, "Block shuffle"): each epoch still a
+            keyed permutation of every record, read in blocks of
+            ``shuffle_block`` consecutive records, so an object store is asked
+            about one request a block instead of one a row.
         seed: the shuffle's key. Recommended: one per training run.
         num_epochs: passes over the records; ``None``: unbounded. With a bound,
             the last batch is completed with padding rows (``loss_mask`` 0).
@@ -125,12 +130,20 @@ class LoaderConfig:
             numbers its components by name), ``-1`` for padding rows. For
             per-source losses (:func:`~flat_tokens_jax.per_source`). Changes
             no other array, nor the fingerprint.
+        shuffle_block: with ``shuffle="blocks"``, the records of a block
+            (read as one request). ``None`` (recommended): records that span
+            about ``2**18`` tokens and at least one inner chunk of the store
+            (a mixture: the largest of its components'); the value used is in
+            the fingerprint.
+        shuffle_window: with ``shuffle="blocks"``, the blocks whose records
+            are shuffled together. Default 1; more mixes a lane's rows over
+            more blocks, and a lane reads ``shuffle_window`` blocks at once.
     """
 
     batch_size: BatchSizeSpec
     seq_len: int
     packing: fields.Packing = fields.Packing.WINDOWS
-    shuffle: bool = True
+    shuffle: fields.Shuffle = True
     seed: int = 0
     num_epochs: int | None = None
     prefetch: int | None = None
@@ -145,11 +158,23 @@ class LoaderConfig:
     instance_filter: InstanceFilter | None = None
     sequence_start: bool = False
     source_field: bool = False
+    shuffle_block: int | None = None
+    shuffle_window: int = 1
 
     def __post_init__(self) -> None:
         path = "LoaderConfig."
         for f in dataclasses.fields(self):  # numpy ints become Python ints
             object.__setattr__(self, f.name, FIELDS[f.name](getattr(self, f.name), path + f.name))
+        if self.shuffle != fields.BLOCKS and (
+            self.shuffle_block is not None or self.shuffle_window != 1
+        ):
+            raise BadValue(
+                path + "shuffle",
+                f"is {self.shuffle!r}, but shuffle_block={self.shuffle_block!r} and "
+                f"shuffle_window={self.shuffle_window!r} are set: they apply to "
+                "shuffle='blocks' only; set shuffle='blocks', or leave shuffle_block "
+                "None and shuffle_window 1",
+            )
         if self.instance_filter is not None:
             self.instance_filter.check_seq_len(self.seq_len, path + "instance_filter")
         check_max_segments(self.max_segments, self.seq_len, self.packing, path + "max_segments")
@@ -217,13 +242,21 @@ class LoaderConfig:
         """Global rows of the batch at ``step``."""
         return self.schedule.size(step)
 
+    @property
+    def lanes(self) -> int:
+        """``L`` of the block shuffle: the batch size, or the gcd of a schedule's sizes."""
+        return lanes(self.schedule.entries)
+
     def batch_defining(self) -> dict[str, Any]:
         """The :data:`BATCH_DEFINING` fields, JSON-ready (``batch_size`` an int
         or ``[[start_step, size], ...]``; ``packing`` as written, ``true``,
-        ``false`` or ``"bins"``; ``instance_filter`` its fields, left out when off)."""
+        ``false`` or ``"bins"``; ``instance_filter`` its fields, left out when
+        off; ``shuffle_block`` and ``shuffle_window`` only with ``shuffle="blocks"``)."""
         values = {k: v for k, v in dataclasses.asdict(self).items() if k in BATCH_DEFINING}
         if self.instance_filter is None:
             del values["instance_filter"]
+        if self.shuffle != fields.BLOCKS:
+            del values["shuffle_block"], values["shuffle_window"]
         return {**values, "batch_size": self.schedule.spec(), "packing": self.packing.value}
 
 
@@ -237,12 +270,16 @@ BATCH_DEFINING = (
     "start_token_id",
     "pad_id",
     "instance_filter",
+    "shuffle_block",
+    "shuffle_window",
 )
 """The fields that decide batch contents, which a saved state's fingerprint
-holds: all but ``prefetch``, ``read_ahead_bytes``, ``decode_threads``,
-``decode``, ``layout``, ``sequence_start``, ``source_field``, ``max_segments``
-(a bins plan it caps is in the data's fingerprint) and ``vocab_size`` (which
-checks the data but changes no batch)."""
+holds (``shuffle_block``, resolved, and ``shuffle_window`` only with
+``shuffle="blocks"``, so that other fingerprints stay as they were): all
+but ``prefetch``, ``read_ahead_bytes``, ``decode_threads``, ``decode``,
+``layout``, ``sequence_start``, ``source_field``, ``max_segments`` (a bins
+plan it caps is in the data's fingerprint) and ``vocab_size`` (which checks
+the data but changes no batch)."""
 
 
 def _batch_size(value: Any, path: str) -> BatchSizeSpec:
@@ -262,7 +299,7 @@ FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "batch_size": _batch_size,
     "seq_len": fields.seq_len,
     "packing": fields.packing,
-    "shuffle": boolean,
+    "shuffle": fields.shuffle,
     "seed": fields.seed,
     "num_epochs": _POSITIVE,
     "prefetch": functools.partial(integer, low=0, optional=True),
@@ -278,6 +315,8 @@ FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "instance_filter": InstanceFilter.of,
     "sequence_start": boolean,
     "source_field": boolean,
+    "shuffle_block": _POSITIVE,
+    "shuffle_window": functools.partial(integer, low=1),
 }
 """Each :class:`LoaderConfig` field's check of type and bounds, alone: called
 with the value and the path that names it (``loader.seed``,

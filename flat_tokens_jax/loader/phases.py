@@ -131,7 +131,8 @@ _OWN_RECORDS = ("packed", "padded", "bins")
 
 def stream_key(data: Mapping[str, Any], config: LoaderConfig) -> str:
     """The identity of a stream: the :data:`STREAM_FIELDS` a component's
-    ``fingerprint`` holds, with the config's seed and shuffle.
+    ``fingerprint`` holds, with the config's seed and shuffle (with
+    ``shuffle="blocks"``, its ``shuffle_block``, ``shuffle_window`` and lanes).
 
     Records of another kind (a ``Records`` of one's own) are identified by
     their whole fingerprint but its ``name``: only they know what it holds.
@@ -140,7 +141,12 @@ def stream_key(data: Mapping[str, Any], config: LoaderConfig) -> str:
         identity = {k: data[k] for k in STREAM_FIELDS if k in data}
     else:
         identity = {k: v for k, v in data.items() if k != "name"}
-    return json.dumps([identity, config.seed, config.shuffle], sort_keys=True)
+    order: Any = config.shuffle
+    if order == fields.BLOCKS:
+        # What orders a block-shuffled stream's samples: a phase that changes
+        # them reads another stream (each epoch stays a permutation).
+        order = [order, config.shuffle_block, config.shuffle_window, config.lanes]
+    return json.dumps([identity, config.seed, order], sort_keys=True)
 
 
 def drawn(steering: Steering, steps: int) -> list[int]:

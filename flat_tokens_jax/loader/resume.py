@@ -14,6 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from flat_tokens_jax.core.fields import BLOCKS
 from flat_tokens_jax.loader.state import (
     SavedState,
     StateMismatch,
@@ -22,6 +23,7 @@ from flat_tokens_jax.loader.state import (
     shown,
     state_problems,
 )
+from flat_tokens_jax.sampling.blocks import lanes
 from flat_tokens_jax.sampling.schedule import BatchSchedule, resume_differences
 
 # The digests of the data's recorded contents: a saved one that differs now
@@ -58,6 +60,15 @@ def differences(
     )
     for line in found:
         out.append("fingerprint." + line if line.startswith("batch_size") else line)
+    if not found and fp["config"].get("shuffle") == BLOCKS:
+        was_lanes = lanes(BatchSchedule.of(fp["batch_size"]).entries)
+        now_lanes = lanes(schedule.entries)
+        if was_lanes != now_lanes:
+            out.append(
+                f"fingerprint.batch_size: with shuffle='blocks' the lanes (the gcd of the "
+                f"batch sizes) order every sample: saved {was_lanes}, now {now_lanes}; "
+                f"keep the gcd of the batch sizes at {was_lanes}"
+            )
     return out
 
 

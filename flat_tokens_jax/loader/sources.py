@@ -11,12 +11,14 @@ engine samplers that continue them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 
+from flat_tokens_jax.core import fields
 from flat_tokens_jax.core.limits import check_loader_memory
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.plans import default_cache_dir
@@ -28,8 +30,8 @@ from flat_tokens_jax.loader.config import (
     records_for,
     resolve_start_token_id,
 )
+from flat_tokens_jax.sampling.blocks import Sampler, default_block, sampler
 from flat_tokens_jax.sampling.mixture import Mixture
-from flat_tokens_jax.sampling.sampling import IndexSampler
 
 
 @dataclasses.dataclass(eq=False)
@@ -112,6 +114,8 @@ class Sources:
             else:
                 data = self.mixture.fingerprint(self.components)
             config = {**self.config.batch_defining(), "start_token_id": self.start_token_id}
+            if self.config.shuffle == fields.BLOCKS:
+                config["shuffle_block"] = self.block
             batch_size = config.pop("batch_size")
             self._fingerprint = {"data": data, "config": config, "batch_size": batch_size}
         return self._fingerprint
@@ -123,18 +127,32 @@ class Sources:
             [seed] if mix is None else [mix.component_seed(seed, c) for c in range(len(mix.names))]
         )
 
-    def samplers(self, streams: Sequence[tuple[int, int]] | None = None) -> list[IndexSampler]:
+    @functools.cached_property
+    def block(self) -> int:
+        """The block shuffle's records per block: ``shuffle_block``, or when
+        ``None`` sized from the components' stores (see
+        :func:`~flat_tokens_jax.sampling.blocks.default_block`)."""
+        given = self.config.shuffle_block
+        return default_block(self.components, self.config.seq_len) if given is None else given
+
+    def samplers(self, streams: Sequence[tuple[int, int]] | None = None) -> list[Sampler]:
         """``[K]`` component ``c``'s sampler, of its records, under the config's
         shuffle and epochs: from sample 0 under :meth:`seeds`, or where
-        ``streams[c]``, its ``(seed, offset)``, says its stream goes on."""
+        ``streams[c]``, its ``(seed, offset)``, says its stream goes on. Under
+        the block shuffle each component's stream has the config's lanes."""
         at = [(seed, 0) for seed in self.seeds()] if streams is None else streams
+        config = self.config
+        blocks = config.shuffle == fields.BLOCKS
         return [
-            IndexSampler(
+            sampler(
                 len(records),
+                config.shuffle,
                 seed=seed,
-                shuffle=self.config.shuffle,
-                num_epochs=self.config.num_epochs,
+                num_epochs=config.num_epochs,
                 offset=offset,
+                block=self.block if blocks else 1,
+                window=config.shuffle_window,
+                lane_count=config.lanes,
             )
             for records, (seed, offset) in zip(self.components, at, strict=True)
         ]

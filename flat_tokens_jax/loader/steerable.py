@@ -9,8 +9,8 @@ from collections.abc import Mapping, Sequence
 
 from flat_tokens_jax.loader.engine import StepEngine
 from flat_tokens_jax.loader.steered import check_step, skip_count, weight_counts, with_weights
+from flat_tokens_jax.sampling.blocks import Sampler
 from flat_tokens_jax.sampling.mixture import Mixture
-from flat_tokens_jax.sampling.sampling import IndexSampler
 from flat_tokens_jax.sampling.steering import Change, Skips, Steering
 
 
@@ -20,7 +20,7 @@ class Steerable:
     engine: StepEngine
     mixture: Mixture | None
     next_step: int
-    sampler: IndexSampler
+    sampler: Sampler
 
     def skip(self, step: int, count: int) -> None:
         """From ``step`` on, step ``s`` reads what step ``s + count`` would have read

@@ -1,0 +1,247 @@
+"""The block shuffle: each epoch a keyed permutation that reads records in blocks.
+
+``LoaderConfig(shuffle="blocks")`` orders a stream of ``n`` records (a
+split's windows, padded sequences or bins) so that a reader fetches whole
+blocks of ``B`` consecutive records, one request each, while a batch still
+draws its rows from many blocks:
+
+- **block** ``b``: records ``[b*B, (b+1)*B)`` (the last one may be partial);
+- **window**: ``w`` consecutive blocks of the epoch's block order, whose
+  records are shuffled together;
+- **lanes**: ``L`` of them (the batch size, or the gcd of a schedule's
+  sizes); stream sample ``s`` is in lane ``s mod L``.
+
+Epoch ``e`` holds stream samples ``[e*n, (e+1)*n)``. Its record sequence
+``R_e`` is the full blocks in the order of :func:`~.sampling.permute` (keyed
+by the seed under a domain of its own, and the epoch), the partial block
+last, cut into windows of ``w`` blocks, each window's records permuted
+(keyed by the epoch and the window). Lane ``l`` reads the contiguous segment
+of ``R_e`` after the samples of lanes ``< l`` in the epoch, one record per
+sample, in order: so a lane stays in one block for about ``B * w`` of its
+samples, and a host that holds a range of lanes reads the blocks of its
+lanes only (see :func:`sample_of_row`). Every quantity is O(1) per index and
+nothing is stored per ``n``: ``records`` is a few numpy passes, as
+:class:`~.sampling.IndexSampler`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from flat_tokens_jax.core import fields
+from flat_tokens_jax.core.values import integer
+from flat_tokens_jax.data.dataset import FlatTokens
+from flat_tokens_jax.data.records import Records
+from flat_tokens_jax.sampling.sampling import MAX_N, IndexSampler, permute
+
+__all__ = [
+    "BLOCK_TOKENS",
+    "BlockSampler",
+    "Sampler",
+    "default_block",
+    "lanes",
+    "sample_of_row",
+    "sampler",
+]
+
+BLOCK_TOKENS = 1 << 18
+"""Tokens a block spans when ``shuffle_block`` is ``None`` (at least an inner chunk)."""
+
+Int64Array = npt.NDArray[np.int64]
+
+
+def _domain_seed(seed: int, domain: str) -> int:
+    """A key for one use of ``seed`` (the block order, the windows), unrelated
+    to the full shuffle's and to each other's."""
+    text = f"flat-tokens/{domain}/{seed}".encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSampler:
+    """Maps global sample indices to record indices in block-shuffled order.
+
+    The same contract as :class:`~.sampling.IndexSampler` (``records``,
+    ``epochs``, ``num_samples``, ``offset``): sample ``g`` is stream sample
+    ``offset + g``; each epoch reads every record exactly once.
+
+    Example:
+        >>> s = BlockSampler(10, block=4, window=1, lanes=2, seed=0)
+        >>> sorted(s.records(range(10)).tolist())
+        [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+        >>> s.lane(range(4)).tolist()
+        [0, 1, 0, 1]
+    """
+
+    num_records: int  # n: 1 <= n <= 2**63 - 1.
+    block: int  # B: consecutive records read as one request, >= 1.
+    window: int = 1  # w: blocks whose records are shuffled together, >= 1.
+    lanes: int = 1  # L: the batch size, or the gcd of a schedule's sizes.
+    seed: int = 0
+    num_epochs: int | None = None
+    offset: int = 0
+    shuffle: Literal["blocks"] = dataclasses.field(default=fields.BLOCKS, init=False)
+    _epochs: IndexSampler = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        integer(self.block, "shuffle_block", low=1, high=MAX_N)
+        integer(self.window, "shuffle_window", low=1, high=MAX_N)
+        integer(self.lanes, "lanes", low=1, high=MAX_N)
+        # Checks num_records, seed, num_epochs and offset, and splits samples into epochs.
+        unshuffled = IndexSampler(
+            self.num_records, self.seed, False, self.num_epochs, offset=self.offset
+        )
+        object.__setattr__(self, "_epochs", unshuffled)
+
+    @property
+    def num_samples(self) -> int | None:
+        """Total number of samples, ``num_records * num_epochs``; None if unbounded."""
+        return self._epochs.num_samples
+
+    def epochs(self, g: npt.ArrayLike) -> Int64Array:
+        """Epoch of each global sample index: ``g`` ``[k]`` int, returns ``[k] int64``."""
+        return self._epochs.epochs(g)
+
+    def lane(self, g: npt.ArrayLike) -> Int64Array:
+        """Lane of each global sample index, ``(offset + g) mod lanes``: ``[k] int64``."""
+        epoch, position = self._epochs.epochs(g), self._epochs.records(g)
+        return (epoch * np.int64(self.num_records) + position) % np.int64(self.lanes)
+
+    def positions(self, g: npt.ArrayLike) -> tuple[Int64Array, Int64Array]:
+        """``(epoch, j)``, each ``[k] int64``: sample ``g`` reads ``R_epoch[j]``.
+
+        Lane ``l`` of epoch ``e`` holds ``K(e, l)`` samples and reads
+        ``R_e[off(e, l) : off(e, l) + K(e, l)]``, ``off(e, l)`` the samples of
+        lanes ``< l`` in the epoch: closed forms in ``a mod L``, ``a = e * n``
+        the epoch's first stream sample, so nothing overflows int64.
+        """
+        epoch, position = self._epochs.epochs(g), self._epochs.records(g)
+        n, big_l = np.int64(self.num_records), np.int64(self.lanes)
+        s = epoch * n + position  # the stream sample: offset + g <= 2**63 - 1
+        a = s - position
+        qa, ra = np.divmod(a, big_l)
+        lane = s % big_l
+        # Samples of lanes < l in [a, a + n): (a + n) // L * l + min((a + n) % L, l),
+        # less the same count in [0, a); a // L cancels out.
+        carry, rest = np.divmod(ra + n % big_l, big_l)
+        whole = n // big_l + carry
+        off = whole * lane + np.minimum(rest, lane) - np.minimum(ra, lane)
+        # Samples of lane l in [a, s): those below s less those below a.
+        before_a = qa + (ra + big_l - 1 - lane) // big_l
+        return epoch, off + s // big_l - before_a
+
+    def records(self, g: npt.ArrayLike) -> Int64Array:
+        """Record read by each global sample index: ``g`` ``[k]`` int, returns ``[k] int64``.
+
+        Raises:
+          ValueError: if an index is negative or not an integer.
+          EpochsExhausted: if ``num_epochs`` is set and an index is ``>= num_samples``.
+        """
+        epoch, j = self.positions(g)
+        return self.record_at(epoch, j)
+
+    def record_at(self, epoch: Int64Array, j: Int64Array) -> Int64Array:
+        """``R_epoch[j]``: ``epoch`` and ``j`` ``[k] int64`` (``0 <= j < n``)."""
+        n, size, w = self.num_records, self.block, self.window
+        full = n // size  # full blocks; a partial one (n % size records) comes last
+        span = min(w * size, n)  # records of a window (the last may hold fewer)
+        count = -(-n // span)  # windows of the epoch
+        win, pos = np.divmod(j, np.int64(span))
+        held = np.minimum(np.int64(span), np.int64(n) - win * np.int64(span))
+        # Keyed by (epoch, window): distinct pairs give distinct keys, all below 2**64.
+        key = epoch.astype(np.uint64) * np.uint64(count) + win.astype(np.uint64)
+        q = permute(pos, held, seed=_domain_seed(self.seed, "window"), epoch=key)
+        where, within = np.divmod(q, np.int64(size))
+        at = win * np.int64(w) + where  # the block's place in the epoch's block order
+        out = np.int64(full) * np.int64(size) + within  # the partial block's records
+        mine = np.flatnonzero(at < full)
+        if mine.size:
+            blocks = permute(
+                at[mine], full, seed=_domain_seed(self.seed, "blocks"), epoch=epoch[mine]
+            )
+            out[mine] = blocks * np.int64(size) + within[mine]
+        return out
+
+    def block_of(self, records: npt.ArrayLike) -> Int64Array:
+        """The block of each record, ``record // block``: ``[k] int64``."""
+        return np.asarray(records, np.int64) // np.int64(self.block)
+
+
+Sampler = IndexSampler | BlockSampler
+"""What orders a component's records: a full (or no) shuffle, or the block shuffle."""
+
+
+def sampler(
+    num_records: int,
+    shuffle: fields.Shuffle,
+    *,
+    seed: int,
+    num_epochs: int | None,
+    offset: int = 0,
+    block: int = 1,
+    window: int = 1,
+    lane_count: int = 1,
+) -> Sampler:
+    """A stream's sampler under ``shuffle``: a :class:`BlockSampler` of
+    ``block``, ``window`` and ``lane_count`` for ``"blocks"``, else an
+    :class:`~.sampling.IndexSampler` (which those three do not concern)."""
+    if shuffle == fields.BLOCKS:
+        return BlockSampler(
+            num_records, block, window, lane_count, seed, num_epochs=num_epochs, offset=offset
+        )
+    on = shuffle is True
+    return IndexSampler(num_records, seed=seed, shuffle=on, num_epochs=num_epochs, offset=offset)
+
+
+def lanes(entries: Iterable[tuple[int, int]]) -> int:
+    """``L``: the gcd of the sizes of a batch-size schedule's ``(start_step,
+    size)`` entries (the size, when constant)."""
+    return math.gcd(*(size for _, size in entries))
+
+
+def sample_of_row(rows: npt.ArrayLike, size: int, lane_count: int) -> Int64Array:
+    """Which of a step's samples each row holds under the block shuffle.
+
+    Sample ``j`` of a step of ``size`` rows goes to row ``(j mod L) * (size
+    / L) + j // L``: the rows of each lane are contiguous, so a host holding
+    rows ``[h * size / H, (h + 1) * size / H)`` holds lanes ``[h * L / H,
+    (h + 1) * L / H)`` for every ``H`` dividing ``L``. The identity when
+    ``L == size``.
+
+    Args:
+        rows: ``[k]`` global rows of the step, in ``[0, size)``.
+        size: the step's batch size, a multiple of ``lane_count``.
+        lane_count: ``L``.
+
+    Returns:
+        ``[k] int64`` the sample (``0 <= j < size``) of each row.
+    """
+    per_lane = np.int64(size // lane_count)
+    lane, k = np.divmod(np.asarray(rows, np.int64), per_lane)
+    return k * np.int64(lane_count) + lane
+
+
+def default_block(components: Sequence[Records], seq_len: int) -> int:
+    """``shuffle_block`` when left ``None``: records that span about
+    :data:`BLOCK_TOKENS` tokens and at least one inner chunk of the store.
+
+    A split's records span its tokens over their count on average (a padded
+    sequence or a bin may be shorter than ``seq_len``); custom records
+    ``seq_len`` each. Of a mixture: the largest of its components' blocks.
+    """
+    out = 1
+    for records in components:
+        ft = getattr(records, "ft", None)
+        tokens, chunk = seq_len, 0
+        if isinstance(ft, FlatTokens):
+            tokens = max(1, ft.num_tokens // max(1, len(records)))
+            chunk = int(ft.storage_formats()[ft.tokens_name]["chunk"] or 0)
+        out = max(out, -(-max(BLOCK_TOKENS, chunk) // tokens))
+    return out

@@ -361,59 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML with a loader section and optionally a data section")
     p.add_argument("--state", help="a saved loader.state() as JSON")
     p.add_argument("--split", default="train", help="split of URL, or part of a data split cut")
-    p.add_argument(
-        "--batch-size",
-        help="global batch size, or a schedule START_STEP:SIZE,... e.g. 0:256,2000:512",
-    )
-    p.add_argument("--seq-len", type=int, help="tokens per row")
-    p.add_argument(
-        "--packing",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="rows are consecutive windows of the concatenated tokens (packing: true)",
-    )
-    p.add_argument(
-        "--padded", dest="packing", action="store_false", help="one sequence per row, padded"
-    )
-    p.add_argument(
-        "--bins",
-        dest="packing",
-        action="store_const",
-        const="bins",
-        help="whole sequences packed into rows by the packing plan (packing: bins)",
-    )
-    p.add_argument(
-        "--shuffle",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="records in a fresh shuffled order each epoch (--no-shuffle: in order)",
-    )
-    p.add_argument(
-        "--blocks",
-        dest="shuffle",
-        action="store_const",
-        const="blocks",
-        help="the block shuffle: records read in blocks of consecutive ones (shuffle: blocks)",
-    )
-    p.add_argument(
-        "--shuffle-block",
-        type=int,
-        help="with --blocks, records per block (default: about 2**18 tokens)",
-    )
-    p.add_argument(
-        "--shuffle-window",
-        type=int,
-        help="with --blocks, blocks shuffled together (default 1)",
-    )
-    p.add_argument("--seed", type=int, help="the shuffle's seed (LoaderConfig.seed)")
-    p.add_argument("--num-epochs", type=int, help="passes over the records (default: unbounded)")
-    p.add_argument(
-        "--start-token-id",
-        type=int,
-        help="the input token at a sequence's start (default: the one the dataset records)",
-    )
-    p.add_argument("--pad-id", type=int, help="input and target id of padding (default 0)")
-    p.add_argument("--vocab-size", type=int, help="check that the data's token ids fit below it")
+    show.add_config_flags(p)
     p.add_argument(
         "--skip",
         action="append",

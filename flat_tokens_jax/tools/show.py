@@ -10,6 +10,7 @@ as text with its segments, untrained tokens and padding marked.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import re
@@ -372,3 +373,65 @@ def config_fields(args: Any) -> dict[str, Any]:
     if isinstance(values["batch_size"], str):
         values["batch_size"] = parse_batch_size(values["batch_size"])
     return values
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``flat-tokens show`` that set :class:`LoaderConfig` fields,
+    read back by :func:`config_fields`."""
+    parser.add_argument(
+        "--batch-size",
+        help="global batch size, or a schedule START_STEP:SIZE,... e.g. 0:256,2000:512",
+    )
+    parser.add_argument("--seq-len", type=int, help="tokens per row")
+    parser.add_argument(
+        "--packing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="rows are consecutive windows of the concatenated tokens (packing: true)",
+    )
+    parser.add_argument(
+        "--padded", dest="packing", action="store_false", help="one sequence per row, padded"
+    )
+    parser.add_argument(
+        "--bins",
+        dest="packing",
+        action="store_const",
+        const="bins",
+        help="whole sequences packed into rows by the packing plan (packing: bins)",
+    )
+    parser.add_argument(
+        "--shuffle",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="records in a fresh shuffled order each epoch (--no-shuffle: in order)",
+    )
+    parser.add_argument(
+        "--blocks",
+        dest="shuffle",
+        action="store_const",
+        const="blocks",
+        help="the block shuffle: records read in blocks of consecutive ones (shuffle: blocks)",
+    )
+    parser.add_argument(
+        "--shuffle-block",
+        type=int,
+        help="with --blocks, records per block (default: about 2**18 tokens)",
+    )
+    parser.add_argument(
+        "--shuffle-window",
+        type=int,
+        help="with --blocks, blocks shuffled together (default 1)",
+    )
+    parser.add_argument("--seed", type=int, help="the shuffle's seed (LoaderConfig.seed)")
+    parser.add_argument(
+        "--num-epochs", type=int, help="passes over the records (default: unbounded)"
+    )
+    parser.add_argument(
+        "--start-token-id",
+        type=int,
+        help="the input token at a sequence's start (default: the one the dataset records)",
+    )
+    parser.add_argument("--pad-id", type=int, help="input and target id of padding (default 0)")
+    parser.add_argument(
+        "--vocab-size", type=int, help="check that the data's token ids fit below it"
+    )

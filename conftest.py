@@ -58,7 +58,7 @@ if "PYTHONPYCACHEPREFIX" not in os.environ and os.environ.pop("PYTHONDONTWRITEBY
 
 # The files that take longest (their time in a run of the README's command),
 # longest first. With ``--dist loadfile`` each file goes whole to the worker
-# that asks for work next: these start first, so that the two workers end
+# that asks for work next: these start first, so that the workers end
 # together (xdist's own order, by number of tests, would start them last).
 SLOWEST_FIRST = (
     "tests/test_remote.py",

@@ -6,7 +6,7 @@
 # jax.distributed there), with the zarr-python 3 the tests write stores with at
 # the test extra's floor, in a second virtual environment, .venv-floors (no
 # tests that start a GCS or S3 server: its servers are test extras), installed
-# with uv as the README's command installs the test extras, and run on two
+# with uv as the README's command installs the test extras, and run on three
 # workers as there, in the same order (the longest files first: conftest.py).
 # Part of the README's test command.
 set -euo pipefail
@@ -17,7 +17,7 @@ mapfile -t pins < <(python3 scripts/floors.py)
 .venv-floors/bin/uv pip install -q -p .venv-floors/bin/python "${pins[@]}" \
   'pytest>=8' 'pytest-xdist>=3.8' 'hypothesis>=6.100' -e .
 .venv-floors/bin/pip list 2>/dev/null | grep -E '^(jax|jaxlib|numpy|zarr|numcodecs|tensorstore|grain|google-crc32c|numba) '
-.venv-floors/bin/python -m pytest -q -p no:cacheprovider -o addopts="" -n 2 --dist loadfile --no-loadscope-reorder \
+.venv-floors/bin/python -m pytest -q -p no:cacheprovider -o addopts="" -n 3 --dist loadfile --no-loadscope-reorder \
   -m "not remote" \
   tests/test_multihost.py tests/test_grain.py \
   tests/test_format.py tests/test_dataset.py tests/test_store.py tests/test_localshards.py \

@@ -69,7 +69,8 @@ from flat_tokens_jax.grain.grain import FlatTokensSource
 from flat_tokens_jax.store.store import remote_bytes, remote_reads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from servers import ThrottleProxy, aws_profile, fake_gcs, free_port, moto_s3, s3_files
+from proxies import ThrottleProxy
+from servers import aws_profile, fake_gcs, free_port, moto_s3, s3_files
 
 # List prices per 1,000 read requests (GCS Standard class B operations; S3
 # Standard GET), US regions, as published by Google and AWS.

@@ -15,7 +15,7 @@ gs:// or s3:// URL takes the store flags of every command, ``--endpoint`` etc.)
 Through an object store with latency:
     python scripts/launch_multihost.py DATASET --serve s3 --delay 0.1 --prefetch 8 --bench 4
 copies DATASET's train split to a fresh moto S3 (or ``--serve gcs``:
-fake-gcs-server) on 127.0.0.1 behind the proxy of ``tests/servers.py``, which
+fake-gcs-server) on 127.0.0.1 behind the proxy of ``tests/proxies.py``, which
 holds each request ``--delay`` seconds (and caps the bandwidth at ``--rate``
 MB/s), runs the processes on that copy and prints what the proxy saw.
 """
@@ -110,7 +110,8 @@ def serve(args: argparse.Namespace) -> Iterator[Any]:
     behind a :class:`DelayProxy`; points ``args`` (dataset, store flags) and the
     environment the workers inherit at it; yields the proxy."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from servers import DelayProxy, fake_gcs, moto_s3
+    from proxies import DelayProxy
+    from servers import fake_gcs, moto_s3
 
     import flat_tokens_jax as ftj
 

@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
-from servers import DelayProxy
+from proxies import DelayProxy
 
 import flat_tokens_jax as ftj
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from servers import ManyClients, answer, forward
+from proxies import ManyClients, answer, forward
 
 LOOKS = 3  # looks in a row that find the client settled before a round is answered
 LOOK_EVERY = 0.01  # seconds between looks: the proxy lets go of the GIL in between

@@ -21,7 +21,7 @@ import pytest
 from buckets import S3
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from servers import DelayProxy
+from proxies import DelayProxy
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax import cli

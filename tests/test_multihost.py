@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 from multihost_worker import digest
-from servers import DelayProxy, aws_profile, moto_s3
+from proxies import DelayProxy
+from servers import aws_profile, moto_s3
 
 import flat_tokens_jax as ftj
 

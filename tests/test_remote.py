@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import socket
 import threading
 import time
@@ -15,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from buckets import S3
-from servers import DelayProxy, FaultProxy, aws_profile, fake_gcs, moto_s3, moto_s3_with_auth
+from proxies import DelayProxy, FaultProxy
+from servers import aws_profile, fake_gcs, gcs_through, moto_s3, moto_s3_with_auth
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax import cli
@@ -50,11 +50,9 @@ class Remote:
 @pytest.fixture(scope="module")
 def faulty_gcs(gcs: str) -> Iterator[Remote]:
     proxy = FaultProxy(port_of(gcs))
-    # tensorstore reads these at its first gcs open in this process.
-    os.environ["TENSORSTORE_GCS_HTTP_URL"] = proxy.url
-    os.environ["GOOGLE_AUTH_TOKEN_FOR_TESTING"] = "test"
     try:
-        yield Remote("gs://bucket", proxy, ftj.StoreOptions())
+        with gcs_through(proxy.url):
+            yield Remote("gs://bucket", proxy, ftj.StoreOptions())
     finally:
         proxy.close()
 

@@ -12,7 +12,7 @@ import pytest
 from buckets import Served
 from hypothesis import given
 from hypothesis import strategies as st
-from servers import Link
+from proxies import Link
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.store.options import StoreError

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import http.client
 import logging
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from buckets import S3
-from servers import ThrottleProxy
+from proxies import ThrottleProxy
+from servers import gcs_through
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.store.options import StoreError
@@ -52,11 +52,9 @@ class Throttled:
 @pytest.fixture(scope="module")
 def throttled_gcs(gcs: str) -> Iterator[Throttled]:
     proxy = ThrottleProxy(int(gcs.rsplit(":", 1)[1]), "gcs", None)
-    # tensorstore reads these at each gcs open.
-    os.environ["TENSORSTORE_GCS_HTTP_URL"] = f"http://127.0.0.1:{proxy.port}"
-    os.environ["GOOGLE_AUTH_TOKEN_FOR_TESTING"] = "test"
     try:
-        yield Throttled("gs://bucket", proxy, ftj.StoreOptions())
+        with gcs_through(f"http://127.0.0.1:{proxy.port}"):
+            yield Throttled("gs://bucket", proxy, ftj.StoreOptions())
     finally:
         proxy.close()
 

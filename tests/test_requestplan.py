@@ -1,9 +1,11 @@
-"""The requests plan (``loader/requestplan``): its counts against a brute-force
-count of every row's chunks, the ramp of a fresh bucket, the counts measured on
-fake-gcs-server, and ``flat-tokens plan --requests``."""
+"""The requests plan (``loader/requestplan``, ``loader/requesttable``): its
+counts against a brute-force count of every row's chunks (full shuffle, hand-made
+blocks, and a block-shuffled run's own blocks by lanes), the ramp of a fresh
+bucket, the counts measured on fake-gcs-server, and ``flat-tokens plan --requests``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -20,7 +22,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.loader.requestplan import plan_requests, ramp_minutes
+from flat_tokens_jax.loader.requestplan import (
+    block_reads,
+    host_samples,
+    plan_requests,
+    ramp_minutes,
+)
+from flat_tokens_jax.loader.requesttable import counterpart
 
 ROOT = Path(__file__).resolve().parent.parent
 FORMATS = [
@@ -91,6 +99,30 @@ def row_chunks(
     return out
 
 
+def add_block(
+    touched: dict[str, set[int]],
+    ft: ftj.FlatTokens,
+    k: int,
+    b: int,
+    block: int,
+    n: int,
+    packing: bool,
+    seq_len: int,
+) -> None:
+    """Adds the chunks that reading block ``b`` (of ``block`` records, ``n``
+    in all) whole touches: from its first record's start to its last one's end."""
+    fmt = FORMATS[k]
+    first, last = b * block, min((b + 1) * block, n) - 1
+    if packing:
+        lo, hi = max(first * seq_len - 1, 0), (last + 1) * seq_len
+    else:
+        lo = int(ft.sequence_bounds([first])[0][0])
+        start, stop = (int(x[0]) for x in ft.sequence_bounds([last]))
+        hi = min(stop, start + seq_len)
+        touched["seq_starts"] |= chunks_of(first, last + 2, fmt.elements("seq_starts")[1])
+    touched["encoded_tokens"] |= chunks_of(lo, hi, fmt.chunk_tokens)
+
+
 @given(
     k=st.integers(0, len(FORMATS) - 1),
     packing=st.sampled_from([True, False, "bins"]),
@@ -141,7 +173,6 @@ def test_blocks_are_read_whole_once_per_host_and_epoch(
     n = len(loader.components[0])
     steps = list(range(12))
     plan = plan_requests(loader, hosts, 1.0, steps, block=[block])
-    fmt = FORMATS[k]
     seen: set[tuple[int, int, int]] = set()
     for i, step in enumerate(steps):
         rows = loader.provenance(step)
@@ -154,18 +185,74 @@ def test_blocks_are_read_whole_once_per_host_and_epoch(
                 if (h, row["epoch"], b) in seen:
                     continue
                 seen.add((h, row["epoch"], b))
-                first, last = b * block, min((b + 1) * block, n) - 1
-                if packing:
-                    lo, hi = max(first * seq_len - 1, 0), (last + 1) * seq_len
-                else:
-                    lo = int(ft.sequence_bounds([first])[0][0])
-                    start, stop = (int(x[0]) for x in ft.sequence_bounds([last]))
-                    hi = min(stop, start + seq_len)
-                    touched["seq_starts"] |= chunks_of(
-                        first, last + 2, fmt.elements("seq_starts")[1]
-                    )
-                touched["encoded_tokens"] |= chunks_of(lo, hi, fmt.chunk_tokens)
+                add_block(touched, ft, k, b, block, n, packing, seq_len)
             assert (plan.reads.requests[i, h], plan.reads.bytes[i, h]) == brute_force(k, touched)
+
+
+@given(
+    k=st.integers(0, 1),
+    packing=st.booleans(),
+    seq_len=st.integers(4, 40),
+    block=st.sampled_from([None, 1, 2, 3, 5, 8]),
+    window=st.integers(1, 3),
+    lanes_per_host=st.integers(1, 3),
+    hosts=st.integers(1, 4),
+    seed=st.integers(0, 100),
+)
+def test_a_block_shuffled_run_reads_its_samplers_blocks_by_lanes(
+    k: int,
+    packing: bool,
+    seq_len: int,
+    block: int | None,
+    window: int,
+    lanes_per_host: int,
+    hosts: int,
+    seed: int,
+) -> None:
+    """``shuffle="blocks"`` with batches of ``2L`` rows, then ``3L`` from
+    step 4 (``L`` lanes, the gcd): each host holds the rows of its lanes (a
+    step's sample ``j`` in row ``(j mod L) * (bs / L) + j // L``, host ``row //
+    (bs / H)``, worked out here from the sample index) and reads each block
+    of the resolved ``shuffle_block`` its rows need, whole, once per epoch."""
+    ft = store(k)
+    lanes = lanes_per_host * hosts
+    cfg = ftj.LoaderConfig(
+        batch_size=[(0, 2 * lanes), (4, 3 * lanes)],
+        seq_len=seq_len,
+        packing=packing,
+        seed=seed,
+        shuffle="blocks",
+        shuffle_block=block,
+        shuffle_window=window,
+    )
+    loader = ftj.Loader(ft, cfg)
+    resolved = loader.fingerprint()["config"]["shuffle_block"]
+    assert block is None or resolved == block
+    n = len(loader.components[0])
+    steps = list(range(8))
+    plan = plan_requests(loader, hosts, 1.0, steps)
+    assert (plan.shuffle, plan.block, plan.window) == ("blocks", (resolved,), window)
+    seen: set[tuple[int, int, int]] = set()
+    for i, step in enumerate(steps):
+        size = (2 if step < 4 else 3) * lanes
+        before = 2 * lanes * min(step, 4) + 3 * lanes * max(step - 4, 0)
+        touched: list[dict[str, set[int]]] = [
+            {"encoded_tokens": set(), "seq_starts": set()} for _ in range(hosts)
+        ]
+        for row in loader.provenance(step):
+            if row.get("padding"):
+                continue
+            j = row["sample"] - before
+            placed = (j % lanes) * (size // lanes) + j // lanes
+            assert row["row"] == placed
+            h = placed // (size // hosts)
+            b = row["record"] // resolved
+            if (h, row["epoch"], b) not in seen:
+                seen.add((h, row["epoch"], b))
+                add_block(touched[h], ft, k, b, resolved, n, packing, seq_len)
+        for h in range(hosts):
+            found = (plan.reads.requests[i, h], plan.reads.bytes[i, h])
+            assert found == brute_force(k, touched[h])
 
 
 def test_the_ramp_of_a_fresh_bucket() -> None:
@@ -186,6 +273,22 @@ def test_bad_values_are_named() -> None:
         plan_requests(loader, 2, 0)
     with pytest.raises(ValueError, match="block: 2 block sizes for 1 components"):
         plan_requests(loader, 2, 1.0, block=[4, 4])
+    samples = host_samples(loader, 2, [0])
+    with pytest.raises(ValueError, match="block: the loader's shuffle is True, so its sampler"):
+        block_reads(loader, samples)
+    blocked = ftj.Loader(store(1), ftj.LoaderConfig(batch_size=6, seq_len=16, shuffle="blocks"))
+    with pytest.raises(ValueError, match=r"reads blocks of its own \(shuffle_block=None, resolved"):
+        plan_requests(blocked, 2, 1.0, block=[4])
+
+
+def test_the_counterpart_is_the_other_shuffle() -> None:
+    full = ftj.LoaderConfig(batch_size=6, seq_len=16, seed=3)
+    blocks = dataclasses.replace(full, shuffle="blocks", shuffle_block=5, shuffle_window=2)
+    of_full = counterpart(ftj.Loader(store(1), full))
+    assert of_full.config == dataclasses.replace(full, shuffle="blocks")
+    default = ftj.Loader(store(1), dataclasses.replace(full, shuffle="blocks"))
+    assert of_full.fingerprint() == default.fingerprint()
+    assert counterpart(ftj.Loader(store(1), blocks)).config == full
 
 
 @pytest.mark.remote
@@ -229,7 +332,10 @@ def test_the_command_prints_the_plan(tmp_path: Path) -> None:
     """Unshuffled rows of 64 tokens in chunks of 64 and shards of 16 chunks:
     each of 2 hosts reads 4 consecutive rows a step (5 chunks, 4 at step 0),
     one request unless the chunks cross a shard (host 0 at step 2): 9
-    requests and 39 chunks of 260 bytes over steps 0 to 3."""
+    requests and 39 chunks of 260 bytes over steps 0 to 3. Beside it the
+    block shuffle at the default block: 2**18 tokens of 64-token windows,
+    4096, more than the 78 windows there are, so both hosts read the one
+    block, 78 chunks in 5 shards, at step 0 (10 requests), then nothing."""
     fmt = ftj.StorageFormat(shard_tokens=1024, chunk_tokens=64)
     ftj.write_dataset(tmp_path / "ds", {"train": [[7] * 50] * 100}, storage_format=fmt)
     run = tmp_path / "run.yaml"
@@ -240,11 +346,18 @@ def test_the_command_prints_the_plan(tmp_path: Path) -> None:
     flags = ["--hosts", "2", "--step-seconds", "0.25", "--sample-steps", "4"]
     code, out, err = run_main("plan", str(run), "--requests", *flags)
     assert (code, err) == (0, "")
-    head, row = out.splitlines()[:2]
+    head, row, blocks = out.splitlines()[:3]
     assert head.split()[:3] == ["shuffle", "requests/step", "requests/s"]
     # 9 requests / 4 steps; 39 * 260 / 4 bytes a step; 8 rows of 64 4-byte tokens.
-    assert row.split() == ["full", "2", "9", "10.1", "kB", "8.19", "kB", "5.0", "0", "min"]
+    assert " ".join(row.split()) == "none * 2 9 10.1 kB 8.19 kB 5.0 2 0 min"
+    assert " ".join(blocks.split()) == "blocks B=4096 w=1 0 0 0 B 8.19 kB 0.0 10 0 min"
     assert "2 hosts, 0.25 s a step" in out
+    run.write_text(run.read_text().replace("shuffle: false", "shuffle: blocks"))
+    code, out, err = run_main("plan", str(run), "--requests", *flags)
+    assert (code, err) == (0, "")
+    full, blocks = out.splitlines()[1:3]
+    assert full.split()[0] == "full"
+    assert " ".join(blocks.split()) == "blocks B=4096 w=1 * 0 0 0 B 8.19 kB 0.0 10 0 min"
     code, _, err = run_main("plan", str(run), "--requests", "--hosts", "3", "--step-seconds", "1")
     assert code == 1
     assert "--hosts: 3 hosts do not split step 0's batch of 8 rows" in err

@@ -32,9 +32,13 @@ moto's S3 (``scripts/bench_requestplan.py`` prints the measurements):
 
 Two ways a host reads a step's records, side by side: :func:`row_reads` (full
 shuffle, or none: each row's range, read at its step) and :func:`block_reads`
-(``shuffle="blocks"``: record ``r`` lies in block ``r // B``; a host reads a
-block whole, as one range from its first record's start to its last record's
-end, at the first step one of its rows needs it, once per epoch).
+(``shuffle="blocks"``: record ``r`` lies in block ``r // B``, ``B`` the
+block samplers' resolved ``shuffle_block``; a host reads a block whole, as
+one range from its first record's start to its last record's end, at the
+first step one of its rows needs it, once per epoch). The rows of a host are
+the ones data sharding gives it, placed as the loader places a step's
+samples (under the block shuffle, lane by lane: a host holds whole lanes).
+:mod:`~flat_tokens_jax.loader.requesttable` prints both for a run.
 """
 
 from __future__ import annotations
@@ -46,14 +50,14 @@ from typing import Any
 
 import numpy as np
 
-from flat_tokens_jax.core.fields import Packing
+from flat_tokens_jax.core.fields import BLOCKS, Packing
 from flat_tokens_jax.core.format import LOSS_MASK, SEQ_STARTS
 from flat_tokens_jax.core.values import integer, number
 from flat_tokens_jax.data.bins import BinRecords
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import PackedRecords, PaddedRecords
 from flat_tokens_jax.loader.loader import Loader
-from flat_tokens_jax.loader.phasedloader import PhasedLoader
+from flat_tokens_jax.sampling.blocks import BlockSampler
 
 __all__ = [
     "GCS_DOUBLING_MINUTES",
@@ -66,9 +70,7 @@ __all__ = [
     "host_samples",
     "plan_requests",
     "ramp_minutes",
-    "request_table",
     "row_reads",
-    "run_table",
 ]
 
 # A fresh GCS bucket serves about 5,000 object reads/s; Google's guidelines
@@ -162,7 +164,9 @@ class HostSamples:
 def host_samples(loader: Loader, hosts: int, steps: Sequence[int]) -> HostSamples:
     """The sampler's records for ``steps``, each step's rows split into
     ``hosts`` equal runs of consecutive rows (data sharding: host ``h`` holds
-    rows ``[h*bs/H, (h+1)*bs/H)``).
+    rows ``[h*bs/H, (h+1)*bs/H)``), each row holding the sample the loader
+    places there (:meth:`StepSamples.samples`: under the block shuffle, lane
+    ``l`` in rows ``[l*bs/L, (l+1)*bs/L)``).
 
     Raises:
         ValueError: ``hosts`` is not an int >= 1 or does not divide a step's
@@ -314,16 +318,36 @@ def row_reads(loader: Loader, samples: HostSamples) -> StepReads:
     return dataclasses.replace(counted, useful=_useful(loader, samples))
 
 
-def block_reads(loader: Loader, samples: HostSamples, block: Sequence[int]) -> StepReads:
+def block_reads(
+    loader: Loader, samples: HostSamples, block: Sequence[int] | None = None
+) -> StepReads:
     """Block shuffle: record ``r`` of component ``c`` lies in block ``r //
     block[c]``; each host reads each block its rows need once per epoch,
     whole, at the first sampled step one of them needs it (the first sampled
-    step reads every block its rows are in: a cold start)."""
-    if len(block) != len(loader.components):
-        raise ValueError(f"block: {len(block)} block sizes for {len(loader.components)} components")
-    for c, b in enumerate(block):
-        integer(b, f"block[{c}]", low=1)
-    blocks = samples.record // np.asarray(block, np.int64)[samples.component]
+    step reads every block its rows are in: a cold start). ``block``
+    ``None``: the blocks of the loader's own block samplers
+    (:meth:`BlockSampler.block_of`); a list: records per block of each
+    component, over a loader of another shuffle.
+
+    Raises:
+        ValueError: ``block`` is ``None`` for a loader without the block
+            shuffle, or a list of the wrong length or values.
+    """
+    if block is None:
+        samplers = _block_samplers(loader)
+        blocks = np.empty_like(samples.record)
+        for c, s in enumerate(samplers):
+            mine = samples.component == c
+            blocks[mine] = s.block_of(samples.record[mine])
+        block = [s.block for s in samplers]
+    else:
+        if len(block) != len(loader.components):
+            raise ValueError(
+                f"block: {len(block)} block sizes for {len(loader.components)} components"
+            )
+        for c, b in enumerate(block):
+            integer(b, f"block[{c}]", low=1)
+        blocks = samples.record // np.asarray(block, np.int64)[samples.component]
     key = np.stack([samples.host, samples.component, samples.epoch, blocks])
     # Rows come in step order, so each block's first row is its first need.
     _, first = np.unique(key, axis=1, return_index=True)
@@ -332,12 +356,26 @@ def block_reads(loader: Loader, samples: HostSamples, block: Sequence[int]) -> S
     return dataclasses.replace(counted, useful=_useful(loader, samples))
 
 
+def _block_samplers(loader: Loader) -> list[BlockSampler]:
+    found = [s for s in loader.samplers if isinstance(s, BlockSampler)]
+    if len(found) != len(loader.samplers):
+        raise ValueError(
+            f"block: the loader's shuffle is {loader.config.shuffle!r}, so its sampler "
+            "has no blocks: give the records per block of each component"
+        )
+    return found
+
+
 @dataclasses.dataclass(frozen=True)
 class RequestPlan:
     """A pod's reads at ``step_seconds`` a step, from :func:`plan_requests`.
 
     Attributes:
-        shuffle: ``"full"`` (each row's range; also ``shuffle=False``) or ``"blocks"``.
+        shuffle: ``"full"`` or ``"none"`` (each row's range, read at its
+            step), or ``"blocks"`` (each block whole, once per host and epoch).
+        block: a block plan's records per block of each component (a block
+            shuffle's resolved ``shuffle_block``); ``None`` for rows.
+        window: a block-shuffled loader's ``shuffle_window``; ``None`` otherwise.
         hosts, step_seconds: as asked.
         steps: the sampled steps ``[s] int64``; a block plan's rates leave
             the first out (its cold start, in ``first_step_requests``).
@@ -352,6 +390,8 @@ class RequestPlan:
     """
 
     shuffle: str
+    block: tuple[int, ...] | None
+    window: int | None
     hosts: int
     step_seconds: float
     steps: np.ndarray
@@ -376,28 +416,46 @@ def plan_requests(
     """Requests/s and bytes/s of ``hosts`` hosts running ``loader`` at
     ``step_seconds`` a step, from its sampler at ``steps`` (consecutive, for a
     block plan: a block is read once per host per epoch) and its arrays'
-    chunking (see the module's rule). ``block``: records per block of each
-    component, for a block shuffle's reads (:func:`block_reads`).
+    chunking (see the module's rule). A loader with ``shuffle="blocks"`` is
+    planned by its sampler's blocks (:func:`block_reads`); ``block``, records
+    per block of each component, plans block reads over another loader's
+    records (hand-made blocks).
 
     Raises:
         ValueError: ``hosts`` or ``step_seconds`` out of range, ``steps``
-            empty, a host count that does not divide a batch, or a component
-            that is not a split's records; each message names the value.
+            empty, a host count that does not divide a batch, a component
+            that is not a split's records, or ``block`` given for a loader
+            with blocks of its own; each message names the value.
     """
     step_seconds = number(step_seconds, "step_seconds")
     if not step_seconds > 0:
         raise ValueError(f"step_seconds must be > 0, got {step_seconds}")
     if not len(steps):
         raise ValueError("steps: give at least one step to sample")
+    shuffle, window = loader.config.shuffle, None
     samples = host_samples(loader, hosts, steps)
-    reads = row_reads(loader, samples) if block is None else block_reads(loader, samples, block)
+    if shuffle == BLOCKS:
+        own = [s.block for s in _block_samplers(loader)]
+        if block is not None:
+            raise ValueError(
+                f"block: the loader's shuffle='blocks' reads blocks of its own (shuffle_block="
+                f"{loader.config.shuffle_block}, resolved {own[0]}): leave block None"
+            )
+        reads = block_reads(loader, samples)
+        block, window = own, loader.config.shuffle_window
+    elif block is not None:
+        reads = block_reads(loader, samples, block)
+    else:
+        reads = row_reads(loader, samples)
     counted = slice(1 if block is not None and len(steps) > 1 else 0, None)
     pod = {name: getattr(reads, name)[counted].sum(axis=1) for name in ("requests", "bytes")}
     useful = reads.useful[counted].sum(axis=1).mean()
     per_step = pod["requests"].mean()
     itemsize = _token_itemsize(loader)
     return RequestPlan(
-        shuffle="full" if block is None else "blocks",
+        shuffle=BLOCKS if block is not None else "full" if shuffle else "none",
+        block=None if block is None else tuple(block),
+        window=window,
         hosts=samples.hosts,
         step_seconds=step_seconds,
         steps=samples.steps,
@@ -416,73 +474,3 @@ def plan_requests(
 def _token_itemsize(loader: Loader) -> int:
     pairs = zip(loader.components, loader.names, strict=True)
     return max(_split_of(r, n).encoded.dtype.itemsize for r, n in pairs)
-
-
-def _si(value: float, unit: str) -> str:
-    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if value >= scale:
-            return f"{value / scale:,.3g} {prefix}{unit}"
-    return f"{value:,.3g} {unit}"
-
-
-def request_table(plans: Sequence[RequestPlan]) -> list[str]:
-    """:func:`plan_requests` results as text: a line each, in columns."""
-    head = (
-        "shuffle",
-        "requests/step",
-        "requests/s",
-        "bytes/s",
-        "useful bytes/s",
-        "bytes/useful token",
-        "fresh GCS bucket throttles",
-    )
-    cells = [
-        (
-            p.shuffle,
-            f"{p.requests_per_second * p.step_seconds:,.0f}",
-            f"{p.requests_per_second:,.0f}",
-            _si(p.bytes_per_second, "B"),
-            _si(p.useful_bytes_per_second, "B"),
-            f"{p.bytes_per_token:.1f}",
-            f"{p.ramp_minutes:.0f} min",
-        )
-        for p in plans
-    ]
-    widths = [max(len(row[i]) for row in [head, *cells]) for i in range(len(head))]
-    return [
-        "  ".join(
-            v.ljust(w) if i == 0 else v.rjust(w)
-            for i, (v, w) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in [head, *cells]
-    ]
-
-
-def run_table(
-    run: PhasedLoader, hosts: int, step_seconds: float, steps: Sequence[int], name: str
-) -> list[str]:
-    """``flat-tokens plan --requests``: :func:`request_table` of each phase of
-    ``run`` (read from the file ``name``) at its ``steps``, and what it assumed.
-
-    Raises:
-        ValueError: as :func:`plan_requests`, naming the file, the phase and
-            the ``--hosts`` flag where the host count is wrong.
-    """
-    lines = []
-    for k, loader in enumerate(run.loaders):
-        try:
-            plans = [plan_requests(loader, hosts, step_seconds, steps)]
-        except ValueError as e:
-            told = str(e)
-            told = f"--{told}" if told.startswith("hosts:") else told  # the flag that set it
-            raise ValueError(f"{name}: {run.label(k)}: {told}") from None
-        if len(run.loaders) > 1:
-            lines.append(f"{run.label(k)}:")
-        lines += request_table(plans)
-    return [
-        *lines,
-        f"{hosts:,} hosts, {step_seconds:g} s a step, from steps {steps[0]} to {steps[-1]} of "
-        f"each phase; a fresh GCS bucket serves {GCS_INITIAL_READS:,} reads/s, doubling every "
-        f"{GCS_DOUBLING_MINUTES} minutes at most",
-        "block shuffle: not in this version (LoaderConfig has no shuffle='blocks'): full only",
-    ]

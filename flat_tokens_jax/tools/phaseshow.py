@@ -19,7 +19,7 @@ from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.phaseconfig import phases_from_config
 from flat_tokens_jax.loader.phasedloader import PhasedLoader
 from flat_tokens_jax.loader.phases import Phase
-from flat_tokens_jax.loader.requestplan import run_table
+from flat_tokens_jax.loader.requesttable import run_table
 from flat_tokens_jax.loader.state import SavedState
 from flat_tokens_jax.loader.steered import skips_from_config
 from flat_tokens_jax.sampling.mixconfig import mixture_from_config

@@ -22,6 +22,7 @@ on several threads share a block read once.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import threading
@@ -117,7 +118,11 @@ class BlockCache:
         self._held: dict[tuple[int, int], _Entry] = {}
         self._bytes = 0
         self._lock = threading.Lock()
-        self._now: dict[int, int] = {}
+        # Each component's stream position in the steps in flight, and in the
+        # last one: steps read ahead on threads start in any order, and a step
+        # not started yet must find the blocks it shares with those around it.
+        self._flying: dict[int, collections.Counter[int]] = {}
+        self._last: dict[int, int] = {}
         self._rate: dict[int, int] = {}
         self._lanes = (0, 1)
         self.reads = 0  # blocks read (again, after a drop)
@@ -169,7 +174,9 @@ class BlockCache:
         fresh: list[int] = []
         out: list[_Entry] = []
         with self._lock:
-            self._now.update(told.now)
+            for component, at in told.now.items():
+                self._flying.setdefault(component, collections.Counter())[at] += 1
+            self._last.update(told.now)
             self._rate.update(told.rate)
             self._lanes = told.lanes
             for b in blocks.tolist():
@@ -193,6 +200,7 @@ class BlockCache:
                 for i, b in zip(fresh, missing.tolist(), strict=True):
                     self._held.pop((c, b), None)
                     out[i].started(None, e)
+            self.release(out, told)
             raise
         with self._lock:
             self.reads += len(fresh)
@@ -209,11 +217,16 @@ class BlockCache:
                 entry.started(functools.partial(shared.get, k), None)
         return out
 
-    def release(self, entries: Sequence[_Entry]) -> None:
-        """The step that pinned ``entries`` has its rows."""
+    def release(self, entries: Sequence[_Entry], told: _Step) -> None:
+        """The step that pinned ``entries`` (and told ``told``) has its rows."""
         with self._lock:
             for entry in entries:
                 entry.pins -= 1
+            for component, at in told.now.items():
+                flying = self._flying[component]
+                flying[at] -= 1
+                if not flying[at]:
+                    del flying[at]
 
     def _make_room(self, nbytes: int) -> bool:
         """Drops blocks no step in flight needs, the one read again furthest
@@ -246,7 +259,8 @@ class BlockCache:
             mine = np.flatnonzero(comps == c)
             epoch = np.array([entries[i][1].epoch for i in mine], np.int64)
             window = np.array([entries[i][1].window for i in mine], np.int64)
-            ahead = sampler.next_use(epoch, window, self._lanes, self._now.get(c, 0))
+            now = min(self._flying.get(c) or [self._last.get(c, 0)])
+            ahead = sampler.next_use(epoch, window, self._lanes, now)
             steps = ahead.astype(float) * sampler.lanes / max(self._rate.get(c, 1), 1)
             out[mine] = np.where(ahead == NEVER, np.inf, steps)
         return out
@@ -309,7 +323,7 @@ class StepReader:
                 held = {b: e.tokens() for b, e in zip(blocks.tolist(), entries, strict=True)}
                 return block_rows(records, held, idx, size, columns)
             finally:
-                self.cache.release(entries)
+                self.cache.release(entries, self.told)
 
         return windows
 

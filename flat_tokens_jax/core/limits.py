@@ -168,6 +168,7 @@ def check_loader_memory(
     read_ahead_bytes: int = 0,
     *,
     row_bytes: int,
+    block_cache_bytes: int = 0,
 ) -> None:
     """Refuses a loader whose steps in flight cannot fit in this host's memory.
 
@@ -176,7 +177,8 @@ def check_loader_memory(
     with ``prefetch=None`` (automatic depth) the steps ahead hold up to
     ``read_ahead_bytes``, and at least one step. A row holds ``row_bytes``
     (its batch's arrays, every field of the layout), its reading
-    (:data:`READ_BYTES_PER_TOKEN` a token) and :data:`ROW_BYTES`.
+    (:data:`READ_BYTES_PER_TOKEN` a token) and :data:`ROW_BYTES`; the block
+    shuffle's cache holds ``block_cache_bytes`` besides.
 
     Raises:
         ValueError: naming the fields, the estimate and the most rows that fit.
@@ -184,17 +186,19 @@ def check_loader_memory(
     rows = -(-batch_size // max(processes, 1))
     per_row = row_bytes + seq_len * READ_BYTES_PER_TOKEN + ROW_BYTES
     step = rows * per_row + STEP_BYTES
-    memory = memory_bytes()
+    memory = memory_bytes() - block_cache_bytes
+    cache = f" and block_cache_bytes {block_cache_bytes:,}" if block_cache_bytes else ""
     if prefetch is None:
         ahead = max(read_ahead_bytes, step)
         most_rows = max(memory - ahead - STEP_BYTES, 0) // per_row * max(processes, 1)
         check_memory(
-            step + ahead,
+            step + ahead + block_cache_bytes,
             f"LoaderConfig batch_size {batch_size:,} at seq_len {seq_len:,} with "
-            f"read_ahead_bytes {read_ahead_bytes:,} ({rows:,} rows per host of "
+            f"read_ahead_bytes {read_ahead_bytes:,}{cache} ({rows:,} rows per host of "
             f"{per_row:,} bytes, automatic prefetch)",
             f"lower read_ahead_bytes (at most {max(memory - step, 0):,}) or batch_size "
-            f"(at most {most_rows:,} at this seq_len and read_ahead_bytes)",
+            f"(at most {most_rows:,} at this seq_len and read_ahead_bytes)"
+            + (" or block_cache_bytes" if block_cache_bytes else ""),
         )
         return
     steps = 1 + prefetch
@@ -203,10 +207,12 @@ def check_loader_memory(
     fix = f"lower batch_size (at most {most_rows:,} at this seq_len and prefetch)"
     if most_prefetch:
         fix += f" or prefetch (at most {most_prefetch:,} at this batch_size and seq_len)"
+    if block_cache_bytes:
+        fix += " or block_cache_bytes"
     check_memory(
-        steps * step,
+        steps * step + block_cache_bytes,
         f"LoaderConfig batch_size {batch_size:,} at seq_len {seq_len:,} with prefetch "
-        f"{prefetch:,} ({rows:,} rows per host of {per_row:,} bytes, {steps:,} steps in "
+        f"{prefetch:,}{cache} ({rows:,} rows per host of {per_row:,} bytes, {steps:,} steps in "
         "flight)",
         fix,
     )

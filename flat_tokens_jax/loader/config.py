@@ -31,7 +31,7 @@ from flat_tokens_jax.sampling.schedule import BatchSchedule, BatchSizeSpec
 @dataclasses.dataclass(frozen=True)
 class LoaderConfig:
     """What a batch is. Every field but ``prefetch``, ``read_ahead_bytes``,
-    ``decode_threads``, ``decode``, ``layout``, ``max_segments``,
+    ``block_cache_bytes``, ``decode_threads``, ``decode``, ``layout``, ``max_segments``,
     ``sequence_start`` and ``source_field`` changes the batches' values (the
     last four change their form).
 
@@ -138,6 +138,13 @@ class LoaderConfig:
         shuffle_window: with ``shuffle="blocks"``, the blocks whose records
             are shuffled together. Default 1; more mixes a lane's rows over
             more blocks, and a lane reads ``shuffle_window`` blocks at once.
+        block_cache_bytes: with ``shuffle="blocks"``, the memory the blocks
+            held on this host may take (besides ``read_ahead_bytes``): rows
+            are taken from whole blocks, each read once while it is held.
+            ``None`` (recommended): each of this host's lanes (of every
+            component, with a mixture) holds its current window and the
+            next. A smaller budget drops blocks sooner and reads them again.
+            Changes no batch.
     """
 
     batch_size: BatchSizeSpec
@@ -160,6 +167,7 @@ class LoaderConfig:
     source_field: bool = False
     shuffle_block: int | None = None
     shuffle_window: int = 1
+    block_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         path = "LoaderConfig."
@@ -174,6 +182,13 @@ class LoaderConfig:
                 f"shuffle_window={self.shuffle_window!r} are set: they apply to "
                 "shuffle='blocks' only; set shuffle='blocks', or leave shuffle_block "
                 "None and shuffle_window 1",
+            )
+        if self.shuffle != fields.BLOCKS and self.block_cache_bytes is not None:
+            raise BadValue(
+                path + "block_cache_bytes",
+                f"is {self.block_cache_bytes!r}, but shuffle is {self.shuffle!r}: the "
+                "block cache holds the blocks of shuffle='blocks' only; set "
+                "shuffle='blocks', or leave block_cache_bytes None",
             )
         if self.instance_filter is not None:
             self.instance_filter.check_seq_len(self.seq_len, path + "instance_filter")
@@ -276,7 +291,7 @@ BATCH_DEFINING = (
 """The fields that decide batch contents, which a saved state's fingerprint
 holds (``shuffle_block``, resolved, and ``shuffle_window`` only with
 ``shuffle="blocks"``, so that other fingerprints stay as they were): all
-but ``prefetch``, ``read_ahead_bytes``, ``decode_threads``, ``decode``,
+but ``prefetch``, ``read_ahead_bytes``, ``block_cache_bytes``, ``decode_threads``, ``decode``,
 ``layout``, ``sequence_start``, ``source_field``, ``max_segments`` (a bins
 plan it caps is in the data's fingerprint) and ``vocab_size`` (which checks
 the data but changes no batch)."""
@@ -317,6 +332,7 @@ FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "source_field": boolean,
     "shuffle_block": _POSITIVE,
     "shuffle_window": functools.partial(integer, low=1),
+    "block_cache_bytes": _POSITIVE,
 }
 """Each :class:`LoaderConfig` field's check of type and bounds, alone: called
 with the value and the path that names it (``loader.seed``,

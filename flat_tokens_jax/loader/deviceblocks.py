@@ -10,7 +10,7 @@ hand the two halves to a trainer that decodes inside its own jitted step.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -51,6 +51,8 @@ class DeviceBlocks:
         host_blocks: this host's blocks under the sharding, for each batch
             size (see :func:`~flat_tokens_jax.decoding.sharding.host_blocks_per_size`).
         source_ids: ``[K]`` each component's run-wide source index.
+        readers: what reads each component's records for some rows of a step
+            (``None``: the components; see ``StepEngine.readers``).
     """
 
     def __init__(
@@ -60,8 +62,10 @@ class DeviceBlocks:
         sharding: jax.sharding.Sharding | None,
         host_blocks: dict[int, HostBlocks],
         source_ids: np.ndarray,
+        readers: Callable[[int, np.ndarray], Sequence[Records]] | None = None,
     ) -> None:
         config = sources.config
+        self._readers = readers or (lambda step, rows: self.components)
         self.source_ids = source_ids
         self.components, self.steps, self.sharding = sources.components, steps, sharding
         self.config, self.layout = config, config.batch_layout
@@ -122,9 +126,10 @@ class DeviceBlocks:
         lengths = np.zeros(n, np.int32)
         mask = np.ones((n, width), np.uint8) if self._ships_mask else None
         at = np.flatnonzero(real)
+        readers = self._readers(step, np.arange(*block.rows, dtype=np.int64))
         for c in np.unique(comp).tolist():
             rows = at[comp == c]
-            windows = self.components[c].read(records[comp == c], columns=block.cols)
+            windows = readers[c].read(records[comp == c], columns=block.cols)
             packing = self.components[c].packing
             if packing is not Packing.PADDED:  # windows and bins: their column 0 is before
                 encoded[rows], before[rows, 0] = windows.encoded[:, 1:], windows.encoded[:, 0]

@@ -28,8 +28,9 @@ from typing import Any, Generic, TypeVar
 import jax
 import numpy as np
 
+from flat_tokens_jax.core import fields
 from flat_tokens_jax.data.bins import BinRecords
-from flat_tokens_jax.data.records import Windows
+from flat_tokens_jax.data.records import Records, Windows
 from flat_tokens_jax.decoding.hostdecode import (
     BlockDecoder,
     default_threads,
@@ -39,6 +40,7 @@ from flat_tokens_jax.decoding.hostdecode import (
 )
 from flat_tokens_jax.decoding.instancefilter import FilteredRows
 from flat_tokens_jax.decoding.sharding import HostBlocks, host_blocks_per_size
+from flat_tokens_jax.loader.blockcache import BlockCache
 from flat_tokens_jax.loader.deviceblocks import Blocks, DeviceBlocks
 from flat_tokens_jax.loader.feed import Feed, timed
 from flat_tokens_jax.loader.pipeline import Ahead
@@ -101,8 +103,14 @@ class StepEngine:
         self.steps = StepSamples(
             self.samplers, self.mixture, self.schedule, self.host_rows_at, config.num_epochs
         )
+        # Under the block shuffle, rows are taken from whole blocks, each read once.
+        self.block_cache = (
+            BlockCache(self.components, self.samplers, sources.block, sources.block_cache_bytes)
+            if config.shuffle == fields.BLOCKS
+            else None
+        )
         self.blocks = DeviceBlocks(
-            sources, self.steps, sharding, self._host_blocks, self.source_ids
+            sources, self.steps, sharding, self._host_blocks, self.source_ids, self.readers
         )
         self.block_decoder = BlockDecoder(config.decode_threads or default_threads())
         self.filter = FilteredRows(config.instance_filter, self.block_decoder.run_blocks)
@@ -146,11 +154,18 @@ class StepEngine:
             threads=threads,
         )
 
+    def readers(self, step: int, rows: np.ndarray) -> Sequence[Records]:
+        """What reads each component's records for ``rows`` at ``step``: its
+        records, or under the block shuffle the block cache's."""
+        if self.block_cache is None:
+            return self.components
+        return self.block_cache.readers(self.steps, step, rows)
+
     def request_rows(self, step: int, rows: np.ndarray, ahead: int = 0) -> Callable[[], Fetched]:
         """Starts reading the records of ``rows`` at ``step`` (``ahead``: see
         ``StepSamples.records``); the function returned waits for them."""
         comp, records, real = self.steps.records(step, rows, ahead)
-        waiting = request_parts(self.components, comp, records, real)
+        waiting = request_parts(self.readers(step, rows), comp, records, real)
         sources = row_sources(comp, real, self.source_ids)
         return lambda: Fetched(rows.size, waiting(), sources)
 
@@ -261,7 +276,8 @@ class StepEngine:
         """See ``Loader.stats``: the read-ahead's of the door that handed out
         the last step (the first door made, before any), and the filter's."""
         feed = self._last.feed.stats() if self._last is not None else {}
-        return {**feed, **self.filter.stats()}
+        cache = {} if self.block_cache is None else self.block_cache.stats()
+        return {**feed, **self.filter.stats(), **cache}
 
 
 class Door(Generic[Done]):

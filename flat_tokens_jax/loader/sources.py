@@ -23,6 +23,7 @@ from flat_tokens_jax.core.limits import check_loader_memory
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.plans import default_cache_dir
 from flat_tokens_jax.data.records import Records, recorded_info
+from flat_tokens_jax.loader.blockcache import default_budget
 from flat_tokens_jax.loader.config import (
     LoaderConfig,
     check_sharding,
@@ -72,9 +73,8 @@ class Sources:
         check_sharding(sharding)
         largest = max(size for _, size in config.schedule.entries)
         ahead, row = config.read_ahead_bytes, config.batch_layout.row_bytes(config.seq_len)
-        check_loader_memory(
-            largest, config.seq_len, config.prefetch, jax.process_count(), ahead, row_bytes=row
-        )
+        memory = (largest, config.seq_len, config.prefetch, jax.process_count(), ahead)
+        check_loader_memory(*memory, row_bytes=row, block_cache_bytes=config.block_cache_bytes or 0)
         cache = default_cache_dir() if plan_cache is None else plan_cache
         if isinstance(source, Mixture):
             if config.num_epochs is not None:
@@ -99,7 +99,11 @@ class Sources:
         check_vocab(config, components, infos)
         mixture = source if isinstance(source, Mixture) else None
         start = resolve_start_token_id(config, infos)
-        return cls(config, mixture, tuple(components), tuple(names), start)
+        out = cls(config, mixture, tuple(components), tuple(names), start)
+        if config.shuffle == fields.BLOCKS and config.block_cache_bytes is None:
+            # The default budget is sized from the stores: checked once they are open.
+            check_loader_memory(*memory, row_bytes=row, block_cache_bytes=out.block_cache_bytes)
+        return out
 
     @property
     def records(self) -> Records | Mixture:
@@ -134,6 +138,20 @@ class Sources:
         :func:`~flat_tokens_jax.sampling.blocks.default_block`)."""
         given = self.config.shuffle_block
         return default_block(self.components, self.config.seq_len) if given is None else given
+
+    @functools.cached_property
+    def block_cache_bytes(self) -> int:
+        """The block shuffle's cache budget on this host: ``block_cache_bytes``,
+        or when ``None`` sized by :func:`~flat_tokens_jax.loader.blockcache.default_budget`
+        for this host's lanes (its share of ``L``; every lane with a mixture)."""
+        config = self.config
+        if config.block_cache_bytes is not None:
+            return config.block_cache_bytes
+        lanes = config.lanes
+        here = lanes if self.mixture is not None else -(-lanes // jax.process_count())
+        return default_budget(
+            self.components, self.block, config.shuffle_window, here, config.seq_len
+        )
 
     def samplers(self, streams: Sequence[tuple[int, int]] | None = None) -> list[Sampler]:
         """``[K]`` component ``c``'s sampler, of its records, under the config's

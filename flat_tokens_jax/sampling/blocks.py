@@ -43,6 +43,7 @@ from flat_tokens_jax.sampling.sampling import MAX_N, IndexSampler, permute
 
 __all__ = [
     "BLOCK_TOKENS",
+    "NEVER",
     "BlockSampler",
     "Sampler",
     "default_block",
@@ -50,6 +51,9 @@ __all__ = [
     "sample_of_row",
     "sampler",
 ]
+
+NEVER = np.iinfo(np.int64).max
+"""What :meth:`BlockSampler.next_use` gives for a window its lanes are past."""
 
 BLOCK_TOKENS = 1 << 18
 """Tokens a block spans when ``shuffle_block`` is ``None`` (at least an inner chunk)."""
@@ -125,17 +129,31 @@ class BlockSampler:
         epoch, position = self._epochs.epochs(g), self._epochs.records(g)
         n, big_l = np.int64(self.num_records), np.int64(self.lanes)
         s = epoch * n + position  # the stream sample: offset + g <= 2**63 - 1
-        a = s - position
-        qa, ra = np.divmod(a, big_l)
         lane = s % big_l
+        off, _ = self.stretch(epoch, lane)
+        return epoch, off + self._lane_samples(epoch, lane, position)
+
+    def stretch(self, epoch: npt.ArrayLike, lane: npt.ArrayLike) -> tuple[Int64Array, Int64Array]:
+        """``(off(e, l), K(e, l))``, each ``[k] int64``: lane ``l`` reads
+        ``R_e[off : off + K]`` in epoch ``e`` (``epoch`` and ``lane`` ``[k]`` int)."""
+        e, lane = np.asarray(epoch, np.int64), np.asarray(lane, np.int64)
+        n, big_l = np.int64(self.num_records), np.int64(self.lanes)
+        ra = (e % big_l) * (n % big_l) % big_l  # (e * n) mod L, without overflow
         # Samples of lanes < l in [a, a + n): (a + n) // L * l + min((a + n) % L, l),
         # less the same count in [0, a); a // L cancels out.
         carry, rest = np.divmod(ra + n % big_l, big_l)
         whole = n // big_l + carry
         off = whole * lane + np.minimum(rest, lane) - np.minimum(ra, lane)
-        # Samples of lane l in [a, s): those below s less those below a.
-        before_a = qa + (ra + big_l - 1 - lane) // big_l
-        return epoch, off + s // big_l - before_a
+        return off, self._lane_samples(e, lane, np.full(e.shape, n))
+
+    def _lane_samples(self, epoch: Int64Array, lane: Int64Array, d: Int64Array) -> Int64Array:
+        """Samples of lane ``l`` among the first ``d`` (``0 <= d <= n``) of
+        epoch ``e``: those below ``a + d`` less those below ``a = e * n``."""
+        n, big_l = np.int64(self.num_records), np.int64(self.lanes)
+        ra = (epoch % big_l) * (n % big_l) % big_l
+        d = np.asarray(d, np.int64)
+        up = (ra + d % big_l + big_l - 1 - lane) // big_l
+        return d // big_l + up - (ra + big_l - 1 - lane) // big_l
 
     def records(self, g: npt.ArrayLike) -> Int64Array:
         """Record read by each global sample index: ``g`` ``[k]`` int, returns ``[k] int64``.
@@ -167,6 +185,55 @@ class BlockSampler:
                 at[mine], full, seed=_domain_seed(self.seed, "blocks"), epoch=epoch[mine]
             )
             out[mine] = blocks * np.int64(size) + within[mine]
+        return out
+
+    def window_of(self, j: npt.ArrayLike) -> Int64Array:
+        """The window of each position ``j`` of ``R_e`` (``[k] int64``)."""
+        span = min(self.window * self.block, self.num_records)
+        return np.asarray(j, np.int64) // np.int64(span)
+
+    def next_use(
+        self, epoch: npt.ArrayLike, window: npt.ArrayLike, lanes: tuple[int, int], now: int
+    ) -> Int64Array:
+        """How soon lanes ``[l0, l1)`` read window ``window`` of epoch
+        ``epoch`` again (``[k]`` each), from stream sample ``now`` on: ``[k]
+        int64`` samples of a lane until the first such read (0: a lane is
+        reading it), or :data:`NEVER` when they are past it.
+
+        Lanes read their stretches of ``R_e`` in order, so the lanes of
+        ``[l0, l1)`` whose stretches cross the window are a run of lanes:
+        the first and the last of them, and one inside the run (all inside
+        are at the same point of their stretches, give or take a sample),
+        decide it. A window is needed by a lane from its first position in
+        the lane's stretch to its last, each of its blocks about throughout.
+        """
+        e = np.asarray(epoch, np.int64).reshape(-1)
+        win = np.asarray(window, np.int64).reshape(-1)
+        n = self.num_records
+        span = min(self.window * self.block, n)
+        w0 = win * np.int64(span)
+        w1 = np.minimum(w0 + span, n)
+        out = np.full(e.shape, NEVER, np.int64)
+        l0, l1 = lanes
+        for epoch_now in np.unique(e).tolist():
+            mine = np.flatnonzero(e == epoch_now)
+            every = np.arange(l0, l1, dtype=np.int64)
+            off, _ = self.stretch(np.full(every.shape, epoch_now), every)
+            first = np.searchsorted(off, w0[mine], "right") - 1
+            last = np.searchsorted(off, w1[mine] - 1, "right") - 1
+            first, last = np.clip(first, 0, every.size - 1), np.clip(last, 0, every.size - 1)
+            inside = np.minimum(first + 1, last)
+            ahead = min(max(now - epoch_now * n, 0), n)  # samples of the epoch before `now`
+            for at in (first, inside, last):
+                lane = every[at]
+                lane_off, count = self.stretch(np.full(lane.shape, epoch_now), lane)
+                p0 = np.maximum(w0[mine], lane_off)
+                p1 = np.minimum(w1[mine], lane_off + count)
+                q = lane_off + self._lane_samples(
+                    np.full(lane.shape, epoch_now), lane, np.full(lane.shape, ahead)
+                )
+                soon = np.where((p0 < p1) & (q < p1), np.maximum(p0 - q, 0), NEVER)
+                out[mine] = np.minimum(out[mine], soon)
         return out
 
     def block_of(self, records: npt.ArrayLike) -> Int64Array:

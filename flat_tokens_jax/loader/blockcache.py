@@ -1,0 +1,350 @@
+"""The block cache: under the block shuffle, this host's rows taken from
+whole blocks, each read once and held within a byte budget.
+
+A step's fetch asks :meth:`BlockCache.readers` for its components' records:
+for a split's packed windows or padded sequences (see
+:mod:`~flat_tokens_jax.data.blockreads`) a :class:`StepReader` that reads the
+blocks its rows need and are not held, all of them in one batch of
+requests, and gives the rows from the blocks; bins and other records are
+read row by row as before. The rows are the same, bit for bit.
+
+The cache holds at most ``block_cache_bytes`` (see
+:func:`default_budget`). A block is held from its read until it is dropped
+to make room for another, and a block a step in flight still needs (its
+rows not yet copied out) is never dropped. What is dropped is the block
+whose next read by this host's lanes is furthest ahead, or never
+(:meth:`~flat_tokens_jax.sampling.blocks.BlockSampler.next_use`: Belady's
+choice, from the arithmetic of the lanes' stretches). A block that does not
+fit beside those in flight is read for its step alone and not kept; a
+block dropped is read again when it is needed. Thread-safe: steps read ahead
+on several threads share a block read once.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from flat_tokens_jax.core.fields import Packing
+from flat_tokens_jax.data.blockreads import (
+    BlockTokens,
+    SplitRecords,
+    block_rows,
+    plan_blocks,
+    reads_blocks,
+)
+from flat_tokens_jax.data.records import Records, Windows
+from flat_tokens_jax.sampling.blocks import NEVER, BlockSampler, Sampler
+from flat_tokens_jax.sampling.stepsamples import StepSamples
+
+
+class _Entry:
+    """One block: read (or being read), with the steps in flight that need it."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes, self.pins, self.kept = nbytes, 1, False
+        self.epoch, self.window = 0, 0
+        self._ready = threading.Event()
+        self._get: Callable[[], BlockTokens] | None = None
+        self._value: BlockTokens | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def started(self, get: Callable[[], BlockTokens] | None, error: BaseException | None) -> None:
+        self._get, self._error = get, error
+        self._ready.set()
+
+    def tokens(self) -> BlockTokens:
+        """The block, read once whoever asks first."""
+        self._ready.wait()
+        with self._lock:
+            if self._value is None:
+                if self._error is not None:
+                    raise self._error
+                assert self._get is not None
+                self._value = self._get()
+            return self._value
+
+
+class _Shared:
+    """A batch of block reads waited for once."""
+
+    def __init__(self, waiting: Callable[[], list[BlockTokens]]) -> None:
+        self._waiting, self._lock = waiting, threading.Lock()
+        self._got: list[BlockTokens] | None = None
+
+    def get(self, i: int) -> BlockTokens:
+        with self._lock:
+            if self._got is None:
+                self._got = self._waiting()
+            return self._got[i]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """What a step tells the cache: each component's stream position (its
+    least stream sample in the step), its samples in the step, this host's
+    lanes, and each block's (epoch, window) in the step."""
+
+    now: dict[int, int]
+    rate: dict[int, int]
+    lanes: tuple[int, int]
+    windows: dict[tuple[int, int], tuple[int, int]]
+
+
+class BlockCache:
+    """This host's blocks: see the module's docstring. Thread-safe.
+
+    Args:
+        components: the loader's records (those that :func:`reads_blocks`
+            are read in blocks).
+        samplers: each component's block sampler (a list the engine renews
+            when a phase continues streams).
+        block: ``B``, records per block.
+        budget: bytes the held blocks may hold.
+    """
+
+    def __init__(
+        self, components: Sequence[Records], samplers: list[Sampler], block: int, budget: int
+    ) -> None:
+        self.components, self.samplers, self.block = components, samplers, block
+        self.budget = budget
+        self._held: dict[tuple[int, int], _Entry] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+        # Each component's stream position in the steps in flight, and in the
+        # last one: steps read ahead on threads start in any order, and a step
+        # not started yet must find the blocks it shares with those around it.
+        self._flying: dict[int, collections.Counter[int]] = {}
+        self._last: dict[int, int] = {}
+        self._rate: dict[int, int] = {}
+        self._lanes = (0, 1)
+        self.reads = 0  # blocks read (again, after a drop)
+        self.drops = 0  # blocks dropped to make room
+        self.passed = 0  # blocks read for their step alone: no room beside those in flight
+        self.peak = 0
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the blocks held (or being read to be held): at most ``budget``."""
+        return self._bytes
+
+    def readers(self, steps: StepSamples, step: int, rows: np.ndarray) -> list[Records]:
+        """Each component's records for the fetch of ``rows`` (this host's) at
+        ``step``: a :class:`StepReader` for those read in blocks."""
+        g, real = steps.samples(step, rows)
+        g = g[real]
+        if steps.mixture is None:
+            comp, sample = np.zeros(g.shape, np.int64), g
+            size = steps.size(step)
+            per_lane = max(size // self.samplers[0].lanes, 1)  # type: ignore[union-attr]
+            lanes = (int(rows.min()) // per_lane, int(rows.max()) // per_lane + 1)
+        else:  # each host's rows reach into every lane of every component
+            comp, sample = steps.steering.route(g)
+            lanes = (0, self.samplers[0].lanes)  # type: ignore[union-attr]
+        now, rate, windows = {}, {}, {}
+        for c in np.unique(comp).tolist():
+            sampler = self.samplers[c]
+            if not (isinstance(sampler, BlockSampler) and reads_blocks(self.components[c])):
+                continue
+            mine = sample[comp == c]
+            epoch, j = sampler.positions(mine)
+            blocks = sampler.block_of(sampler.record_at(epoch, j))
+            win = sampler.window_of(j)
+            stream = mine + sampler.offset
+            now[c], rate[c] = int(stream.min()), int(stream.max() - stream.min() + 1)
+            for b, e, w in zip(blocks.tolist(), epoch.tolist(), win.tolist(), strict=True):
+                windows[(c, b)] = (e, w)
+        told = _Step(now, rate, lanes, windows)
+        return [
+            StepReader(self, c, r, told) if c in now else r for c, r in enumerate(self.components)
+        ]
+
+    def acquire(self, c: int, blocks: np.ndarray, told: _Step) -> list[_Entry]:
+        """The entries of ``blocks`` of component ``c``, pinned; those not held
+        are read (their reads started here, in one batch)."""
+        records = self.components[c]
+        assert isinstance(records, SplitRecords)
+        fresh: list[int] = []
+        out: list[_Entry] = []
+        with self._lock:
+            for component, at in told.now.items():
+                self._flying.setdefault(component, collections.Counter())[at] += 1
+            self._last.update(told.now)
+            self._rate.update(told.rate)
+            self._lanes = told.lanes
+            for b in blocks.tolist():
+                entry = self._held.get((c, b))
+                if entry is None:
+                    entry = _Entry(0)
+                    self._held[(c, b)] = entry  # reading: steps that need it wait for it
+                    fresh.append(len(out))
+                else:
+                    entry.pins += 1
+                entry.epoch, entry.window = told.windows.get((c, b), (entry.epoch, entry.window))
+                out.append(entry)
+        if not fresh:
+            return out
+        missing = blocks[fresh]
+        try:
+            plan = plan_blocks(records, missing, self.block)
+            shared = _Shared(plan.request())
+        except BaseException as e:
+            with self._lock:
+                for i, b in zip(fresh, missing.tolist(), strict=True):
+                    self._held.pop((c, b), None)
+                    out[i].started(None, e)
+            self.release(out, told)
+            raise
+        with self._lock:
+            self.reads += len(fresh)
+            for k, (i, b) in enumerate(zip(fresh, missing.tolist(), strict=True)):
+                entry = out[i]
+                entry.nbytes = int(plan.nbytes[k])
+                entry.kept = self._make_room(entry.nbytes)
+                if entry.kept:
+                    self._bytes += entry.nbytes
+                    self.peak = max(self.peak, self._bytes)
+                else:
+                    self.passed += 1
+                    self._held.pop((c, b), None)
+                entry.started(functools.partial(shared.get, k), None)
+        return out
+
+    def release(self, entries: Sequence[_Entry], told: _Step) -> None:
+        """The step that pinned ``entries`` (and told ``told``) has its rows."""
+        with self._lock:
+            for entry in entries:
+                entry.pins -= 1
+            for component, at in told.now.items():
+                flying = self._flying[component]
+                flying[at] -= 1
+                if not flying[at]:
+                    del flying[at]
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Drops blocks no step in flight needs, the one read again furthest
+        ahead first, until ``nbytes`` more fit; whether they do. Under the lock."""
+        if self._bytes + nbytes <= self.budget:
+            return True
+        free = [
+            (key, e) for key, e in self._held.items() if e.pins == 0 and e.kept and e.nbytes > 0
+        ]
+        if sum(e.nbytes for _, e in free) + self.budget < self._bytes + nbytes:
+            return False
+        order = np.argsort(-self._distances(free), kind="stable")
+        for at in order.tolist():
+            key, entry = free[at]
+            del self._held[key]
+            self._bytes -= entry.nbytes
+            self.drops += 1
+            if self._bytes + nbytes <= self.budget:
+                break
+        return True
+
+    def _distances(self, entries: list[tuple[tuple[int, int], _Entry]]) -> np.ndarray:
+        """``[k] float`` how many steps ahead this host's lanes read each
+        block again (``inf``: never in its epoch)."""
+        out = np.full(len(entries), np.inf)
+        comps = np.array([c for (c, _), _ in entries], np.int64)
+        for c in np.unique(comps).tolist():
+            sampler = self.samplers[c]
+            assert isinstance(sampler, BlockSampler)
+            mine = np.flatnonzero(comps == c)
+            epoch = np.array([entries[i][1].epoch for i in mine], np.int64)
+            window = np.array([entries[i][1].window for i in mine], np.int64)
+            now = min(self._flying.get(c) or [self._last.get(c, 0)])
+            ahead = sampler.next_use(epoch, window, self._lanes, now)
+            steps = ahead.astype(float) * sampler.lanes / max(self._rate.get(c, 1), 1)
+            out[mine] = np.where(ahead == NEVER, np.inf, steps)
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        """``block_reads``, ``block_drops``, ``block_passed``, ``block_cache_bytes``
+        (held now), ``block_cache_peak`` and ``block_cache_budget``."""
+        return {
+            "block_reads": self.reads,
+            "block_drops": self.drops,
+            "block_passed": self.passed,
+            "block_cache_bytes": self._bytes,
+            "block_cache_peak": self.peak,
+            "block_cache_budget": self.budget,
+        }
+
+
+class StepReader:
+    """One component's records for one step's fetch, taken from whole blocks
+    (see :class:`BlockCache`); reads as its records do."""
+
+    def __init__(self, cache: BlockCache, component: int, records: Records, told: _Step) -> None:
+        self.cache, self.component, self.told = cache, component, told
+        self.records = records
+        self.seq_len = records.seq_len
+
+    @property
+    def packing(self) -> Packing:
+        return self.records.packing
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __repr__(self) -> str:
+        return f"StepReader({self.records!r})"
+
+    def token_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self.records.token_ranges(indices)
+
+    def fingerprint(self) -> dict[str, Any]:
+        return self.records.fingerprint()
+
+    def read(self, indices: np.ndarray, columns: tuple[int, int] | None = None) -> Windows:
+        return self.request(indices, columns)()
+
+    def request(
+        self, indices: np.ndarray, columns: tuple[int, int] | None = None
+    ) -> Callable[[], Windows]:
+        """Starts reading the blocks of records ``indices`` not held; the
+        function returned waits for them and gives the records' rows."""
+        records = self.records
+        assert isinstance(records, SplitRecords)
+        idx = np.asarray(indices, np.int64)
+        size = self.cache.block
+        blocks = np.unique(idx // np.int64(size))
+        entries = self.cache.acquire(self.component, blocks, self.told)
+
+        def windows() -> Windows:
+            try:
+                held = {b: e.tokens() for b, e in zip(blocks.tolist(), entries, strict=True)}
+                return block_rows(records, held, idx, size, columns)
+            finally:
+                self.cache.release(entries, self.told)
+
+        return windows
+
+
+def default_budget(
+    components: Sequence[Records], block: int, window: int, lanes_here: int, seq_len: int
+) -> int:
+    """``block_cache_bytes`` when left ``None``: each of this host's lanes
+    (``lanes_here``, of every component read in blocks) holds its current
+    window of ``window`` blocks and the next, blocks of ``block`` records of
+    the components' average size (4 bytes a token, 1 more with a stored loss
+    mask, the token before a packed block; a padded block's records' bounds)."""
+    total = 0
+    for records in components:
+        if not reads_blocks(records):
+            continue
+        ft = records.ft  # type: ignore[attr-defined]
+        per_token = 4 + (ft.loss_mask is not None)
+        if records.packing is Packing.WINDOWS:
+            nbytes = (block * seq_len + 1) * per_token
+        else:  # the sequences' tokens on average, and their bounds
+            nbytes = -(-block * ft.num_tokens // max(len(records), 1)) * per_token + 16 * block
+        total += lanes_here * 2 * window * nbytes
+    return total

@@ -34,8 +34,12 @@ def run(config: dict[str, Any], job: dict[str, Any], pid: int) -> dict[str, Any]
 
     import flat_tokens_jax as ftj
 
-    # config["options"]: StoreOptions fields, for a dataset on an object store.
-    ft = ftj.open_dataset(config["dataset"], ftj.StoreOptions(**config.get("options", {})))["train"]
+    # config["options"]: StoreOptions fields, for a dataset on an object store;
+    # config["endpoints"]: each process's endpoint (a proxy of its own) among them.
+    options = dict(config.get("options", {}))
+    if "endpoints" in config:
+        options["endpoint"] = config["endpoints"][pid]
+    ft = ftj.open_dataset(config["dataset"], ftj.StoreOptions(**options))["train"]
     devices = np.array(jax.devices()).reshape(job["mesh_shape"])
     mesh = Mesh(devices, tuple(job["mesh_axes"]))
     spec = P(*[tuple(a) if isinstance(a, list) else a for a in job["spec"]])

@@ -66,3 +66,28 @@ def stored(url: str | Path, options: StoreOptions | None = None) -> dict[str, by
     """Every key of the store at ``url`` and its bytes."""
     store = Store(url, options)
     return {k: bytes(store.wait(store.kv.read(k)).value) for k in sorted(store.keys())}
+
+
+def chunks_read(
+    raw: dict[str, bytes],
+    array: str,
+    per_shard: int,
+    requests: list[tuple[str, str, str | None]],
+) -> set[int]:
+    """The inner chunks of the sharded zarr v3 ``array`` (its key, e.g.
+    ``train/encoded_tokens``) that the byte-range ``requests`` read (``(method,
+    path, Range header)``, as :class:`proxies.FaultProxy` records them), by
+    their index in the array, from the shard indexes in ``raw`` (the store's
+    bytes by key, see :func:`stored`); ``per_shard``: chunks per shard."""
+    found = set()
+    for method, path, byte_range in requests:
+        key = path.split("/", 3)[-1]  # /bucket/<store>/<key>
+        shard = key.removeprefix(f"{array}/c/")
+        if method != "GET" or not shard.isdigit() or not byte_range or "=-" in byte_range:
+            continue  # not a read of chunks: a shard index is read as a suffix range
+        first, last = map(int, byte_range.removeprefix("bytes=").split("-"))
+        index = np.frombuffer(raw[key][-(16 * per_shard + 4) : -4], "<u8").reshape(-1, 2)
+        for i, (offset, size) in enumerate(index.tolist()):
+            if offset <= last and offset + size > first:
+                found.add(int(shard) * per_shard + i)
+    return found

@@ -12,10 +12,12 @@ from typing import Any
 import numpy as np
 import pytest
 from multihost_worker import digest
-from proxies import DelayProxy
+from proxies import DelayProxy, FaultProxy
+from rawstore import chunks_read, stored
 from servers import aws_profile, moto_s3
 
 import flat_tokens_jax as ftj
+from flat_tokens_jax.store.probes import PROBE
 
 pytestmark = pytest.mark.multihost
 WORKER = Path(__file__).with_name("multihost_worker.py")
@@ -244,6 +246,79 @@ def test_four_processes_read_one_s3_store_through_a_proxy(dataset: Path, tmp_pat
     full = LOADER["batch_size"] * (LOADER["seq_len"] + 1) * 4
     for report in reports:
         assert report["bytes_read_one_step"] == full // 4
+
+
+# Blocks of 3 inner chunks of PROBE tokens, shards of 3 blocks: a block's
+# chunks but its last (which holds the next block's token before) and a
+# shard's first (which the shard's probe reads) are read only to read that
+# block. 35 steps of 64 lanes are one epoch of 2,240 windows, 23 blocks and a
+# third; each host's stretch of every lane's records, 560 windows, ends
+# inside a block.
+PROXIED = {
+    **BLOCKS,
+    "batch_size": 64,
+    "prefetch": 0,  # nothing read past the epoch
+    "shuffle_block": 3 * PROBE // 32,
+    "shuffle_window": 1,  # with w > 1 a seam is a window of w blocks
+}
+PROXIED_STEPS = 35
+
+
+@pytest.mark.remote
+def test_each_process_reads_only_its_lanes_blocks_counted_at_its_proxy(tmp_path: Path) -> None:
+    """4 processes read one epoch of the block shuffle from moto's S3 server,
+    each through a proxy of its own that records the byte ranges it forwards:
+    each process reads exactly the blocks of its rows, so a block is read by
+    one process but for at most 3 at the seams of the hosts' stretches (read
+    by 2); the global batches are the single process's."""
+    records, block = PROXIED_STEPS * 64, PROXIED["shuffle_block"]
+    rng = np.random.default_rng(5)
+    cuts = np.sort(rng.choice(np.arange(1, records * 32 + 1), 40, replace=False))
+    seqs = np.split(rng.integers(0, 30000, records * 32 + 1), cuts)
+    storage = ftj.StorageFormat(chunk_tokens=PROBE, shard_tokens=9 * PROBE)
+    ftj.write_dataset(tmp_path / "ds", {"train": seqs}, storage_format=storage)
+    with moto_s3() as base:
+        direct = {"endpoint": base, "region": "us-east-1", "credentials": aws_profile(tmp_path)}
+        ftj.write_dataset("s3://bucket/ds", {"train": seqs}, storage_format=storage, **direct)
+        raw = stored("s3://bucket/ds", ftj.StoreOptions(**direct))
+        proxies = [FaultProxy(int(base.rsplit(":", 1)[1])) for _ in range(4)]
+        try:
+            reports = launch(
+                "s3://bucket/ds",
+                tmp_path / "report",
+                4,
+                {"blocks": {"num_steps": PROXIED_STEPS, "loader": PROXIED}},
+                options=direct,
+                endpoints=[p.url for p in proxies],
+            )["blocks"]
+        finally:
+            for p in proxies:
+                p.close()
+    read = [
+        {
+            c // 3
+            for c in chunks_read(raw, "train/encoded_tokens", 9, p.requests)
+            if c % 3 != 2 and c % 9
+        }
+        for p in proxies
+    ]
+    one = ftj.Loader(ftj.open_dataset(tmp_path / "ds")["train"], ftj.LoaderConfig(**PROXIED))
+    need: list[set[int]] = [set() for _ in reports]
+    epoch = []
+    for step in range(PROXIED_STEPS):
+        rows = one.provenance(step)
+        epoch += [row["record"] for row in rows if row["epoch"] == 0]
+        for pid, report in enumerate(reports):
+            need[pid] |= {rows[r]["record"] // block for r in report["rows_at"][str(step)]}
+    assert sorted(epoch) == list(range(records)), "the steps are one epoch"
+    assert read == need, "each process reads exactly the blocks of its rows"
+    blocks = range(-(-records // block))  # the last one partial
+    assert set().union(*read) == set(blocks), "every block is read"
+    by = [sum(b in r for r in read) for b in blocks]
+    assert max(by) <= 2 and 0 < by.count(2) <= 3, "only a block at a seam, by 2 hosts"
+    expected = reference(tmp_path / "ds", range(PROXIED_STEPS), PROXIED)
+    for report in reports:
+        assert report["steps"] == expected
 
 
 @pytest.mark.parametrize("processes", [2, 4])

@@ -36,7 +36,16 @@ afresh (a cold cache):
 * ``--throttle RATE``: in the rows (not the warm-up or the ceiling) the proxy
   answers the requests over RATE a second (a token bucket of one request)
   as a throttled bucket does (GCS: 429, S3: 503 SlowDown), and a column
-  gives the requests refused per batch (``stats()["throttled_requests"]``).
+  gives the requests refused per batch (``stats()["throttled_requests"]``);
+* ``--shuffle full blocks``: each row for each shuffle, ``shuffle=True`` and
+  ``shuffle="blocks"`` (its default block and window), with requests per
+  1,000 rows, bytes read over the bytes of the tokens handed out, and beside
+  them the requests plan's (``plan_requests`` for the steps the row read,
+  those still ahead included; it counts no shard index, probe or digests,
+  and no chunk cached by an earlier step). A block is one request of about
+  2**18 tokens, read once an epoch by the lane that needs it, which keeps
+  it about ``B * w`` steps (128 at 2048-token rows): give ``--steps``
+  several times that for a steady state.
 
 Run: ``python scripts/bench_remote.py`` (needs the test extras); ``--servers
 gcs`` for one server. The cost model in docs/benchmarks.md is computed from the
@@ -48,6 +57,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import multiprocessing
 import os
@@ -66,6 +76,7 @@ import numpy as np
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.grain.grain import FlatTokensSource
+from flat_tokens_jax.loader.requestplan import plan_requests
 from flat_tokens_jax.store.store import remote_bytes, remote_reads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -137,6 +148,7 @@ class ProxyProcess:
 
 
 NAMES = {"gcs": "fake-gcs-server", "s3": "S3 stand-in (tests/s3files.py)", "moto": "moto S3"}
+SHUFFLES: dict[str, bool | str] = {"full": True, "blocks": "blocks"}
 PATHS = {
     "iterate": "Loader.iterate",
     "to_grain": "Loader.to_grain()",
@@ -176,7 +188,9 @@ def opened(
     when handed out), and what reads them ahead reports (``None``: unknown)."""
     if path == "batches":
         src = FlatTokensSource(where.url, cfg.seq_len, options=where.options)
-        source = src.batches(cfg.batch_size, seed=cfg.seed, num_epochs=cfg.num_epochs)
+        source = src.batches(
+            cfg.batch_size, seed=cfg.seed, shuffle=cfg.shuffle, num_epochs=cfg.num_epochs
+        )
         return iter(grain.MapDataset.source(source).to_iter_dataset()), lambda: None
     ft = ftj.open_dataset(where.url, where.options)["train"]
     loader = ftj.Loader(ft, cfg, sharding=sharding)
@@ -201,8 +215,10 @@ def loop(
     steps: int,
     sharding: Any = None,
     path: str = "iterate",
+    planned: bool = False,
 ) -> dict[str, Any]:
-    """A training loop of ``steps`` steps after the first, on a freshly opened store."""
+    """A training loop of ``steps`` steps after the first, on a freshly opened
+    store; ``planned``: with the requests plan of the steps it read (one host)."""
     scheme = where.url[:2]
     requests_before, bytes_before = remote_reads()[scheme], remote_bytes()[scheme]
     began = time.perf_counter()
@@ -236,8 +252,17 @@ def loop(
     fetched = steps + 1 + int(stats["depth"])  # steps read, the ones still ahead included
     requests = remote_reads()[scheme] - requests_before
     received = remote_bytes()[scheme] - bytes_before
+    rows = fetched * next(iter(batch.values())).shape[0]
+    if planned:  # after the counts: the plan's open reads metadata
+        ft = ftj.open_dataset(where.url, where.options)["train"]
+        reads = plan_requests(ftj.Loader(ft, cfg), 1, step_time or 1.0, range(fetched)).reads
+        got["planned_per_1000_rows"] = 1000 * int(reads.requests.sum()) / rows
+        got["planned_of_token_bytes"] = int(reads.bytes.sum()) / int(reads.useful.sum())
     return {
         **got,
+        "shuffle": "blocks" if cfg.shuffle == "blocks" else "full",
+        "per_1000_rows": 1000 * requests / rows,
+        "block_reads": int(stats.get("block_reads", 0)),
         "depth": int(stats["depth_target"]),
         "peak": int(stats["read_ahead_bytes_peak"]),
         "budget": int(stats["read_ahead_bytes"]),
@@ -260,23 +285,27 @@ def write(where: Where, tokens: int) -> None:
 def single_host(
     args: argparse.Namespace, where: Where, proxy: ProxyProcess
 ) -> list[dict[str, Any]]:
-    cfg = ftj.LoaderConfig(batch_size=args.batch, seq_len=args.seq_len)
+    cfgs = {
+        name: ftj.LoaderConfig(batch_size=args.batch, seq_len=args.seq_len, shuffle=SHUFFLES[name])
+        for name in args.shuffle
+    }
     proxy.delay = 0.0
     for path in args.paths:  # this process's one-time costs (jax, numba, grain), not reported
-        loop(where, cfg, 0.0, 5, path=path)
+        for cfg in cfgs.values():
+            loop(where, cfg, 0.0, 5, path=path)
     proxy.requests_per_s = args.throttle or None
     rows: list[dict[str, Any]] = []
     for step_time in args.step_times:
-        bases: dict[str, dict[str, Any]] = {}
+        bases: dict[tuple[str, str], dict[str, Any]] = {}
         for delay in [0.0, *args.delays]:
             proxy.delay = delay
-            for path in args.paths:
-                got = loop(where, cfg, step_time, args.steps, path=path)
+            for (name, cfg), path in itertools.product(cfgs.items(), args.paths):
+                got = loop(where, cfg, step_time, args.steps, path=path, planned=True)
                 if args.waits:
                     each = " ".join(f"{w * 1000:.0f}" for w in got["waits"])
                     row = f"{PATHS[path]}, +{delay * 1e3:.0f} ms, {step_time * 1e3:.0f} ms steps"
-                    print(f"{row}: {each}")
-                base = bases.setdefault(path, got)
+                    print(f"{row}, {name} shuffle: {each}")
+                base = bases.setdefault((name, path), got)
                 trips = (got["first"] - base["first"]) / delay if delay else 0.0
                 rows.append({**got, "delay": delay, "step_time": step_time, "trips": trips})
     proxy.requests_per_s = None
@@ -396,11 +425,11 @@ def print_rows(
     if args.throttle:
         print(f"the proxy refused requests over {args.throttle:g} a second in these rows\n")
     print(
-        "| path | step | added latency | open | first step waited | in round trips | later "
-        "steps waited (mean) | share of the step | later waits p90 / max | steps ahead | "
+        "| path | shuffle | step | added latency | open | first step waited | in round trips | "
+        "later steps waited (mean) | share of the step | later waits p90 / max | steps ahead | "
         f"peak read-ahead / budget | requests/batch | bytes read / token{throttled} |"
     )
-    print("| --- |" + " ---: |" * (13 if args.throttle else 12))
+    print("| --- | --- |" + " ---: |" * (13 if args.throttle else 12))
     for r in rows:
         ahead = (
             f"{r['depth']} | {r['peak'] / 2**20:.0f} / {r['budget'] / 2**20:.0f} MiB | "
@@ -411,12 +440,30 @@ def print_rows(
         if args.throttle:
             ahead += f" | {r['throttled']:.1f}" if "throttled" in r else " | -"
         print(
-            f"| {PATHS[r['path']]} | {r['step_time'] * 1e3:.0f} ms | {r['delay'] * 1e3:.0f} ms | "
+            f"| {PATHS[r['path']]} | {r.get('shuffle', 'full')} | {r['step_time'] * 1e3:.0f} ms | "
+            f"{r['delay'] * 1e3:.0f} ms | "
             f"{r['opened'] * 1e3:.0f} ms | {r['first'] * 1e3:.0f} ms | "
             f"{r['trips']:.1f} | {r['later'] * 1e3:.3f} ms | "
             f"{r['later'] / r['step_time'] * 100:.2f} % | "
             f"{r['later_p90'] * 1e3:.2f} / {r['later_max'] * 1e3:.1f} ms | {ahead} |"
         )
+    print(
+        "\nrequests and bytes over the steps read (those still ahead included) beside the "
+        "requests plan's for the same steps; token bytes: 4 a token handed out\n"
+    )
+    print(
+        "| path | shuffle | step | added latency | requests / 1,000 rows | planned | "
+        "bytes read / token bytes | planned | block reads |"
+    )
+    print("| --- | --- |" + " ---: |" * 7)
+    for r in rows:
+        if "per_1000_rows" in r:
+            print(
+                f"| {PATHS[r['path']]} | {r['shuffle']} | {r['step_time'] * 1e3:.0f} ms | "
+                f"{r['delay'] * 1e3:.0f} ms | {r['per_1000_rows']:.1f} | "
+                f"{r['planned_per_1000_rows']:.1f} | {r['bytes_per_token'] / 4:.2f} | "
+                f"{r['planned_of_token_bytes']:.2f} | {r['block_reads']} |"
+            )
 
 
 def main() -> None:
@@ -435,6 +482,9 @@ def main() -> None:
         "--throttle", type=float, default=0.0, help="requests/s over which the proxy refuses"
     )
     parser.add_argument("--waits", action="store_true", help="print every step's wait (ms)")
+    parser.add_argument(
+        "--shuffle", nargs="+", choices=list(SHUFFLES), default=["full"], help="rows for each"
+    )
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -450,17 +500,26 @@ def main() -> None:
             bw = bandwidth(args, where, proxy) if args.bandwidth else None
         name = NAMES[server]
         print_rows(name, rows, args, top)
-        requests = float(np.mean([r["requests"] for r in rows if r["delay"] and "requests" in r]))
         scheme = where.url[:2]
-        per_trillion = requests * 1e12 / tokens
-        print(
-            f"\ncost model ({name}): {requests:.1f} requests per batch of {tokens:,} tokens "
-            f"= {per_trillion / 1e9:.2f} G requests per trillion tokens = "
-            f"${per_trillion / 1000 * PRICE_PER_1000[scheme]:,.0f} at "
-            f"${PRICE_PER_1000[scheme]} per 1,000; a 1,024-host pod, each host loading "
-            f"{args.batch} x {args.seq_len} a step: {1024 * requests:,.0f} requests/s per "
-            f"bucket at 1 s steps, {1024 * requests / 0.2:,.0f} at 0.2 s"
-        )
+        for shuffle in args.shuffle:
+            requests = float(
+                np.mean(
+                    [
+                        r["requests"]
+                        for r in rows
+                        if r["delay"] and "requests" in r and r["shuffle"] == shuffle
+                    ]
+                )
+            )
+            per_trillion = requests * 1e12 / tokens
+            print(
+                f"\ncost model ({name}, {shuffle} shuffle): {requests:.1f} requests per batch of "
+                f"{tokens:,} tokens = {per_trillion / 1e9:.2f} G requests per trillion tokens = "
+                f"${per_trillion / 1000 * PRICE_PER_1000[scheme]:,.0f} at "
+                f"${PRICE_PER_1000[scheme]} per 1,000; a 1,024-host pod, each host loading "
+                f"{args.batch} x {args.seq_len} a step: {1024 * requests:,.0f} requests/s per "
+                f"bucket at 1 s steps, {1024 * requests / 0.2:,.0f} at 0.2 s"
+            )
         for r in hosts:
             print(
                 f"{args.hosts} processes, {r['step_time'] * 1e3:.0f} ms steps, "

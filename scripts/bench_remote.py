@@ -44,8 +44,10 @@ afresh (a cold cache):
   those still ahead included; it counts no shard index, probe or digests,
   and no chunk cached by an earlier step). A block is one request of about
   2**18 tokens, read once an epoch by the lane that needs it, which keeps
-  it about ``B * w`` steps (128 at 2048-token rows): give ``--steps``
-  several times that for a steady state.
+  it about ``B * w`` steps (128 at 2048-token rows): ``--block-steps``
+  (its rows' steps after the first, default ``--steps``) several times
+  that gives a steady state. (Full-shuffle rows over as many steps would
+  read much of a small store, which tensorstore's cache then holds.)
 
 Run: ``python scripts/bench_remote.py`` (needs the test extras); ``--servers
 gcs`` for one server. The cost model in docs/benchmarks.md is computed from the
@@ -300,7 +302,8 @@ def single_host(
         for delay in [0.0, *args.delays]:
             proxy.delay = delay
             for (name, cfg), path in itertools.product(cfgs.items(), args.paths):
-                got = loop(where, cfg, step_time, args.steps, path=path, planned=True)
+                steps = args.block_steps if name == "blocks" else args.steps
+                got = loop(where, cfg, step_time, steps, path=path, planned=True)
                 if args.waits:
                     each = " ".join(f"{w * 1000:.0f}" for w in got["waits"])
                     row = f"{PATHS[path]}, +{delay * 1e3:.0f} ms, {step_time * 1e3:.0f} ms steps"
@@ -418,7 +421,9 @@ def print_rows(
     print(
         f"\n{server} on 127.0.0.1 behind a delay proxy, batch {args.batch} x {args.seq_len}, "
         f"{args.tokens:,} tokens, default LoaderConfig and StoreOptions, a cold cache each row, "
-        f"{args.steps} steps after the first; the server's ceiling: {top:.1f} steps/s "
+        f"{args.steps} steps after the first"
+        + (f" ({args.block_steps} in the block rows)" if "blocks" in args.shuffle else "")
+        + f"; the server's ceiling: {top:.1f} steps/s "
         f"({1e3 / top:.0f} ms a step) with prefetch=0, no added latency, no step time\n"
     )
     throttled = " | throttled/batch" if args.throttle else ""
@@ -485,8 +490,10 @@ def main() -> None:
     parser.add_argument(
         "--shuffle", nargs="+", choices=list(SHUFFLES), default=["full"], help="rows for each"
     )
+    parser.add_argument("--block-steps", type=int, help="steps of the block rows (--steps)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.block_steps = args.block_steps or args.steps
     if args.worker:
         worker(json.loads(args.worker[0]), int(args.worker[1]))
         return

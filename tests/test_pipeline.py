@@ -116,6 +116,27 @@ def test_close_drops_steps_not_started() -> None:
     assert all(f.cancelled() for f in futures[1:])
 
 
+def test_close_without_waiting_returns_while_a_fetch_still_runs() -> None:
+    """What a garbage-collected grain iterator does: a finalizer must not join
+    threads (one can run inside threading's own bookkeeping and deadlock)."""
+    release, began, ended = threading.Event(), threading.Event(), threading.Event()
+
+    def fetch(step: int) -> int:
+        began.set()
+        release.wait(timeout=10)
+        ended.set()
+        return step
+
+    ahead = Ahead(whole(fetch), lambda x: x, "t")
+    futures = [ahead.submit(s) for s in range(4)]
+    assert began.wait(timeout=60)
+    ahead.close(wait=False)
+    assert not ended.is_set()  # returned with step 0's fetch still running
+    assert all(f.cancelled() for f in futures[1:])
+    release.set()
+    assert ended.wait(timeout=60)
+
+
 @pytest.mark.parametrize("fetchers", [1, 2, 4])
 def test_fetches_of_steps_in_flight_overlap_and_finish_in_order(fetchers: int) -> None:
     """With ``fetchers`` threads, that many fetches wait at once (a barrier of

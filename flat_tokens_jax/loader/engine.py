@@ -378,6 +378,7 @@ class Door(Generic[Done]):
         """Starts ``step`` and the steps after it (see ``Loader.start``)."""
         self.feed.start(step, end)
 
-    def close(self) -> None:
-        """Stops the read-ahead (a later step starts it again)."""
-        self.feed.close()
+    def close(self, wait: bool = True) -> None:
+        """Stops the read-ahead (a later step starts it again); ``wait=False``
+        lets the reads running end on their own."""
+        self.feed.close(wait)

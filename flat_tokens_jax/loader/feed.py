@@ -252,15 +252,16 @@ class Feed:
             throttled=throttled_requests() - self._throttled_window,
         )
 
-    def close(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+    def close(self, wait: bool = True, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        """Stops the read-ahead (``wait``: as ``pipeline.InFlight.close``)."""
         if _finalizing():  # as in pipeline.Ahead.close: the threads end with the process
             return
         self._flush()
         with self._lock:
             books, self._books, self._booked = self._books, None, None
         if books is not None:
-            books.shutdown()
-        self.flight.close()
+            books.shutdown(wait=wait)
+        self.flight.close(wait)
 
     def stats(self) -> dict[str, Any]:
         """See ``Loader.stats``."""

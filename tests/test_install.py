@@ -1,12 +1,13 @@
-"""A trainer pinned to zarr 2 installs the package: pip resolves it with ``zarr<3``
-from PyPI, and in a fresh virtual environment with zarr 2 it reads a store that
-tensorstore wrote and one whose filter only zarr-python decodes.
+"""A trainer pinned to zarr 2 installs the package: its dependencies resolve with
+``zarr<3`` from PyPI, and in a fresh virtual environment with zarr 2 it reads a
+store that tensorstore wrote and one whose filter only zarr-python decodes.
 
-The environment is a real one (no system site packages); pip's cache keeps the
-wheels between runs. To stay cheap, only the resolution covers every dependency
-(``pip install --dry-run``); the environment that reads gets what reading needs
-(numpy, tensorstore, google-crc32c, ``zarr<3``) and the package itself without its other
-dependencies: reading a store imports neither jax nor grain.
+The environment is a real one (no system site packages), made and filled by uv
+(the installer of the README's commands; its cache keeps the wheels between
+runs). To stay cheap, only the resolution covers every dependency (``uv pip
+install --dry-run``); the environment that reads gets what reading needs
+(numpy, tensorstore, google-crc32c, ``zarr<3``) and the package itself without
+its other dependencies: reading a store imports neither jax nor grain.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from rawstore import DELTA, SPEC_STARTS, SPEC_TOKENS, flat_split, write_raw
+from uv import find_uv_bin
 
 import flat_tokens_jax as ftj
 
@@ -45,10 +47,11 @@ print(json.dumps(out))
 """
 
 
-def pip(venv: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_REQUIRE_VIRTUALENV")}
+def uv(venv: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``uv pip ARGS`` into ``venv``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     return subprocess.run(
-        [str(venv / "bin" / "python"), "-m", "pip", *args],
+        [find_uv_bin(), "pip", *args, "-p", str(venv / "bin" / "python")],
         capture_output=True,
         text=True,
         env=env,
@@ -66,25 +69,25 @@ def test_installs_beside_zarr_2_and_reads_stores(tmp_path: Path) -> None:
     delta = tmp_path / "delta_v2"
     write_raw(delta, {"train": flat_split(SPEC_TOKENS, SPEC_STARTS, 8, starts_kwargs=DELTA)}, 2)
 
-    # pip builds in the source tree: build from a copy, leaving the checkout alone.
+    # a build writes into the source tree: build from a copy, leaving the checkout alone.
     source = tmp_path / "source"
     shutil.copytree(ROOT / "flat_tokens_jax", source / "flat_tokens_jax", ignore=PYCACHE)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    resolved = pip(
-        venv, "install", "--dry-run", "--quiet", "--report", "-", f"{source}[zarr]", "zarr<3"
+    subprocess.run([find_uv_bin(), "venv", "-q", "-p", sys.executable, str(venv)], check=True)
+    resolved = uv(venv, "install", "--dry-run", f"{source}[zarr]", "zarr<3")
+    # "Would install N packages", then a line " + name==version" each
+    report = dict(
+        line.strip()[2:].split("==")
+        for line in resolved.stderr.splitlines()
+        if line.startswith(" + ") and "==" in line
     )
-    report = {
-        i["metadata"]["name"].lower(): i["metadata"]["version"]
-        for i in json.loads(resolved.stdout)["install"]
-    }
-    assert report["zarr"].startswith("2."), report
-    assert {"flat-tokens-jax", "jax", "jaxlib", "tensorstore", "grain"} <= set(report), report
-
-    pip(venv, "install", "--quiet", "zarr<3", "numpy", "tensorstore", "google-crc32c")
-    pip(venv, "install", "--quiet", "--no-deps", str(source))
+    assert report["zarr"].startswith("2."), resolved.stderr
+    assert {"jax", "jaxlib", "tensorstore", "grain"} <= set(report), resolved.stderr
+    assert "flat-tokens-jax @ " in resolved.stderr, resolved.stderr
+    uv(venv, "install", "-q", "zarr<3", "numpy", "tensorstore", "google-crc32c")
+    uv(venv, "install", "-q", "--no-deps", str(source))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run(
         [str(venv / "bin" / "python"), "-c", textwrap.dedent(READ), str(written), str(delta)],

@@ -10,7 +10,7 @@ with ``remote_reads()`` and ``remote_bytes()``:
 * the rule ``flat_tokens_jax.loader.requestplan`` counts by: one 2049-token
   window (inside a chunk, and straddling two), a contiguous range of 2**18
   tokens (inside a shard, and across a shard boundary), two ranges read at
-  once in adjacent chunks and one chunk apart, and 1 to 63 adjacent chunks;
+  once in adjacent chunks and one chunk apart, and 4 to 1,024 adjacent chunks;
 * the plan's requests and bytes per step for steps of ``--batch`` random
   2048-token windows (one host) beside those measured around
   ``Loader.host_batch`` of each step; and the requests the plan itself sent
@@ -121,8 +121,11 @@ def rule(ft: Any, fmt: ftj.StorageFormat, scheme: str) -> list[tuple[str, int, i
         [first + 1, first + 2 * c + 1],
         [first + 9, first + 2 * c + 9],
     )
-    for k in (4, 16, 63):
+    for k in (4, 16, 63, 64, 128, 256, 1024):
         first = in_one_shard(k)
+        if first + k * c > ft.num_tokens:
+            rows.append((f"{k} adjacent chunks: past the store's end (more --tokens)", 0, 0))
+            continue
         show(f"{k} adjacent chunks", [first], [first + k * c])
     return rows
 

@@ -14,8 +14,8 @@ moto's S3 (``scripts/bench_requestplan.py`` prints the measurements):
   batch, and the batch fetches each inner chunk its ranges touch whole
   (``chunk_tokens`` values, plus the 4-byte crc32c of the default format).
 - Touched chunks of one shard with no untouched chunk between them go out in
-  one HTTP range request, however many there are (one request for 1 to 63
-  adjacent chunks, up to 2 MiB, measured); a gap of a chunk or more, or a
+  one HTTP range request, however many there are (one request for 1 to
+  1,024 adjacent chunks, up to 32 MiB, measured); a gap of a chunk or more, or a
   shard boundary, starts another request. In zarr v2 each chunk is an object
   of its own: one request each.
 - So with the default format (2**24-token shards of 2**13-token chunks) one

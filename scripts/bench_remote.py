@@ -227,12 +227,19 @@ def loop(
     it, ahead = opened(path, where, cfg, sharding)
     opening = time.perf_counter() - began
     waits = []
+    after_first = read_by_first = 0
     for _ in range(steps + 1):
         t = time.perf_counter()
         batch = next(it)
         waits.append(time.perf_counter() - t)
+        if len(waits) == 1:
+            after_first = remote_reads()[scheme]
+            first_stats = ahead()
+            # steps read by then: the first and those ahead of it
+            read_by_first = 1 + (int(first_stats["depth"]) if first_stats else 0)
         if step_time:
             time.sleep(step_time)
+    later_requests = remote_reads()[scheme] - after_first
     took = time.perf_counter() - began - opening
     stats = ahead()
     it.close()  # type: ignore[attr-defined]
@@ -254,7 +261,8 @@ def loop(
     fetched = steps + 1 + int(stats["depth"])  # steps read, the ones still ahead included
     requests = remote_reads()[scheme] - requests_before
     received = remote_bytes()[scheme] - bytes_before
-    rows = fetched * next(iter(batch.values())).shape[0]
+    batch_rows = next(iter(batch.values())).shape[0]
+    rows = fetched * batch_rows
     if planned:  # after the counts: the plan's open reads metadata
         ft = ftj.open_dataset(where.url, where.options)["train"]
         reads = plan_requests(ftj.Loader(ft, cfg), 1, step_time or 1.0, range(fetched)).reads
@@ -264,6 +272,10 @@ def loop(
         **got,
         "shuffle": "blocks" if cfg.shuffle == "blocks" else "full",
         "per_1000_rows": 1000 * requests / rows,
+        # from the first step's return to the last's, over the steps read in between
+        # (those ahead at the end, less those read by the first's return): the
+        # store's open and step 0 left out
+        "later_per_1000_rows": 1000 * later_requests / ((fetched - read_by_first) * batch_rows),
         "block_reads": int(stats.get("block_reads", 0)),
         "depth": int(stats["depth_target"]),
         "peak": int(stats["read_ahead_bytes_peak"]),
@@ -454,19 +466,22 @@ def print_rows(
         )
     print(
         "\nrequests and bytes over the steps read (those still ahead included) beside the "
-        "requests plan's for the same steps; token bytes: 4 a token handed out\n"
+        "requests plan's for the same steps; after step 0: the requests sent between the "
+        "first step's return and the last's, per 1,000 rows of the steps read in between "
+        "(the store's open and step 0 left out); token bytes: 4 a token handed out\n"
     )
     print(
-        "| path | shuffle | step | added latency | requests / 1,000 rows | planned | "
-        "bytes read / token bytes | planned | block reads |"
+        "| path | shuffle | step | added latency | requests / 1,000 rows | after step 0 | "
+        "planned | bytes read / token bytes | planned | block reads |"
     )
-    print("| --- | --- |" + " ---: |" * 7)
+    print("| --- | --- |" + " ---: |" * 8)
     for r in rows:
         if "per_1000_rows" in r:
             print(
                 f"| {PATHS[r['path']]} | {r['shuffle']} | {r['step_time'] * 1e3:.0f} ms | "
                 f"{r['delay'] * 1e3:.0f} ms | {r['per_1000_rows']:.1f} | "
-                f"{r['planned_per_1000_rows']:.1f} | {r['bytes_per_token'] / 4:.2f} | "
+                f"{r['later_per_1000_rows']:.1f} | {r['planned_per_1000_rows']:.1f} | "
+                f"{r['bytes_per_token'] / 4:.2f} | "
                 f"{r['planned_of_token_bytes']:.2f} | {r['block_reads']} |"
             )
 

@@ -7,14 +7,13 @@
 # the test extra's floor, in a second virtual environment, .venv-floors (no
 # tests that start a GCS or S3 server: its servers are test extras; of the two
 # plain scripts that start grain's worker processes, the one that parses absl
-# flags), made and filled by the uv of .venv that the README's command
-# installs, and run on three
+# flags), filled by the uv of .venv that the README's command installs, and
+# run on three
 # workers as there, in the same order (the longest files first: conftest.py).
 # Part of the README's test command.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rm -rf .venv-floors
-.venv/bin/uv venv -q -p python3 .venv-floors
+python3 -m venv .venv-floors
 mapfile -t pins < <(python3 scripts/floors.py)
 .venv/bin/uv pip install -q -p .venv-floors/bin/python "${pins[@]}" \
   'pytest>=8' 'pytest-xdist>=3.8' 'hypothesis>=6.100' -e .

@@ -74,9 +74,15 @@ def run(config: dict[str, Any], job: dict[str, Any], pid: int) -> dict[str, Any]
     }
     start = loader.next_step
     before = ft.bytes_read
-    loader.batch(start)
+    # XLA:CPU runs each of a process's 2 devices on its own: without a wait for
+    # each program's outputs, one device can start the next program's gloo
+    # collectives while the other still runs this one's, and the peers see
+    # the two programs' messages mixed (jax 0.6: "op.preamble.length <=
+    # op.nbytes" aborts, or a hang).
+    jax.block_until_ready(loader.batch(start))
     report["bytes_read_one_step"] = ft.bytes_read - before
     for step, batch in loader.iterate():
+        jax.block_until_ready(batch)
         gathered = {
             k: np.asarray(multihost_utils.process_allgather(v, tiled=True))
             for k, v in batch.items()

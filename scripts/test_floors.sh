@@ -8,8 +8,8 @@
 # tests that start a GCS or S3 server: its servers are test extras; of the two
 # plain scripts that start grain's worker processes, the one that parses absl
 # flags), filled by the uv of .venv that the README's command installs, and
-# run on three
-# workers as there, in the same order (the longest files first: conftest.py).
+# run on three workers as there, in the same order (the longest files first:
+# conftest.py).
 # Part of the README's test command.
 set -euo pipefail
 cd "$(dirname "$0")/.."

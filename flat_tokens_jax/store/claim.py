@@ -285,8 +285,8 @@ def _same_file(found: BinaryIO, path: str) -> bool:
 
 
 def _lease_end(value: bytes) -> datetime.datetime | None:
-    """When a marker's lease ends; ``None`` for a marker without one (written
-    by a version before leases, or damaged): its write is taken for dead."""
+    """When a marker's lease ends; ``None`` for a marker without a readable
+    one (damaged): its write is taken for dead."""
     try:
         found = json.loads(value)
         end = datetime.datetime.fromisoformat(found["renewed"]) + datetime.timedelta(

@@ -13,8 +13,8 @@ that write is dead (see :class:`~flat_tokens_jax.store.claim.Claim`), so of two
 
 A location may be replaced (``overwrite``) only when everything in it is ours:
 a flat-tokens dataset (root attributes that say so, with the splits they
-record, or the strict structure that older versions wrote: root group metadata
-and the ``train`` and ``validation`` groups with their arrays, nothing else),
+record, or the spec's bare structure, as other writers make it: root group
+metadata and the ``train`` and ``validation`` groups with their arrays, nothing else),
 or the leftover of our own interrupted write (marked), with the packing plans
 that ``pack`` stored in its splits. Anything else in the location makes the
 write refuse before anything is deleted, naming some of the foreign keys.

@@ -377,6 +377,46 @@ def test_a_loaders_iterate_stops_before_its_stop_step() -> None:
     assert got == [2, 3, 4, 5]
 
 
+@pytest.mark.parametrize(("start", "stop"), [(0, 5), (3, 14), (2, 12), (9, 17), (13, 15), (6, 6)])
+def test_a_phased_iterate_stops_before_its_stop_step_as_a_loaders_does(
+    start: int, stop: int
+) -> None:
+    """Issue 46: ``PhasedLoader.iterate`` took no ``stop_step``. It yields
+    ``[start, stop)``, and nothing is read at or past ``stop``: neither in the
+    phase it iterates nor in the next one, started before the boundary."""
+    specs = [{**SPEC, "start": 0}, {**SPEC, "start": 12, "seq_len": 5, "source": "b"}]
+    plain = PhasedLoader([build(s) for s in specs])
+    three = [dataclasses.replace(p.config, prefetch=3) for p in map(build, specs)]
+    run = PhasedLoader(
+        [dataclasses.replace(build(s), config=c) for s, c in zip(specs, three, strict=True)]
+    )
+    got = []
+    for step, batch in run.iterate(start, stop):
+        if step < 12:
+            assert run.loaders[0].stats()["depth"] <= min(stop, 12) - 1 - step
+            assert run.loaders[1].stats()["depth"] <= max(0, stop - 12)
+        else:
+            assert run.loaders[1].stats()["depth"] <= stop - 1 - step
+        want = plain.host_batch(step)["targets"]
+        np.testing.assert_array_equal(np.asarray(batch["targets"]), want, f"step {step}")
+        got.append(step)
+    assert got == list(range(start, stop))
+    one = PhasedLoader([build({**SPEC, "start": 0})])
+    loader = ftj.Loader(one.phases[0].source, one.phases[0].config)
+    assert [s for s, _ in one.iterate(start, stop)] == [s for s, _ in loader.iterate(start, stop)]
+
+
+@pytest.mark.parametrize("stop", [-1, 2.5, "3"])
+def test_a_bad_stop_step_of_a_phased_iterate_is_refused_as_a_loaders_is(stop: Any) -> None:
+    phase = build({**SPEC, "start": 0})
+    with pytest.raises(ValueError) as want:
+        next(ftj.Loader(phase.source, phase.config).iterate(0, stop))
+    with pytest.raises(ValueError) as got:
+        next(PhasedLoader([phase, build({**SPEC, "start": 5})]).iterate(0, stop))
+    assert str(got.value) == str(want.value)
+    assert str(got.value).startswith(f"stop_step must be an int >= 0, got {stop!r}")
+
+
 def test_a_phase_that_cannot_read_its_first_step_is_refused_naming_the_latest_start() -> None:
     """Issue 35: Phase(2**60 - 1, ...) ran into ``global sample index must be in
     [0, 7]`` at its first batch, naming no phase and no fix."""

@@ -65,7 +65,9 @@ class Loader(Steerable):
             ``("0",)`` for one split; a phase's: the whole run's.
         samplers: ``[K]`` component ``c``'s sampler (``sampler``: the first's).
         steps: which record each row of a step reads.
-        next_step: the step :meth:`iterate` starts at (set by :meth:`restore`).
+        next_step: the step :meth:`iterate` starts at: the step after the last one
+            handed out (by :meth:`iterate` or an iterator of :meth:`to_grain`), or
+            the restored one.
 
     Raises:
         ValueError: the sharding cannot split ``[batch_size, seq_len]`` evenly (for a
@@ -243,8 +245,9 @@ class Loader(Steerable):
 
     def to_grain(self) -> StepsDataset:
         """This host's rows of each step from :attr:`next_step` on, read ahead, as a
-        ``grain.IterDataset`` of :meth:`host_batch` dicts; its iterator's state is
-        :meth:`state`, checked by :meth:`restore` (see :mod:`~flat_tokens_jax.loader.tograin`)."""
+        ``grain.IterDataset`` of :meth:`host_batch` dicts; each step its iterator yields
+        advances :attr:`next_step` as :meth:`iterate` does, and its state is :meth:`state`,
+        checked by :meth:`restore` (see :mod:`~flat_tokens_jax.loader.tograin`)."""
         from flat_tokens_jax.loader import tograin  # imports grain, only when asked
 
         def spans() -> list[tograin.Span]:
@@ -274,7 +277,8 @@ class Loader(Steerable):
         JSON-ready.
 
         ``step`` is the step a :meth:`restore` of it resumes at: by default
-        :attr:`next_step`, the step after the last one :meth:`iterate` yielded; a loop that
+        :attr:`next_step`, the step after the last one :meth:`iterate` (or
+        :meth:`to_grain`'s iterator) yielded; a loop that
         asks :meth:`batch` by step passes ``step + 1`` after training ``step``.
         ``samples`` counts the global samples before ``step``'s (see :meth:`samples_before`);
         ``fingerprint`` is what :meth:`restore` checks; ``sources`` (see :meth:`sources`)

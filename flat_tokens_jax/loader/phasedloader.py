@@ -265,34 +265,38 @@ class PhasedLoader:
                 row["sample"] += self.phase_samples[k]
         return rows
 
-    def iterate(self, start_step: int | None = None) -> Iterator[tuple[int, dict[str, jax.Array]]]:
-        """Yields ``(step, batch)`` from ``start_step`` (default: the restored
-        step), each phase read ahead by its loader's ``iterate``, up to
-        :attr:`end_step` (or the end of a single phase's epochs)."""
-        step = self.next_step if start_step is None else start_step
+    def iterate(
+        self, start_step: int | None = None, stop_step: int | None = None
+    ) -> Iterator[tuple[int, dict[str, jax.Array]]]:
+        """Yields ``(step, batch)`` from ``start_step`` (default: the restored step) to
+        ``stop_step`` (exclusive; default: :attr:`end_step` or a single phase's end), each
+        phase read ahead by its loader's ``iterate``, nothing read past ``stop_step``."""
+        step = integer(self.next_step if start_step is None else start_step, "start_step", low=0)
+        stop = None if stop_step is None else integer(stop_step, "stop_step", low=0)
         self.locate(step)
         k = self.phase_at(step)
-        while True:
+        while stop is None or step < stop:
             first = self.firsts[k]
             end = self.firsts[k + 1] if k + 1 < len(self.firsts) else self.end_step
-            # Reads nothing ahead past the boundary; the next phase's first
-            # steps are started a few steps before it.
+            # Reads nothing ahead past the boundary or stop_step; the next
+            # phase's first steps before stop_step start a few steps before it.
+            later = k + 1 < len(self.loaders) and (stop is None or stop > end)
+            end = end if stop is None else min(end, stop)
             batches = self.loaders[k].iterate(step - first, end - first)
             stream = cast(Generator[tuple[int, dict[str, jax.Array]], None, None], batches)
-            started = False
             try:
                 while (taken := self._next(stream, step)) is not None:
                     step = first + taken[0]
                     self.next_step = step + 1
-                    if k + 1 < len(self.loaders) and not started and step >= end - NEXT_PHASE_AHEAD:
-                        self.loaders[k + 1].start(0)
-                        started = True
+                    if later and step >= end - NEXT_PHASE_AHEAD:
+                        self.loaders[k + 1]._door.start(0, None if stop is None else stop - end)
+                        later = False
                     yield step, taken[1]
                     step += 1
             finally:
                 stream.close()
-            if k + 1 == len(self.loaders):
-                if step >= self.end_step:
+            if k + 1 == len(self.loaders) or step == stop:
+                if step >= self.end_step and step != stop:
                     self.locate(step)  # raises: the run can read no further
                 return
             step, k = end, k + 1

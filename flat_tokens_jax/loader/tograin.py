@@ -16,6 +16,18 @@ dataset's state is refused with ``StateMismatch`` naming the field. grain's
 checkpointing (``save``/``load``, orbax's grain handler) writes that state as
 JSON.
 
+A step handed out is handed out by the loader, as ``Loader.iterate``'s are:
+each step the iterator yields sets the loader's ``next_step`` to the step
+after it (``set_state`` sets it too, through ``restore``), so ``state()``
+saves the step the iterator yields next, and a ``skip`` or ``set_weights``
+at a step it yielded already is refused naming both steps. Each ``iter()``
+of the dataset is an iterator of its own from the dataset's first step; the
+loader's ``next_step`` follows the iterator that yielded last. A read-ahead
+downstream (grain's thread prefetch) takes steps before the trainer does:
+they count as handed out, so save the ``get_state()`` of the iterator the
+trainer takes from (grain keeps each read-ahead element's state), not
+``state()``.
+
 The dataset holds the loader, its threads and its open stores: it cannot be
 pickled into grain's worker processes, so ``mp_prefetch`` is refused with a
 message; nothing is lost, since the loader reads ahead on threads of its own.
@@ -45,6 +57,8 @@ NO_WORKERS = (
 
 class Resumable(Protocol):
     """What the iterator's state goes through: ``Loader`` or ``PhasedLoader``."""
+
+    next_step: int
 
     def state(self, step: int | None = None) -> dict[str, Any]: ...
 
@@ -152,6 +166,7 @@ class StepsIterator(grain.DatasetIterator):
             later = self._steps(k + 1)
             later.start(0, _length(self._ds.spans[k + 1]))
         self._step += 1
+        self._ds.owner.next_step = self._step
         return fields
 
     def start_prefetch(self) -> None:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -255,3 +256,6 @@ def test_a_new_process_takes_the_kernels_from_the_disk_cache(tmp_path: Path) -> 
     assert {name for name, stats in first.items() if stats["misses"]} == {*called, "_pad"}
     assert all(stats["misses"] == 0 for stats in second.values()), second
     assert all(second[name]["hits"] >= 1 for name in called), second
+    # Every kernel compiled, in the folder of this numba's version alone.
+    cached = {(p.parent.name, p.name.split("-")[0]) for p in tmp_path.rglob("*.nb[ic]")}
+    assert cached == {(f"numba-{numba.__version__}", f"kernels.{n}") for n in (*called, "_pad")}

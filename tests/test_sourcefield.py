@@ -269,6 +269,71 @@ def test_per_source_equals_a_loop_over_rows_and_tokens(data: st.DataObject) -> N
     assert sums.tolist() == want_sums and counts.tolist() == want_counts
 
 
+def test_per_source_refuses_a_concrete_source_it_has_no_bucket_for() -> None:
+    """A loader's batch of three sources summed into two would drop the third's
+    rows (issue 46): refused, naming the largest source id and the
+    num_sources that holds it, for the batch as numpy and as a jax.Array."""
+    cfg = ftj.LoaderConfig(32, L, source_field=True, seed=2)
+    loader = ftj.Loader(mixture({"a": 1, "b": 1, "c": 2}), cfg)
+    host = loader.host_batch(0)
+    largest = int(np.max(wanted(loader.provenance(0), ("a", "b", "c"))))
+    assert largest == 2  # the seed's batch holds the third source
+    for batch in (host, loader.batch(0)):
+        for n in (1, 2):
+            with pytest.raises(
+                ValueError,
+                match=rf"^batch\['source'\] holds source 2, but num_sources is {n}: .* "
+                r"num_sources=len\(loader.source_names\) \(at least 3\)$",
+            ):
+                ftj.per_source(np.ones((32, L)), batch, n)
+    with pytest.raises(ValueError, match=r"^batch\['source'\] holds -2, which is no source: "):
+        ftj.per_source(
+            np.ones((2, L)), {"source": np.array([0, -2]), "loss_mask": host["loss_mask"][:2]}, 3
+        )
+
+
+@settings(max_examples=40)
+@given(data=st.data())
+def test_per_source_sums_are_nan_under_jit_where_a_row_has_no_bucket(data: st.DataObject) -> None:
+    """Under jax.jit the ids are known only when the step runs: any row whose
+    source is below -1 or num_sources and above makes every sum NaN, and the
+    counts are the loop's over the other rows; eagerly the same batch is refused."""
+    b, length, n = (
+        data.draw(st.integers(1, 6)),
+        data.draw(st.integers(1, 5)),
+        data.draw(st.integers(1, 4)),
+    )
+    source = np.array(data.draw(st.lists(st.integers(-3, n + 2), min_size=b, max_size=b)), np.int32)
+    ints = st.lists(st.integers(-50, 50), min_size=b * length, max_size=b * length)
+    values = np.array(data.draw(ints), np.float32).reshape(b, length)
+    bools = st.lists(st.booleans(), min_size=b * length, max_size=b * length)
+    mask = np.array(data.draw(bools)).reshape(b, length)
+    batch = {"source": source, "loss_mask": mask}
+    want_sums, want_counts = brute_per_source(values, source, mask, n)
+    stray = any(not -1 <= int(s) < n for s in source)
+    sums, counts = jax.jit(ftj.per_source, static_argnums=2)(values, batch, n)
+    assert sums.shape == counts.shape == (n,)
+    assert counts.tolist() == want_counts
+    if stray:
+        assert all(np.isnan(x) for x in sums.tolist())
+        with pytest.raises(ValueError, match=r"^batch\['source'\] holds "):
+            ftj.per_source(values, batch, n)
+    else:
+        assert sums.tolist() == want_sums
+        assert ftj.per_source(values, batch, n)[0].tolist() == want_sums
+
+
+def test_per_source_under_jit_with_debug_nans_raises_the_refusal() -> None:
+    """jax_debug_nans reruns a step whose output holds a NaN without jit,
+    where the ids are concrete: the refusal names the id and the fix."""
+    step = jax.jit(ftj.per_source, static_argnums=2)
+    batch = {"source": np.array([0, 2, -1]), "loss_mask": np.ones((3, 2), bool)}
+    with jax.debug_nans(True):
+        assert step(np.ones((3, 2)), batch, 3)[1].tolist() == [2, 0, 2]
+        with pytest.raises(ValueError, match=r"holds source 2, but num_sources is 2: .*at least 3"):
+            step(np.ones((3, 2)), batch, 2)
+
+
 def test_per_source_of_a_sharded_batch_in_a_training_step() -> None:
     """Per-source sums of a loss-like value over a batch sharded on 8
     devices, inside the jitted step, equal the loop over the host batch."""

@@ -9,23 +9,12 @@ numba is not installed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
-import numba
 import numpy as np
 
-
-def compiled(fn: Callable[..., Any]) -> Any:
-    """``fn`` compiled without the interpreter lock, cached on disk when a
-    cache directory is writable (as :mod:`~flat_tokens_jax.core.kernels`)."""
-    try:
-        return numba.njit(nogil=True, cache=True, boundscheck=False)(fn)
-    except RuntimeError:
-        return numba.njit(nogil=True, boundscheck=False)(fn)
+from flat_tokens_jax.core.numbacache import compile_cached
 
 
-@compiled
+@compile_cached
 def _row_rejected(
     targets: np.ndarray, segment_ids: np.ndarray, min_period: int, max_period: int, max_count: int
 ) -> bool:  # pragma: no cover - compiled
@@ -57,7 +46,7 @@ def _row_rejected(
     return False
 
 
-@compiled
+@compile_cached
 def _rejected(
     targets: np.ndarray,
     segment_ids: np.ndarray,

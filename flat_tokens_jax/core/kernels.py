@@ -16,19 +16,16 @@ Import it through :func:`flat_tokens_jax.core.compiled.kernels`, which returns
 ``None`` where numba is not installed.
 
 Importing this module imports numba (~0.3 s); a kernel compiles on its first
-call in a process (a second or two) and is cached on disk after that, next to
-this file or, where that is read-only, in numba's user cache directory.
+call in a process (a second or two) and is cached on disk after that, in a
+folder of its numba version (:mod:`~flat_tokens_jax.core.numbacache`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
-import numba
 import numpy as np
 
 from flat_tokens_jax.core.fields import Packing
+from flat_tokens_jax.core.numbacache import compile_cached
 
 # Tokens OR-ed together before looking at each: sequence starts are rare.
 _SCAN = 32
@@ -38,16 +35,7 @@ _NO_MASK = np.zeros((0, 0), np.uint8)
 _NO_LENGTHS = np.zeros(0, np.int64)
 
 
-def _compiled(fn: Callable[..., Any]) -> Any:
-    """``fn`` compiled without the interpreter lock, cached on disk when a cache
-    directory is writable (numba refuses ``cache=True`` up front when none is)."""
-    try:
-        return numba.njit(nogil=True, cache=True, boundscheck=False)(fn)
-    except RuntimeError:
-        return numba.njit(nogil=True, boundscheck=False)(fn)
-
-
-@_compiled
+@compile_cached
 def _pad(
     start: int,
     pad_id: int,
@@ -66,7 +54,7 @@ def _pad(
         loss_mask[c] = False
 
 
-@_compiled
+@compile_cached
 def _packed_rows(
     windows: np.ndarray,
     r0: int,
@@ -126,7 +114,7 @@ def _packed_rows(
             _pad(lengths[r], pad_id, ii, ti, sg, ps, lm)
 
 
-@_compiled
+@compile_cached
 def _padded_rows(
     tokens: np.ndarray,
     r0: int,
@@ -201,7 +189,7 @@ def decode_rows(
     )
 
 
-@_compiled
+@compile_cached
 def _gather(
     words: np.ndarray,
     pos: np.ndarray,

@@ -6,6 +6,14 @@ the index in ``loader.source_names`` of the component each row was read from
 and the batch into per-source sums and counts, inside ``jax.jit``: a sum over
 the rows of a comparison with each source's index, no gather or scatter, so
 a batch sharded over its rows reduces as any sum does.
+
+A row whose source is not a source of ``num_sources`` (an id ``num_sources``
+or above, or below ``-1``) must not vanish from the sums: where the ids are
+known when :func:`per_source` is called (a concrete batch, eagerly or closed
+over) it refuses them; inside ``jax.jit`` they are known only when the step
+runs, so every sum is NaN (the shapes stay ``[num_sources]``): every
+source's logged mean shows it, and with ``jax_debug_nans`` on JAX reruns the
+step without ``jit``, where the refusal names the id.
 """
 
 from __future__ import annotations
@@ -41,11 +49,15 @@ def per_source(
         ``values * weights`` over the rows of source ``s`` (at least
         ``float32``), ``counts[s]`` the sum of their weights (``int32`` for a
         boolean mask: trained tokens). Padding rows (source ``-1``) count
-        nowhere. A source's mean is ``sums / jnp.maximum(counts, 1)``.
+        nowhere. A source's mean is ``sums / jnp.maximum(counts, 1)``. Under
+        ``jax.jit``, a row whose source is ``num_sources`` or above (or below
+        ``-1``) makes every entry of ``sums`` NaN; ``counts`` count the other
+        rows.
 
     Raises:
         ValueError: the batch lacks ``source`` (or a loss mask, with no
-            ``weights``), or the shapes disagree.
+            ``weights``), the shapes disagree, or a concrete ``source`` holds an
+            id ``num_sources`` or above (or below ``-1``).
 
     Example:
         >>> batch = {
@@ -55,6 +67,15 @@ def per_source(
         >>> sums, counts = per_source(jnp.array([[1.0, 2.0], [4.0, 8.0], [0.0, 0.0]]), batch, 2)
         >>> sums.tolist(), counts.tolist()
         ([4.0, 3.0], [1, 2])
+        >>> values = jnp.ones((3, 2))
+        >>> try:
+        ...     per_source(values, batch, 1)
+        ... except ValueError as e:
+        ...     print(str(e).split(":")[0])
+        batch['source'] holds source 1, but num_sources is 1
+        >>> sums, counts = jax.jit(per_source, static_argnums=2)(values, batch, 1)
+        >>> sums.tolist(), counts.tolist()
+        ([nan], [1])
     """
     num_sources = integer(num_sources, "num_sources", low=1)
     if "source" not in batch:
@@ -70,6 +91,8 @@ def per_source(
             f"values must be [B, L] with weights of the same shape and source [B]: got "
             f"values {tokens.shape}, weights {w.shape}, source {source.shape}"
         )
+    if not isinstance(source, jax.core.Tracer):
+        _check_ids(source, num_sources)
     dtype = jnp.result_type(tokens.dtype, w.dtype, jnp.float32)
     count_dtype = jnp.int32 if w.dtype == jnp.bool_ else jnp.result_type(w.dtype, jnp.float32)
     row_sums = jnp.sum(tokens.astype(dtype) * w.astype(dtype), axis=1)
@@ -78,7 +101,29 @@ def per_source(
     of = source[:, None] == ids[None, :]  # [B, num_sources]; -1 matches no source
     sums = jnp.sum(jnp.where(of, row_sums[:, None], 0), axis=0, dtype=dtype)
     counts = jnp.sum(jnp.where(of, row_counts[:, None], 0), axis=0, dtype=count_dtype)
-    return sums, counts
+    # Traced ids are checked only when the step runs: a row no bucket holds
+    # turns every sum into NaN instead of leaving the sums short.
+    stray = jnp.any((source < -1) | (source >= num_sources))
+    return jnp.where(stray, jnp.nan, sums), counts
+
+
+def _check_ids(source: jax.Array, num_sources: int) -> None:
+    """Refuses a concrete ``source`` with an id no bucket of ``num_sources`` holds."""
+    if source.size == 0:
+        return
+    high, low = int(jnp.max(source)), int(jnp.min(source))
+    if high >= num_sources:
+        raise ValueError(
+            f"batch['source'] holds source {high}, but num_sources is {num_sources}: its "
+            f"rows would count nowhere; pass num_sources=len(loader.source_names) (at "
+            f"least {high + 1})"
+        )
+    if low < -1:
+        raise ValueError(
+            f"batch['source'] holds {low}, which is no source: a source is an index in "
+            "loader.source_names, or -1 for a padding row (the batch's source of "
+            "LoaderConfig(source_field=True))"
+        )
 
 
 def _weights(batch: Mapping[str, Any]) -> Any:

@@ -1,0 +1,66 @@
+"""The compiled kernels' on-disk cache: a folder per numba version.
+
+numba caches a kernel next to its source, in ``__pycache__``, in files named
+by the function, its line and the Python version, not by numba's version.
+Two environments of different numba versions over one source tree (the test
+environment at the dependency floors beside the main one, or a user who
+switches environments) then take turns overwriting the same data files, and
+one can read the other's kernels mid-write (``LLVM bitcode parsing error ...
+Producer: 'LLVM22.1.0' Reader: 'LLVM 14.0.6'``). :func:`compile_cached` keeps
+numba's choice of folder (``NUMBA_CACHE_DIR`` where set, else ``__pycache__``
+beside the source, else the user's cache directory, the first that is
+writable) and caches in its subfolder ``numba-<version>``; with none writable
+a kernel compiles in each process.
+
+Imported only by the kernel modules (:mod:`~flat_tokens_jax.core.kernels`,
+:mod:`~flat_tokens_jax.core.filterkernel`): importing it imports numba.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numba
+from numba.core.caching import CompileResultCacheImpl, FunctionCache
+
+__all__ = ["FOLDER", "compile_cached"]
+
+FOLDER = f"numba-{numba.__version__}"
+
+
+def _versioned(locator: Any) -> Any:
+    """numba's cache ``locator`` class, its folder moved into :data:`FOLDER`."""
+
+    class Versioned(locator):
+        def get_cache_path(self) -> str:
+            return os.path.join(super().get_cache_path(), FOLDER)
+
+    return Versioned
+
+
+class _VersionedImpl(CompileResultCacheImpl):
+    # numba's own locators, in its order, each a folder deeper: a locator whose
+    # numba-<version> folder cannot be made or written is passed over as numba
+    # passes over its own. A list, as numba declares it.
+    _locator_classes = [_versioned(c) for c in CompileResultCacheImpl._locator_classes]  # noqa: RUF012
+
+
+class _VersionedCache(FunctionCache):
+    _impl_class = _VersionedImpl
+
+
+def compile_cached(fn: Callable[..., Any]) -> Any:
+    """``fn`` compiled without the interpreter lock, cached on disk in the
+    :data:`FOLDER` of numba's cache folder when one is writable."""
+    kernel = numba.njit(nogil=True, boundscheck=False)(fn)
+    try:
+        cache = _VersionedCache(fn)
+    except RuntimeError:  # numba's refusal when no locator has a writable folder
+        return kernel
+    # numba chooses a cache's folder only from process-wide settings
+    # (NUMBA_CACHE_DIR, NUMBA_CACHE_LOCATOR_CLASSES); what njit(cache=True)
+    # does, with this one kernel's cache instead.
+    kernel._cache = cache  # type: ignore[attr-defined]
+    return kernel

@@ -492,3 +492,34 @@ def test_a_state_does_not_restore_onto_data_that_records_other_or_no_contents(
     bare = ftj.open_dataset(path)["train"]
     with pytest.raises(ftj.StateMismatch, match=what + r".*now none is recorded"):
         ftj.Loader(bare, SWAP_CONFIG).restore(state)
+
+
+def test_a_read_of_blocks_that_passed_their_checks_asks_no_check_again(
+    pristine: dict[str, Path],
+) -> None:
+    """Once the chunks a read touches have passed their probes and digests, a
+    read of them starts no check (a run's steady state); a read that touches
+    one chunk more still asks for that chunk's checks."""
+    ft = ftj.open_dataset(pristine["v3"])["train"]
+    checked = ft.checked[ft.tokens_name]
+    assert checked.probes is not None and checked.digests is not None
+    chunk = checked.digests.chunk
+    starts, stops = np.array([0, 3 * chunk]), np.array([chunk, 4 * chunk])
+    first = checked.request_ranges(starts, stops).result()
+    asked: list[str] = []
+
+    def refuse(name: str) -> Any:
+        def ask(*args: Any) -> Any:
+            asked.append(name)
+            raise AssertionError(f"{name} asked again")
+
+        return ask
+
+    checked.probes.start_check = refuse("probes")  # type: ignore[method-assign]
+    checked.digests.start_check = refuse("digests")  # type: ignore[method-assign]
+    again = checked.request_ranges(starts[::-1], stops[::-1]).result()
+    assert [a.tolist() for a in again] == [b.tolist() for b in first[::-1]]
+    assert asked == []
+    with pytest.raises(AssertionError, match="asked again"):
+        checked.request_ranges(np.array([chunk]), np.array([chunk + 1]))
+    assert asked == ["probes"]

@@ -14,6 +14,7 @@ import numpy as np
 
 from flat_tokens_jax.store.arrays import ArrayReader, Known, Pending
 from flat_tokens_jax.store.digests import DIGESTS, ChunkDigests, array_checks, side_opener
+from flat_tokens_jax.store.localshards import touched
 from flat_tokens_jax.store.probes import ShardProbes
 from flat_tokens_jax.store.store import Store
 
@@ -32,6 +33,13 @@ class CheckedArray:
         self, reader: ArrayReader, probes: ShardProbes | None, digests: ChunkDigests | None
     ) -> None:
         self.reader, self.probes, self.digests = reader, probes, digests
+        # Blocks of `_unit` elements (a digest's chunk, else a probe's shard) that
+        # passed every check: a read that touches only those starts none, and
+        # asks neither the probes nor the digests (a run's steady state).
+        self._unit = 0 if probes is None else probes.shard
+        if digests is not None:
+            self._unit = digests.chunk
+        self._clean = np.zeros(-(-reader.size // self._unit), bool) if self._unit else None
 
     @classmethod
     def open(
@@ -91,13 +99,16 @@ class CheckedArray:
         ``[starts, stops)`` touch, so that their reads share the read's round
         trips; what the read waits for before it gives values (``None``: all
         checked before)."""
+        if self._clean is None:
+            return None
+        blocks = touched(starts, stops, self._unit)
+        if self._clean[blocks].all():
+            return None
         probes, digests, reader = self.probes, self.digests, self.reader
         request = reader.request_ranges
         probed = None if probes is None else probes.start_check(request, starts, stops)
         known = None if digests is None else digests.start_check(reader, starts, stops)
-        if probed is None:
-            return known
-        check_probes = probed
+        clean = self._clean
 
         def wait() -> Mapping[int, np.ndarray] | None:
             # The digests' wait reads the recorded digests while the probes
@@ -105,9 +116,12 @@ class CheckedArray:
             try:
                 values = None if known is None else known.wait()
             except BaseException:
-                check_probes()
+                if probed is not None:
+                    probed()
                 raise
-            check_probes()
+            if probed is not None:
+                probed()
+            clean[blocks] = True
             return values
 
         if known is None:

@@ -171,15 +171,14 @@ class BatchSchedule:
 
 
 def resume_differences(
-    saved: Any, now: BatchSchedule, step: int, samples: Any, data_step: int | None = None
+    saved: Any, now: BatchSchedule, step: int, samples: int, data_step: int | None = None
 ) -> list[str]:
     """Why a run saved at ``step`` cannot resume with the batch sizes ``now``, as lines.
 
     A run may change its batch size from the saved step on: ``now`` must
     agree with ``saved`` (the saved int or ``[[start_step, size], ...]``) on
     every step before ``step``, and ``samples`` (the saved count of samples
-    before ``step``; ``None`` for states that predate it) must be what the
-    saved sizes give. A run that skipped batches reads ``step``'s data at
+    before ``step``) must be what the saved sizes give. A run that skipped batches reads ``step``'s data at
     ``data_step``: the batch sizes are those of data steps.
     """
     try:
@@ -196,7 +195,7 @@ def resume_differences(
             f"now {now.size(at)}; the batch size may change only from the saved {named} "
             f"on: batch_size {before.continued(data, now)}"
         )
-    if samples is not None and samples != before.samples_before(data):
+    if samples != before.samples_before(data):
         out.append(
             f"samples: saved {samples!r}, but the {data} steps of batch_size {before} "
             f"hold {before.samples_before(data)}"

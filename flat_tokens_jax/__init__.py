@@ -37,7 +37,12 @@ if TYPE_CHECKING:
     from flat_tokens_jax.loader.phasedloader import PhasedLoader
     from flat_tokens_jax.loader.phases import Phase
     from flat_tokens_jax.loader.state import StateMismatch
-    from flat_tokens_jax.loader.steered import skips_from_config, skips_from_yaml, steering_at
+    from flat_tokens_jax.loader.steered import (
+        apply_skips,
+        skips_from_config,
+        skips_from_yaml,
+        steering_at,
+    )
     from flat_tokens_jax.sampling.mixconfig import mixture_from_config
     from flat_tokens_jax.sampling.mixture import Mixture
     from flat_tokens_jax.sampling.sampling import EpochsExhausted, IndexSampler, permute
@@ -85,6 +90,7 @@ _HOMES = {
     "permute": "sampling.sampling",
     "phases_from_config": "loader.phaseconfig",
     "phases_from_yaml": "loader.phaseconfig",
+    "apply_skips": "loader.steered",
     "skips_from_config": "loader.steered",
     "skips_from_yaml": "loader.steered",
     "steering_at": "loader.steered",
@@ -121,6 +127,7 @@ __all__ = [
     "StoreError",
     "StoreOptions",
     "TokenizerInfo",
+    "apply_skips",
     "decode",
     "encode",
     "mixture_from_config",

@@ -31,6 +31,7 @@ from flat_tokens_jax.data.storedplans import pack_dataset
 from flat_tokens_jax.data.validation import summary, validate
 from flat_tokens_jax.loader import runplan
 from flat_tokens_jax.loader.loader import Loader
+from flat_tokens_jax.loader.steered import Skipper
 from flat_tokens_jax.store.identity import library_version, tokenizer_info
 from flat_tokens_jax.store.options import StoreError
 from flat_tokens_jax.tools import phaseshow, savedstate, show
@@ -187,8 +188,6 @@ def _cmd_show(args: argparse.Namespace) -> int:
             )
         state = None if args.state is None else savedstate.read_state(args.state)
         planned = [show.parse_skip(text) for text in args.skip or ()]
-        if isinstance(config, Mapping) and "skip" in config:
-            planned = [*phaseshow.yaml_skips(config["skip"], args.config), *planned]
         run, step = None, args.step
         if phaseshow.is_phased(config, state):
             run = phaseshow.build_run(
@@ -200,8 +199,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
                 config_name=args.config or "--config",
                 state_name=args.state or "--state",
             )
-            for at, count in planned:
-                run.skip(at, count)
+            _planned_skips(run, config, args.config, planned)
             loader, step = run.locate(args.step)
         else:
             loader = show.build_loader(
@@ -214,8 +212,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
                 config_name=args.config or "--config",
                 state_name=args.state or "--state",
             )
-            for at, count in planned:
-                loader.skip(at, count)
+            _planned_skips(loader, config, args.config, planned)
         steered = (run or loader).state()
         size = loader.batch_size_at(step)
         show.check_show_memory(loader.config, size, size if args.rows is None else 0)
@@ -260,13 +257,20 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _planned_skips(run: Skipper, config: Any, name: str, planned: list[tuple[int, int]]) -> None:
+    """Skips a run as ``show`` sees it: its YAML's ``skip`` list, then ``--skip``'s."""
+    if isinstance(config, Mapping) and "skip" in config:
+        phaseshow.yaml_skips(run, config["skip"], name)
+    for at, count in planned:
+        run.skip(at, count)
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     name = args.run_yaml
     doc = read_yaml(name)
     run = phaseshow.plan_run(doc, name, split=args.split, options=store_options(args))
     if isinstance(doc, Mapping) and "skip" in doc:
-        for step, count in phaseshow.yaml_skips(doc["skip"], name):
-            run.skip(step, count)
+        phaseshow.yaml_skips(run, doc["skip"], name)
     if args.state is not None:
         try:
             run.restore(savedstate.read_state(args.state))

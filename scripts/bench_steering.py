@@ -15,7 +15,13 @@ a fresh loader takes to restore it (every change replayed), and the Python
 calls a step makes at both steps (timings on a shared machine move; the count
 does not).
 
-Run: ``python scripts/bench_steering.py [--repeats 30]``
+With ``--per-change``, it times instead what one change costs as changes
+pile up: ``set_weights`` (random weights) and ``skip`` (1 batch), each at a
+step after every change before, the mean over the 1,000 calls after
+10**3, 10**4 and 10**5 changes (``--most`` lowers the last).
+
+Run: ``python scripts/bench_steering.py [--repeats 30]`` or
+``python scripts/bench_steering.py --per-change [--most 100000]``
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ COMPONENTS = 10
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--per-change", action="store_true", help="time one change instead")
+    parser.add_argument("--most", type=int, default=10**5, help="--per-change: changes at most")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -53,6 +61,9 @@ def main() -> None:
             parts[f"s{c}"] = (ftj.open_dataset(Path(tmp) / f"s{c}")["train"], 1.0)
         mix = ftj.Mixture(parts)
         cfg = ftj.LoaderConfig(batch_size=64, seq_len=1024, **FIXED)
+        if args.per_change:
+            per_change(mix, cfg, args.most, rng)
+            return
         steered, plain = ftj.Loader(mix, cfg), ftj.Loader(mix, cfg)
         weights = rng.uniform(0.1, 1.0, (CHANGES, COMPONENTS))  # default periods up to 10**4
         began = time.perf_counter()
@@ -137,6 +148,35 @@ def main() -> None:
         f"state() as JSON: {size:,} bytes with {CHANGES:,} changes ({(size - base) / CHANGES:.1f} "
         f"bytes a change), {base:,} without; a fresh loader restores it in {restored:.2f} s"
     )
+
+
+def per_change(
+    mix: ftj.Mixture, cfg: ftj.LoaderConfig, most: int, rng: np.random.Generator
+) -> None:
+    """Prints the mean time of a ``set_weights`` and of a ``skip`` call after
+    10**3, 10**4 and 10**5 (at most ``most``) changes of their kind."""
+    weights = rng.uniform(0.1, 1.0, (1000, COMPONENTS)).tolist()
+    calls = {
+        "set_weights": lambda loader, k: loader.set_weights(k + 1, weights[k % 1000]),
+        "skip": lambda loader, k: loader.skip(k + 1, 1),
+    }
+    print("| changes before | `set_weights` | `skip` |")
+    print("| ---: | ---: | ---: |")
+    loaders = {name: ftj.Loader(mix, cfg) for name in calls}
+    done = 0
+    for n in (10**3, 10**4, 10**5):
+        if n > most:
+            break
+        took = {}
+        for name, call in calls.items():
+            for k in range(done, n):
+                call(loaders[name], k)
+            began = time.perf_counter()
+            for k in range(n, n + 1000):
+                call(loaders[name], k)
+            took[name] = (time.perf_counter() - began) / 1000
+        done = n + 1000
+        print(f"| {n:,} | {took['set_weights'] * 1e3:.3f} ms | {took['skip'] * 1e3:.3f} ms |")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ from flat_tokens_jax.loader.steered import (
 from flat_tokens_jax.sampling.mixture import Period
 from flat_tokens_jax.sampling.sampling import permute
 from flat_tokens_jax.sampling.schedule import BatchSchedule
-from flat_tokens_jax.sampling.steering import TABLES_KEPT, Skips, Steering, prefix_counts
+from flat_tokens_jax.sampling.skips import Skips
+from flat_tokens_jax.sampling.steering import TABLES_KEPT, Steering, prefix_counts
 
 NAMES = ("a", "b", "c")
 SIZES = {"a": 7, "b": 5, "c": 3}  # records (sequences: packing=False) of each split

@@ -104,6 +104,7 @@ class Loader(Steerable):
         # Step 0's; a schedule's later steps may differ: see host_blocks_at, host_rows_at.
         self.host_blocks, self.host_rows = self.host_blocks_at(0), self.host_rows_at(0)
         self.next_step = 0
+        self._restored = {}
 
     def __repr__(self) -> str:
         return f"Loader({self.records!r}, {self.config!r})"
@@ -324,6 +325,7 @@ class Loader(Steerable):
         step = check_resume(state, self.fingerprint(), self.schedule)
         saved = state if isinstance(state, SavedState) else read_state(state)
         self._steer(*merged(saved, self.steering.skips, self.steering.changes), 0)
+        self._restored = dict(self.steering.skips.entries)
         self.next_step = step
         return step
 

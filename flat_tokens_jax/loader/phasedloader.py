@@ -42,12 +42,13 @@ from flat_tokens_jax.loader.state import (
 from flat_tokens_jax.loader.steered import (
     check_step,
     merged,
+    restated,
     skip_count,
     state_fields,
     weight_counts,
-    with_weights,
 )
-from flat_tokens_jax.sampling.steering import NO_SKIPS, Change, Skips
+from flat_tokens_jax.sampling.skips import NO_SKIPS, Skips
+from flat_tokens_jax.sampling.steering import Change, with_weights
 
 if TYPE_CHECKING:
     from flat_tokens_jax.loader.tograin import StepsDataset
@@ -108,6 +109,7 @@ class PhasedLoader:
         self.firsts = list(self.starts)
         self._skips: Skips = NO_SKIPS
         self._changes: tuple[Change, ...] = ()
+        self._restored: dict[int, int] = {}  # as Loader's: see Loader.skip
         resolved = []
         for k, phase in enumerate(self.phases):
             try:
@@ -381,8 +383,10 @@ class PhasedLoader:
             ValueError: as :meth:`Loader.skip`, or the skip would move a weight
                 change into another phase.
         """
+        if restated(self._restored, step, count, self.next_step, "PhasedLoader.skip"):
+            return
         step = check_step(step, self.next_step, "PhasedLoader.skip")
-        count = skip_count(count, "PhasedLoader.skip")
+        count = skip_count(count, "PhasedLoader.skip: count", self._skips, step, self._data_end - 1)
         skips = self._skips.added(step, count)
         for t, _ in self._changes:
             was, now = self.phase_at(t), bisect.bisect_right(self.starts, skips.data_step(t)) - 1
@@ -461,19 +465,19 @@ class PhasedLoader:
         phased = state.phased if isinstance(state, SavedState) else "phases" in state
         if len(self.loaders) == 1 and not phased:
             self.next_step = self.loaders[0].restore(state)
-            steering = self.loaders[0].steering
-            self._apply(steering.skips, steering.changes, 0)
-            return self.next_step
-        saved = state if isinstance(state, SavedState) else read_state(state)
-        found = self._differences(saved)
-        if found:
-            raise StateMismatch(
-                "the saved loader state does not continue into these phases:\n  "
-                + "\n  ".join(found)
-            )
-        self._apply(*merged(saved, self._skips, self._changes), 0)
-        self.next_step = saved.step
-        return saved.step
+            self._apply(self.loaders[0].steering.skips, self.loaders[0].steering.changes, 0)
+        else:
+            saved = state if isinstance(state, SavedState) else read_state(state)
+            found = self._differences(saved)
+            if found:
+                raise StateMismatch(
+                    "the saved loader state does not continue into these phases:\n  "
+                    + "\n  ".join(found)
+                )
+            self._apply(*merged(saved, self._skips, self._changes), 0)
+            self.next_step = saved.step
+        self._restored = dict(self._skips.entries)
+        return self.next_step
 
     def _differences(self, saved: SavedState) -> list[str]:
         """What keeps these phases from continuing ``saved``: each phase begun

@@ -42,7 +42,7 @@ from flat_tokens_jax.core.values import BadValue, child, integer, is_integer, nu
 from flat_tokens_jax.loader.config import BATCH_DEFINING, FIELDS
 from flat_tokens_jax.sampling.mixture import MAX_PERIOD
 from flat_tokens_jax.sampling.schedule import BatchSchedule
-from flat_tokens_jax.sampling.steering import Skips
+from flat_tokens_jax.sampling.skips import Skips
 
 _STEERED = ("weights", "skips")  # optional: absent, the trainer changed nothing
 _STATE = ("step", "samples", "fingerprint", "sources", *_STEERED)

@@ -8,10 +8,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from flat_tokens_jax.loader.engine import StepEngine
-from flat_tokens_jax.loader.steered import check_step, skip_count, weight_counts, with_weights
+from flat_tokens_jax.loader.steered import check_step, restated, skip_count, weight_counts
 from flat_tokens_jax.sampling.blocks import Sampler
 from flat_tokens_jax.sampling.mixture import Mixture
-from flat_tokens_jax.sampling.steering import Change, Skips, Steering
+from flat_tokens_jax.sampling.schedule import BatchSchedule
+from flat_tokens_jax.sampling.skips import Skips
+from flat_tokens_jax.sampling.steering import Change, Steering
 
 
 class Steerable:
@@ -21,22 +23,33 @@ class Steerable:
     mixture: Mixture | None
     next_step: int
     sampler: Sampler
+    schedule: BatchSchedule
+    # The skips the last restore continued with that no skip() restated yet.
+    _restored: dict[int, int]
 
     def skip(self, step: int, count: int) -> None:
         """From ``step`` on, step ``s`` reads what step ``s + count`` would have read
         (with the skips before: what its data step plus ``count`` would have read).
 
         Skips add up (two at one step, or at several steps); each is kept in
-        :meth:`state` and replayed by :meth:`restore`. Steps read ahead at or
-        after ``step`` are dropped and read again.
+        :meth:`state` and replayed by :meth:`restore`. After a restore, the first skip
+        at a step the restored loader skips at restates that skip: the same count
+        changes nothing (set-up code run again after a restart is harmless), another
+        is refused. Steps read ahead at or after ``step`` are dropped and read again.
+        O(log n) amortized for ``n`` changes, at or after the last one.
 
         Raises:
-            ValueError: ``step`` is before :attr:`next_step`, or ``count`` is not an int >= 1.
+            ValueError: ``step`` is before :attr:`next_step`, ``count`` is not an int
+                >= 1, it takes a step past the largest sample index (naming the
+                largest count that fits), or it disagrees with a restored skip.
         """
+        if restated(self._restored, step, count, self.next_step, "Loader.skip"):
+            return
         step = check_step(step, self.next_step, "Loader.skip")
-        count = skip_count(count, "Loader.skip")
         steering = self.steering
-        self._steer(steering.skips.added(step, count), steering.changes, step)
+        last = self.schedule.last_step()
+        count = skip_count(count, "Loader.skip: count", steering.skips, step, last)
+        self.engine.steer(steering.with_skip(step, count), step)
 
     def set_weights(self, step: int, weights: Sequence[float] | Mapping[str, float]) -> None:
         """From ``step`` on, the mixture blends its components by ``weights``
@@ -48,7 +61,8 @@ class Steerable:
         component's stream continues where it was. A second change at the same step
         replaces the first. Kept in :meth:`state` (as the samples per period the weights
         round to) and replayed by :meth:`restore`; steps read ahead at or after ``step``
-        are dropped and read again.
+        are dropped and read again. O(log n) amortized for ``n`` changes, at or after
+        the last one.
 
         Raises:
             ValueError: ``step`` is before :attr:`next_step`, the loader reads a single
@@ -57,7 +71,9 @@ class Steerable:
         step = check_step(step, self.next_step, "Loader.set_weights")
         counts = weight_counts(self.mixture, weights, step, "Loader.set_weights")
         steering = self.steering
-        self._steer(steering.skips, with_weights(steering.changes, step, counts), step)
+        changed = steering.with_change(step, counts)
+        if changed is not steering:
+            self.engine.steer(changed, step)
 
     def _steer(self, skips: Skips, changes: tuple[Change, ...], since: int) -> None:
         """Reads with these skips and weight changes, which differ from now's from ``since`` on."""

@@ -31,7 +31,6 @@ from flat_tokens_jax.core import fields
 from flat_tokens_jax.core.values import (
     BadValue,
     child,
-    integer,
     known_keys,
     mapping,
     sequence,
@@ -40,13 +39,17 @@ from flat_tokens_jax.core.yamlfile import read_yaml
 from flat_tokens_jax.loader.state import SKIP_COUNT, SavedState, StateMismatch, read_state
 from flat_tokens_jax.sampling.mixture import Mixture, Period, period_counts
 from flat_tokens_jax.sampling.schedule import BatchSchedule
-from flat_tokens_jax.sampling.steering import Change, Skips, Steering, Stretch
+from flat_tokens_jax.sampling.skips import Skips
+from flat_tokens_jax.sampling.steering import Change, Steering, Stretch
 
 __all__ = [
     "RunSteering",
+    "Skipper",
     "StepSteering",
+    "apply_skips",
     "check_step",
     "merged",
+    "restated",
     "sample_shares",
     "skip_count",
     "skips_from_config",
@@ -54,7 +57,6 @@ __all__ = [
     "state_fields",
     "steering_at",
     "weight_counts",
-    "with_weights",
 ]
 
 
@@ -73,10 +75,56 @@ def check_step(step: Any, next_step: int, call: str) -> int:
     return step
 
 
-def skip_count(count: Any, call: str) -> int:
-    """``count``, the batches a skip passes over, checked (an int >= 1)."""
-    out: int = SKIP_COUNT(count, f"{call}: count")
+def skip_count(count: Any, where: str, skips: Skips, step: int, last: int) -> int:
+    """``count``, the batches a skip at ``step`` passes over, checked: an int
+    >= 1 that leaves every step with a skip (``step`` and the later ones in
+    ``skips``) reading a data step at most ``last``, the last whose samples
+    have indices within ``2**63 - 1``.
+
+    Raises:
+        BadValue: naming ``where`` (``Loader.skip: count``, ``skip[0].count``),
+            the count and the largest one that fits.
+    """
+    count = SKIP_COUNT(count, where)
+    at = max(step, skips.latest)
+    reads = skips.data_step(at)
+    if count > last - reads:
+        fix = f"pass a count of at most {last - reads}" if last > reads else "no count fits"
+        raise BadValue(
+            where,
+            f"{count} would make step {at} read data step {reads + count}, past data step "
+            f"{last}, the last whose samples have indices within 2**63 - 1: {fix}",
+        )
+    out: int = count
     return out
+
+
+def restated(restored: dict[int, int], step: Any, count: Any, next_step: int, call: str) -> bool:
+    """Whether ``skip(step, count)`` restates a skip that the last restore
+    continued with (the saved state's and the loader's own) and that no call
+    restated yet: then it changes nothing, and leaves ``restored``. So the
+    set-up code a trainer runs again after a restart is harmless in either
+    order, its skips before the restore (see :func:`merged`) or after it.
+
+    Raises:
+        ValueError: a skip at such a step with another count, naming both.
+    """
+    if not restored:
+        return False
+    step = fields.step(step, f"{call}: step")
+    if step not in restored:
+        return False
+    count = SKIP_COUNT(count, f"{call}: count")
+    held = restored[step]
+    if count != held:
+        after = "; a skip there after it adds to it" if step >= next_step else ""
+        raise ValueError(
+            f"{call}: the restored run skips {held} batches at step {step}, this call {count}: "
+            f"after a restore, the first skip at such a step restates it: pass count {held} "
+            f"(no change){after}"
+        )
+    del restored[step]
+    return True
 
 
 def weight_counts(mixture: Mixture | None, weights: Any, step: int, call: str) -> tuple[int, ...]:
@@ -94,15 +142,6 @@ def weight_counts(mixture: Mixture | None, weights: Any, step: int, call: str) -
         )
     _, counts = mixture.weight_counts(weights, step)
     return tuple(int(n) for n in counts)
-
-
-def with_weights(
-    changes: Sequence[Change], step: int, counts: tuple[int, ...]
-) -> tuple[Change, ...]:
-    """``changes`` with ``counts`` from ``step`` on (replacing one at that step)."""
-    at = bisect.bisect_left(changes, (step,))
-    after = at + 1 if at < len(changes) and changes[at][0] == step else at
-    return (*changes[:at], (step, counts), *changes[after:])
 
 
 def state_fields(skips: Skips, changes: Sequence[Change]) -> dict[str, Any]:
@@ -168,12 +207,18 @@ def skips_from_config(value: Any, path: str = "skip") -> list[tuple[int, int]]:
     """The ``(step, count)`` pairs of a YAML ``skip`` list, by step.
 
     The list holds ``{step, count}`` mappings: from trainer ``step`` on, skip
-    ``count`` batches. Apply them with ``loader.skip(step, count)``.
+    ``count`` batches. Apply them with :func:`apply_skips` (or
+    ``loader.skip(step, count)`` each).
 
     Raises:
         ValueError: not a list of such mappings, a bad step or count, an
             unknown key, or a step listed twice; named by its path (``skip[1].count``).
     """
+    return [(step, count) for step, count, _ in _skip_entries(value, path)]
+
+
+def _skip_entries(value: Any, path: str) -> list[tuple[int, int, str]]:
+    """``(step, count, path)`` of each entry of a YAML ``skip`` list, by step."""
     pairs: dict[int, tuple[int, str]] = {}
     for i, entry in enumerate(sequence(value, path, "a list of {step, count}")):
         where = child(path, i)
@@ -183,13 +228,38 @@ def skips_from_config(value: Any, path: str = "skip") -> list[tuple[int, int]]:
             if key not in entry:
                 raise BadValue(where, f"must say {key!r}: skip: [{{step: 5, count: 3}}]")
         step = fields.step(entry["step"], child(where, "step"))
-        count = integer(entry["count"], child(where, "count"), low=1, high=fields.MAX_STEP)
+        count = SKIP_COUNT(entry["count"], child(where, "count"))
         if step in pairs:
             raise BadValue(
                 child(where, "step"), f"repeats step {step} of {pairs[step][1]}: list a step once"
             )
         pairs[step] = (count, where)
-    return [(step, count) for step, (count, _) in sorted(pairs.items())]
+    return [(step, count, where) for step, (count, where) in sorted(pairs.items())]
+
+
+class Skipper(Protocol):
+    """What :func:`apply_skips` applies a skip list to: a ``Loader`` or ``PhasedLoader``."""
+
+    def skip(self, step: int, count: int) -> None: ...
+
+
+def apply_skips(run: Skipper, value: Any, path: str = "skip") -> None:
+    """Applies a YAML ``skip`` list (see :func:`skips_from_config`) to
+    ``run`` by its ``skip``, by step: before or after a restore (see
+    :meth:`~flat_tokens_jax.Loader.skip`, which restates a restored skip).
+
+    Raises:
+        ValueError: as :func:`skips_from_config`, or an entry ``run.skip``
+            refuses, named by its path (``skip[0].count``).
+    """
+    told = f"{type(run).__name__}.skip: count"
+    for step, count, where in _skip_entries(value, path):
+        try:
+            run.skip(step, count)
+        except ValueError as e:
+            if isinstance(e, BadValue) and e.path == told:
+                raise BadValue(child(where, "count"), e.problem) from None
+            raise ValueError(f"{where}: {e}") from None
 
 
 def skips_from_yaml(path: str | os.PathLike[str]) -> list[tuple[int, int]]:

@@ -26,7 +26,9 @@ from typing import Any
 
 from flat_tokens_jax.core.values import integer, is_integer
 
-__all__ = ["BatchSchedule", "BatchSizeSpec", "resume_differences"]
+__all__ = ["MAX_SAMPLE", "BatchSchedule", "BatchSizeSpec", "resume_differences"]
+
+MAX_SAMPLE = 2**63 - 1  # Global sample indices are int64.
 
 # What a config may hold: an int, [(start_step, size), ...] or {start_step: size}.
 BatchSizeSpec = int | Sequence[Sequence[int]] | Mapping[int, int]
@@ -144,6 +146,11 @@ class BatchSchedule:
         j = bisect.bisect_right(self._before, sample) - 1
         start, size = self.entries[j]
         return start + (sample - self._before[j]) // size
+
+    def last_step(self) -> int:
+        """The last step whose samples all have indices within ``2**63 - 1``."""
+        final = self.step_of(MAX_SAMPLE)
+        return final if self.samples_before(final + 1) - 1 <= MAX_SAMPLE else final - 1
 
     def steps_to_cover(self, num_samples: int) -> int:
         """The fewest steps whose rows hold ``num_samples`` samples (the last may be partial)."""

@@ -1,10 +1,7 @@
 """A run steered while it trains: skipped batches and weight changes, as arithmetic.
 
-A trainer passes its own steps ``t``. Skips, ``(step, count)`` pairs, define
-the *data step* ``d(t) = t + sum(count for (s, count) in skips if s <= t)``,
-strictly increasing in ``t``: step ``t`` reads what step ``d(t)`` of the run
-without skips would read (its samples, batch size and weight segment), so a
-skip of 3 at step 5 makes step 7 read the data of step 10 (:class:`Skips`).
+Skips (:mod:`~flat_tokens_jax.sampling.skips`) give the *data step* ``d(t)``
+that trainer step ``t`` reads: its samples, batch size and weight segment.
 
 A weight change from step ``t`` starts a weight segment at data step
 ``d(t)``, merged with the mixture's declared schedule: each boundary, declared
@@ -28,7 +25,6 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
-import itertools
 import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -36,91 +32,25 @@ from typing import Any, Protocol
 import numpy as np
 
 from flat_tokens_jax.sampling.mixture import Period, route_segments
-from flat_tokens_jax.sampling.schedule import BatchSchedule
+from flat_tokens_jax.sampling.schedule import MAX_SAMPLE, BatchSchedule
+from flat_tokens_jax.sampling.skips import NO_SKIPS, SharedRows, Skips
 
 __all__ = [
-    "NO_SKIPS",
     "TABLES_KEPT",
     "Blend",
-    "Skips",
     "Steering",
     "Stretch",
     "consumed",
     "prefix_counts",
+    "with_weights",
 ]
 
-MAX_SAMPLE = 2**63 - 1  # Global sample indices are int64.
 TABLES_KEPT = 8
 """Period tables of runtime weight changes a :class:`Steering` keeps built
 (a table takes 8 bytes a sample of its period, up to ``2**24`` samples)."""
 
 # (trainer step, samples of each component per period) of each weight change.
 Change = tuple[int, tuple[int, ...]]
-
-
-@dataclasses.dataclass(frozen=True)
-class Skips:
-    """Skipped batches: the data step of each trainer step.
-
-    Attributes:
-        entries: ``((step, count), ...)``, steps strictly increasing, counts
-            >= 1: from trainer ``step`` on, ``count`` more data steps are skipped.
-    """
-
-    entries: tuple[tuple[int, int], ...] = ()
-    _steps: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
-    _through: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        steps = tuple(s for s, _ in self.entries)
-        if any(b <= a for a, b in itertools.pairwise(steps)):
-            raise ValueError(f"skip steps must increase strictly, got {list(steps)}")
-        through, total = [], 0
-        for _, count in self.entries:
-            total += count
-            through.append(total)
-        object.__setattr__(self, "_steps", steps)
-        object.__setattr__(self, "_through", tuple(through))
-
-    def __bool__(self) -> bool:
-        return bool(self.entries)
-
-    def skipped(self, step: int) -> int:
-        """Data steps skipped at trainer steps ``<= step``."""
-        j = bisect.bisect_right(self._steps, step)
-        return self._through[j - 1] if j else 0
-
-    def data_step(self, step: int) -> int:
-        """``d(step)``: the step of the run without skips whose data ``step`` reads."""
-        return step + self.skipped(step)
-
-    def trainer_step(self, data_step: int) -> int:
-        """The first trainer step whose data step is ``data_step`` or later."""
-        low, high = max(0, data_step - (self._through[-1] if self._through else 0)), data_step
-        while low < high:  # d is strictly increasing, and d(t) >= t
-            mid = (low + high) // 2
-            low, high = (mid + 1, high) if self.data_step(mid) < data_step else (low, mid)
-        return low
-
-    def added(self, step: int, count: int) -> Skips:
-        """These skips and ``count`` more at ``step`` (skips at one step add up)."""
-        found = dict(self.entries)
-        found[step] = found.get(step, 0) + count
-        return Skips(tuple(sorted(found.items())))
-
-    def within(self, first: int, stop: int | None, data_first: int) -> Skips:
-        """The skips of trainer steps ``[first, stop)`` counted from ``first``
-        (``stop`` ``None``: no end), for steps whose data counts from data
-        step ``data_first``: a phase's own, with what ``d(first)`` passes over
-        ``data_first`` skipped at its step 0."""
-        lead = self.data_step(first) - data_first
-        local = tuple(
-            (s - first, c) for s, c in self.entries if first < s and (stop is None or s < stop)
-        )
-        return Skips((((0, lead),) if lead > 0 else ()) + local)
-
-
-NO_SKIPS = Skips()
 
 
 def prefix_counts(counts: Sequence[int] | np.ndarray, rest: int) -> np.ndarray:
@@ -211,7 +141,9 @@ class Steering:
     """What a loader (or a phase's) routes with: its mixture's declared
     weight segments merged with runtime changes, and its skips. Immutable
     once made, and safe to share between threads: a change makes a new one
-    (:meth:`steered`) that reuses the segments before it.
+    (:meth:`with_skip`, :meth:`with_change`, :meth:`steered`) that reuses
+    the segments before it; one at or after every change so far costs
+    O(log n) amortized for ``n`` changes (plus the declared entries after it).
 
     Each boundary, declared or a runtime change, holds from its data step
     until the next one; a runtime change at a declared boundary's data step
@@ -227,10 +159,17 @@ class Steering:
             per period of ``sum(counts)`` samples.
     """
 
-    _steps: list[int]  # each segment's first data step
-    _keys: list[Any]  # a declared entry's index, or a runtime change's counts
-    _starts: np.ndarray  # [S] int64 each segment's first global sample
-    _offsets: np.ndarray  # [S, K] int64 samples of each component drawn before it
+    # The changes: rows (trainer step, counts) by step, the last of a step in effect.
+    _log: SharedRows
+    _logged: int
+    _changes: tuple[Change, ...] | None  # the log read back, once asked for
+    # The segments: the first `_kept` rows of `_segs` (columns: first data step,
+    # key; arrays: first global sample [S] int64, samples of each component drawn
+    # before it [S, K] int64), then this steering's own, `_tail`'s. A key is a
+    # declared entry's index, or a runtime change's counts.
+    _segs: SharedRows
+    _kept: int
+    _tail: SharedRows
 
     def __init__(
         self,
@@ -242,33 +181,36 @@ class Steering:
         self.mixture, self.schedule = mixture, schedule
         self._tables: collections.OrderedDict[tuple[int, ...], Period] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self._set(skips, tuple(changes), None, 0)
+        self._set(skips, *_logged(changes), None, 0)
+
+    def _segments(self, rows: Sequence[Sequence[Any]] = ()) -> SharedRows:
+        """Segment rows ``(data step, key, start, [K] drawn)`` in rows of their own."""
+        k = 0 if self.mixture is None else len(self.mixture.names)
+        empty = SharedRows([[], []], [np.zeros(0, np.int64), np.zeros((0, k), np.int64)])
+        return empty.added(0, rows)
 
     def _set(
-        self, skips: Skips, changes: tuple[Change, ...], before: Steering | None, since: int
+        self, skips: Skips, log: SharedRows, logged: int, before: Steering | None, since: int
     ) -> None:
-        """Holds ``skips`` and ``changes``, keeping ``before``'s segments that
-        start before trainer step ``since``'s data step (in both) and adding the rest."""
-        self.skips, self.changes = skips, changes
+        """Holds ``skips`` and the first ``logged`` rows of ``log``, keeping
+        ``before``'s segments that start before trainer step ``since``'s
+        data step (in both) and adding the rest."""
+        self.skips, self._log, self._logged, self._changes = skips, log, logged, None
         mix = self.mixture
-        if mix is None:
-            return
         if before is None:
-            kept, data_from = 0, 0
-            steps: list[int] = []
-            keys: list[Any] = []
-            starts = np.zeros(0, np.int64)
-            offsets = np.zeros((0, len(mix.names)), np.int64)
+            self._segs, self._kept, data_from = self._segments(), 0, 0
         else:
             data_from = min(before.skips.data_step(since), skips.data_step(since))
-            kept = bisect.bisect_left(before._steps, data_from)
-            steps, keys = before._steps[:kept], before._keys[:kept]
-            starts, offsets = before._starts[:kept], before._offsets[:kept]
+            self._segs, self._kept = before._prefix(before._first_at(data_from))
+        if mix is None:
+            self._tail = self._segments()
+            return
         later: dict[int, Any] = {int(s): j for j, s in enumerate(mix.steps) if s >= data_from}
-        for t, counts in changes[bisect.bisect_left(changes, (since,)) :]:
-            later[skips.data_step(t)] = counts  # a runtime change wins at its step
-        last = (int(starts[-1]), offsets[-1]) if kept else None
-        added: list[tuple[int, np.ndarray]] = []
+        steps, values = log.lists
+        for j in range(bisect.bisect_left(steps, since, 0, logged), logged):
+            later[skips.data_step(steps[j])] = values[j]  # a runtime change wins at its step
+        last = before._row(self._kept - 1) if before is not None and self._kept else None
+        added: list[tuple[int, Any, int, np.ndarray]] = []
         for step in sorted(later):
             start = self.schedule.samples_before(step)
             if start > MAX_SAMPLE:
@@ -276,25 +218,84 @@ class Steering:
             if last is None:
                 drawn = np.zeros(len(mix.names), np.int64)
             else:
-                more = consumed(self._counts(keys[-1]), start - last[0])
-                drawn = last[1] + np.array(more, np.int64)
-            steps.append(step)
-            keys.append(later[step])
-            last = (start, drawn)
+                more = consumed(self._counts(last[1]), start - last[2])
+                drawn = last[3] + np.array(more, np.int64)
+            last = (step, later[step], start, drawn)
             added.append(last)
-        self._steps, self._keys = steps, keys
-        self._starts = np.concatenate([starts, np.array([a for a, _ in added], np.int64)])
-        self._offsets = np.concatenate([offsets, *[d[None] for _, d in added]])
+        self._tail = self._segments(added)
+
+    def _prefix(self, kept: int) -> tuple[SharedRows, int]:
+        """Shared rows whose first ``kept`` are this steering's first segments."""
+        if kept <= self._kept:
+            return self._segs, kept
+        moved = [self._row(j) for j in range(self._kept, kept)]
+        return self._segs.added(self._kept, moved), kept
+
+    def _row(self, j: int) -> tuple[int, Any, int, np.ndarray]:
+        """Segment ``j``: its first data step, key, first global sample and
+        ``[K]`` samples of each component drawn before it."""
+        rows, j = (self._segs, j) if j < self._kept else (self._tail, j - self._kept)
+        (steps, keys), (starts, offsets) = rows.lists, rows.arrays
+        return steps[j], keys[j], int(starts[j]), offsets[j]
+
+    def _parts(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """``(first segment, starts, offsets)`` of the shared segments and this one's own."""
+        out = []
+        for first, rows, n in ((0, self._segs, self._kept), (self._kept, self._tail, None)):
+            starts, offsets = rows.arrays
+            n = len(rows.lists[0]) if n is None else n
+            if n:
+                out.append((first, starts[:n], offsets[:n]))
+        return out
+
+    def _first_at(self, data_step: int) -> int:
+        """The first segment starting at or after ``data_step``."""
+        j = bisect.bisect_left(self._segs.lists[0], data_step, 0, self._kept)
+        if j < self._kept:
+            return j
+        return self._kept + bisect.bisect_left(self._tail.lists[0], data_step)
+
+    def _segment_at(self, data_step: int) -> int:
+        """The segment that holds ``data_step``: the last starting at or before it."""
+        return self._first_at(data_step + 1) - 1
+
+    @property
+    def changes(self) -> tuple[Change, ...]:
+        """``((trainer step, counts), ...)`` by strictly increasing step."""
+        if self._changes is None:
+            steps, values = self._log.lists
+            n = self._logged
+            self._changes = tuple(dict(zip(steps[:n], values[:n], strict=True)).items())
+        return self._changes
+
+    def _made(self, skips: Skips, log: SharedRows, logged: int, since: int) -> Steering:
+        out = Steering.__new__(Steering)
+        out.mixture, out.schedule = self.mixture, self.schedule
+        out._tables, out._lock = self._tables, self._lock  # tables depend on counts alone
+        out._set(skips, log, logged, self, since)
+        return out
 
     def steered(self, skips: Skips, changes: Sequence[Change], since: int) -> Steering:
         """A steering of ``skips`` and ``changes``, which agree with this
         one's before trainer step ``since``: its segments from there on are
         counted again, the earlier ones reused."""
-        out = Steering.__new__(Steering)
-        out.mixture, out.schedule = self.mixture, self.schedule
-        out._tables, out._lock = self._tables, self._lock  # tables depend on counts alone
-        out._set(skips, tuple(changes), self, since)
-        return out
+        return self._made(skips, *_logged(changes), since)
+
+    def with_skip(self, step: int, count: int) -> Steering:
+        """This steering and ``count`` more batches skipped at ``step`` (:meth:`Skips.added`)."""
+        return self._made(self.skips.added(step, count), self._log, self._logged, step)
+
+    def with_change(self, step: int, counts: tuple[int, ...]) -> Steering:
+        """This steering with ``counts`` from ``step`` on, replacing a change
+        at that step (itself when it has those counts there)."""
+        steps, values = self._log.lists
+        n = self._logged
+        j = bisect.bisect_right(steps, step, 0, n)
+        if j and steps[j - 1] == step and values[j - 1] == counts:
+            return self
+        if j < n:  # before a later change: the log is written again
+            return self._made(self.skips, *_logged(with_weights(self.changes, step, counts)), step)
+        return self._made(self.skips, self._log.added(n, [(step, counts)]), n + 1, step)
 
     def _counts(self, key: Any) -> np.ndarray:
         """The per-period counts of a segment's ``key``: a declared entry's
@@ -305,7 +306,7 @@ class Steering:
         return np.asarray(key, np.int64)
 
     def _table(self, j: int) -> Period:
-        key = self._keys[j]
+        key = self._row(j)[1]
         assert self.mixture is not None
         if isinstance(key, int):
             return self.mixture.periods[key]
@@ -327,31 +328,48 @@ class Steering:
 
     def route(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Global samples to ``(component [k] int64, component sample [k] int64)``."""
-        return route_segments(samples, self._starts, self._offsets, self._table)
+        g = np.asarray(samples, np.int64)
+        parts = self._parts()
+        if len(parts) == 1:
+            first, starts, offsets = parts[0]
+            return route_segments(g, starts, offsets, lambda j: self._table(first + j))
+        comp, sample = np.empty(g.shape, np.int64), np.empty(g.shape, np.int64)
+        own = g >= parts[1][1][0]
+        for (first, starts, offsets), here in zip(parts, (~own, own), strict=True):
+
+            def period(j: int, first: int = first) -> Period:
+                return self._table(first + j)
+
+            comp[here], sample[here] = route_segments(g[here], starts, offsets, period)
+        return comp, sample
 
     def drawn(self, num_samples: int) -> list[int]:
         """``[K]`` samples of each component drawn in the first
         ``num_samples`` global samples (``<= 2**63``), as Python ints."""
         if self.mixture is None:
             return [num_samples]
-        j = bisect.bisect_right(self._starts, num_samples) - 1  # num_samples may be 2**63
-        more = consumed(self._counts(self._keys[j]), num_samples - int(self._starts[j]))
-        return [int(a) + b for a, b in zip(self._offsets[j].tolist(), more, strict=True)]
+        j = -1
+        for first, starts, _ in self._parts():  # num_samples may be 2**63
+            if num_samples >= int(starts[0]):
+                j = first + bisect.bisect_right(starts, num_samples) - 1
+        _, key, start, offsets = self._row(j)
+        more = consumed(self._counts(key), num_samples - start)
+        return [int(a) + b for a, b in zip(offsets.tolist(), more, strict=True)]
 
     def _stretch(self, j: int) -> Stretch:
         """Segment ``j`` as the trainer steps that read it."""
-        key = self._keys[j]
-        stop = self.skips.trainer_step(self._steps[j + 1]) if j + 1 < len(self._steps) else None
+        step, key, _, _ = self._row(j)
+        following = j + 1 < self._kept + len(self._tail.lists[0])
+        stop = self.skips.trainer_step(self._row(j + 1)[0]) if following else None
         counts = tuple(int(n) for n in self._counts(key))
-        first = self.skips.trainer_step(self._steps[j])
-        return Stretch(first, stop, counts, not isinstance(key, int))
+        return Stretch(self.skips.trainer_step(step), stop, counts, not isinstance(key, int))
 
     def stretch_at(self, step: int) -> Stretch:
         """The weight segment that trainer step ``step`` reads: the latest
         boundary at or before its data step."""
         if self.mixture is None:
             return Stretch(0, None, None, False)
-        return self._stretch(bisect.bisect_right(self._steps, self.data_step(step)) - 1)
+        return self._stretch(self._segment_at(self.data_step(step)))
 
     def stretches(self, stop: int) -> list[Stretch]:
         """The weight segments that trainer steps ``[0, stop)`` read, in order,
@@ -361,11 +379,24 @@ class Steering:
             return []
         if self.mixture is None:
             return [Stretch(0, stop, None, False)]
-        last = bisect.bisect_right(self._steps, self.data_step(stop - 1)) - 1
         out = []
-        for j in range(last + 1):
+        for j in range(self._segment_at(self.data_step(stop - 1)) + 1):
             found = self._stretch(j)
             end = stop if found.stop is None else min(found.stop, stop)
             if found.first < end:
                 out.append(dataclasses.replace(found, stop=end))
         return out
+
+
+def _logged(changes: Sequence[Change]) -> tuple[SharedRows, int]:
+    """``changes`` as a steering's log and its length."""
+    return SharedRows([[int(t) for t, _ in changes], [tuple(c) for _, c in changes]]), len(changes)
+
+
+def with_weights(
+    changes: Sequence[Change], step: int, counts: tuple[int, ...]
+) -> tuple[Change, ...]:
+    """``changes`` with ``counts`` from ``step`` on (replacing one at that step)."""
+    at = bisect.bisect_left(changes, (step,))
+    after = at + 1 if at < len(changes) and changes[at][0] == step else at
+    return (*changes[:at], (step, counts), *changes[after:])

@@ -23,10 +23,9 @@ import numpy as np
 from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.sampling.blocks import BlockSampler, Sampler, sample_of_row
 from flat_tokens_jax.sampling.mixture import Mixture
-from flat_tokens_jax.sampling.schedule import BatchSchedule
+from flat_tokens_jax.sampling.schedule import MAX_SAMPLE, BatchSchedule
 from flat_tokens_jax.sampling.steering import Steering
 
-MAX_SAMPLE = 2**63 - 1  # Global sample indices are int64.
 # Steps whose records one sampler call finds when steps are asked for in order.
 LOOKUP_AHEAD = 8
 
@@ -105,9 +104,7 @@ class StepSamples:
         last = self.schedule.samples_before(data + 1) - 1
         read = "" if data == step else f" (it reads data step {data})"
         if last > MAX_SAMPLE:
-            final = self.schedule.step_of(MAX_SAMPLE)
-            if self.schedule.samples_before(final + 1) - 1 > MAX_SAMPLE:
-                final -= 1
+            final = self.schedule.last_step()
             shown = final if not skips else skips.trainer_step(final + 1) - 1
             raise ValueError(
                 f"step {step}{read} is too large: its samples reach index {last}, past the "

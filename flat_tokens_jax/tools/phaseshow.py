@@ -21,7 +21,7 @@ from flat_tokens_jax.loader.phasedloader import PhasedLoader
 from flat_tokens_jax.loader.phases import Phase
 from flat_tokens_jax.loader.requesttable import run_table
 from flat_tokens_jax.loader.state import SavedState
-from flat_tokens_jax.loader.steered import skips_from_config
+from flat_tokens_jax.loader.steered import Skipper, apply_skips
 from flat_tokens_jax.sampling.mixconfig import mixture_from_config
 from flat_tokens_jax.store.options import StoreError, StoreOptions
 from flat_tokens_jax.tools.show import build_loader
@@ -173,9 +173,10 @@ def request_lines(run: PhasedLoader, args: argparse.Namespace) -> list[str]:
     return run_table(run, args.hosts, args.step_seconds, steps, args.run_yaml)
 
 
-def yaml_skips(section: Any, name: str) -> list[tuple[int, int]]:
-    """The ``skip`` list of the YAML ``name``, its errors naming the file."""
+def yaml_skips(run: Skipper, section: Any, name: str) -> None:
+    """Applies the ``skip`` list of the YAML ``name`` to ``run``, its errors
+    naming the file and the entry (see :func:`~flat_tokens_jax.loader.steered.apply_skips`)."""
     try:
-        return skips_from_config(section)
+        apply_skips(run, section)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from flat_tokens_jax.core import fields
+from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.data.bins import BinRecords
 from flat_tokens_jax.data.records import Records, Windows
 from flat_tokens_jax.decoding.hostdecode import (
@@ -100,6 +101,14 @@ class StepEngine:
         self.sampler = self.samplers[0]
         self.schedule = config.schedule
         self._host_blocks = host_blocks_per_size(sharding, self.schedule, config.seq_len)
+        # A constant batch size gives every step the same blocks and rows (skips
+        # change which data a step reads, never its size): worked out once.
+        self._fixed: tuple[HostBlocks | None, np.ndarray] | None = None
+        if self.schedule.constant is not None:
+            held = self._host_blocks.get(self.schedule.constant)
+            rows = np.arange(self.schedule.constant, dtype=np.int64) if held is None else held.rows
+            rows.setflags(write=False)
+            self._fixed = (held, rows)
         self.steps = StepSamples(
             self.samplers, self.mixture, self.schedule, self.host_rows_at, config.num_epochs
         )
@@ -128,10 +137,15 @@ class StepEngine:
 
     def host_blocks_at(self, step: int) -> HostBlocks | None:
         """The blocks this host reads at ``step`` (``None`` without a sharding)."""
+        if self._fixed is not None:
+            return self._fixed[0]
         return self._host_blocks.get(self.steps.size(step))
 
     def host_rows_at(self, step: int) -> np.ndarray:
-        """``[k] int64`` the global rows this host reads at ``step``, ascending."""
+        """``[k] int64`` the global rows this host reads at ``step``, ascending
+        (read-only)."""
+        if self._fixed is not None:
+            return self._fixed[1]
         held = self.host_blocks_at(step)
         if held is None:
             return np.arange(self.steps.size(step), dtype=np.int64)
@@ -193,6 +207,7 @@ class StepEngine:
 
     def host_batch(self, step: int) -> dict[str, np.ndarray]:
         """See ``Loader.host_batch`` (the instance filter's rejections are not counted)."""
+        step = integer(step, "step", low=0)
         fetched = self.request_rows(step, self.host_rows_at(step))()
         return self.fields(fetched, step, counted=False)
 
@@ -214,6 +229,7 @@ class StepEngine:
 
     def provenance(self, step: int) -> list[dict[str, Any]]:
         """See ``Loader.provenance``."""
+        step = integer(step, "step", low=0)
         rows = self.host_rows_at(step)
         g, real = self.steps.samples(step, rows)
         comp, records, epochs = self.steps.lookup(g[real])

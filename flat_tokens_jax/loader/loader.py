@@ -116,11 +116,11 @@ class Loader(Steerable):
 
     def host_blocks_at(self, step: int) -> HostBlocks | None:
         """The blocks this host reads at ``step`` (``None`` without a sharding)."""
-        return self.engine.host_blocks_at(step)
+        return self.engine.host_blocks_at(integer(step, "step", low=0))
 
     def host_rows_at(self, step: int) -> np.ndarray:
         """``[k] int64`` the global rows this host reads at ``step``, ascending."""
-        return self.engine.host_rows_at(step)
+        return self.engine.host_rows_at(integer(step, "step", low=0))
 
     def batch_size_at(self, step: int) -> int:
         """Global rows of the batch at ``step``: ``config.batch_size_at`` of the data

@@ -185,8 +185,9 @@ def resume_differences(
     A run may change its batch size from the saved step on: ``now`` must
     agree with ``saved`` (the saved int or ``[[start_step, size], ...]``) on
     every step before ``step``, and ``samples`` (the saved count of samples
-    before ``step``) must be what the saved sizes give. A run that skipped batches reads ``step``'s data at
-    ``data_step``: the batch sizes are those of data steps.
+    before ``step``) must be what the saved sizes give. A run that skipped
+    batches reads ``step``'s data at ``data_step``: the batch sizes are those
+    of data steps.
     """
     try:
         before = BatchSchedule.of(saved)

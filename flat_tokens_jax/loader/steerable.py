@@ -6,8 +6,10 @@ their merge on restore :mod:`~flat_tokens_jax.loader.steered`'s)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from flat_tokens_jax.loader.engine import StepEngine
+from flat_tokens_jax.loader.prefetch import Prefetcher
 from flat_tokens_jax.loader.steered import check_step, skip_count, weight_counts, with_weights
 from flat_tokens_jax.sampling.blocks import Sampler
 from flat_tokens_jax.sampling.mixture import Mixture
@@ -18,6 +20,7 @@ class Steerable:
     """``Loader``'s steering: skipped batches and weight changes from a step on."""
 
     engine: StepEngine
+    prefetcher: Prefetcher[Any, Any]
     mixture: Mixture | None
     next_step: int
     sampler: Sampler
@@ -63,12 +66,14 @@ class Steerable:
         """Reads with these skips and weight changes, which differ from now's from ``since`` on."""
         now = self.steering
         if (skips, changes) != (now.skips, now.changes):
-            self.engine.steer(now.steered(skips, changes, since), since)
+            self.engine.steer(now.steered(skips, changes, since))
+            self.prefetcher.drop_from(since)
 
     def _restream(self, streams: Sequence[tuple[int, int]]) -> None:
         """Continues component ``c``'s stream at ``streams[c]``, its ``(seed,
         offset)`` (a phase, after the earlier phases' weights changed)."""
         self.engine.restream(streams)
+        self.prefetcher.drop_from(0)
         self.sampler = self.engine.sampler
 
     @property

@@ -105,7 +105,7 @@ class StepEngine:
         )
         self.block_decoder = BlockDecoder(config.decode_threads or default_threads())
         self.filter = FilteredRows(config.instance_filter, self.block_decoder.run_blocks)
-        # Reading ahead, the read stage takes a core of its own (see pipeline).
+        # Reading ahead, the read stage takes a core of its own (see prefetch).
         self.ahead_threads = config.decode_threads or max(1, default_threads() - 1)
         # Steps whose samples one sampler call looks up, reading ahead.
         self.lookup = max(config.prefetch or 0, LOOKUP_AHEAD)

@@ -120,13 +120,13 @@ def test_an_upward_import_is_reported() -> None:
         "flat_tokens_jax.core.format": {"flat_tokens_jax.store.store"},
         "flat_tokens_jax.store.store": {"flat_tokens_jax.core.format"},
         "flat_tokens_jax.data.records": {"flat_tokens_jax"},
-        "flat_tokens_jax.loader.feed": {"flat_tokens_jax.readahead"},
+        "flat_tokens_jax.loader.prefetch": {"flat_tokens_jax.readahead"},
     }
     assert upward_imports(table, graph) == [
         "flat_tokens_jax.core.format imports flat_tokens_jax.store.store,"
         " which the table puts after it",
         "flat_tokens_jax.data.records imports flat_tokens_jax, which the table puts after it",
-        "flat_tokens_jax.loader.feed imports flat_tokens_jax.readahead,"
+        "flat_tokens_jax.loader.prefetch imports flat_tokens_jax.readahead,"
         " which is no module of the table",
     ]
 

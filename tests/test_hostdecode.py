@@ -161,10 +161,9 @@ def test_out_arrays_are_checked() -> None:
 
 
 def in_flight(loader: ftj.Loader) -> list[int]:
-    """The steps the loader has in flight, once the books of the steps handed
-    out (which top up the read-ahead on a thread of their own) are done."""
-    loader._door.feed._flush()
-    return sorted(loader._door.feed.flight.steps())
+    """The steps the loader has in flight (topped up when a step is handed out,
+    in the caller's thread)."""
+    return loader.prefetcher.steps()
 
 
 def test_batch_reads_ahead_only_after_consecutive_steps() -> None:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from memurls import memory_url
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.loader.pipeline import Ahead, InFlight
+from flat_tokens_jax.loader.prefetch import Prefetcher
 from flat_tokens_jax.loader.readahead import (
     ASSUMED_INTERVAL,
     INITIAL_DEPTH,
@@ -23,7 +23,6 @@ from flat_tokens_jax.loader.readahead import (
     MIN_DEPTH,
     RECENT_FETCHES,
     Measures,
-    StallWatch,
     auto_depth,
     next_depth,
     stall_message,
@@ -177,7 +176,7 @@ def test_a_depth_moved_toward_its_target_keeps_the_budget(
 def test_measures_grow_before_the_interval_is_known_then_follow_it() -> None:
     m = Measures()
     assert m.depth(1, 1 << 30) == INITIAL_DEPTH
-    m.fetched(0.1)  # step 0's fetch: the trainer is assumed fast
+    m.fetched(0.0, 0.1)  # step 0's fetch: the trainer is assumed fast
     assert m.depth(1, 1 << 30) == reference_depth(0.1, 0, ASSUMED_INTERVAL, 1, 1 << 30) > 10
     m.taken(0.1, 10.0)
     m.taken(0.0, 11.0)  # a trainer step of 1 s: 2 steps cover the fetch
@@ -187,36 +186,84 @@ def test_measures_grow_before_the_interval_is_known_then_follow_it() -> None:
     assert stats["interval_mean_s"] == 1.0 and stats["fetch_mean_s"] == 0.1
 
 
+class Squared:
+    """A step's records: its number, one row of source 0."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.sources = step, np.zeros(1, np.int32)
+
+
 def test_in_flight_tops_up_within_the_budget_and_never_drops_a_started_step() -> None:
-    sizes = {s: 10 * (1 + s % 3) for s in range(100)}  # steps of 10, 20 and 30 bytes
-    flight: InFlight[int] = InFlight(
-        lambda: Ahead(lambda s: lambda: s, lambda s: s * s, "t"), sizes.get
+    """Steps of 1, 2 and 3 rows and a budget of 6 rows; the depth is set by the
+    test (the measured one is tested below)."""
+    row = ftj.LoaderConfig(batch_size=1, seq_len=SEQ_LEN).batch_layout.row_bytes(SEQ_LEN)
+    config = ftj.LoaderConfig(batch_size=1, seq_len=SEQ_LEN, read_ahead_bytes=6 * row)
+    read_here: list[int] = []
+
+    def read(step: int, ahead: bool) -> Any:
+        if not ahead:
+            read_here.append(step)
+        return lambda: Squared(step)
+
+    flight: Prefetcher[Squared, int] = Prefetcher(
+        config, read, lambda s, part, ahead: part.step**2, rows=lambda s: 1 + s % 3
     )
+    depth = [8]
+    flight.depth = lambda step, grow=False: depth[0]  # type: ignore[method-assign]
     try:
-        first = flight.take(0, ahead=True, depth=8, end=None, budget=60)
-        assert first is not None and first.result() == 0
-        flight.grow(0, 8, end=None, budget=60)  # take tops up only a step not ready yet
-        assert flight.steps() == [1, 2, 3]  # 20 + 30 + 10 bytes; step 4's 20 more would not fit
-        assert flight.peak_bytes == 60
-        flight.take(1, ahead=False, depth=1, end=None, budget=60)  # a smaller depth
+        assert flight.take(0, None) == 0
+        assert flight.steps() == [1, 2, 3]  # 2 + 3 + 1 rows; step 4's 2 more would not fit
+        assert flight.peak_bytes == 6 * row
+        depth[0] = 1
+        assert flight.take(1, None, ahead=False) == 1  # a smaller depth
         assert flight.steps() == [2, 3]  # started steps stay
-        flight.grow(1, 5, end=6, budget=1000)
-        assert flight.steps() == [2, 3, 4, 5]  # grows, up to the end
-        flight.grow(0, 9, end=None, budget=1000)  # not the step taken last: nothing
-        assert flight.steps() == [2, 3, 4, 5]
-        assert flight.take(7, ahead=False, depth=4, end=None, budget=None) is None  # a jump
-        assert flight.steps() == []
+        depth[0] = 5
+        assert flight.take(2, 5) == 4
+        assert flight.steps() == [3, 4]  # grows, up to the end (the budget holds step 5)
+        flight._grow(0, 9, None)  # not the step taken last: nothing
+        assert flight.steps() == [3, 4]
+        assert flight.take(7, None, ahead=False) == 49  # a jump, read in this thread
+        assert flight.steps() == [] and read_here == [7]
     finally:
         flight.close()
+    # At least one step is read ahead, whatever its size.
+    one: Prefetcher[Squared, int] = Prefetcher(
+        config, read, lambda s, part, ahead: part.step**2, rows=lambda s: 10
+    )
+    one.depth = lambda step, grow=False: 8  # type: ignore[method-assign]
+    try:
+        assert one.take(0, None) == 0 and one.steps() == [1]
+    finally:
+        one.close()
 
 
-def test_stall_watch_reports_one_window_and_names_the_cause() -> None:
-    watch = StallWatch(window=4, share=0.05)
-    assert [watch.add(0.0, 0.1) for _ in range(4)] == [None] * 4
-    paused = StallWatch(window=10, share=0.05)  # one pause in ten steps is no stall
-    assert [paused.add(0.0, 0.1) for _ in range(9)] + [paused.add(1.0, 1.1)] == [None] * 10
-    windows = [watch.add(0.02, 0.1) for _ in range(8)]
+def stall_windows(m: Measures, since: float, steps: list[tuple[float, float]]) -> list[Any]:
+    """``m.taken`` of each ``(wait, interval)`` after the batch before, the
+    first after a batch taken at ``since``."""
+    now, out = since, []
+    for wait, interval in steps:
+        now += interval
+        out.append(m.taken(wait, now))
+    return out
+
+
+def test_the_stall_window_reports_one_window_and_names_the_cause() -> None:
+    m = Measures(stall_window=4, stall_share=0.05)
+    assert not m.window_starts()
+    assert m.taken(0.0, 0.0) is None  # the first batch: no interval, no window
+    assert m.window_starts()
+    assert stall_windows(m, 0.0, [(0.0, 0.1)] * 4) == [None] * 4
+    paused = Measures(stall_window=10, stall_share=0.05)  # one pause in ten steps is no stall
+    paused.taken(0.0, 0.0)
+    assert stall_windows(paused, 0.0, [(0.0, 0.1)] * 9 + [(1.0, 1.1)]) == [None] * 10
+    assert m.window_starts()
+    windows = stall_windows(m, 0.4, [(0.02, 0.1)] * 3)
+    assert not m.window_starts()  # within a window
+    windows += stall_windows(m, 0.7, [(0.02, 0.1)] * 5)
     assert windows[3] == pytest.approx((0.08, 0.4, 4)) and windows.count(None) == 7
+    assert not m.window_starts()  # reported once: no window begins after it
+    with pytest.raises(ValueError, match="stall_window >= 1 and 0 < stall_share < 1"):
+        Measures(stall_window=0)
     args = {"window": (0.08, 0.4, 4), "bytes_per_step": 2e6, "delivered_bps": 1e6}
     assert "decode_threads" in stall_message(
         **args, fetch_s=0.01, finish_s=0.2, depth=4, capped_by=None
@@ -309,9 +356,9 @@ def test_batch_takes_the_started_step_and_a_jump_drops_it() -> None:
     assert as_lists(loader.batch(9)) == as_lists(plain.batch(9))
     want = [row["record"] for row in plain.provenance(9)]
     assert records.reads.count(want) == 1
-    assert 10 in loader._door.feed.flight.steps()  # reading ahead, as after consecutive steps
+    assert 10 in loader.prefetcher.steps()  # reading ahead, as after consecutive steps
     assert as_lists(loader.batch(2)) == as_lists(plain.batch(2))
-    assert loader._door.feed.flight.steps() == []
+    assert loader.prefetcher.steps() == []
     with pytest.raises(ValueError, match=r"Loader\.start: step must be an int >= 0, got -1"):
         loader.start(-1)
 
@@ -393,10 +440,10 @@ def test_a_slow_fetch_sets_the_depth_while_it_is_recent() -> None:
     m.taken(0.0, 0.0)
     m.taken(0.0, 0.05)  # a 50 ms trainer
     for seconds in [0.1] * 5 + [0.8] + [0.1] * 5:
-        m.fetched(seconds)
+        m.fetched(0.0, seconds)
     assert m.depth(1, 1 << 30) == reference_depth(0.8, 0, 0.05, 1, 1 << 30)
     for _ in range(RECENT_FETCHES):
-        m.fetched(0.1)
+        m.fetched(0.0, 0.1)
     assert m.depth(1, 1 << 30) == reference_depth(0.1, 0, 0.05, 1, 1 << 30)
 
 

@@ -19,11 +19,16 @@ from hypothesis import strategies as st
 from memurls import memory_url
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.loader.readahead import INITIAL_DEPTH
-from flat_tokens_jax.loader.throughput import PAID, RETRIAL_FETCHES, TRIAL_FETCHES, DepthTrial
+from flat_tokens_jax.loader.readahead import (
+    INITIAL_DEPTH,
+    PAID,
+    RETRIAL_FETCHES,
+    TRIAL_FETCHES,
+    Measures,
+)
 
 
-def run_trial(trial: DepthTrial, fetch_of: dict[int, float], before: int, after: int) -> None:
+def run_trial(trial: Measures, fetch_of: dict[int, float], before: int, after: int) -> None:
     """Fetches under ``before`` steps in flight, a growth to ``after``, and the
     fetches it started, each taking ``fetch_of[depth]`` seconds."""
     now = 0.0
@@ -31,7 +36,7 @@ def run_trial(trial: DepthTrial, fetch_of: dict[int, float], before: int, after:
         now += 1.0
         trial.fetched(now - fetch_of[before], fetch_of[before])
     trial.grew(before, after, now)
-    assert trial.cap() == after  # held while the trial runs
+    assert trial.trial_cap() == after  # held while the trial runs
     for i in range(max(TRIAL_FETCHES, after - before)):
         trial.fetched(now + 0.001 * (i + 1), fetch_of[after])  # begun since the growth
 
@@ -49,12 +54,12 @@ def test_a_growth_pays_on_latency_and_not_on_throughput(
     growth pays and no cap is set. One bound by throughput takes ``per_step``
     per step in flight: the growth is undone, the cap is the depth before it."""
     after = before + grown
-    by_latency = DepthTrial()
+    by_latency = Measures()
     run_trial(by_latency, {before: latency, after: latency}, before, after)
-    assert by_latency.cap() is None and by_latency.failed == 0
-    by_throughput = DepthTrial()
+    assert by_latency.trial_cap() is None and by_latency.failed == 0
+    by_throughput = Measures()
     run_trial(by_throughput, {before: before * per_step, after: after * per_step}, before, after)
-    assert by_throughput.cap() == before and by_throughput.failed == 1
+    assert by_throughput.trial_cap() == before and by_throughput.failed == 1
 
 
 def test_a_growth_pays_when_its_rate_rises_by_half_its_share() -> None:
@@ -62,36 +67,36 @@ def test_a_growth_pays_when_its_rate_rises_by_half_its_share() -> None:
     so at 8 they pay up to 8 / (4 * (1 + PAID)) s and fail above."""
     limit = 8 / (4 * (1 + PAID))
     for fetch, paid in [(limit * 0.99, True), (limit * 1.01, False)]:
-        trial = DepthTrial()
+        trial = Measures()
         run_trial(trial, {4: 1.0, 8: fetch}, 4, 8)
-        assert (trial.cap() is None) == paid
+        assert (trial.trial_cap() is None) == paid
 
 
 def test_fetches_begun_before_a_growth_do_not_judge_it() -> None:
-    trial = DepthTrial()
+    trial = Measures()
     for _ in range(TRIAL_FETCHES):
         trial.fetched(0.0, 1.0)
     trial.grew(2, 4, now=10.0)
     for _ in range(10):
         trial.fetched(9.0, 50.0)  # begun before the growth, slow
-    assert trial.cap() == 4 and trial.trials == 1  # still under trial
+    assert trial.trial_cap() == 4 and trial.trials == 1  # still under trial
 
 
 def test_the_cap_is_lifted_for_a_new_trial_after_a_while() -> None:
-    trial = DepthTrial()
+    trial = Measures()
     run_trial(trial, {2: 2.0, 4: 4.0}, 2, 4)
-    assert trial.cap() == 2
+    assert trial.trial_cap() == 2
     for _ in range(RETRIAL_FETCHES - 1):
         trial.fetched(100.0, 2.0)
-    assert trial.cap() == 2
+    assert trial.trial_cap() == 2
     trial.fetched(100.0, 2.0)
-    assert trial.cap() is None
+    assert trial.trial_cap() is None
 
 
 def test_no_trial_before_a_fetch_ended() -> None:
-    trial = DepthTrial()
+    trial = Measures()
     trial.grew(8, 16, now=0.0)
-    assert trial.cap() is None and trial.trials == 0
+    assert trial.trial_cap() is None and trial.trials == 0
 
 
 SEQS = [[i % 97 + 1] * (i % 13 + 1) for i in range(600)]
@@ -264,14 +269,14 @@ def test_the_depth_still_grows_to_cover_latency(served: Served) -> None:
 def test_no_trial_before_enough_fetches_to_compare_with() -> None:
     """A growth after fewer than TRIAL_FETCHES fetches (a burst's first, fetched
     alone ahead of the others) is not judged: no cap, before or after."""
-    trial = DepthTrial()
+    trial = Measures()
     for k in range(TRIAL_FETCHES - 1):
         trial.fetched(float(k), 0.1)
     trial.grew(8, 16, 10.0)
-    assert trial.cap() is None and trial.trials == 0
+    assert trial.trial_cap() is None and trial.trials == 0
     for k in range(8):
         trial.fetched(11.0 + k, 1.0)  # ten times slower after it: would fail a trial
-    assert trial.cap() is None and trial.ceiling is None
+    assert trial.trial_cap() is None and trial.ceiling is None
     trial.fetched(20.0, 0.1)
     trial.grew(8, 16, 21.0)
-    assert trial.trials == 1 and trial.cap() == 16
+    assert trial.trials == 1 and trial.trial_cap() == 16

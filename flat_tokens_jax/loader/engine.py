@@ -1,5 +1,5 @@
 """The step engine: a step, this host's rows of it, their records, and their
-fields in the configured layout, read ahead.
+fields in the configured layout.
 
 :class:`StepEngine` holds everything a step's fields depend on (what the
 loader reads, :class:`~flat_tokens_jax.loader.sources.Sources`; the samplers,
@@ -9,21 +9,17 @@ its records and returns what waits for them (:class:`Fetched`), or for
 decoding on the devices its encoded blocks
 (:class:`~flat_tokens_jax.loader.deviceblocks.Blocks`, read by
 :class:`~flat_tokens_jax.loader.deviceblocks.DeviceBlocks`);
-:meth:`StepEngine.fields` decodes records into the layout's fields. A
-:class:`Door` reads one consumer's steps ahead with those stages and hands
-them out: ``Loader`` places them on the devices as global ``jax.Array``\\ s,
-``to_grain`` hands the host numpy dicts over.
-Both doors count their waits and the instance filter's rejections here, so
-``Loader.stats`` reports whichever door handed out the last step.
+:meth:`StepEngine.fields` decodes records into the layout's fields. The
+loader reads its steps ahead with those stages
+(:class:`~flat_tokens_jax.loader.prefetch.Prefetcher`); the engine knows
+nothing of it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
-import weakref
-from collections.abc import Callable, Generator, Sequence
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -43,14 +39,9 @@ from flat_tokens_jax.decoding.instancefilter import FilteredRows
 from flat_tokens_jax.decoding.sharding import HostBlocks, host_blocks_per_size
 from flat_tokens_jax.loader.blockcache import BlockCache
 from flat_tokens_jax.loader.deviceblocks import Blocks, DeviceBlocks
-from flat_tokens_jax.loader.feed import Feed, timed
-from flat_tokens_jax.loader.pipeline import Ahead
 from flat_tokens_jax.loader.sources import Sources
 from flat_tokens_jax.sampling.steering import Steering
 from flat_tokens_jax.sampling.stepsamples import LOOKUP_AHEAD, StepSamples
-
-Done = TypeVar("Done")
-Out = TypeVar("Out")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,12 +114,10 @@ class StepEngine:
         )
         self.block_decoder = BlockDecoder(config.decode_threads or default_threads())
         self.filter = FilteredRows(config.instance_filter, self.block_decoder.run_blocks)
-        # Reading ahead, the read stage takes a core of its own (see pipeline).
+        # Reading ahead, the read stage takes a core of its own (see prefetch).
         self.ahead_threads = config.decode_threads or max(1, default_threads() - 1)
         # Steps whose samples one sampler call looks up, reading ahead.
         self.lookup = max(config.prefetch or 0, LOOKUP_AHEAD)
-        self._last: Door[Any] | None = None  # the door that handed out the last step
-        self._doors: weakref.WeakSet[Door[Any]] = weakref.WeakSet()
         if config.decode == "device":
             self.blocks.host_blocks_at(0)  # refuses a sharding it cannot decode under
 
@@ -255,146 +244,19 @@ class StepEngine:
                     out[pos]["sequences"] = members[i]
         return out
 
-    def door(
-        self,
-        finish: Callable[[int, Fetched | Blocks, int | None], Done],
-        name: str,
-        host: bool = False,
-    ) -> Door[Done]:
-        """A consumer's steps, read ahead (see :class:`Door`)."""
-        made = Door(self, finish, name, host)
-        if self._last is None:
-            self._last = made
-        self._doors.add(made)
-        return made
-
     def restream(self, streams: Sequence[tuple[int, int]]) -> None:
         """Continues component ``c``'s stream at ``streams[c]``, its ``(seed,
-        offset)``; every step read ahead is dropped."""
+        offset)``; the steps read ahead are the caller's to drop."""
         self.samplers[:] = self.sources.samplers(streams)
         self.sampler = self.samplers[0]
-        self.steer(self.steps.steering, 0)
+        self.steer(self.steps.steering)
 
-    def steer(self, steering: Steering, since: int) -> None:
+    def steer(self, steering: Steering) -> None:
         """Reads with ``steering`` (the trainer's skips and weight changes)
-        from now on; the steps at or after ``since`` read ahead by any door
-        are dropped, to be read again with it."""
+        from now on; the steps read ahead are the caller's to drop."""
         self.steps.steer(steering)
-        for door in list(self._doors):
-            door.feed.drop_from(since)
-
-    def handed(self, door: Door[Any], step: int) -> None:
-        """Counts ``step`` handed out by ``door``: the filter's rejections in it."""
-        self._last = door
-        self.filter.handed(step)
 
     def stats(self) -> dict[str, Any]:
-        """See ``Loader.stats``: the read-ahead's of the door that handed out
-        the last step (the first door made, before any), and the filter's."""
-        feed = self._last.feed.stats() if self._last is not None else {}
+        """The instance filter's statistics, and the block cache's."""
         cache = {} if self.block_cache is None else self.block_cache.stats()
-        return {**feed, **self.filter.stats(), **cache}
-
-
-class Door(Generic[Done]):
-    """One consumer's steps of a :class:`StepEngine`, read ahead by a
-    :class:`~flat_tokens_jax.loader.feed.Feed` of their own. Thread-safe.
-
-    Args:
-        engine: whose steps.
-        finish: a step's second stage, ``finish(step, fetched, threads)`` on
-            at most ``threads`` threads (``None``: the decoder's); a
-            :class:`Blocks` is handed to it as read, and is not timed.
-        name: the read-ahead threads' name prefix.
-        host: whether the steps are decoded on the host whatever the config.
-    """
-
-    def __init__(
-        self,
-        engine: StepEngine,
-        finish: Callable[[int, Fetched | Blocks, int | None], Done],
-        name: str,
-        host: bool = False,
-    ) -> None:
-        self.engine, self._finishing, self._name, self._host = engine, finish, name, host
-        self.feed = Feed(
-            engine.config,
-            self._ahead,
-            self._read,
-            lambda s: engine.host_rows_at(s).size,
-            engine.components,
-            engine.source_names,
-        )
-        self.wait_seconds = 0.0
-
-    def _request(self, step: int, ahead: int) -> Callable[[], tuple[int, Fetched | Blocks]]:
-        """Starts fetching ``step``; the function returned waits for it. The
-        fetch is timed from its start to its end."""
-        began = time.perf_counter()
-        waiting = self.engine.request(step, ahead, self._host)
-
-        def fetched() -> tuple[int, Fetched | Blocks]:
-            out = waiting()
-            self.feed.fetched(time.perf_counter() - began)
-            return step, out
-
-        return fetched
-
-    def _finish(
-        self, step: int, part: Fetched | Blocks, threads: int | None
-    ) -> tuple[Done, np.ndarray]:
-        """A step finished, with its rows' sources (counted when it is handed out)."""
-        if isinstance(part, Blocks):  # decoded on the devices, in step order
-            return self._finishing(step, part, threads), part.sources
-        done: Done = timed(
-            self.feed.measures.finished, lambda: self._finishing(step, part, threads)
-        )
-        return done, part.sources
-
-    def _ahead(self) -> Ahead[tuple[int, Fetched | Blocks], tuple[Done, np.ndarray]]:
-        """Background threads that prepare steps in order, reading records
-        for several steps per sampler call (see :mod:`~flat_tokens_jax.loader.pipeline`)."""
-        return Ahead(
-            lambda step: self._request(step, self.engine.lookup),
-            lambda done: self._finish(*done, self.engine.ahead_threads),
-            self._name,
-            fetchers=self.feed.fetchers(),
-        )
-
-    def _read(self, step: int) -> tuple[Done, np.ndarray]:
-        """A step prepared in the caller's thread."""
-        return self._finish(*self._request(step, 0)(), None)
-
-    def take(self, step: int, ahead: bool, end: int | None, deliver: Callable[[Done], Out]) -> Out:
-        """``deliver`` of step ``step`` prepared (``ahead``: read ahead even
-        after a jump; nothing read at or past ``end``); its wait, ``deliver``
-        included, is measured and the next steps go on."""
-        began = time.perf_counter()
-        done, sources = self.feed.take(step, ahead, end)
-        out = deliver(done)
-        now = time.perf_counter()
-        self.wait_seconds = now - began
-        self.feed.handed(step, now - began, now, end, sources)
-        self.engine.handed(self, step)
-        return out
-
-    def steps(
-        self, step: int, end: int | None, deliver: Callable[[Done], Out]
-    ) -> Generator[tuple[int, Out], None, None]:
-        """``(s, take(s, ...))`` for steps ``s`` from ``step`` to ``end``
-        (``None``: without end), read ahead; closing it stops the read-ahead."""
-        try:
-            while end is None or step < end:
-                yield step, self.take(step, True, end, deliver)
-                step += 1
-        finally:
-            self.close()
-
-    def start(self, step: int, end: int | None) -> None:
-        """Starts ``step`` and the steps after it (see ``Loader.start``)."""
-        self.feed.start(step, end)
-
-    def close(self, wait: bool = True) -> None:
-        """Stops the read-ahead (a later step starts it again); ``wait=False``
-        lets the reads running end on their own."""
-        self.feed.close(wait)
+        return {**self.filter.stats(), **cache}

@@ -12,7 +12,6 @@ saves and restores where a run is.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -27,6 +26,7 @@ from flat_tokens_jax.decoding.sharding import HostBlocks
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.deviceblocks import Blocks
 from flat_tokens_jax.loader.engine import Fetched, StepEngine
+from flat_tokens_jax.loader.prefetch import Prefetcher
 from flat_tokens_jax.loader.resume import check_resume, state_differences
 from flat_tokens_jax.loader.sources import Sources
 from flat_tokens_jax.loader.state import SavedState, read_state, restorable, state_step
@@ -99,8 +99,18 @@ class Loader(Steerable):
         self.source_names, self.start_token_id = engine.source_names, engine.start_token_id
         self.records, self.schedule = engine.records, engine.schedule
         self.samplers, self.sampler, self.steps = engine.samplers, engine.sampler, engine.steps
-        # Steps read ahead, for `iterate`, `start` and consecutive `batch` calls.
-        self._door = engine.door(self._finish, "ftj-prefetch")
+        # Steps read ahead, for `iterate`, `start`, consecutive `batch` calls and
+        # `to_grain` (which takes them decoded on the host: `_host`).
+        found = [getattr(r, "ft", None) for r in engine.components]
+        self._host = False
+        self.prefetcher: Prefetcher[Fetched | Blocks, Any] = Prefetcher(
+            engine.config,
+            self._read,
+            self._finish,
+            lambda s: engine.host_rows_at(s).size,
+            [ft for ft in found if isinstance(ft, FlatTokens)],
+            engine.source_names,
+        )
         # Step 0's; a schedule's later steps may differ: see host_blocks_at, host_rows_at.
         self.host_blocks, self.host_rows = self.host_blocks_at(0), self.host_rows_at(0)
         self.next_step = 0
@@ -112,7 +122,7 @@ class Loader(Steerable):
     @property
     def wait_seconds(self) -> float:
         """How long the last step :meth:`batch` or :meth:`iterate` handed out waited for it."""
-        return self._door.wait_seconds
+        return self.prefetcher.wait_seconds
 
     def host_blocks_at(self, step: int) -> HostBlocks | None:
         """The blocks this host reads at ``step`` (``None`` without a sharding)."""
@@ -153,7 +163,7 @@ class Loader(Steerable):
         same either way.
         """
         step = integer(step, "step", low=0)
-        return self._door.take(step, False, self.num_batches, self._on_devices)
+        return self._take(step, False, self.num_batches)
 
     def start(self, step: int | None = None) -> None:
         """Starts reading ``step`` (default: :attr:`next_step`, e.g. after
@@ -165,7 +175,7 @@ class Loader(Steerable):
         drops these reads. With ``prefetch=0`` it reads nothing.
         """
         step = integer(self.next_step if step is None else step, "Loader.start: step", low=0)
-        self._door.start(step, self.num_batches)
+        self._start(step, self.num_batches)
 
     def encoded_batch(self, step: int) -> dict[str, jax.Array]:
         """The batch at ``step`` still encoded, as global arrays, for :meth:`decoder`.
@@ -194,16 +204,43 @@ class Loader(Steerable):
         """
         return self.engine.blocks.decoder(step)
 
-    def _finish(
-        self, step: int, part: Fetched | Blocks, threads: int | None = None
-    ) -> dict[str, jax.Array] | Blocks:
-        """A step's second stage: its fields decoded (on at most ``threads``
-        threads) and placed on the devices; blocks wait for :meth:`_on_devices`.
-        Everything of it involves no collective: safe in any thread."""
+    def _read(self, step: int, ahead: bool) -> Callable[[], Fetched | Blocks]:
+        """A step's first stage (see :meth:`StepEngine.request`); ``ahead``: on a
+        read-ahead thread, looking up the next steps' records with it."""
+        return self.engine.request(step, self.engine.lookup if ahead else 0, self._host)
+
+    def _finish(self, step: int, part: Fetched | Blocks, ahead: bool) -> Any:
+        """A step's second stage: its fields decoded (on the read-ahead's
+        threads when ``ahead``) and, unless for ``to_grain``, placed on the
+        devices; blocks wait for :meth:`_on_devices`. Everything of it
+        involves no collective: safe in any thread."""
         if isinstance(part, Blocks):
             return part
-        fields, held = self.engine.fields(part, step, threads), self.host_blocks_at(step)
+        threads = self.engine.ahead_threads if ahead else None
+        fields = self.engine.fields(part, step, threads)
+        if self._host:
+            return fields
+        held = self.host_blocks_at(step)
         return jax.device_put(fields) if held is None else held.assemble_rows(fields)
+
+    def _mode(self, host: bool) -> None:
+        """Reads ahead for ``to_grain`` (host numpy) or for the devices; a
+        change drops what was read for the other."""
+        if host != self._host:
+            self.prefetcher.drop_from(0)
+            self._host = host
+
+    def _take(self, step: int, ahead: bool, end: int | None, host: bool = False) -> Any:
+        """Step ``step`` handed out, from the read-ahead (see
+        :meth:`Prefetcher.take`); the instance filter's rejections in it counted."""
+        self._mode(host)
+        out = self.prefetcher.take(step, end, ahead, None if host else self._on_devices)
+        self.engine.filter.handed(step)
+        return out
+
+    def _start(self, step: int, end: int | None, host: bool = False) -> None:
+        self._mode(host)
+        self.prefetcher.start(step, end)
 
     def _on_devices(self, part: dict[str, jax.Array] | Blocks) -> dict[str, jax.Array]:
         """Finishes a step; decoding across hosts runs collectives, so call it in step order."""
@@ -228,13 +265,17 @@ class Loader(Steerable):
         if stop_step is not None:
             stop_step = integer(stop_step, "stop_step", low=0)
             end = stop_step if end is None else min(end, stop_step)
-        with contextlib.closing(self._door.steps(step, end, self._on_devices)) as steps:
-            for step, batch in steps:
+        try:
+            while end is None or step < end:
+                batch = self._take(step, True, end)
                 self.next_step = step + 1
                 yield step, batch
                 last = self.num_batches  # a skip made meanwhile ends a bounded run sooner
                 if last is not None and self.next_step >= last:
                     return
+                step += 1
+        finally:
+            self.prefetcher.close()
 
     def stats(self) -> dict[str, Any]:
         """What the input pipeline did so far, JSON-ready, for a trainer to log: the
@@ -242,7 +283,7 @@ class Loader(Steerable):
         requests and bytes read, requests refused as throttled, tokens (by source too)
         and the instance filter's rejections; each key is described in
         docs/guide/loading.md, "Where the work runs, and read-ahead"."""
-        return self.engine.stats()
+        return {**self.prefetcher.stats(), **self.engine.stats()}
 
     def to_grain(self) -> StepsDataset:
         """This host's rows of each step from :attr:`next_step` on, read ahead, as a
@@ -252,7 +293,7 @@ class Loader(Steerable):
         from flat_tokens_jax.loader import tograin  # imports grain, only when asked
 
         def spans() -> list[tograin.Span]:
-            return [tograin.Span(self.engine, 0, self.num_batches)]
+            return [tograin.Span(self, 0, self.num_batches)]
 
         return tograin.StepsDataset(self, spans, self.next_step)
 

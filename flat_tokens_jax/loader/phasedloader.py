@@ -291,7 +291,7 @@ class PhasedLoader:
                     step = first + taken[0]
                     self.next_step = step + 1
                     if later and step >= end - NEXT_PHASE_AHEAD:
-                        self.loaders[k + 1]._door.start(0, None if stop is None else stop - end)
+                        self.loaders[k + 1]._start(0, None if stop is None else stop - end)
                         later = False
                     yield step, taken[1]
                     step += 1
@@ -344,8 +344,7 @@ class PhasedLoader:
                 self.end_step if self.num_batches is None else min(self.end_step, self.num_batches)
             )
             stops = [*self.firsts[1:], end]
-            engines = [loader.engine for loader in self.loaders]
-            return [tograin.Span(*s) for s in zip(engines, self.firsts, stops, strict=True)]
+            return [tograin.Span(*s) for s in zip(self.loaders, self.firsts, stops, strict=True)]
 
         return tograin.StepsDataset(self, spans, self.next_step, NEXT_PHASE_AHEAD, self._told)
 

@@ -5,9 +5,10 @@ into the steps to keep in flight, and :func:`next_depth` moves the depth in
 use toward it (fast up, slowly down, within the memory budget);
 :class:`Measures` collects those times (a step's fetch and finish, the
 trainer's wait and the interval between the batches it takes) and the
-statistics a trainer logs; :class:`StallWatch` decides when the trainer's
-waits are worth one warning, and :func:`stall_message` names the likely
-cause (throttling among them) and the knob.
+statistics a trainer logs, judges whether a growth of the depth made the
+store deliver faster, and decides when the trainer's waits are worth one
+warning; :func:`stall_message` names the likely cause (throttling among
+them) and the knob.
 """
 
 from __future__ import annotations
@@ -56,6 +57,19 @@ STALL_WINDOW = 50
 
 STALL_SHARE = 0.05
 """Share of the trainer's time spent waiting for input that is a stall."""
+
+TRIAL_FETCHES = 4
+"""Fewest fetches whose mean duration measures a depth, before a growth and after it."""
+
+PAID = 0.5
+"""Share of a growth's proportional gain the rate must show: growing from
+``d0`` to ``d1`` steps pays when ``depth / fetch`` rises at least ``1 + PAID *
+(d1 / d0 - 1)`` times (a store bound by latency shows all of it, one bound by
+throughput none)."""
+
+RETRIAL_FETCHES = 64
+"""Fetches after a growth that did not pay before the depth may try to grow
+past its cap again."""
 
 
 def auto_depth(
@@ -110,16 +124,47 @@ def _ema(old: float | None, new: float) -> float:
     return new if old is None else old + EMA_WEIGHT * (new - old)
 
 
-class Measures:
-    """Times of a loader's steps, for its depth and its statistics. Thread-safe.
+def _mean(total: list[float]) -> float:
+    return total[0] / total[1] if total[1] else 0.0
 
-    ``fetch`` and ``finish`` are the two stages of preparing a step (reading
-    its records; decoding them and placing them on the devices); ``taken``
-    is called when the trainer takes a batch, with how long it waited for it.
-    The interval is the time between two batches taken: the trainer's step.
+
+class Measures:
+    """Times of a loader's steps, and what they decide. Thread-safe.
+
+    ``fetched`` and ``finished`` time the two stages of preparing a step
+    (reading its records; decoding them and placing them on the devices);
+    ``taken`` is called when the trainer takes a batch, with how long it waited
+    for it. The interval is the time between two batches taken: the trainer's
+    step. From them: the steps to keep in flight (:meth:`depth`), whether a
+    growth of that depth made the store deliver faster (the trial, below), and
+    when the trainer's waits are worth one warning (``taken``'s window).
+
+    The trial: a store bound by latency answers a fetch in about the same time
+    however many run, so ``d`` steps in flight deliver about ``d / fetch`` steps
+    a second; a store bound by throughput (a server that answers so many
+    requests a second, a throttled bucket, a capped link) takes longer per
+    fetch in proportion to the fetches running, so more steps in flight only
+    queue more requests behind each other. After the depth grew from ``d0`` to
+    ``d1`` (:meth:`grew`) it is held (:meth:`trial_cap`) until the fetches begun
+    since (at least :data:`TRIAL_FETCHES`, and all ``d1 - d0`` started by the
+    growth) have ended; then it is kept when ``d1 / (their mean fetch)`` rose
+    over ``d0 / (the mean of the fetches before)``, and otherwise capped at
+    ``d0`` (``ceiling``). The cap is lifted for a new trial every
+    :data:`RETRIAL_FETCHES` fetches, so a store that speeds up again is used.
+
+    The stall window: the trainer's waits and steps are summed over windows of
+    ``stall_window`` steps after the first; the first window whose waits exceed
+    ``stall_share`` of its time in more than a tenth of its steps (so one pause
+    of the whole process is no stall) is reported by :meth:`taken`, once.
+    Times are ``time.perf_counter`` seconds.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stall_window: int = STALL_WINDOW, stall_share: float = STALL_SHARE) -> None:
+        if stall_window < 1 or not 0 < stall_share < 1:
+            raise ValueError(
+                "Measures needs stall_window >= 1 and 0 < stall_share < 1, "
+                f"got {stall_window}, {stall_share}"
+            )
         self._lock = threading.Lock()
         self.fetch_ema: float | None = None
         self.finish_ema: float | None = None
@@ -135,14 +180,28 @@ class Measures:
         self.wait_last = 0.0
         self._recent: collections.deque[float] = collections.deque(maxlen=RECENT_WAITS)
         self._taken_at: float | None = None
+        # The trial of a growth: (depth before, after, mean fetch before, when it
+        # grew, fetches to measure), the fetches since, and the fetches before.
+        self._pending: tuple[int, int, float, float, int] | None = None
+        self._after: list[float] = []
+        self._before: collections.deque[float] = collections.deque(maxlen=TRIAL_FETCHES)
+        self.ceiling: int | None = None
+        self._since_ceiling = 0
+        self.trials = self.failed = 0
+        # The stall window under way: waited, elapsed, steps, slow steps.
+        self.stall_window, self.stall_share = stall_window, stall_share
+        self._window = [0.0, 0.0, 0, 0]
+        self.stalled = False
 
-    def fetched(self, seconds: float) -> None:
+    def fetched(self, began: float, seconds: float) -> None:
+        """A fetch begun at ``began`` ended after ``seconds``."""
         with self._lock:
             self.fetch_ema = _ema(self.fetch_ema, seconds)
             self.fetch_last = seconds
             self._recent_fetches.append(seconds)
             self._fetch[0] += seconds
             self._fetch[1] += 1
+            self._judge(began, seconds)
 
     def finished(self, seconds: float) -> None:
         with self._lock:
@@ -150,17 +209,18 @@ class Measures:
             self._finish[0] += seconds
             self._finish[1] += 1
 
-    def taken(self, wait: float, now: float) -> float | None:
-        """Records a batch handed out at ``now`` (``time.perf_counter``) after
-        ``wait`` seconds; returns the interval since the batch before (``None``
-        for the first)."""
+    def window_starts(self) -> bool:
+        """Whether the next :meth:`taken` (not the first) begins a stall window."""
+        with self._lock:
+            return self._taken_at is not None and self._window[2] == 0 and not self.stalled
+
+    def taken(self, wait: float, now: float) -> tuple[float, float, int] | None:
+        """Records a batch handed out at ``now`` after ``wait`` seconds. Returns
+        ``(waited, elapsed, steps)`` of a stall window that ends with it, once;
+        else ``None``."""
         with self._lock:
             interval = None if self._taken_at is None else now - self._taken_at
             self._taken_at = now
-            if interval is not None:
-                self.interval_ema = _ema(self.interval_ema, interval)
-                self._interval[0] += interval
-                self._interval[1] += 1
             if self.steps == 0:
                 self.wait_first = wait
             else:
@@ -169,7 +229,29 @@ class Measures:
                 self._recent.append(wait)
             self.steps += 1
             self.wait_last = wait
-            return interval
+            if interval is None:
+                return None
+            self.interval_ema = _ema(self.interval_ema, interval)
+            self._interval[0] += interval
+            self._interval[1] += 1
+            return self._stall(wait, interval)
+
+    def _stall(self, wait: float, interval: float) -> tuple[float, float, int] | None:
+        if self.stalled:
+            return None
+        w = self._window
+        w[0] += wait
+        w[1] += interval
+        w[2] += 1
+        w[3] += wait > self.stall_share * interval
+        if w[2] < self.stall_window:
+            return None
+        window, slow = (float(w[0]), float(w[1]), int(w[2])), w[3]
+        self._window = [0.0, 0.0, 0, 0]
+        if window[0] > self.stall_share * window[1] and 10 * slow > window[2]:
+            self.stalled = True
+            return window
+        return None
 
     def depth(self, step_bytes: int, budget: int) -> int:
         """:func:`auto_depth` of the measurements so far: the slowest of the last
@@ -178,6 +260,51 @@ class Measures:
         with self._lock:
             fetch = max(self._recent_fetches) if self._recent_fetches else None
             return auto_depth(fetch, self.finish_ema, self.interval_ema, step_bytes, budget)
+
+    def trial_cap(self) -> int | None:
+        """The most steps the depth may reach now: the depth under trial while
+        one runs, the depth before a growth that did not pay, else ``None``."""
+        with self._lock:
+            return self.ceiling if self._pending is None else self._pending[1]
+
+    def grew(self, before: int, after: int, now: float) -> None:
+        """The depth grew from ``before`` to ``after`` steps at ``now``. No trial
+        while one runs, or before :data:`TRIAL_FETCHES` fetches ended: nothing to
+        compare with (the first fetches of a burst are not a measure of the
+        depth: its first step is fetched alone, ahead of the others)."""
+        with self._lock:
+            if self._pending is not None or len(self._before) < TRIAL_FETCHES or after <= before:
+                return
+            measure = max(TRIAL_FETCHES, after - before)
+            self._pending = (before, after, sum(self._before) / len(self._before), now, measure)
+            self._after = []
+            self.trials += 1
+
+    def _judge(self, began: float, seconds: float) -> None:
+        """A fetch for the trial (the lock held)."""
+        if self._pending is None:
+            self._before.append(seconds)
+            if self.ceiling is not None:
+                self._since_ceiling += 1
+                if self._since_ceiling >= RETRIAL_FETCHES:
+                    self.ceiling = None
+            return
+        before, after, fetch0, grew_at, measure = self._pending
+        if began < grew_at:
+            return  # begun under the depth before
+        self._after.append(seconds)
+        if len(self._after) < measure:
+            return
+        fetch1 = sum(self._after) / len(self._after)
+        gain = (after / max(fetch1, 1e-9)) / (before / max(fetch0, 1e-9))
+        self._pending = None
+        self._before.clear()
+        self._before.extend(self._after[-TRIAL_FETCHES:])
+        if gain >= 1 + PAID * (after / before - 1):
+            self.ceiling = None
+        else:
+            self.ceiling, self._since_ceiling = before, 0
+            self.failed += 1
 
     def stats(self) -> dict[str, float | int]:
         """``steps``, the waits (``wait_first_s``; ``wait_last_s``; ``wait_mean_s``
@@ -199,49 +326,6 @@ class Measures:
             }
 
 
-def _mean(total: list[float]) -> float:
-    return total[0] / total[1] if total[1] else 0.0
-
-
-class StallWatch:
-    """Sums the trainer's waits and steps over windows of ``window`` steps
-    after the first, and reports the first window whose waits exceed
-    ``share`` of its time in more than a tenth of its steps (so one pause of
-    the whole process is no stall); after that it stays quiet (one warning
-    per loader). ``steps``: the steps added to the window under way (0: the
-    next :meth:`add` begins one)."""
-
-    def __init__(self, window: int = STALL_WINDOW, share: float = STALL_SHARE) -> None:
-        if window < 1 or not 0 < share < 1:
-            raise ValueError(
-                f"StallWatch needs window >= 1 and 0 < share < 1, got {window}, {share}"
-            )
-        self.window, self.share = window, share
-        self.fired = False
-        self._waited = self._elapsed = 0.0
-        self.steps = self._slow = 0
-
-    def add(self, wait: float, interval: float) -> tuple[float, float, int] | None:
-        """Adds one step: ``wait`` for its batch within ``interval`` since the
-        batch before. Returns ``(waited, elapsed, steps)`` of a window that
-        stalled, once; else ``None``."""
-        if self.fired:
-            return None
-        self._waited += wait
-        self._elapsed += interval
-        self.steps += 1
-        self._slow += wait > self.share * interval
-        if self.steps < self.window:
-            return None
-        window, slow = (self._waited, self._elapsed, self.steps), self._slow
-        self._waited = self._elapsed = 0.0
-        self.steps = self._slow = 0
-        if window[0] > self.share * window[1] and 10 * slow > window[2]:
-            self.fired = True
-            return window
-        return None
-
-
 def stall_message(
     window: tuple[float, float, int],
     *,
@@ -257,7 +341,7 @@ def stall_message(
     likely cause and the knob.
 
     Args:
-        window: ``(waited, elapsed, steps)`` from :meth:`StallWatch.add`.
+        window: ``(waited, elapsed, steps)`` from :meth:`Measures.taken`.
         fetch_s, finish_s: a step's fetch and finish (moving averages).
         depth: steps kept in flight.
         capped_by: ``"read_ahead_bytes"`` or ``"prefetch"`` when that field

@@ -6,8 +6,10 @@ their merge on restore :mod:`~flat_tokens_jax.loader.steered`'s)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from flat_tokens_jax.loader.engine import StepEngine
+from flat_tokens_jax.loader.prefetch import Prefetcher
 from flat_tokens_jax.loader.steered import check_step, restated, skip_count, weight_counts
 from flat_tokens_jax.sampling.blocks import Sampler
 from flat_tokens_jax.sampling.mixture import Mixture
@@ -20,6 +22,7 @@ class Steerable:
     """``Loader``'s steering: skipped batches and weight changes from a step on."""
 
     engine: StepEngine
+    prefetcher: Prefetcher[Any, Any]
     mixture: Mixture | None
     next_step: int
     sampler: Sampler
@@ -49,7 +52,8 @@ class Steerable:
         steering = self.steering
         last = self.schedule.last_step()
         count = skip_count(count, "Loader.skip: count", steering.skips, step, last)
-        self.engine.steer(steering.with_skip(step, count), step)
+        self.engine.steer(steering.with_skip(step, count))
+        self.prefetcher.drop_from(step)
 
     def set_weights(self, step: int, weights: Sequence[float] | Mapping[str, float]) -> None:
         """From ``step`` on, the mixture blends its components by ``weights``
@@ -73,18 +77,21 @@ class Steerable:
         steering = self.steering
         changed = steering.with_change(step, counts)
         if changed is not steering:
-            self.engine.steer(changed, step)
+            self.engine.steer(changed)
+            self.prefetcher.drop_from(step)
 
     def _steer(self, skips: Skips, changes: tuple[Change, ...], since: int) -> None:
         """Reads with these skips and weight changes, which differ from now's from ``since`` on."""
         now = self.steering
         if (skips, changes) != (now.skips, now.changes):
-            self.engine.steer(now.steered(skips, changes, since), since)
+            self.engine.steer(now.steered(skips, changes, since))
+            self.prefetcher.drop_from(since)
 
     def _restream(self, streams: Sequence[tuple[int, int]]) -> None:
         """Continues component ``c``'s stream at ``streams[c]``, its ``(seed,
         offset)`` (a phase, after the earlier phases' weights changed)."""
         self.engine.restream(streams)
+        self.prefetcher.drop_from(0)
         self.sampler = self.engine.sampler
 
     @property

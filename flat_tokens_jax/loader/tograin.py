@@ -4,11 +4,11 @@ Element ``k`` of the dataset is the step ``start + k`` as host numpy arrays:
 this host's rows of it (:meth:`~flat_tokens_jax.Loader.host_rows_at`, all
 rows without a sharding), each field of ``config.layout`` ``[rows, seq_len]``,
 equal to :meth:`~flat_tokens_jax.Loader.host_batch`. The steps are read ahead
-by a :class:`~flat_tokens_jax.loader.engine.Door` of the loader's step
-engine (its self-sizing depth, its read-ahead budget), only without the
-placement on the devices: there is one path from a step to its fields, a
-grain pipeline gets the same read-ahead as ``Loader.iterate``, and
-``Loader.stats`` counts the steps it hands out.
+by the loader's own read-ahead (:class:`~flat_tokens_jax.loader.prefetch.Prefetcher`:
+its self-sizing depth, its read-ahead budget), only without the placement on
+the devices: there is one path from a step to its fields, a grain pipeline
+gets the same read-ahead as ``Loader.iterate``, and ``Loader.stats`` counts
+the steps it hands out.
 
 The iterator's state is the loader's ``state()`` at its next step, and
 ``set_state`` is the loader's ``restore``: another seed's or another
@@ -43,8 +43,7 @@ from typing import Any, Protocol
 import grain
 import numpy as np
 
-from flat_tokens_jax.loader.deviceblocks import Blocks
-from flat_tokens_jax.loader.engine import Door, Fetched, StepEngine
+from flat_tokens_jax.loader.prefetch import Prefetcher
 
 NO_WORKERS = (
     "a loader's grain dataset (to_grain) cannot go to grain's worker processes: "
@@ -65,12 +64,22 @@ class Resumable(Protocol):
     def restore(self, state: Any) -> int: ...
 
 
+class Reader(Protocol):
+    """What reads a span's steps: a ``Loader`` (a phase's), by its read-ahead."""
+
+    prefetcher: Prefetcher[Any, Any]
+
+    def _take(self, step: int, ahead: bool, end: int | None, host: bool = False) -> Any: ...
+
+    def _start(self, step: int, end: int | None, host: bool = False) -> None: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class Span:
-    """Steps ``[start, stop)`` of a run read by ``engine`` as its steps from 0
+    """Steps ``[start, stop)`` of a run read by ``loader`` as its steps from 0
     (a phase; the whole run for a ``Loader``, ``stop`` ``None`` without end)."""
 
-    engine: StepEngine
+    loader: Reader
     start: int
     stop: int | None
 
@@ -128,7 +137,7 @@ class StepsIterator(grain.DatasetIterator):
     def __init__(self, dataset: StepsDataset) -> None:
         super().__init__()
         self._ds, self._step = dataset, dataset.start
-        self._open: dict[int, Door[dict[str, np.ndarray]]] = {}
+        self._open: dict[int, Reader] = {}
         self._ended = False
 
     def _span(self, step: int) -> tuple[int, Span] | None:
@@ -138,13 +147,11 @@ class StepsIterator(grain.DatasetIterator):
                 return k, span
         return None
 
-    def _steps(self, k: int) -> Door[dict[str, np.ndarray]]:
-        """Span ``k``'s read-ahead; those of other spans, but the next one, are closed."""
+    def _steps(self, k: int) -> Reader:
+        """Span ``k``'s loader; the read-ahead of other spans, but the next one, is closed."""
         for j in [j for j in self._open if j not in (k, k + 1)]:
-            self._open.pop(j).close()
-        if k not in self._open:
-            engine = self._ds.spans[k].engine
-            self._open[k] = engine.door(_host_fields(engine), "ftj-grain", host=True)
+            self._open.pop(j).prefetcher.close()
+        self._open.setdefault(k, self._ds.spans[k].loader)
         return self._open[k]
 
     def __next__(self) -> dict[str, np.ndarray]:
@@ -157,14 +164,13 @@ class StepsIterator(grain.DatasetIterator):
         local = self._step - span.start
         end = None if span.stop is None else span.stop - span.start
         try:
-            fields = self._steps(k).take(local, True, end, _as_is)
+            fields: dict[str, np.ndarray] = self._steps(k)._take(local, True, end, host=True)
         except (ValueError, IndexError) as e:
             if self._ds.told is None:
                 raise
             raise self._ds.told(e, self._step) from None
         if end is not None and k + 1 < len(self._ds.spans) and local + 1 >= end - self._ds.lead:
-            later = self._steps(k + 1)
-            later.start(0, _length(self._ds.spans[k + 1]))
+            self._steps(k + 1)._start(0, _length(self._ds.spans[k + 1]), host=True)
         self._step += 1
         self._ds.owner.next_step = self._step
         return fields
@@ -175,7 +181,7 @@ class StepsIterator(grain.DatasetIterator):
         found = self._span(self._step)
         if found is not None:
             k, span = found
-            self._steps(k).start(self._step - span.start, _length(span))
+            self._steps(k)._start(self._step - span.start, _length(span), host=True)
 
     def get_state(self) -> dict[str, Any]:
         """The owner's ``state()`` at the next step this iterator yields (JSON-ready)."""
@@ -196,7 +202,7 @@ class StepsIterator(grain.DatasetIterator):
 
     def _close_feeds(self, wait: bool = True) -> None:
         while self._open:
-            self._open.popitem()[1].close(wait)
+            self._open.popitem()[1].prefetcher.close(wait)
 
     def close(self) -> None:
         """Stops the read-ahead; the iterator yields nothing after it."""
@@ -217,19 +223,3 @@ class StepsIterator(grain.DatasetIterator):
 
 def _length(span: Span) -> int | None:
     return None if span.stop is None else span.stop - span.start
-
-
-def _host_fields(
-    engine: StepEngine,
-) -> Callable[[int, Fetched | Blocks, int | None], dict[str, np.ndarray]]:
-    """A door's second stage that hands over the fields of a step read on the host."""
-
-    def finish(step: int, part: Fetched | Blocks, threads: int | None) -> dict[str, np.ndarray]:
-        assert isinstance(part, Fetched)  # a door with host=True reads no blocks
-        return engine.fields(part, step, threads)
-
-    return finish
-
-
-def _as_is(fields: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return fields

@@ -1,0 +1,171 @@
+"""Benchmark: the loader's default decode threads and read-ahead against
+explicit settings, the first loader of a process against later ones, and
+the first batch of a fresh process.
+
+Three tables, each measured side by side in one run:
+
+* **Steady state, alternating rounds** (one process): for each batch shape,
+  rounds of ``Loader.iterate`` under the default ``decode_threads`` and under
+  each explicit count from 1 to the cores this process may use (capped at 8),
+  in turn (each round starting one setting later than the one before), each
+  a fresh loader after one warm-up loader, timing steps
+  3 to 23 (the trainer does nothing: the input's own ceiling). Tokens/s is
+  each setting's median over the rounds; the default's ratio to the best
+  explicit count is the figure to watch.
+* **First loader against later ones** (fresh processes): in each of
+  ``--processes`` new Python processes, the first ``Loader`` of the process
+  iterates steps 0 to 23 and a second loader of the same data and config
+  (another seed) does the same; tokens/s over steps 3 to 23 of each, and the
+  first's ratio to the second's.
+* **Cold start** (the same fresh processes): seconds in ``Loader(...)`` and
+  to the first batch of ``iterate``, and to the second.
+
+Batches are the five fields placed on the default device (``jax.Array``).
+
+Run: ``python scripts/bench_threads.py [--tokens 50_000_000] [--shapes 64x2048 256x2048]
+[--rounds 5] [--processes 3]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import flat_tokens_jax as ftj
+from flat_tokens_jax.decoding.hostdecode import default_threads
+
+FIRST, LAST = 3, 23  # the steps timed: after the opening burst
+
+
+def synthetic(num_tokens: int, seed: int = 0) -> Any:
+    """Documents of lognormal lengths with Zipf-distributed ids (as bench_loader's)."""
+    rng = np.random.default_rng(seed)
+    left = num_tokens
+    while left > 0:
+        n = int(min(left, max(1, rng.lognormal(6.8, 0.8))))
+        left -= n
+        yield np.minimum(rng.zipf(1.2, n), 50_000)
+
+
+def tokens_per_second(loader: ftj.Loader, batch: int, seq_len: int) -> float:
+    """Tokens/s of ``loader.iterate`` over steps FIRST to LAST, each batch waited for."""
+    return timed_steps(loader, batch, seq_len)["tokens_s"]
+
+
+def timed_steps(loader: ftj.Loader, batch: int, seq_len: int) -> dict[str, float]:
+    """``loader.iterate`` from step 0 to LAST, each batch waited for: seconds to
+    the first batch and from it to the second, and tokens/s over steps FIRST to LAST."""
+    at = [time.perf_counter()]
+    for _, out in loader.iterate(0, LAST + 1):
+        out["targets"].block_until_ready()
+        at.append(time.perf_counter())
+    return {
+        "first_batch_s": at[1] - at[0],
+        "second_batch_s": at[2] - at[1],
+        "tokens_s": (LAST - FIRST + 1) * batch * seq_len / (at[LAST + 1] - at[FIRST]),
+    }
+
+
+def loader(path: str, batch: int, seq_len: int, seed: int, threads: int | None) -> ftj.Loader:
+    cfg = ftj.LoaderConfig(batch_size=batch, seq_len=seq_len, seed=seed, decode_threads=threads)
+    return ftj.Loader(ftj.open_dataset(path)["train"], cfg)
+
+
+def steady(path: str, shapes: list[tuple[int, int]], rounds: int) -> None:
+    counts = list(range(1, min(default_threads(), 8) + 1))
+    settings: list[int | None] = [None, *counts]
+    print(f"\nSteady state, {rounds} alternating rounds, steps {FIRST}-{LAST}, one process")
+    print("| shape | " + " | ".join(_name(t) for t in settings) + " | default / best |")
+    print("| --- |" + " ---: |" * (len(settings) + 1))
+    for batch, seq_len in shapes:
+        tokens_per_second(loader(path, batch, seq_len, 99, None), batch, seq_len)  # warm-up
+        seen: dict[int | None, list[float]] = {t: [] for t in settings}
+        for r in range(rounds):
+            for t in settings[r % len(settings) :] + settings[: r % len(settings)]:
+                seen[t].append(
+                    tokens_per_second(loader(path, batch, seq_len, r, t), batch, seq_len)
+                )
+        med = {t: statistics.median(v) for t, v in seen.items()}
+        best = max(med[t] for t in counts)
+        cells = " | ".join(f"{med[t] / 1e6:.1f} M" for t in settings)
+        print(f"| {batch} x {seq_len} | {cells} | {med[None] / best:.2f} |", flush=True)
+
+
+def _name(threads: int | None) -> str:
+    return "default" if threads is None else f"{threads} thread{'s' * (threads > 1)}"
+
+
+def cold(path: str, batch: int, seq_len: int) -> dict[str, float]:
+    """Run in a fresh process: the first loader's times, then a second loader's."""
+    began = time.perf_counter()
+    first = loader(path, batch, seq_len, 0, None)
+    made = time.perf_counter() - began
+    out = timed_steps(first, batch, seq_len)
+    later = tokens_per_second(loader(path, batch, seq_len, 1, None), batch, seq_len)
+    return {**out, "loader_s": made, "first": out["tokens_s"], "later": later}
+
+
+def fresh(path: str, shapes: list[tuple[int, int]], processes: int) -> None:
+    print(f"\nFirst loader of a fresh process against a later one ({processes} processes)")
+    print(
+        "| shape | first loader | later loader | first / later | `Loader()` | first batch | "
+        "second batch |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for batch, seq_len in shapes:
+        runs = []
+        for _ in range(processes):
+            out = subprocess.run(
+                [sys.executable, __file__, "--cold", path, f"{batch}x{seq_len}"],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        ratios = [r["first"] / r["later"] for r in runs]
+        print(
+            f"| {batch} x {seq_len} | {med['first'] / 1e6:.1f} M | {med['later'] / 1e6:.1f} M | "
+            f"{min(ratios):.2f}-{max(ratios):.2f} | {med['loader_s']:.2f} s | "
+            f"{med['first_batch_s']:.2f} s | {med['second_batch_s'] * 1e3:.0f} ms |",
+            flush=True,
+        )
+
+
+def shape(text: str) -> tuple[int, int]:
+    batch, seq_len = text.lower().split("x")
+    return int(batch), int(seq_len)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=50_000_000)
+    parser.add_argument("--shapes", nargs="+", type=shape, default=[(64, 2048), (256, 2048)])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--processes", type=int, default=3)
+    parser.add_argument("--cold", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.cold:
+        print(json.dumps(cold(args.cold[0], *shape(args.cold[1]))))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "data")
+        with ftj.DatasetWriter(path, overwrite=True) as w:
+            w.extend("train", synthetic(args.tokens))
+        print(f"{args.tokens:,} tokens; cores {default_threads()} (os.cpu_count {os.cpu_count()})")
+        fresh(path, args.shapes, args.processes)
+        steady(path, args.shapes, args.rounds)
+
+
+if __name__ == "__main__":
+    main()

@@ -8,10 +8,9 @@ same store through each path, batch by batch:
 * ``Loader.iterate`` and ``Loader.to_grain()`` (a grain ``IterDataset`` of
   whole steps as host numpy dicts), each a fresh ``Loader`` with the default
   ``prefetch`` (the self-sizing read-ahead): the loader's steps read ahead, on
-  the devices (``iterate``, every array waited for) or on the host (``to_grain``);
-* grain ``MapDataset.source(src.batches(B, seed=1))``: the adapter's batched
-  source, one batched read per step decoded on several threads, in this
-  process and with ``mp_prefetch`` over 2 worker processes;
+  the devices (``iterate``, every array waited for) or on the host (``to_grain``),
+  and ``to_grain()`` with ``mp_prefetch`` over 2 worker processes (each reads
+  its steps through its own loader);
 * grain ``MapDataset.source(src).shuffle(seed).batch(B)``: one read per record;
 * grain ``MapDataset.range(n).shuffle(seed).batch(B).map(src.read_batch)``:
   one batched read per batch, in this process and with ``mp_prefetch`` over 2
@@ -140,15 +139,6 @@ def main() -> None:
                 out = out.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
             return iter(out)
 
-        def whole_batches(read: grain.ReadOptions | None, workers: int = 0) -> Iterator[Any]:
-            ds = grain.MapDataset.source(src.batches(B, seed=1))
-            if read is None:
-                return iter(ds)
-            out = ds.to_iter_dataset(read)
-            if workers:
-                out = out.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
-            return iter(out)
-
         def iterate() -> Iterator[Any]:
             fresh = ftj.Loader(ft, ftj.LoaderConfig(batch_size=B, seq_len=L, seed=1))
             steps = fresh.iterate(0)
@@ -158,30 +148,29 @@ def main() -> None:
             finally:
                 steps.close()
 
-        def to_grain() -> Iterator[Any]:
+        def to_grain(workers: int = 0) -> Iterator[Any]:
             fresh = ftj.Loader(ft, ftj.LoaderConfig(batch_size=B, seq_len=L, seed=1))
-            return iter(fresh.to_grain())
+            ds = fresh.to_grain()
+            if workers:
+                ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+            return iter(ds)
 
         first, took = measure(lambda: map(loader.host_batch, itertools.count()), steps)
         rows = [("ftj.Loader.host_batch", "", steps * B / took, first)]
         for label, batches in [
             ("ftj.Loader.iterate", iterate),
             ("ftj.Loader.to_grain()", to_grain),
+            (
+                f"ftj.Loader.to_grain(), mp_prefetch({args.workers} workers)",
+                functools.partial(to_grain, args.workers),
+            ),
         ]:
             first, took = measure(batches, steps)
             rows.append((label, "", steps * B / took, first))
-        first, took = measure(functools.partial(whole_batches, None), steps)
-        whole = "MapDataset.source(src.batches(B, seed=1))"
-        rows.append((f"{whole}, iterated", "", steps * B / took, first))
         batched = "MapDataset.range(n).shuffle.batch.map(src.read_batch)"
         for threads in args.read_threads:
             read = grain.ReadOptions(num_threads=threads)
             paths: list[tuple[str, Callable[[], Iterator[Any]]]] = [
-                (f"{whole}.to_iter_dataset", functools.partial(whole_batches, read)),
-                (
-                    f"{whole}, mp_prefetch({args.workers} workers)",
-                    functools.partial(whole_batches, read, args.workers),
-                ),
                 ("MapDataset.source(src).shuffle.batch", functools.partial(per_record, read)),
                 (batched, functools.partial(per_batch, read)),
                 (

@@ -10,9 +10,7 @@ afresh (a cold cache):
 
 * each row for each of ``--paths``, side by side (one delay at a time, the
   paths in turn): ``Loader.iterate``; ``Loader.to_grain()``, the loader's
-  steps as a grain ``IterDataset`` of host numpy dicts; ``FlatTokensSource
-  .batches`` as a ``grain.MapDataset`` source through ``to_iter_dataset()``
-  with grain's default ``ReadOptions`` (its own read-ahead, not the loader's);
+  steps as a grain ``IterDataset`` of host numpy dicts;
 
 * the server's own ceiling: steps/s of a loop with ``prefetch=0`` and no added
   latency or step time (moto's server answers tens of requests a second on a
@@ -25,8 +23,7 @@ afresh (a cold cache):
   the ``to_grain`` iterator): steps in flight, and the peak bytes of steps in
   flight against the budget ``read_ahead_bytes``;
 * HTTP read requests per batch (tensorstore's metrics) and bytes read per
-  useful token (not for ``batches``: grain's read-ahead, up to its
-  ``prefetch_buffer_size`` elements, is not known to the loop);
+  useful token;
 * ``--waits``: every step's wait, in milliseconds, for each row;
 * ``--hosts N`` (``Loader.iterate`` only): the same loop on N
   ``jax.distributed`` processes (gloo, one CPU device each) reading one store
@@ -72,12 +69,10 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-import grain
 import jax
 import numpy as np
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.grain.grain import FlatTokensSource
 from flat_tokens_jax.loader.requestplan import plan_requests
 from flat_tokens_jax.store.store import remote_bytes, remote_reads
 
@@ -154,7 +149,6 @@ SHUFFLES: dict[str, bool | str] = {"full": True, "blocks": "blocks"}
 PATHS = {
     "iterate": "Loader.iterate",
     "to_grain": "Loader.to_grain()",
-    "batches": "FlatTokensSource.batches, to_iter_dataset()",
 }
 
 
@@ -188,12 +182,6 @@ def opened(
 ) -> tuple[Iterator[dict[str, Any]], Callable[[], dict[str, Any] | None]]:
     """The batches of ``path`` on a freshly opened store (every array ready
     when handed out), and what reads them ahead reports (``None``: unknown)."""
-    if path == "batches":
-        src = FlatTokensSource(where.url, cfg.seq_len, options=where.options)
-        source = src.batches(
-            cfg.batch_size, seed=cfg.seed, shuffle=cfg.shuffle, num_epochs=cfg.num_epochs
-        )
-        return iter(grain.MapDataset.source(source).to_iter_dataset()), lambda: None
     ft = ftj.open_dataset(where.url, where.options)["train"]
     loader = ftj.Loader(ft, cfg, sharding=sharding)
     if path == "to_grain":  # loader.stats() reports the door that handed out the last step

@@ -1,6 +1,7 @@
-"""A grain-pipeline trainer (nanodo's, MaxText's shape) on ``FlatTokensSource``; a resume check.
+"""A grain-pipeline trainer (nanodo's, MaxText's shape) on ``Loader.to_grain``; a resume check.
 
-It iterates ``MapDataset.source(src.batches(B))`` in the ``"tokens"`` layout and
+It iterates ``Loader(...).to_grain()`` (this host's rows of each step, under
+``mp_prefetch`` with ``--workers``) in the ``"tokens"`` layout and
 shifts the tokens itself: an embedding and a linear read-out (plain SGD) predict
 ``tokens[:, 1:]`` from ``tokens[:, :-1]``, the loss weighted by ``loss_mask``, not
 by ``token != 0`` (id 0 is a real token in most vocabularies). A first run saves
@@ -27,7 +28,6 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.grain.grain import FlatTokensSource
 
 
 def loss_fn(params: dict[str, jax.Array], batch: dict[str, jax.Array]) -> jax.Array:
@@ -43,10 +43,8 @@ def train(args: argparse.Namespace, start: int) -> list[tuple[float, str]]:
     mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Auto,))
     sharding = NamedSharding(mesh, PartitionSpec("data"))  # rows over every device
     split = ftj.open_dataset(args.data)["train"]
-    src = FlatTokensSource(split, seq_len=args.seq_len, layout="tokens")
-    shard = (jax.process_index(), jax.process_count())
-    ds = grain.MapDataset.source(src.batches(args.batch_size, seed=0, num_epochs=None, shard=shard))
-    ds = ds.to_iter_dataset()
+    config = ftj.LoaderConfig(args.batch_size, args.seq_len, layout="tokens", seed=0)
+    ds = ftj.Loader(split, config, sharding).to_grain()
     if args.workers:
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=args.workers))
     iterator = iter(ds)

@@ -147,15 +147,14 @@ def test_a_module_path_from_before_the_subpackages_is_no_module(
 def test_the_documented_import_paths_give_the_names_of_the_namesake_module() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        from flat_tokens_jax.grain import FlatTokensSource, ScheduledBatches
+        from flat_tokens_jax.grain import FlatTokensSource
         from flat_tokens_jax.store import remote_bytes, remote_reads
 
     from flat_tokens_jax.grain.grain import FlatTokensSource as source
-    from flat_tokens_jax.grain.grain import ScheduledBatches as scheduled
     from flat_tokens_jax.store.store import remote_bytes as bytes_read
     from flat_tokens_jax.store.store import remote_reads as reads
 
-    assert FlatTokensSource is source and ScheduledBatches is scheduled
+    assert FlatTokensSource is source
     assert remote_bytes is bytes_read and remote_reads is reads
     with pytest.raises(ImportError, match="cannot import name 'Store'"):
         from flat_tokens_jax.store import Store  # noqa: F401

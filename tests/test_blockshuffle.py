@@ -18,7 +18,6 @@ from memurls import memory_url
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.cli import build_parser
-from flat_tokens_jax.grain.grain import FlatTokensSource
 from flat_tokens_jax.loader.state import StateMismatch
 from flat_tokens_jax.sampling.blocks import BlockSampler, default_block
 from flat_tokens_jax.sampling.sampling import MAX_N, EpochsExhausted, permute
@@ -296,30 +295,14 @@ def test_phases_continue_a_stream_under_the_same_lanes() -> None:
     assert changed.streams[0] != changed.streams[1]
 
 
-@pytest.mark.parametrize("shard", [(0, 1), (1, 2), (3, 4)])
-def test_the_grain_path_is_host_batch(shard: tuple[int, int]) -> None:
-    ft = split(90)
-    src = FlatTokensSource(ft, seq_len=8)
-    batches = src.batches(
-        [[0, 8], [2, 16]],
-        seed=3,
-        shuffle="blocks",
-        shuffle_block=3,
-        shuffle_window=2,
-        num_epochs=1,
-        shard=shard,
-    )
-    loader = ftj.Loader(
-        ft, blocks_config(batch_size=[[0, 8], [2, 16]], seed=3, shuffle_window=2, num_epochs=1)
-    )
-    assert "shuffle='blocks', shuffle_block=3, shuffle_window=2" in repr(batches)
-    index, count = shard
-    for step in (0, 1, 2, 3, len(batches) - 1):
-        want = loader.host_batch(step)
-        size = loader.batch_size_at(step)
-        rows = slice(index * size // count, (index + 1) * size // count)
-        for name, value in batches[step].items():
-            np.testing.assert_array_equal(value, want[name][rows], err_msg=f"{step} {name}")
+def test_the_grain_path_is_host_batch() -> None:
+    cfg = blocks_config(batch_size=[[0, 8], [2, 16]], seed=3, shuffle_window=2, num_epochs=1)
+    loader = ftj.Loader(split(90), cfg)
+    steps = list(loader.to_grain())
+    assert len(steps) == loader.num_batches
+    for step, got in enumerate(steps):
+        for name, value in loader.host_batch(step).items():
+            np.testing.assert_array_equal(got[name], value, err_msg=f"{step} {name}")
 
 
 def test_bad_block_fields_are_refused_naming_them() -> None:

@@ -22,7 +22,7 @@ from reference import packed_row, padded_row, reference_batch
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.data.records import Windows
-from flat_tokens_jax.grain.grain import FlatTokensSource, ScheduledBatches
+from flat_tokens_jax.grain.grain import FlatTokensSource
 
 SEQ_LEN = 16
 FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -296,10 +296,9 @@ def test_construction_errors_name_the_fix(path: Path) -> None:
     with pytest.raises(ValueError, match="options apply to a URL only"):
         FlatTokensSource(ft, SEQ_LEN, options=ftj.StoreOptions())
     mixture = ftj.Mixture([(ft, 1.0), (ft, 1.0)])
-    with pytest.raises(ValueError, match=r"seq_len is required to make records of Mixture"):
-        FlatTokensSource(mixture)
-    with pytest.raises(TypeError, match=r"records are drawn by step.*batches\(batch_size"):
-        len(FlatTokensSource(mixture, SEQ_LEN))
+    for seq_len in (None, SEQ_LEN):
+        with pytest.raises(TypeError, match=r"drawn by step.*Loader\(mixture, LoaderConfig"):
+            FlatTokensSource(mixture, seq_len)
     with pytest.raises(TypeError, match="got int"):
         FlatTokensSource(3, SEQ_LEN)  # type: ignore[arg-type]
 
@@ -514,46 +513,6 @@ def test_an_index_past_64_bits_or_of_another_kind_is_named(path: Path) -> None:
         src["3"]  # type: ignore[index]
     with pytest.raises(ValueError, match=r"record indices\[1\] must be an int, got None"):
         src.read_batch([0, None])  # type: ignore[list-item]
-    batches = src.batches(2)
-    scheduled = ScheduledBatches(src, [(0, 2), (3, 4)])
-    for name, steps in (("Batches", batches), ("ScheduledBatches", scheduled)):
-        with pytest.raises(ValueError, match=rf"^{name} step must be an int, got '3' \("):
-            steps["3"]  # type: ignore[index]
-        with pytest.raises(IndexError, match=rf"step {10**20} is outside \[0, {len(steps)}\)"):
-            steps[10**20]
-
-
-def test_scheduled_batches_cut_any_order_by_the_schedule(path: Path) -> None:
-    src = FlatTokensSource(path, seq_len=SEQ_LEN)
-    order = grain.MapDataset.range(len(src)).shuffle(seed=3).repeat(2)
-    entries = [(0, 3), (2, 5), (7, 64)]
-    batches = ScheduledBatches(src, entries, order)
-    # Walk the steps: each takes the next `size` positions of the order.
-    at, step, want_steps = 0, 0, []
-    while at < len(order):
-        size = max(n for s, n in entries if s <= step)
-        want_steps.append([int(order[i]) for i in range(at, min(at + size, len(order)))])
-        at, step = at + size, step + 1
-    assert len(batches) == len(want_steps)
-    pipeline = grain.MapDataset.source(pickle.loads(pickle.dumps(batches)))
-    for step, records in enumerate(want_steps):
-        assert_rows_equal(pipeline[step], stack([src[r] for r in records]))
-    with pytest.raises(IndexError, match=rf"step {len(batches)} is outside"):
-        batches[len(batches)]
-
-
-def test_scheduled_batches_in_order_equal_the_loader(path: Path) -> None:
-    ft = ftj.open_dataset(path)["train"]
-    entries = [(0, 4), (3, 8)]
-    cfg = ftj.LoaderConfig(batch_size=entries, seq_len=SEQ_LEN, shuffle=False, num_epochs=1)
-    loader = ftj.Loader(ft, cfg)
-    batches = ScheduledBatches(FlatTokensSource(ft, seq_len=SEQ_LEN), entries)
-    assert len(batches) == loader.num_batches
-    for step in range(len(batches) - 1):  # the loader pads its last batch; grain's is shorter
-        assert_rows_equal(batches[step], loader.host_batch(step))
-    last = batches[len(batches) - 1]
-    real = loader.host_batch(len(batches) - 1)["loss_mask"].any(axis=1)
-    assert last["targets"].shape[0] == real.sum() > 0
 
 
 @settings(max_examples=25, deadline=None)
@@ -561,7 +520,7 @@ def test_scheduled_batches_in_order_equal_the_loader(path: Path) -> None:
     seqs=st.lists(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=12), min_size=2),
     data=st.data(),
 )
-def test_batches_equal_brute_force_reference_on_every_shard(
+def test_to_grain_steps_equal_brute_force_reference(
     seqs: list[list[int]], data: st.DataObject
 ) -> None:
     url = memory_url()
@@ -570,22 +529,21 @@ def test_batches_equal_brute_force_reference_on_every_shard(
     )
     packing = data.draw(st.booleans())
     seq_len = data.draw(st.integers(1, max(1, sum(map(len, seqs)) // 2)))
-    src = FlatTokensSource(url, seq_len, packing)
-    count = data.draw(st.sampled_from([1, 2, 4]))
-    batch_size = count * data.draw(st.integers(1, 6))
+    records = len(FlatTokensSource(url, seq_len, packing))
+    batch_size = data.draw(st.integers(1, 24))
     seed, shuffle = data.draw(st.integers(0, 2**64 - 1)), data.draw(st.booleans())
     num_epochs = data.draw(st.sampled_from([None, 1, 3]))
-    shards = [
-        src.batches(batch_size, seed=seed, shuffle=shuffle, num_epochs=num_epochs, shard=(i, count))
-        for i in range(count)
-    ]
+    cfg = ftj.LoaderConfig(
+        batch_size, seq_len, packing, shuffle=shuffle, seed=seed, num_epochs=num_epochs
+    )
+    loader = ftj.Loader(ftj.open_dataset(url)["train"], cfg)
+    steps = 50 if num_epochs is None else -(-records * num_epochs // batch_size)
     if num_epochs is not None:  # the last step padded, not dropped
-        assert len(shards[0]) == -(-len(src) * num_epochs // batch_size)
-    if len(shards[0]) == 0:
-        return
-    step = data.draw(st.integers(0, min(len(shards[0]), 50) - 1))
+        assert loader.num_batches == steps
+    step = data.draw(st.integers(0, min(steps, 50) - 1))
     if data.draw(st.booleans()):
-        step = len(shards[0]) - 1 if num_epochs is not None else step
+        step = steps - 1 if num_epochs is not None else step
+    loader.next_step = step
     want = reference_batch(
         seqs,
         step,
@@ -596,42 +554,10 @@ def test_batches_equal_brute_force_reference_on_every_shard(
         seed=seed,
         num_epochs=num_epochs,
     )
-    got = stack_shards([s[step] for s in shards])
+    got = next(iter(loader.to_grain()))
     assert {k: v.astype(int).tolist() for k, v in got.items()} == {
         k: v.astype(int).tolist() for k, v in want.items()
     }
-
-
-def stack_shards(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    return {k: np.concatenate([p[k] for p in parts]) for k in FIELDS}
-
-
-def test_batches_are_plain_grain_and_equal_the_loader(path: Path) -> None:
-    src = FlatTokensSource(path, SEQ_LEN)
-    ft = ftj.open_dataset(path)["train"]
-    cfg = ftj.LoaderConfig(batch_size=8, seq_len=SEQ_LEN, seed=5, num_epochs=2, prefetch=0)
-    loader = ftj.Loader(ft, cfg)
-    batches = src.batches(8, seed=5, num_epochs=2, shard=(1, 2))
-    assert len(batches) == -(-len(src) * 2 // 8)
-    ds = grain.MapDataset.source(batches).to_iter_dataset()
-    for step, got in zip(range(len(batches)), ds, strict=True):
-        want = {k: v[4:] for k, v in loader.host_batch(step).items()}
-        assert_rows_equal(got, want)
-    again = pickle.loads(pickle.dumps(batches))
-    assert repr(again) == repr(batches)
-    assert_rows_equal(again[3], batches[3])
-
-
-def test_batches_refuse_what_they_cannot_cut(path: Path) -> None:
-    src = FlatTokensSource(path, SEQ_LEN)
-    with pytest.raises(ValueError, match="batch_size 6 does not divide over 4 shards"):
-        src.batches(6, shard=(0, 4))
-    with pytest.raises(ValueError, match=r"need 0 <= index < count"):
-        src.batches(8, shard=(2, 2))
-    with pytest.raises(ValueError, match="shard must be"):
-        src.batches(8, shard="host0")  # type: ignore[arg-type]
-    with pytest.raises(IndexError, match="step 10000 is outside"):
-        src.batches(8)[10000]
 
 
 def test_the_source_carries_the_datas_vocabulary(tmp_path: Path) -> None:

@@ -37,7 +37,6 @@ from flat_tokens_jax.data.plans import (
     plan_group,
 )
 from flat_tokens_jax.data.validation import summary
-from flat_tokens_jax.grain.grain import FlatTokensSource
 from flat_tokens_jax.store.storageformat import StorageFormat, create_array
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,9 +161,7 @@ def test_loaders_refuse_steps_over_memory_before_allocating(tmp_path: Path) -> N
     code, out = python(
         f"""
         import flat_tokens_jax as ftj
-        from flat_tokens_jax.grain.grain import FlatTokensSource, ScheduledBatches
         ft = ftj.open_dataset({str(url)!r})["train"]
-        src = FlatTokensSource(ft, 16)
         for name, run in [
             ("batch", lambda: ftj.Loader(ft, ftj.LoaderConfig(batch_size=10**10, seq_len=16))),
             ("schedule", lambda: ftj.Loader(
@@ -172,8 +169,6 @@ def test_loaders_refuse_steps_over_memory_before_allocating(tmp_path: Path) -> N
             ("prefetch", lambda: [
                 ftj.Loader(ft, ftj.LoaderConfig(batch_size=4, seq_len=16, prefetch=10**9)
                 ).batch(s) for s in range(3)]),
-            ("grain", lambda: src.batches(10**10)),
-            ("scheduled", lambda: ScheduledBatches(src, 10**10)),
         ]:
             try:
                 run()
@@ -183,7 +178,7 @@ def test_loaders_refuse_steps_over_memory_before_allocating(tmp_path: Path) -> N
         """
     )
     assert code == 0, out
-    for name in ("batch", "schedule", "prefetch", "grain", "scheduled"):
+    for name in ("batch", "schedule", "prefetch"):
         line = next(x for x in out.splitlines() if x.startswith(name))
         assert "refused:" in line and "memory" in line and "at most" in line, out
     assert "prefetch 1,000,000,000" in out
@@ -214,7 +209,7 @@ def test_the_memory_estimate_counts_every_field_of_the_layout(
 ) -> None:
     """A step that fits in memory as the five fields but not as MaxText's six
     arrays, ``sequence_start`` and ``segment_lengths``: the second is refused
-    (by ``Loader`` and grain's batches), the first is not. The rows' bytes are
+    (by ``Loader``), the first is not. The rows' bytes are
     measured on real batches."""
     url = write(tmp_path / "ds", lengths_of(50))
     ft = ftj.open_dataset(url)["train"]
@@ -230,11 +225,8 @@ def test_the_memory_estimate_counts_every_field_of_the_layout(
     reading = rows * (seq_len * READ_BYTES_PER_TOKEN + ROW_BYTES) + STEP_BYTES
     monkeypatch.setattr(limits, "memory_bytes", lambda: reading + rows * (plain + widest) // 2)
     ftj.Loader(ft, ftj.LoaderConfig(rows, seq_len, prefetch=0))
-    FlatTokensSource(ft, seq_len).batches(rows)
     with pytest.raises(ValueError, match=r"LoaderConfig batch_size 1,000 .*memory.*at most"):
         ftj.Loader(ft, ftj.LoaderConfig(rows, seq_len, prefetch=0, **wide))
-    with pytest.raises(ValueError, match=r"memory.*at most"):
-        FlatTokensSource(ft, seq_len, **wide).batches(rows)
 
 
 # Finding 6 (and 9: a shard that is a folder): special files refused at open, no hang.

@@ -25,7 +25,6 @@ from memurls import memory_url
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.core.yamlfile import read_yaml
-from flat_tokens_jax.grain.grain import FlatTokensSource, ScheduledBatches
 from flat_tokens_jax.loader.phaseconfig import phases_from_yaml
 from flat_tokens_jax.sampling.mixture import Period
 from flat_tokens_jax.sampling.schedule import BatchSchedule
@@ -176,17 +175,6 @@ def test_a_small_share_names_the_period_it_needs() -> None:
     with pytest.raises(ValueError, match="pass a period of at least 10000001"):
         ftj.Mixture([(web, 1), (code, 1e-7)])
     assert ftj.Mixture([(web, 1), (code, 1e-7)], period=10000001).periods[0].counts[1] == 1
-
-
-@pytest.mark.parametrize(("order", "position"), [([0, 0.5], 1), ([True, 1], 0), ([0, 1.0], 1)])
-def test_scheduled_batches_refuse_an_order_that_is_not_ints(
-    order: list[Any], position: int
-) -> None:
-    batches = ScheduledBatches(FlatTokensSource(WEB, seq_len=2), 2, order=order)
-    with pytest.raises(ValueError, match=rf"ScheduledBatches order\[{position}\] must be an int"):
-        batches[0]
-    whole = ScheduledBatches(FlatTokensSource(WEB, seq_len=2), 2, order=[np.int64(3), 1])
-    np.testing.assert_array_equal(whole[0]["targets"], [[1, 1], [1, 1]])
 
 
 # --- the run YAML, through `flat-tokens show --config` and LoaderConfig.from_yaml

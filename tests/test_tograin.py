@@ -9,6 +9,7 @@ import contextlib
 import functools
 import itertools
 import json
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from memurls import memory_url
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.grain.grainprocess import prepare_grain
+from flat_tokens_jax.loader.grainprocess import prepare_grain
 from flat_tokens_jax.loader.phasedloader import PhasedLoader
 from flat_tokens_jax.loader.phases import Phase
 from flat_tokens_jax.sampling.mixture import Mixture
@@ -205,14 +206,62 @@ def test_an_orbax_checkpoint_manager_saves_and_restores_it(tmp_path: Path) -> No
     assert_steps([next(resumed) for _ in range(3)], loader, 5)
 
 
-def test_mp_prefetch_is_refused_naming_what_works() -> None:
+def on_disk(path: Path, count: int = 40, seed: int = 3) -> ftj.FlatTokens:
+    """A split as ``split`` makes it, in a store on disk, which worker processes reopen."""
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(1, 900, int(rng.integers(1, 30))).tolist() for _ in range(count)]
+    ftj.write_dataset(str(path), {"train": seqs})
+    return ftj.open_dataset(str(path))["train"]
+
+
+def test_mp_prefetch_hands_out_host_batch_in_step_order_and_resumes_exactly(
+    tmp_path: Path,
+) -> None:
+    """Two worker processes, a mixture with a batch-size schedule, a skip made
+    before iterating: the elements are ``host_batch`` of steps 0, 1, 2, ...;
+    grain's state after 5 of them restores in a fresh loader (without the skip,
+    which the state carries) to the same elements as the uninterrupted run."""
     prepare_grain()
-    loader = ftj.Loader(split("a"), config())
-    for workers in (1, 2):
-        options = grain.MultiprocessingOptions(num_workers=workers)
-        it = iter(loader.to_grain().mp_prefetch(options))
-        with pytest.raises(TypeError, match=r"without mp_prefetch .*FlatTokensSource"):
-            next(it)
+    mixture = Mixture(
+        {"a": (on_disk(tmp_path / "a"), 2.0), "b": (on_disk(tmp_path / "b", 25, 4), 1.0)}, seed=5
+    )
+    cfg = config(batch_size=[(0, 2), (3, 6)], num_epochs=None)
+    loader = ftj.Loader(mixture, cfg)
+    loader.skip(2, 3)
+    options = grain.MultiprocessingOptions(num_workers=2)
+    with contextlib.closing(iter(loader.to_grain().mp_prefetch(options))) as it:
+        first = [next(it) for _ in range(5)]
+        state = json.loads(json.dumps(it.get_state()))
+        rest = [next(it) for _ in range(6)]
+    assert_steps(first + rest, loader)
+    fresh = ftj.Loader(mixture, cfg)
+    with contextlib.closing(iter(fresh.to_grain().mp_prefetch(options))) as again:
+        again.set_state(state)
+        assert_steps([next(again) for _ in range(6)], loader, 5)
+
+
+def test_a_loader_sent_to_workers_refuses_steering_and_memory_stores_do_not_go(
+    tmp_path: Path,
+) -> None:
+    prepare_grain()
+    loader = ftj.Loader(on_disk(tmp_path / "a"), config(num_epochs=1))
+    options = grain.MultiprocessingOptions(num_workers=2)
+    batches = list(loader.to_grain().mp_prefetch(options))
+    assert_steps(batches, loader)
+    assert len(batches) == loader.num_batches
+    with pytest.raises(ValueError, match=r"grain's worker processes .*Steer it before iterating"):
+        loader.skip(30, 1)
+    in_memory = iter(ftj.Loader(split("a"), config()).to_grain().mp_prefetch(options))
+    with pytest.raises(pickle.PicklingError, match=r"memory:// store.*leave mp_prefetch out"):
+        next(in_memory)
+
+
+def test_mp_prefetch_of_phases_is_refused_naming_what_works() -> None:
+    prepare_grain()
+    phased = two_streams("phased")
+    it = iter(phased.to_grain().mp_prefetch(grain.MultiprocessingOptions(num_workers=2)))
+    with pytest.raises(TypeError, match=r"without mp_prefetch.*each phase's Loader"):
+        next(it)
 
 
 @functools.cache

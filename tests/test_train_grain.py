@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flat_tokens_jax.grain.grain import FlatTokensSource
+import flat_tokens_jax as ftj
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train_grain.py"
 ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
@@ -33,7 +33,7 @@ def run(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess[str], 
     return out, [float(v) for _, v in losses]
 
 
-@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("workers", [0, 2])
 def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path: Path, workers: int) -> None:
     """It saves the grain iterator's state after step 2, restores it in a new
     pipeline, and the steps after agree with the uninterrupted run in losses and
@@ -47,14 +47,15 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path: Path, workers: in
     saved = np.load(tmp_path / "checkpoint.npz")
     state = json.loads(str(saved["data"]))
     assert int(saved["step"]) == 3
-    if workers:  # mp_prefetch's state holds its worker's iterator state
-        assert state["iterators_in_use_states"] == [{"next_index": 3}], state
+    if workers:  # each worker's loader state: worker 0 read steps 0 and 2, worker 1 step 1
+        assert [s["step"] for s in state["iterators_in_use_states"]] == [4, 3], state
+        assert state["next_index_in_cycle"] == 1, state
         assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr
     else:
-        assert state == {"next_index": 3}
+        assert state["step"] == 3 and state["samples"] == 24, state
         # Its data trains on targets of id 0, which a mask from "token != 0" would drop.
-        src = FlatTokensSource(str(tmp_path / "data"), seq_len=16, layout="tokens")
-        batch = src.batches(8)[0]
+        split = ftj.open_dataset(str(tmp_path / "data"))["train"]
+        batch = ftj.Loader(split, ftj.LoaderConfig(8, 16, layout="tokens")).host_batch(0)
         assert ((batch["tokens"][:, 1:] == 0) & batch["loss_mask"]).sum() > 0
 
 

@@ -11,6 +11,7 @@ only inside its large passes, so its blocks overlap less.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 import os
 import threading
@@ -25,7 +26,8 @@ from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.data.records import Records, Windows, request_windows
 from flat_tokens_jax.decoding import batch as fields
-from flat_tokens_jax.decoding.layouts import row_starts
+from flat_tokens_jax.decoding.instancefilter import FilteredRows
+from flat_tokens_jax.decoding.layouts import BatchLayout, row_starts
 
 _PAGE = 4096
 _STAGGER = 768  # a multiple of 64; five fields stay at distinct offsets modulo _PAGE
@@ -269,3 +271,58 @@ def join_parts(
             out[key][at] = value
         starts[at] = row_starts(windows, packings[c])
     return out, starts
+
+
+@dataclasses.dataclass(frozen=True)
+class RowDecode:
+    """Rows read by :func:`request_parts` to the layout's fields: the one host
+    decode, of a ``Loader``'s steps and of ``FlatTokensSource``'s records.
+
+    Attributes:
+        packings: ``[K]`` each component's packing.
+        seq_len, start_token_id, pad_id: as ``LoaderConfig``'s.
+        layout: the arrays handed out.
+        filtered: the instance filter, and its count of rejected rows.
+    """
+
+    packings: tuple[Packing, ...]
+    seq_len: int
+    start_token_id: int
+    pad_id: int
+    layout: BatchLayout
+    filtered: FilteredRows
+
+    def fields(
+        self,
+        decoder: BlockDecoder,
+        num_rows: int,
+        parts: Sequence[Part],
+        sources: np.ndarray,
+        *,
+        where: str,
+        rows: np.ndarray | None,
+        step: int | None = None,
+        threads: int | None = None,
+    ) -> dict[str, np.ndarray]:
+        """The layout's fields ``[num_rows, seq_len]`` of ``parts`` (rows of
+        none are padding), decoded by ``decoder`` on at most ``threads``
+        threads, after the instance filter (its rejections noted for ``step``
+        when one is given); ``sources`` ``[num_rows] int32`` as
+        :func:`row_sources` gives them; ``where`` and ``rows`` (each row's
+        global index) name rows in errors."""
+
+        def decode(c: int, windows: Windows) -> dict[str, np.ndarray]:
+            return decoder.decode(
+                windows,
+                self.packings[c],
+                self.seq_len,
+                start_token_id=self.start_token_id,
+                pad_id=self.pad_id,
+                threads=threads,
+            )
+
+        out, starts = join_parts(num_rows, parts, decode, self.packings, self.seq_len, self.pad_id)
+        out = self.filtered.apply(out, step, threads)
+        if self.layout.plain:
+            return out
+        return self.layout.apply(out, starts, where=where, rows=rows, sources=sources)

@@ -1,4 +1,4 @@
-"""The grain adapter: ``FlatTokensSource`` and ``ScheduledBatches``, also
+"""The grain adapter: ``FlatTokensSource``, also
 importable from here (``from flat_tokens_jax.grain import FlatTokensSource``).
 """
 
@@ -8,9 +8,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from flat_tokens_jax.grain.grain import FlatTokensSource, ScheduledBatches
+    from flat_tokens_jax.grain.grain import FlatTokensSource
 
-__all__ = ["FlatTokensSource", "ScheduledBatches"]
+__all__ = ["FlatTokensSource"]
 
 
 def __getattr__(name: str) -> Any:

@@ -6,7 +6,7 @@ padded sequence or a bin of whole sequences, exactly the row
 :class:`~flat_tokens_jax.Loader` makes of it) as a dict of the five batch
 fields, each ``[seq_len]``. The source only has to satisfy grain's protocol;
 making one imports grain only to prepare its worker processes for a plain
-script (:mod:`~flat_tokens_jax.grain.grainprocess`).
+script (:mod:`~flat_tokens_jax.loader.grainprocess`).
 
 What a read costs: ``__getitem__`` is one read of one record. ``_getitems`` is
 grain's batched-read hook (``SupportsBatchedReadRandomAccessDataSource``): one
@@ -18,22 +18,10 @@ them costs one batched read per batch::
 
     grain.MapDataset.range(len(src)).shuffle(seed=0).batch(B).map(src.read_batch)
 
-Simplest and fastest: :meth:`FlatTokensSource.batches` is a source whose
-element ``step`` is a whole shuffled batch (this host's share of it), read and
-decoded in row blocks on several threads, the ``Loader``'s step for a split
-or a ``Mixture``, with a batch-size schedule or one size; it stays plain grain::
-
-    ds = grain.MapDataset.source(src.batches(256, seed=0, shard=(jax.process_index(),
-                                                                  jax.process_count())))
-
-A batch-size schedule (``[(start_step, size), ...]``, as
-``LoaderConfig.batch_size`` takes) over an order of grain's making is what
-``.batch(B)`` cannot express: :class:`ScheduledBatches` is a source whose
-element ``step`` is that step's batch of records, cut from any random-access
-order of record indices::
-
-    order = grain.MapDataset.range(len(src)).shuffle(seed=0).repeat(3)
-    batches = grain.MapDataset.source(ScheduledBatches(src, [(0, 8), (100, 16)], order))
+A loader's whole steps (a ``Mixture``'s too, a batch-size schedule, this
+host's rows under a sharding) come from ``Loader(...).to_grain()``, a
+``grain.IterDataset`` (see :mod:`~flat_tokens_jax.loader.tograin`): the two
+decode records the same way (:class:`~flat_tokens_jax.decoding.hostdecode.RowDecode`).
 """
 
 from __future__ import annotations
@@ -49,28 +37,26 @@ import numpy as np
 from flat_tokens_jax.core import fields
 from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.core.values import integer
-from flat_tokens_jax.data.dataset import FlatTokens
-from flat_tokens_jax.data.records import Records, Windows, recorded_info
+from flat_tokens_jax.data.bins import make_records
+from flat_tokens_jax.data.dataset import Dataset, FlatTokens, open_dataset
+from flat_tokens_jax.data.records import Records, check_packing, recorded_info
 from flat_tokens_jax.decoding.hostdecode import (
     BlockDecoder,
+    RowDecode,
     default_threads,
-    join_parts,
     request_parts,
     row_sources,
 )
-from flat_tokens_jax.decoding.instancefilter import InstanceFilter, apply_filter
-from flat_tokens_jax.decoding.layouts import BatchLayout
-from flat_tokens_jax.grain.grainbatches import Batches, ScheduledBatches
-from flat_tokens_jax.grain.grainprocess import prepare_grain
-from flat_tokens_jax.grain.grainrecords import Keep, Remix, Reopen, as_components
+from flat_tokens_jax.decoding.instancefilter import FilteredRows, InstanceFilter
+from flat_tokens_jax.decoding.layouts import BatchLayout, check_max_segments
 from flat_tokens_jax.loader.config import LoaderConfig, resolve_start_token_id
-from flat_tokens_jax.sampling.blocks import default_block, sampler
-from flat_tokens_jax.sampling.mixture import Mixture
-from flat_tokens_jax.sampling.schedule import BatchSizeSpec
+from flat_tokens_jax.loader.grainprocess import prepare_grain
+from flat_tokens_jax.loader.reopen import Keep, Reopen
+from flat_tokens_jax.sampling.mixture import Mixture, config_records
 from flat_tokens_jax.store.identity import DatasetInfo, TokenizerInfo
 from flat_tokens_jax.store.options import StoreOptions, resolve_options
 
-__all__ = ["FlatTokensSource", "ScheduledBatches"]
+__all__ = ["FlatTokensSource"]
 
 
 class FlatTokensSource:
@@ -97,9 +83,8 @@ class FlatTokensSource:
     Args:
         source: a path or URL, a :class:`FlatTokens` split (or view),
             records (:class:`PackedRecords`, :class:`PaddedRecords`, or any
-            :class:`Records`), or a ``Mixture``: its steps come from
-            :meth:`batches`, blended as ``Loader`` blends them; it has no
-            record index (``len``, ``[i]``).
+            :class:`Records`). A ``Mixture`` has no record index: its steps
+            come from ``Loader(mixture, config).to_grain()``.
         seq_len: tokens per record; required for a URL or a ``FlatTokens``,
             and if given for records it must be theirs.
         packing: True (the default for a URL or a ``FlatTokens``): consecutive
@@ -120,8 +105,7 @@ class FlatTokensSource:
         pad_id: input and target id of padding.
         layout: the arrays of an element, as ``LoaderConfig.layout``
             (``"fields"``, ``"segments"``, ``"tokens"``, ``"maxtext"``; see
-            docs/guide/loading.md, "Batch layouts"); :meth:`read_batch` and the batch sources
-            made from this one hold the same.
+            docs/guide/loading.md, "Batch layouts"); :meth:`read_batch` holds the same.
         max_segments: as ``LoaderConfig.max_segments``: adds
             ``segment_lengths`` ``[max_segments] int32`` to each element, and
             with ``packing="bins"`` caps the runs per bin.
@@ -129,18 +113,17 @@ class FlatTokensSource:
             ``sequence_start`` ``[seq_len] bool`` to each element of a layout
             that lacks it (``"fields"``, ``"maxtext"``).
         source_field: as ``LoaderConfig.source_field``: True adds ``source``
-            (``int32``, one a record: the index in :attr:`source_names` of its
-            component, ``-1`` for a padding row of :meth:`batches`).
+            (``int32``, one a record: 0, the index in :attr:`source_names`).
         instance_filter: ``None`` (off), or an :class:`InstanceFilter` (or a
             mapping of its fields): rejected records get ``loss_mask`` False,
             as ``LoaderConfig.instance_filter`` does; it applies to every
-            read (``[i]``, :meth:`read_batch`, :meth:`batches`).
+            read (``[i]``, :meth:`read_batch`).
 
     Raises:
         ValueError: a bad ``seq_len``, ``start_token_id``, ``pad_id`` or
             ``instance_filter``, records whose ``seq_len`` or packing differ
             from those asked for, or no records at all.
-        TypeError: ``source`` is not a source of records.
+        TypeError: ``source`` is not a source of records, or is a ``Mixture``.
 
     Example:
         >>> import grain
@@ -158,7 +141,7 @@ class FlatTokensSource:
 
     def __init__(
         self,
-        source: str | os.PathLike[str] | FlatTokens | Records | Mixture,
+        source: str | os.PathLike[str] | FlatTokens | Records,
         seq_len: int | None = None,
         packing: Packing | bool | str | None = None,
         *,
@@ -181,29 +164,23 @@ class FlatTokensSource:
             options = resolve_options(options, option_fields, "FlatTokensSource")
         self.layout = BatchLayout(layout, max_segments, sequence_start, source_field)
         args = (seq_len, packing, split, options, plan_cache, max_segments)
-        components, self._mixture = as_components(source, *args)
-        self._remix: Remix | None = None
-        first = components[0]
+        records = as_records(source, *args)
         if self.instance_filter is not None:
-            self.instance_filter.check_seq_len(first.seq_len, "instance_filter")
-        for records in components:
-            if len(records) == 0:
-                raise ValueError(
-                    f"{records!r} has no records: the split holds fewer than "
-                    f"seq_len={records.seq_len} tokens or no sequences"
-                )
-        self.seq_len, self.packing = first.seq_len, first.packing
-        names = ("0",) if self.mixture is None else self.mixture.names
-        self.infos = [(n, recorded_info(r)) for n, r in zip(names, components, strict=True)]
-        # A Mixture's components may record different things: then none is the data's.
-        same = all(i == self.infos[0][1] for _, i in self.infos)
-        self.info: DatasetInfo | None = self.infos[0][1] if same else None
+            self.instance_filter.check_seq_len(records.seq_len, "instance_filter")
+        if len(records) == 0:
+            raise ValueError(
+                f"{records!r} has no records: the split holds fewer than "
+                f"seq_len={records.seq_len} tokens or no sequences"
+            )
+        self.seq_len, self.packing = records.seq_len, records.packing
+        self.info: DatasetInfo | None = recorded_info(records)
         config = LoaderConfig(1, self.seq_len, self.packing, start_token_id=start_token_id)
-        self.start_token_id, self.pad_id = resolve_start_token_id(config, self.infos), pad_id
-        self._components: tuple[Records, ...] | None = components
-        self._decoder: BlockDecoder | None = None
-        self._openers = [Reopen.of(r) or Keep(r) for r in components]
-        self._sizes = [len(r) for r in components]
+        infos = [("0", self.info)]
+        self.start_token_id, self.pad_id = resolve_start_token_id(config, infos), pad_id
+        self._records: Records | None = records
+        self._decode: tuple[BlockDecoder, RowDecode] | None = None
+        self._opener = Reopen.of(records) or Keep(records)
+        self._size = len(records)
         self._pid = os.getpid()
         self._lock = threading.Lock()
         # Fixed here and carried through pickling: grain's DataLoader checks a
@@ -212,9 +189,8 @@ class FlatTokensSource:
         shape = "" if self.layout.plain else f", layout={layout!r}, max_segments={max_segments}"
         shape += ", sequence_start=True" if sequence_start else ""
         shape += ", source_field=True" if source_field else ""
-        read = first if self.mixture is None else self.mixture
         self._repr = (
-            f"FlatTokensSource({read!r}, start_token_id={self.start_token_id}, pad_id={pad_id}"
+            f"FlatTokensSource({records!r}, start_token_id={self.start_token_id}, pad_id={pad_id}"
             f"{rule}{shape})"
         )
         prepare_grain()
@@ -230,30 +206,27 @@ class FlatTokensSource:
 
     @property
     def source_names(self) -> tuple[str, ...]:
-        """The components' names, in order (``("0",)`` for one split): what
-        ``source`` counts (``source_field``)."""
-        return tuple(name for name, _ in self.infos)
+        """``("0",)``: what ``source`` counts (``source_field``), as a
+        ``Loader`` of one split names it."""
+        return ("0",)
 
     @property
     def max_token_id(self) -> int:
-        """The largest id in the data (the split's ``max_token_id``; a
-        Mixture's: the largest of its components')."""
-        ids = []
-        for records in self.components:
-            ft = getattr(records, "ft", None)
-            found = ft.max_token_id if isinstance(ft, FlatTokens) else None
-            ids.append(int(records.fingerprint()["max_token_id"]) if found is None else found)
-        return max(ids)
+        """The largest id in the data (the split's ``max_token_id``)."""
+        records = self.records
+        ft = getattr(records, "ft", None)
+        found = ft.max_token_id if isinstance(ft, FlatTokens) else None
+        return int(records.fingerprint()["max_token_id"]) if found is None else found
 
     @property
     def vocab_size(self) -> int:
-        """The ids a model must embed: the recorded tokenizer's ``vocab_size``
-        (the largest of a Mixture's), else ``max_token_id + 1``."""
-        tokens = [i.tokenizer.vocab_size for _, i in self.infos if i and i.tokenizer]
-        return max(tokens) if tokens else self.max_token_id + 1
+        """The ids a model must embed: the recorded tokenizer's ``vocab_size``,
+        else ``max_token_id + 1``."""
+        tokenizer = self.tokenizer
+        return self.max_token_id + 1 if tokenizer is None else tokenizer.vocab_size
 
     def __len__(self) -> int:
-        return self._single_records_count()
+        return self._size
 
     def __getitem__(self, index: SupportsIndex) -> dict[str, np.ndarray]:
         """Record ``index`` (negative counts from the end): five ``[seq_len]`` fields."""
@@ -275,165 +248,52 @@ class FlatTokensSource:
 
         Raises:
             IndexError: an index outside ``[-len(self), len(self))``.
-            TypeError: a source of a ``Mixture`` (its records are drawn by
-                step: :meth:`batches`).
             ValueError: a record of more runs than ``max_segments``.
         """
         idx = self._indices(indices)
+        comp, real = np.zeros(idx.size, np.int64), np.ones(idx.size, bool)
+        parts = request_parts([self.records], comp, idx, real)()
+        decoder, decode = self._decoding()
         where = f"{self._repr} (rows by record index)"
-        return self.read_rows(
-            np.zeros(idx.size, np.int64), idx, np.ones(idx.size, bool), where, idx
-        )
-
-    def read_rows(
-        self,
-        comp: np.ndarray,
-        records: np.ndarray,
-        real: np.ndarray,
-        where: str,
-        rows: np.ndarray | None = None,
-    ) -> dict[str, np.ndarray]:
-        """The layout's fields ``[k, seq_len]`` of ``k`` rows: the real ones
-        (``real`` ``[k] bool``) hold record ``records`` of component ``comp``
-        (``[r] int64`` each), the others are padding (``loss_mask`` False),
-        as a ``Loader`` makes them. ``where`` and ``rows`` name them in errors."""
-        components = self.components
-        decoder = self._block_decoder()
-        parts = request_parts(components, comp, records, real)()
-
-        def decode(c: int, windows: Windows) -> dict[str, np.ndarray]:
-            return decoder.decode(
-                windows,
-                components[c].packing,
-                self.seq_len,
-                start_token_id=self.start_token_id,
-                pad_id=self.pad_id,
-            )
-
-        packings = [r.packing for r in components]
-        fields, starts = join_parts(real.size, parts, decode, packings, self.seq_len, self.pad_id)
-        apply_filter(self.instance_filter, fields, decoder.run_blocks)
-        if self.layout.plain:
-            return fields
         sources = row_sources(comp, real)
-        return self.layout.apply(fields, starts, where=where, rows=rows, sources=sources)
+        return decode.fields(decoder, idx.size, parts, sources, where=where, rows=idx)
 
-    def batches(
-        self,
-        batch_size: BatchSizeSpec,
-        *,
-        seed: int = 0,
-        shuffle: fields.Shuffle = True,
-        num_epochs: int | None = 1,
-        shard: tuple[int, int] = (0, 1),
-        shuffle_block: int | None = None,
-        shuffle_window: int = 1,
-    ) -> Batches:
-        """A grain source of whole shuffled batches: element ``step`` is one step.
-
-        ``grain.MapDataset.source(src.batches(256, seed=0))`` is the fast way to
-        batch this source: one batched read per step, decoded on several threads.
-        The order is ``Loader``'s: element ``step`` equals
-        ``Loader(records, LoaderConfig(batch_size, seed=seed, shuffle=shuffle,
-        num_epochs=num_epochs, ...)).host_batch(step)`` (rows of this shard),
-        for a ``Mixture`` too (its blend, weight schedule and seeds).
-
-        Args:
-            batch_size: global rows per step, over all shards: an int, or a
-                schedule ``[(start_step, size), ...]`` as ``LoaderConfig.batch_size``.
-            seed: the shuffle's key (a fresh order each epoch).
-            shuffle: False: records in order; ``"blocks"``: the block shuffle
-                (see ``LoaderConfig.shuffle``), whose lanes are the batch
-                size (the gcd of a schedule's sizes), as ``Loader``'s.
-            num_epochs: passes over the records; the last step is completed
-                with padding rows (``loss_mask`` False, ``segment_ids`` 0), as
-                ``Loader`` pads it, so an evaluation pass (``num_epochs=1,
-                shuffle=False``) reads every record once. ``None``: unbounded
-                (as many steps as sample indices allow); a ``Mixture``'s
-                components run without end, so it needs ``None``.
-            shard: ``(index, count)``: this host's share of each batch, rows
-                ``[index * B // count, (index + 1) * B // count)`` of a step of
-                ``B`` rows, e.g. ``(jax.process_index(), jax.process_count())``;
-                the hosts together read each global batch once.
-            shuffle_block: as ``LoaderConfig.shuffle_block`` (``None``: sized
-                from the store's chunking).
-            shuffle_window: as ``LoaderConfig.shuffle_window``.
-
-        Raises:
-            ValueError: a bad ``batch_size``, ``seed``, ``shuffle``,
-                ``num_epochs``, ``shuffle_block``, ``shuffle_window`` or
-                ``shard``, a batch size that does not divide over the shards,
-                or ``num_epochs`` with a ``Mixture``.
-        """
-        # The loader's checks of these fields, and its lanes.
-        config = LoaderConfig(
-            batch_size,
-            self.seq_len,
-            self.packing,
-            shuffle=shuffle,
-            seed=seed,
-            num_epochs=num_epochs,
-            shuffle_block=shuffle_block,
-            shuffle_window=shuffle_window,
-        )
-        block = config.shuffle_block
-        if config.shuffle == fields.BLOCKS and block is None:
-            block = default_block(self.components, self.seq_len)
-        if self.mixture is not None and num_epochs is not None:
-            raise ValueError(
-                f"num_epochs={num_epochs!r} does not apply to a Mixture: each component "
-                "runs its own epochs, without end; pass num_epochs=None"
+    def _decoding(self) -> tuple[BlockDecoder, RowDecode]:
+        made = self._decode
+        if made is None:
+            decoder = BlockDecoder(default_threads())
+            filtered = FilteredRows(self.instance_filter, decoder.run_blocks)
+            decode = RowDecode(
+                (self.packing,),
+                self.seq_len,
+                self.start_token_id,
+                self.pad_id,
+                self.layout,
+                filtered,
             )
-        samplers = [
-            sampler(
-                size,
-                config.shuffle,
-                seed=seed if self.mixture is None else self.mixture.component_seed(seed, c),
-                num_epochs=num_epochs,
-                block=block or 1,
-                window=config.shuffle_window,
-                lane_count=config.lanes,
-            )
-            for c, size in enumerate(self._sizes)
-        ]
-        return Batches(self, batch_size, samplers, shard=shard)
-
-    def _block_decoder(self) -> BlockDecoder:
-        decoder = self._decoder
-        if decoder is None:
-            decoder = self._decoder = BlockDecoder(default_threads())
-        return decoder
+            made = self._decode = (decoder, decode)
+        return made
 
     @property
     def records(self) -> Records:
-        """The records read from, opened in this process first if they need to
-        be (a Mixture's: see :attr:`components`)."""
-        if self.mixture is not None:
-            raise TypeError(f"{self!r} reads a Mixture: its records are components[c]")
-        return self.components[0]
-
-    @property
-    def components(self) -> tuple[Records, ...]:
-        """The records of each component (one without a Mixture), opened in
-        this process first if they need to be."""
-        components = self._components
-        if components is not None and self._pid == os.getpid():
-            return components
+        """The records read from, opened in this process first if they need to be."""
+        records = self._records
+        if records is not None and self._pid == os.getpid():
+            return records
         with self._lock:
-            components = self._components
-            if components is None or self._pid != os.getpid():
-                components = tuple(opener.open() for opener in self._openers)
-                for records, size in zip(components, self._sizes, strict=True):
-                    if len(records) != size:
-                        raise RuntimeError(
-                            f"the data changed after {self!r} was made: it had "
-                            f"{size} records, {records!r} has {len(records)}"
-                        )
-                self._components, self._pid = components, os.getpid()
-            return components
+            records = self._records
+            if records is None or self._pid != os.getpid():
+                records = self._opener.open()
+                if len(records) != self._size:
+                    raise RuntimeError(
+                        f"the data changed after {self!r} was made: it had "
+                        f"{self._size} records, {records!r} has {len(records)}"
+                    )
+                self._records, self._pid = records, os.getpid()
+            return records
 
     def __getstate__(self) -> dict[str, Any]:
-        if any(opener.in_memory for opener in self._openers):
+        if self._opener.in_memory:
             raise pickle.PicklingError(
                 f"{self!r} reads a memory:// store, which exists only in this process: "
                 "write the dataset to a path or object store for grain worker processes, "
@@ -441,35 +301,12 @@ class FlatTokensSource:
             )
         state = dict(self.__dict__)
         del state["_lock"]
-        state["_components"], state["_decoder"] = None, None
-        # The blend travels, not its open sources: see `mixture`.
-        if self._mixture is not None:
-            state["_remix"] = Remix.of(self._mixture)
-        state["_mixture"] = None
+        state["_records"], state["_decode"] = None, None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
-
-    @property
-    def mixture(self) -> Mixture | None:
-        """The ``Mixture`` read (``None``: one split or records), made again
-        over this process's components in an unpickled copy."""
-        if self._mixture is None and self._remix is not None:
-            mixture = self._remix.open(self.components)
-            with self._lock:
-                if self._mixture is None:
-                    self._mixture = mixture
-        return self._mixture
-
-    def _single_records_count(self) -> int:
-        if self.mixture is not None:
-            raise TypeError(
-                f"{self!r} reads a Mixture, whose records are drawn by step, not by "
-                "index: use its batches(batch_size, num_epochs=None, ...)"
-            )
-        return self._sizes[0]
 
     def _indices(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
         """``indices`` as ``[k] int64`` in ``[0, len)``, after counting negatives from the end."""
@@ -481,7 +318,7 @@ class FlatTokensSource:
                 integer(value, f"record indices[{i}]")
         elif idx.size and idx.dtype.kind not in "iu":
             raise TypeError(f"record indices must be integers, got dtype {idx.dtype}")
-        n = self._single_records_count()
+        n = self._size
         # Compared before any cast: a uint64 or a Python int past int64 would wrap.
         bad = np.flatnonzero((idx >= n) if idx.dtype.kind == "u" else (idx < -n) | (idx >= n))
         if bad.size:
@@ -490,3 +327,53 @@ class FlatTokensSource:
             )
         idx = idx.astype(np.int64)
         return np.where(idx < 0, idx + n, idx)
+
+
+def as_records(
+    source: str | os.PathLike[str] | FlatTokens | Records,
+    seq_len: int | None,
+    packing: fields.Packing | bool | str | None,
+    split: str,
+    options: StoreOptions | None,
+    plan_cache: str | os.PathLike[str] | None,
+    max_segments: int | None = None,
+) -> Records:
+    """The records a :class:`FlatTokensSource` reads, checked against what was asked."""
+    if isinstance(source, Mixture):
+        raise TypeError(
+            f"{source!r} is a Mixture, whose records are drawn by step, not by index: "
+            "read its steps with Loader(mixture, LoaderConfig(...)).to_grain()"
+        )
+    asked = None if packing is None else fields.packing(packing, "packing")
+    seq_len = fields.seq_len(seq_len, "seq_len", optional=True)
+    if isinstance(source, str | os.PathLike):
+        source = open_dataset(source, options)[split]
+    elif options is not None:
+        raise ValueError(f"options apply to a URL only; {source!r} is open already")
+    if isinstance(source, FlatTokens):
+        if seq_len is None:
+            raise ValueError(f"seq_len is required to make records of {source!r}")
+        rows = fields.Packing.WINDOWS if asked is None else asked
+        check_max_segments(max_segments, seq_len, rows, "max_segments")
+        return make_records(source, seq_len, rows, plan_cache, max_segments)
+    if isinstance(source, Dataset):
+        raise TypeError(
+            f"{source!r} is a whole dataset; pick a split: ds[{source.splits[0]!r}] "
+            "(or pass the URL with split=...)"
+        )
+    if not all(hasattr(source, a) for a in ("read", "seq_len", "packing", "__len__")):
+        raise TypeError(
+            f"expected a path or URL, a FlatTokens or Records, got {type(source).__name__}"
+        )
+    check_packing(source, "the source")
+    records = config_records(
+        source,
+        source.seq_len if seq_len is None else seq_len,
+        source.packing if asked is None else asked,
+        plan_cache,
+        max_segments,
+        "the source",
+        "leave seq_len and packing out to use the records' own",
+    )
+    check_max_segments(max_segments, records.seq_len, records.packing, "max_segments")
+    return records

@@ -30,8 +30,8 @@ from flat_tokens_jax.data.bins import BinRecords
 from flat_tokens_jax.data.records import Records, Windows
 from flat_tokens_jax.decoding.hostdecode import (
     BlockDecoder,
+    RowDecode,
     default_threads,
-    join_parts,
     request_parts,
     row_sources,
 )
@@ -70,6 +70,13 @@ class StepEngine:
             ``None``: the config's seeds, from sample 0.
         source_names: the run's sources, each component's name among them
             (a phase's, numbered over the run); ``None``: the components'.
+        rows: without a sharding, the rows of each batch size this host
+            reads (a grain worker's engine: its parent's rows under the
+            parent's sharding); ``None``: all of them.
+
+    Attributes:
+        sent: why the engine's steering is fixed (its steps went to grain's
+            worker processes), or ``None``.
     """
 
     def __init__(
@@ -78,6 +85,7 @@ class StepEngine:
         sharding: jax.sharding.Sharding | None = None,
         streams: Sequence[tuple[int, int]] | None = None,
         source_names: Sequence[str] | None = None,
+        rows: dict[int, np.ndarray] | None = None,
     ) -> None:
         config = sources.config
         self.sources, self.config, self.sharding = sources, config, sharding
@@ -92,14 +100,18 @@ class StepEngine:
         self.sampler = self.samplers[0]
         self.schedule = config.schedule
         self._host_blocks = host_blocks_per_size(sharding, self.schedule, config.seq_len)
+        self._rows = rows or {}
+        self.sent: str | None = None
         # A constant batch size gives every step the same blocks and rows (skips
         # change which data a step reads, never its size): worked out once.
         self._fixed: tuple[HostBlocks | None, np.ndarray] | None = None
-        if self.schedule.constant is not None:
-            held = self._host_blocks.get(self.schedule.constant)
-            rows = np.arange(self.schedule.constant, dtype=np.int64) if held is None else held.rows
-            rows.setflags(write=False)
-            self._fixed = (held, rows)
+        constant = self.schedule.constant
+        if constant is not None:
+            held = self._host_blocks.get(constant)
+            fixed = self._rows.get(constant, np.arange(constant, dtype=np.int64))
+            fixed = fixed if held is None else held.rows
+            fixed.setflags(write=False)
+            self._fixed = (held, fixed)
         self.steps = StepSamples(
             self.samplers, self.mixture, self.schedule, self.host_rows_at, config.num_epochs
         )
@@ -114,11 +126,15 @@ class StepEngine:
         )
         self.block_decoder = BlockDecoder(config.decode_threads or default_threads())
         self.filter = FilteredRows(config.instance_filter, self.block_decoder.run_blocks)
+        packings = tuple(r.packing for r in self.components)
+        self.decode = RowDecode(
+            packings, config.seq_len, self.start_token_id, config.pad_id, self.layout, self.filter
+        )
         # Reading ahead, the read stage takes a core of its own (see prefetch).
         self.ahead_threads = config.decode_threads or max(1, default_threads() - 1)
         # Steps whose samples one sampler call looks up, reading ahead.
         self.lookup = max(config.prefetch or 0, LOOKUP_AHEAD)
-        if config.decode == "device":
+        if config.decode == "device" and rows is None:
             self.blocks.host_blocks_at(0)  # refuses a sharding it cannot decode under
 
     def __repr__(self) -> str:
@@ -136,26 +152,16 @@ class StepEngine:
         if self._fixed is not None:
             return self._fixed[1]
         held = self.host_blocks_at(step)
-        if held is None:
-            return np.arange(self.steps.size(step), dtype=np.int64)
-        return held.rows
+        if held is not None:
+            return held.rows
+        size = self.steps.size(step)
+        rows = self._rows.get(size)
+        return np.arange(size, dtype=np.int64) if rows is None else rows
 
     @property
     def num_batches(self) -> int | None:
         """Steps in the run (``None`` when ``num_epochs`` is ``None``)."""
         return self.steps.num_batches
-
-    def _decode(
-        self, component: int, windows: Windows, threads: int | None = None
-    ) -> dict[str, np.ndarray]:
-        return self.block_decoder.decode(
-            windows,
-            self.components[component].packing,
-            self.config.seq_len,
-            start_token_id=self.start_token_id,
-            pad_id=self.config.pad_id,
-            threads=threads,
-        )
 
     def readers(self, step: int, rows: np.ndarray) -> Sequence[Records]:
         """What reads each component's records for ``rows`` at ``step``: its
@@ -178,21 +184,16 @@ class StepEngine:
         """The layout's fields of records read by :meth:`request_rows` at ``step``,
         decoded on at most ``threads`` threads (default: the decoder's), after
         the instance filter (its rejections noted for ``step`` when ``counted``)."""
-        noted = step if counted else None
-        out, starts = join_parts(
+        return self.decode.fields(
+            self.block_decoder,
             fetched.rows,
             fetched.parts,
-            lambda c, windows: self._decode(c, windows, threads),
-            [r.packing for r in self.components],
-            self.config.seq_len,
-            self.config.pad_id,
+            fetched.sources,
+            where=f"step {step}",
+            rows=None if self.layout.plain else self.host_rows_at(step),
+            step=step if counted else None,
+            threads=threads,
         )
-        out = self.filter.apply(out, noted, threads)
-        if self.layout.plain:
-            return out
-        rows = self.host_rows_at(step)
-        where = f"step {step}"
-        return self.layout.apply(out, starts, where=where, rows=rows, sources=fetched.sources)
 
     def host_batch(self, step: int) -> dict[str, np.ndarray]:
         """See ``Loader.host_batch`` (the instance filter's rejections are not counted)."""
@@ -253,7 +254,13 @@ class StepEngine:
 
     def steer(self, steering: Steering) -> None:
         """Reads with ``steering`` (the trainer's skips and weight changes)
-        from now on; the steps read ahead are the caller's to drop."""
+        from now on; the steps read ahead are the caller's to drop.
+
+        Raises:
+            ValueError: the steps went to grain's worker processes (:attr:`sent`).
+        """
+        if self.sent is not None:
+            raise ValueError(self.sent)
         self.steps.steer(steering)
 
     def stats(self) -> dict[str, Any]:

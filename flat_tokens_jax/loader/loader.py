@@ -12,6 +12,7 @@ saves and restores where a run is.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -295,7 +296,20 @@ class Loader(Steerable):
         def spans() -> list[tograin.Span]:
             return [tograin.Span(self, 0, self.num_batches)]
 
-        return tograin.StepsDataset(self, spans, self.next_step)
+        return tograin.StepsDataset(self, spans, self.next_step, recipe=self._reopened)
+
+    def _reopened(self) -> Reopened:
+        """What opens this loader again in a grain worker process; from now
+        on its steering is fixed, since the workers could not follow it."""
+        engine = self.engine
+        engine.sent = (
+            "a Loader whose steps went to grain's worker processes (to_grain under "
+            "mp_prefetch) cannot be steered (skip, set_weights, a restore of other "
+            "steering): the workers read with the steering they were sent. Steer it "
+            "before iterating, or restore the mp_prefetch iterator with its get_state()"
+        )
+        rows = {size: engine.host_rows_at(step) for step, size in self.schedule.entries}
+        return Reopened(engine.sources, rows, self.state())
 
     def fingerprint(self) -> dict[str, Any]:
         """What the batches depend on: the data's identity and the batch-defining config.
@@ -384,3 +398,21 @@ class Loader(Steerable):
         sequences it holds); padding rows are ``{"row": r, "padding": True}``.
         """
         return self.engine.provenance(step)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reopened:
+    """A loader opened again in a grain worker process (``to_grain`` under
+    ``mp_prefetch``): its sources (they pickle as what reopens them), this
+    host's rows of each batch size as the parent worked them out under its
+    sharding (the worker needs none), and the parent's :meth:`Loader.state`,
+    whose steering it restores."""
+
+    sources: Sources
+    rows: dict[int, np.ndarray]
+    state: dict[str, Any]
+
+    def open(self) -> Loader:
+        loader = Loader._of(StepEngine(self.sources, rows=self.rows))
+        loader.restore(self.state)
+        return loader

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import pickle
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +32,7 @@ from flat_tokens_jax.loader.config import (
     records_for,
     resolve_start_token_id,
 )
+from flat_tokens_jax.loader.reopen import Keep, Remix, Reopen
 from flat_tokens_jax.sampling.blocks import Sampler, default_block, sampler
 from flat_tokens_jax.sampling.mixture import Mixture
 
@@ -105,6 +107,22 @@ class Sources:
             check_loader_memory(*memory, row_bytes=row, block_cache_bytes=out.block_cache_bytes)
         return out
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled as what opens the same sources in another process (a grain
+        # worker): open stores do not cross processes. What was worked out
+        # from the stores here travels as it is.
+        openers = [Reopen.of(r) or Keep(r) for r in self.components]
+        if any(o.in_memory for o in openers):
+            raise pickle.PicklingError(
+                f"{self.records!r} is in a memory:// store, which exists only in this "
+                "process: write the dataset to a path or object store for grain worker "
+                "processes, or leave mp_prefetch out"
+            )
+        remix = None if self.mixture is None else Remix.of(self.mixture)
+        known = {k: self.__dict__[k] for k in ("block", "block_cache_bytes") if k in self.__dict__}
+        made = (self.config, self.names, self.start_token_id, self.fingerprint(), known)
+        return _reopened, (openers, remix, *made)
+
     @property
     def records(self) -> Records | Mixture:
         """The mixture, or the one component's records."""
@@ -174,3 +192,21 @@ class Sources:
             )
             for records, (seed, offset) in zip(self.components, at, strict=True)
         ]
+
+
+def _reopened(
+    openers: Sequence[Reopen | Keep],
+    remix: Remix | None,
+    config: LoaderConfig,
+    names: tuple[str, ...],
+    start_token_id: int,
+    fingerprint: dict[str, Any],
+    known: dict[str, int],
+) -> Sources:
+    """:class:`Sources` opened again from what :meth:`Sources.__reduce__` saved."""
+    components = tuple(o.open() for o in openers)
+    mixture = None if remix is None else remix.open(components)
+    sources = Sources(config, mixture, components, names, start_token_id)
+    sources._fingerprint = fingerprint
+    sources.__dict__.update(known)  # the cached properties' values
+    return sources

@@ -28,9 +28,16 @@ they count as handed out, so save the ``get_state()`` of the iterator the
 trainer takes from (grain keeps each read-ahead element's state), not
 ``state()``.
 
-The dataset holds the loader, its threads and its open stores: it cannot be
-pickled into grain's worker processes, so ``mp_prefetch`` is refused with a
-message; nothing is lost, since the loader reads ahead on threads of its own.
+Under ``mp_prefetch`` (``grain.MultiprocessingOptions(num_workers=n)``) a
+``Loader``'s dataset pickles as what opens the loader again (:class:`WorkerSteps`:
+its sources reopened, its config and steering, this host's rows of each step
+as this process works them out, so a worker needs no sharding), and grain's
+slice gives worker ``i`` the steps ``start + i``, ``start + i + n``, ...,
+each read by the worker's own engine (its ``host_batch``): grain's
+round-robin over the workers hands them out in step order. The iterator's
+state is grain's, one loader ``state()`` per worker, and restores exactly.
+Its steering is fixed when the workers start: the loader refuses a later
+``skip`` or ``set_weights``. A ``PhasedLoader``'s dataset stays in this process.
 This module imports grain; ``Loader.to_grain`` imports it only when called.
 """
 
@@ -43,15 +50,34 @@ from typing import Any, Protocol
 import grain
 import numpy as np
 
+from flat_tokens_jax.loader.grainprocess import prepare_grain
 from flat_tokens_jax.loader.prefetch import Prefetcher
 
 NO_WORKERS = (
-    "a loader's grain dataset (to_grain) cannot go to grain's worker processes: "
-    "it holds the loader's threads and open stores, and reads ahead on those threads "
-    "already. Use it without mp_prefetch (.map and other transformations run in this "
-    "process), or, for worker processes, FlatTokensSource(...).batches(...) as a "
-    "grain.MapDataset source"
+    "a PhasedLoader's grain dataset (to_grain) cannot go to grain's worker processes: "
+    "it reads ahead on threads of its own already. Use it without mp_prefetch (.map and "
+    "other transformations run in this process), or each phase's Loader(...).to_grain() "
+    "under mp_prefetch"
 )
+
+
+class Worker(Protocol):
+    """What a worker process reads steps with: a ``Loader`` opened again."""
+
+    @property
+    def num_batches(self) -> int | None: ...
+
+    def host_batch(self, step: int) -> dict[str, np.ndarray]: ...
+
+    def state(self, step: int | None = None) -> dict[str, Any]: ...
+
+    def restore(self, state: Any) -> int: ...
+
+
+class Reopenable(Protocol):
+    """What opens a loader again in a worker process (picklable)."""
+
+    def open(self) -> Worker: ...
 
 
 class Resumable(Protocol):
@@ -98,6 +124,8 @@ class StepsDataset(grain.IterDataset):
         lead: steps before a span's end at which the next span starts reading.
         told: an error of a step (``ValueError`` or ``IndexError``) and the
             run's step to the error to raise: one that names the phase.
+        recipe: what a worker process opens the owner again with, made when
+            the dataset is pickled (``None``: it cannot be).
     """
 
     def __init__(
@@ -107,10 +135,12 @@ class StepsDataset(grain.IterDataset):
         start: int,
         lead: int = 0,
         told: Callable[[ValueError | IndexError, int], Exception] | None = None,
+        recipe: Callable[[], Reopenable] | None = None,
     ) -> None:
         super().__init__()
         self.owner, self._spans, self.start, self.lead = owner, spans, start, lead
-        self.told = told
+        self.told, self.recipe = told, recipe
+        prepare_grain()
 
     @property
     def spans(self) -> tuple[Span, ...]:
@@ -124,11 +154,9 @@ class StepsDataset(grain.IterDataset):
         return StepsIterator(self)
 
     def __reduce__(self) -> Any:
-        raise TypeError(NO_WORKERS)
-
-    def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
-        """grain's hook for slicing a source among ``mp_prefetch``'s workers: refused."""
-        raise ValueError(NO_WORKERS)
+        if self.recipe is None:
+            raise TypeError(NO_WORKERS)
+        return WorkerSteps, (self.recipe(), self.start)
 
 
 class StepsIterator(grain.DatasetIterator):
@@ -223,3 +251,54 @@ class StepsIterator(grain.DatasetIterator):
 
 def _length(span: Span) -> int | None:
     return None if span.stop is None else span.stop - span.start
+
+
+class WorkerSteps(grain.IterDataset):
+    """A loader's steps in a grain worker process: a :class:`StepsDataset`
+    unpickled. Its iterator reads step ``first``, then every ``stride``-th
+    step after it (grain's :meth:`set_slice` sets both), with the loader
+    ``recipe`` opens."""
+
+    def __init__(self, recipe: Reopenable, start: int) -> None:
+        super().__init__()
+        self.recipe, self.first, self.stride = recipe, start, 1
+
+    def __repr__(self) -> str:
+        return f"WorkerSteps(first={self.first}, stride={self.stride})"
+
+    def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+        """grain's hook: worker ``i`` of ``n`` (``slice(i, None, n)``) reads
+        steps ``start + i``, ``start + i + n``, ..."""
+        if sequential_slice or sl.stop is not None or sl.step is None or sl.step < 1:
+            raise ValueError(
+                f"a loader's steps go to grain's workers in turn, one step each, got {sl} "
+                f"(sequential_slice={sequential_slice}): leave mp_prefetch's "
+                "sequential_slice False"
+            )
+        self.first, self.stride = self.first + (sl.start or 0), self.stride * sl.step
+
+    def __iter__(self) -> WorkerIterator:
+        return WorkerIterator(self.recipe.open(), self.first, self.stride)
+
+
+class WorkerIterator(grain.DatasetIterator):
+    """Steps ``first``, ``first + stride``, ... of ``loader``, each its
+    ``host_batch``; the state is the loader's ``state()`` at the next one."""
+
+    def __init__(self, loader: Worker, first: int, stride: int) -> None:
+        super().__init__()
+        self._loader, self._step, self._stride = loader, first, stride
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        end = self._loader.num_batches
+        if end is not None and self._step >= end:
+            raise StopIteration
+        fields = self._loader.host_batch(self._step)
+        self._step += self._stride
+        return fields
+
+    def get_state(self) -> dict[str, Any]:
+        return self._loader.state(self._step)
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._step = self._loader.restore(state)

@@ -1,23 +1,22 @@
-"""What a :class:`~flat_tokens_jax.grain.grain.FlatTokensSource` reads: its
-records, checked against what was asked, and how another process opens them
-again (grain sends its worker processes pickled sources, and tensorstore
-handles do not cross processes)."""
+"""How another process opens a loader's sources again: its records
+(:class:`Reopen`, or :class:`Keep` for records of a custom type) and a
+``Mixture``'s blend (:class:`Remix`). grain sends its worker processes pickled
+datasets, and tensorstore handles and open sources do not cross processes
+(``FlatTokensSource``, and ``to_grain`` under ``mp_prefetch``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 from collections.abc import Sequence
 
 import numpy as np
 
 from flat_tokens_jax.core import fields
 from flat_tokens_jax.data.bins import BinRecords, PackingPlan, make_records
-from flat_tokens_jax.data.dataset import Dataset, FlatTokens, open_dataset
-from flat_tokens_jax.data.records import PackedRecords, PaddedRecords, Records, check_packing
-from flat_tokens_jax.decoding.layouts import check_max_segments
-from flat_tokens_jax.sampling.mixture import Mixture, config_records
+from flat_tokens_jax.data.dataset import open_dataset
+from flat_tokens_jax.data.records import PackedRecords, PaddedRecords, Records
+from flat_tokens_jax.sampling.mixture import Mixture
 from flat_tokens_jax.store.options import StoreOptions
 
 
@@ -75,74 +74,6 @@ class Keep:
 
     def open(self) -> Records:
         return self.records
-
-
-def as_components(
-    source: str | os.PathLike[str] | FlatTokens | Records | Mixture,
-    seq_len: int | None,
-    packing: fields.Packing | bool | str | None,
-    split: str,
-    options: StoreOptions | None,
-    plan_cache: str | os.PathLike[str] | None,
-    max_segments: int | None = None,
-) -> tuple[tuple[Records, ...], Mixture | None]:
-    """The records of each component a source reads (one without a mixture),
-    and its ``Mixture`` if it is one, checked against what was asked."""
-    if not isinstance(source, Mixture):
-        args = (seq_len, packing, split, options, plan_cache, max_segments)
-        return (as_records(source, *args),), None
-    if seq_len is None:
-        raise ValueError(f"seq_len is required to make records of {source!r}")
-    if options is not None:
-        raise ValueError(f"options apply to a URL only; {source!r} is open already")
-    rows = fields.Packing.WINDOWS if packing is None else fields.packing(packing, "packing")
-    check_max_segments(max_segments, seq_len, rows, "max_segments")
-    return source.records(seq_len, rows, plan_cache, max_segments), source
-
-
-def as_records(
-    source: str | os.PathLike[str] | FlatTokens | Records,
-    seq_len: int | None,
-    packing: fields.Packing | bool | str | None,
-    split: str,
-    options: StoreOptions | None,
-    plan_cache: str | os.PathLike[str] | None,
-    max_segments: int | None = None,
-) -> Records:
-    """The records a :class:`FlatTokensSource` reads, checked against what was asked."""
-    asked = None if packing is None else fields.packing(packing, "packing")
-    seq_len = fields.seq_len(seq_len, "seq_len", optional=True)
-    if isinstance(source, str | os.PathLike):
-        source = open_dataset(source, options)[split]
-    elif options is not None:
-        raise ValueError(f"options apply to a URL only; {source!r} is open already")
-    if isinstance(source, FlatTokens):
-        if seq_len is None:
-            raise ValueError(f"seq_len is required to make records of {source!r}")
-        rows = fields.Packing.WINDOWS if asked is None else asked
-        check_max_segments(max_segments, seq_len, rows, "max_segments")
-        return make_records(source, seq_len, rows, plan_cache, max_segments)
-    if isinstance(source, Dataset):
-        raise TypeError(
-            f"{source!r} is a whole dataset; pick a split: ds[{source.splits[0]!r}] "
-            "(or pass the URL with split=...)"
-        )
-    if not all(hasattr(source, a) for a in ("read", "seq_len", "packing", "__len__")):
-        raise TypeError(
-            f"expected a path or URL, a FlatTokens or Records, got {type(source).__name__}"
-        )
-    check_packing(source, "the source")
-    records = config_records(
-        source,
-        source.seq_len if seq_len is None else seq_len,
-        source.packing if asked is None else asked,
-        plan_cache,
-        max_segments,
-        "the source",
-        "leave seq_len and packing out to use the records' own",
-    )
-    check_max_segments(max_segments, records.seq_len, records.packing, "max_segments")
-    return records
 
 
 @dataclasses.dataclass(frozen=True)

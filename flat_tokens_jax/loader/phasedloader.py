@@ -1,10 +1,12 @@
-"""A run in phases: ``PhasedLoader``, one :class:`~flat_tokens_jax.Loader` per phase.
+"""A run in phases: ``PhasedLoader``, a :class:`~flat_tokens_jax.Loader` of
+several phases, an engine each.
 
-Step ``s`` of the run is step ``s - start_step`` of the phase that holds it
-(see :mod:`~flat_tokens_jax.loader.phases`); each phase's loader reads its
+Step ``s`` of the run is step ``s - first`` of the phase that holds it (see
+:mod:`~flat_tokens_jax.loader.phases`); each phase's engine reads its
 components through samplers that continue every stream where the earlier
-phases left it. With one phase, ``PhasedLoader`` is that phase's ``Loader``:
-the same batches and the same ``state()``.
+phases left it. With one phase, ``PhasedLoader`` is a ``Loader``: the same
+batches and the same ``state()``. Only what several phases change is
+written here: where a step is, the run's state and its steering.
 
 A run of several phases saves ``{"step", "samples", "phases": [{"start_step",
 "fingerprint", "sources"}, ...]}``. A saved state (of either shape) restores
@@ -18,16 +20,14 @@ from __future__ import annotations
 
 import bisect
 import os
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
-import numpy as np
 
 from flat_tokens_jax.core.values import integer
-from flat_tokens_jax.decoding.sharding import HostBlocks
 from flat_tokens_jax.loader.engine import StepEngine
-from flat_tokens_jax.loader.loader import Loader
+from flat_tokens_jax.loader.loader import Loader, Reopened
 from flat_tokens_jax.loader.phases import Phase, PhaseStreams, check_phases, drawn, stream_key
 from flat_tokens_jax.loader.resume import differences
 from flat_tokens_jax.loader.sources import Sources
@@ -46,22 +46,15 @@ from flat_tokens_jax.loader.steered import (
     skip_count,
     state_fields,
     weight_counts,
+    with_weights,
 )
 from flat_tokens_jax.sampling.skips import NO_SKIPS, Skips
-from flat_tokens_jax.sampling.steering import Change, with_weights
-
-if TYPE_CHECKING:
-    from flat_tokens_jax.loader.tograin import StepsDataset
-
-_T = TypeVar("_T")
-
-NEXT_PHASE_AHEAD = 8
-"""Steps before a phase's end at which :meth:`PhasedLoader.iterate` starts
-reading the next phase's first steps."""
+from flat_tokens_jax.sampling.steering import Change
 
 
-class PhasedLoader:
-    """Batches of a run in phases, from any step.
+class PhasedLoader(Loader):
+    """Batches of a run in phases, from any step: a :class:`~flat_tokens_jax.Loader`
+    whose steps go through the engine of their phase.
 
     Args:
         phases: the run's :class:`~flat_tokens_jax.loader.phases.Phase` list, by start step.
@@ -70,31 +63,21 @@ class PhasedLoader:
 
     Attributes:
         phases: the phases, checked.
-        starts: ``[K]`` each phase's first step.
-        loaders: ``[K]`` each phase's :class:`~flat_tokens_jax.Loader` (its steps
-            count from the phase's start).
         streams: per phase, each component's stream key (see
             :func:`~flat_tokens_jax.loader.phases.stream_key`).
         offsets: per phase, each component's stream samples drawn by the
             earlier phases: where the phase continues its streams.
         phase_samples: ``[K]`` the run's global samples before each phase.
-        firsts: ``[K]`` the first step that reads each phase's data (its
-            ``start_step``, unless batches were skipped before it).
-        source_names: the run's components, numbered by name in the order
-            they first appear (phase by phase, each phase's in its order): a
-            batch's ``source`` (``config.source_field``) is an index into it,
-            the same for a component in every phase.
-        next_step: the step :meth:`iterate` starts at (set by :meth:`restore`).
         end_step: the first step the run cannot read: there the last phase's
             samples, or a stream's, would pass the largest sample index
             ``2**63 - 1``. Errors of a step at or past it name it.
 
     Raises:
         ValueError: the phases are out of order, bound their epochs, or one
-            phase blends one stream twice; a phase's ``Loader`` refuses its
-            source or config; or a phase cannot read all its steps (a stream
-            would pass the largest sample index: the message names the phase
-            and the latest start step that works). Each names the phase.
+            phase blends one stream twice; a phase refuses its source or
+            config (as ``Loader`` does); or a phase cannot read all its steps
+            (a stream would pass the largest sample index: the message names
+            the phase and the latest start step that works). Each names the phase.
     """
 
     def __init__(
@@ -106,18 +89,14 @@ class PhasedLoader:
     ) -> None:
         self.phases = check_phases(phases)
         self.starts = [p.start_step for p in self.phases]
-        self.firsts = list(self.starts)
-        self._skips: Skips = NO_SKIPS
-        self._changes: tuple[Change, ...] = ()
-        self._restored: dict[int, int] = {}  # as Loader's: see Loader.skip
         resolved = []
         for k, phase in enumerate(self.phases):
             try:
                 resolved.append(Sources.of(phase.source, phase.config, sharding, plan_cache))
             except ValueError as e:
                 raise ValueError(f"{self.label(k)}: {e}") from None
-        self.source_names = tuple(dict.fromkeys(n for r in resolved for n in r.names))
-        self.loaders: list[Loader] = []
+        names = tuple(dict.fromkeys(n for r in resolved for n in r.names))
+        engines: list[StepEngine] = []
         self.streams: list[list[str]] = []
         self._seeds: list[list[int]] = []
         seeds: dict[str, int] = {}
@@ -130,21 +109,23 @@ class PhasedLoader:
                 # the seed of the phase it first appeared in. One phase reads as a Loader
                 # does (its mixture may even blend one stream twice).
                 streams = [(seeds[key], 0) for key in keys] if len(self.phases) > 1 else None
-                engine = StepEngine(sources, sharding, streams, self.source_names)
+                engines.append(StepEngine(sources, sharding, streams, names))
             except ValueError as e:
                 raise ValueError(f"{self.label(k)}: {e}") from None
-            self.loaders.append(Loader._of(engine))
             self.streams.append(keys)
             self._seeds.append([seeds[key] for key in keys])
         # Samples of the run before each phase, and each stream's drawn before it.
         self.phase_samples = [0]
-        for k, loader in enumerate(self.loaders[:-1]):
-            drew = loader.schedule.samples_before(self.starts[k + 1] - self.starts[k])
+        for k, engine in enumerate(engines[:-1]):
+            drew = engine.schedule.samples_before(self.starts[k + 1] - self.starts[k])
             self.phase_samples.append(self.phase_samples[-1] + drew)
         self.offsets = [[0] * len(keys) for keys in self.streams]
         self._drawn_before: list[dict[str, int]] = [{} for _ in self.streams]
-        self.sharding, self.next_step = sharding, 0
+        self._skips: Skips = NO_SKIPS
+        self._changes: tuple[Change, ...] = ()
+        self.engines, self.firsts = engines, list(self.starts)
         self._apply(NO_SKIPS, (), 0)
+        self._open(engines, sharding)
 
     def _keys(self, sources: Sources) -> list[str]:
         data = sources.fingerprint()["data"]
@@ -163,10 +144,10 @@ class PhasedLoader:
         name = self.phases[k].name
         return f"phase {k}{'' if name is None else f' {name!r}'} (from step {self.starts[k]})"
 
-    def _streams(self) -> PhaseStreams:
+    def _reach(self) -> PhaseStreams:
         """The phases' streams as the reach checks read them."""
         labels = [self.label(k) for k in range(len(self.phases))]
-        steerings = [loader.steering for loader in self.loaders]
+        steerings = [engine.steps.steering for engine in self.engines]
         return PhaseStreams(
             self.starts, steerings, self.streams, self.offsets, self._drawn_before, labels
         )
@@ -175,39 +156,28 @@ class PhasedLoader:
         return f"PhasedLoader({len(self.phases)} phases from steps {self.starts})"
 
     def phase_at(self, step: int) -> int:
-        """The index of the phase that holds ``step`` (whose data ``step`` reads)."""
         return bisect.bisect_right(self.firsts, integer(step, "step", low=0)) - 1
 
-    def locate(self, step: int) -> tuple[Loader, int]:
-        """The loader of the phase that holds ``step``, and the step inside that phase.
+    def locate(self, step: int) -> tuple[StepEngine, int]:
+        """The engine of the phase that holds ``step``, and the step inside that phase.
 
         Raises:
             ValueError: ``step`` is not an int >= 0, or is at or past
-                :attr:`end_step` (the message names the run's last step, its
-                phase and the sample index it would pass).
+                :attr:`end_step` (naming the run's last step, its phase and the
+                sample index it would pass).
         """
         k = self.phase_at(step)
+        assert self.end_step is not None
         if step >= self.end_step:
             raise ValueError(
                 f"step {step} is past the last step this run can read, {self.end_step - 1}: "
                 f"at step {self.end_step}, in {self.label(k)}, "
-                f"{self._streams().past(k, self._data_end - self.starts[k])}"
+                f"{self._reach().past(k, self._data_end - self.starts[k])}"
             )
-        return self.loaders[k], int(step) - self.firsts[k]
-
-    def _in_phase(self, step: int, use: Callable[[Loader, int], _T]) -> _T:
-        """``use(loader, local step)`` for the phase that holds ``step``; with
-        several phases, an error it raises names the run's step and the phase."""
-        loader, local = self.locate(step)
-        try:
-            return use(loader, local)
-        except (ValueError, IndexError) as e:
-            raise self._told(e, int(step)) from None
+        return self.engines[k], int(step) - self.firsts[k]
 
     def _told(self, error: ValueError | IndexError, step: int) -> ValueError | IndexError:
-        """``error`` of the phase that holds the run's ``step``, told as the
-        run's (as it is with one phase, whose steps are the run's)."""
-        if len(self.loaders) == 1:
+        if len(self.engines) == 1:
             return error
         k = self.phase_at(step)
         text = f"step {step} (in {self.label(k)}, its step {step - self.firsts[k]}): {error}"
@@ -219,157 +189,48 @@ class PhasedLoader:
     @property
     def num_batches(self) -> int | None:
         """Steps in the run: one phase's ``num_batches``, else ``None`` (unbounded)."""
-        return self.loaders[0].num_batches if len(self.loaders) == 1 else None
+        return self.engines[0].num_batches if len(self.engines) == 1 else None
 
     def samples_before(self, step: int) -> int:
-        """Global samples of the run before ``step``'s (see :meth:`Loader.samples_before`)."""
         k = self.phase_at(step)
-        return self.phase_samples[k] + self.loaders[k].samples_before(step - self.firsts[k])
-
-    def batch_size_at(self, step: int) -> int:
-        """Global rows of the batch at ``step``."""
-        return self._in_phase(step, Loader.batch_size_at)
-
-    def host_blocks_at(self, step: int) -> HostBlocks | None:
-        """The blocks this host reads at ``step`` (``None`` without a sharding)."""
-        return self._in_phase(step, Loader.host_blocks_at)
-
-    def host_rows_at(self, step: int) -> np.ndarray:
-        """``[k] int64`` the global rows this host reads at ``step``, ascending."""
-        return self._in_phase(step, Loader.host_rows_at)
-
-    def batch(self, step: int) -> dict[str, jax.Array]:
-        """The global batch at ``step``, ``[batch_size, seq_len]`` of its phase."""
-        return self._in_phase(step, Loader.batch)
-
-    def host_batch(self, step: int) -> dict[str, np.ndarray]:
-        """This host's rows of the batch at ``step`` (numpy), in global row order."""
-        return self._in_phase(step, Loader.host_batch)
-
-    def encoded_batch(self, step: int) -> dict[str, jax.Array]:
-        """:meth:`Loader.encoded_batch` of the phase that holds ``step``."""
-        return self._in_phase(step, Loader.encoded_batch)
-
-    def decoder(self, step: int = 0) -> Callable[[Mapping[str, jax.Array]], dict[str, jax.Array]]:
-        """:meth:`Loader.decoder` of the phase that holds ``step``."""
-        return self._in_phase(step, Loader.decoder)
+        engine, local = self.engines[k], step - self.firsts[k]
+        return self.phase_samples[k] + engine.schedule.samples_before(engine.steps.data_step(local))
 
     def provenance(self, step: int) -> list[dict[str, Any]]:
-        """:meth:`Loader.provenance` of ``step``; with several phases each
-        row also says its ``phase``, and ``sample`` counts over the run."""
-        rows = self._in_phase(step, Loader.provenance)
-        if len(self.phases) == 1:
-            return rows
-        k = self.phase_at(step)
-        for row in rows:
-            row["phase"] = k
-            if "sample" in row:
-                row["sample"] += self.phase_samples[k]
+        rows = super().provenance(step)
+        if len(self.engines) > 1:
+            k = self.phase_at(step)
+            for row in rows:
+                row["phase"] = k
+                if "sample" in row:
+                    row["sample"] += self.phase_samples[k]
         return rows
 
-    def iterate(
-        self, start_step: int | None = None, stop_step: int | None = None
-    ) -> Iterator[tuple[int, dict[str, jax.Array]]]:
-        """Yields ``(step, batch)`` from ``start_step`` (default: the restored step) to
-        ``stop_step`` (exclusive; default: :attr:`end_step` or a single phase's end), each
-        phase read ahead by its loader's ``iterate``, nothing read past ``stop_step``."""
-        step = integer(self.next_step if start_step is None else start_step, "start_step", low=0)
-        stop = None if stop_step is None else integer(stop_step, "stop_step", low=0)
-        self.locate(step)
-        k = self.phase_at(step)
-        while stop is None or step < stop:
-            first = self.firsts[k]
-            end = self.firsts[k + 1] if k + 1 < len(self.firsts) else self.end_step
-            # Reads nothing ahead past the boundary or stop_step; the next
-            # phase's first steps before stop_step start a few steps before it.
-            later = k + 1 < len(self.loaders) and (stop is None or stop > end)
-            end = end if stop is None else min(end, stop)
-            batches = self.loaders[k].iterate(step - first, end - first)
-            stream = cast(Generator[tuple[int, dict[str, jax.Array]], None, None], batches)
-            try:
-                while (taken := self._next(stream, step)) is not None:
-                    step = first + taken[0]
-                    self.next_step = step + 1
-                    if later and step >= end - NEXT_PHASE_AHEAD:
-                        self.loaders[k + 1]._start(0, None if stop is None else stop - end)
-                        later = False
-                    yield step, taken[1]
-                    step += 1
-            finally:
-                stream.close()
-            if k + 1 == len(self.loaders) or step == stop:
-                if step >= self.end_step and step != stop:
-                    self.locate(step)  # raises: the run can read no further
-                return
-            step, k = end, k + 1
-
-    def _next(
-        self, stream: Iterator[tuple[int, dict[str, jax.Array]]], step: int
-    ) -> tuple[int, dict[str, jax.Array]] | None:
-        """The next ``(local step, batch)`` of a phase's ``iterate`` (``None``
-        at its end); an error names the run's ``step`` and the phase."""
-        try:
-            return next(stream)
-        except StopIteration:
-            return None
-        except (ValueError, IndexError) as e:
-            raise self._told(e, step) from None
-
-    def start(self, step: int | None = None) -> None:
-        """Starts reading ``step`` (default: :attr:`next_step`) and the steps
-        after it in its phase (see :meth:`Loader.start`)."""
-        self._in_phase(self.next_step if step is None else step, Loader.start)
-
     def stats(self) -> dict[str, Any]:
-        """:meth:`Loader.stats` of the phase of the last step handed out (its
-        ``tokens`` and ``source_tokens`` count that phase's steps), and
-        ``phase``, its index."""
         k = self.phase_at(max(0, self.next_step - 1))
-        return {**self.loaders[k].stats(), "phase": k}
+        return {**self.prefetcher.stats(), **self.engines[k].stats(), "phase": k}
 
-    @property
-    def wait_seconds(self) -> float:
-        """How long the last step of the current phase waited for its batch."""
-        loader, _ = self.locate(max(0, self.next_step - 1))
-        return loader.wait_seconds
+    def _recipe(self) -> Callable[[], Reopened] | None:
+        return None  # the dataset refuses grain's worker processes
 
-    def to_grain(self) -> StepsDataset:
-        """:meth:`Loader.to_grain` over the phases, from :attr:`next_step` to
-        :attr:`end_step` (or a single phase's end); its iterator's state is
-        :meth:`state`, checked by :meth:`restore`."""
-        from flat_tokens_jax.loader import tograin  # imports grain, only when asked
-
-        def spans() -> list[tograin.Span]:
-            end = (
-                self.end_step if self.num_batches is None else min(self.end_step, self.num_batches)
-            )
-            stops = [*self.firsts[1:], end]
-            return [tograin.Span(*s) for s in zip(self.loaders, self.firsts, stops, strict=True)]
-
-        return tograin.StepsDataset(self, spans, self.next_step, NEXT_PHASE_AHEAD, self._told)
-
-    def fingerprint(self) -> list[dict[str, Any]]:
+    def fingerprint(self) -> Any:
         """Each phase's ``{"start_step", "fingerprint"}`` (see :meth:`Loader.fingerprint`)."""
         return [
-            {"start_step": s, "fingerprint": loader.fingerprint()}
-            for s, loader in zip(self.starts, self.loaders, strict=True)
+            {"start_step": s, "fingerprint": e.sources.fingerprint()}
+            for s, e in zip(self.starts, self.engines, strict=True)
         ]
 
     def state(self, step: int | None = None) -> dict[str, Any]:
         """JSON-ready: with one phase, :meth:`Loader.state`; else ``{"step",
-        "samples", "phases": [{"start_step", "fingerprint", "sources"}, ...]}``.
-        ``step`` (default :attr:`next_step`) is where a restore resumes."""
+        "samples", "phases": [{"start_step", "fingerprint", "sources"}, ...]}``."""
+        if len(self.engines) == 1:
+            return super().state(step)
         step = state_step(step, self.next_step)
-        if len(self.loaders) == 1:
-            self.loaders[0].next_step = self.next_step
-            return self.loaders[0].state(step)
+        phases = [{**p, "sources": self.sources(k)} for k, p in enumerate(self.fingerprint())]
         return {
             "step": step,
             "samples": self.samples_before(step),
-            "phases": [
-                {**p, "sources": loader.sources()}
-                for p, loader in zip(self.fingerprint(), self.loaders, strict=True)
-            ],
+            "phases": phases,
             **state_fields(self._skips, self._changes),
         }
 
@@ -407,20 +268,21 @@ class PhasedLoader:
         step = check_step(step, self.next_step, "PhasedLoader.set_weights")
         k = self.phase_at(step)
         call = "PhasedLoader.set_weights" + ("" if len(self.phases) == 1 else f" ({self.label(k)})")
-        counts = weight_counts(self.loaders[k].mixture, weights, step, call)
+        counts = weight_counts(self.engines[k].mixture, weights, step, call)
         self._apply(self._skips, with_weights(self._changes, step, counts), step)
 
     def _apply(self, skips: Skips, changes: tuple[Change, ...], since: int) -> None:
         """Reads with the run's skips and weight changes, which differ from now's
         from step ``since`` on: each phase's own (see ``Skips.within``); a phase
-        whose streams the earlier phases' weights leave elsewhere continues them there."""
+        whose streams the earlier phases' weights leave elsewhere continues them
+        there. What was read ahead from ``since`` on is dropped."""
         firsts = [skips.trainer_step(b) for b in self.starts]
         homes = [bisect.bisect_right(firsts, t) - 1 for t, _ in changes]
         for (t, given), k in zip(changes, homes, strict=True):
-            if len(given) != len(self.loaders[k].names) or self.loaders[k].mixture is None:
+            if len(given) != len(self.engines[k].names) or self.engines[k].mixture is None:
                 raise ValueError(f"the weight change at step {t} is not {self.label(k)}'s")
         counts: dict[str, int] = {}
-        for k, loader in enumerate(self.loaders):
+        for k, engine in enumerate(self.engines):
             stop = firsts[k + 1] if k + 1 < len(firsts) else None
             own = skips.within(firsts[k], stop, self.starts[k])
             mine = tuple(
@@ -428,18 +290,22 @@ class PhasedLoader:
             )
             offsets = [counts.get(key, 0) for key in self.streams[k]]
             if offsets != self.offsets[k]:
-                loader._restream(list(zip(self._seeds[k], offsets, strict=True)))
+                engine.restream(list(zip(self._seeds[k], offsets, strict=True)))
                 self.offsets[k] = offsets
             self._drawn_before[k] = dict(counts)
-            unmoved = firsts[k] == self.firsts[k]
-            loader._steer(own, mine, max(0, since - firsts[k]) if unmoved else 0)
+            now = engine.steps.steering
+            if (own, mine) != (now.skips, now.changes):
+                unmoved = firsts[k] == self.firsts[k]
+                engine.steer(now.steered(own, mine, max(0, since - firsts[k]) if unmoved else 0))
             if stop is not None:
-                taken = drawn(loader.steering, self.starts[k + 1] - self.starts[k])
+                taken = drawn(engine.steps.steering, self.starts[k + 1] - self.starts[k])
                 for key, n in zip(self.streams[k], taken, strict=True):
                     counts[key] = counts.get(key, 0) + n
         self.firsts, self._skips, self._changes = firsts, skips, changes
-        self._data_end = self._streams().reach()
+        self._data_end = self._reach().reach()
         self.end_step = skips.trainer_step(self._data_end)
+        if hasattr(self, "prefetcher"):  # not while the run opens
+            self.prefetcher.drop_from(since)
 
     def state_differences(self, state: Mapping[str, Any]) -> list[str]:
         """What keeps this run from continuing a saved :meth:`state`, as lines
@@ -462,9 +328,10 @@ class PhasedLoader:
         if not isinstance(state, SavedState):
             state = restorable(state, "run")
         phased = state.phased if isinstance(state, SavedState) else "phases" in state
-        if len(self.loaders) == 1 and not phased:
-            self.next_step = self.loaders[0].restore(state)
-            self._apply(self.loaders[0].steering.skips, self.loaders[0].steering.changes, 0)
+        if len(self.engines) == 1 and not phased:
+            super().restore(state)
+            steering = self.engine.steps.steering
+            self._apply(steering.skips, steering.changes, 0)
         else:
             saved = state if isinstance(state, SavedState) else read_state(state)
             found = self._differences(saved)
@@ -495,9 +362,9 @@ class PhasedLoader:
         out = []
         for j in seen:
             alone, start = saved.phase(j), saved.phases[j].start_step
-            loader = self.loaders[j]
+            engine = self.engines[j]
             end = start + alone.data_step
             where = f"{self.label(j)}, steps {start}..{end - 1} seen before the saved step {step}"
-            found = differences(alone, loader.fingerprint(), loader.schedule)
+            found = differences(alone, engine.sources.fingerprint(), engine.schedule)
             out += [f"{where}: {line}" for line in found]
         return out

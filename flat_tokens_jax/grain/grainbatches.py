@@ -86,8 +86,7 @@ class Batches:
                     f"choose a multiple of {count}"
                 )
         largest = max(size for _, size in schedule.entries)
-        row_bytes = source.layout.row_bytes(source.seq_len)
-        check_loader_memory(largest, source.seq_len, 0, count, row_bytes=row_bytes)
+        check_loader_memory(largest, source.seq_len, 0, count, row_bytes=source.layout.row_bytes)
         self.source, self.schedule, self.shard = source, schedule, (index, count)
         self.samplers = list(samplers)
         self.sampler = self.samplers[0]
@@ -179,8 +178,7 @@ class ScheduledBatches:
             )
         self.source, self.schedule = source, BatchSchedule.of(batch_size)
         largest = max(size for _, size in self.schedule.entries)
-        row_bytes = source.layout.row_bytes(source.seq_len)
-        check_loader_memory(largest, source.seq_len, 0, 1, row_bytes=row_bytes)
+        check_loader_memory(largest, source.seq_len, 0, 1, row_bytes=source.layout.row_bytes)
         self.order = order
         self._num_samples = len(source) if order is None else len(order)
         self._length = self.schedule.steps_to_cover(self._num_samples)

@@ -18,6 +18,7 @@ from commands import run_main
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.core import limits
+from flat_tokens_jax.loader.state import StateMismatch
 from flat_tokens_jax.tools import show
 
 SEQUENCES = [[7] * 50] * 100  # 5,000 tokens: 625 windows of 8 tokens
@@ -158,3 +159,31 @@ def test_the_largest_value_found_is_the_largest_that_fits() -> None:
         assert fits == (bound if bound >= 1 else None)
     assert limits.largest(lambda v: True, 5, 4) is None
     assert np.all([limits.largest(lambda v, b=b: v <= b, 0, 9) == min(b, 9) for b in range(12)])
+
+
+def test_a_block_state_suggests_a_batch_size_the_lanes_take(data: Path) -> None:
+    """Saved at step 5 of batch 8 (8 lanes), restored at another size: the
+    schedule suggested restores."""
+    saved = blocks_loader(data, shuffle="blocks", shuffle_block=4).state(5)
+
+    def refusal(now: Any) -> str:
+        with pytest.raises(StateMismatch) as e:
+            blocks_loader(data, shuffle="blocks", shuffle_block=4, batch_size=now).restore(saved)
+        return str(e.value)
+
+    told = {
+        4: r"saved step 5 on: batch_size (.+?) \(with shuffle='blocks' the gcd of the batch "
+        r"sizes, the lanes, must stay 8\)$",
+        12: r"saved step 5 on: batch_size (.+?) \(with shuffle='blocks'",
+        # Sizes that agree before the saved step: the lanes' line says the schedule.
+        json.dumps([[0, 8], [5, 4]]): r"keep the gcd of the batch sizes at 8: batch_size (.+)$",
+        json.dumps([[0, 8], [7, 12]]): r"keep the gcd of the batch sizes at 8: batch_size (.+)$",
+        16: r"saved step 5 on: batch_size (\[\[0, 8\], \[5, 16\]\])$",  # taken as it is
+    }
+    for now, pattern in told.items():
+        message = refusal(json.loads(now) if isinstance(now, str) else now)
+        found = re.search(pattern, message)
+        assert found, message
+        suggested = json.loads(found.group(1))
+        loader = blocks_loader(data, shuffle="blocks", shuffle_block=4, batch_size=suggested)
+        assert loader.restore(saved) == 5

@@ -17,6 +17,7 @@ from flat_tokens_jax.convert.commands import (
     add_store_flags,
     at_least,
     fail,
+    path_error,
     refuse_memory_output,
     store_options,
 )
@@ -267,35 +268,33 @@ def _planned_skips(run: Skipper, config: Any, name: str, planned: list[tuple[int
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     name = args.run_yaml
+    _check_plan_flags(args)
     doc = read_yaml(name)
     run = phaseshow.plan_run(doc, name, split=args.split, options=store_options(args))
     if isinstance(doc, Mapping) and "skip" in doc:
         phaseshow.yaml_skips(run, doc["skip"], name)
     if args.state is not None:
+        state = savedstate.read_state(args.state)
         try:
-            run.restore(savedstate.read_state(args.state))
+            run.restore(state)
         except ValueError as e:
             raise ValueError(f"--state {args.state}: {e}") from None
+    end = _run_end(args, doc)
     if args.requests:
-        print("\n".join(phaseshow.request_lines(run, args)))
+        print("\n".join(phaseshow.request_lines(run, args, end)))
         return 0
-    end = args.steps
     if end is None:
-        if doc.get("steps") is None:
-            raise ValueError(
-                f"{name}: say where the run ends: --steps N (or a top-level 'steps: N')"
-            )
-        try:
-            end = integer(doc["steps"], "steps", low=1)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from None
+        raise ValueError(f"{name}: say where the run ends: --steps N (or a top-level 'steps: N')")
     try:
         rows = runplan.plan_rows(run, end)
     except ValueError as e:
         raise ValueError(f"{name}: --steps {end}: {e}") from None
     warnings = runplan.repeat_warnings(run, rows)
     if args.picture is not None:
-        runplan.draw_shares(run, end, args.picture)
+        try:
+            runplan.draw_shares(run, end, args.picture)
+        except OSError as e:
+            raise path_error("--picture", args.picture, e, "a .png or .svg file") from None
     steered = runplan.steering_rows(run)
     if args.json:
         print(json.dumps({"rows": rows, "steering": steered} if steered else rows))
@@ -306,6 +305,31 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.picture is not None and not args.json:
         print(f"wrote {args.picture}")
     return 0
+
+
+def _check_plan_flags(args: argparse.Namespace) -> None:
+    """Refuses ``plan`` flags that the command given would not read."""
+    if args.requests:
+        unread = [f for f, v in (("--picture", args.picture), ("--json", args.json)) if v]
+        if unread:
+            flags = " and ".join(unread)
+            raise ValueError(f"--requests prints its table only, not {flags}: drop {flags}")
+        return
+    given = ["--" + f.replace("_", "-") for f in phaseshow.REQUEST_FLAGS if getattr(args, f)]
+    if given:
+        flags = " and ".join(given)
+        verb = "applies" if len(given) == 1 else "apply"
+        raise ValueError(f"{flags} {verb} to plan --requests only: add --requests, or drop {flags}")
+
+
+def _run_end(args: argparse.Namespace, doc: Mapping[str, Any]) -> int | None:
+    """Where the run ends: ``--steps``, else the YAML's top-level ``steps``, else ``None``."""
+    if args.steps is not None or doc.get("steps") is None:
+        return args.steps
+    try:
+        return integer(doc["steps"], "steps", low=1)
+    except ValueError as e:
+        raise ValueError(f"{args.run_yaml}: {e}") from None
 
 
 def _decoder(path: str, loader: Loader) -> Any:

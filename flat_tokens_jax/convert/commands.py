@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -30,6 +31,19 @@ def at_least(minimum: int) -> Callable[[str], int]:
         value = _int(text)
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {text}")
+        return value
+
+    return parse
+
+
+def between(low: int, high: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer in ``[low, high]`` (argparse then
+    names the flag of a bad value)."""
+
+    def parse(text: str) -> int:
+        value = at_least(low)(text)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high:,}, got {text}")
         return value
 
     return parse
@@ -210,6 +224,24 @@ def cli_words(message: str) -> str:
         lambda m: "--" + m.group(1).replace("_", "-"),
         message,
     )
+
+
+def path_error(name: str, path: str, error: OSError, wanted: str) -> ValueError:
+    """``error``, met opening ``path`` (given as ``name``, a flag such as
+    ``--state``), as one line that names ``name`` and ``path``, not a bare
+    ``[Errno 2]``, and what to give instead (``wanted``: "a .png file")."""
+    where = f"{name} {path}"
+    if isinstance(error, IsADirectoryError):
+        return ValueError(f"{where} is a folder: name {wanted}")
+    if isinstance(error, FileNotFoundError):
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            return ValueError(
+                f"{where}: the folder {folder} does not exist: create it, or name "
+                f"{wanted} in a folder that exists"
+            )
+        return ValueError(f"{where}: no such file: name {wanted}")
+    return ValueError(f"{where}: {error.strerror or error}: name {wanted}")
 
 
 def fail(name: str, error: BaseException) -> int:

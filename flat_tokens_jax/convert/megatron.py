@@ -218,7 +218,8 @@ def export_megatron(
         ValueError: a split the dataset lacks, an unknown dtype code, or a dtype
             that cannot hold ``max_token_id``.
         ValueError: also when ``PREFIX`` lies inside the dataset at ``url``,
-            or is a directory (``dir/`` would write hidden ``dir/.bin``).
+            is a directory (``dir/`` would write hidden ``dir/.bin``) or
+            names a folder that does not exist.
         FormatError: no valid dataset at ``url``.
     """
     options = resolve_options(options, option_fields, "export_megatron")
@@ -230,6 +231,13 @@ def export_megatron(
             f"the export prefix {named} is a directory, but Megatron's files are "
             f"PREFIX.bin and PREFIX.idx: name them, e.g. "
             f"{os.path.join(named, split)} for {os.path.join(named, split)}.bin/.idx"
+        )
+    folder = os.path.dirname(os.path.abspath(named))
+    if not os.path.isdir(folder):
+        # Found before the data is read, and named as given, not as the temporary files.
+        raise ValueError(
+            f"the export prefix {named}: the folder {folder} does not exist: create it, or "
+            "name a PREFIX in a folder that exists"
         )
     refuse_overlap([url], [os.fspath(prefix) + ext for ext in (".bin", ".idx")])
     ds = open_dataset(url, options)
@@ -277,6 +285,10 @@ def export_megatron(
             os.remove(prefix + ".idx")  # never pair an old index with the new .bin
         for ext in (".bin", ".idx"):
             os.replace(tmp[ext], prefix + ext)
+    except OSError as e:  # named by the files asked for, not their temporary names
+        raise OSError(
+            f"the export prefix {prefix}: cannot write {prefix}.bin/.idx: {e.strerror or e}"
+        ) from None
     finally:
         for path in tmp.values():
             with contextlib.suppress(FileNotFoundError):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 
 from flat_tokens_jax.core.format import FormatError, Problem
 
@@ -160,6 +161,21 @@ ROW_BYTES = 64
 """Bytes a row holds besides its tokens: sample, record and position indices."""
 
 
+def largest(fits: Callable[[int], bool], low: int, high: int) -> int | None:
+    """The largest ``v`` in ``[low, high]`` with ``fits(v)``, by bisection
+    (``fits`` true up to some value, false after it); ``None`` when
+    ``fits(low)`` is false. The value returned was tested."""
+    if high < low or not fits(low):
+        return None
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
 def check_loader_memory(
     batch_size: int,
     seq_len: int,
@@ -167,52 +183,94 @@ def check_loader_memory(
     processes: int,
     read_ahead_bytes: int = 0,
     *,
-    row_bytes: int,
+    row_bytes: Callable[[int], int],
     block_cache_bytes: int = 0,
+    cache_fixes: Callable[[int], list[str]] | None = None,
 ) -> None:
     """Refuses a loader whose steps in flight cannot fit in this host's memory.
 
     Each of ``processes`` hosts holds at least ``batch_size / processes`` rows
     of the largest step, for the step being read and ``prefetch`` steps ahead;
     with ``prefetch=None`` (automatic depth) the steps ahead hold up to
-    ``read_ahead_bytes``, and at least one step. A row holds ``row_bytes``
-    (its batch's arrays, every field of the layout), its reading
-    (:data:`READ_BYTES_PER_TOKEN` a token) and :data:`ROW_BYTES`; the block
-    shuffle's cache holds ``block_cache_bytes`` besides.
+    ``read_ahead_bytes``, and at least one step. A row holds
+    ``row_bytes(seq_len)`` (its batch's arrays, every field of the layout),
+    its reading (:data:`READ_BYTES_PER_TOKEN` a token) and :data:`ROW_BYTES`;
+    the block shuffle's cache holds ``block_cache_bytes`` besides.
+    ``cache_fixes`` marks a cache sized by default (``block_cache_bytes``
+    left ``None``): given the bytes the cache may take, it says which of
+    the fields that size it would bring it within them.
 
     Raises:
-        ValueError: naming the fields, the estimate and the most rows that fit.
+        ValueError: naming the fields and the estimate, and each field whose
+            change alone would fit, with the value that does; a field no
+            value of which fits is not named.
     """
-    rows = -(-batch_size // max(processes, 1))
-    per_row = row_bytes + seq_len * READ_BYTES_PER_TOKEN + ROW_BYTES
-    step = rows * per_row + STEP_BYTES
-    memory = memory_bytes() - block_cache_bytes
-    cache = f" and block_cache_bytes {block_cache_bytes:,}" if block_cache_bytes else ""
-    if prefetch is None:
-        ahead = max(read_ahead_bytes, step)
-        most_rows = max(memory - ahead - STEP_BYTES, 0) // per_row * max(processes, 1)
-        check_memory(
-            step + ahead + block_cache_bytes,
-            f"LoaderConfig batch_size {batch_size:,} at seq_len {seq_len:,} with "
-            f"read_ahead_bytes {read_ahead_bytes:,}{cache} ({rows:,} rows per host of "
-            f"{per_row:,} bytes, automatic prefetch)",
-            f"lower read_ahead_bytes (at most {max(memory - step, 0):,}) or batch_size "
-            f"(at most {most_rows:,} at this seq_len and read_ahead_bytes)"
-            + (" or block_cache_bytes" if block_cache_bytes else ""),
-        )
+    memory = memory_bytes()
+    hosts = max(processes, 1)
+    rows = -(-batch_size // hosts)
+
+    def per_row(seq_len: int) -> int:
+        return row_bytes(seq_len) + seq_len * READ_BYTES_PER_TOKEN + ROW_BYTES
+
+    def need(rows: int, seq_len: int, read_ahead: int, cache: int) -> int:
+        step = rows * per_row(seq_len) + STEP_BYTES
+        ahead = max(read_ahead, step) if prefetch is None else prefetch * step
+        return step + ahead + cache
+
+    cache = block_cache_bytes
+    total = need(rows, seq_len, read_ahead_bytes, cache)
+    if not memory or total <= memory:
         return
-    steps = 1 + prefetch
-    most_rows = max(memory // steps - STEP_BYTES, 0) // per_row * max(processes, 1)
-    most_prefetch = max(memory // step - 1, 0)
-    fix = f"lower batch_size (at most {most_rows:,} at this seq_len and prefetch)"
-    if most_prefetch:
-        fix += f" or prefetch (at most {most_prefetch:,} at this batch_size and seq_len)"
-    if block_cache_bytes:
-        fix += " or block_cache_bytes"
+    step = rows * per_row(seq_len) + STEP_BYTES
+    depth = "read_ahead_bytes" if prefetch is None else "prefetch"
+
+    def fixes_at(read_ahead: int) -> list[str]:
+        """Each field whose change alone fits, the read-ahead at ``read_ahead``."""
+        fixes = []
+        most_rows = largest(lambda r: need(r, seq_len, read_ahead, cache) <= memory, 1, rows)
+        if most_rows is not None:
+            most = most_rows * hosts
+            fixes.append(f"lower batch_size (at most {most:,} at this seq_len and {depth})")
+        if prefetch is not None and prefetch > 0 and step + cache <= memory:
+            most = (memory - cache) // step - 1
+            fixes.append(
+                f"lower prefetch (at most {most:,} at this batch_size and seq_len)"
+                if most
+                else "set prefetch 0"
+            )
+        room = memory - need(rows, seq_len, read_ahead, 0)  # what the block cache may take
+        if cache and room > 0:
+            if cache_fixes is None:
+                fixes.append(f"lower block_cache_bytes (at most {room:,})")
+            else:
+                fixes += [*cache_fixes(room), f"set block_cache_bytes (at most {room:,})"]
+        if most_rows is None:
+            longest = largest(lambda n: need(rows, n, read_ahead, cache) <= memory, 1, seq_len)
+            if longest is not None:
+                fixes.append(f"lower seq_len (at most {longest:,} at this batch_size)")
+        return fixes
+
+    fixes = fixes_at(read_ahead_bytes)
+    if prefetch is None and 2 * step + cache <= memory:
+        fixes.insert(0, f"lower read_ahead_bytes (at most {memory - step - cache:,})")
+    fix = " or ".join(fixes)
+    if not fixes and prefetch is None and read_ahead_bytes > 1:
+        # Read ahead no more than the one step always read ahead, and change one more field.
+        then = fixes_at(1)
+        fix = "set read_ahead_bytes 1 (one step ahead), then " + " or ".join(then) if then else ""
+    if not fix:
+        fix = "no one field fits it: lower seq_len and batch_size"
+    if cache_fixes is not None:
+        said = f" and a block cache of {cache:,} bytes (block_cache_bytes None: sized by default)"
+    else:
+        said = f" and block_cache_bytes {cache:,}" if cache else ""
+    ahead = (
+        f"read_ahead_bytes {read_ahead_bytes:,}" if prefetch is None else f"prefetch {prefetch:,}"
+    )
+    flight = "automatic prefetch" if prefetch is None else f"{1 + prefetch:,} steps in flight"
     check_memory(
-        steps * step + block_cache_bytes,
-        f"LoaderConfig batch_size {batch_size:,} at seq_len {seq_len:,} with prefetch "
-        f"{prefetch:,}{cache} ({rows:,} rows per host of {per_row:,} bytes, {steps:,} steps in "
-        "flight)",
+        total,
+        f"LoaderConfig batch_size {batch_size:,} at seq_len {seq_len:,} with {ahead}{said} "
+        f"({rows:,} rows per host of {per_row(seq_len):,} bytes, {flight})",
         fix,
     )

@@ -335,16 +335,21 @@ def default_budget(
     (``lanes_here``, of every component read in blocks) holds its current
     window of ``window`` blocks and the next, blocks of ``block`` records of
     the components' average size (4 bytes a token, 1 more with a stored loss
-    mask, the token before a packed block; a padded block's records' bounds)."""
+    mask, the token before a packed block; a padded block's records' bounds).
+    The cache holds a block once, however many lanes read it, so a
+    component's share is at most all its blocks: a block or a window
+    larger than the data costs the data's size."""
     total = 0
     for records in components:
         if not reads_blocks(records):
             continue
         ft = records.ft  # type: ignore[attr-defined]
         per_token = 4 + (ft.loss_mask is not None)
+        n = max(len(records), 1)
+        held = min(block, n)  # a block's records: the last block may hold fewer
         if records.packing is Packing.WINDOWS:
-            nbytes = (block * seq_len + 1) * per_token
+            nbytes = (held * seq_len + 1) * per_token
         else:  # the sequences' tokens on average, and their bounds
-            nbytes = -(-block * ft.num_tokens // max(len(records), 1)) * per_token + 16 * block
-        total += lanes_here * 2 * window * nbytes
+            nbytes = -(-held * ft.num_tokens // n) * per_token + 16 * held
+        total += min(lanes_here * 2 * window, -(-n // block)) * nbytes
     return total

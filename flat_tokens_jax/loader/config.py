@@ -134,7 +134,7 @@ class LoaderConfig:
             (read as one request). ``None`` (recommended): records that span
             about ``2**18`` tokens and at least one inner chunk of the store
             (a mixture: the largest of its components'); the value used is in
-            the fingerprint.
+            the fingerprint. A block larger than the data is the data.
         shuffle_window: with ``shuffle="blocks"``, the blocks whose records
             are shuffled together. Default 1; more mixes a lane's rows over
             more blocks, and a lane reads ``shuffle_window`` blocks at once.
@@ -143,7 +143,8 @@ class LoaderConfig:
             are taken from whole blocks, each read once while it is held.
             ``None`` (recommended): each of this host's lanes (of every
             component, with a mixture) holds its current window and the
-            next. A smaller budget drops blocks sooner and reads them again.
+            next, and at most every block of the data. A smaller budget
+            drops blocks sooner and reads them again.
             Changes no batch.
     """
 

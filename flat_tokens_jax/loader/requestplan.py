@@ -268,10 +268,11 @@ def _count(
         if block is None:
             reads = _ranges(records, idx)
         elif isinstance(records, BinRecords):  # a bin's sequences lie anywhere: each is read
-            first = np.repeat(idx * block[c], block[c]) + np.tile(np.arange(block[c]), idx.size)
+            size = min(block[c], len(records))  # a block larger than the data is the data
+            first = np.repeat(idx * block[c], size) + np.tile(np.arange(size), idx.size)
             inside = first < len(records)
             reads = _ranges(records, first[inside])
-            of_block = np.repeat(np.arange(idx.size), block[c])[inside]
+            of_block = np.repeat(np.arange(idx.size), size)[inside]
             reads = {k: (of_block[row], lo, hi) for k, (row, lo, hi) in reads.items()}
         else:
             first = idx * block[c]

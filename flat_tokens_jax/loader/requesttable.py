@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from flat_tokens_jax.core.fields import BLOCKS
+from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.loader.loader import Loader
 from flat_tokens_jax.loader.phasedloader import PhasedLoader
 from flat_tokens_jax.loader.requestplan import (
@@ -22,7 +23,14 @@ from flat_tokens_jax.loader.requestplan import (
     plan_requests,
 )
 
-__all__ = ["counterpart", "request_table", "run_table"]
+__all__ = [
+    "MAX_SAMPLED_ROWS",
+    "MAX_SAMPLE_STEPS",
+    "counterpart",
+    "request_table",
+    "run_table",
+    "sampled_steps",
+]
 
 
 def counterpart(loader: Loader) -> Loader:
@@ -90,20 +98,100 @@ def request_table(plans: Sequence[RequestPlan], labels: Sequence[str] | None = N
     ]
 
 
-def run_table(
-    run: PhasedLoader, hosts: int, step_seconds: float, steps: Sequence[int], name: str
-) -> list[str]:
-    """``flat-tokens plan --requests``: :func:`request_table` of each phase of
-    ``run`` (read from the file ``name``) at its ``steps``, as configured
-    (marked ``*``) and under the other shuffle (:func:`counterpart`), rows
-    full first, and what it assumed.
+MAX_SAMPLE_STEPS = 4096
+"""The most steps of a phase :func:`run_table` samples (``--sample-steps``):
+the sampler runs once a step, so the plan's work grows with them."""
+
+MAX_SAMPLED_ROWS = 1 << 22
+"""The most rows of a phase's sampled steps :func:`run_table` plans: its
+arrays hold a few ``int64`` a row."""
+
+
+def sampled_steps(
+    run: PhasedLoader, sample_steps: int, end_step: int | None = None
+) -> tuple[list[int], list[str]]:
+    """How many steps of each phase of ``run`` a plan samples: ``sample_steps``,
+    or the steps the phase has where it has fewer (before the next phase's
+    first step, ``end_step`` where the run ends, the step it cannot read, or
+    the end of its epochs; 0 for a phase the run does not reach), and a note
+    for each phase cut.
 
     Raises:
-        ValueError: as :func:`~.requestplan.plan_requests`, naming the file,
-            the phase and the ``--hosts`` flag where the host count is wrong.
+        ValueError: ``sample_steps`` out of ``[1, MAX_SAMPLE_STEPS]``, or a
+            phase's sampled steps hold more than :data:`MAX_SAMPLED_ROWS`
+            rows; the message names ``--sample-steps`` and the most it takes.
     """
+    sample_steps = integer(sample_steps, "--sample-steps", low=1, high=MAX_SAMPLE_STEPS)
+    counts, notes = [], []
+    for k, loader in enumerate(run.loaders):
+        start = run.firsts[k]
+        ends = [(run.end_step, "the run can read no step from there")]
+        if k + 1 < len(run.firsts):
+            ends.append((run.firsts[k + 1], f"{run.label(k + 1)} starts there"))
+        if end_step is not None:
+            ends.append((end_step, "the run ends there"))
+        if loader.num_batches is not None:
+            ends.append((start + loader.num_batches, "its epochs end there"))
+        stop, why = min(ends)
+        count = min(sample_steps, max(stop - start, 0))
+        if count < sample_steps:
+            sampled = f"its steps 0 to {count - 1}" if count else "none of its steps"
+            notes.append(
+                f"--sample-steps {sample_steps} is past the end of {run.label(k)}: sampled "
+                f"{sampled} ({why}, at step {stop})"
+            )
+        counts.append(count)
+    pairs = zip(run.loaders, counts, strict=True)
+    over = [(m, k) for k, (loader, n) in enumerate(pairs) if (m := _most_steps(loader, n)) < n]
+    if over:
+        most, k = min(over)
+        fix = f"give --sample-steps {most} or fewer" if most else "its first step alone does"
+        raise ValueError(
+            f"--sample-steps {sample_steps}: the steps sampled of {run.label(k)} would hold "
+            f"more than {MAX_SAMPLED_ROWS:,} rows, the most a plan reads: {fix}"
+        )
+    return counts, notes
+
+
+def _most_steps(loader: Loader, steps: int) -> int:
+    """The most of the first ``steps`` steps of ``loader`` whose rows are at
+    most :data:`MAX_SAMPLED_ROWS` in all (``steps`` when they all are)."""
+    rows = 0
+    for step in range(steps):
+        rows += loader.batch_size_at(step)
+        if rows > MAX_SAMPLED_ROWS:
+            return step
+    return steps
+
+
+def run_table(
+    run: PhasedLoader,
+    hosts: int,
+    step_seconds: float,
+    sample_steps: int,
+    name: str,
+    end_step: int | None = None,
+) -> list[str]:
+    """``flat-tokens plan --requests``: :func:`request_table` of each phase of
+    ``run`` (read from the file ``name``) at its first steps (as many as
+    :func:`sampled_steps` gives), as configured (marked ``*``) and under
+    the other shuffle (:func:`counterpart`), rows full first, and what it
+    assumed (the phases it sampled fewer steps of, or none, named).
+
+    Raises:
+        ValueError: as :func:`sampled_steps` and
+            :func:`~.requestplan.plan_requests`, naming the file, the phase
+            and the ``--hosts`` flag where the host count is wrong.
+    """
+    try:
+        counts, notes = sampled_steps(run, sample_steps, end_step)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
     lines = []
     for k, loader in enumerate(run.loaders):
+        if not counts[k]:
+            continue
+        steps = range(counts[k])
         try:
             plans = [plan_requests(loader, hosts, step_seconds, steps)]
             plans.append(plan_requests(counterpart(loader), hosts, step_seconds, steps))
@@ -117,13 +205,15 @@ def run_table(
         if len(run.loaders) > 1:
             lines.append(f"{run.label(k)}:")
         lines += request_table(plans, labels)
+    fewer = " (fewer where noted below)" if notes else ""
     return [
         *lines,
-        f"{hosts:,} hosts, {step_seconds:g} s a step, from steps {steps[0]} to {steps[-1]} of "
-        f"each phase; a fresh GCS bucket serves {GCS_INITIAL_READS:,} reads/s, doubling every "
-        f"{GCS_DOUBLING_MINUTES} minutes at most",
+        f"{hosts:,} hosts, {step_seconds:g} s a step, from steps 0 to {sample_steps - 1} of "
+        f"each phase{fewer}; a fresh GCS bucket serves {GCS_INITIAL_READS:,} reads/s, "
+        f"doubling every {GCS_DOUBLING_MINUTES} minutes at most",
         "* the run as configured; the other row is the same run under the other shuffle "
         "(shuffle='blocks' at the default block and window, or shuffle=True)",
         "blocks: each host reads a block whole, once per epoch; the first sampled step reads "
         "each lane's first block (first step requests), left out of the rates",
+        *notes,
     ]

@@ -24,7 +24,7 @@ from flat_tokens_jax.loader.state import (
     state_problems,
 )
 from flat_tokens_jax.sampling.blocks import lanes
-from flat_tokens_jax.sampling.schedule import BatchSchedule, resume_differences
+from flat_tokens_jax.sampling.schedule import BatchSchedule, resume_differences, resumed
 
 # The digests of the data's recorded contents: a saved one that differs now
 # (or is gone) means other data, said as such.
@@ -55,19 +55,25 @@ def differences(
         out.append(kind)
         del was["data"], now["data"]
     _compare(was, now, "fingerprint", out)
+    blocks = fp["config"].get("shuffle") == BLOCKS
+    try:
+        was_lanes = lanes(BatchSchedule.of(fp["batch_size"]).entries) if blocks else None
+    except ValueError:  # no valid saved batch size: resume_differences says so
+        was_lanes = None
     found = resume_differences(
-        fp["batch_size"], schedule, saved.step, saved.samples, saved.data_step
+        fp["batch_size"], schedule, saved.step, saved.samples, saved.data_step, was_lanes
     )
     for line in found:
         out.append("fingerprint." + line if line.startswith("batch_size") else line)
-    if not found and fp["config"].get("shuffle") == BLOCKS:
-        was_lanes = lanes(BatchSchedule.of(fp["batch_size"]).entries)
+    if not found and was_lanes is not None:
         now_lanes = lanes(schedule.entries)
+        data = saved.step if saved.data_step is None else saved.data_step
+        kept = resumed(BatchSchedule.of(fp["batch_size"]), data, schedule, was_lanes)
         if was_lanes != now_lanes:
             out.append(
                 f"fingerprint.batch_size: with shuffle='blocks' the lanes (the gcd of the "
                 f"batch sizes) order every sample: saved {was_lanes}, now {now_lanes}; "
-                f"keep the gcd of the batch sizes at {was_lanes}"
+                f"keep the gcd of the batch sizes at {was_lanes}: batch_size {kept}"
             )
     return out
 

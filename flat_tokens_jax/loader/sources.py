@@ -20,7 +20,7 @@ from typing import Any
 import jax
 
 from flat_tokens_jax.core import fields
-from flat_tokens_jax.core.limits import check_loader_memory
+from flat_tokens_jax.core.limits import check_loader_memory, largest
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.plans import default_cache_dir
 from flat_tokens_jax.data.records import Records, recorded_info
@@ -73,9 +73,9 @@ class Sources:
                 "ftj.LoaderConfig(batch_size=..., seq_len=...)"
             )
         check_sharding(sharding)
-        largest = max(size for _, size in config.schedule.entries)
-        ahead, row = config.read_ahead_bytes, config.batch_layout.row_bytes(config.seq_len)
-        memory = (largest, config.seq_len, config.prefetch, jax.process_count(), ahead)
+        widest = max(size for _, size in config.schedule.entries)
+        ahead, row = config.read_ahead_bytes, config.batch_layout.row_bytes
+        memory = (widest, config.seq_len, config.prefetch, jax.process_count(), ahead)
         check_loader_memory(*memory, row_bytes=row, block_cache_bytes=config.block_cache_bytes or 0)
         cache = default_cache_dir() if plan_cache is None else plan_cache
         if isinstance(source, Mixture):
@@ -104,7 +104,12 @@ class Sources:
         out = cls(config, mixture, tuple(components), tuple(names), start)
         if config.shuffle == fields.BLOCKS and config.block_cache_bytes is None:
             # The default budget is sized from the stores: checked once they are open.
-            check_loader_memory(*memory, row_bytes=row, block_cache_bytes=out.block_cache_bytes)
+            check_loader_memory(
+                *memory,
+                row_bytes=row,
+                block_cache_bytes=out.block_cache_bytes,
+                cache_fixes=out.cache_fixes,
+            )
         return out
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -165,11 +170,26 @@ class Sources:
         config = self.config
         if config.block_cache_bytes is not None:
             return config.block_cache_bytes
-        lanes = config.lanes
+        return self._default_budget(self.block, config.shuffle_window)
+
+    def _default_budget(self, block: int, window: int) -> int:
+        lanes = self.config.lanes
         here = lanes if self.mixture is not None else -(-lanes // jax.process_count())
-        return default_budget(
-            self.components, self.block, config.shuffle_window, here, config.seq_len
-        )
+        return default_budget(self.components, block, window, here, self.config.seq_len)
+
+    def cache_fixes(self, room: int) -> list[str]:
+        """How the default ``block_cache_bytes`` comes within ``room`` bytes:
+        ``shuffle_window`` or ``shuffle_block`` lowered, each alone, with the
+        largest value that does (none where no value does)."""
+        block, window = self.block, self.config.shuffle_window
+        fixes = []
+        most = largest(lambda w: self._default_budget(block, w) <= room, 1, window - 1)
+        if most is not None:
+            fixes.append(f"lower shuffle_window (at most {most:,})")
+        most = largest(lambda b: self._default_budget(b, window) <= room, 1, block - 1)
+        if most is not None:
+            fixes.append(f"lower shuffle_block (at most {most:,})")
+        return fixes
 
     def samplers(self, streams: Sequence[tuple[int, int]] | None = None) -> list[Sampler]:
         """``[K]`` component ``c``'s sampler, of its records, under the config's

@@ -25,8 +25,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from flat_tokens_jax.core.values import integer, is_integer
+from flat_tokens_jax.sampling.blocks import lanes
 
-__all__ = ["MAX_SAMPLE", "BatchSchedule", "BatchSizeSpec", "resume_differences"]
+__all__ = ["MAX_SAMPLE", "BatchSchedule", "BatchSizeSpec", "resume_differences", "resumed"]
 
 MAX_SAMPLE = 2**63 - 1  # Global sample indices are int64.
 
@@ -178,7 +179,12 @@ class BatchSchedule:
 
 
 def resume_differences(
-    saved: Any, now: BatchSchedule, step: int, samples: int, data_step: int | None = None
+    saved: Any,
+    now: BatchSchedule,
+    step: int,
+    samples: int,
+    data_step: int | None = None,
+    lane_count: int | None = None,
 ) -> list[str]:
     """Why a run saved at ``step`` cannot resume with the batch sizes ``now``, as lines.
 
@@ -187,7 +193,8 @@ def resume_differences(
     every step before ``step``, and ``samples`` (the saved count of samples
     before ``step``) must be what the saved sizes give. A run that skipped
     batches reads ``step``'s data at ``data_step``: the batch sizes are those
-    of data steps.
+    of data steps. ``lane_count``: the block shuffle's lanes, which the gcd of
+    the sizes must keep; the schedule suggested keeps it.
     """
     try:
         before = BatchSchedule.of(saved)
@@ -198,10 +205,17 @@ def resume_differences(
     named = f"step {step}" if data == step else f"step {step} (data step {data})"
     at = before.first_difference(now, data)
     if at is not None:
+        fix = resumed(before, data, now, lane_count)
+        lanes_kept = (
+            f" (with shuffle='blocks' the gcd of the batch sizes, the lanes, must stay "
+            f"{lane_count})"
+            if fix != before.continued(data, now)
+            else ""
+        )
         out.append(
             f"batch_size: saved {before}, now {now}: step {at} had {before.size(at)} rows, "
             f"now {now.size(at)}; the batch size may change only from the saved {named} "
-            f"on: batch_size {before.continued(data, now)}"
+            f"on: batch_size {fix}{lanes_kept}"
         )
     if samples != before.samples_before(data):
         out.append(
@@ -209,3 +223,21 @@ def resume_differences(
             f"hold {before.samples_before(data)}"
         )
     return out
+
+
+def resumed(
+    before: BatchSchedule, step: int, now: BatchSchedule, lane_count: int | None = None
+) -> BatchSchedule:
+    """The schedule a run saved at ``step`` of ``before`` resumes with, nearest
+    ``now``: ``before``'s sizes before ``step``, ``now``'s from it on. With
+    ``lane_count`` (the block shuffle's lanes, which the gcd of the sizes
+    must keep), each of ``now``'s sizes rounded down to a multiple of it (at
+    least one), or ``before`` itself where that still changes the gcd."""
+    plain = before.continued(step, now)
+    if lane_count is None or lanes(plain.entries) == lane_count:
+        return plain
+    rounded = BatchSchedule.of(
+        [(s, max(lane_count, n // lane_count * lane_count)) for s, n in now.entries]
+    )
+    kept = before.continued(step, rounded)
+    return kept if lanes(kept.entries) == lane_count else before

@@ -13,13 +13,13 @@ import argparse
 from collections.abc import Mapping
 from typing import Any
 
-from flat_tokens_jax.convert.commands import above_zero, at_least
+from flat_tokens_jax.convert.commands import above_zero, at_least, between
 from flat_tokens_jax.core.values import child, close_match, mapping
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.phaseconfig import phases_from_config
 from flat_tokens_jax.loader.phasedloader import PhasedLoader
 from flat_tokens_jax.loader.phases import Phase
-from flat_tokens_jax.loader.requesttable import run_table
+from flat_tokens_jax.loader.requesttable import MAX_SAMPLE_STEPS, run_table
 from flat_tokens_jax.loader.state import SavedState
 from flat_tokens_jax.loader.steered import Skipper, apply_skips
 from flat_tokens_jax.sampling.mixconfig import mixture_from_config
@@ -145,6 +145,13 @@ def mark(shown: dict[str, Any], run: PhasedLoader, step: int) -> dict[str, Any]:
     return {**shown, "step": step, "phase": phase}
 
 
+REQUEST_FLAGS = ("hosts", "step_seconds", "sample_steps")
+"""``plan``'s flags that only ``--requests`` reads."""
+
+SAMPLE_STEPS = 8
+"""``--sample-steps`` when not given."""
+
+
 def add_request_flags(parser: argparse.ArgumentParser) -> None:
     """``plan``'s flags of :func:`request_lines`."""
     parser.add_argument(
@@ -157,20 +164,24 @@ def add_request_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-seconds", type=above_zero, help="seconds a step (with --requests)")
     parser.add_argument(
         "--sample-steps",
-        type=at_least(1),
-        default=8,
-        help="steps of each phase the sampler is run for (with --requests; default 8)",
+        type=between(1, MAX_SAMPLE_STEPS),
+        help="steps of each phase the sampler is run for, at most "
+        f"{MAX_SAMPLE_STEPS:,} and no more than the phase has (with --requests; default "
+        f"{SAMPLE_STEPS})",
     )
 
 
-def request_lines(run: PhasedLoader, args: argparse.Namespace) -> list[str]:
-    """``plan --requests``: each phase's requests and bytes per second (:func:`run_table`)."""
+def request_lines(
+    run: PhasedLoader, args: argparse.Namespace, end_step: int | None = None
+) -> list[str]:
+    """``plan --requests``: each phase's requests and bytes per second
+    (:func:`run_table`), sampled at most to ``end_step``, where the run ends."""
     missing = [f for f in ("hosts", "step_seconds") if getattr(args, f) is None]
     if missing:
         flags = " and ".join("--" + f.replace("_", "-") for f in missing)
         raise ValueError(f"plan --requests: give {flags} (the pod's hosts and its step time)")
-    steps = range(args.sample_steps)
-    return run_table(run, args.hosts, args.step_seconds, steps, args.run_yaml)
+    steps = SAMPLE_STEPS if args.sample_steps is None else args.sample_steps
+    return run_table(run, args.hosts, args.step_seconds, steps, args.run_yaml, end_step)
 
 
 def yaml_skips(run: Skipper, section: Any, name: str) -> None:

@@ -10,6 +10,7 @@ import os
 import sys
 from typing import Any
 
+from flat_tokens_jax.convert.commands import path_error
 from flat_tokens_jax.data.dataset import FlatTokens, open_dataset
 from flat_tokens_jax.loader.state import SavedState, state_problems
 from flat_tokens_jax.sampling.mixture import Mixture
@@ -37,6 +38,8 @@ def read_state(path: str | os.PathLike[str]) -> SavedState:
         raise ValueError(f"--state {where}: not JSON ({why})") from None
     except UnicodeDecodeError as e:
         raise ValueError(f"--state {where}: not UTF-8 text ({e.reason})") from None
+    except OSError as e:
+        raise path_error("--state", where, e, "a saved loader state's JSON file") from None
     saved, problems = state_problems(state)
     if saved is None:
         raise ValueError(

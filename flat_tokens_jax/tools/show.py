@@ -19,7 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from flat_tokens_jax.core.limits import ROW_BYTES_PER_TOKEN, check_memory, memory_bytes
+from flat_tokens_jax.core.limits import (
+    ROW_BYTES_PER_TOKEN,
+    STEP_BYTES,
+    check_memory,
+    largest,
+    memory_bytes,
+)
 from flat_tokens_jax.core.values import BadValue, known_keys
 from flat_tokens_jax.data.dataset import FlatTokens, open_dataset
 from flat_tokens_jax.loader.config import LoaderConfig
@@ -214,17 +220,33 @@ def check_show_memory(cfg: LoaderConfig, rows: int, printed: int) -> None:
     machine's memory cannot hold, before anything is allocated.
 
     Raises:
-        ValueError: with the estimate and the largest batch size that fits.
+        ValueError: with the estimate and the largest batch size that fits,
+            or when not even one row fits, the largest ``--seq-len``.
     """
-    per_row = cfg.seq_len * ROW_BYTES_PER_TOKEN + ROW_BYTES
-    per_printed = cfg.seq_len * PRINTED_BYTES_PER_TOKEN
-    need = rows * per_row + printed * per_printed
-    most = memory_bytes() // (per_row + (per_printed if printed else 0))
+
+    def need(rows: int, printed: int, seq_len: int) -> int:
+        per_row = seq_len * ROW_BYTES_PER_TOKEN + ROW_BYTES
+        return rows * per_row + STEP_BYTES + printed * seq_len * PRINTED_BYTES_PER_TOKEN
+
+    memory = memory_bytes()
+    if not memory or need(rows, printed, cfg.seq_len) <= memory:
+        return
+    fits = largest(lambda n: need(n, min(printed, n), cfg.seq_len) <= memory, 1, rows)
+    if fits is not None:
+        fix = f"pass a --batch-size of at most {fits:,}"
+        fewer = largest(lambda n: need(rows, n, cfg.seq_len) <= memory, 1, printed)
+        if fewer is not None:
+            fix += f" or print at most {fewer:,} --rows"
+    else:
+        one = largest(lambda n: need(1, 1, n) <= memory, 1, cfg.seq_len)  # and printed
+        fix = "not one row fits: " + (
+            "free memory" if one is None else f"pass a --seq-len of at most {one:,}"
+        )
     check_memory(
-        need,
+        need(rows, printed, cfg.seq_len),
         f"a step of batch size {rows:,} at seq_len {cfg.seq_len:,}"
         + (f" with {printed:,} rows printed" if printed else ""),
-        f"pass a --batch-size of at most {most:,}" + (" or fewer --rows" if printed else ""),
+        fix,
     )
 
 

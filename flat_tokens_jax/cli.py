@@ -201,7 +201,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
                 state_name=args.state or "--state",
             )
             _planned_skips(run, config, args.config, planned)
-            loader, step = run.locate(args.step)
+            loader: Loader = run
         else:
             loader = show.build_loader(
                 url=args.url,

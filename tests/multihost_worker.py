@@ -47,7 +47,7 @@ def run(config: dict[str, Any], job: dict[str, Any], pid: int) -> dict[str, Any]
     if job.get("phases"):  # [[start_step, loader fields], ...]: a run in phases
         phases = [ftj.Phase(s, ft, ftj.LoaderConfig(**fields)) for s, fields in job["phases"]]
         loader = ftj.PhasedLoader(phases, sharding=sharding)
-        first = loader.loaders[0]
+        first = loader
     else:
         source = ft
         if job.get("mixture"):  # {name: weight}: the split blended with itself

@@ -149,7 +149,7 @@ def test_plan_counts_what_the_steps_read(tmp_path: Path) -> None:
     assert sum(r["samples"] for r in long) == 4 * 2 and all(r["seq_len"] == 12 for r in long)
     web = [r for r in rows if r["component"] == "web"]
     assert [r["stream"] for r in web] == ["new", "continued", "new"]
-    records = len(run.loaders[0].components[0])
+    records = len(run.engines[0].components[0])
     assert web[1]["stream_epochs"] == (web[0]["samples"] + web[1]["samples"]) / records
     code, out, err = run_main("plan", str(path))
     assert code == 0, err
@@ -234,9 +234,9 @@ def test_plan_refuses_steps_the_loader_refuses(tmp_path: Path) -> None:
     run = ftj.PhasedLoader(by_hand())
     # The last phase reads 2 rows a step: its last step's samples end at 2**63 - 1.
     last = 9 + (2**63 - 2) // 2
-    run.loaders[2].steps.samples(last - 9, np.zeros(0, np.int64))  # the loader takes it
+    run.engines[2].steps.samples(last - 9, np.zeros(0, np.int64))  # the loader takes it
     with pytest.raises(ValueError, match="too large"):
-        run.loaders[2].steps.samples(last - 9 + 1, np.zeros(0, np.int64))
+        run.engines[2].steps.samples(last - 9 + 1, np.zeros(0, np.int64))
     code, out, err = run_main("plan", str(path), "--steps", str(last + 1), "--json")
     assert code == 0, err
     assert max(r["samples"] for r in json.loads(out)) < 2**63

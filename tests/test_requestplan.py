@@ -284,11 +284,11 @@ def test_bad_values_are_named() -> None:
 def test_the_counterpart_is_the_other_shuffle() -> None:
     full = ftj.LoaderConfig(batch_size=6, seq_len=16, seed=3)
     blocks = dataclasses.replace(full, shuffle="blocks", shuffle_block=5, shuffle_window=2)
-    of_full = counterpart(ftj.Loader(store(1), full))
+    of_full = counterpart(ftj.Loader(store(1), full).engine)
     assert of_full.config == dataclasses.replace(full, shuffle="blocks")
     default = ftj.Loader(store(1), dataclasses.replace(full, shuffle="blocks"))
-    assert of_full.fingerprint() == default.fingerprint()
-    assert counterpart(ftj.Loader(store(1), blocks)).config == full
+    assert of_full.sources.fingerprint() == default.fingerprint()
+    assert counterpart(ftj.Loader(store(1), blocks).engine).config == full
 
 
 @pytest.mark.remote

@@ -22,7 +22,7 @@ from flat_tokens_jax.loader.runplan import share_segments
 def counted_shares(run: ftj.PhasedLoader, step: int) -> dict[str, float]:
     """Each component's share of the rows ``step`` reads, from ``provenance``."""
     rows = run.provenance(step)
-    names = run.loaders[run.phase_at(step)].names
+    names = run.engines[run.phase_at(step)].names
     found = Counter(r["component_name"] for r in rows)
     return {n: found[n] / len(rows) for n in names}
 

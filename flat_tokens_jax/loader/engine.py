@@ -18,6 +18,7 @@ nothing of it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -194,6 +195,20 @@ class StepEngine:
             step=step if counted else None,
             threads=threads,
         )
+
+    def finish(self, part: Fetched | Blocks, step: int, threads: int | None, host: bool) -> Any:
+        """A step's second stage: its fields decoded on at most ``threads``
+        threads and, unless ``host``, placed on the devices; blocks are
+        returned as the call that decodes them on the devices (it runs
+        collectives across hosts: call it in step order). No collective runs
+        here: safe in any thread."""
+        if isinstance(part, Blocks):
+            return functools.partial(self.blocks.decode, part)
+        fields = self.fields(part, step, threads)
+        if host:
+            return fields
+        held = self.host_blocks_at(step)
+        return jax.device_put(fields) if held is None else held.assemble_rows(fields)
 
     def host_batch(self, step: int) -> dict[str, np.ndarray]:
         """See ``Loader.host_batch`` (the instance filter's rejections are not counted)."""

@@ -1,27 +1,17 @@
-"""Batches from any step: ``Loader``, a run of one phase or several
-(``PhasedLoader``); its ``LoaderConfig`` is in :mod:`~flat_tokens_jax.loader.config`.
+"""Batches from any step: ``Loader``, a run of one phase (several:
+:mod:`~flat_tokens_jax.loader.phasedloader`); its ``LoaderConfig`` is in
+:mod:`~flat_tokens_jax.loader.config`.
 
-``Loader.batch(step)`` is a pure function of (data, config, step): global
-sample ``g = samples_before(step) + row`` (``step * batch_size + row`` for a
-constant batch size, see :mod:`~flat_tokens_jax.sampling.schedule`) goes through the
-stateless sampler to a record, the record's tokens are read, and the model
-fields are decoded. A step engine per phase (:mod:`~flat_tokens_jax.loader.engine`)
-does all of that for the steps of its phase; ``Loader`` finds a step's phase, reads
-steps ahead (:mod:`~flat_tokens_jax.loader.prefetch`), makes global
-``jax.Array``\\ s of them, and saves and restores where a run is.
-
-A run of several phases (see :mod:`~flat_tokens_jax.loader.phases`): step
-``s`` of the run is step ``s - first`` of the phase that holds it, and each
-phase's engine reads its components through samplers that continue every
-stream where the earlier phases left it. One phase is a plain ``Loader``: the
-same batches and the same ``state()``.
+``Loader.batch(step)`` is a pure function of (data, config, step): global sample
+``g = samples_before(step) + row`` goes through the stateless sampler to a record,
+whose tokens are read and decoded into the model fields. A step engine per phase
+(:mod:`~flat_tokens_jax.loader.engine`) does that; ``Loader`` finds a step's phase,
+reads steps ahead (:mod:`~flat_tokens_jax.loader.prefetch`), makes global
+``jax.Array``\\ s of them, steers, and saves and restores where a run is.
 """
 
 from __future__ import annotations
 
-import bisect
-import dataclasses
-import functools
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -36,16 +26,14 @@ from flat_tokens_jax.decoding.sharding import HostBlocks
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.deviceblocks import Blocks
 from flat_tokens_jax.loader.engine import Fetched, StepEngine
-from flat_tokens_jax.loader.phases import Phase, PhaseStreams, check_phases, drawn, stream_key
+from flat_tokens_jax.loader.phases import Phase
 from flat_tokens_jax.loader.prefetch import Prefetcher
-from flat_tokens_jax.loader.resume import check_resume, differences, state_differences
+from flat_tokens_jax.loader.resume import check_resume, state_differences
 from flat_tokens_jax.loader.sources import Sources
 from flat_tokens_jax.loader.state import (
     SavedState,
-    StateMismatch,
     read_state,
     restorable,
-    state_problems,
     state_step,
 )
 from flat_tokens_jax.loader.steered import (
@@ -55,11 +43,9 @@ from flat_tokens_jax.loader.steered import (
     skip_count,
     state_fields,
     weight_counts,
-    with_weights,
 )
 from flat_tokens_jax.sampling.mixture import Mixture
-from flat_tokens_jax.sampling.skips import NO_SKIPS, Skips
-from flat_tokens_jax.sampling.steering import Change, Steering
+from flat_tokens_jax.sampling.steering import Steering
 
 if TYPE_CHECKING:
     from flat_tokens_jax.loader.tograin import StepsDataset
@@ -110,6 +96,9 @@ class Loader:
             ``vocab_size`` is too small for the data.
     """
 
+    # Whether to_grain's steps go to grain's worker processes (see _worker).
+    _to_workers = True
+
     def __init__(
         self,
         source: FlatTokens | Records | Mixture,
@@ -119,8 +108,9 @@ class Loader:
         plan_cache: str | os.PathLike[str] | None = None,
     ) -> None:
         sources = Sources.of(source, config, sharding, plan_cache)
-        self.phases = (Phase(0, source, config),)
-        self.starts, self.firsts, self.end_step = [0], [0], None
+        self.phases: tuple[Phase, ...] = (Phase(0, source, config),)
+        self.starts, self.firsts = [0], [0]
+        self.end_step: int | None = None
         self._open([StepEngine(sources, sharding)], sharding)
 
     def _open(self, engines: list[StepEngine], sharding: Any) -> None:
@@ -230,13 +220,10 @@ class Loader:
 
     def batch(self, step: int) -> dict[str, jax.Array]:
         """The global batch at ``step`` as ``jax.Array``\\ s ``[batch_size, seq_len]``
-        (``batch_size`` the step's).
-
-        Called with consecutive steps (a loop that asks by step), or at the step given to
-        :meth:`start`, it reads the next steps ahead in background threads, as
-        :meth:`iterate` does; another step drops what was read ahead. The batches are the
-        same either way.
-        """
+        (``batch_size`` the step's). Called with consecutive steps, or at the step given
+        to :meth:`start`, it reads the next steps ahead as :meth:`iterate` does; another
+        step drops what was read ahead. The batches are the same either way."""
+        self.locate(step)
         step = integer(step, "step", low=0)
         try:
             return self._take(step, False, self._end())
@@ -244,33 +231,21 @@ class Loader:
             raise self._told(e, step) from None
 
     def start(self, step: int | None = None) -> None:
-        """Starts reading ``step`` (default: :attr:`next_step`, e.g. after
-        :meth:`restore`) and the steps after it in the background, and returns.
-
-        The next :meth:`iterate` from ``step`` (or :meth:`batch` at ``step``) takes them,
-        so a trainer can start its input before it restores its own checkpoint. Calling
-        it again at the same step changes nothing; iterating or asking for another step
-        drops these reads. With ``prefetch=0`` it reads nothing.
-        """
+        """Starts reading ``step`` (default: :attr:`next_step`) and the steps after it in
+        the background, and returns: the next :meth:`iterate` from ``step`` (or
+        :meth:`batch` at it) takes them, so a trainer can start its input before it
+        restores its own checkpoint. With ``prefetch=0`` it reads nothing."""
         step = integer(self.next_step if step is None else step, "Loader.start: step", low=0)
         self.locate(step)
         self._start(step, self._end())
 
     def encoded_batch(self, step: int) -> dict[str, jax.Array]:
-        """The batch at ``step`` still encoded, as global arrays, for :meth:`decoder`.
+        """The batch at ``step`` still encoded, as global arrays, for :meth:`decoder`
+        (the arrays: :meth:`~flat_tokens_jax.loader.deviceblocks.DeviceBlocks.encoded`).
 
         Host-to-device traffic is 4 bytes a token (plus 1 for a stored loss mask), against
         17 for the decoded fields. Decode inside your jitted step: ``fields =
         loader.decoder(step)(encoded)``.
-
-        Returns:
-            ``encoded`` ``[batch_size, seq_len] uint32`` (encoded tokens), ``before``
-            ``[batch_size, column shards] uint32`` (the token before each column shard),
-            ``lengths`` ``[batch_size] int32`` (tokens of padded rows and bins), ``real``
-            ``[batch_size] bool`` (False for padding rows past the last epoch),
-            ``stored_mask`` ``[batch_size, seq_len] uint8`` when the data stores a loss
-            mask, and ``source`` ``[batch_size] int32`` with ``config.source_field``.
-            Laid out as the loader's sharding (whole rows on one device without one).
         """
         return self._in_phase(step, lambda e, s: e.blocks.encoded(s))
 
@@ -308,13 +283,7 @@ class Loader:
         blocks are decoded on the devices by :meth:`_on_devices`. Everything of
         it involves no collective: safe in any thread."""
         engine, local = self.locate(step)
-        if isinstance(part, Blocks):
-            return functools.partial(engine.blocks.decode, part)
-        fields = engine.fields(part, local, engine.ahead_threads if ahead else None)
-        if self._host:
-            return fields
-        held = engine.host_blocks_at(local)
-        return jax.device_put(fields) if held is None else held.assemble_rows(fields)
+        return engine.finish(part, local, engine.ahead_threads if ahead else None, self._host)
 
     def _on_devices(self, done: Any) -> dict[str, jax.Array]:
         """Finishes a step; decoding across hosts runs collectives, so call it in step order."""
@@ -347,12 +316,10 @@ class Loader:
         to ``stop_step`` (exclusive; default: the run's end, if any), reading
         nothing ahead past ``stop_step``; across phases as within one.
 
-        The next steps (``config.prefetch``, or as many as the measured times ask for, see
-        :class:`LoaderConfig`) are read, decoded and placed on device by background threads
-        while the caller trains (work that needs collectives across hosts is dispatched
-        here, in step order); steps begun by :meth:`start` are used. ``wait_seconds`` holds
-        how long the last step waited for its batch: near zero when input keeps up; see
-        :meth:`stats` for more.
+        The next steps (``config.prefetch``, or as many as the measured times ask for) are
+        read, decoded and placed on device by background threads while the caller trains
+        (collectives across hosts run here, in step order); steps begun by :meth:`start`
+        are used. ``wait_seconds``: how long the last step waited (see :meth:`stats`).
         """
         step = integer(self.next_step if start_step is None else start_step, "start_step", low=0)
         stop = None if stop_step is None else integer(stop_step, "stop_step", low=0)
@@ -361,6 +328,7 @@ class Loader:
                 end = self._end(stop)  # a skip made meanwhile moves the run's end
                 if end is not None and step >= end and (end == stop or end != self.end_step):
                     return
+                self.locate(step)  # a step past the run's reach is the run's error
                 try:
                     batch = self._take(step, True, end)
                 except (ValueError, IndexError) as e:
@@ -390,38 +358,26 @@ class Loader:
         def spans() -> list[tograin.Span]:
             return [tograin.Span(self, 0, self._end())]
 
-        return tograin.StepsDataset(self, spans, self.next_step, 0, self._told, self._recipe())
+        return tograin.StepsDataset(self, spans, self.next_step, 0, self._told, self._to_workers)
 
-    def _recipe(self) -> Callable[[], Reopened] | None:
-        """What opens this run again in a grain worker process, when one can."""
-        return self._reopened
-
-    def _reopened(self) -> Reopened:
-        """What opens this loader again in a grain worker process; from now
-        on its steering is fixed, since the workers could not follow it."""
-        engine = self.engine
-        engine.sent = (
-            "a Loader whose steps went to grain's worker processes (to_grain under "
-            "mp_prefetch) cannot be steered (skip, set_weights, a restore of other "
-            "steering): the workers read with the steering they were sent. Steer it "
-            "before iterating, or restore the mp_prefetch iterator with its get_state()"
-        )
-        rows = {size: engine.host_rows_at(step) for step, size in self.schedule.entries}
-        return Reopened(engine.sources, rows, self.state())
+    @classmethod
+    def _worker(cls, sources: Sources, rows: dict[int, np.ndarray]) -> Loader:
+        """A loader of ``sources`` reading ``rows`` of each batch size (a grain worker's)."""
+        loader = cls.__new__(cls)
+        source = sources.mixture or sources.components[0]
+        loader.phases = (Phase(0, source, sources.config),)
+        loader.starts, loader.firsts, loader.end_step = [0], [0], None
+        loader._open([StepEngine(sources, rows=rows)], None)
+        return loader
 
     # -- what a saved state holds
 
     def fingerprint(self) -> Any:
-        """What the batches depend on: the data's identity and the batch-defining config;
-        with several phases, each phase's ``{"start_step", "fingerprint"}``.
-
-        ``data`` and ``config`` decide the sample order: ``data`` the records' counts, a
-        digest of sampled tokens, whether a loss mask is stored and the vocabulary hash of
-        the tokenizer the data records, and for a Mixture the components' names and the
-        blending; ``config`` every other field that changes batches, with
-        ``start_token_id`` resolved (see :class:`LoaderConfig`). ``batch_size`` (an int or
-        ``[[start_step, size], ...]``) decides only how that order is cut into batches.
-        """
+        """What the batches depend on, which :meth:`restore` checks: ``data`` (the
+        records' counts, a digest of sampled tokens, the stored loss mask, the
+        tokenizer's vocabulary hash; a Mixture's components and blending), ``config``
+        (every field that changes batches, ``start_token_id`` resolved) and
+        ``batch_size`` (how that order is cut into batches)."""
         return self.engine.sources.fingerprint()
 
     def sources(self, k: int = 0) -> list[dict[str, Any]]:
@@ -430,27 +386,22 @@ class Loader:
         return sources_of(self.engines[k].names, self.engines[k].components)
 
     def state(self, step: int | None = None) -> dict[str, Any]:
-        """``{"step": next step, "samples": ..., "fingerprint": ..., "sources": ...}``,
-        JSON-ready; with several phases ``{"step", "samples", "phases": [{"start_step",
-        "fingerprint", "sources"}, ...]}``.
+        """``{"step", "samples", "fingerprint", "sources"}``, JSON-ready (the format:
+        :mod:`~flat_tokens_jax.loader.state`; several phases: ``PhasedLoader.state``).
 
-        ``step`` is the step a :meth:`restore` of it resumes at: by default
-        :attr:`next_step`, the step after the last one :meth:`iterate` (or
-        :meth:`to_grain`'s iterator) yielded; a loop that
-        asks :meth:`batch` by step passes ``step + 1`` after training ``step``.
-        ``samples`` counts the global samples before ``step``'s (see :meth:`samples_before`);
-        ``fingerprint`` is what :meth:`restore` checks; ``sources`` (see :meth:`sources`)
-        says where the data was, for ``flat-tokens show --state``, and is not checked
-        (data may move between stores). A run with :meth:`set_weights` or :meth:`skip`
-        also holds ``weights``, ``[[step, [n, ...]], ...]``, and ``skips``, ``[[step,
-        count], ...]`` (see :mod:`~flat_tokens_jax.loader.steered`).
+        ``step`` is where a :meth:`restore` resumes: by default :attr:`next_step`; a loop
+        that asks :meth:`batch` by step passes ``step + 1`` after training ``step``.
+        ``samples`` counts the global samples before it; ``fingerprint`` is what
+        :meth:`restore` checks; ``sources`` says where the data was (not checked: data
+        may move). With :meth:`set_weights` or :meth:`skip`, also ``weights``, ``[[step,
+        [n, ...]], ...]``, and ``skips``, ``[[step, count], ...]``.
         """
         step = state_step(step, self.next_step)
         steering = self.steering
         return {
             "step": step,
             "samples": self.samples_before(step),
-            "fingerprint": self.fingerprint(),
+            "fingerprint": self.engine.sources.fingerprint(),
             "sources": self.sources(),
             **state_fields(steering.skips, steering.changes),
         }
@@ -459,21 +410,18 @@ class Loader:
         """What keeps this run from continuing a saved :meth:`state`, as
         ``path: saved X, now Y`` lines (naming phase and steps with several phases;
         none: it may; see :meth:`restore`)."""
-        return state_differences(state, self.fingerprint(), self.schedule)
+        return state_differences(state, self.engine.sources.fingerprint(), self.schedule)
 
     def restore(self, state: Mapping[str, Any] | SavedState) -> int:
         """Continues from a saved :meth:`state` (or one read back by
         :func:`~flat_tokens_jax.loader.state.read_state`); returns the step
         ``iterate`` resumes at.
 
-        The state must have the shape :meth:`state` saves (see
-        :mod:`~flat_tokens_jax.loader.state`), and every field of :meth:`fingerprint` must
-        be in it with the same value and JSON type (see
-        :mod:`~flat_tokens_jax.loader.resume`). The batch size may change from the saved
-        step on: a ``batch_size`` (or schedule) that agrees with the saved one on every
-        step before it continues at exactly the next unseen sample. The saved weight
-        changes and skips are replayed, with this loader's own (e.g. a YAML ``skip`` list
-        applied before): see :func:`~flat_tokens_jax.loader.steered.merged`.
+        Every field of :meth:`fingerprint` must be in it with the same value and JSON
+        type (see :mod:`~flat_tokens_jax.loader.resume`). The batch size may change from
+        the saved step on, continuing at exactly the next unseen sample. The saved weight
+        changes and skips are replayed, with this loader's own (e.g. a YAML ``skip``
+        list applied before): see :func:`~flat_tokens_jax.loader.steered.merged`.
 
         Raises:
             StateMismatch: other data (kind of source, a component's identity,
@@ -484,7 +432,7 @@ class Loader:
         """
         if not isinstance(state, SavedState):
             state = restorable(state, "loader")
-        step = check_resume(state, self.fingerprint(), self.schedule)
+        step = check_resume(state, self.engine.sources.fingerprint(), self.schedule)
         saved = state if isinstance(state, SavedState) else read_state(state)
         skips, changes = merged(saved, self.steering.skips, self.steering.changes)
         now = self.steering
@@ -509,12 +457,10 @@ class Loader:
         """From ``step`` on, step ``s`` reads what step ``s + count`` would have read
         (with the skips before: what its data step plus ``count`` would have read).
 
-        Skips add up (two at one step, or at several steps); each is kept in
-        :meth:`state` and replayed by :meth:`restore`. After a restore, the first skip
-        at a step the restored loader skips at restates that skip: the same count
-        changes nothing (set-up code run again after a restart is harmless), another
-        is refused. Steps read ahead at or after ``step`` are dropped and read again.
-        O(log n) amortized for ``n`` changes, at or after the last one.
+        Skips add up; each is kept in :meth:`state` and replayed by :meth:`restore`.
+        After a restore, the first skip at a step the restored loader skips at restates
+        that skip: the same count changes nothing, another is refused (see
+        docs/guide/steering.md). O(log n) amortized, at or after the last change.
 
         Raises:
             ValueError: ``step`` is before :attr:`next_step`, ``count`` is not an int
@@ -535,13 +481,10 @@ class Loader:
         (one per component, or ``{name: weight}`` naming every component).
 
         The change starts a weight segment at the data step ``step`` reads, over the
-        mixture's ``period`` (or the default period of these weights); a change of the
-        mixture's declared schedule at a later step still applies from there. Each
-        component's stream continues where it was. A second change at the same step
-        replaces the first. Kept in :meth:`state` (as the samples per period the weights
-        round to) and replayed by :meth:`restore`; steps read ahead at or after ``step``
-        are dropped and read again. O(log n) amortized for ``n`` changes, at or after
-        the last one.
+        mixture's ``period``; a later change of its declared schedule still applies.
+        Each component's stream continues where it was; a second change at one step
+        replaces the first. Kept in :meth:`state` and replayed by :meth:`restore`
+        (see docs/guide/steering.md). O(log n) amortized, at or after the last change.
 
         Raises:
             ValueError: ``step`` is before :attr:`next_step`, the loader reads a single
@@ -554,26 +497,3 @@ class Loader:
         if changed is not steering:
             self.engine.steer(changed)
             self.prefetcher.drop_from(step)
-
-
-@dataclasses.dataclass(frozen=True)
-class Reopened:
-    """A loader opened again in a grain worker process (``to_grain`` under
-    ``mp_prefetch``): its sources (they pickle as what reopens them), this
-    host's rows of each batch size as the parent worked them out under its
-    sharding (the worker needs none), and the parent's :meth:`Loader.state`,
-    whose steering it restores."""
-
-    sources: Sources
-    rows: dict[int, np.ndarray]
-    state: dict[str, Any]
-
-    def open(self) -> Loader:
-        loader = Loader.__new__(Loader)
-        source = self.sources.mixture or self.sources.components[0]
-        loader.phases = (Phase(0, source, self.sources.config),)
-        loader.starts, loader.firsts, loader.end_step = [0], [0], None
-        loader._open([StepEngine(self.sources, rows=self.rows)], None)
-        loader.restore(self.state)
-        return loader
-

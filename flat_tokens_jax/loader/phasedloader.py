@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import bisect
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 
 from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.loader.engine import StepEngine
-from flat_tokens_jax.loader.loader import Loader, Reopened
+from flat_tokens_jax.loader.loader import Loader
 from flat_tokens_jax.loader.phases import Phase, PhaseStreams, check_phases, drawn, stream_key
 from flat_tokens_jax.loader.resume import differences
 from flat_tokens_jax.loader.sources import Sources
@@ -46,10 +46,9 @@ from flat_tokens_jax.loader.steered import (
     skip_count,
     state_fields,
     weight_counts,
-    with_weights,
 )
 from flat_tokens_jax.sampling.skips import NO_SKIPS, Skips
-from flat_tokens_jax.sampling.steering import Change
+from flat_tokens_jax.sampling.steering import Change, with_weights
 
 
 class PhasedLoader(Loader):
@@ -80,6 +79,8 @@ class PhasedLoader(Loader):
             the phase and the latest start step that works). Each names the phase.
     """
 
+    _to_workers = False  # to_grain refuses grain's worker processes
+
     def __init__(
         self,
         phases: Sequence[Phase],
@@ -87,7 +88,7 @@ class PhasedLoader(Loader):
         *,
         plan_cache: str | os.PathLike[str] | None = None,
     ) -> None:
-        self.phases = check_phases(phases)
+        self.phases: tuple[Phase, ...] = check_phases(phases)
         self.starts = [p.start_step for p in self.phases]
         resolved = []
         for k, phase in enumerate(self.phases):
@@ -209,9 +210,6 @@ class PhasedLoader(Loader):
     def stats(self) -> dict[str, Any]:
         k = self.phase_at(max(0, self.next_step - 1))
         return {**self.prefetcher.stats(), **self.engines[k].stats(), "phase": k}
-
-    def _recipe(self) -> Callable[[], Reopened] | None:
-        return None  # the dataset refuses grain's worker processes
 
     def fingerprint(self) -> Any:
         """Each phase's ``{"start_step", "fingerprint"}`` (see :meth:`Loader.fingerprint`)."""

@@ -56,7 +56,7 @@ from flat_tokens_jax.core.values import integer, number
 from flat_tokens_jax.data.bins import BinRecords
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import PackedRecords, PaddedRecords
-from flat_tokens_jax.loader.loader import Loader
+from flat_tokens_jax.loader.engine import StepEngine
 from flat_tokens_jax.sampling.blocks import BlockSampler
 
 __all__ = [
@@ -161,7 +161,7 @@ class HostSamples:
     epoch: np.ndarray
 
 
-def host_samples(loader: Loader, hosts: int, steps: Sequence[int]) -> HostSamples:
+def host_samples(loader: StepEngine, hosts: int, steps: Sequence[int]) -> HostSamples:
     """The sampler's records for ``steps``, each step's rows split into
     ``hosts`` equal runs of consecutive rows (data sharding: host ``h`` holds
     rows ``[h*bs/H, (h+1)*bs/H)``), each row holding the sample the loader
@@ -176,7 +176,7 @@ def host_samples(loader: Loader, hosts: int, steps: Sequence[int]) -> HostSample
     hosts = integer(hosts, "hosts", low=1)
     parts: list[tuple[np.ndarray, ...]] = []
     for i, step in enumerate(steps):
-        size = loader.batch_size_at(step)
+        size = loader.steps.size(step)
         if size % hosts:
             raise ValueError(
                 f"hosts: {hosts} hosts do not split step {step}'s batch of {size} rows "
@@ -248,7 +248,7 @@ class StepReads:
 
 
 def _count(
-    loader: Loader,
+    loader: StepEngine,
     samples: HostSamples,
     comp: np.ndarray,
     record: np.ndarray,
@@ -298,7 +298,7 @@ def _block_span(
     return np.arange(blocks, dtype=np.int64), start[:blocks], stop[blocks:]
 
 
-def _useful(loader: Loader, samples: HostSamples) -> np.ndarray:
+def _useful(loader: StepEngine, samples: HostSamples) -> np.ndarray:
     """``[steps, hosts]`` bytes of the tokens the rows' targets come from."""
     out = np.zeros(samples.steps.size * samples.hosts, np.int64)
     group = samples.at * samples.hosts + samples.host
@@ -311,7 +311,7 @@ def _useful(loader: Loader, samples: HostSamples) -> np.ndarray:
     return out.reshape(samples.steps.size, samples.hosts)
 
 
-def row_reads(loader: Loader, samples: HostSamples) -> StepReads:
+def row_reads(loader: StepEngine, samples: HostSamples) -> StepReads:
     """Full shuffle (or none): each host reads each of its rows' ranges at its
     step, a step's rows of a component in one batch per array."""
     group = samples.at * samples.hosts + samples.host
@@ -320,7 +320,7 @@ def row_reads(loader: Loader, samples: HostSamples) -> StepReads:
 
 
 def block_reads(
-    loader: Loader, samples: HostSamples, block: Sequence[int] | None = None
+    loader: StepEngine, samples: HostSamples, block: Sequence[int] | None = None
 ) -> StepReads:
     """Block shuffle: record ``r`` of component ``c`` lies in block ``r //
     block[c]``; each host reads each block its rows need once per epoch,
@@ -357,7 +357,7 @@ def block_reads(
     return dataclasses.replace(counted, useful=_useful(loader, samples))
 
 
-def _block_samplers(loader: Loader) -> list[BlockSampler]:
+def _block_samplers(loader: StepEngine) -> list[BlockSampler]:
     found = [s for s in loader.samplers if isinstance(s, BlockSampler)]
     if len(found) != len(loader.samplers):
         raise ValueError(
@@ -408,7 +408,7 @@ class RequestPlan:
 
 
 def plan_requests(
-    loader: Loader,
+    loader: StepEngine,
     hosts: int,
     step_seconds: float,
     steps: Sequence[int] = range(8),
@@ -472,6 +472,6 @@ def plan_requests(
     )
 
 
-def _token_itemsize(loader: Loader) -> int:
+def _token_itemsize(loader: StepEngine) -> int:
     pairs = zip(loader.components, loader.names, strict=True)
     return max(_split_of(r, n).encoded.dtype.itemsize for r, n in pairs)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from flat_tokens_jax.core.fields import BLOCKS
 from flat_tokens_jax.core.values import integer
+from flat_tokens_jax.loader.engine import StepEngine
 from flat_tokens_jax.loader.loader import Loader
 from flat_tokens_jax.loader.phasedloader import PhasedLoader
 from flat_tokens_jax.loader.requestplan import (
@@ -33,7 +34,7 @@ __all__ = [
 ]
 
 
-def counterpart(loader: Loader) -> Loader:
+def counterpart(loader: StepEngine) -> StepEngine:
     """``loader``'s source and config under the other shuffle: a block
     shuffle's under the full shuffle; a full (or no) shuffle's under
     ``shuffle="blocks"`` at the default block (``shuffle_block=None``) and
@@ -43,7 +44,7 @@ def counterpart(loader: Loader) -> Loader:
         other = dataclasses.replace(config, shuffle=True, shuffle_block=None, shuffle_window=1)
     else:
         other = dataclasses.replace(config, shuffle=BLOCKS)
-    return Loader(loader.records, other)
+    return Loader(loader.records, other).engine
 
 
 def _si(value: float, unit: str) -> str:
@@ -123,7 +124,8 @@ def sampled_steps(
     """
     sample_steps = integer(sample_steps, "--sample-steps", low=1, high=MAX_SAMPLE_STEPS)
     counts, notes = [], []
-    for k, loader in enumerate(run.loaders):
+    assert run.end_step is not None  # a PhasedLoader's
+    for k, loader in enumerate(run.engines):
         start = run.firsts[k]
         ends = [(run.end_step, "the run can read no step from there")]
         if k + 1 < len(run.firsts):
@@ -141,7 +143,7 @@ def sampled_steps(
                 f"{sampled} ({why}, at step {stop})"
             )
         counts.append(count)
-    pairs = zip(run.loaders, counts, strict=True)
+    pairs = zip(run.engines, counts, strict=True)
     over = [(m, k) for k, (loader, n) in enumerate(pairs) if (m := _most_steps(loader, n)) < n]
     if over:
         most, k = min(over)
@@ -153,12 +155,12 @@ def sampled_steps(
     return counts, notes
 
 
-def _most_steps(loader: Loader, steps: int) -> int:
+def _most_steps(loader: StepEngine, steps: int) -> int:
     """The most of the first ``steps`` steps of ``loader`` whose rows are at
     most :data:`MAX_SAMPLED_ROWS` in all (``steps`` when they all are)."""
     rows = 0
     for step in range(steps):
-        rows += loader.batch_size_at(step)
+        rows += loader.steps.size(step)
         if rows > MAX_SAMPLED_ROWS:
             return step
     return steps
@@ -188,7 +190,7 @@ def run_table(
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
     lines = []
-    for k, loader in enumerate(run.loaders):
+    for k, loader in enumerate(run.engines):
         if not counts[k]:
             continue
         steps = range(counts[k])
@@ -202,7 +204,7 @@ def run_table(
         labels = [_label(plans[0]) + " *", _label(plans[1])]
         if plans[0].shuffle == BLOCKS:
             plans, labels = plans[::-1], labels[::-1]
-        if len(run.loaders) > 1:
+        if len(run.engines) > 1:
             lines.append(f"{run.label(k)}:")
         lines += request_table(plans, labels)
     fewer = " (fewer where noted below)" if notes else ""

@@ -59,7 +59,7 @@ def plan_rows(run: PhasedLoader, end_step: int) -> list[dict[str, Any]]:
             message names the phase and the last step the run can reach.
     """
     rows: list[dict[str, Any]] = []
-    for k, loader in enumerate(run.loaders):
+    for k, loader in enumerate(run.engines):
         start = run.firsts[k]
         if start >= end_step:
             break
@@ -75,7 +75,7 @@ def plan_rows(run: PhasedLoader, end_step: int) -> list[dict[str, Any]]:
                 f"the run's step {stop - 1} is step {last} of {run.label(k)}, and its "
                 f"loader refuses it: {e}"
             ) from None
-        counts = drawn(loader.steering, loader.steering.data_step(last) + 1)
+        counts = drawn(loader.steps.steering, loader.steps.steering.data_step(last) + 1)
         for c, name in enumerate(loader.names):
             records, offset = len(loader.components[c]), run.offsets[k][c]
             rows.append(
@@ -146,7 +146,7 @@ def repeat_warnings(
     epochs by the end of the plan (its last phase), naming the component."""
     last: dict[str, dict[str, Any]] = {}
     for r in rows:
-        names = run.loaders[r["phase"]].names
+        names = run.engines[r["phase"]].names
         last[run.streams[r["phase"]][names.index(r["component"])]] = r
     return [
         f"component {r['component']!r} ({r['records']:,} records) is read "

@@ -110,6 +110,39 @@ class Span:
     stop: int | None
 
 
+@dataclasses.dataclass(frozen=True)
+class Reopened:
+    """A loader opened again in a grain worker process (``to_grain`` under
+    ``mp_prefetch``): its class and sources (they pickle as what reopens
+    them), this host's rows of each batch size as the parent worked them out
+    under its sharding (the worker needs none), and the parent's ``state()``,
+    whose steering it restores."""
+
+    kind: Any
+    sources: Any
+    rows: dict[int, np.ndarray]
+    state: dict[str, Any]
+
+    @classmethod
+    def of(cls, loader: Any) -> Reopened:
+        """``loader`` as a worker opens it; from now on its steering is fixed,
+        since the workers could not follow it."""
+        engine = loader.engine
+        engine.sent = (
+            "a Loader whose steps went to grain's worker processes (to_grain under "
+            "mp_prefetch) cannot be steered (skip, set_weights, a restore of other "
+            "steering): the workers read with the steering they were sent. Steer it "
+            "before iterating, or restore the mp_prefetch iterator with its get_state()"
+        )
+        rows = {size: engine.host_rows_at(step) for step, size in engine.schedule.entries}
+        return cls(type(loader), engine.sources, rows, loader.state())
+
+    def open(self) -> Worker:
+        loader = self.kind._worker(self.sources, self.rows)
+        loader.restore(self.state)
+        return loader
+
+
 class StepsDataset(grain.IterDataset):
     """A run's steps from ``start`` as a ``grain.IterDataset`` of host numpy dicts.
 
@@ -124,8 +157,8 @@ class StepsDataset(grain.IterDataset):
         lead: steps before a span's end at which the next span starts reading.
         told: an error of a step (``ValueError`` or ``IndexError``) and the
             run's step to the error to raise: one that names the phase.
-        recipe: what a worker process opens the owner again with, made when
-            the dataset is pickled (``None``: it cannot be).
+        workers: whether the dataset may go to grain's worker processes: pickled,
+            it is what opens the owner (a ``Loader``) again there (:class:`Reopened`).
     """
 
     def __init__(
@@ -135,11 +168,11 @@ class StepsDataset(grain.IterDataset):
         start: int,
         lead: int = 0,
         told: Callable[[ValueError | IndexError, int], Exception] | None = None,
-        recipe: Callable[[], Reopenable] | None = None,
+        workers: bool = False,
     ) -> None:
         super().__init__()
         self.owner, self._spans, self.start, self.lead = owner, spans, start, lead
-        self.told, self.recipe = told, recipe
+        self.told, self.workers = told, workers
         prepare_grain()
 
     @property
@@ -154,9 +187,9 @@ class StepsDataset(grain.IterDataset):
         return StepsIterator(self)
 
     def __reduce__(self) -> Any:
-        if self.recipe is None:
+        if not self.workers:
             raise TypeError(NO_WORKERS)
-        return WorkerSteps, (self.recipe(), self.start)
+        return WorkerSteps, (Reopened.of(self.owner), self.start)
 
 
 class StepsIterator(grain.DatasetIterator):

@@ -127,15 +127,10 @@ def plan_run(
 
 
 def mark(shown: dict[str, Any], run: PhasedLoader, step: int) -> dict[str, Any]:
-    """``show``'s JSON of a phase's step, told as the run's: ``step``, ``phase``
-    (``index``, ``name``, ``start_step``, ``step`` inside it) and each row's
-    run-wide ``sample`` and ``phase``."""
+    """``show``'s JSON of a run's step (its rows' ``sample`` run-wide and
+    ``phase`` already) with the step's ``phase``: ``index``, ``name``,
+    ``start_step`` and ``step`` inside it."""
     k = run.phase_at(step)
-    before = run.phase_samples[k]
-    for row in shown["rows"]:
-        row["phase"] = k
-        if "sample" in row:
-            row["sample"] += before
     phase = {
         "index": k,
         "name": run.phases[k].name,

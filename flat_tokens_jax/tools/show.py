@@ -319,12 +319,14 @@ def rows_of(loader: Loader, step: int, rows: Sequence[int]) -> list[dict[str, An
 
 def run_json(loader: Loader, step: int, rows: Sequence[int]) -> dict[str, Any]:
     """What ``show --json`` prints: the step, the resolved config, the batch size
-    (an int or ``[[start_step, size], ...]``) and the rows."""
+    (an int or ``[[start_step, size], ...]``) of the step's phase and the rows."""
+    engine, _ = loader.locate(step)
+    fingerprint = engine.sources.fingerprint()
     return {
         "step": step,
-        "config": loader.fingerprint()["config"],
-        "batch_size": loader.fingerprint()["batch_size"],
-        "sources": loader.sources(),
+        "config": fingerprint["config"],
+        "batch_size": fingerprint["batch_size"],
+        "sources": loader.sources(loader.phase_at(step)),
         "rows": rows_of(loader, step, rows),
     }
 

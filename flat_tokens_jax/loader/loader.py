@@ -221,7 +221,7 @@ class Loader(Steerable):
         fields = self.engine.fields(part, step, threads)
         if self._host:
             return fields
-        held = self.host_blocks_at(step)
+        held = self.engine.host_blocks_at(step)
         return jax.device_put(fields) if held is None else held.assemble_rows(fields)
 
     def _mode(self, host: bool) -> None:
@@ -236,7 +236,8 @@ class Loader(Steerable):
         :meth:`Prefetcher.take`); the instance filter's rejections in it counted."""
         self._mode(host)
         out = self.prefetcher.take(step, end, ahead, None if host else self._on_devices)
-        self.engine.filter.handed(step)
+        if self.engine.filter.rule is not None:
+            self.engine.filter.handed(step)
         return out
 
     def _start(self, step: int, end: int | None, host: bool = False) -> None:

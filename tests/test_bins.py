@@ -92,7 +92,7 @@ def test_neighbouring_sequences_are_one_read() -> None:
     records = BinRecords(ft, 8)
     assert len(records) == 1
     ft.encoded_ranges([0], [1])  # checks the shard's probe, once
-    before = ft.encoded.bytes_read.value
+    before = ft.encoded.bytes_read
     requested = []
     original = ft.request_encoded
 
@@ -103,7 +103,7 @@ def test_neighbouring_sequences_are_one_read() -> None:
     ft.request_encoded = spy  # type: ignore[method-assign]
     records.read(np.array([0]))
     assert requested == [1]
-    assert ft.encoded.bytes_read.value - before == 8 * 4
+    assert ft.encoded.bytes_read - before == 8 * 4
 
 
 def test_one_epoch_trains_on_every_sequence_once(tmp_path: Path) -> None:

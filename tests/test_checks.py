@@ -171,7 +171,7 @@ def test_a_checked_array_counts_the_bytes_of_its_values_apart_from_its_checks() 
     # digests of its 16 chunks, and chunks 18..21 read whole (16 values each).
     assert tokens.data_bytes == 60 * 4
     assert tokens.check_bytes == 256 * 4 + 16 * 4 + 4 * 16 * 4
-    assert tokens.reader.bytes_read.value == 60 * 4 + 256 * 4 + 4 * 16 * 4
+    assert tokens.reader.bytes_read == 60 * 4 + 256 * 4 + 4 * 16 * 4
 
     tokens.request_ranges(np.array([320]), np.array([336])).result()  # checked already
     assert (tokens.data_bytes, tokens.check_bytes) == (76 * 4, 256 * 4 + 16 * 4 + 4 * 16 * 4)

@@ -116,14 +116,17 @@ def boolean(value: Any, path: str) -> bool:
     raise BadValue(path, f"must be True or False, got {value!r}{_hint(value)}")
 
 
-def _int_form(low: int | None, high: int | None) -> str:
+def _int_form(low: int | None, high: int | None, optional: bool) -> str:
+    """What :func:`integer` takes, for its refusals (worked out only then)."""
     if low is not None and high is not None:
         bits = (high + 1).bit_length() - 1
         top = f"2**{bits} - 1" if high > 1024 and high + 1 == 1 << bits else str(high)
-        return f"an int in [{low}, {top}]"
-    if low is not None:
-        return f"an int >= {low}"
-    return "an int" if high is None else f"an int <= {high}"
+        form = f"an int in [{low}, {top}]"
+    elif low is not None:
+        form = f"an int >= {low}"
+    else:
+        form = "an int" if high is None else f"an int <= {high}"
+    return form + (" or null/None" if optional else "")
 
 
 def integer(
@@ -138,12 +141,12 @@ def integer(
     within ``[low, high]``; ``None`` passes when ``optional``."""
     if optional and value is None:
         return None
-    form = _int_form(low, high) + (" or null/None" if optional else "")
     if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
+        form = _int_form(low, high, optional)
         raise BadValue(path, f"must be {form}, got {value!r}{_hint(value)}")
     value = int(value)
     if (low is not None and value < low) or (high is not None and value > high):
-        raise BadValue(path, f"must be {form}, got {value!r}")
+        raise BadValue(path, f"must be {_int_form(low, high, optional)}, got {value!r}")
     return value
 
 

@@ -322,7 +322,8 @@ class RowDecode:
             )
 
         out, starts = join_parts(num_rows, parts, decode, self.packings, self.seq_len, self.pad_id)
-        out = self.filtered.apply(out, step, threads)
+        if self.filtered.rule is not None:
+            out = self.filtered.apply(out, step, threads)
         if self.layout.plain:
             return out
         return self.layout.apply(out, starts, where=where, rows=rows, sources=sources)

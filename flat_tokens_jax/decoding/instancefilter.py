@@ -292,9 +292,8 @@ class FilteredRows:
     ) -> dict[str, np.ndarray]:
         """``fields`` after the filter (in place, in row blocks on at most
         ``threads`` threads); the rows it rejected are noted for ``step``
-        when one is given."""
-        if self.rule is None:
-            return fields
+        when one is given (a loader without a rule calls neither this nor
+        :meth:`handed`: there is nothing to count)."""
         rows = apply_filter(self.rule, fields, lambda n, work: self._run_blocks(n, work, threads))
         if step is not None:
             self._decoded(step, rows)

@@ -66,7 +66,8 @@ class BatchLayout:
     """What a batch holds: ``name`` one of :data:`LAYOUTS`, ``max_segments``
     (``None``, or the width of ``segment_lengths``, ``>= 1``),
     ``sequence_start`` (True: the batch holds ``sequence_start`` whatever the
-    layout) and ``source`` (True: it holds ``source`` ``[B] int32``).
+    layout) and ``source`` (True: it holds ``source`` ``[B] int32``);
+    ``plain``: True when the batch is the five fields as decoded.
 
     Example:
         >>> five = {
@@ -87,6 +88,7 @@ class BatchLayout:
     max_segments: int | None = None
     sequence_start: bool = False
     source: bool = False
+    plain: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         choice(self.name, "layout", LAYOUTS)
@@ -94,12 +96,8 @@ class BatchLayout:
         object.__setattr__(self, "max_segments", m)
         object.__setattr__(self, "sequence_start", boolean(self.sequence_start, "sequence_start"))
         object.__setattr__(self, "source", boolean(self.source, "source_field"))
-
-    @property
-    def plain(self) -> bool:
-        """True when the batch is the five fields as decoded."""
-        extra = self.max_segments is not None or self.sequence_start or self.source
-        return self.name == "fields" and not extra
+        extra = m is not None or self.sequence_start or self.source
+        object.__setattr__(self, "plain", self.name == "fields" and not extra)
 
     def widths(self, seq_len: int) -> dict[str, int]:
         """Every key of the layout's batch and its width (the second

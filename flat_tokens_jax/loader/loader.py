@@ -302,7 +302,8 @@ class Loader:
         self._mode(host)
         out = self.prefetcher.take(step, end, ahead, None if host else self._on_devices)
         engine, local = self.locate(step)
-        engine.filter.handed(local)
+        if engine.filter.rule is not None:
+            engine.filter.handed(local)
         return out
 
     def _start(self, step: int, end: int | None, host: bool = False) -> None:

@@ -121,6 +121,8 @@ class Prefetcher(Generic[P, Done]):
         )
         self._lock = threading.Lock()
         self._futures: dict[int, concurrent.futures.Future[tuple[Done, np.ndarray]]] = {}
+        # Each step in flight's bytes, worked out once when it is started.
+        self._sizes: dict[int, int] = {}
         self._pools: tuple[concurrent.futures.ThreadPoolExecutor, ...] | None = None
         self._lead: threading.Event | None = None
         self._last: int | None = None  # the step taken last
@@ -171,8 +173,9 @@ class Prefetcher(Generic[P, Done]):
         depth = self.depth(step)
         with self._lock:
             if step not in self._futures:
-                self._drop(lambda s: True)
+                self._drop()
                 self._futures[step] = self._submit(step, lead=True)
+                self._sizes[step] = self._step_bytes(step)
             self._last, self._end, self._reading = step - 1, end, True
             self._top_up(step, depth, end)
 
@@ -180,7 +183,7 @@ class Prefetcher(Generic[P, Done]):
         """Drops the steps in flight at or after ``step`` (a result under way is
         never handed out); taking them reads them again."""
         with self._lock:
-            self._drop(lambda s: s >= step)
+            self._drop(step)
 
     def steps(self) -> list[int]:
         """The steps in flight (started, not taken), ascending."""
@@ -196,7 +199,7 @@ class Prefetcher(Generic[P, Done]):
         if _finalizing():
             return
         with self._lock:
-            self._drop(lambda s: True)
+            self._drop()
             self._last, self._reading = None, False
             pools, self._pools = self._pools, None
         if pools is not None:
@@ -211,10 +214,11 @@ class Prefetcher(Generic[P, Done]):
         depth = self.depth(step)
         with self._lock:
             future = self._futures.pop(step, None)
+            self._sizes.pop(step, None)
             follows = self._last is not None and step == self._last + 1
             self._last, self._end = step, end
             self._reading = depth > 0 and (ahead or future is not None or follows)
-            self._drop(lambda s: future is None or s < step)
+            self._drop(0, None if future is None else step)
             if not self._reading:
                 return future
             if future is None:
@@ -273,27 +277,32 @@ class Prefetcher(Generic[P, Done]):
         finished.add_done_callback(lambda f: f.cancelled() and fetched.cancel())
         return finished
 
-    def _drop(self, which: Callable[[int], bool]) -> None:
-        for step in [s for s in self._futures if which(s)]:
-            self._futures.pop(step).cancel()
+    def _drop(self, start: int = 0, stop: int | None = None) -> None:
+        """Drops the steps in flight in ``[start, stop)`` (the lock held)."""
+        for step in list(self._futures):
+            if start <= step and (stop is None or step < stop):
+                self._futures.pop(step).cancel()
+                del self._sizes[step]
 
     def _top_up(self, step: int, depth: int, end: int | None) -> None:
         """Keeps up to ``depth`` steps after ``step`` in flight, within the budget
         (at least one step is read ahead whatever its size; the lock held)."""
         budget = self.budget if self.prefetch is None else None
-        after = [s for s in self._futures if s > step]
-        held = sum(map(self._step_bytes, after))
+        after = held = 0
+        for s, size in self._sizes.items():
+            if s > step:
+                after, held = after + 1, held + size
         nxt = step + 1
-        while len(after) < depth and (end is None or nxt < end):
+        while after < depth and (end is None or nxt < end):
             if nxt not in self._futures:
                 size = self._step_bytes(nxt)
                 if budget is not None and after and held + size > budget:
                     break
                 self._futures[nxt] = self._submit(nxt)
-                after.append(nxt)
-                held += size
+                self._sizes[nxt] = size
+                after, held = after + 1, held + size
             nxt += 1
-        self.peak_bytes = max(self.peak_bytes, sum(map(self._step_bytes, self._futures)))
+        self.peak_bytes = max(self.peak_bytes, sum(self._sizes.values()))
 
     def _grow(self, step: int, depth: int, end: int | None) -> None:
         """Tops up after ``step`` when it was the last taken and read ahead."""
@@ -316,7 +325,9 @@ class Prefetcher(Generic[P, Done]):
         step handed out)."""
         if self.prefetch is not None:
             return self.prefetch
-        size = self._step_bytes(step)
+        size = self._sizes.get(step)  # in flight, usually
+        if size is None:
+            size = self._step_bytes(step)
         wanted = self.measures.depth(size, size * MAX_DEPTH)
         cap = min(MAX_DEPTH, self.budget // max(size, 1))
         with self._lock:
@@ -356,7 +367,7 @@ class Prefetcher(Generic[P, Done]):
         self._grow(step, self.depth(step + 1, grow=grow), end)
         rows = np.bincount(sources[sources >= 0], minlength=self._source_rows.size)
         with self._lock:
-            self._tokens += self._rows(step) * self._seq_len
+            self._tokens += sources.size * self._seq_len
             self._source_rows += rows
         if self.measures.window_starts():
             self._throttled_window = throttled_requests()  # a stall window begins

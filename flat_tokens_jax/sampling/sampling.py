@@ -83,20 +83,16 @@ def _permute_u64(x: U64Array, n: U64Array, seed: int, epoch: U64Array) -> U64Arr
     return out
 
 
-def _mix64_int(x: int) -> int:
-    """``_mix64`` of one value, on Python ints."""
-    x = ((x ^ (x >> 30)) * _MUL1_INT) & _MAX_U64
-    x = ((x ^ (x >> 27)) * _MUL2_INT) & _MAX_U64
-    return x ^ (x >> 31)
-
-
 def _walk_int(x: int, n: int, keys: list[int], half_bits: int) -> int:
     """Re-encrypts ``x`` until it is below ``n``: ``_feistel`` and cycle-walking on ints."""
     mask = (1 << half_bits) - 1
     while x >= n:
         left, right = x >> half_bits, x & mask
         for key in keys:
-            left, right = right, left ^ (_mix64_int(right ^ key) & mask)
+            m = right ^ key  # `_mix64` on ints, written out: a call each round adds a third
+            m = ((m ^ (m >> 30)) * _MUL1_INT) & _MAX_U64
+            m = ((m ^ (m >> 27)) * _MUL2_INT) & _MAX_U64
+            left, right = right, left ^ ((m ^ (m >> 31)) & mask)
         x = (left << half_bits) | right
     return x
 
@@ -223,4 +219,8 @@ class IndexSampler:
         epoch, position = self._split(g)
         if not self.shuffle:
             return position
-        return permute(position, self.num_records, seed=self.seed, epoch=epoch)
+        # `permute` without its checks: `_split` and the sampler's own made them.
+        epochs = _flat(epoch.astype(np.uint64), epoch.shape, squeeze=True)
+        n = np.array([self.num_records], np.uint64)
+        out = _permute_u64(position.reshape(-1).astype(np.uint64), n, self.seed, epochs)
+        return out.astype(np.int64).reshape(position.shape)

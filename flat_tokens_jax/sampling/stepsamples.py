@@ -29,6 +29,9 @@ from flat_tokens_jax.sampling.steering import Steering
 # Steps whose records one sampler call finds when steps are asked for in order.
 LOOKUP_AHEAD = 8
 
+# A steering, whether it skips, the run's end (None: unbounded) and its last step.
+_Route = tuple[Steering, bool, int | None, int]
+
 
 class StepSamples:
     """The records of a run's steps. Thread-safe.
@@ -56,18 +59,33 @@ class StepSamples:
         first = samplers[0]
         self.lanes = first.lanes if isinstance(first, BlockSampler) else None
         self.rows_at, self.num_epochs = rows_at, num_epochs
-        self.steering = Steering(mixture, schedule) if steering is None else steering
-        # Records of the steps after the last one found in order: see `records`.
-        self._kept: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._last: int | None = None
+        # A constant batch size puts data step d's samples at d * size: no
+        # schedule to look up. The samplers may be replaced (a phase's streams
+        # go on), never their number of samples.
+        self._constant = schedule.constant
+        self._total = first.num_samples
         self._lock = threading.Lock()
+        self._steer(Steering(mixture, schedule) if steering is None else steering)
 
     def steer(self, steering: Steering) -> None:
         """Routes with ``steering`` from now on; records found ahead with the
         one before are dropped (a lookup under way keeps none)."""
         with self._lock:
-            self.steering = steering
-            self._kept, self._last = {}, None
+            self._steer(steering)
+
+    def _steer(self, steering: Steering) -> None:
+        skips, schedule = steering.skips, self.schedule
+        total = self._total
+        end = None if total is None else skips.trainer_step(schedule.steps_to_cover(total))
+        last = skips.trainer_step(schedule.step_of(MAX_SAMPLE)) - 1
+        self.steering = steering
+        # What a step's samples need of the steering, worked out once and read
+        # as one piece without the lock: it, whether it skips (without skips a
+        # step reads its own data), the run's end and its last step.
+        self._route: _Route = (steering, bool(skips), end, last)
+        # Records of the steps after the last one found in order: see `records`.
+        self._kept: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._last: int | None = None
 
     def data_step(self, step: int) -> int:
         """The data step that ``step`` reads (``step`` itself without skips).
@@ -75,7 +93,9 @@ class StepSamples:
         Raises:
             ValueError: ``step`` is not an int >= 0.
         """
-        return self.steering.data_step(integer(step, "step", low=0))
+        step = integer(step, "step", low=0)
+        steering, skipping, _, _ = self._route
+        return steering.data_step(step) if skipping else step
 
     def size(self, step: int) -> int:
         """Global rows of the batch at ``step``: its data step's."""
@@ -84,10 +104,7 @@ class StepSamples:
     @property
     def num_batches(self) -> int | None:
         """Steps in the run (``None`` when ``num_epochs`` is ``None``)."""
-        total = self.samplers[0].num_samples
-        if total is None:
-            return None
-        return self.steering.skips.trainer_step(self.schedule.steps_to_cover(total))
+        return self._route[2]
 
     def samples(self, step: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Global sample index ``[k] int64`` of ``rows`` at ``step`` and which are real.
@@ -97,30 +114,37 @@ class StepSamples:
                 the largest index (the message names the last step).
             IndexError: ``step`` is past the end of the run.
         """
-        step = integer(step, "step", low=0)
-        skips = self.steering.skips
-        data = skips.data_step(step)
-        first = self.schedule.samples_before(data)
-        last = self.schedule.samples_before(data + 1) - 1
-        read = "" if data == step else f" (it reads data step {data})"
-        if last > MAX_SAMPLE:
-            final = self.schedule.last_step()
-            shown = final if not skips else skips.trainer_step(final + 1) - 1
-            raise ValueError(
-                f"step {step}{read} is too large: its samples reach index {last}, past the "
-                f"largest sample index 2**63 - 1; with batch_size {self.schedule} "
-                f"the last step is {shown}"
-            )
-        total = self.samplers[0].num_samples
-        if total is not None and first >= total:
-            end = skips.trainer_step(self.schedule.steps_to_cover(total))
+        return self._samples(integer(step, "step", low=0), rows, self._route)
+
+    def _samples(self, step: int, rows: np.ndarray, route: _Route) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`samples` of a step checked before, under ``route``."""
+        steering, skipping, end, _ = route
+        data = steering.data_step(step) if skipping else step
+        size = self._constant
+        if size is None:
+            first = self.schedule.samples_before(data)
+            size = self.schedule.samples_before(data + 1) - first
+        else:
+            first = data * size
+        last = first + size - 1
+        total = self._total
+        if last > MAX_SAMPLE or (total is not None and first >= total):
+            read = "" if data == step else f" (it reads data step {data})"
+            if last > MAX_SAMPLE:
+                final = self.schedule.last_step()
+                shown = steering.skips.trainer_step(final + 1) - 1 if skipping else final
+                raise ValueError(
+                    f"step {step}{read} is too large: its samples reach index {last}, past "
+                    f"the largest sample index 2**63 - 1; with batch_size {self.schedule} "
+                    f"the last step is {shown}"
+                )
             raise IndexError(
                 f"step {step}{read} is past the end: this run has {end} "
                 f"steps ({self.num_epochs} epoch(s) of "
                 f"{self.samplers[0].num_records} records)"
             )
         if self.lanes is not None:
-            rows = sample_of_row(rows, self.schedule.size(data), self.lanes)
+            rows = sample_of_row(rows, size, self.lanes)
         g = np.int64(first) + rows
         return g, (np.ones(g.shape, bool) if total is None else g < total)
 
@@ -141,46 +165,39 @@ class StepSamples:
         self, step: int, rows: np.ndarray, ahead: int = 0
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(component, record)`` ``[k] int64`` of the real rows among ``rows``
-        (this host's rows at ``step``), and which rows are real (``[k] bool``).
+        (this host's rows at ``step``, a step checked before), and which rows
+        are real (``[k] bool``).
 
         With ``ahead > 0``, or when ``step`` follows the last step asked for,
         the records of the next steps (``ahead``, at least ``LOOKUP_AHEAD``)
         come from the same sampler call and are kept for them.
         """
         with self._lock:
-            steering = self.steering
+            route = self._route
             hit = self._kept.pop(step, None)
             if hit is None and self._last is not None and step == self._last + 1:
                 ahead = max(ahead, LOOKUP_AHEAD)
             self._last = step
         # A change made meanwhile leaves the steps before it as they were, and
         # drops the later ones read ahead: only what is kept must not be stale.
-        g, real = self.samples(step, rows)
+        g, real = self._samples(step, rows, route)
         if hit is not None:
             return (*hit, real)
         if not ahead:
             comp, records, _ = self.lookup(g[real])
             return comp, records, real
-        later = self._steps_after(step, ahead, steering)
+        # Up to `ahead` steps after it, before the run's end and the largest sample index.
+        _, _, end, last = route
+        stop = step + 1 + ahead if end is None else min(step + 1 + ahead, end)
+        later = range(step + 1, min(stop, last + 1))
         samples = [g[real]]
         for s in later:
-            g_s, real_s = self.samples(s, self.rows_at(s))
+            g_s, real_s = self._samples(s, self.rows_at(s), route)
             samples.append(g_s[real_s])
         comp, records, _ = self.lookup(np.concatenate(samples))
         cuts = np.cumsum([x.size for x in samples])[:-1]
         found = list(zip(np.split(comp, cuts), np.split(records, cuts), strict=True))
         with self._lock:
-            if self.steering is steering:  # else steered meanwhile: these may be stale
+            if self._route is route:  # else steered meanwhile: these may be stale
                 self._kept = dict(zip(later, found[1:], strict=True))
         return (*found[0], real)
-
-    def _steps_after(self, step: int, count: int, steering: Steering) -> list[int]:
-        """Up to ``count`` steps after ``step``, before the run's end and the
-        largest sample index."""
-        skips = steering.skips
-        stop = step + 1 + count
-        total = self.samplers[0].num_samples
-        if total is not None:
-            stop = min(stop, skips.trainer_step(self.schedule.steps_to_cover(total)))
-        last = skips.trainer_step(self.schedule.step_of(MAX_SAMPLE)) - 1
-        return list(range(step + 1, min(stop, last + 1)))

@@ -17,18 +17,6 @@ if TYPE_CHECKING:
     import zarr
 
 
-class ByteCounter:
-    """Bytes read so far, counted from any thread."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.value = 0
-
-    def add(self, n: int) -> None:
-        with self._lock:
-            self.value += n
-
-
 class Known(NamedTuple):
     """The integrity checks in flight of what a read touches, and the whole
     chunks they read, to serve the read's ranges from: a read gives no
@@ -186,7 +174,7 @@ class ArrayReader(Protocol):
     def dtype(self) -> np.dtype[Any]: ...
 
     @property
-    def bytes_read(self) -> ByteCounter:
+    def bytes_read(self) -> int:
         """Bytes of elements requested so far through this reader."""
         ...
 
@@ -220,10 +208,12 @@ class _Reader:
 
     def __init__(self, size: int, dtype: np.dtype[Any]) -> None:
         self.size, self.dtype = size, dtype
-        self.bytes_read = ByteCounter()
+        self.bytes_read = 0  # counted from any thread
+        self._lock = threading.Lock()  # for bytes_read
 
     def _count(self, elements: int) -> None:
-        self.bytes_read.add(elements * self.dtype.itemsize)
+        with self._lock:
+            self.bytes_read += elements * self.dtype.itemsize
 
     def request_ranges(
         self, starts: np.ndarray, stops: np.ndarray, known: Known | None = None

@@ -72,7 +72,7 @@ class CheckedArray:
     def data_bytes(self) -> int:
         """Bytes requested through :attr:`reader` for the values read, not for the checks."""
         through_reader = sum(c.bytes_read for c in (self.probes, self.digests) if c is not None)
-        return self.reader.bytes_read.value - through_reader
+        return self.reader.bytes_read - through_reader
 
     @property
     def check_bytes(self) -> int:

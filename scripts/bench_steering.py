@@ -154,29 +154,34 @@ def per_change(
     mix: ftj.Mixture, cfg: ftj.LoaderConfig, most: int, rng: np.random.Generator
 ) -> None:
     """Prints the mean time of a ``set_weights`` and of a ``skip`` call after
-    10**3, 10**4 and 10**5 (at most ``most``) changes of their kind."""
+    10**3, 10**4 and 10**5 (at most ``most``) changes of their kind, on a
+    ``Loader`` and on a ``PhasedLoader`` of two phases (its changes in the last)."""
     weights = rng.uniform(0.1, 1.0, (1000, COMPONENTS)).tolist()
     calls = {
-        "set_weights": lambda loader, k: loader.set_weights(k + 1, weights[k % 1000]),
-        "skip": lambda loader, k: loader.skip(k + 1, 1),
+        "set_weights": lambda loader, k: loader.set_weights(k + 2, weights[k % 1000]),
+        "skip": lambda loader, k: loader.skip(k + 2, 1),
     }
-    print("| changes before | `set_weights` | `skip` |")
-    print("| ---: | ---: | ---: |")
-    loaders = {name: ftj.Loader(mix, cfg) for name in calls}
+    makers = {
+        "Loader": lambda: ftj.Loader(mix, cfg),
+        "PhasedLoader": lambda: ftj.PhasedLoader([ftj.Phase(0, mix, cfg), ftj.Phase(1, mix, cfg)]),
+    }
+    print("| changes before | " + " | ".join(f"{k}.{c}" for k in makers for c in calls) + " |")
+    print("| ---: |" + " ---: |" * (len(makers) * len(calls)))
+    loaders = {(k, c): make() for k, make in makers.items() for c in calls}
     done = 0
     for n in (10**3, 10**4, 10**5):
         if n > most:
             break
         took = {}
-        for name, call in calls.items():
+        for (kind, name), loader in loaders.items():
             for k in range(done, n):
-                call(loaders[name], k)
+                calls[name](loader, k)
             began = time.perf_counter()
             for k in range(n, n + 1000):
-                call(loaders[name], k)
-            took[name] = (time.perf_counter() - began) / 1000
+                calls[name](loader, k)
+            took[kind, name] = (time.perf_counter() - began) / 1000
         done = n + 1000
-        print(f"| {n:,} | {took['set_weights'] * 1e3:.3f} ms | {took['skip'] * 1e3:.3f} ms |")
+        print(f"| {n:,} | " + " | ".join(f"{t * 1e3:.3f} ms" for t in took.values()) + " |")
 
 
 if __name__ == "__main__":

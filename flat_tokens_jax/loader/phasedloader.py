@@ -123,7 +123,7 @@ class PhasedLoader(Loader):
         self.offsets = [[0] * len(keys) for keys in self.streams]
         self._drawn_before: list[dict[str, int]] = [{} for _ in self.streams]
         self._skips: Skips = NO_SKIPS
-        self._changes: tuple[Change, ...] = ()
+        self._changes: list[Change] = []  # the run's weight changes, by step
         self.engines, self.firsts = engines, list(self.starts)
         self._apply(NO_SKIPS, (), 0)
         self._open(engines, sharding)
@@ -246,6 +246,14 @@ class PhasedLoader(Loader):
         step = check_step(step, self.next_step, "PhasedLoader.skip")
         count = skip_count(count, "PhasedLoader.skip: count", self._skips, step, self._data_end - 1)
         skips = self._skips.added(step, count)
+        k = len(self.engines) - 1
+        if step > self.firsts[k]:  # the last phase's: no boundary moves (O(log n))
+            engine = self.engines[k]
+            engine.steer(engine.steps.steering.with_skip(step - self.firsts[k], count))
+            self._skips = skips
+            self.end_step = skips.trainer_step(self._data_end)
+            self.prefetcher.drop_from(step)
+            return
         for t, _ in self._changes:
             was, now = self.phase_at(t), bisect.bisect_right(self.starts, skips.data_step(t)) - 1
             if was != now:
@@ -267,9 +275,26 @@ class PhasedLoader(Loader):
         k = self.phase_at(step)
         call = "PhasedLoader.set_weights" + ("" if len(self.phases) == 1 else f" ({self.label(k)})")
         counts = weight_counts(self.engines[k].mixture, weights, step, call)
-        self._apply(self._skips, with_weights(self._changes, step, counts), step)
+        changes = self._changes
+        if k + 1 == len(self.engines) and (not changes or changes[-1][0] <= step):
+            # The last phase's, at or after the last change: the phase's own steering
+            # and the run's log grow at their end (O(log n)); its reach is counted again.
+            engine = self.engines[k]
+            steering = engine.steps.steering
+            changed = steering.with_change(step - self.firsts[k], counts)
+            if changed is not steering:
+                engine.steer(changed)
+                if changes and changes[-1][0] == step:
+                    changes[-1] = (step, counts)
+                else:
+                    changes.append((step, counts))
+                self._data_end = self._reach().reach()
+                self.end_step = self._skips.trainer_step(self._data_end)
+                self.prefetcher.drop_from(step)
+            return
+        self._apply(self._skips, with_weights(changes, step, counts), step)
 
-    def _apply(self, skips: Skips, changes: tuple[Change, ...], since: int) -> None:
+    def _apply(self, skips: Skips, changes: Sequence[Change], since: int) -> None:
         """Reads with the run's skips and weight changes, which differ from now's
         from step ``since`` on: each phase's own (see ``Skips.within``); a phase
         whose streams the earlier phases' weights leave elsewhere continues them
@@ -299,7 +324,7 @@ class PhasedLoader(Loader):
                 taken = drawn(engine.steps.steering, self.starts[k + 1] - self.starts[k])
                 for key, n in zip(self.streams[k], taken, strict=True):
                     counts[key] = counts.get(key, 0) + n
-        self.firsts, self._skips, self._changes = firsts, skips, changes
+        self.firsts, self._skips, self._changes = firsts, skips, list(changes)
         self._data_end = self._reach().reach()
         self.end_step = skips.trainer_step(self._data_end)
         if hasattr(self, "prefetcher"):  # not while the run opens

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import yaml
 from commands import run_main
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from memurls import memory_url
 
@@ -308,6 +308,8 @@ def yaml_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @given(field=st.sampled_from(LOADER_FIELDS), value=json_values)
+@example(field="packing", value=False)
+@example(field="packing", value="bins")
 def test_any_loader_value_in_yaml_is_kept_exactly_or_refused_by_path(
     yaml_dir: Path, field: str, value: Any
 ) -> None:
@@ -319,7 +321,10 @@ def test_any_loader_value_in_yaml_is_kept_exactly_or_refused_by_path(
     except ValueError as e:
         assert str(e).startswith(f"{path}: loader.{field} "), str(e)
         return
-    if field != "batch_size":
+    if field == "packing":  # read into its closed type, whose value is what was written
+        got = cfg.packing.value
+        assert type(got) is type(given) and got == given, (field, given, got)
+    elif field != "batch_size":
         got = getattr(cfg, field)
         assert type(got) is type(given) and got == given, (field, given, got)
     elif isinstance(given, int):

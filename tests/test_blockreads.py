@@ -250,6 +250,26 @@ def brute_next_use(
     return None if not hit.size else int(s[hit[0]] - now)
 
 
+@pytest.mark.parametrize(("n", "lanes"), [(4, 5), (3, 8), (1, 2), (5, 7)])
+def test_next_use_with_fewer_records_than_lanes(n: int, lanes: int) -> None:
+    """Lanes of no samples share their offset with the next lane's: next_use
+    said NEVER for BlockSampler(4, 2, 2, 5, 0), epoch 1, window 0, lanes 0-4,
+    at sample 7, which lane 2 reads then (hypothesis found it)."""
+    for block, window, seed in [(2, 2, 0), (1, 3, 5), (3, 1, 9)]:
+        sampler = BlockSampler(n, block, window, lanes, seed)
+        windows = -(-n // min(block * window, n))
+        for l0 in range(lanes):
+            for l1 in range(l0 + 1, lanes + 1):
+                for epoch in range(2):
+                    for now in range(epoch * n, (epoch + 1) * n + 1):
+                        for w in range(windows):
+                            got = int(sampler.next_use([epoch], [w], (l0, l1), now)[0])
+                            want = brute_next_use(sampler, epoch, w, (l0, l1), now)
+                            assert (got == NEVER) == (want is None), (l0, l1, epoch, now, w)
+                            if want is not None:
+                                assert abs(got - want // lanes) <= 1
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     n=st.integers(1, 60),

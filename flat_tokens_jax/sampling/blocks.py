@@ -200,12 +200,12 @@ class BlockSampler:
         int64`` samples of a lane until the first such read (0: a lane is
         reading it), or :data:`NEVER` when they are past it.
 
-        Lanes read their stretches of ``R_e`` in order, so the lanes of
-        ``[l0, l1)`` whose stretches cross the window are a run of lanes:
-        the first and the last of them, and one inside the run (all inside
-        are at the same point of their stretches, give or take a sample),
-        decide it. A window is needed by a lane from its first position in
-        the lane's stretch to its last, each of its blocks about throughout.
+        Lanes read their stretches of ``R_e`` in order; each lane of ``[l0, l1)``
+        is weighed against each window (one numpy pass over ``[windows, lanes]``:
+        lanes of the range differ by a sample in where they are, and a lane one
+        sample behind may be the only one still to read a window). A window is
+        needed by a lane from its first position in the lane's stretch to its
+        last, each of its blocks about throughout.
         """
         e = np.asarray(epoch, np.int64).reshape(-1)
         win = np.asarray(window, np.int64).reshape(-1)
@@ -218,22 +218,15 @@ class BlockSampler:
         for epoch_now in np.unique(e).tolist():
             mine = np.flatnonzero(e == epoch_now)
             every = np.arange(l0, l1, dtype=np.int64)
-            off, _ = self.stretch(np.full(every.shape, epoch_now), every)
-            first = np.searchsorted(off, w0[mine], "right") - 1
-            last = np.searchsorted(off, w1[mine] - 1, "right") - 1
-            first, last = np.clip(first, 0, every.size - 1), np.clip(last, 0, every.size - 1)
-            inside = np.minimum(first + 1, last)
+            off, count = self.stretch(np.full(every.shape, epoch_now), every)
             ahead = min(max(now - epoch_now * n, 0), n)  # samples of the epoch before `now`
-            for at in (first, inside, last):
-                lane = every[at]
-                lane_off, count = self.stretch(np.full(lane.shape, epoch_now), lane)
-                p0 = np.maximum(w0[mine], lane_off)
-                p1 = np.minimum(w1[mine], lane_off + count)
-                q = lane_off + self._lane_samples(
-                    np.full(lane.shape, epoch_now), lane, np.full(lane.shape, ahead)
-                )
-                soon = np.where((p0 < p1) & (q < p1), np.maximum(p0 - q, 0), NEVER)
-                out[mine] = np.minimum(out[mine], soon)
+            done = self._lane_samples(np.full(every.shape, epoch_now), every, ahead)
+            # Each lane against each window: [windows, lanes].
+            p0 = np.maximum(w0[mine][:, None], off[None, :])
+            p1 = np.minimum(w1[mine][:, None], (off + count)[None, :])
+            q = (off + done)[None, :]
+            soon = np.where((p0 < p1) & (q < p1), np.maximum(p0 - q, 0), NEVER)
+            out[mine] = soon.min(axis=1)
         return out
 
     def block_of(self, records: npt.ArrayLike) -> Int64Array:

@@ -30,12 +30,11 @@ from flat_tokens_jax.data.plans import plan_group
 from flat_tokens_jax.data.records import recorded_info
 from flat_tokens_jax.data.storedplans import pack_dataset
 from flat_tokens_jax.data.validation import summary, validate
-from flat_tokens_jax.loader import runplan
 from flat_tokens_jax.loader.loader import Loader
 from flat_tokens_jax.loader.steered import Skipper
 from flat_tokens_jax.store.identity import library_version, tokenizer_info
 from flat_tokens_jax.store.options import StoreError
-from flat_tokens_jax.tools import phaseshow, savedstate, show
+from flat_tokens_jax.tools import phaseshow, runplan, savedstate, show
 
 
 def _store_args(parser: argparse.ArgumentParser) -> None:

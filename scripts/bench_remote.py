@@ -73,8 +73,8 @@ import jax
 import numpy as np
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.loader.requestplan import plan_requests
 from flat_tokens_jax.store.store import remote_bytes, remote_reads
+from flat_tokens_jax.tools.requestplan import plan_requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from proxies import ThrottleProxy

@@ -7,7 +7,7 @@ smaller one (2**16-token shards of 2**10-token chunks), touches every shard
 once (its index, probe and chunk digests, read once per process), then counts
 with ``remote_reads()`` and ``remote_bytes()``:
 
-* the rule ``flat_tokens_jax.loader.requestplan`` counts by: one 2049-token
+* the rule ``flat_tokens_jax.tools.requestplan`` counts by: one 2049-token
   window (inside a chunk, and straddling two), a contiguous range of 2**18
   tokens (inside a shard, and across a shard boundary), two ranges read at
   once in adjacent chunks and one chunk apart, and 4 to 1,024 adjacent chunks;
@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.loader.requestplan import plan_requests
 from flat_tokens_jax.store.store import remote_bytes, remote_reads
+from flat_tokens_jax.tools.requestplan import plan_requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from servers import aws_profile, fake_gcs, moto_s3

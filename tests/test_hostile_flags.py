@@ -21,9 +21,8 @@ from commands import run_main
 import flat_tokens_jax as ftj
 from flat_tokens_jax.cli import main
 from flat_tokens_jax.core import limits
-from flat_tokens_jax.loader import requesttable
 from flat_tokens_jax.loader.state import StateMismatch
-from flat_tokens_jax.tools import show
+from flat_tokens_jax.tools import requesttable, show
 
 SEQUENCES = [[7] * 50] * 100  # 5,000 tokens: 625 windows of 8 tokens
 

@@ -1,4 +1,4 @@
-"""The requests plan (``loader/requestplan``, ``loader/requesttable``): its
+"""The requests plan (``tools/requestplan``, ``tools/requesttable``): its
 counts against a brute-force count of every row's chunks (full shuffle, hand-made
 blocks, and a block-shuffled run's own blocks by lanes), the ramp of a fresh
 bucket, the counts measured on fake-gcs-server, and ``flat-tokens plan --requests``."""
@@ -22,13 +22,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.loader.requestplan import (
+from flat_tokens_jax.tools.requestplan import (
     block_reads,
     host_samples,
     plan_requests,
     ramp_minutes,
 )
-from flat_tokens_jax.loader.requesttable import counterpart
+from flat_tokens_jax.tools.requesttable import counterpart
 
 ROOT = Path(__file__).resolve().parent.parent
 FORMATS = [

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from test_steering import NAMES, PERIOD, STEPS, apply, config, for_phases, mixture, ops_strategy
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.loader.runplan import share_segments
+from flat_tokens_jax.tools.runplan import share_segments
 
 
 def counted_shares(run: ftj.PhasedLoader, step: int) -> dict[str, float]:

@@ -19,11 +19,11 @@ from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.phaseconfig import phases_from_config
 from flat_tokens_jax.loader.phasedloader import PhasedLoader
 from flat_tokens_jax.loader.phases import Phase
-from flat_tokens_jax.loader.requesttable import MAX_SAMPLE_STEPS, run_table
 from flat_tokens_jax.loader.state import SavedState
 from flat_tokens_jax.loader.steered import Skipper, apply_skips
 from flat_tokens_jax.sampling.mixconfig import mixture_from_config
 from flat_tokens_jax.store.options import StoreError, StoreOptions
+from flat_tokens_jax.tools.requesttable import MAX_SAMPLE_STEPS, run_table
 from flat_tokens_jax.tools.show import build_loader
 
 

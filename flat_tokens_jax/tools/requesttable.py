@@ -17,7 +17,7 @@ from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.loader.engine import StepEngine
 from flat_tokens_jax.loader.loader import Loader
 from flat_tokens_jax.loader.phasedloader import PhasedLoader
-from flat_tokens_jax.loader.requestplan import (
+from flat_tokens_jax.tools.requestplan import (
     GCS_DOUBLING_MINUTES,
     GCS_INITIAL_READS,
     RequestPlan,

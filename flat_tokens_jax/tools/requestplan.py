@@ -38,7 +38,7 @@ one range from its first record's start to its last record's end, at the
 first step one of its rows needs it, once per epoch). The rows of a host are
 the ones data sharding gives it, placed as the loader places a step's
 samples (under the block shuffle, lane by lane: a host holds whole lanes).
-:mod:`~flat_tokens_jax.loader.requesttable` prints both for a run.
+:mod:`~flat_tokens_jax.tools.requesttable` prints both for a run.
 """
 
 from __future__ import annotations

@@ -34,14 +34,13 @@ if TYPE_CHECKING:
     from flat_tokens_jax.data.writer import DatasetWriter, write_dataset
     from flat_tokens_jax.loader.loader import Loader
     from flat_tokens_jax.loader.phaseconfig import phases_from_config, phases_from_yaml
-    from flat_tokens_jax.loader.phasedloader import PhasedLoader
+    from flat_tokens_jax.loader.phasedloader import PhasedLoader, steering_at
     from flat_tokens_jax.loader.phases import Phase
     from flat_tokens_jax.loader.state import StateMismatch
     from flat_tokens_jax.loader.steered import (
         apply_skips,
         skips_from_config,
         skips_from_yaml,
-        steering_at,
     )
     from flat_tokens_jax.sampling.mixconfig import mixture_from_config
     from flat_tokens_jax.sampling.mixture import Mixture
@@ -93,7 +92,7 @@ _HOMES = {
     "apply_skips": "loader.steered",
     "skips_from_config": "loader.steered",
     "skips_from_yaml": "loader.steered",
-    "steering_at": "loader.steered",
+    "steering_at": "loader.phasedloader",
     "summary": "data.validation",
     "validate": "data.validation",
     "write_dataset": "data.writer",

@@ -186,7 +186,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
                 f"{args.config} is empty: --config reads a 'loader' section and optionally "
                 "a 'data' section, or a 'phases' section"
             )
-        state = None if args.state is None else savedstate.read_state(args.state)
+        state = None if args.state is None else savedstate.load_state(args.state)
         planned = [show.parse_skip(text) for text in args.skip or ()]
         run, step = None, args.step
         if phaseshow.is_phased(config, state):
@@ -213,7 +213,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
                 state_name=args.state or "--state",
             )
             _planned_skips(loader, config, args.config, planned)
-        steered = (run or loader).state()
+        steered = (run or loader).saved_state()
         size = loader.batch_size_at(step)
         show.check_show_memory(loader.config, size, size if args.rows is None else 0)
         rows = show.parse_rows(args.rows, size)
@@ -273,7 +273,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if isinstance(doc, Mapping) and "skip" in doc:
         phaseshow.yaml_skips(run, doc["skip"], name)
     if args.state is not None:
-        state = savedstate.read_state(args.state)
+        state = savedstate.load_state(args.state)
         try:
             run.restore(state)
         except ValueError as e:

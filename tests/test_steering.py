@@ -19,12 +19,9 @@ from hypothesis import strategies as st
 from memurls import memory_url
 
 import flat_tokens_jax as ftj
+from flat_tokens_jax import steering_at
 from flat_tokens_jax.loader.state import StateMismatch
-from flat_tokens_jax.loader.steered import (
-    skips_from_config,
-    skips_from_yaml,
-    steering_at,
-)
+from flat_tokens_jax.loader.steered import skips_from_config, skips_from_yaml
 from flat_tokens_jax.sampling.mixture import Period
 from flat_tokens_jax.sampling.sampling import permute
 from flat_tokens_jax.sampling.schedule import BatchSchedule

@@ -28,24 +28,13 @@ from flat_tokens_jax.loader.deviceblocks import Blocks
 from flat_tokens_jax.loader.engine import Fetched, StepEngine
 from flat_tokens_jax.loader.phases import Phase
 from flat_tokens_jax.loader.prefetch import Prefetcher
-from flat_tokens_jax.loader.resume import check_resume, state_differences
 from flat_tokens_jax.loader.sources import Sources
-from flat_tokens_jax.loader.state import (
-    SavedState,
-    read_state,
-    restorable,
-    state_step,
-)
-from flat_tokens_jax.loader.steered import (
-    check_step,
-    merged,
-    restated,
-    skip_count,
-    state_fields,
-    weight_counts,
-)
+from flat_tokens_jax.loader.state import SavedPhase, SavedState, StateMismatch
+from flat_tokens_jax.loader.statefields import state_step
+from flat_tokens_jax.loader.steered import check_step, merged, restated, skip_count, weight_counts
 from flat_tokens_jax.sampling.mixture import Mixture
-from flat_tokens_jax.sampling.steering import Steering
+from flat_tokens_jax.sampling.skips import Skips
+from flat_tokens_jax.sampling.steering import Change, Steering
 
 if TYPE_CHECKING:
     from flat_tokens_jax.loader.tograin import StepsDataset
@@ -121,12 +110,8 @@ class Loader:
         self.source_names = first.source_names
         self.config, self.layout, self.mixture = first.config, first.layout, first.mixture
         self.components, self.names, self.records = first.components, first.names, first.records
-        self.start_token_id, self.schedule, self.steps = (
-            first.start_token_id,
-            first.schedule,
-            first.steps,
-        )
-        self.samplers, self.sampler = first.samplers, first.sampler
+        self.start_token_id, self.schedule = first.start_token_id, first.schedule
+        self.steps, self.samplers, self.sampler = first.steps, first.samplers, first.sampler
         self._restored: dict[int, int] = {}  # see skip
         # Steps read ahead, for `iterate`, `start`, consecutive `batch` calls and
         # `to_grain` (which takes them decoded on the host: `_host`).
@@ -386,9 +371,22 @@ class Loader:
         the ``sequences`` range of a view (JSON-ready; ``repr`` for custom records)."""
         return sources_of(self.engines[k].names, self.engines[k].components)
 
+    def saved_state(self, step: int | None = None) -> SavedState:
+        """:meth:`state` as a :class:`~flat_tokens_jax.loader.state.SavedState`."""
+        step = state_step(step, self.next_step)
+        skips, changes = self._steered()
+        phases = tuple(
+            SavedPhase(start, e.sources.fingerprint(), tuple(self.sources(k)))
+            for k, (start, e) in enumerate(zip(self.starts, self.engines, strict=True))
+        )
+        return SavedState(
+            step, self.samples_before(step), phases, len(phases) > 1, skips.entries, changes
+        )
+
     def state(self, step: int | None = None) -> dict[str, Any]:
-        """``{"step", "samples", "fingerprint", "sources"}``, JSON-ready (the format:
-        :mod:`~flat_tokens_jax.loader.state`; several phases: ``PhasedLoader.state``).
+        """``{"step", "samples", "fingerprint", "sources"}``, of several phases ``{"step",
+        "samples", "phases": [{"start_step", "fingerprint", "sources"}, ...]}``, JSON-ready
+        (the format: :mod:`~flat_tokens_jax.loader.state`).
 
         ``step`` is where a :meth:`restore` resumes: by default :attr:`next_step`; a loop
         that asks :meth:`batch` by step passes ``step + 1`` after training ``step``.
@@ -397,26 +395,23 @@ class Loader:
         may move). With :meth:`set_weights` or :meth:`skip`, also ``weights``, ``[[step,
         [n, ...]], ...]``, and ``skips``, ``[[step, count], ...]``.
         """
-        step = state_step(step, self.next_step)
-        steering = self.steering
-        return {
-            "step": step,
-            "samples": self.samples_before(step),
-            "fingerprint": self.engine.sources.fingerprint(),
-            "sources": self.sources(),
-            **state_fields(steering.skips, steering.changes),
-        }
+        return self.saved_state(step).to_json()
 
     def state_differences(self, state: Mapping[str, Any]) -> list[str]:
         """What keeps this run from continuing a saved :meth:`state`, as
         ``path: saved X, now Y`` lines (naming phase and steps with several phases;
         none: it may; see :meth:`restore`)."""
-        return state_differences(state, self.engine.sources.fingerprint(), self.schedule)
+        try:
+            return self._differences(SavedState.read(state))
+        except StateMismatch as e:
+            return list(e.lines)
+
+    def _differences(self, saved: SavedState) -> list[str]:
+        return saved.differences(self.engine.sources.fingerprint(), self.schedule)
 
     def restore(self, state: Mapping[str, Any] | SavedState) -> int:
-        """Continues from a saved :meth:`state` (or one read back by
-        :func:`~flat_tokens_jax.loader.state.read_state`); returns the step
-        ``iterate`` resumes at.
+        """Continues from a saved :meth:`state` (or its :meth:`saved_state`);
+        returns the step ``iterate`` resumes at.
 
         Every field of :meth:`fingerprint` must be in it with the same value and JSON
         type (see :mod:`~flat_tokens_jax.loader.resume`). The batch size may change from
@@ -431,20 +426,22 @@ class Loader:
                 its path in the state (``fingerprint.data.sample_digest``); or
                 this loader's changes disagree with the saved ones.
         """
-        if not isinstance(state, SavedState):
-            state = restorable(state, "loader")
-        step = check_resume(state, self.engine.sources.fingerprint(), self.schedule)
-        saved = state if isinstance(state, SavedState) else read_state(state)
+        saved = SavedState.of(state, "loader")
+        saved.check(self.engine.sources.fingerprint(), self.schedule)
         skips, changes = merged(saved, self.steering.skips, self.steering.changes)
         now = self.steering
         if (skips, changes) != (now.skips, now.changes):
             self.engine.steer(now.steered(skips, changes, 0))
             self.prefetcher.drop_from(0)
         self._restored = dict(self.steering.skips.entries)
-        self.next_step = step
-        return step
+        self.next_step = saved.step
+        return saved.step
 
     # -- steering: skipped batches and weight changes from a step on
+
+    def _steered(self) -> tuple[Skips, tuple[Change, ...]]:
+        """The run's skips and weight changes, by its trainer steps."""
+        return self.steering.skips, self.steering.changes
 
     @property
     def steering(self) -> Steering:

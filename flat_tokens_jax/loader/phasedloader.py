@@ -6,7 +6,8 @@ Step ``s`` of the run is step ``s - first`` of the phase that holds it (see
 components through samplers that continue every stream where the earlier
 phases left it. With one phase, ``PhasedLoader`` is a ``Loader``: the same
 batches and the same ``state()``. Only what several phases change is
-written here: where a step is, the run's state and its steering.
+written here: where a step is, the run's state and its steering; and
+:func:`steering_at`, what a step of any run reads.
 
 A run of several phases saves ``{"step", "samples", "phases": [{"start_step",
 "fingerprint", "sources"}, ...]}``. A saved state (of either shape) restores
@@ -29,24 +30,9 @@ from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.loader.engine import StepEngine
 from flat_tokens_jax.loader.loader import Loader
 from flat_tokens_jax.loader.phases import Phase, PhaseStreams, check_phases, drawn, stream_key
-from flat_tokens_jax.loader.resume import differences
 from flat_tokens_jax.loader.sources import Sources
-from flat_tokens_jax.loader.state import (
-    SavedState,
-    StateMismatch,
-    read_state,
-    restorable,
-    state_problems,
-    state_step,
-)
-from flat_tokens_jax.loader.steered import (
-    check_step,
-    merged,
-    restated,
-    skip_count,
-    state_fields,
-    weight_counts,
-)
+from flat_tokens_jax.loader.state import SavedState, StateMismatch, StepSteering
+from flat_tokens_jax.loader.steered import check_step, merged, restated, skip_count, weight_counts
 from flat_tokens_jax.sampling.skips import NO_SKIPS, Skips
 from flat_tokens_jax.sampling.steering import Change, with_weights
 
@@ -218,19 +204,8 @@ class PhasedLoader(Loader):
             for s, e in zip(self.starts, self.engines, strict=True)
         ]
 
-    def state(self, step: int | None = None) -> dict[str, Any]:
-        """JSON-ready: with one phase, :meth:`Loader.state`; else ``{"step",
-        "samples", "phases": [{"start_step", "fingerprint", "sources"}, ...]}``."""
-        if len(self.engines) == 1:
-            return super().state(step)
-        step = state_step(step, self.next_step)
-        phases = [{**p, "sources": self.sources(k)} for k, p in enumerate(self.fingerprint())]
-        return {
-            "step": step,
-            "samples": self.samples_before(step),
-            "phases": phases,
-            **state_fields(self._skips, self._changes),
-        }
+    def _steered(self) -> tuple[Skips, tuple[Change, ...]]:
+        return self._skips, tuple(self._changes)
 
     def skip(self, step: int, count: int) -> None:
         """:meth:`Loader.skip` over the run: from ``step`` on, step ``s`` reads the
@@ -330,17 +305,10 @@ class PhasedLoader(Loader):
         if hasattr(self, "prefetcher"):  # not while the run opens
             self.prefetcher.drop_from(since)
 
-    def state_differences(self, state: Mapping[str, Any]) -> list[str]:
-        """What keeps this run from continuing a saved :meth:`state`, as lines
-        naming phase, steps and field (none: it may)."""
-        saved, problems = state_problems(state)
-        return problems if saved is None else self._differences(saved)
-
     def restore(self, state: Mapping[str, Any] | SavedState) -> int:
-        """Continues from a saved :meth:`state` (or a :meth:`Loader.state`, or
-        one read back by :func:`~flat_tokens_jax.loader.state.read_state`),
-        with its skips and weight changes; returns the step :meth:`iterate`
-        resumes at.
+        """Continues from a saved :meth:`state` (or a :meth:`Loader.state`, or a
+        :class:`~flat_tokens_jax.loader.state.SavedState`), with its skips and
+        weight changes; returns the step :meth:`iterate` resumes at.
 
         Raises:
             StateMismatch: the state is not one this version reads (each field
@@ -348,20 +316,16 @@ class PhasedLoader(Loader):
                 or differs in a field that decides its batches there; each
                 line names the phase, the steps seen and the field.
         """
-        if not isinstance(state, SavedState):
-            state = restorable(state, "run")
-        phased = state.phased if isinstance(state, SavedState) else "phases" in state
-        if len(self.engines) == 1 and not phased:
-            super().restore(state)
+        saved = SavedState.of(state, "run")
+        if len(self.engines) == 1 and not saved.phased:
+            super().restore(saved)
             steering = self.engine.steps.steering
             self._apply(steering.skips, steering.changes, 0)
         else:
-            saved = state if isinstance(state, SavedState) else read_state(state)
             found = self._differences(saved)
             if found:
-                raise StateMismatch(
-                    "the saved loader state does not continue into these phases:\n  "
-                    + "\n  ".join(found)
+                raise StateMismatch.of(
+                    "the saved loader state does not continue into these phases", found
                 )
             self._apply(*merged(saved, self._skips, self._changes), 0)
             self.next_step = saved.step
@@ -388,6 +352,22 @@ class PhasedLoader(Loader):
             engine = self.engines[j]
             end = start + alone.data_step
             where = f"{self.label(j)}, steps {start}..{end - 1} seen before the saved step {step}"
-            found = differences(alone, engine.sources.fingerprint(), engine.schedule)
+            found = alone.differences(engine.sources.fingerprint(), engine.schedule)
             out += [f"{where}: {line}" for line in found]
         return out
+
+
+def steering_at(run: Loader | SavedState | Mapping[str, Any], step: int) -> StepSteering:
+    """The data step that ``step`` reads and the weights in effect there, for
+    a ``Loader`` or ``PhasedLoader`` (its changes so far) or a saved state (as
+    ``state()`` returns it, or its JSON read back, or a ``SavedState``).
+
+    For many steps of one run, ask :meth:`SavedState.steering_at` of one
+    ``SavedState``: this reads the state again each call.
+
+    Raises:
+        StateMismatch: the state is not one this version reads.
+    """
+    if isinstance(run, Loader):
+        run = run.saved_state()
+    return (run if isinstance(run, SavedState) else SavedState.read(run)).steering_at(step)

@@ -1,11 +1,9 @@
-"""Whether a saved loader state resumes here: its fingerprint compared field
-by field with the loader's.
+"""A saved fingerprint compared field by field with a loader's: whether a
+saved loader state resumes here (:meth:`~flat_tokens_jax.loader.state.SavedState.differences`).
 
-The state's shape is checked first (:mod:`~flat_tokens_jax.loader.state`);
-then every field of the loader's fingerprint must be in the saved one with
-the same value and the same JSON type, and the saved one may hold no field
-the loader's lacks. The batch size may change from the saved step on. Pure:
-no I/O.
+Every field of the loader's fingerprint must be in the saved one with the
+same value and the same JSON type, and the saved one may hold no field the
+loader's lacks. The batch size may change from the saved step on. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -15,14 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from flat_tokens_jax.core.fields import BLOCKS
-from flat_tokens_jax.loader.state import (
-    SavedState,
-    StateMismatch,
-    json_type,
-    phased_runs,
-    shown,
-    state_problems,
-)
+from flat_tokens_jax.loader.statefields import json_type, shown
 from flat_tokens_jax.sampling.blocks import lanes
 from flat_tokens_jax.sampling.schedule import BatchSchedule, resume_differences, resumed
 
@@ -32,17 +23,23 @@ CONTENTS = ("fingerprint.data.content", "fingerprint.data.components[].content")
 
 
 def differences(
-    saved: SavedState, fingerprint: Mapping[str, Any], schedule: BatchSchedule
+    fp: Mapping[str, Any],
+    fingerprint: Mapping[str, Any],
+    schedule: BatchSchedule,
+    *,
+    step: int,
+    samples: int,
+    data_step: int,
 ) -> list[str]:
-    """``path: saved X, now Y`` lines, one per field of a ``Loader``'s saved
-    state (of one phase) that keeps it from resuming with this ``fingerprint``
-    and batch-size ``schedule`` (none: it resumes).
+    """``path: saved X, now Y`` lines, one per field of the saved fingerprint
+    ``fp`` (of one phase, saved at ``step`` with ``samples`` before it, which
+    reads ``data_step``) that keeps it from resuming with this ``fingerprint`` and batch-size
+    ``schedule`` (none: it resumes).
 
     The batch sizes compare with
     :func:`~flat_tokens_jax.sampling.schedule.resume_differences`: they may change
     from the saved step on.
     """
-    fp = saved.phases[0].fingerprint
     out: list[str] = []
     # A fingerprint holds instance_filter only when the filter is on
     # (LoaderConfig.batch_defining): absent on either side, it is off.
@@ -60,15 +57,12 @@ def differences(
         was_lanes = lanes(BatchSchedule.of(fp["batch_size"]).entries) if blocks else None
     except ValueError:  # no valid saved batch size: resume_differences says so
         was_lanes = None
-    found = resume_differences(
-        fp["batch_size"], schedule, saved.step, saved.samples, saved.data_step, was_lanes
-    )
+    found = resume_differences(fp["batch_size"], schedule, step, samples, data_step, was_lanes)
     for line in found:
         out.append("fingerprint." + line if line.startswith("batch_size") else line)
     if not found and was_lanes is not None:
         now_lanes = lanes(schedule.entries)
-        data = saved.step if saved.data_step is None else saved.data_step
-        kept = resumed(BatchSchedule.of(fp["batch_size"]), data, schedule, was_lanes)
+        kept = resumed(BatchSchedule.of(fp["batch_size"]), data_step, schedule, was_lanes)
         if was_lanes != now_lanes:
             out.append(
                 f"fingerprint.batch_size: with shuffle='blocks' the lanes (the gcd of the "
@@ -76,59 +70,6 @@ def differences(
                 f"keep the gcd of the batch sizes at {was_lanes}: batch_size {kept}"
             )
     return out
-
-
-def state_differences(
-    state: Any, fingerprint: Mapping[str, Any], schedule: BatchSchedule
-) -> list[str]:
-    """What keeps a saved ``Loader`` state (as saved) from resuming here, as
-    lines naming the field: its shape (see :mod:`~flat_tokens_jax.loader.state`),
-    then :func:`differences`. Never raises on what the state holds."""
-    phases = phased_runs(state)
-    if phases is not None:
-        return [f"phases: {_phased(phases)}"]
-    saved, problems = state_problems(state)
-    return problems if saved is None else differences(saved, fingerprint, schedule)
-
-
-def check_resume(
-    state: Any,
-    fingerprint: Mapping[str, Any],
-    schedule: BatchSchedule,
-    header: str = "the saved loader state is for different data or config",
-) -> int:
-    """The saved step, when ``state`` (a ``Loader``'s, as saved, or a
-    :class:`~flat_tokens_jax.loader.state.SavedState` of one phase) resumes here.
-
-    Raises:
-        StateMismatch: ``header`` and one line per difference; a state this
-            version does not read, or a PhasedLoader's, says so.
-    """
-    if not isinstance(state, SavedState):
-        phases = phased_runs(state)
-        if phases is not None:
-            raise StateMismatch(
-                f"Loader.restore takes one Loader's state; this is {_phased(phases)}"
-            )
-        saved, problems = state_problems(state)
-        if saved is None:
-            raise StateMismatch(
-                "not a loader state this version reads:\n  " + "\n  ".join(problems)
-            )
-        state = saved
-    found = differences(state, fingerprint, schedule)
-    if found:
-        raise StateMismatch(f"{header}:\n  " + "\n  ".join(found))
-    return state.step
-
-
-def _phased(phases: int) -> str:
-    """What to do with a :meth:`PhasedLoader.state` of several phases, which
-    no single ``Loader`` continues."""
-    return (
-        f"a PhasedLoader's state (a run in {phases} phases): build the saved run's phases "
-        "and restore it with ftj.PhasedLoader(phases).restore(state)"
-    )
 
 
 def _kind_difference(saved: Any, now: Any) -> str | None:

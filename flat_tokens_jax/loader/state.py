@@ -1,7 +1,10 @@
-"""A saved loader state read back: the one check of its shape, for
-``Loader.restore``, ``PhasedLoader.restore`` and ``flat-tokens show --state``.
+"""A loader's state: :class:`SavedState`, the one type of it, with its one
+JSON form (:meth:`SavedState.to_json`, what :meth:`~flat_tokens_jax.Loader.state`
+returns), its one reader (:meth:`SavedState.read`, for ``Loader.restore``,
+``PhasedLoader.restore`` and ``flat-tokens show --state``) and its one
+comparison with a loader (:meth:`SavedState.differences`).
 
-What :meth:`~flat_tokens_jax.Loader.state` saves::
+The JSON form::
 
     {"step": int >= 0,               the step a restore resumes at
      "samples": int >= 0,            global samples of the steps before it
@@ -24,8 +27,7 @@ That is the format this version reads. A state carries no version of its own,
 so one it cannot read is refused by what is wrong with it: each field missing,
 of another type or out of bounds, and each field it does not know (written by
 another version), named by its path (``fingerprint.config.seed``,
-``phases[1].sources[0].split``). The config's fields are checked by
-:data:`~flat_tokens_jax.loader.config.FIELDS`, as a YAML config's are.
+``phases[1].sources[0].split``: see :mod:`~flat_tokens_jax.loader.statefields`).
 """
 
 from __future__ import annotations
@@ -33,49 +35,43 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from flat_tokens_jax.core import fields
-from flat_tokens_jax.core.values import BadValue, child, integer, is_integer, number
-from flat_tokens_jax.loader.config import BATCH_DEFINING, FIELDS
-from flat_tokens_jax.sampling.mixture import MAX_PERIOD
+from flat_tokens_jax.loader import resume
+from flat_tokens_jax.loader.statefields import checked
+from flat_tokens_jax.sampling.mixture import Period, period_counts
 from flat_tokens_jax.sampling.schedule import BatchSchedule
 from flat_tokens_jax.sampling.skips import Skips
-
-_STEERED = ("weights", "skips")  # optional: absent, the trainer changed nothing
-_STATE = ("step", "samples", "fingerprint", "sources", *_STEERED)
-_PHASED = ("step", "samples", "phases", *_STEERED)
-_PHASE = ("start_step", "fingerprint", "sources")
-_FINGERPRINT = ("data", "config", "batch_size")
-_BLEND = ("components", "weights", "steps", "periods", "seed")  # a Mixture's data
-_SAVED_CONFIG = tuple(name for name in BATCH_DEFINING if name != "batch_size")
-SKIP_COUNT = functools.partial(integer, low=1, high=fields.MAX_STEP)
-"""The check of the batches a skip passes over: an int in ``[1, 2**63 - 1]``."""
-_COUNT = functools.partial(integer, low=0, high=MAX_PERIOD)  # a component's samples per period
-# Fields a saved config holds only when on: absent, they are off.
-_WHEN_ON = ("instance_filter", "shuffle_block", "shuffle_window")
-_URL_SOURCE = {
-    "name": "the component's name (a string)",
-    "url": "the dataset URL (a string)",
-    "split": "the split's name (a string)",
-    "sequences": "[first, stop], two ints with 0 <= first <= stop",
-}
-_CUSTOM_SOURCE = {
-    "name": "the component's name (a string)",
-    "repr": "a 'url' (a string) or the custom records' 'repr'",
-}
+from flat_tokens_jax.sampling.steering import Steering, Stretch
 
 
 class StateMismatch(ValueError):
     """A saved loader state does not belong to this loader's data or config,
-    or is not a loader state this version reads; the message names each field."""
+    or is not a loader state this version reads; the message names each field.
+
+    Attributes:
+        lines: one per field (empty when the message is one sentence).
+    """
+
+    lines: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, header: str, lines: Sequence[str]) -> StateMismatch:
+        """``header`` and the ``lines``, one below the other."""
+        error = cls(f"{header}:\n  " + "\n  ".join(lines))
+        error.lines = tuple(lines)
+        return error
 
 
 @dataclasses.dataclass(frozen=True)
 class SavedPhase:
-    """One phase of a saved run (the whole run, for a ``Loader``'s state).
+    """One phase of a saved run (the whole run, for a ``Loader``'s state);
+    of a mixture, the blend a :class:`~flat_tokens_jax.sampling.steering.Steering`
+    reads (``names``, ``steps``, ``periods``).
 
     Attributes:
         start_step: the run's step where the phase starts (0 for a ``Loader``'s).
@@ -93,10 +89,29 @@ class SavedPhase:
         (``fingerprint.config`` with its ``batch_size``)."""
         return {**self.fingerprint["config"], "batch_size": self.fingerprint["batch_size"]}
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """``[K]`` the components' names."""
+        return tuple(str(s["name"]) for s in self.sources)
+
+    @functools.cached_property
+    def steps(self) -> np.ndarray:
+        """``[P] int64`` the data step each declared weight entry starts at."""
+        return np.array(self.fingerprint["data"]["steps"], np.int64)
+
+    @functools.cached_property
+    def periods(self) -> tuple[Period, ...]:
+        """``[P]`` each declared weight entry's layout."""
+        data = self.fingerprint["data"]
+        pairs = zip(data["weights"], data["periods"], strict=True)
+        return tuple(Period.of_counts(period_counts(w, p)) for w, p in pairs)
+
 
 @dataclasses.dataclass(frozen=True)
 class SavedState:
-    """A saved state whose shape is checked.
+    """A loader's state: what :meth:`~flat_tokens_jax.Loader.state` saves
+    (:meth:`to_json`), read back and checked (:meth:`read`), compared with a
+    loader (:meth:`differences`) and steered (:meth:`steering_at`).
 
     Attributes:
         step: where a restore resumes.
@@ -120,6 +135,98 @@ class SavedState:
     def __post_init__(self) -> None:
         if self.data_step < 0:
             object.__setattr__(self, "data_step", Skips(self.skips).data_step(self.step))
+
+    @classmethod
+    def read(cls, state: Any, header: str = "not a loader state this version reads") -> SavedState:
+        """``state`` (as :meth:`to_json` made it, or its JSON read back) checked
+        against the format (see the module doc).
+
+        Raises:
+            StateMismatch: ``header`` and one line per field, named by its path
+                (see :mod:`~flat_tokens_jax.loader.statefields`).
+        """
+        found, problems = checked(state)
+        if found is None:
+            raise StateMismatch.of(header, problems)
+        phases = tuple(SavedPhase(*phase) for phase in found.pop("phases"))
+        return cls(phases=phases, **found)
+
+    @classmethod
+    def of(cls, state: Any, who: str) -> SavedState:
+        """What ``restore`` continues from: ``state`` itself, or the mapping
+        that ``who.state()`` returned (``who``: as the error names it) read.
+
+        Raises:
+            TypeError: ``state`` is neither.
+            StateMismatch: as :meth:`read`.
+        """
+        if isinstance(state, SavedState):
+            return state
+        if not isinstance(state, Mapping):
+            raise TypeError(
+                f"restore takes the mapping that {who}.state() returned, got {type(state).__name__}"
+            )
+        return cls.read(state)
+
+    def to_json(self) -> dict[str, Any]:
+        """The state as :meth:`~flat_tokens_jax.Loader.state` saves it, JSON-ready."""
+        phases = [
+            {"start_step": p.start_step, "fingerprint": p.fingerprint, "sources": list(p.sources)}
+            for p in self.phases
+        ]
+        out: dict[str, Any] = {"step": self.step, "samples": self.samples}
+        if self.phased:
+            out["phases"] = phases
+        else:
+            out.update(fingerprint=phases[0]["fingerprint"], sources=phases[0]["sources"])
+        if self.weights:
+            out["weights"] = [[t, list(counts)] for t, counts in self.weights]
+        if self.skips:
+            out["skips"] = [[s, n] for s, n in self.skips]
+        return out
+
+    def differences(self, fingerprint: Mapping[str, Any], schedule: BatchSchedule) -> list[str]:
+        """What keeps this state, a ``Loader``'s, from resuming with
+        ``fingerprint`` and batch-size ``schedule``: ``path: saved X, now Y``
+        lines (see :mod:`~flat_tokens_jax.loader.resume`; none: it resumes).
+        A state of several phases, which no single ``Loader`` continues, is
+        one line saying so."""
+        if self.phased:
+            return [f"phases: {self._several()}"]
+        return resume.differences(
+            self.phases[0].fingerprint,
+            fingerprint,
+            schedule,
+            step=self.step,
+            samples=self.samples,
+            data_step=self.data_step,
+        )
+
+    def check(
+        self,
+        fingerprint: Mapping[str, Any],
+        schedule: BatchSchedule,
+        header: str = "the saved loader state is for different data or config",
+    ) -> None:
+        """Whether a ``Loader`` of ``fingerprint`` and ``schedule`` resumes this state.
+
+        Raises:
+            StateMismatch: ``header`` and each of :meth:`differences`; a state
+                of several phases says so.
+        """
+        if self.phased:
+            raise StateMismatch(
+                f"Loader.restore takes one Loader's state; this is {self._several()}"
+            )
+        found = self.differences(fingerprint, schedule)
+        if found:
+            raise StateMismatch.of(header, found)
+
+    def _several(self) -> str:
+        return (
+            f"a PhasedLoader's state (a run in {len(self.phases)} phases): build the saved "
+            "run's phases and restore it with ftj.PhasedLoader(phases).restore(state)"
+        )
 
     def phase(self, j: int) -> SavedState:
         """Phase ``j`` as a ``Loader``'s state of its own: at its step where the
@@ -146,353 +253,90 @@ class SavedState:
         own = skips.within(first, stop, here.start_step).entries
         return SavedState(local, samples, (alone,), False, own, weights, data)
 
+    @functools.cached_property
+    def firsts(self) -> tuple[int, ...]:
+        """``[P]`` the first trainer step that reads each phase's data."""
+        skips = Skips(self.skips)
+        return tuple(skips.trainer_step(p.start_step) for p in self.phases)
 
-def phased_runs(state: Any) -> int | None:
-    """The phases of a :meth:`PhasedLoader.state` of several phases, which no
-    single ``Loader`` continues; ``None`` for any other state."""
-    phases = state.get("phases") if isinstance(state, Mapping) else None
-    return len(phases) if isinstance(phases, list) and "fingerprint" not in state else None
+    @functools.cached_property
+    def steerings(self) -> tuple[Steering, ...]:
+        """``[P]`` each phase's skips and weight changes as its
+        :class:`~flat_tokens_jax.sampling.steering.Steering` (the one place the
+        weights in effect are worked out), by its own steps (from its first)."""
+        out = []
+        for k, phase in enumerate(self.phases):
+            own = self.phase(k)
+            blend = phase if "components" in phase.fingerprint["data"] else None
+            schedule = BatchSchedule.of(phase.fingerprint["batch_size"])
+            out.append(Steering(blend, schedule, Skips(own.skips), own.weights))
+        return tuple(out)
 
-
-def state_problems(state: Any) -> tuple[SavedState | None, list[str]]:
-    """``state`` checked against the format (see the module doc): the saved
-    state, or ``None`` and a line for each field that keeps it from being one.
-    Never raises on what ``state`` holds."""
-    out: list[str] = []
-    if not isinstance(state, Mapping):
-        return None, [f"state: expected the mapping loader.state() saves, got {shown(state)}"]
-    phased = "phases" in state
-    _known(state, "", _PHASED if phased else _STATE, out)
-    step = _field(state, "step", "", fields.step, "the next step (an int >= 0)", out)
-    samples = _field(state, "samples", "", fields.step, "the samples before it", out)
-    phases = _phases(state["phases"], out) if phased else [_phase(state, "", 0, out)]
-    skips = _skips(state["skips"], out) if "skips" in state else ()
-    if out:
-        return None, out
-    found = tuple(p for p in phases if p is not None)
-    weights = _weights(state["weights"], found, Skips(skips), out) if "weights" in state else ()
-    if out:
-        return None, out
-    return SavedState(step, samples, found, phased, skips, weights), []
-
-
-def read_state(state: Any, header: str = "not a loader state this version reads") -> SavedState:
-    """``state`` as a :class:`SavedState`.
-
-    Raises:
-        StateMismatch: ``header`` and one line per field (see :func:`state_problems`).
-    """
-    saved, problems = state_problems(state)
-    if saved is None:
-        raise StateMismatch(f"{header}:\n  " + "\n  ".join(problems))
-    return saved
-
-
-def _phases(value: Any, out: list[str]) -> list[SavedPhase | None]:
-    if not isinstance(value, list) or not value:
-        out.append(f"phases: expected a non-empty list of the saved phases, got {shown(value)}")
-        return [None]
-    phases: list[SavedPhase | None] = []
-    last = None
-    for j, entry in enumerate(value):
-        path = child("phases", j)
-        if not isinstance(entry, Mapping):
-            out.append(f"{path}: expected a mapping, got {shown(entry)}")
-            phases.append(None)
-            continue
-        _known(entry, path, _PHASE, out)
-        start = _field(entry, "start_step", path, fields.step, "the phase's first step", out)
-        if isinstance(start, int) and last is not None and start <= last:
-            out.append(f"{path}.start_step: {start} is not after the previous phase's, {last}")
-        last = start if isinstance(start, int) else last
-        phases.append(_phase(entry, path, start, out))
-    return phases
-
-
-def _phase(values: Mapping[str, Any], path: str, start: Any, out: list[str]) -> SavedPhase | None:
-    """The fingerprint and sources under ``path``, checked."""
-    before = len(out)
-    where = child(path, "fingerprint")
-    fingerprint = _field(values, "fingerprint", path, _mapping, "a mapping", out)
-    data: Any = None
-    if isinstance(fingerprint, Mapping):
-        _known(fingerprint, where, _FINGERPRINT, out)
-        data = _field(fingerprint, "data", where, _mapping, "a mapping, the data's identity", out)
-        _config(fingerprint, where, out)
-        _field(fingerprint, "batch_size", where, FIELDS["batch_size"], "the batch size", out)
-    sources = _field(values, "sources", path, _list, "a non-empty list, one per component", out)
-    if isinstance(sources, list):
-        for i, source in enumerate(sources):
-            _source(source, child(child(path, "sources"), i), out)
-    if isinstance(data, Mapping) and isinstance(sources, list):
-        if any(key in data for key in _BLEND):
-            _blend(data, child(where, "data"), len(sources), child(path, "sources"), out)
-        elif len(sources) != 1:
-            out.append(
-                f"{child(path, 'sources')}: {len(sources)} entries, but {where}.data is a "
-                "single split (no components): expected one"
-            )
-    if len(out) > before or not isinstance(start, int):
-        return None
-    return SavedPhase(start, fingerprint, tuple(sources or ()))
-
-
-def _config(fingerprint: Mapping[str, Any], where: str, out: list[str]) -> None:
-    """``fingerprint.config``: the batch-defining fields, each by its ``FIELDS`` check."""
-    path = child(where, "config")
-    config = _field(fingerprint, "config", where, _mapping, "a mapping of config fields", out)
-    if not isinstance(config, Mapping):
-        return
-    _known(config, path, _SAVED_CONFIG, out)
-    for name in _SAVED_CONFIG:
-        if name in config or name not in _WHEN_ON:
-            _field(config, name, path, FIELDS[name], f"LoaderConfig.{name}'s value", out)
-
-
-def _source(source: Any, path: str, out: list[str]) -> None:
-    if not isinstance(source, Mapping):
-        out.append(f"{path}: expected a mapping, got {shown(source)}")
-        return
-    form = _URL_SOURCE if "url" in source else _CUSTOM_SOURCE
-    _known(source, path, tuple(form), out)
-    for key, expected in form.items():
-        check = _range if key == "sequences" else _text
-        _field(source, key, path, check, expected, out)
-
-
-def _blend(data: Mapping[str, Any], path: str, count: int, sources: str, out: list[str]) -> None:
-    """A Mixture's ``components``, ``weights``, ``steps``, ``periods`` and
-    ``seed``, for ``count`` sources."""
-    parts = _field(data, "components", path, _list, "a list, one per component", out)
-    if isinstance(parts, list):
-        for i, part in enumerate(parts):
-            if not isinstance(part, Mapping):
-                out.append(f"{child(child(path, 'components'), i)}: expected a mapping")
-        if len(parts) != count:
-            out.append(
-                f"{sources}: {count} entries, but {path}.components has {len(parts)}: "
-                "expected one source per component"
-            )
-    weights = _field(data, "weights", path, _list, "a list of weight lists", out)
-    if isinstance(weights, list):
-        for i, w in enumerate(weights):
-            here = child(child(path, "weights"), i)
-            if not isinstance(w, list) or len(w) != count:
-                out.append(f"{here}: expected {count} numbers, one per component, got {shown(w)}")
-            else:
-                for j, x in enumerate(w):
-                    try:
-                        number(x, child(here, j), low=0)
-                    except BadValue as e:
-                        out.append(str(e))
-    for name, low in (("steps", 0), ("periods", 1)):
-        values = _field(data, name, path, _list, "a list of ints, one per weight list", out)
-        if not isinstance(values, list):
-            continue
-        for i, value in enumerate(values):
-            try:
-                integer(value, child(child(path, name), i), low=low)
-            except BadValue as e:
-                out.append(str(e))
-        if isinstance(weights, list) and len(values) != len(weights):
-            out.append(
-                f"{path}.{name}: expected {len(weights)} ints >= {low}, one per weight list "
-                f"({path}.weights has {len(weights)}), got {shown(values)}"
-            )
-        elif name == "steps" and values[0] != 0:
-            out.append(f"{path}.steps: expected a list starting at step 0, got {shown(values)}")
-    _field(data, "seed", path, fields.seed, "the Mixture's seed", out)
-
-
-def _pairs(value: Any, name: str, form: str, out: list[str]) -> list[tuple[str, Any, Any]]:
-    """``(path, step, second)`` of each pair of the list saved as ``name``,
-    steps strictly increasing (lines in ``out`` for what is not)."""
-    if not isinstance(value, list) or not value:
-        out.append(f"{name}: expected a non-empty list of {form}, got {shown(value)}")
-        return []
-    found, last = [], None
-    for i, pair in enumerate(value):
-        path = child(name, i)
-        if not isinstance(pair, list) or len(pair) != 2:
-            out.append(f"{path}: expected {form}, got {shown(pair)}")
-            continue
-        step = _checked(fields.step, pair[0], child(path, 0), out)
-        if step is None:
-            continue
-        if last is not None and step <= last:
-            out.append(f"{child(path, 0)}: step {step} is not after the previous entry's, {last}")
-        last = step
-        found.append((path, step, pair[1]))
-    return found
-
-
-def _skips(value: Any, out: list[str]) -> tuple[tuple[int, int], ...]:
-    """The saved ``skips``: ``[[step, count], ...]``, counts ints >= 1."""
-    entries = []
-    for path, step, count in _pairs(value, "skips", "[step, count] pairs", out):
-        count = _checked(SKIP_COUNT, count, child(path, 1), out)
-        if count is not None:
-            entries.append((step, count))
-    return tuple(entries)
-
-
-def _weights(
-    value: Any, phases: Sequence[SavedPhase], skips: Skips, out: list[str]
-) -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """The saved ``weights``: ``[[step, [n, ...]], ...]``, one count per
-    component of the mixture of the phase whose data the step reads."""
-    starts = [p.start_step for p in phases]
-    entries = []
-    for path, step, counts in _pairs(value, "weights", "[step, [n, ...]] pairs", out):
-        here = child(path, 1)
-        phase = phases[bisect.bisect_right(starts, skips.data_step(step)) - 1]
-        if not any(key in phase.fingerprint["data"] for key in _BLEND):
-            where = "" if len(phases) == 1 else f" (phase from step {phase.start_step})"
-            out.append(f"{path}: the data{where} is a single source, which has no weights")
-            continue
-        n = len(phase.sources)
-        if not isinstance(counts, list) or len(counts) != n:
-            out.append(f"{here}: expected {n} ints >= 0, one per component, got {shown(counts)}")
-            continue
-        checked = [_checked(_COUNT, x, child(here, c), out) for c, x in enumerate(counts)]
-        if any(x is None for x in checked):
-            continue
-        total = sum(checked)
-        if not 0 < total <= MAX_PERIOD:
-            out.append(
-                f"{here}: the samples of each component per period, which sum to the period: "
-                f"expected a sum in [1, {MAX_PERIOD}], got {total}"
-            )
-            continue
-        entries.append((step, tuple(checked)))
-    return tuple(entries)
-
-
-def _checked(check: Callable[[Any, str], Any], value: Any, path: str, out: list[str]) -> Any:
-    """``check(value, path)``, or ``None`` and its refusal in ``out``."""
-    try:
-        return check(value, path)
-    except BadValue as e:
-        out.append(str(e))
-        return None
-
-
-def _known(values: Mapping[str, Any], path: str, known: Sequence[str], out: list[str]) -> None:
-    for key in values:
-        if key not in known:
-            out.append(
-                f"{child(path, key)}: saved {shown(values[key])}, a field this version's "
-                "states do not hold (a state of another version?)"
-            )
-
-
-def _field(
-    values: Mapping[str, Any],
-    key: str,
-    path: str,
-    check: Callable[[Any, str], Any],
-    expected: str,
-    out: list[str],
-) -> Any:
-    """``values[key]`` checked by ``check``; ``None`` (and a line in ``out``)
-    when it is missing or refused."""
-    here = child(path, key)
-    if key not in values:
-        out.append(f"{here}: missing from the saved state; expected {expected}")
-        return None
-    value = values[key]
-    try:
-        return check(value, here)
-    except TypeError:  # not the shape saved there
-        out.append(f"{here}: expected {expected}, got {shown(value)}")
-    except BadValue as e:
-        out.append(str(e))
-    except ValueError as e:  # a check of several values, e.g. an instance filter's
-        out.append(f"{here}: {e}")
-    return None
-
-
-# The shapes a state holds; :func:`_field` names what was expected.
-
-
-def _mapping(value: Any, path: str) -> Mapping[str, Any]:
-    if isinstance(value, Mapping):
-        return value
-    raise TypeError
-
-
-def _list(value: Any, path: str) -> list[Any]:
-    if isinstance(value, list) and value:  # every list a state holds has an entry
-        return value
-    raise TypeError
-
-
-def _text(value: Any, path: str) -> str:
-    if isinstance(value, str):
-        return value
-    raise TypeError
-
-
-def _range(value: Any, path: str) -> list[int]:
-    pair = isinstance(value, list) and len(value) == 2 and all(is_integer(v, low=0) for v in value)
-    if pair and value[0] <= value[1]:
-        return value
-    raise TypeError
-
-
-def json_type(value: Any) -> str:
-    """The JSON type of ``value`` (numpy scalars as their JSON kin)."""
-    if value is None or isinstance(value, bool | str):
-        return type(value).__name__
-    if isinstance(value, numbers.Integral):
-        return "int"
-    if isinstance(value, numbers.Real):
-        return "float"
-    if isinstance(value, Mapping):
-        return "mapping"
-    if isinstance(value, Sequence):
-        return "list"
-    return type(value).__name__
-
-
-def shown(value: Any, limit: int = 80, typed: bool = True) -> str:
-    """``repr`` cut to ``limit`` characters, with the type (``typed``) when
-    the ``repr`` does not say it."""
-    text = repr(value)
-    if len(text) > limit:
-        text = text[: limit - 3] + "..."
-    kind = json_type(value)
-    if not typed or kind in ("int", "float", "NoneType", "mapping", "list"):
-        return text
-    return f"{text} (a {kind})"
-
-
-def restorable(state: Any, who: str) -> Mapping[str, Any]:
-    """``state`` if ``restore`` can take it: a mapping (``who``: ``loader``, as
-    the error names the call that made it); what it holds is checked later.
-
-    Raises:
-        TypeError: ``state`` is not a mapping.
-    """
-    if not isinstance(state, Mapping):
-        raise TypeError(
-            f"restore takes the mapping that {who}.state() returned, got {type(state).__name__}"
+    def steering_at(self, step: int) -> StepSteering:
+        """The data step that trainer step ``step`` reads and the weights in effect there."""
+        step = fields.step(step, "step")
+        k = bisect.bisect_right(self.firsts, step) - 1
+        first, steering = self.firsts[k], self.steerings[k]
+        found = steering.stretch_at(step - first)
+        data = self.phases[k].start_step + steering.data_step(step - first)
+        skipped = tuple((s, n) for s, n in self.skips if s <= step)
+        names = self.phases[k].names
+        return StepSteering(
+            step, data, skipped, k, names, found.counts, first + found.first, found.changed
         )
-    return state
+
+    def stretches(self, stop: int) -> list[tuple[int, Stretch]]:
+        """``(phase, stretch)`` of each weight segment that trainer steps
+        ``[0, stop)`` read, in order, by the run's trainer steps."""
+        out = []
+        for k, steering in enumerate(self.steerings):
+            first = self.firsts[k]
+            end = min(stop, self.firsts[k + 1]) if k + 1 < len(self.firsts) else stop
+            for found in steering.stretches(end - first):
+                assert found.stop is not None  # stretches() cuts the last one
+                moved = dataclasses.replace(
+                    found, first=first + found.first, stop=first + found.stop
+                )
+                out.append((k, moved))
+        return out
 
 
-def state_step(step: object, default: int) -> int:
-    """The step a saved state resumes at: ``step``, or ``default`` when it is ``None``.
+@dataclasses.dataclass(frozen=True)
+class StepSteering:
+    """What a steered run's step reads: see :meth:`SavedState.steering_at`.
 
-    Raises:
-        ValueError: ``step`` is not an int >= 0.
+    Attributes:
+        step: the trainer's step.
+        data_step: the step of the run without skips whose data it reads.
+        skipped: ``((step, count), ...)`` the skips at steps ``<= step``.
+        phase: the index of the phase whose data it reads.
+        names: the components of that phase.
+        counts: ``[K]`` samples of each component per period in effect
+            (``None`` for a single source).
+        since: the trainer step from which those weights apply (the first
+            step that reads them, for the mixture's declared schedule).
+        changed: whether they are a trainer's change (else declared).
     """
-    if step is None:
-        return default
-    try:
-        return int(integer(step, "step", low=0))
-    except BadValue as e:
-        raise BadValue(
-            "state's step",
-            f"{e.problem}: the step a restore resumes at (after training step s, pass s + 1)",
-        ) from None
+
+    step: int
+    data_step: int
+    skipped: tuple[tuple[int, int], ...]
+    phase: int
+    names: tuple[str, ...]
+    counts: tuple[int, ...] | None
+    since: int
+    changed: bool
+
+    @property
+    def shares(self) -> dict[str, float] | None:
+        """``{name: share of the samples}`` in effect (``None`` for a single source)."""
+        return sample_shares(self.names, self.counts)
+
+
+def sample_shares(names: Sequence[str], counts: Sequence[int] | None) -> dict[str, float] | None:
+    """``{name: share of the samples}`` of weights held as samples per period
+    (``None`` for ``None``: a single source)."""
+    if counts is None:
+        return None
+    period = sum(counts)
+    return {n: c / period for n, c in zip(names, counts, strict=True)}

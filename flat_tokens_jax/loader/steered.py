@@ -1,5 +1,6 @@
-"""A run its trainer steers: weight changes and skipped batches, checked, saved,
-merged on restore, read from YAML, and read back.
+"""A run its trainer steers: weight changes and skipped batches checked,
+merged on restore and read from a YAML ``skip`` list (saved and read back for
+a step by :class:`~flat_tokens_jax.loader.state.SavedState`).
 
 ``Loader.set_weights(step, weights)`` and ``Loader.skip(step, count)`` (and
 ``PhasedLoader``'s) record a change by the trainer's step, for any step at or
@@ -19,13 +20,9 @@ it on they join, and a step in both must have one value (:func:`merged`).
 
 from __future__ import annotations
 
-import bisect
-import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
-
-import numpy as np
 
 from flat_tokens_jax.core import fields
 from flat_tokens_jax.core.values import (
@@ -36,26 +33,21 @@ from flat_tokens_jax.core.values import (
     sequence,
 )
 from flat_tokens_jax.core.yamlfile import read_yaml
-from flat_tokens_jax.loader.state import SKIP_COUNT, SavedState, StateMismatch, read_state
-from flat_tokens_jax.sampling.mixture import Mixture, Period, period_counts
-from flat_tokens_jax.sampling.schedule import BatchSchedule
+from flat_tokens_jax.loader.state import SavedState, StateMismatch
+from flat_tokens_jax.loader.statefields import SKIP_COUNT
+from flat_tokens_jax.sampling.mixture import Mixture
 from flat_tokens_jax.sampling.skips import Skips
-from flat_tokens_jax.sampling.steering import Change, Steering, Stretch
+from flat_tokens_jax.sampling.steering import Change
 
 __all__ = [
-    "RunSteering",
     "Skipper",
-    "StepSteering",
     "apply_skips",
     "check_step",
     "merged",
     "restated",
-    "sample_shares",
     "skip_count",
     "skips_from_config",
     "skips_from_yaml",
-    "state_fields",
-    "steering_at",
     "weight_counts",
 ]
 
@@ -144,16 +136,6 @@ def weight_counts(mixture: Mixture | None, weights: Any, step: int, call: str) -
     return tuple(int(n) for n in counts)
 
 
-def state_fields(skips: Skips, changes: Sequence[Change]) -> dict[str, Any]:
-    """The fields a state holds for these changes: none without any."""
-    out: dict[str, Any] = {}
-    if changes:
-        out["weights"] = [[t, list(counts)] for t, counts in changes]
-    if skips:
-        out["skips"] = [[s, n] for s, n in skips.entries]
-    return out
-
-
 def merged(
     saved: SavedState, skips: Skips, changes: Sequence[Change]
 ) -> tuple[Skips, tuple[Change, ...]]:
@@ -169,9 +151,7 @@ def merged(
     joined_skips = _joined("skips", dict(saved.skips), dict(skips.entries), saved.step, out)
     joined = _joined("weights", dict(saved.weights), dict(changes), saved.step, out)
     if out:
-        raise StateMismatch(
-            "the saved state's changes and this loader's disagree:\n  " + "\n  ".join(out)
-        )
+        raise StateMismatch.of("the saved state's changes and this loader's disagree", out)
     return Skips(tuple(sorted(joined_skips.items()))), tuple(sorted(joined.items()))
 
 
@@ -272,154 +252,3 @@ def skips_from_yaml(path: str | os.PathLike[str]) -> list[tuple[int, int]]:
         return skips_from_config(doc["skip"])
     except ValueError as e:
         raise ValueError(f"{os.fspath(path)}: {e}") from None
-
-
-class Saves(Protocol):
-    """What :func:`steering_at` reads a run's changes from: a ``Loader`` or ``PhasedLoader``."""
-
-    def state(self, step: int | None = None) -> dict[str, Any]: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class StepSteering:
-    """What a steered run's step reads: see :func:`steering_at`.
-
-    Attributes:
-        step: the trainer's step.
-        data_step: the step of the run without skips whose data it reads.
-        skipped: ``((step, count), ...)`` the skips at steps ``<= step``.
-        phase: the index of the phase whose data it reads.
-        names: the components of that phase.
-        counts: ``[K]`` samples of each component per period in effect
-            (``None`` for a single source).
-        since: the trainer step from which those weights apply (the first
-            step that reads them, for the mixture's declared schedule).
-        changed: whether they are a trainer's change (else declared).
-    """
-
-    step: int
-    data_step: int
-    skipped: tuple[tuple[int, int], ...]
-    phase: int
-    names: tuple[str, ...]
-    counts: tuple[int, ...] | None
-    since: int
-    changed: bool
-
-    @property
-    def shares(self) -> dict[str, float] | None:
-        """``{name: share of the samples}`` in effect (``None`` for a single source)."""
-        return sample_shares(self.names, self.counts)
-
-
-def sample_shares(names: Sequence[str], counts: Sequence[int] | None) -> dict[str, float] | None:
-    """``{name: share of the samples}`` of weights held as samples per period
-    (``None`` for ``None``: a single source)."""
-    if counts is None:
-        return None
-    period = sum(counts)
-    return {n: c / period for n, c in zip(names, counts, strict=True)}
-
-
-@dataclasses.dataclass(frozen=True)
-class _SavedBlend:
-    """A saved phase's mixture as a :class:`Steering` reads it (a ``Blend``)."""
-
-    names: tuple[str, ...]
-    steps: np.ndarray
-    periods: tuple[Period, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class RunSteering:
-    """A run's skips and weight changes phase by phase, rebuilt from its
-    state alone, each phase's by :class:`Steering` (the one place the
-    weights in effect are worked out): what :func:`steering_at`, ``show``
-    and ``plan`` read.
-
-    Attributes:
-        saved: the state read.
-        firsts: ``[P]`` the first trainer step that reads each phase's data.
-        names: ``[P]`` each phase's components.
-        steerings: ``[P]`` each phase's steering, by its own steps (counted
-            from its first).
-    """
-
-    saved: SavedState
-    firsts: tuple[int, ...]
-    names: tuple[tuple[str, ...], ...]
-    steerings: tuple[Steering, ...]
-
-    @classmethod
-    def of(cls, run: Mapping[str, Any] | Saves) -> RunSteering:
-        """From a saved state (as ``state()`` returns it, or its JSON read
-        back) or a ``Loader``/``PhasedLoader`` (its ``state()``: its changes so far).
-
-        Raises:
-            StateMismatch: the state is not one this version reads.
-        """
-        saved = read_state(run if isinstance(run, Mapping) else run.state())
-        skips = Skips(saved.skips)
-        names, steerings = [], []
-        for k, phase in enumerate(saved.phases):
-            own = saved.phase(k)
-            blend = phase.fingerprint["data"]
-            names.append(tuple(str(s["name"]) for s in phase.sources))
-            mixture = None
-            if "components" in blend:
-                periods = zip(blend["weights"], blend["periods"], strict=True)
-                mixture = _SavedBlend(
-                    names[-1],
-                    np.array(blend["steps"], np.int64),
-                    tuple(Period.of_counts(period_counts(w, p)) for w, p in periods),
-                )
-            schedule = BatchSchedule.of(phase.fingerprint["batch_size"])
-            steerings.append(Steering(mixture, schedule, Skips(own.skips), own.weights))
-        firsts = tuple(skips.trainer_step(p.start_step) for p in saved.phases)
-        return cls(saved, firsts, tuple(names), tuple(steerings))
-
-    def phase_at(self, step: int) -> int:
-        """The index of the phase whose data trainer step ``step`` reads."""
-        return bisect.bisect_right(self.firsts, step) - 1
-
-    def at(self, step: int) -> StepSteering:
-        """What trainer step ``step`` reads: see :func:`steering_at`."""
-        step = fields.step(step, "step")
-        k = self.phase_at(step)
-        first = self.firsts[k]
-        found = self.steerings[k].stretch_at(step - first)
-        data = self.saved.phases[k].start_step + self.steerings[k].data_step(step - first)
-        skipped = tuple((s, n) for s, n in self.saved.skips if s <= step)
-        since = first + found.first
-        return StepSteering(
-            step, data, skipped, k, self.names[k], found.counts, since, found.changed
-        )
-
-    def stretches(self, stop: int) -> list[tuple[int, Stretch]]:
-        """``(phase, stretch)`` of each weight segment that trainer steps
-        ``[0, stop)`` read, in order, by the run's trainer steps."""
-        out = []
-        for k, steering in enumerate(self.steerings):
-            first = self.firsts[k]
-            end = min(stop, self.firsts[k + 1]) if k + 1 < len(self.firsts) else stop
-            for found in steering.stretches(end - first):
-                assert found.stop is not None  # stretches() cuts the last one
-                moved = dataclasses.replace(
-                    found, first=first + found.first, stop=first + found.stop
-                )
-                out.append((k, moved))
-        return out
-
-
-def steering_at(run: Mapping[str, Any] | Saves, step: int) -> StepSteering:
-    """The data step that ``step`` reads and the weights in effect there, for
-    a saved state (as ``state()`` returns it, or its JSON read back) or a
-    ``Loader``/``PhasedLoader`` (its ``state()``: its changes so far).
-
-    For many steps of one run, read :meth:`RunSteering.at` of one
-    :meth:`RunSteering.of`: this builds it again each call.
-
-    Raises:
-        StateMismatch: the state is not one this version reads.
-    """
-    return RunSteering.of(run).at(step)

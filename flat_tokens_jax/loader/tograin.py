@@ -61,8 +61,11 @@ NO_WORKERS = (
 )
 
 
-class Worker(Protocol):
-    """What a worker process reads steps with: a ``Loader`` opened again."""
+class Run(Protocol):
+    """A ``Loader``: whose ``state`` and ``restore`` a dataset's iterators go
+    through, and, opened again, what a worker process reads steps with."""
+
+    next_step: int
 
     @property
     def num_batches(self) -> int | None: ...
@@ -77,17 +80,7 @@ class Worker(Protocol):
 class Reopenable(Protocol):
     """What opens a loader again in a worker process (picklable)."""
 
-    def open(self) -> Worker: ...
-
-
-class Resumable(Protocol):
-    """What the iterator's state goes through: ``Loader`` or ``PhasedLoader``."""
-
-    next_step: int
-
-    def state(self, step: int | None = None) -> dict[str, Any]: ...
-
-    def restore(self, state: Any) -> int: ...
+    def open(self) -> Run: ...
 
 
 class Reader(Protocol):
@@ -137,7 +130,7 @@ class Reopened:
         rows = {size: engine.host_rows_at(step) for step, size in engine.schedule.entries}
         return cls(type(loader), engine.sources, rows, loader.state())
 
-    def open(self) -> Worker:
+    def open(self) -> Run:
         loader = self.kind._worker(self.sources, self.rows)
         loader.restore(self.state)
         return loader
@@ -163,7 +156,7 @@ class StepsDataset(grain.IterDataset):
 
     def __init__(
         self,
-        owner: Resumable,
+        owner: Run,
         spans: Callable[[], Sequence[Span]],
         start: int,
         lead: int = 0,
@@ -318,7 +311,7 @@ class WorkerIterator(grain.DatasetIterator):
     """Steps ``first``, ``first + stride``, ... of ``loader``, each its
     ``host_batch``; the state is the loader's ``state()`` at the next one."""
 
-    def __init__(self, loader: Worker, first: int, stride: int) -> None:
+    def __init__(self, loader: Run, first: int, stride: int) -> None:
         super().__init__()
         self._loader, self._step, self._stride = loader, first, stride
 

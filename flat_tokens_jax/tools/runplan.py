@@ -21,7 +21,7 @@ import numpy as np
 from flat_tokens_jax.core.extras import install_hint
 from flat_tokens_jax.loader.phasedloader import PhasedLoader
 from flat_tokens_jax.loader.phases import drawn
-from flat_tokens_jax.loader.steered import RunSteering, sample_shares
+from flat_tokens_jax.loader.state import sample_shares
 
 __all__ = [
     "REPEAT_WARNING_EPOCHS",
@@ -163,12 +163,11 @@ def steering_rows(run: PhasedLoader) -> list[dict[str, Any]]:
     ``skipped`` (batches skipped there, 0 for a weight change), ``phase``
     and ``weights`` (``{component: share of the samples}`` in effect from
     that step; ``None`` for a single source)."""
-    steered = RunSteering.of(run)
-    saved = steered.saved
+    saved = run.saved_state()
     skipped = dict(saved.skips)
     out = []
     for step in sorted(set(skipped) | {t for t, _ in saved.weights}):
-        at = steered.at(step)
+        at = saved.steering_at(step)
         out.append(
             {
                 "step": step,
@@ -201,11 +200,11 @@ def share_segments(run: PhasedLoader, end_step: int) -> list[tuple[int, int, dic
     phase, or a weight segment inside one, declared or set by the trainer,
     as the run's state records them (a segment whose steps were all skipped
     is left out)."""
-    steered = RunSteering.of(run)
+    saved = run.saved_state()
     out = []
-    for k, found in steered.stretches(end_step):
+    for k, found in saved.stretches(end_step):
         assert found.stop is not None  # stretches() cuts each at end_step
-        names = steered.names[k]
+        names = saved.phases[k].names
         out.append((found.first, found.stop, sample_shares(names, found.counts) or {names[0]: 1.0}))
     return out
 
@@ -245,12 +244,12 @@ def draw_shares(run: PhasedLoader, end_step: int, path: str | os.PathLike[str]) 
             ax.axvline(first, color="black", linewidth=0.8)
             label = run.phases[k].name or f"phase {k}"
             ax.text(first, 1.01, label, fontsize=8, va="bottom")
-    state = run.state()
-    changes = [t for t, _ in state.get("weights", []) if t < end_step]
+    state = run.saved_state()
+    changes = [t for t, _ in state.weights if t < end_step]
     for i, t in enumerate(changes):  # one legend entry for them all ("_": none)
         label = "weight change" if i == 0 else "_weight change"
         ax.axvline(t, color="black", linestyle="--", linewidth=0.8, label=label)
-    skips = [(s, count) for s, count in state.get("skips", []) if s < end_step]
+    skips = [(s, count) for s, count in state.skips if s < end_step]
     for i, (s, count) in enumerate(skips):
         label = "skipped batches" if i == 0 else "_skipped batches"
         ax.axvline(s, color="red", linestyle=":", linewidth=1.2, label=label)

@@ -1,6 +1,6 @@
-"""A saved loader state read back for ``flat-tokens show``: a JSON file
-checked by the state's schema (:mod:`~flat_tokens_jax.loader.state`), and the
-data its run read.
+"""A saved loader state loaded for ``flat-tokens show``: a JSON file (its
+ints exact) read as a :class:`~flat_tokens_jax.loader.state.SavedState`, and
+the data its run read.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from typing import Any
 
 from flat_tokens_jax.convert.commands import path_error
 from flat_tokens_jax.data.dataset import FlatTokens, open_dataset
-from flat_tokens_jax.loader.state import SavedState, state_problems
+from flat_tokens_jax.loader.state import SavedState, StateMismatch
 from flat_tokens_jax.sampling.mixture import Mixture
 from flat_tokens_jax.store.options import StoreOptions
 
 
-def read_state(path: str | os.PathLike[str]) -> SavedState:
+def load_state(path: str | os.PathLike[str]) -> SavedState:
     """A saved :meth:`Loader.state` or :meth:`PhasedLoader.state` from a JSON
-    file, its shape checked.
+    file, read by :meth:`SavedState.read`.
 
     Raises:
         ValueError: the file is not JSON or not a loader state this version
@@ -40,12 +40,11 @@ def read_state(path: str | os.PathLike[str]) -> SavedState:
         raise ValueError(f"--state {where}: not UTF-8 text ({e.reason})") from None
     except OSError as e:
         raise path_error("--state", where, e, "a saved loader state's JSON file") from None
-    saved, problems = state_problems(state)
-    if saved is None:
-        raise ValueError(
-            f"--state {where}: not a loader state this version reads: " + "; ".join(problems)
-        )
-    return saved
+    try:
+        return SavedState.read(state)
+    except StateMismatch as e:
+        why = "; ".join(e.lines)
+        raise ValueError(f"--state {where}: not a loader state this version reads: {why}") from None
 
 
 class _LongNumber(ValueError):

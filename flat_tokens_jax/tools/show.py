@@ -30,9 +30,7 @@ from flat_tokens_jax.core.values import BadValue, known_keys
 from flat_tokens_jax.data.dataset import FlatTokens, open_dataset
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.loader import Loader
-from flat_tokens_jax.loader.resume import check_resume
 from flat_tokens_jax.loader.state import SavedState
-from flat_tokens_jax.loader.steered import steering_at
 from flat_tokens_jax.sampling.mixconfig import mixture_from_config
 from flat_tokens_jax.sampling.mixture import Mixture
 from flat_tokens_jax.sampling.schedule import BatchSchedule
@@ -66,7 +64,7 @@ def build_loader(
             :class:`LoaderConfig` fields) and optionally a ``data`` section
             (see :func:`~flat_tokens_jax.sampling.mixconfig.mixture_from_config`).
         state: a saved :meth:`Loader.state` (of one phase), read by
-            :func:`~flat_tokens_jax.loader.state.read_state`: its fingerprint
+            :meth:`~flat_tokens_jax.loader.state.SavedState.read`: its fingerprint
             gives the config, its ``sources`` the data (unless ``url`` is
             given), and the data found must match its fingerprint (a batch
             size given in ``fields`` may differ from the saved step on, as
@@ -140,11 +138,8 @@ def build_loader(
     loader = Loader(source, cfg)
     if state is not None:
         # Refuses (StateMismatch) what restore refuses.
-        check_resume(
-            state,
-            loader.fingerprint(),
-            loader.schedule,
-            header="the data found is not what the saved run read",
+        state.check(
+            loader.fingerprint(), loader.schedule, "the data found is not what the saved run read"
         )
         loader.restore(state)  # its skips and weight changes
     return loader
@@ -168,20 +163,20 @@ def parse_skip(text: str) -> tuple[int, int]:
         ) from None
 
 
-def steering_lines(state: Mapping[str, Any], step: int) -> list[str]:
-    """What ``show`` prints of a run its trainer steered (a ``state()`` with
-    ``weights`` or ``skips``; none for another): the changes, the data step
+def steering_lines(state: SavedState, step: int) -> list[str]:
+    """What ``show`` prints of a run its trainer steered (a state with
+    weight changes or skips; none for another): the changes, the data step
     that ``step`` reads and the weights in effect there."""
-    if not any(key in state for key in ("weights", "skips")):
+    if not (state.weights or state.skips):
         return []
     lines = []
-    if "skips" in state:
-        listed = ", ".join(f"{n} at step {s}" for s, n in state["skips"])
+    if state.skips:
+        listed = ", ".join(f"{n} at step {s}" for s, n in state.skips)
         lines.append(f"skipped batches: {listed}")
-    if "weights" in state:
-        listed = "; ".join(f"from step {t}: {counts}" for t, counts in state["weights"])
+    if state.weights:
+        listed = "; ".join(f"from step {t}: {list(counts)}" for t, counts in state.weights)
         lines.append(f"weight changes (samples of each component per period): {listed}")
-    at = steering_at(state, step)
+    at = state.steering_at(step)
     if at.data_step != step:
         (first, n), *rest = at.skipped
         more = "".join(f", {m} at step {s}" for s, m in rest)
@@ -200,11 +195,11 @@ def steering_lines(state: Mapping[str, Any], step: int) -> list[str]:
     return lines
 
 
-def steering_json(state: Mapping[str, Any], step: int) -> dict[str, Any]:
+def steering_json(state: SavedState, step: int) -> dict[str, Any]:
     """``show --json``'s ``steering`` of ``step``: ``data_step``, ``skipped``
     (``[[step, count], ...]`` at steps <= it), ``weights`` (``{name: samples
     per period}``, ``None`` for a single source), ``since`` and ``changed``."""
-    at = steering_at(state, step)
+    at = state.steering_at(step)
     counts = None if at.counts is None else dict(zip(at.names, at.counts, strict=True))
     return {
         "data_step": at.data_step,

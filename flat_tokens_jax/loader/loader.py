@@ -210,14 +210,13 @@ class Loader(Steerable):
         read-ahead thread, looking up the next steps' records with it."""
         return self.engine.request(step, self.engine.lookup if ahead else 0, self._host)
 
-    def _finish(self, step: int, part: Fetched | Blocks, ahead: bool) -> Any:
-        """A step's second stage: its fields decoded (on the read-ahead's
-        threads when ``ahead``) and, unless for ``to_grain``, placed on the
+    def _finish(self, step: int, part: Fetched | Blocks, threads: int | None) -> Any:
+        """A step's second stage: its fields decoded on ``threads`` threads
+        (the read-ahead's choice) and, unless for ``to_grain``, placed on the
         devices; blocks wait for :meth:`_on_devices`. Everything of it
         involves no collective: safe in any thread."""
         if isinstance(part, Blocks):
             return part
-        threads = self.engine.ahead_threads if ahead else None
         fields = self.engine.fields(part, step, threads)
         if self._host:
             return fields

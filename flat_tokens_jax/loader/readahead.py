@@ -3,7 +3,8 @@
 Pure code, testable without a store. :func:`auto_depth` turns measured times
 into the steps to keep in flight, and :func:`next_depth` moves the depth in
 use toward it (fast up, slowly down, within the memory budget);
-:class:`Measures` collects those times (a step's fetch and finish, the
+:class:`DecodeThreads` picks the threads that decode a step read ahead from
+the finish times it measured; :class:`Measures` collects those times (a step's fetch and finish, the
 trainer's wait and the interval between the batches it takes) and the
 statistics a trainer logs, judges whether a growth of the depth made the
 store deliver faster, and decides when the trainer's waits are worth one
@@ -72,6 +73,24 @@ RETRIAL_FETCHES = 64
 past its cap again."""
 
 
+THREAD_WINDOW = 8
+"""Finishes whose median time per row measures a count of decode threads."""
+
+THREAD_GAIN = 0.1
+"""Share of the time per row a doubled count of decode threads must save to be
+kept (threads that save less cost cores and hand-offs for noise; on a 16-core
+host two threads finished 256-row steps about 15 % faster than one, and
+64-row steps slower)."""
+
+THREAD_BOUND = 0.8
+"""The finish stage is what the trainer waits for when a finish takes at least
+this share of the interval between the batches it takes (and at least a fetch)."""
+
+THREAD_RETRY = 512
+"""Finishes after a doubling that did not pay before the next try (doubled
+after each such try)."""
+
+
 def auto_depth(
     fetch_s: float | None,
     finish_s: float | None,
@@ -120,6 +139,60 @@ def next_depth(previous: int, wanted: int, cap: int) -> int:
     return max(1, min(depth, cap))
 
 
+class DecodeThreads:
+    """The threads that decode a step read ahead, from measured finish times.
+    Not thread-safe (:class:`Measures` holds it under its lock).
+
+    ``pinned`` (``LoaderConfig.decode_threads``) fixes the count. Otherwise it
+    starts at 1 and, while the finish stage is what the trainer waits for,
+    tries twice as many (at most ``most``): the median time per row over
+    :data:`THREAD_WINDOW` finishes at the new count is compared with the one
+    before it, and the count is kept when it saved at least
+    :data:`THREAD_GAIN`, else it goes back and tries again only after
+    :data:`THREAD_RETRY` finishes (twice that after the next failure). The
+    first finishes of a loader are not measured: they wait for the opening
+    burst's reads. Threads never change a batch, only how fast it is decoded.
+    """
+
+    def __init__(self, most: int, pinned: int | None = None) -> None:
+        self.pinned, self.most = pinned, max(1, most)
+        self.count = pinned or 1
+        self.trials = self.kept = 0
+        self._times: list[float] = []  # seconds per row at `count`, this window
+        self._before: tuple[int, float] | None = None  # the count under trial came from
+        self._skip = 2
+        self._retry = THREAD_RETRY
+        self._wait = 0
+
+    def finished(self, seconds: float, rows: int, threads: int, bound: bool) -> None:
+        """A finish of ``rows`` rows on ``threads`` threads took ``seconds``;
+        ``bound``: the finish stage is what the trainer waits for."""
+        if self.pinned is not None or threads != self.count or rows < 1:
+            return
+        if self._skip:
+            self._skip -= 1
+            return
+        if self._wait:
+            self._wait -= 1
+            return
+        self._times.append(seconds / rows)
+        if len(self._times) < THREAD_WINDOW:
+            return
+        now, self._times = float(np.median(self._times)), []
+        if self._before is not None:
+            count, then = self._before
+            self._before = None
+            if now > (1 - THREAD_GAIN) * then:
+                self.count, self._wait = count, self._retry
+                self._retry *= 2
+                return
+            self.kept += 1
+        if bound and self.count < self.most:
+            self._before = (self.count, now)
+            self.count = min(2 * self.count, self.most)
+            self.trials += 1
+
+
 def _ema(old: float | None, new: float) -> float:
     return new if old is None else old + EMA_WEIGHT * (new - old)
 
@@ -159,7 +232,14 @@ class Measures:
     Times are ``time.perf_counter`` seconds.
     """
 
-    def __init__(self, stall_window: int = STALL_WINDOW, stall_share: float = STALL_SHARE) -> None:
+    def __init__(
+        self,
+        stall_window: int = STALL_WINDOW,
+        stall_share: float = STALL_SHARE,
+        *,
+        most_threads: int = 1,
+        decode_threads: int | None = None,
+    ) -> None:
         if stall_window < 1 or not 0 < stall_share < 1:
             raise ValueError(
                 "Measures needs stall_window >= 1 and 0 < stall_share < 1, "
@@ -192,6 +272,7 @@ class Measures:
         self.stall_window, self.stall_share = stall_window, stall_share
         self._window = [0.0, 0.0, 0, 0]
         self.stalled = False
+        self.threads = DecodeThreads(most_threads, decode_threads)
 
     def fetched(self, began: float, seconds: float) -> None:
         """A fetch begun at ``began`` ended after ``seconds``."""
@@ -203,11 +284,26 @@ class Measures:
             self._fetch[1] += 1
             self._judge(began, seconds)
 
-    def finished(self, seconds: float) -> None:
+    def finished(self, seconds: float, rows: int = 0, threads: int | None = None) -> None:
+        """A finish of ``rows`` rows took ``seconds``; ``threads``: the count
+        :meth:`decode_threads` gave it (``None``: another's, not measured for it)."""
         with self._lock:
             self.finish_ema = _ema(self.finish_ema, seconds)
             self._finish[0] += seconds
             self._finish[1] += 1
+            if threads is not None:
+                finish, fetch, interval = self.finish_ema, self.fetch_ema, self.interval_ema
+                bound = (
+                    interval is not None
+                    and finish >= (fetch or 0.0)
+                    and finish >= THREAD_BOUND * interval
+                )
+                self.threads.finished(seconds, rows, threads, bound)
+
+    def decode_threads(self) -> int:
+        """Threads to decode the next step read ahead on (see :class:`DecodeThreads`)."""
+        with self._lock:
+            return self.threads.count
 
     def window_starts(self) -> bool:
         """Whether the next :meth:`taken` (not the first) begins a stall window."""
@@ -310,7 +406,8 @@ class Measures:
         """``steps``, the waits (``wait_first_s``; ``wait_last_s``; ``wait_mean_s``
         and ``wait_p99_s`` over the steps after the first, p99 of the last
         :data:`RECENT_WAITS`), ``fetch_last_s``, ``fetch_mean_s``,
-        ``decode_mean_s`` and ``interval_mean_s``; 0 where nothing was measured."""
+        ``decode_mean_s`` and ``interval_mean_s``; 0 where nothing was measured;
+        ``decode_threads``, the threads a step read ahead is decoded on."""
         with self._lock:
             recent = np.fromiter(self._recent, float, len(self._recent))
             return {
@@ -323,6 +420,7 @@ class Measures:
                 "fetch_mean_s": _mean(self._fetch),
                 "decode_mean_s": _mean(self._finish),
                 "interval_mean_s": _mean(self._interval),
+                "decode_threads": self.threads.count,
             }
 
 

@@ -1,0 +1,156 @@
+"""Decode threads from measured finish times: the policy with hypothetical
+timings (no store), the read-ahead's use of it, and ``decode_threads`` pinning it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from memurls import memory_url
+
+import flat_tokens_jax as ftj
+from flat_tokens_jax.loader.config import LoaderConfig
+from flat_tokens_jax.loader.prefetch import Prefetcher
+from flat_tokens_jax.loader.readahead import (
+    THREAD_RETRY,
+    THREAD_WINDOW,
+    DecodeThreads,
+    Measures,
+)
+
+ROWS = 64
+
+
+def window(d: DecodeThreads, per_row: float, bound: bool = True, n: int = THREAD_WINDOW) -> int:
+    """``n`` finishes of ``per_row`` seconds a row at ``d``'s count; the count after."""
+    for _ in range(n):
+        d.finished(per_row * ROWS, ROWS, d.count, bound)
+    return d.count
+
+
+def opened(most: int, pinned: int | None = None) -> DecodeThreads:
+    """A policy past the opening finishes it does not measure (two)."""
+    d = DecodeThreads(most, pinned)
+    window(d, 1.0, n=2)  # the opening burst: slow, not measured
+    return d
+
+
+def test_threads_double_while_decoding_binds_and_stay_only_where_they_paid() -> None:
+    d = opened(most=7)
+    assert d.count == 1
+    assert window(d, 10e-6) == 2  # bound at 1 thread: try 2
+    assert window(d, 8e-6) == 4  # 20 % less a row: kept, try 4
+    assert window(d, 7.5e-6) == 2  # 6 % less: back to 2
+    assert (d.trials, d.kept) == (2, 1)
+    # No new try before THREAD_RETRY finishes, then a window measures 2 again.
+    assert window(d, 8e-6, n=THREAD_RETRY) == 2
+    assert window(d, 8e-6) == 4
+    assert window(d, 8e-6) == 2  # no gain again: the next try waits twice as long
+    assert window(d, 8e-6, n=2 * THREAD_RETRY + THREAD_WINDOW - 1) == 2
+    assert window(d, 8e-6, n=1) == 4
+
+
+def test_threads_stay_at_one_where_a_second_does_not_pay() -> None:
+    d = opened(most=7)
+    assert window(d, 10e-6) == 2
+    assert window(d, 9.5e-6) == 1  # 5 % less is noise, not worth a core
+    assert window(d, 10e-6, n=THREAD_RETRY - 1) == 1
+
+
+def test_threads_are_never_tried_when_decoding_is_not_what_the_trainer_waits_for() -> None:
+    d = opened(most=7)
+    assert window(d, 10e-6, bound=False, n=50 * THREAD_WINDOW) == 1
+    assert d.trials == 0
+
+
+def test_threads_reach_the_most_and_stop_there() -> None:
+    d = opened(most=3)
+    assert [window(d, t) for t in (8e-6, 4e-6, 2e-6, 1e-6)] == [2, 3, 3, 3]
+    assert DecodeThreads(most=0).most == 1  # one core: the reads' thread decodes too
+    d = opened(most=1)
+    assert window(d, 8e-6, n=10 * THREAD_WINDOW) == 1 and d.trials == 0
+
+
+def test_a_finish_on_another_count_is_not_measured_for_this_one() -> None:
+    d = opened(most=7)
+    assert window(d, 10e-6) == 2
+    for _ in range(THREAD_WINDOW):
+        d.finished(1e-6 * ROWS, ROWS, 1, True)  # begun before the change, at 1
+    assert d.count == 2 and d.trials == 1
+    assert window(d, 5e-6) == 4
+
+
+def test_a_pinned_count_never_moves() -> None:
+    d = opened(most=7, pinned=3)
+    for t in (10e-6, 5e-6, 1e-6, 20e-6):
+        assert window(d, t) == 3
+    assert d.trials == 0
+
+
+def test_measures_try_threads_only_while_the_finish_binds() -> None:
+    """The finish binds when it takes at least a fetch and 0.8 of the trainer's
+    interval: 10 ms finishes against 1 ms fetches and 10 ms intervals; then
+    against a trainer's 50 ms step; then against 20 ms fetches."""
+
+    def measured(fetch: float, interval: float) -> Measures:
+        m = Measures(most_threads=8)
+        m.fetched(0.0, fetch)
+        m.taken(0.0, 0.0)
+        m.taken(0.0, interval)
+        for _ in range(2 + THREAD_WINDOW):
+            m.finished(0.01, ROWS, m.decode_threads())
+        return m
+
+    assert measured(0.001, 0.01).decode_threads() == 2
+    assert measured(0.001, 0.05).decode_threads() == 1  # the trainer is slower
+    assert measured(0.02, 0.01).decode_threads() == 1  # the fetch is slower
+    m = Measures(most_threads=8)
+    for _ in range(2 + THREAD_WINDOW):
+        m.finished(0.01, ROWS)  # the caller's thread: not the read-ahead's count
+    assert m.decode_threads() == 1 and m.stats()["decode_threads"] == 1
+    assert Measures(most_threads=8, decode_threads=5).stats()["decode_threads"] == 5
+
+
+class Part:
+    def __init__(self, step: int) -> None:
+        self.step, self.sources = step, np.zeros(1, np.int32)
+
+
+def test_the_read_ahead_decodes_on_the_measured_count_and_a_jump_on_the_default() -> None:
+    seen: list[tuple[int, int | None]] = []
+
+    def finish(step: int, part: Part, threads: int | None) -> int:
+        seen.append((step, threads))
+        return step
+
+    config = LoaderConfig(batch_size=1, seq_len=1, prefetch=2, decode_threads=3)
+    p: Prefetcher[Part, int] = Prefetcher(
+        config, lambda s, ahead: lambda: Part(s), finish, rows=lambda s: 1, name="t"
+    )
+    try:
+        assert [p.take(s, 6) for s in range(6)] == list(range(6))
+        assert p.take(2, 6, ahead=False) == 2  # a jump, read in the caller's thread
+    finally:
+        p.close()
+    assert (2, None) in seen
+    assert {t for s, t in seen if (s, t) != (2, None)} <= {3}
+    assert {s for s, t in seen if t == 3} >= {1, 2, 3, 4, 5}
+    assert p.stats()["decode_threads"] == 3
+
+
+def test_decode_threads_pins_the_loaders_count() -> None:
+    url = memory_url("decodethreads")
+    ftj.write_dataset(url, {"train": [[i % 97 + 1] * (i % 13 + 1) for i in range(600)]})
+    cfg = ftj.LoaderConfig(batch_size=4, seq_len=8, decode_threads=2)
+    loader = ftj.Loader(ftj.open_dataset(url)["train"], cfg)
+    used: list[int | None] = []
+    fields = loader.engine.fields
+
+    def spied(*args: Any, **kwargs: Any) -> Any:
+        used.append(args[2] if len(args) > 2 else kwargs.get("threads"))
+        return fields(*args, **kwargs)
+
+    loader.engine.fields = spied  # type: ignore[method-assign]
+    for step, _ in loader.iterate(0, 20):
+        assert loader.stats()["decode_threads"] == 2, step
+    assert used and set(used) == {2}

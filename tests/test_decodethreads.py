@@ -10,13 +10,9 @@ from memurls import memory_url
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.loader.config import LoaderConfig
+from flat_tokens_jax.loader.decodethreads import THREAD_RETRY, THREAD_WINDOW, DecodeThreads
 from flat_tokens_jax.loader.prefetch import Prefetcher
-from flat_tokens_jax.loader.readahead import (
-    THREAD_RETRY,
-    THREAD_WINDOW,
-    DecodeThreads,
-    Measures,
-)
+from flat_tokens_jax.loader.readahead import Measures
 
 ROWS = 64
 
@@ -28,9 +24,9 @@ def window(d: DecodeThreads, per_row: float, bound: bool = True, n: int = THREAD
     return d.count
 
 
-def opened(most: int, pinned: int | None = None) -> DecodeThreads:
+def opened(most: int, pinned: int | None = None, key: object = None) -> DecodeThreads:
     """A policy past the opening finishes it does not measure (two)."""
-    d = DecodeThreads(most, pinned)
+    d = DecodeThreads(most, pinned, key)
     window(d, 1.0, n=2)  # the opening burst: slow, not measured
     return d
 
@@ -85,6 +81,21 @@ def test_a_pinned_count_never_moves() -> None:
     for t in (10e-6, 5e-6, 1e-6, 20e-6):
         assert window(d, t) == 3
     assert d.trials == 0
+
+
+def test_a_later_policy_of_the_same_steps_starts_at_the_count_decided() -> None:
+    key, other = object(), object()
+    d = opened(most=7, key=key)
+    assert [window(d, t) for t in (10e-6, 8e-6, 7.9e-6)] == [2, 4, 2]  # 2 decided
+    e = opened(most=7, key=key)
+    assert e.count == 2
+    assert window(e, 8e-6, n=THREAD_RETRY) == 2  # no try before THREAD_RETRY finishes
+    assert window(e, 8e-6) == 4
+    assert opened(most=7, key=other).count == 1  # other steps start afresh
+    assert window(opened(most=7, key=other), 10e-6) == 2  # a trial under way decides nothing
+    assert opened(most=7, key=other).count == 1
+    assert opened(most=1, key=key).count == 1  # never past the most
+    assert opened(most=7, pinned=3, key=key).count == 3
 
 
 def test_measures_try_threads_only_while_the_finish_binds() -> None:

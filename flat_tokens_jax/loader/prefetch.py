@@ -115,9 +115,12 @@ class Prefetcher(Generic[P, Done]):
                 self.remote
             ) or 1
         self.fetchers = fetchers
-        # Reading ahead, the read stage takes a core of its own.
+        # Reading ahead, the read stage takes a core of its own; a finish's
+        # time depends on a step's rows and their layout.
         self.measures = Measures(
-            most_threads=max(1, default_threads() - 1), decode_threads=config.decode_threads
+            most_threads=max(1, default_threads() - 1),
+            decode_threads=config.decode_threads,
+            threads_key=(rows(0), self._row_bytes, config.decode),
         )
         # On an object store the steps after the first are requested with it.
         self._target = (

@@ -3,13 +3,13 @@
 Pure code, testable without a store. :func:`auto_depth` turns measured times
 into the steps to keep in flight, and :func:`next_depth` moves the depth in
 use toward it (fast up, slowly down, within the memory budget);
-:class:`DecodeThreads` picks the threads that decode a step read ahead from
-the finish times it measured; :class:`Measures` collects those times (a step's fetch and finish, the
+:class:`Measures` collects those times (a step's fetch and finish, the
 trainer's wait and the interval between the batches it takes) and the
-statistics a trainer logs, judges whether a growth of the depth made the
-store deliver faster, and decides when the trainer's waits are worth one
-warning; :func:`stall_message` names the likely cause (throttling among
-them) and the knob.
+statistics a trainer logs, picks the threads that decode a step read ahead
+(:class:`~flat_tokens_jax.loader.decodethreads.DecodeThreads`), judges
+whether a growth of the depth made the store deliver faster, and decides
+when the trainer's waits are worth one warning; :func:`stall_message` names
+the likely cause (throttling among them) and the knob.
 """
 
 from __future__ import annotations
@@ -17,8 +17,11 @@ from __future__ import annotations
 import collections
 import math
 import threading
+from collections.abc import Hashable
 
 import numpy as np
+
+from flat_tokens_jax.loader.decodethreads import THREAD_BOUND, DecodeThreads
 
 MIN_DEPTH = 2
 """Fewest steps an automatic depth keeps in flight (memory permitting)."""
@@ -73,24 +76,6 @@ RETRIAL_FETCHES = 64
 past its cap again."""
 
 
-THREAD_WINDOW = 8
-"""Finishes whose median time per row measures a count of decode threads."""
-
-THREAD_GAIN = 0.1
-"""Share of the time per row a doubled count of decode threads must save to be
-kept (threads that save less cost cores and hand-offs for noise; on a 16-core
-host two threads finished 256-row steps about 15 % faster than one, and
-64-row steps slower)."""
-
-THREAD_BOUND = 0.8
-"""The finish stage is what the trainer waits for when a finish takes at least
-this share of the interval between the batches it takes (and at least a fetch)."""
-
-THREAD_RETRY = 512
-"""Finishes after a doubling that did not pay before the next try (doubled
-after each such try)."""
-
-
 def auto_depth(
     fetch_s: float | None,
     finish_s: float | None,
@@ -139,60 +124,6 @@ def next_depth(previous: int, wanted: int, cap: int) -> int:
     return max(1, min(depth, cap))
 
 
-class DecodeThreads:
-    """The threads that decode a step read ahead, from measured finish times.
-    Not thread-safe (:class:`Measures` holds it under its lock).
-
-    ``pinned`` (``LoaderConfig.decode_threads``) fixes the count. Otherwise it
-    starts at 1 and, while the finish stage is what the trainer waits for,
-    tries twice as many (at most ``most``): the median time per row over
-    :data:`THREAD_WINDOW` finishes at the new count is compared with the one
-    before it, and the count is kept when it saved at least
-    :data:`THREAD_GAIN`, else it goes back and tries again only after
-    :data:`THREAD_RETRY` finishes (twice that after the next failure). The
-    first finishes of a loader are not measured: they wait for the opening
-    burst's reads. Threads never change a batch, only how fast it is decoded.
-    """
-
-    def __init__(self, most: int, pinned: int | None = None) -> None:
-        self.pinned, self.most = pinned, max(1, most)
-        self.count = pinned or 1
-        self.trials = self.kept = 0
-        self._times: list[float] = []  # seconds per row at `count`, this window
-        self._before: tuple[int, float] | None = None  # the count under trial came from
-        self._skip = 2
-        self._retry = THREAD_RETRY
-        self._wait = 0
-
-    def finished(self, seconds: float, rows: int, threads: int, bound: bool) -> None:
-        """A finish of ``rows`` rows on ``threads`` threads took ``seconds``;
-        ``bound``: the finish stage is what the trainer waits for."""
-        if self.pinned is not None or threads != self.count or rows < 1:
-            return
-        if self._skip:
-            self._skip -= 1
-            return
-        if self._wait:
-            self._wait -= 1
-            return
-        self._times.append(seconds / rows)
-        if len(self._times) < THREAD_WINDOW:
-            return
-        now, self._times = float(np.median(self._times)), []
-        if self._before is not None:
-            count, then = self._before
-            self._before = None
-            if now > (1 - THREAD_GAIN) * then:
-                self.count, self._wait = count, self._retry
-                self._retry *= 2
-                return
-            self.kept += 1
-        if bound and self.count < self.most:
-            self._before = (self.count, now)
-            self.count = min(2 * self.count, self.most)
-            self.trials += 1
-
-
 def _ema(old: float | None, new: float) -> float:
     return new if old is None else old + EMA_WEIGHT * (new - old)
 
@@ -239,6 +170,7 @@ class Measures:
         *,
         most_threads: int = 1,
         decode_threads: int | None = None,
+        threads_key: Hashable = None,
     ) -> None:
         if stall_window < 1 or not 0 < stall_share < 1:
             raise ValueError(
@@ -272,7 +204,7 @@ class Measures:
         self.stall_window, self.stall_share = stall_window, stall_share
         self._window = [0.0, 0.0, 0, 0]
         self.stalled = False
-        self.threads = DecodeThreads(most_threads, decode_threads)
+        self.threads = DecodeThreads(most_threads, decode_threads, threads_key)
 
     def fetched(self, began: float, seconds: float) -> None:
         """A fetch begun at ``began`` ended after ``seconds``."""

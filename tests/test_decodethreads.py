@@ -1,14 +1,19 @@
 """Decode threads from measured finish times: the policy with hypothetical
-timings (no store), the read-ahead's use of it, and ``decode_threads`` pinning it."""
+timings (no store), the read-ahead's use of it, and ``decode_threads`` pinning
+it; the warm-up before a read is timed."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import pytest
 from memurls import memory_url
 
 import flat_tokens_jax as ftj
+from flat_tokens_jax.loader import prefetch
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.decodethreads import THREAD_RETRY, THREAD_WINDOW, DecodeThreads
 from flat_tokens_jax.loader.prefetch import Prefetcher
@@ -165,3 +170,28 @@ def test_decode_threads_pins_the_loaders_count() -> None:
     for step, _ in loader.iterate(0, 20):
         assert loader.stats()["decode_threads"] == 2, step
     assert used and set(used) == {2}
+
+
+def test_the_warm_up_runs_before_a_read_is_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a clock that only the warm-up advances (by 100 s), a read measures 0 s."""
+    clock = [0.0]
+    monkeypatch.setattr(prefetch, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    events: list[str] = []
+
+    def warm() -> None:
+        events.append("warm")
+        clock[0] += 100.0
+
+    def read(step: int, ahead: bool) -> Callable[[], Part]:
+        events.append(f"read {step}")
+        return lambda: Part(step)
+
+    config = LoaderConfig(batch_size=1, seq_len=1, prefetch=0)
+    p: Prefetcher[Part, int] = Prefetcher(
+        config, read, lambda s, part, threads: s, rows=lambda s: 1, name="t", warm=warm
+    )
+    assert [p.take(s, None) for s in range(2)] == [0, 1]
+    assert events == ["warm", "read 0", "warm", "read 1"]
+    stats = p.stats()
+    assert stats["fetch_mean_s"] == stats["fetch_last_s"] == 0.0
+    assert stats["wait_first_s"] == 100.0  # the caller waited for it all the same

@@ -34,6 +34,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
+from flat_tokens_jax.core import compiled
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.decoding.hostdecode import default_threads
 from flat_tokens_jax.loader.config import LoaderConfig
@@ -82,6 +83,10 @@ class Prefetcher(Generic[P, Done]):
         name: the threads' name prefix.
         fetchers: reads that run at once (``None``: one on local disk, one per step
             in flight on an object store).
+        warm: called before each read is timed (the compiled kernels' set-up,
+            once a process: the first read of a process would take most of a
+            second more, which would set the depth of the first loader's
+            read-ahead and its decode threads).
     """
 
     def __init__(
@@ -94,6 +99,7 @@ class Prefetcher(Generic[P, Done]):
         source_names: Sequence[str] = ("0",),
         name: str = "ftj-prefetch",
         fetchers: int | None = None,
+        warm: Callable[[], object] = compiled.warm,
     ) -> None:
         self.prefetch, self.budget, self._seq_len = (
             config.prefetch,
@@ -101,6 +107,7 @@ class Prefetcher(Generic[P, Done]):
             config.seq_len,
         )
         self._read, self._finishing, self._rows, self._name = read, finish, rows, name
+        self._warm = warm
         # Decoded on the host, a step holds its layout's arrays; on the
         # devices, its encoded tokens until they are placed there.
         self._row_bytes = (
@@ -243,6 +250,7 @@ class Prefetcher(Generic[P, Done]):
     ) -> P:
         if after is not None:
             after.wait()
+        self._warm()
         began = time.perf_counter()
         try:
             waiting = self._read(step, ahead)

@@ -20,85 +20,118 @@ from flat_tokens_jax.loader.prefetch import Prefetcher
 from flat_tokens_jax.loader.readahead import Measures
 
 ROWS = 64
+TRIAL = 2 * THREAD_WINDOW  # finishes of a trial: each of its two counts in turn
+Times = dict[int, float] | Callable[[int, int], float]
 
 
-def window(d: DecodeThreads, per_row: float, bound: bool = True, n: int = THREAD_WINDOW) -> int:
-    """``n`` finishes of ``per_row`` seconds a row at ``d``'s count; the count after."""
-    for _ in range(n):
-        d.finished(per_row * ROWS, ROWS, d.count, bound)
+def run(d: DecodeThreads, per_row: Times, n: int, bound: bool = True) -> int:
+    """``n`` finishes, each on the count ``d.next()`` gives, taking ``per_row``
+    seconds a row at that count (or ``per_row(count, i)`` at the ``i``-th);
+    the count after them."""
+    for i in range(n):
+        t = d.next()
+        d.finished(
+            (per_row[t] if isinstance(per_row, dict) else per_row(t, i)) * ROWS, ROWS, t, bound
+        )
     return d.count
 
 
 def opened(most: int, pinned: int | None = None, key: object = None) -> DecodeThreads:
     """A policy past the opening finishes it does not measure (two)."""
     d = DecodeThreads(most, pinned, key)
-    window(d, 1.0, n=2)  # the opening burst: slow, not measured
+    run(d, lambda t, i: 1.0, 2)  # the opening burst: slow, not measured
     return d
+
+
+US = {1: 10e-6, 2: 8e-6, 4: 7.5e-6, 7: 7e-6}  # 2 threads 20 % faster than 1, 4 only 6 % than 2
+
+
+def test_a_trial_hands_out_its_two_counts_in_turn() -> None:
+    d = opened(most=7)
+    assert run(d, US, 1) == 1 and d.trials == 1  # binding at 1 thread: a trial of 1 and 2
+    handed = []
+    for _ in range(TRIAL):
+        handed.append(d.next())
+        d.finished(US[handed[-1]] * ROWS, ROWS, handed[-1], True)
+    assert handed == [2, 1] * THREAD_WINDOW
+    assert d.count == 2 and d.kept == 1
 
 
 def test_threads_double_while_decoding_binds_and_stay_only_where_they_paid() -> None:
     d = opened(most=7)
-    assert d.count == 1
-    assert window(d, 10e-6) == 2  # bound at 1 thread: try 2
-    assert window(d, 8e-6) == 4  # 20 % less a row: kept, try 4
-    assert window(d, 7.5e-6) == 2  # 6 % less: back to 2
+    assert run(d, US, 1 + TRIAL) == 2  # 20 % less a row: kept
+    assert run(d, US, 1 + TRIAL) == 2  # 4 saves 6 %: back to 2
     assert (d.trials, d.kept) == (2, 1)
-    # No new try before THREAD_RETRY finishes, then a window measures 2 again.
-    assert window(d, 8e-6, n=THREAD_RETRY) == 2
-    assert window(d, 8e-6) == 4
-    assert window(d, 8e-6) == 2  # no gain again: the next try waits twice as long
-    assert window(d, 8e-6, n=2 * THREAD_RETRY + THREAD_WINDOW - 1) == 2
-    assert window(d, 8e-6, n=1) == 4
+    # No new trial before THREAD_RETRY finishes; then one of 2 and 4 again.
+    assert run(d, US, THREAD_RETRY) == 2 and d.trials == 2
+    assert run(d, US, 1) == 2 and d.trials == 3 and d.next() == 4
+    assert run(d, US, TRIAL) == 2  # no gain again: the next trial waits twice as long
+    assert run(d, US, 2 * THREAD_RETRY) == 2 and d.trials == 3
+    assert run(d, US, 1) == 2 and d.trials == 4
+
+
+def test_a_warming_process_does_not_make_more_threads_look_faster() -> None:
+    """Each finish 3 % faster than the one before (caches and memory warming),
+    and 2 threads 5 % slower than 1 at any moment: 1 stays."""
+    d = opened(most=7)
+
+    def warming(t: int, i: int) -> float:
+        return 10e-6 * 0.97**i * (1.05 if t == 2 else 1.0)
+
+    assert run(d, warming, 1 + TRIAL) == 1 and d.trials == 1
 
 
 def test_threads_stay_at_one_where_a_second_does_not_pay() -> None:
     d = opened(most=7)
-    assert window(d, 10e-6) == 2
-    assert window(d, 9.5e-6) == 1  # 5 % less is noise, not worth a core
-    assert window(d, 10e-6, n=THREAD_RETRY - 1) == 1
+    assert run(d, {1: 10e-6, 2: 9.5e-6}, 1 + TRIAL) == 1  # 5 % less is noise
+    assert run(d, {1: 10e-6, 2: 5e-6}, THREAD_RETRY) == 1 and d.trials == 1
 
 
 def test_threads_are_never_tried_when_decoding_is_not_what_the_trainer_waits_for() -> None:
     d = opened(most=7)
-    assert window(d, 10e-6, bound=False, n=50 * THREAD_WINDOW) == 1
+    assert run(d, US, 50 * TRIAL, bound=False) == 1
     assert d.trials == 0
 
 
 def test_threads_reach_the_most_and_stop_there() -> None:
     d = opened(most=3)
-    assert [window(d, t) for t in (8e-6, 4e-6, 2e-6, 1e-6)] == [2, 3, 3, 3]
+    halving = {1: 8e-6, 2: 4e-6, 3: 2e-6}
+    assert [run(d, halving, 1 + TRIAL) for _ in range(3)] == [2, 3, 3]
+    assert d.trials == 2
     assert DecodeThreads(most=0).most == 1  # one core: the reads' thread decodes too
     d = opened(most=1)
-    assert window(d, 8e-6, n=10 * THREAD_WINDOW) == 1 and d.trials == 0
+    assert run(d, halving, 10 * TRIAL) == 1 and d.trials == 0
 
 
-def test_a_finish_on_another_count_is_not_measured_for_this_one() -> None:
+def test_a_finish_on_a_count_not_under_trial_is_not_measured() -> None:
     d = opened(most=7)
-    assert window(d, 10e-6) == 2
-    for _ in range(THREAD_WINDOW):
-        d.finished(1e-6 * ROWS, ROWS, 1, True)  # begun before the change, at 1
-    assert d.count == 2 and d.trials == 1
-    assert window(d, 5e-6) == 4
+    assert run(d, US, 1) == 1 and d.trials == 1
+    for t in (4, 7, 3):
+        for _ in range(TRIAL):
+            d.finished(1e-9 * ROWS, ROWS, t, True)
+    assert d.count == 1 and d.trials == 1 and d.next() == 2
+    assert run(d, US, TRIAL) == 2
 
 
 def test_a_pinned_count_never_moves() -> None:
     d = opened(most=7, pinned=3)
     for t in (10e-6, 5e-6, 1e-6, 20e-6):
-        assert window(d, t) == 3
+        assert run(d, lambda c, i, t=t: t, TRIAL) == 3
     assert d.trials == 0
 
 
 def test_a_later_policy_of_the_same_steps_starts_at_the_count_decided() -> None:
     key, other = object(), object()
     d = opened(most=7, key=key)
-    assert [window(d, t) for t in (10e-6, 8e-6, 7.9e-6)] == [2, 4, 2]  # 2 decided
+    assert [run(d, US, 1 + TRIAL) for _ in range(2)] == [2, 2]  # 2 decided
     e = opened(most=7, key=key)
     assert e.count == 2
-    assert window(e, 8e-6, n=THREAD_RETRY) == 2  # no try before THREAD_RETRY finishes
-    assert window(e, 8e-6) == 4
+    assert run(e, US, THREAD_RETRY) == 2 and e.trials == 0  # no trial before THREAD_RETRY
+    assert run(e, US, 1) == 2 and e.next() == 4
     assert opened(most=7, key=other).count == 1  # other steps start afresh
-    assert window(opened(most=7, key=other), 10e-6) == 2  # a trial under way decides nothing
-    assert opened(most=7, key=other).count == 1
+    f = opened(most=7, key=other)
+    assert run(f, US, 1 + THREAD_WINDOW) == 1 and f.trials == 1  # a trial under way
+    assert opened(most=7, key=other).count == 1  # ... decides nothing yet
     assert opened(most=1, key=key).count == 1  # never past the most
     assert opened(most=7, pinned=3, key=key).count == 3
 
@@ -113,15 +146,15 @@ def test_measures_try_threads_only_while_the_finish_binds() -> None:
         m.fetched(0.0, fetch)
         m.taken(0.0, 0.0)
         m.taken(0.0, interval)
-        for _ in range(2 + THREAD_WINDOW):
+        for _ in range(3):
             m.finished(0.01, ROWS, m.decode_threads())
         return m
 
-    assert measured(0.001, 0.01).decode_threads() == 2
+    assert measured(0.001, 0.01).decode_threads() == 2  # a trial: 2 first
     assert measured(0.001, 0.05).decode_threads() == 1  # the trainer is slower
     assert measured(0.02, 0.01).decode_threads() == 1  # the fetch is slower
     m = Measures(most_threads=8)
-    for _ in range(2 + THREAD_WINDOW):
+    for _ in range(3):
         m.finished(0.01, ROWS)  # the caller's thread: not the read-ahead's count
     assert m.decode_threads() == 1 and m.stats()["decode_threads"] == 1
     assert Measures(most_threads=8, decode_threads=5).stats()["decode_threads"] == 5

@@ -12,7 +12,7 @@ from collections.abc import Hashable
 import numpy as np
 
 THREAD_WINDOW = 8
-"""Finishes whose median time per row measures a count of decode threads."""
+"""Finishes at each of the two counts a trial compares (by their median time per row)."""
 
 THREAD_GAIN = 0.1
 """Share of the time per row a doubled count of decode threads must save to be
@@ -25,8 +25,11 @@ THREAD_BOUND = 0.8
 this share of the interval between the batches it takes (and at least a fetch)."""
 
 THREAD_RETRY = 512
-"""Finishes after a doubling that did not pay before the next try (doubled
-after each such try)."""
+"""Finishes after a trial that did not pay before the next (doubled after
+each such trial)."""
+
+THREAD_SKIP = 2
+"""A loader's first finishes, not measured: they wait for the opening burst's reads."""
 
 _DECIDED: dict[Hashable, int] = {}
 """The count each :class:`DecodeThreads` key's last trial decided on, this process."""
@@ -39,13 +42,15 @@ class DecodeThreads:
 
     ``pinned`` (``LoaderConfig.decode_threads``) fixes the count. Otherwise it
     starts at 1 and, while the finish stage is what the trainer waits for,
-    tries twice as many (at most ``most``): the median time per row over
-    :data:`THREAD_WINDOW` finishes at the new count is compared with the one
-    before it, and the count is kept when it saved at least
-    :data:`THREAD_GAIN`, else it goes back and tries again only after
-    :data:`THREAD_RETRY` finishes (twice that after the next failure). The
-    first finishes of a loader are not measured: they wait for the opening
-    burst's reads. Threads never change a batch, only how fast it is decoded.
+    tries twice as many (at most ``most``): a trial hands the two counts out
+    in turn (:meth:`next`), finish after finish, until each has
+    :data:`THREAD_WINDOW` finishes, so that what drifts meanwhile (the first
+    steps of a process warming its memory and caches, a neighbour's load)
+    weighs on both alike; the doubled count is kept when its median time per
+    row is at least :data:`THREAD_GAIN` below the other's, and then doubled
+    again while the finish still binds; otherwise the count stays, and the
+    next trial waits :data:`THREAD_RETRY` finishes (twice that after the
+    next failure). Threads never change a batch, only how fast it is decoded.
 
     ``key`` names what a finish's time depends on (the rows of a step and
     their layout): a count a trial decided on is kept for the process under
@@ -59,42 +64,52 @@ class DecodeThreads:
         decided = None if key is None else _DECIDED.get(key)
         self.count = pinned or min(decided or 1, self.most)
         self.trials = self.kept = 0
-        self._times: list[float] = []  # seconds per row at `count`, this window
-        self._before: tuple[int, float] | None = None  # the count under trial came from
-        self._skip = 2
+        # A trial's two counts, and the seconds per row measured at each.
+        self._trial: dict[int, list[float]] | None = None
+        self._skip = THREAD_SKIP
         self._retry = THREAD_RETRY
         self._wait = 0 if decided is None else THREAD_RETRY
 
+    def next(self) -> int:
+        """The count for the next finish: :attr:`count`, or during a trial the
+        one of its two counts measured fewer times (the doubled one first)."""
+        if self._trial is None:
+            return self.count
+        low, high = self._trial
+        return high if len(self._trial[high]) <= len(self._trial[low]) else low
+
     def finished(self, seconds: float, rows: int, threads: int, bound: bool) -> None:
-        """A finish of ``rows`` rows on ``threads`` threads took ``seconds``;
-        ``bound``: the finish stage is what the trainer waits for."""
-        if self.pinned is not None or threads != self.count or rows < 1:
+        """A finish of ``rows`` rows on ``threads`` threads (as :meth:`next`
+        gave them) took ``seconds``; ``bound``: the finish stage is what the
+        trainer waits for."""
+        if self.pinned is not None or rows < 1:
+            return
+        trial = self._trial
+        if trial is not None:
+            if threads in trial:
+                trial[threads].append(seconds / rows)
+                if min(map(len, trial.values())) >= THREAD_WINDOW:
+                    self._judge(trial)
+            return
+        if threads != self.count:
             return
         if self._skip:
             self._skip -= 1
-            return
-        if self._wait:
+        elif self._wait:
             self._wait -= 1
-            return
-        self._times.append(seconds / rows)
-        if len(self._times) < THREAD_WINDOW:
-            return
-        now, self._times = float(np.median(self._times)), []
-        if self._before is not None:
-            count, then = self._before
-            self._before = None
-            if now > (1 - THREAD_GAIN) * then:
-                self.count, self._wait = count, self._retry
-                self._retry *= 2
-                self._decided()
-                return
-            self.kept += 1
-            self._decided()
-        if bound and self.count < self.most:
-            self._before = (self.count, now)
-            self.count = min(2 * self.count, self.most)
+        elif bound and self.count < self.most:
+            self._trial = {self.count: [], min(2 * self.count, self.most): []}
             self.trials += 1
 
-    def _decided(self) -> None:
+    def _judge(self, trial: dict[int, list[float]]) -> None:
+        """Ends ``trial``: keeps its doubled count if it paid, else its first."""
+        (low, slow), (high, fast) = trial.items()
+        self._trial = None
+        if np.median(fast) <= (1 - THREAD_GAIN) * np.median(slow):
+            self.count = high
+            self.kept += 1
+        else:
+            self.count, self._wait = low, self._retry
+            self._retry *= 2
         if self.key is not None:
             _DECIDED[self.key] = self.count

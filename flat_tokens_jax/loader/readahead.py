@@ -235,7 +235,7 @@ class Measures:
     def decode_threads(self) -> int:
         """Threads to decode the next step read ahead on (see :class:`DecodeThreads`)."""
         with self._lock:
-            return self.threads.count
+            return self.threads.next()
 
     def window_starts(self) -> bool:
         """Whether the next :meth:`taken` (not the first) begins a stall window."""

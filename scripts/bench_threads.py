@@ -16,7 +16,7 @@ Three tables, each measured side by side in one run:
   ``--processes`` new Python processes, the first ``Loader`` of the process
   iterates steps 0 to 23 and a second loader of the same data and config
   (another seed) does the same; tokens/s over steps 3 to 23 of each, and the
-  first's ratio to the second's.
+  first's ratio to the second's (the median over the processes, and the range).
 * **Cold start** (the same fresh processes): seconds in ``Loader(...)`` and
   to the first batch of ``iterate``, and to the second.
 
@@ -140,7 +140,8 @@ def load() -> str:
 def fresh(path: str, shapes: list[tuple[int, int]], processes: int) -> None:
     print(f"\nFirst loader of a fresh process against a later one ({processes} processes)")
     print(
-        "| shape | first loader | later loader | first / later | `Loader()` | first batch | "
+        "| shape | first loader | later loader | first / later, median (range) | `Loader()` | "
+        "first batch | "
         "second batch |"
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -158,7 +159,8 @@ def fresh(path: str, shapes: list[tuple[int, int]], processes: int) -> None:
         ratios = [r["first"] / r["later"] for r in runs]
         print(
             f"| {batch} x {seq_len} | {med['first'] / 1e6:.1f} M | {med['later'] / 1e6:.1f} M | "
-            f"{min(ratios):.2f}-{max(ratios):.2f} | {med['loader_s']:.2f} s | "
+            f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | "
+            f"{med['loader_s']:.2f} s | "
             f"{med['first_batch_s']:.2f} s | {med['second_batch_s'] * 1e3:.0f} ms |",
             flush=True,
         )

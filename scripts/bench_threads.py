@@ -16,19 +16,25 @@ Three tables, each measured side by side in one run:
   ``--processes`` new Python processes, the first ``Loader`` of the process
   iterates steps 0 to 23 and a second loader of the same data and config
   (another seed) does the same; tokens/s over steps 3 to 23 of each, and the
-  first's ratio to the second's.
+  first's ratio to the second's (the median over the processes, and the range).
 * **Cold start** (the same fresh processes): seconds in ``Loader(...)`` and
   to the first batch of ``iterate``, and to the second.
 
 Batches are the five fields placed on the default device (``jax.Array``).
+Each timed loader starts after a garbage collection, so that a collection of
+the loaders before it (a tenth of a second in a process that imported jax)
+is not billed to it. The load average is printed with the tables: on a
+shared machine, compare runs of a like load.
 
 Run: ``python scripts/bench_threads.py [--tokens 50_000_000] [--shapes 64x2048 256x2048]
-[--rounds 5] [--processes 3]``
+[--rounds 5] [--processes 3] [--tables fresh steady] [--data DIR]`` (``--data``: a
+dataset written before, with a ``train`` split, instead of a new one)
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -64,7 +70,9 @@ def tokens_per_second(loader: ftj.Loader, batch: int, seq_len: int) -> float:
 
 def timed_steps(loader: ftj.Loader, batch: int, seq_len: int) -> dict[str, float]:
     """``loader.iterate`` from step 0 to LAST, each batch waited for: seconds to
-    the first batch and from it to the second, and tokens/s over steps FIRST to LAST."""
+    the first batch and from it to the second, tokens/s over steps FIRST to LAST,
+    and the threads it decoded on at the end."""
+    gc.collect()
     at = [time.perf_counter()]
     for _, out in loader.iterate(0, LAST + 1):
         out["targets"].block_until_ready()
@@ -73,6 +81,7 @@ def timed_steps(loader: ftj.Loader, batch: int, seq_len: int) -> dict[str, float
         "first_batch_s": at[1] - at[0],
         "second_batch_s": at[2] - at[1],
         "tokens_s": (LAST - FIRST + 1) * batch * seq_len / (at[LAST + 1] - at[FIRST]),
+        "threads": loader.stats()["decode_threads"],
     }
 
 
@@ -85,20 +94,27 @@ def steady(path: str, shapes: list[tuple[int, int]], rounds: int) -> None:
     counts = list(range(1, min(default_threads(), 8) + 1))
     settings: list[int | None] = [None, *counts]
     print(f"\nSteady state, {rounds} alternating rounds, steps {FIRST}-{LAST}, one process")
-    print("| shape | " + " | ".join(_name(t) for t in settings) + " | default / best |")
-    print("| --- |" + " ---: |" * (len(settings) + 1))
+    print(
+        "| shape | "
+        + " | ".join(_name(t) for t in settings)
+        + " | default / best | default's threads |"
+    )
+    print("| --- |" + " ---: |" * (len(settings) + 2))
     for batch, seq_len in shapes:
         tokens_per_second(loader(path, batch, seq_len, 99, None), batch, seq_len)  # warm-up
         seen: dict[int | None, list[float]] = {t: [] for t in settings}
+        chosen = []
         for r in range(rounds):
             for t in settings[r % len(settings) :] + settings[: r % len(settings)]:
-                seen[t].append(
-                    tokens_per_second(loader(path, batch, seq_len, r, t), batch, seq_len)
-                )
+                out = timed_steps(loader(path, batch, seq_len, r, t), batch, seq_len)
+                seen[t].append(out["tokens_s"])
+                if t is None:
+                    chosen.append(out["threads"])
         med = {t: statistics.median(v) for t, v in seen.items()}
         best = max(med[t] for t in counts)
         cells = " | ".join(f"{med[t] / 1e6:.1f} M" for t in settings)
-        print(f"| {batch} x {seq_len} | {cells} | {med[None] / best:.2f} |", flush=True)
+        threads = ", ".join(map(str, chosen))
+        print(f"| {batch} x {seq_len} | {cells} | {med[None] / best:.2f} | {threads} |", flush=True)
 
 
 def _name(threads: int | None) -> str:
@@ -115,10 +131,17 @@ def cold(path: str, batch: int, seq_len: int) -> dict[str, float]:
     return {**out, "loader_s": made, "first": out["tokens_s"], "later": later}
 
 
+def load() -> str:
+    """The load averages over 1, 5 and 15 minutes, and the cores."""
+    one, five, fifteen = os.getloadavg()
+    return f"load {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} cores"
+
+
 def fresh(path: str, shapes: list[tuple[int, int]], processes: int) -> None:
     print(f"\nFirst loader of a fresh process against a later one ({processes} processes)")
     print(
-        "| shape | first loader | later loader | first / later | `Loader()` | first batch | "
+        "| shape | first loader | later loader | first / later, median (range) | `Loader()` | "
+        "first batch | "
         "second batch |"
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -136,7 +159,8 @@ def fresh(path: str, shapes: list[tuple[int, int]], processes: int) -> None:
         ratios = [r["first"] / r["later"] for r in runs]
         print(
             f"| {batch} x {seq_len} | {med['first'] / 1e6:.1f} M | {med['later'] / 1e6:.1f} M | "
-            f"{min(ratios):.2f}-{max(ratios):.2f} | {med['loader_s']:.2f} s | "
+            f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | "
+            f"{med['loader_s']:.2f} s | "
             f"{med['first_batch_s']:.2f} s | {med['second_batch_s'] * 1e3:.0f} ms |",
             flush=True,
         )
@@ -153,18 +177,28 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", type=shape, default=[(64, 2048), (256, 2048)])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--processes", type=int, default=3)
+    parser.add_argument(
+        "--tables", nargs="+", choices=("fresh", "steady"), default=["fresh", "steady"]
+    )
+    parser.add_argument("--data", help="a dataset with a train split (default: one written here)")
     parser.add_argument("--cold", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cold:
         print(json.dumps(cold(args.cold[0], *shape(args.cold[1]))))
         return
     with tempfile.TemporaryDirectory() as tmp:
-        path = str(Path(tmp) / "data")
-        with ftj.DatasetWriter(path, overwrite=True) as w:
-            w.extend("train", synthetic(args.tokens))
-        print(f"{args.tokens:,} tokens; cores {default_threads()} (os.cpu_count {os.cpu_count()})")
-        fresh(path, args.shapes, args.processes)
-        steady(path, args.shapes, args.rounds)
+        path = args.data
+        if path is None:
+            path = str(Path(tmp) / "data")
+            with ftj.DatasetWriter(path, overwrite=True) as w:
+                w.extend("train", synthetic(args.tokens))
+        tokens = ftj.open_dataset(path)["train"].num_tokens
+        print(f"{tokens:,} tokens; cores {default_threads()}; {load()}")
+        if "fresh" in args.tables:
+            fresh(path, args.shapes, args.processes)
+        if "steady" in args.tables:
+            steady(path, args.shapes, args.rounds)
+        print(f"\n{load()}")
 
 
 if __name__ == "__main__":

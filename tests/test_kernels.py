@@ -259,3 +259,37 @@ def test_a_new_process_takes_the_kernels_from_the_disk_cache(tmp_path: Path) -> 
     # Every kernel compiled, in the folder of this numba's version alone.
     cached = {(p.parent.name, p.name.split("-")[0]) for p in tmp_path.rglob("*.nb[ic]")}
     assert cached == {(f"numba-{numba.__version__}", f"kernels.{n}") for n in (*called, "_pad")}
+
+
+_WARMED = """
+import json, sys
+import flat_tokens_jax as ftj
+from flat_tokens_jax.core import compiled
+kernels = compiled.kernels()
+names = ("_gather", "_packed_rows")
+compiled.warm()
+warmed = {n: len(getattr(kernels, n).signatures) for n in names}
+ft = ftj.open_dataset(sys.argv[1])["train"]
+ftj.Loader(ft, ftj.LoaderConfig(batch_size=4, seq_len=8, prefetch=0)).host_batch(0)
+print(json.dumps([warmed, {n: len(getattr(kernels, n).signatures) for n in names}]))
+"""
+
+
+def test_the_warm_up_loads_the_kernels_a_packed_step_of_a_local_split_calls(
+    tmp_path: Path,
+) -> None:
+    """In a new process, after ``compiled.warm()`` the first packed batch of a
+    memory-mapped split loads no further version of the copy or the decode:
+    the warm-up called them with the types a step does."""
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 1000, rng.integers(1, 20)).tolist() for _ in range(30)]
+    ftj.write_dataset(tmp_path, {"train": seqs}, storage_format=ftj.StorageFormat(chunk_tokens=16))
+    out = subprocess.run(
+        [sys.executable, "-c", _WARMED, str(tmp_path)],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    warmed, after = json.loads(out.stdout)
+    assert warmed == after == {"_gather": 1, "_packed_rows": 1}

@@ -378,7 +378,7 @@ def test_stats_count_what_the_trainer_got() -> None:
         "fetch_last_s", "fetch_mean_s", "decode_mean_s", "interval_mean_s", "depth",
         "depth_target", "depth_ceiling", "read_ahead_bytes_peak", "read_ahead_bytes", "requests",
         "throttled_requests", "bytes_read", "tokens", "source_tokens", "filtered_rows",
-        "filtered_rows_last",
+        "filtered_rows_last", "decode_threads",
     }  # fmt: skip
     assert stats["steps"] == 10 and stats["tokens"] == 10 * BATCH * SEQ_LEN
     assert stats["source_tokens"] == {"0": 10 * BATCH * SEQ_LEN}  # one split, no padding

@@ -35,3 +35,12 @@ def filter_kernel() -> ModuleType | None:
     if kernels() is None:
         return None
     return importlib.import_module("flat_tokens_jax.core.filterkernel")
+
+
+@functools.cache
+def warm() -> None:
+    """Sets the compiled kernels up once a process (see
+    :func:`~flat_tokens_jax.core.kernels.warm`); nothing without numba."""
+    fast = kernels()
+    if fast is not None:
+        fast.warm()

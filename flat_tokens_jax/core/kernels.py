@@ -235,3 +235,19 @@ def gather(
         flat: ``[m]`` of ``words``' dtype, the destination.
     """
     _gather(words, pos, count, dest, before, chunk, gap, flat)
+
+
+def warm() -> None:
+    """Calls :func:`gather` on read-only ``uint32`` words (a shard's tokens) and
+    :func:`decode_rows` on packed rows, each on a tiny input: the first call
+    of a process sets numba up and loads each kernel (most of a second), so
+    a caller that warms first measures its steps, not that."""
+    words = np.arange(8, dtype=np.uint32)
+    words.setflags(write=False)
+    flat = np.zeros(4, np.uint32)
+    one = np.ones(1, np.int64)
+    gather(words, np.zeros(1, np.int64), 4 * one, np.zeros(1, np.int64), 4 * one, 8, 0, flat)
+    out = {k: np.zeros((1, 4), np.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
+    out["loss_mask"] = np.zeros((1, 4), np.bool_)
+    encoded = flat.reshape(1, 4)
+    decode_rows(encoded, None, None, Packing.WINDOWS, (0, 1), start_token_id=0, pad_id=0, out=out)

@@ -88,10 +88,12 @@ class LoaderConfig:
             and changes no batch.
         decode_threads: threads that decode one batch on the host, each a
             block of rows; at most this many blocks decode at once, over all
-            the steps in flight. ``None``: the cores this process may use, at
-            most 8, and one fewer for steps read ahead (``iterate``,
-            consecutive ``batch`` calls), whose read stage takes a core of its
-            own. Changes no batch.
+            the steps in flight. ``None``: for steps read ahead (``iterate``,
+            consecutive ``batch`` calls, ``to_grain``) as many as made
+            decoding measurably faster while the trainer waited for it (from
+            1, at most the cores this process may use less one, for the
+            reads, and at most 8); for a step decoded in the caller's
+            thread, those cores. Changes no batch.
         decode: where the fields are decoded. ``"host"``: on this host (by
             compiled kernels with the ``fast`` extra, else numpy), then copied
             to the devices (5 arrays, 17 bytes a token).

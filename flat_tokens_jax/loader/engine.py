@@ -131,8 +131,6 @@ class StepEngine:
         self.decode = RowDecode(
             packings, config.seq_len, self.start_token_id, config.pad_id, self.layout, self.filter
         )
-        # Reading ahead, the read stage takes a core of its own (see prefetch).
-        self.ahead_threads = config.decode_threads or max(1, default_threads() - 1)
         # Steps whose samples one sampler call looks up, reading ahead.
         self.lookup = max(config.prefetch or 0, LOOKUP_AHEAD)
         if config.decode == "device" and rows is None:

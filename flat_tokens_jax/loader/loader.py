@@ -262,13 +262,13 @@ class Loader:
         engine, local = self.locate(step)
         return engine.request(local, engine.lookup if ahead else 0, self._host)
 
-    def _finish(self, step: int, part: Fetched | Blocks, ahead: bool) -> Any:
-        """A step's second stage: its fields decoded (on the read-ahead's threads
-        when ``ahead``) and, unless for ``to_grain``, placed on the devices;
+    def _finish(self, step: int, part: Fetched | Blocks, threads: int | None) -> Any:
+        """A step's second stage: its fields decoded on ``threads`` threads (the
+        read-ahead's choice) and, unless for ``to_grain``, placed on the devices;
         blocks are decoded on the devices by :meth:`_on_devices`. Everything of
         it involves no collective: safe in any thread."""
         engine, local = self.locate(step)
-        return engine.finish(part, local, engine.ahead_threads if ahead else None, self._host)
+        return engine.finish(part, local, threads, self._host)
 
     def _on_devices(self, done: Any) -> dict[str, jax.Array]:
         """Finishes a step; decoding across hosts runs collectives, so call it in step order."""

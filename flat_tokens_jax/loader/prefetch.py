@@ -34,7 +34,9 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
+from flat_tokens_jax.core import compiled
 from flat_tokens_jax.data.dataset import FlatTokens
+from flat_tokens_jax.decoding.hostdecode import default_threads
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.readahead import (
     DEVICE_BYTES_PER_TOKEN,
@@ -71,7 +73,9 @@ class Prefetcher(Generic[P, Done]):
         read: ``read(step, ahead)`` starts a step's first stage and returns the
             function that waits for it; ``ahead``: on a background thread (it may
             look up the next steps' records with it).
-        finish: ``finish(step, part, ahead)``, the second stage.
+        finish: ``finish(step, part, threads)``, the second stage, decoding on
+            ``threads`` threads (``None``: in the caller's thread, as the
+            decoder's default).
         rows: this host's rows at a step.
         splits: the splits the loader reads (their bytes are counted; one off
             local disk makes the reads run at once).
@@ -79,18 +83,23 @@ class Prefetcher(Generic[P, Done]):
         name: the threads' name prefix.
         fetchers: reads that run at once (``None``: one on local disk, one per step
             in flight on an object store).
+        warm: called before each read is timed (the compiled kernels' set-up,
+            once a process: the first read of a process would take most of a
+            second more, which would set the depth of the first loader's
+            read-ahead and its decode threads).
     """
 
     def __init__(
         self,
         config: LoaderConfig,
         read: Callable[[int, bool], Callable[[], P]],
-        finish: Callable[[int, P, bool], Done],
+        finish: Callable[[int, P, int | None], Done],
         rows: Callable[[int], int],
         splits: Sequence[FlatTokens] = (),
         source_names: Sequence[str] = ("0",),
         name: str = "ftj-prefetch",
         fetchers: int | None = None,
+        warm: Callable[[], object] = compiled.warm,
     ) -> None:
         self.prefetch, self.budget, self._seq_len = (
             config.prefetch,
@@ -98,6 +107,7 @@ class Prefetcher(Generic[P, Done]):
             config.seq_len,
         )
         self._read, self._finishing, self._rows, self._name = read, finish, rows, name
+        self._warm = warm
         # Decoded on the host, a step holds its layout's arrays; on the
         # devices, its encoded tokens until they are placed there.
         self._row_bytes = (
@@ -112,7 +122,12 @@ class Prefetcher(Generic[P, Done]):
                 self.remote
             ) or 1
         self.fetchers = fetchers
-        self.measures = Measures()
+        # Reading ahead, the read stage takes a core of its own; a finish's
+        # time depends on a step's rows and their layout.
+        self.measures = Measures(
+            most_threads=max(1, default_threads() - 1),
+            decode_threads=config.decode_threads,
+        )
         # On an object store the steps after the first are requested with it.
         self._target = (
             (INITIAL_DEPTH if self.remote else MIN_DEPTH)
@@ -238,6 +253,7 @@ class Prefetcher(Generic[P, Done]):
     ) -> P:
         if after is not None:
             after.wait()
+        self._warm()
         began = time.perf_counter()
         try:
             waiting = self._read(step, ahead)
@@ -249,9 +265,11 @@ class Prefetcher(Generic[P, Done]):
         return part
 
     def _finish(self, step: int, part: P, ahead: bool = False) -> tuple[Done, np.ndarray]:
+        """A step's second stage; read ahead, on the threads the measures pick."""
+        threads = self.measures.decode_threads() if ahead else None
         began = time.perf_counter()
-        done = self._finishing(step, part, ahead)
-        self.measures.finished(time.perf_counter() - began)
+        done = self._finishing(step, part, threads)
+        self.measures.finished(time.perf_counter() - began, part.sources.size, threads)
         return done, part.sources
 
     def _submit(self, step: int, lead: bool = False) -> concurrent.futures.Future[Any]:

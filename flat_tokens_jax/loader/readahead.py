@@ -5,10 +5,11 @@ into the steps to keep in flight, and :func:`next_depth` moves the depth in
 use toward it (fast up, slowly down, within the memory budget);
 :class:`Measures` collects those times (a step's fetch and finish, the
 trainer's wait and the interval between the batches it takes) and the
-statistics a trainer logs, judges whether a growth of the depth made the
-store deliver faster, and decides when the trainer's waits are worth one
-warning; :func:`stall_message` names the likely cause (throttling among
-them) and the knob.
+statistics a trainer logs, picks the threads that decode a step read ahead
+(:class:`~flat_tokens_jax.loader.decodethreads.DecodeThreads`), judges
+whether a growth of the depth made the store deliver faster, and decides
+when the trainer's waits are worth one warning; :func:`stall_message` names
+the likely cause (throttling among them) and the knob.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import math
 import threading
 
 import numpy as np
+
+from flat_tokens_jax.loader.decodethreads import THREAD_BOUND, DecodeThreads
 
 MIN_DEPTH = 2
 """Fewest steps an automatic depth keeps in flight (memory permitting)."""
@@ -159,7 +162,14 @@ class Measures:
     Times are ``time.perf_counter`` seconds.
     """
 
-    def __init__(self, stall_window: int = STALL_WINDOW, stall_share: float = STALL_SHARE) -> None:
+    def __init__(
+        self,
+        stall_window: int = STALL_WINDOW,
+        stall_share: float = STALL_SHARE,
+        *,
+        most_threads: int = 1,
+        decode_threads: int | None = None,
+    ) -> None:
         if stall_window < 1 or not 0 < stall_share < 1:
             raise ValueError(
                 "Measures needs stall_window >= 1 and 0 < stall_share < 1, "
@@ -192,6 +202,7 @@ class Measures:
         self.stall_window, self.stall_share = stall_window, stall_share
         self._window = [0.0, 0.0, 0, 0]
         self.stalled = False
+        self.threads = DecodeThreads(most_threads, decode_threads)
 
     def fetched(self, began: float, seconds: float) -> None:
         """A fetch begun at ``began`` ended after ``seconds``."""
@@ -203,11 +214,26 @@ class Measures:
             self._fetch[1] += 1
             self._judge(began, seconds)
 
-    def finished(self, seconds: float) -> None:
+    def finished(self, seconds: float, rows: int = 0, threads: int | None = None) -> None:
+        """A finish of ``rows`` rows took ``seconds``; ``threads``: the count
+        :meth:`decode_threads` gave it (``None``: another's, not measured for it)."""
         with self._lock:
             self.finish_ema = _ema(self.finish_ema, seconds)
             self._finish[0] += seconds
             self._finish[1] += 1
+            if threads is not None:
+                finish, fetch, interval = self.finish_ema, self.fetch_ema, self.interval_ema
+                bound = (
+                    interval is not None
+                    and finish >= (fetch or 0.0)
+                    and finish >= THREAD_BOUND * interval
+                )
+                self.threads.finished(seconds, rows, threads, bound)
+
+    def decode_threads(self) -> int:
+        """Threads to decode the next step read ahead on (see :class:`DecodeThreads`)."""
+        with self._lock:
+            return self.threads.next()
 
     def window_starts(self) -> bool:
         """Whether the next :meth:`taken` (not the first) begins a stall window."""
@@ -310,7 +336,8 @@ class Measures:
         """``steps``, the waits (``wait_first_s``; ``wait_last_s``; ``wait_mean_s``
         and ``wait_p99_s`` over the steps after the first, p99 of the last
         :data:`RECENT_WAITS`), ``fetch_last_s``, ``fetch_mean_s``,
-        ``decode_mean_s`` and ``interval_mean_s``; 0 where nothing was measured."""
+        ``decode_mean_s`` and ``interval_mean_s``; 0 where nothing was measured;
+        ``decode_threads``, the threads a step read ahead is decoded on."""
         with self._lock:
             recent = np.fromiter(self._recent, float, len(self._recent))
             return {
@@ -323,6 +350,7 @@ class Measures:
                 "fetch_mean_s": _mean(self._fetch),
                 "decode_mean_s": _mean(self._finish),
                 "interval_mean_s": _mean(self._interval),
+                "decode_threads": self.threads.count,
             }
 
 

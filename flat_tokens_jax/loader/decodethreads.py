@@ -1,0 +1,101 @@
+"""How many threads decode a step read ahead: :class:`DecodeThreads`, from
+the finish times the read-ahead measured, not from the core count.
+
+Pure code, testable without a store (:class:`~flat_tokens_jax.loader.readahead.Measures`
+feeds it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+THREAD_WINDOW = 8
+"""Finishes at each of the two counts a trial compares (by their median time per row)."""
+
+THREAD_GAIN = 0.1
+"""Share of the time per row a doubled count of decode threads must save to be
+kept (threads that save less cost cores and hand-offs for noise; on a 16-core
+host two threads delivered 256-row steps about 15 % faster than one, and
+64-row steps slower)."""
+
+THREAD_BOUND = 0.8
+"""The finish stage is what the trainer waits for when a finish takes at least
+this share of the interval between the batches it takes (and at least a fetch)."""
+
+THREAD_RETRY = 512
+"""Finishes after a trial that did not pay before the next (doubled after
+each such trial)."""
+
+THREAD_SKIP = 2
+"""A loader's first finishes, not measured: they wait for the opening burst's reads."""
+
+
+class DecodeThreads:
+    """The threads that decode a step read ahead, from measured finish times.
+    Not thread-safe (:class:`~flat_tokens_jax.loader.readahead.Measures`
+    holds it under its lock).
+
+    ``pinned`` (``LoaderConfig.decode_threads``) fixes the count. Otherwise it
+    starts at 1 and, while the finish stage is what the trainer waits for,
+    tries twice as many (at most ``most``): a trial hands the two counts out
+    in turn (:meth:`next`), finish after finish, until each has
+    :data:`THREAD_WINDOW` finishes, so that what drifts meanwhile (the first
+    steps of a process warming its memory and caches, a neighbour's load)
+    weighs on both alike; the doubled count is kept when its median time per
+    row is at least :data:`THREAD_GAIN` below the other's, and then doubled
+    again while the finish still binds; otherwise the count stays, and the
+    next trial waits :data:`THREAD_RETRY` finishes (twice that after the
+    next failure). Threads never change a batch, only how fast it is decoded.
+    """
+
+    def __init__(self, most: int, pinned: int | None = None) -> None:
+        self.pinned, self.most = pinned, max(1, most)
+        self.count = pinned or 1
+        self.trials = self.kept = 0
+        # A trial's two counts, and the seconds per row measured at each.
+        self._trial: dict[int, list[float]] | None = None
+        self._skip = THREAD_SKIP
+        self._retry = THREAD_RETRY
+        self._wait = 0
+
+    def next(self) -> int:
+        """The count for the next finish: :attr:`count`, or during a trial the
+        one of its two counts measured fewer times (the doubled one first)."""
+        if self._trial is None:
+            return self.count
+        low, high = self._trial
+        return high if len(self._trial[high]) <= len(self._trial[low]) else low
+
+    def finished(self, seconds: float, rows: int, threads: int, bound: bool) -> None:
+        """A finish of ``rows`` rows on ``threads`` threads (as :meth:`next`
+        gave them) took ``seconds``; ``bound``: the finish stage is what the
+        trainer waits for."""
+        if self.pinned is not None or rows < 1:
+            return
+        trial = self._trial
+        if trial is not None:
+            if threads in trial:
+                trial[threads].append(seconds / rows)
+                if min(map(len, trial.values())) >= THREAD_WINDOW:
+                    self._judge(trial)
+            return
+        if threads != self.count:
+            return
+        if self._skip:
+            self._skip -= 1
+        elif self._wait:
+            self._wait -= 1
+        elif bound and self.count < self.most:
+            self._trial = {self.count: [], min(2 * self.count, self.most): []}
+            self.trials += 1
+
+    def _judge(self, trial: dict[int, list[float]]) -> None:
+        """Ends ``trial``: keeps its doubled count if it paid, else its first."""
+        (low, slow), (high, fast) = trial.items()
+        self._trial = None
+        if np.median(fast) <= (1 - THREAD_GAIN) * np.median(slow):
+            self.count = high
+            self.kept += 1
+        else:
+            self.count, self._wait = low, self._retry
+            self._retry *= 2

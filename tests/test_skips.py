@@ -158,6 +158,24 @@ def test_a_yaml_skip_past_the_largest_sample_index_is_named_by_its_entry(tmp_pat
 COUNTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2)]  # weights that are their own samples per period
 
 
+def bytes_a_change(change: Callable[[int], None], first: int, n: int) -> float:
+    """Bytes ``change(step)`` allocates on average over steps ``[n, n + 1000)``,
+    after the changes of steps ``[first, n)``."""
+    for step in range(first, n):
+        change(step)
+    tracemalloc.start()
+    try:
+        total = 0
+        for step in range(n, n + 1000):
+            tracemalloc.reset_peak()
+            before = tracemalloc.get_traced_memory()[0]
+            change(step)
+            total += tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    return total / 1000
+
+
 def test_a_change_at_the_end_extends_what_the_loader_holds() -> None:
     """10**4 weight changes and skips, each at or after the last: each adds
     its rows to the lists the steering before it holds (the same lists from
@@ -176,19 +194,7 @@ def test_a_change_at_the_end_extends_what_the_loader_holds() -> None:
     change(4)
     first = loader.steering
     n = 10**4
-    for step in range(5, n):
-        change(step)
-    tracemalloc.start()
-    try:
-        total = 0
-        for step in range(n, n + 1000):
-            tracemalloc.reset_peak()
-            before = tracemalloc.get_traced_memory()[0]
-            change(step)
-            total += tracemalloc.get_traced_memory()[1] - before
-    finally:
-        tracemalloc.stop()
-    assert total / 1000 < 16 * 1024, f"{total / 1000:.0f} bytes a change"
+    assert bytes_a_change(change, 5, n) < 16 * 1024
     now = loader.steering
     assert now._log is first._log and now.skips._rows is first.skips._rows
     assert now._segs is first._segs
@@ -246,19 +252,7 @@ def test_a_change_in_the_last_phase_of_a_run_extends_what_it_holds() -> None:
             run.skip(step, 1)
 
     n = 10**4
-    for step in range(6, n):
-        change(step)
-    tracemalloc.start()
-    try:
-        total = 0
-        for step in range(n, n + 1000):
-            tracemalloc.reset_peak()
-            before = tracemalloc.get_traced_memory()[0]
-            change(step)
-            total += tracemalloc.get_traced_memory()[1] - before
-    finally:
-        tracemalloc.stop()
-    assert total / 1000 < 16 * 1024, f"{total / 1000:.0f} bytes a change"
+    assert bytes_a_change(change, 6, n) < 16 * 1024
     steps = range(6, n + 1000)
     saved = run.state()
     assert saved["weights"] == [[t, list(COUNTS[t % 3])] for t in steps if t % 4]

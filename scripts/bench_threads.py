@@ -43,24 +43,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
-
-import numpy as np
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.decoding.hostdecode import default_threads
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_loader import synthetic  # the same documents as bench_loader's
+
 FIRST, LAST = 3, 23  # the steps timed: after the opening burst
-
-
-def synthetic(num_tokens: int, seed: int = 0) -> Any:
-    """Documents of lognormal lengths with Zipf-distributed ids (as bench_loader's)."""
-    rng = np.random.default_rng(seed)
-    left = num_tokens
-    while left > 0:
-        n = int(min(left, max(1, rng.lognormal(6.8, 0.8))))
-        left -= n
-        yield np.minimum(rng.zipf(1.2, n), 50_000)
 
 
 def tokens_per_second(loader: ftj.Loader, batch: int, seq_len: int) -> float:

@@ -293,7 +293,7 @@ BATCH_DEFINING = (
 )
 """The fields that decide batch contents, which a saved state's fingerprint
 holds (``shuffle_block``, resolved, and ``shuffle_window`` only with
-``shuffle="blocks"``, so that other fingerprints stay as they were): all
+``shuffle="blocks"``: under another shuffle they decide nothing): all
 but ``prefetch``, ``read_ahead_bytes``, ``block_cache_bytes``, ``decode_threads``, ``decode``,
 ``layout``, ``sequence_start``, ``source_field``, ``max_segments`` (a bins
 plan it caps is in the data's fingerprint) and ``vocab_size`` (which checks

@@ -51,6 +51,8 @@ class DecodeThreads:
     def __init__(self, most: int, pinned: int | None = None) -> None:
         self.pinned, self.most = pinned, max(1, most)
         self.count = pinned or 1
+        # Nothing to choose: a pinned count, or one core for decoding.
+        self.fixed = pinned is not None or self.most == 1
         self.trials = self.kept = 0
         # A trial's two counts, and the seconds per row measured at each.
         self._trial: dict[int, list[float]] | None = None

@@ -221,7 +221,7 @@ class Measures:
             self.finish_ema = _ema(self.finish_ema, seconds)
             self._finish[0] += seconds
             self._finish[1] += 1
-            if threads is not None:
+            if threads is not None and not self.threads.fixed:
                 finish, fetch, interval = self.finish_ema, self.fetch_ema, self.interval_ema
                 bound = (
                     interval is not None
@@ -233,7 +233,7 @@ class Measures:
     def decode_threads(self) -> int:
         """Threads to decode the next step read ahead on (see :class:`DecodeThreads`)."""
         with self._lock:
-            return self.threads.next()
+            return self.threads.count if self.threads.fixed else self.threads.next()
 
     def window_starts(self) -> bool:
         """Whether the next :meth:`taken` (not the first) begins a stall window."""

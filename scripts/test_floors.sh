@@ -24,5 +24,5 @@ mapfile -t pins < <(python3 scripts/floors.py)
   tests/test_format.py tests/test_dataset.py tests/test_store.py tests/test_localshards.py \
   tests/test_writer.py tests/test_integrity.py tests/test_validation.py tests/test_batch.py \
   tests/test_sharding.py tests/test_loader.py tests/test_sampling.py tests/test_mixture.py \
-  tests/test_kernels.py tests/test_numbacache.py tests/test_hostdecode.py tests/test_pipeline.py \
-  tests/test_schedule.py tests/test_tograin.py
+  tests/test_kernels.py tests/test_numbacache.py tests/test_hostdecode.py tests/test_prefetch.py \
+  tests/test_schedule.py tests/test_tograin.py tests/test_decodethreads.py tests/test_savedstate_golden.py

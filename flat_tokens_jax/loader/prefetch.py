@@ -117,23 +117,17 @@ class Prefetcher(Generic[P, Done]):
         )
         self._splits = list({id(ft): ft for ft in splits}.values())
         self.remote = any(ft.store.local_path("") is None for ft in self._splits)
-        if fetchers is None:
-            fetchers = (MAX_DEPTH + 1 if self.prefetch is None else max(1, self.prefetch)) * (
-                self.remote
-            ) or 1
-        self.fetchers = fetchers
-        # Reading ahead, the read stage takes a core of its own; a finish's
-        # time depends on a step's rows and their layout.
+        if fetchers is None and self.remote:
+            fetchers = MAX_DEPTH + 1 if self.prefetch is None else max(1, self.prefetch)
+        self.fetchers = fetchers or 1
+        # Reading ahead, the read stage takes a core of its own.
         self.measures = Measures(
             most_threads=max(1, default_threads() - 1),
             decode_threads=config.decode_threads,
         )
         # On an object store the steps after the first are requested with it.
-        self._target = (
-            (INITIAL_DEPTH if self.remote else MIN_DEPTH)
-            if self.prefetch is None
-            else (self.prefetch)
-        )
+        start = INITIAL_DEPTH if self.remote else MIN_DEPTH
+        self._target = start if self.prefetch is None else self.prefetch
         self._lock = threading.Lock()
         self._futures: dict[int, concurrent.futures.Future[tuple[Done, np.ndarray]]] = {}
         # Each step in flight's bytes, worked out once when it is started.

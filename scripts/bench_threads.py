@@ -11,7 +11,9 @@ Three tables, each measured side by side in one run:
   a fresh loader after one warm-up loader, timing steps
   3 to 23 (the trainer does nothing: the input's own ceiling). Tokens/s is
   each setting's median over the rounds; the default's ratio to the best
-  explicit count is the figure to watch.
+  explicit count is the figure to watch, as the ratio of the medians and as
+  the median of each round's own ratio (the default against the best count
+  in the same round, minutes apart at most: the machine's drift cancels).
 * **First loader against later ones** (fresh processes): in each of
   ``--processes`` new Python processes, the first ``Loader`` of the process
   iterates steps 0 to 23 and a second loader of the same data and config
@@ -87,9 +89,9 @@ def steady(path: str, shapes: list[tuple[int, int]], rounds: int) -> None:
     print(
         "| shape | "
         + " | ".join(_name(t) for t in settings)
-        + " | default / best | default's threads |"
+        + " | default / best | default / best, per round (range) | default's threads |"
     )
-    print("| --- |" + " ---: |" * (len(settings) + 2))
+    print("| --- |" + " ---: |" * (len(settings) + 3))
     for batch, seq_len in shapes:
         tokens_per_second(loader(path, batch, seq_len, 99, None), batch, seq_len)  # warm-up
         seen: dict[int | None, list[float]] = {t: [] for t in settings}
@@ -101,10 +103,15 @@ def steady(path: str, shapes: list[tuple[int, int]], rounds: int) -> None:
                 if t is None:
                     chosen.append(out["threads"])
         med = {t: statistics.median(v) for t, v in seen.items()}
-        best = max(med[t] for t in counts)
+        best = max(counts, key=lambda t: med[t])
+        paired = [d / b for d, b in zip(seen[None], seen[best], strict=True)]
         cells = " | ".join(f"{med[t] / 1e6:.1f} M" for t in settings)
         threads = ", ".join(map(str, chosen))
-        print(f"| {batch} x {seq_len} | {cells} | {med[None] / best:.2f} | {threads} |", flush=True)
+        print(
+            f"| {batch} x {seq_len} | {cells} | {med[None] / med[best]:.2f} | "
+            f"{statistics.median(paired):.2f} ({min(paired):.2f}-{max(paired):.2f}) | {threads} |",
+            flush=True,
+        )
 
 
 def _name(threads: int | None) -> str:

@@ -1,5 +1,5 @@
 """flat-tokens: write, check, inspect and convert flat-tokens datasets, and
-show or plan what a run's loader reads at any step."""
+show or preview what a run's loader reads at any step."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from flat_tokens_jax.loader.loader import Loader
 from flat_tokens_jax.loader.steered import Skipper
 from flat_tokens_jax.store.identity import library_version, tokenizer_info
 from flat_tokens_jax.store.options import StoreError
-from flat_tokens_jax.tools import phaseshow, runplan, savedstate, show
+from flat_tokens_jax.tools import phaseshow, runview, savedstate, show
 
 
 def _store_args(parser: argparse.ArgumentParser) -> None:
@@ -187,7 +187,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
                 "a 'data' section, or a 'phases' section"
             )
         state = None if args.state is None else savedstate.load_state(args.state)
-        planned = [show.parse_skip(text) for text in args.skip or ()]
+        added = [show.parse_skip(text) for text in args.skip or ()]
         run, step = None, args.step
         if phaseshow.is_phased(config, state):
             run = phaseshow.build_run(
@@ -199,7 +199,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
                 config_name=args.config or "--config",
                 state_name=args.state or "--state",
             )
-            _planned_skips(run, config, args.config, planned)
+            _add_skips(run, config, args.config, added)
             loader: Loader = run
         else:
             loader = show.build_loader(
@@ -212,7 +212,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
                 config_name=args.config or "--config",
                 state_name=args.state or "--state",
             )
-            _planned_skips(loader, config, args.config, planned)
+            _add_skips(loader, config, args.config, added)
         steered = (run or loader).saved_state()
         size = loader.batch_size_at(step)
         show.check_show_memory(loader.config, size, size if args.rows is None else 0)
@@ -257,19 +257,19 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _planned_skips(run: Skipper, config: Any, name: str, planned: list[tuple[int, int]]) -> None:
+def _add_skips(run: Skipper, config: Any, name: str, added: list[tuple[int, int]]) -> None:
     """Skips a run as ``show`` sees it: its YAML's ``skip`` list, then ``--skip``'s."""
     if isinstance(config, Mapping) and "skip" in config:
         phaseshow.yaml_skips(run, config["skip"], name)
-    for at, count in planned:
+    for at, count in added:
         run.skip(at, count)
 
 
-def _cmd_plan(args: argparse.Namespace) -> int:
+def _cmd_preview(args: argparse.Namespace) -> int:
     name = args.run_yaml
-    _check_plan_flags(args)
+    _check_preview_flags(args)
     doc = read_yaml(name)
-    run = phaseshow.plan_run(doc, name, split=args.split, options=store_options(args))
+    run = phaseshow.show_run(doc, name, split=args.split, options=store_options(args))
     if isinstance(doc, Mapping) and "skip" in doc:
         phaseshow.yaml_skips(run, doc["skip"], name)
     if args.state is not None:
@@ -285,29 +285,29 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if end is None:
         raise ValueError(f"{name}: say where the run ends: --steps N (or a top-level 'steps: N')")
     try:
-        rows = runplan.plan_rows(run, end)
+        rows = runview.run_rows(run, end)
     except ValueError as e:
         raise ValueError(f"{name}: --steps {end}: {e}") from None
-    warnings = runplan.repeat_warnings(run, rows)
+    warnings = runview.repeat_warnings(run, rows)
     if args.picture is not None:
         try:
-            runplan.draw_shares(run, end, args.picture)
+            runview.draw_shares(run, end, args.picture)
         except OSError as e:
             raise path_error("--picture", args.picture, e, "a .png or .svg file") from None
-    steered = runplan.steering_rows(run)
+    steered = runview.steering_rows(run)
     if args.json:
         print(json.dumps({"rows": rows, "steering": steered} if steered else rows))
     else:
-        print("\n".join(runplan.plan_table(rows) + runplan.steering_table(steered)))
+        print("\n".join(runview.run_table(rows) + runview.steering_table(steered)))
     for line in warnings:
-        print(f"plan: warning: {line}", file=sys.stderr)
+        print(f"preview: warning: {line}", file=sys.stderr)
     if args.picture is not None and not args.json:
         print(f"wrote {args.picture}")
     return 0
 
 
-def _check_plan_flags(args: argparse.Namespace) -> None:
-    """Refuses ``plan`` flags that the command given would not read."""
+def _check_preview_flags(args: argparse.Namespace) -> None:
+    """Refuses ``preview`` flags that the command given would not read."""
     if args.requests:
         unread = [f for f, v in (("--picture", args.picture), ("--json", args.json)) if v]
         if unread:
@@ -318,7 +318,9 @@ def _check_plan_flags(args: argparse.Namespace) -> None:
     if given:
         flags = " and ".join(given)
         verb = "applies" if len(given) == 1 else "apply"
-        raise ValueError(f"{flags} {verb} to plan --requests only: add --requests, or drop {flags}")
+        raise ValueError(
+            f"{flags} {verb} to preview --requests only: add --requests, or drop {flags}"
+        )
 
 
 def _run_end(args: argparse.Namespace, doc: Mapping[str, Any]) -> int | None:
@@ -393,14 +395,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--skip",
         action="append",
         metavar="STEP:COUNT",
-        help="a planned skip: COUNT batches skipped at STEP, after the run's own (repeatable)",
+        help="a skip to try: COUNT batches skipped at STEP, after the run's own (repeatable)",
     )
     p.add_argument("--rows", help="rows to print, e.g. 0,5-7 (default: all)")
     p.add_argument("--tokenizer", help="render rows as text with this tokenizer")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_cmd_show)
     p = sub.add_parser(
-        "plan",
+        "preview",
         help="what each phase of a run reads: steps, samples, tokens, epochs",
         description="Per phase and component of a run YAML's phases section: steps, "
         "samples, tokens (rows x seq_len, padding included) and epochs consumed, by the "
@@ -411,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=at_least(1), help="where the run ends (default: its 'steps')")
     p.add_argument(
         "--state",
-        help="a saved state of the run: plan with its weight changes and skipped batches",
+        help="a saved state of the run: preview with its weight changes and skipped batches",
     )
     p.add_argument("--split", default="train", help="the split (or part of a split cut) read")
     p.add_argument(
@@ -421,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     phaseshow.add_request_flags(p)
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(run=_cmd_plan)
+    p.set_defaults(run=_cmd_preview)
     p = sub.add_parser(
         "pack",
         help="store the packing plan of whole sequences into rows of --seq-len",

@@ -23,7 +23,7 @@ from flat_tokens_jax.loader.state import SavedState
 from flat_tokens_jax.loader.steered import Skipper, apply_skips
 from flat_tokens_jax.sampling.mixconfig import mixture_from_config
 from flat_tokens_jax.store.options import StoreError, StoreOptions
-from flat_tokens_jax.tools.requesttable import MAX_SAMPLE_STEPS, run_table
+from flat_tokens_jax.tools.requesttable import MAX_SAMPLE_STEPS, preview_requests
 from flat_tokens_jax.tools.show import build_loader
 
 
@@ -90,11 +90,11 @@ def build_run(
     return run
 
 
-def plan_run(
+def show_run(
     doc: Any, name: str, split: str = "train", options: StoreOptions | None = None
 ) -> PhasedLoader:
     """The run a YAML document (read from the file ``name``) describes, for
-    ``flat-tokens plan``: its ``phases``, or its ``data`` and ``loader`` as one phase.
+    ``flat-tokens preview``: its ``phases``, or its ``data`` and ``loader`` as one phase.
 
     Raises:
         ValueError: the document says neither; a bad value, named by ``name``,
@@ -114,7 +114,7 @@ def plan_run(
     wanted = "a 'phases' section, or 'data' and 'loader' sections (a run of one phase)"
     if not isinstance(doc, Mapping):
         found = "is empty" if doc is None else f"holds a {type(doc).__name__}, not a mapping"
-        raise ValueError(f"{name} {found}: plan reads {wanted}")
+        raise ValueError(f"{name} {found}: preview reads {wanted}")
     sections = ("phases", "data", "loader")
     half = [k for k in ("data", "loader") if k in doc]
     if half:
@@ -123,7 +123,7 @@ def plan_run(
     else:
         named = ", ".join(f"{k!r}{close_match(k, sections)}" for k in doc)
         found = f"; found {named}" if named else ""
-    raise ValueError(f"{name} has no run to plan: plan reads {wanted}{found}")
+    raise ValueError(f"{name} has no run to preview: preview reads {wanted}{found}")
 
 
 def mark(shown: dict[str, Any], run: PhasedLoader, step: int) -> dict[str, Any]:
@@ -141,14 +141,14 @@ def mark(shown: dict[str, Any], run: PhasedLoader, step: int) -> dict[str, Any]:
 
 
 REQUEST_FLAGS = ("hosts", "step_seconds", "sample_steps")
-"""``plan``'s flags that only ``--requests`` reads."""
+"""``preview``'s flags that only ``--requests`` reads."""
 
 SAMPLE_STEPS = 8
 """``--sample-steps`` when not given."""
 
 
 def add_request_flags(parser: argparse.ArgumentParser) -> None:
-    """``plan``'s flags of :func:`request_lines`."""
+    """``preview``'s flags of :func:`request_lines`."""
     parser.add_argument(
         "--requests",
         action="store_true",
@@ -169,14 +169,14 @@ def add_request_flags(parser: argparse.ArgumentParser) -> None:
 def request_lines(
     run: PhasedLoader, args: argparse.Namespace, end_step: int | None = None
 ) -> list[str]:
-    """``plan --requests``: each phase's requests and bytes per second
-    (:func:`run_table`), sampled at most to ``end_step``, where the run ends."""
+    """``preview --requests``: each phase's requests and bytes per second
+    (:func:`preview_requests`), sampled at most to ``end_step``, where the run ends."""
     missing = [f for f in ("hosts", "step_seconds") if getattr(args, f) is None]
     if missing:
         flags = " and ".join("--" + f.replace("_", "-") for f in missing)
-        raise ValueError(f"plan --requests: give {flags} (the pod's hosts and its step time)")
+        raise ValueError(f"preview --requests: give {flags} (the pod's hosts and its step time)")
     steps = SAMPLE_STEPS if args.sample_steps is None else args.sample_steps
-    return run_table(run, args.hosts, args.step_seconds, steps, args.run_yaml, end_step)
+    return preview_requests(run, args.hosts, args.step_seconds, steps, args.run_yaml, end_step)
 
 
 def yaml_skips(run: Skipper, section: Any, name: str) -> None:

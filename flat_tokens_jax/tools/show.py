@@ -146,7 +146,7 @@ def build_loader(
 
 
 def parse_skip(text: str) -> tuple[int, int]:
-    """A planned skip from ``--skip``: ``"5:3"``, 3 batches skipped at step 5.
+    """A skip to try from ``--skip``: ``"5:3"``, 3 batches skipped at step 5.
 
     Example:
         >>> parse_skip("5:3")

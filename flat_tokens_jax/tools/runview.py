@@ -1,9 +1,9 @@
-"""What a run in phases will read, before it runs: :func:`plan_rows` and :func:`draw_shares`.
+"""What a run in phases will read, before it runs: :func:`run_rows` and :func:`draw_shares`.
 
 Per phase and component: steps, samples, tokens (rows times ``seq_len``,
 padding included) and epochs, from the same arithmetic the loader uses (no
 data is read beyond what opening the run reads), as data or as a table
-(:func:`plan_table`), with a warning for each stream read more than
+(:func:`run_table`), with a warning for each stream read more than
 :data:`REPEAT_WARNING_EPOCHS` times over (:func:`repeat_warnings`). The
 picture (matplotlib, the ``plot`` extra, imported only when drawing) shows
 each component's share of the tokens over the trainer's steps, with the phase
@@ -26,9 +26,9 @@ from flat_tokens_jax.loader.state import sample_shares
 __all__ = [
     "REPEAT_WARNING_EPOCHS",
     "draw_shares",
-    "plan_rows",
-    "plan_table",
     "repeat_warnings",
+    "run_rows",
+    "run_table",
     "share_segments",
     "steering_rows",
     "steering_table",
@@ -41,7 +41,7 @@ REPEAT_WARNING_EPOCHS = 100
 _NO_ROWS = np.zeros(0, np.int64)
 
 
-def plan_rows(run: PhasedLoader, end_step: int) -> list[dict[str, Any]]:
+def run_rows(run: PhasedLoader, end_step: int) -> list[dict[str, Any]]:
     """One dict per phase and component, for the steps before ``end_step``.
 
     Keys: ``phase``, ``phase_name``, ``start_step``, ``end_step``, ``steps``,
@@ -68,7 +68,7 @@ def plan_rows(run: PhasedLoader, end_step: int) -> list[dict[str, Any]]:
             continue  # a phase whose every step was skipped
         last = stop - start - 1
         try:
-            # The loader's own check of a step, on the phase's last planned one.
+            # The loader's own check of a step, on the phase's last one shown.
             loader.steps.samples(last, _NO_ROWS)
         except (ValueError, IndexError) as e:
             raise ValueError(
@@ -102,8 +102,8 @@ def plan_rows(run: PhasedLoader, end_step: int) -> list[dict[str, Any]]:
 _COLUMNS = ("component", "stream", "samples", "tokens", "epochs", "stream epochs")
 
 
-def plan_table(rows: list[dict[str, Any]]) -> list[str]:
-    """:func:`plan_rows` as text: a line per phase, then its components, in
+def run_table(rows: list[dict[str, Any]]) -> list[str]:
+    """:func:`run_rows` as text: a line per phase, then its components, in
     columns as wide as their widest value."""
     cells = [
         [
@@ -142,8 +142,8 @@ def plan_table(rows: list[dict[str, Any]]) -> list[str]:
 def repeat_warnings(
     run: PhasedLoader, rows: list[dict[str, Any]], most: float = REPEAT_WARNING_EPOCHS
 ) -> list[str]:
-    """A line for each stream of :func:`plan_rows` read more than ``most``
-    epochs by the end of the plan (its last phase), naming the component."""
+    """A line for each stream of :func:`run_rows` read more than ``most``
+    epochs by the end of the rows (its last phase), naming the component."""
     last: dict[str, dict[str, Any]] = {}
     for r in rows:
         names = run.engines[r["phase"]].names

@@ -1,6 +1,6 @@
 """What a run asks of an object store, before it runs: requests and bytes per step.
 
-:func:`plan_requests` runs a loader's sampler for a sample of steps, splits
+:func:`count_requests` runs a loader's sampler for a sample of steps, splits
 each step's rows over ``hosts`` hosts, and counts the HTTP requests and the
 bytes each host's reads cost, from the records' token ranges and each array's
 chunking in its zarr metadata: no token is read (padded rows and bins read
@@ -8,7 +8,7 @@ the sequence bounds they need from ``seq_starts``). :func:`ramp_minutes`
 says how long a fresh GCS bucket would throttle that rate.
 
 The rule it counts by, measured with tensorstore on fake-gcs-server and
-moto's S3 (``scripts/bench_requestplan.py`` prints the measurements):
+moto's S3 (``scripts/bench_requestcount.py`` prints the measurements):
 
 - A host reads a step's rows of one component, per array, in one tensorstore
   batch, and the batch fetches each inner chunk its ranges touch whole
@@ -24,7 +24,7 @@ moto's S3 (``scripts/bench_requestplan.py`` prints the measurements):
   chunks (2 across a shard boundary); a step of 32 random windows costs 32
   requests, one per run of adjacent chunks (fewer where chunks were cached by
   an earlier step). Rows of one step that share a chunk read it once.
-- The plan counts no chunk as cached from an earlier step: right for a store
+- It counts no chunk as cached from an earlier step: right for a store
   much larger than ``StoreOptions.cache_bytes``; a smaller store costs less.
 - It leaves out what a host reads once per shard, the first time it touches
   it: the shard index, its probe and its chunk digests (3 requests), cached
@@ -64,11 +64,11 @@ __all__ = [
     "GCS_INITIAL_READS",
     "Chunking",
     "HostSamples",
-    "RequestPlan",
+    "RequestCounts",
     "StepReads",
     "block_reads",
+    "count_requests",
     "host_samples",
-    "plan_requests",
     "ramp_minutes",
     "row_reads",
 ]
@@ -194,8 +194,8 @@ def _split_of(records: Any, name: str) -> FlatTokens:
     if isinstance(records, PackedRecords | PaddedRecords | BinRecords):
         return records.ft
     raise ValueError(
-        f"component {name!r}: {type(records).__name__} records name no store to plan from: "
-        "the requests plan takes a split's records (packed, padded or bins)"
+        f"component {name!r}: {type(records).__name__} records name no store to count from: "
+        "request counts take a split's records (packed, padded or bins)"
     )
 
 
@@ -368,17 +368,17 @@ def _block_samplers(loader: StepEngine) -> list[BlockSampler]:
 
 
 @dataclasses.dataclass(frozen=True)
-class RequestPlan:
-    """A pod's reads at ``step_seconds`` a step, from :func:`plan_requests`.
+class RequestCounts:
+    """A pod's reads at ``step_seconds`` a step, from :func:`count_requests`.
 
     Attributes:
         shuffle: ``"full"`` or ``"none"`` (each row's range, read at its
             step), or ``"blocks"`` (each block whole, once per host and epoch).
-        block: a block plan's records per block of each component (a block
+        block: block counts' records per block of each component (a block
             shuffle's resolved ``shuffle_block``); ``None`` for rows.
         window: a block-shuffled loader's ``shuffle_window``; ``None`` otherwise.
         hosts, step_seconds: as asked.
-        steps: the sampled steps ``[s] int64``; a block plan's rates leave
+        steps: the sampled steps ``[s] int64``; block counts' rates leave
             the first out (its cold start, in ``first_step_requests``).
         reads: what each host read at each sampled step.
         host_requests: mean requests per step of a host (the busiest's in
@@ -407,19 +407,19 @@ class RequestPlan:
     ramp_minutes: float
 
 
-def plan_requests(
+def count_requests(
     loader: StepEngine,
     hosts: int,
     step_seconds: float,
     steps: Sequence[int] = range(8),
     block: Sequence[int] | None = None,
-) -> RequestPlan:
+) -> RequestCounts:
     """Requests/s and bytes/s of ``hosts`` hosts running ``loader`` at
     ``step_seconds`` a step, from its sampler at ``steps`` (consecutive, for a
-    block plan: a block is read once per host per epoch) and its arrays'
+    block counts: a block is read once per host per epoch) and its arrays'
     chunking (see the module's rule). A loader with ``shuffle="blocks"`` is
-    planned by its sampler's blocks (:func:`block_reads`); ``block``, records
-    per block of each component, plans block reads over another loader's
+    counted by its sampler's blocks (:func:`block_reads`); ``block``, records
+    per block of each component, counts block reads over another loader's
     records (hand-made blocks).
 
     Raises:
@@ -453,7 +453,7 @@ def plan_requests(
     useful = reads.useful[counted].sum(axis=1).mean()
     per_step = pod["requests"].mean()
     itemsize = _token_itemsize(loader)
-    return RequestPlan(
+    return RequestCounts(
         shuffle=BLOCKS if block is not None else "full" if shuffle else "none",
         block=None if block is None else tuple(block),
         window=window,

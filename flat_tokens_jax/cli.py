@@ -4,18 +4,21 @@ show or preview what a run's loader reads at any step."""
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from flat_tokens_jax.convert import chat, megatron, merge, text
 from flat_tokens_jax.convert.commands import (
+    above_zero,
     add_store_flags,
     at_least,
+    between,
     fail,
     path_error,
     refuse_memory_output,
@@ -31,10 +34,12 @@ from flat_tokens_jax.data.records import recorded_info
 from flat_tokens_jax.data.storedplans import pack_dataset
 from flat_tokens_jax.data.validation import summary, validate
 from flat_tokens_jax.loader.loader import Loader
-from flat_tokens_jax.loader.steered import Skipper
+from flat_tokens_jax.loader.phasedloader import PhasedLoader
+from flat_tokens_jax.loader.steered import Skipper, apply_skips
 from flat_tokens_jax.store.identity import library_version, tokenizer_info
 from flat_tokens_jax.store.options import StoreError
 from flat_tokens_jax.tools import phaseshow, runview, savedstate, show
+from flat_tokens_jax.tools.requesttable import MAX_SAMPLE_STEPS, preview_requests
 
 
 def _store_args(parser: argparse.ArgumentParser) -> None:
@@ -187,44 +192,41 @@ def _cmd_show(args: argparse.Namespace) -> int:
                 "a 'data' section, or a 'phases' section"
             )
         state = None if args.state is None else savedstate.load_state(args.state)
+        if config is not None and state is not None:
+            raise ValueError("give the run as --config or as --state, not both")
         added = [show.parse_skip(text) for text in args.skip or ()]
-        run, step = None, args.step
-        if phaseshow.is_phased(config, state):
-            run = phaseshow.build_run(
-                config=config,
-                state=state,
-                split=args.split,
-                options=store_options(args),
-                fields=show.config_fields(args),
-                config_name=args.config or "--config",
-                state_name=args.state or "--state",
-            )
-            _add_skips(run, config, args.config, added)
-            loader: Loader = run
-        else:
-            loader = show.build_loader(
-                url=args.url,
-                split=args.split,
-                config=config,
-                state=state,
-                fields=show.config_fields(args),
-                options=store_options(args),
-                config_name=args.config or "--config",
-                state_name=args.state or "--state",
-            )
-            _add_skips(loader, config, args.config, added)
-        steered = (run or loader).saved_state()
+        build: Callable[..., Loader] = functools.partial(show.build_loader, url=args.url)
+        if (isinstance(config, Mapping) and "phases" in config) or (state and state.phased):
+            build = phaseshow.build_run
+        loader = build(
+            config=config,
+            state=state,
+            split=args.split,
+            options=store_options(args),
+            fields=show.config_fields(args),
+            config_name=args.config or "--config",
+            state_name=args.state or "--state",
+        )
+        _add_skips(loader, config, args.config, added)
+        step = args.step
         size = loader.batch_size_at(step)
         show.check_show_memory(loader.config, size, size if args.rows is None else 0)
         rows = show.parse_rows(args.rows, size)
         show.check_show_memory(loader.config, size, len(rows))
         decode = None if args.tokenizer is None else _decoder(args.tokenizer, loader)
         shown = show.run_json(loader, step, rows)
-        if run is not None:
-            shown = phaseshow.mark(shown, run, args.step)
-        steering = show.steering_lines(steered, args.step)
+        if isinstance(loader, PhasedLoader):
+            k = loader.phase_at(step)
+            shown["phase"] = {
+                "index": k,
+                "name": loader.phases[k].name,
+                "start_step": loader.starts[k],
+                "step": step - loader.firsts[k],
+            }
+        steered = loader.saved_state()
+        steering = show.steering_lines(steered, step)
         if steering:
-            shown["steering"] = show.steering_json(steered, args.step)
+            shown["steering"] = show.steering_json(steered, step)
     except (StoreError, IndexError, KeyError, ValueError, OSError) as e:
         return fail("show", e)
     if args.json:
@@ -258,20 +260,26 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _add_skips(run: Skipper, config: Any, name: str, added: list[tuple[int, int]]) -> None:
-    """Skips a run as ``show`` sees it: its YAML's ``skip`` list, then ``--skip``'s."""
+    """Skips of ``show`` and ``preview``: the YAML's ``skip`` list, then ``--skip``'s."""
     if isinstance(config, Mapping) and "skip" in config:
-        phaseshow.yaml_skips(run, config["skip"], name)
+        try:
+            apply_skips(run, config["skip"])
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
     for at, count in added:
         run.skip(at, count)
+
+
+_REQUEST_FLAGS = ("hosts", "step_seconds", "sample_steps")  # read by preview --requests only
+_SAMPLE_STEPS = 8  # --sample-steps when not given
 
 
 def _cmd_preview(args: argparse.Namespace) -> int:
     name = args.run_yaml
     _check_preview_flags(args)
     doc = read_yaml(name)
-    run = phaseshow.show_run(doc, name, split=args.split, options=store_options(args))
-    if isinstance(doc, Mapping) and "skip" in doc:
-        phaseshow.yaml_skips(run, doc["skip"], name)
+    run = phaseshow.run_from_yaml(doc, name, split=args.split, options=store_options(args))
+    _add_skips(run, doc, name, [])
     if args.state is not None:
         state = savedstate.load_state(args.state)
         try:
@@ -280,7 +288,9 @@ def _cmd_preview(args: argparse.Namespace) -> int:
             raise ValueError(f"--state {args.state}: {e}") from None
     end = _run_end(args, doc)
     if args.requests:
-        print("\n".join(phaseshow.request_lines(run, args, end)))
+        steps = _SAMPLE_STEPS if args.sample_steps is None else args.sample_steps
+        lines = preview_requests(run, args.hosts, args.step_seconds, steps, name, end)
+        print("\n".join(lines))
         return 0
     if end is None:
         raise ValueError(f"{name}: say where the run ends: --steps N (or a top-level 'steps: N')")
@@ -313,8 +323,14 @@ def _check_preview_flags(args: argparse.Namespace) -> None:
         if unread:
             flags = " and ".join(unread)
             raise ValueError(f"--requests prints its table only, not {flags}: drop {flags}")
+        missing = [f for f in ("hosts", "step_seconds") if getattr(args, f) is None]
+        if missing:
+            flags = " and ".join("--" + f.replace("_", "-") for f in missing)
+            raise ValueError(
+                f"preview --requests: give {flags} (the pod's hosts and its step time)"
+            )
         return
-    given = ["--" + f.replace("_", "-") for f in phaseshow.REQUEST_FLAGS if getattr(args, f)]
+    given = ["--" + f.replace("_", "-") for f in _REQUEST_FLAGS if getattr(args, f)]
     if given:
         flags = " and ".join(given)
         verb = "applies" if len(given) == 1 else "apply"
@@ -421,7 +437,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="also draw each component's share of tokens over steps (.png or .svg), with "
         "phases, and the --state's weight changes and skips, marked",
     )
-    phaseshow.add_request_flags(p)
+    p.add_argument(
+        "--requests",
+        action="store_true",
+        help="print the requests/s and bytes/s the run asks of its store on --hosts hosts at "
+        "--step-seconds a step, and how long a fresh GCS bucket would throttle them",
+    )
+    p.add_argument("--hosts", type=at_least(1), help="hosts of the pod (with --requests)")
+    p.add_argument("--step-seconds", type=above_zero, help="seconds a step (with --requests)")
+    p.add_argument(
+        "--sample-steps",
+        type=between(1, MAX_SAMPLE_STEPS),
+        help="steps of each phase the sampler is run for, at most "
+        f"{MAX_SAMPLE_STEPS:,} and no more than the phase has (with --requests; default "
+        f"{_SAMPLE_STEPS})",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_cmd_preview)
     p = sub.add_parser(

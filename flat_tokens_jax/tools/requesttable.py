@@ -1,11 +1,5 @@
-"""``flat-tokens preview --requests``'s table: a run's reads under both shuffles.
-
-For each phase of a run, :func:`preview_requests` counts the loader as configured
-and its :func:`counterpart` under the other shuffle (a full or no shuffle
-beside the block shuffle at the default block and window; a block shuffle
-beside the full shuffle), with :func:`~.requestcount.count_requests`, and
-prints them one row each, side by side.
-"""
+"""``flat-tokens preview --requests``'s table: each phase's reads as configured
+beside its :func:`counterpart` under the other shuffle."""
 
 from __future__ import annotations
 
@@ -24,21 +18,10 @@ from flat_tokens_jax.tools.requestcount import (
     count_requests,
 )
 
-__all__ = [
-    "MAX_SAMPLED_ROWS",
-    "MAX_SAMPLE_STEPS",
-    "counterpart",
-    "preview_requests",
-    "request_table",
-    "sampled_steps",
-]
-
 
 def counterpart(loader: StepEngine) -> StepEngine:
-    """``loader``'s source and config under the other shuffle: a block
-    shuffle's under the full shuffle; a full (or no) shuffle's under
-    ``shuffle="blocks"`` at the default block (``shuffle_block=None``) and
-    window (1)."""
+    """``loader``'s source and config under the other shuffle: blocks become the
+    full shuffle; full (or none) become blocks at the default block and window."""
     config = loader.config
     if config.shuffle == BLOCKS:
         other = dataclasses.replace(config, shuffle=True, shuffle_block=None, shuffle_window=1)
@@ -61,12 +44,8 @@ def _label(counts: RequestCounts) -> str:
     return f"blocks B={sizes} w={counts.window or 1}"
 
 
-def request_table(
-    counts: Sequence[RequestCounts], labels: Sequence[str] | None = None
-) -> list[str]:
-    """:func:`~.requestcount.count_requests` results as text: a line each, in
-    columns, each named by its shuffle (``blocks B=... w=...`` with its
-    block and window) or by ``labels``."""
+def request_table(counts: Sequence[RequestCounts], labels: Sequence[str]) -> list[str]:
+    """:func:`~.requestcount.count_requests` results as text: a line each, in columns."""
     head = (
         "shuffle",
         "requests/step",
@@ -77,7 +56,6 @@ def request_table(
         "first step requests",
         "fresh GCS bucket throttles",
     )
-    names = [_label(p) for p in counts] if labels is None else list(labels)
     cells = [
         (
             name,
@@ -89,7 +67,7 @@ def request_table(
             f"{p.first_step_requests:,}",
             f"{p.ramp_minutes:.0f} min",
         )
-        for name, p in zip(names, counts, strict=True)
+        for name, p in zip(labels, counts, strict=True)
     ]
     widths = [max(len(row[i]) for row in [head, *cells]) for i in range(len(head))]
     return [
@@ -101,28 +79,20 @@ def request_table(
     ]
 
 
-MAX_SAMPLE_STEPS = 4096
-"""The most steps of a phase :func:`preview_requests` samples (``--sample-steps``):
-the sampler runs once a step, so the preview's work grows with them."""
-
-MAX_SAMPLED_ROWS = 1 << 22
-"""The most rows of a phase's sampled steps :func:`preview_requests` counts: its
-arrays hold a few ``int64`` a row."""
+MAX_SAMPLE_STEPS = 4096  # most --sample-steps: the sampler runs once a step
+MAX_SAMPLED_ROWS = 1 << 22  # most rows of a phase's sampled steps: a few int64 each
 
 
 def sampled_steps(
     run: PhasedLoader, sample_steps: int, end_step: int | None = None
 ) -> tuple[list[int], list[str]]:
     """How many steps of each phase of ``run`` a preview samples: ``sample_steps``,
-    or the steps the phase has where it has fewer (before the next phase's
-    first step, ``end_step`` where the run ends, the step it cannot read, or
-    the end of its epochs; 0 for a phase the run does not reach), and a note
-    for each phase cut.
+    or fewer where the phase ends before (the next phase, ``end_step``, the
+    step the run cannot read, or its epochs' end), and a note for each phase cut.
 
     Raises:
-        ValueError: ``sample_steps`` out of ``[1, MAX_SAMPLE_STEPS]``, or a
-            phase's sampled steps hold more than :data:`MAX_SAMPLED_ROWS`
-            rows; the message names ``--sample-steps`` and the most it takes.
+        ValueError: ``sample_steps`` out of range, or a phase's sampled steps
+            hold more than :data:`MAX_SAMPLED_ROWS` rows (naming the most it takes).
     """
     sample_steps = integer(sample_steps, "--sample-steps", low=1, high=MAX_SAMPLE_STEPS)
     counts, notes = [], []
@@ -158,8 +128,7 @@ def sampled_steps(
 
 
 def _most_steps(loader: StepEngine, steps: int) -> int:
-    """The most of the first ``steps`` steps of ``loader`` whose rows are at
-    most :data:`MAX_SAMPLED_ROWS` in all (``steps`` when they all are)."""
+    """How many of the first ``steps`` steps fit in :data:`MAX_SAMPLED_ROWS` rows."""
     rows = 0
     for step in range(steps):
         rows += loader.steps.size(step)
@@ -177,15 +146,12 @@ def preview_requests(
     end_step: int | None = None,
 ) -> list[str]:
     """``flat-tokens preview --requests``: :func:`request_table` of each phase of
-    ``run`` (read from the file ``name``) at its first steps (as many as
-    :func:`sampled_steps` gives), as configured (marked ``*``) and under
-    the other shuffle (:func:`counterpart`), rows full first, and what it
-    assumed (the phases it sampled fewer steps of, or none, named).
+    ``run`` (from the file ``name``) at its first steps, as configured (marked
+    ``*``) and under the other shuffle, full first, then what it assumed.
 
     Raises:
-        ValueError: as :func:`sampled_steps` and
-            :func:`~.requestcount.count_requests`, naming the file, the phase
-            and the ``--hosts`` flag where the host count is wrong.
+        ValueError: as :func:`sampled_steps` and :func:`count_requests`, naming
+            the file, the phase and the ``--hosts`` flag where it set the value.
     """
     try:
         counts, notes = sampled_steps(run, sample_steps, end_step)

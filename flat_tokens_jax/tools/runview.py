@@ -23,17 +23,6 @@ from flat_tokens_jax.loader.phasedloader import PhasedLoader
 from flat_tokens_jax.loader.phases import drawn
 from flat_tokens_jax.loader.state import sample_shares
 
-__all__ = [
-    "REPEAT_WARNING_EPOCHS",
-    "draw_shares",
-    "repeat_warnings",
-    "run_rows",
-    "run_table",
-    "share_segments",
-    "steering_rows",
-    "steering_table",
-]
-
 # A stream read more epochs than this shows its model each record that many
 # times: fine for a small high-quality source, a mistake for most.
 REPEAT_WARNING_EPOCHS = 100

@@ -75,11 +75,9 @@ def build_loader(
             from, which name a bad value in errors (``c.yaml: loader.seed``).
 
     Raises:
-        ValueError: the run is said twice or not at all, a field is missing or
-            bad, or the data is not what the state's run read.
+        ValueError: the data is given twice or not at all, a field is missing
+            or bad, or the data is not what the state's run read.
     """
-    if config is not None and state is not None:
-        raise ValueError("give the run as --config or as --state, not both")
     values: dict[str, Any] = {}
     origin: dict[str, str] = {}  # where each field was given, to name a bad value
     data: Mapping[str, Any] | None = None

@@ -24,19 +24,17 @@ from flat_tokens_jax.convert.commands import (
     refuse_memory_output,
     store_options,
 )
-from flat_tokens_jax.convert.tokenizer import load_tokenizer
 from flat_tokens_jax.core.format import FormatError
 from flat_tokens_jax.core.urls import redact_text
 from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.core.yamlfile import read_yaml
 from flat_tokens_jax.data.plans import plan_group
-from flat_tokens_jax.data.records import recorded_info
 from flat_tokens_jax.data.storedplans import pack_dataset
 from flat_tokens_jax.data.validation import summary, validate
 from flat_tokens_jax.loader.loader import Loader
 from flat_tokens_jax.loader.phasedloader import PhasedLoader
 from flat_tokens_jax.loader.steered import Skipper, apply_skips
-from flat_tokens_jax.store.identity import library_version, tokenizer_info
+from flat_tokens_jax.store.identity import library_version
 from flat_tokens_jax.store.options import StoreError
 from flat_tokens_jax.tools import phaseshow, runview, savedstate, show
 from flat_tokens_jax.tools.requesttable import MAX_SAMPLE_STEPS, preview_requests
@@ -66,8 +64,7 @@ _BAR_WIDTH = 40
 
 
 def _bar(count: int, largest: int, unicode: bool) -> str:
-    """A bar of ``count`` scaled so that ``largest`` fills :data:`_BAR_WIDTH`
-    (at least a sliver for any count above 0)."""
+    """A bar of ``count``, ``largest`` filling :data:`_BAR_WIDTH` (a sliver at least above 0)."""
     if not count:
         return ""
     eighths = max(1, round(count / largest * _BAR_WIDTH * 8))
@@ -213,7 +210,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
         show.check_show_memory(loader.config, size, size if args.rows is None else 0)
         rows = show.parse_rows(args.rows, size)
         show.check_show_memory(loader.config, size, len(rows))
-        decode = None if args.tokenizer is None else _decoder(args.tokenizer, loader)
+        decode = None if args.tokenizer is None else show.decoder(args.tokenizer, loader)
         shown = show.run_json(loader, step, rows)
         if isinstance(loader, PhasedLoader):
             k = loader.phase_at(step)
@@ -270,7 +267,6 @@ def _add_skips(run: Skipper, config: Any, name: str, added: list[tuple[int, int]
         run.skip(at, count)
 
 
-_REQUEST_FLAGS = ("hosts", "step_seconds", "sample_steps")  # read by preview --requests only
 _SAMPLE_STEPS = 8  # --sample-steps when not given
 
 
@@ -330,7 +326,11 @@ def _check_preview_flags(args: argparse.Namespace) -> None:
                 f"preview --requests: give {flags} (the pod's hosts and its step time)"
             )
         return
-    given = ["--" + f.replace("_", "-") for f in _REQUEST_FLAGS if getattr(args, f)]
+    given = [
+        "--" + f.replace("_", "-")
+        for f in ("hosts", "step_seconds", "sample_steps")
+        if getattr(args, f)
+    ]
     if given:
         flags = " and ".join(given)
         verb = "applies" if len(given) == 1 else "apply"
@@ -340,27 +340,13 @@ def _check_preview_flags(args: argparse.Namespace) -> None:
 
 
 def _run_end(args: argparse.Namespace, doc: Mapping[str, Any]) -> int | None:
-    """Where the run ends: ``--steps``, else the YAML's top-level ``steps``, else ``None``."""
+    """``--steps``, else the YAML's top-level ``steps``, else ``None``."""
     if args.steps is not None or doc.get("steps") is None:
         return args.steps
     try:
         return integer(doc["steps"], "steps", low=1)
     except ValueError as e:
         raise ValueError(f"{args.run_yaml}: {e}") from None
-
-
-def _decoder(path: str, loader: Loader) -> Any:
-    """A decode function of the tokenizer at ``path``; refuses one the data was not made with."""
-    loaded = load_tokenizer(path)
-    for name, records in zip(loader.names, loader.components, strict=True):
-        info = recorded_info(records)
-        tok = None if info is None else info.tokenizer
-        if tok is not None and tok.vocab_hash != tokenizer_info(loaded.tokenizer, path).vocab_hash:
-            raise ValueError(
-                f"the data of {name!r} was made with {tok.name} ({tok.vocab_hash}), not "
-                f"{path}: pass that tokenizer"
-            )
-    return lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -427,10 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_yaml", metavar="RUN", help="a run YAML with a phases section")
     add_store_flags(p)
     p.add_argument("--steps", type=at_least(1), help="where the run ends (default: its 'steps')")
-    p.add_argument(
-        "--state",
-        help="a saved state of the run: preview with its weight changes and skipped batches",
-    )
+    p.add_argument("--state", help="a saved state of the run: its weight changes and skips")
     p.add_argument("--split", default="train", help="the split (or part of a split cut) read")
     p.add_argument(
         "--picture",

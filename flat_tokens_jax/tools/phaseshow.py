@@ -76,13 +76,8 @@ def build_run(
 def run_from_yaml(
     doc: Any, name: str, split: str = "train", options: StoreOptions | None = None
 ) -> PhasedLoader:
-    """The run a YAML document (read from the file ``name``) describes, for
-    ``flat-tokens preview``: its ``phases``, or its ``data`` and ``loader`` as one phase.
-
-    Raises:
-        ValueError: the document says neither; a bad value, named by ``name``,
-            the phase and its path.
-    """
+    """The run of a YAML document from the file ``name``: its ``phases``, or its
+    ``data`` and ``loader`` as one phase (a ValueError names the file and path)."""
     if isinstance(doc, Mapping) and "phases" in doc:
         return build_run(config=doc, state=None, split=split, options=options, config_name=name)
     if isinstance(doc, Mapping) and "data" in doc and "loader" in doc:

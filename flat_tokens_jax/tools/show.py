@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from flat_tokens_jax.convert.tokenizer import load_tokenizer
 from flat_tokens_jax.core.limits import (
     ROW_BYTES_PER_TOKEN,
     STEP_BYTES,
@@ -22,12 +23,14 @@ from flat_tokens_jax.core.limits import (
 )
 from flat_tokens_jax.core.values import BadValue, known_keys
 from flat_tokens_jax.data.dataset import FlatTokens, open_dataset
+from flat_tokens_jax.data.records import recorded_info
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.loader import Loader
 from flat_tokens_jax.loader.state import SavedState
 from flat_tokens_jax.sampling.mixconfig import mixture_from_config
 from flat_tokens_jax.sampling.mixture import Mixture
 from flat_tokens_jax.sampling.schedule import BatchSchedule
+from flat_tokens_jax.store.identity import tokenizer_info
 from flat_tokens_jax.store.options import StoreOptions
 from flat_tokens_jax.tools.savedstate import saved_source
 
@@ -430,3 +433,17 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--vocab-size", type=int, help="check that the data's token ids fit below it"
     )
+
+
+def decoder(path: str, loader: Loader) -> Any:
+    """A decode function of the tokenizer at ``path``; refuses one the data was not made with."""
+    loaded = load_tokenizer(path)
+    for name, records in zip(loader.names, loader.components, strict=True):
+        info = recorded_info(records)
+        tok = None if info is None else info.tokenizer
+        if tok is not None and tok.vocab_hash != tokenizer_info(loaded.tokenizer, path).vocab_hash:
+            raise ValueError(
+                f"the data of {name!r} was made with {tok.name} ({tok.vocab_hash}), not "
+                f"{path}: pass that tokenizer"
+            )
+    return lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=False)

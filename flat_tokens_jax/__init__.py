@@ -1,13 +1,8 @@
 """flat_tokens_jax: feed JAX language-model training from flat-tokens stores.
 
-The names below are imported on first use (``ftj.Loader``, ``from flat_tokens_jax
-import Loader``), so ``import flat_tokens_jax`` costs almost nothing and a
-program imports only the modules, and the libraries behind them (jax,
-tensorstore), that it uses.
-
-The modules live in subpackages that follow the data's path (``core``,
-``store``, ``data``, ``sampling``, ``decoding``, ``loader``, ``grain``,
-``convert``, ``tools``).
+Each public name is imported on first use (``ftj.Loader``), so ``import
+flat_tokens_jax`` costs almost nothing and a program imports only the modules
+(and jax, tensorstore) that it uses.
 """
 
 from __future__ import annotations
@@ -50,53 +45,36 @@ if TYPE_CHECKING:
     from flat_tokens_jax.store.options import StoreError, StoreOptions
     from flat_tokens_jax.store.storageformat import StorageFormat
 
-# Public name: the module that defines it.
+# The module that defines each public name.
 _HOMES = {
-    "BatchSchedule": "sampling.schedule",
-    "BinRecords": "data.bins",
-    "Dataset": "data.dataset",
-    "DatasetInfo": "store.identity",
-    "DatasetWriter": "data.writer",
-    "EpochsExhausted": "sampling.sampling",
-    "FlatTokens": "data.dataset",
-    "FormatError": "core.format",
-    "IndexSampler": "sampling.sampling",
-    "InstanceFilter": "decoding.instancefilter",
-    "Loader": "loader.loader",
-    "LoaderConfig": "loader.config",
-    "Mixture": "sampling.mixture",
-    "OverwriteNeeded": "store.location",
-    "PackedRecords": "data.records",
-    "Packing": "core.fields",
-    "PackingPlan": "data.plans",
-    "PaddedRecords": "data.records",
-    "Phase": "loader.phases",
-    "PhasedLoader": "loader.phasedloader",
-    "Problem": "core.format",
-    "Records": "data.records",
-    "StateMismatch": "loader.state",
-    "StorageFormat": "store.storageformat",
-    "StoreError": "store.options",
-    "StoreOptions": "store.options",
-    "TokenizerInfo": "store.identity",
-    "decode": "core.format",
-    "encode": "core.format",
-    "library_version": "store.identity",
-    "mixture_from_config": "sampling.mixconfig",
-    "open_dataset": "data.dataset",
-    "pack_dataset": "data.storedplans",
-    "per_source": "decoding.persource",
-    "permute": "sampling.sampling",
-    "phases_from_config": "loader.phaseconfig",
-    "phases_from_yaml": "loader.phaseconfig",
-    "apply_skips": "loader.steered",
-    "skips_from_config": "loader.steered",
-    "skips_from_yaml": "loader.steered",
-    "steering_at": "loader.phasedloader",
-    "summary": "data.validation",
-    "validate": "data.validation",
-    "write_dataset": "data.writer",
+    "core.fields": ("Packing",),
+    "core.format": ("FormatError", "Problem", "decode", "encode"),
+    "data.bins": ("BinRecords",),
+    "data.dataset": ("Dataset", "FlatTokens", "open_dataset"),
+    "data.plans": ("PackingPlan",),
+    "data.records": ("PackedRecords", "PaddedRecords", "Records"),
+    "data.storedplans": ("pack_dataset",),
+    "data.validation": ("summary", "validate"),
+    "data.writer": ("DatasetWriter", "write_dataset"),
+    "decoding.instancefilter": ("InstanceFilter",),
+    "decoding.persource": ("per_source",),
+    "loader.config": ("LoaderConfig",),
+    "loader.loader": ("Loader",),
+    "loader.phaseconfig": ("phases_from_config", "phases_from_yaml"),
+    "loader.phasedloader": ("PhasedLoader", "steering_at"),
+    "loader.phases": ("Phase",),
+    "loader.state": ("StateMismatch",),
+    "loader.steered": ("apply_skips", "skips_from_config", "skips_from_yaml"),
+    "sampling.mixconfig": ("mixture_from_config",),
+    "sampling.mixture": ("Mixture",),
+    "sampling.sampling": ("EpochsExhausted", "IndexSampler", "permute"),
+    "sampling.schedule": ("BatchSchedule",),
+    "store.identity": ("DatasetInfo", "TokenizerInfo", "library_version"),
+    "store.location": ("OverwriteNeeded",),
+    "store.options": ("StoreError", "StoreOptions"),
+    "store.storageformat": ("StorageFormat",),
 }
+_HOME_OF = {name: home for home, names in _HOMES.items() for name in names}
 
 __all__ = [
     "BatchSchedule",
@@ -147,7 +125,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     """A public name, ``__version__`` or a submodule, imported on first use."""
-    home = _HOMES.get(name)
+    home = _HOME_OF.get(name)
     if home is not None:
         value = getattr(importlib.import_module(f"flat_tokens_jax.{home}"), name)
     elif name == "__version__":

@@ -1,40 +1,43 @@
 """flat-tokens: write, check, inspect and convert flat-tokens datasets, and
-show or plan what a run's loader reads at any step."""
+show or preview what a run's loader reads at any step."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from flat_tokens_jax.convert import chat, megatron, merge, text
 from flat_tokens_jax.convert.commands import (
+    above_zero,
     add_store_flags,
     at_least,
+    between,
     fail,
     path_error,
     refuse_memory_output,
     store_options,
 )
-from flat_tokens_jax.convert.tokenizer import load_tokenizer
 from flat_tokens_jax.core.format import FormatError
 from flat_tokens_jax.core.urls import redact_text
 from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.core.yamlfile import read_yaml
 from flat_tokens_jax.data.plans import plan_group
-from flat_tokens_jax.data.records import recorded_info
 from flat_tokens_jax.data.storedplans import pack_dataset
 from flat_tokens_jax.data.validation import summary, validate
 from flat_tokens_jax.loader.loader import Loader
-from flat_tokens_jax.loader.steered import Skipper
-from flat_tokens_jax.store.identity import library_version, tokenizer_info
+from flat_tokens_jax.loader.phasedloader import PhasedLoader
+from flat_tokens_jax.loader.steered import Skipper, apply_skips
+from flat_tokens_jax.store.identity import library_version
 from flat_tokens_jax.store.options import StoreError
-from flat_tokens_jax.tools import phaseshow, runplan, savedstate, show
+from flat_tokens_jax.tools import phaseshow, runview, savedstate, show
+from flat_tokens_jax.tools.requesttable import MAX_SAMPLE_STEPS, preview_requests
 
 
 def _store_args(parser: argparse.ArgumentParser) -> None:
@@ -61,8 +64,7 @@ _BAR_WIDTH = 40
 
 
 def _bar(count: int, largest: int, unicode: bool) -> str:
-    """A bar of ``count`` scaled so that ``largest`` fills :data:`_BAR_WIDTH`
-    (at least a sliver for any count above 0)."""
+    """A bar of ``count``, ``largest`` filling :data:`_BAR_WIDTH` (a sliver at least above 0)."""
     if not count:
         return ""
     eighths = max(1, round(count / largest * _BAR_WIDTH * 8))
@@ -187,44 +189,41 @@ def _cmd_show(args: argparse.Namespace) -> int:
                 "a 'data' section, or a 'phases' section"
             )
         state = None if args.state is None else savedstate.load_state(args.state)
-        planned = [show.parse_skip(text) for text in args.skip or ()]
-        run, step = None, args.step
-        if phaseshow.is_phased(config, state):
-            run = phaseshow.build_run(
-                config=config,
-                state=state,
-                split=args.split,
-                options=store_options(args),
-                fields=show.config_fields(args),
-                config_name=args.config or "--config",
-                state_name=args.state or "--state",
-            )
-            _planned_skips(run, config, args.config, planned)
-            loader: Loader = run
-        else:
-            loader = show.build_loader(
-                url=args.url,
-                split=args.split,
-                config=config,
-                state=state,
-                fields=show.config_fields(args),
-                options=store_options(args),
-                config_name=args.config or "--config",
-                state_name=args.state or "--state",
-            )
-            _planned_skips(loader, config, args.config, planned)
-        steered = (run or loader).saved_state()
+        if config is not None and state is not None:
+            raise ValueError("give the run as --config or as --state, not both")
+        added = [show.parse_skip(text) for text in args.skip or ()]
+        build: Callable[..., Loader] = functools.partial(show.build_loader, url=args.url)
+        if (isinstance(config, Mapping) and "phases" in config) or (state and state.phased):
+            build = phaseshow.build_run
+        loader = build(
+            config=config,
+            state=state,
+            split=args.split,
+            options=store_options(args),
+            fields=show.config_fields(args),
+            config_name=args.config or "--config",
+            state_name=args.state or "--state",
+        )
+        _add_skips(loader, config, args.config, added)
+        step = args.step
         size = loader.batch_size_at(step)
         show.check_show_memory(loader.config, size, size if args.rows is None else 0)
         rows = show.parse_rows(args.rows, size)
         show.check_show_memory(loader.config, size, len(rows))
-        decode = None if args.tokenizer is None else _decoder(args.tokenizer, loader)
+        decode = None if args.tokenizer is None else show.decoder(args.tokenizer, loader)
         shown = show.run_json(loader, step, rows)
-        if run is not None:
-            shown = phaseshow.mark(shown, run, args.step)
-        steering = show.steering_lines(steered, args.step)
+        if isinstance(loader, PhasedLoader):
+            k = loader.phase_at(step)
+            shown["phase"] = {
+                "index": k,
+                "name": loader.phases[k].name,
+                "start_step": loader.starts[k],
+                "step": step - loader.firsts[k],
+            }
+        steered = loader.saved_state()
+        steering = show.steering_lines(steered, step)
         if steering:
-            shown["steering"] = show.steering_json(steered, args.step)
+            shown["steering"] = show.steering_json(steered, step)
     except (StoreError, IndexError, KeyError, ValueError, OSError) as e:
         return fail("show", e)
     if args.json:
@@ -257,21 +256,26 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _planned_skips(run: Skipper, config: Any, name: str, planned: list[tuple[int, int]]) -> None:
-    """Skips a run as ``show`` sees it: its YAML's ``skip`` list, then ``--skip``'s."""
+def _add_skips(run: Skipper, config: Any, name: str, added: list[tuple[int, int]]) -> None:
+    """Skips of ``show`` and ``preview``: the YAML's ``skip`` list, then ``--skip``'s."""
     if isinstance(config, Mapping) and "skip" in config:
-        phaseshow.yaml_skips(run, config["skip"], name)
-    for at, count in planned:
+        try:
+            apply_skips(run, config["skip"])
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+    for at, count in added:
         run.skip(at, count)
 
 
-def _cmd_plan(args: argparse.Namespace) -> int:
+_SAMPLE_STEPS = 8  # --sample-steps when not given
+
+
+def _cmd_preview(args: argparse.Namespace) -> int:
     name = args.run_yaml
-    _check_plan_flags(args)
+    _check_preview_flags(args)
     doc = read_yaml(name)
-    run = phaseshow.plan_run(doc, name, split=args.split, options=store_options(args))
-    if isinstance(doc, Mapping) and "skip" in doc:
-        phaseshow.yaml_skips(run, doc["skip"], name)
+    run = phaseshow.run_from_yaml(doc, name, split=args.split, options=store_options(args))
+    _add_skips(run, doc, name, [])
     if args.state is not None:
         state = savedstate.load_state(args.state)
         try:
@@ -280,69 +284,69 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             raise ValueError(f"--state {args.state}: {e}") from None
     end = _run_end(args, doc)
     if args.requests:
-        print("\n".join(phaseshow.request_lines(run, args, end)))
+        steps = _SAMPLE_STEPS if args.sample_steps is None else args.sample_steps
+        lines = preview_requests(run, args.hosts, args.step_seconds, steps, name, end)
+        print("\n".join(lines))
         return 0
     if end is None:
         raise ValueError(f"{name}: say where the run ends: --steps N (or a top-level 'steps: N')")
     try:
-        rows = runplan.plan_rows(run, end)
+        rows = runview.run_rows(run, end)
     except ValueError as e:
         raise ValueError(f"{name}: --steps {end}: {e}") from None
-    warnings = runplan.repeat_warnings(run, rows)
+    warnings = runview.repeat_warnings(run, rows)
     if args.picture is not None:
         try:
-            runplan.draw_shares(run, end, args.picture)
+            runview.draw_shares(run, end, args.picture)
         except OSError as e:
             raise path_error("--picture", args.picture, e, "a .png or .svg file") from None
-    steered = runplan.steering_rows(run)
+    steered = runview.steering_rows(run)
     if args.json:
         print(json.dumps({"rows": rows, "steering": steered} if steered else rows))
     else:
-        print("\n".join(runplan.plan_table(rows) + runplan.steering_table(steered)))
+        print("\n".join(runview.run_table(rows) + runview.steering_table(steered)))
     for line in warnings:
-        print(f"plan: warning: {line}", file=sys.stderr)
+        print(f"preview: warning: {line}", file=sys.stderr)
     if args.picture is not None and not args.json:
         print(f"wrote {args.picture}")
     return 0
 
 
-def _check_plan_flags(args: argparse.Namespace) -> None:
-    """Refuses ``plan`` flags that the command given would not read."""
+def _check_preview_flags(args: argparse.Namespace) -> None:
+    """Refuses ``preview`` flags that the command given would not read."""
     if args.requests:
         unread = [f for f, v in (("--picture", args.picture), ("--json", args.json)) if v]
         if unread:
             flags = " and ".join(unread)
             raise ValueError(f"--requests prints its table only, not {flags}: drop {flags}")
+        missing = [f for f in ("hosts", "step_seconds") if getattr(args, f) is None]
+        if missing:
+            flags = " and ".join("--" + f.replace("_", "-") for f in missing)
+            raise ValueError(
+                f"preview --requests: give {flags} (the pod's hosts and its step time)"
+            )
         return
-    given = ["--" + f.replace("_", "-") for f in phaseshow.REQUEST_FLAGS if getattr(args, f)]
+    given = [
+        "--" + f.replace("_", "-")
+        for f in ("hosts", "step_seconds", "sample_steps")
+        if getattr(args, f)
+    ]
     if given:
         flags = " and ".join(given)
         verb = "applies" if len(given) == 1 else "apply"
-        raise ValueError(f"{flags} {verb} to plan --requests only: add --requests, or drop {flags}")
+        raise ValueError(
+            f"{flags} {verb} to preview --requests only: add --requests, or drop {flags}"
+        )
 
 
 def _run_end(args: argparse.Namespace, doc: Mapping[str, Any]) -> int | None:
-    """Where the run ends: ``--steps``, else the YAML's top-level ``steps``, else ``None``."""
+    """``--steps``, else the YAML's top-level ``steps``, else ``None``."""
     if args.steps is not None or doc.get("steps") is None:
         return args.steps
     try:
         return integer(doc["steps"], "steps", low=1)
     except ValueError as e:
         raise ValueError(f"{args.run_yaml}: {e}") from None
-
-
-def _decoder(path: str, loader: Loader) -> Any:
-    """A decode function of the tokenizer at ``path``; refuses one the data was not made with."""
-    loaded = load_tokenizer(path)
-    for name, records in zip(loader.names, loader.components, strict=True):
-        info = recorded_info(records)
-        tok = None if info is None else info.tokenizer
-        if tok is not None and tok.vocab_hash != tokenizer_info(loaded.tokenizer, path).vocab_hash:
-            raise ValueError(
-                f"the data of {name!r} was made with {tok.name} ({tok.vocab_hash}), not "
-                f"{path}: pass that tokenizer"
-            )
-    return lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -393,14 +397,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--skip",
         action="append",
         metavar="STEP:COUNT",
-        help="a planned skip: COUNT batches skipped at STEP, after the run's own (repeatable)",
+        help="a skip to try: COUNT batches skipped at STEP, after the run's own (repeatable)",
     )
     p.add_argument("--rows", help="rows to print, e.g. 0,5-7 (default: all)")
     p.add_argument("--tokenizer", help="render rows as text with this tokenizer")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_cmd_show)
     p = sub.add_parser(
-        "plan",
+        "preview",
         help="what each phase of a run reads: steps, samples, tokens, epochs",
         description="Per phase and component of a run YAML's phases section: steps, "
         "samples, tokens (rows x seq_len, padding included) and epochs consumed, by the "
@@ -409,19 +413,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_yaml", metavar="RUN", help="a run YAML with a phases section")
     add_store_flags(p)
     p.add_argument("--steps", type=at_least(1), help="where the run ends (default: its 'steps')")
-    p.add_argument(
-        "--state",
-        help="a saved state of the run: plan with its weight changes and skipped batches",
-    )
+    p.add_argument("--state", help="a saved state of the run: its weight changes and skips")
     p.add_argument("--split", default="train", help="the split (or part of a split cut) read")
     p.add_argument(
         "--picture",
         help="also draw each component's share of tokens over steps (.png or .svg), with "
         "phases, and the --state's weight changes and skips, marked",
     )
-    phaseshow.add_request_flags(p)
+    p.add_argument(
+        "--requests",
+        action="store_true",
+        help="print the requests/s and bytes/s the run asks of its store on --hosts hosts at "
+        "--step-seconds a step, and how long a fresh GCS bucket would throttle them",
+    )
+    p.add_argument("--hosts", type=at_least(1), help="hosts of the pod (with --requests)")
+    p.add_argument("--step-seconds", type=above_zero, help="seconds a step (with --requests)")
+    p.add_argument(
+        "--sample-steps",
+        type=between(1, MAX_SAMPLE_STEPS),
+        help="steps of each phase the sampler is run for, at most "
+        f"{MAX_SAMPLE_STEPS:,} and no more than the phase has (with --requests; default "
+        f"{_SAMPLE_STEPS})",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(run=_cmd_plan)
+    p.set_defaults(run=_cmd_preview)
     p = sub.add_parser(
         "pack",
         help="store the packing plan of whole sequences into rows of --seq-len",

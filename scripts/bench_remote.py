@@ -37,7 +37,7 @@ afresh (a cold cache):
 * ``--shuffle full blocks``: each row for each shuffle, ``shuffle=True`` and
   ``shuffle="blocks"`` (its default block and window), with requests per
   1,000 rows, bytes read over the bytes of the tokens handed out, and beside
-  them the requests plan's (``plan_requests`` for the steps the row read,
+  them the request counts' (``count_requests`` for the steps the row read,
   those still ahead included; it counts no shard index, probe or digests,
   and no chunk cached by an earlier step). A block is one request of about
   2**18 tokens, read once an epoch by the lane that needs it, which keeps
@@ -74,7 +74,7 @@ import numpy as np
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.store.store import remote_bytes, remote_reads
-from flat_tokens_jax.tools.requestplan import plan_requests
+from flat_tokens_jax.tools.requestcount import count_requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from proxies import ThrottleProxy
@@ -205,10 +205,10 @@ def loop(
     steps: int,
     sharding: Any = None,
     path: str = "iterate",
-    planned: bool = False,
+    with_counts: bool = False,
 ) -> dict[str, Any]:
     """A training loop of ``steps`` steps after the first, on a freshly opened
-    store; ``planned``: with the requests plan of the steps it read (one host)."""
+    store; ``with_counts``: with the request counts of the steps it read (one host)."""
     scheme = where.url[:2]
     requests_before, bytes_before = remote_reads()[scheme], remote_bytes()[scheme]
     began = time.perf_counter()
@@ -251,11 +251,11 @@ def loop(
     received = remote_bytes()[scheme] - bytes_before
     batch_rows = next(iter(batch.values())).shape[0]
     rows = fetched * batch_rows
-    if planned:  # after the counts: the plan's open reads metadata
+    if with_counts:  # after the counts: count_requests' open reads metadata
         ft = ftj.open_dataset(where.url, where.options)["train"]
-        reads = plan_requests(ftj.Loader(ft, cfg), 1, step_time or 1.0, range(fetched)).reads
-        got["planned_per_1000_rows"] = 1000 * int(reads.requests.sum()) / rows
-        got["planned_of_token_bytes"] = int(reads.bytes.sum()) / int(reads.useful.sum())
+        reads = count_requests(ftj.Loader(ft, cfg), 1, step_time or 1.0, range(fetched)).reads
+        got["counted_per_1000_rows"] = 1000 * int(reads.requests.sum()) / rows
+        got["counted_of_token_bytes"] = int(reads.bytes.sum()) / int(reads.useful.sum())
     return {
         **got,
         "shuffle": "blocks" if cfg.shuffle == "blocks" else "full",
@@ -303,7 +303,7 @@ def single_host(
             proxy.delay = delay
             for (name, cfg), path in itertools.product(cfgs.items(), args.paths):
                 steps = args.block_steps if name == "blocks" else args.steps
-                got = loop(where, cfg, step_time, steps, path=path, planned=True)
+                got = loop(where, cfg, step_time, steps, path=path, with_counts=True)
                 if args.waits:
                     each = " ".join(f"{w * 1000:.0f}" for w in got["waits"])
                     row = f"{PATHS[path]}, +{delay * 1e3:.0f} ms, {step_time * 1e3:.0f} ms steps"
@@ -454,13 +454,13 @@ def print_rows(
         )
     print(
         "\nrequests and bytes over the steps read (those still ahead included) beside the "
-        "requests plan's for the same steps; after step 0: the requests sent between the "
+        "request counts' for the same steps; after step 0: the requests sent between the "
         "first step's return and the last's, per 1,000 rows of the steps read in between "
         "(the store's open and step 0 left out); token bytes: 4 a token handed out\n"
     )
     print(
         "| path | shuffle | step | added latency | requests / 1,000 rows | after step 0 | "
-        "planned | bytes read / token bytes | planned | block reads |"
+        "counted | bytes read / token bytes | counted | block reads |"
     )
     print("| --- | --- |" + " ---: |" * 8)
     for r in rows:
@@ -468,9 +468,9 @@ def print_rows(
             print(
                 f"| {PATHS[r['path']]} | {r['shuffle']} | {r['step_time'] * 1e3:.0f} ms | "
                 f"{r['delay'] * 1e3:.0f} ms | {r['per_1000_rows']:.1f} | "
-                f"{r['later_per_1000_rows']:.1f} | {r['planned_per_1000_rows']:.1f} | "
+                f"{r['later_per_1000_rows']:.1f} | {r['counted_per_1000_rows']:.1f} | "
                 f"{r['bytes_per_token'] / 4:.2f} | "
-                f"{r['planned_of_token_bytes']:.2f} | {r['block_reads']} |"
+                f"{r['counted_of_token_bytes']:.2f} | {r['block_reads']} |"
             )
 
 

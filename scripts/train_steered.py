@@ -19,7 +19,7 @@ bit. Usage::
     python scripts/train_steered.py --config configs/train_steered.yaml \\
         --checkpoint-dir /tmp/ckpt --steps 40 --log-jsonl log.jsonl
 
-``flat-tokens plan configs/train_steered.yaml --state /tmp/ckpt/40/loader.json
+``flat-tokens preview configs/train_steered.yaml --state /tmp/ckpt/40/loader.json
 --picture shares.png`` then draws the share of each source the run read. Needs the
 ``example`` extra: ``pip install -e '.[example]'``.
 """

@@ -113,7 +113,7 @@ COMMANDS = {
     "validate": ["U"],
     "info": ["U"],
     "show": ["U", "--step", "0", "--batch-size", "1", "--seq-len", "1"],
-    "plan": ["RUN.yaml"],
+    "preview": ["RUN.yaml"],
     "convert": ["I", "U"],
     "convert-chat": ["I", "U", "--tokenizer", "T"],
     "merge": ["U", "U2"],
@@ -159,7 +159,7 @@ def test_every_option_of_every_command_says_what_it_does_in_plain_text() -> None
 
 
 def test_the_cli_guides_synopsis_lists_every_command() -> None:
-    """Issue 35: docs/guide/cli.md's synopsis lacked ``plan``, ``pack`` and ``convert-chat``."""
+    """Issue 35: docs/guide/cli.md's synopsis lacked three commands, ``pack`` among them."""
     guide = (Path(__file__).resolve().parents[1] / "docs" / "guide" / "cli.md").read_text()
     synopsis = guide.split("```text\n", 1)[1].split("```", 1)[0]
     listed = set(re.findall(r"^flat-tokens ([a-z][a-z-]*)", synopsis, re.M))

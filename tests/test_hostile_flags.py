@@ -1,4 +1,4 @@
-"""Issue 46, the CLI and the memory errors: what `plan --requests` samples, how
+"""Issue 46, the CLI and the memory errors: what `preview --requests` samples, how
 far its work may grow, and errors that name the option to change with values
 that are then accepted.
 
@@ -71,7 +71,7 @@ def test_a_block_or_window_larger_than_the_data_is_the_data(data: Path, fields: 
     assert loader.engine.sources.block_cache_bytes <= (tokens + 1) * 4 + 4 * 8 * 2
 
 
-def test_show_and_plan_take_a_block_larger_than_the_data(tmp_path: Path, data: Path) -> None:
+def test_show_and_preview_take_a_block_larger_than_the_data(tmp_path: Path, data: Path) -> None:
     code, out, err = run_main(
         "show", str(data), "--step", "3", "--batch-size", "8", "--seq-len", "8", "--blocks",
         "--shuffle-block", str(10**12), "--shuffle-window", str(10**6), "--json",
@@ -80,9 +80,9 @@ def test_show_and_plan_take_a_block_larger_than_the_data(tmp_path: Path, data: P
     assert len(json.loads(out)["rows"]) == 8
     big = f"{{batch_size: 8, seq_len: 8, shuffle: blocks, shuffle_block: {10**12}}}"
     run = run_yaml(tmp_path, data, big)
-    code, out, err = run_main("plan", str(run), *REQUESTS)
+    code, out, err = run_main("preview", str(run), *REQUESTS)
     assert (code, err) == (0, ""), err
-    code, out, err = run_main("plan", str(run), "--steps", "10")
+    code, out, err = run_main("preview", str(run), "--steps", "10")
     assert (code, err) == (0, ""), err
 
 
@@ -193,38 +193,38 @@ def test_a_block_state_suggests_a_batch_size_the_lanes_take(data: Path) -> None:
 
 
 def sampled(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
-    """The steps each of ``plan --requests``'s plans is asked to sample."""
+    """The steps each of ``preview --requests``'s counts is asked to sample."""
     asked: list[list[int]] = []
-    plan = requesttable.plan_requests
+    count = requesttable.count_requests
 
     def spy(loader: Any, hosts: int, seconds: float, steps: Any) -> Any:
         asked.append(list(steps))
-        return plan(loader, hosts, seconds, steps)
+        return count(loader, hosts, seconds, steps)
 
-    monkeypatch.setattr(requesttable, "plan_requests", spy)
+    monkeypatch.setattr(requesttable, "count_requests", spy)
     return asked
 
 
-def test_plan_requests_samples_no_step_past_the_run(
+def test_count_requests_samples_no_step_past_the_run(
     tmp_path: Path, data: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A 40-step run (its YAML's ``steps``, or ``--steps``) sampled for 1000
     steps samples steps 0 to 39, and says so."""
     run = run_yaml(tmp_path, data, "{batch_size: 8, seq_len: 8}", "steps: 40\n")
     asked = sampled(monkeypatch)
-    code, out, err = run_main("plan", str(run), *REQUESTS, "--sample-steps", "1000")
+    code, out, err = run_main("preview", str(run), *REQUESTS, "--sample-steps", "1000")
     assert (code, err) == (0, "")
     assert asked == [list(range(40))] * 2  # as configured, and under the other shuffle
     assert "sampled its steps 0 to 39 (the run ends there, at step 40)" in out
     assert "--sample-steps 1000 is past the end of phase 0" in out
     asked.clear()
     run.write_text(run.read_text().replace("steps: 40\n", ""))
-    code, out, _ = run_main("plan", str(run), *REQUESTS, "--sample-steps", "50", "--steps", "7")
+    code, out, _ = run_main("preview", str(run), *REQUESTS, "--sample-steps", "50", "--steps", "7")
     assert code == 0 and asked == [list(range(7))] * 2
     assert "sampled its steps 0 to 6" in out
 
 
-def test_plan_requests_samples_each_phase_only_within_it(
+def test_count_requests_samples_each_phase_only_within_it(
     tmp_path: Path, data: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run = tmp_path / "phases.yaml"
@@ -236,7 +236,7 @@ def test_plan_requests_samples_each_phase_only_within_it(
         f"  - {{start_step: 30, {phase}{{batch_size: 4, seq_len: 16}}}}\n"
     )
     asked = sampled(monkeypatch)
-    code, out, err = run_main("plan", str(run), *REQUESTS, "--steps", "20")
+    code, out, err = run_main("preview", str(run), *REQUESTS, "--steps", "20")
     assert (code, err) == (0, "")
     # Phase 0 has 3 steps, phase 1 the 17 before the run's end, phase 2 none.
     assert asked == [[0, 1, 2]] * 2 + [list(range(8))] * 2
@@ -251,7 +251,7 @@ def test_sample_steps_past_the_maximum_are_refused(tmp_path: Path, data: Path) -
     for steps in (2**63, 10**9, most + 1):
         err = io.StringIO()
         with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
-            main(["plan", str(run), *REQUESTS, "--sample-steps", str(steps)])
+            main(["preview", str(run), *REQUESTS, "--sample-steps", str(steps)])
         assert e.value.code == 2
         assert f"argument --sample-steps: must be at most {most:,}, got {steps}" in err.getvalue()
 
@@ -262,12 +262,12 @@ def test_sampled_rows_past_the_maximum_are_refused_naming_the_steps_that_fit(
     batch = 1 << 20
     run = run_yaml(tmp_path, data, f"{{batch_size: {batch}, seq_len: 8}}")
     asked = sampled(monkeypatch)
-    code, _, err = run_main("plan", str(run), *REQUESTS, "--sample-steps", "5")
+    code, _, err = run_main("preview", str(run), *REQUESTS, "--sample-steps", "5")
     assert code == 1 and not asked
     most = requesttable.MAX_SAMPLED_ROWS // batch
     assert "--sample-steps 5: the steps sampled of phase 0 (from step 0) would hold" in err
     assert err.rstrip().endswith(f"give --sample-steps {most} or fewer"), err
-    code, _, err = run_main("plan", str(run), *REQUESTS, "--sample-steps", str(most))
+    code, _, err = run_main("preview", str(run), *REQUESTS, "--sample-steps", str(most))
     assert (code, err) == (0, "")
     assert asked == [list(range(most))] * 2
 
@@ -275,9 +275,9 @@ def test_sampled_rows_past_the_maximum_are_refused_naming_the_steps_that_fit(
 def test_paths_are_named_by_their_flag(tmp_path: Path, data: Path) -> None:
     run = run_yaml(tmp_path, data, "{batch_size: 8, seq_len: 8}")
     missing = tmp_path / "no" / "such"
-    code, _, err = run_main("plan", str(run), "--steps", "4", "--picture", f"{missing}/p.png")
+    code, _, err = run_main("preview", str(run), "--steps", "4", "--picture", f"{missing}/p.png")
     assert code == 1 and "Errno" not in err
-    assert f"plan: --picture {missing}/p.png: the folder {missing} does not exist" in err
+    assert f"preview: --picture {missing}/p.png: the folder {missing} does not exist" in err
     code, _, err = run_main("show", "--state", str(tmp_path), "--step", "0")
     assert code == 1 and "Errno" not in err
     assert f"show: --state {tmp_path} is a folder: name a saved loader state's JSON file" in err
@@ -286,12 +286,12 @@ def test_paths_are_named_by_their_flag(tmp_path: Path, data: Path) -> None:
     assert f"the export prefix {missing}/mega: the folder {missing} does not exist" in err
 
 
-def test_plan_refuses_flags_the_command_would_not_read(tmp_path: Path, data: Path) -> None:
+def test_preview_refuses_flags_the_command_would_not_read(tmp_path: Path, data: Path) -> None:
     run = run_yaml(tmp_path, data, "{batch_size: 8, seq_len: 8}")
-    code, out, err = run_main("plan", str(run), "--steps", "4", "--hosts", "2")
+    code, out, err = run_main("preview", str(run), "--steps", "4", "--hosts", "2")
     assert (code, out) == (1, "")
-    assert "--hosts applies to plan --requests only: add --requests, or drop --hosts" in err
-    code, _, err = run_main("plan", str(run), "--steps", "4", "--sample-steps", "3")
-    assert code == 1 and "--sample-steps applies to plan --requests only" in err
-    code, _, err = run_main("plan", str(run), *REQUESTS, "--json")
+    assert "--hosts applies to preview --requests only: add --requests, or drop --hosts" in err
+    code, _, err = run_main("preview", str(run), "--steps", "4", "--sample-steps", "3")
+    assert code == 1 and "--sample-steps applies to preview --requests only" in err
+    code, _, err = run_main("preview", str(run), *REQUESTS, "--json")
     assert code == 1 and "--requests prints its table only, not --json: drop --json" in err

@@ -573,7 +573,7 @@ HOSTILE_YAML = {
         second=f"    data: {{datasets: {{web: {{url: '{WEB}', wieght: 1}}}}}}\n"
     ),
 }
-# Read by plan only (show takes its step as a flag).
+# Read by preview only (show takes its step as a flag).
 PLAN_ONLY = {"top-steps": "steps: many\n" + two_phases()}
 
 
@@ -614,7 +614,7 @@ def corpus(tmp_path: Path) -> list[tuple[list[str], Path]]:
     for name, text in HOSTILE_YAML.items():
         path = tmp_path / f"{name}.yaml"
         path.write_text(text)
-        runs += [(["plan", str(path), "--steps", "10"], path)]
+        runs += [(["preview", str(path), "--steps", "10"], path)]
         runs += [(["show", "--config", str(path), "--step", "4"], path)]
     for name, text in HOSTILE_STATES.items():
         path = tmp_path / f"{name}.json"
@@ -643,19 +643,19 @@ def test_hostile_inputs_end_in_one_line_naming_the_file(tmp_path: Path) -> None:
         ("typo", ["found 'phase' (did you mean 'phases'?)"]),
         ("loader-only", ["it has 'loader' but no 'data'"]),
         ("top-steps", ["steps must be an int >= 1, got 'many'"]),
-        ("empty", ["is empty: plan reads a 'phases' section, or 'data' and 'loader'"]),
-        ("list", ["holds a list, not a mapping: plan reads a 'phases' section"]),
+        ("empty", ["is empty: preview reads a 'phases' section, or 'data' and 'loader'"]),
+        ("list", ["holds a list, not a mapping: preview reads a 'phases' section"]),
     ],
 )
-def test_plan_errors_name_the_file_the_phase_and_the_path(
+def test_preview_errors_name_the_file_the_phase_and_the_path(
     tmp_path: Path, name: str, fragments: list[str]
 ) -> None:
     path = tmp_path / f"{name}.yaml"
     path.write_text({**HOSTILE_YAML, **PLAN_ONLY}[name])
     steps = [] if name in PLAN_ONLY else ["--steps", "10"]
-    code, _, err = run_main("plan", str(path), *steps)
-    assert code == 1 and err.startswith(f"plan: {path}"), err
-    assert "--state" not in err, "a flag plan does not have"
+    code, _, err = run_main("preview", str(path), *steps)
+    assert code == 1 and err.startswith(f"preview: {path}"), err
+    assert "--state" not in err, "a flag preview does not have"
     for fragment in fragments:
         assert fragment in err, (fragment, err)
 
@@ -681,7 +681,7 @@ def test_a_store_error_of_a_phase_names_the_file_and_the_phase(
     path = tmp_path / "run.yaml"
     path.write_text(two_phases())
     for words in (
-        ["plan", str(path), "--steps", "4"],
+        ["preview", str(path), "--steps", "4"],
         ["show", "--config", str(path), "--step", "4"],
     ):
         code, _, err = run_main(*words)

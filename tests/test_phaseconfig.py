@@ -136,11 +136,11 @@ def brute_force_counts(run: ftj.PhasedLoader, end: int) -> dict[tuple[int, str],
     return counts
 
 
-def test_plan_counts_what_the_steps_read(tmp_path: Path) -> None:
+def test_preview_counts_what_the_steps_read(tmp_path: Path) -> None:
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({**RUN, "steps": 13}, sort_keys=False))
     run = ftj.PhasedLoader(by_hand())
-    code, out, err = run_main("plan", str(path), "--json")
+    code, out, err = run_main("preview", str(path), "--json")
     assert code == 0, err
     rows = json.loads(out)
     counted = brute_force_counts(run, 13)
@@ -151,35 +151,37 @@ def test_plan_counts_what_the_steps_read(tmp_path: Path) -> None:
     assert [r["stream"] for r in web] == ["new", "continued", "new"]
     records = len(run.engines[0].components[0])
     assert web[1]["stream_epochs"] == (web[0]["samples"] + web[1]["samples"]) / records
-    code, out, err = run_main("plan", str(path))
+    code, out, err = run_main("preview", str(path))
     assert code == 0, err
     assert "phase 1 'anneal': steps [5, 9) (4 steps), seq_len 6, packing True" in out
     path.write_text(yaml.safe_dump(RUN, sort_keys=False))
-    code, _, err = run_main("plan", str(path))
+    code, _, err = run_main("preview", str(path))
     assert code != 0 and "say where the run ends: --steps N" in err
 
 
-def test_plan_picture_needs_the_plot_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_preview_picture_needs_the_plot_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(RUN, sort_keys=False))
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     code, _, err = run_main(
-        "plan", str(path), "--steps", "12", "--picture", str(tmp_path / "p.png")
+        "preview", str(path), "--steps", "12", "--picture", str(tmp_path / "p.png")
     )
     assert code != 0 and "pip install 'flat-tokens-jax[plot]'" in err
     code, _, err = run_main(
-        "plan", str(path), "--steps", "12", "--picture", str(tmp_path / "p.gif")
+        "preview", str(path), "--steps", "12", "--picture", str(tmp_path / "p.gif")
     )
     assert code != 0 and "name a .png or .svg file" in err
 
 
 @pytest.mark.parametrize("suffix", ["png", "svg"])
-def test_plan_draws_the_shares_with_phase_boundaries(tmp_path: Path, suffix: str) -> None:
+def test_preview_draws_the_shares_with_phase_boundaries(tmp_path: Path, suffix: str) -> None:
     pytest.importorskip("matplotlib")
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(RUN, sort_keys=False))
     picture = tmp_path / f"p.{suffix}"
-    code, _, err = run_main("plan", str(path), "--steps", "12", "--picture", str(picture))
+    code, _, err = run_main("preview", str(path), "--steps", "12", "--picture", str(picture))
     assert code == 0, err
     head = picture.read_bytes()[:200]
     assert head.startswith(b"\x89PNG") if suffix == "png" else b"<svg" in picture.read_bytes()
@@ -212,13 +214,13 @@ def test_the_example_run_yaml_builds(tmp_path: Path) -> None:
     assert run.host_batch(100_000)["targets"].shape == (1, 64)
 
 
-def test_plan_of_a_data_and_loader_yaml_is_one_phase(tmp_path: Path) -> None:
+def test_preview_of_a_data_and_loader_yaml_is_one_phase(tmp_path: Path) -> None:
     """configs/mixture.yaml's shape: the counts of the Loader that show rebuilds from it."""
     data = {"datasets": {n: {"url": URLS[n], "weight": w} for n, w in [("web", 3), ("code", 1)]}}
     loader = {"batch_size": [[0, 2], [3, 4]], "seq_len": 6, "seed": 1}
     path = tmp_path / "mixture.yaml"
     path.write_text(yaml.safe_dump({"data": data, "loader": loader}, sort_keys=False))
-    code, out, err = run_main("plan", str(path), "--steps", "7", "--json")
+    code, out, err = run_main("preview", str(path), "--steps", "7", "--json")
     assert code == 0, err
     rows = json.loads(out)
     run = ftj.PhasedLoader(
@@ -228,7 +230,7 @@ def test_plan_of_a_data_and_loader_yaml_is_one_phase(tmp_path: Path) -> None:
     assert [r["stream"] for r in rows] == ["new", "new"]
 
 
-def test_plan_refuses_steps_the_loader_refuses(tmp_path: Path) -> None:
+def test_preview_refuses_steps_the_loader_refuses(tmp_path: Path) -> None:
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(RUN, sort_keys=False))
     run = ftj.PhasedLoader(by_hand())
@@ -237,18 +239,20 @@ def test_plan_refuses_steps_the_loader_refuses(tmp_path: Path) -> None:
     run.engines[2].steps.samples(last - 9, np.zeros(0, np.int64))  # the loader takes it
     with pytest.raises(ValueError, match="too large"):
         run.engines[2].steps.samples(last - 9 + 1, np.zeros(0, np.int64))
-    code, out, err = run_main("plan", str(path), "--steps", str(last + 1), "--json")
+    code, out, err = run_main("preview", str(path), "--steps", str(last + 1), "--json")
     assert code == 0, err
     assert max(r["samples"] for r in json.loads(out)) < 2**63
     for steps in (last + 2, 10**30):
-        code, out, err = run_main("plan", str(path), "--steps", str(steps))
+        code, out, err = run_main("preview", str(path), "--steps", str(steps))
         assert code == 1 and out == "", err
-        assert err.startswith(f"plan: {path}: --steps {steps}: the run's step {steps - 1} is step")
+        assert err.startswith(
+            f"preview: {path}: --steps {steps}: the run's step {steps - 1} is step"
+        )
         assert "of phase 2 'long' (from step 9), and its loader refuses it" in err
         assert f"the last step is {last - 9}" in err, err
 
 
-def test_plan_columns_fit_their_widest_value_and_heavy_repeats_warn(tmp_path: Path) -> None:
+def test_preview_columns_fit_their_widest_value_and_heavy_repeats_warn(tmp_path: Path) -> None:
     small = memory_url()
     ftj.write_dataset(small, {"train": [[1, 2, 3]] * 13})
     datasets = {"tiny": {"url": small, "weight": 1}, "web": {"url": URLS["web"], "weight": 1}}
@@ -260,10 +264,10 @@ def test_plan_columns_fit_their_widest_value_and_heavy_repeats_warn(tmp_path: Pa
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({"phases": [phase]}, sort_keys=False))
     steps = 10**12
-    code, out, err = run_main("plan", str(path), "--steps", str(steps), "--json")
+    code, out, err = run_main("preview", str(path), "--steps", str(steps), "--json")
     assert code == 0, err
     rows = json.loads(out)
-    code, text, err = run_main("plan", str(path), "--steps", str(steps))
+    code, text, err = run_main("preview", str(path), "--steps", str(steps))
     assert code == 0, err
     lines = text.splitlines()
     assert lines[1].split() == [
@@ -287,14 +291,14 @@ def test_plan_columns_fit_their_widest_value_and_heavy_repeats_warn(tmp_path: Pa
     # Each component draws half of the 4 * 10**12 samples: tiny's 13 records repeat.
     assert [r["samples"] for r in rows] == [2 * 10**12, 2 * 10**12]
     warned = err.strip().splitlines()
-    assert len(warned) == 2 and all(w.startswith("plan: warning: component '") for w in warned)
+    assert len(warned) == 2 and all(w.startswith("preview: warning: component '") for w in warned)
     assert f"'tiny' (13 records) is read {2 * 10**12 / 13:,.1f} epochs by step {steps}" in err
     # Warned: exactly the streams read more than 100 epochs (web's 30 records
     # about 93 and 107 times).
     for step_count, web_warned in ((1400, False), (1600, True)):
-        code, out, _ = run_main("plan", str(path), "--steps", str(step_count), "--json")
+        code, out, _ = run_main("preview", str(path), "--steps", str(step_count), "--json")
         web = next(r for r in json.loads(out) if r["component"] == "web")
         assert (web["stream_epochs"] > 100) == web_warned, web
-        code, _, err = run_main("plan", str(path), "--steps", str(step_count))
+        code, _, err = run_main("preview", str(path), "--steps", str(step_count))
         assert code == 0 and ("'web' (30 records)" in err) == web_warned, err
         assert "'tiny' (13 records)" in err

@@ -148,7 +148,7 @@ def test_a_yaml_skip_past_the_largest_sample_index_is_named_by_its_entry(tmp_pat
             }
         )
     )
-    for command in (["show", "--step", "0", "--config"], ["plan"]):
+    for command in (["show", "--step", "0", "--config"], ["preview"]):
         code, _, err = run_main(*command, str(tmp_path / "run.yaml"))
         assert code == 1, err
         assert f"run.yaml: skip[1].count {2**62} would make step 3 read data step" in err

@@ -532,7 +532,7 @@ def test_show_prints_the_data_step_and_the_weights_a_step_reads(tmp_path: Path) 
     assert code == 1 and "step 4 is before the loader's next step 5" in err
 
 
-def test_show_and_plan_read_a_yaml_skip_list(tmp_path: Path) -> None:
+def test_show_and_preview_read_a_yaml_skip_list(tmp_path: Path) -> None:
     data = splits()
     (tmp_path / "run.yaml").write_text(
         json.dumps(
@@ -563,7 +563,7 @@ def test_show_and_plan_read_a_yaml_skip_list(tmp_path: Path) -> None:
     loader.set_weights(6, [0, 1, 3])
     (tmp_path / "s.json").write_text(json.dumps(loader.state(5)))
     code, out, err = run_main(
-        "plan", str(tmp_path / "run.yaml"), "--state", str(tmp_path / "s.json")
+        "preview", str(tmp_path / "run.yaml"), "--state", str(tmp_path / "s.json")
     )
     assert code == 0, err
     told = "step 5 reads the data of step 8 (3 batches skipped there); weights from it: "

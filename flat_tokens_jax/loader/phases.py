@@ -54,7 +54,7 @@ class Phase:
             or a :class:`~flat_tokens_jax.Mixture`.
         config: the phase's batches; its batch-size schedule counts steps from
             ``start_step``.
-        name: a label for messages and ``flat-tokens plan`` (default ``"phase K"``).
+        name: a label for messages and ``flat-tokens preview`` (default ``"phase K"``).
     """
 
     start_step: int

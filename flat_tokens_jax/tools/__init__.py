@@ -1,1 +1,1 @@
-"""What the ``flat-tokens`` command shows: ``show`` and ``phaseshow``."""
+"""What the ``flat-tokens`` command shows and previews of a run."""

@@ -1,11 +1,5 @@
-"""``flat-tokens plan --requests``'s table: a run's reads under both shuffles.
-
-For each phase of a run, :func:`run_table` plans the loader as configured
-and its :func:`counterpart` under the other shuffle (a full or no shuffle
-beside the block shuffle at the default block and window; a block shuffle
-beside the full shuffle), with :func:`~.requestplan.plan_requests`, and
-prints them one row each, side by side.
-"""
+"""``flat-tokens preview --requests``'s table: each phase's reads as configured
+beside its :func:`counterpart` under the other shuffle."""
 
 from __future__ import annotations
 
@@ -17,28 +11,17 @@ from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.loader.engine import StepEngine
 from flat_tokens_jax.loader.loader import Loader
 from flat_tokens_jax.loader.phasedloader import PhasedLoader
-from flat_tokens_jax.tools.requestplan import (
+from flat_tokens_jax.tools.requestcount import (
     GCS_DOUBLING_MINUTES,
     GCS_INITIAL_READS,
-    RequestPlan,
-    plan_requests,
+    RequestCounts,
+    count_requests,
 )
-
-__all__ = [
-    "MAX_SAMPLED_ROWS",
-    "MAX_SAMPLE_STEPS",
-    "counterpart",
-    "request_table",
-    "run_table",
-    "sampled_steps",
-]
 
 
 def counterpart(loader: StepEngine) -> StepEngine:
-    """``loader``'s source and config under the other shuffle: a block
-    shuffle's under the full shuffle; a full (or no) shuffle's under
-    ``shuffle="blocks"`` at the default block (``shuffle_block=None``) and
-    window (1)."""
+    """``loader``'s source and config under the other shuffle: blocks become the
+    full shuffle; full (or none) become blocks at the default block and window."""
     config = loader.config
     if config.shuffle == BLOCKS:
         other = dataclasses.replace(config, shuffle=True, shuffle_block=None, shuffle_window=1)
@@ -54,17 +37,15 @@ def _si(value: float, unit: str) -> str:
     return f"{value:,.3g} {unit}"
 
 
-def _label(plan: RequestPlan) -> str:
-    if plan.block is None:
-        return plan.shuffle
-    sizes = ",".join(str(b) for b in sorted(set(plan.block)))
-    return f"blocks B={sizes} w={plan.window or 1}"
+def _label(counts: RequestCounts) -> str:
+    if counts.block is None:
+        return counts.shuffle
+    sizes = ",".join(str(b) for b in sorted(set(counts.block)))
+    return f"blocks B={sizes} w={counts.window or 1}"
 
 
-def request_table(plans: Sequence[RequestPlan], labels: Sequence[str] | None = None) -> list[str]:
-    """:func:`~.requestplan.plan_requests` results as text: a line each, in
-    columns, each named by its shuffle (``blocks B=... w=...`` with its
-    block and window) or by ``labels``."""
+def request_table(counts: Sequence[RequestCounts], labels: Sequence[str]) -> list[str]:
+    """:func:`~.requestcount.count_requests` results as text: a line each, in columns."""
     head = (
         "shuffle",
         "requests/step",
@@ -75,7 +56,6 @@ def request_table(plans: Sequence[RequestPlan], labels: Sequence[str] | None = N
         "first step requests",
         "fresh GCS bucket throttles",
     )
-    names = [_label(p) for p in plans] if labels is None else list(labels)
     cells = [
         (
             name,
@@ -87,7 +67,7 @@ def request_table(plans: Sequence[RequestPlan], labels: Sequence[str] | None = N
             f"{p.first_step_requests:,}",
             f"{p.ramp_minutes:.0f} min",
         )
-        for name, p in zip(names, plans, strict=True)
+        for name, p in zip(labels, counts, strict=True)
     ]
     widths = [max(len(row[i]) for row in [head, *cells]) for i in range(len(head))]
     return [
@@ -99,28 +79,20 @@ def request_table(plans: Sequence[RequestPlan], labels: Sequence[str] | None = N
     ]
 
 
-MAX_SAMPLE_STEPS = 4096
-"""The most steps of a phase :func:`run_table` samples (``--sample-steps``):
-the sampler runs once a step, so the plan's work grows with them."""
-
-MAX_SAMPLED_ROWS = 1 << 22
-"""The most rows of a phase's sampled steps :func:`run_table` plans: its
-arrays hold a few ``int64`` a row."""
+MAX_SAMPLE_STEPS = 4096  # most --sample-steps: the sampler runs once a step
+MAX_SAMPLED_ROWS = 1 << 22  # most rows of a phase's sampled steps: a few int64 each
 
 
 def sampled_steps(
     run: PhasedLoader, sample_steps: int, end_step: int | None = None
 ) -> tuple[list[int], list[str]]:
-    """How many steps of each phase of ``run`` a plan samples: ``sample_steps``,
-    or the steps the phase has where it has fewer (before the next phase's
-    first step, ``end_step`` where the run ends, the step it cannot read, or
-    the end of its epochs; 0 for a phase the run does not reach), and a note
-    for each phase cut.
+    """How many steps of each phase of ``run`` a preview samples: ``sample_steps``,
+    or fewer where the phase ends before (the next phase, ``end_step``, the
+    step the run cannot read, or its epochs' end), and a note for each phase cut.
 
     Raises:
-        ValueError: ``sample_steps`` out of ``[1, MAX_SAMPLE_STEPS]``, or a
-            phase's sampled steps hold more than :data:`MAX_SAMPLED_ROWS`
-            rows; the message names ``--sample-steps`` and the most it takes.
+        ValueError: ``sample_steps`` out of range, or a phase's sampled steps
+            hold more than :data:`MAX_SAMPLED_ROWS` rows (naming the most it takes).
     """
     sample_steps = integer(sample_steps, "--sample-steps", low=1, high=MAX_SAMPLE_STEPS)
     counts, notes = [], []
@@ -150,14 +122,13 @@ def sampled_steps(
         fix = f"give --sample-steps {most} or fewer" if most else "its first step alone does"
         raise ValueError(
             f"--sample-steps {sample_steps}: the steps sampled of {run.label(k)} would hold "
-            f"more than {MAX_SAMPLED_ROWS:,} rows, the most a plan reads: {fix}"
+            f"more than {MAX_SAMPLED_ROWS:,} rows, the most a preview reads: {fix}"
         )
     return counts, notes
 
 
 def _most_steps(loader: StepEngine, steps: int) -> int:
-    """The most of the first ``steps`` steps of ``loader`` whose rows are at
-    most :data:`MAX_SAMPLED_ROWS` in all (``steps`` when they all are)."""
+    """How many of the first ``steps`` steps fit in :data:`MAX_SAMPLED_ROWS` rows."""
     rows = 0
     for step in range(steps):
         rows += loader.steps.size(step)
@@ -166,7 +137,7 @@ def _most_steps(loader: StepEngine, steps: int) -> int:
     return steps
 
 
-def run_table(
+def preview_requests(
     run: PhasedLoader,
     hosts: int,
     step_seconds: float,
@@ -174,16 +145,13 @@ def run_table(
     name: str,
     end_step: int | None = None,
 ) -> list[str]:
-    """``flat-tokens plan --requests``: :func:`request_table` of each phase of
-    ``run`` (read from the file ``name``) at its first steps (as many as
-    :func:`sampled_steps` gives), as configured (marked ``*``) and under
-    the other shuffle (:func:`counterpart`), rows full first, and what it
-    assumed (the phases it sampled fewer steps of, or none, named).
+    """``flat-tokens preview --requests``: :func:`request_table` of each phase of
+    ``run`` (from the file ``name``) at its first steps, as configured (marked
+    ``*``) and under the other shuffle, full first, then what it assumed.
 
     Raises:
-        ValueError: as :func:`sampled_steps` and
-            :func:`~.requestplan.plan_requests`, naming the file, the phase
-            and the ``--hosts`` flag where the host count is wrong.
+        ValueError: as :func:`sampled_steps` and :func:`count_requests`, naming
+            the file, the phase and the ``--hosts`` flag where it set the value.
     """
     try:
         counts, notes = sampled_steps(run, sample_steps, end_step)
@@ -195,18 +163,18 @@ def run_table(
             continue
         steps = range(counts[k])
         try:
-            plans = [plan_requests(loader, hosts, step_seconds, steps)]
-            plans.append(plan_requests(counterpart(loader), hosts, step_seconds, steps))
+            both = [count_requests(loader, hosts, step_seconds, steps)]
+            both.append(count_requests(counterpart(loader), hosts, step_seconds, steps))
         except ValueError as e:
             told = str(e)
             told = f"--{told}" if told.startswith("hosts:") else told  # the flag that set it
             raise ValueError(f"{name}: {run.label(k)}: {told}") from None
-        labels = [_label(plans[0]) + " *", _label(plans[1])]
-        if plans[0].shuffle == BLOCKS:
-            plans, labels = plans[::-1], labels[::-1]
+        labels = [_label(both[0]) + " *", _label(both[1])]
+        if both[0].shuffle == BLOCKS:
+            both, labels = both[::-1], labels[::-1]
         if len(run.engines) > 1:
             lines.append(f"{run.label(k)}:")
-        lines += request_table(plans, labels)
+        lines += request_table(both, labels)
     fewer = " (fewer where noted below)" if notes else ""
     return [
         *lines,

@@ -1,7 +1,4 @@
-"""A saved loader state loaded for ``flat-tokens show``: a JSON file (its
-ints exact) read as a :class:`~flat_tokens_jax.loader.state.SavedState`, and
-the data its run read.
-"""
+"""A saved loader state read from its JSON file (its ints exact), and the data it read."""
 
 from __future__ import annotations
 
@@ -18,12 +15,11 @@ from flat_tokens_jax.store.options import StoreOptions
 
 
 def load_state(path: str | os.PathLike[str]) -> SavedState:
-    """A saved :meth:`Loader.state` or :meth:`PhasedLoader.state` from a JSON
-    file, read by :meth:`SavedState.read`.
+    """A saved loader state from a JSON file, read by :meth:`SavedState.read`.
 
     Raises:
-        ValueError: the file is not JSON or not a loader state this version
-            reads; one line naming the file and each field (``sources[0].split``).
+        ValueError: not JSON or not a loader state this version reads; one line
+            naming the file and each field (``sources[0].split``).
     """
     where = os.fspath(path)
     try:

@@ -1,12 +1,6 @@
-"""What a run fed its model at a step: the run rebuilt from its config, and rows as text.
-
-``flat-tokens show`` rebuilds a run from what its user already has: a YAML
-config (``loader`` and ``data`` sections), a saved :meth:`Loader.state`, or a
-dataset URL, with any :class:`LoaderConfig` field given on top. The rows it
-prints are :meth:`Loader.host_batch` and :meth:`Loader.provenance` of that
-loader, so they are exactly what the run saw. :func:`row_text` renders one row
-as text with its segments, untrained tokens and padding marked.
-"""
+"""What a run fed its model at a step (``flat-tokens show``): the run rebuilt from
+a YAML config, a saved state or a dataset URL, and its rows, as
+:meth:`Loader.host_batch` and :meth:`Loader.provenance` give them, as text."""
 
 from __future__ import annotations
 
@@ -19,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from flat_tokens_jax.convert.tokenizer import load_tokenizer
 from flat_tokens_jax.core.limits import (
     ROW_BYTES_PER_TOKEN,
     STEP_BYTES,
@@ -28,12 +23,14 @@ from flat_tokens_jax.core.limits import (
 )
 from flat_tokens_jax.core.values import BadValue, known_keys
 from flat_tokens_jax.data.dataset import FlatTokens, open_dataset
+from flat_tokens_jax.data.records import recorded_info
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.loader import Loader
 from flat_tokens_jax.loader.state import SavedState
 from flat_tokens_jax.sampling.mixconfig import mixture_from_config
 from flat_tokens_jax.sampling.mixture import Mixture
 from flat_tokens_jax.sampling.schedule import BatchSchedule
+from flat_tokens_jax.store.identity import tokenizer_info
 from flat_tokens_jax.store.options import StoreOptions
 from flat_tokens_jax.tools.savedstate import saved_source
 
@@ -58,28 +55,18 @@ def build_loader(
 
     Args:
         url: a dataset whose ``split`` the run read (not with a ``data`` section).
-        split: the split of ``url``, or the part a ``data`` section reads
-            (``train``, ``valid``, ``test`` with a ``split`` cut).
-        config: a parsed YAML document with a ``loader`` section (the
-            :class:`LoaderConfig` fields) and optionally a ``data`` section
-            (see :func:`~flat_tokens_jax.sampling.mixconfig.mixture_from_config`).
-        state: a saved :meth:`Loader.state` (of one phase), read by
-            :meth:`~flat_tokens_jax.loader.state.SavedState.read`: its fingerprint
-            gives the config, its ``sources`` the data (unless ``url`` is
-            given), and the data found must match its fingerprint (a batch
-            size given in ``fields`` may differ from the saved step on, as
-            :meth:`Loader.restore` allows).
+        split: the split of ``url``, or the part a ``data`` section reads.
+        config: a YAML document with a ``loader`` section and optionally ``data``.
+        state: a saved state of one phase: its fingerprint gives the config, its
+            ``sources`` the data (unless ``url`` is given), which must match it.
         fields: :class:`LoaderConfig` fields that override the others.
-        options: how to reach the data.
-        config_name, state_name: the files ``config`` and ``state`` were read
+        config_name, state_name: the files ``config`` and ``state`` came
             from, which name a bad value in errors (``c.yaml: loader.seed``).
 
     Raises:
-        ValueError: the run is said twice or not at all, a field is missing or
-            bad, or the data is not what the state's run read.
+        ValueError: the data is given twice or not at all, a field is missing
+            or bad, or the data is not what the state's run read.
     """
-    if config is not None and state is not None:
-        raise ValueError("give the run as --config or as --state, not both")
     values: dict[str, Any] = {}
     origin: dict[str, str] = {}  # where each field was given, to name a bad value
     data: Mapping[str, Any] | None = None
@@ -146,7 +133,7 @@ def build_loader(
 
 
 def parse_skip(text: str) -> tuple[int, int]:
-    """A planned skip from ``--skip``: ``"5:3"``, 3 batches skipped at step 5.
+    """A skip to try from ``--skip``: ``"5:3"``, 3 batches skipped at step 5.
 
     Example:
         >>> parse_skip("5:3")
@@ -164,9 +151,8 @@ def parse_skip(text: str) -> tuple[int, int]:
 
 
 def steering_lines(state: SavedState, step: int) -> list[str]:
-    """What ``show`` prints of a run its trainer steered (a state with
-    weight changes or skips; none for another): the changes, the data step
-    that ``step`` reads and the weights in effect there."""
+    """What ``show`` prints of a steered run: the changes, the data step that
+    ``step`` reads and the weights in effect there (none for another run)."""
     if not (state.weights or state.skips):
         return []
     lines = []
@@ -197,8 +183,8 @@ def steering_lines(state: SavedState, step: int) -> list[str]:
 
 def steering_json(state: SavedState, step: int) -> dict[str, Any]:
     """``show --json``'s ``steering`` of ``step``: ``data_step``, ``skipped``
-    (``[[step, count], ...]`` at steps <= it), ``weights`` (``{name: samples
-    per period}``, ``None`` for a single source), ``since`` and ``changed``."""
+    (``[[step, count], ...]``), ``weights`` (``{name: samples per period}``),
+    ``since`` and ``changed``."""
     at = state.steering_at(step)
     counts = None if at.counts is None else dict(zip(at.names, at.counts, strict=True))
     return {
@@ -212,12 +198,8 @@ def steering_json(state: SavedState, step: int) -> dict[str, Any]:
 
 def check_show_memory(cfg: LoaderConfig, rows: int, printed: int) -> None:
     """Refuses a step of ``rows`` rows, ``printed`` of them printed, that this
-    machine's memory cannot hold, before anything is allocated.
-
-    Raises:
-        ValueError: with the estimate and the largest batch size that fits,
-            or when not even one row fits, the largest ``--seq-len``.
-    """
+    machine's memory cannot hold (naming the largest batch size, row count or
+    ``--seq-len`` that fits), before anything is allocated."""
 
     def need(rows: int, printed: int, seq_len: int) -> int:
         per_row = seq_len * ROW_BYTES_PER_TOKEN + ROW_BYTES
@@ -294,8 +276,8 @@ def parse_rows(text: str | None, batch_size: int) -> list[int]:
 
 
 def rows_of(loader: Loader, step: int, rows: Sequence[int]) -> list[dict[str, Any]]:
-    """Provenance and the five fields (as lists) of ``rows`` of ``step``, JSON-ready;
-    with an ``instance_filter``, a row it rejected also holds ``"filtered": True``."""
+    """Provenance and the five fields of ``rows`` of ``step``, JSON-ready (a row
+    the ``instance_filter`` rejected holds ``"filtered": True``)."""
     batch = loader.host_batch(step)
     provenance = loader.provenance(step)
     at = {int(r): i for i, r in enumerate(loader.host_rows_at(step))}
@@ -313,8 +295,7 @@ def rows_of(loader: Loader, step: int, rows: Sequence[int]) -> list[dict[str, An
 
 
 def run_json(loader: Loader, step: int, rows: Sequence[int]) -> dict[str, Any]:
-    """What ``show --json`` prints: the step, the resolved config, the batch size
-    (an int or ``[[start_step, size], ...]``) of the step's phase and the rows."""
+    """What ``show --json`` prints: the step, its phase's config and batch size, and the rows."""
     engine, _ = loader.locate(step)
     fingerprint = engine.sources.fingerprint()
     return {
@@ -375,15 +356,14 @@ def row_text(row: Mapping[str, Any], decode: Callable[[list[int]], str]) -> str:
 
 
 def _runs(values: np.ndarray, offset: int = 0) -> list[slice]:
-    """Slices (shifted by ``offset``) of the runs of equal consecutive ``values``."""
+    """Slices (plus ``offset``) of the runs of equal consecutive ``values``."""
     cuts = np.flatnonzero(np.diff(values)) + 1
     bounds = [0, *cuts.tolist(), values.size]
     return [slice(offset + a, offset + b) for a, b in itertools.pairwise(bounds)]
 
 
 def config_fields(args: Any) -> dict[str, Any]:
-    """The :class:`LoaderConfig` fields given as flags (``None`` where not given);
-    ``--batch-size`` text is parsed by :func:`parse_batch_size`."""
+    """The :class:`LoaderConfig` fields given as flags (``None`` where not given)."""
     values = {
         f.name: getattr(args, f.name, None)
         for f in dataclasses.fields(LoaderConfig)
@@ -395,8 +375,7 @@ def config_fields(args: Any) -> dict[str, Any]:
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``flat-tokens show`` that set :class:`LoaderConfig` fields,
-    read back by :func:`config_fields`."""
+    """``flat-tokens show``'s :class:`LoaderConfig` flags, read by :func:`config_fields`."""
     parser.add_argument(
         "--batch-size",
         help="global batch size, or a schedule START_STEP:SIZE,... e.g. 0:256,2000:512",
@@ -454,3 +433,17 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--vocab-size", type=int, help="check that the data's token ids fit below it"
     )
+
+
+def decoder(path: str, loader: Loader) -> Any:
+    """A decode function of the tokenizer at ``path``; refuses one the data was not made with."""
+    loaded = load_tokenizer(path)
+    for name, records in zip(loader.names, loader.components, strict=True):
+        info = recorded_info(records)
+        tok = None if info is None else info.tokenizer
+        if tok is not None and tok.vocab_hash != tokenizer_info(loaded.tokenizer, path).vocab_hash:
+            raise ValueError(
+                f"the data of {name!r} was made with {tok.name} ({tok.vocab_hash}), not "
+                f"{path}: pass that tokenizer"
+            )
+    return lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=False)

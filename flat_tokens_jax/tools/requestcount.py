@@ -1,44 +1,16 @@
 """What a run asks of an object store, before it runs: requests and bytes per step.
 
-:func:`plan_requests` runs a loader's sampler for a sample of steps, splits
-each step's rows over ``hosts`` hosts, and counts the HTTP requests and the
-bytes each host's reads cost, from the records' token ranges and each array's
-chunking in its zarr metadata: no token is read (padded rows and bins read
-the sequence bounds they need from ``seq_starts``). :func:`ramp_minutes`
-says how long a fresh GCS bucket would throttle that rate.
-
-The rule it counts by, measured with tensorstore on fake-gcs-server and
-moto's S3 (``scripts/bench_requestplan.py`` prints the measurements):
-
-- A host reads a step's rows of one component, per array, in one tensorstore
-  batch, and the batch fetches each inner chunk its ranges touch whole
-  (``chunk_tokens`` values, plus the 4-byte crc32c of the default format).
-- Touched chunks of one shard with no untouched chunk between them go out in
-  one HTTP range request, however many there are (one request for 1 to
-  1,024 adjacent chunks, up to 32 MiB, measured); a gap of a chunk or more, or a
-  shard boundary, starts another request. In zarr v2 each chunk is an object
-  of its own: one request each.
-- So with the default format (2**24-token shards of 2**13-token chunks) one
-  2049-token window costs 1 request of 1 chunk (32 KiB), or of 2 when it
-  straddles a chunk boundary; 2**18 contiguous tokens cost 1 request of 33
-  chunks (2 across a shard boundary); a step of 32 random windows costs 32
-  requests, one per run of adjacent chunks (fewer where chunks were cached by
-  an earlier step). Rows of one step that share a chunk read it once.
-- The plan counts no chunk as cached from an earlier step: right for a store
-  much larger than ``StoreOptions.cache_bytes``; a smaller store costs less.
-- It leaves out what a host reads once per shard, the first time it touches
-  it: the shard index, its probe and its chunk digests (3 requests), cached
-  afterwards while ``cache_bytes`` holds them.
-
-Two ways a host reads a step's records, side by side: :func:`row_reads` (full
-shuffle, or none: each row's range, read at its step) and :func:`block_reads`
-(``shuffle="blocks"``: record ``r`` lies in block ``r // B``, ``B`` the
-block samplers' resolved ``shuffle_block``; a host reads a block whole, as
-one range from its first record's start to its last record's end, at the
-first step one of its rows needs it, once per epoch). The rows of a host are
-the ones data sharding gives it, placed as the loader places a step's
-samples (under the block shuffle, lane by lane: a host holds whole lanes).
-:mod:`~flat_tokens_jax.tools.requesttable` prints both for a run.
+:func:`count_requests` runs a loader's sampler for a sample of steps, splits
+each step's rows over ``hosts`` hosts, and counts each host's HTTP requests and
+bytes from the records' token ranges and each array's zarr chunking, reading no
+token. The rule, measured with tensorstore on fake-gcs-server and moto's S3
+(``scripts/bench_requestcount.py``; docs/guide/remote.md says it in full): a
+host reads a step's rows of a component in one batch per array, which fetches
+each touched inner chunk whole; touched chunks of one shard with no gap between
+them are one request (zarr v2: a request a chunk). No chunk counts as cached
+from an earlier step, and what a host reads once per shard (index, probe,
+digests) is left out. :func:`row_reads` counts the full shuffle (or none),
+:func:`block_reads` the block shuffle (a block read whole, once per host and epoch).
 """
 
 from __future__ import annotations
@@ -59,20 +31,6 @@ from flat_tokens_jax.data.records import PackedRecords, PaddedRecords
 from flat_tokens_jax.loader.engine import StepEngine
 from flat_tokens_jax.sampling.blocks import BlockSampler
 
-__all__ = [
-    "GCS_DOUBLING_MINUTES",
-    "GCS_INITIAL_READS",
-    "Chunking",
-    "HostSamples",
-    "RequestPlan",
-    "StepReads",
-    "block_reads",
-    "host_samples",
-    "plan_requests",
-    "ramp_minutes",
-    "row_reads",
-]
-
 # A fresh GCS bucket serves about 5,000 object reads/s; Google's guidelines
 # ask to double the rate no faster than every 20 minutes while it scales
 # (https://cloud.google.com/storage/docs/request-rate).
@@ -83,23 +41,17 @@ GCS_DOUBLING_MINUTES = 20
 def ramp_minutes(
     rate: float, initial: float = GCS_INITIAL_READS, doubling: float = GCS_DOUBLING_MINUTES
 ) -> float:
-    """Minutes until a bucket that serves ``initial`` reads/s, doubling every
-    ``doubling`` minutes, serves ``rate`` reads/s: ``doubling * log2(rate /
-    initial)``, 0 at or below ``initial``."""
+    """Minutes until a bucket serving ``initial`` reads/s, doubling every
+    ``doubling`` minutes, serves ``rate`` reads/s (0 at or below ``initial``)."""
     return doubling * math.log2(rate / initial) if rate > initial else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
 class Chunking:
-    """How one array is stored, as far as requests go.
-
-    Attributes:
-        chunk: values per inner chunk (zarr v3) or chunk file (zarr v2).
-        shard: values per shard file; ``None`` in zarr v2 (a chunk is an object).
-        chunk_bytes: bytes a request returns per chunk: the chunk's values,
-            plus 4 for a crc32c; uncompressed size, so an upper bound for a
-            compressed array.
-    """
+    """How one array is stored, as far as requests go: values per inner chunk
+    (zarr v3) or chunk file (v2), values per shard (``None`` in v2), and the
+    bytes a request returns per chunk (uncompressed, plus 4 for a crc32c: an
+    upper bound for a compressed array)."""
 
     chunk: int
     shard: int | None
@@ -107,7 +59,7 @@ class Chunking:
 
     @classmethod
     def of(cls, ft: FlatTokens, array: str) -> Chunking:
-        """The chunking of ``ft``'s ``array`` (a name such as ``seq_starts``), from its metadata."""
+        """The chunking of ``ft``'s ``array`` (such as ``seq_starts``), from its metadata."""
         described = ft.storage_formats()[array]
         reader = {ft.tokens_name: ft.encoded, SEQ_STARTS: ft.starts, LOSS_MASK: ft.loss_mask}
         itemsize = np.dtype(reader[array].dtype).itemsize  # type: ignore[union-attr]
@@ -118,8 +70,7 @@ class Chunking:
 
     def count(self, group: np.ndarray, lo: np.ndarray, hi: np.ndarray, groups: int) -> np.ndarray:
         """``[groups, 2] int64``: requests and bytes of each group's ranges
-        ``[lo, hi)`` (values of this array; ``group`` ``[k]`` in ``[0,
-        groups)``), a group being one batch of reads."""
+        ``[lo, hi)`` of this array, a group (``group`` ``[k]``) being one batch of reads."""
         keep = hi > lo
         group, lo, hi = group[keep], lo[keep], hi[keep]
         first, last = lo // self.chunk, (hi - 1) // self.chunk
@@ -142,15 +93,10 @@ class Chunking:
 
 @dataclasses.dataclass(frozen=True)
 class HostSamples:
-    """The records each host's rows read at each sampled step, flattened.
-
-    Attributes:
-        steps: the sampled steps ``[s] int64``, in order.
-        hosts: how many hosts share each step's rows.
-        at: ``[k] int64`` index into ``steps`` of each real row.
-        host: ``[k] int64`` the host that reads it.
-        component, record, epoch: ``[k] int64`` what it reads.
-    """
+    """The records each host's rows read at each sampled step, flattened: the
+    sampled ``steps`` ``[s]``, the ``hosts`` sharing them, and per real row
+    (``[k] int64`` each) its index into ``steps`` (``at``), its ``host``, and
+    the ``component``, ``record`` and ``epoch`` it reads."""
 
     steps: np.ndarray
     hosts: int
@@ -163,15 +109,12 @@ class HostSamples:
 
 def host_samples(loader: StepEngine, hosts: int, steps: Sequence[int]) -> HostSamples:
     """The sampler's records for ``steps``, each step's rows split into
-    ``hosts`` equal runs of consecutive rows (data sharding: host ``h`` holds
-    rows ``[h*bs/H, (h+1)*bs/H)``), each row holding the sample the loader
-    places there (:meth:`StepSamples.samples`: under the block shuffle, lane
-    ``l`` in rows ``[l*bs/L, (l+1)*bs/L)``).
+    ``hosts`` equal runs of consecutive rows (data sharding), each row holding
+    the sample the loader places there (under the block shuffle, by lanes).
 
     Raises:
         ValueError: ``hosts`` is not an int >= 1 or does not divide a step's
-            batch (the message names the step and the sizes), or the loader
-            refuses a step.
+            batch, or the loader refuses a step.
     """
     hosts = integer(hosts, "hosts", low=1)
     parts: list[tuple[np.ndarray, ...]] = []
@@ -194,14 +137,14 @@ def _split_of(records: Any, name: str) -> FlatTokens:
     if isinstance(records, PackedRecords | PaddedRecords | BinRecords):
         return records.ft
     raise ValueError(
-        f"component {name!r}: {type(records).__name__} records name no store to plan from: "
-        "the requests plan takes a split's records (packed, padded or bins)"
+        f"component {name!r}: {type(records).__name__} records name no store to count from: "
+        "request counts take a split's records (packed, padded or bins)"
     )
 
 
 def _targets(records: Any, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(row, start, stop)`` ``[m] int64``: the token ranges the targets of
-    records ``idx`` come from (a bin's: each sequence), ``row`` indexing ``idx``."""
+    """``(row, start, stop)`` ``[m] int64``: the token ranges of the targets of
+    records ``idx`` (a bin's: each sequence), ``row`` indexing ``idx``."""
     if isinstance(records, BinRecords):
         row, seqs = records.sequences(idx)
         start, stop = records.ft.sequence_bounds(seqs)
@@ -211,9 +154,8 @@ def _targets(records: Any, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
 
 
 def _ranges(records: Any, idx: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Per array of the records' split, the value ranges reading records
-    ``idx`` (``[k] int64``) takes: ``(row, lo, hi)`` ``[m] int64`` each, ``row``
-    indexing ``idx``; in the array's own coordinates (a split's view offset added)."""
+    """Per array, the ranges ``(row, lo, hi)`` ``[m] int64`` that reading records
+    ``idx`` takes, ``row`` indexing ``idx``, in the array's own coordinates."""
     ft: FlatTokens = records.ft
     base, seq_base = ft.token_range[0], ft.seq_range[0]
     row, start, stop = _targets(records, idx)
@@ -234,13 +176,9 @@ def _ranges(records: Any, idx: np.ndarray) -> dict[str, tuple[np.ndarray, np.nda
 
 @dataclasses.dataclass(frozen=True)
 class StepReads:
-    """What each host reads at each sampled step: ``[steps, hosts] int64`` each.
-
-    Attributes:
-        requests: HTTP range requests.
-        bytes: bytes those requests return.
-        useful: bytes of the tokens the rows train on (their targets' tokens).
-    """
+    """What each host reads at each sampled step, ``[steps, hosts] int64`` each:
+    HTTP range requests, the bytes they return, and the ``useful`` bytes (of
+    the targets' tokens)."""
 
     requests: np.ndarray
     bytes: np.ndarray
@@ -255,10 +193,9 @@ def _count(
     group: np.ndarray,
     block: Sequence[int] | None,
 ) -> StepReads:
-    """Requests and bytes of reading ``record`` of component ``comp``, each
-    in batch ``group`` (``step index * hosts + host``); with ``block``
-    (records per block, per component), ``record`` are blocks, each read
-    whole as one range."""
+    """Requests and bytes of reading ``record`` of component ``comp``, each in
+    batch ``group`` (``step index * hosts + host``); with ``block`` (records per
+    block, per component), ``record`` are blocks, each read as one range."""
     groups = samples.steps.size * samples.hosts
     totals = np.zeros((groups, 2), np.int64)
     for c, records in enumerate(loader.components):
@@ -288,8 +225,8 @@ def _count(
 def _block_span(
     ranges: tuple[np.ndarray, np.ndarray, np.ndarray], blocks: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One range per block, from the start of its first record's ranges to the
-    end of its last record's (``ranges`` of the first records, then the last)."""
+    """One range per block, from its first record's start to its last record's
+    end (``ranges`` of the first records, then the last)."""
     row, lo, hi = ranges
     start = np.full(2 * blocks, np.iinfo(np.int64).max)
     stop = np.zeros(2 * blocks, np.int64)
@@ -322,13 +259,11 @@ def row_reads(loader: StepEngine, samples: HostSamples) -> StepReads:
 def block_reads(
     loader: StepEngine, samples: HostSamples, block: Sequence[int] | None = None
 ) -> StepReads:
-    """Block shuffle: record ``r`` of component ``c`` lies in block ``r //
-    block[c]``; each host reads each block its rows need once per epoch,
-    whole, at the first sampled step one of them needs it (the first sampled
-    step reads every block its rows are in: a cold start). ``block``
-    ``None``: the blocks of the loader's own block samplers
-    (:meth:`BlockSampler.block_of`); a list: records per block of each
-    component, over a loader of another shuffle.
+    """Block shuffle: each host reads each block its rows need whole, once per
+    epoch, at the first sampled step that needs it (so the first step is a cold
+    start). ``block`` ``None``: the loader's own block samplers' blocks; else
+    records per block of each component (record ``r`` of component ``c`` in
+    block ``r // block[c]``), over a loader of another shuffle.
 
     Raises:
         ValueError: ``block`` is ``None`` for a loader without the block
@@ -368,26 +303,19 @@ def _block_samplers(loader: StepEngine) -> list[BlockSampler]:
 
 
 @dataclasses.dataclass(frozen=True)
-class RequestPlan:
-    """A pod's reads at ``step_seconds`` a step, from :func:`plan_requests`.
+class RequestCounts:
+    """A pod's reads at ``step_seconds`` a step, from :func:`count_requests`.
 
     Attributes:
-        shuffle: ``"full"`` or ``"none"`` (each row's range, read at its
-            step), or ``"blocks"`` (each block whole, once per host and epoch).
-        block: a block plan's records per block of each component (a block
-            shuffle's resolved ``shuffle_block``); ``None`` for rows.
-        window: a block-shuffled loader's ``shuffle_window``; ``None`` otherwise.
-        hosts, step_seconds: as asked.
-        steps: the sampled steps ``[s] int64``; a block plan's rates leave
+        shuffle: ``"full"``, ``"none"`` or ``"blocks"``.
+        block: records per block of each component (for blocks; else ``None``).
+        window: a block-shuffled loader's ``shuffle_window``; else ``None``.
+        steps: the sampled steps ``[s] int64``; with blocks, the rates leave
             the first out (its cold start, in ``first_step_requests``).
         reads: what each host read at each sampled step.
-        host_requests: mean requests per step of a host (the busiest's in
-            ``host_requests_max``).
-        requests_per_second, bytes_per_second, useful_bytes_per_second: the
-            pod's, at ``step_seconds``.
+        requests_per_second, bytes_per_second, useful_bytes_per_second: the pod's.
         bytes_per_token: bytes read per useful token.
-        first_step_requests: the pod's requests at the first sampled step.
-        ramp_minutes: minutes a fresh GCS bucket throttles that rate (:func:`ramp_minutes`).
+        ramp_minutes: minutes a fresh GCS bucket throttles that rate.
     """
 
     shuffle: str
@@ -397,8 +325,6 @@ class RequestPlan:
     step_seconds: float
     steps: np.ndarray
     reads: StepReads
-    host_requests: float
-    host_requests_max: float
     requests_per_second: float
     bytes_per_second: float
     useful_bytes_per_second: float
@@ -407,20 +333,18 @@ class RequestPlan:
     ramp_minutes: float
 
 
-def plan_requests(
+def count_requests(
     loader: StepEngine,
     hosts: int,
     step_seconds: float,
     steps: Sequence[int] = range(8),
     block: Sequence[int] | None = None,
-) -> RequestPlan:
+) -> RequestCounts:
     """Requests/s and bytes/s of ``hosts`` hosts running ``loader`` at
-    ``step_seconds`` a step, from its sampler at ``steps`` (consecutive, for a
-    block plan: a block is read once per host per epoch) and its arrays'
-    chunking (see the module's rule). A loader with ``shuffle="blocks"`` is
-    planned by its sampler's blocks (:func:`block_reads`); ``block``, records
-    per block of each component, plans block reads over another loader's
-    records (hand-made blocks).
+    ``step_seconds`` a step, from its sampler at ``steps`` (consecutive, for
+    blocks) and its arrays' chunking. A loader with ``shuffle="blocks"`` is
+    counted by its own blocks; ``block`` (records per block of each component)
+    counts block reads over another loader's records.
 
     Raises:
         ValueError: ``hosts`` or ``step_seconds`` out of range, ``steps``
@@ -453,7 +377,7 @@ def plan_requests(
     useful = reads.useful[counted].sum(axis=1).mean()
     per_step = pod["requests"].mean()
     itemsize = _token_itemsize(loader)
-    return RequestPlan(
+    return RequestCounts(
         shuffle=BLOCKS if block is not None else "full" if shuffle else "none",
         block=None if block is None else tuple(block),
         window=window,
@@ -461,8 +385,6 @@ def plan_requests(
         step_seconds=step_seconds,
         steps=samples.steps,
         reads=reads,
-        host_requests=float(reads.requests[counted].mean()),
-        host_requests_max=float(reads.requests[counted].mean(axis=0).max()),
         requests_per_second=float(per_step / step_seconds),
         bytes_per_second=float(pod["bytes"].mean() / step_seconds),
         useful_bytes_per_second=float(useful / step_seconds),

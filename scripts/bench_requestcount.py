@@ -1,4 +1,4 @@
-"""Measured: how tensorstore turns reads into HTTP requests; the requests plan checked on it.
+"""Measured: how tensorstore turns reads into HTTP requests; the request counts checked on it.
 
 Starts fake-gcs-server and moto's S3 server on 127.0.0.1 (``tests/servers.py``),
 writes a store of ``--tokens`` random tokens to each in the default
@@ -7,18 +7,18 @@ smaller one (2**16-token shards of 2**10-token chunks), touches every shard
 once (its index, probe and chunk digests, read once per process), then counts
 with ``remote_reads()`` and ``remote_bytes()``:
 
-* the rule ``flat_tokens_jax.tools.requestplan`` counts by: one 2049-token
+* the rule ``flat_tokens_jax.tools.requestcount`` counts by: one 2049-token
   window (inside a chunk, and straddling two), a contiguous range of 2**18
   tokens (inside a shard, and across a shard boundary), two ranges read at
   once in adjacent chunks and one chunk apart, and 4 to 1,024 adjacent chunks;
-* the plan's requests and bytes per step for steps of ``--batch`` random
+* the counted requests and bytes per step for steps of ``--batch`` random
   2048-token windows (one host) beside those measured around
-  ``Loader.host_batch`` of each step; and the requests the plan itself sent
+  ``Loader.host_batch`` of each step; and the requests the count itself sent
   (none: it reads no token).
 
 Counts, not times: the machine's load does not change them. Run:
-``python -u scripts/bench_requestplan.py`` (needs the test extras);
-``--json`` prints the check's rows as JSON instead (``tests/test_requestplan.py``
+``python -u scripts/bench_requestcount.py`` (needs the test extras);
+``--json`` prints the check's rows as JSON instead (``tests/test_requestcount.py``
 runs it with ``--gcs BASE`` against a server it started).
 """
 
@@ -38,7 +38,7 @@ import numpy as np
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.store.store import remote_bytes, remote_reads
-from flat_tokens_jax.tools.requestplan import plan_requests
+from flat_tokens_jax.tools.requestcount import count_requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from servers import aws_profile, fake_gcs, moto_s3
@@ -131,30 +131,30 @@ def rule(ft: Any, fmt: ftj.StorageFormat, scheme: str) -> list[tuple[str, int, i
 
 
 def check(ft: Any, scheme: str, batch: int, steps: int) -> dict[str, Any]:
-    """The plan's requests and bytes per step beside those measured."""
+    """The counted requests and bytes per step beside those measured."""
     cfg = ftj.LoaderConfig(batch_size=batch, seq_len=2048, seed=1, prefetch=0)
     loader = ftj.Loader(ft, cfg)
-    plan = None
+    counts = None
 
-    def planned() -> None:
-        nonlocal plan
-        plan = plan_requests(loader, 1, 1.0, range(steps))
+    def count() -> None:
+        nonlocal counts
+        counts = count_requests(loader, 1, 1.0, range(steps))
 
-    sent, _ = counted(scheme, planned)
-    assert plan is not None
+    sent, _ = counted(scheme, count)
+    assert counts is not None
     rows = []
     for step in range(steps):
         requests, got = counted(scheme, lambda step=step: loader.host_batch(step))
         rows.append(
             {
                 "step": step,
-                "planned_requests": int(plan.reads.requests[step, 0]),
+                "counted_requests": int(counts.reads.requests[step, 0]),
                 "measured_requests": requests,
-                "planned_bytes": int(plan.reads.bytes[step, 0]),
+                "counted_bytes": int(counts.reads.bytes[step, 0]),
                 "measured_bytes": got,
             }
         )
-    return {"plan_requests": sent, "steps": rows}
+    return {"count_requests": sent, "steps": rows}
 
 
 def main() -> None:
@@ -187,13 +187,13 @@ def main() -> None:
                 print("| read | requests | bytes |\n| --- | ---: | ---: |")
                 for what, requests, got in measured:
                     print(f"| {what} | {requests} | {got:,} |")
-                print(f"\nthe plan itself sent {found['plan_requests']} requests")
-                print("| step | planned requests | measured | planned bytes | measured |")
+                print(f"\nthe count itself sent {found['count_requests']} requests")
+                print("| step | counted requests | measured | counted bytes | measured |")
                 print("| ---: | ---: | ---: | ---: | ---: |")
                 for r in found["steps"]:
                     print(
-                        f"| {r['step']} | {r['planned_requests']} | {r['measured_requests']} | "
-                        f"{r['planned_bytes']:,} | {r['measured_bytes']:,} |"
+                        f"| {r['step']} | {r['counted_requests']} | {r['measured_requests']} | "
+                        f"{r['counted_bytes']:,} | {r['measured_bytes']:,} |"
                     )
     if args.json:
         print(json.dumps(out))

@@ -1,7 +1,7 @@
-"""The requests plan (``tools/requestplan``, ``tools/requesttable``): its
+"""The request counts (``tools/requestcount``, ``tools/requesttable``): its
 counts against a brute-force count of every row's chunks (full shuffle, hand-made
 blocks, and a block-shuffled run's own blocks by lanes), the ramp of a fresh
-bucket, the counts measured on fake-gcs-server, and ``flat-tokens plan --requests``."""
+bucket, the counts measured on fake-gcs-server, and ``flat-tokens preview --requests``."""
 
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.tools.requestplan import (
+from flat_tokens_jax.tools.requestcount import (
     block_reads,
+    count_requests,
     host_samples,
-    plan_requests,
     ramp_minutes,
 )
 from flat_tokens_jax.tools.requesttable import counterpart
@@ -44,7 +44,7 @@ def store(k: int) -> ftj.FlatTokens:
     if k not in _STORES:
         rng = np.random.default_rng(k)
         seqs = [rng.integers(1, 500, int(n)) for n in rng.integers(1, 60, 300)]
-        url = tempfile.mkdtemp(prefix="requestplan-")
+        url = tempfile.mkdtemp(prefix="requestcount-")
         ftj.write_dataset(url, {"train": seqs}, storage_format=FORMATS[k])
         _STORES[k] = ftj.open_dataset(url)["train"]
     return _STORES[k]
@@ -140,7 +140,7 @@ def test_full_shuffle_counts_every_rows_chunks_in_runs(
     )
     loader = ftj.Loader(ft, cfg)
     steps = [0, 1, 5]
-    plan = plan_requests(loader, hosts, 0.5, steps)
+    counts = count_requests(loader, hosts, 0.5, steps)
     for i, step in enumerate(steps):
         rows = loader.provenance(step)
         for h in range(hosts):
@@ -149,8 +149,10 @@ def test_full_shuffle_counts_every_rows_chunks_in_runs(
                 for array, chunks in row_chunks(ft, k, row, packing, seq_len).items():
                     touched[array] |= chunks
             expected = brute_force(k, touched)
-            assert (plan.reads.requests[i, h], plan.reads.bytes[i, h]) == expected
-    assert plan.requests_per_second == pytest.approx(plan.reads.requests.sum() / len(steps) / 0.5)
+            assert (counts.reads.requests[i, h], counts.reads.bytes[i, h]) == expected
+    assert counts.requests_per_second == pytest.approx(
+        counts.reads.requests.sum() / len(steps) / 0.5
+    )
 
 
 @given(
@@ -172,7 +174,7 @@ def test_blocks_are_read_whole_once_per_host_and_epoch(
     loader = ftj.Loader(ft, cfg)
     n = len(loader.components[0])
     steps = list(range(12))
-    plan = plan_requests(loader, hosts, 1.0, steps, block=[block])
+    counts = count_requests(loader, hosts, 1.0, steps, block=[block])
     seen: set[tuple[int, int, int]] = set()
     for i, step in enumerate(steps):
         rows = loader.provenance(step)
@@ -186,7 +188,9 @@ def test_blocks_are_read_whole_once_per_host_and_epoch(
                     continue
                 seen.add((h, row["epoch"], b))
                 add_block(touched, ft, k, b, block, n, packing, seq_len)
-            assert (plan.reads.requests[i, h], plan.reads.bytes[i, h]) == brute_force(k, touched)
+            assert (counts.reads.requests[i, h], counts.reads.bytes[i, h]) == brute_force(
+                k, touched
+            )
 
 
 @given(
@@ -230,8 +234,8 @@ def test_a_block_shuffled_run_reads_its_samplers_blocks_by_lanes(
     assert block is None or resolved == block
     n = len(loader.components[0])
     steps = list(range(8))
-    plan = plan_requests(loader, hosts, 1.0, steps)
-    assert (plan.shuffle, plan.block, plan.window) == ("blocks", (resolved,), window)
+    counts = count_requests(loader, hosts, 1.0, steps)
+    assert (counts.shuffle, counts.block, counts.window) == ("blocks", (resolved,), window)
     seen: set[tuple[int, int, int]] = set()
     for i, step in enumerate(steps):
         size = (2 if step < 4 else 3) * lanes
@@ -251,7 +255,7 @@ def test_a_block_shuffled_run_reads_its_samplers_blocks_by_lanes(
                 seen.add((h, row["epoch"], b))
                 add_block(touched[h], ft, k, b, resolved, n, packing, seq_len)
         for h in range(hosts):
-            found = (plan.reads.requests[i, h], plan.reads.bytes[i, h])
+            found = (counts.reads.requests[i, h], counts.reads.bytes[i, h])
             assert found == brute_force(k, touched[h])
 
 
@@ -266,19 +270,19 @@ def test_the_ramp_of_a_fresh_bucket() -> None:
 def test_bad_values_are_named() -> None:
     loader = ftj.Loader(store(1), ftj.LoaderConfig(batch_size=6, seq_len=16))
     with pytest.raises(ValueError, match="hosts: 4 hosts do not split step 0's batch of 6"):
-        plan_requests(loader, 4, 1.0)
+        count_requests(loader, 4, 1.0)
     with pytest.raises(ValueError, match="hosts must be an int >= 1"):
-        plan_requests(loader, 0, 1.0)
+        count_requests(loader, 0, 1.0)
     with pytest.raises(ValueError, match="step_seconds must be > 0"):
-        plan_requests(loader, 2, 0)
+        count_requests(loader, 2, 0)
     with pytest.raises(ValueError, match="block: 2 block sizes for 1 components"):
-        plan_requests(loader, 2, 1.0, block=[4, 4])
+        count_requests(loader, 2, 1.0, block=[4, 4])
     samples = host_samples(loader, 2, [0])
     with pytest.raises(ValueError, match="block: the loader's shuffle is True, so its sampler"):
         block_reads(loader, samples)
     blocked = ftj.Loader(store(1), ftj.LoaderConfig(batch_size=6, seq_len=16, shuffle="blocks"))
     with pytest.raises(ValueError, match=r"reads blocks of its own \(shuffle_block=None, resolved"):
-        plan_requests(blocked, 2, 1.0, block=[4])
+        count_requests(blocked, 2, 1.0, block=[4])
 
 
 def test_the_counterpart_is_the_other_shuffle() -> None:
@@ -292,16 +296,16 @@ def test_the_counterpart_is_the_other_shuffle() -> None:
 
 
 @pytest.mark.remote
-def test_the_plan_matches_the_requests_measured_on_fake_gcs(gcs: str) -> None:
-    """``scripts/bench_requestplan.py`` in a process of its own (tensorstore
+def test_the_counts_match_the_requests_measured_on_fake_gcs(gcs: str) -> None:
+    """``scripts/bench_requestcount.py`` in a process of its own (tensorstore
     reads the server's address at its first gcs open): per step of 32
-    random 2048-token windows, the plan's count is an upper bound that
-    chunks cached by earlier steps lower by at most a few, and the plan
+    random 2048-token windows, the count is an upper bound that
+    chunks cached by earlier steps lower by at most a few, and the count
     itself sends no request."""
     found = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "scripts" / "bench_requestplan.py"),
+            str(ROOT / "scripts" / "bench_requestcount.py"),
             "--json",
             "--servers",
             "gcs",
@@ -321,14 +325,14 @@ def test_the_plan_matches_the_requests_measured_on_fake_gcs(gcs: str) -> None:
         check=True,
     )
     checked = json.loads(found.stdout.strip().splitlines()[-1])["gcs/small"]
-    assert checked["plan_requests"] == 0
+    assert checked["count_requests"] == 0
     for r in checked["steps"]:
-        assert r["planned_requests"] >= 32  # 32 windows of 2048 tokens: a run each at least
-        assert r["planned_requests"] - 3 <= r["measured_requests"] <= r["planned_requests"]
-        assert 0.9 * r["planned_bytes"] <= r["measured_bytes"] <= r["planned_bytes"]
+        assert r["counted_requests"] >= 32  # 32 windows of 2048 tokens: a run each at least
+        assert r["counted_requests"] - 3 <= r["measured_requests"] <= r["counted_requests"]
+        assert 0.9 * r["counted_bytes"] <= r["measured_bytes"] <= r["counted_bytes"]
 
 
-def test_the_command_prints_the_plan(tmp_path: Path) -> None:
+def test_the_command_prints_the_counts(tmp_path: Path) -> None:
     """Unshuffled rows of 64 tokens in chunks of 64 and shards of 16 chunks:
     each of 2 hosts reads 4 consecutive rows a step (5 chunks, 4 at step 0),
     one request unless the chunks cross a shard (host 0 at step 2): 9
@@ -344,7 +348,7 @@ def test_the_command_prints_the_plan(tmp_path: Path) -> None:
         "loader: {batch_size: 8, seq_len: 64, shuffle: false}\n"
     )
     flags = ["--hosts", "2", "--step-seconds", "0.25", "--sample-steps", "4"]
-    code, out, err = run_main("plan", str(run), "--requests", *flags)
+    code, out, err = run_main("preview", str(run), "--requests", *flags)
     assert (code, err) == (0, "")
     head, row, blocks = out.splitlines()[:3]
     assert head.split()[:3] == ["shuffle", "requests/step", "requests/s"]
@@ -353,13 +357,15 @@ def test_the_command_prints_the_plan(tmp_path: Path) -> None:
     assert " ".join(blocks.split()) == "blocks B=4096 w=1 0 0 0 B 8.19 kB 0.0 10 0 min"
     assert "2 hosts, 0.25 s a step" in out
     run.write_text(run.read_text().replace("shuffle: false", "shuffle: blocks"))
-    code, out, err = run_main("plan", str(run), "--requests", *flags)
+    code, out, err = run_main("preview", str(run), "--requests", *flags)
     assert (code, err) == (0, "")
     full, blocks = out.splitlines()[1:3]
     assert full.split()[0] == "full"
     assert " ".join(blocks.split()) == "blocks B=4096 w=1 * 0 0 0 B 8.19 kB 0.0 10 0 min"
-    code, _, err = run_main("plan", str(run), "--requests", "--hosts", "3", "--step-seconds", "1")
+    code, _, err = run_main(
+        "preview", str(run), "--requests", "--hosts", "3", "--step-seconds", "1"
+    )
     assert code == 1
     assert "--hosts: 3 hosts do not split step 0's batch of 8 rows" in err
-    code, _, err = run_main("plan", str(run), "--requests", "--hosts", "2")
+    code, _, err = run_main("preview", str(run), "--requests", "--hosts", "2")
     assert code == 1 and "give --step-seconds" in err

@@ -1,14 +1,6 @@
-"""What a run in phases will read, before it runs: :func:`plan_rows` and :func:`draw_shares`.
-
-Per phase and component: steps, samples, tokens (rows times ``seq_len``,
-padding included) and epochs, from the same arithmetic the loader uses (no
-data is read beyond what opening the run reads), as data or as a table
-(:func:`plan_table`), with a warning for each stream read more than
-:data:`REPEAT_WARNING_EPOCHS` times over (:func:`repeat_warnings`). The
-picture (matplotlib, the ``plot`` extra, imported only when drawing) shows
-each component's share of the tokens over the trainer's steps, with the phase
-boundaries; of a run its trainer steered, the shares follow its weight changes
-and skipped batches as its state records them, both marked where their steps are.
+"""What a run will read, before it runs (``flat-tokens preview``): per phase and
+component, steps, samples, tokens and epochs by the loader's own arithmetic
+(:func:`run_rows`), and a picture of each component's share (:func:`draw_shares`).
 """
 
 from __future__ import annotations
@@ -23,17 +15,6 @@ from flat_tokens_jax.loader.phasedloader import PhasedLoader
 from flat_tokens_jax.loader.phases import drawn
 from flat_tokens_jax.loader.state import sample_shares
 
-__all__ = [
-    "REPEAT_WARNING_EPOCHS",
-    "draw_shares",
-    "plan_rows",
-    "plan_table",
-    "repeat_warnings",
-    "share_segments",
-    "steering_rows",
-    "steering_table",
-]
-
 # A stream read more epochs than this shows its model each record that many
 # times: fine for a small high-quality source, a mistake for most.
 REPEAT_WARNING_EPOCHS = 100
@@ -41,22 +22,15 @@ REPEAT_WARNING_EPOCHS = 100
 _NO_ROWS = np.zeros(0, np.int64)
 
 
-def plan_rows(run: PhasedLoader, end_step: int) -> list[dict[str, Any]]:
-    """One dict per phase and component, for the steps before ``end_step``.
-
-    Keys: ``phase``, ``phase_name``, ``start_step``, ``end_step``, ``steps``,
-    ``component``, ``seq_len``, ``packing``, ``records`` (of its stream),
-    ``stream`` (``"new"`` or ``"continued"``), ``samples``, ``tokens``,
-    ``epochs`` (this phase's samples over the records) and ``stream_epochs``
-    (the stream's samples by the phase's end over the records). A run its
-    trainer steered counts with its weight changes, by the trainer's steps
-    (:attr:`PhasedLoader.firsts`); a stream's samples are those it gave up,
-    skipped batches included.
+def run_rows(run: PhasedLoader, end_step: int) -> list[dict[str, Any]]:
+    """One dict per phase and component, for the steps before ``end_step``
+    (trainer steps; a steered run's weight changes and skipped batches counted).
+    ``epochs``: this phase's samples over the records; ``stream_epochs``: the
+    stream's samples by the phase's end over the records.
 
     Raises:
-        ValueError: the loader refuses a step before ``end_step`` (its samples
-            pass the largest sample index, or the run ends before it); the
-            message names the phase and the last step the run can reach.
+        ValueError: the loader refuses a step before ``end_step``; the message
+            names the phase and the last step the run can reach.
     """
     rows: list[dict[str, Any]] = []
     for k, loader in enumerate(run.engines):
@@ -68,7 +42,7 @@ def plan_rows(run: PhasedLoader, end_step: int) -> list[dict[str, Any]]:
             continue  # a phase whose every step was skipped
         last = stop - start - 1
         try:
-            # The loader's own check of a step, on the phase's last planned one.
+            # The loader's own check of a step, on the phase's last one shown.
             loader.steps.samples(last, _NO_ROWS)
         except (ValueError, IndexError) as e:
             raise ValueError(
@@ -102,9 +76,8 @@ def plan_rows(run: PhasedLoader, end_step: int) -> list[dict[str, Any]]:
 _COLUMNS = ("component", "stream", "samples", "tokens", "epochs", "stream epochs")
 
 
-def plan_table(rows: list[dict[str, Any]]) -> list[str]:
-    """:func:`plan_rows` as text: a line per phase, then its components, in
-    columns as wide as their widest value."""
+def run_table(rows: list[dict[str, Any]]) -> list[str]:
+    """:func:`run_rows` as text: a line per phase, then its components, in columns."""
     cells = [
         [
             str(r["component"]),
@@ -142,8 +115,7 @@ def plan_table(rows: list[dict[str, Any]]) -> list[str]:
 def repeat_warnings(
     run: PhasedLoader, rows: list[dict[str, Any]], most: float = REPEAT_WARNING_EPOCHS
 ) -> list[str]:
-    """A line for each stream of :func:`plan_rows` read more than ``most``
-    epochs by the end of the plan (its last phase), naming the component."""
+    """A line for each stream of :func:`run_rows` read more than ``most`` epochs by their end."""
     last: dict[str, dict[str, Any]] = {}
     for r in rows:
         names = run.engines[r["phase"]].names
@@ -158,11 +130,9 @@ def repeat_warnings(
 
 
 def steering_rows(run: PhasedLoader) -> list[dict[str, Any]]:
-    """One dict per skip and per weight change of a run its trainer steered
-    (none for another), by step: ``step``, ``data_step`` (what it reads),
-    ``skipped`` (batches skipped there, 0 for a weight change), ``phase``
-    and ``weights`` (``{component: share of the samples}`` in effect from
-    that step; ``None`` for a single source)."""
+    """One dict per skip and weight change of a steered run, by step: ``step``,
+    ``data_step``, ``skipped`` (0 for a weight change), ``phase`` and
+    ``weights`` (``{component: share of the samples}`` from there; ``None`` for one source)."""
     saved = run.saved_state()
     skipped = dict(saved.skips)
     out = []
@@ -196,10 +166,8 @@ def steering_table(rows: list[dict[str, Any]]) -> list[str]:
 
 def share_segments(run: PhasedLoader, end_step: int) -> list[tuple[int, int, dict[str, float]]]:
     """``(first step, end step, {component: share of the tokens})`` of each
-    stretch of trainer steps ``[0, end_step)`` that reads fixed weights: a
-    phase, or a weight segment inside one, declared or set by the trainer,
-    as the run's state records them (a segment whose steps were all skipped
-    is left out)."""
+    stretch of steps ``[0, end_step)`` with fixed weights (a phase, or a weight
+    segment in one; none whose steps were all skipped)."""
     saved = run.saved_state()
     out = []
     for k, found in saved.stretches(end_step):
@@ -211,9 +179,8 @@ def share_segments(run: PhasedLoader, end_step: int) -> list[tuple[int, int, dic
 
 def draw_shares(run: PhasedLoader, end_step: int, path: str | os.PathLike[str]) -> None:
     """Writes ``path`` (``.png`` or ``.svg``): each component's share of the
-    tokens over trainer steps ``[0, end_step)``, stacked (see
-    :func:`share_segments`), with phase boundaries, weight changes and skipped
-    batches marked where their steps are.
+    tokens over steps ``[0, end_step)``, stacked, with phase boundaries, weight
+    changes and skipped batches marked.
 
     Raises:
         ValueError: ``path`` ends in neither ``.png`` nor ``.svg``.

@@ -1,4 +1,4 @@
-"""``plan``'s shares of a steered run (``share_segments``, ``draw_shares``)
+"""``preview``'s shares of a steered run (``share_segments``, ``draw_shares``)
 against a brute-force count of each step's rows from ``provenance()``."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from test_steering import NAMES, PERIOD, STEPS, apply, config, for_phases, mixture, ops_strategy
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.tools.runplan import share_segments
+from flat_tokens_jax.tools.runview import share_segments
 
 
 def counted_shares(run: ftj.PhasedLoader, step: int) -> dict[str, float]:
@@ -88,7 +88,7 @@ def test_a_segment_every_step_of_which_is_skipped_is_left_out() -> None:
 
 
 @pytest.mark.parametrize("suffix", ["png", "svg"])
-def test_plan_draws_a_states_changes_and_skips(tmp_path: Path, suffix: str) -> None:
+def test_preview_draws_a_states_changes_and_skips(tmp_path: Path, suffix: str) -> None:
     pytest.importorskip("matplotlib")
     mix = mixture(NAMES, [2, 1, 1])
     (tmp_path / "run.yaml").write_text(
@@ -113,7 +113,7 @@ def test_plan_draws_a_states_changes_and_skips(tmp_path: Path, suffix: str) -> N
     (tmp_path / "s.json").write_text(json.dumps(loader.state()))
     picture = tmp_path / f"p.{suffix}"
     code, _, err = run_main(
-        "plan",
+        "preview",
         str(tmp_path / "run.yaml"),
         "--state",
         str(tmp_path / "s.json"),

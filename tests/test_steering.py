@@ -22,11 +22,11 @@ import flat_tokens_jax as ftj
 from flat_tokens_jax import steering_at
 from flat_tokens_jax.loader.state import StateMismatch
 from flat_tokens_jax.loader.steered import skips_from_config, skips_from_yaml
-from flat_tokens_jax.sampling.mixture import Period
+from flat_tokens_jax.sampling.mixture import Period, prefix_counts
 from flat_tokens_jax.sampling.sampling import permute
 from flat_tokens_jax.sampling.schedule import BatchSchedule
 from flat_tokens_jax.sampling.skips import Skips
-from flat_tokens_jax.sampling.steering import TABLES_KEPT, Steering, prefix_counts
+from flat_tokens_jax.sampling.steering import TABLES_KEPT, Steering
 
 NAMES = ("a", "b", "c")
 SIZES = {"a": 7, "b": 5, "c": 3}  # records (sequences: packing=False) of each split

@@ -15,7 +15,6 @@ import numpy as np
 from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.core.values import BadValue, boolean, choice, integer
 from flat_tokens_jax.data.records import Windows
-from flat_tokens_jax.decoding.batch import FIELDS
 
 LAYOUTS = ("fields", "segments", "tokens", "maxtext")
 """The values of ``LoaderConfig.layout``."""
@@ -23,6 +22,8 @@ LAYOUTS = ("fields", "segments", "tokens", "maxtext")
 WHOLE_ROWS = ("tokens", "segment_lengths", "source")
 """Fields not ``[B, L]``: laid out over a sharding's batch axis only, whatever
 their width (``max_segments`` may equal ``L``; ``source`` is ``[B]``)."""
+
+_FIVE = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 FLAGS = ("loss_mask", "sequence_start")
 """The ``bool`` fields (1 byte a column); every other field is ``int32`` (4)."""
@@ -73,8 +74,8 @@ class BatchLayout:
         """Every key of the layout's batch and its width (the second
         dimension; 1 for ``source``, one value a row)."""
         keys = {
-            "fields": FIELDS,
-            "segments": (*FIELDS, "sequence_start"),
+            "fields": _FIVE,
+            "segments": (*_FIVE, "sequence_start"),
             "tokens": ("tokens", "loss_mask", "segment_ids", "positions", "sequence_start"),
             "maxtext": (
                 "inputs",

@@ -165,14 +165,12 @@ class FlatTokensSource:
 
     @property
     def tokenizer(self) -> TokenizerInfo | None:
-        """The tokenizer the data records (name, ``vocab_size``, ``bos_id``,
-        ``eos_id``, ``pad_id``); ``None`` when it records none."""
+        """The tokenizer the data records, ``None`` when it records none."""
         return None if self.info is None else self.info.tokenizer
 
     @property
     def source_names(self) -> tuple[str, ...]:
-        """``("0",)``: what ``source`` counts (``source_field``), as a
-        ``Loader`` of one split names it."""
+        """``("0",)``, as a ``Loader`` of one split names its source."""
         return ("0",)
 
     @property
@@ -204,12 +202,8 @@ class FlatTokensSource:
         return [dict(zip(rows, row, strict=True)) for row in zip(*rows.values(), strict=True)]
 
     def read_batch(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
-        """Records ``indices`` (``[k]`` ints, negative from the end), stacked, in one read.
-
-        Returns:
-            The five fields, each ``[k, seq_len]``: ``inputs``, ``targets``,
-            ``segment_ids``, ``positions`` (``int32``) and ``loss_mask``
-            (``bool``); or the fields of this source's ``layout``.
+        """Records ``indices`` (``[k]`` ints, negative from the end), stacked, in
+        one read: the fields of this source's ``layout``, each ``[k, ...]``.
 
         Raises:
             IndexError: an index outside ``[-len(self), len(self))``.

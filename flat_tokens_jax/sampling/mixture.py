@@ -58,16 +58,9 @@ class Period:
         return int(self.component.size)
 
     @classmethod
-    def of(cls, weights: Sequence[float] | np.ndarray, period: int) -> Period:
-        """The layout of ``weights`` over ``period`` samples: :meth:`of_counts`
-        of :func:`period_counts`."""
-        return cls.of_counts(period_counts(weights, period))
-
-    @classmethod
     def of_counts(cls, counts: Sequence[int] | np.ndarray) -> Period:
         """The layout of ``counts[c]`` samples of each component ``c`` over a
-        period of ``sum(counts)`` samples (:meth:`of` of weights that
-        round to these counts gives the same tables)."""
+        period of ``sum(counts)`` samples."""
         counts = np.array(counts, np.int64)
         component = np.repeat(np.arange(counts.size, dtype=np.int32), counts)
         rank = np.concatenate([np.arange(n, dtype=np.int32) for n in counts])

@@ -75,17 +75,17 @@ class Stretch:
 
 
 class Steering:
-    """What a loader (or a phase's) routes with: its mixture's declared
-    weight segments merged with runtime changes, and its skips. Immutable
-    once made, and safe to share between threads: a change makes a new one
-    (:meth:`with_skip`, :meth:`with_change`, :meth:`steered`) that reuses
-    the segments before it; one at or after every change so far costs
-    O(log n) amortized for ``n`` changes (plus the declared entries after it).
+    """What a loader (or a phase) routes with: its mixture's declared weight
+    segments merged with runtime changes, and its skips. Immutable and
+    thread-safe: a change makes a new one (:meth:`with_skip`,
+    :meth:`with_change`, :meth:`steered`) that reuses the segments before it,
+    O(log n) amortized for a change at or after every earlier one.
 
-    Each boundary, declared or a runtime change, holds from its data step
-    until the next one; a runtime change at a declared boundary's data step
-    wins over it. That rule is here alone: routing, what a stream draws and
-    what :meth:`stretch_at` reads back all follow it.
+    Each boundary, declared or runtime, holds from its data step until the
+    next; a runtime change at a declared boundary's data step wins over it.
+    That rule is here alone: routing, what a stream draws and :meth:`stretch_at`
+    all follow it. Period tables of runtime changes are built on demand, the
+    last :data:`TABLES_KEPT` kept.
 
     Args:
         mixture: the blend (``None``: one source, no weights, only skips).

@@ -277,8 +277,11 @@ def bin_fields(
     seq_len = out["targets"].shape[1]
     padding = np.arange(seq_len) >= _lengths(lengths, out["targets"].shape[0], seq_len)[:, None]
     pad = _int32("pad_id", pad_id)
-    for key in FIELDS:
-        np.copyto(out[key], pad if key in ("inputs", "targets") else 0, where=padding)
+    np.copyto(out["inputs"], pad, where=padding)
+    np.copyto(out["targets"], pad, where=padding)
+    np.copyto(out["segment_ids"], 0, where=padding)
+    np.copyto(out["positions"], 0, where=padding)
+    out["loss_mask"] &= ~padding
     return out
 
 

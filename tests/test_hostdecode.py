@@ -15,8 +15,8 @@ from reference import reference_batch
 import flat_tokens_jax as ftj
 from flat_tokens_jax.core.buffers import Buffers
 from flat_tokens_jax.data.records import Windows
-from flat_tokens_jax.decoding.batch import FIELDS, window_fields
-from flat_tokens_jax.decoding.hostdecode import BlockDecoder, empty_fields, request_parts
+from flat_tokens_jax.decoding.batch import FIELDS, empty_fields, window_fields
+from flat_tokens_jax.decoding.hostdecode import BlockDecoder, request_parts
 
 datasets = st.lists(
     st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=15), min_size=1, max_size=25

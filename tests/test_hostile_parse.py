@@ -26,7 +26,7 @@ from memurls import memory_url
 import flat_tokens_jax as ftj
 from flat_tokens_jax.core.yamlfile import read_yaml
 from flat_tokens_jax.loader.phaseconfig import phases_from_yaml
-from flat_tokens_jax.sampling.mixture import Period
+from flat_tokens_jax.sampling.mixture import Period, period_counts
 from flat_tokens_jax.sampling.schedule import BatchSchedule
 
 
@@ -157,8 +157,8 @@ def test_huge_weights_blend_as_their_ratio(weights: list[float], same_as: list[f
 def test_weights_blend_the_same_at_any_scale(weights: list[int], exponent: int) -> None:
     scaled = [w * 10.0**exponent for w in weights]
     assert all(math.isfinite(w) for w in scaled)
-    want = Period.of(weights, 1000)
-    got = Period.of(scaled, 1000)
+    want = Period.of_counts(period_counts(weights, 1000))
+    got = Period.of_counts(period_counts(scaled, 1000))
     np.testing.assert_array_equal(got.counts, want.counts)
     np.testing.assert_array_equal(got.component, want.component)
 

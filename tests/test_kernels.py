@@ -18,8 +18,8 @@ import flat_tokens_jax as ftj
 from flat_tokens_jax.core import compiled
 from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.data.records import Windows
-from flat_tokens_jax.decoding.batch import FIELDS, checked_windows, window_fields
-from flat_tokens_jax.decoding.hostdecode import BlockDecoder, empty_fields
+from flat_tokens_jax.decoding.batch import FIELDS, checked_windows, empty_fields, window_fields
+from flat_tokens_jax.decoding.hostdecode import BlockDecoder
 
 kernels = compiled.kernels()
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,11 +22,11 @@ import flat_tokens_jax as ftj
 from flat_tokens_jax import steering_at
 from flat_tokens_jax.loader.state import StateMismatch
 from flat_tokens_jax.loader.steered import skips_from_config, skips_from_yaml
-from flat_tokens_jax.sampling.mixture import Period
+from flat_tokens_jax.sampling.mixture import Period, period_counts, prefix_counts
 from flat_tokens_jax.sampling.sampling import permute
 from flat_tokens_jax.sampling.schedule import BatchSchedule
 from flat_tokens_jax.sampling.skips import Skips
-from flat_tokens_jax.sampling.steering import TABLES_KEPT, Steering, prefix_counts
+from flat_tokens_jax.sampling.steering import TABLES_KEPT, Steering
 
 NAMES = ("a", "b", "c")
 SIZES = {"a": 7, "b": 5, "c": 3}  # records (sequences: packing=False) of each split
@@ -268,7 +268,9 @@ def test_prefix_counts_match_the_period_tables(counts: list[int], data: st.DataO
     rest = data.draw(st.integers(0, table.period))
     want = np.bincount(table.component[:rest], minlength=len(counts))
     np.testing.assert_array_equal(prefix_counts(counts, rest), want)
-    np.testing.assert_array_equal(Period.of(counts, sum(counts)).component, table.component)
+    np.testing.assert_array_equal(
+        Period.of_counts(period_counts(counts, sum(counts))).component, table.component
+    )
 
 
 @settings(max_examples=100, deadline=None)

@@ -1,32 +1,19 @@
-"""Model fields from encoded tokens: packed windows and padded sequences.
+"""Model fields from encoded tokens (numpy, on the host): packed windows, padded sequences, bins.
 
-Every function returns the five batch fields, each ``[batch, seq_len]``:
+Encoded tokens are ``uint32`` ``token_id * 2 + 1`` at a sequence start, else
+``token_id * 2``. Every decoder returns the five fields ``[batch, seq_len]``:
 ``inputs``, ``targets``, ``segment_ids``, ``positions`` (``int32``) and
-``loss_mask`` (``bool``). Encoded tokens are ``uint32`` ``token_id * 2 + 1`` at a
-sequence start, else ``token_id * 2``.
-
-Packed rows follow the spec's expansion: ``targets[t]`` is the decoded token at
-``t``; ``inputs[t]`` is ``start_token_id`` where ``t`` starts a sequence, else the
-token before it, including ``t = 0``, which reads the token before the record.
-``segment_ids`` are 1 for a row's first segment (a whole sequence or a leading
-fragment) and grow by one at each later sequence start; ``positions`` restart at
-0 at each sequence start, and a leading fragment counts from 0 too. Padded rows
-use the same input rule; padding has ``pad_id`` input and target, segment 0,
-position 0 and ``loss_mask`` False.
-
-Bins of whole sequences (``bin_fields``) are packed windows whose first column
-starts a sequence, followed by padding from the bin's length on.
-
-``packed_fields``, ``padded_fields`` and ``bin_fields`` run on the host in
-numpy; their ``_jax`` twins (in :mod:`~flat_tokens_jax.decoding.batch_jax`, importable
-from here too) compute the same values with jax ops inside ``jax.jit``, for
-decoding on the accelerator.
+``loss_mask`` (``bool``). Padding has ``pad_id`` input and target, segment 0,
+position 0 and ``loss_mask`` False. The ``_jax`` twins
+(:mod:`~flat_tokens_jax.decoding.batch_jax`, importable from here) give the same
+values inside ``jax.jit``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from flat_tokens_jax.core.buffers import Buffers
 from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.data.records import Windows
 from flat_tokens_jax.decoding.batch_jax import bin_fields_jax, packed_fields_jax, padded_fields_jax
@@ -37,6 +24,7 @@ __all__ = [
     "bin_fields",
     "bin_fields_jax",
     "checked_windows",
+    "empty_fields",
     "packed_fields",
     "packed_fields_jax",
     "padded_fields",
@@ -48,8 +36,36 @@ __all__ = [
 FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 _INT32 = np.iinfo(np.int32)
-# Where the fields start in their shared allocation, modulo this: see `_empty_fields`.
 _PAGE = 4096
+_STAGGER = 768  # a multiple of 64; five fields stay at distinct offsets modulo _PAGE
+
+
+def _dtype(key: str) -> type[np.generic]:
+    return np.bool_ if key == "loss_mask" else np.int32
+
+
+def empty_fields(batch: int, seq_len: int, buffers: Buffers | None = None) -> dict[str, np.ndarray]:
+    """Uninitialised five fields ``[batch, seq_len]``, carved out of one allocation
+    (from ``buffers`` when given).
+
+    Five separate 2 MiB arrays freed together make glibc hand the memory back to
+    the OS and fault it in again on the next batch (5 ms a batch, where writing
+    them takes 0.25 ms). Each field starts 64-byte aligned, so ``jax.device_put``
+    on the CPU backend uses it in place, and at its own offset modulo 4 KiB:
+    copying ``targets`` into ``inputs`` at the same offset measured 10x slower
+    (4K aliasing of loads and stores).
+    """
+    n = batch * seq_len
+    sizes = [n if key == "loss_mask" else 4 * n for key in FIELDS]
+    nbytes = sum(sizes) + _PAGE * len(sizes)
+    buf = np.empty(nbytes, np.uint8) if buffers is None else buffers.take(nbytes)
+    base, offset = buf.ctypes.data, 0
+    out: dict[str, np.ndarray] = {}
+    for i, (key, size) in enumerate(zip(FIELDS, sizes, strict=True)):
+        offset += (i * _STAGGER - (base + offset)) % _PAGE
+        out[key] = buf[offset : offset + size].view(_dtype(key)).reshape(batch, seq_len)
+        offset += size
+    return out
 
 
 def packed_fields(
@@ -59,13 +75,18 @@ def packed_fields(
     stored_mask: np.ndarray | None = None,
     out: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Decodes packed records into model fields (numpy, on the host).
+    """Decodes packed records into model fields.
+
+    ``targets[t]`` is the decoded token at ``t``; ``inputs[t]`` is
+    ``start_token_id`` where ``t`` starts a sequence, else the token before it
+    (at ``t = 0``, the token before the record). ``segment_ids`` are 1 for a
+    row's first segment (a whole sequence or a leading fragment) and grow by one
+    at each later sequence start; ``positions`` restart at 0 at each sequence
+    start and at column 0.
 
     Args:
         windows: ``[batch, seq_len + 1] uint32`` encoded tokens. Column 0 is the
-            token before the record; columns ``1..seq_len`` are the record. When
-            column 1 starts a sequence (always so for the record at token 0),
-            column 0 is ignored.
+            token before the record (ignored when column 1 starts a sequence).
         start_token_id: the input where a sequence starts.
         stored_mask: optional ``[batch, seq_len]`` stored loss mask aligned with
             the targets; nonzero means trained on. Without it every target is.
@@ -73,10 +94,7 @@ def packed_fields(
             fields' dtypes to write into (e.g. one row block of a larger batch).
 
     Returns:
-        The five fields, each ``[batch, seq_len]`` and C-contiguous: ``inputs``,
-        ``targets``, ``segment_ids``, ``positions`` (``int32``) and ``loss_mask``
-        (``bool``); ``out`` when given, else all but ``segment_ids`` share one
-        allocation.
+        The five fields, C-contiguous (``out`` when given, else :func:`empty_fields`).
 
     Example:
         >>> # sequences [1, 2], [3, 4, 5], [6, 7, 8]; packed record 1 of length 4
@@ -91,28 +109,27 @@ def packed_fields(
     batch, seq_len = w.shape[0], w.shape[1] - 1
     start = _int32("start_token_id", start_token_id)
     _check_mask(stored_mask, (batch, seq_len))
-
-    inputs, targets, positions, loss_mask, flags = _fields_out(out, batch, seq_len, batch)
+    out = _fields_out(out, batch, seq_len)
+    inputs, targets, positions = out["inputs"], out["targets"], out["positions"]
     np.right_shift(w[:, 1:], 1, out=targets.view(np.uint32))
     np.copyto(inputs[:, 1:], targets[:, :-1])
     np.right_shift(w[:, 0], 1, out=inputs[:, 0].view(np.uint32))
 
     # Sequence starts are rare (one per ~1,000 tokens in typical data), so find
     # them once as flat indices and build segment ids and positions run by run.
+    # `loss_mask` is scratch until it is written.
+    flags = out["loss_mask"].reshape(-1)
     hits = sequence_starts(w.reshape(-1), flags, positions.reshape(-1).view(np.uint32))
     row = hits // (seq_len + 1)
     hits -= row
     starts = hits[hits != row * seq_len] - 1  # drop column 0; index into [batch * seq_len]
     inputs.reshape(-1)[starts] = start
-
     if stored_mask is None:
-        loss_mask.fill(True)
+        out["loss_mask"].fill(True)
     else:
-        np.not_equal(stored_mask, 0, out=loss_mask)
-
-    segment_ids = np.empty((batch, seq_len), np.int32) if out is None else out["segment_ids"]
-    write_segments(starts, segment_ids, positions)
-    return dict(zip(FIELDS, (inputs, targets, segment_ids, positions, loss_mask), strict=True))
+        np.not_equal(stored_mask, 0, out=out["loss_mask"])
+    write_segments(starts, out["segment_ids"], positions)
+    return out
 
 
 def padded_fields(
@@ -128,21 +145,19 @@ def padded_fields(
 
     Args:
         tokens: ``[batch, seq_len] uint32`` encoded tokens; row ``b`` holds the
-            first ``lengths[b]`` tokens of sequence ``b``. Later columns are
-            ignored, whatever they hold.
+            first ``lengths[b]`` tokens of sequence ``b`` (later columns ignored).
         lengths: ``[batch]`` integer tokens kept per row, ``0 <= lengths <= seq_len``
             (a 0 row is all padding).
         start_token_id: the input at each row's first token.
         pad_id: the input and target at padding.
-        stored_mask: optional ``[batch, seq_len]`` stored loss mask aligned with
-            the targets, ANDed with the non-padding mask.
+        stored_mask: optional ``[batch, seq_len]`` stored loss mask, ANDed with
+            the non-padding mask.
         out: optional arrays to write into, as for ``packed_fields``.
 
     Returns:
-        The five fields, each ``[batch, seq_len]``: ``inputs`` is
-        ``start_token_id`` then ``seq[:len - 1]``, ``targets`` is ``seq[:len]``,
-        both then ``pad_id``; ``segment_ids`` 1 on the sequence, 0 on padding;
-        ``positions`` ``0..len-1`` then 0; ``loss_mask`` True on the sequence.
+        The five fields: ``inputs`` is ``start_token_id`` then ``seq[:len - 1]``,
+        ``targets`` is ``seq[:len]``, both then ``pad_id``; ``segment_ids`` 1 on
+        the sequence; ``positions`` ``0..len-1``; ``loss_mask`` True on the sequence.
 
     Example:
         >>> f = padded_fields(np.array([[7, 8, 10, 0, 0]], np.uint32), np.array([3]), pad_id=7)
@@ -157,70 +172,31 @@ def padded_fields(
     pad = _int32("pad_id", pad_id)
     lens = _lengths(lengths, batch, seq_len)
     _check_mask(stored_mask, (batch, seq_len))
-
-    inputs, targets, positions, loss_mask, _ = _fields_out(out, batch, seq_len, 0)
+    out = _fields_out(out, batch, seq_len)
+    inputs, targets, loss_mask = out["inputs"], out["targets"], out["loss_mask"]
     np.right_shift(tok, 1, out=targets.view(np.uint32))
     np.copyto(inputs[:, 1:], targets[:, :-1])
     inputs[:, 0] = start
-
     col = np.arange(seq_len, dtype=np.int32)
     np.less(col, lens[:, None], out=loss_mask)
     padding = ~loss_mask
     np.copyto(inputs, pad, where=padding)
     np.copyto(targets, pad, where=padding)
-    np.multiply(col, loss_mask, out=positions)
-    if out is None:
-        segment_ids = loss_mask.astype(np.int32)
-    else:
-        segment_ids = _copied(loss_mask, out["segment_ids"])
+    np.multiply(col, loss_mask, out=out["positions"])
+    np.copyto(out["segment_ids"], loss_mask)
     if stored_mask is not None:
         loss_mask &= stored_mask != 0
-    return dict(zip(FIELDS, (inputs, targets, segment_ids, positions, loss_mask), strict=True))
-
-
-def _empty_fields(
-    batch: int, seq_len: int, flag_extra: int = 0
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Uninitialised ``inputs``, ``targets``, ``positions`` and ``loss_mask``.
-
-    They are carved out of one allocation: five separate 2 MiB arrays freed
-    together make glibc hand the memory back to the OS and fault it in again on
-    the next batch, which measured 5 ms a batch where writing them takes 0.25 ms.
-    Each field starts at a different offset modulo 4 KiB: copying ``targets``
-    into ``inputs`` at the same offset measured 10x slower (4K aliasing of
-    loads and stores).
-
-    Returns:
-        ``(inputs, targets, positions, loss_mask, flags)``: three ``[batch,
-        seq_len] int32``, one ``[batch, seq_len] bool``, and ``flags``, a
-        ``[batch * seq_len + flag_extra] bool`` scratch that overlaps
-        ``loss_mask``.
-    """
-    n = batch * seq_len
-    sizes = (4 * n, 4 * n, 4 * n, n + flag_extra)
-    buf = np.empty(sum(sizes) + _PAGE * len(sizes), np.uint8)
-    base = buf.ctypes.data
-    views = []
-    offset = 0
-    for i, size in enumerate(sizes):
-        offset += (i * _PAGE // len(sizes) - (base + offset)) % _PAGE
-        views.append(buf[offset : offset + size])
-        offset += size
-    ints = [v.view(np.int32).reshape(batch, seq_len) for v in views[:3]]
-    flags = views[3].view(np.bool_)
-    return ints[0], ints[1], ints[2], flags[:n].reshape(batch, seq_len), flags
+    return out
 
 
 def _fields_out(
-    out: dict[str, np.ndarray] | None, batch: int, seq_len: int, flag_extra: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``_empty_fields``, or the arrays of ``out`` (checked) and ``flags``, the
-    flat ``loss_mask`` of ``out`` (``sequence_starts`` makes more when it needs them)."""
+    out: dict[str, np.ndarray] | None, batch: int, seq_len: int
+) -> dict[str, np.ndarray]:
+    """``out``, checked, or :func:`empty_fields`."""
     if out is None:
-        return _empty_fields(batch, seq_len, flag_extra)
+        return empty_fields(batch, seq_len)
     for key in FIELDS:
-        value = out.get(key)
-        dtype = np.bool_ if key == "loss_mask" else np.int32
+        value, dtype = out.get(key), _dtype(key)
         if (
             not isinstance(value, np.ndarray)
             or value.shape != (batch, seq_len)
@@ -231,13 +207,7 @@ def _fields_out(
                 f"out[{key!r}] must be a C-contiguous [{batch}, {seq_len}] "
                 f"{np.dtype(dtype)} array, got {getattr(value, 'shape', value)!r}"
             )
-    flags = out["loss_mask"].reshape(-1)
-    return out["inputs"], out["targets"], out["positions"], out["loss_mask"], flags
-
-
-def _copied(value: np.ndarray, into: np.ndarray) -> np.ndarray:
-    np.copyto(into, value)
-    return into
+    return out
 
 
 def _encoded(x: np.ndarray, name: str, min_cols: int) -> np.ndarray:
@@ -290,22 +260,11 @@ def bin_fields(
     stored_mask: np.ndarray | None = None,
     out: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Decodes bins of whole sequences: packed windows that end in padding.
+    """Decodes bins of whole sequences: packed windows whose column 1 starts a
+    sequence, padding from ``lengths`` (``[batch]`` tokens of each bin) on.
 
-    Args:
-        windows: ``[batch, seq_len + 1] uint32`` as for ``packed_fields``; column
-            1 starts a sequence, so column 0 is ignored.
-        lengths: ``[batch]`` integer tokens of each bin; later columns are padding.
-        start_token_id: the input where a sequence starts.
-        pad_id: the input and target at padding.
-        stored_mask: optional ``[batch, seq_len]`` stored loss mask.
-        out: optional arrays to write into, as for ``packed_fields``.
-
-    Returns:
-        The five fields, each ``[batch, seq_len]``: every sequence follows the
-        padded rule (inputs ``start_token_id`` then ``seq[:-1]``), segment ids
-        count 1, 2, ... per sequence, positions restart at 0; padding has
-        ``pad_id`` input and target, segment 0, position 0, loss mask False.
+    Arguments as for ``packed_fields`` and ``padded_fields``; every sequence
+    follows the padded rule, and segment ids count 1, 2, ... per sequence.
 
     Example:
         >>> f = bin_fields(np.array([[0, 7, 8, 11, 0, 0]], np.uint32), np.array([3]), pad_id=9)
@@ -337,27 +296,20 @@ def window_fields(
     """The fields of records read as ``windows`` (:meth:`Records.read`): packed,
     padded or bins (``packing``, the records' own), with the stored loss mask
     when there is one; written into ``out`` when given (as for ``packed_fields``)."""
+    mask = windows.stored_mask
     if packing is Packing.WINDOWS:
         return packed_fields(
-            windows.encoded, start_token_id=start_token_id, stored_mask=windows.stored_mask, out=out
+            windows.encoded, start_token_id=start_token_id, stored_mask=mask, out=out
         )
     if windows.lengths is None:
         raise TypeError("padded records and bins were read without their lengths")
-    if packing is Packing.BINS:
-        return bin_fields(
-            windows.encoded,
-            windows.lengths,
-            start_token_id=start_token_id,
-            pad_id=pad_id,
-            stored_mask=windows.stored_mask,
-            out=out,
-        )
-    return padded_fields(
+    decode = bin_fields if packing is Packing.BINS else padded_fields
+    return decode(
         windows.encoded,
         windows.lengths,
         start_token_id=start_token_id,
         pad_id=pad_id,
-        stored_mask=windows.stored_mask,
+        stored_mask=mask,
         out=out,
     )
 
@@ -370,17 +322,10 @@ def checked_windows(
     start_token_id: int = 0,
     pad_id: int = 0,
 ) -> Windows:
-    """``windows`` checked as :func:`window_fields` checks them (rows of
-    ``seq_len`` tokens), as the compiled decode (:mod:`~flat_tokens_jax.core.kernels`)
-    takes them: C-contiguous ``uint32`` tokens, ``[k] int64`` lengths (padded
-    rows and bins only) and a C-contiguous ``[k, seq_len] uint8`` stored mask,
-    nonzero where trained on.
-
-    Raises:
-        ValueError: what ``window_fields`` raises for the same arguments, or
-            rows of another length than ``seq_len``.
-        TypeError: padded records or bins without their lengths.
-    """
+    """``windows`` checked as :func:`window_fields` checks them, and as rows of
+    ``seq_len`` tokens, in the form the compiled decode (:mod:`~flat_tokens_jax.core.kernels`)
+    takes: C-contiguous ``uint32`` tokens, ``[k] int64`` lengths (padded rows
+    and bins) and a C-contiguous ``[k, seq_len] uint8`` stored mask."""
     _int32("start_token_id", start_token_id)
     _int32("pad_id", pad_id)
     if packing is Packing.PADDED:
@@ -405,13 +350,8 @@ def checked_windows(
 
 
 def padding_fields(num_rows: int, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
-    """Fields of padding rows, each ``[num_rows, seq_len]``: ``pad_id`` inputs and
-    targets, the rest 0."""
+    """The five fields of ``num_rows`` padding rows."""
     shape = (num_rows, seq_len)
     return {
-        "inputs": np.full(shape, pad_id, np.int32),
-        "targets": np.full(shape, pad_id, np.int32),
-        "segment_ids": np.zeros(shape, np.int32),
-        "positions": np.zeros(shape, np.int32),
-        "loss_mask": np.zeros(shape, bool),
+        k: np.full(shape, pad_id if k in ("inputs", "targets") else 0, _dtype(k)) for k in FIELDS
     }

@@ -1,8 +1,5 @@
-"""Model fields from encoded tokens in jax ops, to decode on the accelerator.
-
-The ``_jax`` twins of :mod:`~flat_tokens_jax.decoding.batch`'s numpy decoders: the same
-five fields with the same values, computed inside ``jax.jit`` with static
-shapes (see that module for what the fields are).
+"""The ``_jax`` twins of :mod:`~flat_tokens_jax.decoding.batch`'s numpy decoders:
+the same five fields with the same values, inside ``jax.jit`` with static shapes.
 """
 
 from __future__ import annotations
@@ -19,21 +16,11 @@ def packed_fields_jax(
     start_token_id: ArrayLike = 0,
     stored_mask: ArrayLike | None = None,
 ) -> dict[str, jax.Array]:
-    """``packed_fields`` in jax ops, to decode on the accelerator inside ``jax.jit``.
+    """``packed_fields`` (``start_token_id`` may be traced).
 
-    Static shapes throughout. Segment ids and positions come from ``lax.cumsum``
-    and ``lax.cummax`` along each row, so shard the batch axis only, not the
-    sequence axis. On the CPU backend these scans are slow (~10x
-    ``packed_fields``); use it where the batch is decoded on a GPU or TPU.
-
-    Args:
-        windows: ``[batch, seq_len + 1] uint32`` encoded tokens, as for
-            ``packed_fields``.
-        start_token_id: the input where a sequence starts (may be traced).
-        stored_mask: optional ``[batch, seq_len]`` stored loss mask.
-
-    Returns:
-        The same five fields with the same values as ``packed_fields``.
+    Segment ids and positions come from ``lax.cumsum`` and ``lax.cummax`` along
+    each row, so shard the batch axis only. On the CPU backend these scans are
+    ~10x slower than ``packed_fields``: use it on a GPU or TPU.
     """
     w = _encoded_jax(windows, "windows", min_cols=2)
     encoded = w[:, 1:]
@@ -64,37 +51,24 @@ def padded_fields_jax(
     pad_id: ArrayLike = 0,
     stored_mask: ArrayLike | None = None,
 ) -> dict[str, jax.Array]:
-    """``padded_fields`` in jax ops, to decode on the accelerator inside ``jax.jit``.
-
-    Args:
-        tokens: ``[batch, seq_len] uint32`` encoded tokens, as for ``padded_fields``.
-        lengths: ``[batch]`` integer tokens kept per row; unlike ``padded_fields``
-            they are not checked (they may be traced): keep them in ``[0, seq_len]``.
-        start_token_id: the input at each row's first token.
-        pad_id: the input and target at padding.
-        stored_mask: optional ``[batch, seq_len]`` stored loss mask.
-
-    Returns:
-        The same five fields with the same values as ``padded_fields``.
-    """
+    """``padded_fields``; ``lengths`` are not checked (they may be traced):
+    keep them in ``[0, seq_len]``."""
     tok = _encoded_jax(tokens, "tokens", min_cols=1)
     shape = tok.shape
     lens = jnp.asarray(lengths)
     if lens.shape != shape[:1]:
         raise ValueError(f"lengths must have shape {shape[:1]}, got {lens.shape}")
     col = lax.broadcasted_iota(jnp.int32, shape, 1)
-    valid = col < lens[:, None].astype(jnp.int32)
-    pad = jnp.asarray(pad_id, jnp.int32)
     targets = (tok >> 1).astype(jnp.int32)
     first = jnp.full((shape[0], 1), start_token_id, jnp.int32)
-    inputs = jnp.concatenate([first, targets[:, :-1]], axis=1)
-    return {
-        "inputs": jnp.where(valid, inputs, pad),
-        "targets": jnp.where(valid, targets, pad),
-        "segment_ids": valid.astype(jnp.int32),
-        "positions": jnp.where(valid, col, 0),
-        "loss_mask": valid & _loss_mask_jax(stored_mask, shape),
+    fields = {
+        "inputs": jnp.concatenate([first, targets[:, :-1]], axis=1),
+        "targets": targets,
+        "segment_ids": jnp.ones(shape, jnp.int32),
+        "positions": col,
+        "loss_mask": _loss_mask_jax(stored_mask, shape),
     }
+    return blank_rows_jax(fields, col < lens[:, None].astype(jnp.int32), pad_id)
 
 
 def bin_fields_jax(
@@ -109,8 +83,16 @@ def bin_fields_jax(
     out = packed_fields_jax(windows, start_token_id=start_token_id, stored_mask=stored_mask)
     shape = out["targets"].shape
     valid = lax.broadcasted_iota(jnp.int32, shape, 1) < jnp.asarray(lengths)[:, None]
+    return blank_rows_jax(out, valid, pad_id)
+
+
+def blank_rows_jax(
+    fields: dict[str, jax.Array], keep: jax.Array, pad_id: ArrayLike
+) -> dict[str, jax.Array]:
+    """``fields`` made padding where ``keep`` (broadcast against ``[batch, seq_len]``)
+    is False: ``pad_id`` inputs and targets, the rest 0 (``loss_mask`` False)."""
     fills = {"inputs": pad_id, "targets": pad_id}
-    return {k: jnp.where(valid, v, jnp.asarray(fills.get(k, 0), v.dtype)) for k, v in out.items()}
+    return {k: jnp.where(keep, v, jnp.asarray(fills.get(k, 0), v.dtype)) for k, v in fields.items()}
 
 
 def _encoded_jax(x: ArrayLike, name: str, min_cols: int) -> jax.Array:

@@ -1,11 +1,7 @@
-"""Decoding a batch on the host in row blocks, on several cores.
-
-A batch's rows are independent: each block of rows is decoded by its own
-thread straight into its rows of the five output arrays (one allocation, no
-concatenation). With numba installed (the ``fast`` extra) each block runs a
+"""Decoding a batch on the host in row blocks, each on a thread, straight into
+its rows of the five fields. With numba (the ``fast`` extra) a block runs a
 compiled kernel (:mod:`~flat_tokens_jax.core.kernels`) that never holds the
-interpreter lock, so the blocks run in parallel; the numpy decode releases it
-only inside its large passes, so its blocks overlap less.
+interpreter lock; the numpy decode releases it only inside its large passes.
 """
 
 from __future__ import annotations
@@ -29,8 +25,6 @@ from flat_tokens_jax.decoding import batch as fields
 from flat_tokens_jax.decoding.instancefilter import FilteredRows
 from flat_tokens_jax.decoding.layouts import BatchLayout, row_starts
 
-_PAGE = 4096
-_STAGGER = 768  # a multiple of 64; five fields stay at distinct offsets modulo _PAGE
 # Fewer rows than this per block cost more in thread hand-offs than they save.
 MIN_BLOCK_ROWS = 16
 KERNELS = ("auto", "numba", "numpy")
@@ -45,40 +39,13 @@ def default_threads() -> int:
     return max(1, min(cores, 8))
 
 
-def empty_fields(batch: int, seq_len: int, buffers: Buffers | None = None) -> dict[str, np.ndarray]:
-    """Uninitialised five fields ``[batch, seq_len]`` (``int32``, ``loss_mask`` bool).
-
-    One allocation (see ``batch._empty_fields`` for why), from ``buffers`` when
-    given; each field starts 64-byte aligned, which lets ``jax.device_put`` on
-    the CPU backend use the memory in place instead of copying it, and at its
-    own offset modulo 4 KiB.
-    """
-    n = batch * seq_len
-    sizes = [n if key == "loss_mask" else 4 * n for key in fields.FIELDS]
-    nbytes = sum(sizes) + _PAGE * len(sizes)
-    buf = np.empty(nbytes, np.uint8) if buffers is None else buffers.take(nbytes)
-    base, offset = buf.ctypes.data, 0
-    out: dict[str, np.ndarray] = {}
-    for i, (key, size) in enumerate(zip(fields.FIELDS, sizes, strict=True)):
-        offset += (i * _STAGGER - (base + offset)) % _PAGE
-        dtype = np.bool_ if key == "loss_mask" else np.int32
-        out[key] = buf[offset : offset + size].view(dtype).reshape(batch, seq_len)
-        offset += size
-    return out
-
-
 class BlockDecoder:
-    """Decodes records in row blocks on up to ``threads`` threads.
+    """Decodes records in row blocks on up to ``threads`` threads (the
+    caller's among them), blocks of at least ``min_block_rows`` rows.
+    Thread-safe; the pool starts on first use.
 
-    Thread-safe: several callers (e.g. prefetch threads) may share one; the
-    pool starts on first use.
-
-    Args:
-        threads: threads decoding one batch (the caller's among them).
-        min_block_rows: the fewest rows a block gets.
-        kernel: ``"numba"`` (the compiled kernels, needs the ``fast`` extra),
-            ``"numpy"``, or ``"auto"``: numba when it imports, else numpy. Both
-            give the same fields.
+    ``kernel``: ``"numba"`` (the ``fast`` extra), ``"numpy"``, or ``"auto"``
+    (numba when it imports); both give the same fields.
     """
 
     def __init__(
@@ -121,61 +88,51 @@ class BlockDecoder:
         pad_id: int,
         threads: int | None = None,
     ) -> dict[str, np.ndarray]:
-        """The five fields ``[k, seq_len]`` of records read as ``windows`` (``k`` rows),
-        decoded on at most ``threads`` threads (default: ``self.threads``).
-
-        Equal to ``window_fields(windows, packing, ...)``.
-        """
+        """``window_fields(windows, packing, ...)``, ``[k, seq_len]`` each, decoded
+        on at most ``threads`` threads (default: ``self.threads``)."""
         rows = windows.encoded.shape[0]
-        out = empty_fields(rows, seq_len, self.buffers)
+        out = fields.empty_fields(rows, seq_len, self.buffers)
         kernels = self._kernels
         if kernels is not None:
             windows = fields.checked_windows(
                 windows, packing, seq_len, start_token_id=start_token_id, pad_id=pad_id
             )
 
-        def run(block: tuple[int, int]) -> None:
-            a, b = block
-            # Decodes share `threads` slots among all batches in flight.
-            with self._slots:
-                if kernels is not None:
-                    kernels.decode_rows(
-                        windows.encoded,
-                        windows.lengths,
-                        windows.stored_mask,
-                        packing,
-                        block,
-                        start_token_id=start_token_id,
-                        pad_id=pad_id,
-                        out=out,
-                    )
-                    return
-                fields.window_fields(
-                    _rows_of(windows, a, b),
+        def work(a: int, b: int) -> None:
+            if kernels is not None:
+                kernels.decode_rows(
+                    windows.encoded,
+                    windows.lengths,
+                    windows.stored_mask,
                     packing,
+                    (a, b),
                     start_token_id=start_token_id,
                     pad_id=pad_id,
-                    out={k: v[a:b] for k, v in out.items()},
+                    out=out,
                 )
+                return
+            lengths, mask = windows.lengths, windows.stored_mask
+            fields.window_fields(
+                Windows(
+                    windows.encoded[a:b],
+                    lengths=None if lengths is None else lengths[a:b],
+                    stored_mask=None if mask is None else mask[a:b],
+                ),
+                packing,
+                start_token_id=start_token_id,
+                pad_id=pad_id,
+                out={k: v[a:b] for k, v in out.items()},
+            )
 
-        blocks = self.blocks(rows, threads)
-        if len(blocks) == 1:
-            run(blocks[0])
-            return out
-        pool = self._executor()
-        # The caller runs the first block itself: one hand-off fewer.
-        futures = [pool.submit(run, block) for block in blocks[1:]]
-        run(blocks[0])
-        for f in futures:
-            f.result()
+        self.run_blocks(rows, work, threads)
         return out
 
     def run_blocks(
         self, rows: int, work: Callable[[int, int], None], threads: int | None = None
     ) -> None:
         """Calls ``work(a, b)`` for each row block ``a .. b`` of a ``rows``-row
-        batch, on at most ``threads`` threads (the caller's among them), within
-        the slots the decodes share."""
+        batch, on at most ``threads`` threads, within the ``threads`` slots that
+        all batches in flight share."""
 
         def run(block: tuple[int, int]) -> None:
             with self._slots:
@@ -186,7 +143,7 @@ class BlockDecoder:
             run(blocks[0])
             return
         futures = [self._executor().submit(run, block) for block in blocks[1:]]
-        run(blocks[0])
+        run(blocks[0])  # the caller runs one block itself: one hand-off fewer
         for f in futures:
             f.result()
 
@@ -204,15 +161,6 @@ class BlockDecoder:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
-
-
-def _rows_of(windows: Windows, a: int, b: int) -> Windows:
-    """Rows ``a .. b`` of ``windows``."""
-    return Windows(
-        windows.encoded[a:b],
-        lengths=None if windows.lengths is None else windows.lengths[a:b],
-        stored_mask=None if windows.stored_mask is None else windows.stored_mask[a:b],
-    )
 
 
 Part = tuple[int, np.ndarray | None, Windows]
@@ -248,42 +196,11 @@ def row_sources(comp: np.ndarray, real: np.ndarray, ids: np.ndarray | None = Non
     return out
 
 
-def join_parts(
-    num_rows: int,
-    parts: Sequence[Part],
-    decode: Callable[[int, Windows], dict[str, np.ndarray]],
-    packings: Sequence[Packing],
-    seq_len: int,
-    pad_id: int,
-) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """The five fields ``[num_rows, seq_len]`` of rows read by :func:`request_parts`
-    (``decode(component, windows)`` decodes one part), and ``row_starts``
-    ``[num_rows] bool`` (:func:`~flat_tokens_jax.decoding.layouts.row_starts`).
-    Rows of no part are padding: ``pad_id`` inputs and targets, ``loss_mask``
-    False, as the last step of an epoch pads them."""
-    if len(parts) == 1 and parts[0][1] is None:
-        c, _, windows = parts[0]
-        return decode(c, windows), row_starts(windows, packings[c])
-    out = fields.padding_fields(num_rows, seq_len, pad_id)
-    starts = np.zeros(num_rows, bool)
-    for c, at, windows in parts:
-        for key, value in decode(c, windows).items():
-            out[key][at] = value
-        starts[at] = row_starts(windows, packings[c])
-    return out, starts
-
-
 @dataclasses.dataclass(frozen=True)
 class RowDecode:
     """Rows read by :func:`request_parts` to the layout's fields: the one host
     decode, of a ``Loader``'s steps and of ``FlatTokensSource``'s records.
-
-    Attributes:
-        packings: ``[K]`` each component's packing.
-        seq_len, start_token_id, pad_id: as ``LoaderConfig``'s.
-        layout: the arrays handed out.
-        filtered: the instance filter, and its count of rejected rows.
-    """
+    ``packings``: each component's; ``filtered``: the instance filter."""
 
     packings: tuple[Packing, ...]
     seq_len: int
@@ -304,12 +221,12 @@ class RowDecode:
         step: int | None = None,
         threads: int | None = None,
     ) -> dict[str, np.ndarray]:
-        """The layout's fields ``[num_rows, seq_len]`` of ``parts`` (rows of
-        none are padding), decoded by ``decoder`` on at most ``threads``
-        threads, after the instance filter (its rejections noted for ``step``
-        when one is given); ``sources`` ``[num_rows] int32`` as
-        :func:`row_sources` gives them; ``where`` and ``rows`` (each row's
-        global index) name rows in errors."""
+        """The layout's fields ``[num_rows, seq_len]`` of ``parts``, decoded by
+        ``decoder`` on at most ``threads`` threads, after the instance filter
+        (its rejections noted for ``step`` when one is given). Rows of no part
+        are padding, as the last step of an epoch pads them. ``sources``
+        ``[num_rows] int32`` as :func:`row_sources` gives them; ``where`` and
+        ``rows`` (each row's global index) name rows in errors."""
 
         def decode(c: int, windows: Windows) -> dict[str, np.ndarray]:
             return decoder.decode(
@@ -321,7 +238,16 @@ class RowDecode:
                 threads=threads,
             )
 
-        out, starts = join_parts(num_rows, parts, decode, self.packings, self.seq_len, self.pad_id)
+        if len(parts) == 1 and parts[0][1] is None:
+            c, _, windows = parts[0]
+            out, starts = decode(c, windows), row_starts(windows, self.packings[c])
+        else:
+            out = fields.padding_fields(num_rows, self.seq_len, self.pad_id)
+            starts = np.zeros(num_rows, bool)
+            for c, at, windows in parts:
+                for key, value in decode(c, windows).items():
+                    out[key][at] = value
+                starts[at] = row_starts(windows, self.packings[c])
         if self.filtered.rule is not None:
             out = self.filtered.apply(out, step, threads)
         if self.layout.plain:

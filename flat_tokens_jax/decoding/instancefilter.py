@@ -1,37 +1,12 @@
-"""The load-time instance filter: rows that repeat a short n-gram many times lose their loss.
-
-After OLMo's instance filter (``repetition_max_period``, ``repetition_min_period``,
-``repetition_max_count``). A row is **rejected** when some n-gram of length
-``p`` in ``[min_period, max_period]`` occurs at least ``max_count`` times in a
-row, back to back: for some column ``i``, the ``max_count * p`` targets from
-``i`` on are ``max_count`` copies of ``targets[i : i + p]``. Equivalently,
-``targets[j] == targets[j + p]`` for the ``(max_count - 1) * p`` consecutive
-columns ``j`` from ``i`` on. A rejected row gets ``loss_mask`` False on every
-column; nothing else in the batch changes.
-
-Which tokens: the row's ``targets`` (the ``seq_len`` tokens trained on; not
-the token before a packed row, which belongs to the row before), padding
-(``segment_ids == 0``) left out, and sequence boundaries inside the row
-ignored: a run counts across them. That is what OLMo counts (the whole
-instance's ids, documents and all), and what the model sees as one context; a
-stored loss mask does not hide tokens from the count (OLMo counts prompts too).
-The verdict is a function of the row's targets and padding alone, so every
-host, every restart and both decodes (host and device) agree.
-
-Bounds: a row holds at most :data:`MAX_ROW_TOKENS` tokens (its positions are
-``int32``), so a filter whose ``max_count`` copies of its shortest n-gram could
-not fit in one is refused when made, and one that cannot fit in a row of the
-run's ``seq_len`` where it meets it (:meth:`InstanceFilter.check_seq_len`).
-Periods whose ``max_count`` copies are longer than a row are not checked: no
-row holds them. Within these bounds every count fits in ``int64`` on the host
-and every column index in ``int32`` on the devices.
+"""The load-time instance filter (after OLMo's): rows that repeat a short n-gram
+many times back to back lose their loss.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -57,7 +32,14 @@ _PENDING = 1024
 @dataclasses.dataclass(frozen=True)
 class InstanceFilter:
     """Rejects rows with ``max_count`` back-to-back copies of an n-gram of
-    length ``min_period`` to ``max_period`` (see the module doc).
+    length ``p`` in ``[min_period, max_period]``: for some column ``i``,
+    ``targets[j] == targets[j + p]`` for the ``(max_count - 1) * p`` columns
+    ``j`` from ``i`` on. A rejected row gets ``loss_mask`` False on every column.
+
+    It counts the row's ``targets`` without padding (``segment_ids == 0``),
+    across sequence boundaries and whatever the stored loss mask: what OLMo
+    counts, and what the model sees as one context. The verdict depends on the
+    row alone, so every host, restart and decode (host or device) agrees.
 
     Attributes:
         max_period: longest n-gram checked. Recommended: 13 (OLMo's).
@@ -65,7 +47,8 @@ class InstanceFilter:
         max_count: copies that reject a row, at least 2. Recommended: 32 (OLMo's).
 
     Each is at most :data:`MAX_ROW_TOKENS`, and ``max_count * min_period``
-    too: the tokens of the shortest run that rejects a row.
+    too (the shortest run that rejects a row), so every count fits in ``int64``
+    on the host and every column in ``int32`` on the devices.
     """
 
     max_period: int = 13
@@ -128,22 +111,15 @@ class InstanceFilter:
         ``seq_len`` tokens (below ``min_period``: none does)."""
         return min(self.max_period, seq_len // self.max_count)
 
-    def reach(self, period: int) -> int:
-        """Consecutive columns ``j`` with ``targets[j] == targets[j + period]``
-        that reject a row."""
-        return (self.max_count - 1) * period
-
     def rejected(
         self, targets: np.ndarray, segment_ids: np.ndarray, kernel: str = "auto"
     ) -> np.ndarray:
         """``[rows] bool``: which rows of ``targets`` (``[rows, seq_len]``) the
         filter rejects; columns whose ``segment_ids`` are 0 are padding.
+        ``kernel``: ``"numba"`` (the ``fast`` extra), ``"numpy"``, or ``"auto"``
+        (numba where it imports); both give the same rows.
 
-        ``kernel``: ``"numba"`` (the compiled kernel, the ``fast`` extra, one
-        row at a time), ``"numpy"``, or ``"auto"``: numba where it imports.
-        Both give the same rows.
-
-        Vectorised over the batch: for each period, a run of ``reach`` equal
+        The numpy path is vectorised over the batch: for each period, a run of ``reach`` equal
         pairs covers 4 consecutive multiples of ``reach // 4``, so only those
         columns are compared first; where 4 consecutive ones match, the
         ``2 * reach - 1`` columns around them are checked.
@@ -164,7 +140,7 @@ class InstanceFilter:
         rows, width = targets.shape
         out = np.zeros(rows, bool)
         for p in range(self.min_period, self.last_period(width) + 1):
-            reach = self.reach(p)
+            reach = (self.max_count - 1) * p  # equal pairs that reject a row
             pairs = width - p  # columns j with a j + p
             need = min(_PROBES, reach)
             stride = reach // need  # any `reach` consecutive columns hold `need` probes
@@ -222,35 +198,6 @@ class InstanceFilter:
         return jax.lax.fori_loop(self.min_period, last + 1, period, jnp.zeros(rows, bool))
 
 
-def apply_filter(
-    rule: InstanceFilter | None,
-    fields: Mapping[str, np.ndarray],
-    run_blocks: Callable[[int, Callable[[int, int], None]], None] | None = None,
-) -> int:
-    """Clears ``fields["loss_mask"]`` on the rows ``rule`` rejects (in place);
-    returns how many rows it cleared (rows whose mask was all False already
-    count too). ``None``: no filter, 0.
-
-    ``run_blocks(rows, work)``, when given, calls ``work(a, b)`` for row
-    blocks that cover the batch, e.g. on threads
-    (``BlockDecoder.run_blocks``); the compiled kernel releases the
-    interpreter lock, so blocks run side by side."""
-    if rule is None:
-        return 0
-    targets, segment_ids = fields["targets"], fields["segment_ids"]
-    rejected = np.zeros(targets.shape[0], bool)
-
-    def work(a: int, b: int) -> None:
-        rejected[a:b] = rule.rejected(targets[a:b], segment_ids[a:b])
-
-    if run_blocks is None:
-        work(0, targets.shape[0])
-    else:
-        run_blocks(targets.shape[0], work)
-    fields["loss_mask"][rejected] = False
-    return int(rejected.sum())
-
-
 def apply_filter_jax(
     rule: InstanceFilter | None, fields: dict[str, jax.Array]
 ) -> dict[str, jax.Array]:
@@ -263,17 +210,10 @@ def apply_filter_jax(
 
 
 class FilteredRows:
-    """A loader's filter, and the rows it rejected in the steps handed out. Thread-safe.
-
-    A step's count is noted when it is decoded (:meth:`apply`, perhaps ahead
-    of time on a background thread) and added when the step is handed to the
-    trainer (:meth:`handed`).
-
-    Args:
-        rule: the filter; ``None``: off (nothing changes, nothing is counted).
-        run_blocks: ``run_blocks(rows, work, threads)`` calls ``work(a, b)``
-            for row blocks covering a batch on at most ``threads`` threads
-            (``BlockDecoder.run_blocks``).
+    """A loader's filter (``rule``, ``None``: off), and the rows it rejected in
+    the steps handed out. Thread-safe. A step's count is noted when it is
+    decoded (:meth:`apply`, perhaps ahead of time) and added when the step is
+    handed out (:meth:`handed`). ``run_blocks``: ``BlockDecoder.run_blocks``.
     """
 
     def __init__(
@@ -291,19 +231,23 @@ class FilteredRows:
         self, fields: dict[str, np.ndarray], step: int | None = None, threads: int | None = None
     ) -> dict[str, np.ndarray]:
         """``fields`` after the filter (in place, in row blocks on at most
-        ``threads`` threads); the rows it rejected are noted for ``step``
-        when one is given (a loader without a rule calls neither this nor
-        :meth:`handed`: there is nothing to count)."""
-        rows = apply_filter(self.rule, fields, lambda n, work: self._run_blocks(n, work, threads))
-        if step is not None:
-            self._decoded(step, rows)
-        return fields
+        ``threads`` threads); the rows it rejected are noted for ``step`` when
+        one is given. A loader without a rule calls neither this nor :meth:`handed`."""
+        assert self.rule is not None
+        rule, targets, segment_ids = self.rule, fields["targets"], fields["segment_ids"]
+        rejected = np.zeros(targets.shape[0], bool)
 
-    def _decoded(self, step: int, rows: int) -> None:
-        with self._lock:
-            self._pending[step] = rows
-            while len(self._pending) > _PENDING:
-                del self._pending[min(self._pending)]
+        def work(a: int, b: int) -> None:
+            rejected[a:b] = rule.rejected(targets[a:b], segment_ids[a:b])
+
+        self._run_blocks(targets.shape[0], work, threads)  # the kernel releases the GIL
+        fields["loss_mask"][rejected] = False
+        if step is not None:
+            with self._lock:
+                self._pending[step] = int(rejected.sum())
+                while len(self._pending) > _PENDING:
+                    del self._pending[min(self._pending)]
+        return fields
 
     def handed(self, step: int) -> None:
         """Counts the rows noted for ``step`` (0 if none were), now handed out."""

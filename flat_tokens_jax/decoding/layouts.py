@@ -1,40 +1,6 @@
-"""Batch layouts: the five decoded fields in the form a trainer takes, and
-per-row sequence lengths for varlen attention kernels.
-
-A :class:`BatchLayout` turns the five fields (``inputs``, ``targets``,
-``segment_ids``, ``positions`` ``[B, L] int32``, ``loss_mask`` ``[B, L] bool``)
-of a batch into the arrays of ``LoaderConfig.layout``, in numpy on the host or
-in jax ops inside ``jax.jit`` (the same values either way). It needs one fact
-the five fields do not hold: whether column 0 of each row starts a sequence
-(a packed row may open in the middle of one), ``row_starts`` ``[B] bool``,
-which :func:`row_starts` reads from the encoded tokens.
-
-Layouts (``sequence_start`` ``[B, L] bool``, True exactly where a sequence
-starts at that column):
-
-- ``"fields"``: the five fields.
-- ``"segments"``: the five fields and ``sequence_start``.
-- ``"tokens"``: ``tokens`` ``[B, L + 1] int32`` with ``tokens[:, 1:] ==
-  targets``, and ``tokens[:, 0] == inputs[:, 0]``, for trainers that shift
-  the tokens themselves; plus ``loss_mask``, ``segment_ids``, ``positions``
-  and ``sequence_start``, aligned with ``tokens[:, 1:]``.
-- ``"maxtext"``: exactly MaxText's six keys, ``inputs``,
-  ``inputs_segmentation``, ``inputs_position``, ``targets``,
-  ``targets_segmentation`` (``segment_ids``, 0 where ``loss_mask`` is False)
-  and ``targets_position`` (all ``int32``): a seventh key would make a
-  compiled MaxText ``train_step`` miss its cache.
-
-With ``sequence_start`` every layout holds ``sequence_start`` (``"fields"``
-and ``"maxtext"`` add it; the others hold it anyway). With ``max_segments``
-every layout also holds ``segment_lengths`` ``[B,
-max_segments] int32``: the lengths of each row's runs in column order (a run
-is a maximal stretch of one segment id, and a new one begins at every sequence
-start; padding is a run of its own), then zeros; each row sums to ``L``. A row
-of ``L`` columns holds at most ``L`` runs, so ``max_segments`` is at most ``L``
-(:func:`check_max_segments`). With ``source`` every layout also holds
-``source`` ``[B] int32``: the run-wide index of the component each row was
-read from, ``-1`` for padding rows (given to :meth:`BatchLayout.apply` by
-whoever picked the rows' records).
+"""Batch layouts: the five decoded fields in the form a trainer takes (``LoaderConfig.layout``,
+see docs/guide/loading.md, "Batch layouts"), in numpy on the host or in jax ops inside
+``jax.jit``, with the same values either way.
 """
 
 from __future__ import annotations
@@ -57,6 +23,8 @@ WHOLE_ROWS = ("tokens", "segment_lengths", "source")
 """Fields not ``[B, L]``: laid out over a sharding's batch axis only, whatever
 their width (``max_segments`` may equal ``L``; ``source`` is ``[B]``)."""
 
+_FIVE = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+
 FLAGS = ("loss_mask", "sequence_start")
 """The ``bool`` fields (1 byte a column); every other field is ``int32`` (4)."""
 
@@ -64,10 +32,13 @@ FLAGS = ("loss_mask", "sequence_start")
 @dataclasses.dataclass(frozen=True)
 class BatchLayout:
     """What a batch holds: ``name`` one of :data:`LAYOUTS`, ``max_segments``
-    (``None``, or the width of ``segment_lengths``, ``>= 1``),
-    ``sequence_start`` (True: the batch holds ``sequence_start`` whatever the
-    layout) and ``source`` (True: it holds ``source`` ``[B] int32``);
-    ``plain``: True when the batch is the five fields as decoded.
+    (``None``, or the width of ``segment_lengths`` ``[B, max_segments] int32``:
+    each row's run lengths in column order, then zeros), ``sequence_start``
+    (True: the batch holds ``sequence_start`` ``[B, L] bool`` whatever the
+    layout) and ``source`` (True: it holds ``source`` ``[B] int32``, each row's
+    run-wide source, ``-1`` for padding); ``plain``: True when the batch is
+    the five fields as decoded. A run is a maximal stretch of one segment id,
+    and a new one begins at every sequence start (padding is a run of its own).
 
     Example:
         >>> five = {
@@ -103,15 +74,8 @@ class BatchLayout:
         """Every key of the layout's batch and its width (the second
         dimension; 1 for ``source``, one value a row)."""
         keys = {
-            "fields": ("inputs", "targets", "segment_ids", "positions", "loss_mask"),
-            "segments": (
-                "inputs",
-                "targets",
-                "segment_ids",
-                "positions",
-                "loss_mask",
-                "sequence_start",
-            ),
+            "fields": _FIVE,
+            "segments": (*_FIVE, "sequence_start"),
             "tokens": ("tokens", "loss_mask", "segment_ids", "positions", "sequence_start"),
             "maxtext": (
                 "inputs",

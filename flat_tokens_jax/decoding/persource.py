@@ -1,19 +1,6 @@
-"""Per-token values summed by data source, for a trainer: its loss per source.
-
-A batch of ``LoaderConfig(source_field=True)`` holds ``source`` ``[B] int32``,
-the index in ``loader.source_names`` of the component each row was read from
-(``-1`` for padding rows). :func:`per_source` turns per-token values (a loss)
-and the batch into per-source sums and counts, inside ``jax.jit``: a sum over
-the rows of a comparison with each source's index, no gather or scatter, so
-a batch sharded over its rows reduces as any sum does.
-
-A row whose source is not a source of ``num_sources`` (an id ``num_sources``
-or above, or below ``-1``) must not vanish from the sums: where the ids are
-known when :func:`per_source` is called (a concrete batch, eagerly or closed
-over) it refuses them; inside ``jax.jit`` they are known only when the step
-runs, so every sum is NaN (the shapes stay ``[num_sources]``): every
-source's logged mean shows it, and with ``jax_debug_nans`` on JAX reruns the
-step without ``jit``, where the refusal names the id.
+"""Per-token values (a loss) summed by each row's data source, inside ``jax.jit``:
+a sum over the rows of a comparison with each source's index, no gather or
+scatter, so a batch sharded over its rows reduces as any sum does.
 """
 
 from __future__ import annotations
@@ -50,14 +37,15 @@ def per_source(
         ``float32``), ``counts[s]`` the sum of their weights (``int32`` for a
         boolean mask: trained tokens). Padding rows (source ``-1``) count
         nowhere. A source's mean is ``sums / jnp.maximum(counts, 1)``. Under
-        ``jax.jit``, a row whose source is ``num_sources`` or above (or below
-        ``-1``) makes every entry of ``sums`` NaN; ``counts`` count the other
-        rows.
+        ``jax.jit``, where the ids are known only when the step runs, a row
+        whose source is ``num_sources`` or above (or below ``-1``) makes every
+        entry of ``sums`` NaN rather than vanish from them (with
+        ``jax_debug_nans`` JAX reruns the step without ``jit``, where the
+        refusal names the id); ``counts`` count the other rows.
 
     Raises:
-        ValueError: the batch lacks ``source`` (or a loss mask, with no
-            ``weights``), the shapes disagree, or a concrete ``source`` holds an
-            id ``num_sources`` or above (or below ``-1``).
+        ValueError: the batch lacks a field, the shapes disagree, or a concrete
+            ``source`` holds an id no source has.
 
     Example:
         >>> batch = {

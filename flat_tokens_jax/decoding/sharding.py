@@ -1,14 +1,9 @@
 """Global ``jax.Array`` batches in which each host loaded only its own blocks.
 
-A sharding of the ``[batch_size, seq_len]`` batch gives every addressable
-device a (row range, column range) block. A host reads each distinct block once,
-however many of its devices hold it, and builds the global arrays with
-``jax.make_array_from_callback``; no host ever holds the global batch.
-
-When the sequence dimension is sharded too (context parallelism), a host reads
-only its columns (plus the one token before them); segment ids and positions
-depend on the whole row, so those batches are decoded on the devices, inside
-``jax.jit``, from the encoded tokens.
+A host reads each distinct (row range, column range) block its devices hold once
+and builds the global arrays with ``jax.make_array_from_callback``. With the
+sequence dimension sharded too, segment ids and positions depend on whole rows,
+so such batches are decoded on the devices, inside ``jax.jit``.
 """
 
 from __future__ import annotations
@@ -25,7 +20,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flat_tokens_jax.core.fields import Packing
-from flat_tokens_jax.decoding.batch_jax import bin_fields_jax, packed_fields_jax, padded_fields_jax
+from flat_tokens_jax.decoding.batch_jax import (
+    bin_fields_jax,
+    blank_rows_jax,
+    packed_fields_jax,
+    padded_fields_jax,
+)
 from flat_tokens_jax.decoding.instancefilter import InstanceFilter, apply_filter_jax
 from flat_tokens_jax.decoding.layouts import PLAIN, WHOLE_ROWS, BatchLayout
 from flat_tokens_jax.sampling.schedule import BatchSchedule
@@ -136,12 +136,8 @@ class HostBlocks:
 
     def assemble_rows(self, host: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
         """Global arrays from this host's whole rows (``host[k]`` is ``[rows.size,
-        width]``, or ``[rows.size]``).
-
-        Fields ``[B, seq_len]`` are laid out as the sharding says; a layout's
-        ``tokens``, ``segment_lengths`` and ``source`` are split over the
-        batch axis only.
-        """
+        width]``, or ``[rows.size]``), laid out as the sharding says (the
+        :data:`~.layouts.WHOLE_ROWS` fields over its batch axis only)."""
 
         def make(key: str, values: np.ndarray) -> jax.Array:
             shape = (self.shape[0], *values.shape[1:])
@@ -159,9 +155,8 @@ class HostBlocks:
         return {k: make(k, v) for k, v in host.items()}
 
     def rows_sharding(self, ndim: int = 2) -> jax.sharding.Sharding:
-        """The sharding's split of the batch axis, with whole rows on each device,
-        for an array of ``ndim`` dimensions: how a layout's ``tokens``,
-        ``segment_lengths`` (2) and ``source`` (1) are laid out."""
+        """The sharding's split of the batch axis, whole rows on each device, for
+        an array of ``ndim`` dimensions."""
         if not isinstance(self.sharding, NamedSharding):
             raise ValueError(
                 "a layout with tokens, segment_lengths or source needs a NamedSharding, "
@@ -255,11 +250,9 @@ class HostBlocks:
         layout: BatchLayout = PLAIN,
     ) -> Callable[[Mapping[str, jax.Array]], dict[str, jax.Array]]:
         """The function (to call inside ``jax.jit``) from :meth:`encoded_arrays`
-        to the fields of ``layout`` (default: the five fields), after the
-        ``instance_filter`` (on whole rows) when one is given, laid out as
-        these blocks' sharding (``tokens``, ``segment_lengths`` and ``source``:
-        over its batch axis only). With ``layout.source`` the arrays must hold
-        ``source`` (``encoded_arrays(..., source=True)``)."""
+        to the fields of ``layout``, after the ``instance_filter`` when one is
+        given, laid out as :meth:`assemble_rows` lays them out. With
+        ``layout.source`` the arrays must hold ``source``."""
         assert isinstance(self.sharding, NamedSharding)
         mesh, spec = self.sharding.mesh, tuple(self.sharding.spec) + (None,) * 2
         # Segment ids and positions scan whole rows: decode on row-sharded
@@ -328,9 +321,7 @@ def _decode(
         fields = padded_fields_jax(
             encoded, lengths, start_token_id=start_token_id, pad_id=pad_id, stored_mask=stored_mask
         )
-    keep = real[:, None]
-    fills = {"inputs": pad_id, "targets": pad_id}
-    return {k: jnp.where(keep, v, jnp.asarray(fills.get(k, 0), v.dtype)) for k, v in fields.items()}
+    return blank_rows_jax(fields, real[:, None], pad_id)
 
 
 def host_blocks_per_size(

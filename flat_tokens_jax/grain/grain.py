@@ -1,27 +1,13 @@
-"""Flat-tokens records as a grain data source: ``FlatTokensSource``.
+"""Flat-tokens records as a grain random-access data source: ``FlatTokensSource``.
 
-A grain pipeline reads elements by index from a random-access source.
-``FlatTokensSource`` is one: element ``i`` is record ``i`` (a packed window, a
-padded sequence or a bin of whole sequences, exactly the row
-:class:`~flat_tokens_jax.Loader` makes of it) as a dict of the five batch
-fields, each ``[seq_len]``. The source only has to satisfy grain's protocol;
-making one imports grain only to prepare its worker processes for a plain
-script (:mod:`~flat_tokens_jax.loader.grainprocess`).
-
-What a read costs: ``__getitem__`` is one read of one record. ``_getitems`` is
-grain's batched-read hook (``SupportsBatchedReadRandomAccessDataSource``): one
-batched read for many records. grain 0.2's ``MapDataset.source(...)`` forwards
-``_getitems`` to it, but ``MapDataset.batch`` calls it only behind an
-experiment flag that grain leaves off, so ``.batch(B)`` still costs ``B``
-single-record reads. Batching the indices and mapping :meth:`read_batch` over
-them costs one batched read per batch::
+grain 0.2's ``MapDataset.batch`` calls the batched-read hook ``_getitems`` only
+behind an experiment flag left off, so ``.batch(B)`` costs ``B`` single reads;
+mapping :meth:`~FlatTokensSource.read_batch` over batched indices costs one::
 
     grain.MapDataset.range(len(src)).shuffle(seed=0).batch(B).map(src.read_batch)
 
-A loader's whole steps (a ``Mixture``'s too, a batch-size schedule, this
-host's rows under a sharding) come from ``Loader(...).to_grain()``, a
-``grain.IterDataset`` (see :mod:`~flat_tokens_jax.loader.tograin`): the two
-decode records the same way (:class:`~flat_tokens_jax.decoding.hostdecode.RowDecode`).
+A loader's whole steps (mixtures, schedules, shardings) come from
+``Loader(...).to_grain()``; both decode as :class:`~flat_tokens_jax.decoding.hostdecode.RowDecode`.
 """
 
 from __future__ import annotations
@@ -67,18 +53,14 @@ class FlatTokensSource:
     row ``i`` of ``Loader(..., LoaderConfig(shuffle=False, ...))`` run over the
     same records with the same ``start_token_id`` and ``pad_id``.
 
-    What the data is: :attr:`info` (the ``DatasetInfo`` the dataset records,
-    or ``None``), :attr:`tokenizer` (its ``TokenizerInfo``: ``vocab_size``,
-    ``bos_id``, ``eos_id``, ``pad_id``), :attr:`max_token_id` and
-    :attr:`vocab_size` (the tokenizer's, else ``max_token_id + 1``), so a
-    trainer sizes its embedding without opening the dataset again.
+    :attr:`info` (the ``DatasetInfo`` the dataset records, or ``None``),
+    :attr:`tokenizer`, :attr:`max_token_id` and :attr:`vocab_size` let a trainer
+    size its embedding without opening the dataset again.
 
     Contract: thread-safe, deterministic, and picklable. A pickled source holds
     no tensorstore handle (tensorstore is not fork-safe, and grain sends its
-    worker processes pickled sources); it reopens the store on first use in
-    each process. Sources over ``memory://`` stores refuse to pickle, since
-    another process would find the store empty. Records of a custom type are
-    pickled as they are.
+    workers pickled sources): it reopens the store on first use in each
+    process. Sources over ``memory://`` stores refuse to pickle.
 
     Args:
         source: a path or URL, a :class:`FlatTokens` split (or view),
@@ -87,12 +69,9 @@ class FlatTokensSource:
             come from ``Loader(mixture, config).to_grain()``.
         seq_len: tokens per record; required for a URL or a ``FlatTokens``,
             and if given for records it must be theirs.
-        packing: True (the default for a URL or a ``FlatTokens``): consecutive
-            windows of the concatenated tokens; False: one sequence per record,
-            truncated and right-padded; ``"bins"``: whole sequences packed by
-            the split's packing plan (see ``LoaderConfig.packing``); the plan
-            travels with the pickled source. Records bring their own. Held
-            as its :class:`~flat_tokens_jax.Packing` (attribute ``packing``).
+        packing: as ``LoaderConfig.packing`` (default True for a URL or a
+            ``FlatTokens``; records bring their own); a ``"bins"`` plan travels
+            with the pickled source.
         split: the split to read from a URL.
         plan_cache: where a packing plan built for ``packing="bins"`` is
             cached (``None``: built, not cached).
@@ -100,24 +79,10 @@ class FlatTokensSource:
             this process: unpickled copies open their own.
         **option_fields: or the fields of ``options`` as keywords, e.g.
             ``endpoint=...``.
-        start_token_id: the input token where a sequence starts; ``None``: the
-            one the dataset records, else 0 (as ``LoaderConfig``).
-        pad_id: input and target id of padding.
-        layout: the arrays of an element, as ``LoaderConfig.layout``
-            (``"fields"``, ``"segments"``, ``"tokens"``, ``"maxtext"``; see
-            docs/guide/loading.md, "Batch layouts"); :meth:`read_batch` holds the same.
-        max_segments: as ``LoaderConfig.max_segments``: adds
-            ``segment_lengths`` ``[max_segments] int32`` to each element, and
-            with ``packing="bins"`` caps the runs per bin.
-        sequence_start: as ``LoaderConfig.sequence_start``: True adds
-            ``sequence_start`` ``[seq_len] bool`` to each element of a layout
-            that lacks it (``"fields"``, ``"maxtext"``).
-        source_field: as ``LoaderConfig.source_field``: True adds ``source``
-            (``int32``, one a record: 0, the index in :attr:`source_names`).
-        instance_filter: ``None`` (off), or an :class:`InstanceFilter` (or a
-            mapping of its fields): rejected records get ``loss_mask`` False,
-            as ``LoaderConfig.instance_filter`` does; it applies to every
-            read (``[i]``, :meth:`read_batch`).
+        start_token_id, pad_id, layout, max_segments, sequence_start,
+            source_field, instance_filter: as ``LoaderConfig``'s, for each
+            element and :meth:`read_batch` alike (``source`` is 0, the index in
+            :attr:`source_names`).
 
     Raises:
         ValueError: a bad ``seq_len``, ``start_token_id``, ``pad_id`` or
@@ -200,14 +165,12 @@ class FlatTokensSource:
 
     @property
     def tokenizer(self) -> TokenizerInfo | None:
-        """The tokenizer the data records (name, ``vocab_size``, ``bos_id``,
-        ``eos_id``, ``pad_id``); ``None`` when it records none."""
+        """The tokenizer the data records, ``None`` when it records none."""
         return None if self.info is None else self.info.tokenizer
 
     @property
     def source_names(self) -> tuple[str, ...]:
-        """``("0",)``: what ``source`` counts (``source_field``), as a
-        ``Loader`` of one split names it."""
+        """``("0",)``, as a ``Loader`` of one split names its source."""
         return ("0",)
 
     @property
@@ -239,12 +202,8 @@ class FlatTokensSource:
         return [dict(zip(rows, row, strict=True)) for row in zip(*rows.values(), strict=True)]
 
     def read_batch(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
-        """Records ``indices`` (``[k]`` ints, negative from the end), stacked, in one read.
-
-        Returns:
-            The five fields, each ``[k, seq_len]``: ``inputs``, ``targets``,
-            ``segment_ids``, ``positions`` (``int32``) and ``loss_mask``
-            (``bool``); or the fields of this source's ``layout``.
+        """Records ``indices`` (``[k]`` ints, negative from the end), stacked, in
+        one read: the fields of this source's ``layout``, each ``[k, ...]``.
 
         Raises:
             IndexError: an index outside ``[-len(self), len(self))``.

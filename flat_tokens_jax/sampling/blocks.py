@@ -1,27 +1,12 @@
-"""The block shuffle: each epoch a keyed permutation that reads records in blocks.
+"""The block shuffle (``LoaderConfig(shuffle="blocks")``): each epoch a keyed
+permutation that reads records in blocks of ``B`` consecutive ones, one request
+each, while a batch still draws from many blocks, one a lane (docs/guide/loading.md
+gives the order). Every quantity is O(1) per index, as :class:`~.sampling.IndexSampler`'s.
 
-``LoaderConfig(shuffle="blocks")`` orders a stream of ``n`` records (a
-split's windows, padded sequences or bins) so that a reader fetches whole
-blocks of ``B`` consecutive records, one request each, while a batch still
-draws its rows from many blocks:
-
-- **block** ``b``: records ``[b*B, (b+1)*B)`` (the last one may be partial);
-- **window**: ``w`` consecutive blocks of the epoch's block order, whose
-  records are shuffled together;
-- **lanes**: ``L`` of them (the batch size, or the gcd of a schedule's
-  sizes); stream sample ``s`` is in lane ``s mod L``.
-
-Epoch ``e`` holds stream samples ``[e*n, (e+1)*n)``. Its record sequence
-``R_e`` is the full blocks in the order of :func:`~.sampling.permute` (keyed
-by the seed under a domain of its own, and the epoch), the partial block
-last, cut into windows of ``w`` blocks, each window's records permuted
-(keyed by the epoch and the window). Lane ``l`` reads the contiguous segment
-of ``R_e`` after the samples of lanes ``< l`` in the epoch, one record per
-sample, in order: so a lane stays in one block for about ``B * w`` of its
-samples, and a host that holds a range of lanes reads the blocks of its
-lanes only (see :func:`sample_of_row`). Every quantity is O(1) per index and
-nothing is stored per ``n``: ``records`` is a few numpy passes, as
-:class:`~.sampling.IndexSampler`'s.
+Epoch ``e``'s record sequence ``R_e`` is its full blocks in keyed order, the
+partial one last, cut into windows of ``w`` blocks whose records are permuted
+together. Lane ``l`` (of ``L``) reads the contiguous segment of ``R_e`` after
+the samples of lanes ``< l``, so a host of a range of lanes reads their blocks only.
 """
 
 from __future__ import annotations
@@ -62,19 +47,14 @@ Int64Array = npt.NDArray[np.int64]
 
 
 def _domain_seed(seed: int, domain: str) -> int:
-    """A key for one use of ``seed`` (the block order, the windows), unrelated
-    to the full shuffle's and to each other's."""
+    """A key for one use of ``seed``, unrelated to the full shuffle's and to other uses'."""
     text = f"flat-tokens/{domain}/{seed}".encode()
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "little")
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSampler:
-    """Maps global sample indices to record indices in block-shuffled order.
-
-    The same contract as :class:`~.sampling.IndexSampler` (``records``,
-    ``epochs``, ``num_samples``, ``offset``): sample ``g`` is stream sample
-    ``offset + g``; each epoch reads every record exactly once.
+    """:class:`~.sampling.IndexSampler`'s contract in block-shuffled order.
 
     Example:
         >>> s = BlockSampler(10, block=4, window=1, lanes=2, seed=0)
@@ -106,11 +86,9 @@ class BlockSampler:
 
     @property
     def num_samples(self) -> int | None:
-        """Total number of samples, ``num_records * num_epochs``; None if unbounded."""
         return self._epochs.num_samples
 
     def epochs(self, g: npt.ArrayLike) -> Int64Array:
-        """Epoch of each global sample index: ``g`` ``[k]`` int, returns ``[k] int64``."""
         return self._epochs.epochs(g)
 
     def lane(self, g: npt.ArrayLike) -> Int64Array:
@@ -156,12 +134,7 @@ class BlockSampler:
         return d // big_l + up - (ra + big_l - 1 - lane) // big_l
 
     def records(self, g: npt.ArrayLike) -> Int64Array:
-        """Record read by each global sample index: ``g`` ``[k]`` int, returns ``[k] int64``.
-
-        Raises:
-          ValueError: if an index is negative or not an integer.
-          EpochsExhausted: if ``num_epochs`` is set and an index is ``>= num_samples``.
-        """
+        """As :meth:`IndexSampler.records`."""
         epoch, j = self.positions(g)
         return self.record_at(epoch, j)
 
@@ -249,9 +222,8 @@ def sampler(
     window: int = 1,
     lane_count: int = 1,
 ) -> Sampler:
-    """A stream's sampler under ``shuffle``: a :class:`BlockSampler` of
-    ``block``, ``window`` and ``lane_count`` for ``"blocks"``, else an
-    :class:`~.sampling.IndexSampler` (which those three do not concern)."""
+    """A stream's sampler under ``shuffle``: a :class:`BlockSampler` for
+    ``"blocks"``, else an :class:`~.sampling.IndexSampler`."""
     if shuffle == fields.BLOCKS:
         return BlockSampler(
             num_records, block, window, lane_count, seed, num_epochs=num_epochs, offset=offset
@@ -267,21 +239,13 @@ def lanes(entries: Iterable[tuple[int, int]]) -> int:
 
 
 def sample_of_row(rows: npt.ArrayLike, size: int, lane_count: int) -> Int64Array:
-    """Which of a step's samples each row holds under the block shuffle.
+    """``[k] int64``: which of a step's samples each of ``rows`` (``[k]`` in
+    ``[0, size)``) holds under the block shuffle of ``lane_count`` lanes ``L``.
 
-    Sample ``j`` of a step of ``size`` rows goes to row ``(j mod L) * (size
-    / L) + j // L``: the rows of each lane are contiguous, so a host holding
-    rows ``[h * size / H, (h + 1) * size / H)`` holds lanes ``[h * L / H,
-    (h + 1) * L / H)`` for every ``H`` dividing ``L``. The identity when
-    ``L == size``.
-
-    Args:
-        rows: ``[k]`` global rows of the step, in ``[0, size)``.
-        size: the step's batch size, a multiple of ``lane_count``.
-        lane_count: ``L``.
-
-    Returns:
-        ``[k] int64`` the sample (``0 <= j < size``) of each row.
+    Sample ``j`` goes to row ``(j mod L) * (size / L) + j // L``: the rows of
+    each lane are contiguous, so a host holding rows ``[h * size / H, (h + 1) *
+    size / H)`` holds lanes ``[h * L / H, (h + 1) * L / H)`` for every ``H``
+    dividing ``L``.
     """
     per_lane = np.int64(size // lane_count)
     lane, k = np.divmod(np.asarray(rows, np.int64), per_lane)

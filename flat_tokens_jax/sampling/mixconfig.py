@@ -1,9 +1,5 @@
-"""A :class:`~flat_tokens_jax.Mixture` from a Nanoset-style mapping (a YAML ``data`` section).
-
-Every value is checked by :mod:`flat_tokens_jax.core.values` and a bad one is named
-by its path in the section (``data.datasets.web.weight``, ``data.seed``,
-``data.schedule[0].step``) with the form it must take.
-"""
+"""A :class:`~flat_tokens_jax.Mixture` from a Nanoset-style mapping (a YAML ``data``
+section), a bad value named by its path (``data.datasets.web.weight``)."""
 
 from __future__ import annotations
 
@@ -72,9 +68,7 @@ def mixture_from_config(
     Raises:
         ValueError: a key is unknown, a value is of the wrong kind or out of
             range, or the values make no blend (a
-            :class:`~flat_tokens_jax.core.values.BadValue` naming its path:
-            weights are finite numbers >= 0, seeds ints >= 0, booleans
-            ``true``/``false``, ints never fractions or strings).
+            :class:`~flat_tokens_jax.core.values.BadValue` naming its path).
     """
     config = mapping(config, path, "a mapping with 'datasets'")
     known_keys(config, path, _CONFIG_KEYS)

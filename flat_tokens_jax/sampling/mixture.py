@@ -1,19 +1,12 @@
 """Weighted blending of record sources, O(1) per sample from any step.
 
-Weights count records (samples). They are turned into exact per-period counts:
-over a period of ``P`` samples component ``c`` gets ``n_c`` samples, the
-weights times ``P`` rounded by largest remainder. Within a period the samples
-are laid out by ideal time: component ``c``'s ``k``-th sample sits at
-``(k + 1/2) / n_c`` of the period (ties to the lower component index), which
-spreads every component evenly. Global sample ``g`` in period ``p`` at offset
-``r`` is then component ``comp[r]``'s sample ``offset_c + p * n_c + rank[r]``:
-two table lookups of size ``P``, whatever ``g``.
-
-A weight schedule changes the weights at given steps; each component's
-consumption before a change is counted arithmetically (whole periods plus a
-prefix count), so any step is still O(1). Its boundaries are steps: a change
-at step ``s`` takes effect at global sample ``samples_before(s)`` of the
-loader's batch-size schedule (``s * batch_size`` for a constant batch size).
+Over a period of ``P`` samples component ``c`` gets ``n_c``: its weight times
+``P``, rounded by largest remainder. Its ``k``-th sample sits at ``(k + 1/2) /
+n_c`` of the period (ties to the lower component), which spreads every
+component evenly; global sample ``g`` is then two table lookups of size ``P``.
+A weight schedule changes the weights from given steps (the first row of step
+``s``, ``samples_before(s)`` of the batch-size schedule); the samples each
+component drew before a change are counted arithmetically.
 """
 
 from __future__ import annotations
@@ -65,28 +58,15 @@ class Period:
         return int(self.component.size)
 
     @classmethod
-    def of(cls, weights: Sequence[float] | np.ndarray, period: int) -> Period:
-        """The layout of ``weights`` over ``period`` samples: :meth:`of_counts`
-        of :func:`period_counts`."""
-        return cls.of_counts(period_counts(weights, period))
-
-    @classmethod
     def of_counts(cls, counts: Sequence[int] | np.ndarray) -> Period:
         """The layout of ``counts[c]`` samples of each component ``c`` over a
-        period of ``sum(counts)`` samples (:meth:`of` of weights that
-        round to these counts gives the same tables)."""
+        period of ``sum(counts)`` samples."""
         counts = np.array(counts, np.int64)
         component = np.repeat(np.arange(counts.size, dtype=np.int32), counts)
         rank = np.concatenate([np.arange(n, dtype=np.int32) for n in counts])
         when = (2.0 * rank + 1.0) / (2.0 * counts[component])
         order = np.lexsort((component, when))
         return cls(counts, component[order], rank[order])
-
-    def consumed(self, num_samples: int) -> np.ndarray:
-        """``[K] int64`` samples each component gets in the first ``num_samples``."""
-        whole, rest = divmod(num_samples, self.period)
-        prefix = np.bincount(self.component[:rest], minlength=self.counts.size)
-        return whole * self.counts + prefix
 
 
 def period_counts(weights: Sequence[float] | np.ndarray, period: int) -> np.ndarray:
@@ -103,6 +83,52 @@ def period_counts(weights: Sequence[float] | np.ndarray, period: int) -> np.ndar
         order = np.lexsort((np.arange(w.size), -np.round(share - counts, 9)))
         counts[order[:short]] += 1
     return counts
+
+
+def prefix_counts(counts: Sequence[int] | np.ndarray, rest: int) -> np.ndarray:
+    """``[K] int64`` samples of each component among the first ``rest``
+    offsets of the period laid out from ``counts`` (``Period.of_counts``),
+    found without its tables.
+
+    Component ``c``'s ``k``-th sample sits at ``(2k + 1) / (2 n_c)`` of the
+    period, ties to the lower component, so the first ``rest`` offsets are a
+    prefix of that order. The samples at or before ``rest / period`` are such
+    a prefix, within ``K / 2`` of ``rest`` long (each component's count is
+    within 1/2 of its share): the last ones are taken off, or the next ones
+    added, one at a time. O(K^2) exact integer arithmetic.
+    """
+    n = [int(x) for x in counts]
+    period = sum(n)
+    if rest >= period:
+        return np.array(n, np.int64)
+    rest = max(rest, 0)
+    # Component c's samples at positions <= rest / period: (2k + 1) / (2 n_c) <= rest / period.
+    m = [min(c, (2 * rest * c + period) // (2 * period)) for c in n]
+    total = sum(m)
+    while total > rest:  # drop the last taken: the latest position, ties the higher component
+        last = -1
+        for c in range(len(n)):
+            if m[c] and (last < 0 or (2 * m[c] - 1) * n[last] >= (2 * m[last] - 1) * n[c]):
+                last = c
+        m[last] -= 1
+        total -= 1
+    while total < rest:  # take the next: the earliest position, ties the lower component
+        first = -1
+        for c in range(len(n)):
+            if m[c] < n[c] and (first < 0 or (2 * m[c] + 1) * n[first] < (2 * m[first] + 1) * n[c]):
+                first = c
+        m[first] += 1
+        total += 1
+    return np.array(m, np.int64)
+
+
+def consumed(counts: Sequence[int] | np.ndarray, num_samples: int) -> list[int]:
+    """Samples of each component in the first ``num_samples`` of a run of
+    periods laid out from ``counts``, as Python ints."""
+    n = np.asarray(counts, np.int64)
+    whole, rest = divmod(int(num_samples), int(n.sum()))
+    prefix = prefix_counts(n, rest)
+    return [whole * int(a) + int(b) for a, b in zip(n.tolist(), prefix.tolist(), strict=True)]
 
 
 Source = Records | FlatTokens
@@ -152,14 +178,11 @@ class Mixture:
             Datasets that record no tokenizer always mix.
 
     Raises:
-        ValueError: a weight that is not a finite number >= 0 (a bool is not a
-            number), all-zero weights, a positive weight that rounds to no
-            sample per period, a seed, period or schedule step that is not an
-            int in range (a fraction is not rounded), a non-boolean
-            ``allow_mixed_tokenizers``, duplicate names, or components whose
-            datasets record different tokenizers.
-        TypeError: a component that is not a split or records (a ``Dataset``,
-            a URL, a ``Mixture``), with the fix in the message.
+        ValueError: a value out of range or of the wrong kind (a bool is not a
+            number, a fraction is not rounded), all-zero weights, a positive
+            weight that rounds to no sample per period, duplicate names, or
+            datasets that record different tokenizers.
+        TypeError: a component that is not a split or records, with the fix.
     """
 
     def __init__(
@@ -306,8 +329,8 @@ class Mixture:
             starts = [s for s in starts if s <= _MAX_SAMPLE]
             offsets = np.zeros((len(starts), len(self.components)), np.int64)
             for j in range(1, len(starts)):
-                drawn = self.periods[j - 1].consumed(starts[j] - starts[j - 1])
-                offsets[j] = offsets[j - 1] + drawn
+                drawn = consumed(self.periods[j - 1].counts, starts[j] - starts[j - 1])
+                offsets[j] = offsets[j - 1] + np.array(drawn, np.int64)
             self._offsets[batch_size] = (np.array(starts, np.int64), offsets)
         return self._offsets[batch_size]
 

@@ -1,10 +1,7 @@
 """Batch-size schedules: the global batch size of every step, and the samples before it.
 
-A schedule is a list of ``(start_step, size)`` entries: from ``start_step`` on,
-each step has ``size`` global rows. The samples before step ``s`` are whole
-segments plus a part of the segment that holds ``s``: arithmetic over the
-entries, never a loop over steps, so any step (``10**12`` included) costs the
-same. Pure arithmetic on Python ints (no overflow), no I/O.
+Arithmetic over the ``(start_step, size)`` entries on Python ints, never a loop
+over steps, so any step (``10**12`` included) costs the same.
 
 Example:
     >>> sched = BatchSchedule.of([(0, 256), (2000, 512)])

@@ -1,13 +1,9 @@
-"""Skipped batches: the data step each trainer step reads (:class:`Skips`),
-and the rows that immutable values share and extend at their end
-(:class:`SharedRows`), so that a change at the end of a run's changes costs
-O(1) amortized instead of a rebuild of them all.
+"""Skipped batches: the data step each trainer step reads (:class:`Skips`), and
+the rows that immutable values share and extend at their end (:class:`SharedRows`).
 
-A trainer passes its own steps ``t``. Skips, ``(step, count)`` pairs, define
-the *data step* ``d(t) = t + sum(count for (s, count) in skips if s <= t)``,
-strictly increasing in ``t``: step ``t`` reads what step ``d(t)`` of the run
-without skips would read, so a skip of 3 at step 5 makes step 7 read the data
-of step 10.
+Skips, ``(step, count)`` pairs, define the *data step* ``d(t) = t + sum(count
+for (s, count) in skips if s <= t)``, strictly increasing: a skip of 3 at step 5
+makes step 7 read the data of step 10.
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ class SharedRows:
     own first rows: rows are only added past every reader's, in place when
     no other value added past the adder's (O(1) amortized a row), else to a
     copy of its rows. So a change at the end of a run's changes, the common
-    case, extends what the steering before it holds instead of rebuilding it.
+    case, costs O(1) amortized instead of a rebuild.
 
     Args:
         lists: Python columns, of equal length: the rows filled.

@@ -1,23 +1,9 @@
 """A run steered while it trains: skipped batches and weight changes, as arithmetic.
 
-Skips (:mod:`~flat_tokens_jax.sampling.skips`) give the *data step* ``d(t)``
-that trainer step ``t`` reads: its samples, batch size and weight segment.
-
-A weight change from step ``t`` starts a weight segment at data step
-``d(t)``, merged with the mixture's declared schedule: each boundary, declared
-or runtime, uses its own weights from its step on (a runtime change wins over
-a declared one at the same data step). A change is held as the exact samples
-of each component per period its weights round to: counts that sum to the
-period reproduce its layout (:meth:`~flat_tokens_jax.sampling.mixture.Period.of_counts`).
-Each component's stream continues across segments, as across a declared
-schedule's: segment ``j`` starts with the samples each component drew before
-it, counted when the segment is added (whole periods plus a prefix, found by
-arithmetic without the period's tables: :func:`prefix_counts`). A step finds
-its segment by bisection and builds the period tables it routes with on
-demand, keeping the last few (:data:`TABLES_KEPT`), so a run with ``10**4``
-changes costs at any step what it costs at step 1. The weights a trainer
-step reads, and the trainer steps that read each segment, are read back as
-stretches of steps (:class:`Stretch`). Pure arithmetic, no I/O.
+Skips (:mod:`~flat_tokens_jax.sampling.skips`) give the *data step* ``d(t)`` that
+trainer step ``t`` reads. A weight change from step ``t`` starts a weight segment
+at ``d(t)``, merged with the mixture's declared schedule; each component's stream
+continues across segments. Pure arithmetic, no I/O.
 """
 
 from __future__ import annotations
@@ -31,7 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from flat_tokens_jax.sampling.mixture import Period, route_segments
+from flat_tokens_jax.sampling.mixture import Period, consumed, route_segments
 from flat_tokens_jax.sampling.schedule import MAX_SAMPLE, BatchSchedule
 from flat_tokens_jax.sampling.skips import NO_SKIPS, SharedRows, Skips
 
@@ -40,8 +26,6 @@ __all__ = [
     "Blend",
     "Steering",
     "Stretch",
-    "consumed",
-    "prefix_counts",
     "with_weights",
 ]
 
@@ -53,56 +37,9 @@ TABLES_KEPT = 8
 Change = tuple[int, tuple[int, ...]]
 
 
-def prefix_counts(counts: Sequence[int] | np.ndarray, rest: int) -> np.ndarray:
-    """``[K] int64`` samples of each component among the first ``rest``
-    offsets of the period laid out from ``counts`` (``Period.of_counts``),
-    found without its tables.
-
-    Component ``c``'s ``k``-th sample sits at ``(2k + 1) / (2 n_c)`` of the
-    period, ties to the lower component, so the first ``rest`` offsets are a
-    prefix of that order. The samples at or before ``rest / period`` are such
-    a prefix, within ``K / 2`` of ``rest`` long (each component's count is
-    within 1/2 of its share): the last ones are taken off, or the next ones
-    added, one at a time. O(K^2) exact integer arithmetic.
-    """
-    n = [int(x) for x in counts]
-    period = sum(n)
-    if rest >= period:
-        return np.array(n, np.int64)
-    rest = max(rest, 0)
-    # Component c's samples at positions <= rest / period: (2k + 1) / (2 n_c) <= rest / period.
-    m = [min(c, (2 * rest * c + period) // (2 * period)) for c in n]
-    total = sum(m)
-    while total > rest:  # drop the last taken: the latest position, ties the higher component
-        last = -1
-        for c in range(len(n)):
-            if m[c] and (last < 0 or (2 * m[c] - 1) * n[last] >= (2 * m[last] - 1) * n[c]):
-                last = c
-        m[last] -= 1
-        total -= 1
-    while total < rest:  # take the next: the earliest position, ties the lower component
-        first = -1
-        for c in range(len(n)):
-            if m[c] < n[c] and (first < 0 or (2 * m[c] + 1) * n[first] < (2 * m[first] + 1) * n[c]):
-                first = c
-        m[first] += 1
-        total += 1
-    return np.array(m, np.int64)
-
-
-def consumed(counts: Sequence[int] | np.ndarray, num_samples: int) -> list[int]:
-    """Samples of each component in the first ``num_samples`` of a run of
-    periods laid out from ``counts``, as Python ints (``Period.consumed``
-    without the tables)."""
-    n = np.asarray(counts, np.int64)
-    whole, rest = divmod(int(num_samples), int(n.sum()))
-    prefix = prefix_counts(n, rest)
-    return [whole * int(a) + int(b) for a, b in zip(n.tolist(), prefix.tolist(), strict=True)]
-
-
 class Blend(Protocol):
-    """What a :class:`Steering` reads of a mixture (a ``Mixture`` is one):
-    its components and its declared weight schedule."""
+    """What a :class:`Steering` reads of a mixture (a ``Mixture``, or a saved
+    phase's): its components and its declared weight schedule."""
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -138,17 +75,17 @@ class Stretch:
 
 
 class Steering:
-    """What a loader (or a phase's) routes with: its mixture's declared
-    weight segments merged with runtime changes, and its skips. Immutable
-    once made, and safe to share between threads: a change makes a new one
-    (:meth:`with_skip`, :meth:`with_change`, :meth:`steered`) that reuses
-    the segments before it; one at or after every change so far costs
-    O(log n) amortized for ``n`` changes (plus the declared entries after it).
+    """What a loader (or a phase) routes with: its mixture's declared weight
+    segments merged with runtime changes, and its skips. Immutable and
+    thread-safe: a change makes a new one (:meth:`with_skip`,
+    :meth:`with_change`, :meth:`steered`) that reuses the segments before it,
+    O(log n) amortized for a change at or after every earlier one.
 
-    Each boundary, declared or a runtime change, holds from its data step
-    until the next one; a runtime change at a declared boundary's data step
-    wins over it. That rule is here alone: routing, what a stream draws and
-    what :meth:`stretch_at` reads back all follow it.
+    Each boundary, declared or runtime, holds from its data step until the
+    next; a runtime change at a declared boundary's data step wins over it.
+    That rule is here alone: routing, what a stream draws and :meth:`stretch_at`
+    all follow it. Period tables of runtime changes are built on demand, the
+    last :data:`TABLES_KEPT` kept.
 
     Args:
         mixture: the blend (``None``: one source, no weights, only skips).

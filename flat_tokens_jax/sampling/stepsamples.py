@@ -1,16 +1,9 @@
 """Which record each row of a step reads: ``StepSamples``.
 
-Global sample ``g = samples_before(d) + row``, where ``d`` is the data step
-that the trainer's step reads (the step itself unless batches were skipped,
-see :mod:`~flat_tokens_jax.sampling.steering`), goes through the mixture, when
-there is one (with the trainer's weight changes), to a component and its own
-sample index, and through that component's stateless sampler to a record.
-Under the block shuffle (samplers of :class:`~.blocks.BlockSampler`), the
-step's samples are placed lane by lane instead (:func:`~.blocks.sample_of_row`),
-so that each host's rows hold whole lanes. A
-sampler call costs about the same for 256 samples as for 2,048 (it is a few
-dozen numpy passes over small arrays), so steps asked for in order take their
-records from one call for several steps.
+Global sample ``g = samples_before(d) + row`` (``d`` the data step the trainer's
+step reads) goes through the mixture, if any, to a component's sample, and
+through its stateless sampler to a record. A sampler call costs about the same
+for 256 samples as for 2,048, so steps asked for in order share one call.
 """
 
 from __future__ import annotations

@@ -31,7 +31,6 @@ from flat_tokens_jax.data.records import recorded_info
 from flat_tokens_jax.data.storedplans import pack_dataset
 from flat_tokens_jax.data.validation import summary, validate
 from flat_tokens_jax.loader.loader import Loader
-from flat_tokens_jax.loader.steered import Skipper
 from flat_tokens_jax.store.identity import library_version, tokenizer_info
 from flat_tokens_jax.store.options import StoreError
 from flat_tokens_jax.tools import phaseshow, runplan, savedstate, show
@@ -257,7 +256,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _planned_skips(run: Skipper, config: Any, name: str, planned: list[tuple[int, int]]) -> None:
+def _planned_skips(run: Loader, config: Any, name: str, planned: list[tuple[int, int]]) -> None:
     """Skips a run as ``show`` sees it: its YAML's ``skip`` list, then ``--skip``'s."""
     if isinstance(config, Mapping) and "skip" in config:
         phaseshow.yaml_skips(run, config["skip"], name)

@@ -1,15 +1,7 @@
-"""How many steps to read ahead, what the trainer waited, and when to say so.
-
-Pure code, testable without a store. :func:`auto_depth` turns measured times
-into the steps to keep in flight, and :func:`next_depth` moves the depth in
-use toward it (fast up, slowly down, within the memory budget);
-:class:`Measures` collects those times (a step's fetch and finish, the
-trainer's wait and the interval between the batches it takes) and the
-statistics a trainer logs, picks the threads that decode a step read ahead
-(:class:`~flat_tokens_jax.loader.decodethreads.DecodeThreads`), judges
-whether a growth of the depth made the store deliver faster, and decides
-when the trainer's waits are worth one warning; :func:`stall_message` names
-the likely cause (throttling among them) and the knob.
+"""How many steps to read ahead, what the trainer waited, and when to say so:
+:class:`Measures` times a loader's steps and decides the depth, the decode
+threads and the stall warning (:func:`stall_message`). Pure code, testable
+without a store.
 """
 
 from __future__ import annotations
@@ -84,16 +76,9 @@ def auto_depth(
 ) -> int:
     """Steps to keep in flight: ``ceil(1.5 * (fetch + finish) / interval) + 1``,
     at least :data:`MIN_DEPTH`, at most :data:`MAX_DEPTH` and ``budget //
-    step_bytes``, and never fewer than 1 (the step being read).
-
-    Args:
-        fetch_s: seconds a step's fetch takes (``None``: not measured yet,
-            then :data:`INITIAL_DEPTH`).
-        finish_s: seconds a step's decode and placement take (``None``: 0).
-        interval_s: seconds between the batches the trainer takes (``None``:
-            :data:`ASSUMED_INTERVAL`).
-        step_bytes: bytes one step holds on this host.
-        budget: bytes the steps in flight may hold.
+    step_bytes``, and never fewer than 1 (the step being read). ``None`` times
+    are not measured yet: :data:`INITIAL_DEPTH` without a fetch, no finish,
+    :data:`ASSUMED_INTERVAL` as the trainer's step.
     """
     if fetch_s is None:
         want = INITIAL_DEPTH
@@ -134,13 +119,10 @@ def _mean(total: list[float]) -> float:
 class Measures:
     """Times of a loader's steps, and what they decide. Thread-safe.
 
-    ``fetched`` and ``finished`` time the two stages of preparing a step
-    (reading its records; decoding them and placing them on the devices);
-    ``taken`` is called when the trainer takes a batch, with how long it waited
-    for it. The interval is the time between two batches taken: the trainer's
-    step. From them: the steps to keep in flight (:meth:`depth`), whether a
-    growth of that depth made the store deliver faster (the trial, below), and
-    when the trainer's waits are worth one warning (``taken``'s window).
+    ``fetched`` and ``finished`` time the two stages of a step, ``taken`` the
+    trainer's wait for it; the interval between two batches taken is the
+    trainer's step. From them: the depth (:meth:`depth`), whether a growth of
+    it made the store deliver faster (the trial), and the stall warning.
 
     The trial: a store bound by latency answers a fetch in about the same time
     however many run, so ``d`` steps in flight deliver about ``d / fetch`` steps
@@ -205,7 +187,6 @@ class Measures:
         self.threads = DecodeThreads(most_threads, decode_threads)
 
     def fetched(self, began: float, seconds: float) -> None:
-        """A fetch begun at ``began`` ended after ``seconds``."""
         with self._lock:
             self.fetch_ema = _ema(self.fetch_ema, seconds)
             self.fetch_last = seconds
@@ -215,8 +196,8 @@ class Measures:
             self._judge(began, seconds)
 
     def finished(self, seconds: float, rows: int = 0, threads: int | None = None) -> None:
-        """A finish of ``rows`` rows took ``seconds``; ``threads``: the count
-        :meth:`decode_threads` gave it (``None``: another's, not measured for it)."""
+        """A finish of ``rows`` rows took ``seconds`` on ``threads`` threads
+        (:meth:`decode_threads`'s count; ``None``: not measured for it)."""
         with self._lock:
             self.finish_ema = _ema(self.finish_ema, seconds)
             self._finish[0] += seconds
@@ -231,7 +212,6 @@ class Measures:
                 self.threads.finished(seconds, rows, threads, bound)
 
     def decode_threads(self) -> int:
-        """Threads to decode the next step read ahead on (see :class:`DecodeThreads`)."""
         with self._lock:
             return self.threads.count if self.threads.fixed else self.threads.next()
 
@@ -241,9 +221,8 @@ class Measures:
             return self._taken_at is not None and self._window[2] == 0 and not self.stalled
 
     def taken(self, wait: float, now: float) -> tuple[float, float, int] | None:
-        """Records a batch handed out at ``now`` after ``wait`` seconds. Returns
-        ``(waited, elapsed, steps)`` of a stall window that ends with it, once;
-        else ``None``."""
+        """A batch handed out at ``now`` after ``wait`` seconds; ``(waited,
+        elapsed, steps)`` of a stall window that ends with it, once."""
         with self._lock:
             interval = None if self._taken_at is None else now - self._taken_at
             self._taken_at = now
@@ -280,9 +259,8 @@ class Measures:
         return None
 
     def depth(self, step_bytes: int, budget: int) -> int:
-        """:func:`auto_depth` of the measurements so far: the slowest of the last
-        :data:`RECENT_FETCHES` fetches, and the moving averages of the finish
-        and the trainer's step."""
+        """:func:`auto_depth` of the slowest recent fetch and the finish's and
+        trainer's step's moving averages."""
         with self._lock:
             fetch = max(self._recent_fetches) if self._recent_fetches else None
             return auto_depth(fetch, self.finish_ema, self.interval_ema, step_bytes, budget)
@@ -294,10 +272,9 @@ class Measures:
             return self.ceiling if self._pending is None else self._pending[1]
 
     def grew(self, before: int, after: int, now: float) -> None:
-        """The depth grew from ``before`` to ``after`` steps at ``now``. No trial
-        while one runs, or before :data:`TRIAL_FETCHES` fetches ended: nothing to
-        compare with (the first fetches of a burst are not a measure of the
-        depth: its first step is fetched alone, ahead of the others)."""
+        """The depth grew from ``before`` to ``after`` steps at ``now``: a trial,
+        unless one runs or fewer than :data:`TRIAL_FETCHES` fetches ended (the
+        first fetches of a burst do not measure the depth)."""
         with self._lock:
             if self._pending is not None or len(self._before) < TRIAL_FETCHES or after <= before:
                 return
@@ -333,11 +310,8 @@ class Measures:
             self.failed += 1
 
     def stats(self) -> dict[str, float | int]:
-        """``steps``, the waits (``wait_first_s``; ``wait_last_s``; ``wait_mean_s``
-        and ``wait_p99_s`` over the steps after the first, p99 of the last
-        :data:`RECENT_WAITS`), ``fetch_last_s``, ``fetch_mean_s``,
-        ``decode_mean_s`` and ``interval_mean_s``; 0 where nothing was measured;
-        ``decode_threads``, the threads a step read ahead is decoded on."""
+        """The measures ``Loader.stats`` reports (see docs/guide/loading.md); 0
+        where nothing was measured."""
         with self._lock:
             recent = np.fromiter(self._recent, float, len(self._recent))
             return {
@@ -365,20 +339,10 @@ def stall_message(
     delivered_bps: float,
     throttled: int = 0,
 ) -> str:
-    """The warning for a window that stalled: how much the trainer waited, the
-    likely cause and the knob.
-
-    Args:
-        window: ``(waited, elapsed, steps)`` from :meth:`Measures.taken`.
-        fetch_s, finish_s: a step's fetch and finish (moving averages).
-        depth: steps kept in flight.
-        capped_by: ``"read_ahead_bytes"`` or ``"prefetch"`` when that field
-            held the depth below what the measurements ask for, else ``None``.
-        bytes_per_step: bytes a step reads from the store.
-        delivered_bps: bytes per second the store delivered over the window.
-        throttled: requests the store refused as throttled (HTTP 429 or 503)
-            over the window; any names throttling, unless decoding is slower
-            than the trainer's step (no store could feed it then).
+    """The warning for a ``window`` (``(waited, elapsed, steps)``) that stalled:
+    how much the trainer waited, the likely cause and the knob. ``capped_by``:
+    the field that held the depth below what the measurements ask for;
+    ``throttled``: requests the store refused as throttled over the window.
     """
     waited, elapsed, steps = window
     step = max((elapsed - waited) / steps, 1e-9)  # the trainer's own work per step

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from flat_tokens_jax.core import fields
 from flat_tokens_jax.core.values import (
@@ -40,7 +40,6 @@ from flat_tokens_jax.sampling.skips import Skips
 from flat_tokens_jax.sampling.steering import Change
 
 __all__ = [
-    "Skipper",
     "apply_skips",
     "check_step",
     "merged",
@@ -217,15 +216,9 @@ def _skip_entries(value: Any, path: str) -> list[tuple[int, int, str]]:
     return [(step, count, where) for step, (count, where) in sorted(pairs.items())]
 
 
-class Skipper(Protocol):
-    """What :func:`apply_skips` applies a skip list to: a ``Loader`` or ``PhasedLoader``."""
-
-    def skip(self, step: int, count: int) -> None: ...
-
-
-def apply_skips(run: Skipper, value: Any, path: str = "skip") -> None:
-    """Applies a YAML ``skip`` list (see :func:`skips_from_config`) to
-    ``run`` by its ``skip``, by step: before or after a restore (see
+def apply_skips(run: Any, value: Any, path: str = "skip") -> None:
+    """Applies a YAML ``skip`` list (see :func:`skips_from_config`) to ``run``
+    (a ``Loader``) by its ``skip``, by step: before or after a restore (see
     :meth:`~flat_tokens_jax.Loader.skip`, which restates a restored skip).
 
     Raises:

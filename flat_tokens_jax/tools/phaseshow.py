@@ -16,11 +16,12 @@ from typing import Any
 from flat_tokens_jax.convert.commands import above_zero, at_least, between
 from flat_tokens_jax.core.values import child, close_match, mapping
 from flat_tokens_jax.loader.config import LoaderConfig
+from flat_tokens_jax.loader.loader import Loader
 from flat_tokens_jax.loader.phaseconfig import phases_from_config
 from flat_tokens_jax.loader.phasedloader import PhasedLoader
 from flat_tokens_jax.loader.phases import Phase
 from flat_tokens_jax.loader.state import SavedState
-from flat_tokens_jax.loader.steered import Skipper, apply_skips
+from flat_tokens_jax.loader.steered import apply_skips
 from flat_tokens_jax.sampling.mixconfig import mixture_from_config
 from flat_tokens_jax.store.options import StoreError, StoreOptions
 from flat_tokens_jax.tools.requesttable import MAX_SAMPLE_STEPS, run_table
@@ -179,7 +180,7 @@ def request_lines(
     return run_table(run, args.hosts, args.step_seconds, steps, args.run_yaml, end_step)
 
 
-def yaml_skips(run: Skipper, section: Any, name: str) -> None:
+def yaml_skips(run: Loader, section: Any, name: str) -> None:
     """Applies the ``skip`` list of the YAML ``name`` to ``run``, its errors
     naming the file and the entry (see :func:`~flat_tokens_jax.loader.steered.apply_skips`)."""
     try:

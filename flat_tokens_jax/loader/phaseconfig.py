@@ -29,22 +29,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from flat_tokens_jax.core import fields
-from flat_tokens_jax.core.values import (
-    BadValue,
-    child,
-    known_keys,
-    mapping,
-    sequence,
-    text,
-)
+from flat_tokens_jax.core.values import BadValue, child, known_keys, mapping, sequence, text
 from flat_tokens_jax.core.yamlfile import read_yaml
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.phases import Phase
 from flat_tokens_jax.sampling.mixconfig import mixture_from_config
 from flat_tokens_jax.sampling.mixture import Mixture
 from flat_tokens_jax.store.options import StoreError, StoreOptions
-
-__all__ = ["phases_from_config", "phases_from_yaml"]
 
 _KEYS = ("name", "start_step", "data", "loader")
 

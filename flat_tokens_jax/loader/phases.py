@@ -32,17 +32,6 @@ from flat_tokens_jax.sampling.mixture import Mixture
 from flat_tokens_jax.sampling.steering import Steering
 from flat_tokens_jax.sampling.stepsamples import MAX_SAMPLE
 
-__all__ = [
-    "STREAM_FIELDS",
-    "Phase",
-    "PhaseStreams",
-    "check_phases",
-    "drawn",
-    "largest",
-    "steps_within",
-    "stream_key",
-]
-
 
 @dataclasses.dataclass(frozen=True)
 class Phase:

@@ -11,17 +11,15 @@ THREAD_WINDOW = 8
 
 THREAD_GAIN = 0.1
 """Share of the time per row a doubled count of decode threads must save to be
-kept (threads that save less cost cores and hand-offs for noise; on a 16-core
-host two threads delivered 256-row steps about 15 % faster than one, and
-64-row steps slower)."""
+kept (on a 16-core host two threads delivered 256-row steps about 15 % faster
+than one, and 64-row steps slower)."""
 
 THREAD_BOUND = 0.8
-"""The finish stage is what the trainer waits for when a finish takes at least
-this share of the interval between the batches it takes (and at least a fetch)."""
+"""The trainer waits for the finish stage when a finish takes at least this
+share of its step (and at least a fetch)."""
 
 THREAD_RETRY = 512
-"""Finishes after a trial that did not pay before the next (doubled after
-each such trial)."""
+"""Finishes after a trial that did not pay before the next (doubled each time)."""
 
 THREAD_SKIP = 2
 """A loader's first finishes, not measured: they wait for the opening burst's reads."""

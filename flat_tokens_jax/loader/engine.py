@@ -36,12 +36,9 @@ from flat_tokens_jax.sampling.stepsamples import LOOKUP_AHEAD, StepSamples
 
 @dataclasses.dataclass(frozen=True)
 class Fetched:
-    """A step's rows on this host, read, still to be decoded.
-
-    ``parts`` holds ``(component, rows, windows)``: ``rows`` the positions
-    among the step's ``rows`` rows, or ``None`` for all of them (one
-    component, no padding rows); ``sources`` ``[rows] int32`` the run-wide
-    source of each row, ``-1`` for padding.
+    """A step's rows on this host, read, still to be decoded: ``parts`` holds
+    ``(component, rows, windows)`` (``rows`` ``None`` for all of them);
+    ``sources`` ``[rows] int32`` each row's run-wide source, ``-1`` for padding.
     """
 
     rows: int
@@ -53,14 +50,12 @@ class StepEngine:
     """A loader's steps as this host's records and fields.
 
     Args:
-        streams: component ``c``'s ``(seed, offset)``, where its stream goes on
-            (a phase of a run, see :mod:`~flat_tokens_jax.loader.phasedloader`);
-            ``None``: the config's seeds, from sample 0.
-        source_names: the run's sources, each component's name among them
-            (a phase's, numbered over the run); ``None``: the components'.
-        rows: without a sharding, the rows of each batch size this host
-            reads (a grain worker's engine: its parent's rows under the
-            parent's sharding); ``None``: all of them.
+        streams: component ``c``'s ``(seed, offset)``, where its stream goes on (a
+            phase's); ``None``: the config's seeds, from sample 0.
+        source_names: the run's sources (a phase's components are numbered over
+            the run); ``None``: the components'.
+        rows: without a sharding, the rows of each batch size this host reads (a
+            grain worker's: its parent's); ``None``: all of them.
 
     Attributes:
         sent: why the engine's steering is fixed (its steps went to grain's

@@ -190,30 +190,22 @@ class Loader:
 
     def start(self, step: int | None = None) -> None:
         """Starts reading ``step`` (default: :attr:`next_step`) and the steps after it in
-        the background, and returns: the next :meth:`iterate` from ``step`` (or
-        :meth:`batch` at it) takes them, so a trainer can start its input before it
-        restores its own checkpoint. With ``prefetch=0`` it reads nothing."""
+        the background for the next :meth:`iterate` (or :meth:`batch`), so a trainer can
+        start its input before it restores its own checkpoint."""
         step = integer(self.next_step if step is None else step, "Loader.start: step", low=0)
         self.locate(step)
         self._start(step, self._end())
 
     def encoded_batch(self, step: int) -> dict[str, jax.Array]:
-        """The batch at ``step`` still encoded, as global arrays, for :meth:`decoder`
-        (the arrays: :meth:`~flat_tokens_jax.loader.deviceblocks.DeviceBlocks.encoded`).
-
-        Host-to-device traffic is 4 bytes a token (plus 1 for a stored loss mask), against
-        17 for the decoded fields. Decode inside your jitted step: ``fields =
-        loader.decoder(step)(encoded)``.
-        """
+        """The batch at ``step`` still encoded, as global arrays (see
+        :meth:`~flat_tokens_jax.loader.deviceblocks.DeviceBlocks.encoded`): 4 bytes a
+        token to the devices against 17. Decode inside your jitted step: ``fields =
+        loader.decoder(step)(encoded)``."""
         return self._in_phase(step, lambda e, s: e.blocks.encoded(s))
 
     def decoder(self, step: int = 0) -> Callable[[Mapping[str, jax.Array]], dict[str, jax.Array]]:
-        """The function from :meth:`encoded_batch`'s arrays to the fields of
-        ``config.layout`` (the values :meth:`batch` returns), to call inside ``jax.jit``.
-
-        ``step`` matters only with a batch-size schedule whose sizes lay out differently
-        over the mesh, or phases: pass any step of the size in use.
-        """
+        """The function from :meth:`encoded_batch`'s arrays to :meth:`batch`'s, to call
+        inside ``jax.jit``; ``step``: any step of the batch size (and phase) in use."""
         return self._in_phase(step, lambda e, s: e.blocks.decoder(s))
 
     def provenance(self, step: int) -> list[dict[str, Any]]:
@@ -268,11 +260,8 @@ class Loader:
     ) -> Iterator[tuple[int, dict[str, jax.Array]]]:
         """Yields ``(step, batch)`` from ``start_step`` (default: the restored step)
         to ``stop_step`` (exclusive; default: the run's end, if any), reading
-        nothing ahead past ``stop_step``; across phases as within one.
-
-        The next steps (``config.prefetch``, or as many as the measured times ask for) are
-        read, decoded and placed on device by background threads while the caller trains
-        (collectives across hosts run here, in step order).
+        nothing ahead past ``stop_step``. The next steps are read, decoded and placed
+        on device by background threads while the caller trains.
         """
         step = integer(self.next_step if start_step is None else start_step, "start_step", low=0)
         stop = None if stop_step is None else integer(stop_step, "stop_step", low=0)
@@ -289,12 +278,10 @@ class Loader:
             self.prefetcher.close()
 
     def stats(self) -> dict[str, Any]:
-        """What the input pipeline did so far, JSON-ready, for a trainer to log: the
-        trainer's waits, the fetch and decode times, the read-ahead's depth and bytes,
-        requests and bytes read, requests refused as throttled, tokens (by source too)
-        and the instance filter's rejections (with several phases, of the phase of the
-        last step handed out, ``phase``); each key is described in
-        docs/guide/loading.md, "Where the work runs, and read-ahead"."""
+        """What the input pipeline did so far, JSON-ready, for a trainer to log: waits,
+        times, the read-ahead's depth and bytes, requests, tokens, the instance filter's
+        rejections; each key is described in docs/guide/loading.md, "Where the work
+        runs, and read-ahead"."""
         return {**self.prefetcher.stats(), **self.engine.stats()}
 
     def to_grain(self) -> StepsDataset:
@@ -310,18 +297,15 @@ class Loader:
     def _worker(cls, sources: Sources, rows: dict[int, np.ndarray]) -> Loader:
         """A grain worker's loader of ``sources``, reading ``rows`` of each batch size."""
         loader = cls.__new__(cls)
-        source = sources.mixture or sources.components[0]
-        loader.phases = (Phase(0, source, sources.config),)
+        loader.phases = (Phase(0, sources.records, sources.config),)
         loader.starts, loader.firsts, loader.end_step = [0], [0], None
         loader._open([StepEngine(sources, rows=rows)], None)
         return loader
 
     def fingerprint(self) -> Any:
         """What the batches depend on, which :meth:`restore` checks: ``data`` (the
-        records' counts, a digest of sampled tokens, the stored loss mask, the
-        tokenizer's vocabulary hash; a Mixture's components and blending), ``config``
-        (every field that changes batches, ``start_token_id`` resolved) and
-        ``batch_size`` (how that order is cut into batches)."""
+        data's identity; a Mixture's components and blending), ``config`` (every field
+        that changes batches) and ``batch_size``."""
         return self.engine.sources.fingerprint()
 
     def sources(self, k: int = 0) -> list[dict[str, Any]]:
@@ -396,8 +380,7 @@ class Loader:
     @property
     def steering(self) -> Steering:
         """The skips (``steering.skips.entries``, ``((step, count), ...)``) and weight
-        changes (``steering.changes``, ``((step, counts), ...)``: from ``step`` on,
-        ``counts[c]`` samples of component ``c`` per period of ``sum(counts)``)."""
+        changes (``steering.changes``, ``((step, counts), ...)``, samples per period)."""
         return self.engine.steps.steering
 
     def skip(self, step: int, count: int) -> None:

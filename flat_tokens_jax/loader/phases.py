@@ -35,15 +35,10 @@ from flat_tokens_jax.sampling.stepsamples import MAX_SAMPLE
 
 @dataclasses.dataclass(frozen=True)
 class Phase:
-    """One phase of a run: from ``start_step`` on, batches of ``source`` under ``config``.
-
-    Attributes:
-        start_step: the run's step where the phase begins (the first phase's is 0).
-        source: a ``FlatTokens`` split, :class:`~flat_tokens_jax.data.records.Records`
-            or a :class:`~flat_tokens_jax.Mixture`.
-        config: the phase's batches; its batch-size schedule counts steps from
-            ``start_step``.
-        name: a label for messages and ``flat-tokens plan`` (default ``"phase K"``).
+    """One phase of a run: from ``start_step`` on (the first phase's is 0),
+    batches of ``source`` (a split, ``Records`` or a ``Mixture``) under ``config``,
+    whose batch-size schedule counts steps from ``start_step``. ``name``: a
+    label for messages and ``flat-tokens plan`` (default ``"phase K"``).
     """
 
     start_step: int
@@ -67,11 +62,7 @@ class Phase:
 
 def check_phases(phases: Sequence[Phase]) -> tuple[Phase, ...]:
     """The phases, checked: at least one, the first at step 0, starts strictly
-    increasing; with several, no phase bounds its epochs.
-
-    Raises:
-        ValueError: naming the phase and the fix.
-    """
+    increasing; with several, no phase bounds its epochs."""
     if isinstance(phases, Phase) or not isinstance(phases, Sequence) or not phases:
         raise ValueError(f"phases must be a non-empty list of Phase, got {phases!r}")
     for k, phase in enumerate(phases):
@@ -139,21 +130,14 @@ def stream_key(data: Mapping[str, Any], config: LoaderConfig) -> str:
 
 
 def drawn(steering: Steering, steps: int) -> list[int]:
-    """Samples of each component drawn in a phase's first ``steps`` data steps.
-
-    ``[K]`` Python ints (one without a mixture): whole weight periods plus the
-    prefix of the last one, per weight segment, with the trainer's weight
-    changes (``steering``, of the phase's mixture and batch-size schedule).
-    """
+    """``[K]`` samples of each component drawn in a phase's first ``steps`` data steps."""
     return steering.drawn(steering.schedule.samples_before(steps))
 
 
 def steps_within(steering: Steering, offsets: Sequence[int], most: int) -> int:
     """How many of a phase's first data steps, up to ``most``, keep every sample
-    index within ``2**63 - 1``: the phase's own (its schedule's samples) and
-    each stream's (``offsets[c]``, its samples drawn before the phase, plus
-    the phase's draws of component ``c``). A bisection over :func:`drawn`.
-    """
+    index within ``2**63 - 1``: the phase's own and each stream's (``offsets[c]``
+    drawn before the phase)."""
 
     def fits(steps: int) -> bool:
         if steering.schedule.samples_before(steps) - 1 > MAX_SAMPLE:
@@ -166,18 +150,9 @@ def steps_within(steering: Steering, offsets: Sequence[int], most: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class PhaseStreams:
-    """A run's phases as the checks of their reach read them: how far each
-    phase reads before a sample index, its own or a stream's, would pass
-    ``2**63 - 1``.
-
-    Attributes:
-        starts: ``[K]`` each phase's first (data) step.
-        steerings: ``[K]`` each phase's mixture, batch sizes and changes.
-        streams: ``[K]`` each phase's components' stream keys.
-        offsets: ``[K]`` each phase's components' samples drawn before it.
-        drawn_before: ``[K]`` each stream's samples drawn before each phase.
-        labels: ``[K]`` how messages name each phase.
-    """
+    """A run's phases, ``[K]`` each, as the checks of their reach read them: how
+    far each phase reads before a sample index, its own or a stream's, would
+    pass ``2**63 - 1``."""
 
     starts: Sequence[int]
     steerings: Sequence[Steering]
@@ -187,12 +162,8 @@ class PhaseStreams:
     labels: Sequence[str]
 
     def reach(self) -> int:
-        """The first data step the run cannot read, after refusing a phase
-        that cannot read all its steps.
-
-        Raises:
-            ValueError: naming the phase and the latest start that works.
-        """
+        """The first data step the run cannot read, after refusing (naming the
+        latest start that works) a phase that cannot read all its steps."""
         for k, steering in enumerate(self.steerings):
             last = k + 1 == len(self.steerings)
             most = MAX_SAMPLE + 1 if last else self.starts[k + 1] - self.starts[k]

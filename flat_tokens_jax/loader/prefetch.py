@@ -87,11 +87,8 @@ class Prefetcher(Generic[P, Done]):
         fetchers: int | None = None,
         warm: Callable[[], object] = compiled.warm,
     ) -> None:
-        self.prefetch, self.budget, self._seq_len = (
-            config.prefetch,
-            config.read_ahead_bytes,
-            config.seq_len,
-        )
+        self.prefetch, self.budget = config.prefetch, config.read_ahead_bytes
+        self._seq_len = config.seq_len
         self._read, self._finishing, self._rows, self._name = read, finish, rows, name
         self._warm = warm
         # Decoded on the host, a step holds its layout's arrays; on the
@@ -132,8 +129,6 @@ class Prefetcher(Generic[P, Done]):
         self._throttled_before = self._throttled_window = throttled_requests()
         self._bytes_before = self._bytes_read()
 
-    # -- the steps a caller takes
-
     def take(
         self,
         step: int,
@@ -150,8 +145,8 @@ class Prefetcher(Generic[P, Done]):
         if future is not None:
             with contextlib.suppress(concurrent.futures.CancelledError):  # dropped: read it here
                 done = future.result()
-        if done is None:
-            done = self._prepare(step, False)
+        if done is None:  # both stages in the caller's thread
+            done = self._finish(step, self._fetch(step, False, None, None))
         out = done[0] if deliver is None else deliver(done[0])
         now = time.perf_counter()
         self.wait_seconds = now - began
@@ -217,12 +212,6 @@ class Prefetcher(Generic[P, Done]):
             if not future.done():  # the caller waits anyway: top up now
                 self._top_up(step, depth, end)
             return future
-
-    # -- the two stages, on the threads
-
-    def _prepare(self, step: int, ahead: bool) -> tuple[Done, np.ndarray]:
-        """Both stages of a step in the caller's thread."""
-        return self._finish(step, self._fetch(step, ahead, None, None))
 
     def _fetch(
         self, step: int, ahead: bool, after: threading.Event | None, issued: threading.Event | None
@@ -301,8 +290,6 @@ class Prefetcher(Generic[P, Done]):
         with self._lock:
             if self._reading and self._last == step:
                 self._top_up(step, depth, end)
-
-    # -- the depth and the books
 
     def _step_bytes(self, step: int) -> int:
         """Bytes a prepared step holds on this host (its rows' arrays)."""

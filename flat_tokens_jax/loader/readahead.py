@@ -18,16 +18,14 @@ MIN_DEPTH = 2
 """Fewest steps an automatic depth keeps in flight (memory permitting)."""
 
 INITIAL_DEPTH = 8
-"""Steps an automatic depth keeps in flight on an object store before any
-fetch was measured (memory permitting), so the steps after the first are
-under way with it (on local disk, where a fetch is a copy, :data:`MIN_DEPTH`)."""
+"""Steps an automatic depth keeps in flight on an object store before any fetch
+was measured, so the steps after the first are under way with it."""
 
 MAX_DEPTH = 128
 """Most steps an automatic depth keeps in flight, whatever the measurements."""
 
 ASSUMED_INTERVAL = 0.01
-"""The trainer's step, in seconds, assumed until two batches were taken: a fast
-trainer, so the steps after the first are in flight early."""
+"""The trainer's step, in seconds, assumed until two batches were taken."""
 
 EMA_WEIGHT = 0.25
 """Weight of a new measurement in the moving averages that set the depth."""
@@ -36,16 +34,14 @@ COVER = 1.5
 """Steps in flight cover this many times a step's fetch and finish."""
 
 DEVICE_BYTES_PER_TOKEN = 5
-"""Bytes a step decoded on the devices holds per token: the encoded ``uint32``
-token and a stored loss mask byte."""
+"""Bytes a step decoded on the devices holds per token (``uint32`` and a mask byte)."""
 
 RECENT_FETCHES = 32
-"""Fetches whose slowest sets the depth: a step that touches a new shard (its
-index and digests read first) takes two or three round trips where others
-take one, and the steps in flight must cover it when it comes again."""
+"""Fetches whose slowest sets the depth: a step that touches a new shard takes
+two or three round trips where others take one, and the depth must cover it."""
 
 RECENT_WAITS = 1024
-"""Waits kept for ``wait_p99_s``: the last this many, after the first step."""
+"""Waits kept for ``wait_p99_s``."""
 
 STALL_WINDOW = 50
 """Steps (after the first) over which the trainer's waits are summed for the warning."""
@@ -57,10 +53,8 @@ TRIAL_FETCHES = 4
 """Fewest fetches whose mean duration measures a depth, before a growth and after it."""
 
 PAID = 0.5
-"""Share of a growth's proportional gain the rate must show: growing from
-``d0`` to ``d1`` steps pays when ``depth / fetch`` rises at least ``1 + PAID *
-(d1 / d0 - 1)`` times (a store bound by latency shows all of it, one bound by
-throughput none)."""
+"""Share of a growth's proportional gain the rate must show: from ``d0`` to
+``d1`` steps pays when ``depth / fetch`` rises ``1 + PAID * (d1 / d0 - 1)`` times."""
 
 RETRIAL_FETCHES = 64
 """Fetches after a growth that did not pay before the depth may try to grow
@@ -91,16 +85,14 @@ def auto_depth(
 
 
 GROWTH = 2
-"""Most the automatic depth grows by at each update (a loader grows it once
-per step handed out): a cold start's slow first fetch does not request a
-hundred steps at once, whose requests would queue before the next step's."""
+"""Most the automatic depth grows by at each update: a cold start's slow first
+fetch does not request a hundred steps at once."""
 
 
 def next_depth(previous: int, wanted: int, cap: int) -> int:
     """The depth after ``previous`` on the way to ``wanted``: up at most
-    :data:`GROWTH` times (from at least :data:`MIN_DEPTH`), down one step
-    per update (a measurement that dips does not empty the steps in flight),
-    and never above ``cap`` (the memory budget's steps) nor below 1."""
+    :data:`GROWTH` times (from at least :data:`MIN_DEPTH`), down one step per
+    update, and within ``[1, cap]``."""
     if wanted >= previous:
         depth = min(wanted, max(MIN_DEPTH, GROWTH * previous))
     else:
@@ -125,17 +117,12 @@ class Measures:
     it made the store deliver faster (the trial), and the stall warning.
 
     The trial: a store bound by latency answers a fetch in about the same time
-    however many run, so ``d`` steps in flight deliver about ``d / fetch`` steps
-    a second; a store bound by throughput (a server that answers so many
-    requests a second, a throttled bucket, a capped link) takes longer per
-    fetch in proportion to the fetches running, so more steps in flight only
-    queue more requests behind each other. After the depth grew from ``d0`` to
-    ``d1`` (:meth:`grew`) it is held (:meth:`trial_cap`) until the fetches begun
-    since (at least :data:`TRIAL_FETCHES`, and all ``d1 - d0`` started by the
-    growth) have ended; then it is kept when ``d1 / (their mean fetch)`` rose
-    over ``d0 / (the mean of the fetches before)``, and otherwise capped at
-    ``d0`` (``ceiling``). The cap is lifted for a new trial every
-    :data:`RETRIAL_FETCHES` fetches, so a store that speeds up again is used.
+    however many run, so ``d`` steps in flight deliver ``d / fetch`` steps a
+    second; one bound by throughput (a throttled bucket, a capped link) only
+    queues more requests. After the depth grew from ``d0`` to ``d1`` it is held
+    until the fetches begun since have ended; it is kept when ``d1 / (their mean
+    fetch)`` rose over ``d0 / (the mean before)`` by :data:`PAID`, and otherwise
+    capped at ``d0`` (``ceiling``) for :data:`RETRIAL_FETCHES` fetches.
 
     The stall window: the trainer's waits and steps are summed over windows of
     ``stall_window`` steps after the first; the first window whose waits exceed

@@ -129,15 +129,9 @@ def _listed(value: Any) -> str:
 
 
 def skips_from_config(value: Any, path: str = "skip") -> list[tuple[int, int]]:
-    """The ``(step, count)`` pairs of a YAML ``skip`` list, by step.
-
-    The list holds ``{step, count}`` mappings: from trainer ``step`` on, skip
-    ``count`` batches. Apply them with :func:`apply_skips` (or
-    ``loader.skip(step, count)`` each).
-
-    Raises:
-        ValueError: not a list of such mappings, a bad step or count, an
-            unknown key, or a step listed twice; named by its path (``skip[1].count``).
+    """The ``(step, count)`` pairs of a YAML ``skip`` list of ``{step, count}``
+    mappings (from trainer ``step`` on, skip ``count`` batches), by step; a bad
+    entry is named by its path (``skip[1].count``). Apply them with :func:`apply_skips`.
     """
     return [(step, count) for step, count, _ in _skip_entries(value, path)]
 

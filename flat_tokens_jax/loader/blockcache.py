@@ -78,9 +78,8 @@ class _Shared:
 
 @dataclasses.dataclass(frozen=True)
 class _Step:
-    """What a step tells the cache: each component's stream position (its
-    least stream sample in the step), its samples in the step, this host's
-    lanes, and each block's (epoch, window) in the step."""
+    """What a step tells the cache: each component's least stream sample and
+    samples in the step, this host's lanes, each block's (epoch, window)."""
 
     now: dict[int, int]
     rate: dict[int, int]

@@ -48,11 +48,10 @@ class DeviceBlocks:
         sharding: jax.sharding.Sharding | None,
         host_blocks: dict[int, HostBlocks],
         source_ids: np.ndarray,
-        readers: Callable[[int, np.ndarray], Sequence[Records]] | None = None,
+        readers: Callable[[int, np.ndarray], Sequence[Records]],
     ) -> None:
         config = sources.config
-        self._readers = readers or (lambda step, rows: self.components)
-        self.source_ids = source_ids
+        self._readers, self.source_ids = readers, source_ids
         self.components, self.steps, self.sharding = sources.components, steps, sharding
         self.config, self.layout = config, config.batch_layout
         self._host_blocks = host_blocks if sharding is not None else None
@@ -68,8 +67,9 @@ class DeviceBlocks:
         }
 
     def host_blocks_at(self, step: int) -> HostBlocks:
-        if self._host_blocks is None:
-            one = _one_device()
+        if self._host_blocks is None:  # no sharding: whole batches on the default device
+            mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("batch",))
+            one = NamedSharding(mesh, PartitionSpec())
             self._host_blocks = host_blocks_per_size(one, self.config.schedule, self.config.seq_len)
         held = self._host_blocks.get(self.steps.size(step))
         if held is None or not isinstance(held.sharding, NamedSharding):
@@ -135,9 +135,3 @@ class DeviceBlocks:
 def _stores_no_mask(records: Records) -> bool:
     ft = getattr(records, "ft", None)
     return isinstance(ft, FlatTokens) and ft.loss_mask is None
-
-
-def _one_device() -> NamedSharding:
-    """Without a sharding: whole batches on the default device (as ``jax.device_put``)."""
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("batch",))
-    return NamedSharding(mesh, PartitionSpec())

@@ -15,7 +15,6 @@ import jax
 import numpy as np
 
 from flat_tokens_jax.core import fields
-from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.data.bins import BinRecords
 from flat_tokens_jax.data.records import Records, Windows
 from flat_tokens_jax.decoding.hostdecode import (
@@ -185,7 +184,6 @@ class StepEngine:
         return jax.device_put(fields) if held is None else held.assemble_rows(fields)
 
     def host_batch(self, step: int) -> dict[str, np.ndarray]:
-        step = integer(step, "step", low=0)
         fetched = self.request_rows(step, self.host_rows_at(step))()
         return self.fields(fetched, step, counted=False)
 
@@ -205,7 +203,6 @@ class StepEngine:
         return self.request_rows(step, self.host_rows_at(step), ahead)
 
     def provenance(self, step: int) -> list[dict[str, Any]]:
-        step = integer(step, "step", low=0)
         rows = self.host_rows_at(step)
         g, real = self.steps.samples(step, rows)
         comp, records, epochs = self.steps.lookup(g[real])

@@ -156,8 +156,7 @@ class Loader:
         return self._in_phase(step, StepEngine.host_rows_at)
 
     def batch_size_at(self, step: int) -> int:
-        """Global rows of the batch at ``step``: ``config.batch_size_at`` of the data
-        step it reads (``step`` itself unless batches were skipped, see :meth:`skip`)."""
+        """Global rows of the batch at ``step`` (of the data step it reads, see :meth:`skip`)."""
         return self._in_phase(step, lambda e, s: e.steps.size(s))
 
     def samples_before(self, step: int) -> int:
@@ -178,8 +177,7 @@ class Loader:
         return min(ends) if ends else None
 
     def host_batch(self, step: int) -> dict[str, np.ndarray]:
-        """This host's rows of the batch at ``step``, whole, in global row order
-        (numpy): the fields of ``config.layout``."""
+        """This host's rows of the batch at ``step`` in global row order, as numpy."""
         return self._in_phase(step, StepEngine.host_batch)
 
     def batch(self, step: int) -> dict[str, jax.Array]:
@@ -309,8 +307,8 @@ class Loader:
         return self.engine.sources.fingerprint()
 
     def sources(self, k: int = 0) -> list[dict[str, Any]]:
-        """Where each component of phase ``k`` lives: ``name``, ``url``, ``split`` and
-        the ``sequences`` range of a view (JSON-ready; ``repr`` for custom records)."""
+        """Where each component of phase ``k`` lives (``name``, ``url``, ``split``,
+        ``sequences``; ``repr`` for custom records), JSON-ready."""
         return sources_of(self.engines[k].names, self.engines[k].components)
 
     def saved_state(self, step: int | None = None) -> SavedState:
@@ -393,8 +391,8 @@ class Loader:
 
         Raises:
             ValueError: ``step`` is before :attr:`next_step`, ``count`` is not an int
-                >= 1, it takes a step past the largest sample index (naming the
-                largest count that fits), or it disagrees with a restored skip.
+                >= 1 or takes a step past the largest sample index, or it disagrees
+                with a restored skip.
         """
         if restated(self._restored, step, count, self.next_step, "Loader.skip"):
             return
@@ -416,7 +414,7 @@ class Loader:
 
         Raises:
             ValueError: ``step`` is before :attr:`next_step`, the loader reads a single
-                source, or the mixture refuses the weights (as it refuses its own).
+                source, or the mixture refuses the weights.
         """
         step = check_step(step, self.next_step, "Loader.set_weights")
         counts = weight_counts(self.mixture, weights, step, "Loader.set_weights")

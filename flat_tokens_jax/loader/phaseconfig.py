@@ -1,12 +1,9 @@
 """A run's phases from a YAML ``phases`` section: :func:`phases_from_config`.
 
-The section is a list; each phase is a mapping of ``start_step``, an
-optional ``name``, and ``data`` (a mixture section, see
-:func:`~flat_tokens_jax.sampling.mixconfig.mixture_from_config`) and ``loader`` (the
-:class:`~flat_tokens_jax.LoaderConfig` fields). The first phase says both;
-a later one says what changes: its ``loader`` fields replace the previous
-phase's fields of those names, and its ``data``, when given, replaces the
-previous ``data`` whole (an example: ``configs/phases.yaml``).
+Each phase is a mapping of ``start_step``, an optional ``name``, ``data`` (a
+mixture section) and ``loader`` (``LoaderConfig`` fields). A later phase says
+what changes: its ``loader`` fields replace the previous phase's of those
+names, its ``data`` the previous one whole (an example: ``configs/phases.yaml``).
 """
 
 from __future__ import annotations

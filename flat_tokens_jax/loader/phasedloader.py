@@ -31,12 +31,9 @@ from flat_tokens_jax.sampling.steering import Change, with_weights
 
 class PhasedLoader(Loader):
     """Batches of a run in phases, from any step: a :class:`~flat_tokens_jax.Loader`
-    whose steps go through the engine of their phase.
-
-    Args:
-        phases: the run's :class:`~flat_tokens_jax.loader.phases.Phase` list, by start step.
-        sharding: as :class:`~flat_tokens_jax.Loader`'s, for every phase.
-        plan_cache: as :class:`~flat_tokens_jax.Loader`'s.
+    whose steps go through the engine of their phase. ``phases``: the run's
+    :class:`~flat_tokens_jax.loader.phases.Phase` list, by start step; ``sharding``
+    and ``plan_cache`` as ``Loader``'s.
 
     Attributes:
         phases: the phases, checked.

@@ -1,19 +1,10 @@
 """Runs in phases: ``Phase``, and the arithmetic of streams across phases.
 
-A run is a list of phases; phase ``k`` starts at step ``start_step`` and has
-its own source (a split or a ``Mixture``) and ``LoaderConfig``. Inside a
-phase, steps count from the phase's start: its batch-size schedule and its
-mixture's weight schedule see the phase's first step as step 0.
-
-A *stream* is one sequence of records: a split's records of one kind
-(packing, ``seq_len``) read under one seed and shuffle. A stream that appears
-in several phases, or comes back after an absence, continues where the
-earlier phases left it: its samples drawn in earlier phases are counted at
-each boundary (whole weight periods plus a prefix, as a weight schedule
-counts, the trainer's weight changes included), so the count costs a
-bisection per phase, and a step costs the same at step 10**12 as at step 1.
-A stream keeps the shuffle key of the phase it first appears in. Pure
-arithmetic, no I/O.
+Inside a phase, steps count from its start. A *stream* is a split's records of
+one kind (packing, ``seq_len``) under one seed and shuffle; one that appears in
+several phases continues where the earlier phases left it, its samples drawn
+before counted at each boundary by arithmetic (a step costs the same at step
+10**12 as at step 1), under the shuffle key of the phase it first appears in.
 """
 
 from __future__ import annotations
@@ -21,10 +12,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from flat_tokens_jax.core import fields
+from flat_tokens_jax.core.limits import largest
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, check_source
 from flat_tokens_jax.loader.config import LoaderConfig
@@ -145,7 +137,9 @@ def steps_within(steering: Steering, offsets: Sequence[int], most: int) -> int:
         counts = drawn(steering, steps)
         return all(o + n - 1 <= MAX_SAMPLE for o, n in zip(offsets, counts, strict=True))
 
-    return largest(fits, 0, most)
+    found = most if fits(most) else largest(fits, 0, most)
+    assert found is not None  # no step draws no sample: fits(0)
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,17 +215,4 @@ class PhaseStreams:
             return steps_within(self.steerings[k], offsets, 1) == 1
 
         first = earlier + 1
-        if first == self.starts[k] or not fits(first):
-            return None
-        return largest(fits, first, self.starts[k] - 1)
-
-
-def largest(fits: Callable[[int], bool], low: int, high: int) -> int:
-    """The largest ``x`` in ``[low, high]`` with ``fits(x)``, for a ``fits``
-    true up to some point and false after it, and true at ``low``."""
-    if fits(high):
-        return high
-    while high - low > 1:  # fits(low), not fits(high)
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low
+        return None if first == self.starts[k] else largest(fits, first, self.starts[k] - 1)

@@ -71,8 +71,7 @@ class Prefetcher(Generic[P, Done]):
         fetchers: reads that run at once (``None``: one on local disk, one per step
             in flight on an object store).
         warm: called before each read is timed (the compiled kernels' set-up,
-            once a process, which would otherwise set the first loader's depth
-            and decode threads).
+            once a process, must not set the first loader's depth).
     """
 
     def __init__(

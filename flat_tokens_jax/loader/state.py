@@ -75,8 +75,7 @@ class SavedPhase:
 
     @property
     def config(self) -> dict[str, Any]:
-        """The :class:`~flat_tokens_jax.LoaderConfig` fields the phase saved
-        (``fingerprint.config`` with its ``batch_size``)."""
+        """The ``LoaderConfig`` fields the phase saved, its ``batch_size`` included."""
         return {**self.fingerprint["config"], "batch_size": self.fingerprint["batch_size"]}
 
     @property
@@ -195,9 +194,8 @@ class SavedState:
         )
 
     def phase(self, j: int) -> SavedState:
-        """Phase ``j`` as a ``Loader``'s state of its own: at its step where the
-        run stopped in it (0 for a phase not begun), the samples before the
-        data it reached, and its skips and weight changes (see ``Skips.within``)."""
+        """Phase ``j`` as a ``Loader``'s state of its own, by its own steps (0 for
+        a phase not begun), with its skips and weight changes."""
         if not self.phased:
             return self
         skips, here = Skips(self.skips), self.phases[j]
@@ -249,8 +247,7 @@ class SavedState:
         )
 
     def stretches(self, stop: int) -> list[tuple[int, Stretch]]:
-        """``(phase, stretch)`` of each weight segment that trainer steps
-        ``[0, stop)`` read, in order, by the run's trainer steps."""
+        """``(phase, stretch)`` of each weight segment trainer steps ``[0, stop)`` read."""
         out = []
         for k, steering in enumerate(self.steerings):
             first = self.firsts[k]
@@ -293,8 +290,7 @@ class StepSteering:
 
 
 def sample_shares(names: Sequence[str], counts: Sequence[int] | None) -> dict[str, float] | None:
-    """``{name: share of the samples}`` of weights held as samples per period
-    (``None`` for ``None``: a single source)."""
+    """``{name: share of the samples}`` of samples per period (``None``: a single source)."""
     if counts is None:
         return None
     period = sum(counts)

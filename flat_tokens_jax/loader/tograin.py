@@ -26,10 +26,9 @@ NO_WORKERS = (
 
 @dataclasses.dataclass(frozen=True)
 class Reopened:
-    """A loader as a grain worker process opens it again: its class and
-    sources (they pickle as what reopens them), this host's rows of each batch
-    size under the parent's sharding (the worker needs none), and the
-    parent's state, whose steering it restores."""
+    """A loader as a grain worker process opens it again: its class, sources,
+    this host's rows of each batch size (the worker needs no sharding), and
+    its state, whose steering the worker restores."""
 
     kind: Any
     sources: Any
@@ -38,8 +37,7 @@ class Reopened:
 
     @classmethod
     def of(cls, loader: Any) -> Reopened:
-        """``loader`` as a worker opens it; from now on its steering is fixed,
-        since the workers could not follow it."""
+        """``loader`` as a worker opens it; from now on its steering is fixed."""
         engine = loader.engine
         engine.sent = (
             "a Loader whose steps went to grain's worker processes (to_grain under "
@@ -141,9 +139,8 @@ class StepsIterator(grain.DatasetIterator):
 
 
 class WorkerSteps(grain.IterDataset):
-    """A :class:`StepsDataset` unpickled in a grain worker process: steps
-    ``first``, ``first + stride``, ... (grain's :meth:`set_slice` sets both),
-    read by the loader ``recipe`` opens."""
+    """A :class:`StepsDataset` unpickled in a grain worker: steps ``first``,
+    ``first + stride``, ... (set by :meth:`set_slice`) of the loader ``recipe`` opens."""
 
     def __init__(self, recipe: Reopened, start: int) -> None:
         super().__init__()
@@ -168,8 +165,7 @@ class WorkerSteps(grain.IterDataset):
 
 
 class WorkerIterator(grain.DatasetIterator):
-    """Steps ``first``, ``first + stride``, ... of ``loader``, each its
-    ``host_batch``; the state is the loader's ``state()`` at the next one."""
+    """Steps ``first``, ``first + stride``, ... of ``loader``, each its ``host_batch``."""
 
     def __init__(self, loader: Any, first: int, stride: int) -> None:
         super().__init__()

@@ -205,8 +205,8 @@ class BlockCache:
                     del flying[at]
 
     def _make_room(self, nbytes: int) -> bool:
-        """Drops blocks no step in flight needs, the one read again furthest
-        ahead first, until ``nbytes`` more fit; whether they do. Under the lock."""
+        """Whether ``nbytes`` more fit after dropping blocks no step in flight
+        needs, the one read again furthest ahead first (the lock held)."""
         if self._bytes + nbytes <= self.budget:
             return True
         free = [
@@ -252,8 +252,7 @@ class BlockCache:
 
 
 class StepReader:
-    """One component's records for one step's fetch, taken from whole blocks
-    (see :class:`BlockCache`); reads as its records do."""
+    """One component's records for one step's fetch, taken from whole blocks."""
 
     def __init__(self, cache: BlockCache, component: int, records: Records, told: _Step) -> None:
         self.cache, self.component, self.told = cache, component, told

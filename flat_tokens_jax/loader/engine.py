@@ -37,8 +37,7 @@ from flat_tokens_jax.sampling.stepsamples import LOOKUP_AHEAD, StepSamples
 class Fetched:
     """A step's rows on this host, read, still to be decoded: ``parts`` holds
     ``(component, rows, windows)`` (``rows`` ``None`` for all of them);
-    ``sources`` ``[rows] int32`` each row's run-wide source, ``-1`` for padding.
-    """
+    ``sources`` ``[rows] int32`` each row's run-wide source, ``-1`` for padding."""
 
     rows: int
     parts: list[tuple[int, np.ndarray | None, Windows]]
@@ -147,8 +146,7 @@ class StepEngine:
         return self.block_cache.readers(self.steps, step, rows)
 
     def request_rows(self, step: int, rows: np.ndarray, ahead: int = 0) -> Callable[[], Fetched]:
-        """Starts reading the records of ``rows`` at ``step`` (``ahead``: see
-        ``StepSamples.records``); the function returned waits for them."""
+        """Starts reading the records of ``rows`` at ``step``; the function returned waits."""
         comp, records, real = self.steps.records(step, rows, ahead)
         waiting = request_parts(self.readers(step, rows), comp, records, real)
         sources = row_sources(comp, real, self.source_ids)

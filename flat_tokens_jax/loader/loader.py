@@ -94,7 +94,7 @@ class Loader:
         self._open([StepEngine(sources, sharding)], sharding)
 
     def _open(self, engines: list[StepEngine], sharding: Any) -> None:
-        """The run of ``engines``, one a phase (the phases, starts, firsts and end step set)."""
+        """The run of ``engines``, one a phase (its phases, starts, firsts and end set)."""
         self.engines, self.sharding = engines, sharding
         first = self.engine = engines[0]
         self.source_names = first.source_names
@@ -127,7 +127,7 @@ class Loader:
         return 0
 
     def locate(self, step: int) -> tuple[StepEngine, int]:
-        """The engine of the phase that holds ``step``, and the step inside that phase."""
+        """The engine of the phase that holds ``step``, and the step inside it."""
         return self.engine, integer(step, "step", low=0)
 
     def _in_phase(self, step: int, use: Callable[[StepEngine, int], _T]) -> _T:

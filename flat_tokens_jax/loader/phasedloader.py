@@ -42,8 +42,6 @@ class PhasedLoader(Loader):
         offsets: per phase, each component's stream samples drawn by the
             earlier phases: where the phase continues its streams.
         phase_samples: ``[K]`` the run's global samples before each phase.
-        end_step: the first step the run cannot read: there a sample index, the
-            last phase's or a stream's, would pass ``2**63 - 1``.
 
     Raises:
         ValueError: naming the phase: the phases are out of order, bound their

@@ -57,8 +57,7 @@ PAID = 0.5
 ``d1`` steps pays when ``depth / fetch`` rises ``1 + PAID * (d1 / d0 - 1)`` times."""
 
 RETRIAL_FETCHES = 64
-"""Fetches after a growth that did not pay before the depth may try to grow
-past its cap again."""
+"""Fetches after a growth that did not pay before the next trial."""
 
 
 def auto_depth(
@@ -69,11 +68,9 @@ def auto_depth(
     budget: int,
 ) -> int:
     """Steps to keep in flight: ``ceil(1.5 * (fetch + finish) / interval) + 1``,
-    at least :data:`MIN_DEPTH`, at most :data:`MAX_DEPTH` and ``budget //
-    step_bytes``, and never fewer than 1 (the step being read). ``None`` times
-    are not measured yet: :data:`INITIAL_DEPTH` without a fetch, no finish,
-    :data:`ASSUMED_INTERVAL` as the trainer's step.
-    """
+    at least :data:`MIN_DEPTH` (:data:`INITIAL_DEPTH` before a fetch was
+    measured), at most :data:`MAX_DEPTH` and ``budget // step_bytes``, and at
+    least 1."""
     if fetch_s is None:
         want = INITIAL_DEPTH
     else:

@@ -146,8 +146,7 @@ class Sources:
 
     @functools.cached_property
     def block_cache_bytes(self) -> int:
-        """``block_cache_bytes``, or :func:`~flat_tokens_jax.loader.blockcache.default_budget`
-        of this host's lanes (its share of ``L``; every lane with a mixture)."""
+        """``block_cache_bytes``, or ``default_budget`` of this host's lanes."""
         config = self.config
         if config.block_cache_bytes is not None:
             return config.block_cache_bytes
@@ -159,9 +158,8 @@ class Sources:
         return default_budget(self.components, block, window, here, self.config.seq_len)
 
     def cache_fixes(self, room: int) -> list[str]:
-        """How the default ``block_cache_bytes`` comes within ``room`` bytes:
-        ``shuffle_window`` or ``shuffle_block`` lowered, each alone, with the
-        largest value that does (none where no value does)."""
+        """How the default ``block_cache_bytes`` comes within ``room`` bytes: the
+        largest ``shuffle_window`` or ``shuffle_block`` that does, each alone."""
         block, window = self.block, self.config.shuffle_window
         fixes = []
         most = largest(lambda w: self._default_budget(block, w) <= room, 1, window - 1)

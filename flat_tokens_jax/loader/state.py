@@ -269,10 +269,8 @@ class StepSteering:
         data_step: the step of the run without skips whose data it reads.
         skipped: ``((step, count), ...)`` the skips at steps ``<= step``.
         phase: the index of the phase whose data it reads; ``names``: its components.
-        counts: ``[K]`` samples of each component per period in effect
-            (``None`` for a single source).
-        since: the trainer step from which those weights apply.
-        changed: whether they are a trainer's change (else declared).
+        counts: ``[K]`` samples of each component per period in effect (``None``:
+            a single source), ``since`` that trainer step, ``changed`` by the trainer.
     """
 
     step: int

@@ -5,6 +5,7 @@ loader reads steps ahead, places them on the devices, steers, saves and restores
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -123,8 +124,7 @@ class Loader:
 
     def phase_at(self, step: int) -> int:
         """The index of the phase that holds ``step`` (whose data ``step`` reads)."""
-        integer(step, "step", low=0)
-        return 0
+        return bisect.bisect_right(self.firsts, integer(step, "step", low=0)) - 1
 
     def locate(self, step: int) -> tuple[StepEngine, int]:
         """The engine of the phase that holds ``step``, and the step inside it."""
@@ -168,8 +168,8 @@ class Loader:
 
     @property
     def num_batches(self) -> int | None:
-        """Steps in the run (``None`` when ``num_epochs`` is ``None``)."""
-        return self.engine.num_batches
+        """Steps in the run (``None`` when ``num_epochs`` is ``None``, or of several phases)."""
+        return self.engine.num_batches if len(self.engines) == 1 else None
 
     def _end(self, stop: int | None = None) -> int | None:
         """The first step not to read: ``stop``, the run's end, the end step (several phases)."""

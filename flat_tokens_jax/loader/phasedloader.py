@@ -18,7 +18,6 @@ from typing import Any
 
 import jax
 
-from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.loader.engine import StepEngine
 from flat_tokens_jax.loader.loader import Loader
 from flat_tokens_jax.loader.phases import Phase, PhaseStreams, check_phases, drawn, stream_key
@@ -127,9 +126,6 @@ class PhasedLoader(Loader):
     def __repr__(self) -> str:
         return f"PhasedLoader({len(self.phases)} phases from steps {self.starts})"
 
-    def phase_at(self, step: int) -> int:
-        return bisect.bisect_right(self.firsts, integer(step, "step", low=0)) - 1
-
     def locate(self, step: int) -> tuple[StepEngine, int]:
         k = self.phase_at(step)
         assert self.end_step is not None
@@ -150,11 +146,6 @@ class PhasedLoader(Loader):
             return type(error)(text)
         except TypeError:  # an error type that takes more than a message
             return IndexError(text) if isinstance(error, IndexError) else ValueError(text)
-
-    @property
-    def num_batches(self) -> int | None:
-        """Steps in the run: one phase's ``num_batches``, else ``None`` (unbounded)."""
-        return self.engines[0].num_batches if len(self.engines) == 1 else None
 
     def samples_before(self, step: int) -> int:
         k = self.phase_at(step)

@@ -33,7 +33,7 @@ from flat_tokens_jax.data.storedplans import pack_dataset
 from flat_tokens_jax.data.validation import summary, validate
 from flat_tokens_jax.loader.loader import Loader
 from flat_tokens_jax.loader.phasedloader import PhasedLoader
-from flat_tokens_jax.loader.steered import Skipper, apply_skips
+from flat_tokens_jax.loader.steered import apply_skips
 from flat_tokens_jax.store.identity import library_version
 from flat_tokens_jax.store.options import StoreError
 from flat_tokens_jax.tools import phaseshow, runview, savedstate, show
@@ -256,7 +256,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_skips(run: Skipper, config: Any, name: str, added: list[tuple[int, int]]) -> None:
+def _add_skips(run: Loader, config: Any, name: str, added: list[tuple[int, int]]) -> None:
     """Skips of ``show`` and ``preview``: the YAML's ``skip`` list, then ``--skip``'s."""
     if isinstance(config, Mapping) and "skip" in config:
         try:

@@ -1,23 +1,13 @@
 """The block cache: under the block shuffle, this host's rows taken from
-whole blocks, each read once and held within a byte budget.
+whole blocks, each read once and held within ``block_cache_bytes``.
 
-A step's fetch asks :meth:`BlockCache.readers` for its components' records:
-for a split's packed windows or padded sequences (see
-:mod:`~flat_tokens_jax.data.blockreads`) a :class:`StepReader` that reads the
-blocks its rows need and are not held, all of them in one batch of
-requests, and gives the rows from the blocks; bins and other records are
-read row by row as before. The rows are the same, bit for bit.
-
-The cache holds at most ``block_cache_bytes`` (see
-:func:`default_budget`). A block is held from its read until it is dropped
-to make room for another, and a block a step in flight still needs (its
-rows not yet copied out) is never dropped. What is dropped is the block
-whose next read by this host's lanes is furthest ahead, or never
-(:meth:`~flat_tokens_jax.sampling.blocks.BlockSampler.next_use`: Belady's
-choice, from the arithmetic of the lanes' stretches). A block that does not
-fit beside those in flight is read for its step alone and not kept; a
-block dropped is read again when it is needed. Thread-safe: steps read ahead
-on several threads share a block read once.
+A step's fetch reads a split's packed windows or padded sequences through a
+:class:`StepReader`: the blocks its rows need and are not held, in one batch
+of requests (bins and other records are read row by row). A block a step in
+flight still needs is never dropped; otherwise the one whose next read by
+this host's lanes is furthest ahead goes first (Belady's choice, from
+:meth:`~flat_tokens_jax.sampling.blocks.BlockSampler.next_use`). A block that
+does not fit beside those in flight is read for its step alone. Thread-safe.
 """
 
 from __future__ import annotations
@@ -88,9 +78,8 @@ class _Shared:
 
 @dataclasses.dataclass(frozen=True)
 class _Step:
-    """What a step tells the cache: each component's stream position (its
-    least stream sample in the step), its samples in the step, this host's
-    lanes, and each block's (epoch, window) in the step."""
+    """What a step tells the cache: each component's least stream sample and
+    samples in the step, this host's lanes, each block's (epoch, window)."""
 
     now: dict[int, int]
     rate: dict[int, int]
@@ -99,16 +88,9 @@ class _Step:
 
 
 class BlockCache:
-    """This host's blocks: see the module's docstring. Thread-safe.
-
-    Args:
-        components: the loader's records (those that :func:`reads_blocks`
-            are read in blocks).
-        samplers: each component's block sampler (a list the engine renews
-            when a phase continues streams).
-        block: ``B``, records per block.
-        budget: bytes the held blocks may hold.
-    """
+    """This host's blocks: see the module's docstring. ``samplers`` is the
+    engine's list, renewed when a phase continues streams; ``block``: records
+    per block; ``budget``: bytes the held blocks may hold."""
 
     def __init__(
         self, components: Sequence[Records], samplers: list[Sampler], block: int, budget: int
@@ -130,14 +112,8 @@ class BlockCache:
         self.passed = 0  # blocks read for their step alone: no room beside those in flight
         self.peak = 0
 
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of the blocks held (or being read to be held): at most ``budget``."""
-        return self._bytes
-
     def readers(self, steps: StepSamples, step: int, rows: np.ndarray) -> list[Records]:
-        """Each component's records for the fetch of ``rows`` (this host's) at
-        ``step``: a :class:`StepReader` for those read in blocks."""
+        """Each component's records for the fetch of ``rows`` at ``step``."""
         g, real = steps.samples(step, rows)
         g = g[real]
         if steps.mixture is None:
@@ -168,7 +144,7 @@ class BlockCache:
 
     def acquire(self, c: int, blocks: np.ndarray, told: _Step) -> list[_Entry]:
         """The entries of ``blocks`` of component ``c``, pinned; those not held
-        are read (their reads started here, in one batch)."""
+        are read, in one batch."""
         records = self.components[c]
         assert isinstance(records, SplitRecords)
         fresh: list[int] = []
@@ -229,8 +205,8 @@ class BlockCache:
                     del flying[at]
 
     def _make_room(self, nbytes: int) -> bool:
-        """Drops blocks no step in flight needs, the one read again furthest
-        ahead first, until ``nbytes`` more fit; whether they do. Under the lock."""
+        """Whether ``nbytes`` more fit after dropping blocks no step in flight
+        needs, the one read again furthest ahead first (the lock held)."""
         if self._bytes + nbytes <= self.budget:
             return True
         free = [
@@ -249,8 +225,7 @@ class BlockCache:
         return True
 
     def _distances(self, entries: list[tuple[tuple[int, int], _Entry]]) -> np.ndarray:
-        """``[k] float`` how many steps ahead this host's lanes read each
-        block again (``inf``: never in its epoch)."""
+        """``[k]`` steps until this host's lanes read each block again (``inf``: never)."""
         out = np.full(len(entries), np.inf)
         comps = np.array([c for (c, _), _ in entries], np.int64)
         for c in np.unique(comps).tolist():
@@ -266,8 +241,6 @@ class BlockCache:
         return out
 
     def stats(self) -> dict[str, Any]:
-        """``block_reads``, ``block_drops``, ``block_passed``, ``block_cache_bytes``
-        (held now), ``block_cache_peak`` and ``block_cache_budget``."""
         return {
             "block_reads": self.reads,
             "block_drops": self.drops,
@@ -279,8 +252,7 @@ class BlockCache:
 
 
 class StepReader:
-    """One component's records for one step's fetch, taken from whole blocks
-    (see :class:`BlockCache`); reads as its records do."""
+    """One component's records for one step's fetch, taken from whole blocks."""
 
     def __init__(self, cache: BlockCache, component: int, records: Records, told: _Step) -> None:
         self.cache, self.component, self.told = cache, component, told
@@ -309,8 +281,8 @@ class StepReader:
     def request(
         self, indices: np.ndarray, columns: tuple[int, int] | None = None
     ) -> Callable[[], Windows]:
-        """Starts reading the blocks of records ``indices`` not held; the
-        function returned waits for them and gives the records' rows."""
+        """Starts reading the blocks of ``indices`` not held; the function
+        returned gives the records' rows."""
         records = self.records
         assert isinstance(records, SplitRecords)
         idx = np.asarray(indices, np.int64)
@@ -332,13 +304,9 @@ def default_budget(
     components: Sequence[Records], block: int, window: int, lanes_here: int, seq_len: int
 ) -> int:
     """``block_cache_bytes`` when left ``None``: each of this host's lanes
-    (``lanes_here``, of every component read in blocks) holds its current
-    window of ``window`` blocks and the next, blocks of ``block`` records of
-    the components' average size (4 bytes a token, 1 more with a stored loss
-    mask, the token before a packed block; a padded block's records' bounds).
-    The cache holds a block once, however many lanes read it, so a
-    component's share is at most all its blocks: a block or a window
-    larger than the data costs the data's size."""
+    (``lanes_here``) holds its current window of ``window`` blocks and the
+    next, of the components' average size (4 bytes a token, 1 more with a
+    stored loss mask); a component's share is at most all its blocks."""
     total = 0
     for records in components:
         if not reads_blocks(records):

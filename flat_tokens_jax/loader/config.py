@@ -1,9 +1,5 @@
-"""What a run says: ``LoaderConfig``, and the checks of a config against its data.
-
-A :class:`LoaderConfig` states every fact of a run once; the functions here
-check it against what the data records (``vocab_size``, ``start_token_id``),
-and turn a source into records of the config's ``seq_len`` and packing (saved
-fingerprints are compared in :mod:`~flat_tokens_jax.loader.resume`).
+"""What a run says: ``LoaderConfig``, each field's check (:data:`FIELDS`), and
+the checks of a config against its data.
 """
 
 from __future__ import annotations
@@ -31,9 +27,9 @@ from flat_tokens_jax.sampling.schedule import BatchSchedule, BatchSizeSpec
 @dataclasses.dataclass(frozen=True)
 class LoaderConfig:
     """What a batch is. Every field but ``prefetch``, ``read_ahead_bytes``,
-    ``block_cache_bytes``, ``decode_threads``, ``decode``, ``layout``, ``max_segments``,
-    ``sequence_start`` and ``source_field`` changes the batches' values (the
-    last four change their form).
+    ``block_cache_bytes``, ``decode_threads``, ``decode``, ``vocab_size``,
+    ``layout``, ``max_segments``, ``sequence_start`` and ``source_field`` changes
+    the batches' values (the last four change their form).
 
     Attributes:
         batch_size: global rows per step, over all hosts: an int, or a schedule
@@ -42,8 +38,6 @@ class LoaderConfig:
             (2000, 512)]``. Step ``s`` holds global samples
             ``[samples_before(s), samples_before(s + 1))``; the sample order
             does not depend on the schedule, only its cut into batches does.
-            Stored as the int, or as a tuple of ``(start_step, size)`` pairs
-            (a one-size schedule becomes its int).
         seq_len: tokens per row.
         packing: what a row is. True: consecutive windows of the concatenated
             tokens (no padding, sequences cut at window edges). False: one
@@ -63,62 +57,43 @@ class LoaderConfig:
         seed: the shuffle's key. Recommended: one per training run.
         num_epochs: passes over the records; ``None``: unbounded. With a bound,
             the last batch is completed with padding rows (``loss_mask`` 0).
-        prefetch: steps prepared ahead, in order, on background threads
-            (``iterate``, ``start``, and ``batch`` called with consecutive
-            steps). ``None`` (recommended): automatic; the loader measures a
-            step's fetch and decode and the trainer's step, and keeps
-            ``ceil(1.5 * (fetch + decode) / step) + 1`` steps in flight, at
-            least 2, within ``read_ahead_bytes``. An int pins the depth; 0
-            reads nothing ahead. Changes no batch.
+        prefetch: steps prepared ahead on background threads. ``None``
+            (recommended): automatic, ``ceil(1.5 * (fetch + decode) / step) + 1``
+            steps as measured, at least 2, within ``read_ahead_bytes``. An int
+            pins the depth; 0 reads nothing ahead.
         read_ahead_bytes: the memory the steps prepared ahead may hold on this
-            host, with automatic ``prefetch`` (a step holds its rows on this
-            host as ``layout``'s arrays: 17 bytes a token with ``"fields"``,
-            24 with ``"maxtext"``, plus ``4 * max_segments`` a row, 1 a
-            token with ``sequence_start`` and 4 a row with ``source_field``;
-            5 bytes a token with ``decode="device"``; at least one step is
-            read ahead whatever its size). Recommended: the default 1 GiB,
-            more for very slow stores. Changes no batch.
+            host, with automatic ``prefetch`` (a step's bytes: see
+            docs/guide/loading.md; at least one step is read ahead whatever its
+            size). Recommended: the default 1 GiB, more for very slow stores.
         start_token_id: the input token where a sequence starts. ``None``: the
             id the dataset records (``DatasetInfo.start_token_id``, set by
             ``convert --start-token-id``), or the spec's 0 when it records none;
             at most ``2**31 - 1`` (inputs are ``int32``).
         pad_id: input and target id of padding, an ``int32``.
         vocab_size: if given, the dataset's ``max_token_id`` (and the vocabulary
-            of the tokenizer it records) must fit below it. It checks the data
-            and changes no batch.
+            of the tokenizer it records) must fit below it.
         decode_threads: threads that decode one batch on the host, each a
-            block of rows; at most this many blocks decode at once, over all
-            the steps in flight. ``None``: for steps read ahead (``iterate``,
-            consecutive ``batch`` calls, ``to_grain``) as many as made
+            block of rows. ``None``: for steps read ahead, as many as made
             decoding measurably faster while the trainer waited for it (from
-            1, at most the cores this process may use less one, for the
-            reads, and at most 8); for a step decoded in the caller's
-            thread, those cores. Changes no batch.
+            1, at most the cores this process may use less one, and at most
+            8); for a step decoded in the caller's thread, those cores.
         decode: where the fields are decoded. ``"host"``: on this host (by
             compiled kernels with the ``fast`` extra, else numpy), then copied
             to the devices (5 arrays, 17 bytes a token).
             ``"device"``: the encoded tokens go to the devices (4 bytes a
             token, plus the stored loss mask if any) and are decoded there,
             inside ``jax.jit``; for GPU and TPU hosts whose CPUs cannot keep
-            up. The same values either way.
-        layout: the arrays a batch holds (see docs/guide/loading.md, "Batch layouts").
-            ``"fields"``: ``inputs``, ``targets``, ``segment_ids``,
-            ``positions``, ``loss_mask``. ``"segments"``: those and
-            ``sequence_start`` ``[B, L] bool``. ``"tokens"``: ``tokens``
-            ``[B, L + 1] int32`` (``tokens[:, 1:]`` the targets) with
-            ``loss_mask``, ``segment_ids``, ``positions``, ``sequence_start``,
-            for trainers that shift themselves. ``"maxtext"``: exactly
-            MaxText's six keys (``inputs``, ``inputs_segmentation``,
-            ``inputs_position``, ``targets``, ``targets_segmentation``,
-            ``targets_position``). Changes no value.
+            up.
+        layout: the arrays a batch holds: ``"fields"`` (``inputs``, ``targets``,
+            ``segment_ids``, ``positions``, ``loss_mask``), ``"segments"`` (and
+            ``sequence_start``), ``"tokens"`` (``tokens`` ``[B, L + 1] int32``
+            for trainers that shift themselves) or ``"maxtext"`` (MaxText's six
+            keys); see docs/guide/loading.md, "Batch layouts".
         max_segments: if set, every layout adds ``segment_lengths`` ``[B,
-            max_segments] int32``, each row's run lengths (sequences,
-            fragments, padding) then zeros, for varlen attention
-            (``cu_seqlens``); a row of more runs is refused. At most
-            ``seq_len`` (a row holds no more runs). With ``packing="bins"``
-            it also caps the sequences per bin (the packing plan is built
-            with the cap; at least 2). Recommended for bins: the most
-            sequences your kernel takes per row.
+            max_segments] int32``, each row's run lengths then zeros, for
+            varlen attention (``cu_seqlens``); a row of more runs is refused.
+            With ``packing="bins"`` it also caps the sequences per bin (at
+            least 2). Recommended for bins: the most your kernel takes per row.
         instance_filter: ``None`` (off), or an :class:`InstanceFilter` (or a
             mapping of its fields, as YAML gives): rows that repeat an n-gram
             of up to ``max_period`` tokens ``max_count`` times back to back get
@@ -127,11 +102,8 @@ class LoaderConfig:
             reject no row (``max_count * min_period > seq_len``) is refused.
             Recommended for pretraining on web data: ``InstanceFilter()``.
         source_field: True adds ``source`` ``[B] int32`` to every layout: the
-            index in ``Loader.source_names`` of the component each row was
-            read from (a plain split is one source, ``"0"``; a run in phases
-            numbers its components by name), ``-1`` for padding rows. For
-            per-source losses (:func:`~flat_tokens_jax.per_source`). Changes
-            no other array, nor the fingerprint.
+            index in ``Loader.source_names`` of each row's component, ``-1``
+            for padding rows (for :func:`~flat_tokens_jax.per_source`).
         shuffle_block: with ``shuffle="blocks"``, the records of a block
             (read as one request). ``None`` (recommended): records that span
             about ``2**18`` tokens and at least one inner chunk of the store
@@ -147,7 +119,6 @@ class LoaderConfig:
             component, with a mixture) holds its current window and the
             next, and at most every block of the data. A smaller budget
             drops blocks sooner and reads them again.
-            Changes no batch.
     """
 
     batch_size: BatchSizeSpec
@@ -206,11 +177,8 @@ class LoaderConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], path: str = "LoaderConfig") -> LoaderConfig:
-        """Builds a config from a mapping, refusing keys it does not know.
-
-        ``path`` names the mapping in errors: with ``"loader"`` a bad seed is
-        ``loader.seed must be an int in [0, ...], got 1.9``.
-        """
+        """Builds a config from a mapping, refusing keys it does not know;
+        ``path`` names the mapping in errors (``loader.seed must be ...``)."""
         if not isinstance(values, Mapping):
             raise BadValue(path, f"must be a mapping of LoaderConfig fields, got {values!r}")
         known_keys(values, path, (f.name for f in dataclasses.fields(cls)), "field")
@@ -224,17 +192,8 @@ class LoaderConfig:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], key: str | None = "loader") -> LoaderConfig:
-        """Reads a config from YAML (needs PyYAML: ``pip install flat-tokens-jax[yaml]``).
-
-        Args:
-            path: the YAML file.
-            key: the mapping inside the file that holds the fields (``None``: the
-                whole file). The file may then hold other sections too.
-
-        Raises:
-            ValueError: the file is not valid YAML (safe loading only) or a value
-                is bad; the message names the file and the value (``loader.seed``).
-        """
+        """Reads a config from section ``key`` of a YAML file (``None``: the whole
+        file; needs the ``yaml`` extra). Errors name the file and the value."""
         doc = read_yaml(path)
         fields = doc.get(key) if key is not None and isinstance(doc, dict) else doc
         if not isinstance(fields, dict):
@@ -247,17 +206,13 @@ class LoaderConfig:
 
     @functools.cached_property
     def schedule(self) -> BatchSchedule:
-        """The batch size of every step (constant for an int ``batch_size``)."""
         return BatchSchedule.of(self.batch_size)
 
     @property
     def batch_layout(self) -> BatchLayout:
-        """The arrays a batch holds: ``layout``, ``max_segments``,
-        ``sequence_start`` and ``source_field``."""
         return BatchLayout(self.layout, self.max_segments, self.sequence_start, self.source_field)
 
     def batch_size_at(self, step: int) -> int:
-        """Global rows of the batch at ``step``."""
         return self.schedule.size(step)
 
     @property
@@ -266,10 +221,8 @@ class LoaderConfig:
         return lanes(self.schedule.entries)
 
     def batch_defining(self) -> dict[str, Any]:
-        """The :data:`BATCH_DEFINING` fields, JSON-ready (``batch_size`` an int
-        or ``[[start_step, size], ...]``; ``packing`` as written, ``true``,
-        ``false`` or ``"bins"``; ``instance_filter`` its fields, left out when
-        off; ``shuffle_block`` and ``shuffle_window`` only with ``shuffle="blocks"``)."""
+        """The :data:`BATCH_DEFINING` fields, JSON-ready; ``instance_filter``
+        left out when off, the shuffle's block fields without ``shuffle="blocks"``."""
         values = {k: v for k, v in dataclasses.asdict(self).items() if k in BATCH_DEFINING}
         if self.instance_filter is None:
             del values["instance_filter"]
@@ -292,17 +245,11 @@ BATCH_DEFINING = (
     "shuffle_window",
 )
 """The fields that decide batch contents, which a saved state's fingerprint
-holds (``shuffle_block``, resolved, and ``shuffle_window`` only with
-``shuffle="blocks"``: under another shuffle they decide nothing): all
-but ``prefetch``, ``read_ahead_bytes``, ``block_cache_bytes``, ``decode_threads``, ``decode``,
-``layout``, ``sequence_start``, ``source_field``, ``max_segments`` (a bins
-plan it caps is in the data's fingerprint) and ``vocab_size`` (which checks
-the data but changes no batch)."""
+holds (``max_segments``, which caps a bins plan, is in the data's fingerprint
+through the plan)."""
 
 
 def _batch_size(value: Any, path: str) -> BatchSizeSpec:
-    """An int, or a schedule as its ``(start_step, size)`` pairs (a one-size
-    schedule becomes its int)."""
     try:
         schedule = BatchSchedule.of(value)
     except ValueError as e:
@@ -337,14 +284,11 @@ FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "shuffle_window": functools.partial(integer, low=1),
     "block_cache_bytes": _POSITIVE,
 }
-"""Each :class:`LoaderConfig` field's check of type and bounds, alone: called
-with the value and the path that names it (``loader.seed``,
-``fingerprint.config.seed``), it returns the value in its one form or raises
-``BadValue``. The checks between fields are ``LoaderConfig``'s."""
+"""Each :class:`LoaderConfig` field's check alone: ``check(value, path)`` gives
+the value in its one form or raises ``BadValue`` naming ``path``."""
 
 
 def records_for(source: Any, config: LoaderConfig, plan_cache: str | os.PathLike[str]) -> Records:
-    """The records of a single (non-Mixture) source, checked against the config."""
     if not isinstance(source, FlatTokens):
         check_source(source, "the Loader's source")
     return config_records(
@@ -366,7 +310,6 @@ def check_sharding(sharding: Any) -> None:
 def check_vocab(
     config: LoaderConfig, components: Sequence[Records], infos: Sequence[tuple[str, Any]]
 ) -> None:
-    """``vocab_size`` must cover the data's ids and the tokenizer it was made with."""
     if config.vocab_size is None:
         return
     max_id = max(int(r.fingerprint()["max_token_id"]) for r in components)

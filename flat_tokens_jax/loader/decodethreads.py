@@ -1,8 +1,5 @@
 """How many threads decode a step read ahead: :class:`DecodeThreads`, from
 the finish times the read-ahead measured, not from the core count.
-
-Pure code, testable without a store (:class:`~flat_tokens_jax.loader.readahead.Measures`
-feeds it).
 """
 
 from __future__ import annotations
@@ -14,17 +11,15 @@ THREAD_WINDOW = 8
 
 THREAD_GAIN = 0.1
 """Share of the time per row a doubled count of decode threads must save to be
-kept (threads that save less cost cores and hand-offs for noise; on a 16-core
-host two threads delivered 256-row steps about 15 % faster than one, and
-64-row steps slower)."""
+kept (on a 16-core host two threads delivered 256-row steps about 15 % faster
+than one, and 64-row steps slower)."""
 
 THREAD_BOUND = 0.8
-"""The finish stage is what the trainer waits for when a finish takes at least
-this share of the interval between the batches it takes (and at least a fetch)."""
+"""The trainer waits for the finish stage when a finish takes at least this
+share of its step (and at least a fetch)."""
 
 THREAD_RETRY = 512
-"""Finishes after a trial that did not pay before the next (doubled after
-each such trial)."""
+"""Finishes after a trial that did not pay before the next (doubled each time)."""
 
 THREAD_SKIP = 2
 """A loader's first finishes, not measured: they wait for the opening burst's reads."""
@@ -32,20 +27,16 @@ THREAD_SKIP = 2
 
 class DecodeThreads:
     """The threads that decode a step read ahead, from measured finish times.
-    Not thread-safe (:class:`~flat_tokens_jax.loader.readahead.Measures`
-    holds it under its lock).
+    Not thread-safe (``Measures`` holds it under its lock).
 
     ``pinned`` (``LoaderConfig.decode_threads``) fixes the count. Otherwise it
     starts at 1 and, while the finish stage is what the trainer waits for,
     tries twice as many (at most ``most``): a trial hands the two counts out
-    in turn (:meth:`next`), finish after finish, until each has
-    :data:`THREAD_WINDOW` finishes, so that what drifts meanwhile (the first
-    steps of a process warming its memory and caches, a neighbour's load)
-    weighs on both alike; the doubled count is kept when its median time per
-    row is at least :data:`THREAD_GAIN` below the other's, and then doubled
-    again while the finish still binds; otherwise the count stays, and the
-    next trial waits :data:`THREAD_RETRY` finishes (twice that after the
-    next failure). Threads never change a batch, only how fast it is decoded.
+    in turn, until each has :data:`THREAD_WINDOW` finishes, so that what drifts
+    meanwhile weighs on both alike; the doubled count is kept when its median
+    time per row is at least :data:`THREAD_GAIN` below the other's; otherwise
+    the next trial waits :data:`THREAD_RETRY` finishes (twice that after the
+    next failure).
     """
 
     def __init__(self, most: int, pinned: int | None = None) -> None:
@@ -61,17 +52,15 @@ class DecodeThreads:
         self._wait = 0
 
     def next(self) -> int:
-        """The count for the next finish: :attr:`count`, or during a trial the
-        one of its two counts measured fewer times (the doubled one first)."""
+        """The count for the next finish (in a trial, the one measured fewer times)."""
         if self._trial is None:
             return self.count
         low, high = self._trial
         return high if len(self._trial[high]) <= len(self._trial[low]) else low
 
     def finished(self, seconds: float, rows: int, threads: int, bound: bool) -> None:
-        """A finish of ``rows`` rows on ``threads`` threads (as :meth:`next`
-        gave them) took ``seconds``; ``bound``: the finish stage is what the
-        trainer waits for."""
+        """A finish of ``rows`` rows on ``threads`` threads took ``seconds``;
+        ``bound``: the finish stage is what the trainer waits for."""
         if self.pinned is not None or rows < 1:
             return
         trial = self._trial
@@ -92,7 +81,6 @@ class DecodeThreads:
             self.trials += 1
 
     def _judge(self, trial: dict[int, list[float]]) -> None:
-        """Ends ``trial``: keeps its doubled count if it paid, else its first."""
         (low, slow), (high, fast) = trial.items()
         self._trial = None
         if np.median(fast) <= (1 - THREAD_GAIN) * np.median(slow):

@@ -1,10 +1,6 @@
-"""A step's blocks for decoding on the devices: each block of this host's
-devices read as encoded tokens (its columns only), and decoded into global
-``jax.Array``\\ s there.
-
-The step engine reads a step this way under ``decode="device"`` and when the
-sequence dimension is sharded; ``Loader.encoded_batch`` and ``Loader.decoder``
-hand the two halves to a trainer that decodes inside its own jitted step.
+"""A step's blocks for decoding on the devices (``decode="device"``, or the
+sequence dimension sharded): each block of this host's devices read as encoded
+tokens (its columns only), and decoded into global ``jax.Array``\\ s there.
 """
 
 from __future__ import annotations
@@ -42,18 +38,8 @@ class Blocks:
 
 
 class DeviceBlocks:
-    """A loader's steps as encoded blocks, decoded on the devices.
-
-    Args:
-        sources: what the loader reads.
-        steps: which record each row of a step reads.
-        sharding: as :class:`~flat_tokens_jax.Loader`'s.
-        host_blocks: this host's blocks under the sharding, for each batch
-            size (see :func:`~flat_tokens_jax.decoding.sharding.host_blocks_per_size`).
-        source_ids: ``[K]`` each component's run-wide source index.
-        readers: what reads each component's records for some rows of a step
-            (``None``: the components; see ``StepEngine.readers``).
-    """
+    """A loader's steps as encoded blocks, decoded on the devices (the
+    engine's ``host_blocks`` per batch size, ``source_ids`` and ``readers``)."""
 
     def __init__(
         self,
@@ -62,11 +48,10 @@ class DeviceBlocks:
         sharding: jax.sharding.Sharding | None,
         host_blocks: dict[int, HostBlocks],
         source_ids: np.ndarray,
-        readers: Callable[[int, np.ndarray], Sequence[Records]] | None = None,
+        readers: Callable[[int, np.ndarray], Sequence[Records]],
     ) -> None:
         config = sources.config
-        self._readers = readers or (lambda step, rows: self.components)
-        self.source_ids = source_ids
+        self._readers, self.source_ids = readers, source_ids
         self.components, self.steps, self.sharding = sources.components, steps, sharding
         self.config, self.layout = config, config.batch_layout
         self._host_blocks = host_blocks if sharding is not None else None
@@ -82,9 +67,9 @@ class DeviceBlocks:
         }
 
     def host_blocks_at(self, step: int) -> HostBlocks:
-        """The blocks this host decodes on its devices at ``step``."""
-        if self._host_blocks is None:
-            one = _one_device()
+        if self._host_blocks is None:  # no sharding: whole batches on the default device
+            mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("batch",))
+            one = NamedSharding(mesh, PartitionSpec())
             self._host_blocks = host_blocks_per_size(one, self.config.schedule, self.config.seq_len)
         held = self._host_blocks.get(self.steps.size(step))
         if held is None or not isinstance(held.sharding, NamedSharding):
@@ -95,7 +80,6 @@ class DeviceBlocks:
         return held
 
     def read(self, step: int, held: HostBlocks) -> Blocks:
-        """The encoded tokens of the blocks ``held`` at ``step``."""
         data = {b: self._block_data(step, b) for b in held.blocks}
         if self.layout.max_segments is not None:
             where = f"step {step}"
@@ -115,16 +99,13 @@ class DeviceBlocks:
         return blocks.host_blocks.encoded_arrays(blocks.data, source=self.layout.source)
 
     def decoder(self, step: int) -> Callable[[Mapping[str, jax.Array]], dict[str, jax.Array]]:
-        """``Loader.decoder``."""
         return self.host_blocks_at(step).decoder(**self._decoding)
 
     def decode(self, blocks: Blocks) -> dict[str, jax.Array]:
-        """The fields of ``blocks`` decoded on the devices. Decoding across
-        hosts runs collectives: call it in step order."""
+        """The fields of ``blocks``; it runs collectives: call it in step order."""
         return blocks.host_blocks.assemble_blocks(blocks.data, **self._decoding)
 
     def _block_data(self, step: int, block: Block) -> BlockData:
-        """Encoded tokens of one block (its columns only) for decoding on device."""
         g, real = self.steps.samples(step, np.arange(*block.rows, dtype=np.int64))
         comp, records, _ = self.steps.lookup(g[real])
         n, width = g.size, block.cols[1] - block.cols[0]
@@ -154,10 +135,3 @@ class DeviceBlocks:
 def _stores_no_mask(records: Records) -> bool:
     ft = getattr(records, "ft", None)
     return isinstance(ft, FlatTokens) and ft.loss_mask is None
-
-
-def _one_device() -> NamedSharding:
-    """How device decoding lays a batch out without a sharding: whole, on the
-    default device (as ``jax.device_put``)."""
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("batch",))
-    return NamedSharding(mesh, PartitionSpec())

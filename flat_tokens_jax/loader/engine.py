@@ -1,18 +1,7 @@
 """The step engine: a step, this host's rows of it, their records, and their
-fields in the configured layout.
-
-:class:`StepEngine` holds everything a step's fields depend on (what the
-loader reads, :class:`~flat_tokens_jax.loader.sources.Sources`; the samplers,
-the schedule, this host's blocks under the sharding, the decoder and the instance filter)
-and computes a step in two stages: :meth:`StepEngine.request` starts reading
-its records and returns what waits for them (:class:`Fetched`), or for
-decoding on the devices its encoded blocks
-(:class:`~flat_tokens_jax.loader.deviceblocks.Blocks`, read by
-:class:`~flat_tokens_jax.loader.deviceblocks.DeviceBlocks`);
-:meth:`StepEngine.fields` decodes records into the layout's fields. The
-loader reads its steps ahead with those stages
-(:class:`~flat_tokens_jax.loader.prefetch.Prefetcher`); the engine knows
-nothing of it.
+fields in the configured layout, in two stages (:meth:`StepEngine.request`
+starts the reads, :meth:`StepEngine.finish` decodes), which the loader's
+read-ahead runs; the engine knows nothing of it.
 """
 
 from __future__ import annotations
@@ -26,7 +15,6 @@ import jax
 import numpy as np
 
 from flat_tokens_jax.core import fields
-from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.data.bins import BinRecords
 from flat_tokens_jax.data.records import Records, Windows
 from flat_tokens_jax.decoding.hostdecode import (
@@ -47,13 +35,9 @@ from flat_tokens_jax.sampling.stepsamples import LOOKUP_AHEAD, StepSamples
 
 @dataclasses.dataclass(frozen=True)
 class Fetched:
-    """A step's rows on this host, read, still to be decoded.
-
-    ``parts`` holds ``(component, rows, windows)``: ``rows`` the positions
-    among the step's ``rows`` rows, or ``None`` for all of them (one
-    component, no padding rows); ``sources`` ``[rows] int32`` the run-wide
-    source of each row, ``-1`` for padding.
-    """
+    """A step's rows on this host, read, still to be decoded: ``parts`` holds
+    ``(component, rows, windows)`` (``rows`` ``None`` for all of them);
+    ``sources`` ``[rows] int32`` each row's run-wide source, ``-1`` for padding."""
 
     rows: int
     parts: list[tuple[int, np.ndarray | None, Windows]]
@@ -61,19 +45,15 @@ class Fetched:
 
 
 class StepEngine:
-    """A loader's steps as this host's records and fields: see the module's docstring.
+    """A loader's steps as this host's records and fields.
 
     Args:
-        sources: what the loader reads (see :class:`~flat_tokens_jax.loader.sources.Sources`).
-        sharding: as :class:`~flat_tokens_jax.Loader`'s.
-        streams: component ``c``'s ``(seed, offset)``, where its stream goes on
-            (a phase of a run, see :mod:`~flat_tokens_jax.loader.phasedloader`);
-            ``None``: the config's seeds, from sample 0.
-        source_names: the run's sources, each component's name among them
-            (a phase's, numbered over the run); ``None``: the components'.
-        rows: without a sharding, the rows of each batch size this host
-            reads (a grain worker's engine: its parent's rows under the
-            parent's sharding); ``None``: all of them.
+        streams: component ``c``'s ``(seed, offset)``, where its stream goes on (a
+            phase's); ``None``: the config's seeds, from sample 0.
+        source_names: the run's sources (a phase's components are numbered over
+            the run); ``None``: the components'.
+        rows: without a sharding, the rows of each batch size this host reads (a
+            grain worker's: its parent's); ``None``: all of them.
 
     Attributes:
         sent: why the engine's steering is fixed (its steps went to grain's
@@ -140,14 +120,11 @@ class StepEngine:
         return f"StepEngine({self.records!r}, {self.config!r})"
 
     def host_blocks_at(self, step: int) -> HostBlocks | None:
-        """The blocks this host reads at ``step`` (``None`` without a sharding)."""
         if self._fixed is not None:
             return self._fixed[0]
         return self._host_blocks.get(self.steps.size(step))
 
     def host_rows_at(self, step: int) -> np.ndarray:
-        """``[k] int64`` the global rows this host reads at ``step``, ascending
-        (read-only)."""
         if self._fixed is not None:
             return self._fixed[1]
         held = self.host_blocks_at(step)
@@ -159,19 +136,17 @@ class StepEngine:
 
     @property
     def num_batches(self) -> int | None:
-        """Steps in the run (``None`` when ``num_epochs`` is ``None``)."""
         return self.steps.num_batches
 
     def readers(self, step: int, rows: np.ndarray) -> Sequence[Records]:
-        """What reads each component's records for ``rows`` at ``step``: its
-        records, or under the block shuffle the block cache's."""
+        """What reads each component's records for ``rows`` at ``step`` (under the
+        block shuffle, the block cache's)."""
         if self.block_cache is None:
             return self.components
         return self.block_cache.readers(self.steps, step, rows)
 
     def request_rows(self, step: int, rows: np.ndarray, ahead: int = 0) -> Callable[[], Fetched]:
-        """Starts reading the records of ``rows`` at ``step`` (``ahead``: see
-        ``StepSamples.records``); the function returned waits for them."""
+        """Starts reading the records of ``rows`` at ``step``; the function returned waits."""
         comp, records, real = self.steps.records(step, rows, ahead)
         waiting = request_parts(self.readers(step, rows), comp, records, real)
         sources = row_sources(comp, real, self.source_ids)
@@ -181,8 +156,7 @@ class StepEngine:
         self, fetched: Fetched, step: int, threads: int | None = None, counted: bool = True
     ) -> dict[str, np.ndarray]:
         """The layout's fields of records read by :meth:`request_rows` at ``step``,
-        decoded on at most ``threads`` threads (default: the decoder's), after
-        the instance filter (its rejections noted for ``step`` when ``counted``)."""
+        after the instance filter (its rejections noted when ``counted``)."""
         return self.decode.fields(
             self.block_decoder,
             fetched.rows,
@@ -196,10 +170,9 @@ class StepEngine:
 
     def finish(self, part: Fetched | Blocks, step: int, threads: int | None, host: bool) -> Any:
         """A step's second stage: its fields decoded on at most ``threads``
-        threads and, unless ``host``, placed on the devices; blocks are
-        returned as the call that decodes them on the devices (it runs
-        collectives across hosts: call it in step order). No collective runs
-        here: safe in any thread."""
+        threads and, unless ``host``, placed on the devices; blocks are returned
+        as the call that decodes them on the devices (it runs collectives across
+        hosts: call it in step order). Safe in any thread."""
         if isinstance(part, Blocks):
             return functools.partial(self.blocks.decode, part)
         fields = self.fields(part, step, threads)
@@ -209,18 +182,15 @@ class StepEngine:
         return jax.device_put(fields) if held is None else held.assemble_rows(fields)
 
     def host_batch(self, step: int) -> dict[str, np.ndarray]:
-        """See ``Loader.host_batch`` (the instance filter's rejections are not counted)."""
-        step = integer(step, "step", low=0)
         fetched = self.request_rows(step, self.host_rows_at(step))()
         return self.fields(fetched, step, counted=False)
 
     def request(
         self, step: int, ahead: int = 0, host: bool = False
     ) -> Callable[[], Fetched | Blocks]:
-        """Starts a step's first stage; the function returned waits for it:
-        its records, read; or, to be decoded on the devices
-        (``decode="device"``, or the sequence dimension sharded; unless
-        ``host``), its blocks (read here)."""
+        """Starts a step's first stage; the function returned waits for its records,
+        or, to be decoded on the devices (``decode="device"``, or the sequence
+        dimension sharded; unless ``host``), gives its blocks (read here)."""
         if host:
             return self.request_rows(step, self.host_rows_at(step), ahead)
         device = self.config.decode == "device"
@@ -231,8 +201,6 @@ class StepEngine:
         return self.request_rows(step, self.host_rows_at(step), ahead)
 
     def provenance(self, step: int) -> list[dict[str, Any]]:
-        """See ``Loader.provenance``."""
-        step = integer(step, "step", low=0)
         rows = self.host_rows_at(step)
         g, real = self.steps.samples(step, rows)
         comp, records, epochs = self.steps.lookup(g[real])
@@ -259,24 +227,18 @@ class StepEngine:
         return out
 
     def restream(self, streams: Sequence[tuple[int, int]]) -> None:
-        """Continues component ``c``'s stream at ``streams[c]``, its ``(seed,
-        offset)``; the steps read ahead are the caller's to drop."""
+        """Continues component ``c``'s stream at ``streams[c]``, its ``(seed, offset)``."""
         self.samplers[:] = self.sources.samplers(streams)
         self.sampler = self.samplers[0]
         self.steer(self.steps.steering)
 
     def steer(self, steering: Steering) -> None:
-        """Reads with ``steering`` (the trainer's skips and weight changes)
-        from now on; the steps read ahead are the caller's to drop.
-
-        Raises:
-            ValueError: the steps went to grain's worker processes (:attr:`sent`).
-        """
+        """Reads with ``steering`` from now on (the steps read ahead are the
+        caller's to drop); refused once the steps went to grain's workers."""
         if self.sent is not None:
             raise ValueError(self.sent)
         self.steps.steer(steering)
 
     def stats(self) -> dict[str, Any]:
-        """The instance filter's statistics, and the block cache's."""
         cache = {} if self.block_cache is None else self.block_cache.stats()
         return {**self.filter.stats(), **cache}

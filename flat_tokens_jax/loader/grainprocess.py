@@ -1,28 +1,14 @@
 """grain worker processes from a plain script: no absl set-up, a quiet exit.
 
-Two things get in the way of ``worker_count > 0`` (``grain.DataLoader``) or
-``mp_prefetch`` outside ``absl.app.run``, both grain's own (google/grain#1355
-and #398):
-
-- grain reads its absl flags (``--grain_enable_multiprocess_worker_profiling``)
-  when it starts worker processes, and absl refuses any read before it has
-  parsed the command line: ``UnparsedFlagAccessError``. :func:`prepare_grain`
-  gives grain's flags (``grain_*``, and only those) their defaults, as grain
-  itself does for its debug flags in each worker; a later parse of the command
-  line (``absl.app.run``) still sets them.
-- grain's iterators and its batches in shared memory, when still alive as the
-  interpreter shuts down, are deleted after the modules they use are torn
-  down: the ``__del__`` of each fails and prints an "Exception ignored"
-  traceback, and the shared memory of every batch still queued or held leaks
-  (the resource tracker removes it, with a warning). The exit hook that
-  :func:`prepare_grain` registers runs before that tear-down
-  (:func:`close_grain`): through grain's public API it closes the iterators
-  (workers stop, queued batches are unlinked) and unlinks the shared memory of
-  batches the program still holds. Their deletion in the tear-down then has
-  nothing left to do but still fails, in grain's code: the hook drops those
-  reports, and only those.
-
-Nothing here imports grain until a source asks for it.
+Two things of grain's own get in the way of worker processes outside
+``absl.app.run`` (google/grain#1355 and #398): grain reads its absl flags when
+it starts workers, which absl refuses before it parsed the command line
+(``UnparsedFlagAccessError``); and grain's iterators and shared-memory batches
+still alive at exit are deleted after the modules they use are torn down, each
+``__del__`` printing a traceback and leaking the batch's shared memory.
+:func:`prepare_grain` gives grain's flags their defaults and registers
+:func:`close_grain`, which closes those first. Nothing here imports grain
+until a source asks for it.
 """
 
 from __future__ import annotations
@@ -62,14 +48,9 @@ def _register_exit_hook() -> None:
 
 def close_grain() -> None:
     """Closes grain's iterators still open in this process and unlinks the
-    shared memory of grain's batches still alive, while grain's modules still
-    stand: what their deletion in the interpreter's tear-down would do.
-
-    A released batch keeps its values (its memory stays mapped until the
-    process ends); only its name is removed from the system's shared memory.
-    From then on, an exception raised in the tear-down by the ``__del__`` of
-    ``grain.DatasetIterator`` or ``grain.multiprocessing.SharedMemoryArray``
-    is not reported (``sys.unraisablehook``); any other still is.
+    shared memory of grain's batches still alive (their values stay mapped),
+    while grain's modules still stand; then drops the reports of the
+    ``__del__`` of those types in the interpreter's tear-down, and only those.
     """
     grain = sys.modules.get("grain")
     if grain is None:

@@ -1,17 +1,11 @@
-"""Batches from any step: ``Loader``, a run of one phase (several:
-:mod:`~flat_tokens_jax.loader.phasedloader`); its ``LoaderConfig`` is in
-:mod:`~flat_tokens_jax.loader.config`.
-
-``Loader.batch(step)`` is a pure function of (data, config, step): global sample
-``g = samples_before(step) + row`` goes through the stateless sampler to a record,
-whose tokens are read and decoded into the model fields. A step engine per phase
-(:mod:`~flat_tokens_jax.loader.engine`) does that; ``Loader`` finds a step's phase,
-reads steps ahead (:mod:`~flat_tokens_jax.loader.prefetch`), makes global
-``jax.Array``\\ s of them, steers, and saves and restores where a run is.
+"""``Loader``: a run of one phase (several: :mod:`~flat_tokens_jax.loader.phasedloader`).
+A step engine per phase computes a step (:mod:`~flat_tokens_jax.loader.engine`); the
+loader reads steps ahead, places them on the devices, steers, saves and restores.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -64,19 +58,17 @@ class Loader:
             ``$XDG_CACHE_HOME/flat_tokens_jax/plans`` (``~/.cache/...``).
 
     Attributes:
-        engines: ``[K]`` each phase's step engine (one for a plain run); ``engine``,
-            ``config``, ``mixture``, ``components``, ``names``, ``records``,
-            ``schedule``, ``samplers``, ``sampler``, ``steps``, ``layout`` and
-            ``start_token_id`` are the first phase's (the only one of a plain run).
-        source_names: the names of the sources a batch's ``source`` counts
-            (``config.source_field``): the components of every phase, by name, in
-            the order they first appear (``("0",)`` for one split).
+        engines: ``[K]`` each phase's step engine; ``engine``, ``config``, ``mixture``,
+            ``components``, ``names``, ``records``, ``schedule``, ``samplers``,
+            ``sampler``, ``steps``, ``layout`` and ``start_token_id`` are the first's.
+        source_names: the names a batch's ``source`` indexes (``config.source_field``):
+            every phase's components, in the order they first appear (``("0",)`` for one split).
         starts: ``[K]`` each phase's declared first step; ``firsts``: the first step
             that reads each phase's data (its start, unless batches were skipped).
-        next_step: the step :meth:`iterate` starts at (set by :meth:`restore`; each
-            step :meth:`iterate` or :meth:`to_grain`'s iterator yields advances it).
+        next_step: the step :meth:`iterate` starts at (set by :meth:`restore`, advanced
+            by each step :meth:`iterate` or :meth:`to_grain`'s iterator yields).
         end_step: the first step the run cannot read (a sample index would pass
-            ``2**63 - 1``); ``None`` for one phase, whose steps say so themselves.
+            ``2**63 - 1``); ``None`` for one phase.
         prefetcher: the run's read-ahead.
 
     Raises:
@@ -103,8 +95,7 @@ class Loader:
         self._open([StepEngine(sources, sharding)], sharding)
 
     def _open(self, engines: list[StepEngine], sharding: Any) -> None:
-        """The run of ``engines``, one a phase (:attr:`phases`, :attr:`starts`,
-        :attr:`firsts` and :attr:`end_step` set before)."""
+        """The run of ``engines``, one a phase (its phases, starts, firsts and end set)."""
         self.engines, self.sharding = engines, sharding
         first = self.engine = engines[0]
         self.source_names = first.source_names
@@ -113,8 +104,7 @@ class Loader:
         self.start_token_id, self.schedule = first.start_token_id, first.schedule
         self.steps, self.samplers, self.sampler = first.steps, first.samplers, first.sampler
         self._restored: dict[int, int] = {}  # see skip
-        # Steps read ahead, for `iterate`, `start`, consecutive `batch` calls and
-        # `to_grain` (which takes them decoded on the host: `_host`).
+        # `_host`: read ahead for `to_grain`, decoded on the host.
         found = [getattr(r, "ft", None) for e in engines for r in e.components]
         self._host = False
         self.prefetcher: Prefetcher[Fetched | Blocks, Any] = Prefetcher(
@@ -132,24 +122,16 @@ class Loader:
     def __repr__(self) -> str:
         return f"Loader({self.records!r}, {self.config!r})"
 
-    # -- which phase a step reads (one here; see PhasedLoader)
-
     def phase_at(self, step: int) -> int:
         """The index of the phase that holds ``step`` (whose data ``step`` reads)."""
-        integer(step, "step", low=0)
-        return 0
+        return bisect.bisect_right(self.firsts, integer(step, "step", low=0)) - 1
 
     def locate(self, step: int) -> tuple[StepEngine, int]:
-        """The engine of the phase that holds ``step``, and the step inside that phase.
-
-        Raises:
-            ValueError: ``step`` is not an int >= 0.
-        """
+        """The engine of the phase that holds ``step``, and the step inside it."""
         return self.engine, integer(step, "step", low=0)
 
     def _in_phase(self, step: int, use: Callable[[StepEngine, int], _T]) -> _T:
-        """``use(engine, local step)`` for the phase that holds ``step``; with
-        several phases, an error it raises names the run's step and the phase."""
+        """``use(engine, local step)`` for the phase that holds ``step``, its errors the run's."""
         engine, local = self.locate(step)
         try:
             return use(engine, local)
@@ -159,8 +141,6 @@ class Loader:
     def _told(self, error: ValueError | IndexError, step: int) -> ValueError | IndexError:
         """``error`` of the phase that holds the run's ``step``, told as the run's."""
         return error
-
-    # -- a step's rows and batches
 
     @property
     def wait_seconds(self) -> float:
@@ -176,22 +156,20 @@ class Loader:
         return self._in_phase(step, StepEngine.host_rows_at)
 
     def batch_size_at(self, step: int) -> int:
-        """Global rows of the batch at ``step``: ``config.batch_size_at`` of the data
-        step it reads (``step`` itself unless batches were skipped, see :meth:`skip`)."""
+        """Global rows of the batch at ``step`` (of the data step it reads, see :meth:`skip`)."""
         return self._in_phase(step, lambda e, s: e.steps.size(s))
 
     def samples_before(self, step: int) -> int:
         """Global samples before ``step``'s (the global index of its first sample):
         ``step * batch_size`` for a constant batch size; with skips, those of the data
-        steps before the one it reads, skipped batches included; over the run's phases."""
+        steps before the one it reads, skipped batches included."""
         step = integer(step, "step", low=0)
         return self.schedule.samples_before(self.steps.data_step(step))
 
     @property
     def num_batches(self) -> int | None:
-        """Steps in the run (``None`` when ``num_epochs`` is ``None``; for several
-        phases, see :class:`PhasedLoader`)."""
-        return self.engine.num_batches
+        """Steps in the run (``None`` when ``num_epochs`` is ``None``, or of several phases)."""
+        return self.engine.num_batches if len(self.engines) == 1 else None
 
     def _end(self, stop: int | None = None) -> int | None:
         """The first step not to read: ``stop``, the run's end, the end step (several phases)."""
@@ -199,48 +177,33 @@ class Loader:
         return min(ends) if ends else None
 
     def host_batch(self, step: int) -> dict[str, np.ndarray]:
-        """This host's rows of the batch at ``step``, whole, in global row order
-        (numpy): the fields of ``config.layout``."""
+        """This host's rows of the batch at ``step`` in global row order, as numpy."""
         return self._in_phase(step, StepEngine.host_batch)
 
     def batch(self, step: int) -> dict[str, jax.Array]:
         """The global batch at ``step`` as ``jax.Array``\\ s ``[batch_size, seq_len]``
         (``batch_size`` the step's). Called with consecutive steps, or at the step given
-        to :meth:`start`, it reads the next steps ahead as :meth:`iterate` does; another
-        step drops what was read ahead. The batches are the same either way."""
-        self.locate(step)
-        step = integer(step, "step", low=0)
-        try:
-            return self._take(step, False, self._end())
-        except (ValueError, IndexError) as e:
-            raise self._told(e, step) from None
+        to :meth:`start`, it reads the next steps ahead as :meth:`iterate` does."""
+        return self._take(integer(step, "step", low=0), False, self._end())
 
     def start(self, step: int | None = None) -> None:
         """Starts reading ``step`` (default: :attr:`next_step`) and the steps after it in
-        the background, and returns: the next :meth:`iterate` from ``step`` (or
-        :meth:`batch` at it) takes them, so a trainer can start its input before it
-        restores its own checkpoint. With ``prefetch=0`` it reads nothing."""
+        the background for the next :meth:`iterate` (or :meth:`batch`), so a trainer can
+        start its input before it restores its own checkpoint."""
         step = integer(self.next_step if step is None else step, "Loader.start: step", low=0)
         self.locate(step)
         self._start(step, self._end())
 
     def encoded_batch(self, step: int) -> dict[str, jax.Array]:
-        """The batch at ``step`` still encoded, as global arrays, for :meth:`decoder`
-        (the arrays: :meth:`~flat_tokens_jax.loader.deviceblocks.DeviceBlocks.encoded`).
-
-        Host-to-device traffic is 4 bytes a token (plus 1 for a stored loss mask), against
-        17 for the decoded fields. Decode inside your jitted step: ``fields =
-        loader.decoder(step)(encoded)``.
-        """
+        """The batch at ``step`` still encoded, as global arrays (see
+        :meth:`~flat_tokens_jax.loader.deviceblocks.DeviceBlocks.encoded`): 4 bytes a
+        token to the devices against 17. Decode inside your jitted step: ``fields =
+        loader.decoder(step)(encoded)``."""
         return self._in_phase(step, lambda e, s: e.blocks.encoded(s))
 
     def decoder(self, step: int = 0) -> Callable[[Mapping[str, jax.Array]], dict[str, jax.Array]]:
-        """The function from :meth:`encoded_batch`'s arrays to the fields of
-        ``config.layout`` (the values :meth:`batch` returns), to call inside ``jax.jit``.
-
-        ``step`` matters only with a batch-size schedule whose sizes lay out differently
-        over the mesh, or phases: pass any step of the size in use.
-        """
+        """The function from :meth:`encoded_batch`'s arrays to :meth:`batch`'s, to call
+        inside ``jax.jit``; ``step``: any step of the batch size (and phase) in use."""
         return self._in_phase(step, lambda e, s: e.blocks.decoder(s))
 
     def provenance(self, step: int) -> list[dict[str, Any]]:
@@ -254,19 +217,13 @@ class Loader:
         """
         return self._in_phase(step, StepEngine.provenance)
 
-    # -- reading ahead
-
     def _read(self, step: int, ahead: bool) -> Callable[[], Fetched | Blocks]:
-        """A step's first stage (see :meth:`StepEngine.request`); ``ahead``: on a
-        read-ahead thread, looking up the next steps' records with it."""
+        """A step's first stage (see :meth:`StepEngine.request`)."""
         engine, local = self.locate(step)
         return engine.request(local, engine.lookup if ahead else 0, self._host)
 
     def _finish(self, step: int, part: Fetched | Blocks, threads: int | None) -> Any:
-        """A step's second stage: its fields decoded on ``threads`` threads (the
-        read-ahead's choice) and, unless for ``to_grain``, placed on the devices;
-        blocks are decoded on the devices by :meth:`_on_devices`. Everything of
-        it involves no collective: safe in any thread."""
+        """A step's second stage (see :meth:`StepEngine.finish`): safe in any thread."""
         engine, local = self.locate(step)
         return engine.finish(part, local, threads, self._host)
 
@@ -275,18 +232,19 @@ class Loader:
         return done() if callable(done) else done
 
     def _mode(self, host: bool) -> None:
-        """Reads ahead for ``to_grain`` (host numpy) or for the devices; a
-        change drops what was read for the other."""
+        """Reads ahead for ``to_grain`` (``host``) or the devices, dropping the other's."""
         if host != self._host:
             self.prefetcher.drop_from(0)
             self._host = host
 
     def _take(self, step: int, ahead: bool, end: int | None, host: bool = False) -> Any:
-        """Step ``step`` handed out, from the read-ahead (see
-        :meth:`Prefetcher.take`); the instance filter's rejections in it counted."""
+        """Step ``step`` handed out from the read-ahead, its filter rejections counted."""
+        engine, local = self.locate(step)  # a step past the run's reach is the run's error
         self._mode(host)
-        out = self.prefetcher.take(step, end, ahead, None if host else self._on_devices)
-        engine, local = self.locate(step)
+        try:
+            out = self.prefetcher.take(step, end, ahead, None if host else self._on_devices)
+        except (ValueError, IndexError) as e:
+            raise self._told(e, step) from None
         if engine.filter.rule is not None:
             engine.filter.handed(local)
         return out
@@ -300,12 +258,8 @@ class Loader:
     ) -> Iterator[tuple[int, dict[str, jax.Array]]]:
         """Yields ``(step, batch)`` from ``start_step`` (default: the restored step)
         to ``stop_step`` (exclusive; default: the run's end, if any), reading
-        nothing ahead past ``stop_step``; across phases as within one.
-
-        The next steps (``config.prefetch``, or as many as the measured times ask for) are
-        read, decoded and placed on device by background threads while the caller trains
-        (collectives across hosts run here, in step order); steps begun by :meth:`start`
-        are used. ``wait_seconds``: how long the last step waited (see :meth:`stats`).
+        nothing ahead past ``stop_step``. The next steps are read, decoded and placed
+        on device by background threads while the caller trains.
         """
         step = integer(self.next_step if start_step is None else start_step, "start_step", low=0)
         stop = None if stop_step is None else integer(stop_step, "stop_step", low=0)
@@ -314,11 +268,7 @@ class Loader:
                 end = self._end(stop)  # a skip made meanwhile moves the run's end
                 if end is not None and step >= end and (end == stop or end != self.end_step):
                     return
-                self.locate(step)  # a step past the run's reach is the run's error
-                try:
-                    batch = self._take(step, True, end)
-                except (ValueError, IndexError) as e:
-                    raise self._told(e, step) from None
+                batch = self._take(step, True, end)
                 self.next_step = step + 1
                 yield step, batch
                 step += 1
@@ -326,49 +276,39 @@ class Loader:
             self.prefetcher.close()
 
     def stats(self) -> dict[str, Any]:
-        """What the input pipeline did so far, JSON-ready, for a trainer to log: the
-        trainer's waits, the fetch and decode times, the read-ahead's depth and bytes,
-        requests and bytes read, requests refused as throttled, tokens (by source too)
-        and the instance filter's rejections (with several phases, of the phase of the
-        last step handed out, ``phase``); each key is described in
-        docs/guide/loading.md, "Where the work runs, and read-ahead"."""
+        """What the input pipeline did so far, JSON-ready, for a trainer to log: waits,
+        times, the read-ahead's depth and bytes, requests, tokens, the instance filter's
+        rejections; each key is described in docs/guide/loading.md, "Where the work
+        runs, and read-ahead"."""
         return {**self.prefetcher.stats(), **self.engine.stats()}
 
     def to_grain(self) -> StepsDataset:
         """This host's rows of each step from :attr:`next_step` on, read ahead, as a
         ``grain.IterDataset`` of :meth:`host_batch` dicts; each step its iterator yields
         advances :attr:`next_step` as :meth:`iterate` does, and its state is :meth:`state`,
-        checked by :meth:`restore` (see :mod:`~flat_tokens_jax.loader.tograin`)."""
+        checked by :meth:`restore` (see docs/guide/trainers.md)."""
         from flat_tokens_jax.loader import tograin  # imports grain, only when asked
 
-        def spans() -> list[tograin.Span]:
-            return [tograin.Span(self, 0, self._end())]
-
-        return tograin.StepsDataset(self, spans, self.next_step, 0, self._told, self._to_workers)
+        return tograin.StepsDataset(self, self.next_step)
 
     @classmethod
     def _worker(cls, sources: Sources, rows: dict[int, np.ndarray]) -> Loader:
-        """A loader of ``sources`` reading ``rows`` of each batch size (a grain worker's)."""
+        """A grain worker's loader of ``sources``, reading ``rows`` of each batch size."""
         loader = cls.__new__(cls)
-        source = sources.mixture or sources.components[0]
-        loader.phases = (Phase(0, source, sources.config),)
+        loader.phases = (Phase(0, sources.records, sources.config),)
         loader.starts, loader.firsts, loader.end_step = [0], [0], None
         loader._open([StepEngine(sources, rows=rows)], None)
         return loader
 
-    # -- what a saved state holds
-
     def fingerprint(self) -> Any:
         """What the batches depend on, which :meth:`restore` checks: ``data`` (the
-        records' counts, a digest of sampled tokens, the stored loss mask, the
-        tokenizer's vocabulary hash; a Mixture's components and blending), ``config``
-        (every field that changes batches, ``start_token_id`` resolved) and
-        ``batch_size`` (how that order is cut into batches)."""
+        data's identity; a Mixture's components and blending), ``config`` (every field
+        that changes batches) and ``batch_size``."""
         return self.engine.sources.fingerprint()
 
     def sources(self, k: int = 0) -> list[dict[str, Any]]:
-        """Where each component of phase ``k`` lives: ``name``, ``url``, ``split`` and
-        the ``sequences`` range of a view (JSON-ready; ``repr`` for custom records)."""
+        """Where each component of phase ``k`` lives (``name``, ``url``, ``split``,
+        ``sequences``; ``repr`` for custom records), JSON-ready."""
         return sources_of(self.engines[k].names, self.engines[k].components)
 
     def saved_state(self, step: int | None = None) -> SavedState:
@@ -384,23 +324,19 @@ class Loader:
         )
 
     def state(self, step: int | None = None) -> dict[str, Any]:
-        """``{"step", "samples", "fingerprint", "sources"}``, of several phases ``{"step",
-        "samples", "phases": [{"start_step", "fingerprint", "sources"}, ...]}``, JSON-ready
-        (the format: :mod:`~flat_tokens_jax.loader.state`).
+        """``{"step", "samples", "fingerprint", "sources"}`` (with :meth:`skip` or
+        :meth:`set_weights`, ``"skips"`` and ``"weights"``), JSON-ready; the format is in
+        :mod:`~flat_tokens_jax.loader.state`.
 
         ``step`` is where a :meth:`restore` resumes: by default :attr:`next_step`; a loop
         that asks :meth:`batch` by step passes ``step + 1`` after training ``step``.
-        ``samples`` counts the global samples before it; ``fingerprint`` is what
-        :meth:`restore` checks; ``sources`` says where the data was (not checked: data
-        may move). With :meth:`set_weights` or :meth:`skip`, also ``weights``, ``[[step,
-        [n, ...]], ...]``, and ``skips``, ``[[step, count], ...]``.
+        ``sources`` says where the data was (not checked: data may move).
         """
         return self.saved_state(step).to_json()
 
     def state_differences(self, state: Mapping[str, Any]) -> list[str]:
         """What keeps this run from continuing a saved :meth:`state`, as
-        ``path: saved X, now Y`` lines (naming phase and steps with several phases;
-        none: it may; see :meth:`restore`)."""
+        ``path: saved X, now Y`` lines (none: it may)."""
         try:
             return self._differences(SavedState.read(state))
         except StateMismatch as e:
@@ -414,17 +350,15 @@ class Loader:
         returns the step ``iterate`` resumes at.
 
         Every field of :meth:`fingerprint` must be in it with the same value and JSON
-        type (see :mod:`~flat_tokens_jax.loader.resume`). The batch size may change from
-        the saved step on, continuing at exactly the next unseen sample. The saved weight
-        changes and skips are replayed, with this loader's own (e.g. a YAML ``skip``
-        list applied before): see :func:`~flat_tokens_jax.loader.steered.merged`.
+        type. The batch size may change from the saved step on, continuing at exactly the
+        next unseen sample. The saved weight changes and skips are replayed with this
+        loader's own (see :func:`~flat_tokens_jax.loader.steered.merged`).
 
         Raises:
-            StateMismatch: other data (kind of source, a component's identity,
-                tokenizer) or config, other batch sizes before the saved step,
-                or a field missing, unknown or of the wrong type; each named by
-                its path in the state (``fingerprint.data.sample_digest``); or
-                this loader's changes disagree with the saved ones.
+            StateMismatch: other data or config, other batch sizes before the saved
+                step, a field missing, unknown or of the wrong type (each named by its
+                path, ``fingerprint.data.sample_digest``), or this loader's changes
+                disagree with the saved ones.
         """
         saved = SavedState.of(state, "loader")
         saved.check(self.engine.sources.fingerprint(), self.schedule)
@@ -437,8 +371,6 @@ class Loader:
         self.next_step = saved.step
         return saved.step
 
-    # -- steering: skipped batches and weight changes from a step on
-
     def _steered(self) -> tuple[Skips, tuple[Change, ...]]:
         """The run's skips and weight changes, by its trainer steps."""
         return self.steering.skips, self.steering.changes
@@ -446,9 +378,7 @@ class Loader:
     @property
     def steering(self) -> Steering:
         """The skips (``steering.skips.entries``, ``((step, count), ...)``) and weight
-        changes (``steering.changes``, ``((step, counts), ...)``: from ``step`` on,
-        ``counts[c]`` samples of component ``c`` per period of ``sum(counts)``) that
-        this loader reads with (see :meth:`skip` and :meth:`set_weights`)."""
+        changes (``steering.changes``, ``((step, counts), ...)``, samples per period)."""
         return self.engine.steps.steering
 
     def skip(self, step: int, count: int) -> None:
@@ -456,14 +386,13 @@ class Loader:
         (with the skips before: what its data step plus ``count`` would have read).
 
         Skips add up; each is kept in :meth:`state` and replayed by :meth:`restore`.
-        After a restore, the first skip at a step the restored loader skips at restates
-        that skip: the same count changes nothing, another is refused (see
-        docs/guide/steering.md). O(log n) amortized, at or after the last change.
+        After a restore, the first skip at a restored skip's step restates it: the same
+        count changes nothing, another is refused (see docs/guide/steering.md).
 
         Raises:
             ValueError: ``step`` is before :attr:`next_step`, ``count`` is not an int
-                >= 1, it takes a step past the largest sample index (naming the
-                largest count that fits), or it disagrees with a restored skip.
+                >= 1 or takes a step past the largest sample index, or it disagrees
+                with a restored skip.
         """
         if restated(self._restored, step, count, self.next_step, "Loader.skip"):
             return
@@ -478,15 +407,14 @@ class Loader:
         """From ``step`` on, the mixture blends its components by ``weights``
         (one per component, or ``{name: weight}`` naming every component).
 
-        The change starts a weight segment at the data step ``step`` reads, over the
-        mixture's ``period``; a later change of its declared schedule still applies.
-        Each component's stream continues where it was; a second change at one step
-        replaces the first. Kept in :meth:`state` and replayed by :meth:`restore`
-        (see docs/guide/steering.md). O(log n) amortized, at or after the last change.
+        The change starts a weight segment at the data step ``step`` reads; a later
+        change of the mixture's declared schedule still applies. Each component's stream
+        continues where it was; a second change at one step replaces the first. Kept in
+        :meth:`state` and replayed by :meth:`restore` (see docs/guide/steering.md).
 
         Raises:
             ValueError: ``step`` is before :attr:`next_step`, the loader reads a single
-                source, or the mixture refuses the weights (as it refuses its own).
+                source, or the mixture refuses the weights.
         """
         step = check_step(step, self.next_step, "Loader.set_weights")
         counts = weight_counts(self.mixture, weights, step, "Loader.set_weights")

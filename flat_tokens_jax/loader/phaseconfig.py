@@ -1,24 +1,9 @@
 """A run's phases from a YAML ``phases`` section: :func:`phases_from_config`.
 
-The section is a list; each phase is a mapping of ``start_step``, an
-optional ``name``, and ``data`` (a mixture section, see
-:func:`~flat_tokens_jax.sampling.mixconfig.mixture_from_config`) and ``loader`` (the
-:class:`~flat_tokens_jax.LoaderConfig` fields). The first phase says both;
-a later one says what changes: its ``loader`` fields replace the previous
-phase's fields of those names, and its ``data``, when given, replaces the
-previous ``data`` whole. A bad value is named by its path
-(``phases[2].loader.seq_len``).
-
-Example (``configs/phases.yaml`` holds a whole one)::
-
-    phases:
-      - name: pretrain
-        start_step: 0
-        data: {datasets: {web: {url: data/web, weight: 1}}}
-        loader: {batch_size: 256, seq_len: 4096}
-      - name: long
-        start_step: 90000
-        loader: {batch_size: 32, seq_len: 32768, packing: bins}
+Each phase is a mapping of ``start_step``, an optional ``name``, ``data`` (a
+mixture section) and ``loader`` (``LoaderConfig`` fields). A later phase says
+what changes: its ``loader`` fields replace the previous phase's of those
+names, its ``data`` the previous one whole (an example: ``configs/phases.yaml``).
 """
 
 from __future__ import annotations
@@ -29,22 +14,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from flat_tokens_jax.core import fields
-from flat_tokens_jax.core.values import (
-    BadValue,
-    child,
-    known_keys,
-    mapping,
-    sequence,
-    text,
-)
+from flat_tokens_jax.core.values import BadValue, child, known_keys, mapping, sequence, text
 from flat_tokens_jax.core.yamlfile import read_yaml
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.phases import Phase
 from flat_tokens_jax.sampling.mixconfig import mixture_from_config
 from flat_tokens_jax.sampling.mixture import Mixture
 from flat_tokens_jax.store.options import StoreError, StoreOptions
-
-__all__ = ["phases_from_config", "phases_from_yaml"]
 
 _KEYS = ("name", "start_step", "data", "loader")
 
@@ -56,22 +32,10 @@ def phases_from_config(
     *,
     path: str = "phases",
 ) -> list[Phase]:
-    """The :class:`~flat_tokens_jax.loader.phases.Phase` list of a ``phases`` section.
-
-    Args:
-        phases: the section: a list of ``{start_step, name, data, loader}``.
-        split: the split (or part of a ``split`` cut) every ``data`` reads.
-        options: how to reach the datasets.
-        path: the section's name in errors.
-
-    Raises:
-        ValueError: a key is unknown, a value bad, or the first phase lacks
-            ``data`` or ``loader``; the message names the phase (``phase 1
-            'anneal' (from step 900)``) and the value's path
-            (``phases[1].loader.seq_len``).
-        StoreError: a phase's dataset cannot be reached (the message names
-            the phase).
-    """
+    """The :class:`~flat_tokens_jax.loader.phases.Phase` list of a ``phases``
+    section, every ``data`` read from ``split``. An error names the phase
+    (``phase 1 'anneal' (from step 900)``) and the value's path
+    (``phases[1].loader.seq_len``)."""
     listed = sequence(phases, path, "a list of {start_step, name, data, loader}")
     if not listed:
         raise BadValue(path, "must list at least one phase")
@@ -114,12 +78,7 @@ def phases_from_config(
 def phases_from_yaml(
     path: str | os.PathLike[str], split: str = "train", options: StoreOptions | None = None
 ) -> list[Phase]:
-    """The phases of a run YAML's ``phases`` section (needs the ``yaml`` extra).
-
-    Raises:
-        ValueError: the file is not YAML or has no ``phases`` list; a bad
-            value, named by the file, the phase and its path.
-    """
+    """The phases of a run YAML's ``phases`` section (needs the ``yaml`` extra)."""
     doc = read_yaml(path)
     if not isinstance(doc, Mapping) or "phases" not in doc:
         raise ValueError(f"{os.fspath(path)} has no 'phases' section")

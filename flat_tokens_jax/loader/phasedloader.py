@@ -1,20 +1,12 @@
-"""A run in phases: ``PhasedLoader``, a :class:`~flat_tokens_jax.Loader` of
-several phases, an engine each.
+"""``PhasedLoader``, a :class:`~flat_tokens_jax.Loader` of several phases, an
+engine each (with one phase, the same batches and ``state()`` as a ``Loader``);
+and :func:`steering_at`, what a step of any run reads.
 
-Step ``s`` of the run is step ``s - first`` of the phase that holds it (see
-:mod:`~flat_tokens_jax.loader.phases`); each phase's engine reads its
-components through samplers that continue every stream where the earlier
-phases left it. With one phase, ``PhasedLoader`` is a ``Loader``: the same
-batches and the same ``state()``. Only what several phases change is
-written here: where a step is, the run's state and its steering; and
-:func:`steering_at`, what a step of any run reads.
-
-A run of several phases saves ``{"step", "samples", "phases": [{"start_step",
-"fingerprint", "sources"}, ...]}``. A saved state (of either shape) restores
-into phases that agree with it on every step before the saved one: the same
-starts for the phases begun before it, each of them with the fingerprint it
-had (its batch size may change from the saved step on, as a ``Loader``'s).
-Phases may be added or changed from the saved step on.
+Step ``s`` of the run is step ``s - first`` of the phase that holds it; each
+phase's samplers continue every stream where the earlier phases left it (see
+:mod:`~flat_tokens_jax.loader.phases`). A saved state restores into phases
+that agree with it on every step before the saved one; phases may be added
+or changed from the saved step on.
 """
 
 from __future__ import annotations
@@ -26,7 +18,6 @@ from typing import Any
 
 import jax
 
-from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.loader.engine import StepEngine
 from flat_tokens_jax.loader.loader import Loader
 from flat_tokens_jax.loader.phases import Phase, PhaseStreams, check_phases, drawn, stream_key
@@ -39,12 +30,9 @@ from flat_tokens_jax.sampling.steering import Change, with_weights
 
 class PhasedLoader(Loader):
     """Batches of a run in phases, from any step: a :class:`~flat_tokens_jax.Loader`
-    whose steps go through the engine of their phase.
-
-    Args:
-        phases: the run's :class:`~flat_tokens_jax.loader.phases.Phase` list, by start step.
-        sharding: as :class:`~flat_tokens_jax.Loader`'s, for every phase.
-        plan_cache: as :class:`~flat_tokens_jax.Loader`'s.
+    whose steps go through the engine of their phase. ``phases``: the run's
+    :class:`~flat_tokens_jax.loader.phases.Phase` list, by start step; ``sharding``
+    and ``plan_cache`` as ``Loader``'s.
 
     Attributes:
         phases: the phases, checked.
@@ -53,16 +41,12 @@ class PhasedLoader(Loader):
         offsets: per phase, each component's stream samples drawn by the
             earlier phases: where the phase continues its streams.
         phase_samples: ``[K]`` the run's global samples before each phase.
-        end_step: the first step the run cannot read: there the last phase's
-            samples, or a stream's, would pass the largest sample index
-            ``2**63 - 1``. Errors of a step at or past it name it.
 
     Raises:
-        ValueError: the phases are out of order, bound their epochs, or one
-            phase blends one stream twice; a phase refuses its source or
-            config (as ``Loader`` does); or a phase cannot read all its steps
-            (a stream would pass the largest sample index: the message names
-            the phase and the latest start step that works). Each names the phase.
+        ValueError: naming the phase: the phases are out of order, bound their
+            epochs, or one blends one stream twice; a phase refuses its source or
+            config (as ``Loader`` does); or a phase cannot read all its steps (the
+            message names the latest start step that works).
     """
 
     _to_workers = False  # to_grain refuses grain's worker processes
@@ -142,17 +126,7 @@ class PhasedLoader(Loader):
     def __repr__(self) -> str:
         return f"PhasedLoader({len(self.phases)} phases from steps {self.starts})"
 
-    def phase_at(self, step: int) -> int:
-        return bisect.bisect_right(self.firsts, integer(step, "step", low=0)) - 1
-
     def locate(self, step: int) -> tuple[StepEngine, int]:
-        """The engine of the phase that holds ``step``, and the step inside that phase.
-
-        Raises:
-            ValueError: ``step`` is not an int >= 0, or is at or past
-                :attr:`end_step` (naming the run's last step, its phase and the
-                sample index it would pass).
-        """
         k = self.phase_at(step)
         assert self.end_step is not None
         if step >= self.end_step:
@@ -172,11 +146,6 @@ class PhasedLoader(Loader):
             return type(error)(text)
         except TypeError:  # an error type that takes more than a message
             return IndexError(text) if isinstance(error, IndexError) else ValueError(text)
-
-    @property
-    def num_batches(self) -> int | None:
-        """Steps in the run: one phase's ``num_batches``, else ``None`` (unbounded)."""
-        return self.engines[0].num_batches if len(self.engines) == 1 else None
 
     def samples_before(self, step: int) -> int:
         k = self.phase_at(step)
@@ -208,9 +177,8 @@ class PhasedLoader(Loader):
         return self._skips, tuple(self._changes)
 
     def skip(self, step: int, count: int) -> None:
-        """:meth:`Loader.skip` over the run: from ``step`` on, step ``s`` reads the
-        data of step ``s + count``, phases included (a phase declared to start at
-        step ``B`` starts at the first step whose data step is ``B`` or later).
+        """:meth:`Loader.skip` over the run, phases included (a phase declared to start
+        at step ``B`` starts at the first step whose data step is ``B`` or later).
 
         Raises:
             ValueError: as :meth:`Loader.skip`, or the skip would move a weight
@@ -240,12 +208,8 @@ class PhasedLoader(Loader):
         self._apply(skips, self._changes, step)
 
     def set_weights(self, step: int, weights: Sequence[float] | Mapping[str, float]) -> None:
-        """:meth:`Loader.set_weights` of the phase whose data ``step`` reads,
-        from ``step`` to that phase's end (later phases keep their own weights).
-
-        Raises:
-            ValueError: as :meth:`Loader.set_weights`, naming the phase.
-        """
+        """:meth:`Loader.set_weights` of the phase whose data ``step`` reads, from
+        ``step`` to that phase's end (later phases keep their own weights)."""
         step = check_step(step, self.next_step, "PhasedLoader.set_weights")
         k = self.phase_at(step)
         call = "PhasedLoader.set_weights" + ("" if len(self.phases) == 1 else f" ({self.label(k)})")
@@ -271,9 +235,8 @@ class PhasedLoader(Loader):
 
     def _apply(self, skips: Skips, changes: Sequence[Change], since: int) -> None:
         """Reads with the run's skips and weight changes, which differ from now's
-        from step ``since`` on: each phase's own (see ``Skips.within``); a phase
-        whose streams the earlier phases' weights leave elsewhere continues them
-        there. What was read ahead from ``since`` on is dropped."""
+        from step ``since`` on: each phase its own (see ``Skips.within``), its
+        streams continued where the earlier phases left them."""
         firsts = [skips.trainer_step(b) for b in self.starts]
         homes = [bisect.bisect_right(firsts, t) - 1 for t, _ in changes]
         for (t, given), k in zip(changes, homes, strict=True):
@@ -311,10 +274,9 @@ class PhasedLoader(Loader):
         weight changes; returns the step :meth:`iterate` resumes at.
 
         Raises:
-            StateMismatch: the state is not one this version reads (each field
-                named), or a phase begun before the saved step starts elsewhere
-                or differs in a field that decides its batches there; each
-                line names the phase, the steps seen and the field.
+            StateMismatch: the state is not one this version reads, or a phase begun
+                before the saved step starts elsewhere or differs in a field that
+                decides its batches there (naming the phase, the steps seen and the field).
         """
         saved = SavedState.of(state, "run")
         if len(self.engines) == 1 and not saved.phased:
@@ -359,11 +321,8 @@ class PhasedLoader(Loader):
 
 def steering_at(run: Loader | SavedState | Mapping[str, Any], step: int) -> StepSteering:
     """The data step that ``step`` reads and the weights in effect there, for
-    a ``Loader`` or ``PhasedLoader`` (its changes so far) or a saved state (as
-    ``state()`` returns it, or its JSON read back, or a ``SavedState``).
-
-    For many steps of one run, ask :meth:`SavedState.steering_at` of one
-    ``SavedState``: this reads the state again each call.
+    a ``Loader`` (its changes so far) or a saved state (``state()``'s mapping or
+    a ``SavedState``; for many steps, ask one ``SavedState``: this reads it each call).
 
     Raises:
         StateMismatch: the state is not one this version reads.

@@ -1,19 +1,10 @@
 """Runs in phases: ``Phase``, and the arithmetic of streams across phases.
 
-A run is a list of phases; phase ``k`` starts at step ``start_step`` and has
-its own source (a split or a ``Mixture``) and ``LoaderConfig``. Inside a
-phase, steps count from the phase's start: its batch-size schedule and its
-mixture's weight schedule see the phase's first step as step 0.
-
-A *stream* is one sequence of records: a split's records of one kind
-(packing, ``seq_len``) read under one seed and shuffle. A stream that appears
-in several phases, or comes back after an absence, continues where the
-earlier phases left it: its samples drawn in earlier phases are counted at
-each boundary (whole weight periods plus a prefix, as a weight schedule
-counts, the trainer's weight changes included), so the count costs a
-bisection per phase, and a step costs the same at step 10**12 as at step 1.
-A stream keeps the shuffle key of the phase it first appears in. Pure
-arithmetic, no I/O.
+Inside a phase, steps count from its start. A *stream* is a split's records of
+one kind (packing, ``seq_len``) under one seed and shuffle; one that appears in
+several phases continues where the earlier phases left it, its samples drawn
+before counted at each boundary by arithmetic (a step costs the same at step
+10**12 as at step 1), under the shuffle key of the phase it first appears in.
 """
 
 from __future__ import annotations
@@ -21,10 +12,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from flat_tokens_jax.core import fields
+from flat_tokens_jax.core.limits import largest
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, check_source
 from flat_tokens_jax.loader.config import LoaderConfig
@@ -32,29 +24,13 @@ from flat_tokens_jax.sampling.mixture import Mixture
 from flat_tokens_jax.sampling.steering import Steering
 from flat_tokens_jax.sampling.stepsamples import MAX_SAMPLE
 
-__all__ = [
-    "STREAM_FIELDS",
-    "Phase",
-    "PhaseStreams",
-    "check_phases",
-    "drawn",
-    "largest",
-    "steps_within",
-    "stream_key",
-]
-
 
 @dataclasses.dataclass(frozen=True)
 class Phase:
-    """One phase of a run: from ``start_step`` on, batches of ``source`` under ``config``.
-
-    Attributes:
-        start_step: the run's step where the phase begins (the first phase's is 0).
-        source: a ``FlatTokens`` split, :class:`~flat_tokens_jax.data.records.Records`
-            or a :class:`~flat_tokens_jax.Mixture`.
-        config: the phase's batches; its batch-size schedule counts steps from
-            ``start_step``.
-        name: a label for messages and ``flat-tokens preview`` (default ``"phase K"``).
+    """One phase of a run: from ``start_step`` on (the first phase's is 0),
+    batches of ``source`` (a split, ``Records`` or a ``Mixture``) under ``config``,
+    whose batch-size schedule counts steps from ``start_step``. ``name``: a
+    label for messages and ``flat-tokens preview`` (default ``"phase K"``).
     """
 
     start_step: int
@@ -78,11 +54,7 @@ class Phase:
 
 def check_phases(phases: Sequence[Phase]) -> tuple[Phase, ...]:
     """The phases, checked: at least one, the first at step 0, starts strictly
-    increasing; with several, no phase bounds its epochs.
-
-    Raises:
-        ValueError: naming the phase and the fix.
-    """
+    increasing; with several, no phase bounds its epochs."""
     if isinstance(phases, Phase) or not isinstance(phases, Sequence) or not phases:
         raise ValueError(f"phases must be a non-empty list of Phase, got {phases!r}")
     for k, phase in enumerate(phases):
@@ -150,21 +122,14 @@ def stream_key(data: Mapping[str, Any], config: LoaderConfig) -> str:
 
 
 def drawn(steering: Steering, steps: int) -> list[int]:
-    """Samples of each component drawn in a phase's first ``steps`` data steps.
-
-    ``[K]`` Python ints (one without a mixture): whole weight periods plus the
-    prefix of the last one, per weight segment, with the trainer's weight
-    changes (``steering``, of the phase's mixture and batch-size schedule).
-    """
+    """``[K]`` samples of each component drawn in a phase's first ``steps`` data steps."""
     return steering.drawn(steering.schedule.samples_before(steps))
 
 
 def steps_within(steering: Steering, offsets: Sequence[int], most: int) -> int:
     """How many of a phase's first data steps, up to ``most``, keep every sample
-    index within ``2**63 - 1``: the phase's own (its schedule's samples) and
-    each stream's (``offsets[c]``, its samples drawn before the phase, plus
-    the phase's draws of component ``c``). A bisection over :func:`drawn`.
-    """
+    index within ``2**63 - 1``: the phase's own and each stream's (``offsets[c]``
+    drawn before the phase)."""
 
     def fits(steps: int) -> bool:
         if steering.schedule.samples_before(steps) - 1 > MAX_SAMPLE:
@@ -172,23 +137,16 @@ def steps_within(steering: Steering, offsets: Sequence[int], most: int) -> int:
         counts = drawn(steering, steps)
         return all(o + n - 1 <= MAX_SAMPLE for o, n in zip(offsets, counts, strict=True))
 
-    return largest(fits, 0, most)
+    found = most if fits(most) else largest(fits, 0, most)
+    assert found is not None  # no step draws no sample: fits(0)
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
 class PhaseStreams:
-    """A run's phases as the checks of their reach read them: how far each
-    phase reads before a sample index, its own or a stream's, would pass
-    ``2**63 - 1``.
-
-    Attributes:
-        starts: ``[K]`` each phase's first (data) step.
-        steerings: ``[K]`` each phase's mixture, batch sizes and changes.
-        streams: ``[K]`` each phase's components' stream keys.
-        offsets: ``[K]`` each phase's components' samples drawn before it.
-        drawn_before: ``[K]`` each stream's samples drawn before each phase.
-        labels: ``[K]`` how messages name each phase.
-    """
+    """A run's phases, ``[K]`` each, as the checks of their reach read them: how
+    far each phase reads before a sample index, its own or a stream's, would
+    pass ``2**63 - 1``."""
 
     starts: Sequence[int]
     steerings: Sequence[Steering]
@@ -198,12 +156,8 @@ class PhaseStreams:
     labels: Sequence[str]
 
     def reach(self) -> int:
-        """The first data step the run cannot read, after refusing a phase
-        that cannot read all its steps.
-
-        Raises:
-            ValueError: naming the phase and the latest start that works.
-        """
+        """The first data step the run cannot read, after refusing (naming the
+        latest start that works) a phase that cannot read all its steps."""
         for k, steering in enumerate(self.steerings):
             last = k + 1 == len(self.steerings)
             most = MAX_SAMPLE + 1 if last else self.starts[k + 1] - self.starts[k]
@@ -261,17 +215,4 @@ class PhaseStreams:
             return steps_within(self.steerings[k], offsets, 1) == 1
 
         first = earlier + 1
-        if first == self.starts[k] or not fits(first):
-            return None
-        return largest(fits, first, self.starts[k] - 1)
-
-
-def largest(fits: Callable[[int], bool], low: int, high: int) -> int:
-    """The largest ``x`` in ``[low, high]`` with ``fits(x)``, for a ``fits``
-    true up to some point and false after it, and true at ``low``."""
-    if fits(high):
-        return high
-    while high - low > 1:  # fits(low), not fits(high)
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low
+        return None if first == self.starts[k] else largest(fits, first, self.starts[k] - 1)

@@ -1,24 +1,16 @@
 """Steps read ahead for one loader, in order, on background threads: ``Prefetcher``.
 
-A step is made in two stages: ``read`` finds its records and starts reading
-their encoded tokens (it returns what waits for them), ``finish`` decodes them
-(and places them on the devices). One thread finishes step after step, in step
-order, while the next steps are read beside it and the caller trains. On local
-disk one thread reads (a read is a copy out of memory-mapped shards, which
-needs a core); on an object store, where a read mostly waits for round trips,
-the reads of all the steps in flight run at once, each on a thread of its own,
-so their round trips overlap. The first step of a burst (the step a caller
-waits for, with nothing in flight) asks for its reads first: the reads after it
-start once it has started its own, so that its requests are not queued behind
-theirs. The heavy work of both stages runs outside the interpreter lock where
-numba is installed (the ``fast`` extra), so the stages overlap on separate cores.
+A step is made in two stages: ``read`` starts reading its records (it returns
+what waits for them), ``finish`` decodes them (and places them on the devices).
+One thread finishes step after step, in order, while the next steps are read
+beside it. On local disk one thread reads (a read is a copy, which needs a
+core); on an object store the reads of all the steps in flight run at once, so
+their round trips overlap, the first step of a burst asking for its reads first.
 
 How many steps are in flight: ``prefetch`` when set, else as many as the
 measured times ask for (:class:`~flat_tokens_jax.loader.readahead.Measures`),
-within ``read_ahead_bytes``. Taking the step in flight, or the step after the
-one taken last, keeps reading ahead; taking any other step (a jump) drops what
-was started and reads that step in the caller's thread. A step once started is
-never dropped for a smaller depth. The depth never changes a batch.
+within ``read_ahead_bytes``. Taking any step but the next (a jump) drops what
+was started and reads that step in the caller's thread.
 """
 
 from __future__ import annotations
@@ -68,25 +60,18 @@ class Prefetcher(Generic[P, Done]):
     """A loader's steps read ahead; see the module's docstring. Thread-safe.
 
     Args:
-        config: ``prefetch``, ``read_ahead_bytes``, ``seq_len``, ``decode`` and the
-            layout's row bytes are used.
         read: ``read(step, ahead)`` starts a step's first stage and returns the
-            function that waits for it; ``ahead``: on a background thread (it may
-            look up the next steps' records with it).
+            function that waits for it; ``ahead``: on a background thread.
         finish: ``finish(step, part, threads)``, the second stage, decoding on
-            ``threads`` threads (``None``: in the caller's thread, as the
-            decoder's default).
+            ``threads`` threads (``None``: the decoder's default).
         rows: this host's rows at a step.
         splits: the splits the loader reads (their bytes are counted; one off
             local disk makes the reads run at once).
         source_names: the run's sources, which ``source_tokens`` counts by name.
-        name: the threads' name prefix.
         fetchers: reads that run at once (``None``: one on local disk, one per step
             in flight on an object store).
         warm: called before each read is timed (the compiled kernels' set-up,
-            once a process: the first read of a process would take most of a
-            second more, which would set the depth of the first loader's
-            read-ahead and its decode threads).
+            once a process, must not set the first loader's depth).
     """
 
     def __init__(
@@ -101,11 +86,8 @@ class Prefetcher(Generic[P, Done]):
         fetchers: int | None = None,
         warm: Callable[[], object] = compiled.warm,
     ) -> None:
-        self.prefetch, self.budget, self._seq_len = (
-            config.prefetch,
-            config.read_ahead_bytes,
-            config.seq_len,
-        )
+        self.prefetch, self.budget = config.prefetch, config.read_ahead_bytes
+        self._seq_len = config.seq_len
         self._read, self._finishing, self._rows, self._name = read, finish, rows, name
         self._warm = warm
         # Decoded on the host, a step holds its layout's arrays; on the
@@ -146,8 +128,6 @@ class Prefetcher(Generic[P, Done]):
         self._throttled_before = self._throttled_window = throttled_requests()
         self._bytes_before = self._bytes_read()
 
-    # -- the steps a caller takes
-
     def take(
         self,
         step: int,
@@ -155,18 +135,17 @@ class Prefetcher(Generic[P, Done]):
         ahead: bool = True,
         deliver: Callable[[Done], Any] | None = None,
     ) -> Any:
-        """Step ``step``, prepared, through ``deliver`` (default: as it is): from
-        the steps in flight when there, else read here. ``ahead``: read ahead
-        even after a jump; nothing is read at or past ``end``. The wait,
-        ``deliver`` included, is measured, and the steps after it topped up."""
+        """Step ``step``, prepared, through ``deliver``: from the steps in flight
+        when there, else read here. ``ahead``: read ahead even after a jump;
+        nothing is read at or past ``end``."""
         began = time.perf_counter()
         future = self._take(step, ahead, end)
         done = None
         if future is not None:
             with contextlib.suppress(concurrent.futures.CancelledError):  # dropped: read it here
                 done = future.result()
-        if done is None:
-            done = self._prepare(step, False)
+        if done is None:  # both stages in the caller's thread
+            done = self._finish(step, self._fetch(step, False, None, None))
         out = done[0] if deliver is None else deliver(done[0])
         now = time.perf_counter()
         self.wait_seconds = now - began
@@ -174,9 +153,8 @@ class Prefetcher(Generic[P, Done]):
         return out
 
     def start(self, step: int, end: int | None) -> None:
-        """Starts ``step`` and the steps after it, so that taking ``step`` next
-        uses them; keeps them if ``step`` is in flight already. Nothing with
-        ``prefetch=0``, or at or past ``end``."""
+        """Starts ``step`` and the steps after it (nothing with ``prefetch=0``, or
+        at or past ``end``)."""
         if self.prefetch == 0 or (end is not None and step >= end):
             return
         depth = self.depth(step)
@@ -189,8 +167,7 @@ class Prefetcher(Generic[P, Done]):
             self._top_up(step, depth, end)
 
     def drop_from(self, step: int) -> None:
-        """Drops the steps in flight at or after ``step`` (a result under way is
-        never handed out); taking them reads them again."""
+        """Drops the steps in flight at or after ``step``; taking them reads them again."""
         with self._lock:
             self._drop(step)
 
@@ -201,10 +178,9 @@ class Prefetcher(Generic[P, Done]):
 
     def close(self, wait: bool = True, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
         """Drops the steps not started and stops the threads (a later step starts
-        new ones); ``wait``: waits for the reads running, else lets them end on
-        their own. Nothing while the interpreter exits: a generator left open is
-        closed then, and its threads end with the process (bound at definition:
-        exiting clears module globals)."""
+        new ones); ``wait``: waits for the reads running. Nothing while the
+        interpreter exits: its threads end with the process (``_finalizing`` is
+        bound at definition: exiting clears module globals)."""
         if _finalizing():
             return
         with self._lock:
@@ -236,12 +212,6 @@ class Prefetcher(Generic[P, Done]):
                 self._top_up(step, depth, end)
             return future
 
-    # -- the two stages, on the threads
-
-    def _prepare(self, step: int, ahead: bool) -> tuple[Done, np.ndarray]:
-        """Both stages of a step in the caller's thread."""
-        return self._finish(step, self._fetch(step, ahead, None, None))
-
     def _fetch(
         self, step: int, ahead: bool, after: threading.Event | None, issued: threading.Event | None
     ) -> P:
@@ -268,9 +238,7 @@ class Prefetcher(Generic[P, Done]):
 
     def _submit(self, step: int, lead: bool = False) -> concurrent.futures.Future[Any]:
         """Starts ``step`` on the threads (the lock held). ``lead``: the first step
-        of a burst; the reads submitted after it start theirs once it has started
-        its own. Cancelling the future before it starts cancels the read too, if
-        that has not started either."""
+        of a burst; the reads submitted after it start once it has started its own."""
         if self._pools is None:
             self._pools = (
                 concurrent.futures.ThreadPoolExecutor(
@@ -322,19 +290,14 @@ class Prefetcher(Generic[P, Done]):
             if self._reading and self._last == step:
                 self._top_up(step, depth, end)
 
-    # -- the depth and the books
-
     def _step_bytes(self, step: int) -> int:
         """Bytes a prepared step holds on this host (its rows' arrays)."""
         return self._rows(step) * self._row_bytes
 
     def depth(self, step: int, grow: bool = False) -> int:
-        """Steps to keep in flight after ``step``: ``prefetch``, or measured and
-        moved toward what the measurements ask for by
-        :func:`~flat_tokens_jax.loader.readahead.next_depth`, within the budget
-        and the cap of the measurements' trial (a growth that did not make the
-        store deliver faster is undone); it grows only when ``grow`` (once per
-        step handed out)."""
+        """Steps to keep in flight after ``step``: ``prefetch``, or moved toward
+        what the measurements ask for, within the budget and the trial's cap;
+        it grows only when ``grow`` (once per step handed out)."""
         if self.prefetch is not None:
             return self.prefetch
         size = self._sizes.get(step)  # in flight, usually
@@ -356,11 +319,9 @@ class Prefetcher(Generic[P, Done]):
 
     def _fetched(self, began: float, seconds: float) -> None:
         """Counts a read that ended now after ``seconds``. On an object store the
-        first one measured, before any step was handed out, already moves the
-        depth: at 50 ms steps a store whose read takes 600 ms needs the steps
-        after the opening burst started before the trainer asks for the burst's
-        first (measured: a 250 ms wait at step 9 at +250 ms a request otherwise).
-        On local disk the depth waits for the second step handed out."""
+        first one, before any step was handed out, already moves the depth: at
+        50 ms steps a 600 ms read needs the steps after the opening burst started
+        before the trainer asks for the burst's first."""
         first = self.measures.fetch_ema is None
         self.measures.fetched(began, seconds)
         last = self._last
@@ -370,11 +331,10 @@ class Prefetcher(Generic[P, Done]):
     def _handed(
         self, step: int, wait: float, now: float, end: int | None, sources: np.ndarray
     ) -> None:
-        """Counts ``step`` handed out at ``now`` after ``wait`` seconds
-        (``sources`` its rows' sources), tops up the steps in flight and warns
-        once of a stall. The depth grows from the second step handed out on: when
-        the first is, the steps started with it are still being decoded, and new
-        reads would take the interpreter from them."""
+        """Counts ``step`` handed out at ``now`` after ``wait`` seconds, tops up
+        the steps in flight and warns once of a stall. The depth grows from the
+        second step handed out on: the steps started with the first are still
+        being decoded, and new reads would take the interpreter from them."""
         grow = self.measures.steps > 0
         self._grow(step, self.depth(step + 1, grow=grow), end)
         rows = np.bincount(sources[sources >= 0], minlength=self._source_rows.size)
@@ -414,7 +374,6 @@ class Prefetcher(Generic[P, Done]):
         )
 
     def stats(self) -> dict[str, Any]:
-        """See ``Loader.stats``."""
         with self._lock:
             tokens, rows = self._tokens, self._source_rows.tolist()
             depth = len(self._futures)

@@ -1,15 +1,7 @@
-"""How many steps to read ahead, what the trainer waited, and when to say so.
-
-Pure code, testable without a store. :func:`auto_depth` turns measured times
-into the steps to keep in flight, and :func:`next_depth` moves the depth in
-use toward it (fast up, slowly down, within the memory budget);
-:class:`Measures` collects those times (a step's fetch and finish, the
-trainer's wait and the interval between the batches it takes) and the
-statistics a trainer logs, picks the threads that decode a step read ahead
-(:class:`~flat_tokens_jax.loader.decodethreads.DecodeThreads`), judges
-whether a growth of the depth made the store deliver faster, and decides
-when the trainer's waits are worth one warning; :func:`stall_message` names
-the likely cause (throttling among them) and the knob.
+"""How many steps to read ahead, what the trainer waited, and when to say so:
+:class:`Measures` times a loader's steps and decides the depth, the decode
+threads and the stall warning (:func:`stall_message`). Pure code, testable
+without a store.
 """
 
 from __future__ import annotations
@@ -26,16 +18,14 @@ MIN_DEPTH = 2
 """Fewest steps an automatic depth keeps in flight (memory permitting)."""
 
 INITIAL_DEPTH = 8
-"""Steps an automatic depth keeps in flight on an object store before any
-fetch was measured (memory permitting), so the steps after the first are
-under way with it (on local disk, where a fetch is a copy, :data:`MIN_DEPTH`)."""
+"""Steps an automatic depth keeps in flight on an object store before any fetch
+was measured, so the steps after the first are under way with it."""
 
 MAX_DEPTH = 128
 """Most steps an automatic depth keeps in flight, whatever the measurements."""
 
 ASSUMED_INTERVAL = 0.01
-"""The trainer's step, in seconds, assumed until two batches were taken: a fast
-trainer, so the steps after the first are in flight early."""
+"""The trainer's step, in seconds, assumed until two batches were taken."""
 
 EMA_WEIGHT = 0.25
 """Weight of a new measurement in the moving averages that set the depth."""
@@ -44,16 +34,14 @@ COVER = 1.5
 """Steps in flight cover this many times a step's fetch and finish."""
 
 DEVICE_BYTES_PER_TOKEN = 5
-"""Bytes a step decoded on the devices holds per token: the encoded ``uint32``
-token and a stored loss mask byte."""
+"""Bytes a step decoded on the devices holds per token (``uint32`` and a mask byte)."""
 
 RECENT_FETCHES = 32
-"""Fetches whose slowest sets the depth: a step that touches a new shard (its
-index and digests read first) takes two or three round trips where others
-take one, and the steps in flight must cover it when it comes again."""
+"""Fetches whose slowest sets the depth: a step that touches a new shard takes
+two or three round trips where others take one, and the depth must cover it."""
 
 RECENT_WAITS = 1024
-"""Waits kept for ``wait_p99_s``: the last this many, after the first step."""
+"""Waits kept for ``wait_p99_s``."""
 
 STALL_WINDOW = 50
 """Steps (after the first) over which the trainer's waits are summed for the warning."""
@@ -65,14 +53,11 @@ TRIAL_FETCHES = 4
 """Fewest fetches whose mean duration measures a depth, before a growth and after it."""
 
 PAID = 0.5
-"""Share of a growth's proportional gain the rate must show: growing from
-``d0`` to ``d1`` steps pays when ``depth / fetch`` rises at least ``1 + PAID *
-(d1 / d0 - 1)`` times (a store bound by latency shows all of it, one bound by
-throughput none)."""
+"""Share of a growth's proportional gain the rate must show: from ``d0`` to
+``d1`` steps pays when ``depth / fetch`` rises ``1 + PAID * (d1 / d0 - 1)`` times."""
 
 RETRIAL_FETCHES = 64
-"""Fetches after a growth that did not pay before the depth may try to grow
-past its cap again."""
+"""Fetches after a growth that did not pay before the next trial."""
 
 
 def auto_depth(
@@ -83,18 +68,9 @@ def auto_depth(
     budget: int,
 ) -> int:
     """Steps to keep in flight: ``ceil(1.5 * (fetch + finish) / interval) + 1``,
-    at least :data:`MIN_DEPTH`, at most :data:`MAX_DEPTH` and ``budget //
-    step_bytes``, and never fewer than 1 (the step being read).
-
-    Args:
-        fetch_s: seconds a step's fetch takes (``None``: not measured yet,
-            then :data:`INITIAL_DEPTH`).
-        finish_s: seconds a step's decode and placement take (``None``: 0).
-        interval_s: seconds between the batches the trainer takes (``None``:
-            :data:`ASSUMED_INTERVAL`).
-        step_bytes: bytes one step holds on this host.
-        budget: bytes the steps in flight may hold.
-    """
+    at least :data:`MIN_DEPTH` (:data:`INITIAL_DEPTH` before a fetch was
+    measured), at most :data:`MAX_DEPTH` and ``budget // step_bytes``, and at
+    least 1."""
     if fetch_s is None:
         want = INITIAL_DEPTH
     else:
@@ -106,16 +82,14 @@ def auto_depth(
 
 
 GROWTH = 2
-"""Most the automatic depth grows by at each update (a loader grows it once
-per step handed out): a cold start's slow first fetch does not request a
-hundred steps at once, whose requests would queue before the next step's."""
+"""Most the automatic depth grows by at each update: a cold start's slow first
+fetch does not request a hundred steps at once."""
 
 
 def next_depth(previous: int, wanted: int, cap: int) -> int:
     """The depth after ``previous`` on the way to ``wanted``: up at most
-    :data:`GROWTH` times (from at least :data:`MIN_DEPTH`), down one step
-    per update (a measurement that dips does not empty the steps in flight),
-    and never above ``cap`` (the memory budget's steps) nor below 1."""
+    :data:`GROWTH` times (from at least :data:`MIN_DEPTH`), down one step per
+    update, and within ``[1, cap]``."""
     if wanted >= previous:
         depth = min(wanted, max(MIN_DEPTH, GROWTH * previous))
     else:
@@ -134,26 +108,18 @@ def _mean(total: list[float]) -> float:
 class Measures:
     """Times of a loader's steps, and what they decide. Thread-safe.
 
-    ``fetched`` and ``finished`` time the two stages of preparing a step
-    (reading its records; decoding them and placing them on the devices);
-    ``taken`` is called when the trainer takes a batch, with how long it waited
-    for it. The interval is the time between two batches taken: the trainer's
-    step. From them: the steps to keep in flight (:meth:`depth`), whether a
-    growth of that depth made the store deliver faster (the trial, below), and
-    when the trainer's waits are worth one warning (``taken``'s window).
+    ``fetched`` and ``finished`` time the two stages of a step, ``taken`` the
+    trainer's wait for it; the interval between two batches taken is the
+    trainer's step. From them: the depth (:meth:`depth`), whether a growth of
+    it made the store deliver faster (the trial), and the stall warning.
 
     The trial: a store bound by latency answers a fetch in about the same time
-    however many run, so ``d`` steps in flight deliver about ``d / fetch`` steps
-    a second; a store bound by throughput (a server that answers so many
-    requests a second, a throttled bucket, a capped link) takes longer per
-    fetch in proportion to the fetches running, so more steps in flight only
-    queue more requests behind each other. After the depth grew from ``d0`` to
-    ``d1`` (:meth:`grew`) it is held (:meth:`trial_cap`) until the fetches begun
-    since (at least :data:`TRIAL_FETCHES`, and all ``d1 - d0`` started by the
-    growth) have ended; then it is kept when ``d1 / (their mean fetch)`` rose
-    over ``d0 / (the mean of the fetches before)``, and otherwise capped at
-    ``d0`` (``ceiling``). The cap is lifted for a new trial every
-    :data:`RETRIAL_FETCHES` fetches, so a store that speeds up again is used.
+    however many run, so ``d`` steps in flight deliver ``d / fetch`` steps a
+    second; one bound by throughput (a throttled bucket, a capped link) only
+    queues more requests. After the depth grew from ``d0`` to ``d1`` it is held
+    until the fetches begun since have ended; it is kept when ``d1 / (their mean
+    fetch)`` rose over ``d0 / (the mean before)`` by :data:`PAID`, and otherwise
+    capped at ``d0`` (``ceiling``) for :data:`RETRIAL_FETCHES` fetches.
 
     The stall window: the trainer's waits and steps are summed over windows of
     ``stall_window`` steps after the first; the first window whose waits exceed
@@ -205,7 +171,6 @@ class Measures:
         self.threads = DecodeThreads(most_threads, decode_threads)
 
     def fetched(self, began: float, seconds: float) -> None:
-        """A fetch begun at ``began`` ended after ``seconds``."""
         with self._lock:
             self.fetch_ema = _ema(self.fetch_ema, seconds)
             self.fetch_last = seconds
@@ -215,8 +180,8 @@ class Measures:
             self._judge(began, seconds)
 
     def finished(self, seconds: float, rows: int = 0, threads: int | None = None) -> None:
-        """A finish of ``rows`` rows took ``seconds``; ``threads``: the count
-        :meth:`decode_threads` gave it (``None``: another's, not measured for it)."""
+        """A finish of ``rows`` rows took ``seconds`` on ``threads`` threads
+        (:meth:`decode_threads`'s count; ``None``: not measured for it)."""
         with self._lock:
             self.finish_ema = _ema(self.finish_ema, seconds)
             self._finish[0] += seconds
@@ -231,7 +196,6 @@ class Measures:
                 self.threads.finished(seconds, rows, threads, bound)
 
     def decode_threads(self) -> int:
-        """Threads to decode the next step read ahead on (see :class:`DecodeThreads`)."""
         with self._lock:
             return self.threads.count if self.threads.fixed else self.threads.next()
 
@@ -241,9 +205,8 @@ class Measures:
             return self._taken_at is not None and self._window[2] == 0 and not self.stalled
 
     def taken(self, wait: float, now: float) -> tuple[float, float, int] | None:
-        """Records a batch handed out at ``now`` after ``wait`` seconds. Returns
-        ``(waited, elapsed, steps)`` of a stall window that ends with it, once;
-        else ``None``."""
+        """A batch handed out at ``now`` after ``wait`` seconds; ``(waited,
+        elapsed, steps)`` of a stall window that ends with it, once."""
         with self._lock:
             interval = None if self._taken_at is None else now - self._taken_at
             self._taken_at = now
@@ -280,9 +243,8 @@ class Measures:
         return None
 
     def depth(self, step_bytes: int, budget: int) -> int:
-        """:func:`auto_depth` of the measurements so far: the slowest of the last
-        :data:`RECENT_FETCHES` fetches, and the moving averages of the finish
-        and the trainer's step."""
+        """:func:`auto_depth` of the slowest recent fetch and the finish's and
+        trainer's step's moving averages."""
         with self._lock:
             fetch = max(self._recent_fetches) if self._recent_fetches else None
             return auto_depth(fetch, self.finish_ema, self.interval_ema, step_bytes, budget)
@@ -294,10 +256,9 @@ class Measures:
             return self.ceiling if self._pending is None else self._pending[1]
 
     def grew(self, before: int, after: int, now: float) -> None:
-        """The depth grew from ``before`` to ``after`` steps at ``now``. No trial
-        while one runs, or before :data:`TRIAL_FETCHES` fetches ended: nothing to
-        compare with (the first fetches of a burst are not a measure of the
-        depth: its first step is fetched alone, ahead of the others)."""
+        """The depth grew from ``before`` to ``after`` steps at ``now``: a trial,
+        unless one runs or fewer than :data:`TRIAL_FETCHES` fetches ended (the
+        first fetches of a burst do not measure the depth)."""
         with self._lock:
             if self._pending is not None or len(self._before) < TRIAL_FETCHES or after <= before:
                 return
@@ -333,11 +294,8 @@ class Measures:
             self.failed += 1
 
     def stats(self) -> dict[str, float | int]:
-        """``steps``, the waits (``wait_first_s``; ``wait_last_s``; ``wait_mean_s``
-        and ``wait_p99_s`` over the steps after the first, p99 of the last
-        :data:`RECENT_WAITS`), ``fetch_last_s``, ``fetch_mean_s``,
-        ``decode_mean_s`` and ``interval_mean_s``; 0 where nothing was measured;
-        ``decode_threads``, the threads a step read ahead is decoded on."""
+        """The measures ``Loader.stats`` reports (see docs/guide/loading.md); 0
+        where nothing was measured."""
         with self._lock:
             recent = np.fromiter(self._recent, float, len(self._recent))
             return {
@@ -365,20 +323,10 @@ def stall_message(
     delivered_bps: float,
     throttled: int = 0,
 ) -> str:
-    """The warning for a window that stalled: how much the trainer waited, the
-    likely cause and the knob.
-
-    Args:
-        window: ``(waited, elapsed, steps)`` from :meth:`Measures.taken`.
-        fetch_s, finish_s: a step's fetch and finish (moving averages).
-        depth: steps kept in flight.
-        capped_by: ``"read_ahead_bytes"`` or ``"prefetch"`` when that field
-            held the depth below what the measurements ask for, else ``None``.
-        bytes_per_step: bytes a step reads from the store.
-        delivered_bps: bytes per second the store delivered over the window.
-        throttled: requests the store refused as throttled (HTTP 429 or 503)
-            over the window; any names throttling, unless decoding is slower
-            than the trainer's step (no store could feed it then).
+    """The warning for a ``window`` (``(waited, elapsed, steps)``) that stalled:
+    how much the trainer waited, the likely cause and the knob. ``capped_by``:
+    the field that held the depth below what the measurements ask for;
+    ``throttled``: requests the store refused as throttled over the window.
     """
     waited, elapsed, steps = window
     step = max((elapsed - waited) / steps, 1e-9)  # the trainer's own work per step

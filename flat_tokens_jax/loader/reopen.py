@@ -1,8 +1,6 @@
-"""How another process opens a loader's sources again: its records
-(:class:`Reopen`, or :class:`Keep` for records of a custom type) and a
-``Mixture``'s blend (:class:`Remix`). grain sends its worker processes pickled
-datasets, and tensorstore handles and open sources do not cross processes
-(``FlatTokensSource``, and ``to_grain`` under ``mp_prefetch``)."""
+"""How another process (a grain worker) opens a loader's sources again: its
+records (:class:`Reopen`, or :class:`Keep` for a custom type) and a
+``Mixture``'s blend (:class:`Remix`); open stores do not cross processes."""
 
 from __future__ import annotations
 
@@ -78,9 +76,7 @@ class Keep:
 
 @dataclasses.dataclass(frozen=True)
 class Remix:
-    """What blends a Mixture's components again in another process: its
-    weights, their steps, periods and seed (a Mixture holds open sources,
-    which do not cross processes)."""
+    """What blends a Mixture's components again in another process."""
 
     names: tuple[str, ...]
     weights: tuple[tuple[float, ...], ...]
@@ -107,8 +103,7 @@ class Remix:
         )
 
     def open(self, components: Sequence[Records]) -> Mixture:
-        """The same blend over ``components`` (this process's records of the
-        Mixture's components, in order)."""
+        """The same blend over this process's records of the components."""
         first, *later = self.weights
         named = {n: (r, w) for n, r, w in zip(self.names, components, first, strict=True)}
         schedule = list(zip(self.steps[1:], later, strict=True))

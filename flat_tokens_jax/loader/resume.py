@@ -1,9 +1,6 @@
-"""A saved fingerprint compared field by field with a loader's: whether a
-saved loader state resumes here (:meth:`~flat_tokens_jax.loader.state.SavedState.differences`).
-
-Every field of the loader's fingerprint must be in the saved one with the
-same value and the same JSON type, and the saved one may hold no field the
-loader's lacks. The batch size may change from the saved step on. Pure: no I/O.
+"""A saved fingerprint compared field by field with a loader's: each field the
+same, of the same JSON type, none missing or added; the batch size may change
+from the saved step on.
 """
 
 from __future__ import annotations
@@ -32,14 +29,8 @@ def differences(
     data_step: int,
 ) -> list[str]:
     """``path: saved X, now Y`` lines, one per field of the saved fingerprint
-    ``fp`` (of one phase, saved at ``step`` with ``samples`` before it, which
-    reads ``data_step``) that keeps it from resuming with this ``fingerprint`` and batch-size
-    ``schedule`` (none: it resumes).
-
-    The batch sizes compare with
-    :func:`~flat_tokens_jax.sampling.schedule.resume_differences`: they may change
-    from the saved step on.
-    """
+    ``fp`` (of one phase, saved at ``step``) that keeps it from resuming with
+    this ``fingerprint`` and ``schedule`` (none: it resumes)."""
     out: list[str] = []
     # A fingerprint holds instance_filter only when the filter is on
     # (LoaderConfig.batch_defining): absent on either side, it is off.
@@ -96,7 +87,6 @@ def _describe(data: Mapping[str, Any]) -> str:
 
 
 def _compare(saved: Any, now: Any, path: str, out: list[str]) -> None:
-    """Appends to ``out`` where ``saved`` differs from ``now`` (see the module doc)."""
     if isinstance(now, Mapping):
         if not isinstance(saved, Mapping):
             out.append(f"{path}: saved {shown(saved)}, now {shown(now)}")
@@ -132,7 +122,6 @@ def _compare(saved: Any, now: Any, path: str, out: list[str]) -> None:
 
 
 def _other_data(path: str, saved: str, now: Any) -> str:
-    """The line of a content digest (:data:`CONTENTS`) saved as ``saved`` and ``now`` another."""
     found = (
         "none is recorded (an array's attribute chunk_crc32c is gone)"
         if now is None

@@ -1,11 +1,5 @@
 """What a loader reads: its source's components as records checked against
-its config, and the samplers that order them.
-
-:meth:`Sources.of` checks a loader's arguments and resolves its source once;
-``Loader`` hands the result to its step engine. A run in phases resolves each
-phase's sources first, since where a phase's streams continue depends on
-their data (see :mod:`~flat_tokens_jax.loader.phasedloader`), then gives the
-engine samplers that continue them.
+its config (:meth:`Sources.of`, once), and the samplers that order them.
 """
 
 from __future__ import annotations
@@ -39,15 +33,9 @@ from flat_tokens_jax.sampling.mixture import Mixture
 
 @dataclasses.dataclass(eq=False)
 class Sources:
-    """A loader's source, resolved under its config.
-
-    Attributes:
-        config: the batch definition.
-        mixture: the ``Mixture`` blending the components, or ``None`` for one source.
-        components: ``[K]`` each component's records (one without a mixture).
-        names: ``[K]`` each component's name (``("0",)`` without a mixture).
-        start_token_id: the config's ``start_token_id``, else the one the data records.
-    """
+    """A loader's source, resolved under its config: ``mixture`` (``None`` for
+    one source), its ``components``' records and ``names`` (``("0",)`` without
+    a mixture), and the ``start_token_id`` in effect."""
 
     config: LoaderConfig
     mixture: Mixture | None
@@ -64,9 +52,7 @@ class Sources:
         sharding: jax.sharding.Sharding | None,
         plan_cache: str | os.PathLike[str] | None,
     ) -> Sources:
-        """Checks a loader's arguments (config, sharding, the memory of its
-        steps in flight, then the records against the config and the
-        vocabulary) and resolves ``source``: see ``Loader``."""
+        """Checks a loader's arguments and resolves ``source``: see ``Loader``."""
         if not isinstance(config, LoaderConfig):
             raise TypeError(
                 f"config must be a LoaderConfig, got {type(config).__name__}: "
@@ -130,7 +116,6 @@ class Sources:
 
     @property
     def records(self) -> Records | Mixture:
-        """The mixture, or the one component's records."""
         return self.components[0] if self.mixture is None else self.mixture
 
     def fingerprint(self) -> dict[str, Any]:
@@ -148,7 +133,6 @@ class Sources:
         return self._fingerprint
 
     def seeds(self) -> list[int]:
-        """``[K]`` each component's shuffle key under the config's ``seed``."""
         mix, seed = self.mixture, self.config.seed
         return (
             [seed] if mix is None else [mix.component_seed(seed, c) for c in range(len(mix.names))]
@@ -156,17 +140,13 @@ class Sources:
 
     @functools.cached_property
     def block(self) -> int:
-        """The block shuffle's records per block: ``shuffle_block``, or when
-        ``None`` sized from the components' stores (see
-        :func:`~flat_tokens_jax.sampling.blocks.default_block`)."""
+        """The block shuffle's records per block: ``shuffle_block``, or sized from the stores."""
         given = self.config.shuffle_block
         return default_block(self.components, self.config.seq_len) if given is None else given
 
     @functools.cached_property
     def block_cache_bytes(self) -> int:
-        """The block shuffle's cache budget on this host: ``block_cache_bytes``,
-        or when ``None`` sized by :func:`~flat_tokens_jax.loader.blockcache.default_budget`
-        for this host's lanes (its share of ``L``; every lane with a mixture)."""
+        """``block_cache_bytes``, or ``default_budget`` of this host's lanes."""
         config = self.config
         if config.block_cache_bytes is not None:
             return config.block_cache_bytes
@@ -178,9 +158,8 @@ class Sources:
         return default_budget(self.components, block, window, here, self.config.seq_len)
 
     def cache_fixes(self, room: int) -> list[str]:
-        """How the default ``block_cache_bytes`` comes within ``room`` bytes:
-        ``shuffle_window`` or ``shuffle_block`` lowered, each alone, with the
-        largest value that does (none where no value does)."""
+        """How the default ``block_cache_bytes`` comes within ``room`` bytes: the
+        largest ``shuffle_window`` or ``shuffle_block`` that does, each alone."""
         block, window = self.block, self.config.shuffle_window
         fixes = []
         most = largest(lambda w: self._default_budget(block, w) <= room, 1, window - 1)
@@ -192,10 +171,8 @@ class Sources:
         return fixes
 
     def samplers(self, streams: Sequence[tuple[int, int]] | None = None) -> list[Sampler]:
-        """``[K]`` component ``c``'s sampler, of its records, under the config's
-        shuffle and epochs: from sample 0 under :meth:`seeds`, or where
-        ``streams[c]``, its ``(seed, offset)``, says its stream goes on. Under
-        the block shuffle each component's stream has the config's lanes."""
+        """``[K]`` each component's sampler: from sample 0 under :meth:`seeds`, or
+        where ``streams[c]``, its ``(seed, offset)``, says its stream goes on."""
         at = [(seed, 0) for seed in self.seeds()] if streams is None else streams
         config = self.config
         blocks = config.shuffle == fields.BLOCKS
@@ -223,7 +200,6 @@ def _reopened(
     fingerprint: dict[str, Any],
     known: dict[str, int],
 ) -> Sources:
-    """:class:`Sources` opened again from what :meth:`Sources.__reduce__` saved."""
     components = tuple(o.open() for o in openers)
     mixture = None if remix is None else remix.open(components)
     sources = Sources(config, mixture, components, names, start_token_id)

@@ -1,8 +1,6 @@
-"""A loader's state: :class:`SavedState`, the one type of it, with its one
-JSON form (:meth:`SavedState.to_json`, what :meth:`~flat_tokens_jax.Loader.state`
-returns), its one reader (:meth:`SavedState.read`, for ``Loader.restore``,
-``PhasedLoader.restore`` and ``flat-tokens show --state``) and its one
-comparison with a loader (:meth:`SavedState.differences`).
+"""A loader's state: :class:`SavedState`, with its one JSON form (``to_json``,
+what :meth:`~flat_tokens_jax.Loader.state` returns), its one reader (``read``)
+and its one comparison with a loader (``differences``).
 
 The JSON form::
 
@@ -23,11 +21,9 @@ change: from trainer ``step`` on, ``n`` samples of each component per period
 of their sum) and ``"skips": [[step, count], ...]``, steps strictly
 increasing; a state without them is a run without changes.
 
-That is the format this version reads. A state carries no version of its own,
-so one it cannot read is refused by what is wrong with it: each field missing,
-of another type or out of bounds, and each field it does not know (written by
-another version), named by its path (``fingerprint.config.seed``,
-``phases[1].sources[0].split``: see :mod:`~flat_tokens_jax.loader.statefields`).
+A state carries no version of its own: one this version cannot read is refused
+by what is wrong with it, each field named by its path (see
+:mod:`~flat_tokens_jax.loader.statefields`).
 """
 
 from __future__ import annotations
@@ -61,7 +57,6 @@ class StateMismatch(ValueError):
 
     @classmethod
     def of(cls, header: str, lines: Sequence[str]) -> StateMismatch:
-        """``header`` and the ``lines``, one below the other."""
         error = cls(f"{header}:\n  " + "\n  ".join(lines))
         error.lines = tuple(lines)
         return error
@@ -71,12 +66,7 @@ class StateMismatch(ValueError):
 class SavedPhase:
     """One phase of a saved run (the whole run, for a ``Loader``'s state);
     of a mixture, the blend a :class:`~flat_tokens_jax.sampling.steering.Steering`
-    reads (``names``, ``steps``, ``periods``).
-
-    Attributes:
-        start_step: the run's step where the phase starts (0 for a ``Loader``'s).
-        fingerprint: ``{"data", "config", "batch_size"}`` as saved, its shape checked.
-        sources: where each component's data was, as saved.
+    reads (``names``, ``steps``, ``periods``). ``fingerprint`` and ``sources`` as saved.
     """
 
     start_step: int
@@ -85,8 +75,7 @@ class SavedPhase:
 
     @property
     def config(self) -> dict[str, Any]:
-        """The :class:`~flat_tokens_jax.LoaderConfig` fields the phase saved
-        (``fingerprint.config`` with its ``batch_size``)."""
+        """The ``LoaderConfig`` fields the phase saved, its ``batch_size`` included."""
         return {**self.fingerprint["config"], "batch_size": self.fingerprint["batch_size"]}
 
     @property
@@ -109,18 +98,12 @@ class SavedPhase:
 
 @dataclasses.dataclass(frozen=True)
 class SavedState:
-    """A loader's state: what :meth:`~flat_tokens_jax.Loader.state` saves
-    (:meth:`to_json`), read back and checked (:meth:`read`), compared with a
-    loader (:meth:`differences`) and steered (:meth:`steering_at`).
+    """A loader's state (see the module's docstring).
 
     Attributes:
-        step: where a restore resumes.
-        samples: global samples of the data steps before ``step``'s.
         phases: the saved phases by start step (one for a ``Loader``'s state).
         phased: saved by a :class:`~flat_tokens_jax.PhasedLoader` of several
             phases (``phases`` in the state).
-        skips: ``((step, count), ...)`` the batches the trainer skipped.
-        weights: ``((step, counts), ...)`` the trainer's weight changes.
         data_step: the data step ``step`` reads (for one phase, its data reached).
     """
 
@@ -139,12 +122,7 @@ class SavedState:
     @classmethod
     def read(cls, state: Any, header: str = "not a loader state this version reads") -> SavedState:
         """``state`` (as :meth:`to_json` made it, or its JSON read back) checked
-        against the format (see the module doc).
-
-        Raises:
-            StateMismatch: ``header`` and one line per field, named by its path
-                (see :mod:`~flat_tokens_jax.loader.statefields`).
-        """
+        against the format; ``StateMismatch``: ``header`` and a line per field."""
         found, problems = checked(state)
         if found is None:
             raise StateMismatch.of(header, problems)
@@ -154,12 +132,7 @@ class SavedState:
     @classmethod
     def of(cls, state: Any, who: str) -> SavedState:
         """What ``restore`` continues from: ``state`` itself, or the mapping
-        that ``who.state()`` returned (``who``: as the error names it) read.
-
-        Raises:
-            TypeError: ``state`` is neither.
-            StateMismatch: as :meth:`read`.
-        """
+        that ``who.state()`` returned, read."""
         if isinstance(state, SavedState):
             return state
         if not isinstance(state, Mapping):
@@ -169,7 +142,6 @@ class SavedState:
         return cls.read(state)
 
     def to_json(self) -> dict[str, Any]:
-        """The state as :meth:`~flat_tokens_jax.Loader.state` saves it, JSON-ready."""
         phases = [
             {"start_step": p.start_step, "fingerprint": p.fingerprint, "sources": list(p.sources)}
             for p in self.phases
@@ -186,11 +158,8 @@ class SavedState:
         return out
 
     def differences(self, fingerprint: Mapping[str, Any], schedule: BatchSchedule) -> list[str]:
-        """What keeps this state, a ``Loader``'s, from resuming with
-        ``fingerprint`` and batch-size ``schedule``: ``path: saved X, now Y``
-        lines (see :mod:`~flat_tokens_jax.loader.resume`; none: it resumes).
-        A state of several phases, which no single ``Loader`` continues, is
-        one line saying so."""
+        """What keeps this state from resuming in a ``Loader`` of ``fingerprint``
+        and ``schedule``: ``path: saved X, now Y`` lines (none: it resumes)."""
         if self.phased:
             return [f"phases: {self._several()}"]
         return resume.differences(
@@ -208,12 +177,8 @@ class SavedState:
         schedule: BatchSchedule,
         header: str = "the saved loader state is for different data or config",
     ) -> None:
-        """Whether a ``Loader`` of ``fingerprint`` and ``schedule`` resumes this state.
-
-        Raises:
-            StateMismatch: ``header`` and each of :meth:`differences`; a state
-                of several phases says so.
-        """
+        """Raises ``StateMismatch`` (``header`` and each of :meth:`differences`)
+        unless a ``Loader`` of ``fingerprint`` and ``schedule`` resumes this state."""
         if self.phased:
             raise StateMismatch(
                 f"Loader.restore takes one Loader's state; this is {self._several()}"
@@ -229,9 +194,8 @@ class SavedState:
         )
 
     def phase(self, j: int) -> SavedState:
-        """Phase ``j`` as a ``Loader``'s state of its own: at its step where the
-        run stopped in it (0 for a phase not begun), the samples before the
-        data it reached, and its skips and weight changes (see ``Skips.within``)."""
+        """Phase ``j`` as a ``Loader``'s state of its own, by its own steps (0 for
+        a phase not begun), with its skips and weight changes."""
         if not self.phased:
             return self
         skips, here = Skips(self.skips), self.phases[j]
@@ -255,15 +219,12 @@ class SavedState:
 
     @functools.cached_property
     def firsts(self) -> tuple[int, ...]:
-        """``[P]`` the first trainer step that reads each phase's data."""
         skips = Skips(self.skips)
         return tuple(skips.trainer_step(p.start_step) for p in self.phases)
 
     @functools.cached_property
     def steerings(self) -> tuple[Steering, ...]:
-        """``[P]`` each phase's skips and weight changes as its
-        :class:`~flat_tokens_jax.sampling.steering.Steering` (the one place the
-        weights in effect are worked out), by its own steps (from its first)."""
+        """``[P]`` each phase's skips and weight changes as its ``Steering``, by its own steps."""
         out = []
         for k, phase in enumerate(self.phases):
             own = self.phase(k)
@@ -286,8 +247,7 @@ class SavedState:
         )
 
     def stretches(self, stop: int) -> list[tuple[int, Stretch]]:
-        """``(phase, stretch)`` of each weight segment that trainer steps
-        ``[0, stop)`` read, in order, by the run's trainer steps."""
+        """``(phase, stretch)`` of each weight segment trainer steps ``[0, stop)`` read."""
         out = []
         for k, steering in enumerate(self.steerings):
             first = self.firsts[k]
@@ -306,16 +266,11 @@ class StepSteering:
     """What a steered run's step reads: see :meth:`SavedState.steering_at`.
 
     Attributes:
-        step: the trainer's step.
         data_step: the step of the run without skips whose data it reads.
         skipped: ``((step, count), ...)`` the skips at steps ``<= step``.
-        phase: the index of the phase whose data it reads.
-        names: the components of that phase.
-        counts: ``[K]`` samples of each component per period in effect
-            (``None`` for a single source).
-        since: the trainer step from which those weights apply (the first
-            step that reads them, for the mixture's declared schedule).
-        changed: whether they are a trainer's change (else declared).
+        phase: the index of the phase whose data it reads; ``names``: its components.
+        counts: ``[K]`` samples of each component per period in effect (``None``:
+            a single source), ``since`` that trainer step, ``changed`` by the trainer.
     """
 
     step: int
@@ -329,13 +284,11 @@ class StepSteering:
 
     @property
     def shares(self) -> dict[str, float] | None:
-        """``{name: share of the samples}`` in effect (``None`` for a single source)."""
         return sample_shares(self.names, self.counts)
 
 
 def sample_shares(names: Sequence[str], counts: Sequence[int] | None) -> dict[str, float] | None:
-    """``{name: share of the samples}`` of weights held as samples per period
-    (``None`` for ``None``: a single source)."""
+    """``{name: share of the samples}`` of samples per period (``None``: a single source)."""
     if counts is None:
         return None
     period = sum(counts)

@@ -1,12 +1,7 @@
-"""Each field of a saved loader state checked, named by its path: what
-:meth:`~flat_tokens_jax.loader.state.SavedState.read` runs over the JSON form
-(the format: :mod:`~flat_tokens_jax.loader.state`).
-
-A field missing, of another type or out of bounds, and each field the format
-does not hold (written by another version), is one line naming its path
-(``fingerprint.config.seed``, ``phases[1].sources[0].split``). The config's
-fields are checked by :data:`~flat_tokens_jax.loader.config.FIELDS`, as a
-YAML config's are.
+"""Each field of a saved loader state checked (:func:`checked`, what
+``SavedState.read`` runs): a field missing, of another type or out of bounds,
+or one the format does not hold, is a line naming its path
+(``phases[1].sources[0].split``); config fields by ``FIELDS``, as YAML's.
 """
 
 from __future__ import annotations
@@ -52,10 +47,8 @@ Phase = tuple[int, Mapping[str, Any], tuple[Mapping[str, Any], ...]]
 
 
 def checked(state: Any) -> tuple[dict[str, Any] | None, list[str]]:
-    """``state``'s fields checked against the format: those of a
-    :class:`~flat_tokens_jax.loader.state.SavedState` (``phases`` as
-    :data:`Phase` triples), or ``None`` and a line for each field that keeps it
-    from being one. Never raises on what ``state`` holds."""
+    """``state``'s fields as a ``SavedState``'s (``phases`` as :data:`Phase`
+    triples), or ``None`` and a line per bad field. Never raises."""
     out: list[str] = []
     if not isinstance(state, Mapping):
         return None, [f"state: expected the mapping loader.state() saves, got {shown(state)}"]
@@ -103,7 +96,6 @@ def _phases(value: Any, out: list[str]) -> list[Phase | None]:
 
 
 def _phase(values: Mapping[str, Any], path: str, start: Any, out: list[str]) -> Phase | None:
-    """The fingerprint and sources under ``path``, checked."""
     before = len(out)
     where = child(path, "fingerprint")
     fingerprint = _field(values, "fingerprint", path, _mapping, "a mapping", out)
@@ -131,7 +123,6 @@ def _phase(values: Mapping[str, Any], path: str, start: Any, out: list[str]) -> 
 
 
 def _config(fingerprint: Mapping[str, Any], where: str, out: list[str]) -> None:
-    """``fingerprint.config``: the batch-defining fields, each by its ``FIELDS`` check."""
     path = child(where, "config")
     config = _field(fingerprint, "config", where, _mapping, "a mapping of config fields", out)
     if not isinstance(config, Mapping):
@@ -154,8 +145,6 @@ def _source(source: Any, path: str, out: list[str]) -> None:
 
 
 def _blend(data: Mapping[str, Any], path: str, count: int, sources: str, out: list[str]) -> None:
-    """A Mixture's ``components``, ``weights``, ``steps``, ``periods`` and
-    ``seed``, for ``count`` sources."""
     parts = _field(data, "components", path, _list, "a list, one per component", out)
     if isinstance(parts, list):
         for i, part in enumerate(parts):
@@ -198,8 +187,7 @@ def _blend(data: Mapping[str, Any], path: str, count: int, sources: str, out: li
 
 
 def _pairs(value: Any, name: str, form: str, out: list[str]) -> list[tuple[str, Any, Any]]:
-    """``(path, step, second)`` of each pair of the list saved as ``name``,
-    steps strictly increasing (lines in ``out`` for what is not)."""
+    """``(path, step, second)`` of each pair of the list saved as ``name``."""
     if not isinstance(value, list) or not value:
         out.append(f"{name}: expected a non-empty list of {form}, got {shown(value)}")
         return []
@@ -220,7 +208,6 @@ def _pairs(value: Any, name: str, form: str, out: list[str]) -> list[tuple[str, 
 
 
 def _skips(value: Any, out: list[str]) -> tuple[tuple[int, int], ...]:
-    """The saved ``skips``: ``[[step, count], ...]``, counts ints >= 1."""
     entries = []
     for path, step, count in _pairs(value, "skips", "[step, count] pairs", out):
         count = _checked(SKIP_COUNT, count, child(path, 1), out)
@@ -232,8 +219,7 @@ def _skips(value: Any, out: list[str]) -> tuple[tuple[int, int], ...]:
 def _weights(
     value: Any, phases: Sequence[Phase], skips: Skips, out: list[str]
 ) -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """The saved ``weights``: ``[[step, [n, ...]], ...]``, one count per
-    component of the mixture of the phase whose data the step reads."""
+    """The saved ``weights``, one count per component of the step's phase."""
     starts = [start for start, _, _ in phases]
     entries = []
     for path, step, counts in _pairs(value, "weights", "[step, [n, ...]] pairs", out):
@@ -262,7 +248,6 @@ def _weights(
 
 
 def _checked(check: Callable[[Any, str], Any], value: Any, path: str, out: list[str]) -> Any:
-    """``check(value, path)``, or ``None`` and its refusal in ``out``."""
     try:
         return check(value, path)
     except BadValue as e:
@@ -287,8 +272,7 @@ def _field(
     expected: str,
     out: list[str],
 ) -> Any:
-    """``values[key]`` checked by ``check``; ``None`` (and a line in ``out``)
-    when it is missing or refused."""
+    """``values[key]`` checked, or ``None`` and a line in ``out``."""
     here = child(path, key)
     if key not in values:
         out.append(f"{here}: missing from the saved state; expected {expected}")
@@ -349,8 +333,7 @@ def json_type(value: Any) -> str:
 
 
 def shown(value: Any, limit: int = 80, typed: bool = True) -> str:
-    """``repr`` cut to ``limit`` characters, with the type (``typed``) when
-    the ``repr`` does not say it."""
+    """``repr`` cut to ``limit`` characters, with the type unless it says it."""
     text = repr(value)
     if len(text) > limit:
         text = text[: limit - 3] + "..."
@@ -361,11 +344,7 @@ def shown(value: Any, limit: int = 80, typed: bool = True) -> str:
 
 
 def state_step(step: object, default: int) -> int:
-    """The step a saved state resumes at: ``step``, or ``default`` when it is ``None``.
-
-    Raises:
-        ValueError: ``step`` is not an int >= 0.
-    """
+    """The step a saved state resumes at: ``step``, or ``default`` for ``None``."""
     if step is None:
         return default
     try:

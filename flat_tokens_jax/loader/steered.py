@@ -1,37 +1,17 @@
 """A run its trainer steers: weight changes and skipped batches checked,
-merged on restore and read from a YAML ``skip`` list (saved and read back for
-a step by :class:`~flat_tokens_jax.loader.state.SavedState`).
-
-``Loader.set_weights(step, weights)`` and ``Loader.skip(step, count)`` (and
-``PhasedLoader``'s) record a change by the trainer's step, for any step at or
-after the loader's next step (the step its ``state()`` saves by default). The
-arithmetic is :mod:`~flat_tokens_jax.sampling.steering`'s: step ``t`` reads
-data step ``d(t)``, ``t`` plus the batches skipped at steps ``<= t``; a
-weight change from ``t`` starts a weight segment at ``d(t)``.
-
-``state()`` holds the changes as ``"weights": [[step, [n, ...]], ...]`` (the
-samples of each component per period that the weights round to: the weights
-in effect, exactly) and ``"skips": [[step, count], ...]``, only when there
-are any; the fingerprint does not change. A restore continues with the saved
-lists (what the run did) and the loader's own (e.g. skips read from a YAML
-``skip`` list before the restore): before the saved step they must agree; from
-it on they join, and a step in both must have one value (:func:`merged`).
+merged on restore (:func:`merged`) and read from a YAML ``skip`` list. The
+arithmetic is :mod:`~flat_tokens_jax.sampling.steering`'s; what users see is
+in docs/guide/steering.md.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from flat_tokens_jax.core import fields
-from flat_tokens_jax.core.values import (
-    BadValue,
-    child,
-    known_keys,
-    mapping,
-    sequence,
-)
+from flat_tokens_jax.core.values import BadValue, child, known_keys, mapping, sequence
 from flat_tokens_jax.core.yamlfile import read_yaml
 from flat_tokens_jax.loader.state import SavedState, StateMismatch
 from flat_tokens_jax.loader.statefields import SKIP_COUNT
@@ -39,25 +19,9 @@ from flat_tokens_jax.sampling.mixture import Mixture
 from flat_tokens_jax.sampling.skips import Skips
 from flat_tokens_jax.sampling.steering import Change
 
-__all__ = [
-    "Skipper",
-    "apply_skips",
-    "check_step",
-    "merged",
-    "restated",
-    "skip_count",
-    "skips_from_config",
-    "skips_from_yaml",
-    "weight_counts",
-]
-
 
 def check_step(step: Any, next_step: int, call: str) -> int:
-    """``step`` if a change may start there: an int at or after ``next_step``.
-
-    Raises:
-        ValueError: naming ``call``, ``step`` and ``next_step``.
-    """
+    """``step`` if a change may start there: an int at or after ``next_step``."""
     step = fields.step(step, f"{call}: step")
     if step < next_step:
         raise ValueError(
@@ -69,14 +33,9 @@ def check_step(step: Any, next_step: int, call: str) -> int:
 
 def skip_count(count: Any, where: str, skips: Skips, step: int, last: int) -> int:
     """``count``, the batches a skip at ``step`` passes over, checked: an int
-    >= 1 that leaves every step with a skip (``step`` and the later ones in
-    ``skips``) reading a data step at most ``last``, the last whose samples
-    have indices within ``2**63 - 1``.
-
-    Raises:
-        BadValue: naming ``where`` (``Loader.skip: count``, ``skip[0].count``),
-            the count and the largest one that fits.
-    """
+    >= 1 that leaves every step with a skip reading a data step at most
+    ``last`` (the last whose sample indices fit in ``2**63 - 1``); ``BadValue``
+    names ``where``, the count and the largest one that fits."""
     count = SKIP_COUNT(count, where)
     at = max(step, skips.latest)
     reads = skips.data_step(at)
@@ -93,14 +52,9 @@ def skip_count(count: Any, where: str, skips: Skips, step: int, last: int) -> in
 
 def restated(restored: dict[int, int], step: Any, count: Any, next_step: int, call: str) -> bool:
     """Whether ``skip(step, count)`` restates a skip that the last restore
-    continued with (the saved state's and the loader's own) and that no call
-    restated yet: then it changes nothing, and leaves ``restored``. So the
-    set-up code a trainer runs again after a restart is harmless in either
-    order, its skips before the restore (see :func:`merged`) or after it.
-
-    Raises:
-        ValueError: a skip at such a step with another count, naming both.
-    """
+    continued with and that no call restated yet: then it changes nothing, and
+    leaves ``restored``. So the set-up code a trainer runs again after a restart
+    is harmless before the restore or after it. Another count is refused."""
     if not restored:
         return False
     step = fields.step(step, f"{call}: step")
@@ -121,12 +75,7 @@ def restated(restored: dict[int, int], step: Any, count: Any, next_step: int, ca
 
 def weight_counts(mixture: Mixture | None, weights: Any, step: int, call: str) -> tuple[int, ...]:
     """``weights`` from ``step`` on as the samples of each component per
-    period they round to, checked by the mixture's weight checks.
-
-    Raises:
-        ValueError: there is no mixture (one source has no weights), or the
-            mixture refuses the weights.
-    """
+    period they round to, checked by the mixture (a single source has none)."""
     if mixture is None:
         raise ValueError(
             f"{call}: this loader reads a single source, which has no weights: "
@@ -140,13 +89,9 @@ def merged(
     saved: SavedState, skips: Skips, changes: Sequence[Change]
 ) -> tuple[Skips, tuple[Change, ...]]:
     """The changes a restore of ``saved`` continues with: the saved ones
-    (what the run did) and this loader's (``skips``, ``changes``).
-
-    Raises:
-        StateMismatch: a loader's change before the saved step that the
-            saved run did not make, or a step in both with another value;
-            each named with both values.
-    """
+    (what the run did) and this loader's (``skips``, ``changes``). Before the
+    saved step they must agree; from it on they join, a step in both with one
+    value (else ``StateMismatch``, naming both values)."""
     out: list[str] = []
     joined_skips = _joined("skips", dict(saved.skips), dict(skips.entries), saved.step, out)
     joined = _joined("weights", dict(saved.weights), dict(changes), saved.step, out)
@@ -184,21 +129,14 @@ def _listed(value: Any) -> str:
 
 
 def skips_from_config(value: Any, path: str = "skip") -> list[tuple[int, int]]:
-    """The ``(step, count)`` pairs of a YAML ``skip`` list, by step.
-
-    The list holds ``{step, count}`` mappings: from trainer ``step`` on, skip
-    ``count`` batches. Apply them with :func:`apply_skips` (or
-    ``loader.skip(step, count)`` each).
-
-    Raises:
-        ValueError: not a list of such mappings, a bad step or count, an
-            unknown key, or a step listed twice; named by its path (``skip[1].count``).
+    """The ``(step, count)`` pairs of a YAML ``skip`` list of ``{step, count}``
+    mappings (from trainer ``step`` on, skip ``count`` batches), by step; a bad
+    entry is named by its path (``skip[1].count``). Apply them with :func:`apply_skips`.
     """
     return [(step, count) for step, count, _ in _skip_entries(value, path)]
 
 
 def _skip_entries(value: Any, path: str) -> list[tuple[int, int, str]]:
-    """``(step, count, path)`` of each entry of a YAML ``skip`` list, by step."""
     pairs: dict[int, tuple[int, str]] = {}
     for i, entry in enumerate(sequence(value, path, "a list of {step, count}")):
         where = child(path, i)
@@ -217,15 +155,9 @@ def _skip_entries(value: Any, path: str) -> list[tuple[int, int, str]]:
     return [(step, count, where) for step, (count, where) in sorted(pairs.items())]
 
 
-class Skipper(Protocol):
-    """What :func:`apply_skips` applies a skip list to: a ``Loader`` or ``PhasedLoader``."""
-
-    def skip(self, step: int, count: int) -> None: ...
-
-
-def apply_skips(run: Skipper, value: Any, path: str = "skip") -> None:
-    """Applies a YAML ``skip`` list (see :func:`skips_from_config`) to
-    ``run`` by its ``skip``, by step: before or after a restore (see
+def apply_skips(run: Any, value: Any, path: str = "skip") -> None:
+    """Applies a YAML ``skip`` list (see :func:`skips_from_config`) to ``run``
+    (a ``Loader``) by its ``skip``, by step: before or after a restore (see
     :meth:`~flat_tokens_jax.Loader.skip`, which restates a restored skip).
 
     Raises:

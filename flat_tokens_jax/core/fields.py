@@ -1,14 +1,6 @@
-"""The fields that several surfaces take, each with its one type and bounds.
-
-A seed is a seed whether it comes from ``LoaderConfig``, a YAML ``data``
-section, ``Mixture``, ``IndexSampler`` or a saved state: each surface checks
-it here, with the path it names the value by (``loader.seed``,
-``Mixture.seed``, ``fingerprint.config.seed``). Each check returns the value
-as a Python int, or raises :class:`~flat_tokens_jax.core.values.BadValue`
-naming the path, what was given and what is accepted.
-
-A ``packing`` is read here into :class:`Packing`, the closed type the rest
-of the code compares by member; a ``shuffle`` into its :data:`Shuffle`.
+"""The fields that several surfaces take (``LoaderConfig``, YAML, ``Mixture``,
+saved states), each with its one type and bounds, checked with the path the
+surface names it by; :class:`~flat_tokens_jax.core.values.BadValue` otherwise.
 
 Example:
     >>> seed(7, "Mixture.seed")
@@ -80,10 +72,8 @@ def step(value: Any, path: str) -> int:
 
 
 class Packing(enum.Enum):
-    """What a row is: ``LoaderConfig.packing`` once read (see :func:`packing`).
-
-    Each member's value is what a user writes for it (``packing: true``,
-    ``false`` or ``bins``), and what saved states and fingerprints hold.
+    """What a row is: ``LoaderConfig.packing`` once read. Each member's value is
+    what a user writes for it, and what saved states and fingerprints hold.
 
     Example:
         >>> packing("bins", "loader.packing") is Packing.BINS
@@ -105,9 +95,8 @@ class Packing(enum.Enum):
 
 
 def packing(value: Any, path: str) -> Packing:
-    """A ``packing`` as its :class:`Packing`: ``True``, ``False``, ``"bins"``
-    or a member. Strict as a config's booleans are not: ``1`` and numpy's
-    ``True`` are refused."""
+    """A ``packing`` (``True``, ``False``, ``"bins"`` or a member) as its
+    :class:`Packing`; ``1`` and numpy's ``True`` are refused."""
     if isinstance(value, Packing):
         return value
     if isinstance(value, bool):
@@ -123,8 +112,7 @@ def packing(value: Any, path: str) -> Packing:
 
 Shuffle = bool | Literal["blocks"]
 """A ``shuffle``: ``True`` (a full shuffle), ``False`` (in order) or ``"blocks"``
-(the block shuffle, :mod:`~flat_tokens_jax.sampling.blocks`). Booleans stay
-booleans, so fingerprints and saved states of either hold them as before."""
+(the block shuffle); booleans stay booleans in fingerprints and saved states."""
 
 BLOCKS: Literal["blocks"] = "blocks"
 """The ``shuffle`` of the block shuffle."""

@@ -1,19 +1,7 @@
-"""The compiled kernels' on-disk cache: a folder per numba version.
-
-numba caches a kernel next to its source, in ``__pycache__``, in files named
-by the function, its line and the Python version, not by numba's version.
-Two environments of different numba versions over one source tree (the test
-environment at the dependency floors beside the main one, or a user who
-switches environments) then take turns overwriting the same data files, and
-one can read the other's kernels mid-write (``LLVM bitcode parsing error ...
-Producer: 'LLVM22.1.0' Reader: 'LLVM 14.0.6'``). :func:`compile_cached` keeps
-numba's choice of folder (``NUMBA_CACHE_DIR`` where set, else ``__pycache__``
-beside the source, else the user's cache directory, the first that is
-writable) and caches in its subfolder ``numba-<version>``; with none writable
-a kernel compiles in each process.
-
-Imported only by the kernel modules (:mod:`~flat_tokens_jax.core.kernels`,
-:mod:`~flat_tokens_jax.core.filterkernel`): importing it imports numba.
+"""The compiled kernels' on-disk cache: a subfolder ``numba-<version>`` of the
+folder numba chooses. numba names its cache files by function, line and Python
+version only, so two environments of different numba versions over one source
+tree would overwrite each other's kernels (``LLVM bitcode parsing error``).
 """
 
 from __future__ import annotations

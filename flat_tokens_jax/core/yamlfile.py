@@ -34,19 +34,12 @@ def read_yaml(path: str | os.PathLike[str]) -> Any:
     """The document of a YAML file, read safely (``yaml.SafeLoader``; needs the
     ``yaml`` extra) and strictly.
 
-    Refused, anywhere in the file: a key given twice in one mapping (YAML would
-    keep the last silently); a plain value that YAML 1.1 (PyYAML) and YAML 1.2
-    read differently (``017`` is 15 or 17, ``1:30`` is 90 or text, ``yes`` is
-    true or text: write ``15``, ``90``, ``true``, or quote the text); a
-    document nested deeper than :data:`MAX_YAML_DEPTH` levels or holding more
-    than :data:`MAX_YAML_VALUES` values once its aliases expand. ``0x1F``,
-    ``0b101`` and ``1_000`` mean one number whatever the reader, and are read as
-    such.
-
-    Raises:
-        ValueError: one line naming the file, the line and, for a value, its
-            path (``phases[1].start_step``) and the form to write.
-        OSError: the file cannot be read.
+    Refused: a key given twice in one mapping (YAML keeps the last silently);
+    a plain value that YAML 1.1 (PyYAML) and 1.2 read differently (``017`` is
+    15 or 17, ``yes`` true or text); a document deeper than
+    :data:`MAX_YAML_DEPTH` or over :data:`MAX_YAML_VALUES` values once its
+    aliases expand. ``ValueError`` names the file, the line, the value's path
+    and the form to write.
     """
     try:
         import yaml
@@ -96,8 +89,8 @@ def _children(node: Any, yaml: Any) -> list[Any]:
 
 
 def _shape_problem(root: Any, yaml: Any) -> str | None:
-    """Why the document under ``root`` (a composed YAML node) is too deep or
-    too large once its aliases expand, or holds itself; ``None`` if it is not."""
+    """Why the document under ``root`` is too deep or too large once its aliases
+    expand, or holds itself; ``None`` if it is not."""
     height: dict[int, int] = {}
     values: dict[int, int] = {}
     open_nodes: set[int] = set()
@@ -129,9 +122,8 @@ def _shape_problem(root: Any, yaml: Any) -> str | None:
 
 
 def _scalar_problem(root: Any, loader: Any, yaml: Any) -> str | None:
-    """The first plain value under ``root`` that YAML 1.1 and 1.2 read
-    differently (or that no int can hold), as ``line N: path: why and the form
-    to write``; ``None`` if there is none."""
+    """``line N: path: why and the form to write`` of the first plain value
+    under ``root`` that :func:`_yaml11_reading` refuses; ``None`` if none."""
     seen: set[int] = set()
     todo: list[tuple[Any, str, bool]] = [(root, "", False)]
     while todo:
@@ -196,8 +188,7 @@ def _yaml11_reading(node: Any, loader: Any) -> str | None:
 
 
 def _repeated_key(root: Any, yaml: Any) -> tuple[str, int] | None:
-    """The first plain key that a mapping under ``root`` (a composed YAML node)
-    holds twice, with its 1-based line; ``None`` if there is none."""
+    """The first plain key a mapping under ``root`` holds twice, with its line."""
     merge = "tag:yaml.org,2002:merge"
     seen_nodes: set[int] = set()
     todo = [root]

@@ -10,12 +10,8 @@ with the least free space that still holds it (best fit); among bins with that
 free space, the one that received a sequence most recently; a new bin when
 none holds it. Inside a bin sequences are listed by ascending index, so that
 neighbours in the split can be read as one range.
-
-Best-fit decreasing is at least as good as first-fit decreasing (the same
-worst-case bound, and the same or fewer bins on typical length
-distributions). The build never loops over tokens: it loops over (bin, run of
-equal lengths) pairs, and opens runs of new bins in one numpy step; its
-memory follows the sequences and bins, never ``seq_len``.
+The build loops over (bin, run of equal lengths) pairs, never tokens, and
+its memory follows the sequences and bins, never ``seq_len``.
 """
 
 from __future__ import annotations
@@ -36,11 +32,6 @@ BLOCK = 1 << 18
 """Sequences packed together (the last block may be shorter)."""
 
 
-def capped_algorithm(max_segments: int) -> str:
-    """The name of :data:`ALGORITHM` with at most ``max_segments`` runs per bin."""
-    return f"{ALGORITHM}/max-segments-{max_segments}"
-
-
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
 
@@ -53,8 +44,8 @@ def build_plan(
         lengths: ``[num_sequences]`` integer tokens of each sequence, ``>= 0``.
         seq_len: tokens per bin, ``>= 1``.
         max_segments: if given (``>= 2``), no bin holds more runs than this
-            (:func:`capped_algorithm`): its non-empty sequences, plus one for
-            its padding when it is not full. The same best fit, one sequence
+            (``ALGORITHM/max-segments-N``): its non-empty sequences, plus one
+            for its padding when it is not full. The same best fit, one sequence
             at a time, where a bin one sequence short of the cap takes only a
             sequence that fills it; a bin at the cap takes none.
 
@@ -109,9 +100,8 @@ def _pack_block(sizes: np.ndarray, seq_len: int) -> tuple[np.ndarray, int]:
     run_lo = np.concatenate(([0], edges)).tolist() if n else []
     run_hi = np.concatenate((edges, [n])).tolist() if n else []
     # stacks[c]: bins with exactly c free tokens, the most recently filled on
-    # top; free: the sorted c whose stack is not empty (bins never grow, so a
-    # bin enters a stack exactly when it last received a sequence). A dict, not
-    # a list per free count: memory follows the bins, not seq_len.
+    # top; free: the sorted c whose stack is not empty. A dict: memory follows
+    # the bins, not seq_len.
     stacks: collections.defaultdict[int, list[int]] = collections.defaultdict(list)
     free: list[int] = []
     seg_bin: list[int] = []

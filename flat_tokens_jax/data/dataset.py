@@ -46,30 +46,19 @@ from flat_tokens_jax.store.store import (
 
 
 class _Unread:
-    """The :attr:`FlatTokens.info` of a split opened on its own, until opening reads it."""
+    """:attr:`FlatTokens.info` not read yet."""
 
 
 class FlatTokens:
     """One split of a dataset: ``encoded_tokens``, ``seq_starts`` and ``max_token_id``.
 
-    ``check_end=False`` skips reading the first and last ``seq_starts`` entries
-    on open (:func:`validate` checks them while streaming). Reads check what is
-    cheap to check: the ``seq_starts`` entries read lie in the split's tokens
-    and strictly increase, else :class:`FormatError` names the entry. Reads are
-    thread-safe; every method that takes many indices or ranges requests them
-    all before waiting.
-    ``info`` is the dataset's :class:`DatasetInfo` when the caller has read it
-    (:class:`Dataset` does); otherwise opening reads it: a dataset that records
-    what made it must record its arrays' shard probes and chunk digests
-    (:func:`~flat_tokens_jax.store.digests.array_checks`).
-
-    Attributes:
-        encoded, starts, loss_mask: the split's arrays' readers (``loss_mask``
-            ``None`` where none is stored); reads made through them directly
-            are not checked.
-        checked: each array's reads with its integrity checks
-            (:class:`~flat_tokens_jax.store.integrity.CheckedArray`), by array
-            name: every read of this class goes through them.
+    Reads are thread-safe, request all their ranges before waiting, and go
+    through ``checked`` (each array's :class:`CheckedArray`, by name); reads
+    through the readers ``encoded``, ``starts``, ``loss_mask`` (``None``: no
+    mask stored) are not checked. ``check_end=False`` skips reading the first
+    and last ``seq_starts`` entries on open (:func:`validate` checks them).
+    ``info`` is the dataset's :class:`DatasetInfo` if the caller read it; a
+    dataset that records it must record its arrays' probes and digests.
     """
 
     def __init__(
@@ -162,7 +151,10 @@ class FlatTokens:
     def info(self) -> DatasetInfo | None:
         """What made the dataset this split belongs to; ``None`` when it does not say."""
         if self._info is _Unread:
-            self._info = read_info(self.store)
+            found = self.store.group_attributes("")
+            if found is None:
+                raise FormatError(f"{self.store.url}: no zarr group metadata at the root")
+            self._info = DatasetInfo.from_attributes(found[1], self.store.url)
         return self._info  # type: ignore[return-value]
 
     @property
@@ -177,15 +169,12 @@ class FlatTokens:
 
     @property
     def bytes_read(self) -> int:
-        """Bytes requested so far from this split's arrays (tokens, starts, mask)
-        for the data read; the checks' reads are :attr:`probe_bytes`."""
+        """Bytes of data requested so far from this split's arrays (not the checks')."""
         return sum(c.data_bytes for c in self.checked.values())
 
     @property
     def probe_bytes(self) -> int:
-        """Bytes read to check shard probes (one small read per shard, once) and
-        chunk digests (the recorded digests of each shard touched, once; each
-        chunk touched, whole, once, where it carries no crc32c)."""
+        """Bytes read to check shard probes and chunk digests."""
         return sum(c.check_bytes for c in self.checked.values())
 
     @property
@@ -223,25 +212,15 @@ class FlatTokens:
         return self.checked[self.tokens_name].request_ranges(lo + base, hi + base)
 
     def request_loss_mask(self, starts: np.ndarray, stops: np.ndarray) -> Pending | None:
-        """Starts reading the stored loss mask (``uint8``) of token ranges; ``None`` if none."""
+        """Starts reading the stored loss mask (``uint8``) of token ranges; ``None`` if none.
+
+        Requested with :meth:`request_encoded` before waiting on either, their
+        reads (and those of their first touches' checks) share round trips."""
         if self.loss_mask is None:
             return None
         base = self.token_range[0]
         lo, hi = np.asarray(starts, np.int64) + base, np.asarray(stops, np.int64) + base
         return self.checked[LOSS_MASK].request_ranges(lo, hi)
-
-    def request_encoded_and_mask(
-        self,
-        starts: Sequence[int] | np.ndarray,
-        stops: Sequence[int] | np.ndarray,
-        mask_starts: np.ndarray,
-        mask_stops: np.ndarray,
-    ) -> tuple[Pending, Pending | None]:
-        """:meth:`request_encoded` of ``[starts, stops)`` and
-        :meth:`request_loss_mask` of ``[mask_starts, mask_stops)``: both return
-        before any value arrives, so their reads, and those of the checks of
-        their first touches (shard probes, chunk digests), share round trips."""
-        return self.request_encoded(starts, stops), self.request_loss_mask(mask_starts, mask_stops)
 
     def sequence_bounds(self, indices: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(starts, stops)`` token offsets ``[k] int64`` of sequences ``indices``, one read."""
@@ -260,7 +239,7 @@ class FlatTokens:
     def check_bounds(self, at: np.ndarray, values: np.ndarray, k: int) -> None:
         """Raises :class:`FormatError` unless ``values`` (``seq_starts[at]``: ``k``
         starts, their ``k`` stops, then any others) lie in this view's tokens and
-        each stop is above its start, so that corrupt bounds never read as rows."""
+        each stop is above its start."""
         lo, hi = self.token_range
         bad = np.flatnonzero((values < lo) | (values > hi))
         if bad.size:
@@ -279,25 +258,14 @@ class FlatTokens:
             )
 
     def sequences(self, indices: Sequence[int] | np.ndarray) -> list[np.ndarray]:
-        """Decoded token ids (``int32``) of each sequence in ``indices``.
-
-        Two batched requests: the bounds of every sequence, then every token range.
-        """
+        """Decoded token ids (``int32``) of each sequence in ``indices``, two batched requests."""
         lo, hi = self.sequence_bounds(indices)
         return [decode(e) for e in self.encoded_ranges(lo, hi)]
 
     def split(self, fractions: str | Sequence[float]) -> tuple[FlatTokens, ...]:
-        """Contiguous sequence-range views, e.g. ``ft.split("949,50,1")`` -> (train, valid, test).
-
-        Sizes follow Megatron's rule (also Nanoset's): weights are normalised,
-        each boundary is the previous one plus ``round(weight * num_sequences)``,
-        and every boundary after the first is shifted so the last equals
-        ``num_sequences``. A view works wherever a ``FlatTokens`` does; packed
-        records of a view never cross its ends.
-
-        Raises:
-            ValueError: a weight that is no finite non-negative number, or no
-                positive sum, naming ``fractions`` and the form to write.
+        """Contiguous views cut by Megatron's rule (:func:`split_boundaries`),
+        e.g. ``ft.split("949,50,1")`` -> (train, valid, test); packed records of
+        a view never cross its ends.
         """
         bounds = split_boundaries(fractions, self.num_sequences)
         return tuple(self.view(a, b) for a, b in itertools.pairwise(bounds))
@@ -327,10 +295,9 @@ class FlatTokens:
 
 
 class Dataset(Mapping[str, FlatTokens]):
-    """A flat-tokens dataset: a zarr group whose splits are :class:`FlatTokens`.
-
-    ``dataset["train"]``; ``splits`` lists those present: ``train``, ``validation``,
-    then the extra ones its root attributes record (``flat_tokens.splits``).
+    """A flat-tokens dataset: a zarr group whose splits are :class:`FlatTokens`,
+    ``dataset["train"]``: ``train``, ``validation``, then the extra ones its root
+    attributes record (``flat_tokens.splits``).
     """
 
     def __init__(self, store: Store) -> None:
@@ -386,10 +353,8 @@ class Dataset(Mapping[str, FlatTokens]):
 
 
 def _metadata_keys(zarr_format: int, splits: Sequence[str]) -> list[str]:
-    """The metadata that opening ``splits`` of a dataset of ``zarr_format``
-    reads: the root's, each split's, and those of each split's arrays and their
-    side arrays of digests (zarr v3: and the v2 metadata looked for next where
-    a split has no loss mask)."""
+    """The metadata keys that opening ``splits`` reads (v3: with the v2 key
+    looked for where a split has no loss mask)."""
     group, array = (
         ([V3_META], [V3_META]) if zarr_format == 3 else ([V2_GROUP, V2_ATTRS], [V2_ARRAY, V2_ATTRS])
     )
@@ -404,18 +369,6 @@ def _metadata_keys(zarr_format: int, splits: Sequence[str]) -> list[str]:
     return keys
 
 
-def read_info(store: Store) -> DatasetInfo | None:
-    """The :class:`DatasetInfo` in the root attributes at ``store``; ``None`` if none.
-
-    Raises:
-        FormatError: no root group, or a malformed ``"flat_tokens"`` attribute.
-    """
-    found = store.group_attributes("")
-    if found is None:
-        raise FormatError(f"{store.url}: no zarr group metadata at the root")
-    return DatasetInfo.from_attributes(found[1], store.url)
-
-
 def open_dataset(
     url: str | os.PathLike[str], options: StoreOptions | None = None, **option_fields: Any
 ) -> Dataset:
@@ -423,8 +376,8 @@ def open_dataset(
 
     Args:
         url: a local path, or a ``file://``, ``memory://``, ``gs://`` or ``s3://`` URL.
-        options: how to reach the store (endpoint, region, credentials, context).
-        **option_fields: the same fields as keywords, e.g. ``endpoint=...``.
+        options: how to reach the store (endpoint, region, credentials, context),
+            or its fields as keywords, e.g. ``endpoint=...``.
 
     Raises:
         FormatError: nothing valid at ``url``, or an array that breaks the format.

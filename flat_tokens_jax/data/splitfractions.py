@@ -11,14 +11,22 @@ from flat_tokens_jax.core.values import number
 _FORM = "write non-negative numbers with a positive sum, such as '949,50,1'"
 
 
-def split_weights(fractions: str | Sequence[float]) -> list[float]:
-    """The weights of ``fractions``: a string of numbers separated by ``,`` or
-    ``/`` (``"949,50,1"``), or a sequence of numbers.
+def split_boundaries(fractions: str | Sequence[float], n: int) -> list[int]:
+    """Boundaries ``[0, ..., n]`` of a Megatron-style split of ``n`` items.
+
+    ``fractions`` are weights: a string of numbers separated by ``,`` or ``/``,
+    or a sequence of numbers. Sizes follow Megatron's rule (also Nanoset's):
+    weights are normalised, each boundary is the previous one plus
+    ``round(weight * n)``, and every boundary after the first is shifted so the
+    last equals ``n``.
+
+    Example:
+        >>> split_boundaries("949,50,1", 1000)
+        [0, 949, 999, 1000]
 
     Raises:
-        ValueError: naming ``fractions``, the weight at fault and the form to write:
-            a weight that is no number, negative, infinite or NaN, or weights
-            whose sum is not positive and finite.
+        ValueError: naming ``fractions``, the weight at fault and the form to
+            write: no number, negative, infinite or NaN, or no positive sum.
     """
     where = f"split fractions {fractions!r}"
     if isinstance(fractions, str):
@@ -36,28 +44,9 @@ def split_weights(fractions: str | Sequence[float]) -> list[float]:
             raise ValueError(
                 f"{where}: weight {i} ({piece!r}) is not a finite non-negative number; {_FORM}"
             ) from None
-    total = sum(weights)
+    total = sum(weights)  # Megatron's sum, so that rounding matches it
     if not weights or not 0 < total < math.inf:
         raise ValueError(f"{where}: the weights sum to {total:g}; {_FORM}")
-    return weights
-
-
-def split_boundaries(fractions: str | Sequence[float], n: int) -> list[int]:
-    """Boundaries ``[0, ..., n]`` of a Megatron-style split of ``n`` items.
-
-    Sizes follow Megatron's rule (also Nanoset's): weights are normalised,
-    each boundary is the previous one plus ``round(weight * n)``, and every
-    boundary after the first is shifted so the last equals ``n``.
-
-    Example:
-        >>> split_boundaries("949,50,1", 1000)
-        [0, 949, 999, 1000]
-
-    Raises:
-        ValueError: bad ``fractions`` (see :func:`split_weights`).
-    """
-    weights = split_weights(fractions)
-    total = sum(weights)  # Megatron's sum, so that rounding matches it
     bounds = [0]
     for w in weights:
         bounds.append(bounds[-1] + round(w / total * float(n)))

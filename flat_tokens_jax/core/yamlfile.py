@@ -54,11 +54,6 @@ def read_yaml(path: str | os.PathLike[str]) -> Any:
             if node is None:
                 return None
             problem = _shape_problem(node, yaml) or _scalar_problem(node, loader, yaml)
-            if problem is None:
-                repeated = _repeated_key(node, yaml)
-                if repeated is not None:
-                    key, line = repeated
-                    problem = f"line {line}: the key {key!r} is given twice"
             if problem is not None:
                 raise ValueError(f"{name}: {problem}")
             return loader.construct_document(node)
@@ -80,14 +75,6 @@ def read_yaml(path: str | os.PathLike[str]) -> Any:
                 loader.dispose()
 
 
-def _children(node: Any, yaml: Any) -> list[Any]:
-    if isinstance(node, yaml.MappingNode):
-        return [part for pair in node.value for part in pair]
-    if isinstance(node, yaml.SequenceNode):
-        return list(node.value)
-    return []
-
-
 def _shape_problem(root: Any, yaml: Any) -> str | None:
     """Why the document under ``root`` is too deep or too large once its aliases
     expand, or holds itself; ``None`` if it is not."""
@@ -99,7 +86,9 @@ def _shape_problem(root: Any, yaml: Any) -> str | None:
         node, children_done = todo.pop()
         if id(node) in height:
             continue
-        kids = _children(node, yaml)
+        kids = [] if isinstance(node, yaml.ScalarNode) else list(node.value)
+        if isinstance(node, yaml.MappingNode):
+            kids = [part for pair in kids for part in pair]
         if not children_done:
             if id(node) in open_nodes:  # reached again from inside itself
                 line = node.start_mark.line + 1
@@ -123,7 +112,8 @@ def _shape_problem(root: Any, yaml: Any) -> str | None:
 
 def _scalar_problem(root: Any, loader: Any, yaml: Any) -> str | None:
     """``line N: path: why and the form to write`` of the first plain value
-    under ``root`` that :func:`_yaml11_reading` refuses; ``None`` if none."""
+    under ``root`` that :func:`_yaml11_reading` refuses, or of a plain key that
+    a mapping holds twice; ``None`` if none."""
     seen: set[int] = set()
     todo: list[tuple[Any, str, bool]] = [(root, "", False)]
     while todo:
@@ -137,6 +127,13 @@ def _scalar_problem(root: Any, loader: Any, yaml: Any) -> str | None:
                 where = f"{path or 'the document'}: " + ("the key " if is_key else "")
                 return f"line {node.start_mark.line + 1}: {where}{why}"
         elif isinstance(node, yaml.MappingNode):
+            keys: set[tuple[str, str]] = set()
+            for key, _ in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                    if (key.tag, key.value) in keys:
+                        line = key.start_mark.line + 1
+                        return f"line {line}: the key {key.value!r} is given twice"
+                    keys.add((key.tag, key.value))
             for key, value in reversed(node.value):
                 label = key.value if isinstance(key, yaml.ScalarNode) else "?"
                 todo += [(value, child(path, label), False), (key, path, True)]
@@ -184,27 +181,4 @@ def _yaml11_reading(node: Any, loader: Any) -> str | None:
     if kind == "str" and re.fullmatch(r"0o[0-7]+", body):
         value = int(text.replace("0o", ""), 8)
         return f"{text} is text in YAML 1.1 and {value} in YAML 1.2: write {value} ({quoted})"
-    return None
-
-
-def _repeated_key(root: Any, yaml: Any) -> tuple[str, int] | None:
-    """The first plain key a mapping under ``root`` holds twice, with its line."""
-    merge = "tag:yaml.org,2002:merge"
-    seen_nodes: set[int] = set()
-    todo = [root]
-    while todo:
-        node = todo.pop()
-        if id(node) in seen_nodes:  # an alias of a node already checked
-            continue
-        seen_nodes.add(id(node))
-        if isinstance(node, yaml.MappingNode):
-            keys: set[tuple[str, str]] = set()
-            for key, value in node.value:
-                if isinstance(key, yaml.ScalarNode) and key.tag != merge:
-                    if (key.tag, key.value) in keys:
-                        return key.value, key.start_mark.line + 1
-                    keys.add((key.tag, key.value))
-                todo += [key, value]
-        elif isinstance(node, yaml.SequenceNode):
-            todo += node.value
     return None

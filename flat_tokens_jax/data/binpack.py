@@ -42,19 +42,15 @@ def build_plan(
 
     Args:
         lengths: ``[num_sequences]`` integer tokens of each sequence, ``>= 0``.
-        seq_len: tokens per bin, ``>= 1``.
-        max_segments: if given (``>= 2``), no bin holds more runs than this
-            (``ALGORITHM/max-segments-N``): its non-empty sequences, plus one
-            for its padding when it is not full. The same best fit, one sequence
-            at a time, where a bin one sequence short of the cap takes only a
-            sequence that fills it; a bin at the cap takes none.
+        max_segments: if given (``>= 2``), no bin holds more runs than this:
+            its non-empty sequences, plus one for its padding when not full.
+            The same best fit, one sequence at a time, where a bin one short of
+            the cap takes only a sequence that fills it.
 
     Returns:
-        ``(bin_starts, seq_order)``: ``bin_starts`` ``[num_bins + 1] int64``
-        offsets into ``seq_order`` ``[num_sequences] int64``, the sequence
-        indices of bin ``b`` being ``seq_order[bin_starts[b]:bin_starts[b + 1]]``
-        in ascending order. Every sequence is in exactly one bin, and no bin
-        holds more than ``seq_len`` tokens once each sequence is truncated.
+        ``(bin_starts [num_bins + 1] int64, seq_order [num_sequences] int64)``:
+        bin ``b`` holds sequences ``seq_order[bin_starts[b]:bin_starts[b + 1]]``,
+        ascending.
 
     Example:
         >>> starts, order = build_plan(np.array([5, 3, 2, 6]), 8)

@@ -45,10 +45,6 @@ from flat_tokens_jax.store.store import (
 )
 
 
-class _Unread:
-    """:attr:`FlatTokens.info` not read yet."""
-
-
 class FlatTokens:
     """One split of a dataset: ``encoded_tokens``, ``seq_starts`` and ``max_token_id``.
 
@@ -57,8 +53,8 @@ class FlatTokens:
     through the readers ``encoded``, ``starts``, ``loss_mask`` (``None``: no
     mask stored) are not checked. ``check_end=False`` skips reading the first
     and last ``seq_starts`` entries on open (:func:`validate` checks them).
-    ``info`` is the dataset's :class:`DatasetInfo` if the caller read it; a
-    dataset that records it must record its arrays' probes and digests.
+    ``info`` is the dataset's :class:`DatasetInfo` (``None``: it records none);
+    a dataset that records it must record its arrays' probes and digests.
     """
 
     def __init__(
@@ -67,15 +63,21 @@ class FlatTokens:
         split: str,
         *,
         check_end: bool = True,
-        info: DatasetInfo | type[_Unread] | None = _Unread,
+        info: DatasetInfo | None,
     ) -> None:
-        self._info = info
+        self.info = info
         found = store.group_attributes(split)
         if found is None:
             raise FormatError(f"{store.url}: split {split!r} is missing (no zarr group {split}/)")
         self.store, self.split_name = store, split
         self.zarr_format, attrs = found
-        self.max_token_id = _max_token_id(attrs, f"{store.url}/{split}")
+        value = attrs.get("max_token_id")
+        if value is None:
+            raise FormatError(f"{store.url}/{split}: attribute 'max_token_id' is missing")
+        try:
+            self.max_token_id: int = fields.token_id(value, "attribute max_token_id")
+        except BadValue as e:
+            raise FormatError(f"{store.url}/{split}: {e}") from None
         self.tokens_name = TOKENS
         meta = store.array_metadata(f"{split}/{TOKENS}")
         if meta is None:
@@ -146,16 +148,6 @@ class FlatTokens:
     @property
     def url(self) -> str:
         return self.store.url
-
-    @property
-    def info(self) -> DatasetInfo | None:
-        """What made the dataset this split belongs to; ``None`` when it does not say."""
-        if self._info is _Unread:
-            found = self.store.group_attributes("")
-            if found is None:
-                raise FormatError(f"{self.store.url}: no zarr group metadata at the root")
-            self._info = DatasetInfo.from_attributes(found[1], self.store.url)
-        return self._info  # type: ignore[return-value]
 
     @property
     def probes(self) -> dict[str, ShardProbes | None]:
@@ -383,14 +375,3 @@ def open_dataset(
         FormatError: nothing valid at ``url``, or an array that breaks the format.
     """
     return Dataset(Store(url, resolve_options(options, option_fields, "open_dataset")))
-
-
-def _max_token_id(attrs: Mapping[str, Any], where: str) -> int:
-    value = attrs.get("max_token_id")
-    if value is None:
-        raise FormatError(f"{where}: attribute 'max_token_id' is missing")
-    try:
-        out: int = fields.token_id(value, "attribute max_token_id")
-    except BadValue as e:
-        raise FormatError(f"{where}: {e}") from None
-    return out

@@ -25,16 +25,11 @@ from flat_tokens_jax.data.dataset import Dataset, FlatTokens
 
 @dataclasses.dataclass(frozen=True)
 class Windows:
-    """Encoded tokens of a batch of records, before decoding into model fields.
-
-    Attributes:
-        encoded: ``uint32``; packed ``[k, L + 1]`` (column 0 is the token before
-            the record, 0 for record 0), padded ``[k, L]`` (0 past the sequence).
-            When only columns ``c0 .. c1`` are read, ``L`` is ``c1 - c0``.
-        lengths: padded only: ``[k] int64`` tokens of each row's sequence kept.
-        stored_mask: ``[k, L] uint8`` stored loss mask aligned with the targets,
-            or ``None`` when the split has none.
-    """
+    """Encoded tokens of a batch of records, before decoding into model fields:
+    ``encoded`` ``uint32``, packed ``[k, L + 1]`` (column 0: the token before
+    the record, 0 for record 0), padded ``[k, L]`` (0 past the sequence), ``L``
+    the columns read; padded and bins: ``lengths`` ``[k] int64``; the split's
+    ``stored_mask`` ``[k, L] uint8`` aligned with the targets, or ``None``."""
 
     encoded: np.ndarray
     lengths: np.ndarray | None = None
@@ -79,9 +74,8 @@ class Records(Protocol):
 
 def _data_fingerprint(ft: FlatTokens) -> dict[str, Any]:
     """Counts, a digest of 64 evenly spaced tokens and sequence bounds, the
-    recorded tokenizer's vocabulary hash and whole-contents digest (``None``:
-    not recorded). Cheap: three batched reads and the arrays' attributes.
-    """
+    recorded tokenizer's vocabulary hash and a digest of the arrays' recorded
+    content digests (``None``: not recorded; a view shares its split's)."""
     tokenizer = None if ft.info is None else ft.info.tokenizer
 
     def spaced(n: int) -> np.ndarray:
@@ -91,6 +85,12 @@ def _data_fingerprint(ft: FlatTokens) -> dict[str, Any]:
     parts = at_once(
         [lambda: ft.encoded_ranges(tokens, tokens + 1), lambda: list(ft.sequence_bounds(bounds))]
     )
+    digests = [(name, ft.digests.get(name)) for name in sorted(ft.digests)]
+    contents = [(name, d.content) for name, d in digests if d is not None]
+    content = None
+    if len(contents) == len(digests) and all(c is not None for _, c in contents):
+        text = ";".join(f"{name}={c}" for name, c in contents)
+        content = hashlib.sha256(text.encode()).hexdigest()[:32]
     digest = hashlib.sha256()
     for part in (p for found in parts for p in found):
         digest.update(np.ascontiguousarray(part).tobytes())
@@ -101,19 +101,8 @@ def _data_fingerprint(ft: FlatTokens) -> dict[str, Any]:
         "loss_mask": ft.loss_mask is not None,
         "sample_digest": digest.hexdigest()[:16],
         "tokenizer": None if tokenizer is None else tokenizer.vocab_hash,
-        "content": _content(ft),
+        "content": content,
     }
-
-
-def _content(ft: FlatTokens) -> str | None:
-    """A digest of the split's arrays' recorded content digests; ``None`` where
-    one is not recorded. A view shares its split's."""
-    digests = [(name, ft.digests.get(name)) for name in sorted(ft.digests)]
-    contents = [(name, d.content) for name, d in digests if d is not None]
-    if len(contents) < len(digests) or any(c is None for _, c in contents):
-        return None
-    text = ";".join(f"{name}={content}" for name, content in contents)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def request_windows(

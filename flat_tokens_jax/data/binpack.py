@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import collections
 import hashlib
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -104,11 +105,11 @@ def _pack_block(sizes: np.ndarray, seq_len: int) -> tuple[np.ndarray, int]:
     seg_count: list[int] = []
     num_bins = 0
 
-    def push(b: int, c: int) -> None:
-        if c:
+    def push(bins: Sequence[int], c: int) -> None:
+        if c and bins:
             if not stacks[c]:
                 bisect.insort(free, c)
-            stacks[c].append(b)
+            stacks[c].extend(bins)
 
     for lo, hi in zip(run_lo, run_hi, strict=True):
         size = int(ordered[lo])
@@ -126,16 +127,12 @@ def _pack_block(sizes: np.ndarray, seq_len: int) -> tuple[np.ndarray, int]:
                 full, rest = divmod(left, per)
                 seg_bin.extend(range(num_bins, num_bins + full))
                 seg_count.extend([per] * full)
-                c = seq_len - per * size
-                if full and c:
-                    if not stacks[c]:
-                        bisect.insort(free, c)
-                    stacks[c].extend(range(num_bins, num_bins + full))
+                push(range(num_bins, num_bins + full), seq_len - per * size)
                 num_bins += full
                 if rest:
                     seg_bin.append(num_bins)
                     seg_count.append(rest)
-                    push(num_bins, seq_len - rest * size)
+                    push([num_bins], seq_len - rest * size)
                     num_bins += 1
                 break
             c = free[i]
@@ -147,7 +144,7 @@ def _pack_block(sizes: np.ndarray, seq_len: int) -> tuple[np.ndarray, int]:
             seg_bin.append(b)
             seg_count.append(take)
             left -= take
-            push(b, c - take * size)
+            push([b], c - take * size)
     bin_of = np.empty(n, np.int64)
     bin_of[order] = np.repeat(np.asarray(seg_bin, np.int64), np.asarray(seg_count, np.int64))
     return bin_of, num_bins

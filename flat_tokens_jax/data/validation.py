@@ -132,21 +132,16 @@ def _check_side(ft: FlatTokens) -> tuple[list[Problem], dict[str, ChunkDigests]]
 
 
 def _check_digests(
-    digests: ChunkDigests | None,
-    where: str,
-    reader: ArrayReader,
-    starts: np.ndarray,
-    stops: np.ndarray,
+    digests: ChunkDigests | None, reader: ArrayReader, starts: np.ndarray, stops: np.ndarray
 ) -> list[Problem]:
     """The chunk ``digests`` (where trusted) of the chunks ranges ``[starts, stops)`` touch."""
     if digests is None:
         return []
-
-    def check() -> list[str]:
+    try:
         digests.check(reader, starts, stops)  # raises at the first chunk that differs
-        return []
-
-    return _digest_problems(where, check)
+    except FormatError as e:
+        return e.problems
+    return []
 
 
 def _check_split(ft: FlatTokens, block: int, digests: dict[str, ChunkDigests]) -> list[Problem]:
@@ -205,8 +200,8 @@ def _check_sample(ft: FlatTokens, samples: int, digests: dict[str, ChunkDigests]
         return problems
     lo = values[: seqs.size].astype(np.int64)
     hi = np.minimum(values[seqs.size :].astype(np.int64), lo + QUICK_TOKENS)
-    problems += _check_digests(digests.get(SEQ_STARTS), starts_where, ft.starts, at, at + 1)
-    problems += _check_digests(digests.get(ft.tokens_name), tokens_where, ft.encoded, lo, hi)
+    problems += _check_digests(digests.get(SEQ_STARTS), ft.starts, at, at + 1)
+    problems += _check_digests(digests.get(ft.tokens_name), ft.encoded, lo, hi)
     for start, enc in zip(lo.tolist(), ft.encoded.read_ranges(lo, hi), strict=True):
         problems += check_tokens_block(enc, start, np.array([start]), ft.max_token_id, tokens_where)
     return problems[: FormatError.max_listed]

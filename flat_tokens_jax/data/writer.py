@@ -116,32 +116,15 @@ class _SplitWriter:
         self.starts = _ArrayAppender(store, split, SEQ_STARTS, STARTS_DTYPE, storage_format)
         self.starts.append(np.zeros(1, STARTS_DTYPE))
         self.store, self.split, self.storage_format = store, split, storage_format
-        # Created by the first sequences written with a loss mask; `masked` records
-        # whether the first sequences came with one, and every later one must agree.
+        # Made when the split's first sequences come with a loss mask; every
+        # later one must agree.
         self.mask: _ArrayAppender | None = None
-        self.masked: bool | None = None
         self.max_token_id = 0
         self.num_sequences = 0
 
     @property
     def arrays(self) -> list[_ArrayAppender]:
         return [self.tokens, self.starts, *([self.mask] if self.mask else [])]
-
-    def _start_mask(self, masked: bool) -> None:
-        """Settles on the first call whether the split has a loss mask; refuses mixing."""
-        if self.masked is None:
-            self.masked = masked
-            if masked:
-                self.mask = _ArrayAppender(
-                    self.store, self.split, LOSS_MASK, MASK_DTYPE, self.storage_format
-                )
-        elif masked != self.masked:
-            given, earlier = ("a", "none") if masked else ("no", "one")
-            raise ValueError(
-                f"split {self.split!r}, sequence {self.num_sequences}: {given} loss mask "
-                f"given, but the split's earlier sequences have {earlier}; a split has a "
-                "loss mask for every sequence or for none"
-            )
 
     def extend(self, sequences: Sequence[np.ndarray], masks: Sequence[Any] | None) -> None:
         where = f"split {self.split!r}, sequence"
@@ -194,7 +177,17 @@ class _SplitWriter:
         self, encoded: np.ndarray, offsets: np.ndarray, mask: np.ndarray | None, max_id: int
     ) -> None:
         """Appends checked sequences: ``offsets`` ``[k]`` are their ends within ``encoded``."""
-        self._start_mask(mask is not None)
+        if self.num_sequences == 0 and mask is not None:
+            self.mask = _ArrayAppender(
+                self.store, self.split, LOSS_MASK, MASK_DTYPE, self.storage_format
+            )
+        elif (mask is None) != (self.mask is None):
+            given, earlier = ("no", "one") if mask is None else ("a", "none")
+            raise ValueError(
+                f"split {self.split!r}, sequence {self.num_sequences}: {given} loss mask "
+                f"given, but the split's earlier sequences have {earlier}; a split has a "
+                "loss mask for every sequence or for none"
+            )
         self.tokens.append(encoded)
         if self.mask is not None and mask is not None:
             self.mask.append(mask)

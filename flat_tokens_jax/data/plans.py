@@ -159,23 +159,14 @@ def plan_data_problems(
     here = _digest(starts)
     recorded = plan.source.get("starts_digest")
     if recorded is None:
-        return [
-            Problem(
-                where,
-                "the packing plan records no digest of the sequence bounds it was made "
-                f"from (source.starts_digest), so it cannot be checked against {ft!r}: {fix}",
-            )
-        ]
+        why = "the packing plan records no digest of the sequence bounds it was made from "
+        why += f"(source.starts_digest), so it cannot be checked against {ft!r}"
+        return [Problem(where, f"{why}: {fix}")]
     split = plan.source.get("split")
     made = f"split {split!r}" if isinstance(split, str) else "other data"
     if recorded != here:
-        return [
-            Problem(
-                where,
-                f"the packing plan was made from {made} (sequence bounds digest {recorded}), "
-                f"not from {ft!r} (digest {here}): {fix}",
-            )
-        ]
+        why = f"the packing plan was made from {made} (sequence bounds digest {recorded})"
+        return [Problem(where, f"{why}, not from {ft!r} (digest {here}): {fix}")]
     sizes = np.minimum(np.diff(starts)[plan.seq_order], min(plan.seq_len, np.iinfo(np.int64).max))
     total = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
     per_bin = total[plan.bin_starts[1:]] - total[plan.bin_starts[:-1]]

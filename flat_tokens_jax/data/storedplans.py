@@ -63,8 +63,7 @@ def pack_dataset(
     out = {}
     try:
         for name in names:
-            ft = ds[name]
-            out[name] = write_plan(ds.store, ft, seq_len, ds.zarr_format)
+            out[name] = write_plan(ds.store, ds[name], seq_len, ds.zarr_format)
             log.info("%s: packed %s into %d bins", ds.url, name, out[name].num_bins)
     except BaseException:
         with contextlib.suppress(FileExistsError):  # lost to another writer: theirs now
@@ -90,9 +89,7 @@ def _claim(ds: Dataset) -> Claim:
 
 
 def write_plan(store: Store, ft: FlatTokens, seq_len: int, zarr_format: int) -> PackingPlan:
-    """Builds and stores the plan of the whole split ``ft`` under ``<split>/bins_<seq_len>``."""
-    if ft.seq_range != (0, ft.starts.size - 1):
-        raise ValueError(f"{ft!r} is a view: only whole splits store a packing plan")
+    """Builds and stores the plan of the split ``ft`` under ``<split>/bins_<seq_len>``."""
     plan = make_plan(ft, seq_len)
     group = plan_group(ft.split_name, seq_len)
     # The metadata is deleted first and written last: a plan half deleted or

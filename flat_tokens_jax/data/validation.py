@@ -66,14 +66,8 @@ def validate(
     store = Store(url, resolve_options(options, option_fields, "validate"))
     root = store.group_attributes("")
     if root is None:
-        raise FormatError(
-            Problem(
-                store.url,
-                "no flat-tokens dataset here (no zarr group "
-                "metadata at the root; the path is wrong or a write did "
-                "not finish)",
-            )
-        )
+        why = "no flat-tokens dataset here (no zarr group metadata at the root; the path is wrong"
+        raise FormatError(Problem(store.url, f"{why} or a write did not finish)"))
     problems: list[Problem] = []
     names: tuple[str, ...] = SPLITS
     info = None
@@ -107,12 +101,11 @@ def validate(
 
 def _check_probes(ft: FlatTokens) -> list[Problem]:
     """Every shard's probe, where recorded."""
-    readers = {ft.tokens_name: ft.encoded, SEQ_STARTS: ft.starts, LOSS_MASK: ft.loss_mask}
     return [
         Problem(f"{ft.split_name}/{name}", message)
-        for name, probes in ft.probes.items()
-        if probes is not None and (reader := readers[name]) is not None
-        for message in probes.verify_all(reader.read_ranges)
+        for name, c in ft.checked.items()
+        if c.probes is not None
+        for message in c.probes.verify_all(c.reader.read_ranges)
     ]
 
 
@@ -177,9 +170,8 @@ def _check_sample(ft: FlatTokens, samples: int, digests: dict[str, ChunkDigests]
     ends = ft.starts.read_points(np.array([0, n]))
     problems = check_starts_block(ends[:1], 0, None, num_tokens, starts_where)
     if int(ends[1]) != num_tokens:
-        problems.append(
-            Problem(starts_where, f"last entry must equal the token count {num_tokens}", n, ends[1])
-        )
+        last = f"last entry must equal the token count {num_tokens}"
+        problems.append(Problem(starts_where, last, n, ends[1]))
     if n == 0 or problems:
         return problems
     drawn = np.random.default_rng(0).choice(n, min(samples, n), replace=False)
@@ -244,14 +236,8 @@ def _check_arrays(
         problems += check_starts_block(values, s_offset, previous, num_tokens, starts_where)
         previous = int(values[-1])
     if previous is not None and previous != num_tokens:
-        problems.append(
-            Problem(
-                starts_where,
-                f"last entry must equal the token count {num_tokens}",
-                starts.size - 1,
-                previous,
-            )
-        )
+        last = f"last entry must equal the token count {num_tokens}"
+        problems.append(Problem(starts_where, last, starts.size - 1, previous))
     return problems
 
 

@@ -153,6 +153,15 @@ def as_indices(values: Any, what: str) -> np.ndarray:
     return array.astype(np.int64).reshape(-1)
 
 
+def indices_below(values: Any, n: int, noun: str, who: object) -> np.ndarray:
+    """:func:`as_indices` of ``values``, each in ``[0, n)``, else ``IndexError`` naming ``who``."""
+    idx = as_indices(values, f"{noun} indices")
+    bad = np.flatnonzero((idx < 0) | (idx >= n))
+    if bad.size:
+        raise IndexError(f"{who!r}: {noun} index {idx[bad[0]]} is outside [0, {n})")
+    return idx
+
+
 def as_index(value: Any, what: str) -> int:
     """``value`` as an ``int``, refusing floats and booleans (see :func:`as_indices`)."""
     if isinstance(value, bool | np.bool_) or not hasattr(type(value), "__index__"):

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from flat_tokens_jax.core import fields
-from flat_tokens_jax.core.format import ENCODED_DTYPE, FormatError, Problem
+from flat_tokens_jax.core.format import ENCODED_DTYPE, FormatError, Problem, indices_below
 from flat_tokens_jax.core.limits import check_seq_len
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.plans import PackingPlan, check_plan, find_plan
@@ -22,7 +22,6 @@ from flat_tokens_jax.data.records import (
     Records,
     Windows,
     _check_columns,
-    _check_indices,
     _data_fingerprint,
 )
 
@@ -76,7 +75,7 @@ class BinRecords:
 
     def sequences(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(row, sequence)`` ``[m] int64``: the sequences of bins ``indices``, in bin order."""
-        idx = _check_indices(indices, len(self), self)
+        idx = indices_below(indices, len(self), "record", self)
         lo, hi = self.plan.bin_starts[idx], self.plan.bin_starts[idx + 1]
         counts = hi - lo
         row = np.repeat(np.arange(idx.size), counts)

@@ -12,14 +12,13 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from flat_tokens_jax.core.format import ENCODED_DTYPE
+from flat_tokens_jax.core.format import ENCODED_DTYPE, indices_below
 from flat_tokens_jax.data.records import (
     PackedRecords,
     PaddedRecords,
     Records,
     Windows,
     _check_columns,
-    _check_indices,
     check_start_bits,
 )
 
@@ -120,7 +119,7 @@ def block_rows(
 ) -> Windows:
     """``records.read(indices, columns)``, from the blocks ``held`` (by block
     index, ``size`` records each) that hold every record of ``indices``."""
-    idx = _check_indices(indices, len(records), records)
+    idx = indices_below(indices, len(records), "record", records)
     c0, c1 = _check_columns(columns, records.seq_len)
     packed = isinstance(records, PackedRecords)
     width = c1 - c0 + int(packed)

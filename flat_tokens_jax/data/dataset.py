@@ -27,6 +27,7 @@ from flat_tokens_jax.core.format import (
     as_index,
     as_indices,
     decode,
+    indices_below,
 )
 from flat_tokens_jax.core.values import BadValue, number
 from flat_tokens_jax.store.arrays import ArrayReader, Pending
@@ -216,12 +217,7 @@ class FlatTokens:
 
     def sequence_bounds(self, indices: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(starts, stops)`` token offsets ``[k] int64`` of sequences ``indices``, one read."""
-        idx = as_indices(indices, "sequence indices")
-        bad = np.flatnonzero((idx < 0) | (idx >= self.num_sequences))
-        if bad.size:
-            raise IndexError(
-                f"{self!r}: sequence index {idx[bad[0]]} is outside [0, {self.num_sequences})"
-            )
+        idx = indices_below(indices, self.num_sequences, "sequence", self)
         at = idx + self.seq_range[0]
         both = self.checked[SEQ_STARTS].read_points(np.concatenate([at, at + 1])).astype(np.int64)
         self.check_bounds(np.concatenate([at, at + 1]), both, idx.size)

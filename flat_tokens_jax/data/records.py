@@ -17,7 +17,7 @@ import numpy as np
 
 from flat_tokens_jax.core.concurrently import at_once
 from flat_tokens_jax.core.fields import Packing
-from flat_tokens_jax.core.format import ENCODED_DTYPE, FormatError, as_indices
+from flat_tokens_jax.core.format import ENCODED_DTYPE, FormatError, as_indices, indices_below
 from flat_tokens_jax.core.limits import check_seq_len
 from flat_tokens_jax.core.urls import redact
 from flat_tokens_jax.data.dataset import Dataset, FlatTokens
@@ -201,7 +201,7 @@ class PackedRecords(_SplitRecords):
     def request(
         self, indices: np.ndarray, columns: tuple[int, int] | None = None
     ) -> Callable[[], Windows]:
-        idx = _check_indices(indices, len(self), self)
+        idx = indices_below(indices, len(self), "record", self)
         c0, c1 = _check_columns(columns, self.seq_len)
         base = idx * self.seq_len
         start, stop = base + c0, base + c1
@@ -232,7 +232,7 @@ class PaddedRecords(_SplitRecords):
     def request(
         self, indices: np.ndarray, columns: tuple[int, int] | None = None
     ) -> Callable[[], Windows]:
-        idx = _check_indices(indices, len(self), self)
+        idx = indices_below(indices, len(self), "record", self)
         c0, c1 = _check_columns(columns, self.seq_len)
         start, stop = self.token_ranges(idx)
         lo = np.minimum(start + c0, stop)
@@ -279,14 +279,6 @@ def _check_columns(columns: tuple[int, int] | None, seq_len: int) -> tuple[int, 
     if not 0 <= c0 < c1 <= seq_len:
         raise ValueError(f"columns ({c0}, {c1}) are not a range within [0, {seq_len}]")
     return c0, c1
-
-
-def _check_indices(indices: np.ndarray, n: int, source: object) -> np.ndarray:
-    idx = as_indices(indices, "record indices")
-    bad = np.flatnonzero((idx < 0) | (idx >= n))
-    if bad.size:
-        raise IndexError(f"{source!r}: record {idx[bad[0]]} is outside [0, {n})")
-    return idx
 
 
 def sources_of(names: Sequence[str], components: Sequence[Records]) -> list[dict[str, Any]]:

@@ -325,19 +325,16 @@ class DatasetWriter:
         ``loss_masks``, when given, yields one mask per sequence (see :meth:`append`)."""
         writer = self._split(split)
         batch: list[np.ndarray] = []
-        masks: list[Any] | None = None if loss_masks is None else []
+        masks: list[Any] = []
         size = 0
         for seq, mask in _paired(sequences, loss_masks, split):
-            arr = np.asarray(seq)
-            batch.append(arr)
-            if masks is not None:
-                masks.append(mask)
-            size += arr.size
+            batch.append(np.asarray(seq))
+            masks.append(mask)
+            size += batch[-1].size
             if size >= batch_tokens:
-                writer.extend(batch, masks)
-                batch, size = [], 0
-                masks = None if masks is None else []
-        writer.extend(batch, masks)
+                writer.extend(batch, None if loss_masks is None else masks)
+                batch, masks, size = [], [], 0
+        writer.extend(batch, None if loss_masks is None else masks)
 
     def extend_encoded(
         self,
@@ -372,14 +369,11 @@ class DatasetWriter:
             self._discard()
             raise
         self._claim.release()
-        log.info(
-            "wrote %s: %s",
-            self.store.url,
-            ", ".join(
-                f"{n} {w.num_sequences} sequences / {w.tokens.size} tokens"
-                for n, w in self._splits.items()
-            ),
+        counts = (
+            f"{n} {w.num_sequences} sequences / {w.tokens.size} tokens"
+            for n, w in self._splits.items()
         )
+        log.info("wrote %s: %s", self.store.url, ", ".join(counts))
 
     def abort(self) -> None:
         """Gives up: nothing is marked valid, and what was written is deleted."""
@@ -442,8 +436,7 @@ def _paired(
 ) -> Iterator[tuple[Any, Any]]:
     """``(sequence, mask)`` pairs, the mask ``None`` when ``masks`` is; refuses unequal counts."""
     if masks is None:
-        for seq in sequences:
-            yield seq, None
+        yield from ((seq, None) for seq in sequences)
         return
     for i, (seq, mask) in enumerate(itertools.zip_longest(sequences, masks, fillvalue=_END)):
         if seq is _END or mask is _END:

@@ -20,21 +20,6 @@ from typing import Any, Literal
 from flat_tokens_jax.core.format import MAX_TOKEN_ID
 from flat_tokens_jax.core.values import BadValue, boolean, integer
 
-__all__ = [
-    "BLOCKS",
-    "MAX_SEED",
-    "MAX_STEP",
-    "Packing",
-    "Shuffle",
-    "packing",
-    "pad_id",
-    "seed",
-    "seq_len",
-    "shuffle",
-    "step",
-    "token_id",
-]
-
 MAX_SEED = 2**64 - 1
 """The largest seed: seeds key a 64-bit mixer."""
 
@@ -44,8 +29,7 @@ MAX_STEP = 2**63 - 1
 
 def seed(value: Any, path: str) -> int:
     """A shuffle key: an int in ``[0, 2**64 - 1]`` (it keys a 64-bit mixer)."""
-    out: int = integer(value, path, low=0, high=MAX_SEED)
-    return out
+    return integer(value, path, low=0, high=MAX_SEED)
 
 
 def seq_len(value: Any, path: str, *, optional: bool = False) -> Any:
@@ -61,14 +45,12 @@ def token_id(value: Any, path: str, *, optional: bool = False) -> Any:
 
 def pad_id(value: Any, path: str) -> int:
     """The id of padding in the ``int32`` inputs and targets: an int32."""
-    out: int = integer(value, path, low=-MAX_TOKEN_ID - 1, high=MAX_TOKEN_ID)
-    return out
+    return integer(value, path, low=-MAX_TOKEN_ID - 1, high=MAX_TOKEN_ID)
 
 
 def step(value: Any, path: str) -> int:
     """A step of a run, or a count of its samples: an int in ``[0, 2**63 - 1]``."""
-    out: int = integer(value, path, low=0, high=MAX_STEP)
-    return out
+    return integer(value, path, low=0, high=MAX_STEP)
 
 
 class Packing(enum.Enum):

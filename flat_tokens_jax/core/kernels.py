@@ -195,9 +195,8 @@ def gather(
 
 
 def warm() -> None:
-    """Calls each kernel on a tiny input: the first call of a process sets numba
-    up and loads the kernel (most of a second), so a caller that warms first
-    measures its steps, not that."""
+    """Calls each kernel on a tiny input: a process's first call sets numba up
+    and loads the kernel (most of a second)."""
     words = np.arange(8, dtype=np.uint32)
     words.setflags(write=False)
     flat = np.zeros(4, np.uint32)

@@ -13,8 +13,6 @@ from typing import Any
 import numba
 from numba.core.caching import CompileResultCacheImpl, FunctionCache
 
-__all__ = ["FOLDER", "compile_cached"]
-
 FOLDER = f"numba-{numba.__version__}"
 
 
@@ -29,9 +27,8 @@ def _versioned(locator: Any) -> Any:
 
 
 class _VersionedImpl(CompileResultCacheImpl):
-    # numba's own locators, in its order, each a folder deeper: a locator whose
-    # numba-<version> folder cannot be made or written is passed over as numba
-    # passes over its own. A list, as numba declares it.
+    # numba's own locators, in its order, each a folder deeper (one whose folder
+    # cannot be written is passed over, as numba's own are). A list, as numba's.
     _locator_classes = [_versioned(c) for c in CompileResultCacheImpl._locator_classes]  # noqa: RUF012
 
 

@@ -25,21 +25,6 @@ from typing import Any
 
 import numpy as np
 
-__all__ = [
-    "BadValue",
-    "boolean",
-    "child",
-    "choice",
-    "close_match",
-    "integer",
-    "is_integer",
-    "known_keys",
-    "mapping",
-    "number",
-    "sequence",
-    "text",
-]
-
 
 class BadValue(ValueError):
     """A refused config value: at ``path`` (``data.datasets[1].weight``), the

@@ -19,8 +19,6 @@ from typing import Any
 from flat_tokens_jax.core.extras import install_hint
 from flat_tokens_jax.core.values import child
 
-__all__ = ["MAX_YAML_DEPTH", "MAX_YAML_VALUES", "read_yaml"]
-
 # A config nests a few levels deep; a document far deeper (or far larger once
 # its aliases expand) is not one, and would exhaust Python's recursion (or
 # memory) in the code that reads it.

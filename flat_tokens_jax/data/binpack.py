@@ -33,9 +33,6 @@ BLOCK = 1 << 18
 """Sequences packed together (the last block may be shorter)."""
 
 
-_INT64_MAX = int(np.iinfo(np.int64).max)
-
-
 def build_plan(
     lengths: np.ndarray, seq_len: int, max_segments: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -73,9 +70,9 @@ def build_plan(
     # Block by block, into the output arrays: memory beyond the plan stays O(BLOCK).
     seq_order = np.empty(lens.size, np.int64)
     counts = []
+    cap = min(int(seq_len), np.iinfo(np.int64).max)  # lengths fit int64: a larger cap cuts none
     for lo in range(0, lens.size, BLOCK):
-        # Lengths fit int64, so a seq_len beyond it truncates nothing.
-        sizes = np.minimum(lens[lo : lo + BLOCK], min(int(seq_len), _INT64_MAX)).astype(np.int64)
+        sizes = np.minimum(lens[lo : lo + BLOCK], cap).astype(np.int64)
         if max_segments is None:
             bin_of, num_bins = _pack_block(sizes, int(seq_len))
         else:

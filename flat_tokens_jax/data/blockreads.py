@@ -133,21 +133,18 @@ def block_rows(
         rows = np.flatnonzero(block == b)
         got = held[b]
         if packed:
-            seq_len = records.seq_len
-            begin = idx[rows] * seq_len + c0
-            lo, hi = begin - 1, begin + (c1 - c0)
-            _gather(out, rows, got.tokens, lo - got.base, hi - lo)
-            if mask is not None and got.mask is not None:
-                _gather(mask, rows, got.mask, begin - got.mask_base, hi - begin)
-            continue
-        assert got.starts is not None and got.stops is not None and lengths is not None
-        k = idx[rows] - b * size
-        start, stop = got.starts[k], got.stops[k]
-        lo, hi = np.minimum(start + c0, stop), np.minimum(start + c1, stop)
+            mask_lo = idx[rows] * records.seq_len + c0
+            lo, hi = mask_lo - 1, mask_lo + (c1 - c0)
+        else:
+            assert got.starts is not None and got.stops is not None and lengths is not None
+            k = idx[rows] - b * size
+            start, stop = got.starts[k], got.stops[k]
+            lo = mask_lo = np.minimum(start + c0, stop)
+            hi = np.minimum(start + c1, stop)
+            lengths[rows], starts_all[rows] = stop - start, start
         _gather(out, rows, got.tokens, lo - got.base, hi - lo)
         if mask is not None and got.mask is not None:
-            _gather(mask, rows, got.mask, lo - got.mask_base, hi - lo)
-        lengths[rows], starts_all[rows] = stop - start, start
+            _gather(mask, rows, got.mask, mask_lo - got.mask_base, hi - mask_lo)
     if packed:
         return Windows(out, stored_mask=mask)
     assert lengths is not None

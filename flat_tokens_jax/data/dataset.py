@@ -253,8 +253,7 @@ class FlatTokens:
     def split(self, fractions: str | Sequence[float]) -> tuple[FlatTokens, ...]:
         """Contiguous views cut by Megatron's rule (:func:`split_boundaries`),
         e.g. ``ft.split("949,50,1")`` -> (train, valid, test); packed records of
-        a view never cross its ends.
-        """
+        a view never cross its ends."""
         bounds = split_boundaries(fractions, self.num_sequences)
         return tuple(self.view(a, b) for a, b in itertools.pairwise(bounds))
 
@@ -285,8 +284,7 @@ class FlatTokens:
 class Dataset(Mapping[str, FlatTokens]):
     """A flat-tokens dataset: a zarr group whose splits are :class:`FlatTokens`,
     ``dataset["train"]``: ``train``, ``validation``, then the extra ones its root
-    attributes record (``flat_tokens.splits``).
-    """
+    attributes record (``flat_tokens.splits``)."""
 
     def __init__(self, store: Store) -> None:
         store.prefetch_json(_metadata_keys(3, SPLITS))

@@ -42,7 +42,6 @@ class PackingPlan:
     """Which sequences of a split share each bin.
 
     Attributes:
-        seq_len: tokens per bin.
         algorithm: how the plan was made (:data:`~flat_tokens_jax.data.binpack.ALGORITHM`).
         bin_starts: ``[num_bins + 1] int64`` offsets into ``seq_order``.
         seq_order: ``[num_sequences] int64``: bin ``b`` holds sequences

@@ -55,12 +55,9 @@ class Records(Protocol):
     def __len__(self) -> int: ...
 
     def read(self, indices: np.ndarray, columns: tuple[int, int] | None = None) -> Windows:
-        """Encoded tokens of records ``indices`` (``[k] int64``).
-
-        ``columns=(c0, c1)`` reads only those columns of each record (for a
-        sequence-sharded batch): packed windows then hold tokens ``c0 - 1 .. c1``
-        of the record, padded rows columns ``c0 .. c1`` (``lengths`` stay whole).
-        """
+        """Encoded tokens of records ``indices`` (``[k] int64``); with ``columns=(c0,
+        c1)`` (a sequence-sharded batch) packed windows hold tokens ``c0 - 1 .. c1``
+        of the record, padded rows columns ``c0 .. c1`` (``lengths`` stay whole)."""
         ...
 
     def token_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -259,8 +256,7 @@ def check_start_bits(
 ) -> None:
     """Raises :class:`FormatError` unless every padded row of ``rows`` (``[k, w]``
     encoded, from split token ``first[r]`` on) whose column 0 is its sequence's
-    first token (``at_start``) has the start bit set there, so a ``seq_starts``
-    entry pointing elsewhere shows. One column: nothing next to the read."""
+    first token (``at_start``) has the start bit set there (one column: cheap)."""
     if not at_start or rows.shape[1] == 0:
         return
     clear = np.flatnonzero(((rows[:, 0] & 1) == 0) & (lengths > 0))

@@ -315,7 +315,12 @@ def summary(
                 "p99": float(q[3]),
                 "max": int(q[4]),
             }
-            info["histogram"] = length_histogram(lengths)
+            low = int(lengths.min()).bit_length() - 1
+            edges = [1 << k for k in range(low, int(lengths.max()).bit_length() + 1)]
+            # frexp's exponent is floor(log2(x)) + 1, exactly, for integers below 2**53.
+            bucket = np.frexp(lengths.astype(np.float64))[1].astype(np.int64) - 1 - low
+            counts = np.bincount(bucket, minlength=len(edges) - 1).astype(int).tolist()
+            info["histogram"] = {"edges": edges, "counts": counts}
             info["lengths_sampled"] = bool(idx.size < n)
             _plans_filled(info["packing_plans"], lengths, n)
         out["splits"][name] = info
@@ -333,15 +338,3 @@ def _plans_filled(plans: dict[str, Any], lengths: np.ndarray, n: int) -> None:
             tokens = round(float(np.minimum(lengths, int(seq_len)).mean()) * n)
             plan["filled_sampled"] = bool(lengths.size < n)
         plan["filled"] = tokens / max(plan["num_bins"] * int(seq_len), 1)
-
-
-def length_histogram(lengths: np.ndarray) -> dict[str, list[int]]:
-    """``{"edges", "counts"}``: ``counts[i]`` of ``lengths`` ``[k]`` (positive)
-    lie in ``[edges[i], edges[i + 1])``, edges powers of two."""
-    lo = int(lengths.min()).bit_length() - 1
-    hi = int(lengths.max()).bit_length()
-    edges = [1 << k for k in range(lo, hi + 1)]
-    # frexp's exponent is floor(log2(x)) + 1, exactly, for integers below 2**53.
-    bucket = np.frexp(lengths.astype(np.float64))[1].astype(np.int64) - 1 - lo
-    counts = np.bincount(bucket, minlength=len(edges) - 1)
-    return {"edges": edges, "counts": counts.astype(int).tolist()}

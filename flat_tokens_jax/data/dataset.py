@@ -136,11 +136,8 @@ class FlatTokens:
             )
 
     def __repr__(self) -> str:
-        view = (
-            ""
-            if self.seq_range == (0, self.starts.size - 1)
-            else (f", sequences={list(self.seq_range)}")
-        )
+        whole = self.seq_range == (0, self.starts.size - 1)
+        view = "" if whole else f", sequences={list(self.seq_range)}"
         return (
             f"FlatTokens({self.store.url!r}, split={self.split_name!r}{view}, "
             f"num_tokens={self.num_tokens}, num_sequences={self.num_sequences})"

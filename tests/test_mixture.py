@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from memurls import memory_url
 
 import flat_tokens_jax as ftj
-from flat_tokens_jax.data.splitfractions import split_boundaries
+from flat_tokens_jax.data.dataset import split_boundaries
 from flat_tokens_jax.sampling.mixconfig import mixture_from_config
 from flat_tokens_jax.sampling.mixture import Mixture, Period, period_counts
 

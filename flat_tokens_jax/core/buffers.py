@@ -1,11 +1,6 @@
-"""Buffers for per-batch arrays, reused once nothing references them.
-
-A batch allocates a few arrays of megabytes (the encoded windows, the five
-fields). Freed and allocated again each step, their pages go back to the
-system and are faulted in again: measured ~1,000 page faults and ~1.2 ms of
-system time a 256 x 2048 batch, more than the decode itself, and worse with
-several threads (each fault and unmap takes the process's memory-map lock).
-A :class:`Buffers` keeps them mapped instead.
+"""Buffers for per-batch arrays, reused once nothing references them: freed
+and allocated again each step, a 256 x 2048 batch's arrays cost ~1,000 page
+faults and ~1.2 ms of system time, more than the decode itself.
 """
 
 from __future__ import annotations
@@ -18,18 +13,12 @@ import numpy as np
 
 
 class Buffers:
-    """Recycles allocations that nothing references any more.
+    """Recycles allocations that nothing references any more; thread-safe.
 
-    The pool keeps each buffer's memory and hands out an array over it that
-    only a weak reference follows. Every array made from what was handed out
-    (a view, a slice, a ``jax.Array`` that uses it in place on the CPU
-    backend) keeps that array alive through ``.base``, so the memory is handed
-    out again only once all of them are gone, and reuse never changes data a
-    caller still holds. Thread-safe.
-
-    Args:
-        keep: buffers kept, the most recently made; older ones are left to
-            the garbage collector.
+    Hands out arrays over kept memory that only a weak reference follows; every
+    array made from one (a view, a ``jax.Array`` using it in place) keeps it
+    alive through ``.base``, so reuse never changes data a caller still holds.
+    The ``keep`` most recently made buffers are kept.
     """
 
     def __init__(self, keep: int = 8) -> None:
@@ -67,11 +56,6 @@ class Buffers:
 
 
 def _over(memory: np.ndarray) -> np.ndarray:
-    """A new ``[n] uint8`` array over ``memory`` that every array made from it keeps alive.
-
-    Numpy sets a view's ``.base`` to the array that owns the memory, skipping
-    the views in between, so views of a plain view of ``memory`` would not
-    keep that view alive; the skipping stops at a base that is not an array,
-    here the memoryview ``memory.data``.
-    """
+    """A new ``[n] uint8`` array over ``memory`` that every array made from it
+    keeps alive (numpy's ``.base`` skips plain views, but stops at the memoryview)."""
     return np.frombuffer(memory.data, np.uint8)

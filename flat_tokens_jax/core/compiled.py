@@ -1,8 +1,5 @@
-"""The compiled kernels (:mod:`~flat_tokens_jax.core.kernels`), where numba is installed.
-
-They are optional (the ``fast`` extra): every caller has a numpy path that
-gives the same results, and takes it when :func:`kernels` returns ``None``.
-"""
+"""The compiled kernels where numba is installed (the ``fast`` extra); every
+caller has a numpy path, taken when they are ``None``."""
 
 from __future__ import annotations
 
@@ -30,8 +27,7 @@ def kernels() -> ModuleType | None:
 
 @functools.cache
 def filter_kernel() -> ModuleType | None:
-    """:mod:`~flat_tokens_jax.core.filterkernel` (the instance filter's kernel)
-    when numba imports, else ``None``."""
+    """:mod:`~flat_tokens_jax.core.filterkernel` when numba imports, else ``None``."""
     if kernels() is None:
         return None
     return importlib.import_module("flat_tokens_jax.core.filterkernel")
@@ -39,8 +35,7 @@ def filter_kernel() -> ModuleType | None:
 
 @functools.cache
 def warm() -> None:
-    """Sets the compiled kernels up once a process (see
-    :func:`~flat_tokens_jax.core.kernels.warm`); nothing without numba."""
+    """:func:`~flat_tokens_jax.core.kernels.warm`, once a process, where numba is."""
     fast = kernels()
     if fast is not None:
         fast.warm()

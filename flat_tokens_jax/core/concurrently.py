@@ -12,9 +12,8 @@ MAX_THREADS = 32  # more calls than this share the threads
 
 
 def at_once(calls: Sequence[Callable[[], T]]) -> list[T]:
-    """Each call's result, in order, the calls run concurrently (a single call
-    runs on this thread). Every call ends before this returns; the first
-    failing call's exception (in order) is raised."""
+    """Each call's result, in order, the calls run concurrently and all ended;
+    the first failing call's exception (in order) is raised."""
     if len(calls) <= 1:
         return [call() for call in calls]
     with ThreadPoolExecutor(max_workers=min(len(calls), MAX_THREADS)) as pool:

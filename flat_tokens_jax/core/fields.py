@@ -1,14 +1,6 @@
-"""The fields that several surfaces take, each with its one type and bounds.
-
-A seed is a seed whether it comes from ``LoaderConfig``, a YAML ``data``
-section, ``Mixture``, ``IndexSampler`` or a saved state: each surface checks
-it here, with the path it names the value by (``loader.seed``,
-``Mixture.seed``, ``fingerprint.config.seed``). Each check returns the value
-as a Python int, or raises :class:`~flat_tokens_jax.core.values.BadValue`
-naming the path, what was given and what is accepted.
-
-A ``packing`` is read here into :class:`Packing`, the closed type the rest
-of the code compares by member; a ``shuffle`` into its :data:`Shuffle`.
+"""The fields that several surfaces take (``LoaderConfig``, YAML, ``Mixture``,
+saved states), each with its one type and bounds, checked with the path the
+surface names it by; :class:`~flat_tokens_jax.core.values.BadValue` otherwise.
 
 Example:
     >>> seed(7, "Mixture.seed")
@@ -28,21 +20,6 @@ from typing import Any, Literal
 from flat_tokens_jax.core.format import MAX_TOKEN_ID
 from flat_tokens_jax.core.values import BadValue, boolean, integer
 
-__all__ = [
-    "BLOCKS",
-    "MAX_SEED",
-    "MAX_STEP",
-    "Packing",
-    "Shuffle",
-    "packing",
-    "pad_id",
-    "seed",
-    "seq_len",
-    "shuffle",
-    "step",
-    "token_id",
-]
-
 MAX_SEED = 2**64 - 1
 """The largest seed: seeds key a 64-bit mixer."""
 
@@ -52,8 +29,7 @@ MAX_STEP = 2**63 - 1
 
 def seed(value: Any, path: str) -> int:
     """A shuffle key: an int in ``[0, 2**64 - 1]`` (it keys a 64-bit mixer)."""
-    out: int = integer(value, path, low=0, high=MAX_SEED)
-    return out
+    return integer(value, path, low=0, high=MAX_SEED)
 
 
 def seq_len(value: Any, path: str, *, optional: bool = False) -> Any:
@@ -69,21 +45,17 @@ def token_id(value: Any, path: str, *, optional: bool = False) -> Any:
 
 def pad_id(value: Any, path: str) -> int:
     """The id of padding in the ``int32`` inputs and targets: an int32."""
-    out: int = integer(value, path, low=-MAX_TOKEN_ID - 1, high=MAX_TOKEN_ID)
-    return out
+    return integer(value, path, low=-MAX_TOKEN_ID - 1, high=MAX_TOKEN_ID)
 
 
 def step(value: Any, path: str) -> int:
     """A step of a run, or a count of its samples: an int in ``[0, 2**63 - 1]``."""
-    out: int = integer(value, path, low=0, high=MAX_STEP)
-    return out
+    return integer(value, path, low=0, high=MAX_STEP)
 
 
 class Packing(enum.Enum):
-    """What a row is: ``LoaderConfig.packing`` once read (see :func:`packing`).
-
-    Each member's value is what a user writes for it (``packing: true``,
-    ``false`` or ``bins``), and what saved states and fingerprints hold.
+    """What a row is: ``LoaderConfig.packing`` once read. Each member's value is
+    what a user writes for it, and what saved states and fingerprints hold.
 
     Example:
         >>> packing("bins", "loader.packing") is Packing.BINS
@@ -105,9 +77,8 @@ class Packing(enum.Enum):
 
 
 def packing(value: Any, path: str) -> Packing:
-    """A ``packing`` as its :class:`Packing`: ``True``, ``False``, ``"bins"``
-    or a member. Strict as a config's booleans are not: ``1`` and numpy's
-    ``True`` are refused."""
+    """A ``packing`` (``True``, ``False``, ``"bins"`` or a member) as its
+    :class:`Packing`; ``1`` and numpy's ``True`` are refused."""
     if isinstance(value, Packing):
         return value
     if isinstance(value, bool):
@@ -123,8 +94,7 @@ def packing(value: Any, path: str) -> Packing:
 
 Shuffle = bool | Literal["blocks"]
 """A ``shuffle``: ``True`` (a full shuffle), ``False`` (in order) or ``"blocks"``
-(the block shuffle, :mod:`~flat_tokens_jax.sampling.blocks`). Booleans stay
-booleans, so fingerprints and saved states of either hold them as before."""
+(the block shuffle); booleans stay booleans in fingerprints and saved states."""
 
 BLOCKS: Literal["blocks"] = "blocks"
 """The ``shuffle`` of the block shuffle."""

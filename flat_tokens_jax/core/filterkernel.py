@@ -1,10 +1,6 @@
-"""The instance filter's compiled kernel (numba, the ``fast`` extra).
-
-It finds what :meth:`~flat_tokens_jax.InstanceFilter.rejected` finds, with
-the same probes, one row at a time while the row is in cache, and stops at a
-row's first run; tests compare the two. Import it through
-:func:`flat_tokens_jax.core.compiled.filter_kernel`, which returns ``None`` where
-numba is not installed.
+"""The instance filter's compiled kernel (numba, the ``fast`` extra): what
+:meth:`~flat_tokens_jax.InstanceFilter.rejected` finds, one row at a time
+while the row is in cache, stopping at a row's first run.
 """
 
 from __future__ import annotations

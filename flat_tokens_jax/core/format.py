@@ -9,7 +9,6 @@ offset of each sequence and ends with ``num_tokens``. Pure numpy, no I/O.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import operator
 import re
 from collections.abc import Iterable, Sequence
@@ -44,12 +43,9 @@ _PLAN_PREFIX = "bins_"  # <split>/bins_<seq_len>: the packing plans `pack` store
 
 
 def check_split_name(name: Any) -> str:
-    """``name`` if it may name a split: it follows the rule below and is no name
-    the store uses inside a split (``encoded_tokens``, ``tokens``,
-    ``seq_starts``, ``loss_mask``, ``bins_*``). The rule: lowercase ASCII,
-    ``[a-z][a-z0-9_-]*``, at most :data:`MAX_SPLIT_NAME` characters; it also
-    keeps split names off the store's own files (zarr metadata, the write
-    marker, the staging folder), which start with ``_`` or ``.``.
+    """``name`` if it may name a split: lowercase ASCII, ``[a-z][a-z0-9_-]*``, at
+    most :data:`MAX_SPLIT_NAME` characters (so off the store's own files, which
+    start with ``_`` or ``.``), and no name the store uses inside a split.
 
     Raises:
         ValueError: naming the name, the rule it breaks and a name to write.
@@ -93,10 +89,8 @@ def _plain(name: str) -> str:
 
 
 class UnknownSplit(KeyError, ValueError):
-    """A split that a dataset or a writer does not have: a ``KeyError`` whose
-    text reads as a sentence (a plain one shows its message in quotes), and a
-    ``ValueError`` as every other bad name given is, so that whatever reports
-    bad input (the command line) reports it."""
+    """A split that a dataset or a writer does not have: a ``KeyError`` whose text
+    reads as a sentence, and a ``ValueError`` so the command line reports it."""
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
@@ -104,14 +98,8 @@ class UnknownSplit(KeyError, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """One violation of the format: what is wrong and where.
-
-    Attributes:
-        where: the split and array, e.g. ``"train/seq_starts"``.
-        message: what is wrong, in words.
-        index: the element index in that array, when one element is at fault.
-        value: the offending value, when there is one.
-    """
+    """One violation of the format: ``message`` at ``where`` (e.g.
+    ``"train/seq_starts"``), element ``index`` and its ``value`` where known."""
 
     where: str
     message: str
@@ -143,19 +131,35 @@ class FormatError(ValueError):
         super().__init__(lines[0] if len(lines) == 1 else "\n  ".join(["", *lines]).lstrip("\n"))
 
 
-def as_indices(values: Any, what: str) -> np.ndarray:
-    """``values`` (any shape) as ``[k] int64``, refusing what is not an integer:
-    ``1.7`` or ``True`` is no index, and truncating it would read another one.
+def listed_problems(
+    where: str, message: str, at: np.ndarray, values: np.ndarray, offset: int = 0
+) -> list[Problem]:
+    """The problem of ``values[i]`` at index ``offset + i``, for the first
+    :attr:`FormatError.max_listed` indices ``i`` of ``at``."""
+    return [
+        Problem(where, message, offset + int(i), int(values[i]))
+        for i in at[: FormatError.max_listed]
+    ]
 
-    Raises:
-        TypeError: ``values`` hold floats, booleans or anything else not integral.
-    """
+
+def as_indices(values: Any, what: str) -> np.ndarray:
+    """``values`` (any shape) as ``[k] int64``; ``TypeError`` for floats, booleans
+    or anything else not integral (truncating ``1.7`` would read another index)."""
     array = np.asarray(values)
     if array.size and array.dtype.kind not in "iu":
         raise TypeError(
             f"{what} must be integers, got {array.dtype} values such as {array.reshape(-1)[0]!r}"
         )
     return array.astype(np.int64).reshape(-1)
+
+
+def indices_below(values: Any, n: int, noun: str, who: object) -> np.ndarray:
+    """:func:`as_indices` of ``values``, each in ``[0, n)``, else ``IndexError`` naming ``who``."""
+    idx = as_indices(values, f"{noun} indices")
+    bad = np.flatnonzero((idx < 0) | (idx >= n))
+    if bad.size:
+        raise IndexError(f"{who!r}: {noun} index {idx[bad[0]]} is outside [0, {n})")
+    return idx
 
 
 def as_index(value: Any, what: str) -> int:
@@ -166,15 +170,8 @@ def as_index(value: Any, what: str) -> int:
 
 
 def check_token_ids(ids: np.ndarray, where: str) -> np.ndarray:
-    """Returns ``ids`` as ``int64`` after checking dtype and range.
-
-    Args:
-        ids: token ids of one sequence, any integer dtype, shape ``[n]``.
-        where: names the sequence in error messages.
-
-    Raises:
-        ValueError: not a 1-D integer array, or an id outside ``[0, 2**31 - 1]``.
-    """
+    """Token ids ``[n]`` of one sequence (any integer dtype) as ``int64``;
+    ``ValueError`` naming ``where`` if not 1-D integers in ``[0, 2**31 - 1]``."""
     arr = np.asarray(ids)
     if arr.ndim != 1:
         raise ValueError(f"{where}: expected a 1-D sequence of token ids, got shape {arr.shape}")
@@ -192,16 +189,8 @@ def check_token_ids(ids: np.ndarray, where: str) -> np.ndarray:
 
 
 def check_loss_mask(mask: np.ndarray, num_tokens: int, where: str) -> np.ndarray:
-    """Returns a loss mask as ``[num_tokens] uint8`` after checking it.
-
-    Args:
-        mask: ``[num_tokens]`` bool, or integers that are all 0 or 1.
-        num_tokens: the length of the tokens it belongs to.
-        where: names the sequence in error messages.
-
-    Raises:
-        ValueError: wrong shape or length, not bool or integer, or an entry other than 0 and 1.
-    """
+    """A loss mask (bool, or integers all 0 or 1) as ``[num_tokens] uint8``;
+    ``ValueError`` naming ``where`` otherwise."""
     arr = np.asarray(mask)
     if arr.ndim != 1 or arr.size != num_tokens:
         raise ValueError(
@@ -217,15 +206,8 @@ def check_loss_mask(mask: np.ndarray, num_tokens: int, where: str) -> np.ndarray
 
 
 def encode_concatenated(ids: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """Encodes concatenated token ids given the offsets where sequences start.
-
-    Args:
-        ids: checked token ids ``[num_tokens]`` (int64 within range).
-        starts: offsets of sequence starts within ``ids`` ``[num_sequences]``.
-
-    Returns:
-        ``[num_tokens] uint32`` encoded tokens.
-    """
+    """``[num_tokens] uint32`` encoded tokens of checked ``ids`` ``[num_tokens]``
+    whose sequences start at offsets ``starts`` ``[num_sequences]``."""
     out = ids.astype(np.uint32) << np.uint32(1)
     out[starts] |= np.uint32(1)
     return out
@@ -258,30 +240,12 @@ def decode(encoded: np.ndarray) -> np.ndarray:
     return (np.asarray(encoded, dtype=np.uint32) >> np.uint32(1)).astype(np.int32)
 
 
-def is_start(encoded: np.ndarray) -> np.ndarray:
-    """``bool`` mask of the tokens that start a sequence (any shape)."""
-    return (np.asarray(encoded, dtype=np.uint32) & np.uint32(1)).astype(bool)
-
-
-def split_sequences(encoded: np.ndarray, seq_starts: np.ndarray) -> list[np.ndarray]:
-    """Decodes a whole split held in memory into its sequences (``int32`` each)."""
-    ids = decode(encoded)
-    bounds = np.asarray(seq_starts, dtype=np.int64)
-    return [ids[a:b] for a, b in itertools.pairwise(bounds)]
-
-
 def check_starts_block(
     starts: np.ndarray, offset: int, previous: int | None, num_tokens: int, where: str
 ) -> list[Problem]:
-    """Checks one block of ``seq_starts``: starts at 0, strictly increasing, in range.
-
-    Args:
-        starts: ``[k] uint64`` entries ``offset .. offset + k`` of ``seq_starts``.
-        offset: index of ``starts[0]`` in the whole array.
-        previous: the entry before this block, or ``None`` for the first block.
-        num_tokens: length of ``encoded_tokens``.
-        where: e.g. ``"train/seq_starts"``.
-    """
+    """Problems of ``starts`` (``[k] uint64`` entries ``offset ..`` of
+    ``seq_starts``, after ``previous``; ``None``: the first block): it must
+    start at 0, strictly increase and stay within ``num_tokens``."""
     problems: list[Problem] = []
     values = np.asarray(starts, dtype=np.uint64)
     if previous is None and values.size and int(values[0]) != 0:
@@ -299,60 +263,26 @@ def check_starts_block(
         for i in bad[: FormatError.max_listed]
     ]
     over = np.flatnonzero(values > np.uint64(num_tokens))
-    problems += [
-        Problem(
-            where, f"beyond the {num_tokens} tokens of the split", offset + int(i), int(values[i])
-        )
-        for i in over[: FormatError.max_listed]
-    ]
-    return problems
+    beyond = f"beyond the {num_tokens} tokens of the split"
+    return problems + listed_problems(where, beyond, over, values, offset)
 
 
 def check_tokens_block(
     encoded: np.ndarray, offset: int, starts: np.ndarray, max_token_id: int, where: str
 ) -> list[Problem]:
-    """Checks one block of ``encoded_tokens`` against ``seq_starts`` and ``max_token_id``.
-
-    Args:
-        encoded: ``[k] uint32`` tokens ``offset .. offset + k``.
-        offset: index of ``encoded[0]`` in the whole array.
-        starts: every ``seq_starts`` entry in ``[offset, offset + k)``, ``uint64``.
-        max_token_id: the split's attribute.
-        where: e.g. ``"train/encoded_tokens"``.
-    """
+    """Problems of ``encoded`` (``[k] uint32`` tokens ``offset ..``): start bits
+    exactly at ``starts`` (the ``seq_starts`` entries in the block), ids at most
+    ``max_token_id``."""
     problems: list[Problem] = []
-    flagged = np.flatnonzero(np.asarray(encoded) & np.uint32(1))
+    encoded = np.asarray(encoded)
+    flagged = np.flatnonzero(encoded & np.uint32(1))
     expected = np.asarray(starts, dtype=np.int64) - offset
     if flagged.size != expected.size or not np.array_equal(flagged, expected):
-        missing = np.setdiff1d(expected, flagged)
-        extra = np.setdiff1d(flagged, expected)
-        problems += [
-            Problem(
-                where,
-                "seq_starts marks a sequence start here but the start bit is clear",
-                offset + int(i),
-                int(encoded[i]),
-            )
-            for i in missing[: FormatError.max_listed]
-        ]
-        problems += [
-            Problem(
-                where,
-                "start bit set where seq_starts has no sequence start",
-                offset + int(i),
-                int(encoded[i]),
-            )
-            for i in extra[: FormatError.max_listed]
-        ]
-    if encoded.size:
-        over = np.flatnonzero((np.asarray(encoded) >> np.uint32(1)) > np.uint32(max_token_id))
-        problems += [
-            Problem(
-                where,
-                f"token id above max_token_id {max_token_id}",
-                offset + int(i),
-                int(encoded[i]) >> 1,
-            )
-            for i in over[: FormatError.max_listed]
-        ]
-    return problems
+        clear = "seq_starts marks a sequence start here but the start bit is clear"
+        problems += listed_problems(where, clear, np.setdiff1d(expected, flagged), encoded, offset)
+        extra = "start bit set where seq_starts has no sequence start"
+        problems += listed_problems(where, extra, np.setdiff1d(flagged, expected), encoded, offset)
+    ids = encoded >> np.uint32(1)
+    over = np.flatnonzero(ids > np.uint32(max_token_id))
+    above = f"token id above max_token_id {max_token_id}"
+    return problems + listed_problems(where, above, over, ids, offset)

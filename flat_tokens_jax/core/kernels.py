@@ -1,23 +1,8 @@
-"""Compiled host kernels (numba, the ``fast`` extra): copying a batch's ranges
-out of memory-mapped shards, and decoding the five fields of a block of rows
-in one pass per row, both without the interpreter lock.
-
-The numpy decode (:mod:`~flat_tokens_jax.decoding.batch`) makes several passes over a
-batch, each at memory speed, and holds the interpreter lock between them, so
-threads decoding row blocks side by side wait on each other. These kernels
-write each row's five fields in one loop over the row while it is in cache,
-then patch the runs after each sequence start, and release the lock
-throughout: row blocks on threads run in parallel. They compute exactly what
-``batch.window_fields`` does (tests compare the two on random batches). The
-copy (:func:`gather`) is numpy's slice copy per row without the lock, so a
-step's read runs beside another step's decode.
-
-Import it through :func:`flat_tokens_jax.core.compiled.kernels`, which returns
-``None`` where numba is not installed.
-
-Importing this module imports numba (~0.3 s); a kernel compiles on its first
-call in a process (a second or two) and is cached on disk after that, in a
-folder of its numba version (:mod:`~flat_tokens_jax.core.numbacache`).
+"""Compiled host kernels (numba, the ``fast`` extra; import them through
+:func:`flat_tokens_jax.core.compiled.kernels`): copying a batch's ranges out of
+memory-mapped shards, and decoding the five fields of rows as
+``batch.window_fields`` does, one pass per row while it is in cache. Both
+release the interpreter lock, so row blocks on threads run in parallel.
 """
 
 from __future__ import annotations
@@ -161,17 +146,9 @@ def decode_rows(
     pad_id: int,
     out: dict[str, np.ndarray],
 ) -> None:
-    """Writes the fields of rows ``rows[0] .. rows[1]`` of a batch into the same
-    rows of ``out``: what ``batch.window_fields`` returns for them.
-
-    Args:
-        encoded, lengths, stored_mask: the batch's ``Windows`` as
-            :func:`~flat_tokens_jax.decoding.batch.checked_windows` returns them.
-        packing: as for ``window_fields``.
-        rows: ``(start, stop)`` rows to decode.
-        start_token_id, pad_id: as for ``window_fields`` (each fits ``int32``).
-        out: the five C-contiguous fields ``[batch, seq_len]`` of the whole batch.
-    """
+    """Writes what ``batch.window_fields`` returns for rows ``rows[0] .. rows[1]``
+    of a batch (its checked ``Windows``) into the same rows of ``out``, the five
+    C-contiguous fields ``[batch, seq_len]``."""
     kernel = _padded_rows if packing is Packing.PADDED else _packed_rows
     kernel(
         encoded,
@@ -190,7 +167,7 @@ def decode_rows(
 
 
 @compile_cached
-def _gather(
+def gather(
     words: np.ndarray,
     pos: np.ndarray,
     count: np.ndarray,
@@ -199,7 +176,11 @@ def _gather(
     chunk: int,
     gap: int,
     flat: np.ndarray,
-) -> None:  # pragma: no cover - compiled; tests call it through gather
+) -> None:  # pragma: no cover - compiled
+    """Copies ``count[r]`` elements of ``words`` (``[n]``, a shard's elements)
+    from ``pos[r]`` to ``flat[dest[r]:]``, skipping ``gap`` elements (a
+    checksum) after the first ``before[r]`` and then after every ``chunk``
+    (``gap`` 0 without checksums). ``pos, count, dest, before``: ``[k] int64``."""
     for r in range(pos.size):
         p, n, d, m = pos[r], count[r], dest[r], before[r]
         m = min(m, n)
@@ -213,35 +194,9 @@ def _gather(
             m, p = m + k, p + k + gap
 
 
-def gather(
-    words: np.ndarray,
-    pos: np.ndarray,
-    count: np.ndarray,
-    dest: np.ndarray,
-    before: np.ndarray,
-    chunk: int,
-    gap: int,
-    flat: np.ndarray,
-) -> None:
-    """Copies ``count[r]`` elements of ``words`` from ``pos[r]`` to ``flat[dest[r]:]``,
-    skipping ``gap`` elements (a checksum) after the first ``before[r]`` and then
-    after every ``chunk``.
-
-    Args:
-        words: ``[n]`` one shard's elements, checksums in between.
-        pos, count, dest, before: ``[k] int64`` per range.
-        chunk, gap: elements per chunk, and between chunks (0 without checksums,
-            with ``before >= count``).
-        flat: ``[m]`` of ``words``' dtype, the destination.
-    """
-    _gather(words, pos, count, dest, before, chunk, gap, flat)
-
-
 def warm() -> None:
-    """Calls :func:`gather` on read-only ``uint32`` words (a shard's tokens) and
-    :func:`decode_rows` on packed rows, each on a tiny input: the first call
-    of a process sets numba up and loads each kernel (most of a second), so
-    a caller that warms first measures its steps, not that."""
+    """Calls each kernel on a tiny input: a process's first call sets numba up
+    and loads the kernel (most of a second)."""
     words = np.arange(8, dtype=np.uint32)
     words.setflags(write=False)
     flat = np.zeros(4, np.uint32)

@@ -1,12 +1,6 @@
-"""Bounds on what a request may cost: files that are not regular, sizes over memory.
-
-Two checks that run before any work starts. A FIFO, device or socket where a
-metadata, shard or cached file should be would block a read forever (opening a
-FIFO waits for a writer), and a folder would fail deep inside a reader; both are
-refused when the file is opened, naming the path. A size from the user (rows of
-``seq_len`` tokens, a batch of them) whose arrays could not fit in this
-machine's memory is refused before anything is allocated, with the number and
-the largest size that fits. Pure code: ``os`` and ``stat`` only.
+"""Checks run before any work starts: a FIFO, device, socket or folder where a
+file should be (a FIFO would block a read forever) and sizes over this
+machine's memory are refused, naming the path or the largest size that fits.
 """
 
 from __future__ import annotations
@@ -35,8 +29,8 @@ ROW_BYTES_PER_TOKEN = 17 + READ_BYTES_PER_TOKEN
 
 
 def special_kind(path: str | os.PathLike[str]) -> str | None:
-    """What ``path`` is when it exists and is not a regular file (``"FIFO (named
-    pipe)"``, ``"folder"``, ...); ``None`` for a regular file or no file at all."""
+    """What ``path`` is when it exists and is not a regular file (``"folder"``,
+    ...); ``None`` for a regular file or no file at all."""
     try:
         mode = os.stat(path).st_mode
     except (FileNotFoundError, NotADirectoryError):
@@ -48,11 +42,7 @@ def special_kind(path: str | os.PathLike[str]) -> str | None:
 
 
 def check_regular_file(path: str | os.PathLike[str], what: str) -> None:
-    """Refuses ``path`` when it is a FIFO, device, socket or folder.
-
-    Raises:
-        FormatError: naming the path, what it is and what should be there.
-    """
+    """Raises :class:`FormatError` when ``path`` is a FIFO, device, socket or folder."""
     kind = special_kind(path)
     if kind is not None:
         raise FormatError(
@@ -66,10 +56,8 @@ def check_regular_file(path: str | os.PathLike[str], what: str) -> None:
 
 def check_array_files(folder: str | os.PathLike[str]) -> None:
     """Refuses a zarr array folder holding a FIFO, device or socket anywhere
-    below it, or a folder named as metadata (``zarr.json``, ``.zarray``,
-    ``.zattrs``). One ``scandir`` per folder and a ``stat`` only for what is
-    not a plain file or folder (file types come with the listing on Linux);
-    linked folders are followed once."""
+    below it, or a folder named as metadata; one ``scandir`` per folder, linked
+    folders followed once."""
     seen: set[tuple[int, int]] = set()
     todo = [os.fspath(folder)]
     while todo:
@@ -90,8 +78,7 @@ def check_array_files(folder: str | os.PathLike[str]) -> None:
 
 
 def check_chunk_files(folder: str | os.PathLike[str]) -> None:
-    """Refuses a folder where a 1-D array keeps a chunk or shard file
-    (``<n>`` or ``c/<n>`` under ``folder``): readers fail deep inside on one."""
+    """Refuses a folder where a 1-D array keeps a chunk or shard file (``<n>`` or ``c/<n>``)."""
     for sub in (folder, os.path.join(folder, "c")):
         try:
             entries = list(os.scandir(sub))
@@ -106,9 +93,8 @@ _CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.lim
 
 
 def memory_bytes() -> int:
-    """The memory this process may use, in bytes: the machine's physical memory
-    (``os.sysconf``), or the container's limit (cgroup v2 or v1) where lower;
-    0 where unknown."""
+    """Bytes this process may use: physical memory, or the cgroup's limit where
+    lower; 0 where unknown."""
     try:
         physical = int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):
@@ -125,16 +111,8 @@ def memory_bytes() -> int:
 
 
 def check_memory(need: int, what: str, fix: str) -> None:
-    """Refuses a request whose arrays would need more than this machine's memory.
-
-    Args:
-        need: the estimated bytes.
-        what: names the request, e.g. ``"--batch-size 100000000 at seq_len 2048"``.
-        fix: what to change instead, with the largest value that fits.
-
-    Raises:
-        ValueError: ``need`` exceeds this machine's physical memory.
-    """
+    """Raises ``ValueError`` naming ``what`` and ``fix`` when ``need`` bytes exceed
+    this machine's memory."""
     memory = memory_bytes()
     if memory and need > memory:
         raise ValueError(
@@ -162,9 +140,8 @@ ROW_BYTES = 64
 
 
 def largest(fits: Callable[[int], bool], low: int, high: int) -> int | None:
-    """The largest ``v`` in ``[low, high]`` with ``fits(v)``, by bisection
-    (``fits`` true up to some value, false after it); ``None`` when
-    ``fits(low)`` is false. The value returned was tested."""
+    """The largest ``v`` in ``[low, high]`` with ``fits(v)`` (true up to some
+    value, false after it), by bisection; ``None`` when ``fits(low)`` is false."""
     if high < low or not fits(low):
         return None
     while low < high:
@@ -189,21 +166,15 @@ def check_loader_memory(
 ) -> None:
     """Refuses a loader whose steps in flight cannot fit in this host's memory.
 
-    Each of ``processes`` hosts holds at least ``batch_size / processes`` rows
-    of the largest step, for the step being read and ``prefetch`` steps ahead;
-    with ``prefetch=None`` (automatic depth) the steps ahead hold up to
-    ``read_ahead_bytes``, and at least one step. A row holds
-    ``row_bytes(seq_len)`` (its batch's arrays, every field of the layout),
-    its reading (:data:`READ_BYTES_PER_TOKEN` a token) and :data:`ROW_BYTES`;
-    the block shuffle's cache holds ``block_cache_bytes`` besides.
-    ``cache_fixes`` marks a cache sized by default (``block_cache_bytes``
-    left ``None``): given the bytes the cache may take, it says which of
-    the fields that size it would bring it within them.
+    Each host holds ``batch_size / processes`` rows of the step being read and
+    of ``prefetch`` steps ahead (``None``: up to ``read_ahead_bytes``, at least
+    one step); a row ``row_bytes(seq_len)``, its reading and :data:`ROW_BYTES`;
+    the block cache ``block_cache_bytes`` besides. ``cache_fixes`` marks a cache
+    sized by default: given the bytes it may take, it names the fields that fit.
 
     Raises:
-        ValueError: naming the fields and the estimate, and each field whose
-            change alone would fit, with the value that does; a field no
-            value of which fits is not named.
+        ValueError: naming the estimate and each field whose change alone would
+            fit, with the value that does.
     """
     memory = memory_bytes()
     hosts = max(processes, 1)
@@ -225,7 +196,6 @@ def check_loader_memory(
     depth = "read_ahead_bytes" if prefetch is None else "prefetch"
 
     def fixes_at(read_ahead: int) -> list[str]:
-        """Each field whose change alone fits, the read-ahead at ``read_ahead``."""
         fixes = []
         most_rows = largest(lambda r: need(r, seq_len, read_ahead, cache) <= memory, 1, rows)
         if most_rows is not None:

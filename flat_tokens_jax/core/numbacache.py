@@ -1,19 +1,7 @@
-"""The compiled kernels' on-disk cache: a folder per numba version.
-
-numba caches a kernel next to its source, in ``__pycache__``, in files named
-by the function, its line and the Python version, not by numba's version.
-Two environments of different numba versions over one source tree (the test
-environment at the dependency floors beside the main one, or a user who
-switches environments) then take turns overwriting the same data files, and
-one can read the other's kernels mid-write (``LLVM bitcode parsing error ...
-Producer: 'LLVM22.1.0' Reader: 'LLVM 14.0.6'``). :func:`compile_cached` keeps
-numba's choice of folder (``NUMBA_CACHE_DIR`` where set, else ``__pycache__``
-beside the source, else the user's cache directory, the first that is
-writable) and caches in its subfolder ``numba-<version>``; with none writable
-a kernel compiles in each process.
-
-Imported only by the kernel modules (:mod:`~flat_tokens_jax.core.kernels`,
-:mod:`~flat_tokens_jax.core.filterkernel`): importing it imports numba.
+"""The compiled kernels' on-disk cache: a subfolder ``numba-<version>`` of the
+folder numba chooses. numba names its cache files by function, line and Python
+version only, so two environments of different numba versions over one source
+tree would overwrite each other's kernels (``LLVM bitcode parsing error``).
 """
 
 from __future__ import annotations
@@ -24,8 +12,6 @@ from typing import Any
 
 import numba
 from numba.core.caching import CompileResultCacheImpl, FunctionCache
-
-__all__ = ["FOLDER", "compile_cached"]
 
 FOLDER = f"numba-{numba.__version__}"
 
@@ -41,9 +27,8 @@ def _versioned(locator: Any) -> Any:
 
 
 class _VersionedImpl(CompileResultCacheImpl):
-    # numba's own locators, in its order, each a folder deeper: a locator whose
-    # numba-<version> folder cannot be made or written is passed over as numba
-    # passes over its own. A list, as numba declares it.
+    # numba's own locators, in its order, each a folder deeper (one whose folder
+    # cannot be written is passed over, as numba's own are). A list, as numba's.
     _locator_classes = [_versioned(c) for c in CompileResultCacheImpl._locator_classes]  # noqa: RUF012
 
 

@@ -1,27 +1,7 @@
-"""What a store's URL means: the one place that reads paths and URLs.
-
-The rules ("Paths and URLs" in docs/guide/remote.md says the same):
-
-- A **plain path** (no ``scheme:``) is a local path, taken literally: ``~``
-  is expanded, a relative path is relative to the current directory, and ``%``
-  is an ordinary character.
-- ``file:///abs/path`` and ``file://localhost/abs/path`` name a local absolute
-  path (RFC 8089), as does the minimal form ``file:/abs/path``. Any other host
-  (``file://data/x``, ``file://../x``) and a relative ``file:x`` are refused
-  with the spelling that works, because their meaning depends on who reads
-  them.
-- ``memory://NAME/PATH``, ``gs://BUCKET/PATH`` and ``s3://BUCKET/PATH`` name
-  a key prefix.
-- In URLs (never in plain paths) percent-escapes are decoded, as tensorstore's
-  own URL parsing does: ``file:///data/my%20corpus`` is ``/data/my corpus``. A
-  ``%`` not followed by two hex digits is refused, and so are ``?`` and ``#``
-  (queries and fragments mean nothing here; write them as ``%3F`` and ``%23``).
-- URLs carry no credentials: ``s3://KEY:SECRET@bucket/x`` is refused with a
-  message that does not repeat the URL.
-
-Wherever a URL is shown to a person (errors, logs, reprs) it goes through
-:func:`redact` first, so that a presigned URL's signature or a password in
-``USER:SECRET@`` is never repeated, even in the refusal of such a URL.
+"""What a store's URL means: the one place that reads paths and URLs, by the
+rules of "Paths and URLs" in docs/guide/remote.md. A URL shown to a person
+(errors, logs, reprs) goes through :func:`redact` first, so that a secret in
+it is never repeated, even in the refusal of such a URL.
 """
 
 from __future__ import annotations
@@ -48,11 +28,8 @@ _URL_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]+://[^\s'\"]+")
 
 def redact(url: str | os.PathLike[str]) -> str:
     """``url`` as it may be shown or saved: the user info (``USER:SECRET@``) and
-    the values of the query and the fragment replaced by ``REDACTED``.
-
-    A plain path is returned as it is (``?``, ``#`` and ``@`` are ordinary
-    characters in a file name). The query's parameter names stay, so a
-    presigned URL still reads as one.
+    the values of the query and the fragment replaced by ``REDACTED``; a plain
+    path as it is.
 
     Example:
         >>> redact("https://b.s3.amazonaws.com/x?X-Amz-Signature=abc&X-Amz-Date=1")
@@ -87,14 +64,9 @@ def redact_text(text: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Location:
-    """Where a URL points.
-
-    Attributes:
-        scheme: ``"file"`` (plain paths too), ``"memory"``, ``"gs"`` or ``"s3"``.
-        bucket: the bucket (``gs``, ``s3``) or the name (``memory``); ``""`` for files.
-        path: ``file``: the absolute local path; otherwise the key prefix, with
-            no leading or trailing ``/`` (``""`` for the bucket's root).
-    """
+    """Where a URL points: ``scheme`` (``"file"`` for plain paths too), ``bucket``
+    (``memory``: the name; ``""`` for files), and ``path``: the absolute local
+    path, or the key prefix with no leading or trailing ``/``."""
 
     scheme: str
     bucket: str
@@ -110,13 +82,7 @@ def scheme_of(url: str | os.PathLike[str]) -> str:
 
 def parse_url(url: str | os.PathLike[str]) -> Location:
     """The :class:`Location` of a local path or ``file://``, ``memory://``,
-    ``gs://`` or ``s3://`` URL, by the rules of this module.
-
-    Raises:
-        ValueError: an empty URL, another scheme, credentials in the URL (the
-            message does not repeat it), a ``file:`` URL that is not local and
-            absolute, a bad percent-escape, a query or fragment, or no bucket.
-    """
+    ``gs://`` or ``s3://`` URL; ``ValueError`` naming the spelling that works."""
     text = os.fspath(url)
     if not text:
         raise ValueError("the store's URL is empty: give a path or a URL")
@@ -163,8 +129,7 @@ def parse_url(url: str | os.PathLike[str]) -> Location:
 
 
 def _file_path(text: str, has_authority: bool, host: str, path: str) -> str:
-    """The local path of a ``file:`` URL (RFC 8089): absolute, on this host.
-    ``path`` is what follows the host (or the scheme, without ``//``)."""
+    """The local path of a ``file:`` URL (RFC 8089): absolute, on this host."""
     local = urllib.parse.unquote(path)
     if not has_authority and not local.startswith("/"):
         raise ValueError(

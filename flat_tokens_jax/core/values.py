@@ -1,12 +1,9 @@
 """Strict checks of config values, shared by every surface: Python, YAML, saved states, the CLI.
 
-Each check takes the value and its path (``loader.seed``,
-``data.datasets[1].weight``, ``Mixture.period``) and returns the value in its
-one accepted form, or raises :class:`BadValue` naming the path, what was given
-and what is accepted. Nothing is coerced: a YAML string ``'false'`` is not a
-boolean, ``1.9`` and ``2.0`` are not ints, ``True`` is not a number. The
-bounds of a field that several surfaces take (a seed, ``seq_len``, a token
-id) are in :mod:`~flat_tokens_jax.core.fields`.
+Each check takes the value and its path (``data.datasets[1].weight``) and
+returns the value in its one accepted form, or raises :class:`BadValue` naming
+the path, what was given and what is accepted. Nothing is coerced: ``'false'``
+is not a boolean, ``2.0`` not an int, ``True`` not a number.
 
 Example:
     >>> integer(3, "loader.seed", low=0)
@@ -28,30 +25,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = [
-    "BadValue",
-    "boolean",
-    "child",
-    "choice",
-    "close_match",
-    "integer",
-    "is_integer",
-    "known_keys",
-    "mapping",
-    "number",
-    "sequence",
-    "text",
-]
-
 
 class BadValue(ValueError):
-    """A refused config value.
-
-    Attributes:
-        path: where the value is (``loader.seed``, ``data.datasets[1].weight``).
-        problem: what is wrong and what is accepted, e.g.
-            ``must be an int >= 0, got 1.9``.
-    """
+    """A refused config value: at ``path`` (``data.datasets[1].weight``), the
+    ``problem`` (``must be an int >= 0, got 1.9``)."""
 
     def __init__(self, path: str, problem: str) -> None:
         super().__init__(f"{path} {problem}")

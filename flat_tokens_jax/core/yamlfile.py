@@ -19,8 +19,6 @@ from typing import Any
 from flat_tokens_jax.core.extras import install_hint
 from flat_tokens_jax.core.values import child
 
-__all__ = ["MAX_YAML_DEPTH", "MAX_YAML_VALUES", "read_yaml"]
-
 # A config nests a few levels deep; a document far deeper (or far larger once
 # its aliases expand) is not one, and would exhaust Python's recursion (or
 # memory) in the code that reads it.
@@ -34,19 +32,12 @@ def read_yaml(path: str | os.PathLike[str]) -> Any:
     """The document of a YAML file, read safely (``yaml.SafeLoader``; needs the
     ``yaml`` extra) and strictly.
 
-    Refused, anywhere in the file: a key given twice in one mapping (YAML would
-    keep the last silently); a plain value that YAML 1.1 (PyYAML) and YAML 1.2
-    read differently (``017`` is 15 or 17, ``1:30`` is 90 or text, ``yes`` is
-    true or text: write ``15``, ``90``, ``true``, or quote the text); a
-    document nested deeper than :data:`MAX_YAML_DEPTH` levels or holding more
-    than :data:`MAX_YAML_VALUES` values once its aliases expand. ``0x1F``,
-    ``0b101`` and ``1_000`` mean one number whatever the reader, and are read as
-    such.
-
-    Raises:
-        ValueError: one line naming the file, the line and, for a value, its
-            path (``phases[1].start_step``) and the form to write.
-        OSError: the file cannot be read.
+    Refused: a key given twice in one mapping (YAML keeps the last silently);
+    a plain value that YAML 1.1 (PyYAML) and 1.2 read differently (``017`` is
+    15 or 17, ``yes`` true or text); a document deeper than
+    :data:`MAX_YAML_DEPTH` or over :data:`MAX_YAML_VALUES` values once its
+    aliases expand. ``ValueError`` names the file, the line, the value's path
+    and the form to write.
     """
     try:
         import yaml
@@ -61,11 +52,6 @@ def read_yaml(path: str | os.PathLike[str]) -> Any:
             if node is None:
                 return None
             problem = _shape_problem(node, yaml) or _scalar_problem(node, loader, yaml)
-            if problem is None:
-                repeated = _repeated_key(node, yaml)
-                if repeated is not None:
-                    key, line = repeated
-                    problem = f"line {line}: the key {key!r} is given twice"
             if problem is not None:
                 raise ValueError(f"{name}: {problem}")
             return loader.construct_document(node)
@@ -87,17 +73,9 @@ def read_yaml(path: str | os.PathLike[str]) -> Any:
                 loader.dispose()
 
 
-def _children(node: Any, yaml: Any) -> list[Any]:
-    if isinstance(node, yaml.MappingNode):
-        return [part for pair in node.value for part in pair]
-    if isinstance(node, yaml.SequenceNode):
-        return list(node.value)
-    return []
-
-
 def _shape_problem(root: Any, yaml: Any) -> str | None:
-    """Why the document under ``root`` (a composed YAML node) is too deep or
-    too large once its aliases expand, or holds itself; ``None`` if it is not."""
+    """Why the document under ``root`` is too deep or too large once its aliases
+    expand, or holds itself; ``None`` if it is not."""
     height: dict[int, int] = {}
     values: dict[int, int] = {}
     open_nodes: set[int] = set()
@@ -106,7 +84,9 @@ def _shape_problem(root: Any, yaml: Any) -> str | None:
         node, children_done = todo.pop()
         if id(node) in height:
             continue
-        kids = _children(node, yaml)
+        kids = [] if isinstance(node, yaml.ScalarNode) else list(node.value)
+        if isinstance(node, yaml.MappingNode):
+            kids = [part for pair in kids for part in pair]
         if not children_done:
             if id(node) in open_nodes:  # reached again from inside itself
                 line = node.start_mark.line + 1
@@ -129,9 +109,9 @@ def _shape_problem(root: Any, yaml: Any) -> str | None:
 
 
 def _scalar_problem(root: Any, loader: Any, yaml: Any) -> str | None:
-    """The first plain value under ``root`` that YAML 1.1 and 1.2 read
-    differently (or that no int can hold), as ``line N: path: why and the form
-    to write``; ``None`` if there is none."""
+    """``line N: path: why and the form to write`` of the first plain value
+    under ``root`` that :func:`_yaml11_reading` refuses, or of a plain key that
+    a mapping holds twice; ``None`` if none."""
     seen: set[int] = set()
     todo: list[tuple[Any, str, bool]] = [(root, "", False)]
     while todo:
@@ -145,6 +125,13 @@ def _scalar_problem(root: Any, loader: Any, yaml: Any) -> str | None:
                 where = f"{path or 'the document'}: " + ("the key " if is_key else "")
                 return f"line {node.start_mark.line + 1}: {where}{why}"
         elif isinstance(node, yaml.MappingNode):
+            keys: set[tuple[str, str]] = set()
+            for key, _ in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                    if (key.tag, key.value) in keys:
+                        line = key.start_mark.line + 1
+                        return f"line {line}: the key {key.value!r} is given twice"
+                    keys.add((key.tag, key.value))
             for key, value in reversed(node.value):
                 label = key.value if isinstance(key, yaml.ScalarNode) else "?"
                 todo += [(value, child(path, label), False), (key, path, True)]
@@ -192,28 +179,4 @@ def _yaml11_reading(node: Any, loader: Any) -> str | None:
     if kind == "str" and re.fullmatch(r"0o[0-7]+", body):
         value = int(text.replace("0o", ""), 8)
         return f"{text} is text in YAML 1.1 and {value} in YAML 1.2: write {value} ({quoted})"
-    return None
-
-
-def _repeated_key(root: Any, yaml: Any) -> tuple[str, int] | None:
-    """The first plain key that a mapping under ``root`` (a composed YAML node)
-    holds twice, with its 1-based line; ``None`` if there is none."""
-    merge = "tag:yaml.org,2002:merge"
-    seen_nodes: set[int] = set()
-    todo = [root]
-    while todo:
-        node = todo.pop()
-        if id(node) in seen_nodes:  # an alias of a node already checked
-            continue
-        seen_nodes.add(id(node))
-        if isinstance(node, yaml.MappingNode):
-            keys: set[tuple[str, str]] = set()
-            for key, value in node.value:
-                if isinstance(key, yaml.ScalarNode) and key.tag != merge:
-                    if (key.tag, key.value) in keys:
-                        return key.value, key.start_mark.line + 1
-                    keys.add((key.tag, key.value))
-                todo += [key, value]
-        elif isinstance(node, yaml.SequenceNode):
-            todo += node.value
     return None

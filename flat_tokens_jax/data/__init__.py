@@ -1,3 +1,1 @@
-"""Datasets and records: ``open_dataset``/``FlatTokens``, packed, padded and bin
-records, packing plans, the writer and validation.
-"""
+"""Datasets and records: open, read, pack, write and validate flat-tokens splits."""

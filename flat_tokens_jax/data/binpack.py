@@ -10,12 +10,8 @@ with the least free space that still holds it (best fit); among bins with that
 free space, the one that received a sequence most recently; a new bin when
 none holds it. Inside a bin sequences are listed by ascending index, so that
 neighbours in the split can be read as one range.
-
-Best-fit decreasing is at least as good as first-fit decreasing (the same
-worst-case bound, and the same or fewer bins on typical length
-distributions). The build never loops over tokens: it loops over (bin, run of
-equal lengths) pairs, and opens runs of new bins in one numpy step; its
-memory follows the sequences and bins, never ``seq_len``.
+The build loops over (bin, run of equal lengths) pairs, never tokens, and
+its memory follows the sequences and bins, never ``seq_len``.
 """
 
 from __future__ import annotations
@@ -23,6 +19,7 @@ from __future__ import annotations
 import bisect
 import collections
 import hashlib
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -36,14 +33,6 @@ BLOCK = 1 << 18
 """Sequences packed together (the last block may be shorter)."""
 
 
-def capped_algorithm(max_segments: int) -> str:
-    """The name of :data:`ALGORITHM` with at most ``max_segments`` runs per bin."""
-    return f"{ALGORITHM}/max-segments-{max_segments}"
-
-
-_INT64_MAX = int(np.iinfo(np.int64).max)
-
-
 def build_plan(
     lengths: np.ndarray, seq_len: int, max_segments: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -51,19 +40,15 @@ def build_plan(
 
     Args:
         lengths: ``[num_sequences]`` integer tokens of each sequence, ``>= 0``.
-        seq_len: tokens per bin, ``>= 1``.
-        max_segments: if given (``>= 2``), no bin holds more runs than this
-            (:func:`capped_algorithm`): its non-empty sequences, plus one for
-            its padding when it is not full. The same best fit, one sequence
-            at a time, where a bin one sequence short of the cap takes only a
-            sequence that fills it; a bin at the cap takes none.
+        max_segments: if given (``>= 2``), no bin holds more runs than this:
+            its non-empty sequences, plus one for its padding when not full.
+            The same best fit, one sequence at a time, where a bin one short of
+            the cap takes only a sequence that fills it.
 
     Returns:
-        ``(bin_starts, seq_order)``: ``bin_starts`` ``[num_bins + 1] int64``
-        offsets into ``seq_order`` ``[num_sequences] int64``, the sequence
-        indices of bin ``b`` being ``seq_order[bin_starts[b]:bin_starts[b + 1]]``
-        in ascending order. Every sequence is in exactly one bin, and no bin
-        holds more than ``seq_len`` tokens once each sequence is truncated.
+        ``(bin_starts [num_bins + 1] int64, seq_order [num_sequences] int64)``:
+        bin ``b`` holds sequences ``seq_order[bin_starts[b]:bin_starts[b + 1]]``,
+        ascending.
 
     Example:
         >>> starts, order = build_plan(np.array([5, 3, 2, 6]), 8)
@@ -85,9 +70,9 @@ def build_plan(
     # Block by block, into the output arrays: memory beyond the plan stays O(BLOCK).
     seq_order = np.empty(lens.size, np.int64)
     counts = []
+    cap = min(int(seq_len), np.iinfo(np.int64).max)  # lengths fit int64: a larger cap cuts none
     for lo in range(0, lens.size, BLOCK):
-        # Lengths fit int64, so a seq_len beyond it truncates nothing.
-        sizes = np.minimum(lens[lo : lo + BLOCK], min(int(seq_len), _INT64_MAX)).astype(np.int64)
+        sizes = np.minimum(lens[lo : lo + BLOCK], cap).astype(np.int64)
         if max_segments is None:
             bin_of, num_bins = _pack_block(sizes, int(seq_len))
         else:
@@ -109,20 +94,19 @@ def _pack_block(sizes: np.ndarray, seq_len: int) -> tuple[np.ndarray, int]:
     run_lo = np.concatenate(([0], edges)).tolist() if n else []
     run_hi = np.concatenate((edges, [n])).tolist() if n else []
     # stacks[c]: bins with exactly c free tokens, the most recently filled on
-    # top; free: the sorted c whose stack is not empty (bins never grow, so a
-    # bin enters a stack exactly when it last received a sequence). A dict, not
-    # a list per free count: memory follows the bins, not seq_len.
+    # top; free: the sorted c whose stack is not empty. A dict: memory follows
+    # the bins, not seq_len.
     stacks: collections.defaultdict[int, list[int]] = collections.defaultdict(list)
     free: list[int] = []
     seg_bin: list[int] = []
     seg_count: list[int] = []
     num_bins = 0
 
-    def push(b: int, c: int) -> None:
-        if c:
+    def push(bins: Sequence[int], c: int) -> None:
+        if c and bins:
             if not stacks[c]:
                 bisect.insort(free, c)
-            stacks[c].append(b)
+            stacks[c].extend(bins)
 
     for lo, hi in zip(run_lo, run_hi, strict=True):
         size = int(ordered[lo])
@@ -140,16 +124,12 @@ def _pack_block(sizes: np.ndarray, seq_len: int) -> tuple[np.ndarray, int]:
                 full, rest = divmod(left, per)
                 seg_bin.extend(range(num_bins, num_bins + full))
                 seg_count.extend([per] * full)
-                c = seq_len - per * size
-                if full and c:
-                    if not stacks[c]:
-                        bisect.insort(free, c)
-                    stacks[c].extend(range(num_bins, num_bins + full))
+                push(range(num_bins, num_bins + full), seq_len - per * size)
                 num_bins += full
                 if rest:
                     seg_bin.append(num_bins)
                     seg_count.append(rest)
-                    push(num_bins, seq_len - rest * size)
+                    push([num_bins], seq_len - rest * size)
                     num_bins += 1
                 break
             c = free[i]
@@ -161,7 +141,7 @@ def _pack_block(sizes: np.ndarray, seq_len: int) -> tuple[np.ndarray, int]:
             seg_bin.append(b)
             seg_count.append(take)
             left -= take
-            push(b, c - take * size)
+            push([b], c - take * size)
     bin_of = np.empty(n, np.int64)
     bin_of[order] = np.repeat(np.asarray(seg_bin, np.int64), np.asarray(seg_count, np.int64))
     return bin_of, num_bins

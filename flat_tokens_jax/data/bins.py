@@ -1,9 +1,6 @@
-"""Bins of whole sequences as records: ``BinRecords``.
-
-A bin holds whole sequences (each truncated to ``seq_len``), one after
-another, padded at the end; which sequences share a bin is the split's
-:class:`~flat_tokens_jax.data.plans.PackingPlan`. Read as packed windows whose
-first column starts a sequence, plus each bin's length.
+"""Bins of whole sequences as records: ``BinRecords``. A bin holds the sequences
+its split's :class:`~flat_tokens_jax.data.plans.PackingPlan` gives it (each
+truncated to ``seq_len``), one after another, padded at the end.
 """
 
 from __future__ import annotations
@@ -15,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from flat_tokens_jax.core import fields
-from flat_tokens_jax.core.format import ENCODED_DTYPE, FormatError, Problem
+from flat_tokens_jax.core.format import ENCODED_DTYPE, FormatError, Problem, indices_below
 from flat_tokens_jax.core.limits import check_seq_len
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.plans import PackingPlan, check_plan, find_plan
@@ -25,7 +22,6 @@ from flat_tokens_jax.data.records import (
     Records,
     Windows,
     _check_columns,
-    _check_indices,
     _data_fingerprint,
 )
 
@@ -34,11 +30,8 @@ class BinRecords:
     """Record ``b`` is bin ``b`` of a packing plan: whole sequences, padded at the end.
 
     Args:
-        ft: the split.
-        seq_len: tokens per bin.
         plan: the plan to use (checked against ``ft`` and ``seq_len``); ``None``:
-            :func:`find_plan`.
-        cache_dir: where built plans are cached (``None``: not cached).
+            :func:`find_plan`, caching built plans in ``cache_dir`` if given.
         max_segments: at most this many runs per bin (its sequences, plus its
             padding when not full); ``None``: no cap. Ignored with ``plan``.
     """
@@ -57,10 +50,10 @@ class BinRecords:
         seq_len = fields.seq_len(seq_len, "BinRecords.seq_len")
         check_seq_len(seq_len, f"bins of {ft!r}:")
         self.ft, self.seq_len = ft, seq_len
-        if plan is not None:
-            check_plan(plan, ft, seq_len, repr(ft), "build the plan of this split and seq_len")
         if plan is None:
             plan = find_plan(ft, seq_len, cache_dir, max_segments)
+        else:
+            check_plan(plan, ft, seq_len, repr(ft), "build the plan of this split and seq_len")
         self.plan = plan
 
     def __repr__(self) -> str:
@@ -82,7 +75,7 @@ class BinRecords:
 
     def sequences(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(row, sequence)`` ``[m] int64``: the sequences of bins ``indices``, in bin order."""
-        idx = _check_indices(indices, len(self), self)
+        idx = indices_below(indices, len(self), "record", self)
         lo, hi = self.plan.bin_starts[idx], self.plan.bin_starts[idx + 1]
         counts = hi - lo
         row = np.repeat(np.arange(idx.size), counts)
@@ -108,16 +101,14 @@ class BinRecords:
         return first, last
 
     def read(self, indices: np.ndarray, columns: tuple[int, int] | None = None) -> Windows:
-        """See :meth:`request`."""
         return self.request(indices, columns)()
 
     def request(
         self, indices: np.ndarray, columns: tuple[int, int] | None = None
     ) -> Callable[[], Windows]:
-        """Starts reading bins ``indices``; the function returned waits for
-        them: packed windows ``[k, c1 - c0 + 1]`` (column 0: the token before
-        column ``c0``, 0 for ``c0 = 0``) with ``lengths`` ``[k]``, the tokens of
-        each whole bin; sequences that follow each other in the split are one read."""
+        """Starts reading bins ``indices``; the function returned waits for them:
+        packed windows ``[k, c1 - c0 + 1]`` with ``lengths`` ``[k]``, each whole
+        bin's tokens. Sequences that are neighbours in the split are one read."""
         c0, c1 = _check_columns(columns, self.seq_len)
         row, seqs = self.sequences(indices)
         k = np.asarray(indices).size
@@ -146,7 +137,8 @@ class BinRecords:
         width = c1 - c0 + 1
         t_lo = p_start + lo - p_off
         t_hi = t_lo + (hi - lo)
-        tokens, masks = self.ft.request_encoded_and_mask(t_lo, t_hi, t_lo, t_hi)
+        tokens = self.ft.request_encoded(t_lo, t_hi)
+        masks = self.ft.request_loss_mask(t_lo, t_hi)
         dest = p_row * width + lo - (c0 - 1)
 
         def windows() -> Windows:
@@ -183,9 +175,7 @@ def make_records(
     cache_dir: str | os.PathLike[str] | None = None,
     max_segments: int | None = None,
 ) -> Records:
-    """The records ``packing`` makes of a split: packed windows, padded
-    sequences, or :class:`BinRecords` (with at most ``max_segments`` runs per
-    bin if given)."""
+    """The records ``packing`` makes of a split."""
     if packing is fields.Packing.BINS:
         return BinRecords(ft, seq_len, cache_dir=cache_dir, max_segments=max_segments)
     if packing is fields.Packing.WINDOWS:

@@ -1,20 +1,8 @@
-"""Records read in whole blocks: a block of consecutive records as one token
-range, and the rows of its records taken from it.
-
-Under the block shuffle (``LoaderConfig(shuffle="blocks")``) block ``b`` is
-records ``[b * B, (b + 1) * B)``. Their tokens are one contiguous range of
-the split for packed windows (``[b * B * L - 1, (b + 1) * B * L)``, the token
-before the block included) and for padded sequences (the block's whole
-sequences, from the first one's start to the last one's end, truncated to
-``L``), so a block is one request (two with a stored loss mask, and, padded,
-one of ``seq_starts`` first). Bins are not: a bin's sequences lie anywhere in
-the split, so a block of bins would cost as many requests as its rows, and
-bins (and records that are not a split's) are read row by row.
-
-The rows taken from a block are those :meth:`~.records.PackedRecords.request`
-and :meth:`~.records.PaddedRecords.request` give, bit for bit, with the same
-checks: the reads go through the split's checked arrays, and padded rows'
-start bits are checked as theirs are.
+"""The block shuffle's reads: block ``b`` (records ``[b * B, (b + 1) * B)``) of
+packed windows or padded sequences is one contiguous token range, read in one
+request; its records' rows are then taken from it, bit for bit and with the same
+checks as :meth:`~.records.PackedRecords.request` and ``PaddedRecords.request``.
+Bins and other records are read row by row (a bin's sequences lie anywhere).
 """
 
 from __future__ import annotations
@@ -24,14 +12,13 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from flat_tokens_jax.core.format import ENCODED_DTYPE
+from flat_tokens_jax.core.format import ENCODED_DTYPE, indices_below
 from flat_tokens_jax.data.records import (
     PackedRecords,
     PaddedRecords,
     Records,
     Windows,
     _check_columns,
-    _check_indices,
     check_start_bits,
 )
 
@@ -39,24 +26,16 @@ SplitRecords = PackedRecords | PaddedRecords
 
 
 def reads_blocks(records: Records) -> bool:
-    """Whether ``records`` are read in blocks (a split's packed windows or
-    padded sequences); bins and other records are read row by row."""
+    """Whether ``records`` are read in blocks (a split's packed windows or padded sequences)."""
     return type(records) in (PackedRecords, PaddedRecords)
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockTokens:
-    """A block's tokens as read, ready to give its records' rows.
-
-    Attributes:
-        tokens: ``[m] uint32`` encoded tokens ``[base, base + m)`` of the split
-            (packed: element 0 is 0 for the block of record 0, which has no
-            token before it).
-        mask: ``[m'] uint8`` the stored loss mask from ``mask_base`` on, or ``None``.
-        base, mask_base: the split token of element 0 of each.
-        starts, stops: padded: ``[B'] int64`` each record's tokens (truncated
-            to ``seq_len``), from the block's first record on; else ``None``.
-    """
+    """A block's tokens as read: ``tokens`` ``[m] uint32`` from split token
+    ``base`` on (packed block 0: a 0 before record 0), the stored ``mask``
+    ``[m'] uint8`` from ``mask_base`` on or ``None``, and, padded, each record's
+    token ``starts, stops`` ``[B'] int64`` (truncated to ``seq_len``)."""
 
     tokens: np.ndarray
     mask: np.ndarray | None
@@ -65,17 +44,10 @@ class BlockTokens:
     starts: np.ndarray | None = None
     stops: np.ndarray | None = None
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes the block holds."""
-        extra = [a for a in (self.mask, self.starts, self.stops) if a is not None]
-        return self.tokens.nbytes + sum(a.nbytes for a in extra)
-
 
 @dataclasses.dataclass(frozen=True)
-class BlockPlan:
-    """What reading some blocks of ``records`` takes: each block's token range
-    (padded: after reading its sequences' bounds) and the bytes it will hold."""
+class BlockRanges:
+    """The token ranges of some blocks of ``records`` and the bytes each will hold."""
 
     records: SplitRecords
     blocks: np.ndarray  # [k] int64 block indices
@@ -93,17 +65,13 @@ class BlockPlan:
             return tokens * per_token + 4 * (self.lo == 0)
         return tokens * per_token + np.array([16 * s.size for s, _ in self.bounds], np.int64)
 
-    @property
-    def _packed(self) -> bool:
-        return isinstance(self.records, PackedRecords)
-
     def request(self) -> Callable[[], list[BlockTokens]]:
-        """Starts reading the blocks, all ranges in one batch; the function
-        returned waits for them."""
-        ft, packed = self.records.ft, self._packed
+        """Starts reading the blocks in one batch; the function returned waits for them."""
+        ft, packed = self.records.ft, self.bounds is None
         seq_len = self.records.seq_len
         mask_lo = self.blocks * np.int64(self.size * seq_len) if packed else self.lo
-        tokens, masks = ft.request_encoded_and_mask(self.lo, self.hi, mask_lo, self.hi)
+        tokens = ft.request_encoded(self.lo, self.hi)
+        masks = ft.request_loss_mask(mask_lo, self.hi)
 
         def blocks() -> list[BlockTokens]:
             got = tokens.result()
@@ -121,15 +89,15 @@ class BlockPlan:
         return blocks
 
 
-def plan_blocks(records: SplitRecords, blocks: np.ndarray, size: int) -> BlockPlan:
-    """The reads of ``blocks`` (``[k] int64``) of ``size`` records each;
+def block_ranges(records: SplitRecords, blocks: np.ndarray, size: int) -> BlockRanges:
+    """The ranges of ``blocks`` (``[k] int64``) of ``size`` records each;
     padded records read their sequences' bounds here (one request)."""
     n = len(records)
     first = blocks * np.int64(size)
     stop = np.minimum(first + size, n)
     if isinstance(records, PackedRecords):
         seq_len = records.seq_len
-        return BlockPlan(
+        return BlockRanges(
             records, blocks, size, np.maximum(first * seq_len - 1, 0), stop * seq_len, None
         )
     counts = stop - first
@@ -139,7 +107,7 @@ def plan_blocks(records: SplitRecords, blocks: np.ndarray, size: int) -> BlockPl
     bounds = list(zip(np.split(starts, cuts), np.split(stops, cuts), strict=True))
     lo = np.array([s[0] for s, _ in bounds], np.int64)
     hi = np.array([e[-1] for _, e in bounds], np.int64)
-    return BlockPlan(records, blocks, size, lo, hi, bounds)
+    return BlockRanges(records, blocks, size, lo, hi, bounds)
 
 
 def block_rows(
@@ -151,7 +119,7 @@ def block_rows(
 ) -> Windows:
     """``records.read(indices, columns)``, from the blocks ``held`` (by block
     index, ``size`` records each) that hold every record of ``indices``."""
-    idx = _check_indices(indices, len(records), records)
+    idx = indices_below(indices, len(records), "record", records)
     c0, c1 = _check_columns(columns, records.seq_len)
     packed = isinstance(records, PackedRecords)
     width = c1 - c0 + int(packed)
@@ -165,21 +133,18 @@ def block_rows(
         rows = np.flatnonzero(block == b)
         got = held[b]
         if packed:
-            seq_len = records.seq_len
-            begin = idx[rows] * seq_len + c0
-            lo, hi = begin - 1, begin + (c1 - c0)
-            _gather(out, rows, got.tokens, lo - got.base, hi - lo)
-            if mask is not None and got.mask is not None:
-                _gather(mask, rows, got.mask, begin - got.mask_base, hi - begin)
-            continue
-        assert got.starts is not None and got.stops is not None and lengths is not None
-        k = idx[rows] - b * size
-        start, stop = got.starts[k], got.stops[k]
-        lo, hi = np.minimum(start + c0, stop), np.minimum(start + c1, stop)
+            mask_lo = idx[rows] * records.seq_len + c0
+            lo, hi = mask_lo - 1, mask_lo + (c1 - c0)
+        else:
+            assert got.starts is not None and got.stops is not None and lengths is not None
+            k = idx[rows] - b * size
+            start, stop = got.starts[k], got.stops[k]
+            lo = mask_lo = np.minimum(start + c0, stop)
+            hi = np.minimum(start + c1, stop)
+            lengths[rows], starts_all[rows] = stop - start, start
         _gather(out, rows, got.tokens, lo - got.base, hi - lo)
         if mask is not None and got.mask is not None:
-            _gather(mask, rows, got.mask, lo - got.mask_base, hi - lo)
-        lengths[rows], starts_all[rows] = stop - start, start
+            _gather(mask, rows, got.mask, mask_lo - got.mask_base, hi - mask_lo)
     if packed:
         return Windows(out, stored_mask=mask)
     assert lengths is not None
@@ -190,8 +155,7 @@ def block_rows(
 def _gather(
     out: np.ndarray, rows: np.ndarray, values: np.ndarray, first: np.ndarray, count: np.ndarray
 ) -> None:
-    """``out[rows[r], :count[r]] = values[first[r] : first[r] + count[r]]``,
-    vectorised (``count`` at most ``out``'s width; the rest of a row stays 0)."""
+    """``out[rows[r], :count[r]] = values[first[r] : first[r] + count[r]]``, the rest 0."""
     cols = np.arange(out.shape[1], dtype=np.int64)
     keep = cols[None, :] < np.asarray(count)[:, None]
     where = np.where(keep, np.asarray(first)[:, None] + cols[None, :], 0)

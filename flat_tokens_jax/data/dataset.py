@@ -1,10 +1,11 @@
-"""Opening flat-tokens datasets and reading their splits."""
+"""Opening flat-tokens datasets, reading their splits and cutting them by fractions."""
 
 from __future__ import annotations
 
 import copy
 import functools
 import itertools
+import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -26,9 +27,9 @@ from flat_tokens_jax.core.format import (
     as_index,
     as_indices,
     decode,
+    indices_below,
 )
-from flat_tokens_jax.core.values import BadValue
-from flat_tokens_jax.data.splitfractions import split_boundaries
+from flat_tokens_jax.core.values import BadValue, number
 from flat_tokens_jax.store.arrays import ArrayReader, Pending
 from flat_tokens_jax.store.digests import DIGESTS, ChunkDigests
 from flat_tokens_jax.store.identity import DatasetInfo, dataset_splits
@@ -45,31 +46,16 @@ from flat_tokens_jax.store.store import (
 )
 
 
-class _Unread:
-    """The :attr:`FlatTokens.info` of a split opened on its own, until opening reads it."""
-
-
 class FlatTokens:
     """One split of a dataset: ``encoded_tokens``, ``seq_starts`` and ``max_token_id``.
 
-    ``check_end=False`` skips reading the first and last ``seq_starts`` entries
-    on open (:func:`validate` checks them while streaming). Reads check what is
-    cheap to check: the ``seq_starts`` entries read lie in the split's tokens
-    and strictly increase, else :class:`FormatError` names the entry. Reads are
-    thread-safe; every method that takes many indices or ranges requests them
-    all before waiting.
-    ``info`` is the dataset's :class:`DatasetInfo` when the caller has read it
-    (:class:`Dataset` does); otherwise opening reads it: a dataset that records
-    what made it must record its arrays' shard probes and chunk digests
-    (:func:`~flat_tokens_jax.store.digests.array_checks`).
-
-    Attributes:
-        encoded, starts, loss_mask: the split's arrays' readers (``loss_mask``
-            ``None`` where none is stored); reads made through them directly
-            are not checked.
-        checked: each array's reads with its integrity checks
-            (:class:`~flat_tokens_jax.store.integrity.CheckedArray`), by array
-            name: every read of this class goes through them.
+    Reads are thread-safe, request all their ranges before waiting, and go
+    through ``checked`` (each array's :class:`CheckedArray`, by name); reads
+    through the readers ``encoded``, ``starts``, ``loss_mask`` (``None``: no
+    mask stored) are not checked. ``check_end=False`` skips reading the first
+    and last ``seq_starts`` entries on open (:func:`validate` checks them).
+    ``info`` is the dataset's :class:`DatasetInfo` (``None``: it records none);
+    a dataset that records it must record its arrays' probes and digests.
     """
 
     def __init__(
@@ -78,15 +64,21 @@ class FlatTokens:
         split: str,
         *,
         check_end: bool = True,
-        info: DatasetInfo | type[_Unread] | None = _Unread,
+        info: DatasetInfo | None,
     ) -> None:
-        self._info = info
+        self.info = info
         found = store.group_attributes(split)
         if found is None:
             raise FormatError(f"{store.url}: split {split!r} is missing (no zarr group {split}/)")
         self.store, self.split_name = store, split
         self.zarr_format, attrs = found
-        self.max_token_id = _max_token_id(attrs, f"{store.url}/{split}")
+        value = attrs.get("max_token_id")
+        if value is None:
+            raise FormatError(f"{store.url}/{split}: attribute 'max_token_id' is missing")
+        try:
+            self.max_token_id: int = fields.token_id(value, "attribute max_token_id")
+        except BadValue as e:
+            raise FormatError(f"{store.url}/{split}: {e}") from None
         self.tokens_name = TOKENS
         meta = store.array_metadata(f"{split}/{TOKENS}")
         if meta is None:
@@ -144,11 +136,8 @@ class FlatTokens:
             )
 
     def __repr__(self) -> str:
-        view = (
-            ""
-            if self.seq_range == (0, self.starts.size - 1)
-            else (f", sequences={list(self.seq_range)}")
-        )
+        whole = self.seq_range == (0, self.starts.size - 1)
+        view = "" if whole else f", sequences={list(self.seq_range)}"
         return (
             f"FlatTokens({self.store.url!r}, split={self.split_name!r}{view}, "
             f"num_tokens={self.num_tokens}, num_sequences={self.num_sequences})"
@@ -157,13 +146,6 @@ class FlatTokens:
     @property
     def url(self) -> str:
         return self.store.url
-
-    @property
-    def info(self) -> DatasetInfo | None:
-        """What made the dataset this split belongs to; ``None`` when it does not say."""
-        if self._info is _Unread:
-            self._info = read_info(self.store)
-        return self._info  # type: ignore[return-value]
 
     @property
     def probes(self) -> dict[str, ShardProbes | None]:
@@ -177,15 +159,12 @@ class FlatTokens:
 
     @property
     def bytes_read(self) -> int:
-        """Bytes requested so far from this split's arrays (tokens, starts, mask)
-        for the data read; the checks' reads are :attr:`probe_bytes`."""
+        """Bytes of data requested so far from this split's arrays (not the checks')."""
         return sum(c.data_bytes for c in self.checked.values())
 
     @property
     def probe_bytes(self) -> int:
-        """Bytes read to check shard probes (one small read per shard, once) and
-        chunk digests (the recorded digests of each shard touched, once; each
-        chunk touched, whole, once, where it carries no crc32c)."""
+        """Bytes read to check shard probes and chunk digests."""
         return sum(c.check_bytes for c in self.checked.values())
 
     @property
@@ -223,34 +202,19 @@ class FlatTokens:
         return self.checked[self.tokens_name].request_ranges(lo + base, hi + base)
 
     def request_loss_mask(self, starts: np.ndarray, stops: np.ndarray) -> Pending | None:
-        """Starts reading the stored loss mask (``uint8``) of token ranges; ``None`` if none."""
+        """Starts reading the stored loss mask (``uint8``) of token ranges; ``None`` if none.
+
+        Requested with :meth:`request_encoded` before waiting on either, their
+        reads (and those of their first touches' checks) share round trips."""
         if self.loss_mask is None:
             return None
         base = self.token_range[0]
         lo, hi = np.asarray(starts, np.int64) + base, np.asarray(stops, np.int64) + base
         return self.checked[LOSS_MASK].request_ranges(lo, hi)
 
-    def request_encoded_and_mask(
-        self,
-        starts: Sequence[int] | np.ndarray,
-        stops: Sequence[int] | np.ndarray,
-        mask_starts: np.ndarray,
-        mask_stops: np.ndarray,
-    ) -> tuple[Pending, Pending | None]:
-        """:meth:`request_encoded` of ``[starts, stops)`` and
-        :meth:`request_loss_mask` of ``[mask_starts, mask_stops)``: both return
-        before any value arrives, so their reads, and those of the checks of
-        their first touches (shard probes, chunk digests), share round trips."""
-        return self.request_encoded(starts, stops), self.request_loss_mask(mask_starts, mask_stops)
-
     def sequence_bounds(self, indices: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(starts, stops)`` token offsets ``[k] int64`` of sequences ``indices``, one read."""
-        idx = as_indices(indices, "sequence indices")
-        bad = np.flatnonzero((idx < 0) | (idx >= self.num_sequences))
-        if bad.size:
-            raise IndexError(
-                f"{self!r}: sequence index {idx[bad[0]]} is outside [0, {self.num_sequences})"
-            )
+        idx = indices_below(indices, self.num_sequences, "sequence", self)
         at = idx + self.seq_range[0]
         both = self.checked[SEQ_STARTS].read_points(np.concatenate([at, at + 1])).astype(np.int64)
         self.check_bounds(np.concatenate([at, at + 1]), both, idx.size)
@@ -260,7 +224,7 @@ class FlatTokens:
     def check_bounds(self, at: np.ndarray, values: np.ndarray, k: int) -> None:
         """Raises :class:`FormatError` unless ``values`` (``seq_starts[at]``: ``k``
         starts, their ``k`` stops, then any others) lie in this view's tokens and
-        each stop is above its start, so that corrupt bounds never read as rows."""
+        each stop is above its start."""
         lo, hi = self.token_range
         bad = np.flatnonzero((values < lo) | (values > hi))
         if bad.size:
@@ -279,26 +243,14 @@ class FlatTokens:
             )
 
     def sequences(self, indices: Sequence[int] | np.ndarray) -> list[np.ndarray]:
-        """Decoded token ids (``int32``) of each sequence in ``indices``.
-
-        Two batched requests: the bounds of every sequence, then every token range.
-        """
+        """Decoded token ids (``int32``) of each sequence in ``indices``, two batched requests."""
         lo, hi = self.sequence_bounds(indices)
         return [decode(e) for e in self.encoded_ranges(lo, hi)]
 
     def split(self, fractions: str | Sequence[float]) -> tuple[FlatTokens, ...]:
-        """Contiguous sequence-range views, e.g. ``ft.split("949,50,1")`` -> (train, valid, test).
-
-        Sizes follow Megatron's rule (also Nanoset's): weights are normalised,
-        each boundary is the previous one plus ``round(weight * num_sequences)``,
-        and every boundary after the first is shifted so the last equals
-        ``num_sequences``. A view works wherever a ``FlatTokens`` does; packed
-        records of a view never cross its ends.
-
-        Raises:
-            ValueError: a weight that is no finite non-negative number, or no
-                positive sum, naming ``fractions`` and the form to write.
-        """
+        """Contiguous views cut by Megatron's rule (:func:`split_boundaries`),
+        e.g. ``ft.split("949,50,1")`` -> (train, valid, test); packed records of
+        a view never cross its ends."""
         bounds = split_boundaries(fractions, self.num_sequences)
         return tuple(self.view(a, b) for a, b in itertools.pairwise(bounds))
 
@@ -327,11 +279,9 @@ class FlatTokens:
 
 
 class Dataset(Mapping[str, FlatTokens]):
-    """A flat-tokens dataset: a zarr group whose splits are :class:`FlatTokens`.
-
-    ``dataset["train"]``; ``splits`` lists those present: ``train``, ``validation``,
-    then the extra ones its root attributes record (``flat_tokens.splits``).
-    """
+    """A flat-tokens dataset: a zarr group whose splits are :class:`FlatTokens`,
+    ``dataset["train"]``: ``train``, ``validation``, then the extra ones its root
+    attributes record (``flat_tokens.splits``)."""
 
     def __init__(self, store: Store) -> None:
         store.prefetch_json(_metadata_keys(3, SPLITS))
@@ -386,10 +336,8 @@ class Dataset(Mapping[str, FlatTokens]):
 
 
 def _metadata_keys(zarr_format: int, splits: Sequence[str]) -> list[str]:
-    """The metadata that opening ``splits`` of a dataset of ``zarr_format``
-    reads: the root's, each split's, and those of each split's arrays and their
-    side arrays of digests (zarr v3: and the v2 metadata looked for next where
-    a split has no loss mask)."""
+    """The metadata keys that opening ``splits`` reads (v3: with the v2 key
+    looked for where a split has no loss mask)."""
     group, array = (
         ([V3_META], [V3_META]) if zarr_format == 3 else ([V2_GROUP, V2_ATTRS], [V2_ARRAY, V2_ATTRS])
     )
@@ -404,18 +352,6 @@ def _metadata_keys(zarr_format: int, splits: Sequence[str]) -> list[str]:
     return keys
 
 
-def read_info(store: Store) -> DatasetInfo | None:
-    """The :class:`DatasetInfo` in the root attributes at ``store``; ``None`` if none.
-
-    Raises:
-        FormatError: no root group, or a malformed ``"flat_tokens"`` attribute.
-    """
-    found = store.group_attributes("")
-    if found is None:
-        raise FormatError(f"{store.url}: no zarr group metadata at the root")
-    return DatasetInfo.from_attributes(found[1], store.url)
-
-
 def open_dataset(
     url: str | os.PathLike[str], options: StoreOptions | None = None, **option_fields: Any
 ) -> Dataset:
@@ -423,8 +359,8 @@ def open_dataset(
 
     Args:
         url: a local path, or a ``file://``, ``memory://``, ``gs://`` or ``s3://`` URL.
-        options: how to reach the store (endpoint, region, credentials, context).
-        **option_fields: the same fields as keywords, e.g. ``endpoint=...``.
+        options: how to reach the store (endpoint, region, credentials, context),
+            or its fields as keywords, e.g. ``endpoint=...``.
 
     Raises:
         FormatError: nothing valid at ``url``, or an array that breaks the format.
@@ -432,12 +368,47 @@ def open_dataset(
     return Dataset(Store(url, resolve_options(options, option_fields, "open_dataset")))
 
 
-def _max_token_id(attrs: Mapping[str, Any], where: str) -> int:
-    value = attrs.get("max_token_id")
-    if value is None:
-        raise FormatError(f"{where}: attribute 'max_token_id' is missing")
-    try:
-        out: int = fields.token_id(value, "attribute max_token_id")
-    except BadValue as e:
-        raise FormatError(f"{where}: {e}") from None
-    return out
+_FORM = "write non-negative numbers with a positive sum, such as '949,50,1'"
+
+
+def split_boundaries(fractions: str | Sequence[float], n: int) -> list[int]:
+    """Boundaries ``[0, ..., n]`` of a Megatron-style split of ``n`` items.
+
+    ``fractions`` are weights: a string of numbers separated by ``,`` or ``/``,
+    or a sequence of numbers. Sizes follow Megatron's rule (also Nanoset's):
+    weights are normalised, each boundary is the previous one plus
+    ``round(weight * n)``, and every boundary after the first is shifted so the
+    last equals ``n``.
+
+    Example:
+        >>> split_boundaries("949,50,1", 1000)
+        [0, 949, 999, 1000]
+
+    Raises:
+        ValueError: naming ``fractions``, the weight at fault and the form to
+            write: no number, negative, infinite or NaN, or no positive sum.
+    """
+    where = f"split fractions {fractions!r}"
+    if isinstance(fractions, str):
+        pieces: list[Any] = [p for p in fractions.replace("/", ",").split(",") if p.strip()]
+    else:
+        try:
+            pieces = list(fractions)
+        except TypeError:
+            raise ValueError(f"{where}: expected a string or a list of numbers; {_FORM}") from None
+    weights = []
+    for i, piece in enumerate(pieces):
+        try:
+            weights.append(number(float(piece) if isinstance(piece, str) else piece, "", low=0))
+        except ValueError:
+            raise ValueError(
+                f"{where}: weight {i} ({piece!r}) is not a finite non-negative number; {_FORM}"
+            ) from None
+    total = sum(weights)  # Megatron's sum, so that rounding matches it
+    if not weights or not 0 < total < math.inf:
+        raise ValueError(f"{where}: the weights sum to {total:g}; {_FORM}")
+    bounds = [0]
+    for w in weights:
+        bounds.append(bounds[-1] + round(w / total * float(n)))
+    excess = bounds[-1] - n
+    return [bounds[0], *(b - excess for b in bounds[1:])]

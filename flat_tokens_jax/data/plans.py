@@ -1,16 +1,8 @@
-"""Packing plans of a split: built, checked against the data, and found.
-
-A :class:`PackingPlan` says which sequences share each bin of ``seq_len``
-tokens (see :mod:`flat_tokens_jax.data.binpack` for the algorithm). A plan is found,
-in this order: stored in the dataset by ``flat-tokens pack`` (group
-``<split>/bins_<seq_len>``, whole splits only; written by
-:mod:`~flat_tokens_jax.data.storedplans`); in the local cache; else built
-(about 1 s per million sequences) and cached.
-
-A plan records what it was made from (``source``: the split's name, token and
-sequence counts, a digest of 64 evenly spaced ``seq_starts`` entries and one of
-all of them). A stored plan made for another ``seq_len`` or from other data is
-refused, with what differs.
+"""Packing plans of a split (which sequences share each bin; the algorithm is
+:mod:`~flat_tokens_jax.data.binpack`'s): found stored in the dataset (``flat-tokens
+pack``, whole splits only), else in the local cache, else built (about 1 s per
+million sequences) and cached; refused, naming what differs, when made for
+another ``seq_len`` or from other data.
 """
 
 from __future__ import annotations
@@ -28,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from flat_tokens_jax.core.format import FormatError, Problem
+from flat_tokens_jax.core.format import FormatError, Problem, listed_problems
 from flat_tokens_jax.core.limits import special_kind
-from flat_tokens_jax.data.binpack import ALGORITHM, build_plan, capped_algorithm, plan_digest
+from flat_tokens_jax.data.binpack import ALGORITHM, build_plan, plan_digest
 from flat_tokens_jax.data.dataset import FlatTokens
 
 log = logging.getLogger(__name__)
@@ -50,17 +42,13 @@ class PackingPlan:
     """Which sequences of a split share each bin.
 
     Attributes:
-        seq_len: tokens per bin.
         algorithm: how the plan was made (:data:`~flat_tokens_jax.data.binpack.ALGORITHM`).
         bin_starts: ``[num_bins + 1] int64`` offsets into ``seq_order``.
         seq_order: ``[num_sequences] int64``: bin ``b`` holds sequences
             ``seq_order[bin_starts[b]:bin_starts[b + 1]]``, ascending.
-        source: what it was made from (:func:`plan_source`): ``num_tokens``,
-            ``num_sequences``, ``starts_sample`` (16 hex digits of SHA-256 over
-            64 evenly spaced ``seq_starts`` entries), ``starts_digest`` (the
-            same over all of them) and ``split``, its name.
-        tokens: tokens the bins hold (each sequence truncated to ``seq_len``),
-            when known (plans built here).
+        source: what it was made from (:func:`plan_source`, plus
+            ``starts_digest`` over all ``seq_starts`` entries and ``split``).
+        tokens: tokens the bins hold, when known (plans built here).
     """
 
     seq_len: int
@@ -132,7 +120,7 @@ def plan_source(ft: FlatTokens) -> dict[str, Any]:
 
 
 def _algorithm(max_segments: int | None) -> str:
-    return ALGORITHM if max_segments is None else capped_algorithm(max_segments)
+    return ALGORITHM if max_segments is None else f"{ALGORITHM}/max-segments-{max_segments}"
 
 
 def make_plan(ft: FlatTokens, seq_len: int, max_segments: int | None = None) -> PackingPlan:
@@ -148,79 +136,50 @@ def make_plan(ft: FlatTokens, seq_len: int, max_segments: int | None = None) -> 
     return PackingPlan(seq_len, algorithm, bin_starts, seq_order, source, tokens)
 
 
-def _differences(plan: PackingPlan, ft: FlatTokens, seq_len: int) -> list[str]:
-    now = {"seq_len": seq_len, **plan_source(ft)}
-    saved = {"seq_len": plan.seq_len, **plan.source}
-    return [f"{k}: plan {saved.get(k)!r}, data {v!r}" for k, v in now.items() if saved.get(k) != v]
-
-
 def check_plan_source(
     plan: PackingPlan, ft: FlatTokens, seq_len: int, where: str, fix: str
 ) -> None:
     """Refuses a plan whose recorded ``seq_len``, counts or sampled bounds differ."""
-    diffs = _differences(plan, ft, seq_len)
+    now = {"seq_len": seq_len, **plan_source(ft)}
+    saved = {"seq_len": plan.seq_len, **plan.source}
+    diffs = [f"{k}: plan {saved.get(k)!r}, data {v!r}" for k, v in now.items() if saved.get(k) != v]
     if diffs:
         raise FormatError(
             Problem(where, f"packing plan does not match ({'; '.join(diffs)}): {fix}")
         )
 
 
-def bin_tokens(plan: PackingPlan, lengths: np.ndarray) -> np.ndarray:
-    """``[num_bins] int64`` tokens each bin holds, sequences of ``lengths``
-    truncated to the plan's ``seq_len`` (empty bins hold 0)."""
-    cap = min(plan.seq_len, np.iinfo(np.int64).max)
-    sizes = np.minimum(lengths[plan.seq_order], cap)
-    total = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
-    return total[plan.bin_starts[1:]] - total[plan.bin_starts[:-1]]
-
-
 def plan_data_problems(
     plan: PackingPlan, ft: FlatTokens, starts: np.ndarray, where: str, fix: str
 ) -> list[Problem]:
     """Why ``plan`` (of a valid shape) is no plan of ``ft``'s sequences ``starts``
-    (:func:`split_starts`): it records no digest of its sequence bounds, or a
-    digest of other bounds, or a bin holds more than ``seq_len`` of these
-    tokens. Each names the split the plan was made from (where it records one)
-    and ``ft``."""
+    (:func:`split_starts`): no digest of its sequence bounds, a digest of other
+    bounds, or a bin over ``seq_len`` of these tokens."""
     here = _digest(starts)
     recorded = plan.source.get("starts_digest")
     if recorded is None:
-        return [
-            Problem(
-                where,
-                "the packing plan records no digest of the sequence bounds it was made "
-                f"from (source.starts_digest), so it cannot be checked against {ft!r}: {fix}",
-            )
-        ]
+        why = "the packing plan records no digest of the sequence bounds it was made from "
+        why += f"(source.starts_digest), so it cannot be checked against {ft!r}"
+        return [Problem(where, f"{why}: {fix}")]
     split = plan.source.get("split")
     made = f"split {split!r}" if isinstance(split, str) else "other data"
     if recorded != here:
-        return [
-            Problem(
-                where,
-                f"the packing plan was made from {made} (sequence bounds digest {recorded}), "
-                f"not from {ft!r} (digest {here}): {fix}",
-            )
-        ]
-    per_bin = bin_tokens(plan, np.diff(starts))
+        why = f"the packing plan was made from {made} (sequence bounds digest {recorded})"
+        return [Problem(where, f"{why}, not from {ft!r} (digest {here}): {fix}")]
+    sizes = np.minimum(np.diff(starts)[plan.seq_order], min(plan.seq_len, np.iinfo(np.int64).max))
+    total = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
+    per_bin = total[plan.bin_starts[1:]] - total[plan.bin_starts[:-1]]
     over = np.flatnonzero(per_bin > plan.seq_len)
-    return [
-        Problem(
-            where,
-            f"the packing plan was made from {made}, not from {ft!r}: its bin holds more "
-            f"than seq_len={plan.seq_len} of these tokens: {fix}",
-            int(b),
-            int(per_bin[b]),
-        )
-        for b in over[: FormatError.max_listed]
-    ]
+    message = (
+        f"the packing plan was made from {made}, not from {ft!r}: its bin holds more "
+        f"than seq_len={plan.seq_len} of these tokens: {fix}"
+    )
+    return listed_problems(where, message, over, per_bin)
 
 
 def check_plan(plan: PackingPlan, ft: FlatTokens, seq_len: int, where: str, fix: str) -> None:
     """Refuses a plan made for another ``seq_len`` or from other data, naming what
-    differs: the recorded counts and sampled bounds first (cheap), then the
-    arrays' shape, then every bin against the sequences of ``ft`` (one read of
-    its ``seq_starts``) and the digest of all bounds where the plan records it."""
+    differs; the cheap checks first, then every bin against ``ft``'s sequences."""
     check_plan_source(plan, ft, seq_len, where, fix)
     plan.check_shape(where)
     problems = plan_data_problems(plan, ft, split_starts(ft), where, fix)
@@ -284,11 +243,8 @@ def cached_plan(
 ) -> PackingPlan:
     """The plan of ``ft`` from ``cache_dir``, or built and saved there.
 
-    An entry is used only when its whole key (URL, split, sequence range,
-    ``seq_len``, algorithm with its cap, and the data's counts and sampled
-    digest) matches and it holds a plan of ``ft``. A cache entry is disposable:
-    one that cannot be read (cut short, written by another version of this
-    code, of other data) is logged and built again in its place.
+    An entry is used only when its whole key matches and it holds a plan of
+    ``ft``; one that cannot be read is logged and built again in its place.
     """
     key = _cache_key(ft, seq_len, max_segments)
     text = json.dumps(key, sort_keys=True)
@@ -339,8 +295,8 @@ def find_plan(
 ) -> PackingPlan:
     """The stored plan (whole splits), else the cached one, else a new one.
 
-    ``cache_dir=None`` builds without caching. With ``max_segments`` (at most
-    that many runs per bin) stored plans, which have no cap, are passed over.
+    ``cache_dir=None`` builds without caching. With ``max_segments`` stored
+    plans, which have no cap, are passed over.
 
     Raises:
         FormatError: the stored plan was made for another ``seq_len`` or from other data.

@@ -1,9 +1,7 @@
 """Records of fixed length over one split: packed windows or padded sequences
-(bins of whole sequences are in :mod:`flat_tokens_jax.data.bins`).
-
-A record source maps a record index to the encoded tokens it needs and reads
-only those: one token range per packed record; for padded records the bounds
-from ``seq_starts``, then the tokens, each stage one batched request.
+(bins: :mod:`flat_tokens_jax.data.bins`). A packed record reads one token range;
+a padded one its bounds from ``seq_starts``, then its tokens, each stage one
+batched request.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ import numpy as np
 
 from flat_tokens_jax.core.concurrently import at_once
 from flat_tokens_jax.core.fields import Packing
-from flat_tokens_jax.core.format import ENCODED_DTYPE, FormatError, as_indices
+from flat_tokens_jax.core.format import ENCODED_DTYPE, FormatError, as_indices, indices_below
 from flat_tokens_jax.core.limits import check_seq_len
 from flat_tokens_jax.core.urls import redact
 from flat_tokens_jax.data.dataset import Dataset, FlatTokens
@@ -27,16 +25,11 @@ from flat_tokens_jax.data.dataset import Dataset, FlatTokens
 
 @dataclasses.dataclass(frozen=True)
 class Windows:
-    """Encoded tokens of a batch of records, before decoding into model fields.
-
-    Attributes:
-        encoded: ``uint32``; packed ``[k, L + 1]`` (column 0 is the token before
-            the record, 0 for record 0), padded ``[k, L]`` (0 past the sequence).
-            When only columns ``c0 .. c1`` are read, ``L`` is ``c1 - c0``.
-        lengths: padded only: ``[k] int64`` tokens of each row's sequence kept.
-        stored_mask: ``[k, L] uint8`` stored loss mask aligned with the targets,
-            or ``None`` when the split has none.
-    """
+    """Encoded tokens of a batch of records, before decoding into model fields:
+    ``encoded`` ``uint32``, packed ``[k, L + 1]`` (column 0: the token before
+    the record, 0 for record 0), padded ``[k, L]`` (0 past the sequence), ``L``
+    the columns read; padded and bins: ``lengths`` ``[k] int64``; the split's
+    ``stored_mask`` ``[k, L] uint8`` aligned with the targets, or ``None``."""
 
     encoded: np.ndarray
     lengths: np.ndarray | None = None
@@ -48,15 +41,10 @@ class Records(Protocol):
 
     Contract: deterministic (the same index gives the same record every time),
     thread-safe, and ``repr`` tells two sources apart. ``packing`` says how
-    ``read``'s windows decode, as ``LoaderConfig.packing`` does:
-    ``Packing.WINDOWS`` packed windows, ``Packing.PADDED`` padded sequences,
-    ``Packing.BINS`` bins of whole sequences (packed windows with
-    ``lengths``, see ``flat_tokens_jax.data.bins``).
-
-    Records may also define ``request(indices, columns)``, which starts the
-    reads of ``read(indices, columns)`` and returns a function that waits for
-    them and gives its windows (see :func:`request_windows`); the records of
-    a split do.
+    ``read``'s windows decode, as ``LoaderConfig.packing`` does. Records may
+    also define ``request(indices, columns)``, which starts the reads of
+    ``read(indices, columns)`` and returns a function that waits for them
+    (see :func:`request_windows`); the records of a split do.
     """
 
     seq_len: int
@@ -67,12 +55,9 @@ class Records(Protocol):
     def __len__(self) -> int: ...
 
     def read(self, indices: np.ndarray, columns: tuple[int, int] | None = None) -> Windows:
-        """Encoded tokens of records ``indices`` (``[k] int64``).
-
-        ``columns=(c0, c1)`` reads only those columns of each record (for a
-        sequence-sharded batch): packed windows then hold tokens ``c0 - 1 .. c1``
-        of the record, padded rows columns ``c0 .. c1`` (``lengths`` stay whole).
-        """
+        """Encoded tokens of records ``indices`` (``[k] int64``); with ``columns=(c0,
+        c1)`` (a sequence-sharded batch) packed windows hold tokens ``c0 - 1 .. c1``
+        of the record, padded rows columns ``c0 .. c1`` (``lengths`` stay whole)."""
         ...
 
     def token_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -85,23 +70,24 @@ class Records(Protocol):
 
 
 def _data_fingerprint(ft: FlatTokens) -> dict[str, Any]:
-    """Counts plus a digest of 64 evenly spaced tokens and sequence bounds, the
-    vocabulary hash of the tokenizer the dataset records (``None``: none), and
-    the recorded digest of the whole contents (``None`` for older stores).
-
-    Cheap (three batched reads and the arrays' attributes); with ``content``
-    any change of a value changes it.
-    """
+    """Counts, a digest of 64 evenly spaced tokens and sequence bounds, the
+    recorded tokenizer's vocabulary hash and a digest of the arrays' recorded
+    content digests (``None``: not recorded; a view shares its split's)."""
     tokenizer = None if ft.info is None else ft.info.tokenizer
 
     def spaced(n: int) -> np.ndarray:
         return np.unique(np.linspace(0, n - 1, 64).astype(np.int64)) if n else np.zeros(0, int)
 
     tokens, bounds = spaced(ft.num_tokens), spaced(ft.num_sequences)
-    # The two reads (and their first touches' checks) at once.
     parts = at_once(
         [lambda: ft.encoded_ranges(tokens, tokens + 1), lambda: list(ft.sequence_bounds(bounds))]
     )
+    digests = [(name, ft.digests.get(name)) for name in sorted(ft.digests)]
+    contents = [(name, d.content) for name, d in digests if d is not None]
+    content = None
+    if len(contents) == len(digests) and all(c is not None for _, c in contents):
+        text = ";".join(f"{name}={c}" for name, c in contents)
+        content = hashlib.sha256(text.encode()).hexdigest()[:32]
     digest = hashlib.sha256()
     for part in (p for found in parts for p in found):
         digest.update(np.ascontiguousarray(part).tobytes())
@@ -112,30 +98,15 @@ def _data_fingerprint(ft: FlatTokens) -> dict[str, Any]:
         "loss_mask": ft.loss_mask is not None,
         "sample_digest": digest.hexdigest()[:16],
         "tokenizer": None if tokenizer is None else tokenizer.vocab_hash,
-        "content": _content(ft),
+        "content": content,
     }
-
-
-def _content(ft: FlatTokens) -> str | None:
-    """The recorded identity of the split's whole contents: a digest of its
-    arrays' content digests (:func:`~flat_tokens_jax.store.digests.content_digest`);
-    ``None`` for a store written before they were recorded. A view shares its
-    split's (its counts and sampled digest tell views apart)."""
-    digests = [(name, ft.digests.get(name)) for name in sorted(ft.digests)]
-    contents = [(name, d.content) for name, d in digests if d is not None]
-    if len(contents) < len(digests) or any(c is None for _, c in contents):
-        return None
-    text = ";".join(f"{name}={content}" for name, content in contents)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def request_windows(
     records: Records, indices: np.ndarray, columns: tuple[int, int] | None = None
 ) -> Callable[[], Windows]:
-    """Starts reading records ``indices`` and returns what waits for them:
-    ``request_windows(r, i, c)()`` is ``r.read(i, c)``. Records with a
-    ``request`` start their reads and return at once; others are read here
-    (so that what is asked first is read first all the same)."""
+    """``request_windows(r, i, c)()`` is ``r.read(i, c)``; records with a
+    ``request`` start their reads and return at once, others are read here."""
     request = getattr(records, "request", None)
     if request is not None:
         waiting: Callable[[], Windows] = request(indices, columns)
@@ -145,15 +116,8 @@ def request_windows(
 
 
 def check_source(source: Any, who: str) -> None:
-    """Refuses, naming the fix, a ``source`` that is neither a split nor records.
-
-    Args:
-        source: what was given.
-        who: how the message names it, e.g. ``"component 'web'"``.
-
-    Raises:
-        TypeError: a whole ``Dataset``, a URL, or anything else.
-    """
+    """Raises ``TypeError``, naming ``who`` (``"component 'web'"``) and the fix,
+    for a ``source`` that is neither a split nor records."""
     if isinstance(source, FlatTokens):
         return
     if isinstance(source, Dataset):
@@ -174,12 +138,7 @@ def check_source(source: Any, who: str) -> None:
 
 
 def check_packing(records: Any, who: str) -> None:
-    """Refuses records whose ``packing`` is not a :class:`Packing` member (a
-    ``True`` written as in a config would decode as nothing it says).
-
-    Raises:
-        TypeError: naming ``who``, the value and the members.
-    """
+    """Raises ``TypeError`` for records whose ``packing`` is not a :class:`Packing`."""
     if not isinstance(records.packing, Packing):
         raise TypeError(
             f"{who}: {type(records).__name__}.packing is {records.packing!r}; records "
@@ -189,17 +148,14 @@ def check_packing(records: Any, who: str) -> None:
 
 
 def recorded_info(records: object) -> Any:
-    """What made the dataset behind ``records`` (its ``DatasetInfo``), or ``None``.
-
-    ``None`` for records that are not over a split, and for datasets that
-    record nothing (written by older versions or other tools).
-    """
+    """The ``DatasetInfo`` behind ``records``; ``None`` for records not over a
+    split and datasets that record none."""
     ft = getattr(records, "ft", None)
     return getattr(ft, "info", None) if isinstance(ft, FlatTokens) else None
 
 
 class _SplitRecords(abc.ABC):
-    """Records over one split; subclasses say how a record maps to tokens."""
+    """Records over one split."""
 
     packing: Packing
 
@@ -219,8 +175,7 @@ class _SplitRecords(abc.ABC):
     def request(
         self, indices: np.ndarray, columns: tuple[int, int] | None = None
     ) -> Callable[[], Windows]:
-        """Starts reading records ``indices``; the function returned waits for
-        them and gives what :meth:`Records.read` gives."""
+        """Starts reading records ``indices``; the function returned waits for them."""
 
     def fingerprint(self) -> dict[str, Any]:
         kind = "packed" if self.packing is Packing.WINDOWS else "padded"
@@ -228,10 +183,8 @@ class _SplitRecords(abc.ABC):
 
 
 class PackedRecords(_SplitRecords):
-    """Record ``i`` is tokens ``[i*L, (i+1)*L)`` of a split, plus the token before it.
-
-    ``num_tokens // L`` records; a tail shorter than ``L`` is never used.
-    """
+    """Record ``i`` is tokens ``[i*L, (i+1)*L)`` of a split, plus the token
+    before it; a tail shorter than ``L`` is never used."""
 
     packing = Packing.WINDOWS
 
@@ -245,13 +198,12 @@ class PackedRecords(_SplitRecords):
     def request(
         self, indices: np.ndarray, columns: tuple[int, int] | None = None
     ) -> Callable[[], Windows]:
-        idx = _check_indices(indices, len(self), self)
+        idx = indices_below(indices, len(self), "record", self)
         c0, c1 = _check_columns(columns, self.seq_len)
         base = idx * self.seq_len
         start, stop = base + c0, base + c1
-        tokens, masks = self.ft.request_encoded_and_mask(
-            np.maximum(start - 1, 0), stop, start, stop
-        )
+        tokens = self.ft.request_encoded(np.maximum(start - 1, 0), stop)
+        masks = self.ft.request_loss_mask(start, stop)
 
         def windows() -> Windows:
             # Record 0 has no token before it: its row is right-aligned, column 0 stays 0.
@@ -277,12 +229,13 @@ class PaddedRecords(_SplitRecords):
     def request(
         self, indices: np.ndarray, columns: tuple[int, int] | None = None
     ) -> Callable[[], Windows]:
-        idx = _check_indices(indices, len(self), self)
+        idx = indices_below(indices, len(self), "record", self)
         c0, c1 = _check_columns(columns, self.seq_len)
         start, stop = self.token_ranges(idx)
         lo = np.minimum(start + c0, stop)
         hi = np.minimum(start + c1, stop)
-        tokens, masks = self.ft.request_encoded_and_mask(lo, hi, lo, hi)
+        tokens = self.ft.request_encoded(lo, hi)
+        masks = self.ft.request_loss_mask(lo, hi)
 
         def windows() -> Windows:
             out = tokens.rows(c1 - c0, ENCODED_DTYPE)
@@ -302,10 +255,8 @@ def check_start_bits(
     at_start: bool,
 ) -> None:
     """Raises :class:`FormatError` unless every padded row of ``rows`` (``[k, w]``
-    encoded, from token ``first[r]`` of the split on) whose column 0 is its
-    sequence's first token (``at_start``) has the start bit set there: a
-    ``seq_starts`` entry that points anywhere else, or tokens that are not this
-    split's, show here. Reads one column, so it costs nothing next to the read."""
+    encoded, from split token ``first[r]`` on) whose column 0 is its sequence's
+    first token (``at_start``) has the start bit set there (one column: cheap)."""
     if not at_start or rows.shape[1] == 0:
         return
     clear = np.flatnonzero(((rows[:, 0] & 1) == 0) & (lengths > 0))
@@ -326,17 +277,8 @@ def _check_columns(columns: tuple[int, int] | None, seq_len: int) -> tuple[int, 
     return c0, c1
 
 
-def _check_indices(indices: np.ndarray, n: int, source: object) -> np.ndarray:
-    idx = as_indices(indices, "record indices")
-    bad = np.flatnonzero((idx < 0) | (idx >= n))
-    if bad.size:
-        raise IndexError(f"{source!r}: record {idx[bad[0]]} is outside [0, {n})")
-    return idx
-
-
 def sources_of(names: Sequence[str], components: Sequence[Records]) -> list[dict[str, Any]]:
-    """Where each named component's data lives: ``name``, ``url``, ``split`` and
-    the ``sequences`` range of a view (JSON-ready; ``repr`` for custom records)."""
+    """Where each named component's data lives, JSON-ready (``repr`` for custom records)."""
     out: list[dict[str, Any]] = []
     for name, records in zip(names, components, strict=True):
         ft = getattr(records, "ft", None)

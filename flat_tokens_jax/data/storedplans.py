@@ -1,9 +1,5 @@
-"""Packing plans stored in a dataset: written by ``flat-tokens pack``
-(:func:`pack_dataset`), and listed and checked for ``validate`` and ``summary``.
-
-The plan of ``<split>`` for ``seq_len`` lies in the group
-``<split>/bins_<seq_len>`` (:func:`~flat_tokens_jax.data.plans.plan_group`);
-:func:`~flat_tokens_jax.data.plans.find_plan` reads it when a loader asks.
+"""Packing plans stored in a dataset (group ``<split>/bins_<seq_len>``): written
+by ``flat-tokens pack`` (:func:`pack_dataset`), listed and checked for ``validate``.
 """
 
 from __future__ import annotations
@@ -50,21 +46,10 @@ def pack_dataset(
     options: StoreOptions | None = None,
     **option_fields: Any,
 ) -> dict[str, PackingPlan]:
-    """Builds and stores the packing plan of each split for ``seq_len``.
-
-    Replaces a plan stored before for the same ``seq_len``. The plan of
-    ``<split>`` lies in the group ``<split>/bins_<seq_len>``: arrays
-    ``bin_starts`` and ``seq_order`` (``int64``) and the attribute
-    ``flat_tokens_packing_plan`` (written last).
-
-    Args:
-        url: the dataset.
-        seq_len: tokens per bin.
-        splits: the splits to pack (default: all).
-        options: how to reach the store, or its fields as keywords.
-
-    Returns:
-        The plan of each split.
+    """Builds and stores the packing plan of each split (default: all) for
+    ``seq_len``, replacing one stored before: arrays ``bin_starts`` and
+    ``seq_order`` (``int64``) and the attribute ``flat_tokens_packing_plan``.
+    ``options``: how to reach the store, or its fields as keywords.
 
     Raises:
         FileExistsError: another write to the dataset (a pack, a conversion)
@@ -78,8 +63,7 @@ def pack_dataset(
     out = {}
     try:
         for name in names:
-            ft = ds[name]
-            out[name] = write_plan(ds.store, ft, seq_len, ds.zarr_format)
+            out[name] = write_plan(ds.store, ds[name], seq_len, ds.zarr_format)
             log.info("%s: packed %s into %d bins", ds.url, name, out[name].num_bins)
     except BaseException:
         with contextlib.suppress(FileExistsError):  # lost to another writer: theirs now
@@ -105,17 +89,11 @@ def _claim(ds: Dataset) -> Claim:
 
 
 def write_plan(store: Store, ft: FlatTokens, seq_len: int, zarr_format: int) -> PackingPlan:
-    """Builds and stores the plan of the whole split ``ft`` under ``<split>/bins_<seq_len>``.
-
-    The group's metadata (with the plan's attributes) is removed first and
-    written last, after both arrays: an interrupted write leaves no plan that
-    opens.
-    """
-    if ft.seq_range != (0, ft.starts.size - 1):
-        raise ValueError(f"{ft!r} is a view: only whole splits store a packing plan")
+    """Builds and stores the plan of the split ``ft`` under ``<split>/bins_<seq_len>``."""
     plan = make_plan(ft, seq_len)
     group = plan_group(ft.split_name, seq_len)
-    # The metadata first: a plan half deleted or half written never opens.
+    # The metadata is deleted first and written last: a plan half deleted or
+    # half written never opens.
     for key in (V3_META, V2_GROUP, V2_ATTRS):
         store.delete(f"{group}/{key}")
     store.delete_prefix(group)
@@ -141,9 +119,7 @@ def stored_seq_lens(ft: FlatTokens) -> list[int]:
 
 
 def check_stored_plans(ft: FlatTokens) -> list[Problem]:
-    """Every problem of the plans stored for ``ft``'s split: unreadable, not a
-    permutation, a bin over its ``seq_len``, another digest than recorded, or
-    made from other data (sequence bounds differ)."""
+    """Every problem of the plans stored for ``ft``'s split."""
     problems: list[Problem] = []
     starts = split_starts(ft)
     for seq_len in stored_seq_lens(ft):

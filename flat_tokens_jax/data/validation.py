@@ -18,6 +18,7 @@ from flat_tokens_jax.core.format import (
     Problem,
     check_starts_block,
     check_tokens_block,
+    listed_problems,
 )
 from flat_tokens_jax.data.dataset import FlatTokens, open_dataset
 from flat_tokens_jax.data.storedplans import check_stored_plans, plans_summary
@@ -48,23 +49,16 @@ def validate(
     attribute ``flat_tokens.splits`` records); dtypes and shapes; ``seq_starts`` starts at
     0, strictly increases and ends at the token count; start bits sit exactly at
     ``seq_starts``; every id is ``<= max_token_id``; an optional ``loss_mask``
-    has one ``uint8`` 0/1 entry per token; the root attribute ``flat_tokens``,
-    when present, is well formed; every stored packing plan
-    (``<split>/bins_<seq_len>``) places each sequence once, keeps bins within
-    its ``seq_len`` and was made from the split as it is. ``options`` (or its
-    fields as keywords) say how to reach the store, as for :func:`open_dataset`.
-    Bytes that fail their crc32c checksum are a problem of the array they
-    belong to.
+    has one ``uint8`` 0/1 entry per token; the root attribute ``flat_tokens``
+    is well formed; every stored packing plan places each sequence once, keeps
+    bins within its ``seq_len`` and was made from the split as it is; every
+    shard probe and recorded chunk digest. ``options`` (or its fields as
+    keywords) say how to reach the store, as for :func:`open_dataset`.
 
     ``quick=True`` reads a sample instead of everything, for stores too big to
     scan: the metadata, both ends of ``seq_starts``, and ``samples`` sequences
-    (spread over the split, the same ones every time): their bounds, and the
-    start bits and ids of their first :data:`QUICK_TOKENS` tokens. Both check every
-    shard probe and, where chunk digests are recorded (see
-    :mod:`~flat_tokens_jax.store.digests`), every shard's recorded digests
-    against its array's attribute (the side arrays read whole: 4 bytes a
-    chunk), then the digests of every chunk, or (``quick``) of the chunks the
-    sample reads.
+    (the same ones every time): their bounds, the start bits and ids of their
+    first :data:`QUICK_TOKENS` tokens, and the digests of the chunks read.
 
     Raises:
         FormatError: listing every violation found, each with its array and index.
@@ -72,14 +66,8 @@ def validate(
     store = Store(url, resolve_options(options, option_fields, "validate"))
     root = store.group_attributes("")
     if root is None:
-        raise FormatError(
-            Problem(
-                store.url,
-                "no flat-tokens dataset here (no zarr group "
-                "metadata at the root; the path is wrong or a write did "
-                "not finish)",
-            )
-        )
+        why = "no flat-tokens dataset here (no zarr group metadata at the root; the path is wrong"
+        raise FormatError(Problem(store.url, f"{why} or a write did not finish)"))
     problems: list[Problem] = []
     names: tuple[str, ...] = SPLITS
     info = None
@@ -112,20 +100,18 @@ def validate(
 
 
 def _check_probes(ft: FlatTokens) -> list[Problem]:
-    """Every shard's probe (see :mod:`~flat_tokens_jax.store.probes`), where recorded."""
-    readers = {ft.tokens_name: ft.encoded, SEQ_STARTS: ft.starts, LOSS_MASK: ft.loss_mask}
+    """Every shard's probe, where recorded."""
     return [
         Problem(f"{ft.split_name}/{name}", message)
-        for name, probes in ft.probes.items()
-        if probes is not None and (reader := readers[name]) is not None
-        for message in probes.verify_all(reader.read_ranges)
+        for name, c in ft.checked.items()
+        if c.probes is not None
+        for message in c.probes.verify_all(c.reader.read_ranges)
     ]
 
 
 def _check_side(ft: FlatTokens) -> tuple[list[Problem], dict[str, ChunkDigests]]:
-    """Every shard's recorded chunk digests against its array's attribute (see
-    :mod:`~flat_tokens_jax.store.digests`), where recorded; and the digests of
-    the arrays whose recorded digests all pass, the ones to check chunks with."""
+    """Every shard's recorded chunk digests against its array's attribute; and
+    the digests of the arrays whose recorded digests all pass, to check chunks with."""
     problems: list[Problem] = []
     trusted = {}
     for name, digests in ft.digests.items():
@@ -139,26 +125,20 @@ def _check_side(ft: FlatTokens) -> tuple[list[Problem], dict[str, ChunkDigests]]
 
 
 def _check_digests(
-    digests: ChunkDigests | None,
-    where: str,
-    reader: ArrayReader,
-    starts: np.ndarray,
-    stops: np.ndarray,
+    digests: ChunkDigests | None, reader: ArrayReader, starts: np.ndarray, stops: np.ndarray
 ) -> list[Problem]:
     """The chunk ``digests`` (where trusted) of the chunks ranges ``[starts, stops)`` touch."""
     if digests is None:
         return []
-
-    def check() -> list[str]:
+    try:
         digests.check(reader, starts, stops)  # raises at the first chunk that differs
-        return []
-
-    return _digest_problems(where, check)
+    except FormatError as e:
+        return e.problems
+    return []
 
 
 def _check_split(ft: FlatTokens, block: int, digests: dict[str, ChunkDigests]) -> list[Problem]:
-    """The checks of :func:`validate` on every value of ``ft``, every chunk
-    checked with ``digests`` (of the arrays whose recorded digests pass)."""
+    """The checks of :func:`validate` on every value of ``ft``."""
     problems = _check_arrays(
         f"{ft.split_name}/{ft.tokens_name}",
         ft.encoded,
@@ -176,27 +156,22 @@ def _check_split(ft: FlatTokens, block: int, digests: dict[str, ChunkDigests]) -
             mask_digests = digests.get(LOSS_MASK)
             for offset, values in _blocks(ft.loss_mask, block, mask_digests, where, problems):
                 bad = np.flatnonzero(values > 1)
-                problems += [
-                    Problem(
-                        where, "loss mask entries must be 0 or 1", offset + int(i), int(values[i])
-                    )
-                    for i in bad[: FormatError.max_listed]
-                ]
+                problems += listed_problems(
+                    where, "loss mask entries must be 0 or 1", bad, values, offset
+                )
     return problems
 
 
 def _check_sample(ft: FlatTokens, samples: int, digests: dict[str, ChunkDigests]) -> list[Problem]:
-    """The checks of :func:`validate` on ``samples`` sequences of ``ft`` (see
-    ``quick``), the chunks read checked with ``digests``."""
+    """The checks of :func:`validate` on ``samples`` sequences of ``ft``."""
     tokens_where = f"{ft.split_name}/{ft.tokens_name}"
     starts_where = f"{ft.split_name}/{SEQ_STARTS}"
     n, num_tokens = ft.starts.size - 1, ft.encoded.size
     ends = ft.starts.read_points(np.array([0, n]))
     problems = check_starts_block(ends[:1], 0, None, num_tokens, starts_where)
     if int(ends[1]) != num_tokens:
-        problems.append(
-            Problem(starts_where, f"last entry must equal the token count {num_tokens}", n, ends[1])
-        )
+        last = f"last entry must equal the token count {num_tokens}"
+        problems.append(Problem(starts_where, last, n, ends[1]))
     if n == 0 or problems:
         return problems
     drawn = np.random.default_rng(0).choice(n, min(samples, n), replace=False)
@@ -217,8 +192,8 @@ def _check_sample(ft: FlatTokens, samples: int, digests: dict[str, ChunkDigests]
         return problems
     lo = values[: seqs.size].astype(np.int64)
     hi = np.minimum(values[seqs.size :].astype(np.int64), lo + QUICK_TOKENS)
-    problems += _check_digests(digests.get(SEQ_STARTS), starts_where, ft.starts, at, at + 1)
-    problems += _check_digests(digests.get(ft.tokens_name), tokens_where, ft.encoded, lo, hi)
+    problems += _check_digests(digests.get(SEQ_STARTS), ft.starts, at, at + 1)
+    problems += _check_digests(digests.get(ft.tokens_name), ft.encoded, lo, hi)
     for start, enc in zip(lo.tolist(), ft.encoded.read_ranges(lo, hi), strict=True):
         problems += check_tokens_block(enc, start, np.array([start]), ft.max_token_id, tokens_where)
     return problems[: FormatError.max_listed]
@@ -261,23 +236,17 @@ def _check_arrays(
         problems += check_starts_block(values, s_offset, previous, num_tokens, starts_where)
         previous = int(values[-1])
     if previous is not None and previous != num_tokens:
-        problems.append(
-            Problem(
-                starts_where,
-                f"last entry must equal the token count {num_tokens}",
-                starts.size - 1,
-                previous,
-            )
-        )
+        last = f"last entry must equal the token count {num_tokens}"
+        problems.append(Problem(starts_where, last, starts.size - 1, previous))
     return problems
 
 
 def _blocks(
     array: ArrayReader,
     block: int,
-    digests: ChunkDigests | None = None,
-    where: str = "",
-    problems: list[Problem] | None = None,
+    digests: ChunkDigests | None,
+    where: str,
+    problems: list[Problem],
 ) -> Iterator[tuple[int, np.ndarray]]:
     """``(offset, values)`` blocks of an array, in order. With ``digests``, blocks
     hold whole chunks, and each chunk that fails its digest adds to ``problems``."""
@@ -287,7 +256,7 @@ def _blocks(
     for lo, hi in itertools.pairwise(bounds):
         if hi > lo:
             values = array.read_ranges(np.array([lo]), np.array([hi]))[0]
-            if digests is not None and problems is not None:
+            if digests is not None:
                 check = functools.partial(digests.check_block, int(lo), values)
                 problems += _digest_problems(where, check)
             yield int(lo), values
@@ -310,14 +279,11 @@ def summary(
 ) -> dict[str, Any]:
     """What made the dataset, and counts, sequence lengths and layout of every split.
 
-    ``"info"`` is the dataset's :class:`DatasetInfo` as stored (``None`` when
-    it records none). Length quantiles and the ``"histogram"`` (counts of
-    lengths in ``[edges[i], edges[i + 1])``, ``edges`` powers of two) are
-    exact up to ``max_sampled`` sequences and taken over evenly spaced
-    sequences beyond that (``"lengths_sampled": true``). ``"packing_plans"``
-    maps the ``seq_len`` of each stored packing plan to its attributes
-    (algorithm, bins, digest, source). ``options`` (or its
-    fields as keywords) say how to reach the store.
+    Length quantiles and the ``"histogram"`` (counts of lengths in
+    ``[edges[i], edges[i + 1])``, ``edges`` powers of two) are exact up to
+    ``max_sampled`` sequences and taken over evenly spaced sequences beyond
+    that (``"lengths_sampled": true``). ``"packing_plans"`` maps the
+    ``seq_len`` of each stored plan to its attributes.
     """
     ds = open_dataset(url, resolve_options(options, option_fields, "summary"))
     out: dict[str, Any] = {
@@ -349,7 +315,12 @@ def summary(
                 "p99": float(q[3]),
                 "max": int(q[4]),
             }
-            info["histogram"] = length_histogram(lengths)
+            low = int(lengths.min()).bit_length() - 1
+            edges = [1 << k for k in range(low, int(lengths.max()).bit_length() + 1)]
+            # frexp's exponent is floor(log2(x)) + 1, exactly, for integers below 2**53.
+            bucket = np.frexp(lengths.astype(np.float64))[1].astype(np.int64) - 1 - low
+            counts = np.bincount(bucket, minlength=len(edges) - 1).astype(int).tolist()
+            info["histogram"] = {"edges": edges, "counts": counts}
             info["lengths_sampled"] = bool(idx.size < n)
             _plans_filled(info["packing_plans"], lengths, n)
         out["splits"][name] = info
@@ -358,9 +329,7 @@ def summary(
 
 def _plans_filled(plans: dict[str, Any], lengths: np.ndarray, n: int) -> None:
     """Adds ``"filled"`` to each plan: the share of its bins' tokens that hold
-    tokens, counting each sequence truncated to ``seq_len`` (the plan's own
-    ``tokens`` where it records them, else from ``lengths`` of ``n`` sequences,
-    ``"filled_sampled": true`` when those are a sample)."""
+    tokens (from ``lengths`` of ``n`` sequences where the plan records none)."""
     for seq_len, plan in plans.items():
         if not isinstance(plan, dict) or not isinstance(plan.get("num_bins"), int):
             continue
@@ -369,20 +338,3 @@ def _plans_filled(plans: dict[str, Any], lengths: np.ndarray, n: int) -> None:
             tokens = round(float(np.minimum(lengths, int(seq_len)).mean()) * n)
             plan["filled_sampled"] = bool(lengths.size < n)
         plan["filled"] = tokens / max(plan["num_bins"] * int(seq_len), 1)
-
-
-def length_histogram(lengths: np.ndarray) -> dict[str, list[int]]:
-    """Counts of ``lengths`` ``[k]`` (positive) in power-of-two buckets.
-
-    Returns:
-        ``{"edges": [e_0, ..., e_m], "counts": [c_0, ..., c_{m-1}]}``: ``c_i``
-        lengths lie in ``[e_i, e_{i+1})``; ``e_0`` is the largest power of two
-        at most the shortest length, ``e_m`` the smallest above the longest.
-    """
-    lo = int(lengths.min()).bit_length() - 1
-    hi = int(lengths.max()).bit_length()
-    edges = [1 << k for k in range(lo, hi + 1)]
-    # frexp's exponent is floor(log2(x)) + 1, exactly, for integers below 2**53.
-    bucket = np.frexp(lengths.astype(np.float64))[1].astype(np.int64) - 1 - lo
-    counts = np.bincount(bucket, minlength=len(edges) - 1)
-    return {"edges": edges, "counts": counts.astype(int).tolist()}

@@ -1,9 +1,5 @@
-"""Writing flat-tokens datasets: streaming appends, bounded memory, atomic finish.
-
-A dataset becomes valid only when its root group metadata is written, and that
-is the last thing :meth:`DatasetWriter.close` does, after every array (loss
-masks included); anything interrupted before leaves a store that
-:func:`open_dataset` refuses.
+"""Writing flat-tokens datasets: streaming appends, bounded memory, atomic finish
+(the root group's metadata, which makes a dataset valid, is written last).
 """
 
 from __future__ import annotations
@@ -33,7 +29,6 @@ from flat_tokens_jax.core.format import (
 )
 from flat_tokens_jax.core.values import sequence
 from flat_tokens_jax.store.identity import ATTRIBUTE, DatasetInfo, identity_attribute
-from flat_tokens_jax.store.location import STAGING as STAGING
 from flat_tokens_jax.store.location import claim_location
 from flat_tokens_jax.store.options import StoreOptions, resolve_options
 from flat_tokens_jax.store.storageformat import (
@@ -121,32 +116,15 @@ class _SplitWriter:
         self.starts = _ArrayAppender(store, split, SEQ_STARTS, STARTS_DTYPE, storage_format)
         self.starts.append(np.zeros(1, STARTS_DTYPE))
         self.store, self.split, self.storage_format = store, split, storage_format
-        # Created by the first sequences written with a loss mask; `masked` records
-        # whether the first sequences came with one, and every later one must agree.
+        # Made when the split's first sequences come with a loss mask; every
+        # later one must agree.
         self.mask: _ArrayAppender | None = None
-        self.masked: bool | None = None
         self.max_token_id = 0
         self.num_sequences = 0
 
     @property
     def arrays(self) -> list[_ArrayAppender]:
         return [self.tokens, self.starts, *([self.mask] if self.mask else [])]
-
-    def _start_mask(self, masked: bool) -> None:
-        """Settles on the first call whether the split has a loss mask; refuses mixing."""
-        if self.masked is None:
-            self.masked = masked
-            if masked:
-                self.mask = _ArrayAppender(
-                    self.store, self.split, LOSS_MASK, MASK_DTYPE, self.storage_format
-                )
-        elif masked != self.masked:
-            given, earlier = ("a", "none") if masked else ("no", "one")
-            raise ValueError(
-                f"split {self.split!r}, sequence {self.num_sequences}: {given} loss mask "
-                f"given, but the split's earlier sequences have {earlier}; a split has a "
-                "loss mask for every sequence or for none"
-            )
 
     def extend(self, sequences: Sequence[np.ndarray], masks: Sequence[Any] | None) -> None:
         where = f"split {self.split!r}, sequence"
@@ -199,7 +177,17 @@ class _SplitWriter:
         self, encoded: np.ndarray, offsets: np.ndarray, mask: np.ndarray | None, max_id: int
     ) -> None:
         """Appends checked sequences: ``offsets`` ``[k]`` are their ends within ``encoded``."""
-        self._start_mask(mask is not None)
+        if self.num_sequences == 0 and mask is not None:
+            self.mask = _ArrayAppender(
+                self.store, self.split, LOSS_MASK, MASK_DTYPE, self.storage_format
+            )
+        elif (mask is None) != (self.mask is None):
+            given, earlier = ("no", "one") if mask is None else ("a", "none")
+            raise ValueError(
+                f"split {self.split!r}, sequence {self.num_sequences}: {given} loss mask "
+                f"given, but the split's earlier sequences have {earlier}; a split has a "
+                "loss mask for every sequence or for none"
+            )
         self.tokens.append(encoded)
         if self.mask is not None and mask is not None:
             self.mask.append(mask)
@@ -217,11 +205,7 @@ def root_attributes(
 ) -> dict[str, Any]:
     """The root group's attributes: ``attributes`` and, under ``"flat_tokens"``,
     ``info`` (an empty one when ``None``: every dataset says what wrote it) and
-    the names of its ``splits``.
-
-    Raises:
-        ValueError: ``attributes`` has a ``"flat_tokens"`` key of its own.
-    """
+    the names of its ``splits``; ``ValueError`` if ``attributes`` has that key."""
     given = dict(attributes or {})
     if ATTRIBUTE in given:
         raise ValueError(
@@ -234,27 +218,19 @@ def root_attributes(
 def write_groups(
     store: Store, zarr_format: int, max_token_ids: Mapping[str, int], attributes: Mapping[str, Any]
 ) -> None:
-    """Writes each split's group (with its ``max_token_id``), then the root group.
-
-    The root group's metadata is what makes the dataset valid, so it is the
-    last thing written, after every array.
-    """
+    """Writes each split's group (with its ``max_token_id``), then the root group,
+    which makes the dataset valid: the last write, after every array."""
     for name, max_id in max_token_ids.items():
         store.write_group(name, zarr_format, {"max_token_id": max_id})
     store.write_group("", zarr_format, attributes)
 
 
 class DatasetWriter:
-    """Streams sequences into a new flat-tokens dataset.
-
-    Memory stays bounded by about two shards per array whatever the dataset
-    size. The dataset becomes valid only when :meth:`close` completes (the
-    ``with`` block ends without an error); until then, and after any failure,
-    :func:`open_dataset` refuses it.
-
-    A split may also store a loss mask (``loss_mask``, ``uint8``, one entry per
-    token, 1 where the token is trained on as a target): pass one with every
-    sequence of that split, or with none.
+    """Streams sequences into a new flat-tokens dataset, in about two shards of
+    memory per array. The dataset becomes valid only when :meth:`close`
+    completes (the ``with`` block ends without an error). A split may store a
+    loss mask (``uint8``, one entry per token, 1 where the token is trained on
+    as a target): pass one with every sequence of that split, or with none.
 
     Example:
         >>> with DatasetWriter("memory://doc/example", overwrite=True) as w:
@@ -266,22 +242,17 @@ class DatasetWriter:
             or ``s3://`` URL.
         storage_format: chunking, sharding, compression and zarr version.
         overwrite: replace a flat-tokens dataset, or the leftover of an
-            interrupted write, at ``url``. Without it such a ``url`` is refused
-            (:class:`~flat_tokens_jax.store.location.OverwriteNeeded`); a ``url``
-            holding anything else is refused either way (``FileExistsError``),
-            as is one that another writer claimed first (see
-            :func:`~flat_tokens_jax.store.location.claim_location`).
-        options: how to reach the store (see :class:`StoreOptions`).
-        **option_fields: or the fields of ``options`` as keywords, e.g. ``endpoint=...``.
+            interrupted write, at ``url`` (without it: ``OverwriteNeeded``); a
+            ``url`` holding anything else, or claimed by another writer, is
+            refused either way (``FileExistsError``).
+        options: how to reach the store, or its fields as keywords.
         splits: the splits to create (``train`` and ``validation`` always are),
-            each written even if it stays empty; a name that breaks the rule of
-            :func:`~flat_tokens_jax.core.format.check_split_name` is refused at once.
+            each written even if it stays empty.
         attributes: extra JSON attributes for the root group (any key but
             ``"flat_tokens"``).
         info: what made the data (tokenizer, flags, inputs), written under the
-            root attribute ``"flat_tokens"`` (see :mod:`flat_tokens_jax.store.identity`);
-            :attr:`info` may be replaced until :meth:`close` (a converter that
-            learns its inputs' hash only at the end does).
+            root attribute ``"flat_tokens"``; :attr:`info` may be replaced until
+            :meth:`close`.
     """
 
     def __init__(
@@ -330,19 +301,14 @@ class DatasetWriter:
         sequence: Sequence[int] | np.ndarray,
         loss_mask: Sequence[int] | np.ndarray | None = None,
     ) -> None:
-        """Appends one sequence (token ids, any integer dtype) to ``split``.
+        """Appends one sequence, ``[n]`` token ids of any integer dtype, to ``split``.
 
-        Args:
-            split: the split to append to.
-            sequence: ``[n]`` token ids.
-            loss_mask: ``[n]`` bool or 0/1 integers, 1 where the token is trained
-                on as a target. The first sequence written to a split decides
-                whether the split stores a loss mask; every later one must agree.
+        ``loss_mask``: ``[n]`` bool or 0/1 integers, 1 where the token is trained
+        on as a target; the split's first sequence decides whether it has one.
 
         Raises:
-            ValueError: bad ids, an empty sequence, a mask of the wrong length or
-                with entries other than 0 and 1, or a mask given to a split
-                written without one (or the reverse).
+            ValueError: bad ids, an empty sequence, a bad mask, or a mask given
+                to a split written without one (or the reverse).
         """
         masks = None if loss_mask is None else [loss_mask]
         self._split(split).extend([np.asarray(sequence)], masks)
@@ -355,26 +321,20 @@ class DatasetWriter:
         *,
         loss_masks: Iterable[Sequence[int] | np.ndarray] | None = None,
     ) -> None:
-        """Appends many sequences to ``split``, encoding them in batches.
-
-        ``loss_masks``, when given, holds one mask per sequence, in order (see
-        :meth:`append`); it must yield exactly as many as ``sequences`` does.
-        """
+        """Appends many sequences to ``split``, encoding them in batches;
+        ``loss_masks``, when given, yields one mask per sequence (see :meth:`append`)."""
         writer = self._split(split)
         batch: list[np.ndarray] = []
-        masks: list[Any] | None = None if loss_masks is None else []
+        masks: list[Any] = []
         size = 0
         for seq, mask in _paired(sequences, loss_masks, split):
-            arr = np.asarray(seq)
-            batch.append(arr)
-            if masks is not None:
-                masks.append(mask)
-            size += arr.size
+            batch.append(np.asarray(seq))
+            masks.append(mask)
+            size += batch[-1].size
             if size >= batch_tokens:
-                writer.extend(batch, masks)
-                batch, size = [], 0
-                masks = None if masks is None else []
-        writer.extend(batch, masks)
+                writer.extend(batch, None if loss_masks is None else masks)
+                batch, masks, size = [], [], 0
+        writer.extend(batch, None if loss_masks is None else masks)
 
     def extend_encoded(
         self,
@@ -383,14 +343,9 @@ class DatasetWriter:
         lengths: np.ndarray,
         loss_mask: np.ndarray | None = None,
     ) -> None:
-        """Appends whole sequences already encoded (``uint32``, start bits set).
-
-        Args:
-            split: the split to append to.
-            encoded: ``[n] uint32`` the sequences' encoded tokens, concatenated.
-            lengths: ``[k]`` their lengths, all positive, summing to ``n``.
-            loss_mask: ``[n]`` bool or 0/1 integers, the sequences' loss masks
-                concatenated (see :meth:`append`).
+        """Appends whole sequences already encoded: ``encoded`` ``[n] uint32``
+        (start bits set) of ``lengths`` ``[k]`` (positive, summing to ``n``), with
+        their concatenated ``loss_mask`` ``[n]`` (see :meth:`append`).
 
         Raises:
             ValueError: wrong dtype, lengths that do not add up, start bits
@@ -399,11 +354,8 @@ class DatasetWriter:
         self._split(split).extend_encoded(encoded, lengths, loss_mask)
 
     def close(self) -> None:
-        """Finishes every split, then marks the dataset valid (the last write).
-
-        If this fails (a full disk, say), what the write created is deleted, as
-        by :meth:`abort`, and the error is raised.
-        """
+        """Finishes every split, then marks the dataset valid (the last write);
+        on failure deletes what the write created, as :meth:`abort` does."""
         if self._closed:
             return
         self._closed = True
@@ -417,14 +369,11 @@ class DatasetWriter:
             self._discard()
             raise
         self._claim.release()
-        log.info(
-            "wrote %s: %s",
-            self.store.url,
-            ", ".join(
-                f"{n} {w.num_sequences} sequences / {w.tokens.size} tokens"
-                for n, w in self._splits.items()
-            ),
+        counts = (
+            f"{n} {w.num_sequences} sequences / {w.tokens.size} tokens"
+            for n, w in self._splits.items()
         )
+        log.info("wrote %s: %s", self.store.url, ", ".join(counts))
 
     def abort(self) -> None:
         """Gives up: nothing is marked valid, and what was written is deleted."""
@@ -461,13 +410,10 @@ def write_dataset(
     loss_masks: Mapping[str, Iterable[Sequence[int] | np.ndarray]] | None = None,
     **writer_args: Any,
 ) -> None:
-    """Writes a whole dataset: ``splits`` maps split names to iterables of sequences.
-
-    ``train`` and ``validation`` are written empty when ``splits`` omits them; other
-    names are extra splits (see ``DatasetWriter(splits=...)``). ``loss_masks``
-    maps some of the split names to one loss mask per sequence (see
-    :meth:`DatasetWriter.append`). Other keyword arguments go to :class:`DatasetWriter`
-    (``options=StoreOptions(...)`` or its fields as keywords among them).
+    """Writes a whole dataset: ``splits`` maps split names to iterables of sequences
+    (``train`` and ``validation`` written empty when omitted). ``loss_masks``
+    maps some of them to one loss mask per sequence. Other keyword arguments
+    go to :class:`DatasetWriter`.
 
     Example:
         >>> write_dataset("memory://doc/masked", {"train": [[1, 2, 3]]},
@@ -490,8 +436,7 @@ def _paired(
 ) -> Iterator[tuple[Any, Any]]:
     """``(sequence, mask)`` pairs, the mask ``None`` when ``masks`` is; refuses unequal counts."""
     if masks is None:
-        for seq in sequences:
-            yield seq, None
+        yield from ((seq, None) for seq in sequences)
         return
     for i, (seq, mask) in enumerate(itertools.zip_longest(sequences, masks, fillvalue=_END)):
         if seq is _END or mask is _END:

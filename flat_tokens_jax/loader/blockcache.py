@@ -25,8 +25,8 @@ from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.data.blockreads import (
     BlockTokens,
     SplitRecords,
+    block_ranges,
     block_rows,
-    plan_blocks,
     reads_blocks,
 )
 from flat_tokens_jax.data.records import Records, Windows
@@ -169,8 +169,8 @@ class BlockCache:
             return out
         missing = blocks[fresh]
         try:
-            plan = plan_blocks(records, missing, self.block)
-            shared = _Shared(plan.request())
+            ranges = block_ranges(records, missing, self.block)
+            shared = _Shared(ranges.request())
         except BaseException as e:
             with self._lock:
                 for i, b in zip(fresh, missing.tolist(), strict=True):
@@ -182,7 +182,7 @@ class BlockCache:
             self.reads += len(fresh)
             for k, (i, b) in enumerate(zip(fresh, missing.tolist(), strict=True)):
                 entry = out[i]
-                entry.nbytes = int(plan.nbytes[k])
+                entry.nbytes = int(ranges.nbytes[k])
                 entry.kept = self._make_room(entry.nbytes)
                 if entry.kept:
                     self._bytes += entry.nbytes

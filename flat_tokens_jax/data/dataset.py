@@ -61,7 +61,7 @@ class FlatTokens:
     ``info`` is the dataset's :class:`DatasetInfo` when the caller has read it
     (:class:`Dataset` does); otherwise opening reads it: a dataset that records
     what made it must record its arrays' shard probes and chunk digests
-    (:func:`~flat_tokens_jax.store.digests.array_checks`).
+    (:meth:`~flat_tokens_jax.store.integrity.CheckedArray.open`).
 
     Attributes:
         encoded, starts, loss_mask: the split's arrays' readers (``loss_mask``

@@ -118,7 +118,7 @@ class _Futures(_Stacked):
         return out
 
 
-class _Done(_Stacked):
+class Done(_Stacked):
     """Values read already, given once the checks have passed."""
 
     def __init__(self, values: list[np.ndarray], known: Known | None = None) -> None:
@@ -302,7 +302,7 @@ class ZarrPythonArray(_Reader):
     ) -> Pending:
         self._count(int(np.sum(stops - starts)))
         pairs = zip(starts.tolist(), stops.tolist(), strict=True)
-        return _Done([np.asarray(self.array[a:b]) for a, b in pairs], known)
+        return Done([np.asarray(self.array[a:b]) for a, b in pairs], known)
 
     def read_points(self, indices: np.ndarray) -> np.ndarray:
         idx = np.asarray(indices, np.int64)

@@ -1,13 +1,7 @@
 """Integrity checks of an array's shards or chunks among concurrent reads: each
-item checked once, none waiting on a read that never waits for its own.
-
-A read claims the items it touches that no read has checked or claimed,
-starts reading them (the reads return at once: tensorstore reads in the
-background), and later waits for the checks of all it touched: its own, and
-those of the reads that claimed the others. A check runs once, by whichever
-thread asks for it first, so a read that starts a check and never waits for
-it (an error elsewhere in its step) holds no other read up: the next read of
-those items runs it.
+item checked once, by whichever read waits for it first, so a read that starts
+a check and never waits for it (an error elsewhere in its step) holds no other
+read up.
 """
 
 from __future__ import annotations
@@ -58,28 +52,22 @@ class Checks(Generic[R]):
         self._lock = threading.Lock()
         self._claimed: dict[int, Once[R]] = {}
 
-    def unchecked(self, items: np.ndarray) -> bool:
-        """Whether some of ``items`` (``[k] int64``) is not checked yet."""
-        return not self.checked[items].all()
-
     def start(
         self,
         items: np.ndarray,
         begin: Callable[[np.ndarray], Callable[[], R]],
         again: Callable[[np.ndarray], object],
     ) -> Callable[[], R | None]:
-        """Starts the checks of ``items`` (``[k] int64``, within ``count``).
+        """Claims the items of ``items`` (``[k] int64``: what a read touches) that
+        no read has checked or claimed, and starts their checks.
 
         Args:
-            items: what a read touches.
-            begin: given the items this read claims (sorted, unique), starts
-                reading them and returns the call that waits for those reads
-                and checks them (its result is kept, or it raises the error
-                that names a bad item). It runs under the lock that claims,
-                so it must only start reads.
+            begin: given the claimed items (sorted, unique), starts reading them
+                and returns the call that waits and checks them (raising the
+                error naming a bad item). It runs under the claiming lock, so
+                it must only start reads.
             again: checks items another read's check left unchecked (its
-                error, or its reads' failure), raising the error naming one;
-                they count as checked when it returns.
+                error, or its reads' failure), raising the error naming one.
 
         Returns:
             The call that waits for every check of ``items``; its result is

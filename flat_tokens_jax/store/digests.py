@@ -1,43 +1,8 @@
-"""Chunk digests: the recorded contents of every chunk, checked on first read.
-
-A checksum inside a shard proves that its bytes are the ones written into that
-file, and a shard probe (:mod:`~flat_tokens_jax.store.probes`) that a shard's first
-values are; neither tells a shard of another version of the dataset that
-differs further in. So our writers record, for every chunk of
-:attr:`ChunkDigests.chunk` values (the inner chunk of a zarr v3 shard, the
-chunk file of zarr v2), the crc32c of its values as little-endian bytes, the
-chunk's values past the array's end counted as the fill value 0 (as zarr stores
-an edge chunk), computed from the values as they are written. They go in a
-side array ``chunk_crc32c`` (``uint32[ceil(size / C)]``, one side chunk per
-shard, so that writers of different shards never share an object) inside the
-array's folder, announced by the array's attribute ``chunk_crc32c``:
-``{"algorithm": "crc32c", "chunk": C, "shard": S, "content": H, "shards":
-[X0, X1, ...]}`` (values per chunk and per shard; H the sha256 of all the
-chunk digests in order, the identity of the array's whole contents that a
-loader's fingerprint records; Xi the crc32c of shard i's chunk digests, its
-side chunk's values as little-endian bytes). Stores written before ``shards``
-existed lack it, and before ``content`` lack that.
-
-A side chunk is a file beside its shard: whoever copies a shard of another
-version in can copy its digests with it, and every chunk would then match. The
-attribute lives in the array's metadata, which such a copy leaves alone, so
-the digests are trusted only once they match it: a shard's side chunk is
-checked against its ``shards`` entry when it is read (once per process, for
-the shard's first chunk checked: no other request). An array whose attribute
-has ``content`` but no ``shards`` has its side array read whole at the first
-check and compared with ``content`` (4 bytes per chunk: 1/8192 of the tokens'
-bytes with the default storage format).
-
-A read checks every chunk it touches the first time it touches it (once per
-process) and raises :class:`~flat_tokens_jax.core.format.FormatError` naming the
-array, the shard and the chunk if it differs. For an uncompressed chunk
-stored with its crc32c (our default storage format), the digest is that stored crc32c,
-so the memory-mapped path compares the 4 bytes after the chunk, verified as
-any read verifies them, with the recorded digest: nothing more is hashed.
-Otherwise the check reads the chunk whole (a read fetches whole chunks anyway)
-and hashes it. Arrays without the attribute (older stores, other writers) are
-read without this check; an array of a dataset that records what made it
-(:mod:`~flat_tokens_jax.store.identity`) must have it (:func:`array_checks`).
+"""Chunk digests: the crc32c of every chunk's values, recorded by our writers in
+a side array ``chunk_crc32c`` beside the array and announced by its attribute
+(layout in docs/format.md, "Chunk digests"), checked on a chunk's first read.
+A side chunk can be copied in with its shard, so recorded digests are trusted
+only once they match the attribute (``shards``, else ``content``).
 """
 
 from __future__ import annotations
@@ -54,9 +19,7 @@ from flat_tokens_jax.core.format import FormatError
 from flat_tokens_jax.store.arrays import ArrayReader, Known
 from flat_tokens_jax.store.checks import Checks
 from flat_tokens_jax.store.localshards import crc32c, touched
-from flat_tokens_jax.store.probes import ATTRIBUTE as PROBES
-from flat_tokens_jax.store.probes import ShardProbes, crc_list
-from flat_tokens_jax.store.store import Store
+from flat_tokens_jax.store.probes import crc_list
 
 DIGESTS = "chunk_crc32c"  # the array attribute, and the side array's name in the array's folder
 ALGORITHM = "crc32c"
@@ -218,10 +181,6 @@ class ChunkDigests:
         """``[count] bool``: which chunks this process has checked."""
         return self._checks.checked
 
-    def unchecked(self, starts: np.ndarray, stops: np.ndarray) -> bool:
-        """Whether ranges ``[starts, stops)`` (within the array) touch a chunk not checked yet."""
-        return self._checks.unchecked(touched(starts, stops, self.chunk))
-
     def start_check(
         self, reader: ArrayReader, starts: np.ndarray, stops: np.ndarray
     ) -> Known | None:
@@ -237,7 +196,7 @@ class ChunkDigests:
             those recorded) and the chunks read whole, to serve its ranges from.
         """
         chunks = touched(starts, stops, self.chunk)
-        if not self._checks.unchecked(chunks):
+        if self.checked[chunks].all():
             return None
         whole: list[np.ndarray] = []
 
@@ -314,9 +273,8 @@ class ChunkDigests:
         if stop <= first:
             return []
         todo = np.arange(first, stop, dtype=np.int64)
-        at = (todo * self.chunk - offset).tolist()
-        got = np.array([chunk_digest(values[a : a + self.chunk], self.chunk) for a in at])
-        bad = self._mismatches(todo, got.astype(np.uint32))
+        got = chunk_digests(values[first * self.chunk - offset :], self.chunk)[: todo.size]
+        bad = self._mismatches(todo, got)
         self.checked[todo] = True
         return bad
 
@@ -326,7 +284,10 @@ class ChunkDigests:
         differ, and all of them against ``content``. The digests that pass are
         kept for the chunks' checks."""
         with self._loading:
-            bad = self._read_side(np.flatnonzero(~self._loaded))
+            todo = np.flatnonzero(~self._loaded)
+            bad = []
+            if todo.size:
+                bad = self._keep_side(todo, self.side().read_ranges(*self._side_ranges(todo)))
         if bad or self.content is None or self.shards is None:
             return bad  # without ``shards``, reading them compared them with ``content``
         return self._content_problems([self._recorded])
@@ -345,17 +306,12 @@ class ChunkDigests:
         ]
 
     def _mismatches(self, chunks: np.ndarray, got: np.ndarray) -> list[str]:
-        recorded = self._load(chunks)
+        self._start_load(chunks)()  # raises for digests the attribute does not vouch for
+        recorded = self._recorded[chunks]
         return [
             self._message(int(chunks[i]), int(got[i]), int(recorded[i]))
             for i in np.flatnonzero(got != recorded)
         ]
-
-    def _load(self, chunks: np.ndarray) -> np.ndarray:
-        """The recorded digests of ``chunks`` (``[k] int64``), read where not yet
-        (raises ``FormatError`` for recorded digests the attribute does not vouch for)."""
-        self._start_load(chunks)()
-        return self._recorded[chunks]
 
     def _start_load(self, chunks: np.ndarray) -> Callable[[], None]:
         """Starts reading the recorded digests of the shards of ``chunks`` not
@@ -382,27 +338,12 @@ class ChunkDigests:
 
             return keep
 
-        def again(failed: np.ndarray) -> None:
-            with self._loading:
-                bad = self._read_side(failed[~self._loaded[failed]])
-            if bad:
-                raise FormatError(f"{self.where}/{DIGESTS}: {bad[0]}")
-
-        waiting = self._sides.start(shards, begin, again)
+        waiting = self._sides.start(shards, begin, lambda failed: begin(failed)())
         return lambda: waiting()
 
     def _side_ranges(self, shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         lo = shards * (self.shard // self.chunk)
         return lo, np.minimum(lo + self.shard // self.chunk, self.count)
-
-    def _read_side(self, shards: np.ndarray) -> list[str]:
-        """Reads and keeps (:meth:`_keep_side`) the recorded digests of ``shards``
-        (sorted, none loaded; the ``_loading`` lock held)."""
-        if self.shards is None and self.content is not None:
-            shards = np.flatnonzero(~self._loaded)
-        if not shards.size:
-            return []
-        return self._keep_side(shards, self.side().read_ranges(*self._side_ranges(shards)))
 
     def _keep_side(self, shards: np.ndarray, found: list[np.ndarray]) -> list[str]:
         """Keeps the recorded digests ``found`` of ``shards`` (sorted; the
@@ -449,49 +390,3 @@ class ChunkDigests:
             "(a shard of another version, split or dataset copied or linked in its place?): "
             "restore the shard or rewrite the dataset"
         )
-
-
-def array_checks(
-    attributes: Mapping[str, Any], where: str, size: int, open_side: OpenSide, *, ours: bool
-) -> tuple[ShardProbes | None, ChunkDigests | None]:
-    """The shard probes and chunk digests an array's ``attributes`` record.
-
-    ``ours``: the dataset's root attributes say one of our writers made it;
-    they record both, with ``content``, on every array they write, so one
-    missing was deleted (and a shard copied in with its digests would read as
-    ours). Other arrays (older stores, other tools') may lack them, and are
-    read without these checks.
-
-    Raises:
-        FormatError: a malformed attribute, or (``ours``) one missing.
-    """
-    probes = ShardProbes.of(attributes, where, size)
-    digests = ChunkDigests.of(attributes, where, size, open_side)
-    if not ours or (digests is not None and digests.content is not None and probes is not None):
-        return probes, digests
-    if probes is None:
-        missing = f"attribute {PROBES!r} is missing"
-    elif digests is None:
-        missing = f"attribute {DIGESTS!r} is missing"
-    else:
-        missing = f"attribute {DIGESTS!r} has no {CONTENT!r}"
-    raise FormatError(
-        f"{where}: {missing}, which our writers record on every array of a dataset whose "
-        "root attributes say they made it: deleted? restore the array's metadata from the "
-        "dataset's source, or rewrite the dataset"
-    )
-
-
-def side_opener(store: Store, key: str) -> OpenSide:
-    """Opens the side array of chunk digests at ``key`` when first called."""
-
-    def open_side() -> ArrayReader:
-        found = store.array_metadata(key)
-        if found is None:
-            raise FormatError(
-                f"{store.url}/{key}: the chunk digests that the array's attribute "
-                f"{DIGESTS!r} announces are missing: rewrite the dataset"
-            )
-        return store.open_array(key, *found)
-
-    return open_side

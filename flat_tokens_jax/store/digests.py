@@ -42,8 +42,7 @@ def chunk_digest(values: np.ndarray, chunk: int) -> int:
 
 
 def chunk_digests(values: np.ndarray, chunk: int) -> np.ndarray:
-    """``[ceil(n / chunk)] uint32``: :func:`chunk_digest` of each run of ``chunk``
-    values of ``values`` (``[n]``, the start of a shard)."""
+    """``[ceil(n / chunk)] uint32``: :func:`chunk_digest` of each chunk of ``values`` (``[n]``)."""
     return np.array(
         [chunk_digest(values[i : i + chunk], chunk) for i in range(0, values.size, chunk)],
         np.uint32,
@@ -52,8 +51,7 @@ def chunk_digests(values: np.ndarray, chunk: int) -> np.ndarray:
 
 def side_digests(digests: np.ndarray, per_shard: int) -> list[int]:
     """The ``shards`` entries of chunk ``digests`` (``[k] uint32``, from a shard's
-    first): crc32c of each run of ``per_shard`` of them (a shard's side chunk;
-    the last may be shorter) as little-endian bytes."""
+    first): the crc32c of each side chunk of ``per_shard`` of them (the last may be shorter)."""
     return [
         chunk_digest(digests[i : i + per_shard], digests[i : i + per_shard].size)
         for i in range(0, digests.size, per_shard)
@@ -61,9 +59,8 @@ def side_digests(digests: np.ndarray, per_shard: int) -> list[int]:
 
 
 def attribute(chunk: int, shard: int, blocks: Iterable[np.ndarray]) -> dict[str, Any]:
-    """The ``chunk_crc32c`` attribute of an array of ``chunk`` values per chunk and
-    ``shard`` per shard, whose chunk digests ``blocks`` hold (all of them, in
-    order, ``uint32``; each block but the last whole side chunks)."""
+    """The ``chunk_crc32c`` attribute of an array whose chunk digests ``blocks``
+    hold (all of them, in order, ``uint32``; each block but the last whole side chunks)."""
     shards: list[int] = []
 
     def hashed() -> Iterator[np.ndarray]:  # one pass over the blocks, for both
@@ -82,11 +79,8 @@ def attribute(chunk: int, shard: int, blocks: Iterable[np.ndarray]) -> dict[str,
 
 
 def content_digest(blocks: Iterable[np.ndarray]) -> str:
-    """The identity of a whole array's contents: sha256 (hex) of the digests of
-    all its chunks (``blocks``, in order, ``uint32``), as little-endian bytes.
-    Two arrays with equal content digests hold the same values (as far as the
-    chunks' crc32c tell), so a loader state names the data it was saved from
-    exactly, at the cost of one small attribute."""
+    """The identity of a whole array's contents (what a loader state names):
+    sha256 (hex) of all its chunk digests (``blocks``, in order, ``uint32``)."""
     found = hashlib.sha256()
     for block in blocks:
         found.update(np.ascontiguousarray(block, dtype="<u4").tobytes())
@@ -94,18 +88,14 @@ def content_digest(blocks: Iterable[np.ndarray]) -> str:
 
 
 class ChunkDigests:
-    """The recorded chunk digests of one array, and which chunks this process checked.
-
-    Thread-safe: concurrent reads may check the same chunk; it is checked once.
-    The side array is opened on the first check, and a shard's recorded digests
-    are read at once, the first time one of its chunks is checked, and checked
-    against the attribute (see the module doc) before any chunk is compared
-    with them.
+    """The recorded chunk digests of one array, and which chunks this process
+    checked. Thread-safe. A shard's recorded digests are read the first time
+    one of its chunks is checked, and checked against the attribute first.
     """
 
     def __init__(self, where: str, size: int, chunk: int, shard: int, open_side: OpenSide) -> None:
         self.where, self.size, self.chunk, self.shard = where, size, chunk, shard
-        self.count = -(-size // chunk)
+        self.count, self.per_shard = -(-size // chunk), shard // chunk
         self.bytes_read = 0  # through the array's reader: the chunks read to hash
         self.side_bytes = 0  # of the side array: the recorded digests
         # The recorded digests of the shards loaded so far: [count] uint32, and
@@ -127,10 +117,7 @@ class ChunkDigests:
         cls, attributes: Mapping[str, Any], where: str, size: int, open_side: OpenSide
     ) -> ChunkDigests | None:
         """The digests an array's ``attributes`` announce; ``None`` when none.
-
-        Raises:
-            FormatError: a malformed attribute.
-        """
+        Raises ``FormatError`` for a malformed attribute."""
         found = attributes.get(DIGESTS)
         if found is None:
             return None
@@ -185,15 +172,13 @@ class ChunkDigests:
         self, reader: ArrayReader, starts: np.ndarray, stops: np.ndarray
     ) -> Known | None:
         """Starts checking every chunk of ``reader`` (this array) that ranges
-        ``[starts, stops)`` touch and that no read has checked or is checking
-        (see :mod:`~flat_tokens_jax.store.checks`): reads those chunks whole,
-        where the reader does not hold their stored checksums, and returns at
-        once; ``None`` when every chunk was checked already.
+        ``[starts, stops)`` touch and no read has checked or is checking: reads
+        them whole where the reader does not hold their stored checksums.
 
         Returns:
-            What the read waits for (``Known.wait``: every touched chunk's
-            check, raising ``FormatError`` naming a chunk whose values are not
-            those recorded) and the chunks read whole, to serve its ranges from.
+            ``None`` when all were checked; else what the read waits for
+            (``Known.wait`` raises ``FormatError`` naming a chunk that differs)
+            and the chunks read whole, to serve its ranges from.
         """
         chunks = touched(starts, stops, self.chunk)
         if self.checked[chunks].all():
@@ -211,12 +196,7 @@ class ChunkDigests:
         return Known(self.chunk, read, waiting)
 
     def check(self, reader: ArrayReader, starts: np.ndarray, stops: np.ndarray) -> None:
-        """Checks every chunk of ``reader`` that ranges ``[starts, stops)`` touch,
-        once per process: :meth:`start_check`, waited for.
-
-        Raises:
-            FormatError: a chunk whose values are not those recorded.
-        """
+        """:meth:`start_check`, waited for."""
         known = self.start_check(reader, starts, stops)
         if known is not None:
             known.wait()
@@ -224,8 +204,8 @@ class ChunkDigests:
     def _begin(
         self, reader: ArrayReader, todo: np.ndarray
     ) -> tuple[Callable[[], dict[int, np.ndarray]], bool]:
-        """Starts checking ``todo`` (sorted chunk numbers): the call that waits
-        and checks them, giving the chunks it read whole, and whether it reads them."""
+        """Starts checking ``todo`` (sorted chunk numbers): the call that waits and
+        checks them (giving the chunks it read whole), and whether it reads them."""
         got = reader.stored_crc32c(todo, self.chunk)
         if got is not None:
             stored = got
@@ -263,9 +243,8 @@ class ChunkDigests:
             raise FormatError(f"{self.where}: {bad[0]}")
 
     def check_block(self, offset: int, values: np.ndarray) -> list[str]:
-        """Checks the chunks wholly inside ``values``, the array's elements from
-        ``offset`` on (for ``validate``, which reads every value anyway); a message
-        for each that differs."""
+        """For ``validate``: checks the chunks wholly inside ``values``, the array's
+        elements from ``offset`` on; a message for each that differs."""
         first = -(-offset // self.chunk)
         stop = (offset + values.size) // self.chunk
         if offset + values.size == self.size:
@@ -279,10 +258,8 @@ class ChunkDigests:
         return bad
 
     def side_problems(self) -> list[str]:
-        """For ``validate`` (``quick`` too): every shard's recorded digests
-        checked against the attribute, a message for each shard whose digests
-        differ, and all of them against ``content``. The digests that pass are
-        kept for the chunks' checks."""
+        """For ``validate``: every shard's recorded digests checked against the
+        attribute and all against ``content``; a message for each that differs."""
         with self._loading:
             todo = np.flatnonzero(~self._loaded)
             bad = []
@@ -293,8 +270,7 @@ class ChunkDigests:
         return self._content_problems([self._recorded])
 
     def _content_problems(self, digests: list[np.ndarray]) -> list[str]:
-        """A message if ``digests`` (all of them, in order) are not those whose
-        sha256 is the recorded ``content``."""
+        """A message if the sha256 of ``digests`` (all, in order) is not ``content``."""
         found = content_digest(digests)
         if self.content is None or found == self.content:
             return []
@@ -314,10 +290,9 @@ class ChunkDigests:
         ]
 
     def _start_load(self, chunks: np.ndarray) -> Callable[[], None]:
-        """Starts reading the recorded digests of the shards of ``chunks`` not
-        read yet (each once among concurrent reads); the call returned waits and
-        keeps them (:meth:`_keep_side`), raising ``FormatError`` for a bad one."""
-        shards = np.unique(chunks // (self.shard // self.chunk))
+        """Starts reading the recorded digests of the shards of ``chunks`` not read
+        yet; the call returned waits and keeps them, raising ``FormatError`` for a bad one."""
+        shards = np.unique(chunks // self.per_shard)
         if self._loaded[shards].all():
             return lambda: None
         if self.shards is None and self.content is not None:
@@ -342,22 +317,19 @@ class ChunkDigests:
         return lambda: waiting()
 
     def _side_ranges(self, shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        lo = shards * (self.shard // self.chunk)
-        return lo, np.minimum(lo + self.shard // self.chunk, self.count)
+        lo = shards * self.per_shard
+        return lo, np.minimum(lo + self.per_shard, self.count)
 
     def _keep_side(self, shards: np.ndarray, found: list[np.ndarray]) -> list[str]:
-        """Keeps the recorded digests ``found`` of ``shards`` (sorted; the
-        ``_loading`` lock held) that the attribute vouches for: each shard's
-        against its ``shards`` entry, or, with ``content`` alone, every
-        shard's (all read) against ``content``. A message for each shard (or
-        the whole array) whose digests it does not vouch for."""
-        per_shard = self.shard // self.chunk
-        lo = shards * per_shard
+        """Keeps the recorded digests ``found`` of ``shards`` (sorted; ``_loading``
+        held) that the attribute vouches for (each shard's ``shards`` entry, or
+        with ``content`` alone, all shards' digests); a message for each that fails."""
+        lo = shards * self.per_shard
         self.side_bytes += sum(values.nbytes for values in found)
         bad: list[str] = []
         good = np.ones(shards.size, bool)
         if self.shards is not None:
-            got = np.array([side_digests(values, per_shard)[0] for values in found], np.int64)
+            got = np.array([side_digests(values, self.per_shard)[0] for values in found], np.int64)
             good = got == self.shards[shards]
             bad = [
                 self._side_message(int(shards[i]), int(got[i]), int(self.shards[shards[i]]))
@@ -372,8 +344,7 @@ class ChunkDigests:
         return bad
 
     def _side_message(self, s: int, got: int, recorded: int) -> str:
-        per_shard = self.shard // self.chunk
-        a, b = s * per_shard, min((s + 1) * per_shard, self.count)
+        a, b = s * self.per_shard, min((s + 1) * self.per_shard, self.count)
         return (
             f"shard {s}'s chunk digests are not those recorded when the array was written "
             f"(entries [{a}, {b}), of values [{s * self.shard}, "

@@ -1,9 +1,7 @@
-"""One write's claim on its output: the marker that says a write runs there.
-
-Every write starts by creating :data:`MARKER` at the root of its output,
-exclusively, and deletes it last (see :mod:`flat_tokens_jax.store.location` for the
-rules of what may be replaced). A :class:`Claim` also tells a write that runs
-from one that died, so that ``overwrite`` never deletes a live write's output.
+"""One write's claim on its output: the :data:`MARKER` created exclusively
+first and deleted last, which tells a write that runs from one that died, so
+that ``overwrite`` never deletes a live write's output (docs/format.md,
+"Claiming the output").
 """
 
 from __future__ import annotations

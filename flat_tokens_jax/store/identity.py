@@ -1,25 +1,7 @@
-"""What made a dataset: tokenizer identity, the flags that shaped its tokens, its inputs.
-
-A dataset records this in its root group attributes, under one key,
-:data:`ATTRIBUTE` (``"flat_tokens"``), so that tools can tell what its ids mean
-and refuse to combine datasets whose ids mean different things. The layout::
-
-    {"flat_tokens": {
-        "dataset": "flat-tokens",              # always: this is a flat-tokens dataset
-        "library_version": "0.1.0",            # the flat_tokens_jax that wrote it
-        "tokenizer": {"name": ..., "vocab_hash": "sha256:...", "vocab_size": ...,
-                      "bos_id": ..., "eos_id": ..., "pad_id": ...},   # or absent
-        "start_token_id": 2,                   # or absent: unrecorded (the spec's 0)
-        "flags": {"append_eos": true, ...},    # what shaped the tokens
-        "inputs": {"count": 2, "names": [...], "sha256": "sha256:..."},
-        "splits": ["train", "validation", "test"]}}   # the splits written, in order
-
-The writer fills in ``splits`` (see :func:`dataset_splits`); the rest is
-:class:`DatasetInfo`.
-
-Datasets written before this existed, or by other writers (seqax), have no
-such key and their :class:`DatasetInfo` is ``None``; they open and mix as before.
-Pure: stdlib only, no tokenizer library is imported here.
+"""What made a dataset (tokenizer, flags, inputs), recorded in its root
+attributes under :data:`ATTRIBUTE` (layout in docs/format.md, "What made it"),
+so that tools can refuse to combine datasets whose ids mean different things.
+Datasets of other writers have none (:class:`DatasetInfo` ``None``). Pure: stdlib only.
 """
 
 from __future__ import annotations

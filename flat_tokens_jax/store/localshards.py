@@ -123,15 +123,12 @@ class _Checksummed:
         # [chunks] uint32: the crc32c stored after each chunk (read where asked).
         self.crcs = raw[:, chunk_bytes:].view(np.ndarray).view("<u4")[:, 0]
 
-    def verify(self, first: int, last: int) -> bool:
-        """Whether chunks ``first .. last`` match their checksums (each computed once)."""
-        for j in range(first, last + 1):
-            if not self.verified[j]:
-                row = self.raw[j]
-                stored = int.from_bytes(row[self.chunk_bytes :].tobytes(), "little")
-                if crc32c(row[: self.chunk_bytes]) != stored:
-                    return False
-                self.verified[j] = 1
+    def verify(self, chunks: np.ndarray) -> bool:
+        """Whether ``chunks`` (``[k]`` chunk numbers) match their checksums (each computed once)."""
+        for j in np.unique(chunks[self.verified[chunks] == 0]).tolist():
+            if crc32c(self.raw[j, : self.chunk_bytes]) != int(self.crcs[j]):
+                return False
+            self.verified[j] = 1
         return True
 
     def slice(self, start: int, stop: int) -> np.ndarray | None:
@@ -143,7 +140,7 @@ class _Checksummed:
         first, last = start // chunk, (stop - 1) // chunk
         # The common case, a read within one chunk or two, checked without a call.
         known = last - first <= 1 and self.verified[first] and self.verified[last]
-        if not known and not self.verify(first, last):
+        if not known and not self.verify(np.arange(first, last + 1)):
             return None
         a, b = start - first * chunk, stop - last * chunk
         if first == last:
@@ -151,19 +148,11 @@ class _Checksummed:
         middle = self.data[first + 1 : last].reshape(-1)
         return np.concatenate([self.data[first, a:], middle, self.data[last, :b]])
 
-    def verify_ranges(self, starts: np.ndarray, stops: np.ndarray) -> bool:
-        """Whether every chunk that ranges ``[starts, stops)`` of the shard touch
-        matches its checksum (each computed once; one vectorised test when all are)."""
-        chunks = touched(starts, stops, self.chunk)
-        todo = np.unique(chunks[self.verified[chunks] == 0]).tolist()
-        return all(self.verify(j, j) for j in todo)
-
     def points(self, indices: np.ndarray) -> np.ndarray | None:
         """Elements at ``indices`` (``[k] int64``), or ``None`` as :meth:`slice`."""
         rows = indices // self.chunk
-        for j in np.unique(rows).tolist():
-            if not self.verify(j, j):
-                return None
+        if not self.verify(rows):
+            return None
         return self.data[rows, indices - rows * self.chunk]
 
 
@@ -409,7 +398,7 @@ class LocalShards:
             return True
         for i, m in shards.items():
             here = first == i
-            if not m.verify_ranges(lo[here], lo[here] + count[here]):
+            if not m.verify(touched(lo[here], lo[here] + count[here], self.chunk)):
                 return False
         return True
 
@@ -432,9 +421,8 @@ class LocalShards:
             local = chunks[a:b] - i * per_shard
             if local[-1] >= arr.crcs.size:
                 return None
-            for j in local[arr.verified[local] == 0].tolist():
-                if not arr.verify(j, j):
-                    return None
+            if not arr.verify(local):
+                return None
             out[a:b] = arr.crcs[local]
         return out
 

@@ -1,23 +1,7 @@
-"""Claiming a location for a new dataset: what may be replaced, and by whom.
-
-Every write starts by creating a marker object, :data:`MARKER`, at the root of
-its output, exclusively: on local disk with ``O_CREAT | O_EXCL``, elsewhere with
-tensorstore's conditional write "only if the key does not exist yet" (S3's
-``If-None-Match: *``, GCS's ``ifGenerationMatch=0``). Of two writers racing for
-one location, exactly one creates it; the other is refused. The marker goes
-last, after the root group metadata, when the write finishes, and after
-everything else when it fails. A marker found in a location therefore means a
-write in progress or an interrupted one; ``overwrite`` replaces it only when
-that write is dead (see :class:`~flat_tokens_jax.store.claim.Claim`), so of two
-``overwrite`` writes to one location, too, exactly one proceeds.
-
-A location may be replaced (``overwrite``) only when everything in it is ours:
-a flat-tokens dataset (root attributes that say so, with the splits they
-record, or the spec's bare structure, as other writers make it: root group
-metadata and the ``train`` and ``validation`` groups with their arrays, nothing else),
-or the leftover of our own interrupted write (marked), with the packing plans
-that ``pack`` stored in its splits. Anything else in the location makes the
-write refuse before anything is deleted, naming some of the foreign keys.
+"""Claiming a location for a new dataset: what may be replaced, and by whom
+(docs/format.md, "Claiming the output"). ``overwrite`` replaces only what is
+ours (a flat-tokens dataset, or our own interrupted write's leftover, with the
+plans ``pack`` stored); anything else is refused before anything is deleted.
 """
 
 from __future__ import annotations

@@ -62,11 +62,9 @@ THROTTLED_CODES = ("429", "503")
 
 
 def throttled_requests() -> int:
-    """HTTP requests of this process that a server answered 429 (Too Many
-    Requests, GCS over a bucket's request rate) or 503 (Service Unavailable,
-    S3's SlowDown) so far, each one an attempt that tensorstore retried after
-    a backoff (its ``/tensorstore/http/response_codes`` metric: every HTTP
-    request tensorstore sent, GCS and S3 alike)."""
+    """HTTP requests of this process that a server answered 429 or 503 so far
+    (:data:`THROTTLED_CODES`), each one an attempt that tensorstore retried after
+    a backoff (its ``/tensorstore/http/response_codes`` metric)."""
     found = ts.experimental_collect_matching_metrics("/tensorstore/http/response_codes")
     return sum(
         int(v.get("value", 0))
@@ -131,12 +129,6 @@ def kvstore_spec(url: str | os.PathLike[str], options: StoreOptions) -> dict[str
 HTTP_THREADS = 64
 
 
-def _default_http_threads() -> None:
-    """Sets ``TENSORSTORE_HTTP_THREADS`` to :data:`HTTP_THREADS` unless set; read
-    by tensorstore at the process's first HTTP request."""
-    os.environ.setdefault("TENSORSTORE_HTTP_THREADS", str(HTTP_THREADS))
-
-
 class Store:
     """A store root: JSON metadata and array handles under one kvstore and context."""
 
@@ -144,8 +136,8 @@ class Store:
         self.url = os.fspath(url)
         self.options = options or StoreOptions()
         self.spec = kvstore_spec(url, self.options)
-        if self.spec["driver"] in ("gcs", "s3"):
-            _default_http_threads()
+        if self.spec["driver"] in ("gcs", "s3"):  # read at the process's first HTTP request
+            os.environ.setdefault("TENSORSTORE_HTTP_THREADS", str(HTTP_THREADS))
         if self.options.context is not None:
             self.context = self.options.context
         elif self.spec["driver"] == "memory":
@@ -158,8 +150,7 @@ class Store:
         self._fetched_lock = threading.Lock()
 
     def wait(self, future: Any) -> Any:
-        """The result of a tensorstore future, within the timeout; failures as
-        :class:`StoreError`."""
+        """:func:`~flat_tokens_jax.store.options.wait` with this store's options."""
         return wait(future, self.url, self.options)
 
     def __repr__(self) -> str:
@@ -307,14 +298,11 @@ class Store:
     ) -> ArrayReader:
         """A reader of the array at ``key``: tensorstore, else zarr-python.
 
-        Missing chunks read as the fill value (zarr's rule, for writers that
-        skip chunks of fill values), except in arrays whose metadata marks
-        every chunk as stored (ours): there, a missing chunk fails the read.
+        Missing chunks read as the fill value (zarr's rule), except in arrays
+        marked :data:`EVERY_CHUNK_STORED` (ours), where they fail the read.
         Arrays are immutable once written, so cached chunks and shard indexes
-        are used without asking the server again. Given the array's metadata
-        ``meta``, a zarr v3 array opens without reading it again, and
-        uncompressed zarr v3 shards on local disk are memory-mapped (see
-        :mod:`flat_tokens_jax.store.localshards`).
+        are never rechecked. Given ``meta``, a zarr v3 array opens without
+        reading it again, and its plain shards on local disk are memory-mapped.
         """
         folder = self.local_path(key)
         if folder is not None:  # tensorstore and zarr-python would block on a FIFO chunk

@@ -40,12 +40,8 @@ class Once(Generic[R]):
 
 
 class Checks(Generic[R]):
-    """Which of ``count`` items (shards, chunks) this process has checked, and
-    the checks in flight. Thread-safe.
-
-    Args:
-        count: items in the array.
-    """
+    """Which of an array's ``count`` items (shards, chunks) this process has
+    checked, and the checks in flight. Thread-safe."""
 
     def __init__(self, count: int) -> None:
         self.checked = np.zeros(count, bool)
@@ -75,7 +71,7 @@ class Checks(Generic[R]):
         """
         todo = np.unique(items)
         if self.checked[todo].all():
-            return _nothing
+            return lambda: None
         with self._lock:  # checked again here: a check may have ended since
             todo = todo[~self.checked[todo]]
             busy = np.array([i in self._claimed for i in todo.tolist()], bool)
@@ -114,7 +110,3 @@ class Checks(Generic[R]):
                         del self._claimed[i]
 
         return run
-
-
-def _nothing() -> None:
-    return None

@@ -31,12 +31,8 @@ def library_version() -> str:
 
 
 def vocab_hash(vocab: Mapping[str, int]) -> str:
-    """``"sha256:"`` and the first 16 hex digits of the SHA-256 of ``vocab`` as JSON.
-
-    The JSON is ``json.dumps(vocab, sort_keys=True, ensure_ascii=False,
-    separators=(",", ":"))`` encoded as UTF-8, with ``vocab`` mapping every
-    token (added tokens included) to its id.
-    """
+    """``"sha256:"`` and the first 16 hex digits of the SHA-256 of ``vocab`` (every
+    token, added ones included, to its id) as compact sorted UTF-8 JSON."""
     text = json.dumps(
         {str(k): int(v) for k, v in vocab.items()},
         sort_keys=True,
@@ -47,11 +43,8 @@ def vocab_hash(vocab: Mapping[str, int]) -> str:
 
 
 def combined_sha256(digests: Iterable[str]) -> str:
-    """``"sha256:<hex>"`` of the given hex digests, in order, one per line.
-
-    The hash of a list of inputs from the hash of each: it follows their
-    contents and order, not their names.
-    """
+    """``"sha256:<hex>"`` of the given hex digests, in order, one per line: the
+    inputs' contents and order, not their names."""
     h = hashlib.sha256()
     for d in digests:
         h.update(d.removeprefix("sha256:").encode("ascii") + b"\n")
@@ -59,11 +52,8 @@ def combined_sha256(digests: Iterable[str]) -> str:
 
 
 def inputs_field(names: Sequence[str], digests: Sequence[str] | None) -> dict[str, Any]:
-    """The ``inputs`` field: count, the first :data:`MAX_NAMES` names, the combined hash.
-
-    ``digests`` holds one SHA-256 hex digest per input (of its bytes as stored),
-    or is ``None`` when they were not computed (the field then has no hash).
-    """
+    """The ``inputs`` field: count, the first :data:`MAX_NAMES` names, and the
+    :func:`combined_sha256` of ``digests`` (one per input; ``None``: no hash)."""
     out: dict[str, Any] = {"count": len(names), "names": list(names[:MAX_NAMES])}
     if digests is not None:
         out["sha256"] = combined_sha256(digests)
@@ -108,7 +98,7 @@ class TokenizerInfo:
 
 @dataclasses.dataclass(frozen=True)
 class DatasetInfo:
-    """What made a dataset, as stored in its root attributes (see the module doc).
+    """What made a dataset, as stored in its root attributes (docs/format.md).
 
     Attributes:
         tokenizer: the tokenizer whose ids it holds; ``None``: not recorded.
@@ -153,10 +143,7 @@ class DatasetInfo:
     @classmethod
     def from_attributes(cls, attrs: Mapping[str, Any], where: str = "") -> DatasetInfo | None:
         """The info in root attributes ``attrs``; ``None`` when they hold none.
-
-        Raises:
-            FormatError: a malformed value, naming its key.
-        """
+        Raises ``FormatError`` naming the key of a malformed value."""
         value = attrs.get(ATTRIBUTE)
         if value is None:
             return None
@@ -202,13 +189,8 @@ def identity_attribute(info: DatasetInfo | None, splits: Sequence[str]) -> dict[
 
 def dataset_splits(attrs: Mapping[str, Any], where: str = "") -> tuple[str, ...]:
     """The splits a dataset with root attributes ``attrs`` has: :data:`SPLITS`,
-    then the others that ``flat_tokens.splits`` records (datasets of other
-    writers record none, and have only :data:`SPLITS`).
-
-    Raises:
-        FormatError: a ``splits`` value that is not a list of split names, naming the
-            attribute (a name the writers refuse is never read as a path).
-    """
+    then the others that ``flat_tokens.splits`` records. Raises ``FormatError``
+    for a value that is not a list of split names (never read as a path)."""
     value = attrs.get(ATTRIBUTE)
     recorded = value.get(SPLITS_KEY) if isinstance(value, Mapping) else None
     if recorded is None:
@@ -246,18 +228,9 @@ def _tokenizer(value: Any, at: str) -> TokenizerInfo:
 def check_tokenizers(
     named: Sequence[tuple[str, DatasetInfo | None]], *, allow_mixed: bool, fix: str
 ) -> None:
-    """Refuses datasets whose recorded tokenizers differ.
-
-    Args:
-        named: ``(name, info)`` of each dataset; entries without info or
-            without a tokenizer are skipped (old datasets still mix).
-        allow_mixed: accept differing tokenizers.
-        fix: how to accept them, for the message (e.g. ``"pass
-            --allow-mixed-tokenizers"``).
-
-    Raises:
-        ValueError: two datasets record different tokenizers, naming both.
-    """
+    """Raises ``ValueError`` naming two of ``named`` (``(name, info)``; those
+    without a tokenizer skipped) whose tokenizers differ, unless ``allow_mixed``;
+    ``fix`` says how to allow them (e.g. ``"pass --allow-mixed-tokenizers"``)."""
     if allow_mixed:
         return
     first: tuple[str, TokenizerInfo] | None = None
@@ -291,12 +264,8 @@ def tokenizer_info(
     eos_id: int | None = None,
     pad_id: int | None = None,
 ) -> TokenizerInfo:
-    """The :class:`TokenizerInfo` of a ``tokenizers.Tokenizer`` or a ``transformers``
-    tokenizer (anything with ``get_vocab(with_added_tokens=True)`` or ``get_vocab()``).
-
-    Raises:
-        ValueError: an empty vocabulary.
-    """
+    """The :class:`TokenizerInfo` of a ``tokenizers`` or ``transformers`` tokenizer
+    (anything with ``get_vocab``). Raises ``ValueError`` for an empty vocabulary."""
     try:
         vocab = tokenizer.get_vocab(with_added_tokens=True)
     except TypeError:

@@ -133,12 +133,9 @@ class CheckedArray:
             # are in flight; a shard whose probe differs is named first.
             try:
                 values = None if known is None else known.wait()
-            except BaseException:
+            finally:
                 if probed is not None:
                     probed()
-                raise
-            if probed is not None:
-                probed()
             clean[blocks] = True
             return values
 

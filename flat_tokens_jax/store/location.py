@@ -63,28 +63,14 @@ class OverwriteNeeded(FileExistsError):
 
 
 def claim_location(store: Store, overwrite: bool, splits: Sequence[str] = SPLITS) -> Claim:
-    """Makes ``store`` ours and empty for a new dataset, or refuses.
-
-    An empty location is used as it is. A flat-tokens dataset, or the leftover
-    of an interrupted write, is deleted when ``overwrite`` is set and refused
-    otherwise. A location holding anything else is refused either way, before
-    anything is deleted: it is not ours to delete. A write still in progress
-    is refused even with ``overwrite``: of two writers racing for one
-    location, with or without ``overwrite``, exactly one proceeds.
-
-    Args:
-        store: the output location.
-        overwrite: replace a dataset or the leftover of a dead write found there.
-        splits: the split groups the write will create (besides :data:`SPLITS`).
+    """Makes ``store`` ours and empty for a new dataset (of ``splits`` besides
+    :data:`SPLITS`), or refuses: a dataset or a dead write's leftover is deleted
+    with ``overwrite`` (else ``OverwriteNeeded``); anything else, or a write in
+    progress, raises ``FileExistsError`` before anything is deleted.
 
     Returns:
         The :class:`Claim`: call ``release()`` after the root metadata is
         written, ``discard()`` if the write fails.
-
-    Raises:
-        OverwriteNeeded: a dataset or leftover is there and ``overwrite`` is off.
-        FileExistsError: the location holds other files, another write is in
-            progress there, or another write created its marker first.
     """
     claim = Claim(store, splits)
     keys = store.keys()
@@ -112,11 +98,8 @@ def claim_location(store: Store, overwrite: bool, splits: Sequence[str] = SPLITS
 
 
 def _check(store: Store, keys: Sequence[str], splits: tuple[str, ...], overwrite: bool) -> set[str]:
-    """Refuses unless every key is ours and, without ``overwrite``, there is none.
-
-    Returns:
-        The split groups that may be deleted.
-    """
+    """Refuses unless every key is ours and, without ``overwrite``, there is
+    none; the split groups that may be deleted."""
     if not keys:
         return set(splits)
     marker = read_marker(store) if MARKER in keys else None
@@ -210,15 +193,9 @@ def _where(url: str | os.PathLike[str]) -> tuple[str, ...]:
 def refuse_overlap(
     inputs: Iterable[str | os.PathLike[str]], outputs: Iterable[str | os.PathLike[str]]
 ) -> None:
-    """Refuses outputs that are, contain or lie inside an input.
-
-    Called before anything is written or deleted, so that a write never
-    replaces or mixes with what it reads. Local paths are compared after
-    resolving links, URLs by scheme, bucket and normalised path.
-
-    Raises:
-        ValueError: naming the output, the input and how they overlap.
-    """
+    """Raises ``ValueError`` for an output that is, contains or lies inside an
+    input (local paths compared after resolving links, URLs by scheme, bucket
+    and normalised path), before anything is written or deleted."""
     ins = [(i, _where(i)) for i in inputs]
     for output in outputs:
         out = _where(output)

@@ -14,17 +14,13 @@ from flat_tokens_jax.core.values import integer
 # The aws_credentials types that StoreOptions.credentials may name alone.
 CREDENTIAL_TYPES = ("default", "anonymous", "environment", "imds", "ecs")
 
-# HTTP requests in flight per dataset when StoreOptions.concurrency is None: a
-# ceiling well above what read-ahead asks for (about one request per row of the
-# steps in flight), so the rows in flight decide, and below what one client
-# should open at once to one endpoint.
+# HTTP requests in flight per dataset when StoreOptions.concurrency is None: well
+# above what read-ahead asks for (so the rows in flight decide), and below what
+# one client should open at once to one endpoint.
 CONCURRENCY_CEILING = 1024
 
-# The most attempts per request StoreOptions.retries takes. At the default
-# delays 100 attempts already wait about 51 minutes before a read fails
-# (1+2+4+8+16 s, then 32 s for each of the other 94 waits): a server down that
-# long is down, and more attempts would only hide it (10**9 would wait for
-# centuries).
+# The most attempts per request StoreOptions.retries takes: at the default
+# delays, 100 attempts already wait about 51 minutes before a read fails.
 MAX_RETRIES = 100
 
 
@@ -118,27 +114,15 @@ class StoreOptions:
     def __repr__(self) -> str:
         """The fields, with the endpoint redacted and of the credentials only
         the type and which keys are set, never their values."""
-        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        shown = {f.name: repr(getattr(self, f.name)) for f in dataclasses.fields(self)}
         creds = self.credentials
         if isinstance(creds, Mapping):
-            shown["credentials"] = _Shown(
-                "{"
-                + ", ".join(
-                    f"{k!r}: {creds[k]!r}" if k == "type" else f"{k!r}: <set>"
-                    for k in sorted(creds, key=str)
-                )
-                + "}"
-            )
+            keys = sorted(creds, key=str)
+            hidden = [f"{k!r}: {creds[k]!r}" if k == "type" else f"{k!r}: <set>" for k in keys]
+            shown["credentials"] = "{" + ", ".join(hidden) + "}"
         if self.endpoint is not None:
-            shown["endpoint"] = redact(self.endpoint)
-        return "StoreOptions(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
-
-
-class _Shown(str):
-    """Text that a repr shows as it is (no quotes)."""
-
-    def __repr__(self) -> str:
-        return str(self)
+            shown["endpoint"] = repr(redact(self.endpoint))
+        return "StoreOptions(" + ", ".join(f"{k}={v}" for k, v in shown.items()) + ")"
 
 
 def resolve_options(

@@ -1,10 +1,5 @@
-"""The storage format of a dataset's arrays, and creating them.
-
-:class:`StorageFormat` holds the chunking, sharding, compression and zarr
-version of a dataset's arrays; :func:`create_array` creates one of them, and
-:func:`open_for_writing` opens it again, so that a streaming writer and a
-distributed one (each shard written by one worker) write the same bytes.
-"""
+"""The storage format of a dataset's arrays (:class:`StorageFormat`), and creating
+them, so that a streaming writer and a distributed one write the same bytes."""
 
 from __future__ import annotations
 
@@ -106,12 +101,8 @@ class StorageFormat:
             raise ValueError(f"StorageFormat.zstd_level must be in [1, 22], got {self.zstd_level}")
 
     def elements(self, array: str) -> tuple[int, int]:
-        """``(per shard, per chunk)`` elements of ``array`` (a name such as ``seq_starts``).
-
-        Arrays of one entry per token use ``shard_tokens`` and ``chunk_tokens``;
-        ``seq_starts`` (8-byte entries, one per sequence) uses half of each, so
-        its shards hold about as many bytes as the tokens' do.
-        """
+        """``(per shard, per chunk)`` elements of ``array``: ``seq_starts`` (8-byte
+        entries) uses half of each, so its shards hold about the tokens' bytes."""
         if array == SEQ_STARTS and self.zarr_format == 2:
             return max(self.shard_tokens // 2, 1), max(self.shard_tokens // 2, 1)
         if array == SEQ_STARTS:
@@ -185,19 +176,15 @@ def create_array(
     size: int = PROVISIONAL_SIZE,
 ) -> ts.TensorStore:
     """Creates (replacing any old one) the array ``split/array`` of ``size`` elements.
-
-    Writes of whole shards (``storage_format.elements(array)[0]`` elements, the last
-    one cut at ``size``) give the same bytes whether the array was created at
-    its final size or at a provisional one and resized at the end.
-    """
+    Whole shards written give the same bytes at any ``size`` (final, or provisional
+    and resized at the end)."""
     per_shard, per_chunk = storage_format.elements(array)
     meta = storage_format.array_spec(dtype, per_shard, per_chunk, size)
     return _create(store, f"{split}/{array}", meta, storage_format.zarr_format)
 
 
 def _create(store: Store, key: str, meta: dict[str, Any], zarr_format: int) -> ts.TensorStore:
-    """Creates (replacing) the array ``key`` of metadata ``meta``, marked as
-    storing every chunk."""
+    """Creates (replacing) the array ``key`` of metadata ``meta``."""
     spec = {
         "driver": "zarr3" if zarr_format == 3 else "zarr",
         "kvstore": store.sub(key),
@@ -233,21 +220,13 @@ def create_digests(
     storage_format: StorageFormat,
     size: int = PROVISIONAL_SIZE,
 ) -> ts.TensorStore:
-    """Creates the side array of chunk digests (see :mod:`~flat_tokens_jax.store.digests`)
-    of the array ``split/array`` of ``size`` elements, which :func:`create_array`
-    made: ``[ceil(size / chunk)] uint32``, one side chunk per shard of the array."""
+    """Creates the side array of chunk digests of the array ``split/array``:
+    ``[ceil(size / chunk)] uint32``, one side chunk per shard of the array."""
     per_shard, per_chunk = storage_format.elements(array)
     count, per_side = -(-size // per_chunk), per_shard // per_chunk
     if storage_format.zarr_format == 2:
-        meta: dict[str, Any] = {
-            "shape": [count],
-            "chunks": [per_side],
-            "dtype": "<u4",
-            "fill_value": 0,
-            "order": "C",
-            "filters": None,
-            "compressor": None,
-        }
+        plain = dataclasses.replace(storage_format, compression=None)
+        meta = plain.array_spec(np.dtype("<u4"), per_side, per_side, count)
     else:
         codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
         meta = {
@@ -281,12 +260,8 @@ def write_digests(
 def record_probes(
     store: Store, split: str, array: str, storage_format: StorageFormat, handle: ts.TensorStore
 ) -> None:
-    """Adds the ``shard_probes`` attribute (see :mod:`~flat_tokens_jax.store.probes`), and
-    the ``chunk_crc32c`` one that announces the chunk digests the writer wrote,
-    their content digest and each side chunk's crc32c (see
-    :mod:`~flat_tokens_jax.store.digests`), to the
-    finished array ``split/array``, whose values ``handle`` reads and whose
-    digests are all written."""
+    """Adds the ``shard_probes`` and ``chunk_crc32c`` attributes to the finished
+    array ``split/array``, whose values ``handle`` reads and whose digests are all written."""
     size = int(handle.domain.exclusive_max[0])
     per_shard, per_chunk = storage_format.elements(array)
 

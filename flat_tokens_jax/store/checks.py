@@ -52,7 +52,6 @@ class Checks(Generic[R]):
         self,
         items: np.ndarray,
         begin: Callable[[np.ndarray], Callable[[], R]],
-        again: Callable[[np.ndarray], object],
     ) -> Callable[[], R | None]:
         """Claims the items of ``items`` (``[k] int64``: what a read touches) that
         no read has checked or claimed, and starts their checks.
@@ -61,9 +60,8 @@ class Checks(Generic[R]):
             begin: given the claimed items (sorted, unique), starts reading them
                 and returns the call that waits and checks them (raising the
                 error naming a bad item). It runs under the claiming lock, so
-                it must only start reads.
-            again: checks items another read's check left unchecked (its
-                error, or its reads' failure), raising the error naming one.
+                it must only start reads. Items that another read's check left
+                unchecked (its error, or its reads' failure) are begun again here.
 
         Returns:
             The call that waits for every check of ``items``; its result is
@@ -92,7 +90,7 @@ class Checks(Generic[R]):
                     check.result()
             failed = others[~self.checked[others]]
             if failed.size:
-                again(failed)
+                begin(failed)()
                 self.checked[failed] = True
             return out
 

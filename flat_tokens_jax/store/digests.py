@@ -98,10 +98,9 @@ class ChunkDigests:
         self.count, self.per_shard = -(-size // chunk), shard // chunk
         self.bytes_read = 0  # through the array's reader: the chunks read to hash
         self.side_bytes = 0  # of the side array: the recorded digests
-        # The recorded digests of the shards loaded so far: [count] uint32, and
-        # [shards] bool, which shards' entries hold their recorded values.
+        # [count] uint32: the recorded digests of the shards loaded so far
+        # (``_sides.checked``: the digests of a shard read and vouched for).
         self._recorded = np.zeros(self.count, np.uint32)
-        self._loaded = np.zeros(-(-size // shard), bool)
         self._open_side = open_side
         self._side: ArrayReader | None = None
         self.content: str | None = None  # the recorded content digest, if any
@@ -109,7 +108,7 @@ class ChunkDigests:
         self.shards: np.ndarray | None = None
         self._lock = threading.Lock()  # for bytes_read
         self._checks: Checks[dict[int, np.ndarray]] = Checks(self.count)
-        self._sides: Checks[None] = Checks(-(-size // shard))  # recorded digests read
+        self._sides: Checks[None] = Checks(-(-size // shard))
         self._loading = threading.Lock()  # held while recorded digests are read
 
     @classmethod
@@ -141,10 +140,10 @@ class ChunkDigests:
                 "of each shard's digests (ints in [0, 2**32))"
             )
         made = cls(where, size, found["chunk"], found["shard"], open_side)
-        if shards is not None and shards.size != made._loaded.size:
+        if shards is not None and shards.size != made._sides.checked.size:
             raise FormatError(
                 f"{where}: attribute {DIGESTS!r} has {shards.size} {SHARDS!r} entries, expected "
-                f"{made._loaded.size} (one per shard of {made.shard} of {size} values): "
+                f"{made._sides.checked.size} (one per shard of {made.shard} of {size} values): "
                 "the attribute belongs to another array: rewrite the dataset"
             )
         made.content, made.shards = content, shards
@@ -191,7 +190,7 @@ class ChunkDigests:
                 whole.append(mine)
             return check
 
-        waiting = self._checks.start(chunks, begin, lambda failed: self._begin(reader, failed)[0]())
+        waiting = self._checks.start(chunks, begin)
         read = frozenset(whole[0].tolist()) if whole else frozenset()
         return Known(self.chunk, read, waiting)
 
@@ -261,7 +260,7 @@ class ChunkDigests:
         """For ``validate``: every shard's recorded digests checked against the
         attribute and all against ``content``; a message for each that differs."""
         with self._loading:
-            todo = np.flatnonzero(~self._loaded)
+            todo = np.flatnonzero(~self._sides.checked)
             bad = []
             if todo.size:
                 bad = self._keep_side(todo, self.side().read_ranges(*self._side_ranges(todo)))
@@ -293,28 +292,24 @@ class ChunkDigests:
         """Starts reading the recorded digests of the shards of ``chunks`` not read
         yet; the call returned waits and keeps them, raising ``FormatError`` for a bad one."""
         shards = np.unique(chunks // self.per_shard)
-        if self._loaded[shards].all():
+        if self._sides.checked[shards].all():
             return lambda: None
         if self.shards is None and self.content is not None:
-            shards = np.arange(self._loaded.size, dtype=np.int64)  # all, for content
+            shards = np.arange(self._sides.checked.size, dtype=np.int64)  # all, for content
 
         def begin(mine: np.ndarray) -> Callable[[], None]:
-            todo = mine[~self._loaded[mine]]
-            if not todo.size:
-                return lambda: None
-            pending = self.side().request_ranges(*self._side_ranges(todo))
+            pending = self.side().request_ranges(*self._side_ranges(mine))
 
             def keep() -> None:
                 found = pending.result()
                 with self._loading:
-                    bad = self._keep_side(todo, found)
+                    bad = self._keep_side(mine, found)
                 if bad:
                     raise FormatError(f"{self.where}/{DIGESTS}: {bad[0]}")
 
             return keep
 
-        waiting = self._sides.start(shards, begin, lambda failed: begin(failed)())
-        return lambda: waiting()
+        return self._sides.start(shards, begin)
 
     def _side_ranges(self, shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         lo = shards * self.per_shard
@@ -340,7 +335,7 @@ class ChunkDigests:
             good[:] = not bad
         for i in np.flatnonzero(good).tolist():
             self._recorded[lo[i] : lo[i] + found[i].size] = found[i]
-        self._loaded[shards[good]] = True
+        self._sides.checked[shards[good]] = True
         return bad
 
     def _side_message(self, s: int, got: int, recorded: int) -> str:

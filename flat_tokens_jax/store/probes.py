@@ -105,11 +105,7 @@ class ShardProbes:
             pending = request(*probe_ranges(mine, self.size, self.shard))
             return lambda: self._verify(mine, pending.result())
 
-        def again(failed: np.ndarray) -> None:
-            begin(failed)()
-
-        waiting = self._checks.start(touched(starts, stops, self.shard), begin, again)
-        return lambda: waiting()
+        return self._checks.start(touched(starts, stops, self.shard), begin)
 
     def _verify(self, shards: np.ndarray, values: Sequence[np.ndarray]) -> None:
         bad = self._compare(shards, values)

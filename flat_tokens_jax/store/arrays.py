@@ -18,17 +18,10 @@ if TYPE_CHECKING:
 
 
 class Known(NamedTuple):
-    """The integrity checks in flight of what a read touches, and the whole
-    chunks they read, to serve the read's ranges from: a read gives no
-    values before its checks have passed.
-
-    Attributes:
-        chunk: elements per chunk.
-        chunks: the chunks the checks read whole (chunk numbers).
-        wait: waits for the checks (raising the error that names a bad shard
-            or chunk) and gives the values of ``chunks`` (chunk number to its
-            ``[chunk]`` elements, fewer in the last).
-    """
+    """The integrity checks in flight of what a read touches: a read gives no
+    values before ``wait()`` (raising the error naming a bad shard or chunk)
+    returns, which gives the ``chunks`` the checks read whole (chunk number to
+    its ``[chunk]`` elements), to serve the read's ranges from."""
 
     chunk: int
     chunks: frozenset[int]
@@ -116,13 +109,9 @@ class Done(Pending):
 
 
 class _LocalRanges(Pending):
-    """Ranges of an array with memory-mapped local shards, copied when asked for.
-
-    ``rows`` copies each range straight into one reused buffer (see
-    :mod:`~flat_tokens_jax.core.buffers`); a range the shards cannot serve (across
-    shards, a shard not plain, a chunk failing its checksum) sends the whole
-    request through :meth:`TensorStoreArray.per_range`.
-    """
+    """Ranges of an array with memory-mapped local shards, copied when asked for:
+    ``rows`` copies each range straight into one reused buffer; a range the shards
+    cannot serve sends the whole request through :meth:`TensorStoreArray.per_range`."""
 
     def __init__(
         self,
@@ -175,6 +164,11 @@ class ArrayReader:
 
     def read_points(self, indices: np.ndarray) -> np.ndarray:
         """Elements at ``indices`` (``[k]``) in one request."""
+        idx = np.asarray(indices, np.int64)
+        self._count(idx.size)
+        return self._points(idx) if idx.size else np.zeros(0, self.dtype)
+
+    def _points(self, idx: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
     def stored_crc32c(self, chunks: np.ndarray, chunk: int) -> np.ndarray | None:
@@ -236,11 +230,7 @@ class TensorStoreArray(ArrayReader):
         """From the memory-mapped shards' chunk checksums (see :class:`LocalShards`)."""
         return None if self.local is None else self.local.stored_crc32c(chunks, chunk)
 
-    def read_points(self, indices: np.ndarray) -> np.ndarray:
-        idx = np.asarray(indices, np.int64)
-        self._count(idx.size)
-        if idx.size == 0:
-            return np.zeros(0, self.dtype)
+    def _points(self, idx: np.ndarray) -> np.ndarray:
         value = None if self.local is None else self.local.read_points(idx)
         if value is None:
             value = np.asarray(wait(self.store.vindex[idx].read(), self.url, self.options))
@@ -261,9 +251,5 @@ class ZarrPythonArray(ArrayReader):
         pairs = zip(starts.tolist(), stops.tolist(), strict=True)
         return Done([np.asarray(self.array[a:b]) for a, b in pairs], known)
 
-    def read_points(self, indices: np.ndarray) -> np.ndarray:
-        idx = np.asarray(indices, np.int64)
-        self._count(idx.size)
-        if idx.size == 0:
-            return np.zeros(0, self.dtype)
+    def _points(self, idx: np.ndarray) -> np.ndarray:
         return np.asarray(self.array.get_coordinate_selection(idx))

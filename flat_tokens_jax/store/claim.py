@@ -36,18 +36,11 @@ LEASE_SECONDS = 60.0
 
 
 class Claim:
-    """A location claimed by one write: its :data:`MARKER` is ours while the write runs.
-
-    On local disk the marker stays open and ``flock``-ed by this process, so
-    a write that died (its process is gone) is told from one that runs. On
-    other stores the marker records when it was last ``renewed`` and for how
-    many ``lease_seconds``; a thread renews it every quarter of the lease
-    while the claim lives, with a conditional write on the marker's
-    generation, so a claim taken over by another writer is noticed.
-
-    Args:
-        store: the output.
-        splits: the split groups the write may create.
+    """A location claimed by one write (of ``splits``): its :data:`MARKER` is ours
+    while the write runs. On local disk the marker stays open and ``flock``-ed
+    by this process, so a dead write is told from one that runs. Elsewhere a
+    thread renews its lease every quarter of it, with a conditional write on
+    the marker's generation, so a claim taken over by another writer is noticed.
     """
 
     def __init__(self, store: Store, splits: Sequence[str]) -> None:
@@ -300,14 +293,6 @@ def _writer_of(store: Store) -> object:
     return None if marker is None else marker.get("writer")
 
 
-def _parsed(found: bytes) -> dict[str, Any] | None:
-    try:
-        marker = json.loads(found)
-    except ValueError:
-        return None
-    return marker if isinstance(marker, dict) else None
-
-
 def _alive(store: Store, why: str, found: bytes | None = None) -> FileExistsError:
     return FileExistsError(
         f"another write to {store.url} is in progress ({describe_marker(store, found)}; {why}); "
@@ -332,8 +317,11 @@ def read_marker(store: Store) -> dict[str, Any] | None:
 
 def describe_marker(store: Store, found: bytes | None = None) -> str:
     """Who wrote the marker: ``found`` (its bytes, as read) or the one there now."""
-    marker = read_marker(store) if found is None else _parsed(found)
-    if not marker:
+    try:
+        marker = read_marker(store) if found is None else json.loads(found)
+    except ValueError:
+        marker = None
+    if not isinstance(marker, dict) or not marker:
         return f"its marker {MARKER} is there"
     return (
         f"marker {MARKER} written at {marker.get('started')} by pid {marker.get('pid')} "

@@ -21,13 +21,9 @@ from flat_tokens_jax.store.store import Store
 
 class CheckedArray:
     """Reads of one array that check every shard and chunk they touch, the
-    first time a read touches it (once per process). Thread-safe.
-
-    Attributes:
-        reader: the array's reader; reads made through it directly are not checked.
-        probes: its shard probes; ``None`` where the array records none.
-        digests: its chunk digests; ``None`` where the array records none.
-    """
+    first time a read touches it (once per process). Thread-safe. Reads made
+    through ``reader`` directly are not checked; ``probes`` and ``digests`` are
+    ``None`` where the array records none."""
 
     def __init__(
         self, reader: ArrayReader, probes: ShardProbes | None, digests: ChunkDigests | None

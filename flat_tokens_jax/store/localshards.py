@@ -282,18 +282,10 @@ class LocalShards:
     def copy_rows(
         self, starts: np.ndarray, stops: np.ndarray, out: np.ndarray, right: bool = False
     ) -> bool:
-        """Copies elements ``[starts[r], stops[r])`` into row ``r`` of ``out``.
-
-        Args:
-            starts, stops: ``[k] int64`` ranges of at most ``out.shape[1]`` elements.
-            out: ``[k, width]`` of this array's dtype; columns past a short range
-                (all of an empty one) are left as they are.
-            right: put each range at the end of its row instead of the start.
-
-        Returns:
-            False when a range is not within one plain shard whose chunks pass
-            their checksums; then ``out`` holds some rows: read those otherwise.
-        """
+        """Copies elements ``[starts[r], stops[r])`` (``[k] int64``) into row ``r`` of
+        ``out`` (``[k, width]`` of this array's dtype), at its end with ``right``;
+        columns past a short range are left as they are. False when a range is not
+        within one plain shard whose chunks pass their checksums: then read otherwise."""
         width = out.shape[1]
         row = np.flatnonzero(stops > starts)
         starts, stops = starts[row], stops[row]
@@ -340,16 +332,12 @@ class LocalShards:
         ``pos[r]`` to ``flat[dest[r]:]``, skipping ``gap`` elements after the first
         ``before[r]`` and then after every chunk.
 
-        The compiled kernel (``self.kernels``) copies a shard's ranges in one
-        call without the interpreter lock, so threads copy side by side.
-        Without it, one slice copy per row (more across a chunk's checksum): numpy has no
-        gather of rows at arbitrary offsets into an existing array without a
-        temporary the batch's size. A copy is too short for threads to gain
-        from copying side by side: each hands the interpreter lock on at every
-        row. So one caller copies at a time (``_copying``), while decodes in
-        other threads, which need the lock only between their large passes,
-        run on. (Copies through memoryviews, which never hand it on, stalled
-        those decodes instead.)
+        The compiled kernel copies a shard's ranges in one call without the
+        interpreter lock. Without it, one slice copy per row (numpy has no gather
+        into an existing array without a batch-sized temporary); threads would
+        hand the lock on at every row, so one caller copies at a time
+        (``_copying``) while decodes in other threads run on. (Copies through
+        memoryviews, which never hand it on, stalled those decodes instead.)
         """
         chunk = self.chunk
         kernels = self.kernels

@@ -109,23 +109,20 @@ class StorageFormat:
             return max(self.shard_tokens // 2, self.chunk_tokens), max(self.chunk_tokens // 2, 1)
         return self.shard_tokens, self.chunk_tokens
 
-    def _v2_compressor(self) -> dict[str, Any] | None:
-        """The numcodecs compressor of zarr v2 chunks."""
-        if self.compression == "blosc":
-            return {
-                "id": "blosc",
-                "cname": "zstd",
-                "clevel": min(self.zstd_level, 9),
-                "shuffle": 1,
-                "blocksize": 0,
-            }
-        return {"id": "zstd", "level": self.zstd_level} if self.compression else None
-
     def array_spec(
         self, dtype: np.dtype[Any], elements_per_shard: int, elements_per_chunk: int, size: int
     ) -> dict[str, Any]:
         """zarr metadata of a 1-D array of ``dtype`` and ``size`` elements."""
         if self.zarr_format == 2:
+            compressor = {"id": "zstd", "level": self.zstd_level} if self.compression else None
+            if self.compression == "blosc":
+                compressor = {
+                    "id": "blosc",
+                    "cname": "zstd",
+                    "clevel": min(self.zstd_level, 9),
+                    "shuffle": 1,
+                    "blocksize": 0,
+                }
             return {
                 "shape": [size],
                 "chunks": [elements_per_shard],
@@ -133,7 +130,7 @@ class StorageFormat:
                 "fill_value": 0,
                 "order": "C",
                 "filters": None,
-                "compressor": self._v2_compressor(),
+                "compressor": compressor,
             }
         inner: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
         if self.compression:

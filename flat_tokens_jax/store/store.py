@@ -184,13 +184,6 @@ class Store:
             for key in [k for k in self._fetched if k.startswith(prefix)]:
                 del self._fetched[key]
 
-    def _read_bytes(self, key: str) -> bytes | None:
-        with self._fetched_lock:
-            if key in self._fetched:
-                return self._fetched[key]
-        got = self.wait(self.kv.read(key))
-        return bytes(got.value) if got.state == "value" else None
-
     def read_json(self, key: str) -> dict[str, Any] | None:
         """Parsed JSON at ``key``, or ``None`` if there is no such key.
 
@@ -201,7 +194,11 @@ class Store:
         path = self.local_path(key)
         if path is not None:
             check_regular_file(path, "zarr metadata (JSON)")
-        raw = self._read_bytes(key)
+        with self._fetched_lock:
+            fetched, raw = key in self._fetched, self._fetched.get(key)
+        if not fetched:
+            got = self.wait(self.kv.read(key))
+            raw = bytes(got.value) if got.state == "value" else None
         if raw is None:
             return None
         try:
@@ -229,8 +226,11 @@ class Store:
         self._forget(folder)
         # Keys under "a/" sort between "a/" and "a0" ("0" follows "/" in ASCII).
         self.wait(self.kv.delete_range(ts.KvStore.KeyRange(folder, folder[:-1] + "0")))
-        if self.spec["driver"] == "file":  # files go; the folders they were in stay
-            _remove_empty_folders(os.path.join(self.spec["path"], folder))
+        if self.spec["driver"] == "file":  # files go; empty folders are removed here
+            top = os.path.join(self.spec["path"], folder)
+            for sub, _, _ in sorted(os.walk(top), key=lambda w: -len(w[0])):
+                with contextlib.suppress(OSError):  # not empty, or gone already
+                    os.rmdir(sub)
 
     def group_attributes(self, key: str) -> tuple[int, dict[str, Any]] | None:
         """``(zarr_format, attributes)`` of the group at ``key`` (``""`` is the root)."""
@@ -321,7 +321,8 @@ class Store:
             if handle is None:
                 handle = ts.open(spec, context=self.context, read=True).result()
         except ValueError as ts_error:
-            if not _unsupported_codec(ts_error):
+            # Only metadata tensorstore refused (not a failure to reach it) may open in zarr-python.
+            if not str(ts_error).startswith(("INVALID_ARGUMENT", "FAILED_PRECONDITION")):
                 raise store_error(f"{self.url}/{key}", ts_error, self.options) from ts_error
             try:
                 arr = open_zarr_python(self.url, self.options, key, zarr_format)
@@ -355,12 +356,6 @@ class Store:
         return TensorStoreArray(handle, local, f"{self.url}/{key}", self.options)
 
 
-def _unsupported_codec(error: ValueError) -> bool:
-    """Whether tensorstore refused an array's metadata (so zarr-python may open it),
-    rather than failed to reach it."""
-    return str(error).startswith(("INVALID_ARGUMENT", "FAILED_PRECONDITION"))
-
-
 def describe_storage_format(zarr_format: int, meta: Mapping[str, Any]) -> dict[str, Any]:
     """Chunking and compression of an array, from its zarr metadata, for ``info``."""
     if zarr_format == 2:
@@ -391,10 +386,3 @@ def describe_storage_format(zarr_format: int, meta: Mapping[str, Any]) -> dict[s
         "filters": [],
         "checksum": any(c.get("name") == "crc32c" for c in codecs),
     }
-
-
-def _remove_empty_folders(top: str) -> None:
-    """Removes ``top`` and the folders under it that hold no file."""
-    for folder, _, _ in sorted(os.walk(top), key=lambda w: -len(w[0])):
-        with contextlib.suppress(OSError):  # not empty, or gone already
-            os.rmdir(folder)

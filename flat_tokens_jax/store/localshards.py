@@ -56,38 +56,28 @@ def plain_shard_geometry(meta: Mapping[str, Any]) -> Geometry | None:
     codecs = meta.get("codecs") or []
     if len(meta.get("shape", [])) != 1 or len(codecs) != 1:
         return None
-    if codecs[0].get("name") != "sharding_indexed":
-        return None
     conf = codecs[0].get("configuration", {})
     inner = conf.get("codecs", [])
-    index_codecs = [c.get("name") for c in conf.get("index_codecs", [])]
-    little = {"name": "bytes", "configuration": {"endian": "little"}}
     checksummed = bool(inner) and inner[-1] == {"name": "crc32c"}
-    if checksummed:
-        inner = inner[:-1]
-    if inner != [little] and not (
-        inner == [{"name": "bytes"}] and meta.get("data_type") == "uint8"
-    ):
-        return None
-    if conf.get("index_location", "end") != "end" or index_codecs not in (
-        ["bytes"],
-        ["bytes", "crc32c"],
-    ):
-        return None
-    if conf.get("index_codecs", [{}])[0].get("configuration", {}).get("endian", "little") != (
-        "little"
-    ):
-        return None
-    key_encoding = meta.get("chunk_key_encoding", {"name": "default"})
-    if (
-        key_encoding.get("name") != "default"
-        or key_encoding.get("configuration", {}).get("separator", "/") != "/"
-    ):
+    inner = inner[:-1] if checksummed else inner
+    raw_bytes = [{"name": "bytes"}] if meta.get("data_type") == "uint8" else None
+    index = conf.get("index_codecs", [])
+    index_names = [c.get("name") for c in index]
+    keys = meta.get("chunk_key_encoding", {"name": "default"})
+    plain = (
+        codecs[0].get("name") == "sharding_indexed"
+        and inner in ([{"name": "bytes", "configuration": {"endian": "little"}}], raw_bytes)
+        and conf.get("index_location", "end") == "end"
+        and index_names in (["bytes"], ["bytes", "crc32c"])
+        and index[0].get("configuration", {}).get("endian", "little") == "little"
+        and keys.get("name") == "default"
+        and keys.get("configuration", {}).get("separator", "/") == "/"
+    )
+    if not plain:
         return None
     shard = int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
     chunk = int(conf["chunk_shape"][0])
-    n_chunks = shard // chunk
-    index_bytes = 16 * n_chunks + (4 if "crc32c" in index_codecs else 0)
+    index_bytes = 16 * (shard // chunk) + (4 if "crc32c" in index_names else 0)
     return Geometry(shard, chunk, index_bytes, checksummed)
 
 

@@ -129,13 +129,8 @@ def resolve_options(
     options: StoreOptions | None, option_fields: Mapping[str, Any], caller: str
 ) -> StoreOptions:
     """The :class:`StoreOptions` of a function that takes ``options=`` or the
-    same fields as keywords (``**option_fields``), but not both.
-
-    Raises:
-        TypeError: ``options`` is not a ``StoreOptions``, or a keyword is
-            neither the caller's nor a field of ``StoreOptions``.
-        ValueError: both ``options`` and keywords, or a bad field value.
-    """
+    same fields as keywords (``**option_fields``), but not both (``ValueError``);
+    ``TypeError`` for an unknown keyword or ``options`` of another type."""
     if options is not None and not isinstance(options, StoreOptions):
         raise TypeError(f"{caller}: options must be a StoreOptions, got {type(options).__name__}")
     known = [f.name for f in dataclasses.fields(StoreOptions)]

@@ -51,8 +51,7 @@ def remote_reads() -> dict[str, int]:
 def remote_bytes() -> dict[str, int]:
     """Bytes that tensorstore's HTTP reads from GCS and S3 returned in this
     process so far (its ``/tensorstore/kvstore/{gcs,s3}/bytes_read`` metrics),
-    by scheme: whole chunks and shard indexes, so divided by the tokens a
-    batch uses it gives the bytes read per useful token."""
+    by scheme: whole chunks and shard indexes."""
     return _by_scheme("bytes_read")
 
 
@@ -185,12 +184,9 @@ class Store:
                 del self._fetched[key]
 
     def read_json(self, key: str) -> dict[str, Any] | None:
-        """Parsed JSON at ``key``, or ``None`` if there is no such key.
-
-        Raises:
-            FormatError: the local file of ``key`` is a FIFO, device or folder
-                (tensorstore would wait on a FIFO forever).
-        """
+        """Parsed JSON at ``key``, or ``None`` if there is no such key. Raises
+        ``FormatError`` for a local FIFO, device or folder (tensorstore would wait
+        on a FIFO forever)."""
         path = self.local_path(key)
         if path is not None:
             check_regular_file(path, "zarr metadata (JSON)")
@@ -258,11 +254,8 @@ class Store:
             self.write_json(prefix + V2_GROUP, {"zarr_format": 2})
 
     def array_metadata(self, key: str) -> tuple[Literal[2, 3], dict[str, Any]] | None:
-        """``(zarr_format, metadata)`` of the array at ``key``, or ``None``.
-
-        A zarr v2 array's metadata is its ``.zarray``, with its ``.zattrs`` (or
-        ``{}``) under ``"attributes"`` as zarr v3 keeps them.
-        """
+        """``(zarr_format, metadata)`` of the array at ``key``, or ``None``; a zarr v2
+        array's ``.zattrs`` go under ``"attributes"``, as zarr v3 keeps them."""
         meta = self.read_json(f"{key}/{V3_META}")
         if meta is not None:
             if meta.get("node_type") != "array":

@@ -135,6 +135,4 @@ class CheckedArray:
             clean[blocks] = True
             return values
 
-        if known is None:
-            return Known(1, frozenset(), wait)
-        return Known(known.chunk, known.chunks, wait)
+        return Known(1, frozenset(), wait) if known is None else known._replace(wait=wait)

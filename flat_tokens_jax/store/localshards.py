@@ -35,19 +35,12 @@ def crc32c(data: Any) -> int:
 
 
 class Geometry(NamedTuple):
-    """How the shards of a memory-mappable array are laid out.
+    """How the shards of a memory-mappable array are laid out."""
 
-    Attributes:
-        shard: elements per shard.
-        chunk: elements per inner chunk.
-        index_bytes: bytes of the shard index at the end of a shard file.
-        checksummed: whether each chunk is followed by its 4-byte crc32c.
-    """
-
-    shard: int
-    chunk: int
-    index_bytes: int
-    checksummed: bool
+    shard: int  # elements per shard
+    chunk: int  # elements per inner chunk
+    index_bytes: int  # of the shard index at the end of a shard file
+    checksummed: bool  # whether each chunk is followed by its 4-byte crc32c
 
 
 def plain_shard_geometry(meta: Mapping[str, Any]) -> Geometry | None:

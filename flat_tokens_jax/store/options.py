@@ -41,21 +41,15 @@ class StoreOptions:
             default chain. ``gs://`` credentials come from the environment, as
             tensorstore reads them.
         concurrency: ``gs://``/``s3://``: the most HTTP requests in flight at
-            once. ``None``: as many as the reads in flight ask for (a batch is
-            about one request per row a host loads, and read-ahead fetches the
-            steps in flight at once), up to :data:`CONCURRENCY_CEILING` (1024).
-            An int pins the limit, e.g. to spare a shared endpoint.
+            once. ``None``: as many as the reads in flight ask for (about one
+            per row of the steps in flight), up to :data:`CONCURRENCY_CEILING`
+            (1024). An int pins the limit, e.g. to spare a shared endpoint.
         retries: ``gs://``/``s3://``: attempts per request before a read fails
             (throttling, 5xx answers, refused or dropped connections), from 1
-            to :data:`MAX_RETRIES` (100: about 51 minutes of waits). A server
-            that stays down fails a read after the waits between attempts,
-            ``min(retry_delay * 2**k + jitter, max_retry_delay)`` for
-            ``k < retries - 1``, with up to ``min(1, retry_delay)`` seconds of
-            jitter: at most 498 s with the defaults (1+2+4+8+16, then 14 waits
-            of 32, each up to 1 s more), within ``timeout``. The default (20)
-            outlasts a throttled bucket's refusals: with 8 attempts a loader
-            asking about 3 times a bucket's rate failed its first step, with
-            20 it read on (docs/guide/remote.md, "A throttled bucket").
+            to :data:`MAX_RETRIES`; waits between them double from
+            ``retry_delay`` (at most 498 s in all with the defaults). The
+            default (20) outlasts a throttled bucket's refusals, where 8 did
+            not (docs/guide/remote.md, "A throttled bucket").
         retry_delay: seconds before the first retry; doubling after each.
         max_retry_delay: the longest wait between two attempts, in seconds.
         timeout: seconds any one wait for data may take, retries included,

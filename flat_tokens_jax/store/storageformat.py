@@ -25,14 +25,10 @@ class StorageFormat:
     """How a dataset's arrays are stored: zarr version, shard and chunk sizes,
     compression and checksums.
 
-    Fields left unset take the defaults of the zarr version (see "Default layout" in
-    docs/format.md): zarr v3 shards of ``1 << 24`` tokens with inner chunks of
-    ``1 << 13``, uncompressed, with crc32c checksums; zarr v2 chunk files of
-    ``1 << 20`` tokens (4 MiB), blosc-compressed, since a v2 chunk file is always
-    written whole (a small array would otherwise take a full chunk on disk) and
-    a v2 reader holds whole chunks in memory. Blosc (zstd inside) is the
-    compressor every zarr v2 reader decodes; numcodecs before 0.16 cannot
-    decode the plain zstd frames tensorstore writes.
+    Fields left unset take the defaults of the zarr version ("Default layout" in
+    docs/format.md). zarr v2 chunk files are compressed by default, since one is
+    always written whole and held whole by a reader, with blosc (zstd inside):
+    numcodecs before 0.16 cannot decode the plain zstd frames tensorstore writes.
 
     Attributes:
         zarr_format: 3 (default) or 2, for readers that only know zarr v2.

@@ -53,19 +53,13 @@ class Checks(Generic[R]):
         items: np.ndarray,
         begin: Callable[[np.ndarray], Callable[[], R]],
     ) -> Callable[[], R | None]:
-        """Claims the items of ``items`` (``[k] int64``: what a read touches) that
-        no read has checked or claimed, and starts their checks.
-
-        Args:
-            begin: given the claimed items (sorted, unique), starts reading them
-                and returns the call that waits and checks them (raising the
-                error naming a bad item). It runs under the claiming lock, so
-                it must only start reads. Items that another read's check left
-                unchecked (its error, or its reads' failure) are begun again here.
-
-        Returns:
-            The call that waits for every check of ``items``; its result is
-            ``begin``'s call's (``None`` when this read claimed no item).
+        """Claims the ``items`` (``[k] int64``: what a read touches) that no read has
+        checked or claimed, and starts their checks with ``begin``: given the
+        claimed items (sorted, unique), it starts reading them (only that: it runs
+        under the claiming lock) and returns the call that waits and checks them,
+        raising the error naming a bad item. Items another read's check left
+        unchecked are begun again here. Returns the call that waits for every
+        check of ``items``, giving ``begin``'s call's result (``None``: none claimed).
         """
         todo = np.unique(items)
         if self.checked[todo].all():

@@ -81,12 +81,8 @@ class Claim:
         return got.state != "value" and self._put(got.stamp.generation)
 
     def take_over(self) -> None:
-        """Replaces the marker of a write that is dead; refuses a live one's.
-
-        Raises:
-            FileExistsError: the marked write still runs (naming its marker),
-                or another writer changed the marker meanwhile.
-        """
+        """Replaces the marker of a write that is dead; ``FileExistsError`` when
+        that write still runs or another writer changed the marker meanwhile."""
         if _local(self.store):
             try:
                 found = open(_marker_path(self.store), "r+b")  # noqa: SIM115 (held while we write)
@@ -209,12 +205,8 @@ class Claim:
             self._file = None
 
     def release(self) -> None:
-        """The write finished (its root metadata is written): drops the marker.
-
-        Raises:
-            FileExistsError: another writer took the location over while this
-                write ran (its lease lapsed), so what is there may be theirs.
-        """
+        """The write finished (its root metadata is written): drops the marker;
+        ``FileExistsError`` if another writer took the location over meanwhile."""
         if not self._end():
             raise FileExistsError(
                 f"{self.store.url}: this write lost its claim while it ran "
@@ -224,13 +216,9 @@ class Claim:
         self._drop_marker()
 
     def discard(self) -> None:
-        """The write failed: deletes what it wrote, the marker last.
-
-        Only our own keys are deleted (the root group metadata, the split
-        groups, :data:`STAGING`), never the whole prefix, and nothing once the
-        claim is another writer's. Failures to delete are logged, not raised,
-        so the error that stopped the write is the one the caller sees.
-        """
+        """The write failed: deletes our own keys (never the whole prefix, nothing
+        once the claim is another writer's), the marker last. Failures are logged,
+        not raised, so the caller sees the error that stopped the write."""
         try:
             if not self._end():
                 log.error(

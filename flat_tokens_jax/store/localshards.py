@@ -1,17 +1,11 @@
 """A read path without per-read overhead for uncompressed zarr v3 shards on local disk.
 
-tensorstore costs about 23 µs per read however small; a training batch is
-hundreds of short reads, so on local disk that fixed cost dominates. An
-uncompressed shard that tensorstore wrote whole holds its inner chunks back to
-back, in order, followed by the shard index. Such a shard is one plain array:
-we check its index once and memory-map it, and a read becomes a slice. Any shard
-that is not laid out so (missing, partial, compressed, reordered) is read
-through tensorstore as before.
-
-Chunks with a crc32c checksum (4 bytes after each chunk, our default) are
-memory-mapped too: each chunk's checksum is verified the first time a read
-touches it, and a chunk that fails is left to tensorstore, whose read then
-fails naming the shard, so a flipped byte never reads as a token.
+tensorstore costs about 23 µs per read however small, which dominates a batch
+of hundreds of short reads. An uncompressed shard that tensorstore wrote whole
+holds its inner chunks back to back, then its index: we check the index once,
+memory-map the shard, and a read becomes a slice. Any other shard is read
+through tensorstore. A chunk's crc32c (our default) is verified the first time
+a read touches it; a chunk that fails is left to tensorstore, whose read fails.
 """
 
 from __future__ import annotations

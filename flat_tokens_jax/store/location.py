@@ -179,15 +179,12 @@ def _where(url: str | os.PathLike[str]) -> tuple[str, ...]:
         loc = parse_url(url)
     except ValueError:  # an input pattern of a scheme only Beam reads
         parsed = urllib.parse.urlparse(os.fspath(url))
-        path = posixpath.normpath("/" + parsed.path)
-        return (parsed.scheme, parsed.netloc, *[p for p in path.split("/") if p])
-    if loc.scheme == "file":
-        return ("file", *Path(os.path.realpath(loc.path)).parts)
-    return (
-        loc.scheme,
-        loc.bucket,
-        *[p for p in posixpath.normpath("/" + loc.path).split("/") if p],
-    )
+        scheme, bucket, path = parsed.scheme, parsed.netloc, parsed.path
+    else:
+        if loc.scheme == "file":
+            return ("file", *Path(os.path.realpath(loc.path)).parts)
+        scheme, bucket, path = loc.scheme, loc.bucket, loc.path
+    return (scheme, bucket, *[p for p in posixpath.normpath("/" + path).split("/") if p])
 
 
 def refuse_overlap(

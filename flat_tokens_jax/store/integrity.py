@@ -93,10 +93,8 @@ class CheckedArray:
     @property
     def check_bytes(self) -> int:
         """Bytes read to check shard probes and chunk digests (with the recorded digests)."""
-        probes = 0 if self.probes is None else self.probes.bytes_read
-        if self.digests is None:
-            return probes
-        return probes + self.digests.bytes_read + self.digests.side_bytes
+        digests = 0 if self.digests is None else self.digests.bytes_read + self.digests.side_bytes
+        return digests + (0 if self.probes is None else self.probes.bytes_read)
 
     def request_ranges(self, starts: np.ndarray, stops: np.ndarray) -> Pending:
         """Starts reading elements ``[starts[i], stops[i])`` and the checks of

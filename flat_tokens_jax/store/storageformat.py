@@ -10,6 +10,7 @@ import numpy as np
 import tensorstore as ts
 
 from flat_tokens_jax.core.format import SEQ_STARTS
+from flat_tokens_jax.store.arrays import TensorStoreArray
 from flat_tokens_jax.store.digests import DIGESTS, attribute, chunk_digests
 from flat_tokens_jax.store.probes import ATTRIBUTE as PROBES
 from flat_tokens_jax.store.probes import probe_attribute
@@ -255,14 +256,9 @@ def record_probes(
 ) -> None:
     """Adds the ``shard_probes`` and ``chunk_crc32c`` attributes to the finished
     array ``split/array``, whose values ``handle`` reads and whose digests are all written."""
-    size = int(handle.domain.exclusive_max[0])
+    reader = TensorStoreArray(handle, None, f"{store.url}/{split}/{array}", store.options)
     per_shard, per_chunk = storage_format.elements(array)
-
-    def read(starts: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
-        pending = [handle[a:b].read() for a, b in zip(starts.tolist(), stops.tolist(), strict=True)]
-        return [np.asarray(store.wait(f)) for f in pending]
-
-    probes = probe_attribute(read, size, per_shard)
+    probes = probe_attribute(reader.read_ranges, reader.size, per_shard)
     side = open_digests(store, split, array, storage_format)
     count = int(side.domain.exclusive_max[0])
     # Digests per read: 16 MiB in whole side chunks, one per shard.

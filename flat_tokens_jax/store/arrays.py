@@ -210,13 +210,9 @@ class TensorStoreArray(ArrayReader):
         """Each range from the memory-mapped shards, or through tensorstore where
         they cannot serve it (which then fails naming a corrupt shard); without
         memory-mapped shards, from ``known`` chunks where they serve it."""
-        pairs = list(zip(starts.tolist(), stops.tolist(), strict=True))
-        chunks = [known is not None and known.covers(a, b) for a, b in pairs]
-        if self.local is None:
-            served: list[np.ndarray | None] = [None] * len(pairs)
-        else:
-            chunks = [False] * len(pairs)
-            served = [self.local.read(a, b) for a, b in pairs]
+        local, pairs = self.local, list(zip(starts.tolist(), stops.tolist(), strict=True))
+        served = [None if local is None else local.read(a, b) for a, b in pairs]
+        chunks = [local is None and known is not None and known.covers(a, b) for a, b in pairs]
         # One batch: tensorstore reads each chunk that ranges share once, and
         # the chunks of one shard in as few requests as their byte ranges allow.
         with ts.Batch() as batch:

@@ -173,12 +173,8 @@ class ChunkDigests:
         """Starts checking every chunk of ``reader`` (this array) that ranges
         ``[starts, stops)`` touch and no read has checked or is checking: reads
         them whole where the reader does not hold their stored checksums.
-
-        Returns:
-            ``None`` when all were checked; else what the read waits for
-            (``Known.wait`` raises ``FormatError`` naming a chunk that differs)
-            and the chunks read whole, to serve its ranges from.
-        """
+        ``None`` when all were checked; ``Known.wait`` raises ``FormatError``
+        naming a chunk that differs."""
         chunks = touched(starts, stops, self.chunk)
         if self.checked[chunks].all():
             return None

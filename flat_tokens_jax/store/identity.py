@@ -196,8 +196,7 @@ def dataset_splits(attrs: Mapping[str, Any], where: str = "") -> tuple[str, ...]
     if recorded is None:
         return SPLITS
     at = f"{where}: " if where else ""
-    is_list = isinstance(recorded, list)
-    _expect(is_list, at, SPLITS_KEY, "a list of split names", recorded)
+    _expect(isinstance(recorded, list), at, SPLITS_KEY, "a list of split names", recorded)
     try:
         return split_names(recorded)
     except ValueError as e:

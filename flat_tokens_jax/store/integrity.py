@@ -47,16 +47,10 @@ class CheckedArray:
         *,
         ours: bool,
     ) -> CheckedArray:
-        """The checks that the array at ``key`` records in its ``attributes``.
-
-        ``ours``: the dataset's root attributes say one of our writers made it;
-        they record both, with ``content``, on every array, so one missing was
-        deleted (and a shard copied in with its digests would read as ours).
-        Other arrays (older stores, other tools') may lack them.
-
-        Raises:
-            FormatError: a malformed attribute, or (``ours``) one missing.
-        """
+        """The checks that the array at ``key`` records in its ``attributes``;
+        ``FormatError`` for a malformed one, or with ``ours`` (the dataset says
+        our writers made it, which record both on every array) a missing one, so
+        that deleting it cannot make a shard copied in with its digests read."""
         where, side = f"{store.url}/{key}", f"{key}/{DIGESTS}"
 
         def open_side() -> ArrayReader:

@@ -137,11 +137,9 @@ _Mapped = np.ndarray | _Checksummed
 
 
 class LocalShards:
-    """Memory-maps the shards of one array; ``None`` for a shard that is not plain.
-
-    Thread-safe; a shard's index is read once, on first use. ``kernels``: the
-    compiled kernels :meth:`copy_rows` copies with where numba is installed
-    (imported on first use; set ``None`` to copy with numpy).
+    """Memory-maps the shards of one array (each index read once, on first use).
+    Thread-safe. ``kernels``: the compiled kernels :meth:`copy_rows` uses where
+    numba is installed (imported on first use; set ``None`` to copy with numpy).
     """
 
     def __init__(self, folder: str, dtype: np.dtype[Any], size: int, geometry: Geometry) -> None:
@@ -286,8 +284,13 @@ class LocalShards:
         gap = next(iter(shards.values())).gap
         if gap == 0:
             return False
-        if not self._verify(starts // chunk, (stops - 1) // chunk, first, lo, count, shards):
-            return False
+        # Every chunk checked, no range over more than two: one vectorised test.
+        a, b = starts // chunk, (stops - 1) // chunk
+        if not ((b - a <= 1).all() and self._verified[a].all() and self._verified[b].all()):
+            for i, m in shards.items():
+                here = first == i
+                if not m.verify(touched(lo[here], lo[here] + count[here], chunk)):
+                    return False
         words = {i: m.words for i, m in shards.items() if m.words is not None}
         pos = lo + gap * chunk_of
         before = (chunk_of + 1) * chunk - lo  # elements before the next checksum
@@ -346,26 +349,6 @@ class LocalShards:
                     k = min(chunk, n - m)
                     flat[d + m : d + m + k] = w[p : p + k]
                     m, p = m + k, p + k + gap
-
-    def _verify(
-        self,
-        a: np.ndarray,
-        b: np.ndarray,
-        first: np.ndarray,
-        lo: np.ndarray,
-        count: np.ndarray,
-        shards: dict[int, _Checksummed],
-    ) -> bool:
-        """Whether chunks ``a[r] .. b[r]`` (of ranges starting at ``lo`` in shards
-        ``first``, ``count`` long) pass their checksums; one vectorised test
-        once every chunk has been checked, when no range spans more than two."""
-        if (b - a <= 1).all() and self._verified[a].all() and self._verified[b].all():
-            return True
-        for i, m in shards.items():
-            here = first == i
-            if not m.verify(touched(lo[here], lo[here] + count[here], self.chunk)):
-                return False
-        return True
 
     def stored_crc32c(self, chunks: np.ndarray, chunk: int) -> np.ndarray | None:
         """The crc32c stored after each of ``chunks`` (``[k] int64`` chunk numbers

@@ -66,11 +66,8 @@ def claim_location(store: Store, overwrite: bool, splits: Sequence[str] = SPLITS
     """Makes ``store`` ours and empty for a new dataset (of ``splits`` besides
     :data:`SPLITS`), or refuses: a dataset or a dead write's leftover is deleted
     with ``overwrite`` (else ``OverwriteNeeded``); anything else, or a write in
-    progress, raises ``FileExistsError`` before anything is deleted.
-
-    Returns:
-        The :class:`Claim`: call ``release()`` after the root metadata is
-        written, ``discard()`` if the write fails.
+    progress, raises ``FileExistsError`` before anything is deleted. Call the
+    claim's ``release()`` after the root metadata is written, ``discard()`` on failure.
     """
     claim = Claim(store, splits)
     keys = store.keys()

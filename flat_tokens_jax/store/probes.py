@@ -67,12 +67,8 @@ class ShardProbes:
 
     @classmethod
     def of(cls, attributes: Mapping[str, Any], where: str, size: int) -> ShardProbes | None:
-        """The probes recorded in an array's ``attributes``; ``None`` when there are none.
-
-        Raises:
-            FormatError: a malformed attribute, or one whose count of probes does
-                not fit the array's size.
-        """
+        """The probes recorded in an array's ``attributes``; ``None`` when there are
+        none. ``FormatError`` for a malformed attribute or a count that does not fit."""
         found = attributes.get(ATTRIBUTE)
         if found is None:
             return None

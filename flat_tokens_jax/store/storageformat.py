@@ -218,19 +218,10 @@ def create_digests(
     ``[ceil(size / chunk)] uint32``, one side chunk per shard of the array."""
     per_shard, per_chunk = storage_format.elements(array)
     count, per_side = -(-size // per_chunk), per_shard // per_chunk
-    if storage_format.zarr_format == 2:
-        plain = dataclasses.replace(storage_format, compression=None)
-        meta = plain.array_spec(np.dtype("<u4"), per_side, per_side, count)
-    else:
-        codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
-        meta = {
-            "shape": [count],
-            "data_type": "uint32",
-            "fill_value": 0,
-            "attributes": {EVERY_CHUNK_STORED: True},
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [per_side]}},
-            "codecs": codecs + ([{"name": "crc32c"}] if storage_format.checksum else []),
-        }
+    plain = dataclasses.replace(storage_format, compression=None)
+    meta = plain.array_spec(np.dtype("<u4"), per_side, per_side, count)
+    if storage_format.zarr_format == 3:  # not sharded: a side chunk is one file
+        meta["codecs"] = meta["codecs"][0]["configuration"]["codecs"]
     return _create(store, f"{split}/{array}/{DIGESTS}", meta, storage_format.zarr_format)
 
 

@@ -363,14 +363,12 @@ def describe_storage_format(zarr_format: int, meta: Mapping[str, Any]) -> dict[s
         }
     grid = meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape", [None])[0]
     codecs = list(meta.get("codecs", []))
-    shard = None
-    chunk = grid
+    shard, chunk = None, grid
     if codecs and codecs[0].get("name") == "sharding_indexed":
         conf = codecs[0].get("configuration", {})
         shard, chunk = grid, conf.get("chunk_shape", [None])[0]
         codecs = conf.get("codecs", [])
-    skipped = ("bytes", "transpose", "crc32c")
-    names = [c.get("name") for c in codecs if c.get("name") not in skipped]
+    names = [c.get("name") for c in codecs if c.get("name") not in ("bytes", "transpose", "crc32c")]
     return {
         "zarr_format": 3,
         "chunk": chunk,

@@ -32,12 +32,8 @@ def _zarr(where: str) -> ModuleType:
 def open_zarr_python(
     url: str | os.PathLike[str], options: StoreOptions, key: str, zarr_format: Literal[2, 3]
 ) -> Any:
-    """The zarr-python array at ``key`` of the store at ``url``, opened read-only.
-
-    Raises:
-        FormatError: zarr-python is not installed, or is zarr 2 and the array
-            is zarr v3 (which zarr 2 cannot read), or cannot reach the store.
-    """
+    """The zarr-python array at ``key`` of the store at ``url``, opened read-only;
+    ``FormatError`` where the installed zarr-python (if any) cannot open it."""
     text = os.fspath(url)
     zarr = _zarr(f"{text}/{key}")
     v2 = int(str(zarr.__version__).split(".", 1)[0]) < 3

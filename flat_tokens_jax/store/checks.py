@@ -57,9 +57,9 @@ class Checks(Generic[R]):
         checked or claimed, and starts their checks with ``begin``: given the
         claimed items (sorted, unique), it starts reading them (only that: it runs
         under the claiming lock) and returns the call that waits and checks them,
-        raising the error naming a bad item. Items another read's check left
-        unchecked are begun again here. Returns the call that waits for every
-        check of ``items``, giving ``begin``'s call's result (``None``: none claimed).
+        raising the error naming a bad item. Returns the call that waits for every
+        check of ``items`` (beginning again those another read's check left
+        unchecked), giving ``begin``'s call's result (``None``: none claimed).
         """
         todo = np.unique(items)
         if self.checked[todo].all():

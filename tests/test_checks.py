@@ -22,11 +22,10 @@ from flat_tokens_jax.store.checks import Checks, Once
 
 
 class Recorder:
-    """``begin``/``again`` that count the items each checks; ``bad`` items fail."""
+    """A ``begin`` that counts the items it checks; ``bad`` items fail."""
 
     def __init__(self, bad: frozenset[int] = frozenset()) -> None:
         self.begun: Counter[int] = Counter()
-        self.again: Counter[int] = Counter()
         self.bad = bad
         self._lock = threading.Lock()
 
@@ -34,11 +33,6 @@ class Recorder:
         with self._lock:
             self.begun.update(mine.tolist())
         return lambda: self._verify(mine)
-
-    def redo(self, failed: np.ndarray) -> None:
-        with self._lock:
-            self.again.update(failed.tolist())
-        self._verify(failed)
 
     def _verify(self, items: np.ndarray) -> list[int]:
         wrong = sorted(self.bad & set(items.tolist()))
@@ -58,7 +52,7 @@ def test_each_item_is_checked_once_among_concurrent_reads(reads: list[list[int]]
     def read(items: list[int]) -> None:
         try:
             barrier.wait()
-            checks.start(np.array(items, np.int64), rec.begin, rec.redo)()
+            checks.start(np.array(items, np.int64), rec.begin)()
         except BaseException as e:
             errors.append(e)
 
@@ -70,7 +64,6 @@ def test_each_item_is_checked_once_among_concurrent_reads(reads: list[list[int]]
     assert not errors
     touched = {i for r in reads for i in r}
     assert rec.begun == Counter({i: 1 for i in touched})
-    assert not rec.again
     assert np.flatnonzero(checks.checked).tolist() == sorted(touched)
 
 
@@ -79,11 +72,11 @@ def test_a_read_that_never_waits_holds_no_other_read_up() -> None:
     runs A's check itself (one begin per item) and the items are checked."""
     checks: Checks[list[int]] = Checks(5)
     rec = Recorder()
-    checks.start(np.array([1, 2]), rec.begin, rec.redo)  # never waited for
+    checks.start(np.array([1, 2]), rec.begin)  # never waited for
     done = threading.Event()
 
     def other() -> None:
-        checks.start(np.array([2, 3]), rec.begin, rec.redo)()
+        checks.start(np.array([2, 3]), rec.begin)()
         done.set()
 
     threading.Thread(target=other, daemon=True).start()
@@ -95,14 +88,13 @@ def test_a_read_that_never_waits_holds_no_other_read_up() -> None:
 def test_a_check_another_read_failed_is_done_again_and_names_the_item() -> None:
     checks: Checks[list[int]] = Checks(5)
     rec = Recorder(bad=frozenset({2}))
-    first = checks.start(np.array([2]), rec.begin, rec.redo)
-    second = checks.start(np.array([2, 4]), rec.begin, rec.redo)
+    first = checks.start(np.array([2]), rec.begin)
+    second = checks.start(np.array([2, 4]), rec.begin)
     with pytest.raises(FormatError, match="item 2 is bad"):
         first()
     with pytest.raises(FormatError, match="item 2 is bad"):
         second()
-    assert rec.begun == Counter({2: 1, 4: 1})
-    assert rec.again == Counter({2: 1})
+    assert rec.begun == Counter({2: 2, 4: 1})  # 2 begun again by the second read
     assert checks.checked.tolist() == [False, False, False, False, True]
 
 
@@ -110,9 +102,9 @@ def test_a_failed_check_is_not_counted_checked_and_a_later_read_checks_again() -
     checks: Checks[list[int]] = Checks(3)
     rec = Recorder(bad=frozenset({1}))
     with pytest.raises(FormatError):
-        checks.start(np.array([1]), rec.begin, rec.redo)()
+        checks.start(np.array([1]), rec.begin)()
     rec.bad = frozenset()
-    assert checks.start(np.array([1]), rec.begin, rec.redo)() == [1]
+    assert checks.start(np.array([1]), rec.begin)() == [1]
     assert rec.begun == Counter({1: 2})
 
 

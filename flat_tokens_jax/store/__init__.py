@@ -1,9 +1,6 @@
-"""Storage: store options, tensorstore and memory-mapped reads, probes, digests,
-the dataset's identity and storage format, claims on a location.
-
-``remote_reads``, ``remote_bytes`` and ``throttled_requests`` (the requests and
-bytes read from object stores so far, and the requests they refused as
-throttled) are this package's too: ``flat_tokens_jax.store.remote_reads()``.
+"""Storage: store options, tensorstore and memory-mapped reads, integrity checks,
+the dataset's identity and storage format, claims on a location; and the counts
+of requests and bytes read from object stores (``remote_reads()``, ...).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import tensorstore as ts
@@ -18,17 +18,10 @@ if TYPE_CHECKING:
 
 
 class Known(NamedTuple):
-    """The integrity checks in flight of what a read touches, and the whole
-    chunks they read, to serve the read's ranges from: a read gives no
-    values before its checks have passed.
-
-    Attributes:
-        chunk: elements per chunk.
-        chunks: the chunks the checks read whole (chunk numbers).
-        wait: waits for the checks (raising the error that names a bad shard
-            or chunk) and gives the values of ``chunks`` (chunk number to its
-            ``[chunk]`` elements, fewer in the last).
-    """
+    """The integrity checks in flight of what a read touches: a read gives no
+    values before ``wait()`` (raising the error naming a bad shard or chunk)
+    returns, which gives the ``chunks`` the checks read whole (chunk number to
+    its ``[chunk]`` elements), to serve the read's ranges from."""
 
     chunk: int
     chunks: frozenset[int]
@@ -49,40 +42,26 @@ def from_chunks(values: Mapping[int, np.ndarray], chunk: int, start: int, stop: 
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-class Pending(Protocol):
+class Pending:
     """Reads in flight."""
 
     def result(self) -> list[np.ndarray]:
         """Each range's elements, in order."""
-        ...
+        raise NotImplementedError
 
     def rows(self, width: int, dtype: Any, right: bool = False) -> np.ndarray:
         """The ranges as the rows of a ``[k, width]`` array of ``dtype``, zero-filled
         past each range (or before it, ``right=True``); ranges hold at most ``width``."""
-        ...
-
-
-def stack_rows(pieces: list[np.ndarray], width: int, dtype: Any, right: bool = False) -> np.ndarray:
-    """Stacks ranges of at most ``width`` elements into ``[k, width]``, zero-filled."""
-    if pieces and all(piece.size == width for piece in pieces):  # one copy, in C
-        return np.concatenate(pieces).astype(dtype, copy=False).reshape(len(pieces), width)
-    out = np.zeros((len(pieces), width), dtype)
-    for row, piece in enumerate(pieces):
-        if right:
-            out[row, width - piece.size :] = piece
-        else:
-            out[row, : piece.size] = piece
-    return out
-
-
-class _Stacked:
-    """``rows`` from ``result``."""
-
-    def result(self) -> list[np.ndarray]:
-        raise NotImplementedError
-
-    def rows(self, width: int, dtype: Any, right: bool = False) -> np.ndarray:
-        return stack_rows(self.result(), width, dtype, right)
+        pieces = self.result()
+        if pieces and all(piece.size == width for piece in pieces):  # one copy, in C
+            return np.concatenate(pieces).astype(dtype, copy=False).reshape(len(pieces), width)
+        out = np.zeros((len(pieces), width), dtype)
+        for row, piece in enumerate(pieces):
+            if right:
+                out[row, width - piece.size :] = piece
+            else:
+                out[row, : piece.size] = piece
+        return out
 
 
 def _checked(known: Known | None) -> Mapping[int, np.ndarray]:
@@ -91,7 +70,7 @@ def _checked(known: Known | None) -> Mapping[int, np.ndarray]:
     return {} if values is None else values
 
 
-class _Futures(_Stacked):
+class _Futures(Pending):
     """Values read already, tensorstore futures, and ranges the checks'
     chunks serve (``None`` entries), given once the checks have passed."""
 
@@ -118,7 +97,7 @@ class _Futures(_Stacked):
         return out
 
 
-class _Done(_Stacked):
+class Done(Pending):
     """Values read already, given once the checks have passed."""
 
     def __init__(self, values: list[np.ndarray], known: Known | None = None) -> None:
@@ -129,14 +108,10 @@ class _Done(_Stacked):
         return self.values
 
 
-class _LocalRanges(_Stacked):
-    """Ranges of an array with memory-mapped local shards, copied when asked for.
-
-    ``rows`` copies each range straight into one reused buffer (see
-    :mod:`~flat_tokens_jax.core.buffers`); a range the shards cannot serve (across
-    shards, a shard not plain, a chunk failing its checksum) sends the whole
-    request through :meth:`TensorStoreArray.per_range`.
-    """
+class _LocalRanges(Pending):
+    """Ranges of an array with memory-mapped local shards, copied when asked for:
+    ``rows`` copies each range straight into one reused buffer; a range the shards
+    cannot serve sends the whole request through :meth:`TensorStoreArray.per_range`."""
 
     def __init__(
         self,
@@ -164,51 +139,12 @@ class _LocalRanges(_Stacked):
         return super().rows(width, dtype, right)
 
 
-class ArrayReader(Protocol):
+class ArrayReader:
     """A 1-D array that reads many ranges at once. Thread-safe."""
-
-    @property
-    def size(self) -> int: ...
-
-    @property
-    def dtype(self) -> np.dtype[Any]: ...
-
-    @property
-    def bytes_read(self) -> int:
-        """Bytes of elements requested so far through this reader."""
-        ...
-
-    def request_ranges(
-        self, starts: np.ndarray, stops: np.ndarray, known: Known | None = None
-    ) -> Pending:
-        """Requests elements ``[starts[i], stops[i])`` for every i; wait with
-        ``.result()``, which waits for ``known``'s checks first. A reader may
-        serve ranges from ``known``'s chunks instead of reading them."""
-        ...
-
-    def read_ranges(self, starts: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
-        """``request_ranges(starts, stops).result()``."""
-        ...
-
-    def read_points(self, indices: np.ndarray) -> np.ndarray:
-        """Elements at ``indices`` (``[k]``) in one request."""
-        ...
-
-    def stored_crc32c(self, chunks: np.ndarray, chunk: int) -> np.ndarray | None:
-        """The crc32c each of ``chunks`` (``[k] int64``, sorted, unique; of ``chunk``
-        elements) is stored with, ``[k] uint32``, where the reader has them at
-        hand, verified; else ``None``."""
-        ...
-
-
-class _Reader:
-    """What every :class:`ArrayReader` shares: byte counting and sync reads."""
-
-    dtype: np.dtype[Any]
 
     def __init__(self, size: int, dtype: np.dtype[Any]) -> None:
         self.size, self.dtype = size, dtype
-        self.bytes_read = 0  # counted from any thread
+        self.bytes_read = 0  # bytes of elements requested so far, from any thread
         self._lock = threading.Lock()  # for bytes_read
 
     def _count(self, elements: int) -> None:
@@ -218,16 +154,31 @@ class _Reader:
     def request_ranges(
         self, starts: np.ndarray, stops: np.ndarray, known: Known | None = None
     ) -> Pending:
+        """Requests elements ``[starts[i], stops[i])`` for every i; wait with
+        ``.result()``, which waits for ``known``'s checks first. A reader may
+        serve ranges from ``known``'s chunks instead of reading them."""
         raise NotImplementedError
 
     def read_ranges(self, starts: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
         return self.request_ranges(starts, stops).result()
 
+    def read_points(self, indices: np.ndarray) -> np.ndarray:
+        """Elements at ``indices`` (``[k]``) in one request."""
+        idx = np.asarray(indices, np.int64)
+        self._count(idx.size)
+        return self._points(idx) if idx.size else np.zeros(0, self.dtype)
+
+    def _points(self, idx: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
     def stored_crc32c(self, chunks: np.ndarray, chunk: int) -> np.ndarray | None:
+        """The crc32c each of ``chunks`` (``[k] int64``, sorted, unique; of ``chunk``
+        elements) is stored with, ``[k] uint32``, where the reader has them at
+        hand, verified; else ``None``."""
         return None
 
 
-class TensorStoreArray(_Reader):
+class TensorStoreArray(ArrayReader):
     """An :class:`ArrayReader` over a tensorstore handle."""
 
     def __init__(
@@ -259,13 +210,9 @@ class TensorStoreArray(_Reader):
         """Each range from the memory-mapped shards, or through tensorstore where
         they cannot serve it (which then fails naming a corrupt shard); without
         memory-mapped shards, from ``known`` chunks where they serve it."""
-        pairs = list(zip(starts.tolist(), stops.tolist(), strict=True))
-        chunks = [known is not None and known.covers(a, b) for a, b in pairs]
-        if self.local is None:
-            served: list[np.ndarray | None] = [None] * len(pairs)
-        else:
-            chunks = [False] * len(pairs)
-            served = [self.local.read(a, b) for a, b in pairs]
+        local, pairs = self.local, list(zip(starts.tolist(), stops.tolist(), strict=True))
+        served = [None if local is None else local.read(a, b) for a, b in pairs]
+        chunks = [local is None and known is not None and known.covers(a, b) for a, b in pairs]
         # One batch: tensorstore reads each chunk that ranges share once, and
         # the chunks of one shard in as few requests as their byte ranges allow.
         with ts.Batch() as batch:
@@ -279,18 +226,14 @@ class TensorStoreArray(_Reader):
         """From the memory-mapped shards' chunk checksums (see :class:`LocalShards`)."""
         return None if self.local is None else self.local.stored_crc32c(chunks, chunk)
 
-    def read_points(self, indices: np.ndarray) -> np.ndarray:
-        idx = np.asarray(indices, np.int64)
-        self._count(idx.size)
-        if idx.size == 0:
-            return np.zeros(0, self.dtype)
+    def _points(self, idx: np.ndarray) -> np.ndarray:
         value = None if self.local is None else self.local.read_points(idx)
         if value is None:
             value = np.asarray(wait(self.store.vindex[idx].read(), self.url, self.options))
         return value
 
 
-class ZarrPythonArray(_Reader):
+class ZarrPythonArray(ArrayReader):
     """An :class:`ArrayReader` over a zarr-python array (synchronous reads)."""
 
     def __init__(self, array: zarr.Array) -> None:
@@ -302,11 +245,7 @@ class ZarrPythonArray(_Reader):
     ) -> Pending:
         self._count(int(np.sum(stops - starts)))
         pairs = zip(starts.tolist(), stops.tolist(), strict=True)
-        return _Done([np.asarray(self.array[a:b]) for a, b in pairs], known)
+        return Done([np.asarray(self.array[a:b]) for a, b in pairs], known)
 
-    def read_points(self, indices: np.ndarray) -> np.ndarray:
-        idx = np.asarray(indices, np.int64)
-        self._count(idx.size)
-        if idx.size == 0:
-            return np.zeros(0, self.dtype)
+    def _points(self, idx: np.ndarray) -> np.ndarray:
         return np.asarray(self.array.get_coordinate_selection(idx))

@@ -1,13 +1,7 @@
 """Integrity checks of an array's shards or chunks among concurrent reads: each
-item checked once, none waiting on a read that never waits for its own.
-
-A read claims the items it touches that no read has checked or claimed,
-starts reading them (the reads return at once: tensorstore reads in the
-background), and later waits for the checks of all it touched: its own, and
-those of the reads that claimed the others. A check runs once, by whichever
-thread asks for it first, so a read that starts a check and never waits for
-it (an error elsewhere in its step) holds no other read up: the next read of
-those items runs it.
+item checked once, by whichever read waits for it first, so a read that starts
+a check and never waits for it (an error elsewhere in its step) holds no other
+read up.
 """
 
 from __future__ import annotations
@@ -46,48 +40,30 @@ class Once(Generic[R]):
 
 
 class Checks(Generic[R]):
-    """Which of ``count`` items (shards, chunks) this process has checked, and
-    the checks in flight. Thread-safe.
-
-    Args:
-        count: items in the array.
-    """
+    """Which of an array's ``count`` items (shards, chunks) this process has
+    checked, and the checks in flight. Thread-safe."""
 
     def __init__(self, count: int) -> None:
         self.checked = np.zeros(count, bool)
         self._lock = threading.Lock()
         self._claimed: dict[int, Once[R]] = {}
 
-    def unchecked(self, items: np.ndarray) -> bool:
-        """Whether some of ``items`` (``[k] int64``) is not checked yet."""
-        return not self.checked[items].all()
-
     def start(
         self,
         items: np.ndarray,
         begin: Callable[[np.ndarray], Callable[[], R]],
-        again: Callable[[np.ndarray], object],
     ) -> Callable[[], R | None]:
-        """Starts the checks of ``items`` (``[k] int64``, within ``count``).
-
-        Args:
-            items: what a read touches.
-            begin: given the items this read claims (sorted, unique), starts
-                reading them and returns the call that waits for those reads
-                and checks them (its result is kept, or it raises the error
-                that names a bad item). It runs under the lock that claims,
-                so it must only start reads.
-            again: checks items another read's check left unchecked (its
-                error, or its reads' failure), raising the error naming one;
-                they count as checked when it returns.
-
-        Returns:
-            The call that waits for every check of ``items``; its result is
-            ``begin``'s call's (``None`` when this read claimed no item).
+        """Claims the ``items`` (``[k] int64``: what a read touches) that no read has
+        checked or claimed, and starts their checks with ``begin``: given the
+        claimed items (sorted, unique), it starts reading them (only that: it runs
+        under the claiming lock) and returns the call that waits and checks them,
+        raising the error naming a bad item. Returns the call that waits for every
+        check of ``items`` (beginning again those another read's check left
+        unchecked), giving ``begin``'s call's result (``None``: none claimed).
         """
         todo = np.unique(items)
         if self.checked[todo].all():
-            return _nothing
+            return lambda: None
         with self._lock:  # checked again here: a check may have ended since
             todo = todo[~self.checked[todo]]
             busy = np.array([i in self._claimed for i in todo.tolist()], bool)
@@ -108,7 +84,7 @@ class Checks(Generic[R]):
                     check.result()
             failed = others[~self.checked[others]]
             if failed.size:
-                again(failed)
+                begin(failed)()
                 self.checked[failed] = True
             return out
 
@@ -126,7 +102,3 @@ class Checks(Generic[R]):
                         del self._claimed[i]
 
         return run
-
-
-def _nothing() -> None:
-    return None

@@ -1,9 +1,7 @@
-"""One write's claim on its output: the marker that says a write runs there.
-
-Every write starts by creating :data:`MARKER` at the root of its output,
-exclusively, and deletes it last (see :mod:`flat_tokens_jax.store.location` for the
-rules of what may be replaced). A :class:`Claim` also tells a write that runs
-from one that died, so that ``overwrite`` never deletes a live write's output.
+"""One write's claim on its output: the :data:`MARKER` created exclusively
+first and deleted last, which tells a write that runs from one that died, so
+that ``overwrite`` never deletes a live write's output (docs/format.md,
+"Claiming the output").
 """
 
 from __future__ import annotations
@@ -38,18 +36,11 @@ LEASE_SECONDS = 60.0
 
 
 class Claim:
-    """A location claimed by one write: its :data:`MARKER` is ours while the write runs.
-
-    On local disk the marker stays open and ``flock``-ed by this process, so
-    a write that died (its process is gone) is told from one that runs. On
-    other stores the marker records when it was last ``renewed`` and for how
-    many ``lease_seconds``; a thread renews it every quarter of the lease
-    while the claim lives, with a conditional write on the marker's
-    generation, so a claim taken over by another writer is noticed.
-
-    Args:
-        store: the output.
-        splits: the split groups the write may create.
+    """A location claimed by one write (of ``splits``): its :data:`MARKER` is ours
+    while the write runs. On local disk the marker stays open and ``flock``-ed
+    by this process, so a dead write is told from one that runs. Elsewhere a
+    thread renews its lease every quarter of it, with a conditional write on
+    the marker's generation, so a claim taken over by another writer is noticed.
     """
 
     def __init__(self, store: Store, splits: Sequence[str]) -> None:
@@ -90,12 +81,8 @@ class Claim:
         return got.state != "value" and self._put(got.stamp.generation)
 
     def take_over(self) -> None:
-        """Replaces the marker of a write that is dead; refuses a live one's.
-
-        Raises:
-            FileExistsError: the marked write still runs (naming its marker),
-                or another writer changed the marker meanwhile.
-        """
+        """Replaces the marker of a write that is dead; ``FileExistsError`` when
+        that write still runs or another writer changed the marker meanwhile."""
         if _local(self.store):
             try:
                 found = open(_marker_path(self.store), "r+b")  # noqa: SIM115 (held while we write)
@@ -218,12 +205,8 @@ class Claim:
             self._file = None
 
     def release(self) -> None:
-        """The write finished (its root metadata is written): drops the marker.
-
-        Raises:
-            FileExistsError: another writer took the location over while this
-                write ran (its lease lapsed), so what is there may be theirs.
-        """
+        """The write finished (its root metadata is written): drops the marker;
+        ``FileExistsError`` if another writer took the location over meanwhile."""
         if not self._end():
             raise FileExistsError(
                 f"{self.store.url}: this write lost its claim while it ran "
@@ -233,13 +216,9 @@ class Claim:
         self._drop_marker()
 
     def discard(self) -> None:
-        """The write failed: deletes what it wrote, the marker last.
-
-        Only our own keys are deleted (the root group metadata, the split
-        groups, :data:`STAGING`), never the whole prefix, and nothing once the
-        claim is another writer's. Failures to delete are logged, not raised,
-        so the error that stopped the write is the one the caller sees.
-        """
+        """The write failed: deletes our own keys (never the whole prefix, nothing
+        once the claim is another writer's), the marker last. Failures are logged,
+        not raised, so the caller sees the error that stopped the write."""
         try:
             if not self._end():
                 log.error(
@@ -302,14 +281,6 @@ def _writer_of(store: Store) -> object:
     return None if marker is None else marker.get("writer")
 
 
-def _parsed(found: bytes) -> dict[str, Any] | None:
-    try:
-        marker = json.loads(found)
-    except ValueError:
-        return None
-    return marker if isinstance(marker, dict) else None
-
-
 def _alive(store: Store, why: str, found: bytes | None = None) -> FileExistsError:
     return FileExistsError(
         f"another write to {store.url} is in progress ({describe_marker(store, found)}; {why}); "
@@ -334,8 +305,11 @@ def read_marker(store: Store) -> dict[str, Any] | None:
 
 def describe_marker(store: Store, found: bytes | None = None) -> str:
     """Who wrote the marker: ``found`` (its bytes, as read) or the one there now."""
-    marker = read_marker(store) if found is None else _parsed(found)
-    if not marker:
+    try:
+        marker = read_marker(store) if found is None else json.loads(found)
+    except ValueError:
+        marker = None
+    if not isinstance(marker, dict) or not marker:
         return f"its marker {MARKER} is there"
     return (
         f"marker {MARKER} written at {marker.get('started')} by pid {marker.get('pid')} "

@@ -1,43 +1,8 @@
-"""Chunk digests: the recorded contents of every chunk, checked on first read.
-
-A checksum inside a shard proves that its bytes are the ones written into that
-file, and a shard probe (:mod:`~flat_tokens_jax.store.probes`) that a shard's first
-values are; neither tells a shard of another version of the dataset that
-differs further in. So our writers record, for every chunk of
-:attr:`ChunkDigests.chunk` values (the inner chunk of a zarr v3 shard, the
-chunk file of zarr v2), the crc32c of its values as little-endian bytes, the
-chunk's values past the array's end counted as the fill value 0 (as zarr stores
-an edge chunk), computed from the values as they are written. They go in a
-side array ``chunk_crc32c`` (``uint32[ceil(size / C)]``, one side chunk per
-shard, so that writers of different shards never share an object) inside the
-array's folder, announced by the array's attribute ``chunk_crc32c``:
-``{"algorithm": "crc32c", "chunk": C, "shard": S, "content": H, "shards":
-[X0, X1, ...]}`` (values per chunk and per shard; H the sha256 of all the
-chunk digests in order, the identity of the array's whole contents that a
-loader's fingerprint records; Xi the crc32c of shard i's chunk digests, its
-side chunk's values as little-endian bytes). Stores written before ``shards``
-existed lack it, and before ``content`` lack that.
-
-A side chunk is a file beside its shard: whoever copies a shard of another
-version in can copy its digests with it, and every chunk would then match. The
-attribute lives in the array's metadata, which such a copy leaves alone, so
-the digests are trusted only once they match it: a shard's side chunk is
-checked against its ``shards`` entry when it is read (once per process, for
-the shard's first chunk checked: no other request). An array whose attribute
-has ``content`` but no ``shards`` has its side array read whole at the first
-check and compared with ``content`` (4 bytes per chunk: 1/8192 of the tokens'
-bytes with the default storage format).
-
-A read checks every chunk it touches the first time it touches it (once per
-process) and raises :class:`~flat_tokens_jax.core.format.FormatError` naming the
-array, the shard and the chunk if it differs. For an uncompressed chunk
-stored with its crc32c (our default storage format), the digest is that stored crc32c,
-so the memory-mapped path compares the 4 bytes after the chunk, verified as
-any read verifies them, with the recorded digest: nothing more is hashed.
-Otherwise the check reads the chunk whole (a read fetches whole chunks anyway)
-and hashes it. Arrays without the attribute (older stores, other writers) are
-read without this check; an array of a dataset that records what made it
-(:mod:`~flat_tokens_jax.store.identity`) must have it (:func:`array_checks`).
+"""Chunk digests: the crc32c of every chunk's values, recorded by our writers in
+a side array ``chunk_crc32c`` beside the array and announced by its attribute
+(layout in docs/format.md, "Chunk digests"), checked on a chunk's first read.
+A side chunk can be copied in with its shard, so recorded digests are trusted
+only once they match the attribute (``shards``, else ``content``).
 """
 
 from __future__ import annotations
@@ -54,9 +19,7 @@ from flat_tokens_jax.core.format import FormatError
 from flat_tokens_jax.store.arrays import ArrayReader, Known
 from flat_tokens_jax.store.checks import Checks
 from flat_tokens_jax.store.localshards import crc32c, touched
-from flat_tokens_jax.store.probes import ATTRIBUTE as PROBES
-from flat_tokens_jax.store.probes import ShardProbes, crc_list
-from flat_tokens_jax.store.store import Store
+from flat_tokens_jax.store.probes import crc_list
 
 DIGESTS = "chunk_crc32c"  # the array attribute, and the side array's name in the array's folder
 ALGORITHM = "crc32c"
@@ -79,8 +42,7 @@ def chunk_digest(values: np.ndarray, chunk: int) -> int:
 
 
 def chunk_digests(values: np.ndarray, chunk: int) -> np.ndarray:
-    """``[ceil(n / chunk)] uint32``: :func:`chunk_digest` of each run of ``chunk``
-    values of ``values`` (``[n]``, the start of a shard)."""
+    """``[ceil(n / chunk)] uint32``: :func:`chunk_digest` of each chunk of ``values`` (``[n]``)."""
     return np.array(
         [chunk_digest(values[i : i + chunk], chunk) for i in range(0, values.size, chunk)],
         np.uint32,
@@ -89,8 +51,7 @@ def chunk_digests(values: np.ndarray, chunk: int) -> np.ndarray:
 
 def side_digests(digests: np.ndarray, per_shard: int) -> list[int]:
     """The ``shards`` entries of chunk ``digests`` (``[k] uint32``, from a shard's
-    first): crc32c of each run of ``per_shard`` of them (a shard's side chunk;
-    the last may be shorter) as little-endian bytes."""
+    first): the crc32c of each side chunk of ``per_shard`` of them (the last may be shorter)."""
     return [
         chunk_digest(digests[i : i + per_shard], digests[i : i + per_shard].size)
         for i in range(0, digests.size, per_shard)
@@ -98,9 +59,8 @@ def side_digests(digests: np.ndarray, per_shard: int) -> list[int]:
 
 
 def attribute(chunk: int, shard: int, blocks: Iterable[np.ndarray]) -> dict[str, Any]:
-    """The ``chunk_crc32c`` attribute of an array of ``chunk`` values per chunk and
-    ``shard`` per shard, whose chunk digests ``blocks`` hold (all of them, in
-    order, ``uint32``; each block but the last whole side chunks)."""
+    """The ``chunk_crc32c`` attribute of an array whose chunk digests ``blocks``
+    hold (all of them, in order, ``uint32``; each block but the last whole side chunks)."""
     shards: list[int] = []
 
     def hashed() -> Iterator[np.ndarray]:  # one pass over the blocks, for both
@@ -119,11 +79,8 @@ def attribute(chunk: int, shard: int, blocks: Iterable[np.ndarray]) -> dict[str,
 
 
 def content_digest(blocks: Iterable[np.ndarray]) -> str:
-    """The identity of a whole array's contents: sha256 (hex) of the digests of
-    all its chunks (``blocks``, in order, ``uint32``), as little-endian bytes.
-    Two arrays with equal content digests hold the same values (as far as the
-    chunks' crc32c tell), so a loader state names the data it was saved from
-    exactly, at the cost of one small attribute."""
+    """The identity of a whole array's contents (what a loader state names):
+    sha256 (hex) of all its chunk digests (``blocks``, in order, ``uint32``)."""
     found = hashlib.sha256()
     for block in blocks:
         found.update(np.ascontiguousarray(block, dtype="<u4").tobytes())
@@ -131,24 +88,19 @@ def content_digest(blocks: Iterable[np.ndarray]) -> str:
 
 
 class ChunkDigests:
-    """The recorded chunk digests of one array, and which chunks this process checked.
-
-    Thread-safe: concurrent reads may check the same chunk; it is checked once.
-    The side array is opened on the first check, and a shard's recorded digests
-    are read at once, the first time one of its chunks is checked, and checked
-    against the attribute (see the module doc) before any chunk is compared
-    with them.
+    """The recorded chunk digests of one array, and which chunks this process
+    checked. Thread-safe. A shard's recorded digests are read the first time
+    one of its chunks is checked, and checked against the attribute first.
     """
 
     def __init__(self, where: str, size: int, chunk: int, shard: int, open_side: OpenSide) -> None:
         self.where, self.size, self.chunk, self.shard = where, size, chunk, shard
-        self.count = -(-size // chunk)
+        self.count, self.per_shard = -(-size // chunk), shard // chunk
         self.bytes_read = 0  # through the array's reader: the chunks read to hash
         self.side_bytes = 0  # of the side array: the recorded digests
-        # The recorded digests of the shards loaded so far: [count] uint32, and
-        # [shards] bool, which shards' entries hold their recorded values.
+        # [count] uint32: the recorded digests of the shards loaded so far
+        # (``_sides.checked``: the digests of a shard read and vouched for).
         self._recorded = np.zeros(self.count, np.uint32)
-        self._loaded = np.zeros(-(-size // shard), bool)
         self._open_side = open_side
         self._side: ArrayReader | None = None
         self.content: str | None = None  # the recorded content digest, if any
@@ -156,7 +108,7 @@ class ChunkDigests:
         self.shards: np.ndarray | None = None
         self._lock = threading.Lock()  # for bytes_read
         self._checks: Checks[dict[int, np.ndarray]] = Checks(self.count)
-        self._sides: Checks[None] = Checks(-(-size // shard))  # recorded digests read
+        self._sides: Checks[None] = Checks(-(-size // shard))
         self._loading = threading.Lock()  # held while recorded digests are read
 
     @classmethod
@@ -164,10 +116,7 @@ class ChunkDigests:
         cls, attributes: Mapping[str, Any], where: str, size: int, open_side: OpenSide
     ) -> ChunkDigests | None:
         """The digests an array's ``attributes`` announce; ``None`` when none.
-
-        Raises:
-            FormatError: a malformed attribute.
-        """
+        Raises ``FormatError`` for a malformed attribute."""
         found = attributes.get(DIGESTS)
         if found is None:
             return None
@@ -191,10 +140,10 @@ class ChunkDigests:
                 "of each shard's digests (ints in [0, 2**32))"
             )
         made = cls(where, size, found["chunk"], found["shard"], open_side)
-        if shards is not None and shards.size != made._loaded.size:
+        if shards is not None and shards.size != made._sides.checked.size:
             raise FormatError(
                 f"{where}: attribute {DIGESTS!r} has {shards.size} {SHARDS!r} entries, expected "
-                f"{made._loaded.size} (one per shard of {made.shard} of {size} values): "
+                f"{made._sides.checked.size} (one per shard of {made.shard} of {size} values): "
                 "the attribute belongs to another array: rewrite the dataset"
             )
         made.content, made.shards = content, shards
@@ -218,26 +167,16 @@ class ChunkDigests:
         """``[count] bool``: which chunks this process has checked."""
         return self._checks.checked
 
-    def unchecked(self, starts: np.ndarray, stops: np.ndarray) -> bool:
-        """Whether ranges ``[starts, stops)`` (within the array) touch a chunk not checked yet."""
-        return self._checks.unchecked(touched(starts, stops, self.chunk))
-
     def start_check(
         self, reader: ArrayReader, starts: np.ndarray, stops: np.ndarray
     ) -> Known | None:
         """Starts checking every chunk of ``reader`` (this array) that ranges
-        ``[starts, stops)`` touch and that no read has checked or is checking
-        (see :mod:`~flat_tokens_jax.store.checks`): reads those chunks whole,
-        where the reader does not hold their stored checksums, and returns at
-        once; ``None`` when every chunk was checked already.
-
-        Returns:
-            What the read waits for (``Known.wait``: every touched chunk's
-            check, raising ``FormatError`` naming a chunk whose values are not
-            those recorded) and the chunks read whole, to serve its ranges from.
-        """
+        ``[starts, stops)`` touch and no read has checked or is checking: reads
+        them whole where the reader does not hold their stored checksums.
+        ``None`` when all were checked; ``Known.wait`` raises ``FormatError``
+        naming a chunk that differs."""
         chunks = touched(starts, stops, self.chunk)
-        if not self._checks.unchecked(chunks):
+        if self.checked[chunks].all():
             return None
         whole: list[np.ndarray] = []
 
@@ -247,17 +186,12 @@ class ChunkDigests:
                 whole.append(mine)
             return check
 
-        waiting = self._checks.start(chunks, begin, lambda failed: self._begin(reader, failed)[0]())
+        waiting = self._checks.start(chunks, begin)
         read = frozenset(whole[0].tolist()) if whole else frozenset()
         return Known(self.chunk, read, waiting)
 
     def check(self, reader: ArrayReader, starts: np.ndarray, stops: np.ndarray) -> None:
-        """Checks every chunk of ``reader`` that ranges ``[starts, stops)`` touch,
-        once per process: :meth:`start_check`, waited for.
-
-        Raises:
-            FormatError: a chunk whose values are not those recorded.
-        """
+        """:meth:`start_check`, waited for."""
         known = self.start_check(reader, starts, stops)
         if known is not None:
             known.wait()
@@ -265,8 +199,8 @@ class ChunkDigests:
     def _begin(
         self, reader: ArrayReader, todo: np.ndarray
     ) -> tuple[Callable[[], dict[int, np.ndarray]], bool]:
-        """Starts checking ``todo`` (sorted chunk numbers): the call that waits
-        and checks them, giving the chunks it read whole, and whether it reads them."""
+        """Starts checking ``todo`` (sorted chunk numbers): the call that waits and
+        checks them (giving the chunks it read whole), and whether it reads them."""
         got = reader.stored_crc32c(todo, self.chunk)
         if got is not None:
             stored = got
@@ -304,9 +238,8 @@ class ChunkDigests:
             raise FormatError(f"{self.where}: {bad[0]}")
 
     def check_block(self, offset: int, values: np.ndarray) -> list[str]:
-        """Checks the chunks wholly inside ``values``, the array's elements from
-        ``offset`` on (for ``validate``, which reads every value anyway); a message
-        for each that differs."""
+        """For ``validate``: checks the chunks wholly inside ``values``, the array's
+        elements from ``offset`` on; a message for each that differs."""
         first = -(-offset // self.chunk)
         stop = (offset + values.size) // self.chunk
         if offset + values.size == self.size:
@@ -314,26 +247,25 @@ class ChunkDigests:
         if stop <= first:
             return []
         todo = np.arange(first, stop, dtype=np.int64)
-        at = (todo * self.chunk - offset).tolist()
-        got = np.array([chunk_digest(values[a : a + self.chunk], self.chunk) for a in at])
-        bad = self._mismatches(todo, got.astype(np.uint32))
+        got = chunk_digests(values[first * self.chunk - offset :], self.chunk)[: todo.size]
+        bad = self._mismatches(todo, got)
         self.checked[todo] = True
         return bad
 
     def side_problems(self) -> list[str]:
-        """For ``validate`` (``quick`` too): every shard's recorded digests
-        checked against the attribute, a message for each shard whose digests
-        differ, and all of them against ``content``. The digests that pass are
-        kept for the chunks' checks."""
+        """For ``validate``: every shard's recorded digests checked against the
+        attribute and all against ``content``; a message for each that differs."""
         with self._loading:
-            bad = self._read_side(np.flatnonzero(~self._loaded))
+            todo = np.flatnonzero(~self._sides.checked)
+            bad = []
+            if todo.size:
+                bad = self._keep_side(todo, self.side().read_ranges(*self._side_ranges(todo)))
         if bad or self.content is None or self.shards is None:
             return bad  # without ``shards``, reading them compared them with ``content``
         return self._content_problems([self._recorded])
 
     def _content_problems(self, digests: list[np.ndarray]) -> list[str]:
-        """A message if ``digests`` (all of them, in order) are not those whose
-        sha256 is the recorded ``content``."""
+        """A message if the sha256 of ``digests`` (all, in order) is not ``content``."""
         found = content_digest(digests)
         if self.content is None or found == self.content:
             return []
@@ -345,78 +277,50 @@ class ChunkDigests:
         ]
 
     def _mismatches(self, chunks: np.ndarray, got: np.ndarray) -> list[str]:
-        recorded = self._load(chunks)
+        self._start_load(chunks)()  # raises for digests the attribute does not vouch for
+        recorded = self._recorded[chunks]
         return [
             self._message(int(chunks[i]), int(got[i]), int(recorded[i]))
             for i in np.flatnonzero(got != recorded)
         ]
 
-    def _load(self, chunks: np.ndarray) -> np.ndarray:
-        """The recorded digests of ``chunks`` (``[k] int64``), read where not yet
-        (raises ``FormatError`` for recorded digests the attribute does not vouch for)."""
-        self._start_load(chunks)()
-        return self._recorded[chunks]
-
     def _start_load(self, chunks: np.ndarray) -> Callable[[], None]:
-        """Starts reading the recorded digests of the shards of ``chunks`` not
-        read yet (each once among concurrent reads); the call returned waits and
-        keeps them (:meth:`_keep_side`), raising ``FormatError`` for a bad one."""
-        shards = np.unique(chunks // (self.shard // self.chunk))
-        if self._loaded[shards].all():
+        """Starts reading the recorded digests of the shards of ``chunks`` not read
+        yet; the call returned waits and keeps them, raising ``FormatError`` for a bad one."""
+        shards = np.unique(chunks // self.per_shard)
+        if self._sides.checked[shards].all():
             return lambda: None
         if self.shards is None and self.content is not None:
-            shards = np.arange(self._loaded.size, dtype=np.int64)  # all, for content
+            shards = np.arange(self._sides.checked.size, dtype=np.int64)  # all, for content
 
         def begin(mine: np.ndarray) -> Callable[[], None]:
-            todo = mine[~self._loaded[mine]]
-            if not todo.size:
-                return lambda: None
-            pending = self.side().request_ranges(*self._side_ranges(todo))
+            pending = self.side().request_ranges(*self._side_ranges(mine))
 
             def keep() -> None:
                 found = pending.result()
                 with self._loading:
-                    bad = self._keep_side(todo, found)
+                    bad = self._keep_side(mine, found)
                 if bad:
                     raise FormatError(f"{self.where}/{DIGESTS}: {bad[0]}")
 
             return keep
 
-        def again(failed: np.ndarray) -> None:
-            with self._loading:
-                bad = self._read_side(failed[~self._loaded[failed]])
-            if bad:
-                raise FormatError(f"{self.where}/{DIGESTS}: {bad[0]}")
-
-        waiting = self._sides.start(shards, begin, again)
-        return lambda: waiting()
+        return self._sides.start(shards, begin)
 
     def _side_ranges(self, shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        lo = shards * (self.shard // self.chunk)
-        return lo, np.minimum(lo + self.shard // self.chunk, self.count)
-
-    def _read_side(self, shards: np.ndarray) -> list[str]:
-        """Reads and keeps (:meth:`_keep_side`) the recorded digests of ``shards``
-        (sorted, none loaded; the ``_loading`` lock held)."""
-        if self.shards is None and self.content is not None:
-            shards = np.flatnonzero(~self._loaded)
-        if not shards.size:
-            return []
-        return self._keep_side(shards, self.side().read_ranges(*self._side_ranges(shards)))
+        lo = shards * self.per_shard
+        return lo, np.minimum(lo + self.per_shard, self.count)
 
     def _keep_side(self, shards: np.ndarray, found: list[np.ndarray]) -> list[str]:
-        """Keeps the recorded digests ``found`` of ``shards`` (sorted; the
-        ``_loading`` lock held) that the attribute vouches for: each shard's
-        against its ``shards`` entry, or, with ``content`` alone, every
-        shard's (all read) against ``content``. A message for each shard (or
-        the whole array) whose digests it does not vouch for."""
-        per_shard = self.shard // self.chunk
-        lo = shards * per_shard
+        """Keeps the recorded digests ``found`` of ``shards`` (sorted; ``_loading``
+        held) that the attribute vouches for (each shard's ``shards`` entry, or
+        with ``content`` alone, all shards' digests); a message for each that fails."""
+        lo = shards * self.per_shard
         self.side_bytes += sum(values.nbytes for values in found)
         bad: list[str] = []
         good = np.ones(shards.size, bool)
         if self.shards is not None:
-            got = np.array([side_digests(values, per_shard)[0] for values in found], np.int64)
+            got = np.array([side_digests(values, self.per_shard)[0] for values in found], np.int64)
             good = got == self.shards[shards]
             bad = [
                 self._side_message(int(shards[i]), int(got[i]), int(self.shards[shards[i]]))
@@ -427,12 +331,11 @@ class ChunkDigests:
             good[:] = not bad
         for i in np.flatnonzero(good).tolist():
             self._recorded[lo[i] : lo[i] + found[i].size] = found[i]
-        self._loaded[shards[good]] = True
+        self._sides.checked[shards[good]] = True
         return bad
 
     def _side_message(self, s: int, got: int, recorded: int) -> str:
-        per_shard = self.shard // self.chunk
-        a, b = s * per_shard, min((s + 1) * per_shard, self.count)
+        a, b = s * self.per_shard, min((s + 1) * self.per_shard, self.count)
         return (
             f"shard {s}'s chunk digests are not those recorded when the array was written "
             f"(entries [{a}, {b}), of values [{s * self.shard}, "
@@ -449,49 +352,3 @@ class ChunkDigests:
             "(a shard of another version, split or dataset copied or linked in its place?): "
             "restore the shard or rewrite the dataset"
         )
-
-
-def array_checks(
-    attributes: Mapping[str, Any], where: str, size: int, open_side: OpenSide, *, ours: bool
-) -> tuple[ShardProbes | None, ChunkDigests | None]:
-    """The shard probes and chunk digests an array's ``attributes`` record.
-
-    ``ours``: the dataset's root attributes say one of our writers made it;
-    they record both, with ``content``, on every array they write, so one
-    missing was deleted (and a shard copied in with its digests would read as
-    ours). Other arrays (older stores, other tools') may lack them, and are
-    read without these checks.
-
-    Raises:
-        FormatError: a malformed attribute, or (``ours``) one missing.
-    """
-    probes = ShardProbes.of(attributes, where, size)
-    digests = ChunkDigests.of(attributes, where, size, open_side)
-    if not ours or (digests is not None and digests.content is not None and probes is not None):
-        return probes, digests
-    if probes is None:
-        missing = f"attribute {PROBES!r} is missing"
-    elif digests is None:
-        missing = f"attribute {DIGESTS!r} is missing"
-    else:
-        missing = f"attribute {DIGESTS!r} has no {CONTENT!r}"
-    raise FormatError(
-        f"{where}: {missing}, which our writers record on every array of a dataset whose "
-        "root attributes say they made it: deleted? restore the array's metadata from the "
-        "dataset's source, or rewrite the dataset"
-    )
-
-
-def side_opener(store: Store, key: str) -> OpenSide:
-    """Opens the side array of chunk digests at ``key`` when first called."""
-
-    def open_side() -> ArrayReader:
-        found = store.array_metadata(key)
-        if found is None:
-            raise FormatError(
-                f"{store.url}/{key}: the chunk digests that the array's attribute "
-                f"{DIGESTS!r} announces are missing: rewrite the dataset"
-            )
-        return store.open_array(key, *found)
-
-    return open_side

@@ -1,25 +1,7 @@
-"""What made a dataset: tokenizer identity, the flags that shaped its tokens, its inputs.
-
-A dataset records this in its root group attributes, under one key,
-:data:`ATTRIBUTE` (``"flat_tokens"``), so that tools can tell what its ids mean
-and refuse to combine datasets whose ids mean different things. The layout::
-
-    {"flat_tokens": {
-        "dataset": "flat-tokens",              # always: this is a flat-tokens dataset
-        "library_version": "0.1.0",            # the flat_tokens_jax that wrote it
-        "tokenizer": {"name": ..., "vocab_hash": "sha256:...", "vocab_size": ...,
-                      "bos_id": ..., "eos_id": ..., "pad_id": ...},   # or absent
-        "start_token_id": 2,                   # or absent: unrecorded (the spec's 0)
-        "flags": {"append_eos": true, ...},    # what shaped the tokens
-        "inputs": {"count": 2, "names": [...], "sha256": "sha256:..."},
-        "splits": ["train", "validation", "test"]}}   # the splits written, in order
-
-The writer fills in ``splits`` (see :func:`dataset_splits`); the rest is
-:class:`DatasetInfo`.
-
-Datasets written before this existed, or by other writers (seqax), have no
-such key and their :class:`DatasetInfo` is ``None``; they open and mix as before.
-Pure: stdlib only, no tokenizer library is imported here.
+"""What made a dataset (tokenizer, flags, inputs), recorded in its root
+attributes under :data:`ATTRIBUTE` (layout in docs/format.md, "What made it"),
+so that tools can refuse to combine datasets whose ids mean different things.
+Datasets of other writers have none (:class:`DatasetInfo` ``None``). Pure: stdlib only.
 """
 
 from __future__ import annotations
@@ -49,12 +31,8 @@ def library_version() -> str:
 
 
 def vocab_hash(vocab: Mapping[str, int]) -> str:
-    """``"sha256:"`` and the first 16 hex digits of the SHA-256 of ``vocab`` as JSON.
-
-    The JSON is ``json.dumps(vocab, sort_keys=True, ensure_ascii=False,
-    separators=(",", ":"))`` encoded as UTF-8, with ``vocab`` mapping every
-    token (added tokens included) to its id.
-    """
+    """``"sha256:"`` and the first 16 hex digits of the SHA-256 of ``vocab`` (every
+    token, added ones included, to its id) as compact sorted UTF-8 JSON."""
     text = json.dumps(
         {str(k): int(v) for k, v in vocab.items()},
         sort_keys=True,
@@ -65,11 +43,8 @@ def vocab_hash(vocab: Mapping[str, int]) -> str:
 
 
 def combined_sha256(digests: Iterable[str]) -> str:
-    """``"sha256:<hex>"`` of the given hex digests, in order, one per line.
-
-    The hash of a list of inputs from the hash of each: it follows their
-    contents and order, not their names.
-    """
+    """``"sha256:<hex>"`` of the given hex digests, in order, one per line: the
+    inputs' contents and order, not their names."""
     h = hashlib.sha256()
     for d in digests:
         h.update(d.removeprefix("sha256:").encode("ascii") + b"\n")
@@ -77,11 +52,8 @@ def combined_sha256(digests: Iterable[str]) -> str:
 
 
 def inputs_field(names: Sequence[str], digests: Sequence[str] | None) -> dict[str, Any]:
-    """The ``inputs`` field: count, the first :data:`MAX_NAMES` names, the combined hash.
-
-    ``digests`` holds one SHA-256 hex digest per input (of its bytes as stored),
-    or is ``None`` when they were not computed (the field then has no hash).
-    """
+    """The ``inputs`` field: count, the first :data:`MAX_NAMES` names, and the
+    :func:`combined_sha256` of ``digests`` (one per input; ``None``: no hash)."""
     out: dict[str, Any] = {"count": len(names), "names": list(names[:MAX_NAMES])}
     if digests is not None:
         out["sha256"] = combined_sha256(digests)
@@ -126,7 +98,7 @@ class TokenizerInfo:
 
 @dataclasses.dataclass(frozen=True)
 class DatasetInfo:
-    """What made a dataset, as stored in its root attributes (see the module doc).
+    """What made a dataset, as stored in its root attributes (docs/format.md).
 
     Attributes:
         tokenizer: the tokenizer whose ids it holds; ``None``: not recorded.
@@ -171,10 +143,7 @@ class DatasetInfo:
     @classmethod
     def from_attributes(cls, attrs: Mapping[str, Any], where: str = "") -> DatasetInfo | None:
         """The info in root attributes ``attrs``; ``None`` when they hold none.
-
-        Raises:
-            FormatError: a malformed value, naming its key.
-        """
+        Raises ``FormatError`` naming the key of a malformed value."""
         value = attrs.get(ATTRIBUTE)
         if value is None:
             return None
@@ -220,20 +189,14 @@ def identity_attribute(info: DatasetInfo | None, splits: Sequence[str]) -> dict[
 
 def dataset_splits(attrs: Mapping[str, Any], where: str = "") -> tuple[str, ...]:
     """The splits a dataset with root attributes ``attrs`` has: :data:`SPLITS`,
-    then the others that ``flat_tokens.splits`` records (datasets of other
-    writers record none, and have only :data:`SPLITS`).
-
-    Raises:
-        FormatError: a ``splits`` value that is not a list of split names, naming the
-            attribute (a name the writers refuse is never read as a path).
-    """
+    then the others that ``flat_tokens.splits`` records. Raises ``FormatError``
+    for a value that is not a list of split names (never read as a path)."""
     value = attrs.get(ATTRIBUTE)
     recorded = value.get(SPLITS_KEY) if isinstance(value, Mapping) else None
     if recorded is None:
         return SPLITS
     at = f"{where}: " if where else ""
-    is_list = isinstance(recorded, list)
-    _expect(is_list, at, SPLITS_KEY, "a list of split names", recorded)
+    _expect(isinstance(recorded, list), at, SPLITS_KEY, "a list of split names", recorded)
     try:
         return split_names(recorded)
     except ValueError as e:
@@ -264,18 +227,9 @@ def _tokenizer(value: Any, at: str) -> TokenizerInfo:
 def check_tokenizers(
     named: Sequence[tuple[str, DatasetInfo | None]], *, allow_mixed: bool, fix: str
 ) -> None:
-    """Refuses datasets whose recorded tokenizers differ.
-
-    Args:
-        named: ``(name, info)`` of each dataset; entries without info or
-            without a tokenizer are skipped (old datasets still mix).
-        allow_mixed: accept differing tokenizers.
-        fix: how to accept them, for the message (e.g. ``"pass
-            --allow-mixed-tokenizers"``).
-
-    Raises:
-        ValueError: two datasets record different tokenizers, naming both.
-    """
+    """Raises ``ValueError`` naming two of ``named`` (``(name, info)``; those
+    without a tokenizer skipped) whose tokenizers differ, unless ``allow_mixed``;
+    ``fix`` says how to allow them (e.g. ``"pass --allow-mixed-tokenizers"``)."""
     if allow_mixed:
         return
     first: tuple[str, TokenizerInfo] | None = None
@@ -309,12 +263,8 @@ def tokenizer_info(
     eos_id: int | None = None,
     pad_id: int | None = None,
 ) -> TokenizerInfo:
-    """The :class:`TokenizerInfo` of a ``tokenizers.Tokenizer`` or a ``transformers``
-    tokenizer (anything with ``get_vocab(with_added_tokens=True)`` or ``get_vocab()``).
-
-    Raises:
-        ValueError: an empty vocabulary.
-    """
+    """The :class:`TokenizerInfo` of a ``tokenizers`` or ``transformers`` tokenizer
+    (anything with ``get_vocab``). Raises ``ValueError`` for an empty vocabulary."""
     try:
         vocab = tokenizer.get_vocab(with_added_tokens=True)
     except TypeError:

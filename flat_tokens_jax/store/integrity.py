@@ -1,8 +1,6 @@
-"""An array read with its integrity checks: the shard probes
-(:mod:`~flat_tokens_jax.store.probes`) and chunk digests
-(:mod:`~flat_tokens_jax.store.digests`) of what each read touches, started
-with the read's own requests and waited for before it gives values (see
-:mod:`~flat_tokens_jax.store.checks`).
+"""An array read with its integrity checks: the shard probes and chunk digests
+of what each read touches, started with the read's own requests and waited for
+before it gives values (see :mod:`~flat_tokens_jax.store.checks`).
 """
 
 from __future__ import annotations
@@ -12,22 +10,20 @@ from typing import Any
 
 import numpy as np
 
+from flat_tokens_jax.core.format import FormatError
 from flat_tokens_jax.store.arrays import ArrayReader, Known, Pending
-from flat_tokens_jax.store.digests import DIGESTS, ChunkDigests, array_checks, side_opener
+from flat_tokens_jax.store.digests import CONTENT, DIGESTS, ChunkDigests
 from flat_tokens_jax.store.localshards import touched
+from flat_tokens_jax.store.probes import ATTRIBUTE as PROBES
 from flat_tokens_jax.store.probes import ShardProbes
 from flat_tokens_jax.store.store import Store
 
 
 class CheckedArray:
     """Reads of one array that check every shard and chunk they touch, the
-    first time a read touches it (once per process). Thread-safe.
-
-    Attributes:
-        reader: the array's reader; reads made through it directly are not checked.
-        probes: its shard probes; ``None`` where the array records none.
-        digests: its chunk digests; ``None`` where the array records none.
-    """
+    first time a read touches it (once per process). Thread-safe. Reads made
+    through ``reader`` directly are not checked; ``probes`` and ``digests`` are
+    ``None`` where the array records none."""
 
     def __init__(
         self, reader: ArrayReader, probes: ShardProbes | None, digests: ChunkDigests | None
@@ -51,22 +47,36 @@ class CheckedArray:
         *,
         ours: bool,
     ) -> CheckedArray:
-        """The checks that the array at ``key`` records in its ``attributes``.
+        """The checks that the array at ``key`` records in its ``attributes``;
+        ``FormatError`` for a malformed one, or with ``ours`` (the dataset says
+        our writers made it, which record both on every array) a missing one, so
+        that deleting it cannot make a shard copied in with its digests read."""
+        where, side = f"{store.url}/{key}", f"{key}/{DIGESTS}"
 
-        ``ours``: the dataset says one of our writers made it, so the array
-        must record them (:func:`~flat_tokens_jax.store.digests.array_checks`).
+        def open_side() -> ArrayReader:
+            found = store.array_metadata(side)
+            if found is None:
+                raise FormatError(
+                    f"{where}/{DIGESTS}: the chunk digests that the array's attribute "
+                    f"{DIGESTS!r} announces are missing: rewrite the dataset"
+                )
+            return store.open_array(side, *found)
 
-        Raises:
-            FormatError: a malformed attribute, or (``ours``) one missing.
-        """
-        probes, digests = array_checks(
-            attributes,
-            f"{store.url}/{key}",
-            reader.size,
-            side_opener(store, f"{key}/{DIGESTS}"),
-            ours=ours,
+        probes = ShardProbes.of(attributes, where, reader.size)
+        digests = ChunkDigests.of(attributes, where, reader.size, open_side)
+        if not ours or (digests is not None and digests.content is not None and probes is not None):
+            return cls(reader, probes, digests)
+        if probes is None:
+            missing = f"attribute {PROBES!r} is missing"
+        elif digests is None:
+            missing = f"attribute {DIGESTS!r} is missing"
+        else:
+            missing = f"attribute {DIGESTS!r} has no {CONTENT!r}"
+        raise FormatError(
+            f"{where}: {missing}, which our writers record on every array of a dataset whose "
+            "root attributes say they made it: deleted? restore the array's metadata from the "
+            "dataset's source, or rewrite the dataset"
         )
-        return cls(reader, probes, digests)
 
     @property
     def data_bytes(self) -> int:
@@ -76,13 +86,9 @@ class CheckedArray:
 
     @property
     def check_bytes(self) -> int:
-        """Bytes read to check shard probes (one small read per shard, once) and
-        chunk digests (the recorded digests of each shard touched, once; each
-        chunk touched, whole, once, where it carries no crc32c)."""
-        probes = 0 if self.probes is None else self.probes.bytes_read
-        if self.digests is None:
-            return probes
-        return probes + self.digests.bytes_read + self.digests.side_bytes
+        """Bytes read to check shard probes and chunk digests (with the recorded digests)."""
+        digests = 0 if self.digests is None else self.digests.bytes_read + self.digests.side_bytes
+        return digests + (0 if self.probes is None else self.probes.bytes_read)
 
     def request_ranges(self, starts: np.ndarray, stops: np.ndarray) -> Pending:
         """Starts reading elements ``[starts[i], stops[i])`` and the checks of
@@ -91,23 +97,23 @@ class CheckedArray:
 
     def read_points(self, indices: np.ndarray) -> np.ndarray:
         """Elements at ``indices`` (``[k]``), read once what they touch is checked."""
-        self.check(indices, indices + 1)
+        known = self.start_checks(indices, indices + 1)
+        if known is not None:
+            known.wait()
         return self.reader.read_points(indices)
 
     def start_checks(self, starts: np.ndarray, stops: np.ndarray) -> Known | None:
-        """Starts checking the shard probes and chunk digests of what ranges
-        ``[starts, stops)`` touch, so that their reads share the read's round
-        trips; what the read waits for before it gives values (``None``: all
-        checked before)."""
+        """Starts checking what ranges ``[starts, stops)`` touch, so that those
+        reads share the read's round trips; what the read waits for before it
+        gives values (``None``: all checked before)."""
         if self._clean is None:
             return None
         blocks = touched(starts, stops, self._unit)
         if self._clean[blocks].all():
             return None
-        probes, digests, reader = self.probes, self.digests, self.reader
-        request = reader.request_ranges
-        probed = None if probes is None else probes.start_check(request, starts, stops)
-        known = None if digests is None else digests.start_check(reader, starts, stops)
+        probes, digests, read = self.probes, self.digests, self.reader
+        probed = None if probes is None else probes.start_check(read.request_ranges, starts, stops)
+        known = None if digests is None else digests.start_check(read, starts, stops)
         clean = self._clean
 
         def wait() -> Mapping[int, np.ndarray] | None:
@@ -115,26 +121,10 @@ class CheckedArray:
             # are in flight; a shard whose probe differs is named first.
             try:
                 values = None if known is None else known.wait()
-            except BaseException:
+            finally:
                 if probed is not None:
                     probed()
-                raise
-            if probed is not None:
-                probed()
             clean[blocks] = True
             return values
 
-        if known is None:
-            return Known(1, frozenset(), wait)
-        return Known(known.chunk, known.chunks, wait)
-
-    def check(self, starts: np.ndarray, stops: np.ndarray) -> None:
-        """:meth:`start_checks`, waited for (before a read that cannot serve
-        its values from the checks' chunks).
-
-        Raises:
-            FormatError: a shard or chunk whose values are not those recorded.
-        """
-        known = self.start_checks(starts, stops)
-        if known is not None:
-            known.wait()
+        return Known(1, frozenset(), wait) if known is None else known._replace(wait=wait)

@@ -1,17 +1,11 @@
 """A read path without per-read overhead for uncompressed zarr v3 shards on local disk.
 
-tensorstore costs about 23 µs per read however small; a training batch is
-hundreds of short reads, so on local disk that fixed cost dominates. An
-uncompressed shard that tensorstore wrote whole holds its inner chunks back to
-back, in order, followed by the shard index. Such a shard is one plain array:
-we check its index once and memory-map it, and a read becomes a slice. Any shard
-that is not laid out so (missing, partial, compressed, reordered) is read
-through tensorstore as before.
-
-Chunks with a crc32c checksum (4 bytes after each chunk, our default) are
-memory-mapped too: each chunk's checksum is verified the first time a read
-touches it, and a chunk that fails is left to tensorstore, whose read then
-fails naming the shard, so a flipped byte never reads as a token.
+tensorstore costs about 23 µs per read however small, which dominates a batch
+of hundreds of short reads. An uncompressed shard that tensorstore wrote whole
+holds its inner chunks back to back, then its index: we check the index once,
+memory-map the shard, and a read becomes a slice. Any other shard is read
+through tensorstore. A chunk's crc32c (our default) is verified the first time
+a read touches it; a chunk that fails is left to tensorstore, whose read fails.
 """
 
 from __future__ import annotations
@@ -35,19 +29,12 @@ def crc32c(data: Any) -> int:
 
 
 class Geometry(NamedTuple):
-    """How the shards of a memory-mappable array are laid out.
+    """How the shards of a memory-mappable array are laid out."""
 
-    Attributes:
-        shard: elements per shard.
-        chunk: elements per inner chunk.
-        index_bytes: bytes of the shard index at the end of a shard file.
-        checksummed: whether each chunk is followed by its 4-byte crc32c.
-    """
-
-    shard: int
-    chunk: int
-    index_bytes: int
-    checksummed: bool
+    shard: int  # elements per shard
+    chunk: int  # elements per inner chunk
+    index_bytes: int  # of the shard index at the end of a shard file
+    checksummed: bool  # whether each chunk is followed by its 4-byte crc32c
 
 
 def plain_shard_geometry(meta: Mapping[str, Any]) -> Geometry | None:
@@ -56,38 +43,28 @@ def plain_shard_geometry(meta: Mapping[str, Any]) -> Geometry | None:
     codecs = meta.get("codecs") or []
     if len(meta.get("shape", [])) != 1 or len(codecs) != 1:
         return None
-    if codecs[0].get("name") != "sharding_indexed":
-        return None
     conf = codecs[0].get("configuration", {})
     inner = conf.get("codecs", [])
-    index_codecs = [c.get("name") for c in conf.get("index_codecs", [])]
-    little = {"name": "bytes", "configuration": {"endian": "little"}}
     checksummed = bool(inner) and inner[-1] == {"name": "crc32c"}
-    if checksummed:
-        inner = inner[:-1]
-    if inner != [little] and not (
-        inner == [{"name": "bytes"}] and meta.get("data_type") == "uint8"
-    ):
-        return None
-    if conf.get("index_location", "end") != "end" or index_codecs not in (
-        ["bytes"],
-        ["bytes", "crc32c"],
-    ):
-        return None
-    if conf.get("index_codecs", [{}])[0].get("configuration", {}).get("endian", "little") != (
-        "little"
-    ):
-        return None
-    key_encoding = meta.get("chunk_key_encoding", {"name": "default"})
-    if (
-        key_encoding.get("name") != "default"
-        or key_encoding.get("configuration", {}).get("separator", "/") != "/"
-    ):
+    inner = inner[:-1] if checksummed else inner
+    raw_bytes = [{"name": "bytes"}] if meta.get("data_type") == "uint8" else None
+    index = conf.get("index_codecs", [])
+    index_names = [c.get("name") for c in index]
+    keys = meta.get("chunk_key_encoding", {"name": "default"})
+    plain = (
+        codecs[0].get("name") == "sharding_indexed"
+        and inner in ([{"name": "bytes", "configuration": {"endian": "little"}}], raw_bytes)
+        and conf.get("index_location", "end") == "end"
+        and index_names in (["bytes"], ["bytes", "crc32c"])
+        and index[0].get("configuration", {}).get("endian", "little") == "little"
+        and keys.get("name") == "default"
+        and keys.get("configuration", {}).get("separator", "/") == "/"
+    )
+    if not plain:
         return None
     shard = int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
     chunk = int(conf["chunk_shape"][0])
-    n_chunks = shard // chunk
-    index_bytes = 16 * n_chunks + (4 if "crc32c" in index_codecs else 0)
+    index_bytes = 16 * (shard // chunk) + (4 if "crc32c" in index_names else 0)
     return Geometry(shard, chunk, index_bytes, checksummed)
 
 
@@ -123,15 +100,12 @@ class _Checksummed:
         # [chunks] uint32: the crc32c stored after each chunk (read where asked).
         self.crcs = raw[:, chunk_bytes:].view(np.ndarray).view("<u4")[:, 0]
 
-    def verify(self, first: int, last: int) -> bool:
-        """Whether chunks ``first .. last`` match their checksums (each computed once)."""
-        for j in range(first, last + 1):
-            if not self.verified[j]:
-                row = self.raw[j]
-                stored = int.from_bytes(row[self.chunk_bytes :].tobytes(), "little")
-                if crc32c(row[: self.chunk_bytes]) != stored:
-                    return False
-                self.verified[j] = 1
+    def verify(self, chunks: np.ndarray) -> bool:
+        """Whether ``chunks`` (``[k]`` chunk numbers) match their checksums (each computed once)."""
+        for j in np.unique(chunks[self.verified[chunks] == 0]).tolist():
+            if crc32c(self.raw[j, : self.chunk_bytes]) != int(self.crcs[j]):
+                return False
+            self.verified[j] = 1
         return True
 
     def slice(self, start: int, stop: int) -> np.ndarray | None:
@@ -143,7 +117,7 @@ class _Checksummed:
         first, last = start // chunk, (stop - 1) // chunk
         # The common case, a read within one chunk or two, checked without a call.
         known = last - first <= 1 and self.verified[first] and self.verified[last]
-        if not known and not self.verify(first, last):
+        if not known and not self.verify(np.arange(first, last + 1)):
             return None
         a, b = start - first * chunk, stop - last * chunk
         if first == last:
@@ -151,19 +125,11 @@ class _Checksummed:
         middle = self.data[first + 1 : last].reshape(-1)
         return np.concatenate([self.data[first, a:], middle, self.data[last, :b]])
 
-    def verify_ranges(self, starts: np.ndarray, stops: np.ndarray) -> bool:
-        """Whether every chunk that ranges ``[starts, stops)`` of the shard touch
-        matches its checksum (each computed once; one vectorised test when all are)."""
-        chunks = touched(starts, stops, self.chunk)
-        todo = np.unique(chunks[self.verified[chunks] == 0]).tolist()
-        return all(self.verify(j, j) for j in todo)
-
     def points(self, indices: np.ndarray) -> np.ndarray | None:
         """Elements at ``indices`` (``[k] int64``), or ``None`` as :meth:`slice`."""
         rows = indices // self.chunk
-        for j in np.unique(rows).tolist():
-            if not self.verify(j, j):
-                return None
+        if not self.verify(rows):
+            return None
         return self.data[rows, indices - rows * self.chunk]
 
 
@@ -171,11 +137,9 @@ _Mapped = np.ndarray | _Checksummed
 
 
 class LocalShards:
-    """Memory-maps the shards of one array; ``None`` for a shard that is not plain.
-
-    Thread-safe; a shard's index is read once, on first use. ``kernels``: the
-    compiled kernels :meth:`copy_rows` copies with where numba is installed
-    (imported on first use; set ``None`` to copy with numpy).
+    """Memory-maps the shards of one array (each index read once, on first use).
+    Thread-safe. ``kernels``: the compiled kernels :meth:`copy_rows` uses where
+    numba is installed (imported on first use; set ``None`` to copy with numpy).
     """
 
     def __init__(self, folder: str, dtype: np.dtype[Any], size: int, geometry: Geometry) -> None:
@@ -293,18 +257,10 @@ class LocalShards:
     def copy_rows(
         self, starts: np.ndarray, stops: np.ndarray, out: np.ndarray, right: bool = False
     ) -> bool:
-        """Copies elements ``[starts[r], stops[r])`` into row ``r`` of ``out``.
-
-        Args:
-            starts, stops: ``[k] int64`` ranges of at most ``out.shape[1]`` elements.
-            out: ``[k, width]`` of this array's dtype; columns past a short range
-                (all of an empty one) are left as they are.
-            right: put each range at the end of its row instead of the start.
-
-        Returns:
-            False when a range is not within one plain shard whose chunks pass
-            their checksums; then ``out`` holds some rows: read those otherwise.
-        """
+        """Copies elements ``[starts[r], stops[r])`` (``[k] int64``) into row ``r`` of
+        ``out`` (``[k, width]`` of this array's dtype), at its end with ``right``;
+        columns past a short range are left as they are. False when a range is not
+        within one plain shard whose chunks pass their checksums: then read otherwise."""
         width = out.shape[1]
         row = np.flatnonzero(stops > starts)
         starts, stops = starts[row], stops[row]
@@ -328,8 +284,13 @@ class LocalShards:
         gap = next(iter(shards.values())).gap
         if gap == 0:
             return False
-        if not self._verify(starts // chunk, (stops - 1) // chunk, first, lo, count, shards):
-            return False
+        # Every chunk checked, no range over more than two: one vectorised test.
+        a, b = starts // chunk, (stops - 1) // chunk
+        if not ((b - a <= 1).all() and self._verified[a].all() and self._verified[b].all()):
+            for i, m in shards.items():
+                here = first == i
+                if not m.verify(touched(lo[here], lo[here] + count[here], chunk)):
+                    return False
         words = {i: m.words for i, m in shards.items() if m.words is not None}
         pos = lo + gap * chunk_of
         before = (chunk_of + 1) * chunk - lo  # elements before the next checksum
@@ -351,16 +312,12 @@ class LocalShards:
         ``pos[r]`` to ``flat[dest[r]:]``, skipping ``gap`` elements after the first
         ``before[r]`` and then after every chunk.
 
-        The compiled kernel (``self.kernels``) copies a shard's ranges in one
-        call without the interpreter lock, so threads copy side by side.
-        Without it, one slice copy per row (more across a chunk's checksum): numpy has no
-        gather of rows at arbitrary offsets into an existing array without a
-        temporary the batch's size. A copy is too short for threads to gain
-        from copying side by side: each hands the interpreter lock on at every
-        row. So one caller copies at a time (``_copying``), while decodes in
-        other threads, which need the lock only between their large passes,
-        run on. (Copies through memoryviews, which never hand it on, stalled
-        those decodes instead.)
+        The compiled kernel copies a shard's ranges in one call without the
+        interpreter lock. Without it, one slice copy per row (numpy has no gather
+        into an existing array without a batch-sized temporary); threads would
+        hand the lock on at every row, so one caller copies at a time
+        (``_copying``) while decodes in other threads run on. (Copies through
+        memoryviews, which never hand it on, stalled those decodes instead.)
         """
         chunk = self.chunk
         kernels = self.kernels
@@ -393,26 +350,6 @@ class LocalShards:
                     flat[d + m : d + m + k] = w[p : p + k]
                     m, p = m + k, p + k + gap
 
-    def _verify(
-        self,
-        a: np.ndarray,
-        b: np.ndarray,
-        first: np.ndarray,
-        lo: np.ndarray,
-        count: np.ndarray,
-        shards: dict[int, _Checksummed],
-    ) -> bool:
-        """Whether chunks ``a[r] .. b[r]`` (of ranges starting at ``lo`` in shards
-        ``first``, ``count`` long) pass their checksums; one vectorised test
-        once every chunk has been checked, when no range spans more than two."""
-        if (b - a <= 1).all() and self._verified[a].all() and self._verified[b].all():
-            return True
-        for i, m in shards.items():
-            here = first == i
-            if not m.verify_ranges(lo[here], lo[here] + count[here]):
-                return False
-        return True
-
     def stored_crc32c(self, chunks: np.ndarray, chunk: int) -> np.ndarray | None:
         """The crc32c stored after each of ``chunks`` (``[k] int64`` chunk numbers
         over the whole array, sorted, unique), ``[k] uint32``, each chunk verified
@@ -432,9 +369,8 @@ class LocalShards:
             local = chunks[a:b] - i * per_shard
             if local[-1] >= arr.crcs.size:
                 return None
-            for j in local[arr.verified[local] == 0].tolist():
-                if not arr.verify(j, j):
-                    return None
+            if not arr.verify(local):
+                return None
             out[a:b] = arr.crcs[local]
         return out
 

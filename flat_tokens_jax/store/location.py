@@ -1,23 +1,7 @@
-"""Claiming a location for a new dataset: what may be replaced, and by whom.
-
-Every write starts by creating a marker object, :data:`MARKER`, at the root of
-its output, exclusively: on local disk with ``O_CREAT | O_EXCL``, elsewhere with
-tensorstore's conditional write "only if the key does not exist yet" (S3's
-``If-None-Match: *``, GCS's ``ifGenerationMatch=0``). Of two writers racing for
-one location, exactly one creates it; the other is refused. The marker goes
-last, after the root group metadata, when the write finishes, and after
-everything else when it fails. A marker found in a location therefore means a
-write in progress or an interrupted one; ``overwrite`` replaces it only when
-that write is dead (see :class:`~flat_tokens_jax.store.claim.Claim`), so of two
-``overwrite`` writes to one location, too, exactly one proceeds.
-
-A location may be replaced (``overwrite``) only when everything in it is ours:
-a flat-tokens dataset (root attributes that say so, with the splits they
-record, or the spec's bare structure, as other writers make it: root group
-metadata and the ``train`` and ``validation`` groups with their arrays, nothing else),
-or the leftover of our own interrupted write (marked), with the packing plans
-that ``pack`` stored in its splits. Anything else in the location makes the
-write refuse before anything is deleted, naming some of the foreign keys.
+"""Claiming a location for a new dataset: what may be replaced, and by whom
+(docs/format.md, "Claiming the output"). ``overwrite`` replaces only what is
+ours (a flat-tokens dataset, or our own interrupted write's leftover, with the
+plans ``pack`` stored); anything else is refused before anything is deleted.
 """
 
 from __future__ import annotations
@@ -79,28 +63,11 @@ class OverwriteNeeded(FileExistsError):
 
 
 def claim_location(store: Store, overwrite: bool, splits: Sequence[str] = SPLITS) -> Claim:
-    """Makes ``store`` ours and empty for a new dataset, or refuses.
-
-    An empty location is used as it is. A flat-tokens dataset, or the leftover
-    of an interrupted write, is deleted when ``overwrite`` is set and refused
-    otherwise. A location holding anything else is refused either way, before
-    anything is deleted: it is not ours to delete. A write still in progress
-    is refused even with ``overwrite``: of two writers racing for one
-    location, with or without ``overwrite``, exactly one proceeds.
-
-    Args:
-        store: the output location.
-        overwrite: replace a dataset or the leftover of a dead write found there.
-        splits: the split groups the write will create (besides :data:`SPLITS`).
-
-    Returns:
-        The :class:`Claim`: call ``release()`` after the root metadata is
-        written, ``discard()`` if the write fails.
-
-    Raises:
-        OverwriteNeeded: a dataset or leftover is there and ``overwrite`` is off.
-        FileExistsError: the location holds other files, another write is in
-            progress there, or another write created its marker first.
+    """Makes ``store`` ours and empty for a new dataset (of ``splits`` besides
+    :data:`SPLITS`), or refuses: a dataset or a dead write's leftover is deleted
+    with ``overwrite`` (else ``OverwriteNeeded``); anything else, or a write in
+    progress, raises ``FileExistsError`` before anything is deleted. Call the
+    claim's ``release()`` after the root metadata is written, ``discard()`` on failure.
     """
     claim = Claim(store, splits)
     keys = store.keys()
@@ -128,11 +95,8 @@ def claim_location(store: Store, overwrite: bool, splits: Sequence[str] = SPLITS
 
 
 def _check(store: Store, keys: Sequence[str], splits: tuple[str, ...], overwrite: bool) -> set[str]:
-    """Refuses unless every key is ours and, without ``overwrite``, there is none.
-
-    Returns:
-        The split groups that may be deleted.
-    """
+    """Refuses unless every key is ours and, without ``overwrite``, there is
+    none; the split groups that may be deleted."""
     if not keys:
         return set(splits)
     marker = read_marker(store) if MARKER in keys else None
@@ -212,29 +176,20 @@ def _where(url: str | os.PathLike[str]) -> tuple[str, ...]:
         loc = parse_url(url)
     except ValueError:  # an input pattern of a scheme only Beam reads
         parsed = urllib.parse.urlparse(os.fspath(url))
-        path = posixpath.normpath("/" + parsed.path)
-        return (parsed.scheme, parsed.netloc, *[p for p in path.split("/") if p])
-    if loc.scheme == "file":
-        return ("file", *Path(os.path.realpath(loc.path)).parts)
-    return (
-        loc.scheme,
-        loc.bucket,
-        *[p for p in posixpath.normpath("/" + loc.path).split("/") if p],
-    )
+        scheme, bucket, path = parsed.scheme, parsed.netloc, parsed.path
+    else:
+        if loc.scheme == "file":
+            return ("file", *Path(os.path.realpath(loc.path)).parts)
+        scheme, bucket, path = loc.scheme, loc.bucket, loc.path
+    return (scheme, bucket, *[p for p in posixpath.normpath("/" + path).split("/") if p])
 
 
 def refuse_overlap(
     inputs: Iterable[str | os.PathLike[str]], outputs: Iterable[str | os.PathLike[str]]
 ) -> None:
-    """Refuses outputs that are, contain or lie inside an input.
-
-    Called before anything is written or deleted, so that a write never
-    replaces or mixes with what it reads. Local paths are compared after
-    resolving links, URLs by scheme, bucket and normalised path.
-
-    Raises:
-        ValueError: naming the output, the input and how they overlap.
-    """
+    """Raises ``ValueError`` for an output that is, contains or lies inside an
+    input (local paths compared after resolving links, URLs by scheme, bucket
+    and normalised path), before anything is written or deleted."""
     ins = [(i, _where(i)) for i in inputs]
     for output in outputs:
         out = _where(output)

@@ -14,17 +14,13 @@ from flat_tokens_jax.core.values import integer
 # The aws_credentials types that StoreOptions.credentials may name alone.
 CREDENTIAL_TYPES = ("default", "anonymous", "environment", "imds", "ecs")
 
-# HTTP requests in flight per dataset when StoreOptions.concurrency is None: a
-# ceiling well above what read-ahead asks for (about one request per row of the
-# steps in flight), so the rows in flight decide, and below what one client
-# should open at once to one endpoint.
+# HTTP requests in flight per dataset when StoreOptions.concurrency is None: well
+# above what read-ahead asks for (so the rows in flight decide), and below what
+# one client should open at once to one endpoint.
 CONCURRENCY_CEILING = 1024
 
-# The most attempts per request StoreOptions.retries takes. At the default
-# delays 100 attempts already wait about 51 minutes before a read fails
-# (1+2+4+8+16 s, then 32 s for each of the other 94 waits): a server down that
-# long is down, and more attempts would only hide it (10**9 would wait for
-# centuries).
+# The most attempts per request StoreOptions.retries takes: at the default
+# delays, 100 attempts already wait about 51 minutes before a read fails.
 MAX_RETRIES = 100
 
 
@@ -45,21 +41,15 @@ class StoreOptions:
             default chain. ``gs://`` credentials come from the environment, as
             tensorstore reads them.
         concurrency: ``gs://``/``s3://``: the most HTTP requests in flight at
-            once. ``None``: as many as the reads in flight ask for (a batch is
-            about one request per row a host loads, and read-ahead fetches the
-            steps in flight at once), up to :data:`CONCURRENCY_CEILING` (1024).
-            An int pins the limit, e.g. to spare a shared endpoint.
+            once. ``None``: as many as the reads in flight ask for (about one
+            per row of the steps in flight), up to :data:`CONCURRENCY_CEILING`
+            (1024). An int pins the limit, e.g. to spare a shared endpoint.
         retries: ``gs://``/``s3://``: attempts per request before a read fails
             (throttling, 5xx answers, refused or dropped connections), from 1
-            to :data:`MAX_RETRIES` (100: about 51 minutes of waits). A server
-            that stays down fails a read after the waits between attempts,
-            ``min(retry_delay * 2**k + jitter, max_retry_delay)`` for
-            ``k < retries - 1``, with up to ``min(1, retry_delay)`` seconds of
-            jitter: at most 498 s with the defaults (1+2+4+8+16, then 14 waits
-            of 32, each up to 1 s more), within ``timeout``. The default (20)
-            outlasts a throttled bucket's refusals: with 8 attempts a loader
-            asking about 3 times a bucket's rate failed its first step, with
-            20 it read on (docs/guide/remote.md, "A throttled bucket").
+            to :data:`MAX_RETRIES`; waits between them double from
+            ``retry_delay`` (at most 498 s in all with the defaults). The
+            default (20) outlasts a throttled bucket's refusals, where 8 did
+            not (docs/guide/remote.md, "A throttled bucket").
         retry_delay: seconds before the first retry; doubling after each.
         max_retry_delay: the longest wait between two attempts, in seconds.
         timeout: seconds any one wait for data may take, retries included,
@@ -118,40 +108,23 @@ class StoreOptions:
     def __repr__(self) -> str:
         """The fields, with the endpoint redacted and of the credentials only
         the type and which keys are set, never their values."""
-        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        shown = {f.name: repr(getattr(self, f.name)) for f in dataclasses.fields(self)}
         creds = self.credentials
         if isinstance(creds, Mapping):
-            shown["credentials"] = _Shown(
-                "{"
-                + ", ".join(
-                    f"{k!r}: {creds[k]!r}" if k == "type" else f"{k!r}: <set>"
-                    for k in sorted(creds, key=str)
-                )
-                + "}"
-            )
+            keys = sorted(creds, key=str)
+            hidden = [f"{k!r}: {creds[k]!r}" if k == "type" else f"{k!r}: <set>" for k in keys]
+            shown["credentials"] = "{" + ", ".join(hidden) + "}"
         if self.endpoint is not None:
-            shown["endpoint"] = redact(self.endpoint)
-        return "StoreOptions(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
-
-
-class _Shown(str):
-    """Text that a repr shows as it is (no quotes)."""
-
-    def __repr__(self) -> str:
-        return str(self)
+            shown["endpoint"] = repr(redact(self.endpoint))
+        return "StoreOptions(" + ", ".join(f"{k}={v}" for k, v in shown.items()) + ")"
 
 
 def resolve_options(
     options: StoreOptions | None, option_fields: Mapping[str, Any], caller: str
 ) -> StoreOptions:
     """The :class:`StoreOptions` of a function that takes ``options=`` or the
-    same fields as keywords (``**option_fields``), but not both.
-
-    Raises:
-        TypeError: ``options`` is not a ``StoreOptions``, or a keyword is
-            neither the caller's nor a field of ``StoreOptions``.
-        ValueError: both ``options`` and keywords, or a bad field value.
-    """
+    same fields as keywords (``**option_fields``), but not both (``ValueError``);
+    ``TypeError`` for an unknown keyword or ``options`` of another type."""
     if options is not None and not isinstance(options, StoreOptions):
         raise TypeError(f"{caller}: options must be a StoreOptions, got {type(options).__name__}")
     known = [f.name for f in dataclasses.fields(StoreOptions)]

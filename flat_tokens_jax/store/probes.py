@@ -1,15 +1,7 @@
-"""Shard probes: the recorded identity of every shard file, checked on first read.
-
-A checksum inside a shard (crc32c, ``StorageFormat.checksum``) proves that its bytes
-are the ones written into that file; it cannot tell that a valid shard of
-another split or dataset was copied or linked in its place. So our writers
-record, in each array's attributes (``shard_probes``), a probe of every shard
-file (every chunk file in zarr v2): the CRC-32 of its first :data:`PROBE`
-values (all of them in a smaller shard). A reader checks a shard's probe the
-first time a read touches it (one small read per shard, once per process) and
-raises :class:`~flat_tokens_jax.core.format.FormatError` naming the array and the
-shard if it differs; ``validate`` checks every probe. Arrays without the
-attribute (older stores, other writers) are read without this check.
+"""Shard probes: the CRC-32 of each shard file's first :data:`PROBE` values,
+recorded by our writers (attribute ``shard_probes``, docs/format.md) and
+checked on a shard's first read, so that a valid shard of another split or
+dataset copied in its place (which its own checksums cannot tell) fails.
 """
 
 from __future__ import annotations
@@ -22,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from flat_tokens_jax.core.format import FormatError
-from flat_tokens_jax.store.arrays import Pending, stack_rows
+from flat_tokens_jax.store.arrays import Done, Pending
 from flat_tokens_jax.store.checks import Checks
 from flat_tokens_jax.store.localshards import touched
 
@@ -31,19 +23,6 @@ PROBE = 1024  # values per probe: the start of each shard's first inner chunk
 
 ReadRanges = Callable[[np.ndarray, np.ndarray], Sequence[np.ndarray]]
 RequestRanges = Callable[[np.ndarray, np.ndarray], Pending]
-
-
-class _Read:
-    """Values read already, as a :class:`~flat_tokens_jax.store.arrays.Pending`."""
-
-    def __init__(self, values: Sequence[np.ndarray]) -> None:
-        self.values = list(values)
-
-    def result(self) -> list[np.ndarray]:
-        return self.values
-
-    def rows(self, width: int, dtype: Any, right: bool = False) -> np.ndarray:
-        return stack_rows(self.values, width, dtype, right)
 
 
 def digest(values: np.ndarray) -> int:
@@ -60,16 +39,16 @@ def crc_list(value: Any) -> np.ndarray | None:
     return np.array(value, np.int64)
 
 
-def probe_ranges(size: int, shard: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(starts, stops)`` ``[num_shards] int64`` of the probe of each shard."""
-    starts = np.arange(0, size, shard, dtype=np.int64)
+def probe_ranges(shards: np.ndarray, size: int, shard: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(starts, stops)`` of the probes of ``shards`` (``[k] int64``)."""
+    starts = shards * shard
     return starts, np.minimum(starts + min(PROBE, shard), size)
 
 
 def probe_attribute(read: ReadRanges, size: int, shard: int) -> dict[str, Any]:
     """The ``shard_probes`` attribute of an array of ``size`` elements in shards
     of ``shard``, whose values ``read`` returns (one batched read)."""
-    values = read(*probe_ranges(size, shard))
+    values = read(*probe_ranges(np.arange(-(-size // shard), dtype=np.int64), size, shard))
     return {"shard": shard, "values": PROBE, "crc32": [digest(v) for v in values]}
 
 
@@ -88,12 +67,8 @@ class ShardProbes:
 
     @classmethod
     def of(cls, attributes: Mapping[str, Any], where: str, size: int) -> ShardProbes | None:
-        """The probes recorded in an array's ``attributes``; ``None`` when there are none.
-
-        Raises:
-            FormatError: a malformed attribute, or one whose count of probes does
-                not fit the array's size.
-        """
+        """The probes recorded in an array's ``attributes``; ``None`` when there are
+        none. ``FormatError`` for a malformed attribute or a count that does not fit."""
         found = attributes.get(ATTRIBUTE)
         if found is None:
             return None
@@ -114,38 +89,19 @@ class ShardProbes:
             )
         return cls(where, size, found["shard"], found["crc32"])
 
-    @property
-    def checked(self) -> np.ndarray:
-        """``[shards] bool``: which shards this process has checked."""
-        return self._checks.checked
-
-    def unchecked(self, starts: np.ndarray, stops: np.ndarray) -> bool:
-        """Whether ranges ``[starts, stops)`` (within the array) touch a shard not checked yet."""
-        return self._checks.unchecked(touched(starts, stops, self.shard))
-
     def start_check(
         self, request: RequestRanges, starts: np.ndarray, stops: np.ndarray
     ) -> Callable[[], None]:
-        """Starts reading, with ``request`` (which returns before the values
-        arrive), the probe of every shard that ranges ``[starts, stops)`` touch
-        and that no read has checked or is checking; returns the call that
-        waits for the probes of all those shards and checks them, so that a
-        read's other checks and its own values go out in the same round trips
-        (see :mod:`~flat_tokens_jax.store.checks`).
-
-        Raises (the returned call):
-            FormatError: a shard whose first values are not those recorded.
-        """
+        """Starts reading, with ``request``, the probe of every shard that ranges
+        ``[starts, stops)`` touch and no read has checked or is checking; the
+        call returned waits for them all and raises ``FormatError`` for a shard
+        whose probe differs (see :mod:`~flat_tokens_jax.store.checks`)."""
 
         def begin(mine: np.ndarray) -> Callable[[], None]:
-            pending = request(*self._ranges(mine))
+            pending = request(*probe_ranges(mine, self.size, self.shard))
             return lambda: self._verify(mine, pending.result())
 
-        def again(failed: np.ndarray) -> None:
-            self._verify(failed, request(*self._ranges(failed)).result())
-
-        waiting = self._checks.start(touched(starts, stops, self.shard), begin, again)
-        return lambda: waiting()
+        return self._checks.start(touched(starts, stops, self.shard), begin)
 
     def _verify(self, shards: np.ndarray, values: Sequence[np.ndarray]) -> None:
         bad = self._compare(shards, values)
@@ -153,26 +109,13 @@ class ShardProbes:
             raise FormatError(f"{self.where}: {bad[0]}")
 
     def check(self, read: ReadRanges, starts: np.ndarray, stops: np.ndarray) -> None:
-        """:meth:`start_check` with ``read``, which returns the values it reads.
-
-        Raises:
-            FormatError: a shard whose first values are not those recorded.
-        """
-        self.start_check(lambda lo, hi: _Read(read(lo, hi)), starts, stops)()
+        """:meth:`start_check` with ``read``, which returns the values it reads, waited for."""
+        self.start_check(lambda lo, hi: Done(list(read(lo, hi))), starts, stops)()
 
     def verify_all(self, read: ReadRanges) -> list[str]:
         """Reads every shard's probe; a message for each that differs (for ``validate``)."""
-        return self._mismatches(read, np.arange(self.crcs.size, dtype=np.int64))
-
-    def _ranges(self, shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(starts, stops)`` of the probes of ``shards``."""
-        lo = shards * self.shard
-        return lo, np.minimum(lo + min(PROBE, self.shard), self.size)
-
-    def _mismatches(self, read: ReadRanges, shards: np.ndarray) -> list[str]:
-        if not shards.size:
-            return []
-        return self._compare(shards, read(*self._ranges(shards)))
+        shards = np.arange(self.crcs.size, dtype=np.int64)
+        return self._compare(shards, read(*probe_ranges(shards, self.size, self.shard)))
 
     def _compare(self, shards: np.ndarray, values: Sequence[np.ndarray]) -> list[str]:
         """A message for each of ``shards`` whose probe ``values`` differ from the recorded."""

@@ -1,10 +1,5 @@
-"""The storage format of a dataset's arrays, and creating them.
-
-:class:`StorageFormat` holds the chunking, sharding, compression and zarr
-version of a dataset's arrays; :func:`create_array` creates one of them, and
-:func:`open_for_writing` opens it again, so that a streaming writer and a
-distributed one (each shard written by one worker) write the same bytes.
-"""
+"""The storage format of a dataset's arrays (:class:`StorageFormat`), and creating
+them, so that a streaming writer and a distributed one write the same bytes."""
 
 from __future__ import annotations
 
@@ -15,6 +10,7 @@ import numpy as np
 import tensorstore as ts
 
 from flat_tokens_jax.core.format import SEQ_STARTS
+from flat_tokens_jax.store.arrays import TensorStoreArray
 from flat_tokens_jax.store.digests import DIGESTS, attribute, chunk_digests
 from flat_tokens_jax.store.probes import ATTRIBUTE as PROBES
 from flat_tokens_jax.store.probes import probe_attribute
@@ -30,14 +26,10 @@ class StorageFormat:
     """How a dataset's arrays are stored: zarr version, shard and chunk sizes,
     compression and checksums.
 
-    Fields left unset take the defaults of the zarr version (see "Default layout" in
-    docs/format.md): zarr v3 shards of ``1 << 24`` tokens with inner chunks of
-    ``1 << 13``, uncompressed, with crc32c checksums; zarr v2 chunk files of
-    ``1 << 20`` tokens (4 MiB), blosc-compressed, since a v2 chunk file is always
-    written whole (a small array would otherwise take a full chunk on disk) and
-    a v2 reader holds whole chunks in memory. Blosc (zstd inside) is the
-    compressor every zarr v2 reader decodes; numcodecs before 0.16 cannot
-    decode the plain zstd frames tensorstore writes.
+    Fields left unset take the defaults of the zarr version ("Default layout" in
+    docs/format.md). zarr v2 chunk files are compressed by default, since one is
+    always written whole and held whole by a reader, with blosc (zstd inside):
+    numcodecs before 0.16 cannot decode the plain zstd frames tensorstore writes.
 
     Attributes:
         zarr_format: 3 (default) or 2, for readers that only know zarr v2.
@@ -106,35 +98,28 @@ class StorageFormat:
             raise ValueError(f"StorageFormat.zstd_level must be in [1, 22], got {self.zstd_level}")
 
     def elements(self, array: str) -> tuple[int, int]:
-        """``(per shard, per chunk)`` elements of ``array`` (a name such as ``seq_starts``).
-
-        Arrays of one entry per token use ``shard_tokens`` and ``chunk_tokens``;
-        ``seq_starts`` (8-byte entries, one per sequence) uses half of each, so
-        its shards hold about as many bytes as the tokens' do.
-        """
+        """``(per shard, per chunk)`` elements of ``array``: ``seq_starts`` (8-byte
+        entries) uses half of each, so its shards hold about the tokens' bytes."""
         if array == SEQ_STARTS and self.zarr_format == 2:
             return max(self.shard_tokens // 2, 1), max(self.shard_tokens // 2, 1)
         if array == SEQ_STARTS:
             return max(self.shard_tokens // 2, self.chunk_tokens), max(self.chunk_tokens // 2, 1)
         return self.shard_tokens, self.chunk_tokens
 
-    def _v2_compressor(self) -> dict[str, Any] | None:
-        """The numcodecs compressor of zarr v2 chunks."""
-        if self.compression == "blosc":
-            return {
-                "id": "blosc",
-                "cname": "zstd",
-                "clevel": min(self.zstd_level, 9),
-                "shuffle": 1,
-                "blocksize": 0,
-            }
-        return {"id": "zstd", "level": self.zstd_level} if self.compression else None
-
     def array_spec(
         self, dtype: np.dtype[Any], elements_per_shard: int, elements_per_chunk: int, size: int
     ) -> dict[str, Any]:
         """zarr metadata of a 1-D array of ``dtype`` and ``size`` elements."""
         if self.zarr_format == 2:
+            compressor = {"id": "zstd", "level": self.zstd_level} if self.compression else None
+            if self.compression == "blosc":
+                compressor = {
+                    "id": "blosc",
+                    "cname": "zstd",
+                    "clevel": min(self.zstd_level, 9),
+                    "shuffle": 1,
+                    "blocksize": 0,
+                }
             return {
                 "shape": [size],
                 "chunks": [elements_per_shard],
@@ -142,7 +127,7 @@ class StorageFormat:
                 "fill_value": 0,
                 "order": "C",
                 "filters": None,
-                "compressor": self._v2_compressor(),
+                "compressor": compressor,
             }
         inner: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
         if self.compression:
@@ -185,19 +170,15 @@ def create_array(
     size: int = PROVISIONAL_SIZE,
 ) -> ts.TensorStore:
     """Creates (replacing any old one) the array ``split/array`` of ``size`` elements.
-
-    Writes of whole shards (``storage_format.elements(array)[0]`` elements, the last
-    one cut at ``size``) give the same bytes whether the array was created at
-    its final size or at a provisional one and resized at the end.
-    """
+    Whole shards written give the same bytes at any ``size`` (final, or provisional
+    and resized at the end)."""
     per_shard, per_chunk = storage_format.elements(array)
     meta = storage_format.array_spec(dtype, per_shard, per_chunk, size)
     return _create(store, f"{split}/{array}", meta, storage_format.zarr_format)
 
 
 def _create(store: Store, key: str, meta: dict[str, Any], zarr_format: int) -> ts.TensorStore:
-    """Creates (replacing) the array ``key`` of metadata ``meta``, marked as
-    storing every chunk."""
+    """Creates (replacing) the array ``key`` of metadata ``meta``."""
     spec = {
         "driver": "zarr3" if zarr_format == 3 else "zarr",
         "kvstore": store.sub(key),
@@ -233,31 +214,14 @@ def create_digests(
     storage_format: StorageFormat,
     size: int = PROVISIONAL_SIZE,
 ) -> ts.TensorStore:
-    """Creates the side array of chunk digests (see :mod:`~flat_tokens_jax.store.digests`)
-    of the array ``split/array`` of ``size`` elements, which :func:`create_array`
-    made: ``[ceil(size / chunk)] uint32``, one side chunk per shard of the array."""
+    """Creates the side array of chunk digests of the array ``split/array``:
+    ``[ceil(size / chunk)] uint32``, one side chunk per shard of the array."""
     per_shard, per_chunk = storage_format.elements(array)
     count, per_side = -(-size // per_chunk), per_shard // per_chunk
-    if storage_format.zarr_format == 2:
-        meta: dict[str, Any] = {
-            "shape": [count],
-            "chunks": [per_side],
-            "dtype": "<u4",
-            "fill_value": 0,
-            "order": "C",
-            "filters": None,
-            "compressor": None,
-        }
-    else:
-        codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
-        meta = {
-            "shape": [count],
-            "data_type": "uint32",
-            "fill_value": 0,
-            "attributes": {EVERY_CHUNK_STORED: True},
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [per_side]}},
-            "codecs": codecs + ([{"name": "crc32c"}] if storage_format.checksum else []),
-        }
+    plain = dataclasses.replace(storage_format, compression=None)
+    meta = plain.array_spec(np.dtype("<u4"), per_side, per_side, count)
+    if storage_format.zarr_format == 3:  # not sharded: a side chunk is one file
+        meta["codecs"] = meta["codecs"][0]["configuration"]["codecs"]
     return _create(store, f"{split}/{array}/{DIGESTS}", meta, storage_format.zarr_format)
 
 
@@ -281,20 +245,11 @@ def write_digests(
 def record_probes(
     store: Store, split: str, array: str, storage_format: StorageFormat, handle: ts.TensorStore
 ) -> None:
-    """Adds the ``shard_probes`` attribute (see :mod:`~flat_tokens_jax.store.probes`), and
-    the ``chunk_crc32c`` one that announces the chunk digests the writer wrote,
-    their content digest and each side chunk's crc32c (see
-    :mod:`~flat_tokens_jax.store.digests`), to the
-    finished array ``split/array``, whose values ``handle`` reads and whose
-    digests are all written."""
-    size = int(handle.domain.exclusive_max[0])
+    """Adds the ``shard_probes`` and ``chunk_crc32c`` attributes to the finished
+    array ``split/array``, whose values ``handle`` reads and whose digests are all written."""
+    reader = TensorStoreArray(handle, None, f"{store.url}/{split}/{array}", store.options)
     per_shard, per_chunk = storage_format.elements(array)
-
-    def read(starts: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
-        pending = [handle[a:b].read() for a, b in zip(starts.tolist(), stops.tolist(), strict=True)]
-        return [np.asarray(store.wait(f)) for f in pending]
-
-    probes = probe_attribute(read, size, per_shard)
+    probes = probe_attribute(reader.read_ranges, reader.size, per_shard)
     side = open_digests(store, split, array, storage_format)
     count = int(side.domain.exclusive_max[0])
     # Digests per read: 16 MiB in whole side chunks, one per shard.

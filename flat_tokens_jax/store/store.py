@@ -51,8 +51,7 @@ def remote_reads() -> dict[str, int]:
 def remote_bytes() -> dict[str, int]:
     """Bytes that tensorstore's HTTP reads from GCS and S3 returned in this
     process so far (its ``/tensorstore/kvstore/{gcs,s3}/bytes_read`` metrics),
-    by scheme: whole chunks and shard indexes, so divided by the tokens a
-    batch uses it gives the bytes read per useful token."""
+    by scheme: whole chunks and shard indexes."""
     return _by_scheme("bytes_read")
 
 
@@ -62,11 +61,9 @@ THROTTLED_CODES = ("429", "503")
 
 
 def throttled_requests() -> int:
-    """HTTP requests of this process that a server answered 429 (Too Many
-    Requests, GCS over a bucket's request rate) or 503 (Service Unavailable,
-    S3's SlowDown) so far, each one an attempt that tensorstore retried after
-    a backoff (its ``/tensorstore/http/response_codes`` metric: every HTTP
-    request tensorstore sent, GCS and S3 alike)."""
+    """HTTP requests of this process that a server answered 429 or 503 so far
+    (:data:`THROTTLED_CODES`), each one an attempt that tensorstore retried after
+    a backoff (its ``/tensorstore/http/response_codes`` metric)."""
     found = ts.experimental_collect_matching_metrics("/tensorstore/http/response_codes")
     return sum(
         int(v.get("value", 0))
@@ -131,12 +128,6 @@ def kvstore_spec(url: str | os.PathLike[str], options: StoreOptions) -> dict[str
 HTTP_THREADS = 64
 
 
-def _default_http_threads() -> None:
-    """Sets ``TENSORSTORE_HTTP_THREADS`` to :data:`HTTP_THREADS` unless set; read
-    by tensorstore at the process's first HTTP request."""
-    os.environ.setdefault("TENSORSTORE_HTTP_THREADS", str(HTTP_THREADS))
-
-
 class Store:
     """A store root: JSON metadata and array handles under one kvstore and context."""
 
@@ -144,8 +135,8 @@ class Store:
         self.url = os.fspath(url)
         self.options = options or StoreOptions()
         self.spec = kvstore_spec(url, self.options)
-        if self.spec["driver"] in ("gcs", "s3"):
-            _default_http_threads()
+        if self.spec["driver"] in ("gcs", "s3"):  # read at the process's first HTTP request
+            os.environ.setdefault("TENSORSTORE_HTTP_THREADS", str(HTTP_THREADS))
         if self.options.context is not None:
             self.context = self.options.context
         elif self.spec["driver"] == "memory":
@@ -158,8 +149,7 @@ class Store:
         self._fetched_lock = threading.Lock()
 
     def wait(self, future: Any) -> Any:
-        """The result of a tensorstore future, within the timeout; failures as
-        :class:`StoreError`."""
+        """:func:`~flat_tokens_jax.store.options.wait` with this store's options."""
         return wait(future, self.url, self.options)
 
     def __repr__(self) -> str:
@@ -193,24 +183,18 @@ class Store:
             for key in [k for k in self._fetched if k.startswith(prefix)]:
                 del self._fetched[key]
 
-    def _read_bytes(self, key: str) -> bytes | None:
-        with self._fetched_lock:
-            if key in self._fetched:
-                return self._fetched[key]
-        got = self.wait(self.kv.read(key))
-        return bytes(got.value) if got.state == "value" else None
-
     def read_json(self, key: str) -> dict[str, Any] | None:
-        """Parsed JSON at ``key``, or ``None`` if there is no such key.
-
-        Raises:
-            FormatError: the local file of ``key`` is a FIFO, device or folder
-                (tensorstore would wait on a FIFO forever).
-        """
+        """Parsed JSON at ``key``, or ``None`` if there is no such key. Raises
+        ``FormatError`` for a local FIFO, device or folder (tensorstore would wait
+        on a FIFO forever)."""
         path = self.local_path(key)
         if path is not None:
             check_regular_file(path, "zarr metadata (JSON)")
-        raw = self._read_bytes(key)
+        with self._fetched_lock:
+            fetched, raw = key in self._fetched, self._fetched.get(key)
+        if not fetched:
+            got = self.wait(self.kv.read(key))
+            raw = bytes(got.value) if got.state == "value" else None
         if raw is None:
             return None
         try:
@@ -238,8 +222,11 @@ class Store:
         self._forget(folder)
         # Keys under "a/" sort between "a/" and "a0" ("0" follows "/" in ASCII).
         self.wait(self.kv.delete_range(ts.KvStore.KeyRange(folder, folder[:-1] + "0")))
-        if self.spec["driver"] == "file":  # files go; the folders they were in stay
-            _remove_empty_folders(os.path.join(self.spec["path"], folder))
+        if self.spec["driver"] == "file":  # files go; empty folders are removed here
+            top = os.path.join(self.spec["path"], folder)
+            for sub, _, _ in sorted(os.walk(top), key=lambda w: -len(w[0])):
+                with contextlib.suppress(OSError):  # not empty, or gone already
+                    os.rmdir(sub)
 
     def group_attributes(self, key: str) -> tuple[int, dict[str, Any]] | None:
         """``(zarr_format, attributes)`` of the group at ``key`` (``""`` is the root)."""
@@ -267,11 +254,8 @@ class Store:
             self.write_json(prefix + V2_GROUP, {"zarr_format": 2})
 
     def array_metadata(self, key: str) -> tuple[Literal[2, 3], dict[str, Any]] | None:
-        """``(zarr_format, metadata)`` of the array at ``key``, or ``None``.
-
-        A zarr v2 array's metadata is its ``.zarray``, with its ``.zattrs`` (or
-        ``{}``) under ``"attributes"`` as zarr v3 keeps them.
-        """
+        """``(zarr_format, metadata)`` of the array at ``key``, or ``None``; a zarr v2
+        array's ``.zattrs`` go under ``"attributes"``, as zarr v3 keeps them."""
         meta = self.read_json(f"{key}/{V3_META}")
         if meta is not None:
             if meta.get("node_type") != "array":
@@ -307,14 +291,11 @@ class Store:
     ) -> ArrayReader:
         """A reader of the array at ``key``: tensorstore, else zarr-python.
 
-        Missing chunks read as the fill value (zarr's rule, for writers that
-        skip chunks of fill values), except in arrays whose metadata marks
-        every chunk as stored (ours): there, a missing chunk fails the read.
+        Missing chunks read as the fill value (zarr's rule), except in arrays
+        marked :data:`EVERY_CHUNK_STORED` (ours), where they fail the read.
         Arrays are immutable once written, so cached chunks and shard indexes
-        are used without asking the server again. Given the array's metadata
-        ``meta``, a zarr v3 array opens without reading it again, and
-        uncompressed zarr v3 shards on local disk are memory-mapped (see
-        :mod:`flat_tokens_jax.store.localshards`).
+        are never rechecked. Given ``meta``, a zarr v3 array opens without
+        reading it again, and its plain shards on local disk are memory-mapped.
         """
         folder = self.local_path(key)
         if folder is not None:  # tensorstore and zarr-python would block on a FIFO chunk
@@ -333,7 +314,8 @@ class Store:
             if handle is None:
                 handle = ts.open(spec, context=self.context, read=True).result()
         except ValueError as ts_error:
-            if not _unsupported_codec(ts_error):
+            # Only metadata tensorstore refused (not a failure to reach it) may open in zarr-python.
+            if not str(ts_error).startswith(("INVALID_ARGUMENT", "FAILED_PRECONDITION")):
                 raise store_error(f"{self.url}/{key}", ts_error, self.options) from ts_error
             try:
                 arr = open_zarr_python(self.url, self.options, key, zarr_format)
@@ -367,12 +349,6 @@ class Store:
         return TensorStoreArray(handle, local, f"{self.url}/{key}", self.options)
 
 
-def _unsupported_codec(error: ValueError) -> bool:
-    """Whether tensorstore refused an array's metadata (so zarr-python may open it),
-    rather than failed to reach it."""
-    return str(error).startswith(("INVALID_ARGUMENT", "FAILED_PRECONDITION"))
-
-
 def describe_storage_format(zarr_format: int, meta: Mapping[str, Any]) -> dict[str, Any]:
     """Chunking and compression of an array, from its zarr metadata, for ``info``."""
     if zarr_format == 2:
@@ -387,14 +363,12 @@ def describe_storage_format(zarr_format: int, meta: Mapping[str, Any]) -> dict[s
         }
     grid = meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape", [None])[0]
     codecs = list(meta.get("codecs", []))
-    shard = None
-    chunk = grid
+    shard, chunk = None, grid
     if codecs and codecs[0].get("name") == "sharding_indexed":
         conf = codecs[0].get("configuration", {})
         shard, chunk = grid, conf.get("chunk_shape", [None])[0]
         codecs = conf.get("codecs", [])
-    skipped = ("bytes", "transpose", "crc32c")
-    names = [c.get("name") for c in codecs if c.get("name") not in skipped]
+    names = [c.get("name") for c in codecs if c.get("name") not in ("bytes", "transpose", "crc32c")]
     return {
         "zarr_format": 3,
         "chunk": chunk,
@@ -403,10 +377,3 @@ def describe_storage_format(zarr_format: int, meta: Mapping[str, Any]) -> dict[s
         "filters": [],
         "checksum": any(c.get("name") == "crc32c" for c in codecs),
     }
-
-
-def _remove_empty_folders(top: str) -> None:
-    """Removes ``top`` and the folders under it that hold no file."""
-    for folder, _, _ in sorted(os.walk(top), key=lambda w: -len(w[0])):
-        with contextlib.suppress(OSError):  # not empty, or gone already
-            os.rmdir(folder)

@@ -1,10 +1,5 @@
 """The ``chat_template`` of a ``transformers`` tokenizer, rendered with
-``apply_chat_template`` (messages only), and the renderer of either template kind.
-
-Each content is located by rendering the conversation again with markers in
-place of the contents; a message whose marker is missing from the text was
-rendered to nothing (many templates have no branch for ``tool`` messages).
-"""
+``apply_chat_template`` (messages only), and the renderer of either template kind."""
 
 from __future__ import annotations
 
@@ -45,16 +40,12 @@ class _TokenizerTemplate:
     """Renders with a ``transformers`` tokenizer's chat template, then finds the turns.
 
     The template renders the conversation twice: as it is, and with each content
-    replaced by a marker. Putting the contents (or, for templates that trim them,
-    the trimmed contents) in place of the markers must give the first text, and
-    the markers' places are then the contents'. A message whose marker is not in
-    the text was rendered to nothing: a bad document if its role is trained, else
-    listed in :attr:`Rendered.dropped`. A template that leaves out messages with
-    empty content renders them to nothing too: when rendering markers for the
-    other messages only finds them, and the conversation without the empty
-    messages renders to the same text. ``end_of_turn``: ``None`` trains
-    the added token that follows a trained turn's content (after any spaces), if
-    one does; ``""`` trains none.
+    replaced by a marker. Putting the contents (or the trimmed contents) in place
+    of the markers must give the first text; the markers' places are then the
+    contents'. A message whose marker is not in the text was rendered to nothing:
+    a bad document if its role is trained, else listed in :attr:`Rendered.dropped`.
+    ``end_of_turn``: ``None`` trains the added token that follows a trained turn's
+    content (after any spaces), if one does; ``""`` trains none.
     """
 
     hf: Any

@@ -1,18 +1,6 @@
-"""Chat templates: conversations to text, and which of its tokens are trained.
-
-A :class:`ChatTemplate` (a YAML config such as ``configs/chat.yaml``: per-role
-prefix and suffix, bos/eos, trained roles, and top-level fields placed before
-the turns), and what every template shares: reading messages, the
-:class:`Rendered` result, checking template tokens, and the loss mask. The
-``chat_template`` of a ``transformers`` tokenizer is in
-:mod:`~flat_tokens_jax.convert.chat_hf`.
-
-Trained characters become trained tokens through the tokenizer's offsets: a
-token is trained when one of its non-space characters is trained (a token of
-spaces only: when one of its characters is). So ``" Hello"``, which merges a
-template's separating space with the answer, is trained, and a special token
-that absorbs the spaces after it (Phi-3's ``"<|assistant|>\\n "``) is not.
-"""
+"""Chat templates: the YAML :class:`ChatTemplate`, and what every template shares
+(reading messages, checking template tokens, the loss mask); a ``transformers``
+tokenizer's own template is in :mod:`~flat_tokens_jax.convert.chat_hf`."""
 
 from __future__ import annotations
 
@@ -24,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from flat_tokens_jax.convert.inputs import BadDocument, require
+from flat_tokens_jax.convert.inputs import BadDocument
+from flat_tokens_jax.core.yamlfile import read_yaml
 
 # A conversation's (list, role, text) keys, in either of the two common forms.
 CONVERSATION_KEYS = (("conversations", "from", "value"), ("messages", "role", "content"))
@@ -46,16 +35,10 @@ Span = tuple[int, int]
 
 @dataclasses.dataclass(frozen=True)
 class Rendered:
-    """A conversation as text, with what is trained and what was lost.
-
-    Attributes:
-        text: the rendered conversation.
-        spans: the trained character spans ``[start, end)`` of ``text``, sorted.
-        dropped: ``(index, role)`` of each message whose content the template
-            left out of ``text`` (a role it has no branch for, such as ``tool``
-            in many templates). A message with empty content is not dropped when
-            its turn is rendered; a YAML template drops nothing.
-    """
+    """A conversation as ``text``, its trained character ``spans`` ``[start, end)``
+    (sorted), and ``dropped``: ``(index, role)`` of each message whose content the
+    template left out of ``text`` (a role it has no branch for, such as ``tool``
+    in many templates; a YAML template drops nothing)."""
 
     text: str
     spans: list[Span]
@@ -145,13 +128,7 @@ class ChatTemplate:
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> ChatTemplate:
         """Reads the ``chat:`` mapping of a YAML file (needs the ``yaml`` extra)."""
-        yaml = require("yaml", "yaml")
-        with open(path, encoding="utf-8") as f:
-            try:
-                loaded = yaml.safe_load(f)
-            except yaml.YAMLError as e:
-                # PyYAML's message spans lines (problem, then the place): one line here.
-                raise ValueError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from e
+        loaded = read_yaml(path)
         if not isinstance(loaded, dict) or not isinstance(loaded.get("chat"), dict):
             raise ValueError(f"{path}: expected a mapping under a top-level 'chat:' key")
         return cls.from_dict(loaded["chat"])
@@ -290,7 +267,10 @@ def trained_tokens(text: str, offsets: np.ndarray, spans: Sequence[Span]) -> np.
     """``[n] uint8`` loss mask of tokens with character ``offsets`` ``[n, 2]`` in ``text``.
 
     A token is trained when one of its non-space characters is in a trained
-    span, or, for a token of spaces only, when one of its characters is.
+    span, or, for a token of spaces only, when one of its characters is. So
+    ``" Hello"``, which merges a template's separating space with the answer, is
+    trained, and a special token that absorbs the spaces after it (Phi-3's
+    ``"<|assistant|>\\n "``) is not.
     """
     off = np.asarray(offsets, np.int64).reshape(-1, 2)
     codes = np.frombuffer(text.encode("utf-32-le"), np.uint32)

@@ -15,7 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from flat_tokens_jax.convert.commands import add_store_flags, run_command, store_options
+from flat_tokens_jax.convert.commands import (
+    add_output_flags,
+    path_error,
+    run_command,
+    store_options,
+)
 from flat_tokens_jax.convert.inputs import hash_inputs
 from flat_tokens_jax.convert.mmidx import (
     DTYPES,
@@ -94,7 +99,7 @@ def import_megatron(
         storage_format, overwrite, options: as for :class:`DatasetWriter`.
         **option_fields: or the fields of ``options`` as keywords.
         split: the split that receives everything (``train`` and ``validation``
-            are written even when empty); see :func:`~flat_tokens_jax.core.format.check_split_name`.
+            are written even when empty).
         progress: called after each chunk with ``(tokens_done, tokens_total)``.
         chunk_tokens: tokens per write, in whole units. Recommended: ``1 << 20``.
         tokenizer: the tokenizer that made the ids (a ``tokenizers`` JSON file
@@ -121,7 +126,8 @@ def import_megatron(
     prefixes = [prefixes] if isinstance(prefixes, str | os.PathLike) else list(prefixes)
     if not prefixes:
         raise ValueError("import_megatron needs at least one prefix")
-    refuse_overlap([os.fspath(p) + ext for p in prefixes for ext in (".bin", ".idx")], [output])
+    files = [Path(f"{os.fspath(p)}{ext}") for p in prefixes for ext in (".idx", ".bin")]
+    refuse_overlap(files, [output])
     indexes = [read_index(p) for p in prefixes]
     tok = None if tokenizer is None else identity(load_tokenizer(tokenizer))
     codes = sorted({ix.dtype_code for ix in indexes})
@@ -130,7 +136,6 @@ def import_megatron(
     done = written = 0
     stats: list[dict[str, Any]] = []
     attributes = {} if code is None else {"megatron": {"dtype_code": code}}
-    files = [Path(f"{os.fspath(p)}{ext}") for p in prefixes for ext in (".idx", ".bin")]
     with (
         DatasetWriter(
             output,
@@ -232,13 +237,9 @@ def export_megatron(
             f"PREFIX.bin and PREFIX.idx: name them, e.g. "
             f"{os.path.join(named, split)} for {os.path.join(named, split)}.bin/.idx"
         )
-    folder = os.path.dirname(os.path.abspath(named))
-    if not os.path.isdir(folder):
+    if not os.path.isdir(os.path.dirname(os.path.abspath(named))):
         # Found before the data is read, and named as given, not as the temporary files.
-        raise ValueError(
-            f"the export prefix {named}: the folder {folder} does not exist: create it, or "
-            "name a PREFIX in a folder that exists"
-        )
+        raise path_error("the export prefix", named, FileNotFoundError(), "a PREFIX")
     refuse_overlap([url], [os.fspath(prefix) + ext for ext in (".bin", ".idx")])
     ds = open_dataset(url, options)
     ft = ds[split]
@@ -321,9 +322,7 @@ def add_commands(subparsers: Any) -> None:
         help="the tokenizer that made the ids (JSON file or transformers directory), recorded "
         "in the dataset's info so that merge and Mixture can check it",
     )
-    p.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    add_store_flags(p)
+    add_output_flags(p)
     p.set_defaults(run=_cmd_import)
     p = subparsers.add_parser("export-megatron", help="one split to Megatron PREFIX.idx/.bin")
     p.add_argument("url", metavar="URL", help="dataset path or URL")
@@ -336,8 +335,7 @@ def add_commands(subparsers: Any) -> None:
         help="1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16 "
         "(default: the imported one, else 8 if max_token_id < 65500, else 4)",
     )
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    add_store_flags(p)
+    add_output_flags(p, overwrite=False)
     p.set_defaults(run=_cmd_export)
 
 
@@ -362,7 +360,6 @@ def _cmd_import(args: argparse.Namespace) -> int:
         ),
         as_json=args.json,
         describe=describe,
-        errors=(ValueError, OSError, ImportError),
     )
 
 

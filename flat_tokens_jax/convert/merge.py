@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from flat_tokens_jax.convert.commands import add_store_flags, run_command, store_options
+from flat_tokens_jax.convert.commands import add_output_flags, run_command, store_options
 from flat_tokens_jax.core.format import split_names
 from flat_tokens_jax.data.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.data.writer import DatasetWriter, StorageFormat
@@ -154,14 +154,12 @@ def add_commands(subparsers: Any) -> None:
     p = subparsers.add_parser("merge", help="concatenate flat-tokens datasets into one")
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="datasets, in order")
     p.add_argument("output", metavar="OUTPUT", help="the new dataset")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT")
     p.add_argument(
         "--allow-mixed-tokenizers",
         action="store_true",
         help="merge inputs that record different tokenizers",
     )
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    add_store_flags(p)
+    add_output_flags(p)
     p.set_defaults(run=_cmd_merge)
 
 

@@ -145,12 +145,7 @@ class Placement:
 
 
 def place_parts(output: str, storage_format: StorageFormat, parts: list[PartInfo]) -> Placement:
-    """The :class:`Placement` of ``parts`` (in any order; they are sorted by index).
-
-    Raises:
-        ValueError: no parts, parts that do not have the same splits, indexes
-            that repeat, or a split whose parts have a loss mask only in part.
-    """
+    """The :class:`Placement` of ``parts`` (in any order; they are sorted by index)."""
     ordered = tuple(sorted(parts, key=lambda p: p.index))
     if not ordered:
         raise ValueError("no parts to assemble")
@@ -231,10 +226,8 @@ def assemble_shard(
     """Writes the output shard of ``task`` whole, from the parts (opened by
     ``open_part``, which may cache); returns its elements.
 
-    Raises:
-        IndexError, ValueError: a part holds other data than its
-            :class:`PartInfo` says (fewer tokens or sequences, or no loss mask).
-    """
+    Raises IndexError or ValueError when a part holds other data than its
+    :class:`PartInfo` says."""
     split, array, shard = task
     size = placement.arrays(split)[array]
     per_shard = placement.storage_format.elements(array)[0]

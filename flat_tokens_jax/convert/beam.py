@@ -319,8 +319,6 @@ def convert_beam(
         pipeline_args: Beam pipeline options (``--runner=DataflowRunner``,
             ``--project``, ...). Without ``--runner``: Beam's FnApiRunner on
             this machine, one worker process per CPU (``--direct_num_workers``).
-        options: how to reach ``output`` (e.g. an S3 endpoint and credentials).
-        **option_fields: or the fields of ``options`` as keywords, e.g. ``endpoint=...``.
 
     Other arguments are ``convert``'s. ``max_tokens`` and ``workers`` have no
     equivalent here.
@@ -398,13 +396,10 @@ def convert_beam(
             raise
     counters = _counters(_run(pipeline, claim))
     written = open_dataset(out, options)
-    return conv.summary(
-        out,
-        {n: {"documents": ft.num_sequences, "tokens": ft.num_tokens} for n, ft in written.items()},
+    totals = Totals(
+        documents={n: ft.num_sequences for n, ft in written.items()},
+        tokens={n: ft.num_tokens for n, ft in written.items()},
         skipped_empty=counters.get("skipped_empty", 0),
         skipped_bad=counters.get("skipped_bad", 0),
-        seconds=time.perf_counter() - started,
-        stopped_early=False,
-        max_tokens=None,
-        runner=runner,
     )
+    return conv.summary(out, totals, time.perf_counter() - started, runner=runner)

@@ -8,6 +8,7 @@ Each document holds one conversation (``conversations: [{from, value}]`` or
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import hashlib
 import itertools
@@ -15,7 +16,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -25,7 +26,6 @@ from flat_tokens_jax.convert.chat_hf import make_renderer
 from flat_tokens_jax.convert.chat_template import ChatTemplate, Rendered, trained_tokens
 from flat_tokens_jax.convert.commands import (
     add_converter_flags,
-    add_start_token_flag,
     progress_bar,
     run_command,
     store_options,
@@ -130,7 +130,10 @@ def convert_chat(
     loaded = load_tokenizer(tokenizer)
     start = resolve_start_token_id(start_token_id, loaded)
     render = make_renderer(loaded, template, train_on, end_of_turn)
-    tok = _whole_offsets(loaded.tokenizer)
+    # A copy without the post-processor, whose ids are the same: one such as
+    # ByteLevel(trim_offsets=True) trims spaces off the offsets, which the mask needs whole.
+    tok = type(loaded.tokenizer).from_str(loaded.tokenizer.to_str())
+    tok.post_processor = None
 
     def check(document: Mapping[str, Any], where: Where) -> _Doc:
         rendered = render(document)
@@ -156,7 +159,8 @@ def convert_chat(
         ):
             for paths, fraction, all_validation in passes:
                 reader = DocumentReader(paths, None, skip_bad=skip_bad, check=check)
-                for docs in _batches(cast(Iterable[_Doc], reader)):
+                read = cast(Iterator[_Doc], iter(reader))
+                while docs := list(itertools.islice(read, BATCH_DOCS)):
                     texts, packed, mask = _tokenize(tok, docs, reader, dropped)
                     valid = validation_mask(texts, fraction) | all_validation
                     written = totals.write(writer, packed, valid, mask)
@@ -224,23 +228,6 @@ def _flags(
         "end_of_turn": end_of_turn,
         "validation_fraction": validation_fraction,
     }
-
-
-def _whole_offsets(tokenizer: Any) -> Any:
-    """A copy without the post-processor, whose ids are the same.
-
-    A post-processor such as ``ByteLevel(trim_offsets=True)`` trims spaces off
-    the offsets, which the mask needs whole; with ``add_special_tokens=False``
-    post-processors add no tokens.
-    """
-    copy = type(tokenizer).from_str(tokenizer.to_str())
-    copy.post_processor = None
-    return copy
-
-
-def _batches(docs: Iterable[_Doc]) -> Iterator[list[_Doc]]:
-    it = iter(docs)
-    return iter(lambda: list(itertools.islice(it, BATCH_DOCS)), [])
 
 
 def _tokenize(
@@ -315,10 +302,6 @@ def add_commands(subparsers: Any) -> None:
         help="tokenizer's template: the token trained after each trained turn (default: the "
         "added token that follows it, if any; 'none': none)",
     )
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--validation-fraction", type=float, default=0.0, help="hash split fraction")
-    g.add_argument("--validation", nargs="+", default=[], metavar="INPUT", help="validation inputs")
-    add_start_token_flag(p)
     p.add_argument(
         "--strict",
         action="store_true",
@@ -339,10 +322,9 @@ def _describe(s: dict[str, Any]) -> str:
     dropped = s["dropped_messages"]
     lost = ""
     if dropped:
-        roles: dict[str, int] = {}
+        roles: collections.Counter[str] = collections.Counter()
         for entry in dropped.values():
-            for role, n in entry["roles"].items():
-                roles[role] = roles.get(role, 0) + n
+            roles.update(entry["roles"])
         where = next(iter(dropped)) if len(dropped) == 1 else f"{len(dropped)} files"
         by_role = ", ".join(f"{role}: {n:,}" for role, n in sorted(roles.items()))
         first = next(iter(dropped.values()))["first"]
@@ -376,6 +358,4 @@ def _cmd_convert_chat(args: argparse.Namespace) -> int:
             start_token_id=args.start_token_id,
         )
 
-    return run_command(
-        "convert-chat", work, as_json=args.json, describe=_describe, output=args.output
-    )
+    return run_command(args, work, _describe, output=args.output)

@@ -168,12 +168,7 @@ def make_renderer(
     train_on: Sequence[str] | None,
     end_of_turn: str | None,
 ) -> Renderer:
-    """The renderer of a YAML template, or else of the tokenizer's own chat template.
-
-    Raises:
-        ValueError: no template to use, options that the YAML template sets
-            itself, or a template token that is not one token of the vocabulary.
-    """
+    """The renderer of a YAML template, or else of the tokenizer's own chat template."""
     tok = loaded.tokenizer
     if template is not None:
         if train_on is not None or end_of_turn is not None:

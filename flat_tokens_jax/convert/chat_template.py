@@ -18,17 +18,8 @@ from flat_tokens_jax.core.yamlfile import read_yaml
 # A conversation's (list, role, text) keys, in either of the two common forms.
 CONVERSATION_KEYS = (("conversations", "from", "value"), ("messages", "role", "content"))
 ROLE_ALIASES = {"human": "user", "gpt": "assistant"}
-# The code points for which str.isspace() is true.
-SPACE_CODES = np.array(
-    [
-        *range(0x9, 0xE),
-        *range(0x1C, 0x21),
-        *(0x85, 0xA0, 0x1680),
-        *range(0x2000, 0x200B),
-        *(0x2028, 0x2029, 0x202F, 0x205F, 0x3000),
-    ],
-    np.uint32,
-)
+# The code points for which str.isspace() is true (none is above U+3000).
+SPACE_CODES = np.array([c for c in range(0x3001) if chr(c).isspace()], np.uint32)
 TOKEN_LITERAL = re.compile(r"<\|[^|<>\s]{1,64}\|>")
 Span = tuple[int, int]
 
@@ -102,8 +93,13 @@ class ChatTemplate:
                 )
 
     @classmethod
-    def from_dict(cls, config: Mapping[str, Any]) -> ChatTemplate:
-        """From the mapping under ``chat:`` in a YAML config; unknown keys are refused."""
+    def from_yaml(cls, path: str | os.PathLike[str]) -> ChatTemplate:
+        """Reads the ``chat:`` mapping of a YAML file (needs the ``yaml`` extra);
+        unknown keys are refused."""
+        loaded = read_yaml(path)
+        if not isinstance(loaded, dict) or not isinstance(loaded.get("chat"), dict):
+            raise ValueError(f"{path}: expected a mapping under a top-level 'chat:' key")
+        config = loaded["chat"]
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(config) - known)
         if unknown:
@@ -125,14 +121,6 @@ class ChatTemplate:
                 args[key] = tuple(args[key])
         return cls(**args)
 
-    @classmethod
-    def from_yaml(cls, path: str | os.PathLike[str]) -> ChatTemplate:
-        """Reads the ``chat:`` mapping of a YAML file (needs the ``yaml`` extra)."""
-        loaded = read_yaml(path)
-        if not isinstance(loaded, dict) or not isinstance(loaded.get("chat"), dict):
-            raise ValueError(f"{path}: expected a mapping under a top-level 'chat:' key")
-        return cls.from_dict(loaded["chat"])
-
     def tokens(self) -> list[str]:
         """Every special token the template writes, declared or seen as ``<|...|>``."""
         declared = [self.bos, self.eos, self.end_of_turn, *self.special_tokens]
@@ -143,12 +131,8 @@ class ChatTemplate:
     def render(
         self, document: Mapping[str, Any], forbidden: re.Pattern[str] | None = None
     ) -> tuple[str, list[Span]]:
-        """The conversation's text and its trained character spans.
-
-        Raises:
-            BadDocument: no conversation, an unknown role, a field that is not a
-                string, or content that ``forbidden`` matches.
-        """
+        """The conversation's text and its trained character spans; BadDocument
+        for a document it cannot render."""
         pieces: list[tuple[str, bool]] = [(self.bos, False)] if self.bos else []
         for name, affix in self.fields:
             value = document.get(name)
@@ -201,12 +185,8 @@ def parse_messages(
     aliases: Mapping[str, str],
     forbidden: re.Pattern[str] | None = None,
 ) -> list[tuple[str, str]]:
-    """``(role, content)`` of each message, roles renamed by ``aliases``.
-
-    Raises:
-        BadDocument: neither form of conversation, not a list, an empty list, a malformed
-            message, or content that ``forbidden`` matches.
-    """
+    """``(role, content)`` of each message, roles renamed by ``aliases``; BadDocument
+    for a malformed conversation or content that ``forbidden`` matches."""
     found = next((keys for keys in CONVERSATION_KEYS if keys[0] in document), None)
     if found is None:
         raise BadDocument(f"no 'conversations' or 'messages' list (keys: {sorted(document)[:10]})")
@@ -243,11 +223,7 @@ def _check_content(text: str, what: str, forbidden: re.Pattern[str] | None) -> N
 
 
 def check_template_tokens(tokenizer: Any, tokens: Iterable[str], where: str) -> None:
-    """Checks that each template token is one token of the vocabulary.
-
-    Raises:
-        ValueError: a token missing from the vocabulary, or one the tokenizer splits.
-    """
+    """Checks that each template token is one token of the vocabulary."""
     for token in tokens:
         token_id = tokenizer.token_to_id(token)
         if token_id is None:

@@ -163,14 +163,6 @@ def add_output_flags(parser: argparse.ArgumentParser, *, overwrite: bool = True)
     add_store_flags(parser)
 
 
-def add_converter_flags(parser: argparse.ArgumentParser) -> None:
-    """Adds what every command that reads documents into a new dataset takes:
-    ``--skip-bad``, ``--no-progress`` and :func:`add_output_flags`."""
-    parser.add_argument("--skip-bad", action="store_true", help="skip and count bad documents")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_output_flags(parser)
-
-
 def _start_token_id(text: str) -> int | str:
     if text in ("bos", "eos"):
         return text
@@ -183,8 +175,18 @@ def _start_token_id(text: str) -> int | str:
     return value
 
 
-def add_start_token_flag(parser: argparse.ArgumentParser) -> None:
-    """Adds ``--start-token-id``, recorded in the new dataset's info."""
+def add_converter_flags(parser: argparse.ArgumentParser) -> None:
+    """Adds what every command that reads documents into a new dataset takes: the
+    validation split, ``--start-token-id``, ``--skip-bad``, ``--no-progress`` and
+    :func:`add_output_flags`."""
+    g = parser.add_mutually_exclusive_group()
+    g.add_argument(
+        "--validation-fraction",
+        type=float,
+        default=0.0,
+        help="send about this fraction of documents, chosen by a hash of each, to validation",
+    )
+    g.add_argument("--validation", nargs="+", default=[], metavar="INPUT", help="validation inputs")
     parser.add_argument(
         "--start-token-id",
         type=_start_token_id,
@@ -192,6 +194,9 @@ def add_start_token_flag(parser: argparse.ArgumentParser) -> None:
         help="record the input id that training feeds at sequence starts (a number, or bos "
         "or eos: the tokenizer's); a LoaderConfig without start_token_id uses it",
     )
+    parser.add_argument("--skip-bad", action="store_true", help="skip and count bad documents")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_output_flags(parser)
 
 
 def store_options(args: argparse.Namespace) -> StoreOptions:
@@ -272,15 +277,15 @@ def progress_bar(progress: bool | None, desc: str) -> Any:
 
 
 def run_command(
-    name: str,
+    args: argparse.Namespace,
     work: Callable[[], dict[str, Any]],
-    *,
-    as_json: bool,
     describe: Callable[[dict[str, Any]], str],
+    *,
     errors: tuple[type[BaseException], ...] = (ValueError, OSError, ImportError),
     output: str | None = None,
 ) -> int:
-    """Runs ``work``; prints its summary (one line, or JSON) or the error on stderr.
+    """Runs ``work`` for ``args.command``; prints its summary (one line, or JSON with
+    ``args.json``) or the error on stderr.
 
     Returns:
         The exit status: 0; 1 when ``work`` raised one of ``errors``; 130 when
@@ -289,11 +294,11 @@ def run_command(
     try:
         summary = work()
     except errors as e:
-        return fail(name, e)
+        return fail(args.command, e)
     except KeyboardInterrupt:
         if output is None:
             raise
-        print(f"{name}: interrupted; {output} was not written", file=sys.stderr)
+        print(f"{args.command}: interrupted; {output} was not written", file=sys.stderr)
         return 130
-    print(json.dumps(summary) if as_json else describe(summary))
+    print(json.dumps(summary) if args.json else describe(summary))
     return 0

@@ -60,13 +60,8 @@ def require(module: str, extra: str) -> ModuleType:
 
 
 def input_kind(path: InputPath) -> str:
-    """``"jsonl"``, ``"parquet"`` or ``"hf"`` (a ``save_to_disk`` directory) for ``path``.
-
-    A URL (a ``str``) is a file named by its last component, never a directory.
-
-    Raises:
-        InputError: a format this module cannot read.
-    """
+    """``"jsonl"``, ``"parquet"`` or ``"hf"`` (a ``save_to_disk`` directory) for ``path``
+    (a URL, a ``str``, is never a directory); InputError for any other."""
     if isinstance(path, Path) and path.is_dir():
         if any((path / m).is_file() for m in HF_MARKERS):
             return "hf"
@@ -91,26 +86,15 @@ def input_kind(path: InputPath) -> str:
     )
 
 
-def as_patterns(
-    given: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-) -> list[str | os.PathLike[str]]:
-    """One path or pattern, or several, as a list."""
-    return [given] if isinstance(given, str | os.PathLike) else list(given)
-
-
 def expand_inputs(
     patterns: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     match: Callable[[str], list[str]] | None = None,
 ) -> list[InputPath]:
-    """Paths of ``patterns``: globs expanded and sorted per pattern, pattern order kept.
-    With ``match`` (sorted files a pattern matches), URLs (``str``) are matched by it.
-
-    Raises:
-        FileNotFoundError: a path that does not exist, or a glob that matches nothing.
-        InputError: a file of an unknown format.
-    """
+    """Paths of ``patterns``: globs expanded and sorted per pattern, pattern order kept;
+    URLs matched by ``match`` when given. FileNotFoundError for a pattern that
+    matches nothing, InputError for a file of an unknown format."""
     paths: list[InputPath] = []
-    for pattern in as_patterns(patterns):
+    for pattern in [patterns] if isinstance(patterns, str | os.PathLike) else patterns:
         text = os.fspath(pattern)
         matches: list[InputPath]
         if match is not None and "://" in text:
@@ -262,11 +246,9 @@ class DocumentReader:
         self.skip_bad = skip_bad
         self.skipped_bad = 0
         self.skipped_empty = 0
-        self.check: Callable[[Any, Where], Any] = self._check_tokens if tokens else self._check_text
-        if check is not None:
-            self.check = self._caller_check(check)
-        elif key is None:
+        if check is None and key is None:
             raise ValueError("DocumentReader(key=None) reads whole documents and needs a check")
+        self.check = self._rejecting(check or (self._check_tokens if tokens else self._check_text))
 
     def __iter__(self) -> Iterator[str | np.ndarray]:
         for path in self.paths:
@@ -278,7 +260,9 @@ class DocumentReader:
             else:
                 yield from self._hf(Path(path))
 
-    def _caller_check(self, check: Callable[[Any, Where], Any]) -> Callable[[Any, Where], Any]:
+    def _rejecting(self, check: Callable[[Any, Where], Any]) -> Callable[[Any, Where], Any]:
+        """``check`` with the documents it refuses (:class:`BadDocument`) rejected."""
+
         def checked(value: Any, where: Where) -> Any:
             try:
                 return check(value, where)
@@ -300,37 +284,31 @@ class DocumentReader:
 
     def _check_text(self, value: Any, where: Where) -> str | None:
         if not isinstance(value, str):
-            self.reject(where, f"{self.key!r} is {type(value).__name__}, not a string")
-            return None
+            raise BadDocument(f"{self.key!r} is {type(value).__name__}, not a string")
         if not value:
             self.skipped_empty += 1
             return None
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
-            self.reject(where, f"{self.key!r} is not valid Unicode ({e})")
-            return None
+            raise BadDocument(f"{self.key!r} is not valid Unicode ({e})") from None
         return value
 
     def _check_tokens(self, value: Any, where: Where) -> np.ndarray | None:
         if not isinstance(value, list | np.ndarray):
-            self.reject(where, f"{self.key!r} is {type(value).__name__}, not a list of token ids")
-            return None
+            raise BadDocument(f"{self.key!r} is {type(value).__name__}, not a list of token ids")
         if len(value) == 0:
             self.skipped_empty += 1
             return None
         try:
             arr = np.asarray(value)
         except ValueError as e:
-            self.reject(where, f"{self.key!r} is not a flat list of token ids ({e})")
-            return None
+            raise BadDocument(f"{self.key!r} is not a flat list of token ids ({e})") from None
         if arr.ndim != 1 or arr.dtype.kind not in "iu":
-            self.reject(where, f"{self.key!r} must be a flat list of integers, got {value!r:.60}")
-            return None
+            raise BadDocument(f"{self.key!r} must be a flat list of integers, got {value!r:.60}")
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi > MAX_TOKEN_ID:
-            self.reject(where, f"token id {lo if lo < 0 else hi} is outside [0, {MAX_TOKEN_ID}]")
-            return None
+            raise BadDocument(f"token id {lo if lo < 0 else hi} is outside [0, {MAX_TOKEN_ID}]")
         return arr.astype(np.int32)
 
     def _jsonl(self, path: InputPath) -> Iterator[str | np.ndarray]:

@@ -220,11 +220,9 @@ def export_megatron(
         A JSON-ready summary: sequences, tokens and the dtype written.
 
     Raises:
-        ValueError: a split the dataset lacks, an unknown dtype code, or a dtype
-            that cannot hold ``max_token_id``.
-        ValueError: also when ``PREFIX`` lies inside the dataset at ``url``,
-            is a directory (``dir/`` would write hidden ``dir/.bin``) or
-            names a folder that does not exist.
+        ValueError: a split the dataset lacks, an unknown dtype code, a dtype
+            that cannot hold ``max_token_id``, or a ``PREFIX`` inside the dataset,
+            that is a directory, or in a folder that does not exist.
         FormatError: no valid dataset at ``url``.
     """
     options = resolve_options(options, option_fields, "export_megatron")
@@ -348,7 +346,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
         )
 
     return run_command(
-        "import-megatron",
+        args,
         lambda: import_megatron(
             args.prefixes,
             args.output,
@@ -358,8 +356,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
             options=store_options(args),
             tokenizer=args.tokenizer,
         ),
-        as_json=args.json,
-        describe=describe,
+        describe,
     )
 
 
@@ -372,7 +369,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         )
 
     return run_command(
-        "export-megatron",
+        args,
         lambda: export_megatron(
             args.url,
             args.prefix,
@@ -380,6 +377,5 @@ def _cmd_export(args: argparse.Namespace) -> int:
             dtype_code=args.dtype_code,
             options=store_options(args),
         ),
-        as_json=args.json,
-        describe=describe,
+        describe,
     )

@@ -117,16 +117,9 @@ class ConvertOptions:
 
 @dataclasses.dataclass(frozen=True)
 class Conversion:
-    """A conversion checked before anything is written: options, files, tokenizer.
-
-    Attributes:
-        opts: the options.
-        train: the input files, in order.
-        validation: the files whose documents all go to "validation", after ``train``.
-        tokenizer: the loaded tokenizer, ``None`` for token ids read as they are.
-        tokenize: what turns a batch of documents into token ids.
-        start_token_id: ``opts.start_token_id`` as an id (bos/eos resolved).
-    """
+    """A conversion checked before anything is written: options, the input files
+    (``validation``: those whose documents all go to "validation"), the tokenizer
+    (``None`` for token ids read as they are) and the start id (bos/eos resolved)."""
 
     opts: ConvertOptions
     train: Sequence[InputPath]
@@ -139,12 +132,7 @@ class Conversion:
     def start(
         cls, opts: ConvertOptions, train: Sequence[InputPath], validation: Sequence[InputPath]
     ) -> Conversion:
-        """Checks the inputs and loads the tokenizer.
-
-        Raises:
-            ValueError: no inputs, both validation inputs and a validation
-                fraction, or a tokenizer that cannot be used.
-        """
+        """Checks the inputs and loads the tokenizer."""
         check_splits(train, validation, opts.validation_fraction)
         tok = load_tokenizer(opts.tokenizer) if opts.tokenizer else None
         bos = tok.bos_id if tok and opts.prepend_bos else None
@@ -188,28 +176,24 @@ class Conversion:
         return passes
 
     def summary(
-        self,
-        output: str,
-        splits: dict[str, dict[str, int]],
-        *,
-        skipped_empty: int,
-        skipped_bad: int,
-        seconds: float,
-        **settings: Any,
+        self, output: str, totals: Totals, seconds: float, **settings: Any
     ) -> dict[str, Any]:
-        """The JSON-ready summary of the finished conversion; ``splits`` gives
-        ``documents`` and ``tokens`` per split."""
-        tokens = sum(s["tokens"] for s in splits.values())
+        """The JSON-ready summary of the finished conversion."""
+        tokens = sum(totals.tokens.values())
         return {
             "output": output,
             "input_files": len(self.train),
             "validation_files": len(self.validation),
             "tokenizer": self.tokenizer.name if self.tokenizer else None,
-            "documents": sum(s["documents"] for s in splits.values()),
+            "documents": sum(totals.documents.values()),
             "tokens": tokens,
-            "skipped_empty": skipped_empty,
-            "skipped_bad": skipped_bad,
-            "splits": splits,
+            "skipped_empty": totals.skipped_empty,
+            "skipped_bad": totals.skipped_bad,
+            "splits": {
+                s: {"documents": n, "tokens": totals.tokens[s]} for s, n in totals.documents.items()
+            },
+            "stopped_early": totals.stopped_early,
+            "max_tokens": self.opts.max_tokens,
             **settings,
             "seconds": round(seconds, 3),
             "tokens_per_s": round(tokens / seconds, 1),

@@ -13,7 +13,6 @@ from typing import Any
 
 from flat_tokens_jax.convert.commands import (
     add_converter_flags,
-    add_start_token_flag,
     at_least,
     progress_bar,
     run_command,
@@ -126,14 +125,7 @@ def convert(
         )
         writer.info = conv.info(totals.digests)
     return conv.summary(
-        os.fspath(output),
-        {s: {"documents": totals.documents[s], "tokens": totals.tokens[s]} for s in totals.tokens},
-        skipped_empty=totals.skipped_empty,
-        skipped_bad=totals.skipped_bad,
-        seconds=time.perf_counter() - started,
-        stopped_early=totals.stopped_early,
-        max_tokens=opts.max_tokens,
-        workers=opts.workers,
+        os.fspath(output), totals, time.perf_counter() - started, workers=opts.workers
     )
 
 
@@ -152,25 +144,8 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--tokenizer", help="tokenizers JSON file or transformers tokenizer directory")
     p.add_argument("--text-key", default="text", help="field with the text (default: text)")
     p.add_argument("--tokens-key", help="field with token ids, for input already tokenized")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument(
-        "--validation-fraction",
-        type=float,
-        default=0.0,
-        help="send about this fraction of documents, chosen by a hash of each, to validation",
-    )
-    g.add_argument(
-        "--validation",
-        nargs="+",
-        default=[],
-        metavar="INPUT",
-        help="inputs of the validation split",
-    )
     p.add_argument(
-        "--workers",
-        type=at_least(1),
-        default=None,
-        help="tokenizer processes (default 1; local only)",
+        "--workers", type=at_least(1), help="tokenizer processes (default 1; local only)"
     )
     p.add_argument("--append-eos", action="store_true", help="end each document with eos")
     p.add_argument("--prepend-bos", action="store_true", help="start each document with bos")
@@ -185,7 +160,6 @@ def add_commands(subparsers: Any) -> None:
         help="local: this process and its --workers; beam: an Apache Beam pipeline, "
         "whose options follow '--' (e.g. -- --runner=DataflowRunner --project=P ...)",
     )
-    add_start_token_flag(p)
     add_converter_flags(p)
     p.set_defaults(run=_cmd_convert, takes_pipeline_args=True, pipeline_args=[])
 
@@ -255,10 +229,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         return summary
 
     return run_command(
-        "convert",
+        args,
         work,
-        as_json=args.json,
-        describe=_format_summary,
+        _format_summary,
         errors=(ValueError, OSError, ImportError, RuntimeError),  # BrokenExecutor too
         output=args.output,
     )

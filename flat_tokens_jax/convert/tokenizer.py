@@ -63,12 +63,7 @@ def identity(tok: LoadedTokenizer) -> TokenizerInfo:
 
 def resolve_start_token_id(value: int | str | None, tok: LoadedTokenizer | None) -> int | None:
     """``value`` as an id: an int as it is, ``"bos"``/``"eos"`` as ``tok``'s id.
-    Warns when ``tok`` would have its ordinary token 0 fed at sequence starts.
-
-    Raises:
-        ValueError: a word other than bos/eos, a negative id, or a word whose
-            id ``tok`` does not have (or no tokenizer).
-    """
+    Warns when ``tok`` would have its ordinary token 0 fed at sequence starts."""
     if isinstance(value, str) and value.strip().lstrip("-").isdigit():
         value = int(value)
     if isinstance(value, int) and value < 0:
@@ -81,44 +76,20 @@ def resolve_start_token_id(value: int | str | None, tok: LoadedTokenizer | None)
             where = "no tokenizer was given" if tok is None else f"tokenizer {tok.name} has none"
             raise ValueError(f"start_token_id {value}: {where}; give the id as a number")
         value = found
-    if tok is not None:
-        _warn_if_zero_is_ordinary(tok, value)
+    if tok is not None and value in (None, 0):
+        zero = tok.tokenizer.id_to_token(0)
+        special = {i for i, t in tok.tokenizer.get_added_tokens_decoder().items() if t.special}
+        if zero is not None and 0 not in special:
+            log.warning(
+                "%s: token id 0 (%r) is an ordinary token, but flat-tokens readers feed id 0 as "
+                "the input where a sequence starts, so a model cannot tell a start from %r: "
+                "convert with --start-token-id eos (recorded in the dataset) or train with "
+                "LoaderConfig(start_token_id=<a special id, e.g. the eos id>)",
+                tok.name,
+                zero,
+                zero,
+            )
     return value
-
-
-def _find_token(tokenizer: Any, candidates: Sequence[str]) -> int | None:
-    for token in candidates:
-        found = tokenizer.token_to_id(token)
-        if found is not None:
-            return int(found)
-    return None
-
-
-def _check_vocabulary(tokenizer: Any, name: str) -> None:
-    vocab = tokenizer.get_vocab(with_added_tokens=True)
-    token, top = max(vocab.items(), key=lambda kv: kv[1], default=("", 0))
-    if top > MAX_TOKEN_ID:
-        raise ValueError(
-            f"{name}: token {token!r} has id {top}, above {MAX_TOKEN_ID}, the largest id "
-            "the flat-tokens format stores; use a tokenizer with a smaller vocabulary"
-        )
-
-
-def _warn_if_zero_is_ordinary(tok: LoadedTokenizer, start_token_id: int | None) -> None:
-    if start_token_id not in (None, 0):
-        return
-    zero = tok.tokenizer.id_to_token(0)
-    special = {i for i, t in tok.tokenizer.get_added_tokens_decoder().items() if t.special}
-    if zero is not None and 0 not in special:
-        log.warning(
-            "%s: token id 0 (%r) is an ordinary token, but flat-tokens readers feed id 0 as "
-            "the input where a sequence starts, so a model cannot tell a start from %r: "
-            "convert with --start-token-id eos (recorded in the dataset) or train with "
-            "LoaderConfig(start_token_id=<a special id, e.g. the eos id>)",
-            tok.name,
-            zero,
-            zero,
-        )
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> LoadedTokenizer:
@@ -158,12 +129,21 @@ def load_tokenizer(path: str | os.PathLike[str]) -> LoadedTokenizer:
                 f"{p}: not a tokenizers JSON file ({e}): pass a tokenizer.json saved by "
                 "tokenizers, or a transformers tokenizer directory"
             ) from e
-        bos, eos = _find_token(tok, BOS_CANDIDATES), _find_token(tok, EOS_CANDIDATES)
+        bos, eos = (
+            next((i for t in names if (i := tok.token_to_id(t)) is not None), None)
+            for names in (BOS_CANDIDATES, EOS_CANDIDATES)
+        )
     else:
         raise FileNotFoundError(f"tokenizer {p}: no such file or directory")
     tok.no_truncation()
     tok.no_padding()
-    _check_vocabulary(tok, str(p))
+    vocab = tok.get_vocab(with_added_tokens=True)
+    token, top = max(vocab.items(), key=lambda kv: kv[1], default=("", 0))
+    if top > MAX_TOKEN_ID:
+        raise ValueError(
+            f"{p}: token {token!r} has id {top}, above {MAX_TOKEN_ID}, the largest id "
+            "the flat-tokens format stores; use a tokenizer with a smaller vocabulary"
+        )
     return LoadedTokenizer(tok, str(p), bos, eos, hf)
 
 
@@ -195,15 +175,10 @@ def validation_mask(docs: Sequence[str | np.ndarray], fraction: float) -> np.nda
 
 @dataclasses.dataclass(frozen=True)
 class BatchTokenizer:
-    """Turns a batch of documents into :data:`Packed` token ids; safe to call from
-    several threads.
-
-    The documents are texts, or ``int32`` token arrays when ``tokenizer`` is
-    ``None``; ``bos_id``/``eos_id`` (when not ``None``) go around each one. Texts
-    go through ``encode_batch_fast`` (the same ids, without character offsets)
-    where ``tokenizers`` has it, else ``encode_batch``: either spreads the batch
-    over the tokenizer's thread pool.
-    """
+    """Turns a batch of documents (texts, or ``int32`` token arrays when ``tokenizer``
+    is ``None``) into :data:`Packed` ids, ``bos_id``/``eos_id`` (if set) around each;
+    thread-safe. ``encode_batch_fast`` (no offsets) spreads a batch over the
+    tokenizer's thread pool."""
 
     tokenizer: Any
     bos_id: int | None

@@ -56,13 +56,7 @@ class _TokenizerTemplate:
     template_error: type[Exception]
 
     def render(self, document: Mapping[str, Any]) -> Rendered:
-        messages = parse_messages(document, ROLE_ALIASES, self.forbidden)
-        for i, (role, _) in enumerate(messages):
-            if role not in CHAT_TEMPLATE_ROLES:
-                raise BadDocument(
-                    f"message {i} has unknown role {role!r} (known: "
-                    f"{sorted({*CHAT_TEMPLATE_ROLES, *ROLE_ALIASES})})"
-                )
+        messages = parse_messages(document, CHAT_TEMPLATE_ROLES, ROLE_ALIASES, self.forbidden)
         roles = [role for role, _ in messages]
         contents = [content for _, content in messages]
         text = self._apply(roles, contents)

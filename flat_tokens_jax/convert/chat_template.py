@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -93,13 +93,8 @@ class ChatTemplate:
                 )
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike[str]) -> ChatTemplate:
-        """Reads the ``chat:`` mapping of a YAML file (needs the ``yaml`` extra);
-        unknown keys are refused."""
-        loaded = read_yaml(path)
-        if not isinstance(loaded, dict) or not isinstance(loaded.get("chat"), dict):
-            raise ValueError(f"{path}: expected a mapping under a top-level 'chat:' key")
-        config = loaded["chat"]
+    def from_dict(cls, config: Mapping[str, Any]) -> ChatTemplate:
+        """From the mapping under ``chat:`` in a YAML config; unknown keys are refused."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(config) - known)
         if unknown:
@@ -120,6 +115,14 @@ class ChatTemplate:
             if key in args:
                 args[key] = tuple(args[key])
         return cls(**args)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> ChatTemplate:
+        """Reads the ``chat:`` mapping of a YAML file (needs the ``yaml`` extra)."""
+        loaded = read_yaml(path)
+        if not isinstance(loaded, dict) or not isinstance(loaded.get("chat"), dict):
+            raise ValueError(f"{path}: expected a mapping under a top-level 'chat:' key")
+        return cls.from_dict(loaded["chat"])
 
     def tokens(self) -> list[str]:
         """Every special token the template writes, declared or seen as ``<|...|>``."""
@@ -143,10 +146,7 @@ class ChatTemplate:
             _check_content(value, f"field {name!r}", forbidden)
             pieces += self._turn(affix, value, name in self.train_on)
         trained = False
-        for i, (role, content) in enumerate(parse_messages(document, self.role_aliases, forbidden)):
-            if role not in self.roles:
-                known = sorted({*self.roles, *self.role_aliases})
-                raise BadDocument(f"message {i} has unknown role {role!r} (known: {known})")
+        for role, content in parse_messages(document, self.roles, self.role_aliases, forbidden):
             trained = role in self.train_on
             pieces += self._turn(self.roles[role], content, trained)
         if self.eos:
@@ -182,11 +182,13 @@ def _join(pieces: Sequence[tuple[str, bool]]) -> tuple[str, list[Span]]:
 
 def parse_messages(
     document: Mapping[str, Any],
+    roles: Collection[str],
     aliases: Mapping[str, str],
     forbidden: re.Pattern[str] | None = None,
 ) -> list[tuple[str, str]]:
     """``(role, content)`` of each message, roles renamed by ``aliases``; BadDocument
-    for a malformed conversation or content that ``forbidden`` matches."""
+    for a malformed conversation, a role not in ``roles``, or content that
+    ``forbidden`` matches."""
     found = next((keys for keys in CONVERSATION_KEYS if keys[0] in document), None)
     if found is None:
         raise BadDocument(f"no 'conversations' or 'messages' list (keys: {sorted(document)[:10]})")
@@ -207,8 +209,12 @@ def parse_messages(
                 f"{key}[{i}] must be an object with strings {role_key!r} and {text_key!r}, "
                 f"got {m!r:.80}"
             )
+        role = aliases.get(m[role_key], m[role_key])
+        if role not in roles:
+            known = sorted({*roles, *aliases})
+            raise BadDocument(f"message {i} has unknown role {role!r} (known: {known})")
         _check_content(m[text_key], f"{key}[{i}]", forbidden)
-        out.append((aliases.get(m[role_key], m[role_key]), m[text_key]))
+        out.append((role, m[text_key]))
     return out
 
 

@@ -205,28 +205,16 @@ def _decompressed(path: InputPath, raw: IO[bytes]) -> tuple[IO[bytes], tuple[typ
     return raw, unreadable
 
 
-def _is_text_type(pa: ModuleType, t: Any) -> bool:
-    is_view = getattr(pa.types, "is_string_view", None)  # pyarrow >= 16
-    return bool(pa.types.is_string(t) or pa.types.is_large_string(t) or (is_view and is_view(t)))
-
-
 class DocumentReader:
-    """Iterates over one field of every document of ``paths``: texts, or token ids.
+    """Iterates, in order, over one field of every document of ``paths``: texts, or
+    ``int32`` token arrays ``[n]`` with ``tokens=True``; with ``key=None``, whole
+    documents (a JSON object, or a row ``dict``) that ``check(document, where)``
+    turns into what is yielded.
 
-    Yields each non-empty value in order: a ``str`` when reading text, an
-    ``int32`` array ``[n]`` of token ids when ``tokens=True``. Empty values are
-    counted in :attr:`skipped_empty`. A bad document (unparsable line, not an
-    object, missing key, wrong type, token id outside ``[0, 2**31 - 1]``) raises
-    :class:`InputError` naming the file and 1-based line (JSONL) or row (Parquet,
-    datasets); with ``skip_bad`` it is counted in :attr:`skipped_bad` instead.
-    A file that cannot be read at all (corrupt compression) always raises.
-
-    ``key=None`` reads whole documents instead (a JSON object, or a row as a
-    ``dict``), which ``check(document, where)`` turns into what is yielded, raising
-    :class:`BadDocument` for a document it refuses (handled like any bad document).
-
-    ``opener`` reads the files that are URLs (``str`` paths); local files
-    (``Path``) are opened directly.
+    Empty values are counted in :attr:`skipped_empty`. A bad document (a check's
+    :class:`BadDocument` included) raises :class:`InputError` naming the file and
+    1-based line or row, or with ``skip_bad`` is counted in :attr:`skipped_bad`; a
+    file that cannot be read at all always raises. ``opener`` reads URL (``str``) paths.
     """
 
     def __init__(
@@ -347,8 +335,10 @@ class DocumentReader:
             values = table.to_pylist()
         else:
             column = table.column(0)
-            pa = require("pyarrow", "convert")
-            if not self.tokens and not _is_text_type(pa, column.type):
+            types = require("pyarrow", "convert").types
+            is_view = getattr(types, "is_string_view", lambda t: False)  # pyarrow >= 16
+            text = types.is_string(column.type) or types.is_large_string(column.type)
+            if not self.tokens and not (text or is_view(column.type)):
                 self.reject(
                     (path, "row", first_row + 1),
                     f"column {self.key!r} is of type {column.type}, not a string",

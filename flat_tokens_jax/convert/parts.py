@@ -91,15 +91,6 @@ class ConvertOptions:
             raise ValueError(f"workers must be at least 1, got {self.workers}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be positive or None, got {self.max_tokens}")
-        start = self.start_token_id
-        is_id = isinstance(start, int) and start >= 0
-        if not (start is None or start in ("bos", "eos") or is_id):
-            raise ValueError(f"start_token_id must be a token id >= 0, bos or eos, got {start!r}")
-        if self.tokenizer is None and start in ("bos", "eos"):
-            raise ValueError(
-                f"start_token_id={start!r} needs tokenizer= to find the id; "
-                "or give the id as a number"
-            )
 
     def flags(self) -> dict[str, Any]:
         """What shapes the tokens, as a dataset records it (see :class:`DatasetInfo`)."""

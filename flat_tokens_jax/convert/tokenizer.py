@@ -66,15 +66,20 @@ def resolve_start_token_id(value: int | str | None, tok: LoadedTokenizer | None)
     Warns when ``tok`` would have its ordinary token 0 fed at sequence starts."""
     if isinstance(value, str) and value.strip().lstrip("-").isdigit():
         value = int(value)
-    if isinstance(value, int) and value < 0:
-        raise ValueError(f"start_token_id must be a token id >= 0, bos or eos, got {value}")
-    if value is not None and not isinstance(value, int):
-        if value not in ("bos", "eos"):
-            raise ValueError(f"start_token_id must be a token id, bos or eos, got {value!r}")
-        found = None if tok is None else (tok.bos_id if value == "bos" else tok.eos_id)
+    is_id = isinstance(value, int) and value >= 0
+    if not (value is None or is_id or value in ("bos", "eos")):
+        raise ValueError(f"start_token_id must be a token id >= 0, bos or eos, got {value!r}")
+    if isinstance(value, str):
+        if tok is None:
+            raise ValueError(
+                f"start_token_id={value!r} needs tokenizer= to find the id; "
+                "or give the id as a number"
+            )
+        found = tok.bos_id if value == "bos" else tok.eos_id
         if found is None:
-            where = "no tokenizer was given" if tok is None else f"tokenizer {tok.name} has none"
-            raise ValueError(f"start_token_id {value}: {where}; give the id as a number")
+            raise ValueError(
+                f"start_token_id {value}: tokenizer {tok.name} has none; give the id as a number"
+            )
         value = found
     if tok is not None and value in (None, 0):
         zero = tok.tokenizer.id_to_token(0)

@@ -58,10 +58,7 @@ log = logging.getLogger(__name__)
 BATCH_DOCS = 256
 
 
-@dataclasses.dataclass(frozen=True)
-class _Doc:
-    rendered: Rendered
-    where: Where
+_Doc = tuple[Rendered, Where]
 
 
 def convert_chat(
@@ -144,7 +141,7 @@ def convert_chat(
                 f"{_dropped_text(rendered)}, which strict refuses: remove such messages or "
                 "use a template that renders their role"
             )
-        return _Doc(rendered, where)
+        return rendered, where
 
     passes = [(train_paths, validation_fraction, False), (valid_paths, 0.0, True)]
     totals = Totals()
@@ -240,15 +237,15 @@ def _tokenize(
     and ``apply_chat_template(messages, tokenize=True)`` do, so training sees
     the ids inference sees.
     """
-    encodings = tokenizer.encode_batch([d.rendered.text for d in docs], add_special_tokens=False)
+    encodings = tokenizer.encode_batch([r.text for r, _ in docs], add_special_tokens=False)
     texts, ids, masks = [], [], []
-    for doc, enc in zip(docs, encodings, strict=True):
-        text, spans = doc.rendered.text, doc.rendered.spans
+    for (rendered, where), enc in zip(docs, encodings, strict=True):
+        text, spans = rendered.text, rendered.spans
         mask = trained_tokens(text, np.array(enc.offsets, np.int64), spans)
         if not mask.any():
-            reader.reject(doc.where, "no token is trained: the trained turns tokenize to nothing")
+            reader.reject(where, "no token is trained: the trained turns tokenize to nothing")
             continue
-        _count_dropped(dropped, doc)
+        _count_dropped(dropped, rendered, where)
         texts.append(text)
         ids.append(np.array(enc.ids, np.int32))
         masks.append(mask)
@@ -264,11 +261,11 @@ def _dropped_text(rendered: Rendered) -> str:
     return f"{verb.format(listed)} to nothing with the chat template"
 
 
-def _count_dropped(files: dict[str, dict[str, Any]], doc: _Doc) -> None:
+def _count_dropped(files: dict[str, dict[str, Any]], rendered: Rendered, where: Where) -> None:
     """Counts, per input file, the messages a written conversation lost to the template."""
-    if not doc.rendered.dropped:
+    if not rendered.dropped:
         return
-    path, unit, number = doc.where
+    path, unit, number = where
     name = os.fspath(path)
     entry = files.get(name)
     if entry is None:
@@ -278,11 +275,11 @@ def _count_dropped(files: dict[str, dict[str, Any]], doc: _Doc) -> None:
             "%s: %s, left out of the written conversation (strict refuses such "
             "conversations); the others in this file are counted in dropped_messages",
             first,
-            _dropped_text(doc.rendered),
+            _dropped_text(rendered),
         )
     entry["conversations"] += 1
-    entry["messages"] += len(doc.rendered.dropped)
-    for _, role in doc.rendered.dropped:
+    entry["messages"] += len(rendered.dropped)
+    for _, role in rendered.dropped:
         entry["roles"][role] = entry["roles"].get(role, 0) + 1
 
 

@@ -36,7 +36,6 @@ from flat_tokens_jax.convert.assemble import (
 )
 from flat_tokens_jax.convert.inputs import (
     InputPath,
-    expand_inputs,
     require,
 )
 from flat_tokens_jax.convert.parts import Conversion, ConvertOptions, Totals, write_documents
@@ -44,7 +43,7 @@ from flat_tokens_jax.convert.tokenizer import BatchTokenizer
 from flat_tokens_jax.data.dataset import open_dataset
 from flat_tokens_jax.data.writer import DatasetWriter, StorageFormat
 from flat_tokens_jax.store.identity import DatasetInfo, inputs_field
-from flat_tokens_jax.store.location import STAGING, Claim, claim_location, refuse_overlap
+from flat_tokens_jax.store.location import STAGING, Claim, claim_location
 from flat_tokens_jax.store.options import StoreOptions, context_spec, resolve_options
 from flat_tokens_jax.store.store import Store
 
@@ -358,9 +357,7 @@ def convert_beam(
     runner = beam_options.view_as(StandardOptions).runner
     runner = runner if isinstance(runner, str) else type(runner).__name__
     opener = UrlOpener(tuple(pipeline_args))
-    conv = Conversion.start(
-        opts, expand_inputs(inputs, opener.match), expand_inputs(validation_inputs, opener.match)
-    )
+    conv = Conversion.start(opts, inputs, validation_inputs, out, opener.match)
     if runner.lower() not in LOCAL_RUNNERS:
         local = [str(p) for p in [*conv.train, *conv.validation] if isinstance(p, Path)]
         if local or "://" not in out:
@@ -369,7 +366,6 @@ def convert_beam(
                 f"{runner} runs workers on other machines, which cannot reach {where}: "
                 "give inputs and output as gs:// or s3:// URLs"
             )
-    refuse_overlap([*conv.train, *conv.validation], [out])
     tokenize = conv.tokenize
     store = Store(out, options)
     job = _Job(

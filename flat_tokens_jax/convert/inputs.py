@@ -41,6 +41,7 @@ _WARN_BAD = 5  # bad documents logged one by one before the rest are only counte
 InputPath = Path | str
 Where = tuple[InputPath, str, int]  # (file, "line" or "row", 1-based number; 0: the whole file)
 Opener = Callable[[str], IO[bytes]]  # a URL's raw (still compressed) bytes, as a binary file
+Patterns = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]  # one path or glob, or several
 
 
 class InputError(ValueError):
@@ -87,7 +88,7 @@ def input_kind(path: InputPath) -> str:
 
 
 def expand_inputs(
-    patterns: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    patterns: Patterns,
     match: Callable[[str], list[str]] | None = None,
 ) -> list[InputPath]:
     """Paths of ``patterns``: globs expanded and sorted per pattern, pattern order kept;

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterable, Iterator, Sequence
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,9 @@ from flat_tokens_jax.convert.inputs import (
     DocumentReader,
     InputPath,
     Opener,
+    Patterns,
     check_splits,
+    expand_inputs,
     hash_inputs,
     open_local,
 )
@@ -38,6 +41,7 @@ from flat_tokens_jax.convert.tokenizer import (
 from flat_tokens_jax.core.format import SPLITS, encode_concatenated
 from flat_tokens_jax.data.writer import DatasetWriter
 from flat_tokens_jax.store.identity import DatasetInfo, inputs_field
+from flat_tokens_jax.store.location import refuse_overlap
 
 # One pass over input files: (files, validation fraction, every document to validation).
 Pass = tuple[Sequence[InputPath], float, bool]
@@ -121,10 +125,18 @@ class Conversion:
 
     @classmethod
     def start(
-        cls, opts: ConvertOptions, train: Sequence[InputPath], validation: Sequence[InputPath]
+        cls,
+        opts: ConvertOptions,
+        inputs: Patterns,
+        validation_inputs: Patterns,
+        output: str | os.PathLike[str],
+        match: Callable[[str], list[str]] | None = None,
     ) -> Conversion:
-        """Checks the inputs and loads the tokenizer."""
+        """Expands and checks the inputs (:func:`expand_inputs`; ``output`` must not
+        overlap them) and loads the tokenizer."""
+        train, validation = expand_inputs(inputs, match), expand_inputs(validation_inputs, match)
         check_splits(train, validation, opts.validation_fraction)
+        refuse_overlap([*train, *validation], [output])
         tok = load_tokenizer(opts.tokenizer) if opts.tokenizer else None
         bos = tok.bos_id if tok and opts.prepend_bos else None
         eos = tok.eos_id if tok and opts.append_eos else None

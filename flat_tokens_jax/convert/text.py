@@ -18,10 +18,9 @@ from flat_tokens_jax.convert.commands import (
     run_command,
     store_options,
 )
-from flat_tokens_jax.convert.inputs import expand_inputs, require
+from flat_tokens_jax.convert.inputs import require
 from flat_tokens_jax.convert.parts import Conversion, ConvertOptions, Totals, write_documents
 from flat_tokens_jax.data.writer import DatasetWriter, StorageFormat
-from flat_tokens_jax.store.location import refuse_overlap
 from flat_tokens_jax.store.options import StoreOptions, resolve_options
 
 
@@ -114,8 +113,7 @@ def convert(
         start_token_id=start_token_id,
     )
     started = time.perf_counter()
-    conv = Conversion.start(opts, expand_inputs(inputs), expand_inputs(validation_inputs))
-    refuse_overlap([*conv.train, *conv.validation], [output])
+    conv = Conversion.start(opts, inputs, validation_inputs, output)
     totals = Totals(opts.max_tokens)
     with DatasetWriter(
         output, storage_format=storage_format, overwrite=overwrite, options=options

@@ -72,15 +72,9 @@ class PartInfo:
 
     @classmethod
     def read(
-        cls,
-        index: int,
-        url: str,
-        options: StoreOptions | None = None,
-        *,
-        skipped_empty: int = 0,
-        skipped_bad: int = 0,
-        sha256: str | None = None,
+        cls, index: int, url: str, options: StoreOptions | None = None, **rest: Any
     ) -> PartInfo:
+        """The part written at ``url``, with ``rest`` of its fields (skipped counts, sha256)."""
         ds = open_dataset(url, options)
         splits = {
             name: SplitCounts(
@@ -88,7 +82,7 @@ class PartInfo:
             )
             for name, ft in ds.items()
         }
-        return cls(index, url, splits, skipped_empty, skipped_bad, sha256)
+        return cls(index, url, splits, **rest)
 
 
 class Task(NamedTuple):

@@ -226,17 +226,6 @@ def refuse_memory_output(command: str, output: str | None) -> int | None:
     return 1
 
 
-def cli_words(message: str) -> str:
-    """``message`` with the Python spelling of options in CLI terms:
-    ``StoreOptions.retry_delay`` becomes ``--retry-delay``, ``LoaderConfig.seq_len``
-    ``--seq-len``."""
-    return re.sub(
-        r"(?:StoreOptions|LoaderConfig)\.(\w+)",
-        lambda m: "--" + m.group(1).replace("_", "-"),
-        message,
-    )
-
-
 def path_error(name: str, path: str, error: OSError, wanted: str) -> ValueError:
     """``error``, met opening ``path`` (given as ``name``, a flag such as
     ``--state``), as one line that names ``name`` and ``path``, not a bare
@@ -256,10 +245,16 @@ def path_error(name: str, path: str, error: OSError, wanted: str) -> ValueError:
 
 
 def fail(name: str, error: BaseException) -> int:
-    """Prints ``name: error`` on stderr, in CLI terms; returns the exit status 1."""
+    """Prints ``name: error`` on stderr, in CLI terms (``StoreOptions.retry_delay``
+    becomes ``--retry-delay``, ``LoaderConfig.seq_len`` ``--seq-len``); returns 1."""
     text = error.cli_message() if isinstance(error, OverwriteNeeded) else str(error)
     # The last guard: a URL in another library's message (a file name in an OSError).
-    print(f"{name}: {cli_words(redact_text(text))}", file=sys.stderr)
+    text = re.sub(
+        r"(?:StoreOptions|LoaderConfig)\.(\w+)",
+        lambda m: "--" + m.group(1).replace("_", "-"),
+        redact_text(text),
+    )
+    print(f"{name}: {text}", file=sys.stderr)
     return 1
 
 

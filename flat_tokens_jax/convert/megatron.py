@@ -227,18 +227,18 @@ def export_megatron(
     """
     options = resolve_options(options, option_fields, "export_megatron")
     began = time.perf_counter()
-    named = os.fspath(prefix)
-    if not os.path.basename(named) or os.path.isdir(named):
+    prefix = os.fspath(prefix)
+    if not os.path.basename(prefix) or os.path.isdir(prefix):
         # The files would be the hidden PREFIX/.bin and PREFIX/.idx.
         raise ValueError(
-            f"the export prefix {named} is a directory, but Megatron's files are "
+            f"the export prefix {prefix} is a directory, but Megatron's files are "
             f"PREFIX.bin and PREFIX.idx: name them, e.g. "
-            f"{os.path.join(named, split)} for {os.path.join(named, split)}.bin/.idx"
+            f"{os.path.join(prefix, split)} for {os.path.join(prefix, split)}.bin/.idx"
         )
-    if not os.path.isdir(os.path.dirname(os.path.abspath(named))):
-        # Found before the data is read, and named as given, not as the temporary files.
-        raise path_error("the export prefix", named, FileNotFoundError(), "a PREFIX")
-    refuse_overlap([url], [os.fspath(prefix) + ext for ext in (".bin", ".idx")])
+    if not os.path.isdir(os.path.dirname(os.path.abspath(prefix))):
+        # Found before the data is read, and prefix as given, not as the temporary files.
+        raise path_error("the export prefix", prefix, FileNotFoundError(), "a PREFIX")
+    refuse_overlap([url], [prefix + ext for ext in (".bin", ".idx")])
     ds = open_dataset(url, options)
     ft = ds[split]
     recorded = ds.attributes.get("megatron")
@@ -257,7 +257,6 @@ def export_megatron(
         )
     if ft.loss_mask is not None:
         log.warning("%r: the loss_mask is not exported (Megatron files have none)", ft)
-    prefix = os.fspath(prefix)
     tmp = {ext: f"{prefix}{ext}.tmp-{os.getpid()}-{time.time_ns()}" for ext in (".bin", ".idx")}
     try:
         with open(tmp[".bin"], "wb") as f:

@@ -53,7 +53,7 @@ def test_a_chat_template_that_does_not_parse(tmp_path: Path, eos_tokenizer: Path
         "--template",
         str(template),
     )
-    one_line_failure(code, err, f"convert-chat: {template}: not valid YAML", "line 2")
+    one_line_failure(code, err, f"convert-chat: {template}: line 2: not valid YAML")
 
 
 @pytest.mark.parametrize("command", ["validate", "info"])

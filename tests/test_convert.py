@@ -269,15 +269,15 @@ def test_interrupt_leaves_no_dataset(
 ) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": "words"}] * 3000)
     calls = []
-    real = convert_tokenizer.tokenize_batch
+    real = convert_tokenizer.BatchTokenizer.__call__
 
-    def interrupted(*args: Any, **kwargs: Any) -> list[np.ndarray]:
+    def interrupted(*args: Any, **kwargs: Any) -> tuple[np.ndarray, np.ndarray]:
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(convert_tokenizer, "tokenize_batch", interrupted)
+    monkeypatch.setattr(convert_tokenizer.BatchTokenizer, "__call__", interrupted)
     with pytest.raises(KeyboardInterrupt):
         convert(src, tmp_path / "out", tokenizer=eos_tokenizer, storage_format=SMALL)
     with pytest.raises(ftj.FormatError):

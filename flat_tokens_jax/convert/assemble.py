@@ -1,22 +1,7 @@
-"""Joining parts into one flat-tokens dataset, one output shard per task.
-
-A distributed conversion writes each input file's documents to a *part*, a
-flat-tokens dataset under the output's :data:`STAGING` prefix
-(:mod:`flat_tokens_jax.convert.parts`). Joining them takes three steps:
-
-1. :func:`place_parts` (once, small): every part's token and sequence offsets
-   per split, from the counts each part reports (:class:`PartInfo`); then
-   :func:`create_arrays` creates the output arrays at their final sizes.
-2. :func:`assemble_shard` (in parallel, one call per :class:`Task`): writes one
-   shard of one output array, whole, from the slices of the parts it overlaps.
-   Each shard belongs to exactly one task, so no two workers ever
-   read-modify-write the same object, and a retried task writes the same bytes.
-3. :func:`finish` (once, after every task): deletes the staging prefix, then
-   writes the groups, the root group last; only then is the dataset valid,
-   and the write's marker is dropped.
-
-The result is, byte for byte, what :class:`DatasetWriter` writes when given the
-parts' sequences in order: the same storage format writes the same whole shards.
+"""Joining the parts of a distributed conversion into one dataset: :func:`place_parts`
+once, :func:`assemble_shard` once per output shard (each shard written whole by one
+task, so a retry writes the same bytes), then :func:`finish`. The result is, byte
+for byte, what :class:`DatasetWriter` writes from the parts' sequences in order.
 """
 
 from __future__ import annotations
@@ -75,16 +60,8 @@ class SplitCounts(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class PartInfo:
-    """One part: its place in input order, where it is, and what it holds.
-
-    Attributes:
-        index: the position of its input; parts are joined in this order.
-        url: the part's dataset.
-        splits: the counts of each split.
-        skipped_empty: empty records its input had.
-        skipped_bad: bad records its input had (with ``skip_bad``).
-        sha256: the SHA-256 hex digest of its input's bytes, if computed.
-    """
+    """One part: its input's position (parts join in this order), its dataset, its
+    counts, its input's skipped records and SHA-256 (if computed)."""
 
     index: int
     url: str
@@ -95,16 +72,9 @@ class PartInfo:
 
     @classmethod
     def read(
-        cls,
-        index: int,
-        url: str,
-        options: StoreOptions | None = None,
-        *,
-        skipped_empty: int = 0,
-        skipped_bad: int = 0,
-        sha256: str | None = None,
+        cls, index: int, url: str, options: StoreOptions | None = None, **rest: Any
     ) -> PartInfo:
-        """The info of the part written at ``url`` (a few small metadata reads)."""
+        """The part written at ``url``, with ``rest`` of its fields (skipped counts, sha256)."""
         ds = open_dataset(url, options)
         splits = {
             name: SplitCounts(
@@ -112,7 +82,7 @@ class PartInfo:
             )
             for name, ft in ds.items()
         }
-        return cls(index, url, splits, skipped_empty, skipped_bad, sha256)
+        return cls(index, url, splits, **rest)
 
 
 class Task(NamedTuple):
@@ -127,13 +97,9 @@ class Task(NamedTuple):
 class Placement:
     """Where each part's tokens and sequences go in the output. Picklable.
 
-    Attributes:
-        output: the output dataset's URL.
-        storage_format: its storage format.
-        parts: the parts, in input order.
-        token_offsets: per split, ``[len(parts) + 1] int64``: part ``p``'s
-            tokens are output tokens ``[token_offsets[p], token_offsets[p + 1])``.
-        sequence_offsets: per split, the same for sequences.
+    ``token_offsets``: per split, ``[len(parts) + 1] int64``: part ``p``'s tokens
+    are output tokens ``[token_offsets[p], token_offsets[p + 1])``;
+    ``sequence_offsets`` the same for sequences.
     """
 
     output: str
@@ -173,12 +139,7 @@ class Placement:
 
 
 def place_parts(output: str, storage_format: StorageFormat, parts: list[PartInfo]) -> Placement:
-    """The :class:`Placement` of ``parts`` (in any order; they are sorted by index).
-
-    Raises:
-        ValueError: no parts, parts that do not have the same splits, indexes
-            that repeat, or a split whose parts have a loss mask only in part.
-    """
+    """The :class:`Placement` of ``parts`` (in any order; they are sorted by index)."""
     ordered = tuple(sorted(parts, key=lambda p: p.index))
     if not ordered:
         raise ValueError("no parts to assemble")
@@ -256,18 +217,11 @@ def _request(
 def assemble_shard(
     placement: Placement, task: Task, store: Store, open_part: Callable[[str], Dataset]
 ) -> int:
-    """Writes the output shard of ``task`` whole, from the parts; returns its elements.
+    """Writes the output shard of ``task`` whole, from the parts (opened by
+    ``open_part``, which may cache); returns its elements.
 
-    Args:
-        placement: where each part goes (:func:`place_parts`).
-        task: which shard of which array.
-        store: the output.
-        open_part: opens a part's dataset from its URL (a cache may serve it).
-
-    Raises:
-        IndexError, ValueError: a part holds other data than its
-            :class:`PartInfo` says (fewer tokens or sequences, or no loss mask).
-    """
+    Raises IndexError or ValueError when a part holds other data than its
+    :class:`PartInfo` says."""
     split, array, shard = task
     size = placement.arrays(split)[array]
     per_shard = placement.storage_format.elements(array)[0]
@@ -295,20 +249,10 @@ def assemble_shard(
     return hi - lo
 
 
-def finish(
-    placement: Placement,
-    store: Store,
-    attributes: Mapping[str, Any] | None = None,
-    info: DatasetInfo | None = None,
-) -> None:
-    """Records every array's shard probes, deletes the staging prefix, then makes
-    the output valid (root group last), then drops the write's marker (see
-    :mod:`flat_tokens_jax.store.location`).
-
-    ``attributes`` and ``info`` are written to the root group as
-    :class:`DatasetWriter` writes them.
-    """
-    root = root_attributes(attributes, info, placement.splits)
+def finish(placement: Placement, store: Store, info: DatasetInfo | None = None) -> None:
+    """Records the shard probes, deletes the staging prefix, writes the groups (root
+    last, with ``info``), then drops the write's marker."""
+    root = root_attributes(None, info, placement.splits)
     for split in placement.splits:
         for array in placement.arrays(split):
             handle = open_for_writing(store, split, array, placement.storage_format)

@@ -1,26 +1,7 @@
-"""Conversion at corpus scale on Apache Beam: many workers, one deterministic store.
-
-:func:`convert_beam` runs the local converter's core on a Beam runner
-(Dataflow, Flink, Spark, or Beam's local FnApiRunner), in four stages:
-
-1. **Tokenize**, one element per input file, in parallel: a ``DoFn`` loads the
-   tokenizer once per worker (``setup``) and writes the file's documents, with
-   :func:`~flat_tokens_jax.convert.parts.write_documents`, to a *part* under
-   the output's staging prefix.
-2. **Place**, once: every part's token and sequence offsets; the output
-   arrays are created at their final sizes.
-3. **Assemble**, one element per output shard, in parallel: each shard is
-   written whole by one worker from the parts it overlaps.
-4. **Finish**, once, after every shard: the staging prefix is deleted and the
-   groups are written, the root group last.
-
-Documents keep input order (files in the order given, globs sorted; documents in
-file order) and go to "validation" by the same hash as the local converter's,
-so the output is byte for byte the local converter's, whatever the runner,
-its parallelism or its bundles. Text is read once, parts are written once and
-read once, and the output is written once.
-
-This module imports ``apache_beam`` (the ``beam`` extra).
+"""Conversion at corpus scale on Apache Beam (the ``beam`` extra), byte for byte the
+local converter's output whatever the runner: each input file is tokenized into a
+*part* in parallel, the parts are placed, every output shard is assembled whole by
+one worker, then the dataset is finished (:mod:`~flat_tokens_jax.convert.assemble`).
 """
 
 from __future__ import annotations
@@ -55,18 +36,14 @@ from flat_tokens_jax.convert.assemble import (
 )
 from flat_tokens_jax.convert.inputs import (
     InputPath,
-    as_patterns,
-    expand_inputs,
-    input_kind,
     require,
 )
 from flat_tokens_jax.convert.parts import Conversion, ConvertOptions, Totals, write_documents
 from flat_tokens_jax.convert.tokenizer import BatchTokenizer
-from flat_tokens_jax.core.urls import redact
-from flat_tokens_jax.data.dataset import Dataset, open_dataset
+from flat_tokens_jax.data.dataset import open_dataset
 from flat_tokens_jax.data.writer import DatasetWriter, StorageFormat
 from flat_tokens_jax.store.identity import DatasetInfo, inputs_field
-from flat_tokens_jax.store.location import STAGING, Claim, claim_location, refuse_overlap
+from flat_tokens_jax.store.location import STAGING, Claim, claim_location
 from flat_tokens_jax.store.options import StoreOptions, context_spec, resolve_options
 from flat_tokens_jax.store.store import Store
 
@@ -98,8 +75,7 @@ class _Job:
     storage_format: StorageFormat
     options: StoreOptions
     convert: ConvertOptions
-    bos_id: int | None
-    eos_id: int | None
+    tokenize: BatchTokenizer  # its tokenizer (if any) is read from TOKENIZER_KEY
     text_tokenizer: bool
     opener: UrlOpener
     info: DatasetInfo
@@ -134,35 +110,6 @@ class UrlOpener:
         return sorted(m.path for m in self.filesystem(pattern).match([pattern])[0].metadata_list)
 
 
-def _is_url(text: str) -> bool:
-    return "://" in text
-
-
-def expand(
-    patterns: Sequence[str | os.PathLike[str]], opener: UrlOpener | None = None
-) -> list[InputPath]:
-    """Files of ``patterns`` in input order: local ones as the local converter
-    expands them, URLs through Beam's file systems, each glob sorted.
-
-    Raises:
-        FileNotFoundError: a pattern that matches nothing.
-        InputError: a file of a format that cannot be read.
-    """
-    out: list[InputPath] = []
-    for pattern in patterns:
-        text = os.fspath(pattern)
-        if not _is_url(text):
-            out.extend(expand_inputs([text]))
-            continue
-        found = (opener or UrlOpener()).match(text)
-        if not found:
-            raise FileNotFoundError(f"no file matches {redact(text)!r}")
-        for path in found:
-            input_kind(path)
-            out.append(path)
-    return out
-
-
 class _Tokenize(beam.DoFn):
     """(index, input file, all to validation) -> the :class:`PartInfo` of its part."""
 
@@ -181,9 +128,7 @@ class _Tokenize(beam.DoFn):
                 raise FileNotFoundError(f"{job.output}/{TOKENIZER_KEY}: the tokenizer is missing")
             tokenizers = require("tokenizers", "convert")
             tokenizer = tokenizers.Tokenizer.from_str(bytes(got.value).decode("utf-8"))
-        self.tokenize = BatchTokenizer(
-            tokenizer, job.bos_id, job.eos_id, job.convert.add_special_tokens
-        )
+        self.tokenize = dataclasses.replace(job.tokenize, tokenizer=tokenizer)
 
     def process(self, element: tuple[int, InputPath, bool]) -> Iterator[PartInfo]:
         index, path, all_validation = element
@@ -194,7 +139,7 @@ class _Tokenize(beam.DoFn):
         # another's files; the info names the part that finished.
         url = part_url(job.output, index, uuid.uuid4().hex[:12])
         fraction = 0.0 if all_validation else job.convert.validation_fraction
-        totals = Totals(None)
+        totals = Totals()
         started = time.perf_counter()
         with DatasetWriter(url, storage_format=PART_STORAGE_FORMAT, options=job.options) as writer:
             write_documents(
@@ -231,10 +176,6 @@ def _place(parts: list[PartInfo], job: _Job) -> Placement:
     return placement
 
 
-def _tasks(placement: Placement) -> list[Task]:
-    return placement.tasks()
-
-
 class _Assemble(beam.DoFn):
     """A :class:`Task` -> the number of elements it wrote."""
 
@@ -248,16 +189,12 @@ class _Assemble(beam.DoFn):
         small = dataclasses.replace(job.options, cache_bytes=_PART_CACHE_BYTES)
         shared = dataclasses.replace(job.options, context=ts.Context(context_spec(small)))
         self.open_part = functools.lru_cache(maxsize=_OPEN_PARTS)(
-            functools.partial(_open_part, options=shared)
+            functools.partial(open_dataset, options=shared)
         )
 
     def process(self, task: Task, placement: Placement) -> Iterator[int]:
         yield assemble_shard(placement, task, self.store, self.open_part)
         self.shards.inc()
-
-
-def _open_part(url: str, options: StoreOptions) -> Dataset:
-    return open_dataset(url, options)
 
 
 def _finish(shards: int, job: _Job, placement: Placement) -> None:
@@ -286,7 +223,7 @@ def build_pipeline(
     placement_view = beam.pvalue.AsSingleton(placement)
     written = (
         placement
-        | "Tasks" >> beam.FlatMap(_tasks)
+        | "Tasks" >> beam.FlatMap(Placement.tasks)
         | "Spread shards" >> beam.Reshuffle()
         | "Assemble" >> beam.ParDo(_Assemble(job), placement_view)
     )
@@ -304,11 +241,6 @@ def pipeline_options(args: Sequence[str]) -> PipelineOptions:
     if options.view_as(StandardOptions).runner is None:
         options = PipelineOptions([*DEFAULT_RUNNER, *args])
     return options
-
-
-def _runner_name(options: PipelineOptions) -> str:
-    runner = options.view_as(StandardOptions).runner
-    return runner if isinstance(runner, str) else type(runner).__name__
 
 
 def _counters(result: Any) -> dict[str, int]:
@@ -386,8 +318,6 @@ def convert_beam(
         pipeline_args: Beam pipeline options (``--runner=DataflowRunner``,
             ``--project``, ...). Without ``--runner``: Beam's FnApiRunner on
             this machine, one worker process per CPU (``--direct_num_workers``).
-        options: how to reach ``output`` (e.g. an S3 endpoint and credentials).
-        **option_fields: or the fields of ``options`` as keywords, e.g. ``endpoint=...``.
 
     Other arguments are ``convert``'s. ``max_tokens`` and ``workers`` have no
     equivalent here.
@@ -424,20 +354,18 @@ def convert_beam(
             "memory:// stores; write to a path, gs:// or s3://"
         )
     beam_options = pipeline_options(pipeline_args)
-    runner = _runner_name(beam_options)
+    runner = beam_options.view_as(StandardOptions).runner
+    runner = runner if isinstance(runner, str) else type(runner).__name__
     opener = UrlOpener(tuple(pipeline_args))
-    conv = Conversion.start(
-        opts, expand(as_patterns(inputs), opener), expand(as_patterns(validation_inputs), opener)
-    )
+    conv = Conversion.start(opts, inputs, validation_inputs, out, opener.match)
     if runner.lower() not in LOCAL_RUNNERS:
         local = [str(p) for p in [*conv.train, *conv.validation] if isinstance(p, Path)]
-        if local or not _is_url(out):
+        if local or "://" not in out:
             where = local[0] if local else out
             raise ValueError(
                 f"{runner} runs workers on other machines, which cannot reach {where}: "
                 "give inputs and output as gs:// or s3:// URLs"
             )
-    refuse_overlap([*conv.train, *conv.validation], [out])
     tokenize = conv.tokenize
     store = Store(out, options)
     job = _Job(
@@ -445,8 +373,7 @@ def convert_beam(
         storage_format or StorageFormat(),
         store.options,
         opts,
-        tokenize.bos_id,
-        tokenize.eos_id,
+        dataclasses.replace(tokenize, tokenizer=None),
         tokenize.tokenizer is not None,
         opener,
         conv.info(None),
@@ -465,13 +392,10 @@ def convert_beam(
             raise
     counters = _counters(_run(pipeline, claim))
     written = open_dataset(out, options)
-    return conv.summary(
-        out,
-        {n: {"documents": ft.num_sequences, "tokens": ft.num_tokens} for n, ft in written.items()},
+    totals = Totals(
+        documents={n: ft.num_sequences for n, ft in written.items()},
+        tokens={n: ft.num_tokens for n, ft in written.items()},
         skipped_empty=counters.get("skipped_empty", 0),
         skipped_bad=counters.get("skipped_bad", 0),
-        seconds=time.perf_counter() - started,
-        stopped_early=False,
-        max_tokens=None,
-        runner=runner,
     )
+    return conv.summary(out, totals, time.perf_counter() - started, runner=runner)

@@ -1,41 +1,22 @@
 """Chat conversations into a flat-tokens dataset with a loss mask: ``flat-tokens convert-chat``.
 
-A document (a JSON line, or a Parquet or dataset row) holds one conversation
-in either common form: ``conversations: [{from, value}]`` (FastChat/ShareGPT:
-``human``, ``gpt``, ``system``) or ``messages: [{role, content}]`` (``user``,
-``assistant``, ``system``). It becomes one sequence: the
-conversation rendered to text by a chat template and tokenized whole, once, with
-a loss mask that is 1 on the tokens of the trained turns (by default the
-assistant's, with the end-of-turn token that closes each).
-
-The template is either a :class:`ChatTemplate` (a YAML config such as
-``configs/chat.yaml``: per-role prefix and suffix, bos/eos, trained roles, and
-top-level fields placed before the turns), or the ``chat_template`` of a
-``transformers`` tokenizer directory, rendered with ``apply_chat_template``
-(messages only), where each content is located by rendering again with markers
-in place of the contents. A message that template renders to nothing (a role
-it has no branch for) is left out and counted per input file in the summary's
-``dropped_messages``, or, with ``strict``, makes its document a bad one.
-
-Trained characters become trained tokens through the tokenizer's offsets: a
-token is trained when one of its non-space characters is trained (a token of
-spaces only: when one of its characters is). So ``" Hello"``, which merges a
-template's separating space with the answer, is trained, and a special token
-that absorbs the spaces after it (Phi-3's ``"<|assistant|>\\n "``) is not.
+Each document holds one conversation (``conversations: [{from, value}]`` or
+``messages: [{role, content}]``), rendered by a chat template
+(:mod:`~flat_tokens_jax.convert.chat_template`) and tokenized whole, once.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import hashlib
 import itertools
 import json
 import logging
 import os
-import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -45,7 +26,7 @@ from flat_tokens_jax.convert.chat_hf import make_renderer
 from flat_tokens_jax.convert.chat_template import ChatTemplate, Rendered, trained_tokens
 from flat_tokens_jax.convert.commands import (
     add_converter_flags,
-    add_start_token_flag,
+    progress_bar,
     run_command,
     store_options,
 )
@@ -53,20 +34,19 @@ from flat_tokens_jax.convert.inputs import (
     BadDocument,
     DocumentReader,
     Where,
-    as_patterns,
+    check_splits,
     expand_inputs,
     hash_inputs,
-    require,
 )
+from flat_tokens_jax.convert.parts import Totals
 from flat_tokens_jax.convert.tokenizer import (
     LoadedTokenizer,
+    Packed,
     identity,
     load_tokenizer,
     resolve_start_token_id,
     validation_mask,
-    warn_if_zero_is_ordinary,
 )
-from flat_tokens_jax.core.format import SPLITS, encode_concatenated
 from flat_tokens_jax.data.writer import DatasetWriter, StorageFormat
 from flat_tokens_jax.store.identity import DatasetInfo, inputs_field
 from flat_tokens_jax.store.location import refuse_overlap
@@ -78,10 +58,7 @@ log = logging.getLogger(__name__)
 BATCH_DOCS = 256
 
 
-@dataclasses.dataclass(frozen=True)
-class _Doc:
-    rendered: Rendered
-    where: Where
+_Doc = tuple[Rendered, Where]
 
 
 def convert_chat(
@@ -117,22 +94,14 @@ def convert_chat(
             trained turn; ``None``: the added token that follows it, if any; ``""``: none.
         validation_fraction: send about this fraction of conversations, chosen by a
             hash of the rendered text, to "validation".
-        validation_inputs: or read "validation" from these files.
-        skip_bad: count and skip bad documents instead of stopping at the first.
         strict: a conversation with a message that the template renders to
             nothing is a bad document (stops the run, or with ``skip_bad`` is
             skipped and counted there); otherwise it is written without that
             message, and counted in ``dropped_messages``.
-        storage_format: chunking and compression of the output.
-        overwrite: replace a flat-tokens dataset, or the leftover of an
-            interrupted write, at ``output`` (never other files: see
-            :class:`~flat_tokens_jax.data.writer.DatasetWriter`). An ``output`` that
-            is, contains or lies inside an input is refused (``ValueError``).
-        options: how to reach ``output`` (e.g. an S3 endpoint and credentials).
-        **option_fields: or the fields of ``options`` as keywords, e.g. ``endpoint=...``.
-        progress: a tqdm bar on stderr; ``None``: when stderr is a terminal.
-        start_token_id: record this input id for sequence starts (an id, or
-            ``"bos"``/``"eos"`` for the tokenizer's), as for ``convert``.
+
+    ``validation_inputs``, ``skip_bad``, ``storage_format``, ``overwrite``,
+    ``options``, ``progress``, ``start_token_id`` and ``**option_fields`` are as
+    for ``convert``.
 
     The output records the tokenizer, the template (its file's SHA-256, or
     the tokenizer's own template's), ``train_on``, ``end_of_turn`` and the
@@ -152,20 +121,16 @@ def convert_chat(
     """
     options = resolve_options(options, option_fields, "convert_chat")
     started = time.perf_counter()
-    if not 0.0 <= validation_fraction < 1.0:
-        raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")
-    train_paths = expand_inputs(as_patterns(inputs))
-    valid_paths = expand_inputs(as_patterns(validation_inputs))
-    if not train_paths:
-        raise ValueError("no inputs given")
-    if valid_paths and validation_fraction:
-        raise ValueError("pass validation_fraction or validation_inputs, not both")
+    train_paths, valid_paths = expand_inputs(inputs), expand_inputs(validation_inputs)
+    check_splits(train_paths, valid_paths, validation_fraction)
     refuse_overlap([*train_paths, *valid_paths], [output])
     loaded = load_tokenizer(tokenizer)
     start = resolve_start_token_id(start_token_id, loaded)
-    warn_if_zero_is_ordinary(loaded, start)
     render = make_renderer(loaded, template, train_on, end_of_turn)
-    tok = _whole_offsets(loaded.tokenizer)
+    # A copy without the post-processor, whose ids are the same: one such as
+    # ByteLevel(trim_offsets=True) trims spaces off the offsets, which the mask needs whole.
+    tok = type(loaded.tokenizer).from_str(loaded.tokenizer.to_str())
+    tok.post_processor = None
 
     def check(document: Mapping[str, Any], where: Where) -> _Doc:
         rendered = render(document)
@@ -176,13 +141,12 @@ def convert_chat(
                 f"{_dropped_text(rendered)}, which strict refuses: remove such messages or "
                 "use a template that renders their role"
             )
-        return _Doc(rendered, where)
+        return rendered, where
 
-    splits = {s: {"conversations": 0, "tokens": 0, "trained_tokens": 0} for s in SPLITS}
     passes = [(train_paths, validation_fraction, False), (valid_paths, 0.0, True)]
-    skipped = 0
-    dropped = _DroppedMessages()
-    bar = _progress_bar(progress)
+    totals = Totals()
+    dropped: dict[str, dict[str, Any]] = {}
+    bar = progress_bar(progress, "convert-chat")
     try:
         with (
             DatasetWriter(
@@ -192,19 +156,14 @@ def convert_chat(
         ):
             for paths, fraction, all_validation in passes:
                 reader = DocumentReader(paths, None, skip_bad=skip_bad, check=check)
-                for docs in _batches(cast(Iterable[_Doc], reader)):
-                    texts, ids, masks = _tokenize(tok, docs, reader, dropped)
+                read = cast(Iterator[_Doc], iter(reader))
+                while docs := list(itertools.islice(read, BATCH_DOCS)):
+                    texts, packed, mask = _tokenize(tok, docs, reader, dropped)
                     valid = validation_mask(texts, fraction) | all_validation
-                    for split, chosen in (("train", ~valid), ("validation", valid)):
-                        picked = np.flatnonzero(chosen).tolist()
-                        _write(writer, split, [ids[i] for i in picked], [masks[i] for i in picked])
-                        counts = splits[split]
-                        counts["conversations"] += len(picked)
-                        counts["tokens"] += sum(ids[i].size for i in picked)
-                        counts["trained_tokens"] += sum(int(masks[i].sum()) for i in picked)
+                    written = totals.write(writer, packed, valid, mask)
                     if bar is not None:
-                        bar.update(sum(a.size for a in ids))
-                skipped += reader.skipped_bad
+                        bar.update(written)
+                totals.skipped_bad += reader.skipped_bad
             writer.info = DatasetInfo(
                 tokenizer=identity(loaded),
                 start_token_id=start,
@@ -215,18 +174,26 @@ def convert_chat(
         if bar is not None:
             bar.close()
     seconds = time.perf_counter() - started
-    tokens = sum(s["tokens"] for s in splits.values())
+    tokens = sum(totals.tokens.values())
+    splits = {
+        s: {
+            "conversations": n,
+            "tokens": totals.tokens[s],
+            "trained_tokens": totals.trained[s],
+        }
+        for s, n in totals.documents.items()
+    }
     return {
         "output": os.fspath(output),
         "input_files": len(train_paths),
         "validation_files": len(valid_paths),
         "tokenizer": loaded.name,
         "template": "tokenizer" if template is None else str(template),
-        "conversations": sum(s["conversations"] for s in splits.values()),
+        "conversations": sum(totals.documents.values()),
         "tokens": tokens,
-        "trained_tokens": sum(s["trained_tokens"] for s in splits.values()),
-        "skipped_bad": skipped,
-        "dropped_messages": dropped.report(),
+        "trained_tokens": sum(totals.trained.values()),
+        "skipped_bad": totals.skipped_bad,
+        "dropped_messages": dropped,
         "splits": splits,
         "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 1),
@@ -260,46 +227,31 @@ def _flags(
     }
 
 
-def _whole_offsets(tokenizer: Any) -> Any:
-    """A copy without the post-processor, whose ids are the same.
-
-    A post-processor such as ``ByteLevel(trim_offsets=True)`` trims spaces off
-    the offsets, which the mask needs whole; with ``add_special_tokens=False``
-    post-processors add no tokens.
-    """
-    copy = type(tokenizer).from_str(tokenizer.to_str())
-    copy.post_processor = None
-    return copy
-
-
-def _batches(docs: Iterable[_Doc]) -> Iterator[list[_Doc]]:
-    it = iter(docs)
-    return iter(lambda: list(itertools.islice(it, BATCH_DOCS)), [])
-
-
 def _tokenize(
-    tokenizer: Any, docs: list[_Doc], reader: DocumentReader, dropped: _DroppedMessages
-) -> tuple[list[str], list[np.ndarray], list[np.ndarray]]:
-    """Texts, ids ``[n_i]`` and masks ``[n_i] uint8`` of the documents with a trained
+    tokenizer: Any, docs: list[_Doc], reader: DocumentReader, dropped: dict[str, dict[str, Any]]
+) -> tuple[list[str], Packed, np.ndarray]:
+    """Texts, ids and ``[num_tokens] uint8`` loss mask of the documents with a trained
     token, whose lost messages are counted in ``dropped``.
 
     Each text is tokenized whole, as ``tokenizer(text, add_special_tokens=False)``
     and ``apply_chat_template(messages, tokenize=True)`` do, so training sees
     the ids inference sees.
     """
-    encodings = tokenizer.encode_batch([d.rendered.text for d in docs], add_special_tokens=False)
+    encodings = tokenizer.encode_batch([r.text for r, _ in docs], add_special_tokens=False)
     texts, ids, masks = [], [], []
-    for doc, enc in zip(docs, encodings, strict=True):
-        text, spans = doc.rendered.text, doc.rendered.spans
+    for (rendered, where), enc in zip(docs, encodings, strict=True):
+        text, spans = rendered.text, rendered.spans
         mask = trained_tokens(text, np.array(enc.offsets, np.int64), spans)
         if not mask.any():
-            reader.reject(doc.where, "no token is trained: the trained turns tokenize to nothing")
+            reader.reject(where, "no token is trained: the trained turns tokenize to nothing")
             continue
-        dropped.add(doc)
+        _count_dropped(dropped, rendered, where)
         texts.append(text)
-        ids.append(np.array(enc.ids, np.int64))
+        ids.append(np.array(enc.ids, np.int32))
         masks.append(mask)
-    return texts, ids, masks
+    lengths = np.array([a.size for a in ids], np.int64)
+    packed = (np.concatenate([np.zeros(0, np.int32), *ids]), lengths)
+    return texts, packed, np.concatenate([np.zeros(0, np.uint8), *masks])
 
 
 def _dropped_text(rendered: Rendered) -> str:
@@ -309,53 +261,26 @@ def _dropped_text(rendered: Rendered) -> str:
     return f"{verb.format(listed)} to nothing with the chat template"
 
 
-class _DroppedMessages:
-    """Per input file: the messages that written conversations lost to the template."""
-
-    def __init__(self) -> None:
-        self.files: dict[str, dict[str, Any]] = {}
-
-    def add(self, doc: _Doc) -> None:
-        """Counts what a conversation that is written lost, if anything."""
-        if not doc.rendered.dropped:
-            return
-        path, unit, number = doc.where
-        name = os.fspath(path)
-        entry = self.files.get(name)
-        if entry is None:
-            first = f"{name} {unit} {number}"
-            entry = {"messages": 0, "conversations": 0, "roles": {}, "first": first}
-            self.files[name] = entry
-            log.warning(
-                "%s: %s, left out of the written conversation (strict refuses such "
-                "conversations); the others in this file are counted in dropped_messages",
-                first,
-                _dropped_text(doc.rendered),
-            )
-        entry["conversations"] += 1
-        entry["messages"] += len(doc.rendered.dropped)
-        for _, role in doc.rendered.dropped:
-            entry["roles"][role] = entry["roles"].get(role, 0) + 1
-
-    def report(self) -> dict[str, dict[str, Any]]:
-        return self.files
-
-
-def _write(
-    writer: DatasetWriter, split: str, ids: list[np.ndarray], masks: list[np.ndarray]
-) -> None:
-    if not ids:
+def _count_dropped(files: dict[str, dict[str, Any]], rendered: Rendered, where: Where) -> None:
+    """Counts, per input file, the messages a written conversation lost to the template."""
+    if not rendered.dropped:
         return
-    lengths = np.array([a.size for a in ids], np.int64)
-    encoded = encode_concatenated(np.concatenate(ids), np.cumsum(lengths) - lengths)
-    writer.extend_encoded(split, encoded, lengths, loss_mask=np.concatenate(masks))
-
-
-def _progress_bar(progress: bool | None) -> Any:
-    if progress is False or (progress is None and not sys.stderr.isatty()):
-        return None
-    tqdm = require("tqdm", "convert")
-    return tqdm.tqdm(desc="convert-chat", unit="tok", unit_scale=True, file=sys.stderr)
+    path, unit, number = where
+    name = os.fspath(path)
+    entry = files.get(name)
+    if entry is None:
+        first = f"{name} {unit} {number}"
+        entry = files[name] = {"messages": 0, "conversations": 0, "roles": {}, "first": first}
+        log.warning(
+            "%s: %s, left out of the written conversation (strict refuses such "
+            "conversations); the others in this file are counted in dropped_messages",
+            first,
+            _dropped_text(rendered),
+        )
+    entry["conversations"] += 1
+    entry["messages"] += len(rendered.dropped)
+    for _, role in rendered.dropped:
+        entry["roles"][role] = entry["roles"].get(role, 0) + 1
 
 
 def add_commands(subparsers: Any) -> None:
@@ -374,10 +299,6 @@ def add_commands(subparsers: Any) -> None:
         help="tokenizer's template: the token trained after each trained turn (default: the "
         "added token that follows it, if any; 'none': none)",
     )
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--validation-fraction", type=float, default=0.0, help="hash split fraction")
-    g.add_argument("--validation", nargs="+", default=[], metavar="INPUT", help="validation inputs")
-    add_start_token_flag(p)
     p.add_argument(
         "--strict",
         action="store_true",
@@ -398,10 +319,9 @@ def _describe(s: dict[str, Any]) -> str:
     dropped = s["dropped_messages"]
     lost = ""
     if dropped:
-        roles: dict[str, int] = {}
+        roles: collections.Counter[str] = collections.Counter()
         for entry in dropped.values():
-            for role, n in entry["roles"].items():
-                roles[role] = roles.get(role, 0) + n
+            roles.update(entry["roles"])
         where = next(iter(dropped)) if len(dropped) == 1 else f"{len(dropped)} files"
         by_role = ", ".join(f"{role}: {n:,}" for role, n in sorted(roles.items()))
         first = next(iter(dropped.values()))["first"]
@@ -435,14 +355,4 @@ def _cmd_convert_chat(args: argparse.Namespace) -> int:
             start_token_id=args.start_token_id,
         )
 
-    try:
-        return run_command(
-            "convert-chat",
-            work,
-            as_json=args.json,
-            describe=_describe,
-            errors=(ValueError, OSError, ImportError),
-        )
-    except KeyboardInterrupt:
-        print(f"convert-chat: interrupted; {args.output} was not written", file=sys.stderr)
-        return 130
+    return run_command(args, work, _describe, output=args.output)

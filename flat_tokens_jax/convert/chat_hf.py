@@ -1,10 +1,5 @@
 """The ``chat_template`` of a ``transformers`` tokenizer, rendered with
-``apply_chat_template`` (messages only), and the renderer of either template kind.
-
-Each content is located by rendering the conversation again with markers in
-place of the contents; a message whose marker is missing from the text was
-rendered to nothing (many templates have no branch for ``tool`` messages).
-"""
+``apply_chat_template`` (messages only), and the renderer of either template kind."""
 
 from __future__ import annotations
 
@@ -45,16 +40,12 @@ class _TokenizerTemplate:
     """Renders with a ``transformers`` tokenizer's chat template, then finds the turns.
 
     The template renders the conversation twice: as it is, and with each content
-    replaced by a marker. Putting the contents (or, for templates that trim them,
-    the trimmed contents) in place of the markers must give the first text, and
-    the markers' places are then the contents'. A message whose marker is not in
-    the text was rendered to nothing: a bad document if its role is trained, else
-    listed in :attr:`Rendered.dropped`. A template that leaves out messages with
-    empty content renders them to nothing too: when rendering markers for the
-    other messages only finds them, and the conversation without the empty
-    messages renders to the same text. ``end_of_turn``: ``None`` trains
-    the added token that follows a trained turn's content (after any spaces), if
-    one does; ``""`` trains none.
+    replaced by a marker. Putting the contents (or the trimmed contents) in place
+    of the markers must give the first text; the markers' places are then the
+    contents'. A message whose marker is not in the text was rendered to nothing:
+    a bad document if its role is trained, else listed in :attr:`Rendered.dropped`.
+    ``end_of_turn``: ``None`` trains the added token that follows a trained turn's
+    content (after any spaces), if one does; ``""`` trains none.
     """
 
     hf: Any
@@ -65,13 +56,7 @@ class _TokenizerTemplate:
     template_error: type[Exception]
 
     def render(self, document: Mapping[str, Any]) -> Rendered:
-        messages = parse_messages(document, ROLE_ALIASES, self.forbidden)
-        for i, (role, _) in enumerate(messages):
-            if role not in CHAT_TEMPLATE_ROLES:
-                raise BadDocument(
-                    f"message {i} has unknown role {role!r} (known: "
-                    f"{sorted({*CHAT_TEMPLATE_ROLES, *ROLE_ALIASES})})"
-                )
+        messages = parse_messages(document, CHAT_TEMPLATE_ROLES, ROLE_ALIASES, self.forbidden)
         roles = [role for role, _ in messages]
         contents = [content for _, content in messages]
         text = self._apply(roles, contents)
@@ -177,12 +162,7 @@ def make_renderer(
     train_on: Sequence[str] | None,
     end_of_turn: str | None,
 ) -> Renderer:
-    """The renderer of a YAML template, or else of the tokenizer's own chat template.
-
-    Raises:
-        ValueError: no template to use, options that the YAML template sets
-            itself, or a template token that is not one token of the vocabulary.
-    """
+    """The renderer of a YAML template, or else of the tokenizer's own chat template."""
     tok = loaded.tokenizer
     if template is not None:
         if train_on is not None or end_of_turn is not None:

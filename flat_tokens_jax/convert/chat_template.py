@@ -1,61 +1,35 @@
-"""Chat templates: conversations to text, and which of its tokens are trained.
-
-A :class:`ChatTemplate` (a YAML config such as ``configs/chat.yaml``: per-role
-prefix and suffix, bos/eos, trained roles, and top-level fields placed before
-the turns), and what every template shares: reading messages, the
-:class:`Rendered` result, checking template tokens, and the loss mask. The
-``chat_template`` of a ``transformers`` tokenizer is in
-:mod:`~flat_tokens_jax.convert.chat_hf`.
-
-Trained characters become trained tokens through the tokenizer's offsets: a
-token is trained when one of its non-space characters is trained (a token of
-spaces only: when one of its characters is). So ``" Hello"``, which merges a
-template's separating space with the answer, is trained, and a special token
-that absorbs the spaces after it (Phi-3's ``"<|assistant|>\\n "``) is not.
-"""
+"""Chat templates: the YAML :class:`ChatTemplate`, and what every template shares
+(reading messages, checking template tokens, the loss mask); a ``transformers``
+tokenizer's own template is in :mod:`~flat_tokens_jax.convert.chat_hf`."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from flat_tokens_jax.convert.inputs import BadDocument, require
+from flat_tokens_jax.convert.inputs import BadDocument
+from flat_tokens_jax.core.yamlfile import read_yaml
 
 # A conversation's (list, role, text) keys, in either of the two common forms.
 CONVERSATION_KEYS = (("conversations", "from", "value"), ("messages", "role", "content"))
 ROLE_ALIASES = {"human": "user", "gpt": "assistant"}
-# The code points for which str.isspace() is true.
-SPACE_CODES = np.array(
-    [
-        *range(0x9, 0xE),
-        *range(0x1C, 0x21),
-        *(0x85, 0xA0, 0x1680),
-        *range(0x2000, 0x200B),
-        *(0x2028, 0x2029, 0x202F, 0x205F, 0x3000),
-    ],
-    np.uint32,
-)
+# The code points for which str.isspace() is true (none is above U+3000).
+SPACE_CODES = np.array([c for c in range(0x3001) if chr(c).isspace()], np.uint32)
 TOKEN_LITERAL = re.compile(r"<\|[^|<>\s]{1,64}\|>")
 Span = tuple[int, int]
 
 
 @dataclasses.dataclass(frozen=True)
 class Rendered:
-    """A conversation as text, with what is trained and what was lost.
-
-    Attributes:
-        text: the rendered conversation.
-        spans: the trained character spans ``[start, end)`` of ``text``, sorted.
-        dropped: ``(index, role)`` of each message whose content the template
-            left out of ``text`` (a role it has no branch for, such as ``tool``
-            in many templates). A message with empty content is not dropped when
-            its turn is rendered; a YAML template drops nothing.
-    """
+    """A conversation as ``text``, its trained character ``spans`` ``[start, end)``
+    (sorted), and ``dropped``: ``(index, role)`` of each message whose content the
+    template left out of ``text`` (a role it has no branch for, such as ``tool``
+    in many templates; a YAML template drops nothing)."""
 
     text: str
     spans: list[Span]
@@ -145,13 +119,7 @@ class ChatTemplate:
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> ChatTemplate:
         """Reads the ``chat:`` mapping of a YAML file (needs the ``yaml`` extra)."""
-        yaml = require("yaml", "yaml")
-        with open(path, encoding="utf-8") as f:
-            try:
-                loaded = yaml.safe_load(f)
-            except yaml.YAMLError as e:
-                # PyYAML's message spans lines (problem, then the place): one line here.
-                raise ValueError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from e
+        loaded = read_yaml(path)
         if not isinstance(loaded, dict) or not isinstance(loaded.get("chat"), dict):
             raise ValueError(f"{path}: expected a mapping under a top-level 'chat:' key")
         return cls.from_dict(loaded["chat"])
@@ -166,12 +134,8 @@ class ChatTemplate:
     def render(
         self, document: Mapping[str, Any], forbidden: re.Pattern[str] | None = None
     ) -> tuple[str, list[Span]]:
-        """The conversation's text and its trained character spans.
-
-        Raises:
-            BadDocument: no conversation, an unknown role, a field that is not a
-                string, or content that ``forbidden`` matches.
-        """
+        """The conversation's text and its trained character spans; BadDocument
+        for a document it cannot render."""
         pieces: list[tuple[str, bool]] = [(self.bos, False)] if self.bos else []
         for name, affix in self.fields:
             value = document.get(name)
@@ -182,10 +146,7 @@ class ChatTemplate:
             _check_content(value, f"field {name!r}", forbidden)
             pieces += self._turn(affix, value, name in self.train_on)
         trained = False
-        for i, (role, content) in enumerate(parse_messages(document, self.role_aliases, forbidden)):
-            if role not in self.roles:
-                known = sorted({*self.roles, *self.role_aliases})
-                raise BadDocument(f"message {i} has unknown role {role!r} (known: {known})")
+        for role, content in parse_messages(document, self.roles, self.role_aliases, forbidden):
             trained = role in self.train_on
             pieces += self._turn(self.roles[role], content, trained)
         if self.eos:
@@ -221,15 +182,13 @@ def _join(pieces: Sequence[tuple[str, bool]]) -> tuple[str, list[Span]]:
 
 def parse_messages(
     document: Mapping[str, Any],
+    roles: Collection[str],
     aliases: Mapping[str, str],
     forbidden: re.Pattern[str] | None = None,
 ) -> list[tuple[str, str]]:
-    """``(role, content)`` of each message, roles renamed by ``aliases``.
-
-    Raises:
-        BadDocument: neither form of conversation, not a list, an empty list, a malformed
-            message, or content that ``forbidden`` matches.
-    """
+    """``(role, content)`` of each message, roles renamed by ``aliases``; BadDocument
+    for a malformed conversation, a role not in ``roles``, or content that
+    ``forbidden`` matches."""
     found = next((keys for keys in CONVERSATION_KEYS if keys[0] in document), None)
     if found is None:
         raise BadDocument(f"no 'conversations' or 'messages' list (keys: {sorted(document)[:10]})")
@@ -250,8 +209,12 @@ def parse_messages(
                 f"{key}[{i}] must be an object with strings {role_key!r} and {text_key!r}, "
                 f"got {m!r:.80}"
             )
+        role = aliases.get(m[role_key], m[role_key])
+        if role not in roles:
+            known = sorted({*roles, *aliases})
+            raise BadDocument(f"message {i} has unknown role {role!r} (known: {known})")
         _check_content(m[text_key], f"{key}[{i}]", forbidden)
-        out.append((aliases.get(m[role_key], m[role_key]), m[text_key]))
+        out.append((role, m[text_key]))
     return out
 
 
@@ -266,11 +229,7 @@ def _check_content(text: str, what: str, forbidden: re.Pattern[str] | None) -> N
 
 
 def check_template_tokens(tokenizer: Any, tokens: Iterable[str], where: str) -> None:
-    """Checks that each template token is one token of the vocabulary.
-
-    Raises:
-        ValueError: a token missing from the vocabulary, or one the tokenizer splits.
-    """
+    """Checks that each template token is one token of the vocabulary."""
     for token in tokens:
         token_id = tokenizer.token_to_id(token)
         if token_id is None:
@@ -290,7 +249,10 @@ def trained_tokens(text: str, offsets: np.ndarray, spans: Sequence[Span]) -> np.
     """``[n] uint8`` loss mask of tokens with character ``offsets`` ``[n, 2]`` in ``text``.
 
     A token is trained when one of its non-space characters is in a trained
-    span, or, for a token of spaces only, when one of its characters is.
+    span, or, for a token of spaces only, when one of its characters is. So
+    ``" Hello"``, which merges a template's separating space with the answer, is
+    trained, and a special token that absorbs the spaces after it (Phi-3's
+    ``"<|assistant|>\\n "``) is not.
     """
     off = np.asarray(offsets, np.int64).reshape(-1, 2)
     codes = np.frombuffer(text.encode("utf-32-le"), np.uint32)

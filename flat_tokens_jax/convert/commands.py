@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import sys
 from collections.abc import Callable
 from typing import Any
 
+from flat_tokens_jax.convert.inputs import require
 from flat_tokens_jax.core.urls import redact, redact_text, scheme_of
 from flat_tokens_jax.core.values import number
 from flat_tokens_jax.store.location import OverwriteNeeded
@@ -20,12 +22,13 @@ from flat_tokens_jax.store.options import (
     StoreOptions,
 )
 
+log = logging.getLogger(__name__)
+
 _DEFAULTS = StoreOptions()
 
 
 def at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse ``type``: an integer of at least ``minimum`` (argparse then
-    names the flag of a bad value)."""
+    """An argparse ``type``: an integer of at least ``minimum``."""
 
     def parse(text: str) -> int:
         value = _int(text)
@@ -37,8 +40,7 @@ def at_least(minimum: int) -> Callable[[str], int]:
 
 
 def between(low: int, high: int) -> Callable[[str], int]:
-    """An argparse ``type``: an integer in ``[low, high]`` (argparse then
-    names the flag of a bad value)."""
+    """An argparse ``type``: an integer in ``[low, high]``."""
 
     def parse(text: str) -> int:
         value = at_least(low)(text)
@@ -50,7 +52,7 @@ def between(low: int, high: int) -> Callable[[str], int]:
 
 
 def above_zero(text: str) -> float:
-    """An argparse ``type``: a finite number above 0 (argparse then names the flag)."""
+    """An argparse ``type``: a finite number above 0."""
     try:
         value = number(float(text), "")
     except ValueError:
@@ -68,8 +70,7 @@ def _int(text: str) -> int:
 
 
 def store_count(field: str) -> Callable[[str], int]:
-    """An argparse ``type``: an int that :class:`StoreOptions` takes as
-    ``field``, checked by ``StoreOptions`` itself (argparse then names the flag)."""
+    """An argparse ``type``: an int that :class:`StoreOptions` takes as ``field``."""
 
     def parse(text: str) -> int:
         value = _int(text)
@@ -110,8 +111,7 @@ def credentials_type(text: str) -> str:
 
 
 def add_store_flags(parser: argparse.ArgumentParser) -> None:
-    """Adds the flags of :class:`StoreOptions` that reach remote stores; every
-    command that takes a dataset URL has them."""
+    """Adds the flags of :class:`StoreOptions` that reach remote stores."""
     group = parser.add_argument_group("remote stores")
     group.add_argument("--endpoint", help="s3:// only: S3-compatible endpoint URL")
     group.add_argument("--region", help="s3:// only: AWS region of the bucket")
@@ -155,12 +155,10 @@ def add_store_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_converter_flags(parser: argparse.ArgumentParser) -> None:
-    """Adds what every command that reads documents into a new dataset takes:
-    ``--skip-bad``, ``--overwrite``, ``--no-progress``, ``--json`` and the store flags."""
-    parser.add_argument("--skip-bad", action="store_true", help="skip and count bad documents")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+def add_output_flags(parser: argparse.ArgumentParser, *, overwrite: bool = True) -> None:
+    """Adds ``--overwrite`` (unless ``overwrite`` is false), ``--json`` and the store flags."""
+    if overwrite:
+        parser.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_store_flags(parser)
 
@@ -177,8 +175,18 @@ def _start_token_id(text: str) -> int | str:
     return value
 
 
-def add_start_token_flag(parser: argparse.ArgumentParser) -> None:
-    """Adds ``--start-token-id``, recorded in the new dataset's info."""
+def add_converter_flags(parser: argparse.ArgumentParser) -> None:
+    """Adds what every command that reads documents into a new dataset takes: the
+    validation split, ``--start-token-id``, ``--skip-bad``, ``--no-progress`` and
+    :func:`add_output_flags`."""
+    g = parser.add_mutually_exclusive_group()
+    g.add_argument(
+        "--validation-fraction",
+        type=float,
+        default=0.0,
+        help="send about this fraction of documents, chosen by a hash of each, to validation",
+    )
+    g.add_argument("--validation", nargs="+", default=[], metavar="INPUT", help="validation inputs")
     parser.add_argument(
         "--start-token-id",
         type=_start_token_id,
@@ -186,6 +194,9 @@ def add_start_token_flag(parser: argparse.ArgumentParser) -> None:
         help="record the input id that training feeds at sequence starts (a number, or bos "
         "or eos: the tokenizer's); a LoaderConfig without start_token_id uses it",
     )
+    parser.add_argument("--skip-bad", action="store_true", help="skip and count bad documents")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_output_flags(parser)
 
 
 def store_options(args: argparse.Namespace) -> StoreOptions:
@@ -215,17 +226,6 @@ def refuse_memory_output(command: str, output: str | None) -> int | None:
     return 1
 
 
-def cli_words(message: str) -> str:
-    """``message`` with the Python spelling of options in CLI terms:
-    ``StoreOptions.retry_delay`` becomes ``--retry-delay``, ``LoaderConfig.seq_len``
-    ``--seq-len``."""
-    return re.sub(
-        r"(?:StoreOptions|LoaderConfig)\.(\w+)",
-        lambda m: "--" + m.group(1).replace("_", "-"),
-        message,
-    )
-
-
 def path_error(name: str, path: str, error: OSError, wanted: str) -> ValueError:
     """``error``, met opening ``path`` (given as ``name``, a flag such as
     ``--state``), as one line that names ``name`` and ``path``, not a bare
@@ -245,29 +245,55 @@ def path_error(name: str, path: str, error: OSError, wanted: str) -> ValueError:
 
 
 def fail(name: str, error: BaseException) -> int:
-    """Prints ``name: error`` on stderr, in CLI terms; returns the exit status 1."""
+    """Prints ``name: error`` on stderr, in CLI terms (``StoreOptions.retry_delay``
+    becomes ``--retry-delay``, ``LoaderConfig.seq_len`` ``--seq-len``); returns 1."""
     text = error.cli_message() if isinstance(error, OverwriteNeeded) else str(error)
     # The last guard: a URL in another library's message (a file name in an OSError).
-    print(f"{name}: {cli_words(redact_text(text))}", file=sys.stderr)
+    text = re.sub(
+        r"(?:StoreOptions|LoaderConfig)\.(\w+)",
+        lambda m: "--" + m.group(1).replace("_", "-"),
+        redact_text(text),
+    )
+    print(f"{name}: {text}", file=sys.stderr)
     return 1
 
 
+def progress_bar(progress: bool | None, desc: str) -> Any:
+    """A tqdm bar of tokens on stderr (``None``: when stderr is a terminal), or ``None``."""
+    if progress is False or (progress is None and not sys.stderr.isatty()):
+        return None
+    try:
+        tqdm = require("tqdm", "convert")
+    except ImportError:
+        if progress:
+            log.warning("no progress bar: tqdm is not installed")
+        return None
+    return tqdm.tqdm(desc=desc, unit="tok", unit_scale=True, file=sys.stderr)
+
+
 def run_command(
-    name: str,
+    args: argparse.Namespace,
     work: Callable[[], dict[str, Any]],
-    *,
-    as_json: bool,
     describe: Callable[[dict[str, Any]], str],
-    errors: tuple[type[BaseException], ...] = (ValueError, OSError),
+    *,
+    errors: tuple[type[BaseException], ...] = (ValueError, OSError, ImportError),
+    output: str | None = None,
 ) -> int:
-    """Runs ``work``; prints its summary (one line, or JSON) or the error on stderr.
+    """Runs ``work`` for ``args.command``; prints its summary (one line, or JSON with
+    ``args.json``) or the error on stderr.
 
     Returns:
-        The exit status: 0, or 1 when ``work`` raised one of ``errors``.
+        The exit status: 0; 1 when ``work`` raised one of ``errors``; 130 when
+        interrupted while writing ``output`` (when given).
     """
     try:
         summary = work()
     except errors as e:
-        return fail(name, e)
-    print(json.dumps(summary) if as_json else describe(summary))
+        return fail(args.command, e)
+    except KeyboardInterrupt:
+        if output is None:
+            raise
+        print(f"{args.command}: interrupted; {output} was not written", file=sys.stderr)
+        return 130
+    print(json.dumps(summary) if args.json else describe(summary))
     return 0

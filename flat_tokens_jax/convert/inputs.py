@@ -1,14 +1,7 @@
-"""Reading one field of every document from JSONL, Parquet and saved Hugging Face datasets.
+"""Reading one field of every document from JSONL (``.jsonl``/``.json``, optionally
+``.gz``/``.zst``), Parquet and ``datasets.Dataset.save_to_disk`` directories, in order.
 
-Formats, by name: ``.jsonl`` and ``.json`` (JSON Lines, one object per line),
-either optionally compressed as ``.gz`` or ``.zst``; ``.parquet``; and a
-directory written by ``datasets.Dataset.save_to_disk`` (it holds
-``dataset_info.json`` or ``state.json``). A document is one JSON line, or one
-Parquet or dataset row. Documents come out in file order, files
-in the order :func:`expand_inputs` gives. Optional libraries (pyarrow,
-zstandard, datasets) are imported only when a file needs them. Files that are
-not on local disk (``gs://``, ``s3://``) are read through an ``opener`` that
-returns their raw bytes; their format comes from their name.
+Optional libraries (pyarrow, zstandard, datasets) are imported only when a file needs them.
 """
 
 from __future__ import annotations
@@ -23,7 +16,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
@@ -48,6 +41,7 @@ _WARN_BAD = 5  # bad documents logged one by one before the rest are only counte
 InputPath = Path | str
 Where = tuple[InputPath, str, int]  # (file, "line" or "row", 1-based number; 0: the whole file)
 Opener = Callable[[str], IO[bytes]]  # a URL's raw (still compressed) bytes, as a binary file
+Patterns = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]  # one path or glob, or several
 
 
 class InputError(ValueError):
@@ -67,13 +61,8 @@ def require(module: str, extra: str) -> ModuleType:
 
 
 def input_kind(path: InputPath) -> str:
-    """``"jsonl"``, ``"parquet"`` or ``"hf"`` (a ``save_to_disk`` directory) for ``path``.
-
-    A URL (a ``str``) is a file named by its last component, never a directory.
-
-    Raises:
-        InputError: a format this module cannot read.
-    """
+    """``"jsonl"``, ``"parquet"`` or ``"hf"`` (a ``save_to_disk`` directory) for ``path``
+    (a URL, a ``str``, is never a directory); InputError for any other."""
     if isinstance(path, Path) and path.is_dir():
         if any((path / m).is_file() for m in HF_MARKERS):
             return "hf"
@@ -98,40 +87,52 @@ def input_kind(path: InputPath) -> str:
     )
 
 
-def as_patterns(
-    given: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-) -> list[str | os.PathLike[str]]:
-    """One path or pattern, or several, as a list."""
-    return [given] if isinstance(given, str | os.PathLike) else list(given)
-
-
-def expand_inputs(patterns: Iterable[str | os.PathLike[str]]) -> list[Path]:
-    """Paths of ``patterns``: globs expanded and sorted per pattern, pattern order kept.
-
-    Raises:
-        FileNotFoundError: a path that does not exist, or a glob that matches nothing.
-        InputError: a file of an unknown format.
-    """
-    paths: list[Path] = []
-    for pattern in patterns:
+def expand_inputs(
+    patterns: Patterns,
+    match: Callable[[str], list[str]] | None = None,
+) -> list[InputPath]:
+    """Paths of ``patterns``: globs expanded and sorted per pattern, pattern order kept;
+    URLs matched by ``match`` when given. FileNotFoundError for a pattern that
+    matches nothing, InputError for a file of an unknown format."""
+    paths: list[InputPath] = []
+    for pattern in [patterns] if isinstance(patterns, str | os.PathLike) else patterns:
         text = os.fspath(pattern)
-        if any(c in text for c in "*?["):
-            matches = sorted(glob.glob(text, recursive=True))
-            if not matches:
-                raise FileNotFoundError(f"no file matches {redact(text)!r}")
-        elif not os.path.exists(text):
-            raise FileNotFoundError(f"{redact(text)}: no such file or directory")
+        matches: list[InputPath]
+        if match is not None and "://" in text:
+            matches = list(match(text))
+        elif any(c in text for c in "*?["):
+            matches = [Path(m) for m in sorted(glob.glob(text, recursive=True))]
+        elif os.path.exists(text):
+            matches = [Path(text)]
         else:
-            matches = [text]
+            raise FileNotFoundError(f"{redact(text)}: no such file or directory")
+        if not matches:
+            raise FileNotFoundError(f"no file matches {redact(text)!r}")
         for m in matches:
-            input_kind(Path(m))
-            paths.append(Path(m))
+            input_kind(m)
+            paths.append(m)
     return paths
+
+
+def check_splits(
+    train: Sequence[InputPath], validation: Sequence[InputPath], fraction: float
+) -> None:
+    """Refuses no inputs, and validation chosen both by files and by ``fraction``."""
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"validation_fraction must be in [0, 1), got {fraction}")
+    if not train:
+        raise ValueError("no inputs given")
+    if validation and fraction:
+        raise ValueError("pass validation_fraction or validation_inputs, not both")
 
 
 def open_local(path: str) -> IO[bytes]:
     """The :data:`Opener` of local files."""
     return open(path, "rb", buffering=1 << 20)
+
+
+def _open(path: InputPath, opener: Opener) -> IO[bytes]:
+    return open_local(str(path)) if isinstance(path, Path) else opener(path)
 
 
 def file_sha256(
@@ -152,7 +153,7 @@ def file_sha256(
             lines.update(f"{member.relative_to(path).as_posix()} {digest}\n".encode())
         return lines.hexdigest()
     h = hashlib.sha256()
-    with open_local(str(path)) if isinstance(path, Path) else opener(path) as f:
+    with _open(path, opener) as f:
         while block := f.read(1 << 20):
             if stop is not None and stop.is_set():
                 return None
@@ -205,28 +206,16 @@ def _decompressed(path: InputPath, raw: IO[bytes]) -> tuple[IO[bytes], tuple[typ
     return raw, unreadable
 
 
-def _is_text_type(pa: ModuleType, t: Any) -> bool:
-    is_view = getattr(pa.types, "is_string_view", None)  # pyarrow >= 16
-    return bool(pa.types.is_string(t) or pa.types.is_large_string(t) or (is_view and is_view(t)))
-
-
 class DocumentReader:
-    """Iterates over one field of every document of ``paths``: texts, or token ids.
+    """Iterates, in order, over one field of every document of ``paths``: texts, or
+    ``int32`` token arrays ``[n]`` with ``tokens=True``; with ``key=None``, whole
+    documents (a JSON object, or a row ``dict``) that ``check(document, where)``
+    turns into what is yielded.
 
-    Yields each non-empty value in order: a ``str`` when reading text, an
-    ``int32`` array ``[n]`` of token ids when ``tokens=True``. Empty values are
-    counted in :attr:`skipped_empty`. A bad document (unparsable line, not an
-    object, missing key, wrong type, token id outside ``[0, 2**31 - 1]``) raises
-    :class:`InputError` naming the file and 1-based line (JSONL) or row (Parquet,
-    datasets); with ``skip_bad`` it is counted in :attr:`skipped_bad` instead.
-    A file that cannot be read at all (corrupt compression) always raises.
-
-    ``key=None`` reads whole documents instead (a JSON object, or a row as a
-    ``dict``), which ``check(document, where)`` turns into what is yielded, raising
-    :class:`BadDocument` for a document it refuses (handled like any bad document).
-
-    ``opener`` reads the files that are URLs (``str`` paths); local files
-    (``Path``) are opened directly.
+    Empty values are counted in :attr:`skipped_empty`. A bad document (a check's
+    :class:`BadDocument` included) raises :class:`InputError` naming the file and
+    1-based line or row, or with ``skip_bad`` is counted in :attr:`skipped_bad`; a
+    file that cannot be read at all always raises. ``opener`` reads URL (``str``) paths.
     """
 
     def __init__(
@@ -246,15 +235,9 @@ class DocumentReader:
         self.skip_bad = skip_bad
         self.skipped_bad = 0
         self.skipped_empty = 0
-        self.check: Callable[[Any, Where], Any] = self._check_tokens if tokens else self._check_text
-        if check is not None:
-            self.check = self._caller_check(check)
-        elif key is None:
+        if check is None and key is None:
             raise ValueError("DocumentReader(key=None) reads whole documents and needs a check")
-
-    def __repr__(self) -> str:
-        what = "tokens" if self.tokens else "text"
-        return f"DocumentReader({len(self.paths)} files, {what} key {self.key!r})"
+        self.check = self._rejecting(check or (self._check_tokens if tokens else self._check_text))
 
     def __iter__(self) -> Iterator[str | np.ndarray]:
         for path in self.paths:
@@ -266,21 +249,20 @@ class DocumentReader:
             else:
                 yield from self._hf(Path(path))
 
-    def _caller_check(self, check: Callable[[Any, Where], Any]) -> Callable[[Any, Where], Any]:
+    def _rejecting(self, check: Callable[[Any, Where], Any]) -> Callable[[Any, Where], Any]:
+        """``check`` with the documents it refuses (:class:`BadDocument`) rejected."""
+
         def checked(value: Any, where: Where) -> Any:
             try:
                 return check(value, where)
             except BadDocument as e:
-                self._bad(where, str(e))
+                self.reject(where, str(e))
                 return None
 
         return checked
 
-    def reject(self, where: Where, why: str) -> None:
-        """A document found bad after it was read: counted with ``skip_bad``, else InputError."""
-        self._bad(where, why)
-
-    def _bad(self, where: Where, why: str, count: int = 1) -> None:
+    def reject(self, where: Where, why: str, count: int = 1) -> None:
+        """A bad document: counted with ``skip_bad``, else InputError."""
         path, unit, number = where
         at = f"{path} {unit} {number}" if number else str(path)
         if not self.skip_bad:
@@ -291,47 +273,38 @@ class DocumentReader:
 
     def _check_text(self, value: Any, where: Where) -> str | None:
         if not isinstance(value, str):
-            self._bad(where, f"{self.key!r} is {type(value).__name__}, not a string")
-            return None
+            raise BadDocument(f"{self.key!r} is {type(value).__name__}, not a string")
         if not value:
             self.skipped_empty += 1
             return None
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
-            self._bad(where, f"{self.key!r} is not valid Unicode ({e})")
-            return None
+            raise BadDocument(f"{self.key!r} is not valid Unicode ({e})") from None
         return value
 
     def _check_tokens(self, value: Any, where: Where) -> np.ndarray | None:
         if not isinstance(value, list | np.ndarray):
-            self._bad(where, f"{self.key!r} is {type(value).__name__}, not a list of token ids")
-            return None
+            raise BadDocument(f"{self.key!r} is {type(value).__name__}, not a list of token ids")
         if len(value) == 0:
             self.skipped_empty += 1
             return None
         try:
             arr = np.asarray(value)
         except ValueError as e:
-            self._bad(where, f"{self.key!r} is not a flat list of token ids ({e})")
-            return None
+            raise BadDocument(f"{self.key!r} is not a flat list of token ids ({e})") from None
         if arr.ndim != 1 or arr.dtype.kind not in "iu":
-            self._bad(where, f"{self.key!r} must be a flat list of integers, got {value!r:.60}")
-            return None
+            raise BadDocument(f"{self.key!r} must be a flat list of integers, got {value!r:.60}")
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi > MAX_TOKEN_ID:
-            self._bad(where, f"token id {lo if lo < 0 else hi} is outside [0, {MAX_TOKEN_ID}]")
-            return None
+            raise BadDocument(f"token id {lo if lo < 0 else hi} is outside [0, {MAX_TOKEN_ID}]")
         return arr.astype(np.int32)
-
-    def _open(self, path: InputPath) -> IO[bytes]:
-        return open_local(str(path)) if isinstance(path, Path) else self.opener(path)
 
     def _jsonl(self, path: InputPath) -> Iterator[str | np.ndarray]:
         key, check = self.key, self.check
         line = 0
         with contextlib.ExitStack() as stack:
-            raw = stack.enter_context(self._open(path))
+            raw = stack.enter_context(_open(path, self.opener))
             file, unreadable = _decompressed(path, raw)
             f = stack.enter_context(file)
             try:
@@ -341,14 +314,14 @@ class DocumentReader:
                     except ValueError as e:
                         if raw_line.strip():
                             why = f"not valid JSON ({e}); expected one JSON object per line"
-                            self._bad((path, "line", line), why)
+                            self.reject((path, "line", line), why)
                         continue
                     if not isinstance(document, dict):
-                        self._bad((path, "line", line), "not a JSON object")
+                        self.reject((path, "line", line), "not a JSON object")
                         continue
                     if key is not None and key not in document:
                         keys = sorted(document)[:10]
-                        self._bad((path, "line", line), f"no key {key!r} (keys: {keys})")
+                        self.reject((path, "line", line), f"no key {key!r} (keys: {keys})")
                         continue
                     value = check(document if key is None else document[key], (path, "line", line))
                     if value is not None:
@@ -356,75 +329,69 @@ class DocumentReader:
             except unreadable as e:
                 raise InputError(f"{path}: cannot read past line {line}: {e}") from e
 
-    def _column(
-        self, column: Any, path: InputPath, first_row: int, pa: ModuleType
-    ) -> Iterator[str | np.ndarray]:
-        """Checks and yields one Arrow column chunk whose first row is ``first_row`` (0-based)."""
-        if not self.tokens and not _is_text_type(pa, column.type):
-            self._bad(
-                (path, "row", first_row + 1),
-                f"column {self.key!r} is of type {column.type}, not a string",
-                count=len(column),
-            )
-            return
-        check = self.check
-        for i, value in enumerate(column.to_pylist(), first_row + 1):
+    def _arrow(self, table: Any, path: InputPath, first_row: int) -> Iterator[Any]:
+        """Checks and yields an Arrow table or batch whose first row is ``first_row``
+        (0-based): its rows as dicts (``key=None``), else its one column's values."""
+        if self.key is None:
+            values = table.to_pylist()
+        else:
+            column = table.column(0)
+            types = require("pyarrow", "convert").types
+            is_view = getattr(types, "is_string_view", lambda t: False)  # pyarrow >= 16
+            text = types.is_string(column.type) or types.is_large_string(column.type)
+            if not self.tokens and not (text or is_view(column.type)):
+                self.reject(
+                    (path, "row", first_row + 1),
+                    f"column {self.key!r} is of type {column.type}, not a string",
+                    count=len(column),
+                )
+                return
+            values = column.to_pylist()
+        for i, value in enumerate(values, first_row + 1):
             if value is None:
-                self._bad((path, "row", i), f"{self.key!r} is null")
+                self.reject((path, "row", i), f"{self.key!r} is null")
                 continue
-            checked = check(value, (path, "row", i))
-            if checked is not None:
-                yield checked
-
-    def _rows(self, table: Any, path: InputPath, first_row: int) -> Iterator[Any]:
-        """Checks and yields the rows (as dicts) of an Arrow table or batch."""
-        for i, row in enumerate(table.to_pylist(), first_row + 1):
-            checked = self.check(row, (path, "row", i))
+            checked = self.check(value, (path, "row", i))
             if checked is not None:
                 yield checked
 
     def _missing_column(self, path: InputPath, names: Sequence[str], rows: int) -> None:
-        self._bad((path, "", 0), f"no column {self.key!r} (columns: {list(names)})", count=rows)
+        self.reject((path, "", 0), f"no column {self.key!r} (columns: {list(names)})", count=rows)
 
     def _parquet(self, path: InputPath) -> Iterator[str | np.ndarray]:
-        with contextlib.ExitStack() as stack:
-            source = path if isinstance(path, Path) else stack.enter_context(self._open(path))
-            yield from self._parquet_file(path, source)
-
-    def _parquet_file(self, path: InputPath, source: Any) -> Iterator[str | np.ndarray]:
         pa = require("pyarrow", "convert")
         pq = require("pyarrow.parquet", "convert")
         # pyarrow's messages name neither the file nor the row: ours do.
         broken = (pa.ArrowException, OSError)
-        try:
-            pf = pq.ParquetFile(source)
-        except broken as e:
-            raise InputError(f"{path}: not a readable Parquet file ({e})") from e
-        if self.key is not None and self.key not in pf.schema_arrow.names:
-            self._missing_column(path, pf.schema_arrow.names, pf.metadata.num_rows)
-            return
-        row = 0
-        columns = None if self.key is None else [self.key]
-        batches = pf.iter_batches(batch_size=ARROW_BATCH_ROWS, columns=columns)
-        while True:
+        with contextlib.ExitStack() as stack:
+            source = (
+                path if isinstance(path, Path) else stack.enter_context(_open(path, self.opener))
+            )
             try:
-                batch = next(batches, None)
+                pf = pq.ParquetFile(source)
             except broken as e:
-                what = "" if self.key is None else f" of column {self.key!r}"
-                raise InputError(
-                    f"{path}: cannot read the rows{what} after row {row} "
-                    f"(the file is damaged or truncated): {e}"
-                ) from e
-            if batch is None:
+                raise InputError(f"{path}: not a readable Parquet file ({e})") from e
+            if self.key is not None and self.key not in pf.schema_arrow.names:
+                self._missing_column(path, pf.schema_arrow.names, pf.metadata.num_rows)
                 return
-            if self.key is None:
-                yield from self._rows(batch, path, row)
-            else:
-                yield from self._column(batch.column(0), path, row, pa)
-            row += batch.num_rows
+            row = 0
+            columns = None if self.key is None else [self.key]
+            batches = pf.iter_batches(batch_size=ARROW_BATCH_ROWS, columns=columns)
+            while True:
+                try:
+                    batch = next(batches, None)
+                except broken as e:
+                    what = "" if self.key is None else f" of column {self.key!r}"
+                    raise InputError(
+                        f"{path}: cannot read the rows{what} after row {row} "
+                        f"(the file is damaged or truncated): {e}"
+                    ) from e
+                if batch is None:
+                    return
+                yield from self._arrow(batch, path, row)
+                row += batch.num_rows
 
     def _hf(self, path: Path) -> Iterator[str | np.ndarray]:
-        pa = require("pyarrow", "convert")
         datasets = require("datasets", "hf")
         ds = datasets.load_from_disk(str(path))
         if self.key is not None and self.key not in ds.column_names:
@@ -433,8 +400,5 @@ class DocumentReader:
         row = 0
         selected = ds if self.key is None else ds.select_columns([self.key])
         for table in selected.with_format("arrow").iter(batch_size=ARROW_BATCH_ROWS):
-            if self.key is None:
-                yield from self._rows(table, path, row)
-            else:
-                yield from self._column(table.column(0).combine_chunks(), path, row, pa)
+            yield from self._arrow(table, path, row)
             row += table.num_rows

@@ -15,7 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from flat_tokens_jax.convert.commands import add_store_flags, run_command, store_options
+from flat_tokens_jax.convert.commands import (
+    add_output_flags,
+    path_error,
+    run_command,
+    store_options,
+)
 from flat_tokens_jax.convert.inputs import hash_inputs
 from flat_tokens_jax.convert.mmidx import (
     DTYPES,
@@ -94,7 +99,7 @@ def import_megatron(
         storage_format, overwrite, options: as for :class:`DatasetWriter`.
         **option_fields: or the fields of ``options`` as keywords.
         split: the split that receives everything (``train`` and ``validation``
-            are written even when empty); see :func:`~flat_tokens_jax.core.format.check_split_name`.
+            are written even when empty).
         progress: called after each chunk with ``(tokens_done, tokens_total)``.
         chunk_tokens: tokens per write, in whole units. Recommended: ``1 << 20``.
         tokenizer: the tokenizer that made the ids (a ``tokenizers`` JSON file
@@ -121,7 +126,8 @@ def import_megatron(
     prefixes = [prefixes] if isinstance(prefixes, str | os.PathLike) else list(prefixes)
     if not prefixes:
         raise ValueError("import_megatron needs at least one prefix")
-    refuse_overlap([os.fspath(p) + ext for p in prefixes for ext in (".bin", ".idx")], [output])
+    files = [Path(f"{os.fspath(p)}{ext}") for p in prefixes for ext in (".idx", ".bin")]
+    refuse_overlap(files, [output])
     indexes = [read_index(p) for p in prefixes]
     tok = None if tokenizer is None else identity(load_tokenizer(tokenizer))
     codes = sorted({ix.dtype_code for ix in indexes})
@@ -130,7 +136,6 @@ def import_megatron(
     done = written = 0
     stats: list[dict[str, Any]] = []
     attributes = {} if code is None else {"megatron": {"dtype_code": code}}
-    files = [Path(f"{os.fspath(p)}{ext}") for p in prefixes for ext in (".idx", ".bin")]
     with (
         DatasetWriter(
             output,
@@ -215,31 +220,25 @@ def export_megatron(
         A JSON-ready summary: sequences, tokens and the dtype written.
 
     Raises:
-        ValueError: a split the dataset lacks, an unknown dtype code, or a dtype
-            that cannot hold ``max_token_id``.
-        ValueError: also when ``PREFIX`` lies inside the dataset at ``url``,
-            is a directory (``dir/`` would write hidden ``dir/.bin``) or
-            names a folder that does not exist.
+        ValueError: a split the dataset lacks, an unknown dtype code, a dtype
+            that cannot hold ``max_token_id``, or a ``PREFIX`` inside the dataset,
+            that is a directory, or in a folder that does not exist.
         FormatError: no valid dataset at ``url``.
     """
     options = resolve_options(options, option_fields, "export_megatron")
     began = time.perf_counter()
-    named = os.fspath(prefix)
-    if not os.path.basename(named) or os.path.isdir(named):
+    prefix = os.fspath(prefix)
+    if not os.path.basename(prefix) or os.path.isdir(prefix):
         # The files would be the hidden PREFIX/.bin and PREFIX/.idx.
         raise ValueError(
-            f"the export prefix {named} is a directory, but Megatron's files are "
+            f"the export prefix {prefix} is a directory, but Megatron's files are "
             f"PREFIX.bin and PREFIX.idx: name them, e.g. "
-            f"{os.path.join(named, split)} for {os.path.join(named, split)}.bin/.idx"
+            f"{os.path.join(prefix, split)} for {os.path.join(prefix, split)}.bin/.idx"
         )
-    folder = os.path.dirname(os.path.abspath(named))
-    if not os.path.isdir(folder):
-        # Found before the data is read, and named as given, not as the temporary files.
-        raise ValueError(
-            f"the export prefix {named}: the folder {folder} does not exist: create it, or "
-            "name a PREFIX in a folder that exists"
-        )
-    refuse_overlap([url], [os.fspath(prefix) + ext for ext in (".bin", ".idx")])
+    if not os.path.isdir(os.path.dirname(os.path.abspath(prefix))):
+        # Found before the data is read, and prefix as given, not as the temporary files.
+        raise path_error("the export prefix", prefix, FileNotFoundError(), "a PREFIX")
+    refuse_overlap([url], [prefix + ext for ext in (".bin", ".idx")])
     ds = open_dataset(url, options)
     ft = ds[split]
     recorded = ds.attributes.get("megatron")
@@ -258,7 +257,6 @@ def export_megatron(
         )
     if ft.loss_mask is not None:
         log.warning("%r: the loss_mask is not exported (Megatron files have none)", ft)
-    prefix = os.fspath(prefix)
     tmp = {ext: f"{prefix}{ext}.tmp-{os.getpid()}-{time.time_ns()}" for ext in (".bin", ".idx")}
     try:
         with open(tmp[".bin"], "wb") as f:
@@ -321,9 +319,7 @@ def add_commands(subparsers: Any) -> None:
         help="the tokenizer that made the ids (JSON file or transformers directory), recorded "
         "in the dataset's info so that merge and Mixture can check it",
     )
-    p.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    add_store_flags(p)
+    add_output_flags(p)
     p.set_defaults(run=_cmd_import)
     p = subparsers.add_parser("export-megatron", help="one split to Megatron PREFIX.idx/.bin")
     p.add_argument("url", metavar="URL", help="dataset path or URL")
@@ -336,8 +332,7 @@ def add_commands(subparsers: Any) -> None:
         help="1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16 "
         "(default: the imported one, else 8 if max_token_id < 65500, else 4)",
     )
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    add_store_flags(p)
+    add_output_flags(p, overwrite=False)
     p.set_defaults(run=_cmd_export)
 
 
@@ -350,7 +345,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
         )
 
     return run_command(
-        "import-megatron",
+        args,
         lambda: import_megatron(
             args.prefixes,
             args.output,
@@ -360,9 +355,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
             options=store_options(args),
             tokenizer=args.tokenizer,
         ),
-        as_json=args.json,
-        describe=describe,
-        errors=(ValueError, OSError, ImportError),
+        describe,
     )
 
 
@@ -375,7 +368,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         )
 
     return run_command(
-        "export-megatron",
+        args,
         lambda: export_megatron(
             args.url,
             args.prefix,
@@ -383,6 +376,5 @@ def _cmd_export(args: argparse.Namespace) -> int:
             dtype_code=args.dtype_code,
             options=store_options(args),
         ),
-        as_json=args.json,
-        describe=describe,
+        describe,
     )

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from flat_tokens_jax.convert.commands import add_store_flags, run_command, store_options
+from flat_tokens_jax.convert.commands import add_output_flags, run_command, store_options
 from flat_tokens_jax.core.format import split_names
 from flat_tokens_jax.data.dataset import Dataset, FlatTokens, open_dataset
 from flat_tokens_jax.data.writer import DatasetWriter, StorageFormat
@@ -41,13 +41,10 @@ def merge(
 ) -> dict[str, Any]:
     """Writes every split of ``inputs``, in order, into one new dataset at ``output``.
 
-    The output has every split any input has (an input without a split adds
-    nothing to it). Sequence offsets are rebased and ``max_token_id`` is the
-    largest of the inputs'. Data moves in blocks of whole sequences of about
-    ``block_tokens`` tokens, still encoded: memory stays bounded and no token
-    passes through a Python list. Loss masks are carried over when every input of a split has
-    one. ``options`` reach the inputs and the output alike. An output that
-    is, contains or lies inside an input is refused before anything is written.
+    The output has every split any input has. Data moves still encoded, in blocks
+    of whole sequences of about ``block_tokens`` tokens. Loss masks are carried
+    over when every input of a split has one. ``options`` reach the inputs and the
+    output alike. An output that is, contains or lies inside an input is refused.
 
     Inputs that record different tokenizers (:attr:`Dataset.info`) are refused
     unless ``allow_mixed_tokenizers``; inputs that record none (older datasets)
@@ -154,14 +151,10 @@ def add_commands(subparsers: Any) -> None:
     p = subparsers.add_parser("merge", help="concatenate flat-tokens datasets into one")
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="datasets, in order")
     p.add_argument("output", metavar="OUTPUT", help="the new dataset")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT")
     p.add_argument(
-        "--allow-mixed-tokenizers",
-        action="store_true",
-        help="merge inputs that record different tokenizers",
+        "--allow-mixed-tokenizers", action="store_true", help="merge inputs of different tokenizers"
     )
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    add_store_flags(p)
+    add_output_flags(p)
     p.set_defaults(run=_cmd_merge)
 
 
@@ -177,7 +170,7 @@ def _cmd_merge(args: argparse.Namespace) -> int:
         )
 
     return run_command(
-        "merge",
+        args,
         lambda: merge(
             args.inputs,
             args.output,
@@ -185,6 +178,5 @@ def _cmd_merge(args: argparse.Namespace) -> int:
             options=store_options(args),
             allow_mixed_tokenizers=args.allow_mixed_tokenizers,
         ),
-        as_json=args.json,
-        describe=describe,
+        describe,
     )

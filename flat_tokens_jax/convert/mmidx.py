@@ -146,11 +146,8 @@ def _check_sequences(index: MegatronIndex, where: str) -> None:
 
 
 def read_tokens(index: MegatronIndex, first: int, stop: int) -> np.ndarray:
-    """Token ids ``[sum(sizes[first:stop])] int64`` of sequences ``[first, stop)``, checked.
-
-    Raises:
-        MegatronFormatError: a token that is not a whole number in ``[0, 2**31 - 1]``.
-    """
+    """Token ids ``[sum(sizes[first:stop])] int64`` of sequences ``[first, stop)``,
+    checked to be whole numbers in ``[0, 2**31 - 1]`` (else MegatronFormatError)."""
     size = index.dtype.itemsize
     nbytes = index.sizes[first:stop].astype(np.int64) * size
     ptrs = index.pointers[first:stop]

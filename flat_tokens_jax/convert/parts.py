@@ -1,21 +1,16 @@
-"""The conversion core: input files tokenized, in order, into a flat-tokens array.
+"""The conversion core: input files tokenized, in order, into a flat-tokens dataset.
 
-:func:`write_documents` reads input files document by document, tokenizes them in
-batches (:func:`batches`, :func:`~flat_tokens_jax.convert.tokenizer.batch_encoder`),
-routes each document to "train" or "validation" and appends them, split by
-split and in input order, to a :class:`DatasetWriter`. The local converter
-(:func:`flat_tokens_jax.convert.text.convert`) gives it every input file and
-the final dataset; the Beam pipeline (:mod:`flat_tokens_jax.convert.beam`) gives
-it one input file and a *part*, a dataset under the output's staging prefix,
-and :mod:`flat_tokens_jax.convert.assemble` joins the parts. Both write the
-same tokens in the same order, so their outputs are the same, byte for byte.
+:func:`write_documents` is run by the local converter over every input file into
+the final dataset, and by Beam over one file into a *part*
+(:mod:`~flat_tokens_jax.convert.assemble` joins them): the same tokens in the same order.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterable, Iterator, Sequence
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,6 +19,9 @@ from flat_tokens_jax.convert.inputs import (
     DocumentReader,
     InputPath,
     Opener,
+    Patterns,
+    check_splits,
+    expand_inputs,
     hash_inputs,
     open_local,
 )
@@ -39,11 +37,11 @@ from flat_tokens_jax.convert.tokenizer import (
     load_tokenizer,
     resolve_start_token_id,
     validation_mask,
-    warn_if_zero_is_ordinary,
 )
-from flat_tokens_jax.core.format import encode_concatenated
+from flat_tokens_jax.core.format import SPLITS, encode_concatenated
 from flat_tokens_jax.data.writer import DatasetWriter
 from flat_tokens_jax.store.identity import DatasetInfo, inputs_field
+from flat_tokens_jax.store.location import refuse_overlap
 
 # One pass over input files: (files, validation fraction, every document to validation).
 Pass = tuple[Sequence[InputPath], float, bool]
@@ -93,23 +91,10 @@ class ConvertOptions:
             )
         if self.tokenizer is None and (self.append_eos or self.prepend_bos):
             raise ValueError("append_eos and prepend_bos need tokenizer= to find the ids")
-        if not 0.0 <= self.validation_fraction < 1.0:
-            raise ValueError(
-                f"validation_fraction must be in [0, 1), got {self.validation_fraction}"
-            )
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, got {self.workers}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be positive or None, got {self.max_tokens}")
-        start = self.start_token_id
-        is_id = isinstance(start, int) and start >= 0
-        if not (start is None or start in ("bos", "eos") or is_id):
-            raise ValueError(f"start_token_id must be a token id >= 0, bos or eos, got {start!r}")
-        if self.tokenizer is None and start in ("bos", "eos"):
-            raise ValueError(
-                f"start_token_id={start!r} needs tokenizer= to find the id; "
-                "or give the id as a number"
-            )
 
     def flags(self) -> dict[str, Any]:
         """What shapes the tokens, as a dataset records it (see :class:`DatasetInfo`)."""
@@ -125,34 +110,11 @@ class ConvertOptions:
         }
 
 
-def special_ids(tok: LoadedTokenizer | None, opts: ConvertOptions) -> tuple[Any, Any]:
-    bos = tok.bos_id if tok and opts.prepend_bos else None
-    eos = tok.eos_id if tok and opts.append_eos else None
-    for asked, found, what, names in (
-        (opts.prepend_bos, bos, "prepend_bos: no beginning-of-sequence", BOS_CANDIDATES),
-        (opts.append_eos, eos, "append_eos: no end-of-sequence", EOS_CANDIDATES),
-    ):
-        if asked and found is None:
-            name = tok.name if tok else "?"
-            raise ValueError(
-                f"{what} token in {name} (looked for {', '.join(names)}); use a "
-                "transformers tokenizer directory whose config names it"
-            )
-    return bos, eos
-
-
 @dataclasses.dataclass(frozen=True)
 class Conversion:
-    """A conversion checked before anything is written: options, files, tokenizer.
-
-    Attributes:
-        opts: the options.
-        train: the input files, in order.
-        validation: the files whose documents all go to "validation", after ``train``.
-        tokenizer: the loaded tokenizer, ``None`` for token ids read as they are.
-        tokenize: what turns a batch of documents into token ids.
-        start_token_id: ``opts.start_token_id`` as an id (bos/eos resolved).
-    """
+    """A conversion checked before anything is written: options, the input files
+    (``validation``: those whose documents all go to "validation"), the tokenizer
+    (``None`` for token ids read as they are) and the start id (bos/eos resolved)."""
 
     opts: ConvertOptions
     train: Sequence[InputPath]
@@ -163,25 +125,33 @@ class Conversion:
 
     @classmethod
     def start(
-        cls, opts: ConvertOptions, train: Sequence[InputPath], validation: Sequence[InputPath]
+        cls,
+        opts: ConvertOptions,
+        inputs: Patterns,
+        validation_inputs: Patterns,
+        output: str | os.PathLike[str],
+        match: Callable[[str], list[str]] | None = None,
     ) -> Conversion:
-        """Checks the inputs and loads the tokenizer.
-
-        Raises:
-            ValueError: no inputs, both validation inputs and a validation
-                fraction, or a tokenizer that cannot be used.
-        """
-        if not train:
-            raise ValueError("no inputs given")
-        if validation and opts.validation_fraction:
-            raise ValueError("pass validation_fraction or validation_inputs, not both")
+        """Expands and checks the inputs (:func:`expand_inputs`; ``output`` must not
+        overlap them) and loads the tokenizer."""
+        train, validation = expand_inputs(inputs, match), expand_inputs(validation_inputs, match)
+        check_splits(train, validation, opts.validation_fraction)
+        refuse_overlap([*train, *validation], [output])
         tok = load_tokenizer(opts.tokenizer) if opts.tokenizer else None
-        bos, eos = special_ids(tok, opts)
+        bos = tok.bos_id if tok and opts.prepend_bos else None
+        eos = tok.eos_id if tok and opts.append_eos else None
+        for asked, found, what, names in (
+            (opts.prepend_bos, bos, "prepend_bos: no beginning-of-sequence", BOS_CANDIDATES),
+            (opts.append_eos, eos, "append_eos: no end-of-sequence", EOS_CANDIDATES),
+        ):
+            if asked and found is None:
+                raise ValueError(
+                    f"{what} token in {tok.name if tok else '?'} (looked for {', '.join(names)}); "
+                    "use a transformers tokenizer directory whose config names it"
+                )
         text_tokenizer = None if tok is None or opts.tokens_key else tok.tokenizer
         tokenize = BatchTokenizer(text_tokenizer, bos, eos, opts.add_special_tokens)
         start = resolve_start_token_id(opts.start_token_id, tok)
-        if tok is not None:
-            warn_if_zero_is_ordinary(tok, start)
         return cls(opts, train, validation, tok, tokenize, start)
 
     def info(self, digests: Sequence[str] | None) -> DatasetInfo:
@@ -209,28 +179,24 @@ class Conversion:
         return passes
 
     def summary(
-        self,
-        output: str,
-        splits: dict[str, dict[str, int]],
-        *,
-        skipped_empty: int,
-        skipped_bad: int,
-        seconds: float,
-        **settings: Any,
+        self, output: str, totals: Totals, seconds: float, **settings: Any
     ) -> dict[str, Any]:
-        """The JSON-ready summary of the finished conversion; ``splits`` gives
-        ``documents`` and ``tokens`` per split."""
-        tokens = sum(s["tokens"] for s in splits.values())
+        """The JSON-ready summary of the finished conversion."""
+        tokens = sum(totals.tokens.values())
         return {
             "output": output,
             "input_files": len(self.train),
             "validation_files": len(self.validation),
             "tokenizer": self.tokenizer.name if self.tokenizer else None,
-            "documents": sum(s["documents"] for s in splits.values()),
+            "documents": sum(totals.documents.values()),
             "tokens": tokens,
-            "skipped_empty": skipped_empty,
-            "skipped_bad": skipped_bad,
-            "splits": splits,
+            "skipped_empty": totals.skipped_empty,
+            "skipped_bad": totals.skipped_bad,
+            "splits": {
+                s: {"documents": n, "tokens": totals.tokens[s]} for s, n in totals.documents.items()
+            },
+            "stopped_early": totals.stopped_early,
+            "max_tokens": self.opts.max_tokens,
             **settings,
             "seconds": round(seconds, 3),
             "tokens_per_s": round(tokens / seconds, 1),
@@ -239,23 +205,28 @@ class Conversion:
 
 @dataclasses.dataclass
 class Totals:
-    """Running counts of one conversion (or one part), and the writing of each tokenized batch."""
+    """Running counts of one conversion (or one part), and the writing of each tokenized
+    batch; ``trained``: per split, the tokens whose loss mask is 1."""
 
-    max_tokens: int | None
-    documents: dict[str, int] = dataclasses.field(
-        default_factory=lambda: {"train": 0, "validation": 0}
-    )
-    tokens: dict[str, int] = dataclasses.field(
-        default_factory=lambda: {"train": 0, "validation": 0}
-    )
+    max_tokens: int | None = None
+    documents: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(SPLITS, 0))
+    tokens: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(SPLITS, 0))
+    trained: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(SPLITS, 0))
     skipped_empty: int = 0
     skipped_bad: int = 0
     stopped_early: bool = False
     # SHA-256 hex digests of the input files, in order; None until all are hashed.
     digests: list[str] | None = None
 
-    def write(self, writer: DatasetWriter, packed: Packed, validation: np.ndarray) -> int:
-        """Writes one batch, cut at the token budget; returns the tokens written."""
+    def write(
+        self,
+        writer: DatasetWriter,
+        packed: Packed,
+        validation: np.ndarray,
+        loss_mask: np.ndarray | None = None,
+    ) -> int:
+        """Writes one batch (with its ``[num_tokens] uint8`` loss mask, if any), cut at
+        the token budget; returns the tokens written."""
         ids, lengths = packed
         if self.max_tokens is not None:
             room = self.max_tokens - sum(self.tokens.values())
@@ -264,6 +235,7 @@ class Totals:
                 self.stopped_early = True
                 lengths, validation = lengths[: over[0]], validation[: over[0]]
                 ids = ids[: int(lengths.sum())]
+                loss_mask = None if loss_mask is None else loss_mask[: ids.size]
         nonempty = lengths > 0
         self.skipped_empty += int(lengths.size - np.count_nonzero(nonempty))
         for split, chosen in (
@@ -273,10 +245,14 @@ class Totals:
             if not chosen.any():
                 continue
             sizes = lengths[chosen]
-            part = ids if chosen.all() else ids[np.repeat(chosen, lengths)]
-            writer.extend_encoded(split, encode_concatenated(part, np.cumsum(sizes) - sizes), sizes)
+            keep = slice(None) if chosen.all() else np.repeat(chosen, lengths)
+            part = ids[keep]
+            mask = None if loss_mask is None else loss_mask[keep]
+            encoded = encode_concatenated(part, np.cumsum(sizes) - sizes)
+            writer.extend_encoded(split, encoded, sizes, loss_mask=mask)
             self.documents[split] += int(sizes.size)
             self.tokens[split] += int(part.size)
+            self.trained[split] += 0 if mask is None else int(mask.sum())
         return int(ids.size)
 
 
@@ -291,61 +267,40 @@ def write_documents(
 ) -> None:
     """Reads, tokenizes and appends to ``writer`` each pass's documents, in order.
 
+    Each pass is files, their validation fraction, and whether all their
+    documents go to "validation". ``bar``: a tqdm bar of the tokens written.
     Sets ``totals.digests`` to the inputs' SHA-256 digests, computed on a
     thread beside the conversion (not with ``opts.max_tokens``, which may read
     only a prefix of the inputs).
-
-    Args:
-        writer: the dataset (or part) the documents go to.
-        passes: the files to read, each with its validation fraction and
-            whether all its documents go to "validation".
-        tokenize: what turns a batch of documents into token ids.
-        opts: the documents' key, bad-document handling and token budget.
-        totals: counts documents, tokens and skipped documents as they go.
-        bar: a tqdm bar updated with the tokens written, or ``None``.
-        opener: reads the files given as URLs (see :class:`DocumentReader`).
     """
     files = [path for paths, _, _ in passes for path in paths]
-    if opts.max_tokens is not None:
-        _write_passes(writer, passes, tokenize, opts, totals, bar, opener)
-        return
-    with hash_inputs(files, opener) as digests:
-        _write_passes(writer, passes, tokenize, opts, totals, bar, opener)
-        totals.digests = digests()
-
-
-def _write_passes(
-    writer: DatasetWriter,
-    passes: Sequence[Pass],
-    tokenize: BatchTokenizer,
-    opts: ConvertOptions,
-    totals: Totals,
-    bar: Any,
-    opener: Opener,
-) -> None:
     key = opts.tokens_key or opts.text_key
-    try:
-        with batch_encoder(tokenize, opts.workers) as encode:
-            for paths, fraction, all_validation in passes:
-                reader = DocumentReader(
-                    paths,
-                    key,
-                    tokens=opts.tokens_key is not None,
-                    skip_bad=opts.skip_bad,
-                    opener=opener,
-                )
-                try:
-                    with contextlib.closing(encode(batches(reader, fraction))) as results:
-                        for mask, packed in results:
-                            written = totals.write(writer, packed, mask | all_validation)
-                            if bar is not None:
-                                bar.update(written)
-                                bar.set_postfix(docs=sum(totals.documents.values()))
-                            if totals.stopped_early:
-                                return
-                finally:
-                    totals.skipped_bad += reader.skipped_bad
-                    totals.skipped_empty += reader.skipped_empty
-    finally:
+    with contextlib.ExitStack() as stack:
         if bar is not None:
-            bar.close()
+            stack.callback(bar.close)
+        digests = (
+            None if opts.max_tokens is not None else stack.enter_context(hash_inputs(files, opener))
+        )
+        encode = stack.enter_context(batch_encoder(tokenize, opts.workers))
+        for paths, fraction, all_validation in passes:
+            reader = DocumentReader(
+                paths,
+                key,
+                tokens=opts.tokens_key is not None,
+                skip_bad=opts.skip_bad,
+                opener=opener,
+            )
+            try:
+                with contextlib.closing(encode(batches(reader, fraction))) as results:
+                    for mask, packed in results:
+                        written = totals.write(writer, packed, mask | all_validation)
+                        if bar is not None:
+                            bar.update(written)
+                            bar.set_postfix(docs=sum(totals.documents.values()))
+                        if totals.stopped_early:
+                            return
+            finally:
+                totals.skipped_bad += reader.skipped_bad
+                totals.skipped_empty += reader.skipped_empty
+        if digests is not None:
+            totals.digests = digests()

@@ -1,50 +1,27 @@
-"""Tokenize text corpora (JSONL, Parquet, saved datasets) into a flat-tokens dataset.
-
-:func:`convert` runs the conversion core (:func:`~flat_tokens_jax.convert.parts.write_documents`)
-over every input file, tokenizing in threads or worker processes, and writes
-straight to the final dataset, in input order, stopping at a token budget.
-``add_commands`` adds ``flat-tokens convert``, whose ``--runner beam`` runs the
-same core on Apache Beam (:mod:`flat_tokens_jax.convert.beam`).
-"""
+"""``flat-tokens convert``: text corpora (JSONL, Parquet, saved datasets) tokenized
+into a flat-tokens dataset, here (:func:`convert`) or on Apache Beam
+(:mod:`~flat_tokens_jax.convert.beam`)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import os
-import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import BrokenExecutor
 from typing import Any
 
 from flat_tokens_jax.convert.commands import (
     add_converter_flags,
-    add_start_token_flag,
     at_least,
+    progress_bar,
     run_command,
     store_options,
 )
-from flat_tokens_jax.convert.inputs import as_patterns, expand_inputs, require
+from flat_tokens_jax.convert.inputs import require
 from flat_tokens_jax.convert.parts import Conversion, ConvertOptions, Totals, write_documents
 from flat_tokens_jax.data.writer import DatasetWriter, StorageFormat
-from flat_tokens_jax.store.location import refuse_overlap
 from flat_tokens_jax.store.options import StoreOptions, resolve_options
-
-log = logging.getLogger(__name__)
-
-
-def _progress_bar(progress: bool | None) -> Any:
-    if progress is False or (progress is None and not sys.stderr.isatty()):
-        return None
-    try:
-        tqdm = require("tqdm", "convert")
-    except ImportError:
-        if progress:
-            log.warning("no progress bar: tqdm is not installed")
-        return None
-    return tqdm.tqdm(desc="convert", unit="tok", unit_scale=True, file=sys.stderr)
 
 
 def convert(
@@ -90,19 +67,16 @@ def convert(
         validation_inputs: or read "validation" from these files (after "train").
         workers: tokenize in this many processes (1: in this one, on the
             tokenizer's own thread pool).
-        append_eos: end every document with the tokenizer's eos id.
-        prepend_bos: start every document with the tokenizer's bos id.
+        append_eos, prepend_bos: end (start) every document with the tokenizer's eos (bos).
         add_special_tokens: let the tokenizer's post-processor add its tokens.
         max_tokens: stop before the first document that would take the total
             (both splits) past this; documents are never cut.
         skip_bad: count and skip bad documents instead of stopping at the first.
-        storage_format: chunking and compression of the output.
+        storage_format, options: as for :class:`DatasetWriter`.
         overwrite: replace a flat-tokens dataset, or the leftover of an
-            interrupted write, at ``output`` (never other files: see
-            :class:`~flat_tokens_jax.data.writer.DatasetWriter`). An ``output`` that
+            interrupted write, at ``output`` (never other files). An ``output`` that
             is, contains or lies inside an input is refused (``ValueError``).
         progress: a tqdm bar on stderr; ``None``: when stderr is a terminal.
-        options: how to reach ``output`` (e.g. an S3 endpoint and credentials).
         start_token_id: record this input id for sequence starts in the
             output's info (``LoaderConfig`` uses it when it sets none): an id,
             or ``"bos"``/``"eos"`` for the tokenizer's.
@@ -139,25 +113,17 @@ def convert(
         start_token_id=start_token_id,
     )
     started = time.perf_counter()
-    conv = Conversion.start(
-        opts, expand_inputs(as_patterns(inputs)), expand_inputs(as_patterns(validation_inputs))
-    )
-    refuse_overlap([*conv.train, *conv.validation], [output])
+    conv = Conversion.start(opts, inputs, validation_inputs, output)
     totals = Totals(opts.max_tokens)
     with DatasetWriter(
         output, storage_format=storage_format, overwrite=overwrite, options=options
     ) as writer:
-        write_documents(writer, conv.passes, conv.tokenize, opts, totals, _progress_bar(progress))
+        write_documents(
+            writer, conv.passes, conv.tokenize, opts, totals, progress_bar(progress, "convert")
+        )
         writer.info = conv.info(totals.digests)
     return conv.summary(
-        os.fspath(output),
-        {s: {"documents": totals.documents[s], "tokens": totals.tokens[s]} for s in totals.tokens},
-        skipped_empty=totals.skipped_empty,
-        skipped_bad=totals.skipped_bad,
-        seconds=time.perf_counter() - started,
-        stopped_early=totals.stopped_early,
-        max_tokens=opts.max_tokens,
-        workers=opts.workers,
+        os.fspath(output), totals, time.perf_counter() - started, workers=opts.workers
     )
 
 
@@ -176,25 +142,8 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--tokenizer", help="tokenizers JSON file or transformers tokenizer directory")
     p.add_argument("--text-key", default="text", help="field with the text (default: text)")
     p.add_argument("--tokens-key", help="field with token ids, for input already tokenized")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument(
-        "--validation-fraction",
-        type=float,
-        default=0.0,
-        help="send about this fraction of documents, chosen by a hash of each, to validation",
-    )
-    g.add_argument(
-        "--validation",
-        nargs="+",
-        default=[],
-        metavar="INPUT",
-        help="inputs of the validation split",
-    )
     p.add_argument(
-        "--workers",
-        type=at_least(1),
-        default=None,
-        help="tokenizer processes (default 1; local only)",
+        "--workers", type=at_least(1), help="tokenizer processes (default 1; local only)"
     )
     p.add_argument("--append-eos", action="store_true", help="end each document with eos")
     p.add_argument("--prepend-bos", action="store_true", help="start each document with bos")
@@ -209,7 +158,6 @@ def add_commands(subparsers: Any) -> None:
         help="local: this process and its --workers; beam: an Apache Beam pipeline, "
         "whose options follow '--' (e.g. -- --runner=DataflowRunner --project=P ...)",
     )
-    add_start_token_flag(p)
     add_converter_flags(p)
     p.set_defaults(run=_cmd_convert, takes_pipeline_args=True, pipeline_args=[])
 
@@ -227,71 +175,61 @@ def _format_summary(s: dict[str, Any]) -> str:
     )
 
 
-def _shared(args: argparse.Namespace) -> dict[str, Any]:
-    """The arguments of :func:`convert` that ``convert_beam`` takes too."""
-    return {
-        "tokenizer": args.tokenizer,
-        "text_key": args.text_key,
-        "tokens_key": args.tokens_key,
-        "validation_fraction": args.validation_fraction,
-        "validation_inputs": args.validation,
-        "append_eos": args.append_eos,
-        "prepend_bos": args.prepend_bos,
-        "add_special_tokens": args.add_special_tokens,
-        "skip_bad": args.skip_bad,
-        "start_token_id": args.start_token_id,
-        "overwrite": args.overwrite,
-        "options": store_options(args),
-    }
-
-
-def _local(args: argparse.Namespace) -> dict[str, Any]:
-    return convert(
-        args.inputs,
-        args.output,
-        workers=1 if args.workers is None else args.workers,
-        max_tokens=args.max_tokens,
-        progress=False if args.no_progress else None,
-        **_shared(args),
-    )
-
-
-def _beam(args: argparse.Namespace) -> dict[str, Any]:
-    if args.workers is not None:
-        raise ValueError(
-            "--workers is for --runner local; with --runner beam, set the parallelism with "
-            "Beam's options after '--' (--direct_num_workers=N here, --max_num_workers=N "
-            "on Dataflow)"
-        )
-    if args.max_tokens is not None:
-        raise ValueError("--max-tokens is for --runner local: a Beam conversion converts it all")
-    require("apache_beam", "beam")
-    # Imported only now: it imports apache_beam, an optional dependency.
-    beam = importlib.import_module("flat_tokens_jax.convert.beam")
-    summary: dict[str, Any] = beam.convert_beam(
-        args.inputs, args.output, pipeline_args=args.pipeline_args, **_shared(args)
-    )
-    return summary
+# The arguments of convert that convert_beam takes too, named as their flags.
+_SHARED = (
+    "tokenizer",
+    "text_key",
+    "tokens_key",
+    "validation_fraction",
+    "append_eos",
+    "prepend_bos",
+    "add_special_tokens",
+    "skip_bad",
+    "start_token_id",
+    "overwrite",
+)
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     def work() -> dict[str, Any]:
-        if args.runner == "beam":
-            return _beam(args)
-        if args.pipeline_args:
-            raise ValueError(
-                f"options after '--' ({' '.join(args.pipeline_args)}) are Beam's: add --runner beam"
+        shared = {name: getattr(args, name) for name in _SHARED}
+        shared.update(validation_inputs=args.validation, options=store_options(args))
+        if args.runner == "local":
+            if args.pipeline_args:
+                raise ValueError(
+                    f"options after '--' ({' '.join(args.pipeline_args)}) are Beam's: add "
+                    "--runner beam"
+                )
+            return convert(
+                args.inputs,
+                args.output,
+                workers=1 if args.workers is None else args.workers,
+                max_tokens=args.max_tokens,
+                progress=False if args.no_progress else None,
+                **shared,
             )
-        return _local(args)
-
-    try:
-        return run_command(
-            "convert",
-            work,
-            as_json=args.json,
-            describe=_format_summary,
-            errors=(ValueError, OSError, ImportError, BrokenExecutor, RuntimeError),
+        if args.workers is not None:
+            raise ValueError(
+                "--workers is for --runner local; with --runner beam, set the parallelism with "
+                "Beam's options after '--' (--direct_num_workers=N here, --max_num_workers=N "
+                "on Dataflow)"
+            )
+        if args.max_tokens is not None:
+            raise ValueError(
+                "--max-tokens is for --runner local: a Beam conversion converts it all"
+            )
+        require("apache_beam", "beam")
+        # Imported only now: it imports apache_beam, an optional dependency.
+        beam = importlib.import_module("flat_tokens_jax.convert.beam")
+        summary: dict[str, Any] = beam.convert_beam(
+            args.inputs, args.output, pipeline_args=args.pipeline_args, **shared
         )
-    except KeyboardInterrupt:
-        print(f"convert: interrupted; {args.output} was not written", file=sys.stderr)
-        return 130
+        return summary
+
+    return run_command(
+        args,
+        work,
+        _format_summary,
+        errors=(ValueError, OSError, ImportError, RuntimeError),  # BrokenExecutor too
+        output=args.output,
+    )

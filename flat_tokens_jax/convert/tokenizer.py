@@ -1,13 +1,6 @@
-"""Tokenizing: load a tokenizer, tokenize batches, choose the validation split.
-
-The core is pure, apart from reading inputs and writing datasets, so that a
-distributed runner (an Apache Beam ``DoFn``, say) can call it as it is:
-:func:`load_tokenizer` once per worker, then :func:`tokenize_batch`,
-:func:`validation_mask` and :func:`pack` on each batch of documents.
-:func:`batch_encoder` runs batches through threads or worker processes, in
-order. ``tokenizers`` (and ``transformers`` for a tokenizer directory) are
-imported only when a tokenizer is loaded.
-"""
+"""Tokenizing: load a tokenizer, tokenize batches in threads or worker processes,
+in order, and choose the validation split. ``tokenizers`` (and ``transformers`` for
+a tokenizer directory) are imported only when a tokenizer is loaded."""
 
 from __future__ import annotations
 
@@ -51,16 +44,9 @@ Packed = tuple[np.ndarray, np.ndarray]  # (ids [num_tokens] int32, lengths [num_
 
 @dataclasses.dataclass(frozen=True)
 class LoadedTokenizer:
-    """A ``tokenizers.Tokenizer`` (truncation and padding off) and its special ids.
-
-    Attributes:
-        tokenizer: the ``tokenizers.Tokenizer``.
-        name: where it came from, for messages.
-        bos_id: beginning-of-sequence id, ``None`` if it has none.
-        eos_id: end-of-sequence id, ``None`` if it has none.
-        hf: the ``transformers`` tokenizer it came from (for its chat template),
-            ``None`` for a ``tokenizers`` JSON file.
-    """
+    """A ``tokenizers.Tokenizer`` (truncation and padding off), where it came from
+    (``name``), its special ids (``None``: none), and the ``transformers`` tokenizer
+    it came from (``hf``, for its chat template; ``None`` for a JSON file)."""
 
     tokenizer: Any
     name: str
@@ -75,67 +61,40 @@ def identity(tok: LoadedTokenizer) -> TokenizerInfo:
     return tokenizer_info(tok.tokenizer, tok.name, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=pad)
 
 
-def resolve_start_token_id(
-    value: int | str | None, tok: LoadedTokenizer | None, flag: str = "start_token_id"
-) -> int | None:
+def resolve_start_token_id(value: int | str | None, tok: LoadedTokenizer | None) -> int | None:
     """``value`` as an id: an int as it is, ``"bos"``/``"eos"`` as ``tok``'s id.
-
-    Raises:
-        ValueError: a word other than bos/eos, a negative id, or a word whose
-            id ``tok`` does not have (or no tokenizer).
-    """
-    if value is None:
-        return None
+    Warns when ``tok`` would have its ordinary token 0 fed at sequence starts."""
     if isinstance(value, str) and value.strip().lstrip("-").isdigit():
         value = int(value)
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"{flag} must be a token id >= 0, bos or eos, got {value}")
-        return value
-    if value not in ("bos", "eos"):
-        raise ValueError(f"{flag} must be a token id, bos or eos, got {value!r}")
-    found = None if tok is None else (tok.bos_id if value == "bos" else tok.eos_id)
-    if found is None:
-        where = "no tokenizer was given" if tok is None else f"tokenizer {tok.name} has none"
-        raise ValueError(f"{flag} {value}: {where}; give the id as a number")
-    return found
-
-
-def _find_token(tokenizer: Any, candidates: Sequence[str]) -> int | None:
-    for token in candidates:
-        found = tokenizer.token_to_id(token)
-        if found is not None:
-            return int(found)
-    return None
-
-
-def _check_vocabulary(tokenizer: Any, name: str) -> None:
-    vocab = tokenizer.get_vocab(with_added_tokens=True)
-    token, top = max(vocab.items(), key=lambda kv: kv[1], default=("", 0))
-    if top > MAX_TOKEN_ID:
-        raise ValueError(
-            f"{name}: token {token!r} has id {top}, above {MAX_TOKEN_ID}, the largest id "
-            "the flat-tokens format stores; use a tokenizer with a smaller vocabulary"
-        )
-
-
-def warn_if_zero_is_ordinary(tok: LoadedTokenizer, start_token_id: int | None) -> None:
-    """Warns when a dataset made with ``tok`` would feed id 0 where a sequence
-    starts (no start id recorded, or 0) and id 0 is an ordinary token of ``tok``."""
-    if start_token_id not in (None, 0):
-        return
-    zero = tok.tokenizer.id_to_token(0)
-    special = {i for i, t in tok.tokenizer.get_added_tokens_decoder().items() if t.special}
-    if zero is not None and 0 not in special:
-        log.warning(
-            "%s: token id 0 (%r) is an ordinary token, but flat-tokens readers feed id 0 as "
-            "the input where a sequence starts, so a model cannot tell a start from %r: "
-            "convert with --start-token-id eos (recorded in the dataset) or train with "
-            "LoaderConfig(start_token_id=<a special id, e.g. the eos id>)",
-            tok.name,
-            zero,
-            zero,
-        )
+    is_id = isinstance(value, int) and value >= 0
+    if not (value is None or is_id or value in ("bos", "eos")):
+        raise ValueError(f"start_token_id must be a token id >= 0, bos or eos, got {value!r}")
+    if isinstance(value, str):
+        if tok is None:
+            raise ValueError(
+                f"start_token_id={value!r} needs tokenizer= to find the id; "
+                "or give the id as a number"
+            )
+        found = tok.bos_id if value == "bos" else tok.eos_id
+        if found is None:
+            raise ValueError(
+                f"start_token_id {value}: tokenizer {tok.name} has none; give the id as a number"
+            )
+        value = found
+    if tok is not None and value in (None, 0):
+        zero = tok.tokenizer.id_to_token(0)
+        special = {i for i, t in tok.tokenizer.get_added_tokens_decoder().items() if t.special}
+        if zero is not None and 0 not in special:
+            log.warning(
+                "%s: token id 0 (%r) is an ordinary token, but flat-tokens readers feed id 0 as "
+                "the input where a sequence starts, so a model cannot tell a start from %r: "
+                "convert with --start-token-id eos (recorded in the dataset) or train with "
+                "LoaderConfig(start_token_id=<a special id, e.g. the eos id>)",
+                tok.name,
+                zero,
+                zero,
+            )
+    return value
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> LoadedTokenizer:
@@ -175,44 +134,22 @@ def load_tokenizer(path: str | os.PathLike[str]) -> LoadedTokenizer:
                 f"{p}: not a tokenizers JSON file ({e}): pass a tokenizer.json saved by "
                 "tokenizers, or a transformers tokenizer directory"
             ) from e
-        bos, eos = _find_token(tok, BOS_CANDIDATES), _find_token(tok, EOS_CANDIDATES)
+        bos, eos = (
+            next((i for t in names if (i := tok.token_to_id(t)) is not None), None)
+            for names in (BOS_CANDIDATES, EOS_CANDIDATES)
+        )
     else:
         raise FileNotFoundError(f"tokenizer {p}: no such file or directory")
     tok.no_truncation()
     tok.no_padding()
-    _check_vocabulary(tok, str(p))
+    vocab = tok.get_vocab(with_added_tokens=True)
+    token, top = max(vocab.items(), key=lambda kv: kv[1], default=("", 0))
+    if top > MAX_TOKEN_ID:
+        raise ValueError(
+            f"{p}: token {token!r} has id {top}, above {MAX_TOKEN_ID}, the largest id "
+            "the flat-tokens format stores; use a tokenizer with a smaller vocabulary"
+        )
     return LoadedTokenizer(tok, str(p), bos, eos, hf)
-
-
-def tokenize_batch(
-    texts: Sequence[str],
-    tokenizer: Any,
-    *,
-    bos_id: int | None = None,
-    eos_id: int | None = None,
-    add_special_tokens: bool = False,
-) -> list[np.ndarray]:
-    """Token ids of each text, in order: ``[n_i] int32`` arrays.
-
-    A pure function of its arguments, safe to call from several threads. It
-    uses ``encode_batch_fast`` (the same ids, without character offsets) where
-    ``tokenizers`` has it, else ``encode_batch``; either spreads the batch over
-    the tokenizer's thread pool.
-
-    Args:
-        texts: the documents.
-        tokenizer: a ``tokenizers.Tokenizer``.
-        bos_id: prepended to every document when not ``None``.
-        eos_id: appended to every document when not ``None``.
-        add_special_tokens: let the tokenizer's post-processor add its own.
-    """
-    encode = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
-    encodings = encode(list(texts), add_special_tokens=add_special_tokens)
-    if bos_id is None and eos_id is None:
-        return [np.array(e.ids, np.int32) for e in encodings]
-    pre = [] if bos_id is None else [bos_id]
-    post = [] if eos_id is None else [eos_id]
-    return [np.array(pre + e.ids + post, np.int32) for e in encodings]
 
 
 def _digest(doc: str | np.ndarray) -> bytes:
@@ -241,20 +178,12 @@ def validation_mask(docs: Sequence[str | np.ndarray], fraction: float) -> np.nda
     )
 
 
-def pack(arrays: Sequence[np.ndarray]) -> Packed:
-    """``(ids [sum n_i] int32, lengths [k] int64)`` of ``k`` token arrays."""
-    lengths = np.fromiter((a.size for a in arrays), np.int64, count=len(arrays))
-    ids = np.concatenate(arrays).astype(np.int32, copy=False) if arrays else np.zeros(0, np.int32)
-    return ids, lengths
-
-
 @dataclasses.dataclass(frozen=True)
 class BatchTokenizer:
-    """Turns a batch of documents into :data:`Packed` token ids.
-
-    The documents are texts, or ``int32`` token arrays when ``tokenizer`` is
-    ``None``; ``bos_id``/``eos_id`` (when not ``None``) go around each one.
-    """
+    """Turns a batch of documents (texts, or ``int32`` token arrays when ``tokenizer``
+    is ``None``) into :data:`Packed` ids, ``bos_id``/``eos_id`` (if set) around each;
+    thread-safe. ``encode_batch_fast`` (no offsets) spreads a batch over the
+    tokenizer's thread pool."""
 
     tokenizer: Any
     bos_id: int | None
@@ -263,18 +192,18 @@ class BatchTokenizer:
 
     def __call__(self, docs: list[Any]) -> Packed:
         if self.tokenizer is not None:
-            return pack(
-                tokenize_batch(
-                    docs,
-                    self.tokenizer,
-                    bos_id=self.bos_id,
-                    eos_id=self.eos_id,
-                    add_special_tokens=self.add_special_tokens,
-                )
+            encode = (
+                getattr(self.tokenizer, "encode_batch_fast", None) or self.tokenizer.encode_batch
             )
-        pre = [] if self.bos_id is None else [np.array([self.bos_id], np.int32)]
-        post = [] if self.eos_id is None else [np.array([self.eos_id], np.int32)]
-        return pack([np.concatenate([*pre, d, *post]) for d in docs] if pre or post else docs)
+            encodings = encode(list(docs), add_special_tokens=self.add_special_tokens)
+            docs = [np.array(e.ids, np.int32) for e in encodings]
+        if self.bos_id is not None or self.eos_id is not None:
+            pre = np.array([] if self.bos_id is None else [self.bos_id], np.int32)
+            post = np.array([] if self.eos_id is None else [self.eos_id], np.int32)
+            docs = [np.concatenate([pre, d, post]) for d in docs]
+        lengths = np.fromiter((d.size for d in docs), np.int64, count=len(docs))
+        ids = np.concatenate(docs).astype(np.int32, copy=False) if docs else np.zeros(0, np.int32)
+        return ids, lengths
 
 
 # Set by _init_worker in each worker process of the pool, and only there: the

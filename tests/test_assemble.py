@@ -22,7 +22,7 @@ from flat_tokens_jax.convert.assemble import (
     place_parts,
 )
 from flat_tokens_jax.core.format import SPLITS
-from flat_tokens_jax.data.writer import STAGING
+from flat_tokens_jax.store.location import STAGING
 from flat_tokens_jax.store.store import Store
 
 _counter = itertools.count()

@@ -28,8 +28,7 @@ from flat_tokens_jax.convert.assemble import part_url
 from flat_tokens_jax.convert.beam import convert_beam, pipeline_options
 from flat_tokens_jax.convert.inputs import InputError
 from flat_tokens_jax.convert.text import convert
-from flat_tokens_jax.data.writer import STAGING
-from flat_tokens_jax.store.location import claim_location
+from flat_tokens_jax.store.location import STAGING, claim_location
 from flat_tokens_jax.store.store import Store
 
 SMALL = ftj.StorageFormat(shard_tokens=64, chunk_tokens=16)

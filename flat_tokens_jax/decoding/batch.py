@@ -5,8 +5,7 @@ Encoded tokens are ``uint32`` ``token_id * 2 + 1`` at a sequence start, else
 ``inputs``, ``targets``, ``segment_ids``, ``positions`` (``int32``) and
 ``loss_mask`` (``bool``). Padding has ``pad_id`` input and target, segment 0,
 position 0 and ``loss_mask`` False. The ``_jax`` twins
-(:mod:`~flat_tokens_jax.decoding.batch_jax`, importable from here) give the same
-values inside ``jax.jit``.
+(:mod:`~flat_tokens_jax.decoding.batch_jax`) give the same values inside ``jax.jit``.
 """
 
 from __future__ import annotations
@@ -16,22 +15,7 @@ import numpy as np
 from flat_tokens_jax.core.buffers import Buffers
 from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.data.records import Windows
-from flat_tokens_jax.decoding.batch_jax import bin_fields_jax, packed_fields_jax, padded_fields_jax
 from flat_tokens_jax.decoding.segments import sequence_starts, write_segments
-
-__all__ = [
-    "FIELDS",
-    "bin_fields",
-    "bin_fields_jax",
-    "checked_windows",
-    "empty_fields",
-    "packed_fields",
-    "packed_fields_jax",
-    "padded_fields",
-    "padded_fields_jax",
-    "padding_fields",
-    "window_fields",
-]
 
 FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 

@@ -17,17 +17,15 @@ import numpy as np
 
 from flat_tokens_jax.core import compiled
 from flat_tokens_jax.core.buffers import Buffers
-from flat_tokens_jax.core.extras import install_hint
 from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.data.records import Records, Windows, request_windows
 from flat_tokens_jax.decoding import batch as fields
-from flat_tokens_jax.decoding.instancefilter import FilteredRows
+from flat_tokens_jax.decoding.instancefilter import FilteredRows, kernel_module
 from flat_tokens_jax.decoding.layouts import BatchLayout, row_starts
 
 # Fewer rows than this per block cost more in thread hand-offs than they save.
 MIN_BLOCK_ROWS = 16
-KERNELS = ("auto", "numba", "numpy")
 
 
 def default_threads() -> int:
@@ -42,25 +40,16 @@ def default_threads() -> int:
 class BlockDecoder:
     """Decodes records in row blocks on up to ``threads`` threads (the
     caller's among them), blocks of at least ``min_block_rows`` rows.
-    Thread-safe; the pool starts on first use.
-
-    ``kernel``: ``"numba"`` (the ``fast`` extra), ``"numpy"``, or ``"auto"``
-    (numba when it imports); both give the same fields.
+    Thread-safe; the pool starts on first use. Every ``kernel``
+    (:func:`~.instancefilter.kernel_module`) gives the same fields.
     """
 
     def __init__(
         self, threads: int, min_block_rows: int = MIN_BLOCK_ROWS, kernel: str = "auto"
     ) -> None:
         threads = integer(threads, "BlockDecoder.threads", low=1)
-        if kernel not in KERNELS:
-            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         self.threads, self.min_block_rows = threads, max(1, min_block_rows)
-        self._kernels = None if kernel == "numpy" else compiled.kernels()
-        if kernel == "numba" and self._kernels is None:
-            raise ValueError(
-                f"kernel='numba' needs numba: {install_hint('fast')} "
-                "(or kernel='auto' to decode with numpy without it)"
-            )
+        self._kernels = kernel_module(kernel, compiled.kernels)
         self.kernel = "numpy" if self._kernels is None else "numba"
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import jax
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flat_tokens_jax.core import compiled
+from flat_tokens_jax.core.extras import install_hint
 from flat_tokens_jax.core.values import BadValue, integer, mapping
 
 MAX_ROW_TOKENS = 2**31 - 1
@@ -24,9 +26,25 @@ MAX_ROW_TOKENS = 2**31 - 1
 # the full check; with four, almost none.
 _PROBES = 4
 
+KERNELS = ("auto", "numba", "numpy")
+
 # Decoded steps whose counts wait for their hand-out, at most: steps read
 # ahead and then dropped (a jump) are forgotten oldest first.
 _PENDING = 1024
+
+
+def kernel_module(kernel: str, load: Callable[[], ModuleType | None]) -> ModuleType | None:
+    """The compiled module ``load`` gives for ``kernel``: ``"numba"`` (the ``fast``
+    extra), ``"numpy"`` (``None``), or ``"auto"`` (numba when it imports)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    fast = None if kernel == "numpy" else load()
+    if kernel == "numba" and fast is None:
+        raise ValueError(
+            f"kernel='numba' needs numba: {install_hint('fast')} "
+            "(or kernel='auto' to run numpy without it)"
+        )
+    return fast
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,20 +133,15 @@ class InstanceFilter:
         self, targets: np.ndarray, segment_ids: np.ndarray, kernel: str = "auto"
     ) -> np.ndarray:
         """``[rows] bool``: which rows of ``targets`` (``[rows, seq_len]``) the
-        filter rejects; columns whose ``segment_ids`` are 0 are padding.
-        ``kernel``: ``"numba"`` (the ``fast`` extra), ``"numpy"``, or ``"auto"``
-        (numba where it imports); both give the same rows.
+        filter rejects; columns whose ``segment_ids`` are 0 are padding. Every
+        ``kernel`` (:func:`kernel_module`) gives the same rows.
 
         The numpy path is vectorised over the batch: for each period, a run of ``reach`` equal
         pairs covers 4 consecutive multiples of ``reach // 4``, so only those
         columns are compared first; where 4 consecutive ones match, the
         ``2 * reach - 1`` columns around them are checked.
         """
-        if kernel not in ("auto", "numba", "numpy"):
-            raise ValueError(f"kernel must be 'auto', 'numba' or 'numpy', got {kernel!r}")
-        fast = None if kernel == "numpy" else compiled.filter_kernel()
-        if kernel == "numba" and fast is None:
-            raise ValueError("kernel='numba' needs numba: pip install 'flat-tokens-jax[fast]'")
+        fast = kernel_module(kernel, compiled.filter_kernel)
         if fast is not None:
             return fast.rejected(
                 np.ascontiguousarray(targets, np.int32),

@@ -13,8 +13,6 @@ import jax.numpy as jnp
 
 from flat_tokens_jax.core.values import integer
 
-__all__ = ["per_source"]
-
 
 def per_source(
     values: Any, batch: Mapping[str, Any], num_sources: int, weights: Any = None

@@ -42,8 +42,6 @@ from flat_tokens_jax.sampling.mixture import Mixture, config_records
 from flat_tokens_jax.store.identity import DatasetInfo, TokenizerInfo
 from flat_tokens_jax.store.options import StoreOptions, resolve_options
 
-__all__ = ["FlatTokensSource"]
-
 
 class FlatTokensSource:
     """A grain random-access source whose elements are the batch fields of one record.

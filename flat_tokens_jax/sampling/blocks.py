@@ -26,17 +26,6 @@ from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records
 from flat_tokens_jax.sampling.sampling import MAX_N, IndexSampler, permute
 
-__all__ = [
-    "BLOCK_TOKENS",
-    "NEVER",
-    "BlockSampler",
-    "Sampler",
-    "default_block",
-    "lanes",
-    "sample_of_row",
-    "sampler",
-]
-
 NEVER = np.iinfo(np.int64).max
 """What :meth:`BlockSampler.next_use` gives for a window its lanes are past."""
 

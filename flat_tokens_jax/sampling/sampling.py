@@ -14,8 +14,6 @@ import numpy.typing as npt
 from flat_tokens_jax.core import fields
 from flat_tokens_jax.core.values import boolean, integer
 
-__all__ = ["MAX_N", "EpochsExhausted", "IndexSampler", "permute"]
-
 MAX_N = 2**63 - 1  # Largest n or num_records: every index must fit in int64.
 _MAX_U64 = 2**64 - 1
 _NUM_ROUNDS = 6

@@ -24,8 +24,6 @@ from typing import Any
 from flat_tokens_jax.core.values import integer, is_integer
 from flat_tokens_jax.sampling.blocks import lanes
 
-__all__ = ["MAX_SAMPLE", "BatchSchedule", "BatchSizeSpec", "resume_differences", "resumed"]
-
 MAX_SAMPLE = 2**63 - 1  # Global sample indices are int64.
 
 # What a config may hold: an int, [(start_step, size), ...] or {start_step: size}.

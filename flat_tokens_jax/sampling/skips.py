@@ -16,8 +16,6 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["NO_SKIPS", "SharedRows", "Skips"]
-
 
 class SharedRows:
     """Columns of rows that immutable values share, each value reading its

@@ -21,14 +21,6 @@ from flat_tokens_jax.sampling.mixture import Period, consumed, route_segments
 from flat_tokens_jax.sampling.schedule import MAX_SAMPLE, BatchSchedule
 from flat_tokens_jax.sampling.skips import NO_SKIPS, SharedRows, Skips
 
-__all__ = [
-    "TABLES_KEPT",
-    "Blend",
-    "Steering",
-    "Stretch",
-    "with_weights",
-]
-
 TABLES_KEPT = 8
 """Period tables of runtime weight changes a :class:`Steering` keeps built
 (a table takes 8 bytes a sample of its period, up to ``2**24`` samples)."""

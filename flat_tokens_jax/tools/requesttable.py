@@ -17,6 +17,7 @@ from flat_tokens_jax.tools.requestcount import (
     RequestCounts,
     count_requests,
 )
+from flat_tokens_jax.tools.runview import aligned
 
 
 def counterpart(loader: StepEngine) -> StepEngine:
@@ -69,14 +70,7 @@ def request_table(counts: Sequence[RequestCounts], labels: Sequence[str]) -> lis
         )
         for name, p in zip(labels, counts, strict=True)
     ]
-    widths = [max(len(row[i]) for row in [head, *cells]) for i in range(len(head))]
-    return [
-        "  ".join(
-            v.ljust(w) if i == 0 else v.rjust(w)
-            for i, (v, w) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in [head, *cells]
-    ]
+    return aligned([head, *cells], left=1)
 
 
 MAX_SAMPLE_STEPS = 4096  # most --sample-steps: the sampler runs once a step

@@ -6,6 +6,7 @@ component, steps, samples, tokens and epochs by the loader's own arithmetic
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -73,6 +74,18 @@ def run_rows(run: PhasedLoader, end_step: int) -> list[dict[str, Any]]:
     return rows
 
 
+def aligned(rows: Sequence[Sequence[str]], left: int) -> list[str]:
+    """``rows`` of cells as lines in columns, the first ``left`` flush left."""
+    widths = [max(map(len, column)) for column in zip(*rows, strict=True)]
+    return [
+        "  ".join(
+            v.ljust(w) if i < left else v.rjust(w)
+            for i, (v, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
+
+
 _COLUMNS = ("component", "stream", "samples", "tokens", "epochs", "stream epochs")
 
 
@@ -89,15 +102,7 @@ def run_table(rows: list[dict[str, Any]]) -> list[str]:
         ]
         for r in rows
     ]
-    widths = [max(len(c[i]) for c in [list(_COLUMNS), *cells]) for i in range(len(_COLUMNS))]
-
-    def line(values: list[str]) -> str:
-        text = [
-            v.ljust(w) if i < 2 else v.rjust(w)
-            for i, (v, w) in enumerate(zip(values, widths, strict=True))
-        ]
-        return "  " + "  ".join(text)
-
+    head, *body = aligned([_COLUMNS, *cells], left=2)
     lines = []
     for k in dict.fromkeys(r["phase"] for r in rows):
         mine = [i for i, r in enumerate(rows) if r["phase"] == k]
@@ -107,8 +112,7 @@ def run_table(rows: list[dict[str, Any]]) -> list[str]:
             f"phase {k}{name}: steps [{first['start_step']}, {first['end_step']}) "
             f"({first['steps']:,} steps), seq_len {first['seq_len']}, packing {first['packing']}"
         )
-        lines.append(line(list(_COLUMNS)))
-        lines += [line(cells[i]) for i in mine]
+        lines += ["  " + head, *("  " + body[i] for i in mine)]
     return lines
 
 

@@ -256,34 +256,16 @@ def row_reads(loader: StepEngine, samples: HostSamples) -> StepReads:
     return dataclasses.replace(counted, useful=_useful(loader, samples))
 
 
-def block_reads(
-    loader: StepEngine, samples: HostSamples, block: Sequence[int] | None = None
-) -> StepReads:
-    """Block shuffle: each host reads each block its rows need whole, once per
-    epoch, at the first sampled step that needs it (so the first step is a cold
-    start). ``block`` ``None``: the loader's own block samplers' blocks; else
-    records per block of each component (record ``r`` of component ``c`` in
-    block ``r // block[c]``), over a loader of another shuffle.
-
-    Raises:
-        ValueError: ``block`` is ``None`` for a loader without the block
-            shuffle, or a list of the wrong length or values.
-    """
-    if block is None:
-        samplers = _block_samplers(loader)
-        blocks = np.empty_like(samples.record)
-        for c, s in enumerate(samplers):
-            mine = samples.component == c
-            blocks[mine] = s.block_of(samples.record[mine])
-        block = [s.block for s in samplers]
-    else:
-        if len(block) != len(loader.components):
-            raise ValueError(
-                f"block: {len(block)} block sizes for {len(loader.components)} components"
-            )
-        for c, b in enumerate(block):
-            integer(b, f"block[{c}]", low=1)
-        blocks = samples.record // np.asarray(block, np.int64)[samples.component]
+def block_reads(loader: StepEngine, samples: HostSamples) -> StepReads:
+    """Block shuffle: each host reads each block of the loader's block samplers
+    that its rows need whole, once per epoch, at the first sampled step that
+    needs it (so the first step is a cold start)."""
+    samplers = _block_samplers(loader)
+    blocks = np.empty_like(samples.record)
+    for c, s in enumerate(samplers):
+        mine = samples.component == c
+        blocks[mine] = s.block_of(samples.record[mine])
+    block = [s.block for s in samplers]
     key = np.stack([samples.host, samples.component, samples.epoch, blocks])
     # Rows come in step order, so each block's first row is its first need.
     _, first = np.unique(key, axis=1, return_index=True)
@@ -294,11 +276,7 @@ def block_reads(
 
 def _block_samplers(loader: StepEngine) -> list[BlockSampler]:
     found = [s for s in loader.samplers if isinstance(s, BlockSampler)]
-    if len(found) != len(loader.samplers):
-        raise ValueError(
-            f"block: the loader's shuffle is {loader.config.shuffle!r}, so its sampler "
-            "has no blocks: give the records per block of each component"
-        )
+    assert len(found) == len(loader.samplers)  # shuffle="blocks"
     return found
 
 
@@ -338,38 +316,27 @@ def count_requests(
     hosts: int,
     step_seconds: float,
     steps: Sequence[int] = range(8),
-    block: Sequence[int] | None = None,
 ) -> RequestCounts:
     """Requests/s and bytes/s of ``hosts`` hosts running ``loader`` at
     ``step_seconds`` a step, from its sampler at ``steps`` (consecutive, for
-    blocks) and its arrays' chunking. A loader with ``shuffle="blocks"`` is
-    counted by its own blocks; ``block`` (records per block of each component)
-    counts block reads over another loader's records.
+    blocks) and its arrays' chunking.
 
     Raises:
         ValueError: ``hosts`` or ``step_seconds`` out of range, ``steps``
-            empty, a host count that does not divide a batch, a component
-            that is not a split's records, or ``block`` given for a loader
-            with blocks of its own; each message names the value.
+            empty, a host count that does not divide a batch, or a component
+            that is not a split's records; each message names the value.
     """
     step_seconds = number(step_seconds, "step_seconds")
     if not step_seconds > 0:
         raise ValueError(f"step_seconds must be > 0, got {step_seconds}")
     if not len(steps):
         raise ValueError("steps: give at least one step to sample")
-    shuffle, window = loader.config.shuffle, None
+    shuffle, window, block = loader.config.shuffle, None, None
     samples = host_samples(loader, hosts, steps)
     if shuffle == BLOCKS:
-        own = [s.block for s in _block_samplers(loader)]
-        if block is not None:
-            raise ValueError(
-                f"block: the loader's shuffle='blocks' reads blocks of its own (shuffle_block="
-                f"{loader.config.shuffle_block}, resolved {own[0]}): leave block None"
-            )
+        block = [s.block for s in _block_samplers(loader)]
         reads = block_reads(loader, samples)
-        block, window = own, loader.config.shuffle_window
-    elif block is not None:
-        reads = block_reads(loader, samples, block)
+        window = loader.config.shuffle_window
     else:
         reads = row_reads(loader, samples)
     counted = slice(1 if block is not None and len(steps) > 1 else 0, None)

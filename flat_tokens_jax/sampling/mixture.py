@@ -215,24 +215,12 @@ class Mixture:
         src = self.sources[component]
         return src.info if isinstance(src, FlatTokens) else recorded_info(src)
 
-    @property
-    def components(self) -> tuple[Source, ...]:
-        """The sources, in order (the same as :attr:`sources`)."""
-        return self.sources
-
     def weight_counts(
         self, weights: Sequence[float] | Mapping[str, float], step: int
     ) -> tuple[np.ndarray, np.ndarray]:
         """``weights`` from ``step`` on, checked: ``([K] float64 weights, [K]
-        int64 samples of each component per period)``, over this mixture's
-        ``period`` (or the default period of those weights).
-
-        Raises:
-            ValueError: ``weights`` is not one finite number >= 0 per
-                component (or ``{name: weight}`` naming every component), all
-                are zero, or a positive weight gets no sample per period (the
-                message says the period it needs).
-        """
+        int64 samples of each component per period)``; a positive weight with
+        no sample per period is refused, naming the period it needs."""
         w = _check_weights(self._by_name(weights, step), self.names, step)
         period = self.period or _default_period(w)
         counts = period_counts(w, period)
@@ -282,17 +270,9 @@ class Mixture:
         plan_cache: str | os.PathLike[str] | None = None,
         max_segments: int | None = None,
     ) -> tuple[Records, ...]:
-        """Each component's records for a config of ``seq_len`` and ``packing``.
-
-        ``plan_cache`` is where packing plans of ``packing="bins"`` are cached
-        (``None``: built, not cached); ``max_segments`` caps the runs per bin.
-
-        Raises:
-            ValueError: a component of records is of another ``seq_len`` or packing.
-        """
+        """Each component's records for a config of ``seq_len`` and ``packing``
+        (:func:`config_records`), their reads (bounds, packing plans) at once."""
         packing = fields.packing(packing, "packing")
-
-        # Records that read (bounds, packing plans) do so at once.
         calls = [
             functools.partial(
                 config_records, s, seq_len, packing, plan_cache, max_segments, f"component {n!r}"
@@ -320,9 +300,9 @@ def route_segments(
     period_of: Callable[[int], Period],
 ) -> tuple[np.ndarray, np.ndarray]:
     """Global samples to ``(component [k] int64, component sample [k] int64)``
-    over weight segments: ``starts`` ``[S] int64`` each segment's first global
-    sample (the first 0), ``offsets`` ``[S, K] int64`` the samples of each
-    component drawn before it, ``period_of(j)`` segment ``j``'s layout."""
+    over weight segments: ``starts`` ``[S] int64`` each one's first global
+    sample, ``offsets`` ``[S, K] int64`` the samples of each component drawn
+    before it, ``period_of(j)`` segment ``j``'s layout."""
     g = np.asarray(samples, np.int64)
     segment = np.searchsorted(starts, g, side="right") - 1
     comp = np.empty(g.shape, np.int64)
@@ -361,7 +341,6 @@ def config_records(
 
 
 def _named_components(components: Components) -> list[tuple[str, Source, float]]:
-    """``(name, source, weight)`` of each component, checked."""
     if isinstance(components, Mixture):
         raise TypeError(_NESTED)
     if isinstance(components, Mapping):
@@ -411,15 +390,13 @@ _NESTED = (
 
 
 def _check_source(name: str, source: Any) -> None:
-    """Refuses what is not a split or records, naming the fix."""
     if isinstance(source, Mixture):
         raise TypeError(f"component {name!r}: {_NESTED}")
     check_source(source, f"component {name!r}")
 
 
 def _check_records_agree(sources: Sequence[Source], names: Sequence[str]) -> None:
-    """Refuses components of records that no one config fits: their ``seq_len``
-    or packing differ."""
+    """Refuses components of records whose ``seq_len`` or packing differ."""
     records = {n: s for n, s in zip(names, sources, strict=True) if not isinstance(s, FlatTokens)}
     seq_lens = {n: r.seq_len for n, r in records.items()}
     packings = {n: r.packing.value for n, r in records.items()}  # as a config writes it
@@ -430,7 +407,6 @@ def _check_records_agree(sources: Sequence[Source], names: Sequence[str]) -> Non
 
 
 def _check_weights(weights: Sequence[Any], names: Sequence[str], step: int) -> np.ndarray:
-    """``[K] float64`` weights, each a finite number >= 0, at least one above 0."""
     where = "weights" if step == 0 else f"weights from step {step}"
     if len(weights) != len(names):
         raise ValueError(

@@ -17,7 +17,6 @@ from flat_tokens_jax.tools.requestcount import (
     RequestCounts,
     count_requests,
 )
-from flat_tokens_jax.tools.runview import aligned
 
 
 def counterpart(loader: StepEngine) -> StepEngine:
@@ -43,6 +42,18 @@ def _label(counts: RequestCounts) -> str:
         return counts.shuffle
     sizes = ",".join(str(b) for b in sorted(set(counts.block)))
     return f"blocks B={sizes} w={counts.window or 1}"
+
+
+def aligned(rows: Sequence[Sequence[str]], left: int) -> list[str]:
+    """``rows`` of cells as lines in columns, the first ``left`` flush left."""
+    widths = [max(map(len, column)) for column in zip(*rows, strict=True)]
+    return [
+        "  ".join(
+            v.ljust(w) if i < left else v.rjust(w)
+            for i, (v, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
 
 
 def request_table(counts: Sequence[RequestCounts], labels: Sequence[str]) -> list[str]:

@@ -6,7 +6,6 @@ component, steps, samples, tokens and epochs by the loader's own arithmetic
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -15,6 +14,7 @@ from flat_tokens_jax.core.extras import install_hint
 from flat_tokens_jax.loader.phasedloader import PhasedLoader
 from flat_tokens_jax.loader.phases import drawn
 from flat_tokens_jax.loader.state import sample_shares
+from flat_tokens_jax.tools.requesttable import aligned
 
 # A stream read more epochs than this shows its model each record that many
 # times: fine for a small high-quality source, a mistake for most.
@@ -72,18 +72,6 @@ def run_rows(run: PhasedLoader, end_step: int) -> list[dict[str, Any]]:
                 }
             )
     return rows
-
-
-def aligned(rows: Sequence[Sequence[str]], left: int) -> list[str]:
-    """``rows`` of cells as lines in columns, the first ``left`` flush left."""
-    widths = [max(map(len, column)) for column in zip(*rows, strict=True)]
-    return [
-        "  ".join(
-            v.ljust(w) if i < left else v.rjust(w)
-            for i, (v, w) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in rows
-    ]
 
 
 _COLUMNS = ("component", "stream", "samples", "tokens", "epochs", "stream epochs")

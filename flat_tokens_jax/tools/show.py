@@ -24,6 +24,7 @@ from flat_tokens_jax.core.limits import (
 from flat_tokens_jax.core.values import BadValue, known_keys
 from flat_tokens_jax.data.dataset import FlatTokens, open_dataset
 from flat_tokens_jax.data.records import recorded_info
+from flat_tokens_jax.decoding.batch import FIELDS
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.loader import Loader
 from flat_tokens_jax.loader.state import SavedState
@@ -34,7 +35,6 @@ from flat_tokens_jax.store.identity import tokenizer_info
 from flat_tokens_jax.store.options import StoreOptions
 from flat_tokens_jax.tools.savedstate import saved_source
 
-FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 UNTRAINED = ("⟦", "⟧")  # around tokens whose loss_mask is 0
 ROW_BYTES = 1024  # per row of a step, besides its tokens: sample indices, provenance
 PRINTED_BYTES_PER_TOKEN = 200  # a printed row's five fields as Python lists, then text

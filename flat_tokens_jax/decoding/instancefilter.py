@@ -94,7 +94,7 @@ class InstanceFilter:
     @classmethod
     def of(cls, value: Any, path: str = "instance_filter") -> InstanceFilter | None:
         """``value`` as a filter: ``None`` (off), an ``InstanceFilter``, or a
-        mapping of its fields (YAML, a saved state), refused naming ``path``."""
+        mapping of its fields (YAML, a saved state)."""
         if value is None or isinstance(value, InstanceFilter):
             return value
         fields = mapping(value, path, "None or a mapping of InstanceFilter fields")
@@ -108,12 +108,7 @@ class InstanceFilter:
             raise e.moved("InstanceFilter", path) from None
 
     def check_seq_len(self, seq_len: int, path: str) -> None:
-        """Refuses a filter that can reject no row of ``seq_len`` tokens:
-        ``max_count`` copies of its shortest n-gram are longer than a row.
-
-        Raises:
-            BadValue: naming ``path`` + ``.max_count``, both numbers and the fix.
-        """
+        """Refuses a filter that can reject no row of ``seq_len`` tokens."""
         need = self.max_count * self.min_period
         if need > seq_len:
             raise BadValue(

@@ -31,22 +31,17 @@ Change = tuple[int, tuple[int, ...]]
 
 class Blend(Protocol):
     """What a :class:`Steering` reads of a mixture (a ``Mixture``, or a saved
-    phase's): its components and its declared weight schedule."""
+    phase's): the components' ``names``, the data step each declared weight
+    entry starts at (``steps`` ``[P] int64``, the first 0) and its layout."""
 
     @property
-    def names(self) -> tuple[str, ...]:
-        """``[K]`` the components' names."""
-        ...
+    def names(self) -> tuple[str, ...]: ...
 
     @property
-    def steps(self) -> np.ndarray:
-        """``[P] int64`` the data step each declared entry starts at, the first 0."""
-        ...
+    def steps(self) -> np.ndarray: ...
 
     @property
-    def periods(self) -> Sequence[Period]:
-        """``[P]`` each declared entry's layout."""
-        ...
+    def periods(self) -> Sequence[Period]: ...
 
 
 @dataclasses.dataclass(frozen=True)

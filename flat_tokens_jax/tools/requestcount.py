@@ -1,17 +1,6 @@
-"""What a run asks of an object store, before it runs: requests and bytes per step.
-
-:func:`count_requests` runs a loader's sampler for a sample of steps, splits
-each step's rows over ``hosts`` hosts, and counts each host's HTTP requests and
-bytes from the records' token ranges and each array's zarr chunking, reading no
-token. The rule, measured with tensorstore on fake-gcs-server and moto's S3
-(``scripts/bench_requestcount.py``; docs/guide/remote.md says it in full): a
-host reads a step's rows of a component in one batch per array, which fetches
-each touched inner chunk whole; touched chunks of one shard with no gap between
-them are one request (zarr v2: a request a chunk). No chunk counts as cached
-from an earlier step, and what a host reads once per shard (index, probe,
-digests) is left out. :func:`row_reads` counts the full shuffle (or none),
-:func:`block_reads` the block shuffle (a block read whole, once per host and epoch).
-"""
+"""What a run asks of an object store, before it runs: requests and bytes per step,
+from a loader's sampler and each array's zarr chunking, reading no token. The rule
+(measured by ``scripts/bench_requestcount.py``) is docs/guide/remote.md's."""
 
 from __future__ import annotations
 
@@ -49,9 +38,8 @@ def ramp_minutes(
 @dataclasses.dataclass(frozen=True)
 class Chunking:
     """How one array is stored, as far as requests go: values per inner chunk
-    (zarr v3) or chunk file (v2), values per shard (``None`` in v2), and the
-    bytes a request returns per chunk (uncompressed, plus 4 for a crc32c: an
-    upper bound for a compressed array)."""
+    (or v2 chunk file), per shard (``None`` in v2), and bytes a request returns
+    per chunk (uncompressed, plus 4 for a crc32c: an upper bound)."""
 
     chunk: int
     shard: int | None
@@ -59,7 +47,6 @@ class Chunking:
 
     @classmethod
     def of(cls, ft: FlatTokens, array: str) -> Chunking:
-        """The chunking of ``ft``'s ``array`` (such as ``seq_starts``), from its metadata."""
         described = ft.storage_formats()[array]
         reader = {ft.tokens_name: ft.encoded, SEQ_STARTS: ft.starts, LOSS_MASK: ft.loss_mask}
         itemsize = np.dtype(reader[array].dtype).itemsize  # type: ignore[union-attr]
@@ -109,13 +96,7 @@ class HostSamples:
 
 def host_samples(loader: StepEngine, hosts: int, steps: Sequence[int]) -> HostSamples:
     """The sampler's records for ``steps``, each step's rows split into
-    ``hosts`` equal runs of consecutive rows (data sharding), each row holding
-    the sample the loader places there (under the block shuffle, by lanes).
-
-    Raises:
-        ValueError: ``hosts`` is not an int >= 1 or does not divide a step's
-            batch, or the loader refuses a step.
-    """
+    ``hosts`` equal runs of consecutive rows (data sharding)."""
     hosts = integer(hosts, "hosts", low=1)
     parts: list[tuple[np.ndarray, ...]] = []
     for i, step in enumerate(steps):
@@ -283,18 +264,9 @@ def _block_samplers(loader: StepEngine) -> list[BlockSampler]:
 @dataclasses.dataclass(frozen=True)
 class RequestCounts:
     """A pod's reads at ``step_seconds`` a step, from :func:`count_requests`.
-
-    Attributes:
-        shuffle: ``"full"``, ``"none"`` or ``"blocks"``.
-        block: records per block of each component (for blocks; else ``None``).
-        window: a block-shuffled loader's ``shuffle_window``; else ``None``.
-        steps: the sampled steps ``[s] int64``; with blocks, the rates leave
-            the first out (its cold start, in ``first_step_requests``).
-        reads: what each host read at each sampled step.
-        requests_per_second, bytes_per_second, useful_bytes_per_second: the pod's.
-        bytes_per_token: bytes read per useful token.
-        ramp_minutes: minutes a fresh GCS bucket throttles that rate.
-    """
+    ``shuffle``: ``"full"``, ``"none"`` or ``"blocks"``; ``block`` and ``window``
+    only for blocks, whose rates leave out the first sampled step (its cold
+    start, in ``first_step_requests``). Rates are the pod's."""
 
     shuffle: str
     block: tuple[int, ...] | None
@@ -319,13 +291,7 @@ def count_requests(
 ) -> RequestCounts:
     """Requests/s and bytes/s of ``hosts`` hosts running ``loader`` at
     ``step_seconds`` a step, from its sampler at ``steps`` (consecutive, for
-    blocks) and its arrays' chunking.
-
-    Raises:
-        ValueError: ``hosts`` or ``step_seconds`` out of range, ``steps``
-            empty, a host count that does not divide a batch, or a component
-            that is not a split's records; each message names the value.
-    """
+    blocks) and its arrays' chunking."""
     step_seconds = number(step_seconds, "step_seconds")
     if not step_seconds > 0:
         raise ValueError(f"step_seconds must be > 0, got {step_seconds}")

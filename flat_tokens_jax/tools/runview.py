@@ -24,15 +24,9 @@ _NO_ROWS = np.zeros(0, np.int64)
 
 
 def run_rows(run: PhasedLoader, end_step: int) -> list[dict[str, Any]]:
-    """One dict per phase and component, for the steps before ``end_step``
-    (trainer steps; a steered run's weight changes and skipped batches counted).
+    """One dict per phase and component, for the trainer steps before ``end_step``.
     ``epochs``: this phase's samples over the records; ``stream_epochs``: the
-    stream's samples by the phase's end over the records.
-
-    Raises:
-        ValueError: the loader refuses a step before ``end_step``; the message
-            names the phase and the last step the run can reach.
-    """
+    stream's samples by the phase's end over the records."""
     rows: list[dict[str, Any]] = []
     for k, loader in enumerate(run.engines):
         start = run.firsts[k]
@@ -172,12 +166,7 @@ def share_segments(run: PhasedLoader, end_step: int) -> list[tuple[int, int, dic
 def draw_shares(run: PhasedLoader, end_step: int, path: str | os.PathLike[str]) -> None:
     """Writes ``path`` (``.png`` or ``.svg``): each component's share of the
     tokens over steps ``[0, end_step)``, stacked, with phase boundaries, weight
-    changes and skipped batches marked.
-
-    Raises:
-        ValueError: ``path`` ends in neither ``.png`` nor ``.svg``.
-        ImportError: matplotlib is missing (the message names the extra).
-    """
+    changes and skipped batches marked."""
     suffix = os.fspath(path).rsplit(".", 1)[-1].lower()
     if suffix not in ("png", "svg"):
         raise ValueError(f"--picture {os.fspath(path)!r}: name a .png or .svg file")

@@ -62,10 +62,6 @@ def build_loader(
         fields: :class:`LoaderConfig` fields that override the others.
         config_name, state_name: the files ``config`` and ``state`` came
             from, which name a bad value in errors (``c.yaml: loader.seed``).
-
-    Raises:
-        ValueError: the data is given twice or not at all, a field is missing
-            or bad, or the data is not what the state's run read.
     """
     values: dict[str, Any] = {}
     origin: dict[str, str] = {}  # where each field was given, to name a bad value
@@ -322,12 +318,9 @@ def where(row: Mapping[str, Any]) -> str:
 
 
 def row_text(row: Mapping[str, Any], decode: Callable[[list[int]], str]) -> str:
-    """A row's targets as text: one line per segment, ``[n]`` its segment id,
-    untrained tokens (``loss_mask`` 0) between ⟦ ⟧, padding counted, not shown.
-
-    Args:
-        row: ``targets``, ``segment_ids`` and ``loss_mask`` of one row, each ``[seq_len]``.
-        decode: token ids to text (e.g. a tokenizer's ``decode``).
+    """A row's targets (``[seq_len]`` fields of one row) as text, by ``decode``:
+    one line per segment, ``[n]`` its segment id, untrained tokens (``loss_mask``
+    0) between ⟦ ⟧, padding counted, not shown.
 
     Example:
         >>> row = {"targets": [72, 105, 33, 0], "segment_ids": [1, 1, 2, 0],

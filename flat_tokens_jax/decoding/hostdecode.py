@@ -60,8 +60,8 @@ class BlockDecoder:
         return f"BlockDecoder(threads={self.threads}, kernel={self.kernel!r})"
 
     def blocks(self, rows: int, threads: int | None = None) -> list[tuple[int, int]]:
-        """``[(start, stop), ...]`` row blocks of a ``rows``-row batch, in order,
-        one per thread of at most ``threads`` (default: ``self.threads``)."""
+        """``[(start, stop), ...]`` row blocks of a ``rows``-row batch, one per
+        thread of at most ``threads``."""
         most = self.threads if threads is None else max(1, min(threads, self.threads))
         count = max(1, min(most, rows // self.min_block_rows))
         cuts = np.linspace(0, rows, count + 1).astype(int).tolist()
@@ -77,8 +77,7 @@ class BlockDecoder:
         pad_id: int,
         threads: int | None = None,
     ) -> dict[str, np.ndarray]:
-        """``window_fields(windows, packing, ...)``, ``[k, seq_len]`` each, decoded
-        on at most ``threads`` threads (default: ``self.threads``)."""
+        """``window_fields(windows, packing, ...)`` on at most ``threads`` threads."""
         rows = windows.encoded.shape[0]
         out = fields.empty_fields(rows, seq_len, self.buffers)
         kernels = self._kernels
@@ -160,10 +159,9 @@ rows they fill (``[k] int64``; ``None``: every row)."""
 def request_parts(
     components: Sequence[Records], comp: np.ndarray, records: np.ndarray, real: np.ndarray
 ) -> Callable[[], list[Part]]:
-    """Starts reading the rows of a step, every component's at once, and
-    returns what waits for them: ``comp`` and ``records`` ``[r] int64`` the
-    component and record of each real row, ``real`` ``[k] bool`` which of the
-    step's ``k`` rows are real (the others are padding, read from nowhere)."""
+    """Starts reading a step's rows, every component's at once, and returns what
+    waits for them: ``comp`` and ``records`` ``[r] int64`` of each real row,
+    ``real`` ``[k] bool`` which of the step's rows are real (the rest padding)."""
     present = np.unique(comp).tolist()
     if real.all() and len(present) == 1:
         only = request_windows(components[present[0]], records)
@@ -176,9 +174,8 @@ def request_parts(
 
 
 def row_sources(comp: np.ndarray, real: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
-    """``[k] int32``: the source of each of a step's ``k`` rows, ``-1`` for
-    padding: ``comp`` ``[r] int64`` the component of each real row (``real``
-    ``[k] bool``, as :func:`request_parts` takes them), and ``ids`` ``[K]``
+    """``[k] int32``: the source of each of a step's rows (``comp`` and ``real``
+    as :func:`request_parts` takes them), ``-1`` for padding; ``ids`` ``[K]``
     each component's run-wide index (``None``: its own)."""
     out = np.full(real.shape, -1, np.int32)
     out[real] = comp if ids is None else ids[comp]
@@ -212,10 +209,8 @@ class RowDecode:
     ) -> dict[str, np.ndarray]:
         """The layout's fields ``[num_rows, seq_len]`` of ``parts``, decoded by
         ``decoder`` on at most ``threads`` threads, after the instance filter
-        (its rejections noted for ``step`` when one is given). Rows of no part
-        are padding, as the last step of an epoch pads them. ``sources``
-        ``[num_rows] int32`` as :func:`row_sources` gives them; ``where`` and
-        ``rows`` (each row's global index) name rows in errors."""
+        (its rejections noted for ``step``). Rows of no part are padding;
+        ``where`` and ``rows`` (global indices) name rows in errors."""
 
         def decode(c: int, windows: Windows) -> dict[str, np.ndarray]:
             return decoder.decode(

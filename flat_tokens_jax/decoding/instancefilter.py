@@ -53,20 +53,15 @@ class InstanceFilter:
     length ``p`` in ``[min_period, max_period]``: for some column ``i``,
     ``targets[j] == targets[j + p]`` for the ``(max_count - 1) * p`` columns
     ``j`` from ``i`` on. A rejected row gets ``loss_mask`` False on every column.
-
-    It counts the row's ``targets`` without padding (``segment_ids == 0``),
-    across sequence boundaries and whatever the stored loss mask: what OLMo
-    counts, and what the model sees as one context. The verdict depends on the
-    row alone, so every host, restart and decode (host or device) agrees.
+    What counts (the row's real targets alone): docs/guide/loading.md.
 
     Attributes:
         max_period: longest n-gram checked. Recommended: 13 (OLMo's).
         min_period: shortest n-gram checked (1: one token repeated).
         max_count: copies that reject a row, at least 2. Recommended: 32 (OLMo's).
 
-    Each is at most :data:`MAX_ROW_TOKENS`, and ``max_count * min_period``
-    too (the shortest run that rejects a row), so every count fits in ``int64``
-    on the host and every column in ``int32`` on the devices.
+    Each, and ``max_count * min_period``, is at most :data:`MAX_ROW_TOKENS`, so
+    every count fits in ``int64`` on the host and ``int32`` on the devices.
     """
 
     max_period: int = 13
@@ -178,11 +173,10 @@ class InstanceFilter:
     def rejected_jax(self, targets: jax.Array, segment_ids: jax.Array) -> jax.Array:
         """``[rows] bool``, as :meth:`rejected`, with jax ops (inside ``jax.jit``).
 
-        One loop over the periods, not a copy of the work per period, so the
-        program (and its compile time) is the same for any ``max_period``. For
-        each period ``p``: the equal pairs ``targets[j] == targets[j + p]``
-        (both real), and the run of them ending at each column, its length
-        taken from the last unequal column before it (a running maximum).
+        One loop over the periods, so the program (and its compile time) is the
+        same for any ``max_period``. For each period ``p``, the run of equal
+        pairs ending at each column is measured from the last unequal column
+        before it (a running maximum).
         """
         rows, width = targets.shape
         last = self.last_period(width)

@@ -46,14 +46,9 @@ class Blend(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Stretch:
-    """The trainer steps that read one weight segment, and its weights.
-
-    Attributes:
-        first: the first trainer step that reads it.
-        stop: the trainer step after the last (``None``: the last segment, no end).
-        counts: ``[K]`` samples of each component per period (``None``: one source).
-        changed: whether a trainer's change set them (else the mixture declared them).
-    """
+    """Trainer steps ``[first, stop)`` (``stop`` ``None``: no end) read one
+    weight segment: ``counts`` ``[K]`` samples of each component per period
+    (``None``: one source), ``changed`` by a trainer (else declared)."""
 
     first: int
     stop: int | None

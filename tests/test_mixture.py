@@ -356,10 +356,10 @@ def test_mixture_from_yaml_config(tmp_path: Path) -> None:
     config = {"datasets": {web: 0.8, books: 0.2}, "split": "90,10", "seed": 5}
     train = mixture_from_config(config, "train")
     valid = mixture_from_config(config, "valid")
-    assert [c.num_sequences for c in train.components] == [90, 90]  # type: ignore[union-attr]
-    assert [c.num_sequences for c in valid.components] == [10, 10]  # type: ignore[union-attr]
+    assert [c.num_sequences for c in train.sources] == [90, 90]  # type: ignore[union-attr]
+    assert [c.num_sequences for c in valid.sources] == [10, 10]  # type: ignore[union-attr]
     listed = mixture_from_config({**config, "split": [90, 10]}, "valid")
-    assert [c.num_sequences for c in listed.components] == [10, 10]  # type: ignore[union-attr]
+    assert [c.num_sequences for c in listed.sources] == [10, 10]  # type: ignore[union-attr]
     assert train.names == (web, books)
     loader = ftj.Loader(train, ftj.LoaderConfig(batch_size=10, seq_len=4))
     assert sorted(r["component"] for r in loader.provenance(0)) == [0] * 8 + [1] * 2

@@ -31,14 +31,11 @@ FLAGS = ("loss_mask", "sequence_start")
 
 @dataclasses.dataclass(frozen=True)
 class BatchLayout:
-    """What a batch holds: ``name`` one of :data:`LAYOUTS`, ``max_segments``
-    (``None``, or the width of ``segment_lengths`` ``[B, max_segments] int32``:
-    each row's run lengths in column order, then zeros), ``sequence_start``
-    (True: the batch holds ``sequence_start`` ``[B, L] bool`` whatever the
-    layout) and ``source`` (True: it holds ``source`` ``[B] int32``, each row's
-    run-wide source, ``-1`` for padding); ``plain``: True when the batch is
-    the five fields as decoded. A run is a maximal stretch of one segment id,
-    and a new one begins at every sequence start (padding is a run of its own).
+    """What a batch holds (the fields of each: docs/guide/loading.md): ``name``
+    one of :data:`LAYOUTS`, ``max_segments`` (the width of ``segment_lengths``,
+    each row's run lengths), ``sequence_start``, ``source``; ``plain``: the five
+    fields as decoded. A run is a maximal stretch of one segment id, and a new
+    one begins at every sequence start (padding is a run of its own).
 
     Example:
         >>> five = {
@@ -71,8 +68,7 @@ class BatchLayout:
         object.__setattr__(self, "plain", self.name == "fields" and not extra)
 
     def widths(self, seq_len: int) -> dict[str, int]:
-        """Every key of the layout's batch and its width (the second
-        dimension; 1 for ``source``, one value a row)."""
+        """Every key of the layout's batch and its width (1 for ``source``)."""
         keys = {
             "fields": _FIVE,
             "segments": (*_FIVE, "sequence_start"),
@@ -96,9 +92,7 @@ class BatchLayout:
         return out
 
     def row_bytes(self, seq_len: int) -> int:
-        """Bytes one row of the layout's batch holds, every field counted
-        (``"fields"``: 17 a token; ``"maxtext"``: 24; ``segment_lengths``: 4
-        a segment; ``source``: 4 a row)."""
+        """Bytes one row of the layout's batch holds (``"fields"``: 17 a token)."""
         return sum(w * (1 if k in FLAGS else 4) for k, w in self.widths(seq_len).items())
 
     def apply(

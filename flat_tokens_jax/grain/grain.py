@@ -5,9 +5,6 @@ behind an experiment flag left off, so ``.batch(B)`` costs ``B`` single reads;
 mapping :meth:`~FlatTokensSource.read_batch` over batched indices costs one::
 
     grain.MapDataset.range(len(src)).shuffle(seed=0).batch(B).map(src.read_batch)
-
-A loader's whole steps (mixtures, schedules, shardings) come from
-``Loader(...).to_grain()``; both decode as :class:`~flat_tokens_jax.decoding.hostdecode.RowDecode`.
 """
 
 from __future__ import annotations

@@ -326,9 +326,8 @@ def config_records(
     who: str,
     fix: str = "pass the FlatTokens split and let the LoaderConfig make its records",
 ) -> Records:
-    """The records of ``source`` for ``seq_len`` and ``packing``: a split's
-    are made; ready-made records must be of that ``seq_len`` and packing
-    (refused naming ``who`` and the ``fix`` otherwise)."""
+    """The records of ``source`` for ``seq_len`` and ``packing``: a split's are
+    made; ready-made records must be of them (else refused naming ``who``)."""
     if isinstance(source, FlatTokens):
         return make_records(source, seq_len, packing, plan_cache, max_segments)
     if source.seq_len != seq_len or source.packing is not packing:

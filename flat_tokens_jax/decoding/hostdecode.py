@@ -1,7 +1,6 @@
 """Decoding a batch on the host in row blocks, each on a thread, straight into
-its rows of the five fields. With numba (the ``fast`` extra) a block runs a
-compiled kernel (:mod:`~flat_tokens_jax.core.kernels`) that never holds the
-interpreter lock; the numpy decode releases it only inside its large passes.
+its rows of the five fields. A numba kernel (:mod:`~flat_tokens_jax.core.kernels`)
+never holds the interpreter lock; numpy releases it only inside its large passes.
 """
 
 from __future__ import annotations

@@ -203,8 +203,7 @@ class InstanceFilter:
 def apply_filter_jax(
     rule: InstanceFilter | None, fields: dict[str, jax.Array]
 ) -> dict[str, jax.Array]:
-    """``fields`` with ``loss_mask`` False on the rows ``rule`` rejects (jax
-    ops; ``None``: ``fields`` as they are)."""
+    """``fields`` with ``loss_mask`` False on the rows ``rule`` rejects (jax ops)."""
     if rule is None:
         return fields
     rejected = rule.rejected_jax(fields["targets"], fields["segment_ids"])
@@ -214,9 +213,7 @@ def apply_filter_jax(
 class FilteredRows:
     """A loader's filter (``rule``, ``None``: off), and the rows it rejected in
     the steps handed out. Thread-safe. A step's count is noted when it is
-    decoded (:meth:`apply`, perhaps ahead of time) and added when the step is
-    handed out (:meth:`handed`). ``run_blocks``: ``BlockDecoder.run_blocks``.
-    """
+    decoded (:meth:`apply`, perhaps ahead of time) and added when it is handed out."""
 
     def __init__(
         self,
@@ -233,8 +230,7 @@ class FilteredRows:
         self, fields: dict[str, np.ndarray], step: int | None = None, threads: int | None = None
     ) -> dict[str, np.ndarray]:
         """``fields`` after the filter (in place, in row blocks on at most
-        ``threads`` threads); the rows it rejected are noted for ``step`` when
-        one is given. A loader without a rule calls neither this nor :meth:`handed`."""
+        ``threads`` threads); the rows it rejected are noted for ``step``."""
         assert self.rule is not None
         rule, targets, segment_ids = self.rule, fields["targets"], fields["segment_ids"]
         rejected = np.zeros(targets.shape[0], bool)

@@ -97,13 +97,9 @@ def check_divisible(sharding: jax.sharding.Sharding, batch_size: int, seq_len: i
 
 
 class HostBlocks:
-    """The blocks of a ``[batch_size, seq_len]`` batch that this host's devices hold.
-
-    Attributes:
-        blocks: distinct blocks, sorted; replicas held by several devices once.
-        rows: ``[k] int64`` every row any of those blocks covers, ascending.
-        columns_sharded: True when some block is less than whole rows.
-    """
+    """The distinct ``blocks`` (sorted) of a ``[batch_size, seq_len]`` batch that
+    this host's devices hold, the ``rows`` ``[k] int64`` they cover, ascending,
+    and whether some block is less than whole rows (``columns_sharded``)."""
 
     def __init__(self, sharding: jax.sharding.Sharding, batch_size: int, seq_len: int) -> None:
         check_divisible(sharding, batch_size, seq_len)

@@ -66,16 +66,9 @@ class Steering:
     Each boundary, declared or runtime, holds from its data step until the
     next; a runtime change at a declared boundary's data step wins over it.
     That rule is here alone: routing, what a stream draws and :meth:`stretch_at`
-    all follow it. Period tables of runtime changes are built on demand, the
-    last :data:`TABLES_KEPT` kept.
-
-    Args:
-        mixture: the blend (``None``: one source, no weights, only skips).
-        schedule: the batch size of each data step.
-        skips: the skipped batches, by trainer step.
-        changes: ``((trainer step, counts), ...)`` by strictly increasing
-            step: from that step on, ``counts[c]`` samples of component ``c``
-            per period of ``sum(counts)`` samples.
+    all follow it. ``mixture`` ``None``: one source, only skips. ``changes``:
+    ``((trainer step, counts), ...)`` by strictly increasing step, ``counts[c]``
+    samples of component ``c`` per period from that step on.
     """
 
     # The changes: rows (trainer step, counts) by step, the last of a step in effect.
@@ -195,9 +188,8 @@ class Steering:
         return out
 
     def steered(self, skips: Skips, changes: Sequence[Change], since: int) -> Steering:
-        """A steering of ``skips`` and ``changes``, which agree with this
-        one's before trainer step ``since``: its segments from there on are
-        counted again, the earlier ones reused."""
+        """A steering of ``skips`` and ``changes``, which agree with this one's
+        before trainer step ``since`` (the segments before it are reused)."""
         return self._made(skips, *_logged(changes), since)
 
     def with_skip(self, step: int, count: int) -> Steering:
@@ -217,8 +209,7 @@ class Steering:
         return self._made(self.skips, self._log.added(n, [(step, counts)]), n + 1, step)
 
     def _counts(self, key: Any) -> np.ndarray:
-        """The per-period counts of a segment's ``key``: a declared entry's
-        index, or a runtime change's counts."""
+        """The per-period counts of a segment's ``key``."""
         assert self.mixture is not None
         if isinstance(key, int):
             return self.mixture.periods[key].counts
@@ -292,8 +283,7 @@ class Steering:
 
     def stretches(self, stop: int) -> list[Stretch]:
         """The weight segments that trainer steps ``[0, stop)`` read, in order,
-        the last one cut at ``stop``; a segment whose every data step is
-        skipped is left out."""
+        cut at ``stop``; one whose every data step is skipped is left out."""
         if stop <= 0:
             return []
         if self.mixture is None:

@@ -157,9 +157,8 @@ def _ranges(records: Any, idx: np.ndarray) -> dict[str, tuple[np.ndarray, np.nda
 
 @dataclasses.dataclass(frozen=True)
 class StepReads:
-    """What each host reads at each sampled step, ``[steps, hosts] int64`` each:
-    HTTP range requests, the bytes they return, and the ``useful`` bytes (of
-    the targets' tokens)."""
+    """What each host reads at each sampled step, ``[steps, hosts] int64`` each
+    (``useful``: bytes of the targets' tokens)."""
 
     requests: np.ndarray
     bytes: np.ndarray

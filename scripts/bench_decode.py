@@ -50,7 +50,8 @@ import numpy as np
 from flat_tokens_jax.core import compiled
 from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.data.records import Windows
-from flat_tokens_jax.decoding.batch import FIELDS, packed_fields, packed_fields_jax, padded_fields
+from flat_tokens_jax.decoding.batch import FIELDS, packed_fields, padded_fields
+from flat_tokens_jax.decoding.batch_jax import packed_fields_jax
 from flat_tokens_jax.decoding.hostdecode import BlockDecoder
 
 Fields = dict[str, np.ndarray]

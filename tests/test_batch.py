@@ -12,13 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flat_tokens_jax.decoding.batch import (
-    FIELDS,
-    packed_fields,
-    packed_fields_jax,
-    padded_fields,
-    padded_fields_jax,
-)
+from flat_tokens_jax.decoding.batch import FIELDS, packed_fields, padded_fields
+from flat_tokens_jax.decoding.batch_jax import packed_fields_jax, padded_fields_jax
 
 MAX_ID = 2**31 - 1
 INT32 = st.integers(-(2**31), 2**31 - 1)

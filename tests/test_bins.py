@@ -19,7 +19,8 @@ import flat_tokens_jax as ftj
 from flat_tokens_jax.data import binpack
 from flat_tokens_jax.data.bins import BinRecords
 from flat_tokens_jax.data.plans import make_plan
-from flat_tokens_jax.decoding.batch import FIELDS, bin_fields, bin_fields_jax, window_fields
+from flat_tokens_jax.decoding.batch import FIELDS, bin_fields, window_fields
+from flat_tokens_jax.decoding.batch_jax import bin_fields_jax
 from flat_tokens_jax.grain.grain import FlatTokensSource
 
 

@@ -13,6 +13,8 @@ import flat_tokens_jax as ftj
 from flat_tokens_jax.data.dataset import split_boundaries
 from flat_tokens_jax.sampling.mixconfig import mixture_from_config
 from flat_tokens_jax.sampling.mixture import Mixture, Period, period_counts
+from flat_tokens_jax.sampling.schedule import BatchSchedule
+from flat_tokens_jax.sampling.steering import Steering
 
 
 def make_split(num_seqs: int, length: int = 4, base: int = 1) -> ftj.FlatTokens:
@@ -22,6 +24,11 @@ def make_split(num_seqs: int, length: int = 4, base: int = 1) -> ftj.FlatTokens:
         url, {"train": seqs}, storage_format=ftj.StorageFormat(shard_tokens=256, chunk_tokens=16)
     )
     return ftj.open_dataset(url)["train"]
+
+
+def route(mix: Mixture, samples: np.ndarray, batch_size: object) -> tuple[np.ndarray, np.ndarray]:
+    """Global samples to (component, component sample), as a loader routes them."""
+    return Steering(mix, BatchSchedule.of(batch_size)).route(samples)
 
 
 def reference_counts(weights: list[float], period: int) -> list[int]:
@@ -90,17 +97,17 @@ def test_route_equals_materialised_reference(
     )
     total = 15 * batch + 7
     want = reference_schedule([weights, *later], [0, *(s * batch for s in steps)], period, total)
-    comp, sample = mix.route(np.arange(total), batch)
+    comp, sample = route(mix, np.arange(total), batch)
     assert (comp.tolist(), sample.tolist()) == want
 
 
 def test_whole_periods_are_exact_and_long_runs_track_weights() -> None:
     weights = [0.5, 0.3, 0.15, 0.05]
     mix = Mixture([(make_split(5), w) for w in weights], period=997)
-    comp, _ = mix.route(np.arange(997 * 13), 1)
+    comp, _ = route(mix, np.arange(997 * 13), 1)
     assert np.bincount(comp).tolist() == [13 * c for c in reference_counts(weights, 997)]
     n = 10**6
-    comp, sample = mix.route(np.arange(n), 7)
+    comp, sample = route(mix, np.arange(n), 7)
     share = np.bincount(comp, minlength=4) / n
     assert np.all(np.abs(share - weights) <= 1 / 997 + 1 / n)
     for c in range(4):  # every component draws its samples 0, 1, 2, ... in order
@@ -109,7 +116,7 @@ def test_whole_periods_are_exact_and_long_runs_track_weights() -> None:
 
 def test_tiny_weights_are_drawn_at_their_rate() -> None:
     mix = Mixture([(make_split(5), 1.0), (make_split(5), 1e-4)])
-    comp, _ = mix.route(np.arange(2 * 10**6), 1)
+    comp, _ = route(mix, np.arange(2 * 10**6), 1)
     drawn = int((comp == 1).sum())
     assert abs(drawn - 2 * 10**6 * 1e-4 / (1 + 1e-4)) <= 2 * 10**6 / mix.periods[0].period + 1
 
@@ -126,7 +133,7 @@ def test_bad_weights_are_refused() -> None:
         Mixture([(ft, 1.0), (ft, 1.0)], schedule=[(5, [1.0])])
     with pytest.raises(ValueError, match="strictly increasing"):
         Mixture([(ft, 1.0)], schedule=[(5, [1.0]), (5, [2.0])])
-    assert Mixture([(ft, 0.0), (ft, 1.0)]).route(np.arange(50), 1)[0].tolist() == ([1] * 50)
+    assert route(Mixture([(ft, 0.0), (ft, 1.0)]), np.arange(50), 1)[0].tolist() == ([1] * 50)
 
 
 def test_small_component_repeats_and_reshuffles() -> None:
@@ -182,12 +189,12 @@ def test_schedule_change_keeps_earlier_steps_and_follows_new_weights() -> None:
     before = np.arange(6 * batch)
     assert all(
         np.array_equal(x, y)
-        for x, y in zip(plain.route(before, batch), changed.route(before, batch), strict=True)
+        for x, y in zip(route(plain, before, batch), route(changed, before, batch), strict=True)
     )
     after = np.arange(6 * batch, 6 * batch + 40)
-    comp, sample = changed.route(after, batch)
+    comp, sample = route(changed, after, batch)
     assert np.bincount(comp).tolist() == [30, 10]
-    drawn_before = np.bincount(plain.route(before, batch)[0])
+    drawn_before = np.bincount(route(plain, before, batch)[0])
     assert sample[comp == 0][0] == drawn_before[0]
     cfg = ftj.LoaderConfig(batch_size=batch, seq_len=2, seed=1, prefetch=2)
     straight = [
@@ -262,7 +269,8 @@ def test_names_in_every_form_reach_provenance_and_fingerprint() -> None:
     by_list = Mixture({"web": (a, 3), "code": (b, 1)}, period=4, schedule=[(1, [1, 3])])
     g = np.arange(40)
     assert all(
-        np.array_equal(x, y) for x, y in zip(by_name.route(g, 4), by_list.route(g, 4), strict=True)
+        np.array_equal(x, y)
+        for x, y in zip(route(by_name, g, 4), route(by_list, g, 4), strict=True)
     )
     with pytest.raises(ValueError, match=r"name every component \['web', 'code'\]"):
         Mixture({"web": (a, 3), "code": (b, 1)}, schedule=[(1, {"web": 1})])
@@ -348,10 +356,10 @@ def test_mixture_from_yaml_config(tmp_path: Path) -> None:
     config = {"datasets": {web: 0.8, books: 0.2}, "split": "90,10", "seed": 5}
     train = mixture_from_config(config, "train")
     valid = mixture_from_config(config, "valid")
-    assert [c.num_sequences for c in train.components] == [90, 90]  # type: ignore[union-attr]
-    assert [c.num_sequences for c in valid.components] == [10, 10]  # type: ignore[union-attr]
+    assert [c.num_sequences for c in train.sources] == [90, 90]  # type: ignore[union-attr]
+    assert [c.num_sequences for c in valid.sources] == [10, 10]  # type: ignore[union-attr]
     listed = mixture_from_config({**config, "split": [90, 10]}, "valid")
-    assert [c.num_sequences for c in listed.components] == [10, 10]  # type: ignore[union-attr]
+    assert [c.num_sequences for c in listed.sources] == [10, 10]  # type: ignore[union-attr]
     assert train.names == (web, books)
     loader = ftj.Loader(train, ftj.LoaderConfig(batch_size=10, seq_len=4))
     assert sorted(r["component"] for r in loader.provenance(0)) == [0] * 8 + [1] * 2

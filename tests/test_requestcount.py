@@ -23,9 +23,7 @@ from hypothesis import strategies as st
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.tools.requestcount import (
-    block_reads,
     count_requests,
-    host_samples,
     ramp_minutes,
 )
 from flat_tokens_jax.tools.requesttable import counterpart
@@ -159,44 +157,6 @@ def test_full_shuffle_counts_every_rows_chunks_in_runs(
     k=st.integers(0, 1),
     packing=st.booleans(),
     seq_len=st.integers(4, 40),
-    block=st.integers(1, 9),
-    hosts=st.sampled_from([1, 2, 4]),
-    seed=st.integers(0, 100),
-)
-def test_blocks_are_read_whole_once_per_host_and_epoch(
-    k: int, packing: bool, seq_len: int, block: int, hosts: int, seed: int
-) -> None:
-    """Hand-made record -> block maps (block ``r // B``) over the full
-    shuffle's records: each host reads a block at the first step that needs
-    it, once per epoch, from its first record's start to its last record's end."""
-    ft = store(k)
-    cfg = ftj.LoaderConfig(batch_size=4 * hosts, seq_len=seq_len, packing=packing, seed=seed)
-    loader = ftj.Loader(ft, cfg)
-    n = len(loader.components[0])
-    steps = list(range(12))
-    counts = count_requests(loader, hosts, 1.0, steps, block=[block])
-    seen: set[tuple[int, int, int]] = set()
-    for i, step in enumerate(steps):
-        rows = loader.provenance(step)
-        for h in range(hosts):
-            touched: dict[str, set[int]] = {"encoded_tokens": set(), "seq_starts": set()}
-            for row in rows[h * 4 : (h + 1) * 4]:
-                if row.get("padding"):
-                    continue
-                b = row["record"] // block
-                if (h, row["epoch"], b) in seen:
-                    continue
-                seen.add((h, row["epoch"], b))
-                add_block(touched, ft, k, b, block, n, packing, seq_len)
-            assert (counts.reads.requests[i, h], counts.reads.bytes[i, h]) == brute_force(
-                k, touched
-            )
-
-
-@given(
-    k=st.integers(0, 1),
-    packing=st.booleans(),
-    seq_len=st.integers(4, 40),
     block=st.sampled_from([None, 1, 2, 3, 5, 8]),
     window=st.integers(1, 3),
     lanes_per_host=st.integers(1, 3),
@@ -275,14 +235,6 @@ def test_bad_values_are_named() -> None:
         count_requests(loader, 0, 1.0)
     with pytest.raises(ValueError, match="step_seconds must be > 0"):
         count_requests(loader, 2, 0)
-    with pytest.raises(ValueError, match="block: 2 block sizes for 1 components"):
-        count_requests(loader, 2, 1.0, block=[4, 4])
-    samples = host_samples(loader, 2, [0])
-    with pytest.raises(ValueError, match="block: the loader's shuffle is True, so its sampler"):
-        block_reads(loader, samples)
-    blocked = ftj.Loader(store(1), ftj.LoaderConfig(batch_size=6, seq_len=16, shuffle="blocks"))
-    with pytest.raises(ValueError, match=r"reads blocks of its own \(shuffle_block=None, resolved"):
-        count_requests(blocked, 2, 1.0, block=[4])
 
 
 def test_the_counterpart_is_the_other_shuffle() -> None:

@@ -26,7 +26,7 @@ from flat_tokens_jax.sampling.mixture import Period, period_counts, prefix_count
 from flat_tokens_jax.sampling.sampling import permute
 from flat_tokens_jax.sampling.schedule import BatchSchedule
 from flat_tokens_jax.sampling.skips import Skips
-from flat_tokens_jax.sampling.steering import TABLES_KEPT, Steering
+from flat_tokens_jax.sampling.steering import TABLES_KEPT
 
 NAMES = ("a", "b", "c")
 SIZES = {"a": 7, "b": 5, "c": 3}  # records (sequences: packing=False) of each split
@@ -282,14 +282,6 @@ def test_data_steps_increase_and_trainer_step_inverts_them(
     d = [t + sum(n for s, n in entries.items() if s <= t) for t in range(70)]
     assert [skips.data_step(t) for t in range(70)] == d
     assert skips.trainer_step(data_step) == min(t for t in range(70) if d[t] >= data_step)
-
-
-def test_without_changes_a_steering_routes_as_its_mixture() -> None:
-    mix = mixture(NAMES, [2, 1, 1], [(3, [0, 1, 3]), (7, [1, 1, 2])])
-    schedule = BatchSchedule.of([(0, 3), (5, 2)])
-    g = np.arange(60)
-    for got, want in zip(Steering(mix, schedule).route(g), mix.route(g, schedule), strict=True):
-        np.testing.assert_array_equal(got, want)
 
 
 def ops_loader(prefetch: int = 0) -> ftj.Loader:

@@ -5,8 +5,7 @@ Encoded tokens are ``uint32`` ``token_id * 2 + 1`` at a sequence start, else
 ``inputs``, ``targets``, ``segment_ids``, ``positions`` (``int32``) and
 ``loss_mask`` (``bool``). Padding has ``pad_id`` input and target, segment 0,
 position 0 and ``loss_mask`` False. The ``_jax`` twins
-(:mod:`~flat_tokens_jax.decoding.batch_jax`, importable from here) give the same
-values inside ``jax.jit``.
+(:mod:`~flat_tokens_jax.decoding.batch_jax`) give the same values inside ``jax.jit``.
 """
 
 from __future__ import annotations
@@ -16,22 +15,7 @@ import numpy as np
 from flat_tokens_jax.core.buffers import Buffers
 from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.data.records import Windows
-from flat_tokens_jax.decoding.batch_jax import bin_fields_jax, packed_fields_jax, padded_fields_jax
 from flat_tokens_jax.decoding.segments import sequence_starts, write_segments
-
-__all__ = [
-    "FIELDS",
-    "bin_fields",
-    "bin_fields_jax",
-    "checked_windows",
-    "empty_fields",
-    "packed_fields",
-    "packed_fields_jax",
-    "padded_fields",
-    "padded_fields_jax",
-    "padding_fields",
-    "window_fields",
-]
 
 FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
@@ -84,17 +68,10 @@ def packed_fields(
     at each later sequence start; ``positions`` restart at 0 at each sequence
     start and at column 0.
 
-    Args:
-        windows: ``[batch, seq_len + 1] uint32`` encoded tokens. Column 0 is the
-            token before the record (ignored when column 1 starts a sequence).
-        start_token_id: the input where a sequence starts.
-        stored_mask: optional ``[batch, seq_len]`` stored loss mask aligned with
-            the targets; nonzero means trained on. Without it every target is.
-        out: optional five C-contiguous ``[batch, seq_len]`` arrays of the
-            fields' dtypes to write into (e.g. one row block of a larger batch).
-
-    Returns:
-        The five fields, C-contiguous (``out`` when given, else :func:`empty_fields`).
+    ``windows`` ``[batch, seq_len + 1] uint32``: column 0 is the token before
+    the record. ``stored_mask`` ``[batch, seq_len]``: nonzero where trained on
+    (default: every target). ``out``: five C-contiguous ``[batch, seq_len]``
+    arrays to write into (e.g. one row block of a larger batch).
 
     Example:
         >>> # sequences [1, 2], [3, 4, 5], [6, 7, 8]; packed record 1 of length 4
@@ -143,21 +120,9 @@ def padded_fields(
 ) -> dict[str, np.ndarray]:
     """Decodes one truncated sequence per row into right-padded model fields.
 
-    Args:
-        tokens: ``[batch, seq_len] uint32`` encoded tokens; row ``b`` holds the
-            first ``lengths[b]`` tokens of sequence ``b`` (later columns ignored).
-        lengths: ``[batch]`` integer tokens kept per row, ``0 <= lengths <= seq_len``
-            (a 0 row is all padding).
-        start_token_id: the input at each row's first token.
-        pad_id: the input and target at padding.
-        stored_mask: optional ``[batch, seq_len]`` stored loss mask, ANDed with
-            the non-padding mask.
-        out: optional arrays to write into, as for ``packed_fields``.
-
-    Returns:
-        The five fields: ``inputs`` is ``start_token_id`` then ``seq[:len - 1]``,
-        ``targets`` is ``seq[:len]``, both then ``pad_id``; ``segment_ids`` 1 on
-        the sequence; ``positions`` ``0..len-1``; ``loss_mask`` True on the sequence.
+    ``tokens`` ``[batch, seq_len] uint32``: row ``b`` holds the first
+    ``lengths[b]`` (in ``[0, seq_len]``) tokens of its sequence, later columns
+    ignored. ``stored_mask`` and ``out`` as for ``packed_fields``.
 
     Example:
         >>> f = padded_fields(np.array([[7, 8, 10, 0, 0]], np.uint32), np.array([3]), pad_id=7)

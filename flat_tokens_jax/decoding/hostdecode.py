@@ -1,7 +1,6 @@
 """Decoding a batch on the host in row blocks, each on a thread, straight into
-its rows of the five fields. With numba (the ``fast`` extra) a block runs a
-compiled kernel (:mod:`~flat_tokens_jax.core.kernels`) that never holds the
-interpreter lock; the numpy decode releases it only inside its large passes.
+its rows of the five fields. A numba kernel (:mod:`~flat_tokens_jax.core.kernels`)
+never holds the interpreter lock; numpy releases it only inside its large passes.
 """
 
 from __future__ import annotations
@@ -17,17 +16,15 @@ import numpy as np
 
 from flat_tokens_jax.core import compiled
 from flat_tokens_jax.core.buffers import Buffers
-from flat_tokens_jax.core.extras import install_hint
 from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.data.records import Records, Windows, request_windows
 from flat_tokens_jax.decoding import batch as fields
-from flat_tokens_jax.decoding.instancefilter import FilteredRows
+from flat_tokens_jax.decoding.instancefilter import FilteredRows, kernel_module
 from flat_tokens_jax.decoding.layouts import BatchLayout, row_starts
 
 # Fewer rows than this per block cost more in thread hand-offs than they save.
 MIN_BLOCK_ROWS = 16
-KERNELS = ("auto", "numba", "numpy")
 
 
 def default_threads() -> int:
@@ -42,25 +39,16 @@ def default_threads() -> int:
 class BlockDecoder:
     """Decodes records in row blocks on up to ``threads`` threads (the
     caller's among them), blocks of at least ``min_block_rows`` rows.
-    Thread-safe; the pool starts on first use.
-
-    ``kernel``: ``"numba"`` (the ``fast`` extra), ``"numpy"``, or ``"auto"``
-    (numba when it imports); both give the same fields.
+    Thread-safe; the pool starts on first use. Every ``kernel``
+    (:func:`~.instancefilter.kernel_module`) gives the same fields.
     """
 
     def __init__(
         self, threads: int, min_block_rows: int = MIN_BLOCK_ROWS, kernel: str = "auto"
     ) -> None:
         threads = integer(threads, "BlockDecoder.threads", low=1)
-        if kernel not in KERNELS:
-            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         self.threads, self.min_block_rows = threads, max(1, min_block_rows)
-        self._kernels = None if kernel == "numpy" else compiled.kernels()
-        if kernel == "numba" and self._kernels is None:
-            raise ValueError(
-                f"kernel='numba' needs numba: {install_hint('fast')} "
-                "(or kernel='auto' to decode with numpy without it)"
-            )
+        self._kernels = kernel_module(kernel, compiled.kernels)
         self.kernel = "numpy" if self._kernels is None else "numba"
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -71,8 +59,8 @@ class BlockDecoder:
         return f"BlockDecoder(threads={self.threads}, kernel={self.kernel!r})"
 
     def blocks(self, rows: int, threads: int | None = None) -> list[tuple[int, int]]:
-        """``[(start, stop), ...]`` row blocks of a ``rows``-row batch, in order,
-        one per thread of at most ``threads`` (default: ``self.threads``)."""
+        """``[(start, stop), ...]`` row blocks of a ``rows``-row batch, one per
+        thread of at most ``threads``."""
         most = self.threads if threads is None else max(1, min(threads, self.threads))
         count = max(1, min(most, rows // self.min_block_rows))
         cuts = np.linspace(0, rows, count + 1).astype(int).tolist()
@@ -88,8 +76,7 @@ class BlockDecoder:
         pad_id: int,
         threads: int | None = None,
     ) -> dict[str, np.ndarray]:
-        """``window_fields(windows, packing, ...)``, ``[k, seq_len]`` each, decoded
-        on at most ``threads`` threads (default: ``self.threads``)."""
+        """``window_fields(windows, packing, ...)`` on at most ``threads`` threads."""
         rows = windows.encoded.shape[0]
         out = fields.empty_fields(rows, seq_len, self.buffers)
         kernels = self._kernels
@@ -171,10 +158,9 @@ rows they fill (``[k] int64``; ``None``: every row)."""
 def request_parts(
     components: Sequence[Records], comp: np.ndarray, records: np.ndarray, real: np.ndarray
 ) -> Callable[[], list[Part]]:
-    """Starts reading the rows of a step, every component's at once, and
-    returns what waits for them: ``comp`` and ``records`` ``[r] int64`` the
-    component and record of each real row, ``real`` ``[k] bool`` which of the
-    step's ``k`` rows are real (the others are padding, read from nowhere)."""
+    """Starts reading a step's rows, every component's at once, and returns what
+    waits for them: ``comp`` and ``records`` ``[r] int64`` of each real row,
+    ``real`` ``[k] bool`` which of the step's rows are real (the rest padding)."""
     present = np.unique(comp).tolist()
     if real.all() and len(present) == 1:
         only = request_windows(components[present[0]], records)
@@ -187,9 +173,8 @@ def request_parts(
 
 
 def row_sources(comp: np.ndarray, real: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
-    """``[k] int32``: the source of each of a step's ``k`` rows, ``-1`` for
-    padding: ``comp`` ``[r] int64`` the component of each real row (``real``
-    ``[k] bool``, as :func:`request_parts` takes them), and ``ids`` ``[K]``
+    """``[k] int32``: the source of each of a step's rows (``comp`` and ``real``
+    as :func:`request_parts` takes them), ``-1`` for padding; ``ids`` ``[K]``
     each component's run-wide index (``None``: its own)."""
     out = np.full(real.shape, -1, np.int32)
     out[real] = comp if ids is None else ids[comp]
@@ -223,10 +208,8 @@ class RowDecode:
     ) -> dict[str, np.ndarray]:
         """The layout's fields ``[num_rows, seq_len]`` of ``parts``, decoded by
         ``decoder`` on at most ``threads`` threads, after the instance filter
-        (its rejections noted for ``step`` when one is given). Rows of no part
-        are padding, as the last step of an epoch pads them. ``sources``
-        ``[num_rows] int32`` as :func:`row_sources` gives them; ``where`` and
-        ``rows`` (each row's global index) name rows in errors."""
+        (its rejections noted for ``step``). Rows of no part are padding;
+        ``where`` and ``rows`` (global indices) name rows in errors."""
 
         def decode(c: int, windows: Windows) -> dict[str, np.ndarray]:
             return decoder.decode(

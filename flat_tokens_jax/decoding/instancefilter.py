@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import jax
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flat_tokens_jax.core import compiled
+from flat_tokens_jax.core.extras import install_hint
 from flat_tokens_jax.core.values import BadValue, integer, mapping
 
 MAX_ROW_TOKENS = 2**31 - 1
@@ -24,9 +26,25 @@ MAX_ROW_TOKENS = 2**31 - 1
 # the full check; with four, almost none.
 _PROBES = 4
 
+KERNELS = ("auto", "numba", "numpy")
+
 # Decoded steps whose counts wait for their hand-out, at most: steps read
 # ahead and then dropped (a jump) are forgotten oldest first.
 _PENDING = 1024
+
+
+def kernel_module(kernel: str, load: Callable[[], ModuleType | None]) -> ModuleType | None:
+    """The compiled module ``load`` gives for ``kernel``: ``"numba"`` (the ``fast``
+    extra), ``"numpy"`` (``None``), or ``"auto"`` (numba when it imports)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    fast = None if kernel == "numpy" else load()
+    if kernel == "numba" and fast is None:
+        raise ValueError(
+            f"kernel='numba' needs numba: {install_hint('fast')} "
+            "(or kernel='auto' to run numpy without it)"
+        )
+    return fast
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,20 +53,15 @@ class InstanceFilter:
     length ``p`` in ``[min_period, max_period]``: for some column ``i``,
     ``targets[j] == targets[j + p]`` for the ``(max_count - 1) * p`` columns
     ``j`` from ``i`` on. A rejected row gets ``loss_mask`` False on every column.
-
-    It counts the row's ``targets`` without padding (``segment_ids == 0``),
-    across sequence boundaries and whatever the stored loss mask: what OLMo
-    counts, and what the model sees as one context. The verdict depends on the
-    row alone, so every host, restart and decode (host or device) agrees.
+    What counts (the row's real targets alone): docs/guide/loading.md.
 
     Attributes:
         max_period: longest n-gram checked. Recommended: 13 (OLMo's).
         min_period: shortest n-gram checked (1: one token repeated).
         max_count: copies that reject a row, at least 2. Recommended: 32 (OLMo's).
 
-    Each is at most :data:`MAX_ROW_TOKENS`, and ``max_count * min_period``
-    too (the shortest run that rejects a row), so every count fits in ``int64``
-    on the host and every column in ``int32`` on the devices.
+    Each, and ``max_count * min_period``, is at most :data:`MAX_ROW_TOKENS`, so
+    every count fits in ``int64`` on the host and ``int32`` on the devices.
     """
 
     max_period: int = 13
@@ -76,7 +89,7 @@ class InstanceFilter:
     @classmethod
     def of(cls, value: Any, path: str = "instance_filter") -> InstanceFilter | None:
         """``value`` as a filter: ``None`` (off), an ``InstanceFilter``, or a
-        mapping of its fields (YAML, a saved state), refused naming ``path``."""
+        mapping of its fields (YAML, a saved state)."""
         if value is None or isinstance(value, InstanceFilter):
             return value
         fields = mapping(value, path, "None or a mapping of InstanceFilter fields")
@@ -90,12 +103,7 @@ class InstanceFilter:
             raise e.moved("InstanceFilter", path) from None
 
     def check_seq_len(self, seq_len: int, path: str) -> None:
-        """Refuses a filter that can reject no row of ``seq_len`` tokens:
-        ``max_count`` copies of its shortest n-gram are longer than a row.
-
-        Raises:
-            BadValue: naming ``path`` + ``.max_count``, both numbers and the fix.
-        """
+        """Refuses a filter that can reject no row of ``seq_len`` tokens."""
         need = self.max_count * self.min_period
         if need > seq_len:
             raise BadValue(
@@ -115,20 +123,15 @@ class InstanceFilter:
         self, targets: np.ndarray, segment_ids: np.ndarray, kernel: str = "auto"
     ) -> np.ndarray:
         """``[rows] bool``: which rows of ``targets`` (``[rows, seq_len]``) the
-        filter rejects; columns whose ``segment_ids`` are 0 are padding.
-        ``kernel``: ``"numba"`` (the ``fast`` extra), ``"numpy"``, or ``"auto"``
-        (numba where it imports); both give the same rows.
+        filter rejects; columns whose ``segment_ids`` are 0 are padding. Every
+        ``kernel`` (:func:`kernel_module`) gives the same rows.
 
         The numpy path is vectorised over the batch: for each period, a run of ``reach`` equal
         pairs covers 4 consecutive multiples of ``reach // 4``, so only those
         columns are compared first; where 4 consecutive ones match, the
         ``2 * reach - 1`` columns around them are checked.
         """
-        if kernel not in ("auto", "numba", "numpy"):
-            raise ValueError(f"kernel must be 'auto', 'numba' or 'numpy', got {kernel!r}")
-        fast = None if kernel == "numpy" else compiled.filter_kernel()
-        if kernel == "numba" and fast is None:
-            raise ValueError("kernel='numba' needs numba: pip install 'flat-tokens-jax[fast]'")
+        fast = kernel_module(kernel, compiled.filter_kernel)
         if fast is not None:
             return fast.rejected(
                 np.ascontiguousarray(targets, np.int32),
@@ -170,11 +173,10 @@ class InstanceFilter:
     def rejected_jax(self, targets: jax.Array, segment_ids: jax.Array) -> jax.Array:
         """``[rows] bool``, as :meth:`rejected`, with jax ops (inside ``jax.jit``).
 
-        One loop over the periods, not a copy of the work per period, so the
-        program (and its compile time) is the same for any ``max_period``. For
-        each period ``p``: the equal pairs ``targets[j] == targets[j + p]``
-        (both real), and the run of them ending at each column, its length
-        taken from the last unequal column before it (a running maximum).
+        One loop over the periods, so the program (and its compile time) is the
+        same for any ``max_period``. For each period ``p``, the run of equal
+        pairs ending at each column is measured from the last unequal column
+        before it (a running maximum).
         """
         rows, width = targets.shape
         last = self.last_period(width)
@@ -201,8 +203,7 @@ class InstanceFilter:
 def apply_filter_jax(
     rule: InstanceFilter | None, fields: dict[str, jax.Array]
 ) -> dict[str, jax.Array]:
-    """``fields`` with ``loss_mask`` False on the rows ``rule`` rejects (jax
-    ops; ``None``: ``fields`` as they are)."""
+    """``fields`` with ``loss_mask`` False on the rows ``rule`` rejects (jax ops)."""
     if rule is None:
         return fields
     rejected = rule.rejected_jax(fields["targets"], fields["segment_ids"])
@@ -212,9 +213,7 @@ def apply_filter_jax(
 class FilteredRows:
     """A loader's filter (``rule``, ``None``: off), and the rows it rejected in
     the steps handed out. Thread-safe. A step's count is noted when it is
-    decoded (:meth:`apply`, perhaps ahead of time) and added when the step is
-    handed out (:meth:`handed`). ``run_blocks``: ``BlockDecoder.run_blocks``.
-    """
+    decoded (:meth:`apply`, perhaps ahead of time) and added when it is handed out."""
 
     def __init__(
         self,
@@ -231,8 +230,7 @@ class FilteredRows:
         self, fields: dict[str, np.ndarray], step: int | None = None, threads: int | None = None
     ) -> dict[str, np.ndarray]:
         """``fields`` after the filter (in place, in row blocks on at most
-        ``threads`` threads); the rows it rejected are noted for ``step`` when
-        one is given. A loader without a rule calls neither this nor :meth:`handed`."""
+        ``threads`` threads); the rows it rejected are noted for ``step``."""
         assert self.rule is not None
         rule, targets, segment_ids = self.rule, fields["targets"], fields["segment_ids"]
         rejected = np.zeros(targets.shape[0], bool)

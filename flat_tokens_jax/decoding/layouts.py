@@ -31,14 +31,11 @@ FLAGS = ("loss_mask", "sequence_start")
 
 @dataclasses.dataclass(frozen=True)
 class BatchLayout:
-    """What a batch holds: ``name`` one of :data:`LAYOUTS`, ``max_segments``
-    (``None``, or the width of ``segment_lengths`` ``[B, max_segments] int32``:
-    each row's run lengths in column order, then zeros), ``sequence_start``
-    (True: the batch holds ``sequence_start`` ``[B, L] bool`` whatever the
-    layout) and ``source`` (True: it holds ``source`` ``[B] int32``, each row's
-    run-wide source, ``-1`` for padding); ``plain``: True when the batch is
-    the five fields as decoded. A run is a maximal stretch of one segment id,
-    and a new one begins at every sequence start (padding is a run of its own).
+    """What a batch holds (the fields of each: docs/guide/loading.md): ``name``
+    one of :data:`LAYOUTS`, ``max_segments`` (the width of ``segment_lengths``,
+    each row's run lengths), ``sequence_start``, ``source``; ``plain``: the five
+    fields as decoded. A run is a maximal stretch of one segment id, and a new
+    one begins at every sequence start (padding is a run of its own).
 
     Example:
         >>> five = {
@@ -71,8 +68,7 @@ class BatchLayout:
         object.__setattr__(self, "plain", self.name == "fields" and not extra)
 
     def widths(self, seq_len: int) -> dict[str, int]:
-        """Every key of the layout's batch and its width (the second
-        dimension; 1 for ``source``, one value a row)."""
+        """Every key of the layout's batch and its width (1 for ``source``)."""
         keys = {
             "fields": _FIVE,
             "segments": (*_FIVE, "sequence_start"),
@@ -96,9 +92,7 @@ class BatchLayout:
         return out
 
     def row_bytes(self, seq_len: int) -> int:
-        """Bytes one row of the layout's batch holds, every field counted
-        (``"fields"``: 17 a token; ``"maxtext"``: 24; ``segment_lengths``: 4
-        a segment; ``source``: 4 a row)."""
+        """Bytes one row of the layout's batch holds (``"fields"``: 17 a token)."""
         return sum(w * (1 if k in FLAGS else 4) for k, w in self.widths(seq_len).items())
 
     def apply(
@@ -113,20 +107,11 @@ class BatchLayout:
     ) -> dict[str, Any]:
         """The layout's arrays from the five fields ``[B, L]`` and ``row_starts`` ``[B] bool``.
 
-        Args:
-            fields: the five fields (numpy arrays, or jax arrays with ``xp=jnp``).
-            row_starts: whether column 0 of each row starts a sequence.
-            xp: ``np`` on the host, ``jnp`` inside ``jax.jit``. With ``jnp`` a row
-                with more runs than ``max_segments`` is not checked (its
-                lengths past ``max_segments`` are dropped): check on the host
-                with :func:`check_runs`.
-            where: names the batch in errors, e.g. ``"step 12"``.
-            rows: the global row of each row, for errors (default: ``0 .. B-1``).
-            sources: ``[B]`` the run-wide source of each row, ``-1`` for
-                padding: the batch's ``source`` (needed with ``source``).
-
-        Raises:
-            ValueError: (numpy) a row has more runs than ``max_segments``.
+        ``xp``: ``np`` on the host, ``jnp`` inside ``jax.jit``, where a row of
+        more runs than ``max_segments`` is not refused (its lengths past it are
+        dropped: check on the host with :func:`check_runs`). ``where`` and
+        ``rows`` (each row's global index) name a row in errors; ``sources``
+        ``[B]`` is the batch's ``source`` (needed with ``source``).
         """
         if self.plain:
             return dict(fields)
@@ -192,12 +177,7 @@ PLAIN = BatchLayout()
 
 def check_max_segments(max_segments: int | None, seq_len: int, packing: Packing, path: str) -> None:
     """Refuses a ``max_segments`` (at ``path``) that no row of ``seq_len``
-    columns can use: above ``seq_len`` (a row holds at most one run a
-    column), or below 2 with ``packing="bins"``.
-
-    Raises:
-        BadValue: naming ``path``, the value and the bound.
-    """
+    columns can use: above ``seq_len``, or below 2 with ``packing="bins"``."""
     if max_segments is None:
         return
     if packing is Packing.BINS and max_segments < 2:
@@ -251,11 +231,7 @@ def check_runs(
 
 
 def row_starts(windows: Windows, packing: Packing) -> np.ndarray:
-    """``[k] bool``: whether column 0 of each row read as ``windows`` starts a sequence.
-
-    Packed windows: the start bit of their first target (column 1 of the
-    window); padded rows and bins: whether the row holds a token.
-    """
+    """``[k] bool``: whether column 0 of each row read as ``windows`` starts a sequence."""
     if packing is Packing.WINDOWS:
         return (windows.encoded[:, 1] & 1) == 1
     assert windows.lengths is not None

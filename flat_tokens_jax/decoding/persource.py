@@ -1,7 +1,5 @@
-"""Per-token values (a loss) summed by each row's data source, inside ``jax.jit``:
-a sum over the rows of a comparison with each source's index, no gather or
-scatter, so a batch sharded over its rows reduces as any sum does.
-"""
+"""Per-token values (a loss) summed by each row's data source, inside ``jax.jit``,
+with no gather or scatter, so a batch sharded over its rows reduces as any sum does."""
 
 from __future__ import annotations
 
@@ -12,8 +10,6 @@ import jax
 import jax.numpy as jnp
 
 from flat_tokens_jax.core.values import integer
-
-__all__ = ["per_source"]
 
 
 def per_source(
@@ -35,13 +31,8 @@ def per_source(
         ``(sums, counts)``, each ``[num_sources]``: ``sums[s]`` the sum of
         ``values * weights`` over the rows of source ``s`` (at least
         ``float32``), ``counts[s]`` the sum of their weights (``int32`` for a
-        boolean mask: trained tokens). Padding rows (source ``-1``) count
-        nowhere. A source's mean is ``sums / jnp.maximum(counts, 1)``. Under
-        ``jax.jit``, where the ids are known only when the step runs, a row
-        whose source is ``num_sources`` or above (or below ``-1``) makes every
-        entry of ``sums`` NaN rather than vanish from them (with
-        ``jax_debug_nans`` JAX reruns the step without ``jit``, where the
-        refusal names the id); ``counts`` count the other rows.
+        mask). Padding rows (source ``-1``) count nowhere. Under ``jax.jit`` a
+        source id out of range makes every sum NaN (docs/guide/trainers.md).
 
     Raises:
         ValueError: the batch lacks a field, the shapes disagree, or a concrete
@@ -89,8 +80,7 @@ def per_source(
     of = source[:, None] == ids[None, :]  # [B, num_sources]; -1 matches no source
     sums = jnp.sum(jnp.where(of, row_sums[:, None], 0), axis=0, dtype=dtype)
     counts = jnp.sum(jnp.where(of, row_counts[:, None], 0), axis=0, dtype=count_dtype)
-    # Traced ids are checked only when the step runs: a row no bucket holds
-    # turns every sum into NaN instead of leaving the sums short.
+    # Traced ids are checked only when the step runs: NaN rather than short sums.
     stray = jnp.any((source < -1) | (source >= num_sources))
     return jnp.where(stray, jnp.nan, sums), counts
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["sequence_starts", "write_segments"]
-
 # Slices OR-ed together when looking for sequence starts: see `sequence_starts`.
 _FOLD = 16
 # Runs per segment shorter than this on average make `write_segments` scan every token.

@@ -1,10 +1,5 @@
-"""Global ``jax.Array`` batches in which each host loaded only its own blocks.
-
-A host reads each distinct (row range, column range) block its devices hold once
-and builds the global arrays with ``jax.make_array_from_callback``. With the
-sequence dimension sharded too, segment ids and positions depend on whole rows,
-so such batches are decoded on the devices, inside ``jax.jit``.
-"""
+"""Global ``jax.Array`` batches in which each host loaded only its own (row range,
+column range) blocks (docs/guide/multihost.md)."""
 
 from __future__ import annotations
 
@@ -45,19 +40,9 @@ class Block:
 
 @dataclasses.dataclass(frozen=True)
 class BlockData:
-    """What a host read for one block, ready to become device buffers.
-
-    Attributes:
-        encoded: ``[rows, cols] uint32`` encoded tokens of the block.
-        before: ``[rows, 1] uint32``: packed and bins, the token before the
-            block's first column; padded, unused zeros.
-        lengths: ``[rows] int32`` tokens kept per row (padded and bins; packed: unused).
-        stored_mask: ``[rows, cols] uint8`` stored loss mask (ones where a row
-            has none), or ``None`` when no record of the loader has one.
-        real: ``[rows] bool``: False for padding rows past the last epoch.
-        source: ``[rows] int32`` the run-wide source of each row, ``-1`` for
-            padding (shipped when the layout holds ``source``).
-    """
+    """What a host read for one block: the block's rows and columns of
+    :meth:`HostBlocks.encoded_arrays` (``before`` ``[rows, 1]``; ``stored_mask``
+    ``None`` when no record of the loader has one)."""
 
     encoded: np.ndarray
     before: np.ndarray
@@ -112,13 +97,9 @@ def check_divisible(sharding: jax.sharding.Sharding, batch_size: int, seq_len: i
 
 
 class HostBlocks:
-    """The blocks of a ``[batch_size, seq_len]`` batch that this host's devices hold.
-
-    Attributes:
-        blocks: distinct blocks, sorted; replicas held by several devices once.
-        rows: ``[k] int64`` every row any of those blocks covers, ascending.
-        columns_sharded: True when some block is less than whole rows.
-    """
+    """The distinct ``blocks`` (sorted) of a ``[batch_size, seq_len]`` batch that
+    this host's devices hold, the ``rows`` ``[k] int64`` they cover, ascending,
+    and whether some block is less than whole rows (``columns_sharded``)."""
 
     def __init__(self, sharding: jax.sharding.Sharding, batch_size: int, seq_len: int) -> None:
         check_divisible(sharding, batch_size, seq_len)
@@ -135,9 +116,7 @@ class HostBlocks:
         return f"HostBlocks({len(self.blocks)} blocks, {self.rows.size} rows of {self.shape})"
 
     def assemble_rows(self, host: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Global arrays from this host's whole rows (``host[k]`` is ``[rows.size,
-        width]``, or ``[rows.size]``), laid out as the sharding says (the
-        :data:`~.layouts.WHOLE_ROWS` fields over its batch axis only)."""
+        """Global arrays from this host's whole rows (``host[k]`` ``[rows.size, ...]``)."""
 
         def make(key: str, values: np.ndarray) -> jax.Array:
             shape = (self.shape[0], *values.shape[1:])
@@ -155,8 +134,7 @@ class HostBlocks:
         return {k: make(k, v) for k, v in host.items()}
 
     def rows_sharding(self, ndim: int = 2) -> jax.sharding.Sharding:
-        """The sharding's split of the batch axis, whole rows on each device, for
-        an array of ``ndim`` dimensions."""
+        """The sharding's split of the batch axis alone, for ``ndim`` dimensions."""
         if not isinstance(self.sharding, NamedSharding):
             raise ValueError(
                 "a layout with tokens, segment_lengths or source needs a NamedSharding, "
@@ -195,15 +173,8 @@ class HostBlocks:
     def encoded_arrays(
         self, data: Mapping[Block, BlockData], source: bool = False
     ) -> dict[str, jax.Array]:
-        """Global arrays of what the blocks hold, laid out as the batch is.
-
-        Returns:
-            ``encoded`` ``[batch, seq_len] uint32``; ``before`` ``[batch,
-            column shards] uint32`` (the token before each column shard);
-            ``lengths`` ``[batch] int32``; ``real`` ``[batch] bool``;
-            ``stored_mask`` ``[batch, seq_len] uint8`` when the blocks hold
-            one; and with ``source``, ``source`` ``[batch] int32``.
-        """
+        """Global arrays of what the blocks hold, laid out as the batch is: the
+        ``encoded_batch`` of docs/guide/multihost.md."""
         assert isinstance(self.sharding, NamedSharding)
         mesh, spec = self.sharding.mesh, tuple(self.sharding.spec) + (None,) * 2
         col_shards, _ = _axis_shards(self.sharding, 1)
@@ -250,9 +221,7 @@ class HostBlocks:
         layout: BatchLayout = PLAIN,
     ) -> Callable[[Mapping[str, jax.Array]], dict[str, jax.Array]]:
         """The function (to call inside ``jax.jit``) from :meth:`encoded_arrays`
-        to the fields of ``layout``, after the ``instance_filter`` when one is
-        given, laid out as :meth:`assemble_rows` lays them out. With
-        ``layout.source`` the arrays must hold ``source``."""
+        to the fields of ``layout``, laid out as :meth:`assemble_rows` lays them out."""
         assert isinstance(self.sharding, NamedSharding)
         mesh, spec = self.sharding.mesh, tuple(self.sharding.spec) + (None,) * 2
         # Segment ids and positions scan whole rows: decode on row-sharded
@@ -346,8 +315,7 @@ def host_blocks_per_size(
 
 
 def _reshard() -> Callable[[jax.Array, NamedSharding], jax.Array]:
-    """``jax.sharding.reshard`` (jax 0.7 on), or the same function where it was
-    experimental (``jax.experimental.shard.reshard``, jax 0.6)."""
+    """``jax.sharding.reshard``, or ``jax.experimental.shard.reshard`` on jax 0.6."""
     public = getattr(jax.sharding, "reshard", None)
     if public is not None:
         return public

@@ -5,9 +5,6 @@ behind an experiment flag left off, so ``.batch(B)`` costs ``B`` single reads;
 mapping :meth:`~FlatTokensSource.read_batch` over batched indices costs one::
 
     grain.MapDataset.range(len(src)).shuffle(seed=0).batch(B).map(src.read_batch)
-
-A loader's whole steps (mixtures, schedules, shardings) come from
-``Loader(...).to_grain()``; both decode as :class:`~flat_tokens_jax.decoding.hostdecode.RowDecode`.
 """
 
 from __future__ import annotations
@@ -42,31 +39,19 @@ from flat_tokens_jax.sampling.mixture import Mixture, config_records
 from flat_tokens_jax.store.identity import DatasetInfo, TokenizerInfo
 from flat_tokens_jax.store.options import StoreOptions, resolve_options
 
-__all__ = ["FlatTokensSource"]
-
 
 class FlatTokensSource:
-    """A grain random-access source whose elements are the batch fields of one record.
-
-    Element ``i`` is a dict of ``inputs``, ``targets``, ``segment_ids``,
-    ``positions`` (``[seq_len] int32``) and ``loss_mask`` (``[seq_len] bool``):
-    row ``i`` of ``Loader(..., LoaderConfig(shuffle=False, ...))`` run over the
-    same records with the same ``start_token_id`` and ``pad_id``.
-
-    :attr:`info` (the ``DatasetInfo`` the dataset records, or ``None``),
-    :attr:`tokenizer`, :attr:`max_token_id` and :attr:`vocab_size` let a trainer
-    size its embedding without opening the dataset again.
+    """A grain random-access source whose element ``i`` is the five fields
+    (``[seq_len]`` each) of row ``i`` of ``Loader(..., LoaderConfig(shuffle=False,
+    ...))`` over the same records, ``start_token_id`` and ``pad_id``.
 
     Contract: thread-safe, deterministic, and picklable. A pickled source holds
-    no tensorstore handle (tensorstore is not fork-safe, and grain sends its
-    workers pickled sources): it reopens the store on first use in each
-    process. Sources over ``memory://`` stores refuse to pickle.
+    no tensorstore handle (tensorstore is not fork-safe): it reopens the store
+    on first use in each process. Sources over ``memory://`` stores refuse to pickle.
 
     Args:
-        source: a path or URL, a :class:`FlatTokens` split (or view),
-            records (:class:`PackedRecords`, :class:`PaddedRecords`, or any
-            :class:`Records`). A ``Mixture`` has no record index: its steps
-            come from ``Loader(mixture, config).to_grain()``.
+        source: a path or URL, a :class:`FlatTokens` split (or view), or
+            records (a ``Mixture``'s steps come from ``Loader.to_grain()``).
         seq_len: tokens per record; required for a URL or a ``FlatTokens``,
             and if given for records it must be theirs.
         packing: as ``LoaderConfig.packing`` (default True for a URL or a
@@ -75,20 +60,12 @@ class FlatTokensSource:
         split: the split to read from a URL.
         plan_cache: where a packing plan built for ``packing="bins"`` is
             cached (``None``: built, not cached).
-        options: how to reach the store at a URL. Its ``context`` stays in
-            this process: unpickled copies open their own.
-        **option_fields: or the fields of ``options`` as keywords, e.g.
-            ``endpoint=...``.
+        options: how to reach the store at a URL (unpickled copies open their
+            own ``context``); or its fields as keywords (``**option_fields``).
         start_token_id, pad_id, layout, max_segments, sequence_start,
             source_field, instance_filter: as ``LoaderConfig``'s, for each
             element and :meth:`read_batch` alike (``source`` is 0, the index in
             :attr:`source_names`).
-
-    Raises:
-        ValueError: a bad ``seq_len``, ``start_token_id``, ``pad_id`` or
-            ``instance_filter``, records whose ``seq_len`` or packing differ
-            from those asked for, or no records at all.
-        TypeError: ``source`` is not a source of records, or is a ``Mixture``.
 
     Example:
         >>> import grain
@@ -197,18 +174,13 @@ class FlatTokensSource:
         return {key: value[0] for key, value in rows.items()}
 
     def _getitems(self, indices: Sequence[int]) -> list[dict[str, np.ndarray]]:
-        """grain's batched-read hook: the elements of ``indices``, from one batched read."""
+        """grain's batched-read hook."""
         rows = self.read_batch(indices)
         return [dict(zip(rows, row, strict=True)) for row in zip(*rows.values(), strict=True)]
 
     def read_batch(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
         """Records ``indices`` (``[k]`` ints, negative from the end), stacked, in
-        one read: the fields of this source's ``layout``, each ``[k, ...]``.
-
-        Raises:
-            IndexError: an index outside ``[-len(self), len(self))``.
-            ValueError: a record of more runs than ``max_segments``.
-        """
+        one read: the fields of this source's ``layout``, each ``[k, ...]``."""
         idx = self._indices(indices)
         comp, real = np.zeros(idx.size, np.int64), np.ones(idx.size, bool)
         parts = request_parts([self.records], comp, idx, real)()
@@ -268,7 +240,6 @@ class FlatTokensSource:
         self._lock = threading.Lock()
 
     def _indices(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
-        """``indices`` as ``[k] int64`` in ``[0, len)``, after counting negatives from the end."""
         idx = np.asarray(indices)
         if idx.ndim != 1:
             raise ValueError(f"record indices must be 1-D [k], got shape {idx.shape}")

@@ -26,17 +26,6 @@ from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records
 from flat_tokens_jax.sampling.sampling import MAX_N, IndexSampler, permute
 
-__all__ = [
-    "BLOCK_TOKENS",
-    "NEVER",
-    "BlockSampler",
-    "Sampler",
-    "default_block",
-    "lanes",
-    "sample_of_row",
-    "sampler",
-]
-
 NEVER = np.iinfo(np.int64).max
 """What :meth:`BlockSampler.next_use` gives for a window its lanes are past."""
 
@@ -97,13 +86,8 @@ class BlockSampler:
         return (epoch * np.int64(self.num_records) + position) % np.int64(self.lanes)
 
     def positions(self, g: npt.ArrayLike) -> tuple[Int64Array, Int64Array]:
-        """``(epoch, j)``, each ``[k] int64``: sample ``g`` reads ``R_epoch[j]``.
-
-        Lane ``l`` of epoch ``e`` holds ``K(e, l)`` samples and reads
-        ``R_e[off(e, l) : off(e, l) + K(e, l)]``, ``off(e, l)`` the samples of
-        lanes ``< l`` in the epoch: closed forms in ``a mod L``, ``a = e * n``
-        the epoch's first stream sample, so nothing overflows int64.
-        """
+        """``(epoch, j)``, each ``[k] int64``: sample ``g`` reads ``R_epoch[j]``,
+        ``j`` past the samples of lanes ``< l`` in the epoch (:meth:`stretch`)."""
         epoch, position = self._epochs.epochs(g), self._epochs.records(g)
         n, big_l = np.int64(self.num_records), np.int64(self.lanes)
         s = epoch * n + position  # the stream sample: offset + g <= 2**63 - 1
@@ -113,7 +97,8 @@ class BlockSampler:
 
     def stretch(self, epoch: npt.ArrayLike, lane: npt.ArrayLike) -> tuple[Int64Array, Int64Array]:
         """``(off(e, l), K(e, l))``, each ``[k] int64``: lane ``l`` reads
-        ``R_e[off : off + K]`` in epoch ``e`` (``epoch`` and ``lane`` ``[k]`` int)."""
+        ``R_e[off : off + K]`` in epoch ``e``; closed forms in ``a mod L``,
+        ``a = e * n`` the epoch's first stream sample, so nothing overflows int64."""
         e, lane = np.asarray(epoch, np.int64), np.asarray(lane, np.int64)
         n, big_l = np.int64(self.num_records), np.int64(self.lanes)
         ra = (e % big_l) * (n % big_l) % big_l  # (e * n) mod L, without overflow
@@ -173,12 +158,8 @@ class BlockSampler:
         int64`` samples of a lane until the first such read (0: a lane is
         reading it), or :data:`NEVER` when they are past it.
 
-        Lanes read their stretches of ``R_e`` in order; each lane of ``[l0, l1)``
-        is weighed against each window (one numpy pass over ``[windows, lanes]``:
-        lanes of the range differ by a sample in where they are, and a lane one
-        sample behind may be the only one still to read a window). A window is
-        needed by a lane from its first position in the lane's stretch to its
-        last, each of its blocks about throughout.
+        Each lane is weighed against each window, not the range as one: a lane
+        one sample behind may be the only one still to read a window.
         """
         e = np.asarray(epoch, np.int64).reshape(-1)
         win = np.asarray(window, np.int64).reshape(-1)
@@ -222,8 +203,6 @@ def sampler(
     window: int = 1,
     lane_count: int = 1,
 ) -> Sampler:
-    """A stream's sampler under ``shuffle``: a :class:`BlockSampler` for
-    ``"blocks"``, else an :class:`~.sampling.IndexSampler`."""
     if shuffle == fields.BLOCKS:
         return BlockSampler(
             num_records, block, window, lane_count, seed, num_epochs=num_epochs, offset=offset
@@ -254,12 +233,9 @@ def sample_of_row(rows: npt.ArrayLike, size: int, lane_count: int) -> Int64Array
 
 def default_block(components: Sequence[Records], seq_len: int) -> int:
     """``shuffle_block`` when left ``None``: records that span about
-    :data:`BLOCK_TOKENS` tokens and at least one inner chunk of the store.
-
-    A split's records span its tokens over their count on average (a padded
-    sequence or a bin may be shorter than ``seq_len``); custom records
-    ``seq_len`` each. Of a mixture: the largest of its components' blocks.
-    """
+    :data:`BLOCK_TOKENS` tokens and at least one inner chunk of the store (a
+    split's records span its tokens over their count on average, custom
+    records ``seq_len`` each); of a mixture, the largest of its components'."""
     out = 1
     for records in components:
         ft = getattr(records, "ft", None)

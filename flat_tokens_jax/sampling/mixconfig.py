@@ -46,29 +46,16 @@ def mixture_from_config(
     path: str = "data",
     **option_fields: Any,
 ) -> Mixture:
-    """Builds a mixture from a Nanoset-style mapping (e.g. a YAML ``data`` section).
-
-    ``config`` holds ``datasets``: either ``{url: weight}`` (each component
-    named by its URL), ``{name: {url: ..., weight: ...}}`` or a list of
-    ``{name: ..., url: ..., weight: ...}``; an entry may add ``split`` (the
-    dataset split it reads, default ``split``). Optionally: ``split`` (e.g.
-    ``"949,50,1"``: each dataset's split is cut into train/valid/test views and
-    the ``split`` argument picks ``"train"``, ``"valid"`` or ``"test"``), ``seed``,
-    ``period``, ``schedule`` (a list of ``{step: ..., weights: [...] or {name:
-    weight}}``) and ``allow_mixed_tokenizers``: everything :class:`Mixture`
-    takes. ``seq_len`` and ``packing`` belong in the loader config.
+    """Builds a mixture from a Nanoset-style mapping (e.g. a YAML ``data`` section;
+    its keys: docs/guide/mixtures.md and ``configs/mixture.yaml``): everything
+    :class:`Mixture` takes, ``seq_len`` and ``packing`` left to the loader config.
 
     Args:
         config: the mapping.
         split: which split (or part of a ``split`` cut) the components read.
-        options: how to reach the datasets (see :class:`StoreOptions`).
+        options: how to reach the datasets, or its fields as keywords
+            (``**option_fields``).
         path: the mapping's name in errors (``data.seed must be ...``).
-        **option_fields: the same fields as keywords, e.g. ``endpoint=...``.
-
-    Raises:
-        ValueError: a key is unknown, a value is of the wrong kind or out of
-            range, or the values make no blend (a
-            :class:`~flat_tokens_jax.core.values.BadValue` naming its path).
     """
     config = mapping(config, path, "a mapping with 'datasets'")
     known_keys(config, path, _CONFIG_KEYS)

@@ -4,9 +4,7 @@ Over a period of ``P`` samples component ``c`` gets ``n_c``: its weight times
 ``P``, rounded by largest remainder. Its ``k``-th sample sits at ``(k + 1/2) /
 n_c`` of the period (ties to the lower component), which spreads every
 component evenly; global sample ``g`` is then two table lookups of size ``P``.
-A weight schedule changes the weights from given steps (the first row of step
-``s``, ``samples_before(s)`` of the batch-size schedule); the samples each
-component drew before a change are counted arithmetically.
+A weight schedule's segments are routed by :mod:`~flat_tokens_jax.sampling.steering`.
 """
 
 from __future__ import annotations
@@ -29,14 +27,13 @@ from flat_tokens_jax.core.values import BadValue, boolean, integer, number, sequ
 from flat_tokens_jax.data.bins import make_records
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, check_source, recorded_info
-from flat_tokens_jax.sampling.schedule import BatchSchedule
+from flat_tokens_jax.sampling.schedule import MAX_SAMPLE
 from flat_tokens_jax.store.identity import DatasetInfo, check_tokenizers
 
 MAX_DEFAULT_PERIOD = 1 << 20
 # A period's tables take 8 bytes a sample (and a few times more while it is
 # made): 2**24 samples stay well under a gigabyte.
 MAX_PERIOD = 1 << 24
-_MAX_SAMPLE = 2**63 - 1  # Global sample indices are int64.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,13 +134,9 @@ Components = Mapping[str, tuple[Source, float]] | Sequence[tuple[Any, ...]]
 
 
 class Mixture:
-    """Blends record sources by weight; each component keeps its own epochs.
-
-    The :class:`~flat_tokens_jax.LoaderConfig` decides what a record is: the
-    ``Loader`` makes each ``FlatTokens`` component's records with the config's
-    ``seq_len`` and ``packing``, and refuses a component of ready-made records
-    that disagrees with it. A Mixture says only which data, named how, in what
-    proportions.
+    """Blends record sources by weight; each component keeps its own epochs
+    (the guide: ``docs/guide/mixtures.md``). The ``LoaderConfig`` decides what a
+    record is; a Mixture says only which data, named how, in what proportions.
 
     Examples:
         >>> import flat_tokens_jax as ftj
@@ -152,36 +145,25 @@ class Mixture:
         >>> web = ftj.open_dataset("memory://doc/web")["train"]
         >>> code = ftj.open_dataset("memory://doc/code")["train"]
         >>> mix = ftj.Mixture({"web": (web, 3), "code": (code, 1)}, period=4)
-        >>> mix.names
-        ('web', 'code')
-        >>> [mix.names[c] for c in mix.route(np.arange(4), batch_size=4)[0]]
+        >>> [mix.names[c] for c in mix.periods[0].component]
         ['web', 'web', 'code', 'web']
 
     Args:
         components: ``{name: (source, weight)}``, ``[(name, source, weight), ...]``
             or ``[(source, weight), ...]`` (named ``"0"``, ``"1"``, ...). A source
-            is a ``FlatTokens`` split or view, or a
-            :class:`~flat_tokens_jax.data.records.Records` of the config's ``seq_len``
-            and packing. Weights count records; 0 leaves a component unused.
+            is a ``FlatTokens`` split or view, or records of the config's
+            ``seq_len`` and packing. Weights count records; 0 leaves a component unused.
         seed: an int in ``[0, 2**64)``, mixed with the loader's seed into each
-            component's shuffle key, so each component reshuffles every one of
-            its own epochs.
+            component's shuffle key.
         period: samples per period, an int in ``[1, 2**24]``; ``None``:
-            ``max(1000, 100 / smallest positive weight share)``, at most
-            ``2**20``. Proportions are exact over every whole period.
-        schedule: ``[(step, weights), ...]``: from ``step`` on, use ``weights``
-            (one per component, or ``{name: weight}`` naming every component);
-            steps strictly increasing and > 0. Steps, not samples: with a
-            batch-size schedule a change at step ``s`` starts at the first row
-            of step ``s``, wherever the batch sizes before it put that row.
+            ``max(1000, 100 / smallest positive weight share)``, at most ``2**20``.
+        schedule: ``[(step, weights), ...]``: from ``step`` on (steps strictly
+            increasing and > 0), ``weights``, one per component or ``{name: weight}``.
         allow_mixed_tokenizers: mix datasets whose recorded tokenizers differ.
-            Datasets that record no tokenizer always mix.
 
     Raises:
-        ValueError: a value out of range or of the wrong kind (a bool is not a
-            number, a fraction is not rounded), all-zero weights, a positive
-            weight that rounds to no sample per period, duplicate names, or
-            datasets that record different tokenizers.
+        ValueError: a bad value, all-zero weights, a positive weight that rounds
+            to no sample per period, duplicate names, or mixed tokenizers.
         TypeError: a component that is not a split or records, with the fix.
     """
 
@@ -208,7 +190,7 @@ class Mixture:
             if len(change) != 2:
                 raise BadValue(f"Mixture.schedule[{i}]", f"must be (step, weights), got {change!r}")
         steps = [0] + [
-            integer(s, f"Mixture.schedule[{i}] step", low=1, high=_MAX_SAMPLE)
+            integer(s, f"Mixture.schedule[{i}] step", low=1, high=MAX_SAMPLE)
             for i, (s, _) in enumerate(changes)
         ]
         if any(b <= a for a, b in itertools.pairwise(steps)):
@@ -227,31 +209,18 @@ class Mixture:
             allow_mixed=self.allow_mixed_tokenizers,
             fix="pass Mixture(..., allow_mixed_tokenizers=True)",
         )
-        self._offsets: dict[BatchSchedule, tuple[np.ndarray, np.ndarray]] = {}
 
     def info(self, component: int) -> DatasetInfo | None:
         """What made component ``component``'s dataset, ``None`` if it records nothing."""
         src = self.sources[component]
         return src.info if isinstance(src, FlatTokens) else recorded_info(src)
 
-    @property
-    def components(self) -> tuple[Source, ...]:
-        """The sources, in order (the same as :attr:`sources`)."""
-        return self.sources
-
     def weight_counts(
         self, weights: Sequence[float] | Mapping[str, float], step: int
     ) -> tuple[np.ndarray, np.ndarray]:
         """``weights`` from ``step`` on, checked: ``([K] float64 weights, [K]
-        int64 samples of each component per period)``, over this mixture's
-        ``period`` (or the default period of those weights).
-
-        Raises:
-            ValueError: ``weights`` is not one finite number >= 0 per
-                component (or ``{name: weight}`` naming every component), all
-                are zero, or a positive weight gets no sample per period (the
-                message says the period it needs).
-        """
+        int64 samples of each component per period)``; a positive weight with
+        no sample per period is refused, naming the period it needs."""
         w = _check_weights(self._by_name(weights, step), self.names, step)
         period = self.period or _default_period(w)
         counts = period_counts(w, period)
@@ -301,17 +270,9 @@ class Mixture:
         plan_cache: str | os.PathLike[str] | None = None,
         max_segments: int | None = None,
     ) -> tuple[Records, ...]:
-        """Each component's records for a config of ``seq_len`` and ``packing``.
-
-        ``plan_cache`` is where packing plans of ``packing="bins"`` are cached
-        (``None``: built, not cached); ``max_segments`` caps the runs per bin.
-
-        Raises:
-            ValueError: a component of records is of another ``seq_len`` or packing.
-        """
+        """Each component's records for a config of ``seq_len`` and ``packing``
+        (:func:`config_records`), their reads (bounds, packing plans) at once."""
         packing = fields.packing(packing, "packing")
-
-        # Records that read (bounds, packing plans) do so at once.
         calls = [
             functools.partial(
                 config_records, s, seq_len, packing, plan_cache, max_segments, f"component {n!r}"
@@ -319,31 +280,6 @@ class Mixture:
             for n, s in zip(self.names, self.sources, strict=True)
         ]
         return tuple(at_once(calls))
-
-    def _segments(self, batch_size: BatchSchedule) -> tuple[np.ndarray, np.ndarray]:
-        """``[segments] int64`` first global sample of each weight segment that
-        int64 samples reach, and ``[segments, K]`` samples of each component
-        drawn before it."""
-        if batch_size not in self._offsets:
-            starts = [batch_size.samples_before(int(s)) for s in self.steps]
-            starts = [s for s in starts if s <= _MAX_SAMPLE]
-            offsets = np.zeros((len(starts), len(self.components)), np.int64)
-            for j in range(1, len(starts)):
-                drawn = consumed(self.periods[j - 1].counts, starts[j] - starts[j - 1])
-                offsets[j] = offsets[j - 1] + np.array(drawn, np.int64)
-            self._offsets[batch_size] = (np.array(starts, np.int64), offsets)
-        return self._offsets[batch_size]
-
-    def route(
-        self, samples: np.ndarray, batch_size: int | BatchSchedule
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Maps global samples to ``(component [k] int64, component sample [k] int64)``.
-
-        ``batch_size`` (an int or a :class:`~flat_tokens_jax.sampling.schedule.BatchSchedule`)
-        turns the weight schedule's steps into samples.
-        """
-        starts, offsets = self._segments(BatchSchedule.of(batch_size))
-        return route_segments(samples, starts, offsets, self.periods.__getitem__)
 
     def fingerprint(self, records: Sequence[Records]) -> dict[str, Any]:
         """The components' names and data (their ``records``) and the blending."""
@@ -364,9 +300,9 @@ def route_segments(
     period_of: Callable[[int], Period],
 ) -> tuple[np.ndarray, np.ndarray]:
     """Global samples to ``(component [k] int64, component sample [k] int64)``
-    over weight segments: ``starts`` ``[S] int64`` each segment's first global
-    sample (the first 0), ``offsets`` ``[S, K] int64`` the samples of each
-    component drawn before it, ``period_of(j)`` segment ``j``'s layout."""
+    over weight segments: ``starts`` ``[S] int64`` each one's first global
+    sample, ``offsets`` ``[S, K] int64`` the samples of each component drawn
+    before it, ``period_of(j)`` segment ``j``'s layout."""
     g = np.asarray(samples, np.int64)
     segment = np.searchsorted(starts, g, side="right") - 1
     comp = np.empty(g.shape, np.int64)
@@ -390,9 +326,8 @@ def config_records(
     who: str,
     fix: str = "pass the FlatTokens split and let the LoaderConfig make its records",
 ) -> Records:
-    """The records of ``source`` for ``seq_len`` and ``packing``: a split's
-    are made; ready-made records must be of that ``seq_len`` and packing
-    (refused naming ``who`` and the ``fix`` otherwise)."""
+    """The records of ``source`` for ``seq_len`` and ``packing``: a split's are
+    made; ready-made records must be of them (else refused naming ``who``)."""
     if isinstance(source, FlatTokens):
         return make_records(source, seq_len, packing, plan_cache, max_segments)
     if source.seq_len != seq_len or source.packing is not packing:
@@ -405,7 +340,6 @@ def config_records(
 
 
 def _named_components(components: Components) -> list[tuple[str, Source, float]]:
-    """``(name, source, weight)`` of each component, checked."""
     if isinstance(components, Mixture):
         raise TypeError(_NESTED)
     if isinstance(components, Mapping):
@@ -455,15 +389,13 @@ _NESTED = (
 
 
 def _check_source(name: str, source: Any) -> None:
-    """Refuses what is not a split or records, naming the fix."""
     if isinstance(source, Mixture):
         raise TypeError(f"component {name!r}: {_NESTED}")
     check_source(source, f"component {name!r}")
 
 
 def _check_records_agree(sources: Sequence[Source], names: Sequence[str]) -> None:
-    """Refuses components of records that no one config fits: their ``seq_len``
-    or packing differ."""
+    """Refuses components of records whose ``seq_len`` or packing differ."""
     records = {n: s for n, s in zip(names, sources, strict=True) if not isinstance(s, FlatTokens)}
     seq_lens = {n: r.seq_len for n, r in records.items()}
     packings = {n: r.packing.value for n, r in records.items()}  # as a config writes it
@@ -474,7 +406,6 @@ def _check_records_agree(sources: Sequence[Source], names: Sequence[str]) -> Non
 
 
 def _check_weights(weights: Sequence[Any], names: Sequence[str], step: int) -> np.ndarray:
-    """``[K] float64`` weights, each a finite number >= 0, at least one above 0."""
     where = "weights" if step == 0 else f"weights from step {step}"
     if len(weights) != len(names):
         raise ValueError(

@@ -14,8 +14,6 @@ import numpy.typing as npt
 from flat_tokens_jax.core import fields
 from flat_tokens_jax.core.values import boolean, integer
 
-__all__ = ["MAX_N", "EpochsExhausted", "IndexSampler", "permute"]
-
 MAX_N = 2**63 - 1  # Largest n or num_records: every index must fit in int64.
 _MAX_U64 = 2**64 - 1
 _NUM_ROUNDS = 6
@@ -130,11 +128,7 @@ def permute(
         gives an unrelated order.
 
     Returns:
-      ``[k] int64`` (the arguments' broadcast shape), the permuted indices: for any seed and
-      epoch, ``permute(np.arange(n), n, ...)`` is a permutation of ``np.arange(n)``.
-
-    Raises:
-      ValueError: if an argument is out of range or not integer.
+      ``[k] int64`` (the arguments' broadcast shape), the permuted indices.
 
     Example:
       >>> sorted(permute([0, 1, 2, 3, 4], 5, seed=0, epoch=0).tolist())
@@ -210,12 +204,8 @@ class IndexSampler:
         return self._split(g)[0]
 
     def records(self, g: npt.ArrayLike) -> npt.NDArray[np.int64]:
-        """Record read by each global sample index: ``g`` ``[k]`` int, returns ``[k] int64``.
-
-        Raises:
-          ValueError: if an index is negative or not an integer.
-          EpochsExhausted: if ``num_epochs`` is set and an index is ``>= num_samples``.
-        """
+        """Record read by each global sample index: ``g`` ``[k]`` int, returns ``[k] int64``
+        (:class:`EpochsExhausted` past the last epoch)."""
         epoch, position = self._split(g)
         if not self.shuffle:
             return position

@@ -24,8 +24,6 @@ from typing import Any
 from flat_tokens_jax.core.values import integer, is_integer
 from flat_tokens_jax.sampling.blocks import lanes
 
-__all__ = ["MAX_SAMPLE", "BatchSchedule", "BatchSizeSpec", "resume_differences", "resumed"]
-
 MAX_SAMPLE = 2**63 - 1  # Global sample indices are int64.
 
 # What a config may hold: an int, [(start_step, size), ...] or {start_step: size}.
@@ -34,13 +32,9 @@ BatchSizeSpec = int | Sequence[Sequence[int]] | Mapping[int, int]
 
 @dataclasses.dataclass(frozen=True)
 class BatchSchedule:
-    """The global batch size of each step.
-
-    Attributes:
-        entries: ``((start_step, size), ...)``, the first at step 0, steps
-            strictly increasing, sizes >= 1; consecutive equal sizes are
-            merged, so equal schedules compare equal.
-    """
+    """The global batch size of each step: ``entries`` ``((start_step, size),
+    ...)``, the first at step 0, steps strictly increasing; consecutive equal
+    sizes are merged, so equal schedules compare equal."""
 
     entries: tuple[tuple[int, int], ...]
     _starts: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
@@ -80,13 +74,7 @@ class BatchSchedule:
 
     @classmethod
     def of(cls, value: BatchSizeSpec | BatchSchedule) -> BatchSchedule:
-        """A schedule from an int (every step), ``[(step, size), ...]`` or ``{step: size}``.
-
-        Raises:
-            ValueError: the entries are not pairs of ints, the first is not at
-                step 0, steps do not increase or a size is < 1; the message
-                names the entry.
-        """
+        """A schedule from an int (every step), ``[(step, size), ...]`` or ``{step: size}``."""
         if isinstance(value, BatchSchedule):
             return value
         if is_integer(value):
@@ -119,11 +107,7 @@ class BatchSchedule:
         return constant if constant is not None else [[s, n] for s, n in self.entries]
 
     def _segment(self, step: int) -> tuple[int, int]:
-        """The entry that holds ``step``, and ``step`` as a Python int.
-
-        Raises:
-            BadValue: ``step`` is not an int >= 0 (numpy's count).
-        """
+        """The entry that holds ``step`` (an int >= 0), and ``step`` as a Python int."""
         step = integer(step, "step", low=0)
         return bisect.bisect_right(self._starts, step) - 1, step
 
@@ -183,16 +167,10 @@ def resume_differences(
     data_step: int | None = None,
     lane_count: int | None = None,
 ) -> list[str]:
-    """Why a run saved at ``step`` cannot resume with the batch sizes ``now``, as lines.
-
-    A run may change its batch size from the saved step on: ``now`` must
-    agree with ``saved`` (the saved int or ``[[start_step, size], ...]``) on
-    every step before ``step``, and ``samples`` (the saved count of samples
-    before ``step``) must be what the saved sizes give. A run that skipped
-    batches reads ``step``'s data at ``data_step``: the batch sizes are those
-    of data steps. ``lane_count``: the block shuffle's lanes, which the gcd of
-    the sizes must keep; the schedule suggested keeps it.
-    """
+    """Why a run saved at ``step`` cannot resume with the batch sizes ``now``, as
+    lines: ``now`` must agree with ``saved`` (the saved spec) before ``step``'s
+    data step, and ``samples`` be what the saved sizes give there. The fix
+    suggested keeps the block shuffle's ``lane_count`` (the sizes' gcd)."""
     try:
         before = BatchSchedule.of(saved)
     except ValueError:

@@ -16,20 +16,12 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["NO_SKIPS", "SharedRows", "Skips"]
-
 
 class SharedRows:
-    """Columns of rows that immutable values share, each value reading its
-    own first rows: rows are only added past every reader's, in place when
-    no other value added past the adder's (O(1) amortized a row), else to a
-    copy of its rows. So a change at the end of a run's changes, the common
-    case, costs O(1) amortized instead of a rebuild.
-
-    Args:
-        lists: Python columns, of equal length: the rows filled.
-        arrays: numpy columns ``[capacity, ...]``, their first rows filled.
-    """
+    """Columns of rows (Python ``lists``, numpy ``arrays`` ``[capacity, ...]``)
+    that immutable values share, each reading its own first rows: rows are
+    added in place when no other value added past the adder's, else to a copy,
+    so a change at the end of a run's changes costs O(1) amortized."""
 
     def __init__(self, lists: Sequence[list[Any]], arrays: Sequence[np.ndarray] = ()) -> None:
         self.lists, self.arrays = list(lists), list(arrays)
@@ -62,11 +54,8 @@ class SharedRows:
 
 class Skips:
     """Skipped batches: the data step of each trainer step. Immutable.
-
-    Args:
-        entries: ``((step, count), ...)``, steps strictly increasing, counts
-            >= 1: from trainer ``step`` on, ``count`` more data steps are skipped.
-    """
+    ``entries``: ``((step, count), ...)``, steps strictly increasing: from
+    trainer ``step`` on, ``count`` more data steps are skipped."""
 
     __slots__ = ("_entries", "_n", "_rows")
 

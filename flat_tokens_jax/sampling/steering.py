@@ -21,14 +21,6 @@ from flat_tokens_jax.sampling.mixture import Period, consumed, route_segments
 from flat_tokens_jax.sampling.schedule import MAX_SAMPLE, BatchSchedule
 from flat_tokens_jax.sampling.skips import NO_SKIPS, SharedRows, Skips
 
-__all__ = [
-    "TABLES_KEPT",
-    "Blend",
-    "Steering",
-    "Stretch",
-    "with_weights",
-]
-
 TABLES_KEPT = 8
 """Period tables of runtime weight changes a :class:`Steering` keeps built
 (a table takes 8 bytes a sample of its period, up to ``2**24`` samples)."""
@@ -39,34 +31,24 @@ Change = tuple[int, tuple[int, ...]]
 
 class Blend(Protocol):
     """What a :class:`Steering` reads of a mixture (a ``Mixture``, or a saved
-    phase's): its components and its declared weight schedule."""
+    phase's): the components' ``names``, the data step each declared weight
+    entry starts at (``steps`` ``[P] int64``, the first 0) and its layout."""
 
     @property
-    def names(self) -> tuple[str, ...]:
-        """``[K]`` the components' names."""
-        ...
+    def names(self) -> tuple[str, ...]: ...
 
     @property
-    def steps(self) -> np.ndarray:
-        """``[P] int64`` the data step each declared entry starts at, the first 0."""
-        ...
+    def steps(self) -> np.ndarray: ...
 
     @property
-    def periods(self) -> Sequence[Period]:
-        """``[P]`` each declared entry's layout."""
-        ...
+    def periods(self) -> Sequence[Period]: ...
 
 
 @dataclasses.dataclass(frozen=True)
 class Stretch:
-    """The trainer steps that read one weight segment, and its weights.
-
-    Attributes:
-        first: the first trainer step that reads it.
-        stop: the trainer step after the last (``None``: the last segment, no end).
-        counts: ``[K]`` samples of each component per period (``None``: one source).
-        changed: whether a trainer's change set them (else the mixture declared them).
-    """
+    """Trainer steps ``[first, stop)`` (``stop`` ``None``: no end) read one
+    weight segment: ``counts`` ``[K]`` samples of each component per period
+    (``None``: one source), ``changed`` by a trainer (else declared)."""
 
     first: int
     stop: int | None
@@ -84,16 +66,9 @@ class Steering:
     Each boundary, declared or runtime, holds from its data step until the
     next; a runtime change at a declared boundary's data step wins over it.
     That rule is here alone: routing, what a stream draws and :meth:`stretch_at`
-    all follow it. Period tables of runtime changes are built on demand, the
-    last :data:`TABLES_KEPT` kept.
-
-    Args:
-        mixture: the blend (``None``: one source, no weights, only skips).
-        schedule: the batch size of each data step.
-        skips: the skipped batches, by trainer step.
-        changes: ``((trainer step, counts), ...)`` by strictly increasing
-            step: from that step on, ``counts[c]`` samples of component ``c``
-            per period of ``sum(counts)`` samples.
+    all follow it. ``mixture`` ``None``: one source, only skips. ``changes``:
+    ``((trainer step, counts), ...)`` by strictly increasing step, ``counts[c]``
+    samples of component ``c`` per period from that step on.
     """
 
     # The changes: rows (trainer step, counts) by step, the last of a step in effect.
@@ -213,9 +188,8 @@ class Steering:
         return out
 
     def steered(self, skips: Skips, changes: Sequence[Change], since: int) -> Steering:
-        """A steering of ``skips`` and ``changes``, which agree with this
-        one's before trainer step ``since``: its segments from there on are
-        counted again, the earlier ones reused."""
+        """A steering of ``skips`` and ``changes``, which agree with this one's
+        before trainer step ``since`` (the segments before it are reused)."""
         return self._made(skips, *_logged(changes), since)
 
     def with_skip(self, step: int, count: int) -> Steering:
@@ -235,8 +209,7 @@ class Steering:
         return self._made(self.skips, self._log.added(n, [(step, counts)]), n + 1, step)
 
     def _counts(self, key: Any) -> np.ndarray:
-        """The per-period counts of a segment's ``key``: a declared entry's
-        index, or a runtime change's counts."""
+        """The per-period counts of a segment's ``key``."""
         assert self.mixture is not None
         if isinstance(key, int):
             return self.mixture.periods[key].counts
@@ -310,8 +283,7 @@ class Steering:
 
     def stretches(self, stop: int) -> list[Stretch]:
         """The weight segments that trainer steps ``[0, stop)`` read, in order,
-        the last one cut at ``stop``; a segment whose every data step is
-        skipped is left out."""
+        cut at ``stop``; one whose every data step is skipped is left out."""
         if stop <= 0:
             return []
         if self.mixture is None:

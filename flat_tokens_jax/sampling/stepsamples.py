@@ -27,17 +27,10 @@ _Route = tuple[Steering, bool, int | None, int]
 
 
 class StepSamples:
-    """The records of a run's steps. Thread-safe.
-
-    Args:
-        samplers: one per component (one without a mixture); block samplers
-            place each step's samples by their lanes.
-        mixture: the blend of the components, or ``None``.
-        schedule: the batch size of each step.
-        rows_at: the global rows this host reads at a step, ``[k] int64``.
-        num_epochs: the run's epochs (for messages), ``None`` when unbounded.
-        steering: the trainer's skips and weight changes (``None``: none).
-    """
+    """The records of a run's steps, from a sampler per component. Thread-safe.
+    ``rows_at(step)``: the global rows this host reads, ``[k] int64``;
+    ``num_epochs`` for messages; ``steering``: the trainer's skips and weight
+    changes (``None``: none)."""
 
     def __init__(
         self,
@@ -81,11 +74,7 @@ class StepSamples:
         self._last: int | None = None
 
     def data_step(self, step: int) -> int:
-        """The data step that ``step`` reads (``step`` itself without skips).
-
-        Raises:
-            ValueError: ``step`` is not an int >= 0.
-        """
+        """The data step that ``step`` (an int >= 0) reads."""
         step = integer(step, "step", low=0)
         steering, skipping, _, _ = self._route
         return steering.data_step(step) if skipping else step
@@ -100,13 +89,8 @@ class StepSamples:
         return self._route[2]
 
     def samples(self, step: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Global sample index ``[k] int64`` of ``rows`` at ``step`` and which are real.
-
-        Raises:
-            ValueError: ``step`` is not a non-negative int, or its samples pass
-                the largest index (the message names the last step).
-            IndexError: ``step`` is past the end of the run.
-        """
+        """Global sample index ``[k] int64`` of ``rows`` at ``step`` and which are
+        real; an IndexError past the run's end."""
         return self._samples(integer(step, "step", low=0), rows, self._route)
 
     def _samples(self, step: int, rows: np.ndarray, route: _Route) -> tuple[np.ndarray, np.ndarray]:

@@ -28,13 +28,7 @@ def build_run(
     config_name: str = "--config",
     state_name: str = "--state",
 ) -> PhasedLoader:
-    """The phased run of a ``phases`` YAML document or a saved phased state.
-
-    Raises:
-        ValueError: LoaderConfig flags are given (a phased run says them per
-            phase), a value is bad, or a phase's data is not what the saved run
-            read; the message names the file and the phase.
-    """
+    """The phased run of a ``phases`` YAML document or a saved phased state."""
     given = sorted(k for k, v in (fields or {}).items() if v is not None)
     if given:
         raise ValueError(

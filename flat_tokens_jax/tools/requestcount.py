@@ -1,17 +1,6 @@
-"""What a run asks of an object store, before it runs: requests and bytes per step.
-
-:func:`count_requests` runs a loader's sampler for a sample of steps, splits
-each step's rows over ``hosts`` hosts, and counts each host's HTTP requests and
-bytes from the records' token ranges and each array's zarr chunking, reading no
-token. The rule, measured with tensorstore on fake-gcs-server and moto's S3
-(``scripts/bench_requestcount.py``; docs/guide/remote.md says it in full): a
-host reads a step's rows of a component in one batch per array, which fetches
-each touched inner chunk whole; touched chunks of one shard with no gap between
-them are one request (zarr v2: a request a chunk). No chunk counts as cached
-from an earlier step, and what a host reads once per shard (index, probe,
-digests) is left out. :func:`row_reads` counts the full shuffle (or none),
-:func:`block_reads` the block shuffle (a block read whole, once per host and epoch).
-"""
+"""What a run asks of an object store, before it runs: requests and bytes per step,
+from a loader's sampler and each array's zarr chunking, reading no token. The rule
+(measured by ``scripts/bench_requestcount.py``) is docs/guide/remote.md's."""
 
 from __future__ import annotations
 
@@ -49,9 +38,8 @@ def ramp_minutes(
 @dataclasses.dataclass(frozen=True)
 class Chunking:
     """How one array is stored, as far as requests go: values per inner chunk
-    (zarr v3) or chunk file (v2), values per shard (``None`` in v2), and the
-    bytes a request returns per chunk (uncompressed, plus 4 for a crc32c: an
-    upper bound for a compressed array)."""
+    (or v2 chunk file), per shard (``None`` in v2), and bytes a request returns
+    per chunk (uncompressed, plus 4 for a crc32c: an upper bound)."""
 
     chunk: int
     shard: int | None
@@ -59,7 +47,6 @@ class Chunking:
 
     @classmethod
     def of(cls, ft: FlatTokens, array: str) -> Chunking:
-        """The chunking of ``ft``'s ``array`` (such as ``seq_starts``), from its metadata."""
         described = ft.storage_formats()[array]
         reader = {ft.tokens_name: ft.encoded, SEQ_STARTS: ft.starts, LOSS_MASK: ft.loss_mask}
         itemsize = np.dtype(reader[array].dtype).itemsize  # type: ignore[union-attr]
@@ -109,13 +96,7 @@ class HostSamples:
 
 def host_samples(loader: StepEngine, hosts: int, steps: Sequence[int]) -> HostSamples:
     """The sampler's records for ``steps``, each step's rows split into
-    ``hosts`` equal runs of consecutive rows (data sharding), each row holding
-    the sample the loader places there (under the block shuffle, by lanes).
-
-    Raises:
-        ValueError: ``hosts`` is not an int >= 1 or does not divide a step's
-            batch, or the loader refuses a step.
-    """
+    ``hosts`` equal runs of consecutive rows (data sharding)."""
     hosts = integer(hosts, "hosts", low=1)
     parts: list[tuple[np.ndarray, ...]] = []
     for i, step in enumerate(steps):
@@ -176,9 +157,8 @@ def _ranges(records: Any, idx: np.ndarray) -> dict[str, tuple[np.ndarray, np.nda
 
 @dataclasses.dataclass(frozen=True)
 class StepReads:
-    """What each host reads at each sampled step, ``[steps, hosts] int64`` each:
-    HTTP range requests, the bytes they return, and the ``useful`` bytes (of
-    the targets' tokens)."""
+    """What each host reads at each sampled step, ``[steps, hosts] int64`` each
+    (``useful``: bytes of the targets' tokens)."""
 
     requests: np.ndarray
     bytes: np.ndarray
@@ -256,34 +236,16 @@ def row_reads(loader: StepEngine, samples: HostSamples) -> StepReads:
     return dataclasses.replace(counted, useful=_useful(loader, samples))
 
 
-def block_reads(
-    loader: StepEngine, samples: HostSamples, block: Sequence[int] | None = None
-) -> StepReads:
-    """Block shuffle: each host reads each block its rows need whole, once per
-    epoch, at the first sampled step that needs it (so the first step is a cold
-    start). ``block`` ``None``: the loader's own block samplers' blocks; else
-    records per block of each component (record ``r`` of component ``c`` in
-    block ``r // block[c]``), over a loader of another shuffle.
-
-    Raises:
-        ValueError: ``block`` is ``None`` for a loader without the block
-            shuffle, or a list of the wrong length or values.
-    """
-    if block is None:
-        samplers = _block_samplers(loader)
-        blocks = np.empty_like(samples.record)
-        for c, s in enumerate(samplers):
-            mine = samples.component == c
-            blocks[mine] = s.block_of(samples.record[mine])
-        block = [s.block for s in samplers]
-    else:
-        if len(block) != len(loader.components):
-            raise ValueError(
-                f"block: {len(block)} block sizes for {len(loader.components)} components"
-            )
-        for c, b in enumerate(block):
-            integer(b, f"block[{c}]", low=1)
-        blocks = samples.record // np.asarray(block, np.int64)[samples.component]
+def block_reads(loader: StepEngine, samples: HostSamples) -> StepReads:
+    """Block shuffle: each host reads each block of the loader's block samplers
+    that its rows need whole, once per epoch, at the first sampled step that
+    needs it (so the first step is a cold start)."""
+    samplers = _block_samplers(loader)
+    blocks = np.empty_like(samples.record)
+    for c, s in enumerate(samplers):
+        mine = samples.component == c
+        blocks[mine] = s.block_of(samples.record[mine])
+    block = [s.block for s in samplers]
     key = np.stack([samples.host, samples.component, samples.epoch, blocks])
     # Rows come in step order, so each block's first row is its first need.
     _, first = np.unique(key, axis=1, return_index=True)
@@ -294,29 +256,16 @@ def block_reads(
 
 def _block_samplers(loader: StepEngine) -> list[BlockSampler]:
     found = [s for s in loader.samplers if isinstance(s, BlockSampler)]
-    if len(found) != len(loader.samplers):
-        raise ValueError(
-            f"block: the loader's shuffle is {loader.config.shuffle!r}, so its sampler "
-            "has no blocks: give the records per block of each component"
-        )
+    assert len(found) == len(loader.samplers)  # shuffle="blocks"
     return found
 
 
 @dataclasses.dataclass(frozen=True)
 class RequestCounts:
     """A pod's reads at ``step_seconds`` a step, from :func:`count_requests`.
-
-    Attributes:
-        shuffle: ``"full"``, ``"none"`` or ``"blocks"``.
-        block: records per block of each component (for blocks; else ``None``).
-        window: a block-shuffled loader's ``shuffle_window``; else ``None``.
-        steps: the sampled steps ``[s] int64``; with blocks, the rates leave
-            the first out (its cold start, in ``first_step_requests``).
-        reads: what each host read at each sampled step.
-        requests_per_second, bytes_per_second, useful_bytes_per_second: the pod's.
-        bytes_per_token: bytes read per useful token.
-        ramp_minutes: minutes a fresh GCS bucket throttles that rate.
-    """
+    ``shuffle``: ``"full"``, ``"none"`` or ``"blocks"``; ``block`` and ``window``
+    only for blocks, whose rates leave out the first sampled step (its cold
+    start, in ``first_step_requests``). Rates are the pod's."""
 
     shuffle: str
     block: tuple[int, ...] | None
@@ -338,38 +287,21 @@ def count_requests(
     hosts: int,
     step_seconds: float,
     steps: Sequence[int] = range(8),
-    block: Sequence[int] | None = None,
 ) -> RequestCounts:
     """Requests/s and bytes/s of ``hosts`` hosts running ``loader`` at
     ``step_seconds`` a step, from its sampler at ``steps`` (consecutive, for
-    blocks) and its arrays' chunking. A loader with ``shuffle="blocks"`` is
-    counted by its own blocks; ``block`` (records per block of each component)
-    counts block reads over another loader's records.
-
-    Raises:
-        ValueError: ``hosts`` or ``step_seconds`` out of range, ``steps``
-            empty, a host count that does not divide a batch, a component
-            that is not a split's records, or ``block`` given for a loader
-            with blocks of its own; each message names the value.
-    """
+    blocks) and its arrays' chunking."""
     step_seconds = number(step_seconds, "step_seconds")
     if not step_seconds > 0:
         raise ValueError(f"step_seconds must be > 0, got {step_seconds}")
     if not len(steps):
         raise ValueError("steps: give at least one step to sample")
-    shuffle, window = loader.config.shuffle, None
+    shuffle, window, block = loader.config.shuffle, None, None
     samples = host_samples(loader, hosts, steps)
     if shuffle == BLOCKS:
-        own = [s.block for s in _block_samplers(loader)]
-        if block is not None:
-            raise ValueError(
-                f"block: the loader's shuffle='blocks' reads blocks of its own (shuffle_block="
-                f"{loader.config.shuffle_block}, resolved {own[0]}): leave block None"
-            )
+        block = [s.block for s in _block_samplers(loader)]
         reads = block_reads(loader, samples)
-        block, window = own, loader.config.shuffle_window
-    elif block is not None:
-        reads = block_reads(loader, samples, block)
+        window = loader.config.shuffle_window
     else:
         reads = row_reads(loader, samples)
     counted = slice(1 if block is not None and len(steps) > 1 else 0, None)

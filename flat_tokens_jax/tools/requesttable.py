@@ -44,6 +44,18 @@ def _label(counts: RequestCounts) -> str:
     return f"blocks B={sizes} w={counts.window or 1}"
 
 
+def aligned(rows: Sequence[Sequence[str]], left: int) -> list[str]:
+    """``rows`` of cells as lines in columns, the first ``left`` flush left."""
+    widths = [max(map(len, column)) for column in zip(*rows, strict=True)]
+    return [
+        "  ".join(
+            v.ljust(w) if i < left else v.rjust(w)
+            for i, (v, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
+
+
 def request_table(counts: Sequence[RequestCounts], labels: Sequence[str]) -> list[str]:
     """:func:`~.requestcount.count_requests` results as text: a line each, in columns."""
     head = (
@@ -69,14 +81,7 @@ def request_table(counts: Sequence[RequestCounts], labels: Sequence[str]) -> lis
         )
         for name, p in zip(labels, counts, strict=True)
     ]
-    widths = [max(len(row[i]) for row in [head, *cells]) for i in range(len(head))]
-    return [
-        "  ".join(
-            v.ljust(w) if i == 0 else v.rjust(w)
-            for i, (v, w) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in [head, *cells]
-    ]
+    return aligned([head, *cells], left=1)
 
 
 MAX_SAMPLE_STEPS = 4096  # most --sample-steps: the sampler runs once a step
@@ -87,13 +92,7 @@ def sampled_steps(
     run: PhasedLoader, sample_steps: int, end_step: int | None = None
 ) -> tuple[list[int], list[str]]:
     """How many steps of each phase of ``run`` a preview samples: ``sample_steps``,
-    or fewer where the phase ends before (the next phase, ``end_step``, the
-    step the run cannot read, or its epochs' end), and a note for each phase cut.
-
-    Raises:
-        ValueError: ``sample_steps`` out of range, or a phase's sampled steps
-            hold more than :data:`MAX_SAMPLED_ROWS` rows (naming the most it takes).
-    """
+    or fewer where the phase ends before, and a note for each phase cut."""
     sample_steps = integer(sample_steps, "--sample-steps", low=1, high=MAX_SAMPLE_STEPS)
     counts, notes = [], []
     assert run.end_step is not None  # a PhasedLoader's
@@ -147,12 +146,7 @@ def preview_requests(
 ) -> list[str]:
     """``flat-tokens preview --requests``: :func:`request_table` of each phase of
     ``run`` (from the file ``name``) at its first steps, as configured (marked
-    ``*``) and under the other shuffle, full first, then what it assumed.
-
-    Raises:
-        ValueError: as :func:`sampled_steps` and :func:`count_requests`, naming
-            the file, the phase and the ``--hosts`` flag where it set the value.
-    """
+    ``*``) and under the other shuffle, full first, then what it assumed."""
     try:
         counts, notes = sampled_steps(run, sample_steps, end_step)
     except ValueError as e:

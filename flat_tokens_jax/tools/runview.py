@@ -14,6 +14,7 @@ from flat_tokens_jax.core.extras import install_hint
 from flat_tokens_jax.loader.phasedloader import PhasedLoader
 from flat_tokens_jax.loader.phases import drawn
 from flat_tokens_jax.loader.state import sample_shares
+from flat_tokens_jax.tools.requesttable import aligned
 
 # A stream read more epochs than this shows its model each record that many
 # times: fine for a small high-quality source, a mistake for most.
@@ -23,15 +24,9 @@ _NO_ROWS = np.zeros(0, np.int64)
 
 
 def run_rows(run: PhasedLoader, end_step: int) -> list[dict[str, Any]]:
-    """One dict per phase and component, for the steps before ``end_step``
-    (trainer steps; a steered run's weight changes and skipped batches counted).
+    """One dict per phase and component, for the trainer steps before ``end_step``.
     ``epochs``: this phase's samples over the records; ``stream_epochs``: the
-    stream's samples by the phase's end over the records.
-
-    Raises:
-        ValueError: the loader refuses a step before ``end_step``; the message
-            names the phase and the last step the run can reach.
-    """
+    stream's samples by the phase's end over the records."""
     rows: list[dict[str, Any]] = []
     for k, loader in enumerate(run.engines):
         start = run.firsts[k]
@@ -89,15 +84,7 @@ def run_table(rows: list[dict[str, Any]]) -> list[str]:
         ]
         for r in rows
     ]
-    widths = [max(len(c[i]) for c in [list(_COLUMNS), *cells]) for i in range(len(_COLUMNS))]
-
-    def line(values: list[str]) -> str:
-        text = [
-            v.ljust(w) if i < 2 else v.rjust(w)
-            for i, (v, w) in enumerate(zip(values, widths, strict=True))
-        ]
-        return "  " + "  ".join(text)
-
+    head, *body = aligned([_COLUMNS, *cells], left=2)
     lines = []
     for k in dict.fromkeys(r["phase"] for r in rows):
         mine = [i for i, r in enumerate(rows) if r["phase"] == k]
@@ -107,8 +94,7 @@ def run_table(rows: list[dict[str, Any]]) -> list[str]:
             f"phase {k}{name}: steps [{first['start_step']}, {first['end_step']}) "
             f"({first['steps']:,} steps), seq_len {first['seq_len']}, packing {first['packing']}"
         )
-        lines.append(line(list(_COLUMNS)))
-        lines += [line(cells[i]) for i in mine]
+        lines += ["  " + head, *("  " + body[i] for i in mine)]
     return lines
 
 
@@ -180,12 +166,7 @@ def share_segments(run: PhasedLoader, end_step: int) -> list[tuple[int, int, dic
 def draw_shares(run: PhasedLoader, end_step: int, path: str | os.PathLike[str]) -> None:
     """Writes ``path`` (``.png`` or ``.svg``): each component's share of the
     tokens over steps ``[0, end_step)``, stacked, with phase boundaries, weight
-    changes and skipped batches marked.
-
-    Raises:
-        ValueError: ``path`` ends in neither ``.png`` nor ``.svg``.
-        ImportError: matplotlib is missing (the message names the extra).
-    """
+    changes and skipped batches marked."""
     suffix = os.fspath(path).rsplit(".", 1)[-1].lower()
     if suffix not in ("png", "svg"):
         raise ValueError(f"--picture {os.fspath(path)!r}: name a .png or .svg file")

@@ -15,12 +15,7 @@ from flat_tokens_jax.store.options import StoreOptions
 
 
 def load_state(path: str | os.PathLike[str]) -> SavedState:
-    """A saved loader state from a JSON file, read by :meth:`SavedState.read`.
-
-    Raises:
-        ValueError: not JSON or not a loader state this version reads; one line
-            naming the file and each field (``sources[0].split``).
-    """
+    """A saved loader state from a JSON file, read by :meth:`SavedState.read`."""
     where = os.fspath(path)
     try:
         with open(path, encoding="utf-8") as f:

@@ -24,6 +24,7 @@ from flat_tokens_jax.core.limits import (
 from flat_tokens_jax.core.values import BadValue, known_keys
 from flat_tokens_jax.data.dataset import FlatTokens, open_dataset
 from flat_tokens_jax.data.records import recorded_info
+from flat_tokens_jax.decoding.batch import FIELDS
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.loader import Loader
 from flat_tokens_jax.loader.state import SavedState
@@ -34,7 +35,6 @@ from flat_tokens_jax.store.identity import tokenizer_info
 from flat_tokens_jax.store.options import StoreOptions
 from flat_tokens_jax.tools.savedstate import saved_source
 
-FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 UNTRAINED = ("⟦", "⟧")  # around tokens whose loss_mask is 0
 ROW_BYTES = 1024  # per row of a step, besides its tokens: sample indices, provenance
 PRINTED_BYTES_PER_TOKEN = 200  # a printed row's five fields as Python lists, then text
@@ -62,10 +62,6 @@ def build_loader(
         fields: :class:`LoaderConfig` fields that override the others.
         config_name, state_name: the files ``config`` and ``state`` came
             from, which name a bad value in errors (``c.yaml: loader.seed``).
-
-    Raises:
-        ValueError: the data is given twice or not at all, a field is missing
-            or bad, or the data is not what the state's run read.
     """
     values: dict[str, Any] = {}
     origin: dict[str, str] = {}  # where each field was given, to name a bad value
@@ -322,12 +318,9 @@ def where(row: Mapping[str, Any]) -> str:
 
 
 def row_text(row: Mapping[str, Any], decode: Callable[[list[int]], str]) -> str:
-    """A row's targets as text: one line per segment, ``[n]`` its segment id,
-    untrained tokens (``loss_mask`` 0) between ⟦ ⟧, padding counted, not shown.
-
-    Args:
-        row: ``targets``, ``segment_ids`` and ``loss_mask`` of one row, each ``[seq_len]``.
-        decode: token ids to text (e.g. a tokenizer's ``decode``).
+    """A row's targets (``[seq_len]`` fields of one row) as text, by ``decode``:
+    one line per segment, ``[n]`` its segment id, untrained tokens (``loss_mask``
+    0) between ⟦ ⟧, padding counted, not shown.
 
     Example:
         >>> row = {"targets": [72, 105, 33, 0], "segment_ids": [1, 1, 2, 0],

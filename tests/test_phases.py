@@ -26,6 +26,7 @@ from flat_tokens_jax.loader.phasedloader import PhasedLoader
 from flat_tokens_jax.loader.phases import STREAM_FIELDS, Phase, stream_key
 from flat_tokens_jax.sampling.mixture import Mixture
 from flat_tokens_jax.sampling.sampling import permute
+from flat_tokens_jax.sampling.steering import Steering
 
 
 @functools.cache
@@ -92,7 +93,7 @@ def reference(specs: list[dict[str, Any]], steps: int) -> list[dict[str, np.ndar
         for g in range(first, first + schedule.size(local)):
             c = 0
             if isinstance(phase.source, Mixture):
-                c = int(phase.source.route(np.array([g]), schedule)[0][0])
+                c = int(Steering(phase.source, schedule).route(np.array([g]))[0][0])
             ft, seqs = data[names[c]]
             L, packing = spec["seq_len"], spec["packing"]
             key = (names[c], L, packing, spec["seed"], spec["shuffle"])

@@ -29,8 +29,9 @@ is not billed to it. The load average is printed with the tables: on a
 shared machine, compare runs of a like load.
 
 Run: ``python scripts/bench_threads.py [--tokens 50_000_000] [--shapes 64x2048 256x2048]
-[--rounds 5] [--processes 3] [--tables fresh steady] [--data DIR]`` (``--data``: a
-dataset written before, with a ``train`` split, instead of a new one)
+[--rounds 5] [--processes 3] [--steady-last 23] [--tables fresh steady] [--data DIR]``
+(``--data``: a dataset written before, with a ``train`` split, instead of a new one;
+``--steady-last``: the steady table times steps 3 to it)
 """
 
 from __future__ import annotations
@@ -55,24 +56,24 @@ from bench_loader import synthetic  # the same documents as bench_loader's
 FIRST, LAST = 3, 23  # the steps timed: after the opening burst
 
 
-def tokens_per_second(loader: ftj.Loader, batch: int, seq_len: int) -> float:
-    """Tokens/s of ``loader.iterate`` over steps FIRST to LAST, each batch waited for."""
-    return timed_steps(loader, batch, seq_len)["tokens_s"]
+def tokens_per_second(loader: ftj.Loader, batch: int, seq_len: int, last: int = LAST) -> float:
+    """Tokens/s of ``loader.iterate`` over steps FIRST to ``last``, each batch waited for."""
+    return timed_steps(loader, batch, seq_len, last)["tokens_s"]
 
 
-def timed_steps(loader: ftj.Loader, batch: int, seq_len: int) -> dict[str, float]:
-    """``loader.iterate`` from step 0 to LAST, each batch waited for: seconds to
-    the first batch and from it to the second, tokens/s over steps FIRST to LAST,
+def timed_steps(loader: ftj.Loader, batch: int, seq_len: int, last: int = LAST) -> dict[str, float]:
+    """``loader.iterate`` from step 0 to ``last``, each batch waited for: seconds to
+    the first batch and from it to the second, tokens/s over steps FIRST to ``last``,
     and the threads it decoded on at the end."""
     gc.collect()
     at = [time.perf_counter()]
-    for _, out in loader.iterate(0, LAST + 1):
+    for _, out in loader.iterate(0, last + 1):
         out["targets"].block_until_ready()
         at.append(time.perf_counter())
     return {
         "first_batch_s": at[1] - at[0],
         "second_batch_s": at[2] - at[1],
-        "tokens_s": (LAST - FIRST + 1) * batch * seq_len / (at[LAST + 1] - at[FIRST]),
+        "tokens_s": (last - FIRST + 1) * batch * seq_len / (at[last + 1] - at[FIRST]),
         "threads": loader.stats()["decode_threads"],
     }
 
@@ -82,10 +83,10 @@ def loader(path: str, batch: int, seq_len: int, seed: int, threads: int | None) 
     return ftj.Loader(ftj.open_dataset(path)["train"], cfg)
 
 
-def steady(path: str, shapes: list[tuple[int, int]], rounds: int) -> None:
+def steady(path: str, shapes: list[tuple[int, int]], rounds: int, last: int) -> None:
     counts = list(range(1, min(default_threads(), 8) + 1))
     settings: list[int | None] = [None, *counts]
-    print(f"\nSteady state, {rounds} alternating rounds, steps {FIRST}-{LAST}, one process")
+    print(f"\nSteady state, {rounds} alternating rounds, steps {FIRST}-{last}, one process")
     print(
         "| shape | "
         + " | ".join(_name(t) for t in settings)
@@ -93,12 +94,12 @@ def steady(path: str, shapes: list[tuple[int, int]], rounds: int) -> None:
     )
     print("| --- |" + " ---: |" * (len(settings) + 3))
     for batch, seq_len in shapes:
-        tokens_per_second(loader(path, batch, seq_len, 99, None), batch, seq_len)  # warm-up
+        tokens_per_second(loader(path, batch, seq_len, 99, None), batch, seq_len, last)  # warm-up
         seen: dict[int | None, list[float]] = {t: [] for t in settings}
         chosen = []
         for r in range(rounds):
             for t in settings[r % len(settings) :] + settings[: r % len(settings)]:
-                out = timed_steps(loader(path, batch, seq_len, r, t), batch, seq_len)
+                out = timed_steps(loader(path, batch, seq_len, r, t), batch, seq_len, last)
                 seen[t].append(out["tokens_s"])
                 if t is None:
                     chosen.append(out["threads"])
@@ -175,6 +176,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--processes", type=int, default=3)
     parser.add_argument(
+        "--steady-last",
+        type=int,
+        default=LAST,
+        help="the last step the steady table times (a longer window, less noise)",
+    )
+    parser.add_argument(
         "--tables", nargs="+", choices=("fresh", "steady"), default=["fresh", "steady"]
     )
     parser.add_argument("--data", help="a dataset with a train split (default: one written here)")
@@ -194,7 +201,7 @@ def main() -> None:
         if "fresh" in args.tables:
             fresh(path, args.shapes, args.processes)
         if "steady" in args.tables:
-            steady(path, args.shapes, args.rounds)
+            steady(path, args.shapes, args.rounds, args.steady_last)
         print(f"\n{load()}")
 
 

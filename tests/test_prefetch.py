@@ -316,3 +316,37 @@ def test_the_reads_after_a_lead_dropped_unstarted_run() -> None:
     assert out == [2]
     p.close()
     assert fetched == [0, 2]
+
+
+def test_a_slow_trainers_top_up_waits_until_its_step_is_asked_for_or_dropped() -> None:
+    """The read a hand-out tops up starts after half the time the trainer's
+    measured step leaves spare (not while the caller returns to the trainer);
+    the caller asking for its step starts it at once on its read thread, and a
+    close ends it unread."""
+    started: list[int] = []
+    here: list[int] = []  # steps finished in the caller's thread (no threads given)
+
+    def finish(step: int, part: Part, threads: int | None) -> int:
+        if threads is None:
+            here.append(step)
+        return part.value
+
+    config = LoaderConfig(batch_size=1, seq_len=1, prefetch=2)
+    read = whole(lambda s: started.append(s) or s)
+    p: Prefetcher[Part, int] = Prefetcher(config, read, finish, rows=lambda s: 1, name="t")
+    assert took(p, 0, None) == 0
+    assert took(p, 1, None) == 1  # fetch and finish measured, steps 2 and 3 read
+    p.measures.interval_ema = 1000.0  # a trainer step of 1,000 s
+    assert took(p, 2, None) == 2  # tops up step 4: it waits about 500 s
+    assert 4 in p.steps()
+    time.sleep(1.0)
+    assert 4 not in started
+    assert took(p, 3, None) == 3  # its read was done before: step 5 waits too
+    assert took(p, 4, None) == 4  # asked for: its read starts now
+    assert 4 in started and 5 not in started and 6 in p.steps()
+    assert here == []  # every step was read and finished on the threads
+    closing = threading.Thread(target=p.close)
+    closing.start()
+    closing.join(20)
+    assert not closing.is_alive(), "close waited for the paced reads"
+    assert 5 not in started and 6 not in started

@@ -186,6 +186,21 @@ def test_measures_grow_before_the_interval_is_known_then_follow_it() -> None:
     assert stats["interval_mean_s"] == 1.0 and stats["fetch_mean_s"] == 0.1
 
 
+def test_spare_is_the_trainers_step_less_the_covered_fetch_and_finish() -> None:
+    m = Measures()
+    assert m.spare() == 0.0  # nothing measured: a read starts at once
+    m.fetched(0.0, 0.3)
+    m.fetched(0.0, 0.1)  # the slowest recent fetch counts, as for the depth
+    m.finished(0.05)
+    assert m.spare() == 0.0  # no trainer step measured yet
+    m.taken(0.0, 10.0)
+    m.taken(0.0, 11.0)  # a trainer step of 1 s
+    assert m.spare() == pytest.approx(1.0 - 1.5 * (0.3 + 0.05))
+    for k in range(1, 200):
+        m.taken(0.0, 11.0 + 0.01 * k)  # a fast trainer leaves nothing spare
+    assert m.spare() == 0.0
+
+
 class Squared:
     """A step's records: its number, one row of source 0."""
 

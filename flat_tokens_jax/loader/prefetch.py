@@ -111,6 +111,7 @@ class Prefetcher(Generic[P, Done]):
         start = INITIAL_DEPTH if self.remote else MIN_DEPTH
         self._target = start if self.prefetch is None else self.prefetch
         self._lock = threading.Lock()
+        self._paced = threading.Event()  # set: the paced reads waiting start now
         self._futures: dict[int, concurrent.futures.Future[tuple[Done, np.ndarray]]] = {}
         # Each step in flight's bytes, worked out once when it is started.
         self._sizes: dict[int, int] = {}
@@ -208,13 +209,25 @@ class Prefetcher(Generic[P, Done]):
                 return future
             if future is None:
                 future = self._submit(step, lead=True)
-            if not future.done():  # the caller waits anyway: top up now
+            if not future.done():  # the caller waits: no read waits for its start
+                self._wake()
                 self._top_up(step, depth, end)
             return future
 
     def _fetch(
-        self, step: int, ahead: bool, after: threading.Event | None, issued: threading.Event | None
+        self,
+        step: int,
+        ahead: bool,
+        after: threading.Event | None,
+        issued: threading.Event | None,
+        start_at: float | None = None,
     ) -> P:
+        if start_at is not None:
+            paced = self._paced
+            if paced.wait(max(0.0, start_at - time.perf_counter())):
+                with self._lock:  # woken: by the caller taking it, or by a drop
+                    if step not in self._futures and step != self._last:
+                        raise concurrent.futures.CancelledError
         if after is not None:
             after.wait()
         self._warm()
@@ -236,7 +249,9 @@ class Prefetcher(Generic[P, Done]):
         self.measures.finished(time.perf_counter() - began, part.sources.size, threads)
         return done, part.sources
 
-    def _submit(self, step: int, lead: bool = False) -> concurrent.futures.Future[Any]:
+    def _submit(
+        self, step: int, lead: bool = False, start_at: float | None = None
+    ) -> concurrent.futures.Future[Any]:
         """Starts ``step`` on the threads (the lock held). ``lead``: the first step
         of a burst; the reads submitted after it start once it has started its own."""
         if self._pools is None:
@@ -251,20 +266,30 @@ class Prefetcher(Generic[P, Done]):
         after = None if lead else self._lead
         if lead:
             self._lead = issued
-        fetched = fetching.submit(self._fetch, step, True, after, issued)
+        fetched = fetching.submit(self._fetch, step, True, after, issued, start_at)
         fetched.add_done_callback(lambda _: issued.set())  # also when cancelled unstarted
         finished = finishing.submit(lambda: self._finish(step, fetched.result(), True))
         finished.add_done_callback(lambda f: f.cancelled() and fetched.cancel())
         return finished
 
     def _drop(self, start: int = 0, stop: int | None = None) -> None:
-        """Drops the steps in flight in ``[start, stop)`` (the lock held)."""
+        """Drops the steps in flight in ``[start, stop)`` (the lock held); the
+        paced reads waiting wake, and those of dropped steps end."""
+        dropped = False
         for step in list(self._futures):
             if start <= step and (stop is None or step < stop):
                 self._futures.pop(step).cancel()
                 del self._sizes[step]
+                dropped = True
+        if dropped:
+            self._wake()
 
-    def _top_up(self, step: int, depth: int, end: int | None) -> None:
+    def _wake(self) -> None:
+        """Starts the paced reads waiting now (the lock held)."""
+        self._paced.set()
+        self._paced = threading.Event()
+
+    def _top_up(self, step: int, depth: int, end: int | None, paced: bool = False) -> None:
         """Keeps up to ``depth`` steps after ``step`` in flight, within the budget
         (at least one step is read ahead whatever its size; the lock held)."""
         budget = self.budget if self.prefetch is None else None
@@ -278,17 +303,26 @@ class Prefetcher(Generic[P, Done]):
                 size = self._step_bytes(nxt)
                 if budget is not None and after and held + size > budget:
                     break
-                self._futures[nxt] = self._submit(nxt)
+                self._futures[nxt] = self._submit(nxt, start_at=self._start_at() if paced else None)
                 self._sizes[nxt] = size
                 after, held = after + 1, held + size
             nxt += 1
         self.peak_bytes = max(self.peak_bytes, sum(self._sizes.values()))
 
-    def _grow(self, step: int, depth: int, end: int | None) -> None:
+    def _grow(self, step: int, depth: int, end: int | None, paced: bool = False) -> None:
         """Tops up after ``step`` when it was the last taken and read ahead."""
         with self._lock:
             if self._reading and self._last == step:
-                self._top_up(step, depth, end)
+                self._top_up(step, depth, end, paced)
+
+    def _start_at(self) -> float | None:
+        """When a read the hand-out tops up starts: after half the time the
+        trainer's step leaves spare (at once when none). Started at once, the
+        read held the interpreter while the caller's thread returned to the
+        trainer (twice the wait at 50 ms steps, docs/benchmarks.md); waiting half
+        of the spare time, a read thread still reads a step each trainer step."""
+        spare = self.measures.spare()
+        return time.perf_counter() + spare / 2 if spare > 0 else None
 
     def _step_bytes(self, step: int) -> int:
         """Bytes a prepared step holds on this host (its rows' arrays)."""
@@ -336,7 +370,7 @@ class Prefetcher(Generic[P, Done]):
         second step handed out on: the steps started with the first are still
         being decoded, and new reads would take the interpreter from them."""
         grow = self.measures.steps > 0
-        self._grow(step, self.depth(step + 1, grow=grow), end)
+        self._grow(step, self.depth(step + 1, grow=grow), end, paced=True)
         rows = np.bincount(sources[sources >= 0], minlength=self._source_rows.size)
         with self._lock:
             self._tokens += sources.size * self._seq_len

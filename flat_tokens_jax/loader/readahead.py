@@ -249,6 +249,16 @@ class Measures:
             fetch = max(self._recent_fetches) if self._recent_fetches else None
             return auto_depth(fetch, self.finish_ema, self.interval_ema, step_bytes, budget)
 
+    def spare(self) -> float:
+        """Seconds of the trainer's step the read-ahead does not need: the step
+        less :data:`COVER` times the slowest recent fetch and the finish (``0``
+        until all three were measured, or when they need all of it)."""
+        with self._lock:
+            if self.interval_ema is None or self.finish_ema is None or not self._recent_fetches:
+                return 0.0
+            needed = COVER * (max(self._recent_fetches) + self.finish_ema)
+            return max(0.0, self.interval_ema - needed)
+
     def trial_cap(self) -> int | None:
         """The most steps the depth may reach now: the depth under trial while
         one runs, the depth before a growth that did not pay, else ``None``."""

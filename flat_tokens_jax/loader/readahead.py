@@ -60,6 +60,11 @@ RETRIAL_FETCHES = 64
 """Fetches after a growth that did not pay before the next trial."""
 
 
+def covered(fetch_s: float, finish_s: float | None) -> float:
+    """Seconds the read-ahead needs for a step: :data:`COVER` times its fetch and finish."""
+    return COVER * (fetch_s + (finish_s or 0.0))
+
+
 def auto_depth(
     fetch_s: float | None,
     finish_s: float | None,
@@ -75,7 +80,7 @@ def auto_depth(
         want = INITIAL_DEPTH
     else:
         interval = ASSUMED_INTERVAL if interval_s is None else max(interval_s, 1e-6)
-        ratio = COVER * (fetch_s + (finish_s or 0.0)) / interval
+        ratio = covered(fetch_s, finish_s) / interval
         want = MAX_DEPTH if ratio >= MAX_DEPTH else math.ceil(ratio) + 1
         want = min(max(want, MIN_DEPTH), MAX_DEPTH)
     return max(1, min(want, budget // max(step_bytes, 1)))
@@ -256,8 +261,7 @@ class Measures:
         with self._lock:
             if self.interval_ema is None or self.finish_ema is None or not self._recent_fetches:
                 return 0.0
-            needed = COVER * (max(self._recent_fetches) + self.finish_ema)
-            return max(0.0, self.interval_ema - needed)
+            return max(0.0, self.interval_ema - covered(max(self._recent_fetches), self.finish_ema))
 
     def trial_cap(self) -> int | None:
         """The most steps the depth may reach now: the depth under trial while

@@ -350,3 +350,28 @@ def test_a_slow_trainers_top_up_waits_until_its_step_is_asked_for_or_dropped() -
     closing.join(20)
     assert not closing.is_alive(), "close waited for the paced reads"
     assert 5 not in started and 6 not in started
+
+
+def test_a_top_up_steps_ahead_waits_for_what_those_steps_leave_spare() -> None:
+    """With reads that run at once, a step topped up two steps ahead of a fast
+    trainer still waits: its fetch needs more than one trainer step, not more
+    than the two before it is asked for. With one read thread it starts at once."""
+
+    def run(fetchers: int) -> list[int]:
+        started: list[int] = []
+        read = whole(lambda s: started.append(s) or s)
+        p = prefetcher(read, prefetch=2, fetchers=fetchers)
+        assert took(p, 0, None) == 0
+        assert took(p, 1, None) == 1  # steps 2 and 3 read
+        p.measures.fetched(0.0, 100.0)  # the slowest recent fetch: 100 s
+        p.measures.interval_ema = 100.0  # a trainer step of 100 s: nothing spare in one
+        assert took(p, 2, None) == 2  # tops up step 4, two steps ahead
+        deadline = time.monotonic() + 20
+        while 4 not in started and time.monotonic() < deadline and fetchers == 1:
+            time.sleep(0.01)
+        time.sleep(0.5)
+        p.close(wait=False)
+        return started
+
+    assert 4 not in run(fetchers=3)  # 200 s less 150 s needed: it waits about 25 s
+    assert 4 in run(fetchers=1)  # one thread reads each step in one trainer step

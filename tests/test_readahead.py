@@ -196,6 +196,7 @@ def test_spare_is_the_trainers_step_less_the_covered_fetch_and_finish() -> None:
     m.taken(0.0, 10.0)
     m.taken(0.0, 11.0)  # a trainer step of 1 s
     assert m.spare() == pytest.approx(1.0 - 1.5 * (0.3 + 0.05))
+    assert m.spare(3) == pytest.approx(3.0 - 1.5 * (0.3 + 0.05))  # three steps ahead
     for k in range(1, 200):
         m.taken(0.0, 11.0 + 0.01 * k)  # a fast trainer leaves nothing spare
     assert m.spare() == 0.0

@@ -303,7 +303,8 @@ class Prefetcher(Generic[P, Done]):
                 size = self._step_bytes(nxt)
                 if budget is not None and after and held + size > budget:
                     break
-                self._futures[nxt] = self._submit(nxt, start_at=self._start_at() if paced else None)
+                start_at = self._start_at(nxt - step) if paced else None
+                self._futures[nxt] = self._submit(nxt, start_at=start_at)
                 self._sizes[nxt] = size
                 after, held = after + 1, held + size
             nxt += 1
@@ -315,13 +316,14 @@ class Prefetcher(Generic[P, Done]):
             if self._reading and self._last == step:
                 self._top_up(step, depth, end, paced)
 
-    def _start_at(self) -> float | None:
-        """When a read the hand-out tops up starts: after half the time the
-        trainer's step leaves spare (at once when none). Started at once, the
+    def _start_at(self, ahead: int) -> float | None:
+        """When a read the hand-out tops up ``ahead`` steps on starts: after half
+        the time its step leaves spare (at once when none). Started at once, the
         read held the interpreter while the caller's thread returned to the
-        trainer (twice the wait at 50 ms steps, docs/benchmarks.md); waiting half
-        of the spare time, a read thread still reads a step each trainer step."""
-        spare = self.measures.spare()
+        trainer (twice the wait at 50 ms steps, docs/benchmarks.md). The time
+        counts the trainer steps before the step is asked for, up to one a read
+        thread: each thread still reads a step in the steps it covers."""
+        spare = self.measures.spare(min(ahead, self.fetchers))
         return time.perf_counter() + spare / 2 if spare > 0 else None
 
     def _step_bytes(self, step: int) -> int:

@@ -254,14 +254,16 @@ class Measures:
             fetch = max(self._recent_fetches) if self._recent_fetches else None
             return auto_depth(fetch, self.finish_ema, self.interval_ema, step_bytes, budget)
 
-    def spare(self) -> float:
-        """Seconds of the trainer's step the read-ahead does not need: the step
-        less :data:`COVER` times the slowest recent fetch and the finish (``0``
-        until all three were measured, or when they need all of it)."""
+    def spare(self, ahead: int = 1) -> float:
+        """Seconds the read-ahead does not need of the time until the trainer asks
+        for a step ``ahead`` steps on: ``ahead`` trainer steps less :data:`COVER`
+        times the slowest recent fetch and the finish (``0`` until all three were
+        measured, or when they need all of it)."""
         with self._lock:
             if self.interval_ema is None or self.finish_ema is None or not self._recent_fetches:
                 return 0.0
-            return max(0.0, self.interval_ema - covered(max(self._recent_fetches), self.finish_ema))
+            needed = covered(max(self._recent_fetches), self.finish_ema)
+            return max(0.0, ahead * self.interval_ema - needed)
 
     def trial_cap(self) -> int | None:
         """The most steps the depth may reach now: the depth under trial while

@@ -133,6 +133,8 @@ STEER = [[1, "set_weights", 3, [1, 3]], [2, "skip", 4, 2], [4, "set_weights", 6,
 SOURCES = {"mixture": {"x": 1.0, "y": 3.0}}
 # The block shuffle: blocks of 3 windows, windows of 2 blocks; 16 lanes.
 BLOCKS = {**LOADER, "shuffle": "blocks", "shuffle_block": 3, "shuffle_window": 2}
+# Rows balanced over 4 groups, the sequence axis sharded too on two processes.
+BALANCED = {**LOADER, "balance_groups": 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,12 +155,17 @@ def runs(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Runs:
     jobs of a launch run one after another in its processes, each in a loader
     of its own; a restore is always in a later launch than the save."""
     tmp = tmp_path_factory.mktemp("runs")
-    state = {name: str(tmp / f"{name}.json") for name in ("elastic", "restart", "phases")}
+    names = ("elastic", "restart", "phases", "balanced")
+    state = {name: str(tmp / f"{name}.json") for name in names}
     reports = launch(
         dataset,
         tmp / "four",
         4,
-        {"four": {"save_state": state["elastic"]}, "blocks_on_four": {"loader": BLOCKS}},
+        {
+            "four": {"save_state": state["elastic"]},
+            "blocks_on_four": {"loader": BLOCKS},
+            "balanced_on_four": {"loader": BALANCED, "save_state": state["balanced"]},
+        },
     )
     reports |= launch(
         dataset,
@@ -194,6 +201,7 @@ def runs(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Runs:
             },
             "elastic_on_two": {"num_steps": 2, "restore_from": state["elastic"]},
             "blocks_on_two": {"loader": BLOCKS},
+            "balanced_on_two": {"loader": BALANCED, **SEQ_MESH, "spec": ["data", "seq"]},
         },
     )
     reports |= launch(
@@ -210,6 +218,11 @@ def runs(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Runs:
             "elastic_on_one": {"num_steps": 2, "restore_from": state["elastic"]},
             "phases_on_one": {"num_steps": 2, "phases": PHASES, "restore_from": state["phases"]},
             "blocks_on_one": {"loader": BLOCKS},
+            "balanced_on_one": {
+                "num_steps": 2,
+                "loader": BALANCED,
+                "restore_from": state["balanced"],
+            },
         },
     )
     return Runs(reports, tmp)
@@ -494,3 +507,18 @@ def test_block_shuffle_batches_are_the_same_for_one_two_and_four_processes(
             assert report["steps"] == expected, (name, pid)
             lanes = 16 // processes
             assert report["rows"] == list(range(pid * lanes, (pid + 1) * lanes))
+
+
+def test_balanced_rows_are_the_same_on_one_two_and_four_processes(
+    dataset: Path, runs: Runs
+) -> None:
+    """Every host orders each step's rows from all rows' sequence boundaries
+    and reads only its own; four processes save at step 3, one restores."""
+    expected = reference(dataset, range(5), BALANCED)
+    assert expected != reference(dataset, range(5)), "the rows move"
+    first = {k: expected[k] for k in ("0", "1", "2")}
+    for report in runs.reports["balanced_on_four"] + runs.reports["balanced_on_two"]:
+        assert report["steps"] == first
+    assert json.loads(runs.state("balanced").read_text())["step"] == 3
+    (restored,) = runs.reports["balanced_on_one"]
+    assert restored["steps"] == {k: expected[k] for k in ("3", "4")}

@@ -89,6 +89,12 @@ class BinRecords:
         cuts = np.searchsorted(row, np.arange(1, np.asarray(indices).size))
         return [part.tolist() for part in np.split(seqs, cuts)]
 
+    def segments(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(row, length)`` ``[m] int64``: each bin's sequences, truncated to ``seq_len``."""
+        row, seqs = self.sequences(indices)
+        start, stop = self.ft.sequence_bounds(seqs)
+        return row, np.minimum(stop - start, self.seq_len)
+
     def token_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The span ``(start, stop)`` ``[k] int64`` from a bin's first sequence to its last."""
         row, seqs = self.sequences(indices)

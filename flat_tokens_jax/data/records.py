@@ -44,7 +44,10 @@ class Records(Protocol):
     ``read``'s windows decode, as ``LoaderConfig.packing`` does. Records may
     also define ``request(indices, columns)``, which starts the reads of
     ``read(indices, columns)`` and returns a function that waits for them
-    (see :func:`request_windows`); the records of a split do.
+    (see :func:`request_windows`); the records of a split do. And
+    ``segments(indices)``, ``(row, length)`` ``[m] int64``: the segments (runs
+    of one nonzero segment id) of each record's row, in row order, from
+    sequence boundaries alone, never tokens; ``balance_groups`` needs it.
     """
 
     seq_len: int
@@ -195,6 +198,18 @@ class PackedRecords(_SplitRecords):
         start = as_indices(indices, "record indices").reshape(np.shape(indices)) * self.seq_len
         return start, start + self.seq_len
 
+    def segments(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        start = indices_below(indices, len(self), "record", self) * self.seq_len
+        inside, at = self.ft.starts_inside(start, start + self.seq_len)
+        # A row's segments run between its edges and the sequence starts inside it.
+        k = np.arange(start.size, dtype=np.int64)
+        row = np.concatenate([k, inside, k])
+        edge = np.concatenate([start, at, start + self.seq_len])
+        order = np.lexsort((edge, row))
+        row, edge = row[order], edge[order]
+        same = row[1:] == row[:-1]
+        return row[1:][same], np.diff(edge)[same]
+
     def request(
         self, indices: np.ndarray, columns: tuple[int, int] | None = None
     ) -> Callable[[], Windows]:
@@ -225,6 +240,10 @@ class PaddedRecords(_SplitRecords):
     def token_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         start, stop = self.ft.sequence_bounds(indices)
         return start, np.minimum(stop, start + self.seq_len)
+
+    def segments(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        start, stop = self.token_ranges(indices)
+        return np.arange(start.size, dtype=np.int64), stop - start
 
     def request(
         self, indices: np.ndarray, columns: tuple[int, int] | None = None

@@ -119,6 +119,14 @@ class LoaderConfig:
             component, with a mixture) holds its current window and the
             next, and at most every block of the data. A smaller budget
             drops blocks sooner and reads them again.
+        balance_groups: ``G``, the data-parallel groups of the batch axis (its
+            ``G`` contiguous equal row groups). Above 1, each step's rows are
+            ordered so that the groups carry near-equal attention work, a row
+            costing the sum of its segments' squared lengths; decided from
+            sequence boundaries alone, the same on every host, the step's rows
+            the same as without it (see docs/guide/multihost.md, "Long
+            context"). Every batch size must divide by it; not with
+            ``shuffle="blocks"``.
     """
 
     batch_size: BatchSizeSpec
@@ -142,6 +150,7 @@ class LoaderConfig:
     shuffle_block: int | None = None
     shuffle_window: int = 1
     block_cache_bytes: int | None = None
+    balance_groups: int = 1
 
     def __post_init__(self) -> None:
         path = "LoaderConfig."
@@ -164,6 +173,8 @@ class LoaderConfig:
                 "block cache holds the blocks of shuffle='blocks' only; set "
                 "shuffle='blocks', or leave block_cache_bytes None",
             )
+        if self.balance_groups > 1:
+            self._check_balance(path + "balance_groups")
         if self.instance_filter is not None:
             self.instance_filter.check_seq_len(self.seq_len, path + "instance_filter")
         check_max_segments(self.max_segments, self.seq_len, self.packing, path + "max_segments")
@@ -174,6 +185,24 @@ class LoaderConfig:
                     raise BadValue(
                         path + name, f"{value} is outside the vocabulary [0, {self.vocab_size})"
                     )
+
+    def _check_balance(self, path: str) -> None:
+        groups = self.balance_groups
+        if self.shuffle == fields.BLOCKS:
+            raise BadValue(
+                path,
+                f"is {groups}, but shuffle is 'blocks': a host of the block shuffle "
+                "reads its own lanes' blocks, which balanced rows would mix; set "
+                "shuffle=True, or balance_groups=1",
+            )
+        for step, size in self.schedule.entries:
+            if size % groups:
+                at = "" if self.schedule.constant is not None else f" (from step {step})"
+                raise BadValue(
+                    path,
+                    f"is {groups}, but batch_size {size}{at} does not split into "
+                    f"{groups} equal groups: choose sizes that {groups} divides",
+                )
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], path: str = "LoaderConfig") -> LoaderConfig:
@@ -222,10 +251,13 @@ class LoaderConfig:
 
     def batch_defining(self) -> dict[str, Any]:
         """The :data:`BATCH_DEFINING` fields, JSON-ready; ``instance_filter``
-        left out when off, the shuffle's block fields without ``shuffle="blocks"``."""
+        left out when off, ``balance_groups`` when 1, the shuffle's block
+        fields without ``shuffle="blocks"``."""
         values = {k: v for k, v in dataclasses.asdict(self).items() if k in BATCH_DEFINING}
         if self.instance_filter is None:
             del values["instance_filter"]
+        if self.balance_groups == 1:
+            del values["balance_groups"]
         if self.shuffle != fields.BLOCKS:
             del values["shuffle_block"], values["shuffle_window"]
         return {**values, "batch_size": self.schedule.spec(), "packing": self.packing.value}
@@ -243,6 +275,7 @@ BATCH_DEFINING = (
     "instance_filter",
     "shuffle_block",
     "shuffle_window",
+    "balance_groups",
 )
 """The fields that decide batch contents, which a saved state's fingerprint
 holds (``max_segments``, which caps a bins plan, is in the data's fingerprint
@@ -283,6 +316,7 @@ FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "shuffle_block": _POSITIVE,
     "shuffle_window": functools.partial(integer, low=1),
     "block_cache_bytes": _POSITIVE,
+    "balance_groups": functools.partial(integer, low=1),
 }
 """Each :class:`LoaderConfig` field's check alone: ``check(value, path)`` gives
 the value in its one form or raises ``BadValue`` naming ``path``."""

@@ -29,6 +29,7 @@ from flat_tokens_jax.decoding.sharding import HostBlocks, host_blocks_per_size
 from flat_tokens_jax.loader.blockcache import BlockCache
 from flat_tokens_jax.loader.deviceblocks import Blocks, DeviceBlocks
 from flat_tokens_jax.loader.sources import Sources
+from flat_tokens_jax.sampling.balance import attention_costs
 from flat_tokens_jax.sampling.steering import Steering
 from flat_tokens_jax.sampling.stepsamples import LOOKUP_AHEAD, StepSamples
 
@@ -93,8 +94,25 @@ class StepEngine:
             fixed = fixed if held is None else held.rows
             fixed.setflags(write=False)
             self._fixed = (held, fixed)
+        balance = None
+        if config.balance_groups > 1:
+            balance = (config.balance_groups, self._costs)
+            self._segments = [getattr(r, "segments", None) for r in self.components]
+            for name, records, segments in zip(
+                self.names, self.components, self._segments, strict=True
+            ):
+                if not callable(segments):
+                    raise TypeError(
+                        f"balance_groups needs each component's segment lengths, but "
+                        f"{name!r} ({records!r}) has no segments(indices)"
+                    )
         self.steps = StepSamples(
-            self.samplers, self.mixture, self.schedule, self.host_rows_at, config.num_epochs
+            self.samplers,
+            self.mixture,
+            self.schedule,
+            self.host_rows_at,
+            config.num_epochs,
+            balance=balance,
         )
         # Under the block shuffle, rows are taken from whole blocks, each read once.
         self.block_cache = (
@@ -137,6 +155,15 @@ class StepEngine:
     @property
     def num_batches(self) -> int | None:
         return self.steps.num_batches
+
+    def _costs(self, comp: np.ndarray, records: np.ndarray) -> np.ndarray:
+        """The attention cost of each record (of component ``comp``) as a row."""
+        out = np.zeros(comp.size, np.int64)
+        for c in np.unique(comp).tolist():
+            here = comp == c
+            row, length = self._segments[c](records[here])
+            out[here] = attention_costs(row, length, int(here.sum()))
+        return out
 
     def readers(self, step: int, rows: np.ndarray) -> Sequence[Records]:
         """What reads each component's records for ``rows`` at ``step`` (under the

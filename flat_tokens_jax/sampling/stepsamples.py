@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from flat_tokens_jax.core.values import integer
+from flat_tokens_jax.sampling.balance import balanced_rows
 from flat_tokens_jax.sampling.blocks import BlockSampler, Sampler, sample_of_row
 from flat_tokens_jax.sampling.mixture import Mixture
 from flat_tokens_jax.sampling.schedule import MAX_SAMPLE, BatchSchedule
@@ -25,12 +26,17 @@ LOOKUP_AHEAD = 8
 # A steering, whether it skips, the run's end (None: unbounded) and its last step.
 _Route = tuple[Steering, bool, int | None, int]
 
+# The balanced orders kept, of the data steps looked up last.
+BALANCED_KEPT = 64
+
 
 class StepSamples:
     """The records of a run's steps, from a sampler per component. Thread-safe.
     ``rows_at(step)``: the global rows this host reads, ``[k] int64``;
     ``num_epochs`` for messages; ``steering``: the trainer's skips and weight
-    changes (``None``: none)."""
+    changes (``None``: none); ``balance``: ``(groups, costs)``, each step's rows
+    in :func:`~flat_tokens_jax.sampling.balance.balanced_rows` order of
+    ``costs(component, record)`` (``[k] int64`` of real rows; ``None``: in order)."""
 
     def __init__(
         self,
@@ -40,8 +46,10 @@ class StepSamples:
         rows_at: Callable[[int], np.ndarray],
         num_epochs: int | None,
         steering: Steering | None = None,
+        balance: tuple[int, Callable[[np.ndarray, np.ndarray], np.ndarray]] | None = None,
     ) -> None:
         self.samplers, self.mixture, self.schedule = samplers, mixture, schedule
+        self.balance = balance
         first = samplers[0]
         self.lanes = first.lanes if isinstance(first, BlockSampler) else None
         self.rows_at, self.num_epochs = rows_at, num_epochs
@@ -72,6 +80,7 @@ class StepSamples:
         # Records of the steps after the last one found in order: see `records`.
         self._kept: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._last: int | None = None
+        self._orders: dict[int, np.ndarray] = {}  # a data step's first sample: its order
 
     def data_step(self, step: int) -> int:
         """The data step that ``step`` (an int >= 0) reads."""
@@ -120,17 +129,44 @@ class StepSamples:
                 f"steps ({self.num_epochs} epoch(s) of "
                 f"{self.samplers[0].num_records} records)"
             )
+        if self.balance is not None:
+            rows = self._balanced(first, size, route)[rows]
         if self.lanes is not None:
             rows = sample_of_row(rows, size, self.lanes)
         g = np.int64(first) + rows
         return g, (np.ones(g.shape, bool) if total is None else g < total)
 
-    def lookup(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(component, record, epoch)`` ``[k] int64`` of global samples ``g``."""
+    def _balanced(self, first: int, size: int, route: _Route) -> np.ndarray:
+        """The balanced order of the batch of samples ``[first, first + size)``,
+        from every row's cost (the same on every host)."""
+        order = self._orders.get(first)
+        if order is not None:
+            return order
+        assert self.balance is not None
+        groups, costs = self.balance
+        g = np.arange(first, first + size, dtype=np.int64)
+        real = g < self._total if self._total is not None else np.ones(size, bool)
+        comp, records, _ = self.lookup(g[real], route[0])
+        cost = np.zeros(size, np.int64)
+        cost[real] = costs(comp, records)
+        order = balanced_rows(cost, groups)
+        order.setflags(write=False)
+        with self._lock:
+            if self._route is route:  # else steered meanwhile: not kept
+                if len(self._orders) >= BALANCED_KEPT:
+                    del self._orders[next(iter(self._orders))]
+                self._orders[first] = order
+        return order
+
+    def lookup(
+        self, g: np.ndarray, steering: Steering | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(component, record, epoch)`` ``[k] int64`` of global samples ``g``
+        (routed by ``steering``; ``None``: the current one)."""
         if self.mixture is None:
             zeros = np.zeros(g.shape, np.int64)
             return zeros, self.samplers[0].records(g), self.samplers[0].epochs(g)
-        comp, sample = self.steering.route(g)
+        comp, sample = (steering or self.steering).route(g)
         record, epoch = np.empty_like(sample), np.empty_like(sample)
         for c in np.unique(comp).tolist():
             here = comp == c

@@ -314,6 +314,70 @@ def checked_windows(
     return Windows(encoded, lengths=lengths, stored_mask=mask)
 
 
+def chunk_fields(
+    windows: np.ndarray,
+    lengths: np.ndarray,
+    first: int,
+    before: tuple[np.ndarray, np.ndarray],
+    *,
+    start_token_id: int = 0,
+    pad_id: int = 0,
+    stored_mask: np.ndarray | None = None,
+) -> dict[str, np.ndarray]:
+    """The five fields of columns ``[first, first + w)`` of rows, from those
+    columns alone: equal to the whole rows' fields (packed, padded or bins) there.
+
+    ``windows`` ``[k, w + 1] uint32``: column 0 the token before column
+    ``first`` (0 before a row's column 0); ``lengths`` ``[k]`` each row's tokens
+    before its padding (``seq_len`` for packed windows, 0 for a padding row);
+    ``before``: the segment id and position of column ``first - 1`` of each row
+    (:func:`run_carry`); ``stored_mask`` ``[k, w]``."""
+    w = _encoded(windows, "windows", min_cols=2)
+    seg_before, pos_before = before
+    col = np.arange(first, first + w.shape[1] - 1, dtype=np.int32)
+    start = (w[:, 1:] & 1) == 1
+    targets = (w[:, 1:] >> 1).astype(np.int32)
+    before_token = np.empty_like(targets)
+    before_token[:, 1:], before_token[:, 0] = targets[:, :-1], w[:, 0] >> 1
+    inputs = np.where(start, _int32("start_token_id", start_token_id), before_token)
+    runs = start | (col == 0)
+    segment_ids = (np.cumsum(runs, axis=1) + seg_before[:, None]).astype(np.int32)
+    last = np.maximum.accumulate(np.where(runs, col, -1), axis=1)
+    after = pos_before[:, None] + 1 + col - first
+    positions = np.where(last >= 0, col - last, after).astype(np.int32)
+    pad = col >= np.asarray(lengths)[:, None]
+    loss_mask = ~pad if stored_mask is None else ~pad & (np.asarray(stored_mask) != 0)
+    pad_value = _int32("pad_id", pad_id)
+    for values, fill in ((inputs, pad_value), (targets, pad_value), (segment_ids, 0)):
+        values[pad] = fill
+    positions[pad] = 0
+    return {
+        "inputs": inputs,
+        "targets": targets,
+        "segment_ids": segment_ids,
+        "positions": positions,
+        "loss_mask": loss_mask,
+    }
+
+
+def run_carry(
+    row: np.ndarray, length: np.ndarray, rows: int, col: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The segment id and position ``[rows] int32`` at column ``col`` of rows
+    whose segments are ``(row, length)`` (:meth:`Records.segments`, in row
+    order); ``(0, -1)`` at column -1."""
+    if col < 0:
+        return np.zeros(rows, np.int32), np.full(rows, -1, np.int32)
+    row, length = np.asarray(row, np.int64), np.asarray(length, np.int64)
+    totals = np.bincount(row, length, rows).astype(np.int64)
+    start = np.cumsum(length) - length - (np.cumsum(totals) - totals)[row]
+    begun = start <= col
+    seg = np.bincount(row[begun], minlength=rows).astype(np.int32)
+    last = np.zeros(rows, np.int64)
+    np.maximum.at(last, row[begun], start[begun])
+    return seg, (col - last).astype(np.int32)
+
+
 def padding_fields(num_rows: int, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
     """The five fields of ``num_rows`` padding rows."""
     shape = (num_rows, seq_len)

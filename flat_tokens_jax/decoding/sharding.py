@@ -133,6 +133,26 @@ class HostBlocks:
 
         return {k: make(k, v) for k, v in host.items()}
 
+    def assemble_fields(
+        self, data: Mapping[Block, Mapping[str, np.ndarray]]
+    ) -> dict[str, jax.Array]:
+        """Global arrays from fields decoded block by block (``data[b][key]``:
+        block ``b``'s rows and columns, or its rows of a per-row field)."""
+        by_rows = {b.rows: fields for b, fields in data.items()}
+
+        def make(key: str, example: np.ndarray) -> jax.Array:
+            if key not in WHOLE_ROWS:
+                pieces = lambda index: data[_block(index, self.shape)][key]  # noqa: E731
+                return jax.make_array_from_callback(self.shape, self.sharding, pieces)
+            shape = (self.shape[0], *example.shape[1:])
+
+            def rows(index: tuple[slice, ...] | None) -> np.ndarray:
+                return by_rows[_block(index, (shape[0], 1)).rows][key]
+
+            return jax.make_array_from_callback(shape, self.rows_sharding(example.ndim), rows)
+
+        return {key: make(key, value) for key, value in next(iter(data.values())).items()}
+
     def rows_sharding(self, ndim: int = 2) -> jax.sharding.Sharding:
         """The sharding's split of the batch axis alone, for ``ndim`` dimensions."""
         if not isinstance(self.sharding, NamedSharding):

@@ -1,6 +1,9 @@
 """A step's blocks for decoding on the devices (``decode="device"``, or the
 sequence dimension sharded): each block of this host's devices read as encoded
-tokens (its columns only), and decoded into global ``jax.Array``\\ s there.
+tokens (its columns only), and decoded into global ``jax.Array``\\ s there;
+or, the sequence dimension sharded and decoded on the host, each block decoded
+here from its columns alone (the rows' sequence boundaries give the segment id
+and position its columns continue), so no host or device gathers a row.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records
+from flat_tokens_jax.decoding.batch import FIELDS, chunk_fields, padding_fields, run_carry
 from flat_tokens_jax.decoding.hostdecode import row_sources
 from flat_tokens_jax.decoding.sharding import Block, BlockData, HostBlocks, host_blocks_per_size
 from flat_tokens_jax.loader.sources import Sources
@@ -24,17 +28,15 @@ from flat_tokens_jax.sampling.stepsamples import StepSamples
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
-    """A step's blocks read on this host, still to be decoded on the devices."""
+    """A step's blocks read on this host: encoded, to be decoded on the devices,
+    or their fields decoded here (``decoded``); ``sources`` ``[k] int32`` the
+    run-wide source of each of this host's rows (``host_blocks.rows``), ``-1``
+    for padding."""
 
     host_blocks: HostBlocks
-    data: dict[Block, BlockData]
-
-    @property
-    def sources(self) -> np.ndarray:
-        """``[k] int32`` the run-wide source of each of this host's rows
-        (``host_blocks.rows``), ``-1`` for padding."""
-        by_rows = {b.rows: self.data[b].source for b in sorted(self.data)}
-        return np.concatenate(list(by_rows.values()))
+    data: dict[Block, Any]
+    sources: np.ndarray
+    decoded: bool = False
 
 
 class DeviceBlocks:
@@ -55,6 +57,17 @@ class DeviceBlocks:
         self.components, self.steps, self.sharding = sources.components, steps, sharding
         self.config, self.layout = config, config.batch_layout
         self._host_blocks = host_blocks if sharding is not None else None
+        segments = [getattr(r, "segments", None) for r in sources.components]
+        # Decoded here from its columns alone: what a block needs of whole rows is known.
+        self.here = (
+            config.decode == "host"
+            and config.instance_filter is None
+            and self.layout.max_segments is None
+            and self.layout.name != "tokens"
+            and all(map(callable, segments))
+        )
+        self._segments = segments
+        self._start_token_id = sources.start_token_id
         # Whether a step ships a stored loss mask: unless every component is
         # a split known to store none (custom records may).
         self._ships_mask = not all(map(_stores_no_mask, sources.components))
@@ -79,12 +92,16 @@ class DeviceBlocks:
             )
         return held
 
-    def read(self, step: int, held: HostBlocks) -> Blocks:
-        data = {b: self._block_data(step, b) for b in held.blocks}
-        if self.layout.max_segments is not None:
+    def read(self, step: int, held: HostBlocks, here: bool = False) -> Blocks:
+        """The blocks of ``step``; ``here``: decoded on this host (see the module)."""
+        read = self._block_fields if here else self._block_data
+        found = {b: read(step, b) for b in held.blocks}
+        data = {b: d for b, (d, _) in found.items()}
+        if self.layout.max_segments is not None and not here:
             where = f"step {step}"
             self.layout.check_blocks(data, self.config.seq_len, self.config.packing, where)
-        return Blocks(held, data)
+        by_rows = {b.rows: source for b, (_, source) in sorted(found.items())}
+        return Blocks(held, data, np.concatenate(list(by_rows.values())), here)
 
     def encoded(self, step: int) -> dict[str, jax.Array]:
         """``Loader.encoded_batch``: ``encoded`` ``[batch_size, seq_len] uint32``
@@ -105,7 +122,49 @@ class DeviceBlocks:
         """The fields of ``blocks``; it runs collectives: call it in step order."""
         return blocks.host_blocks.assemble_blocks(blocks.data, **self._decoding)
 
-    def _block_data(self, step: int, block: Block) -> BlockData:
+    def _block_fields(self, step: int, block: Block) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """A block's layout, decoded here from its columns alone, and its rows' sources."""
+        rows = np.arange(*block.rows, dtype=np.int64)
+        g, real = self.steps.samples(step, rows)
+        comp, records, _ = self.steps.lookup(g[real])
+        (c0, c1), seq_len = block.cols, self.config.seq_len
+        out = padding_fields(rows.size, c1 - c0, self.config.pad_id)
+        row_starts = np.zeros(rows.size, bool)
+        at, readers = np.flatnonzero(real), self._readers(step, rows)
+        for c in np.unique(comp).tolist():
+            mine, idx = at[comp == c], records[comp == c]
+            run_row, run_length = self._segments[c](idx)
+            packing = self.components[c].packing
+            lengths = np.full(idx.size, seq_len)
+            if packing is not Packing.WINDOWS:
+                lengths = np.bincount(run_row, run_length, idx.size).astype(np.int64)
+            # A padded row's read holds no token before its columns: read one more.
+            early = int(packing is Packing.PADDED and c0 > 0)
+            windows = readers[c].read(idx, columns=(c0 - early, c1))
+            encoded, mask = windows.encoded, windows.stored_mask
+            if packing is Packing.PADDED:
+                if not early:
+                    encoded = np.pad(encoded, ((0, 0), (1, 0)))
+                elif mask is not None:
+                    mask = mask[:, 1:]
+            carry = run_carry(run_row, run_length, idx.size, c0 - 1)
+            fields = chunk_fields(
+                encoded,
+                lengths,
+                c0,
+                carry,
+                start_token_id=self._start_token_id,
+                pad_id=self.config.pad_id,
+                stored_mask=mask,
+            )
+            for key in FIELDS:
+                out[key][mine] = fields[key]
+            row_starts[mine] = (encoded[:, 1] & 1) == 1
+        sources = row_sources(comp, real, self.source_ids)
+        where = f"step {step}"
+        return self.layout.apply(out, row_starts, where=where, sources=sources), sources
+
+    def _block_data(self, step: int, block: Block) -> tuple[BlockData, np.ndarray]:
         g, real = self.steps.samples(step, np.arange(*block.rows, dtype=np.int64))
         comp, records, _ = self.steps.lookup(g[real])
         n, width = g.size, block.cols[1] - block.cols[0]
@@ -129,7 +188,7 @@ class DeviceBlocks:
             if windows.stored_mask is not None and mask is not None:
                 mask[rows] = windows.stored_mask
         sources = row_sources(comp, real, self.source_ids)
-        return BlockData(encoded, before, lengths, mask, real, sources)
+        return BlockData(encoded, before, lengths, mask, real, sources), sources
 
 
 def _stores_no_mask(records: Records) -> bool:

@@ -201,6 +201,8 @@ class StepEngine:
         as the call that decodes them on the devices (it runs collectives across
         hosts: call it in step order). Safe in any thread."""
         if isinstance(part, Blocks):
+            if part.decoded:
+                return part.host_blocks.assemble_fields(part.data)
             return functools.partial(self.blocks.decode, part)
         fields = self.fields(part, step, threads)
         if host:
@@ -223,7 +225,7 @@ class StepEngine:
         device = self.config.decode == "device"
         held = self.blocks.host_blocks_at(step) if device else self.host_blocks_at(step)
         if held is not None and (device or held.columns_sharded):
-            blocks = self.blocks.read(step, held)
+            blocks = self.blocks.read(step, held, here=not device and self.blocks.here)
             return lambda: blocks
         return self.request_rows(step, self.host_rows_at(step), ahead)
 

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from commands import run_main
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
@@ -278,3 +279,28 @@ def test_positions_and_segments_still_say_which_tokens_attend() -> None:
         s = b["segment_ids"][row]
         want = {(q, k) for q, k in pairs if s[q] == s[k] != 0 and k <= q}
         assert got == want
+
+
+def test_show_prints_the_stored_order_and_the_filter_reads_it(tmp_path: Any) -> None:
+    """``flat-tokens show`` of a run with ``context_parallel`` prints its rows
+    as the plain run's (text reads as written), and the instance filter's
+    rejections it reports are the plain run's."""
+    url = memory_url("zigzag-show")
+    rng = np.random.default_rng(5)
+    seqs = [[7] * 40, *(rng.integers(1, 99, 20).tolist() for _ in range(6)), [9] * 30]
+    ftj.write_dataset(url, {"train": seqs})
+    rule = ftj.InstanceFilter(max_period=3, max_count=4)
+    shown = []
+    for c in (1, 2):
+        cfg = ftj.LoaderConfig(4, 16, shuffle=False, instance_filter=rule, context_parallel=c)
+        loader = ftj.Loader(ftj.open_dataset(url)["train"], cfg)
+        (tmp_path / f"{c}.json").write_text(json.dumps(loader.state()))
+        code, out, err = run_main(
+            "show", "--state", str(tmp_path / f"{c}.json"), "--step", "0", "--json"
+        )
+        assert code == 0, err
+        shown.append(json.loads(out))
+    assert shown[1]["config"]["context_parallel"] == 2
+    assert shown[1]["rows"] == shown[0]["rows"]
+    assert any(r.get("filtered") for r in shown[0]["rows"])
+    assert not all(r.get("filtered") for r in shown[0]["rows"])

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from flat_tokens_jax.data.bins import BinRecords
     from flat_tokens_jax.data.dataset import Dataset, FlatTokens, open_dataset
     from flat_tokens_jax.decoding.instancefilter import InstanceFilter
+    from flat_tokens_jax.decoding.layouts import zigzag_order
     from flat_tokens_jax.decoding.persource import per_source
     from flat_tokens_jax.loader.config import LoaderConfig
     from flat_tokens_jax.store.identity import DatasetInfo, TokenizerInfo
@@ -57,6 +58,7 @@ _HOMES = {
     "data.validation": ("summary", "validate"),
     "data.writer": ("DatasetWriter", "write_dataset"),
     "decoding.instancefilter": ("InstanceFilter",),
+    "decoding.layouts": ("zigzag_order",),
     "decoding.persource": ("per_source",),
     "loader.config": ("LoaderConfig",),
     "loader.loader": ("Loader",),
@@ -120,6 +122,7 @@ __all__ = [
     "summary",
     "validate",
     "write_dataset",
+    "zigzag_order",
 ]
 
 

@@ -33,7 +33,8 @@ FLAGS = ("loss_mask", "sequence_start")
 class BatchLayout:
     """What a batch holds (the fields of each: docs/guide/loading.md): ``name``
     one of :data:`LAYOUTS`, ``max_segments`` (the width of ``segment_lengths``,
-    each row's run lengths), ``sequence_start``, ``source``; ``plain``: the five
+    each row's run lengths), ``sequence_start``, ``source``, ``context_parallel``
+    (``[B, L]`` fields in :func:`zigzag_order` when above 1); ``plain``: the five
     fields as decoded. A run is a maximal stretch of one segment id, and a new
     one begins at every sequence start (padding is a run of its own).
 
@@ -56,6 +57,7 @@ class BatchLayout:
     max_segments: int | None = None
     sequence_start: bool = False
     source: bool = False
+    context_parallel: int = 1
     plain: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -64,7 +66,9 @@ class BatchLayout:
         object.__setattr__(self, "max_segments", m)
         object.__setattr__(self, "sequence_start", boolean(self.sequence_start, "sequence_start"))
         object.__setattr__(self, "source", boolean(self.source, "source_field"))
-        extra = m is not None or self.sequence_start or self.source
+        c = integer(self.context_parallel, "context_parallel", low=1)
+        object.__setattr__(self, "context_parallel", c)
+        extra = m is not None or self.sequence_start or self.source or c > 1
         object.__setattr__(self, "plain", self.name == "fields" and not extra)
 
     def widths(self, seq_len: int) -> dict[str, int]:
@@ -151,6 +155,9 @@ class BatchLayout:
             if sources is None:
                 raise ValueError("a layout with source needs each row's source (sources=)")
             out["source"] = xp.asarray(sources, dtype=xp.int32)
+        if self.context_parallel > 1:
+            c = self.context_parallel
+            out = {k: v if k in WHOLE_ROWS else _zigzag(v, c, xp) for k, v in out.items()}
         return out
 
     def check_blocks(
@@ -192,6 +199,51 @@ def check_max_segments(max_segments: int | None, seq_len: int, packing: Packing,
             f"must be <= seq_len ({seq_len:,}): a row of {seq_len:,} columns holds at most "
             f"{seq_len:,} runs, got {max_segments:,}; set max_segments <= {seq_len:,}",
         )
+
+
+def check_context_parallel(context_parallel: int, seq_len: int, layout: str, path: str) -> None:
+    """Refuses a ``context_parallel`` (at ``path``) above 1 that does not cut
+    ``seq_len`` into ``2 * context_parallel`` equal chunks, or with ``layout="tokens"``."""
+    c = context_parallel
+    if c > 1 and layout == "tokens":
+        raise BadValue(
+            path,
+            f"is {c}, but layout is 'tokens': a [B, L + 1] row the trainer shifts "
+            "itself has no zigzag order; use layout='fields', or context_parallel 1",
+        )
+    if c > 1 and seq_len % (2 * c):
+        raise BadValue(
+            path,
+            f"is {c}: it splits a row into {2 * c} equal chunks, but seq_len {seq_len} "
+            f"is not a multiple of {2 * c}; set seq_len to a multiple of {2 * c}",
+        )
+
+
+def zigzag_order(seq_len: int, context_parallel: int) -> np.ndarray:
+    """``[seq_len] int64``: the columns of a batch in the order ``context_parallel``
+    lays them out (``batch_cp[:, j] == batch[:, order[j]]``).
+
+    The sequence axis is cut into ``2C`` equal chunks laid out in the order
+    ``0, 2C-1, 1, 2C-2, ..., C-1, C``, so a contiguous split over ``C``
+    context-parallel ranks gives rank ``i`` the chunks ``i`` and ``2C-1-i``:
+    under causal attention, one cheap chunk and one costly one each.
+
+    Example:
+        >>> zigzag_order(8, 2).tolist()
+        [0, 1, 6, 7, 2, 3, 4, 5]
+    """
+    seq_len = integer(seq_len, "seq_len", low=1)
+    c = integer(context_parallel, "context_parallel", low=1)
+    check_context_parallel(c, seq_len, "fields", "context_parallel")
+    return np.asarray(_zigzag(np.arange(seq_len, dtype=np.int64)[None], c, np)[0])
+
+
+def _zigzag(values: Any, c: int, xp: Any) -> Any:
+    """``values`` ``[B, L]`` in :func:`zigzag_order`, with no gather (a reverse,
+    so it keeps any sharding of the batch axis inside ``jax.jit``)."""
+    b, length = values.shape
+    halves = values.reshape(b, 2, c, length // (2 * c))
+    return xp.stack([halves[:, 0], halves[:, 1, ::-1]], axis=2).reshape(b, length)
 
 
 def sequence_starts(segment_ids: Any, positions: Any, row_starts: Any, xp: Any = np) -> Any:

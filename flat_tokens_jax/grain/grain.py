@@ -31,7 +31,11 @@ from flat_tokens_jax.decoding.hostdecode import (
     row_sources,
 )
 from flat_tokens_jax.decoding.instancefilter import FilteredRows, InstanceFilter
-from flat_tokens_jax.decoding.layouts import BatchLayout, check_max_segments
+from flat_tokens_jax.decoding.layouts import (
+    BatchLayout,
+    check_context_parallel,
+    check_max_segments,
+)
 from flat_tokens_jax.loader.config import LoaderConfig, resolve_start_token_id
 from flat_tokens_jax.loader.grainprocess import prepare_grain
 from flat_tokens_jax.loader.reopen import Keep, Reopen
@@ -63,7 +67,7 @@ class FlatTokensSource:
         options: how to reach the store at a URL (unpickled copies open their
             own ``context``); or its fields as keywords (``**option_fields``).
         start_token_id, pad_id, layout, max_segments, sequence_start,
-            source_field, instance_filter: as ``LoaderConfig``'s, for each
+            source_field, instance_filter, context_parallel: as ``LoaderConfig``'s, for each
             element and :meth:`read_batch` alike (``source`` is 0, the index in
             :attr:`source_names`).
 
@@ -97,6 +101,7 @@ class FlatTokensSource:
         sequence_start: bool = False,
         source_field: bool = False,
         instance_filter: InstanceFilter | None = None,
+        context_parallel: int = 1,
         **option_fields: Any,
     ) -> None:
         start_token_id = fields.token_id(start_token_id, "start_token_id", optional=True)
@@ -104,11 +109,15 @@ class FlatTokensSource:
         self.instance_filter = InstanceFilter.of(instance_filter)
         if option_fields or options is not None:
             options = resolve_options(options, option_fields, "FlatTokensSource")
-        self.layout = BatchLayout(layout, max_segments, sequence_start, source_field)
+        self.layout = BatchLayout(
+            layout, max_segments, sequence_start, source_field, context_parallel
+        )
         args = (seq_len, packing, split, options, plan_cache, max_segments)
         records = as_records(source, *args)
         if self.instance_filter is not None:
             self.instance_filter.check_seq_len(records.seq_len, "instance_filter")
+        cp = self.layout.context_parallel
+        check_context_parallel(cp, records.seq_len, layout, "context_parallel")
         if len(records) == 0:
             raise ValueError(
                 f"{records!r} has no records: the split holds fewer than "
@@ -131,6 +140,7 @@ class FlatTokensSource:
         shape = "" if self.layout.plain else f", layout={layout!r}, max_segments={max_segments}"
         shape += ", sequence_start=True" if sequence_start else ""
         shape += ", source_field=True" if source_field else ""
+        shape += f", context_parallel={cp}" if cp > 1 else ""
         self._repr = (
             f"FlatTokensSource({records!r}, start_token_id={self.start_token_id}, pad_id={pad_id}"
             f"{rule}{shape})"

@@ -18,7 +18,12 @@ from flat_tokens_jax.core.yamlfile import read_yaml
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records, check_source
 from flat_tokens_jax.decoding.instancefilter import InstanceFilter
-from flat_tokens_jax.decoding.layouts import LAYOUTS, BatchLayout, check_max_segments
+from flat_tokens_jax.decoding.layouts import (
+    LAYOUTS,
+    BatchLayout,
+    check_context_parallel,
+    check_max_segments,
+)
 from flat_tokens_jax.sampling.blocks import lanes
 from flat_tokens_jax.sampling.mixture import config_records
 from flat_tokens_jax.sampling.schedule import BatchSchedule, BatchSizeSpec
@@ -127,6 +132,14 @@ class LoaderConfig:
             the same as without it (see docs/guide/multihost.md, "Long
             context"). Every batch size must divide by it; not with
             ``shuffle="blocks"``.
+        context_parallel: ``C``, the context-parallel ranks a trainer splits
+            the sequence axis over. Above 1, every ``[B, L]`` field is laid out
+            in :func:`~flat_tokens_jax.zigzag_order` (``2C`` equal chunks in
+            the order ``0, 2C-1, 1, 2C-2, ..., C-1, C``), so a contiguous split
+            over ``C`` ranks gives rank ``i`` chunks ``i`` and ``2C-1-i``:
+            equal causal-attention work on each. ``positions`` and
+            ``segment_ids`` keep each token's own values. ``seq_len`` must be
+            a multiple of ``2C``; not with ``layout="tokens"``.
     """
 
     batch_size: BatchSizeSpec
@@ -151,6 +164,7 @@ class LoaderConfig:
     shuffle_window: int = 1
     block_cache_bytes: int | None = None
     balance_groups: int = 1
+    context_parallel: int = 1
 
     def __post_init__(self) -> None:
         path = "LoaderConfig."
@@ -178,6 +192,8 @@ class LoaderConfig:
         if self.instance_filter is not None:
             self.instance_filter.check_seq_len(self.seq_len, path + "instance_filter")
         check_max_segments(self.max_segments, self.seq_len, self.packing, path + "max_segments")
+        cp = path + "context_parallel"
+        check_context_parallel(self.context_parallel, self.seq_len, self.layout, cp)
         if self.vocab_size is not None:
             for name in ("start_token_id", "pad_id"):
                 value = getattr(self, name)
@@ -239,7 +255,13 @@ class LoaderConfig:
 
     @property
     def batch_layout(self) -> BatchLayout:
-        return BatchLayout(self.layout, self.max_segments, self.sequence_start, self.source_field)
+        return BatchLayout(
+            self.layout,
+            self.max_segments,
+            self.sequence_start,
+            self.source_field,
+            self.context_parallel,
+        )
 
     def batch_size_at(self, step: int) -> int:
         return self.schedule.size(step)
@@ -251,13 +273,14 @@ class LoaderConfig:
 
     def batch_defining(self) -> dict[str, Any]:
         """The :data:`BATCH_DEFINING` fields, JSON-ready; ``instance_filter``
-        left out when off, ``balance_groups`` when 1, the shuffle's block
-        fields without ``shuffle="blocks"``."""
+        left out when off, ``balance_groups`` and ``context_parallel`` when 1,
+        the shuffle's block fields without ``shuffle="blocks"``."""
         values = {k: v for k, v in dataclasses.asdict(self).items() if k in BATCH_DEFINING}
         if self.instance_filter is None:
             del values["instance_filter"]
-        if self.balance_groups == 1:
-            del values["balance_groups"]
+        for name in ("balance_groups", "context_parallel"):
+            if getattr(self, name) == 1:
+                del values[name]
         if self.shuffle != fields.BLOCKS:
             del values["shuffle_block"], values["shuffle_window"]
         return {**values, "batch_size": self.schedule.spec(), "packing": self.packing.value}
@@ -276,6 +299,7 @@ BATCH_DEFINING = (
     "shuffle_block",
     "shuffle_window",
     "balance_groups",
+    "context_parallel",
 )
 """The fields that decide batch contents, which a saved state's fingerprint
 holds (``max_segments``, which caps a bins plan, is in the data's fingerprint
@@ -317,6 +341,7 @@ FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "shuffle_window": functools.partial(integer, low=1),
     "block_cache_bytes": _POSITIVE,
     "balance_groups": functools.partial(integer, low=1),
+    "context_parallel": functools.partial(integer, low=1),
 }
 """Each :class:`LoaderConfig` field's check alone: ``check(value, path)`` gives
 the value in its one form or raises ``BadValue`` naming ``path``."""

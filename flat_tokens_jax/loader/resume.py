@@ -32,12 +32,13 @@ def differences(
     ``fp`` (of one phase, saved at ``step``) that keeps it from resuming with
     this ``fingerprint`` and ``schedule`` (none: it resumes)."""
     out: list[str] = []
-    # A fingerprint holds instance_filter only when the filter is on
-    # (LoaderConfig.batch_defining): absent on either side, it is off.
+    # A fingerprint holds instance_filter, balance_groups and context_parallel
+    # only when on (LoaderConfig.batch_defining): absent on either side, off.
+    off = {"instance_filter": None, "balance_groups": 1, "context_parallel": 1}
     was = {k: v for k, v in fp.items() if k != "batch_size"}
-    was["config"] = {"instance_filter": None, **fp["config"]}
+    was["config"] = {**off, **fp["config"]}
     now = {k: v for k, v in fingerprint.items() if k != "batch_size"}
-    now["config"] = {"instance_filter": None, **fingerprint["config"]}
+    now["config"] = {**off, **fingerprint["config"]}
     kind = _kind_difference(was["data"], now["data"])
     if kind:
         out.append(kind)

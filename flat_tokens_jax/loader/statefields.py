@@ -29,7 +29,13 @@ SKIP_COUNT = functools.partial(integer, low=1, high=fields.MAX_STEP)
 """The check of the batches a skip passes over: an int in ``[1, 2**63 - 1]``."""
 _COUNT = functools.partial(integer, low=0, high=MAX_PERIOD)  # a component's samples per period
 # Fields a saved config holds only when on: absent, they are off.
-_WHEN_ON = ("instance_filter", "shuffle_block", "shuffle_window", "balance_groups")
+_WHEN_ON = (
+    "instance_filter",
+    "shuffle_block",
+    "shuffle_window",
+    "balance_groups",
+    "context_parallel",
+)
 _URL_SOURCE = {
     "name": "the component's name (a string)",
     "url": "the dataset URL (a string)",

@@ -25,6 +25,7 @@ from flat_tokens_jax.core.values import BadValue, known_keys
 from flat_tokens_jax.data.dataset import FlatTokens, open_dataset
 from flat_tokens_jax.data.records import recorded_info
 from flat_tokens_jax.decoding.batch import FIELDS
+from flat_tokens_jax.decoding.layouts import zigzag_order
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.loader import Loader
 from flat_tokens_jax.loader.state import SavedState
@@ -273,8 +274,13 @@ def parse_rows(text: str | None, batch_size: int) -> list[int]:
 
 def rows_of(loader: Loader, step: int, rows: Sequence[int]) -> list[dict[str, Any]]:
     """Provenance and the five fields of ``rows`` of ``step``, JSON-ready (a row
-    the ``instance_filter`` rejected holds ``"filtered": True``)."""
+    the ``instance_filter`` rejected holds ``"filtered": True``), in the stored
+    column order whatever ``context_parallel``, so that text reads as written."""
     batch = loader.host_batch(step)
+    config = loader.locate(step)[0].config
+    if config.context_parallel > 1:
+        back = np.argsort(zigzag_order(config.seq_len, config.context_parallel))
+        batch = {k: batch[k][:, back] for k in FIELDS}
     provenance = loader.provenance(step)
     at = {int(r): i for i, r in enumerate(loader.host_rows_at(step))}
     rule = loader.config.instance_filter

@@ -73,14 +73,15 @@ def run(config: dict[str, Any], job: dict[str, Any], pid: int) -> dict[str, Any]
         "blocks": [[list(b.rows), list(b.cols)] for b in first.host_blocks.blocks],
     }
     start = loader.next_step
-    before = ft.bytes_read
+    tokens = ft.checked[ft.tokens_name]  # not seq_starts, which sequence shards also read
+    before = tokens.data_bytes
     # XLA:CPU runs each of a process's 2 devices on its own: without a wait for
     # each program's outputs, one device can start the next program's gloo
     # collectives while the other still runs this one's, and the peers see
     # the two programs' messages mixed (jax 0.6: "op.preamble.length <=
     # op.nbytes" aborts, or a hang).
     jax.block_until_ready(loader.batch(start))
-    report["bytes_read_one_step"] = ft.bytes_read - before
+    report["token_bytes_one_step"] = tokens.data_bytes - before
     for step, batch in loader.iterate():
         jax.block_until_ready(batch)
         gathered = {

@@ -258,7 +258,7 @@ def test_four_processes_read_one_s3_store_through_a_proxy(dataset: Path, tmp_pat
     assert rows == list(range(16)), "every row is read by exactly one host"
     full = LOADER["batch_size"] * (LOADER["seq_len"] + 1) * 4
     for report in reports:
-        assert report["bytes_read_one_step"] == full // 4
+        assert report["token_bytes_one_step"] == full // 4
 
 
 # Blocks of 3 inner chunks of PROBE tokens, shards of 3 blocks: a block's
@@ -347,7 +347,7 @@ def test_global_batches_equal_the_single_process_batches(
     assert rows == list(range(16)), "every row is read by exactly one host"
     full = LOADER["batch_size"] * (LOADER["seq_len"] + 1) * 4
     for report in reports:
-        assert report["bytes_read_one_step"] == full // processes
+        assert report["token_bytes_one_step"] == full // processes
 
 
 def test_hosts_steered_mid_run_equal_one_process_steered_the_same(
@@ -407,7 +407,7 @@ def test_sequence_sharded_hosts_read_only_their_columns(dataset: Path, runs: Run
     half = LOADER["seq_len"] // 2
     for pid, report in enumerate(reports):
         assert {tuple(b[1]) for b in report["blocks"]} == {(pid * half, (pid + 1) * half)}
-        assert report["bytes_read_one_step"] == LOADER["batch_size"] * (half + 1) * 4
+        assert report["token_bytes_one_step"] == LOADER["batch_size"] * (half + 1) * 4
 
 
 def test_bins_on_hosts_equal_the_single_process_bins(dataset: Path, runs: Runs) -> None:
@@ -522,3 +522,65 @@ def test_balanced_rows_are_the_same_on_one_two_and_four_processes(
     assert json.loads(runs.state("balanced").read_text())["step"] == 3
     (restored,) = runs.reports["balanced_on_one"]
     assert restored["steps"] == {k: expected[k] for k in ("3", "4")}
+
+
+# Rows of 8 inner chunks (PROBE tokens each), 8 rows a shard; 2 processes hold
+# the 4 column blocks of a zigzag batch with context_parallel=2: process 0
+# the rows' chunks 0 and 3 (columns [0, L/4) and [3L/4, L)), process 1 chunks
+# 1 and 2. The whole batch on every process (rows unsharded).
+CHUNKED = {"batch_size": 4, "seq_len": 8 * PROBE, "seed": 2, "prefetch": 0, "context_parallel": 2}
+
+
+@pytest.mark.remote
+def test_each_process_reads_only_its_sequence_chunks_counted_at_its_proxy(tmp_path: Path) -> None:
+    """Two processes read zigzag sequence chunks from moto's S3 server, each
+    through a proxy of its own that records the byte ranges it forwards: each
+    reads exactly the store chunks of its columns of each row (and of the
+    token before each run of them), decodes them with no gather, and builds the
+    single-process batches."""
+    rng = np.random.default_rng(8)
+    tokens = 40 * CHUNKED["seq_len"] + 1
+    seqs = np.split(rng.integers(0, 30000, tokens), np.sort(rng.choice(tokens - 1, 90) + 1))
+    storage = ftj.StorageFormat(chunk_tokens=PROBE, shard_tokens=64 * PROBE)
+    ftj.write_dataset(tmp_path / "ds", {"train": seqs}, storage_format=storage)
+    with moto_s3() as base:
+        direct = {"endpoint": base, "region": "us-east-1", "credentials": aws_profile(tmp_path)}
+        ftj.write_dataset("s3://bucket/ds", {"train": seqs}, storage_format=storage, **direct)
+        raw = stored("s3://bucket/ds", ftj.StoreOptions(**direct))
+        proxies = [FaultProxy(int(base.rsplit(":", 1)[1])) for _ in range(2)]
+        try:
+            job = {
+                "num_steps": 3,
+                "mesh_shape": [4],
+                "mesh_axes": ["context"],
+                "spec": [None, "context"],
+                "loader": CHUNKED,
+            }
+            reports = launch(
+                "s3://bucket/ds",
+                tmp_path / "report",
+                2,
+                {"chunks": job},
+                options=direct,
+                endpoints=[p.url for p in proxies],
+            )["chunks"]
+        finally:
+            for p in proxies:
+                p.close()
+    expected = reference(tmp_path / "ds", range(3), CHUNKED)
+    one = ftj.Loader(ftj.open_dataset(tmp_path / "ds")["train"], ftj.LoaderConfig(**CHUNKED))
+    q, order = CHUNKED["seq_len"] // 4, ftj.zigzag_order(CHUNKED["seq_len"], 2)
+    first_of_shard = set(range(0, tokens // PROBE + 1, 64))  # each shard's probe reads it
+    for pid, (report, proxy) in enumerate(zip(reports, proxies, strict=True)):
+        assert report["steps"] == expected
+        columns = np.sort(np.concatenate([order[slice(*b[1])] for b in report["blocks"]]))
+        want = [(0, q), (3 * q, 4 * q)] if pid == 0 else [(q, 3 * q)]
+        assert columns.tolist() == [c for a, b in want for c in range(a, b)]
+        need: set[int] = set()
+        for step in range(3):
+            for row in one.provenance(step):
+                start = row["tokens"][0]
+                for a, b in want:
+                    need |= set(range(max(start + a - 1, 0) // PROBE, (start + b - 1) // PROBE + 1))
+        read = chunks_read(raw, "train/encoded_tokens", 64, proxy.requests)
+        assert read - first_of_shard == need - first_of_shard, f"process {pid}"

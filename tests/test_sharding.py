@@ -137,3 +137,29 @@ def test_device_decode_equals_host_decode(
             assert from_encoded[key].sharding.is_equivalent_to(sharding, 2), key
             np.testing.assert_array_equal(np.asarray(got[key]), want[key], err_msg=key)
             np.testing.assert_array_equal(np.asarray(from_encoded[key]), want[key], err_msg=key)
+
+
+@pytest.mark.parametrize("context_parallel", [1, 2, 4])
+@pytest.mark.parametrize("packing", [True, False, "bins"])
+def test_sequence_shards_decoded_from_their_columns_alone_equal_host_batch(
+    split: ftj.FlatTokens, packing: object, context_parallel: int
+) -> None:
+    """Each block of a sequence-sharded batch is decoded on the host from its
+    columns (its runs of the rows' own columns under the zigzag order) and the
+    rows' sequence boundaries; every layout's fields equal the whole rows'."""
+    sharding = NamedSharding(mesh("data2_seq4"), P("data", "seq"))
+    for layout in ("fields", "segments", "maxtext"):
+        config = ftj.LoaderConfig(
+            batch_size=8,
+            seq_len=64,
+            packing=packing,
+            layout=layout,
+            source_field=True,
+            context_parallel=context_parallel,
+        )
+        loader = ftj.Loader(split, config, sharding=sharding)
+        for step in range(2):
+            want, got = loader.host_batch(step), loader.batch(step)
+            assert set(got) == set(want)
+            for key in want:
+                np.testing.assert_array_equal(np.asarray(got[key]), want[key], err_msg=key)

@@ -21,6 +21,7 @@ from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.records import Records
 from flat_tokens_jax.decoding.batch import FIELDS, chunk_fields, padding_fields, run_carry
 from flat_tokens_jax.decoding.hostdecode import row_sources
+from flat_tokens_jax.decoding.layouts import zigzag_order
 from flat_tokens_jax.decoding.sharding import Block, BlockData, HostBlocks, host_blocks_per_size
 from flat_tokens_jax.loader.sources import Sources
 from flat_tokens_jax.sampling.stepsamples import StepSamples
@@ -68,6 +69,9 @@ class DeviceBlocks:
         )
         self._segments = segments
         self._start_token_id = sources.start_token_id
+        # A block is laid out in the batch's column order already: not reordered again.
+        self._block_layout = dataclasses.replace(self.layout, context_parallel=1)
+        self._order = zigzag_order(config.seq_len, config.context_parallel)
         # Whether a step ships a stored loss mask: unless every component is
         # a split known to store none (custom records may).
         self._ships_mask = not all(map(_stores_no_mask, sources.components))
@@ -131,6 +135,10 @@ class DeviceBlocks:
         out = padding_fields(rows.size, c1 - c0, self.config.pad_id)
         row_starts = np.zeros(rows.size, bool)
         at, readers = np.flatnonzero(real), self._readers(step, rows)
+        # The block's columns in the batch's order, as runs of the rows' own columns.
+        cols = self._order[c0:c1]
+        cuts = np.flatnonzero(np.diff(cols) != 1) + 1
+        pieces = list(zip(np.r_[0, cuts].tolist(), np.r_[cuts, cols.size].tolist(), strict=True))
         for c in np.unique(comp).tolist():
             mine, idx = at[comp == c], records[comp == c]
             run_row, run_length = self._segments[c](idx)
@@ -138,31 +146,41 @@ class DeviceBlocks:
             lengths = np.full(idx.size, seq_len)
             if packing is not Packing.WINDOWS:
                 lengths = np.bincount(run_row, run_length, idx.size).astype(np.int64)
-            # A padded row's read holds no token before its columns: read one more.
-            early = int(packing is Packing.PADDED and c0 > 0)
-            windows = readers[c].read(idx, columns=(c0 - early, c1))
-            encoded, mask = windows.encoded, windows.stored_mask
-            if packing is Packing.PADDED:
-                if not early:
-                    encoded = np.pad(encoded, ((0, 0), (1, 0)))
-                elif mask is not None:
-                    mask = mask[:, 1:]
-            carry = run_carry(run_row, run_length, idx.size, c0 - 1)
-            fields = chunk_fields(
-                encoded,
-                lengths,
-                c0,
-                carry,
-                start_token_id=self._start_token_id,
-                pad_id=self.config.pad_id,
-                stored_mask=mask,
-            )
-            for key in FIELDS:
-                out[key][mine] = fields[key]
-            row_starts[mine] = (encoded[:, 1] & 1) == 1
+            for lo, hi in pieces:
+                first = int(cols[lo])
+                encoded, mask = self._piece(readers[c], packing, idx, first, first + hi - lo)
+                fields = chunk_fields(
+                    encoded,
+                    lengths,
+                    first,
+                    run_carry(run_row, run_length, idx.size, first - 1),
+                    start_token_id=self._start_token_id,
+                    pad_id=self.config.pad_id,
+                    stored_mask=mask,
+                )
+                for key in FIELDS:
+                    out[key][mine, lo:hi] = fields[key]
+                if lo == 0:
+                    row_starts[mine] = (encoded[:, 1] & 1) == 1
         sources = row_sources(comp, real, self.source_ids)
-        where = f"step {step}"
-        return self.layout.apply(out, row_starts, where=where, sources=sources), sources
+        laid_out = self._block_layout.apply(out, row_starts, where=f"step {step}", sources=sources)
+        return laid_out, sources
+
+    @staticmethod
+    def _piece(
+        reader: Records, packing: Packing, idx: np.ndarray, first: int, stop: int
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Records ``idx``'s columns ``[first, stop)`` as windows (column 0 the
+        token before ``first``) and their stored mask; a padded row's read holds
+        no token before its columns, so one more is read."""
+        early = int(packing is Packing.PADDED and first > 0)
+        windows = reader.read(idx, columns=(first - early, stop))
+        encoded, mask = windows.encoded, windows.stored_mask
+        if packing is Packing.PADDED and not early:
+            encoded = np.pad(encoded, ((0, 0), (1, 0)))
+        elif early and mask is not None:
+            mask = mask[:, 1:]
+        return encoded, mask
 
     def _block_data(self, step: int, block: Block) -> tuple[BlockData, np.ndarray]:
         g, real = self.steps.samples(step, np.arange(*block.rows, dtype=np.int64))

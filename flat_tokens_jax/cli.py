@@ -28,8 +28,7 @@ from flat_tokens_jax.core.format import FormatError
 from flat_tokens_jax.core.urls import redact_text
 from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.core.yamlfile import read_yaml
-from flat_tokens_jax.data.plans import plan_group
-from flat_tokens_jax.data.storedplans import pack_dataset
+from flat_tokens_jax.data.plans import pack_dataset, plan_group
 from flat_tokens_jax.data.validation import summary, validate
 from flat_tokens_jax.loader.loader import Loader
 from flat_tokens_jax.loader.phasedloader import PhasedLoader

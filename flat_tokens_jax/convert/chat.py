@@ -22,8 +22,12 @@ from typing import Any, cast
 
 import numpy as np
 
-from flat_tokens_jax.convert.chat_hf import make_renderer
-from flat_tokens_jax.convert.chat_template import ChatTemplate, Rendered, trained_tokens
+from flat_tokens_jax.convert.chat_template import (
+    ChatTemplate,
+    Rendered,
+    make_renderer,
+    trained_tokens,
+)
 from flat_tokens_jax.convert.commands import (
     add_converter_flags,
     progress_bar,

@@ -15,12 +15,12 @@ from typing import Any
 
 from flat_tokens_jax.convert import chat, megatron, merge, text
 from flat_tokens_jax.convert.commands import (
-    above_zero,
     add_store_flags,
     at_least,
     between,
     fail,
     path_error,
+    positive_seconds,
     refuse_memory_output,
     store_options,
 )
@@ -426,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--step-seconds a step, and how long a fresh GCS bucket would throttle them",
     )
     p.add_argument("--hosts", type=at_least(1), help="hosts of the pod (with --requests)")
-    p.add_argument("--step-seconds", type=above_zero, help="seconds a step (with --requests)")
+    p.add_argument("--step-seconds", type=positive_seconds, help="seconds a step (with --requests)")
     p.add_argument(
         "--sample-steps",
         type=between(1, MAX_SAMPLE_STEPS),

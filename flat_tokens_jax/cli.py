@@ -36,7 +36,7 @@ from flat_tokens_jax.loader.steered import apply_skips
 from flat_tokens_jax.store.identity import library_version
 from flat_tokens_jax.store.options import StoreError
 from flat_tokens_jax.tools import phaseshow, runview, savedstate, show
-from flat_tokens_jax.tools.requesttable import MAX_SAMPLE_STEPS, preview_requests
+from flat_tokens_jax.tools.runview import MAX_SAMPLE_STEPS, preview_requests
 
 
 def _store_args(parser: argparse.ArgumentParser) -> None:

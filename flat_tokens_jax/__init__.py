@@ -23,9 +23,8 @@ if TYPE_CHECKING:
     from flat_tokens_jax.store.identity import DatasetInfo, TokenizerInfo
 
     __version__: str
-    from flat_tokens_jax.data.plans import PackingPlan
+    from flat_tokens_jax.data.plans import PackingPlan, pack_dataset
     from flat_tokens_jax.data.records import PackedRecords, PaddedRecords, Records
-    from flat_tokens_jax.data.storedplans import pack_dataset
     from flat_tokens_jax.data.validation import summary, validate
     from flat_tokens_jax.data.writer import DatasetWriter, write_dataset
     from flat_tokens_jax.loader.loader import Loader
@@ -52,9 +51,8 @@ _HOMES = {
     "core.format": ("FormatError", "Problem", "decode", "encode"),
     "data.bins": ("BinRecords",),
     "data.dataset": ("Dataset", "FlatTokens", "open_dataset"),
-    "data.plans": ("PackingPlan",),
+    "data.plans": ("PackingPlan", "pack_dataset"),
     "data.records": ("PackedRecords", "PaddedRecords", "Records"),
-    "data.storedplans": ("pack_dataset",),
     "data.validation": ("summary", "validate"),
     "data.writer": ("DatasetWriter", "write_dataset"),
     "decoding.instancefilter": ("InstanceFilter",),

@@ -15,12 +15,12 @@ from typing import Any
 
 from flat_tokens_jax.convert import chat, megatron, merge, text
 from flat_tokens_jax.convert.commands import (
-    above_zero,
     add_store_flags,
     at_least,
     between,
     fail,
     path_error,
+    positive_seconds,
     refuse_memory_output,
     store_options,
 )
@@ -28,8 +28,7 @@ from flat_tokens_jax.core.format import FormatError
 from flat_tokens_jax.core.urls import redact_text
 from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.core.yamlfile import read_yaml
-from flat_tokens_jax.data.plans import plan_group
-from flat_tokens_jax.data.storedplans import pack_dataset
+from flat_tokens_jax.data.plans import pack_dataset, plan_group
 from flat_tokens_jax.data.validation import summary, validate
 from flat_tokens_jax.loader.loader import Loader
 from flat_tokens_jax.loader.phasedloader import PhasedLoader
@@ -37,7 +36,7 @@ from flat_tokens_jax.loader.steered import apply_skips
 from flat_tokens_jax.store.identity import library_version
 from flat_tokens_jax.store.options import StoreError
 from flat_tokens_jax.tools import phaseshow, runview, savedstate, show
-from flat_tokens_jax.tools.requesttable import MAX_SAMPLE_STEPS, preview_requests
+from flat_tokens_jax.tools.runview import MAX_SAMPLE_STEPS, preview_requests
 
 
 def _store_args(parser: argparse.ArgumentParser) -> None:
@@ -427,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--step-seconds a step, and how long a fresh GCS bucket would throttle them",
     )
     p.add_argument("--hosts", type=at_least(1), help="hosts of the pod (with --requests)")
-    p.add_argument("--step-seconds", type=above_zero, help="seconds a step (with --requests)")
+    p.add_argument("--step-seconds", type=positive_seconds, help="seconds a step (with --requests)")
     p.add_argument(
         "--sample-steps",
         type=between(1, MAX_SAMPLE_STEPS),

@@ -174,6 +174,8 @@ def test_the_cli_guides_synopsis_lists_every_command() -> None:
         (["info", "U", "--retries", "0"], "argument --retries: must be an int in [1, 100], got 0"),
         (["info", "U", "--retries", "1000000000"], "--retries: must be an int in [1, 100], got 1"),
         (["info", "U", "--timeout", "0"], "argument --timeout: must be above 0 seconds"),
+        (["info", "U", "--timeout", "inf"], "argument --timeout: expected seconds, got 'inf'"),
+        (["preview", "R", "--step-seconds", "0"], "--step-seconds: must be above 0 seconds"),
         (["info", "U", "--concurrency", "x"], "argument --concurrency: expected int, got 'x'"),
         (["info", "U", "--credentials", "static"], "argument --credentials: invalid choice"),
         (["show", "U", "--step", "-1", "--batch-size", "1", "--seq-len", "1"], "--step: must be"),

@@ -22,7 +22,7 @@ import flat_tokens_jax as ftj
 from flat_tokens_jax.cli import main
 from flat_tokens_jax.core import limits
 from flat_tokens_jax.loader.state import StateMismatch
-from flat_tokens_jax.tools import requesttable, show
+from flat_tokens_jax.tools import runview, show
 
 SEQUENCES = [[7] * 50] * 100  # 5,000 tokens: 625 windows of 8 tokens
 
@@ -195,13 +195,13 @@ def test_a_block_state_suggests_a_batch_size_the_lanes_take(data: Path) -> None:
 def sampled(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
     """The steps each of ``preview --requests``'s counts is asked to sample."""
     asked: list[list[int]] = []
-    count = requesttable.count_requests
+    count = runview.count_requests
 
     def spy(loader: Any, hosts: int, seconds: float, steps: Any) -> Any:
         asked.append(list(steps))
         return count(loader, hosts, seconds, steps)
 
-    monkeypatch.setattr(requesttable, "count_requests", spy)
+    monkeypatch.setattr(runview, "count_requests", spy)
     return asked
 
 
@@ -247,7 +247,7 @@ def test_count_requests_samples_each_phase_only_within_it(
 def test_sample_steps_past_the_maximum_are_refused(tmp_path: Path, data: Path) -> None:
     """By argparse (exit status 2), naming the flag and the largest value."""
     run = run_yaml(tmp_path, data, "{batch_size: 8, seq_len: 8}")
-    most = requesttable.MAX_SAMPLE_STEPS
+    most = runview.MAX_SAMPLE_STEPS
     for steps in (2**63, 10**9, most + 1):
         err = io.StringIO()
         with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
@@ -264,7 +264,7 @@ def test_sampled_rows_past_the_maximum_are_refused_naming_the_steps_that_fit(
     asked = sampled(monkeypatch)
     code, _, err = run_main("preview", str(run), *REQUESTS, "--sample-steps", "5")
     assert code == 1 and not asked
-    most = requesttable.MAX_SAMPLED_ROWS // batch
+    most = runview.MAX_SAMPLED_ROWS // batch
     assert "--sample-steps 5: the steps sampled of phase 0 (from step 0) would hold" in err
     assert err.rstrip().endswith(f"give --sample-steps {most} or fewer"), err
     code, _, err = run_main("preview", str(run), *REQUESTS, "--sample-steps", str(most))

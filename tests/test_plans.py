@@ -16,8 +16,7 @@ import flat_tokens_jax as ftj
 from flat_tokens_jax.cli import main
 from flat_tokens_jax.data.binpack import ALGORITHM, build_plan
 from flat_tokens_jax.data.bins import BinRecords
-from flat_tokens_jax.data.plans import cached_plan, read_stored_plan
-from flat_tokens_jax.data.storedplans import pack_dataset
+from flat_tokens_jax.data.plans import cached_plan, pack_dataset, read_stored_plan
 from flat_tokens_jax.store.claim import MARKER, Claim
 
 

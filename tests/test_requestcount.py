@@ -1,4 +1,4 @@
-"""The request counts (``tools/requestcount``, ``tools/requesttable``): its
+"""The request counts (``tools/requestcount``, ``tools/runview``): its
 counts against a brute-force count of every row's chunks (full shuffle, hand-made
 blocks, and a block-shuffled run's own blocks by lanes), the ramp of a fresh
 bucket, the counts measured on fake-gcs-server, and ``flat-tokens preview --requests``."""
@@ -26,7 +26,7 @@ from flat_tokens_jax.tools.requestcount import (
     count_requests,
     ramp_minutes,
 )
-from flat_tokens_jax.tools.requesttable import counterpart
+from flat_tokens_jax.tools.runview import counterpart
 
 ROOT = Path(__file__).resolve().parent.parent
 FORMATS = [

@@ -22,8 +22,12 @@ from typing import Any, cast
 
 import numpy as np
 
-from flat_tokens_jax.convert.chat_hf import make_renderer
-from flat_tokens_jax.convert.chat_template import ChatTemplate, Rendered, trained_tokens
+from flat_tokens_jax.convert.chat_template import (
+    ChatTemplate,
+    Rendered,
+    make_renderer,
+    trained_tokens,
+)
 from flat_tokens_jax.convert.commands import (
     add_converter_flags,
     progress_bar,
@@ -103,9 +107,7 @@ def convert_chat(
     ``options``, ``progress``, ``start_token_id`` and ``**option_fields`` are as
     for ``convert``.
 
-    The output records the tokenizer, the template (its file's SHA-256, or
-    the tokenizer's own template's), ``train_on``, ``end_of_turn`` and the
-    inputs with their SHA-256 (see :class:`DatasetInfo`).
+    The output records what made it (:class:`DatasetInfo`), the template's SHA-256 among it.
 
     Returns:
         A JSON-ready summary: ``conversations``, ``tokens``, ``trained_tokens``,

@@ -51,17 +51,6 @@ def between(low: int, high: int) -> Callable[[str], int]:
     return parse
 
 
-def above_zero(text: str) -> float:
-    """An argparse ``type``: a finite number above 0."""
-    try:
-        value = number(float(text), "")
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
-    return value
-
-
 def _int(text: str) -> int:
     try:
         return int(text)
@@ -87,12 +76,12 @@ def store_count(field: str) -> Callable[[str], int]:
 
 
 def positive_seconds(text: str) -> float:
-    """An argparse ``type``: a number of seconds above 0."""
+    """An argparse ``type``: a finite number of seconds above 0."""
     try:
-        value = float(text)
+        value = number(float(text), "")
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not value > 0:
+    if value <= 0:
         raise argparse.ArgumentTypeError(f"must be above 0 seconds, got {text}")
     return value
 

@@ -105,9 +105,8 @@ def import_megatron(
         tokenizer: the tokenizer that made the ids (a ``tokenizers`` JSON file
             or ``transformers`` directory), only to record its identity.
 
-    The output records (:class:`DatasetInfo`) the tokenizer when given, the
-    flags ``per_sequence`` and ``dtype_code``, and the prefixes with a SHA-256
-    over the digests of each prefix's ``.idx`` then ``.bin``.
+    The output records what made it (:class:`DatasetInfo`), each prefix hashed as its
+    ``.idx`` then its ``.bin``.
 
     Returns:
         A JSON-ready summary: per prefix its dtype, documents, sequences, tokens

@@ -47,11 +47,8 @@ def merge(
     output alike. An output that is, contains or lies inside an input is refused.
 
     Inputs that record different tokenizers (:attr:`Dataset.info`) are refused
-    unless ``allow_mixed_tokenizers``; inputs that record none (older datasets)
-    merge with any. The output records the tokenizer, start id and flags the
-    inputs share (the tokenizer only when every input records the same one;
-    flags and start id only when all are equal), and as inputs the input URLs
-    with a hash of each one's info and counts.
+    unless ``allow_mixed_tokenizers``; inputs that record none merge with any. The
+    output records what the inputs share (docs/guide/data.md, ``merge``).
 
     Returns:
         A JSON-ready summary: inputs, and sequences and tokens per split.

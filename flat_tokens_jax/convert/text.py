@@ -82,10 +82,8 @@ def convert(
             or ``"bos"``/``"eos"`` for the tokenizer's.
         **option_fields: or the fields of ``options`` as keywords, e.g. ``endpoint=...``.
 
-    The output records what made it (:class:`DatasetInfo`): the tokenizer's
-    identity, the flags above that shape tokens, and the input files with a
-    SHA-256 over their bytes (none with ``max_tokens``, which may read only a
-    prefix of them).
+    The output records what made it (:class:`DatasetInfo`; docs/guide/data.md); no
+    inputs' SHA-256 with ``max_tokens``, which may read only a prefix of them.
 
     Returns:
         A JSON-ready summary: ``documents``, ``tokens``, ``skipped_empty``,

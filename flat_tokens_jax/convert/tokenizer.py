@@ -253,12 +253,6 @@ def _work(docs: list[str]) -> Packed:
     return _worker_tokenize(docs)
 
 
-def _cpu_count() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 Batch = tuple[list[Any], np.ndarray]  # (documents, validation mask [k] bool)
 Encoder = Callable[[Iterable[Batch]], Generator[tuple[np.ndarray, Packed], None, None]]
 
@@ -322,7 +316,8 @@ def batch_encoder(tokenize: BatchTokenizer, workers: int) -> Iterator[Encoder]:
         tokenizer_file = os.path.join(scratch, "tokenizer.json")
         tokenize.tokenizer.save(tokenizer_file)
         settings = (tokenize.bos_id, tokenize.eos_id, tokenize.add_special_tokens)
-        threads = max(1, _cpu_count() // workers)
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        threads = max(1, (cpus or 1) // workers)
         # spawn: the parent may hold tensorstore and jax threads, which fork would copy broken.
         pool = ProcessPoolExecutor(
             workers,

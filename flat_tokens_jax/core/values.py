@@ -1,9 +1,8 @@
 """Strict checks of config values, shared by every surface: Python, YAML, saved states, the CLI.
 
-Each check takes the value and its path (``data.datasets[1].weight``) and
-returns the value in its one accepted form, or raises :class:`BadValue` naming
-the path, what was given and what is accepted. Nothing is coerced: ``'false'``
-is not a boolean, ``2.0`` not an int, ``True`` not a number.
+Each check returns the value in its one accepted form, or raises :class:`BadValue`
+naming the path (``data.datasets[1].weight``), what was given and what is accepted.
+Nothing is coerced: ``'false'`` is not a boolean, ``2.0`` not an int, ``True`` not a number.
 
 Example:
     >>> integer(3, "loader.seed", low=0)

@@ -1,18 +1,7 @@
-"""Packing whole sequences into bins of ``seq_len`` tokens: the packing plan.
-
-The plan is a deterministic function of the sequence lengths, ``seq_len`` and
-:data:`ALGORITHM`. It is built block by block: sequences ``[0, BLOCK)``,
-``[BLOCK, 2 * BLOCK)``, ... are packed on their own, and the bins of a block
-are numbered after those of the blocks before it. Within a block, each
-sequence counts ``min(length, seq_len)`` tokens (longer ones are truncated)
-and goes, longest first (ties: lower sequence index first), into the open bin
-with the least free space that still holds it (best fit); among bins with that
-free space, the one that received a sequence most recently; a new bin when
-none holds it. Inside a bin sequences are listed by ascending index, so that
-neighbours in the split can be read as one range.
-The build loops over (bin, run of equal lengths) pairs, never tokens, and
-its memory follows the sequences and bins, never ``seq_len``.
-"""
+"""Packing whole sequences into bins of ``seq_len`` tokens: the packing plan, best fit
+decreasing per block of :data:`BLOCK` sequences (docs/guide/finetuning.md, "The packing
+plan"). The build loops over (bin, run of equal lengths) pairs, never tokens, and
+its memory follows the sequences and bins, never ``seq_len``."""
 
 from __future__ import annotations
 

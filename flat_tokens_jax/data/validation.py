@@ -21,7 +21,7 @@ from flat_tokens_jax.core.format import (
     listed_problems,
 )
 from flat_tokens_jax.data.dataset import FlatTokens, open_dataset
-from flat_tokens_jax.data.storedplans import check_stored_plans, plans_summary
+from flat_tokens_jax.data.plans import check_stored_plans, plans_summary
 from flat_tokens_jax.store.arrays import ArrayReader
 from flat_tokens_jax.store.digests import DIGESTS, ChunkDigests
 from flat_tokens_jax.store.identity import DatasetInfo, dataset_splits

@@ -173,13 +173,6 @@ class DatasetInfo:
                 raise
             raise FormatError(f"{at}root attribute {ATTRIBUTE!r}: {e}") from None
 
-    def same_tokenizer(self, other: DatasetInfo | None) -> bool:
-        """Whether both record the same tokenizer (equal vocabulary hashes), or
-        either records none (nothing says they differ)."""
-        if other is None or self.tokenizer is None or other.tokenizer is None:
-            return True
-        return self.tokenizer.vocab_hash == other.tokenizer.vocab_hash
-
 
 def identity_attribute(info: DatasetInfo | None, splits: Sequence[str]) -> dict[str, Any]:
     """The :data:`ATTRIBUTE` root attribute a writer stores: ``info`` (an empty

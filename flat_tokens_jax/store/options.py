@@ -26,42 +26,29 @@ MAX_RETRIES = 100
 
 @dataclasses.dataclass(frozen=True)
 class StoreOptions:
-    """How to reach a store. Each field applies only to the schemes it names.
+    """How to reach a store (docs/guide/remote.md). Each field applies only to the
+    schemes it names.
 
     Attributes:
-        endpoint: ``s3://`` only: URL of an S3-compatible endpoint, e.g.
-            ``"http://127.0.0.1:9000"``. ``None`` means AWS. (tensorstore does not
-            read ``AWS_ENDPOINT_URL``; pass it here.)
-        region: ``s3://`` only: the bucket's AWS region. ``None`` lets tensorstore
-            ask the bucket.
-        credentials: ``s3://`` only: a tensorstore ``aws_credentials`` spec, either
-            a type name (``"default"``, ``"anonymous"``, ``"environment"``,
-            ``"imds"``, ``"ecs"``) or a mapping such as ``{"type": "profile",
-            "profile": "p", "credentials_file": "/path"}``. ``None``: tensorstore's
-            default chain. ``gs://`` credentials come from the environment, as
-            tensorstore reads them.
-        concurrency: ``gs://``/``s3://``: the most HTTP requests in flight at
-            once. ``None``: as many as the reads in flight ask for (about one
-            per row of the steps in flight), up to :data:`CONCURRENCY_CEILING`
-            (1024). An int pins the limit, e.g. to spare a shared endpoint.
-        retries: ``gs://``/``s3://``: attempts per request before a read fails
-            (throttling, 5xx answers, refused or dropped connections), from 1
-            to :data:`MAX_RETRIES`; waits between them double from
-            ``retry_delay`` (at most 498 s in all with the defaults). The
-            default (20) outlasts a throttled bucket's refusals, where 8 did
-            not (docs/guide/remote.md, "A throttled bucket").
+        endpoint: ``s3://``: URL of an S3-compatible endpoint (tensorstore does not
+            read ``AWS_ENDPOINT_URL``); ``None``: AWS.
+        region: ``s3://``: the bucket's region; ``None``: tensorstore asks the bucket.
+        credentials: ``s3://``: a tensorstore ``aws_credentials`` spec, a type name
+            (:data:`CREDENTIAL_TYPES`) or a mapping such as ``{"type": "profile",
+            "profile": "p"}``; ``None``: tensorstore's chain. ``gs://`` credentials
+            come from the environment.
+        concurrency: ``gs://``/``s3://``: the most HTTP requests in flight; ``None``:
+            as many as the reads in flight ask for, up to :data:`CONCURRENCY_CEILING`.
+        retries: ``gs://``/``s3://``: attempts per request before a read fails, 1 to
+            :data:`MAX_RETRIES`; the default (20) outlasts a throttled bucket's refusals.
         retry_delay: seconds before the first retry; doubling after each.
         max_retry_delay: the longest wait between two attempts, in seconds.
-        timeout: seconds any one wait for data may take, retries included,
-            before :class:`StoreError` (a server that accepts connections but
-            never answers). ``None``: no limit.
+        timeout: seconds any one wait for data may take, retries included, before
+            :class:`StoreError`; ``None``: no limit.
         cache_bytes: memory for cached shard indexes and chunks, per dataset.
-            Shard indexes are read once while they fit: ``16 * shard / chunk``
-            bytes per shard (32 KiB with the default storage format).
-        context: a ``tensorstore.Context`` to share caches and concurrency limits
-            between datasets; it replaces ``concurrency``, ``retries``, the delays
-            and ``cache_bytes`` (see :func:`context_spec`). ``None``: one new
-            context per dataset (one shared in-process store for ``memory://``).
+        context: a ``tensorstore.Context`` shared between datasets, replacing
+            ``concurrency``, ``retries``, the delays and ``cache_bytes``
+            (:func:`context_spec`); ``None``: one per dataset.
     """
 
     endpoint: str | None = None

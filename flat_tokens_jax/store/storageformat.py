@@ -24,30 +24,21 @@ PROVISIONAL_SIZE = 1 << 50
 @dataclasses.dataclass(frozen=True)
 class StorageFormat:
     """How a dataset's arrays are stored: zarr version, shard and chunk sizes,
-    compression and checksums.
-
-    Fields left unset take the defaults of the zarr version ("Default layout" in
-    docs/format.md). zarr v2 chunk files are compressed by default, since one is
-    always written whole and held whole by a reader, with blosc (zstd inside):
-    numcodecs before 0.16 cannot decode the plain zstd frames tensorstore writes.
+    compression and checksums. Fields left unset take the defaults of the zarr
+    version (docs/format.md, "Default layout").
 
     Attributes:
         zarr_format: 3 (default) or 2, for readers that only know zarr v2.
-        shard_tokens: tokens per shard file (zarr v3) or per chunk file (zarr v2).
-            Each shard is written once, whole. Default ``1 << 24`` (64 MiB) in
-            zarr v3, ``1 << 20`` (4 MiB) in zarr v2.
-        chunk_tokens: tokens per inner chunk of a shard, the unit of a read in
-            zarr v3: a random read of ``L`` tokens fetches about ``L + chunk_tokens``.
-            Must divide ``shard_tokens``. Default ``1 << 13``; in zarr v2 (no
-            inner chunks) it equals ``shard_tokens``.
+        shard_tokens: tokens per shard file (zarr v3) or per chunk file (zarr v2),
+            each written once, whole.
+        chunk_tokens: tokens per inner chunk of a shard, the unit of a read in zarr
+            v3 (a random read of ``L`` tokens fetches about ``L + chunk_tokens``);
+            divides ``shard_tokens``; in zarr v2 (no inner chunks) equal to it.
         compression: ``None``, ``"zstd"``, or (zarr v2 only) ``"blosc"``: blosc
-            with zstd inside and byte shuffling. Default ``None`` in zarr v3,
-            ``"blosc"`` in zarr v2.
+            with zstd inside and byte shuffling.
         zstd_level: zstd level, 1 (fast) to 22 (for blosc, its clevel: at most 9).
-        checksum: zarr v3 only: a crc32c checksum after every inner chunk (and
-            the shard index), so that a flipped byte fails the read instead of
-            reading as a token. Default ``True``; zarr v2 has no checksum codec
-            that tensorstore reads, so there it must stay unset or ``False``.
+        checksum: zarr v3 only: a crc32c after every inner chunk (and the shard
+            index), so that a flipped byte fails the read instead of reading as a token.
     """
 
     zarr_format: int = 3

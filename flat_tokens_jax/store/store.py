@@ -4,7 +4,7 @@ Every store is reached through tensorstore key-value stores, so local paths,
 ``file://``, ``memory://``, ``gs://`` and ``s3://`` behave alike. Arrays open
 with tensorstore's ``zarr3`` or ``zarr`` (v2) driver; an array whose codecs
 tensorstore cannot decode (numcodecs filters such as ``Delta``) opens with
-zarr-python instead (:mod:`~flat_tokens_jax.store.zarrpython`, the ``zarr`` extra).
+zarr-python instead (:meth:`ZarrPythonArray.open`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from flat_tokens_jax.store.options import (
     store_error,
     wait,
 )
-from flat_tokens_jax.store.zarrpython import open_zarr_python
 
 V3_META = "zarr.json"
 # Array attribute (zarr v3 metadata, zarr v2 .zattrs): every chunk was written,
@@ -318,7 +317,7 @@ class Store:
             if not str(ts_error).startswith(("INVALID_ARGUMENT", "FAILED_PRECONDITION")):
                 raise store_error(f"{self.url}/{key}", ts_error, self.options) from ts_error
             try:
-                arr = open_zarr_python(self.url, self.options, key, zarr_format)
+                reader = ZarrPythonArray.open(self.url, self.options, key, zarr_format)
             except FormatError:
                 raise
             except Exception as zarr_error:
@@ -326,13 +325,9 @@ class Store:
                     f"{self.url}/{key}: cannot open the array with tensorstore "
                     f"({ts_error}) nor zarr-python ({zarr_error})"
                 ) from zarr_error
-            if arr.ndim != 1:
-                raise FormatError(
-                    f"{self.url}/{key}: expected a 1-D array, found shape {arr.shape}"
-                ) from None
             if folder is not None:
                 check_chunk_files(folder)
-            return ZarrPythonArray(arr)
+            return reader
         if handle.rank != 1:
             raise FormatError(
                 f"{self.url}/{key}: expected a 1-D array, found shape {tuple(handle.shape)}"

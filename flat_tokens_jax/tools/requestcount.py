@@ -308,7 +308,8 @@ def count_requests(
     pod = {name: getattr(reads, name)[counted].sum(axis=1) for name in ("requests", "bytes")}
     useful = reads.useful[counted].sum(axis=1).mean()
     per_step = pod["requests"].mean()
-    itemsize = _token_itemsize(loader)
+    pairs = zip(loader.components, loader.names, strict=True)
+    itemsize = max(_split_of(r, n).encoded.dtype.itemsize for r, n in pairs)
     return RequestCounts(
         shuffle=BLOCKS if block is not None else "full" if shuffle else "none",
         block=None if block is None else tuple(block),
@@ -324,8 +325,3 @@ def count_requests(
         first_step_requests=int(reads.requests[0].sum()),
         ramp_minutes=ramp_minutes(per_step / step_seconds),
     )
-
-
-def _token_itemsize(loader: StepEngine) -> int:
-    pairs = zip(loader.components, loader.names, strict=True)
-    return max(_split_of(r, n).encoded.dtype.itemsize for r, n in pairs)

@@ -52,18 +52,11 @@ def build_loader(
     config_name: str = "--config",
     state_name: str = "--state",
 ) -> Loader:
-    """The loader of a run, from what describes it.
-
-    Args:
-        url: a dataset whose ``split`` the run read (not with a ``data`` section).
-        split: the split of ``url``, or the part a ``data`` section reads.
-        config: a YAML document with a ``loader`` section and optionally ``data``.
-        state: a saved state of one phase: its fingerprint gives the config, its
-            ``sources`` the data (unless ``url`` is given), which must match it.
-        fields: :class:`LoaderConfig` fields that override the others.
-        config_name, state_name: the files ``config`` and ``state`` came
-            from, which name a bad value in errors (``c.yaml: loader.seed``).
-    """
+    """The loader of a run. Its data: ``url``'s ``split``, else ``config``'s ``data``
+    section (``split`` the part it reads), else ``state``'s ``sources``; a ``state``
+    must match the data found. Its config: ``state``'s fingerprint, overridden by
+    ``config``'s ``loader`` section, then by ``fields``. ``config_name`` and
+    ``state_name`` name a bad value in errors (``c.yaml: loader.seed``)."""
     values: dict[str, Any] = {}
     origin: dict[str, str] = {}  # where each field was given, to name a bad value
     data: Mapping[str, Any] | None = None

@@ -15,13 +15,26 @@ bins), over ``--steps`` steps:
   one process after a warm-up step (steady state), the median of the steps'
   differences, and as a share of the plain ``host_batch``'s median.
 
+Then, for each ``seq_len``, **bytes read per host**: ``--hosts`` real
+``jax.distributed`` processes (gloo, 2 CPU devices each) on a ``(context,
+data)`` mesh whose context axis runs across them, ``context_parallel`` the
+host count, one step of ``--bytes-batch`` rows: the encoded-token and
+``seq_starts`` bytes each host read with the sequence sharded
+(``P("data", "context")``: its chunks) and with rows only (``P("data")``:
+each host reads whole rows, as a loader that slices after loading does).
+
 Run: ``python -u scripts/bench_longctx.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -82,6 +95,76 @@ def measure(ft: ftj.FlatTokens, seq_len: int, groups: int, packing: object, step
     }
 
 
+def host_bytes(args: argparse.Namespace) -> None:
+    """A worker process: this host's bytes of one step under both shardings."""
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{args.port}", args.hosts, args.worker)
+    ft = ftj.open_dataset(args.store)["train"]
+    mesh = jax.make_mesh((args.hosts, 2), ("context", "data"))
+    out = []
+    for seq_len in args.seq_lens:
+        row = {"seq_len": seq_len}
+        for name, spec in (("chunks", P("data", "context")), ("rows", P("data"))):
+            config = ftj.LoaderConfig(
+                batch_size=args.bytes_batch,
+                seq_len=seq_len,
+                prefetch=0,
+                context_parallel=args.hosts,
+            )
+            loader = ftj.Loader(ft, config, sharding=NamedSharding(mesh, spec))
+            before = {k: c.data_bytes for k, c in ft.checked.items()}
+            jax.block_until_ready(loader.batch(1))
+            row[name] = {k: c.data_bytes - before[k] for k, c in ft.checked.items()}
+        out.append(row)
+    print("RESULT " + json.dumps({"host": args.worker, "rows": out}), flush=True)
+    jax.distributed.shutdown()
+
+
+def bytes_table(args: argparse.Namespace, store: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = [sys.executable, __file__, "--store", str(store), "--port", str(port)]
+    common += ["--hosts", str(args.hosts), "--bytes-batch", str(args.bytes_batch)]
+    common += ["--seq-lens", *map(str, args.seq_lens)]
+    procs = [
+        subprocess.Popen([*common, "--worker", str(i)], stdout=subprocess.PIPE, text=True)
+        for i in range(args.hosts)
+    ]
+    results = []
+    for p in procs:
+        text, _ = p.communicate(timeout=1800)
+        if p.returncode:
+            raise SystemExit(f"a worker failed with exit status {p.returncode}:\n{text}")
+        results += [json.loads(ln[7:]) for ln in text.splitlines() if ln.startswith("RESULT ")]
+    print()
+    print(
+        f"bytes read per host, one step of {args.bytes_batch} rows, {args.hosts} hosts on the "
+        f"context axis (context_parallel={args.hosts}); the largest host's:"
+    )
+    print()
+    print(
+        "| seq_len | tokens, sequence sharded | seq_starts, sequence sharded "
+        "| tokens, whole rows | whole rows / sequence sharded |"
+    )
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    tokens, starts = "encoded_tokens", "seq_starts"
+    for i, seq_len in enumerate(args.seq_lens):
+        rows = [r["rows"][i] for r in results]
+        chunk_tokens = max(r["chunks"][tokens] for r in rows)
+        chunk_starts = max(r["chunks"][starts] for r in rows)
+        whole = max(r["rows"][tokens] for r in rows)
+        print(
+            f"| {seq_len:,} | {chunk_tokens / 1e6:.3f} MB | {chunk_starts / 1e3:.1f} kB "
+            f"| {whole / 1e6:.3f} MB | {whole / (chunk_tokens + chunk_starts):.2f}x |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768, 131072])
@@ -89,7 +172,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--mean", type=float, default=3000.0)
     parser.add_argument("--tokens", type=int, default=48_000_000)
+    parser.add_argument("--hosts", type=int, default=4, help="processes for the bytes table")
+    parser.add_argument("--bytes-batch", type=int, default=8, help="rows of the bytes table")
+    parser.add_argument("--store", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker is not None:
+        host_bytes(args)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         began = time.perf_counter()
         ft = write_store(Path(tmp) / "ds", args.tokens, args.mean, seed=0)
@@ -117,6 +208,7 @@ def main() -> None:
                         f"({100 * m['added_ms'] / m['plain_ms']:+.1f} %) |",
                         flush=True,
                     )
+        bytes_table(args, Path(tmp) / "ds")
 
 
 if __name__ == "__main__":

@@ -232,3 +232,17 @@ def test_a_saved_balance_groups_out_of_range_is_named(split: ftj.FlatTokens) -> 
     state["fingerprint"]["config"]["balance_groups"] = 0
     with pytest.raises(ValueError, match=r"fingerprint\.config\.balance_groups.*0"):
         ftj.Loader(split, config).restore(state)
+
+
+def test_the_last_batch_of_a_bounded_run_keeps_its_padding_rows(split: ftj.FlatTokens) -> None:
+    """Padding rows past the last epoch cost nothing; balanced, the last
+    batch holds the same rows, padding included."""
+    plain = ftj.LoaderConfig(batch_size=16, seq_len=2048, num_epochs=1, seed=1)
+    balanced = ftj.LoaderConfig(**{**plain.__dict__, "balance_groups": 4})
+    a, b = ftj.Loader(split, plain), ftj.Loader(split, balanced)
+    last = a.num_batches - 1
+    x, y = a.host_batch(last), b.host_batch(last)
+    assert 0 < int((~x["loss_mask"].any(axis=1)).sum()) < 16, "the last batch is partly padding"
+    order = balanced_rows(run_costs(x["segment_ids"]), 4)
+    for key in x:
+        np.testing.assert_array_equal(y[key], x[key][order])

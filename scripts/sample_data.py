@@ -4,35 +4,49 @@ Run from a checkout, it writes into FOLDER (default: the current one)::
 
     python scripts/sample_data.py [FOLDER]
 
-- ``corpus.jsonl``: 40 text documents, ``{"text": ...}`` a line: the sections
-  of this repository's own README and ``docs/`` pages, cut to 1,500 characters
-  (text shipped with the code, so nothing is downloaded);
-- ``tokenizer.json``: a byte-level BPE of 500 ids trained on those documents,
-  with ``<|endoftext|>`` (its end of sequence) and the ChatML tokens
-  ``<|im_start|>`` and ``<|im_end|>`` as added tokens;
-- ``chats.jsonl``: one conversation, in the ShareGPT shape;
-- the datasets ``data/corpus``, ``data/web``, ``data/books`` and ``data/code``
-  (the ones ``configs/`` name too): ``train`` (280 sequences) and
-  ``validation`` (20), random ids in ``[1, 500)``, so the tokenizer decodes
-  them (each replaces one there before).
+The text is what ships with Python itself, so nothing is downloaded: the
+documentation topics of ``pydoc_data.topics`` (what ``help("assert")`` prints),
+in the order of their names, and the source of the standard library modules in
+:data:`MODULES`.
 
-Offline and the same on every run. Needs the ``convert`` extra (tokenizers).
-The tests run the docs' examples in a folder made by :func:`make`.
+- ``tokenizer.json``: a byte-level BPE of 500 ids trained on that text, with
+  ``<|endoftext|>`` (id 0, its end of sequence) and the ChatML tokens
+  ``<|im_start|>`` and ``<|im_end|>`` as added tokens;
+- ``corpus.jsonl``: 40 text documents, ``{"text": ...}`` a line: the first 40
+  topics, cut to 1,500 characters;
+- ``chats.jsonl``: one conversation, in the ShareGPT shape;
+- the datasets ``data/corpus``, ``data/web``, ``data/books`` (the topics,
+  in turn) and ``data/code`` (the modules' source), the ones
+  ``configs/`` name too: ``train`` (280 sequences) and ``validation`` (20) of
+  20 to 399 tokens (about 59,000 and 4,000 tokens a dataset), cut in turn from
+  the tokenized text with lengths drawn from ``numpy.random.default_rng(0)``,
+  so a sequence may start or end mid-sentence, as chunks of a longer text do.
+  Each records the tokenizer as ``convert`` does (``tokenizer.json``), so
+  ``flat-tokens show data/web --tokenizer tokenizer.json`` prints the text.
+
+Offline, in about a second, and byte for byte the same on every run with the
+same Python version (its topics and sources are the text), ``tokenizers``
+version (the `convert` extra; it trains the BPE) and flat_tokens_jax version
+(recorded in each dataset). The tests run the docs' examples in a folder made
+by :func:`make`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
-import re
 import sys
+from importlib import import_module
 from pathlib import Path
 
 import numpy as np
+import pydoc_data.topics
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import flat_tokens_jax as ftj
+from flat_tokens_jax.convert.tokenizer import identity, load_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT = {
     "system": "Be brief.",
@@ -42,17 +56,21 @@ CHAT = {
     ],
 }
 DOCUMENTS, CHARS = 40, 1500
-DATASETS = ("corpus", "web", "books", "code")
+TEXT_DATASETS = ("corpus", "web", "books")  # cut from the topics, in turn
+DATASETS = (*TEXT_DATASETS, "code")
+SEQUENCES, VALIDATION = 300, 20  # a dataset's sequences; the last VALIDATION are validation's
+MODULES = ("textwrap", "heapq", "bisect", "fractions", "shlex", "string", "statistics", "difflib")
 
 
-def documents() -> list[str]:
-    """The sections (``## `` headings) of the README and the docs pages, in path order."""
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-    sections = []
-    for page in pages:
-        text = page.read_text(encoding="utf-8")
-        sections += [s.strip() for s in re.split(r"^## ", text, flags=re.M) if s.strip()]
-    return sections
+def topics() -> list[str]:
+    """The ``pydoc_data`` documentation topics, in the order of their names."""
+    found: dict[str, str] = pydoc_data.topics.topics
+    return [found[name] for name in sorted(found)]
+
+
+def sources() -> list[str]:
+    """The source of each module in :data:`MODULES`, in that order."""
+    return [inspect.getsource(import_module(name)) for name in MODULES]
 
 
 def train_tokenizer(texts: list[str]) -> Tokenizer:
@@ -70,22 +88,38 @@ def train_tokenizer(texts: list[str]) -> Tokenizer:
     return tok
 
 
+def chunks(tok: Tokenizer, texts: list[str], lengths: np.ndarray) -> list[np.ndarray]:
+    """``texts`` tokenized one after another, cut in turn into sequences of
+    ``lengths`` tokens ``[len(lengths)]`` (refused if the text is too short)."""
+    ids = np.concatenate([e.ids for e in tok.encode_batch(texts)]).astype(np.int32)
+    if ids.size < lengths.sum():
+        raise ValueError(f"the text has {ids.size} tokens; the sequences need {lengths.sum()}")
+    return np.split(ids, np.cumsum(lengths))[: len(lengths)]
+
+
 def make(folder: str | Path) -> Path:
     """Writes the sample data into ``folder`` (made if missing); returns it."""
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    texts = documents()
-    train_tokenizer(texts).save(str(out / "tokenizer.json"))
-    corpus = [t[:CHARS] for t in texts[:DOCUMENTS]]
+    text, code = topics(), sources()
+    train_tokenizer(text + code).save(str(out / "tokenizer.json"))
+    tok = load_tokenizer(out / "tokenizer.json")
+    info = ftj.DatasetInfo(tokenizer=dataclasses.replace(identity(tok), name="tokenizer.json"))
+    corpus = [t[:CHARS] for t in text[:DOCUMENTS]]
     (out / "corpus.jsonl").write_text(
         "".join(json.dumps({"text": t}) + "\n" for t in corpus), encoding="utf-8"
     )
     (out / "chats.jsonl").write_text(json.dumps(CHAT) + "\n", encoding="utf-8")
     rng = np.random.default_rng(0)
-    for name in DATASETS:
-        docs = [rng.integers(1, 500, n) for n in rng.integers(20, 400, 300)]
-        split = {"train": docs[:280], "validation": docs[280:]}
-        ftj.write_dataset(out / "data" / name, split, overwrite=True)
+    lengths = rng.integers(20, 400, (len(DATASETS), SEQUENCES))
+    texts = len(TEXT_DATASETS)
+    seqs = chunks(tok.tokenizer, text, lengths[:texts].ravel()) + chunks(
+        tok.tokenizer, code, lengths[texts:].ravel()
+    )
+    for i, name in enumerate(DATASETS):
+        mine = seqs[i * SEQUENCES : (i + 1) * SEQUENCES]
+        split = {"train": mine[:-VALIDATION], "validation": mine[-VALIDATION:]}
+        ftj.write_dataset(out / "data" / name, split, overwrite=True, info=info)
     return out
 
 

@@ -36,12 +36,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import pydoc_data.topics
 import sys
 from importlib import import_module
 from pathlib import Path
 
 import numpy as np
-import pydoc_data.topics
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import flat_tokens_jax as ftj

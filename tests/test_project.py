@@ -11,6 +11,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,6 +165,56 @@ def test_one_command_makes_the_sample_data_the_guides_read(tmp_path: Path) -> No
     assert len(docs) == 40 and all(docs)
     chat = json.loads((tmp_path / "chats.jsonl").read_text())
     assert [t["from"] for t in chat["conversations"]] == ["human", "gpt"]
+
+
+def test_the_sample_data_is_pythons_own_text_and_records_its_tokenizer(tmp_path: Path) -> None:
+    """Issue 49: the sample datasets held random ids, so ``show --tokenizer``
+    printed gibberish and a model trained on them did not learn. Their ids
+    decode, in turn, to the ``pydoc_data`` topics and the listed modules'
+    source; each records ``tokenizer.json``; a second run writes the same bytes."""
+    import inspect
+    import pydoc_data.topics
+
+    from test_identity import expected_vocab_hash
+    from tokenizers import Tokenizer
+
+    import flat_tokens_jax as ftj
+
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for folder in runs:
+        made = subprocess.run(
+            [sys.executable, str(SCRIPTS / "sample_data.py"), str(folder)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert made.returncode == 0, made.stderr
+    files = [sorted(p.relative_to(f) for p in f.rglob("*") if p.is_file()) for f in runs]
+    assert files[0] == files[1]
+    for name in files[0]:
+        assert (runs[0] / name).read_bytes() == (runs[1] / name).read_bytes(), name
+    tokenizer = Tokenizer.from_file(str(runs[0] / "tokenizer.json"))
+    texts = {}
+    for name in ("corpus", "web", "books", "code"):
+        ds = ftj.open_dataset(runs[0] / "data" / name)
+        assert ds.info.tokenizer is not None, name
+        assert ds.info.tokenizer.name == "tokenizer.json"
+        assert ds.info.tokenizer.vocab_hash == expected_vocab_hash(runs[0] / "tokenizer.json")
+        assert (ds["train"].num_sequences, ds["validation"].num_sequences) == (280, 20)
+        ids = [
+            q for s in ("train", "validation") for q in ds[s].sequences(range(ds[s].num_sequences))
+        ]
+        assert min(map(len, ids)) >= 20 and max(map(len, ids)) < 400, name
+        texts[name] = tokenizer.decode(np.concatenate(ids).tolist(), skip_special_tokens=False)
+    spec = importlib.util.spec_from_file_location("sample_data", SCRIPTS / "sample_data.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    topics = "".join(t for _, t in sorted(pydoc_data.topics.topics.items()))
+    code = "".join(inspect.getsource(importlib.import_module(m)) for m in script.MODULES)
+    prose = texts["corpus"] + texts["web"] + texts["books"]
+    assert len(prose) > 300_000 and topics.startswith(prose)
+    assert len(texts["code"]) > 100_000 and code.startswith(texts["code"])
 
 
 def test_what_the_docs_examples_write_in_a_checkout_is_ignored_by_git(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ in the order of their names, and the source of the standard library modules in
 
 Offline, in about a second, and byte for byte the same on every run with the
 same Python version (its topics and sources are the text), ``tokenizers``
-version (the `convert` extra; it trains the BPE) and flat_tokens_jax version
+version (the ``convert`` extra; it trains the BPE) and flat_tokens_jax version
 (recorded in each dataset). The tests run the docs' examples in a folder made
 by :func:`make`.
 """

@@ -261,6 +261,38 @@ def test_four_processes_read_one_s3_store_through_a_proxy(dataset: Path, tmp_pat
         assert report["token_bytes_one_step"] == full // 4
 
 
+def through_proxies(
+    tmp_path: Path,
+    seqs: list[np.ndarray],
+    storage: ftj.StorageFormat,
+    processes: int,
+    job: dict[str, Any],
+) -> tuple[list[dict[str, Any]], dict[str, bytes], list[list[tuple[str, str, str | None]]]]:
+    """``seqs`` written to ``tmp_path / "ds"`` and to moto's S3 server, then
+    ``job`` run by ``processes`` processes, each reading the server through a
+    proxy of its own: the reports, the store's bytes by key and the requests
+    each proxy forwarded."""
+    ftj.write_dataset(tmp_path / "ds", {"train": seqs}, storage_format=storage)
+    with moto_s3() as base:
+        direct = {"endpoint": base, "region": "us-east-1", "credentials": aws_profile(tmp_path)}
+        ftj.write_dataset("s3://bucket/ds", {"train": seqs}, storage_format=storage, **direct)
+        raw = stored("s3://bucket/ds", ftj.StoreOptions(**direct))
+        proxies = [FaultProxy(int(base.rsplit(":", 1)[1])) for _ in range(processes)]
+        try:
+            reports = launch(
+                "s3://bucket/ds",
+                tmp_path / "report",
+                processes,
+                {"job": job},
+                options=direct,
+                endpoints=[p.url for p in proxies],
+            )["job"]
+        finally:
+            for p in proxies:
+                p.close()
+    return reports, raw, [p.requests for p in proxies]
+
+
 # Blocks of 3 inner chunks of PROBE tokens, shards of 3 blocks: a block's
 # chunks but its last (which holds the next block's token before) and a
 # shard's first (which the shard's probe reads) are read only to read that
@@ -289,31 +321,11 @@ def test_each_process_reads_only_its_lanes_blocks_counted_at_its_proxy(tmp_path:
     cuts = np.sort(rng.choice(np.arange(1, records * 32 + 1), 40, replace=False))
     seqs = np.split(rng.integers(0, 30000, records * 32 + 1), cuts)
     storage = ftj.StorageFormat(chunk_tokens=PROBE, shard_tokens=9 * PROBE)
-    ftj.write_dataset(tmp_path / "ds", {"train": seqs}, storage_format=storage)
-    with moto_s3() as base:
-        direct = {"endpoint": base, "region": "us-east-1", "credentials": aws_profile(tmp_path)}
-        ftj.write_dataset("s3://bucket/ds", {"train": seqs}, storage_format=storage, **direct)
-        raw = stored("s3://bucket/ds", ftj.StoreOptions(**direct))
-        proxies = [FaultProxy(int(base.rsplit(":", 1)[1])) for _ in range(4)]
-        try:
-            reports = launch(
-                "s3://bucket/ds",
-                tmp_path / "report",
-                4,
-                {"blocks": {"num_steps": PROXIED_STEPS, "loader": PROXIED}},
-                options=direct,
-                endpoints=[p.url for p in proxies],
-            )["blocks"]
-        finally:
-            for p in proxies:
-                p.close()
+    job = {"num_steps": PROXIED_STEPS, "loader": PROXIED}
+    reports, raw, requests = through_proxies(tmp_path, seqs, storage, 4, job)
     read = [
-        {
-            c // 3
-            for c in chunks_read(raw, "train/encoded_tokens", 9, p.requests)
-            if c % 3 != 2 and c % 9
-        }
-        for p in proxies
+        {c // 3 for c in chunks_read(raw, "train/encoded_tokens", 9, r) if c % 3 != 2 and c % 9}
+        for r in requests
     ]
     one = ftj.Loader(ftj.open_dataset(tmp_path / "ds")["train"], ftj.LoaderConfig(**PROXIED))
     need: list[set[int]] = [set() for _ in reports]
@@ -542,36 +554,13 @@ def test_each_process_reads_only_its_sequence_chunks_counted_at_its_proxy(tmp_pa
     tokens = 40 * CHUNKED["seq_len"] + 1
     seqs = np.split(rng.integers(0, 30000, tokens), np.sort(rng.choice(tokens - 1, 90) + 1))
     storage = ftj.StorageFormat(chunk_tokens=PROBE, shard_tokens=64 * PROBE)
-    ftj.write_dataset(tmp_path / "ds", {"train": seqs}, storage_format=storage)
-    with moto_s3() as base:
-        direct = {"endpoint": base, "region": "us-east-1", "credentials": aws_profile(tmp_path)}
-        ftj.write_dataset("s3://bucket/ds", {"train": seqs}, storage_format=storage, **direct)
-        raw = stored("s3://bucket/ds", ftj.StoreOptions(**direct))
-        proxies = [FaultProxy(int(base.rsplit(":", 1)[1])) for _ in range(2)]
-        try:
-            job = {
-                "num_steps": 3,
-                "mesh_shape": [4],
-                "mesh_axes": ["context"],
-                "spec": [None, "context"],
-                "loader": CHUNKED,
-            }
-            reports = launch(
-                "s3://bucket/ds",
-                tmp_path / "report",
-                2,
-                {"chunks": job},
-                options=direct,
-                endpoints=[p.url for p in proxies],
-            )["chunks"]
-        finally:
-            for p in proxies:
-                p.close()
+    job = {"num_steps": 3, "mesh_shape": [4], "mesh_axes": ["context"], "spec": [None, "context"]}
+    reports, raw, requests = through_proxies(tmp_path, seqs, storage, 2, {**job, "loader": CHUNKED})
     expected = reference(tmp_path / "ds", range(3), CHUNKED)
     one = ftj.Loader(ftj.open_dataset(tmp_path / "ds")["train"], ftj.LoaderConfig(**CHUNKED))
     q, order = CHUNKED["seq_len"] // 4, ftj.zigzag_order(CHUNKED["seq_len"], 2)
     first_of_shard = set(range(0, tokens // PROBE + 1, 64))  # each shard's probe reads it
-    for pid, (report, proxy) in enumerate(zip(reports, proxies, strict=True)):
+    for pid, (report, asked) in enumerate(zip(reports, requests, strict=True)):
         assert report["steps"] == expected
         columns = np.sort(np.concatenate([order[slice(*b[1])] for b in report["blocks"]]))
         want = [(0, q), (3 * q, 4 * q)] if pid == 0 else [(q, 3 * q)]
@@ -582,5 +571,5 @@ def test_each_process_reads_only_its_sequence_chunks_counted_at_its_proxy(tmp_pa
                 start = row["tokens"][0]
                 for a, b in want:
                     need |= set(range(max(start + a - 1, 0) // PROBE, (start + b - 1) // PROBE + 1))
-        read = chunks_read(raw, "train/encoded_tokens", 64, proxy.requests)
+        read = chunks_read(raw, "train/encoded_tokens", 64, asked)
         assert read - first_of_shard == need - first_of_shard, f"process {pid}"

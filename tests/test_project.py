@@ -131,6 +131,17 @@ def test_every_code_block_is_run_or_is_data() -> None:
         assert all("reason=" in s for s in skips), f"{page.relative_to(ROOT)}: skip without reason"
 
 
+def make_sample_data(folder: Path) -> None:
+    """Runs ``scripts/sample_data.py FOLDER`` as a reader does."""
+    made = subprocess.run(
+        [sys.executable, str(SCRIPTS / "sample_data.py"), str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert made.returncode == 0, made.stderr
+
+
 def test_one_command_makes_the_sample_data_the_guides_read(tmp_path: Path) -> None:
     """Issue 35: the guides read ``data/corpus``, ``data/books`` and
     ``tokenizer.json``, which only the tests' set-up made."""
@@ -138,13 +149,7 @@ def test_one_command_makes_the_sample_data_the_guides_read(tmp_path: Path) -> No
 
     import flat_tokens_jax as ftj
 
-    made = subprocess.run(
-        [sys.executable, str(SCRIPTS / "sample_data.py"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert made.returncode == 0, made.stderr
+    make_sample_data(tmp_path)
     guides = "\n".join(p.read_text() for p in sorted((ROOT / "docs" / "guide").glob("*.md")))
     configs = "\n".join(p.read_text() for p in sorted((ROOT / "configs").glob("*.yaml")))
     read = set(re.findall(r"(?:open_dataset|FlatTokensSource)\(\"(data/[\w-]+)\"", guides))
@@ -182,13 +187,7 @@ def test_the_sample_data_is_pythons_own_text_and_records_its_tokenizer(tmp_path:
 
     runs = [tmp_path / "a", tmp_path / "b"]
     for folder in runs:
-        made = subprocess.run(
-            [sys.executable, str(SCRIPTS / "sample_data.py"), str(folder)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert made.returncode == 0, made.stderr
+        make_sample_data(folder)
     files = [sorted(p.relative_to(f) for p in f.rglob("*") if p.is_file()) for f in runs]
     assert files[0] == files[1]
     for name in files[0]:

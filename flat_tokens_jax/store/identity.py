@@ -257,11 +257,9 @@ def recorded_vocab_size(named: Sequence[tuple[str, DatasetInfo | None]]) -> int 
 
 def common_tokenizer(infos: Sequence[DatasetInfo | None]) -> TokenizerInfo | None:
     """The tokenizer every one of ``infos`` records, ``None`` unless all record the same."""
-    found = [i.tokenizer if i is not None else None for i in infos]
-    if not found or any(t is None for t in found):
-        return None
-    hashes = {t.vocab_hash for t in found if t is not None}
-    return found[0] if len(hashes) == 1 else None
+    found = [tok for _, tok in recorded_tokenizers([("", i) for i in infos])]
+    same = len(found) == len(infos) > 0 and len({t.vocab_hash for t in found}) == 1
+    return found[0] if same else None
 
 
 def tokenizer_info(

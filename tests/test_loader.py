@@ -608,6 +608,41 @@ def test_vocab_size_covers_the_recorded_tokenizer() -> None:
     ftj.Loader(ft, LoaderConfig(batch_size=1, seq_len=2, vocab_size=512))
 
 
+def test_loader_vocab_size_is_the_size_every_recorded_tokenizer_gives() -> None:
+    """Issue 49: ``Loader.vocab_size`` (a PhasedLoader's over every phase, and on the
+    dataset ``to_grain()`` returns) from the tokenizers the data records."""
+
+    def recorded(name: str, hashed: str, size: int) -> ftj.FlatTokens:
+        return split_with(ftj.DatasetInfo(tokenizer=ftj.TokenizerInfo(name, hashed, size)))
+
+    gpt2, copy = recorded("gpt2", "sha256:aaaa", 50), recorded("copy", "sha256:aaaa", 50)
+    llama, plain = recorded("llama", "sha256:bbbb", 30), split_with(None)
+    cfg = LoaderConfig(batch_size=2, seq_len=2)
+    for source, size in [
+        (gpt2, 50),
+        (plain, None),
+        (ftj.Mixture({"web": (gpt2, 1), "old": (plain, 1), "same": (copy, 1)}), 50),
+        (ftj.Mixture({"old": (plain, 1), "none": (split_with(ftj.DatasetInfo()), 1)}), None),
+    ]:
+        loader = ftj.Loader(source, cfg)
+        assert (loader.vocab_size, loader.to_grain().vocab_size) == (size, size)
+    run = ftj.PhasedLoader([ftj.Phase(0, plain, cfg), ftj.Phase(3, copy, cfg)])
+    assert (run.vocab_size, run.to_grain().vocab_size) == (50, 50)
+    both = ftj.Mixture({"web": (gpt2, 1), "code": (llama, 1)}, allow_mixed_tokenizers=True)
+    named = r"'web' was tokenized with gpt2 \(50 ids\) but 'code' with llama \(30 ids\)"
+    for loader in (ftj.Loader(both, cfg), ftj.PhasedLoader([ftj.Phase(0, both, cfg)])):
+        with pytest.raises(ValueError, match=named):
+            loader.vocab_size  # noqa: B018
+        with pytest.raises(ValueError, match=named):
+            loader.to_grain().vocab_size  # noqa: B018
+    phases = ftj.PhasedLoader([ftj.Phase(0, gpt2, cfg), ftj.Phase(3, llama, cfg)])
+    with pytest.raises(
+        ValueError,
+        match=r"phase 0 '0' was tokenized with gpt2 \(50 ids\) but phase 1 '0' with llama",
+    ):
+        phases.vocab_size  # noqa: B018
+
+
 def test_a_process_that_exits_with_an_iterate_left_open_prints_nothing(tmp_path: Path) -> None:
     """A trainer that stops mid-run (its loop broken, the generator kept) exits
     quietly: the read-ahead threads end with the process, no traceback."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -188,6 +189,7 @@ def test_preview_draws_the_shares_with_phase_boundaries(tmp_path: Path, suffix: 
     if suffix == "svg":
         text = picture.read_text()
         assert all(name in text for name in ("pretrain", "anneal", "long"))
+        assert "<!-- step -->" in text and "skip" not in text  # a run without skips
 
 
 def test_the_example_run_yaml_builds(tmp_path: Path) -> None:
@@ -212,6 +214,15 @@ def test_the_example_run_yaml_builds(tmp_path: Path) -> None:
     assert run.offsets[1] == [576000, 144000, 0], "web and code continue, books is new"
     assert run.offsets[2] == [0], "bins of 64 are a new stream of books"
     assert run.host_batch(100_000)["targets"].shape == (1, 64)
+    written = tmp_path / "phases.yaml"
+    written.write_text(yaml.safe_dump(doc, sort_keys=False))
+    comments = (Path(__file__).parents[1] / "configs" / "phases.yaml").read_text()
+    commands = re.findall(r"`flat-tokens ([^`]*)`", comments.replace("\n# ", " "))
+    assert [c.split()[0] for c in commands] == ["preview", "show"], commands
+    for command in commands:
+        args = command.replace("configs/phases.yaml", str(written)).replace("--step N", "--step 3")
+        code, out, err = run_main(*args.split())
+        assert code == 0 and out, f"{command}: {err}"
 
 
 def test_preview_of_a_data_and_loader_yaml_is_one_phase(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ tests the dependency floors pyproject.toml declares."""
 import builtins
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -116,6 +117,34 @@ def test_every_docs_page_is_in_the_mkdocs_nav() -> None:
     nav = (ROOT / "mkdocs.yml").read_text()
     pages = sorted(str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md"))
     assert pages and all(f": {page}" in nav for page in pages), pages
+
+
+def test_api_reference_renders_sphinx_roles_as_code_links(tmp_path: Path) -> None:
+    """Issue 49: the built API page showed ":class:`FlatTokens`" as raw text."""
+    role = re.compile(r":(?:class|func|meth|data|attr|mod|obj|exc):`")
+    written = sum(
+        len(role.findall(p.read_text())) for p in (ROOT / "flat_tokens_jax").rglob("*.py")
+    )
+    assert written > 100, "the docstrings no longer use Sphinx roles: this test checks nothing"
+    site = tmp_path / "site"
+    built = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(site)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
+    pages = {p.relative_to(site): p.read_text() for p in site.rglob("*.html")}
+    raw = {str(p): len(role.findall(text)) for p, text in pages.items() if role.search(text)}
+    assert raw == {}, f"built pages show Sphinx roles as raw text: {raw}"
+    api = pages[Path("api/index.html")]
+    title = "FlatTokens (flat_tokens_jax.data.dataset.FlatTokens)"
+    link = (
+        f'<a class="autorefs autorefs-internal" title="{title}" href="#flat_tokens_jax.FlatTokens">'
+    )
+    assert f"{link}<code>FlatTokens</code></a>" in api
 
 
 def test_every_code_block_is_run_or_is_data() -> None:

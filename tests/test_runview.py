@@ -128,3 +128,4 @@ def test_preview_draws_a_states_changes_and_skips(tmp_path: Path, suffix: str) -
     else:
         text = picture.read_text()
         assert "skip 3" in text and "weight change" in text
+        assert "<!-- step (a skip: the data jumps ahead there) -->" in text

@@ -27,6 +27,7 @@ from flat_tokens_jax.decoding.layouts import (
 from flat_tokens_jax.sampling.blocks import lanes
 from flat_tokens_jax.sampling.mixture import config_records
 from flat_tokens_jax.sampling.schedule import BatchSchedule, BatchSizeSpec
+from flat_tokens_jax.store.identity import recorded_tokenizers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,9 +378,8 @@ def check_vocab(
             f"dataset max_token_id is {max_id} but vocab_size is "
             f"{config.vocab_size}: set vocab_size >= {max_id + 1}"
         )
-    for name, info in infos:
-        tok = None if info is None else info.tokenizer
-        if tok is not None and tok.vocab_size > config.vocab_size:
+    for name, tok in recorded_tokenizers(infos):
+        if tok.vocab_size > config.vocab_size:
             where = "the data" if len(infos) == 1 else f"component {name!r}"
             raise ValueError(
                 f"{where} was tokenized with {tok.name} ({tok.vocab_size} ids) but "

@@ -15,7 +15,7 @@ import numpy as np
 
 from flat_tokens_jax.core.values import integer
 from flat_tokens_jax.data.dataset import FlatTokens
-from flat_tokens_jax.data.records import Records, sources_of
+from flat_tokens_jax.data.records import Records, recorded_info, sources_of
 from flat_tokens_jax.decoding.sharding import HostBlocks
 from flat_tokens_jax.loader.config import LoaderConfig
 from flat_tokens_jax.loader.deviceblocks import Blocks
@@ -29,6 +29,7 @@ from flat_tokens_jax.loader.steered import check_step, merged, restated, skip_co
 from flat_tokens_jax.sampling.mixture import Mixture
 from flat_tokens_jax.sampling.skips import Skips
 from flat_tokens_jax.sampling.steering import Change, Steering
+from flat_tokens_jax.store.identity import recorded_vocab_size
 
 if TYPE_CHECKING:
     from flat_tokens_jax.loader.tograin import StepsDataset
@@ -299,6 +300,19 @@ class Loader:
         loader.starts, loader.firsts, loader.end_step = [0], [0], None
         loader._open([StepEngine(sources, rows=rows)], None)
         return loader
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The vocabulary size of the tokenizer the data records
+        (``DatasetInfo.tokenizer.vocab_size``), over every phase's components; ``None``
+        when none records one. Raises ``ValueError`` naming two components (and their
+        phases) whose recorded sizes differ."""
+        named = [
+            (f"phase {k} {n!r}" if len(self.engines) > 1 else repr(n), recorded_info(r))
+            for k, e in enumerate(self.engines)
+            for n, r in zip(e.names, e.components, strict=True)
+        ]
+        return recorded_vocab_size(named)
 
     def fingerprint(self) -> Any:
         """What the batches depend on, which :meth:`restore` checks: ``data`` (the

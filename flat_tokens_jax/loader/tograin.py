@@ -69,6 +69,11 @@ class StepsDataset(grain.IterDataset):
     def __iter__(self) -> StepsIterator:
         return StepsIterator(self.owner, self.start)
 
+    @property
+    def vocab_size(self) -> int | None:
+        """The owner's ``vocab_size``: the size of the tokenizer its data records."""
+        return self.owner.vocab_size
+
     def __reduce__(self) -> Any:
         if not self.owner._to_workers:
             raise TypeError(NO_WORKERS)

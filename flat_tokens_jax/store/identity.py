@@ -217,35 +217,49 @@ def _tokenizer(value: Any, at: str) -> TokenizerInfo:
     return TokenizerInfo(name, hashed, size, **ids)
 
 
+def recorded_tokenizers(
+    named: Sequence[tuple[str, DatasetInfo | None]],
+) -> list[tuple[str, TokenizerInfo]]:
+    """``(name, tokenizer)`` of each of ``named`` (``(name, info)``) that records one."""
+    return [(n, info.tokenizer) for n, info in named if info and info.tokenizer]
+
+
 def check_tokenizers(
     named: Sequence[tuple[str, DatasetInfo | None]], *, allow_mixed: bool, fix: str
 ) -> None:
     """Raises ``ValueError`` naming two of ``named`` (``(name, info)``; those
     without a tokenizer skipped) whose tokenizers differ, unless ``allow_mixed``;
     ``fix`` says how to allow them (e.g. ``"pass --allow-mixed-tokenizers"``)."""
-    if allow_mixed:
-        return
-    first: tuple[str, TokenizerInfo] | None = None
-    for name, info in named:
-        if info is None or info.tokenizer is None:
-            continue
-        if first is None:
-            first = (name, info.tokenizer)
-        elif info.tokenizer.vocab_hash != first[1].vocab_hash:
+    found = [] if allow_mixed else recorded_tokenizers(named)
+    for name, tok in found[1:]:
+        if tok.vocab_hash != found[0][1].vocab_hash:
             raise ValueError(
-                f"{first[0]} was made with tokenizer {first[1].describe()} but {name} with "
-                f"{info.tokenizer.describe()}: their ids mean different tokens; {fix} "
+                f"{found[0][0]} was made with tokenizer {found[0][1].describe()} but {name} "
+                f"with {tok.describe()}: their ids mean different tokens; {fix} "
                 "to combine them anyway"
             )
 
 
+def recorded_vocab_size(named: Sequence[tuple[str, DatasetInfo | None]]) -> int | None:
+    """The vocabulary size of the tokenizers ``named`` (``(name, info)``) record, ``None``
+    if none records one; ``ValueError`` naming two whose sizes differ."""
+    found = recorded_tokenizers(named)
+    for name, tok in found[1:]:
+        first, tok0 = found[0]
+        if tok.vocab_size != tok0.vocab_size:
+            raise ValueError(
+                f"{first} was tokenized with {tok0.name} ({tok0.vocab_size} ids) "
+                f"but {name} with {tok.name} ({tok.vocab_size} ids): the data has no one "
+                "vocab_size; size the model yourself (LoaderConfig.vocab_size checks the data)"
+            )
+    return found[0][1].vocab_size if found else None
+
+
 def common_tokenizer(infos: Sequence[DatasetInfo | None]) -> TokenizerInfo | None:
     """The tokenizer every one of ``infos`` records, ``None`` unless all record the same."""
-    found = [i.tokenizer if i is not None else None for i in infos]
-    if not found or any(t is None for t in found):
-        return None
-    hashes = {t.vocab_hash for t in found if t is not None}
-    return found[0] if len(hashes) == 1 else None
+    found = [tok for _, tok in recorded_tokenizers([("", i) for i in infos])]
+    same = len(found) == len(infos) > 0 and len({t.vocab_hash for t in found}) == 1
+    return found[0] if same else None
 
 
 def tokenizer_info(

@@ -124,22 +124,16 @@ class LoaderConfig:
             component, with a mixture) holds its current window and the
             next, and at most every block of the data. A smaller budget
             drops blocks sooner and reads them again.
-        balance_groups: ``G``, the data-parallel groups of the batch axis (its
-            ``G`` contiguous equal row groups). Above 1, each step's rows are
-            ordered so that the groups carry near-equal attention work, a row
-            costing the sum of its segments' squared lengths; decided from
-            sequence boundaries alone, the same on every host, the step's rows
-            the same as without it (see docs/guide/multihost.md, "Long
-            context"). Every batch size must divide by it; not with
+        balance_groups: ``G``, the data-parallel groups of the batch axis. Above
+            1, each step's rows are reordered so that its ``G`` contiguous row
+            groups carry near-equal attention work (see docs/guide/multihost.md,
+            "Long context"). Every batch size must divide by it; not with
             ``shuffle="blocks"``.
-        context_parallel: ``C``, the context-parallel ranks a trainer splits
-            the sequence axis over. Above 1, every ``[B, L]`` field is laid out
-            in :func:`~flat_tokens_jax.zigzag_order` (``2C`` equal chunks in
-            the order ``0, 2C-1, 1, 2C-2, ..., C-1, C``), so a contiguous split
-            over ``C`` ranks gives rank ``i`` chunks ``i`` and ``2C-1-i``:
-            equal causal-attention work on each. ``positions`` and
-            ``segment_ids`` keep each token's own values. ``seq_len`` must be
-            a multiple of ``2C``; not with ``layout="tokens"``.
+        context_parallel: ``C``, the context-parallel ranks a trainer splits the
+            sequence axis over. Above 1, every ``[B, L]`` field is laid out in
+            :func:`~flat_tokens_jax.zigzag_order`, each token keeping its own
+            ``positions`` and ``segment_ids``. ``seq_len`` must be a multiple of
+            ``2C``; not with ``layout="tokens"``.
     """
 
     batch_size: BatchSizeSpec

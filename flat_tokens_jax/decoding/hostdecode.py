@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from flat_tokens_jax.core import compiled
 from flat_tokens_jax.core.buffers import Buffers
 from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.core.values import integer
@@ -48,7 +47,7 @@ class BlockDecoder:
     ) -> None:
         threads = integer(threads, "BlockDecoder.threads", low=1)
         self.threads, self.min_block_rows = threads, max(1, min_block_rows)
-        self._kernels = kernel_module(kernel, compiled.kernels)
+        self._kernels = kernel_module(kernel)
         self.kernel = "numpy" if self._kernels is None else "numba"
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()

@@ -33,12 +33,12 @@ KERNELS = ("auto", "numba", "numpy")
 _PENDING = 1024
 
 
-def kernel_module(kernel: str, load: Callable[[], ModuleType | None]) -> ModuleType | None:
-    """The compiled module ``load`` gives for ``kernel``: ``"numba"`` (the ``fast``
-    extra), ``"numpy"`` (``None``), or ``"auto"`` (numba when it imports)."""
+def kernel_module(kernel: str) -> ModuleType | None:
+    """The compiled kernels for ``kernel``: ``"numba"`` (the ``fast`` extra),
+    ``"numpy"`` (``None``), or ``"auto"`` (numba when it imports)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    fast = None if kernel == "numpy" else load()
+    fast = None if kernel == "numpy" else compiled.kernels()
     if kernel == "numba" and fast is None:
         raise ValueError(
             f"kernel='numba' needs numba: {install_hint('fast')} "
@@ -131,7 +131,7 @@ class InstanceFilter:
         columns are compared first; where 4 consecutive ones match, the
         ``2 * reach - 1`` columns around them are checked.
         """
-        fast = kernel_module(kernel, compiled.filter_kernel)
+        fast = kernel_module(kernel)
         if fast is not None:
             return fast.rejected(
                 np.ascontiguousarray(targets, np.int32),

@@ -112,8 +112,9 @@ class BlockCache:
         self.passed = 0  # blocks read for their step alone: no room beside those in flight
         self.peak = 0
 
-    def readers(self, steps: StepSamples, step: int, rows: np.ndarray) -> list[Records]:
-        """Each component's records for the fetch of ``rows`` at ``step``."""
+    def readers(self, steps: StepSamples, step: int, rows: np.ndarray) -> list[Any]:
+        """What reads each component's records (``read``, ``request``) for the
+        fetch of ``rows`` at ``step``: its records, or a :class:`StepReader`."""
         g, real = steps.samples(step, rows)
         g = g[real]
         if steps.mixture is None:
@@ -257,23 +258,9 @@ class StepReader:
     def __init__(self, cache: BlockCache, component: int, records: Records, told: _Step) -> None:
         self.cache, self.component, self.told = cache, component, told
         self.records = records
-        self.seq_len = records.seq_len
-
-    @property
-    def packing(self) -> Packing:
-        return self.records.packing
-
-    def __len__(self) -> int:
-        return len(self.records)
 
     def __repr__(self) -> str:
         return f"StepReader({self.records!r})"
-
-    def token_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return self.records.token_ranges(indices)
-
-    def fingerprint(self) -> dict[str, Any]:
-        return self.records.fingerprint()
 
     def read(self, indices: np.ndarray, columns: tuple[int, int] | None = None) -> Windows:
         return self.request(indices, columns)()

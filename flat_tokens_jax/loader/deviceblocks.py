@@ -51,7 +51,7 @@ class DeviceBlocks:
         sharding: jax.sharding.Sharding | None,
         host_blocks: dict[int, HostBlocks],
         source_ids: np.ndarray,
-        readers: Callable[[int, np.ndarray], Sequence[Records]],
+        readers: Callable[[int, np.ndarray], Sequence[Any]],
     ) -> None:
         config = sources.config
         self._readers, self.source_ids = readers, source_ids
@@ -168,7 +168,7 @@ class DeviceBlocks:
 
     @staticmethod
     def _piece(
-        reader: Records, packing: Packing, idx: np.ndarray, first: int, stop: int
+        reader: Any, packing: Packing, idx: np.ndarray, first: int, stop: int
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """Records ``idx``'s columns ``[first, stop)`` as windows (column 0 the
         token before ``first``) and their stored mask; a padded row's read holds

@@ -16,7 +16,7 @@ import numpy as np
 
 from flat_tokens_jax.core import fields
 from flat_tokens_jax.data.bins import BinRecords
-from flat_tokens_jax.data.records import Records, Windows
+from flat_tokens_jax.data.records import Windows
 from flat_tokens_jax.decoding.hostdecode import (
     BlockDecoder,
     RowDecode,
@@ -165,7 +165,7 @@ class StepEngine:
             out[here] = attention_costs(row, length, int(here.sum()))
         return out
 
-    def readers(self, step: int, rows: np.ndarray) -> Sequence[Records]:
+    def readers(self, step: int, rows: np.ndarray) -> Sequence[Any]:
         """What reads each component's records for ``rows`` at ``step`` (under the
         block shuffle, the block cache's)."""
         if self.block_cache is None:

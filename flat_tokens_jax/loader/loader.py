@@ -346,13 +346,9 @@ class Loader:
         return saved.differences(self.engine.sources.fingerprint(), self.schedule)
 
     def restore(self, state: Mapping[str, Any] | SavedState) -> int:
-        """Continues from a saved :meth:`state` (or its :meth:`saved_state`);
-        returns the step ``iterate`` resumes at.
-
-        Every field of :meth:`fingerprint` must be in it with the same value and JSON
-        type. The batch size may change from the saved step on, continuing at exactly the
-        next unseen sample. The saved weight changes and skips are replayed with this
-        loader's own (see :func:`~flat_tokens_jax.loader.steered.merged`).
+        """Continues from a saved :meth:`state` (or its :meth:`saved_state`); returns
+        the step ``iterate`` resumes at. The batch size may change from the saved step
+        on; the saved skips and weight changes join this loader's (docs/guide/steering.md).
 
         Raises:
             StateMismatch: other data or config, other batch sizes before the saved
@@ -382,12 +378,9 @@ class Loader:
         return self.engine.steps.steering
 
     def skip(self, step: int, count: int) -> None:
-        """From ``step`` on, step ``s`` reads what step ``s + count`` would have read
-        (with the skips before: what its data step plus ``count`` would have read).
-
-        Skips add up; each is kept in :meth:`state` and replayed by :meth:`restore`.
-        After a restore, the first skip at a restored skip's step restates it: the same
-        count changes nothing, another is refused (see docs/guide/steering.md).
+        """From ``step`` on, step ``s`` reads what step ``s + count`` would have read.
+        Skips add up, are kept in :meth:`state` and replayed by :meth:`restore` (see
+        docs/guide/steering.md, also for a skip restated after a restore).
 
         Raises:
             ValueError: ``step`` is before :attr:`next_step`, ``count`` is not an int
@@ -404,13 +397,9 @@ class Loader:
         self.prefetcher.drop_from(step)
 
     def set_weights(self, step: int, weights: Sequence[float] | Mapping[str, float]) -> None:
-        """From ``step`` on, the mixture blends its components by ``weights``
-        (one per component, or ``{name: weight}`` naming every component).
-
-        The change starts a weight segment at the data step ``step`` reads; a later
-        change of the mixture's declared schedule still applies. Each component's stream
-        continues where it was; a second change at one step replaces the first. Kept in
-        :meth:`state` and replayed by :meth:`restore` (see docs/guide/steering.md).
+        """From ``step`` on, the mixture blends its components by ``weights`` (one per
+        component, or ``{name: weight}`` naming every component); kept in :meth:`state`
+        and replayed by :meth:`restore` (see docs/guide/steering.md).
 
         Raises:
             ValueError: ``step`` is before :attr:`next_step`, the loader reads a single

@@ -276,17 +276,13 @@ class Loader:
             self.prefetcher.close()
 
     def stats(self) -> dict[str, Any]:
-        """What the input pipeline did so far, JSON-ready, for a trainer to log: waits,
-        times, the read-ahead's depth and bytes, requests, tokens, the instance filter's
-        rejections; each key is described in docs/guide/loading.md, "Where the work
-        runs, and read-ahead"."""
+        """What the input pipeline did so far, JSON-ready, for a trainer to log (each key:
+        docs/guide/loading.md, "Where the work runs, and read-ahead")."""
         return {**self.prefetcher.stats(), **self.engine.stats()}
 
     def to_grain(self) -> StepsDataset:
         """This host's rows of each step from :attr:`next_step` on, read ahead, as a
-        ``grain.IterDataset`` of :meth:`host_batch` dicts; each step its iterator yields
-        advances :attr:`next_step` as :meth:`iterate` does, and its state is :meth:`state`,
-        checked by :meth:`restore` (see docs/guide/trainers.md)."""
+        ``grain.IterDataset`` of :meth:`host_batch` dicts (see docs/guide/trainers.md)."""
         from flat_tokens_jax.loader import tograin  # imports grain, only when asked
 
         return tograin.StepsDataset(self, self.next_step)
@@ -324,13 +320,9 @@ class Loader:
         )
 
     def state(self, step: int | None = None) -> dict[str, Any]:
-        """``{"step", "samples", "fingerprint", "sources"}`` (with :meth:`skip` or
-        :meth:`set_weights`, ``"skips"`` and ``"weights"``), JSON-ready; the format is in
-        :mod:`~flat_tokens_jax.loader.state`.
-
+        """The run's state, JSON-ready (its format: :mod:`~flat_tokens_jax.loader.state`).
         ``step`` is where a :meth:`restore` resumes: by default :attr:`next_step`; a loop
         that asks :meth:`batch` by step passes ``step + 1`` after training ``step``.
-        ``sources`` says where the data was (not checked: data may move).
         """
         return self.saved_state(step).to_json()
 

@@ -269,9 +269,7 @@ class PhasedLoader(Loader):
             self.prefetcher.drop_from(since)
 
     def restore(self, state: Mapping[str, Any] | SavedState) -> int:
-        """Continues from a saved :meth:`state` (or a :meth:`Loader.state`, or a
-        :class:`~flat_tokens_jax.loader.state.SavedState`), with its skips and
-        weight changes; returns the step :meth:`iterate` resumes at.
+        """:meth:`Loader.restore` of a saved :meth:`state` (or a :meth:`Loader.state`).
 
         Raises:
             StateMismatch: the state is not one this version reads, or a phase begun

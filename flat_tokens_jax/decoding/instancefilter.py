@@ -16,7 +16,7 @@ import numpy as np
 
 from flat_tokens_jax.core import compiled
 from flat_tokens_jax.core.extras import install_hint
-from flat_tokens_jax.core.values import BadValue, integer, mapping
+from flat_tokens_jax.core.values import BadValue, integer, known_keys, mapping
 
 MAX_ROW_TOKENS = 2**31 - 1
 """The longest row a filter is checked against: ``positions`` are ``int32``."""
@@ -93,10 +93,7 @@ class InstanceFilter:
         if value is None or isinstance(value, InstanceFilter):
             return value
         fields = mapping(value, path, "None or a mapping of InstanceFilter fields")
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(map(str, set(fields) - set(known)))
-        if unknown:
-            raise BadValue(path, f"has unknown field(s) {unknown}; known: {known}")
+        known_keys(fields, path, (f.name for f in dataclasses.fields(cls)), "field")
         try:
             return cls(**fields)
         except BadValue as e:

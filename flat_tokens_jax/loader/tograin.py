@@ -16,13 +16,6 @@ import numpy as np
 from flat_tokens_jax.loader.grainprocess import prepare_grain
 from flat_tokens_jax.loader.state import SavedState
 
-NO_WORKERS = (
-    "a PhasedLoader's grain dataset (to_grain) cannot go to grain's worker processes: "
-    "it reads ahead on threads of its own already. Use it without mp_prefetch (.map and "
-    "other transformations run in this process), or each phase's Loader(...).to_grain() "
-    "under mp_prefetch"
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class Reopened:
@@ -71,7 +64,12 @@ class StepsDataset(grain.IterDataset):
 
     def __reduce__(self) -> Any:
         if not self.owner._to_workers:
-            raise TypeError(NO_WORKERS)
+            raise TypeError(
+                "a PhasedLoader's grain dataset (to_grain) cannot go to grain's worker "
+                "processes: it reads ahead on threads of its own already. Use it without "
+                "mp_prefetch (.map and other transformations run in this process), or each "
+                "phase's Loader(...).to_grain() under mp_prefetch"
+            )
         return WorkerSteps, (Reopened.of(self.owner), self.start)
 
 

@@ -367,7 +367,9 @@ def _named_components(components: Components) -> list[tuple[str, Source, float]]
     if twice:
         raise ValueError(f"component names must be unique, {twice} appear more than once")
     for name, source, _ in entries:
-        _check_source(name, source)
+        if isinstance(source, Mixture):
+            raise TypeError(f"component {name!r}: {_NESTED}")
+        check_source(source, f"component {name!r}")
     return entries
 
 
@@ -386,12 +388,6 @@ _NESTED = (
     "a Mixture cannot hold a Mixture: list the inner Mixture's components in the outer "
     "one, each with its weight times the inner Mixture's share"
 )
-
-
-def _check_source(name: str, source: Any) -> None:
-    if isinstance(source, Mixture):
-        raise TypeError(f"component {name!r}: {_NESTED}")
-    check_source(source, f"component {name!r}")
 
 
 def _check_records_agree(sources: Sequence[Source], names: Sequence[str]) -> None:

@@ -128,18 +128,16 @@ class BlockDecoder:
         if len(blocks) == 1:
             run(blocks[0])
             return
-        futures = [self._executor().submit(run, block) for block in blocks[1:]]
-        run(blocks[0])  # the caller runs one block itself: one hand-off fewer
-        for f in futures:
-            f.result()
-
-    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
                     self.threads - 1, thread_name_prefix="ftj-decode"
                 )
-            return self._pool
+            pool = self._pool
+        futures = [pool.submit(run, block) for block in blocks[1:]]
+        run(blocks[0])  # the caller runs one block itself: one hand-off fewer
+        for f in futures:
+            f.result()
 
     def close(self) -> None:
         """Stops the threads (a later ``decode`` starts them again)."""

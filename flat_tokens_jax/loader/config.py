@@ -15,8 +15,7 @@ import jax
 from flat_tokens_jax.core import fields
 from flat_tokens_jax.core.values import BadValue, boolean, choice, integer, known_keys
 from flat_tokens_jax.core.yamlfile import read_yaml
-from flat_tokens_jax.data.dataset import FlatTokens
-from flat_tokens_jax.data.records import Records, check_source
+from flat_tokens_jax.data.records import Records
 from flat_tokens_jax.decoding.instancefilter import InstanceFilter
 from flat_tokens_jax.decoding.layouts import (
     LAYOUTS,
@@ -25,7 +24,6 @@ from flat_tokens_jax.decoding.layouts import (
     check_max_segments,
 )
 from flat_tokens_jax.sampling.blocks import lanes
-from flat_tokens_jax.sampling.mixture import config_records
 from flat_tokens_jax.sampling.schedule import BatchSchedule, BatchSizeSpec
 
 
@@ -324,14 +322,6 @@ FIELDS: dict[str, Callable[[Any, str], Any]] = {
 }
 """Each :class:`LoaderConfig` field's check alone: ``check(value, path)`` gives
 the value in its one form or raises ``BadValue`` naming ``path``."""
-
-
-def records_for(source: Any, config: LoaderConfig, plan_cache: str | os.PathLike[str]) -> Records:
-    if not isinstance(source, FlatTokens):
-        check_source(source, "the Loader's source")
-    return config_records(
-        source, config.seq_len, config.packing, plan_cache, config.max_segments, "the source"
-    )
 
 
 def check_sharding(sharding: Any) -> None:

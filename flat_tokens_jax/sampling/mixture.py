@@ -222,7 +222,12 @@ class Mixture:
         int64 samples of each component per period)``; a positive weight with
         no sample per period is refused, naming the period it needs."""
         w = _check_weights(self._by_name(weights, step), self.names, step)
-        period = self.period or _default_period(w)
+        period = self.period
+        if period is None:  # 100 samples of the smallest share, at least 1000
+            shares = _shares(w)
+            smallest = float(shares[shares > 0].min())
+            fits = smallest * MAX_DEFAULT_PERIOD > 100
+            period = max(1000, math.ceil(100 / smallest)) if fits else MAX_DEFAULT_PERIOD
         counts = period_counts(w, period)
         lost = [i for i, x in enumerate(w) if x > 0 and counts[i] == 0]
         if lost:
@@ -419,14 +424,6 @@ def _check_weights(weights: Sequence[Any], names: Sequence[str], step: int) -> n
     if not (w > 0).any():
         raise ValueError(f"{where} are all zero: at least one component needs weight > 0")
     return w
-
-
-def _default_period(weights: np.ndarray) -> int:
-    shares = _shares(weights)
-    smallest = float(shares[shares > 0].min())
-    if smallest * MAX_DEFAULT_PERIOD <= 100:
-        return MAX_DEFAULT_PERIOD
-    return max(1000, math.ceil(100 / smallest))
 
 
 def _shares(weights: np.ndarray) -> np.ndarray:

@@ -160,9 +160,8 @@ class Loader:
         return self._in_phase(step, lambda e, s: e.steps.size(s))
 
     def samples_before(self, step: int) -> int:
-        """Global samples before ``step``'s (the global index of its first sample):
-        ``step * batch_size`` for a constant batch size; with skips, those of the data
-        steps before the one it reads, skipped batches included."""
+        """Global samples before ``step``'s, the global index of its first sample (with
+        skips, those of the data steps before the one it reads: docs/guide/steering.md)."""
         step = integer(step, "step", low=0)
         return self.schedule.samples_before(self.steps.data_step(step))
 

@@ -1,14 +1,7 @@
-"""The block cache: under the block shuffle, this host's rows taken from
-whole blocks, each read once and held within ``block_cache_bytes``.
-
-A step's fetch reads a split's packed windows or padded sequences through a
-:class:`StepReader`: the blocks its rows need and are not held, in one batch
-of requests (bins and other records are read row by row). A block a step in
-flight still needs is never dropped; otherwise the one whose next read by
-this host's lanes is furthest ahead goes first (Belady's choice, from
-:meth:`~flat_tokens_jax.sampling.blocks.BlockSampler.next_use`). A block that
-does not fit beside those in flight is read for its step alone. Thread-safe.
-"""
+"""The block cache: under the block shuffle, this host's rows taken from whole
+blocks (a step's fetch reads those not held through a :class:`StepReader`, in one
+batch), held within ``block_cache_bytes`` as docs/guide/loading.md, "Block shuffle",
+says (Belady's choice: :meth:`~flat_tokens_jax.sampling.blocks.BlockSampler.next_use`)."""
 
 from __future__ import annotations
 

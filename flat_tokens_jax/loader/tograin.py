@@ -1,8 +1,7 @@
 """A loader's steps as a ``grain.IterDataset`` of host numpy dicts
 (``Loader.to_grain``), read ahead by the loader's own read-ahead; under
-``mp_prefetch`` each worker reads its steps with the loader opened again there.
-The behaviour users see is in docs/guide/trainers.md. This module imports
-grain; ``Loader.to_grain`` imports it only when called.
+``mp_prefetch`` each worker reads its steps with the loader opened again there
+(docs/guide/trainers.md). It imports grain: ``Loader.to_grain`` imports it when called.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Model fields from encoded tokens (numpy, on the host): packed windows, padded sequences, bins.
 
-Encoded tokens are ``uint32`` ``token_id * 2 + 1`` at a sequence start, else
-``token_id * 2``. Every decoder returns the five fields ``[batch, seq_len]``:
-``inputs``, ``targets``, ``segment_ids``, ``positions`` (``int32``) and
-``loss_mask`` (``bool``). Padding has ``pad_id`` input and target, segment 0,
-position 0 and ``loss_mask`` False. The ``_jax`` twins
+Every decoder returns the five fields ``[batch, seq_len]``: ``inputs``, ``targets``,
+``segment_ids``, ``positions`` (``int32``) and ``loss_mask`` (``bool``); padding has ``pad_id``
+input and target, segment 0, position 0 and ``loss_mask`` False. The ``_jax`` twins
 (:mod:`~flat_tokens_jax.decoding.batch_jax`) give the same values inside ``jax.jit``.
 """
 

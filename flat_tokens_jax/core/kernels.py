@@ -1,9 +1,7 @@
 """Compiled host kernels (numba, the ``fast`` extra; import them through
 :func:`flat_tokens_jax.core.compiled.kernels`): copying a batch's ranges out of
-memory-mapped shards, decoding the five fields of rows as ``batch.window_fields``
-does, and the instance filter's rows (:meth:`~flat_tokens_jax.InstanceFilter.rejected`),
-one pass per row while it is in cache; they release the interpreter lock, so
-row blocks on threads run in parallel.
+memory-mapped shards, decoding rows as ``batch.window_fields`` does and the instance
+filter's verdicts, one pass per row while it is in cache, without the interpreter lock.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Weighted blending of record sources, O(1) per sample from any step.
-
-Over a period of ``P`` samples component ``c`` gets ``n_c``: its weight times
-``P``, rounded by largest remainder. Its ``k``-th sample sits at ``(k + 1/2) /
-n_c`` of the period (ties to the lower component), which spreads every
-component evenly; global sample ``g`` is then two table lookups of size ``P``.
-A weight schedule's segments are routed by :mod:`~flat_tokens_jax.sampling.steering`.
+"""Weighted blending of record sources, O(1) per sample from any step: a period's
+layout (docs/guide/mixtures.md) makes global sample ``g`` two table lookups of size
+``P``; a weight schedule's segments are routed by :mod:`~flat_tokens_jax.sampling.steering`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Where sequences start in packed rows, and the segment ids and positions
-that follow from the starts (for :func:`~flat_tokens_jax.decoding.batch.packed_fields`).
-
-Sequence starts are rare (one per ~1,000 tokens in typical data), so both work
-from the starts' flat indices rather than token by token where they can.
-"""
+"""Where sequences start in packed rows, and the segment ids and positions that follow
+(for :func:`~flat_tokens_jax.decoding.batch.packed_fields`): from the starts' flat indices
+where they can, not token by token, as starts are rare (one per ~1,000 tokens)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""The step engine: a step, this host's rows of it, their records, and their
-fields in the configured layout, in two stages (:meth:`StepEngine.request`
-starts the reads, :meth:`StepEngine.finish` decodes), which the loader's
-read-ahead runs; the engine knows nothing of it.
-"""
+"""The step engine: a step, this host's rows of it, their records and their fields in
+the configured layout, in two stages (:meth:`StepEngine.request` starts the reads,
+:meth:`StepEngine.finish` decodes) that the loader's read-ahead runs."""
 
 from __future__ import annotations
 

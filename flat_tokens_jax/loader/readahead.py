@@ -1,8 +1,6 @@
 """How many steps to read ahead, what the trainer waited, and when to say so:
-:class:`Measures` times a loader's steps and decides the depth, the decode
-threads and the stall warning (:func:`stall_message`). Pure code, testable
-without a store.
-"""
+:class:`Measures` times a loader's steps and decides the depth, the decode threads
+and the stall warning (:func:`stall_message`); pure code, testable without a store."""
 
 from __future__ import annotations
 

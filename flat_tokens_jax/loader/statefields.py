@@ -1,8 +1,6 @@
-"""Each field of a saved loader state checked (:func:`checked`, what
-``SavedState.read`` runs): a field missing, of another type or out of bounds,
-or one the format does not hold, is a line naming its path
-(``phases[1].sources[0].split``); config fields by ``FIELDS``, as YAML's.
-"""
+"""Each field of a saved loader state checked (:func:`checked`, what ``SavedState.read``
+runs): a field missing, of another type or out of bounds, or one the format does not hold,
+is a line naming its path (``phases[1].sources[0].split``); config fields as YAML's."""
 
 from __future__ import annotations
 

@@ -36,11 +36,8 @@ class LoaderConfig:
 
     Attributes:
         batch_size: global rows per step, over all hosts: an int, or a schedule
-            ``[(start_step, size), ...]`` (first at step 0, steps increasing;
-            a mapping ``{start_step: size}`` works too), e.g. ``[(0, 256),
-            (2000, 512)]``. Step ``s`` holds global samples
-            ``[samples_before(s), samples_before(s + 1))``; the sample order
-            does not depend on the schedule, only its cut into batches does.
+            ``[(start_step, size), ...]`` (or ``{start_step: size}``), e.g.
+            ``[(0, 256), (2000, 512)]`` (docs/guide/mixtures.md, "Batch-size schedules").
         seq_len: tokens per row.
         packing: what a row is. True: consecutive windows of the concatenated
             tokens (no padding, sequences cut at window edges). False: one

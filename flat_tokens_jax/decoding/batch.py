@@ -90,9 +90,7 @@ def packed_fields(
     np.copyto(inputs[:, 1:], targets[:, :-1])
     np.right_shift(w[:, 0], 1, out=inputs[:, 0].view(np.uint32))
 
-    # Sequence starts are rare (one per ~1,000 tokens in typical data), so find
-    # them once as flat indices and build segment ids and positions run by run.
-    # `loss_mask` is scratch until it is written.
+    # Starts as flat indices (see decoding.segments); `loss_mask` is scratch until written.
     flags = out["loss_mask"].reshape(-1)
     hits = sequence_starts(w.reshape(-1), flags, positions.reshape(-1).view(np.uint32))
     row = hits // (seq_len + 1)

@@ -81,7 +81,7 @@ def main() -> None:
         ftj.write_dataset(tmp / "ds", {"train": synthetic(args.tokens, args.repeated)})
         ft = ftj.open_dataset(tmp / "ds")["train"]
         rule = ftj.InstanceFilter()
-        kernel = "numpy" if compiled.filter_kernel() is None else "numba"
+        kernel = "numpy" if compiled.kernels() is None else "numba"
         base = {"batch_size": args.batch_size, "seq_len": args.seq_len, "seed": 1, "prefetch": 0}
         off = ftj.Loader(ft, ftj.LoaderConfig(**base))
         on = ftj.Loader(ft, ftj.LoaderConfig(**base, instance_filter=rule))

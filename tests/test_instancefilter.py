@@ -308,7 +308,10 @@ def test_config_from_yaml_and_bad_values_named_by_path(tmp_path: Path) -> None:
             {"max_period": 2, "min_period": 3},
             "loader.instance_filter.max_period must be >= min_period (3)",
         ),
-        ({"max_perid": 3}, "loader.instance_filter has unknown field(s) ['max_perid']"),
+        (
+            {"max_perid": 3},
+            "loader.instance_filter has unknown field 'max_perid' (did you mean 'max_period'?)",
+        ),
         ({"max_count": 2.0}, "loader.instance_filter.max_count"),
         (True, "loader.instance_filter must be None or a mapping of InstanceFilter fields"),
     ]:

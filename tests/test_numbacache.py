@@ -3,7 +3,7 @@ its numba version, in whichever folder numba would choose (issue 46: two
 environments of different numba versions over one tree read each other's
 kernels), and nothing of it in that folder itself.
 
-Each case copies the instance filter's kernel module into a folder of its own,
+Each case copies the kernels module into a folder of its own,
 compiles a kernel there in a new process, then in a second one, and looks for
 numba's index (``.nbi``) and data (``.nbc``) files under the test's folder.
 """
@@ -28,8 +28,8 @@ _COMPILE = """
 import json, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-import filterkernel
-kernel = filterkernel._row_rejected
+import kernels
+kernel = kernels._row_rejected
 rejected = kernel(np.full(12, 5, np.int32), np.ones(12, np.int32), 1, 2, 4)
 stats = kernel.stats
 print(json.dumps({"rejected": bool(rejected), "hits": sum(stats.cache_hits.values()),
@@ -58,7 +58,7 @@ def test_a_kernel_is_cached_in_a_folder_of_its_numba_version(tmp_path: Path, whe
     modes do not stop); with none, the kernel compiles in each process."""
     tree = tmp_path / "tree"
     tree.mkdir()
-    shutil.copy(ROOT / "flat_tokens_jax" / "core" / "filterkernel.py", tree)
+    shutil.copy(ROOT / "flat_tokens_jax" / "core" / "kernels.py", tree)
     env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
     env["XDG_CACHE_HOME"] = str(tmp_path / "user")
     if where == "NUMBA_CACHE_DIR":
@@ -83,5 +83,5 @@ def test_a_kernel_is_cached_in_a_folder_of_its_numba_version(tmp_path: Path, whe
         (base,) = cache_dir.iterdir()
     assert {p.parent for p in files} == {base / VERSION_FOLDER}
     assert sorted(p.suffix for p in files) == [".nbc", ".nbi"]
-    assert files[0].name.startswith("filterkernel._row_rejected-")
+    assert files[0].name.startswith("kernels._row_rejected-")
     assert (runs[0]["misses"], runs[1]["misses"], runs[1]["hits"]) == (1, 0, 1)

@@ -72,6 +72,15 @@ def test_an_order_of_unequal_chunks_is_refused_naming_both(c: int, seq_len: int)
         ftj.LoaderConfig(4, seq_len, context_parallel=c)
 
 
+@given(seq_len=st.integers(1, 200))
+def test_one_rank_keeps_the_order_of_any_row_and_a_loader_of_odd_rows_reads(seq_len: int) -> None:
+    assert ftj.zigzag_order(seq_len, 1).tolist() == list(range(seq_len))
+    if seq_len % 2:
+        loader = ftj.Loader(split(), ftj.LoaderConfig(2, seq_len, packing=False))
+        batch = loader.host_batch(0)
+        assert batch["targets"].shape == (2, seq_len)
+
+
 @functools.cache
 def split(name: str = "a") -> ftj.FlatTokens:
     rng = np.random.default_rng(48 + ord(name))

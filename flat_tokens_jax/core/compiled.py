@@ -26,14 +26,6 @@ def kernels() -> ModuleType | None:
 
 
 @functools.cache
-def filter_kernel() -> ModuleType | None:
-    """:mod:`~flat_tokens_jax.core.filterkernel` when numba imports, else ``None``."""
-    if kernels() is None:
-        return None
-    return importlib.import_module("flat_tokens_jax.core.filterkernel")
-
-
-@functools.cache
 def warm() -> None:
     """:func:`~flat_tokens_jax.core.kernels.warm`, once a process, where numba is."""
     fast = kernels()

@@ -213,8 +213,11 @@ def encode_concatenated(ids: np.ndarray, starts: np.ndarray) -> np.ndarray:
     return out
 
 
-def encode(sequences: Iterable[Sequence[int] | np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Encodes whole sequences in memory (for tests and small data).
+def encode(
+    sequences: Iterable[Sequence[int] | np.ndarray], where: str = "sequence", first: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Encodes whole sequences in memory (for tests and small data); errors name
+    sequence ``i`` as ``f"{where} {first + i}"``.
 
     Returns:
         ``(encoded_tokens [num_tokens] uint32, seq_starts [num_sequences + 1] uint64)``.
@@ -224,10 +227,15 @@ def encode(sequences: Iterable[Sequence[int] | np.ndarray]) -> tuple[np.ndarray,
         >>> enc.tolist(), starts.tolist()
         ([3, 4, 7, 8, 10, 13, 14, 16], [0, 2, 5, 8])
     """
-    arrays = [check_token_ids(np.asarray(s), f"sequence {i}") for i, s in enumerate(sequences)]
+    arrays = [
+        check_token_ids(np.asarray(s), f"{where} {first + i}") for i, s in enumerate(sequences)
+    ]
     for i, a in enumerate(arrays):
         if a.size == 0:
-            raise ValueError(f"sequence {i} is empty; the format cannot store empty sequences")
+            raise ValueError(
+                f"{where} {first + i} is empty; the format cannot store empty sequences "
+                "(drop them before writing)"
+            )
     lengths = np.array([a.size for a in arrays], dtype=np.uint64)
     seq_starts = np.zeros(len(arrays) + 1, dtype=np.uint64)
     np.cumsum(lengths, out=seq_starts[1:])

@@ -1,8 +1,6 @@
-"""What a store's URL means: the one place that reads paths and URLs, by the
-rules of "Paths and URLs" in docs/guide/remote.md. A URL shown to a person
-(errors, logs, reprs) goes through :func:`redact` first, so that a secret in
-it is never repeated, even in the refusal of such a URL.
-"""
+"""What a store's URL means: the one place that reads paths and URLs, by the rules of
+"Paths and URLs" in docs/guide/remote.md. A URL shown to a person (errors, logs, reprs)
+goes through :func:`redact` first, so a secret in it is never repeated, even in its refusal."""
 
 from __future__ import annotations
 

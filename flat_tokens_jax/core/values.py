@@ -67,21 +67,15 @@ def _hint(value: Any) -> str:
         if not math.isfinite(parsed):
             return ""
         # YAML 1.1 (PyYAML) reads 1e-4 and 1.0e308 as text: a float needs a dot
-        # and a signed exponent.
-        return f" (a string: YAML reads a number written {_yaml_float(parsed)}, without quotes)"
+        # and a signed exponent (1.0e+308, 0.0001).
+        mantissa, e, exponent = repr(parsed).partition("e")
+        written = mantissa + ("" if "." in mantissa else ".0") + e + exponent
+        return f" (a string: YAML reads a number written {written}, without quotes)"
     if isinstance(value, float | np.floating) and math.isfinite(value):
         if float(value).is_integer():
             return f" (write {int(value)}, without the fraction)"
         return " (ints are not rounded: write a whole number)"
     return ""
-
-
-def _yaml_float(value: float) -> str:
-    """``value`` as YAML 1.1 reads a float: ``1.0e+308``, ``0.0001``."""
-    mantissa, e, exponent = repr(value).partition("e")
-    if "." not in mantissa:
-        mantissa += ".0"
-    return mantissa + e + exponent
 
 
 def boolean(value: Any, path: str) -> bool:

@@ -1,9 +1,8 @@
 """The block shuffle's reads: block ``b`` (records ``[b * B, (b + 1) * B)``) of
 packed windows or padded sequences is one contiguous token range, read in one
 request; its records' rows are then taken from it, bit for bit and with the same
-checks as :meth:`~.records.PackedRecords.request` and ``PaddedRecords.request``.
-Bins and other records are read row by row (a bin's sequences lie anywhere).
-"""
+checks as :meth:`~.records.PackedRecords.request` and ``PaddedRecords.request``
+(bins and other records are read row by row)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Records of fixed length over one split: packed windows or padded sequences
-(bins: :mod:`flat_tokens_jax.data.bins`). A packed record reads one token range;
-a padded one its bounds from ``seq_starts``, then its tokens, each stage one
-batched request.
-"""
+"""Records of fixed length over one split: packed windows or padded sequences (bins:
+:mod:`flat_tokens_jax.data.bins`). A packed record reads one token range; a padded one
+its bounds from ``seq_starts``, then its tokens, each stage one batched request."""
 
 from __future__ import annotations
 

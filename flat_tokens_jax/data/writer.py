@@ -23,8 +23,7 @@ from flat_tokens_jax.core.format import (
     TOKENS,
     UnknownSplit,
     check_loss_mask,
-    check_token_ids,
-    encode_concatenated,
+    encode,
     split_names,
 )
 from flat_tokens_jax.core.values import sequence
@@ -128,29 +127,19 @@ class _SplitWriter:
 
     def extend(self, sequences: Sequence[np.ndarray], masks: Sequence[Any] | None) -> None:
         where = f"split {self.split!r}, sequence"
-        arrays = [
-            check_token_ids(s, f"{where} {self.num_sequences + i}") for i, s in enumerate(sequences)
-        ]
-        lengths = np.fromiter((a.size for a in arrays), np.int64, len(arrays))
-        empty = np.flatnonzero(lengths == 0)
-        if empty.size:
-            raise ValueError(
-                f"{where} {self.num_sequences + int(empty[0])} is empty; the format "
-                "cannot store empty sequences (drop them before writing)"
-            )
-        if not arrays:
+        encoded, starts = encode(sequences, where, self.num_sequences)
+        if not sequences:
             return
+        offsets, lengths = starts[1:].astype(np.int64), np.diff(starts).astype(np.int64)
         mask = None
         if masks is not None:
             mask = np.concatenate(
                 [
-                    check_loss_mask(m, a.size, f"{where} {self.num_sequences + i}")
-                    for i, (a, m) in enumerate(zip(arrays, masks, strict=True))
+                    check_loss_mask(m, int(n), f"{where} {self.num_sequences + i}")
+                    for i, (n, m) in enumerate(zip(lengths, masks, strict=True))
                 ]
             )
-        ids = np.concatenate(arrays)
-        offsets = np.cumsum(lengths)
-        self._write(encode_concatenated(ids, offsets - lengths), offsets, mask, int(ids.max()))
+        self._write(encoded, offsets, mask, int(encoded.max()) >> 1)
 
     def extend_encoded(self, encoded: np.ndarray, lengths: np.ndarray, mask: Any | None) -> None:
         enc = np.asarray(encoded)

@@ -1,10 +1,8 @@
 """Model fields from encoded tokens (numpy, on the host): packed windows, padded sequences, bins.
 
-Encoded tokens are ``uint32`` ``token_id * 2 + 1`` at a sequence start, else
-``token_id * 2``. Every decoder returns the five fields ``[batch, seq_len]``:
-``inputs``, ``targets``, ``segment_ids``, ``positions`` (``int32``) and
-``loss_mask`` (``bool``). Padding has ``pad_id`` input and target, segment 0,
-position 0 and ``loss_mask`` False. The ``_jax`` twins
+Every decoder returns the five fields ``[batch, seq_len]``: ``inputs``, ``targets``,
+``segment_ids``, ``positions`` (``int32``) and ``loss_mask`` (``bool``); padding has ``pad_id``
+input and target, segment 0, position 0 and ``loss_mask`` False. The ``_jax`` twins
 (:mod:`~flat_tokens_jax.decoding.batch_jax`) give the same values inside ``jax.jit``.
 """
 
@@ -92,19 +90,14 @@ def packed_fields(
     np.copyto(inputs[:, 1:], targets[:, :-1])
     np.right_shift(w[:, 0], 1, out=inputs[:, 0].view(np.uint32))
 
-    # Sequence starts are rare (one per ~1,000 tokens in typical data), so find
-    # them once as flat indices and build segment ids and positions run by run.
-    # `loss_mask` is scratch until it is written.
+    # Starts as flat indices (see decoding.segments); `loss_mask` is scratch until written.
     flags = out["loss_mask"].reshape(-1)
     hits = sequence_starts(w.reshape(-1), flags, positions.reshape(-1).view(np.uint32))
     row = hits // (seq_len + 1)
     hits -= row
     starts = hits[hits != row * seq_len] - 1  # drop column 0; index into [batch * seq_len]
     inputs.reshape(-1)[starts] = start
-    if stored_mask is None:
-        out["loss_mask"].fill(True)
-    else:
-        np.not_equal(stored_mask, 0, out=out["loss_mask"])
+    _stored(out["loss_mask"], stored_mask)
     write_segments(starts, out["segment_ids"], positions)
     return out
 
@@ -138,20 +131,31 @@ def padded_fields(
     lens = _lengths(lengths, batch, seq_len)
     _check_mask(stored_mask, (batch, seq_len))
     out = _fields_out(out, batch, seq_len)
-    inputs, targets, loss_mask = out["inputs"], out["targets"], out["loss_mask"]
+    inputs, targets = out["inputs"], out["targets"]
     np.right_shift(tok, 1, out=targets.view(np.uint32))
     np.copyto(inputs[:, 1:], targets[:, :-1])
     inputs[:, 0] = start
     col = np.arange(seq_len, dtype=np.int32)
-    np.less(col, lens[:, None], out=loss_mask)
-    padding = ~loss_mask
-    np.copyto(inputs, pad, where=padding)
-    np.copyto(targets, pad, where=padding)
-    np.multiply(col, loss_mask, out=out["positions"])
-    np.copyto(out["segment_ids"], loss_mask)
-    if stored_mask is not None:
-        loss_mask &= stored_mask != 0
+    out["positions"][:] = col
+    out["segment_ids"].fill(1)
+    _stored(out["loss_mask"], stored_mask)
+    _pad(out, col >= lens[:, None], pad)
     return out
+
+
+def _stored(loss_mask: np.ndarray, stored_mask: np.ndarray | None) -> None:
+    """Writes the stored mask (nonzero: trained on; default every target) into ``loss_mask``."""
+    if stored_mask is None:
+        loss_mask.fill(True)
+    else:
+        np.not_equal(stored_mask, 0, out=loss_mask)
+
+
+def _pad(out: dict[str, np.ndarray], padding: np.ndarray, pad_id: int) -> None:
+    """Writes padding into the five fields where ``padding`` ``[batch, seq_len]`` is True."""
+    for key in FIELDS[:4]:
+        np.copyto(out[key], pad_id if key in ("inputs", "targets") else 0, where=padding)
+    out["loss_mask"] &= ~padding
 
 
 def _fields_out(
@@ -241,12 +245,7 @@ def bin_fields(
     out = packed_fields(windows, start_token_id=start_token_id, stored_mask=stored_mask, out=out)
     seq_len = out["targets"].shape[1]
     padding = np.arange(seq_len) >= _lengths(lengths, out["targets"].shape[0], seq_len)[:, None]
-    pad = _int32("pad_id", pad_id)
-    np.copyto(out["inputs"], pad, where=padding)
-    np.copyto(out["targets"], pad, where=padding)
-    np.copyto(out["segment_ids"], 0, where=padding)
-    np.copyto(out["positions"], 0, where=padding)
-    out["loss_mask"] &= ~padding
+    _pad(out, padding, _int32("pad_id", pad_id))
     return out
 
 
@@ -345,19 +344,11 @@ def chunk_fields(
     last = np.maximum.accumulate(np.where(runs, col, -1), axis=1)
     after = pos_before[:, None] + 1 + col - first
     positions = np.where(last >= 0, col - last, after).astype(np.int32)
-    pad = col >= np.asarray(lengths)[:, None]
-    loss_mask = ~pad if stored_mask is None else ~pad & (np.asarray(stored_mask) != 0)
-    pad_value = _int32("pad_id", pad_id)
-    for values, fill in ((inputs, pad_value), (targets, pad_value), (segment_ids, 0)):
-        values[pad] = fill
-    positions[pad] = 0
-    return {
-        "inputs": inputs,
-        "targets": targets,
-        "segment_ids": segment_ids,
-        "positions": positions,
-        "loss_mask": loss_mask,
-    }
+    loss_mask = np.empty(targets.shape, bool)
+    _stored(loss_mask, stored_mask)
+    out = dict(zip(FIELDS, (inputs, targets, segment_ids, positions, loss_mask), strict=True))
+    _pad(out, col >= np.asarray(lengths)[:, None], _int32("pad_id", pad_id))
+    return out
 
 
 def run_carry(

@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from flat_tokens_jax.core import compiled
 from flat_tokens_jax.core.buffers import Buffers
 from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.core.values import integer
@@ -48,7 +47,7 @@ class BlockDecoder:
     ) -> None:
         threads = integer(threads, "BlockDecoder.threads", low=1)
         self.threads, self.min_block_rows = threads, max(1, min_block_rows)
-        self._kernels = kernel_module(kernel, compiled.kernels)
+        self._kernels = kernel_module(kernel)
         self.kernel = "numpy" if self._kernels is None else "numba"
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -129,18 +128,16 @@ class BlockDecoder:
         if len(blocks) == 1:
             run(blocks[0])
             return
-        futures = [self._executor().submit(run, block) for block in blocks[1:]]
-        run(blocks[0])  # the caller runs one block itself: one hand-off fewer
-        for f in futures:
-            f.result()
-
-    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
                     self.threads - 1, thread_name_prefix="ftj-decode"
                 )
-            return self._pool
+            pool = self._pool
+        futures = [pool.submit(run, block) for block in blocks[1:]]
+        run(blocks[0])  # the caller runs one block itself: one hand-off fewer
+        for f in futures:
+            f.result()
 
     def close(self) -> None:
         """Stops the threads (a later ``decode`` starts them again)."""

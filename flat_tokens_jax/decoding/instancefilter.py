@@ -16,7 +16,7 @@ import numpy as np
 
 from flat_tokens_jax.core import compiled
 from flat_tokens_jax.core.extras import install_hint
-from flat_tokens_jax.core.values import BadValue, integer, mapping
+from flat_tokens_jax.core.values import BadValue, integer, known_keys, mapping
 
 MAX_ROW_TOKENS = 2**31 - 1
 """The longest row a filter is checked against: ``positions`` are ``int32``."""
@@ -33,12 +33,12 @@ KERNELS = ("auto", "numba", "numpy")
 _PENDING = 1024
 
 
-def kernel_module(kernel: str, load: Callable[[], ModuleType | None]) -> ModuleType | None:
-    """The compiled module ``load`` gives for ``kernel``: ``"numba"`` (the ``fast``
-    extra), ``"numpy"`` (``None``), or ``"auto"`` (numba when it imports)."""
+def kernel_module(kernel: str) -> ModuleType | None:
+    """The compiled kernels for ``kernel``: ``"numba"`` (the ``fast`` extra),
+    ``"numpy"`` (``None``), or ``"auto"`` (numba when it imports)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    fast = None if kernel == "numpy" else load()
+    fast = None if kernel == "numpy" else compiled.kernels()
     if kernel == "numba" and fast is None:
         raise ValueError(
             f"kernel='numba' needs numba: {install_hint('fast')} "
@@ -93,10 +93,7 @@ class InstanceFilter:
         if value is None or isinstance(value, InstanceFilter):
             return value
         fields = mapping(value, path, "None or a mapping of InstanceFilter fields")
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(map(str, set(fields) - set(known)))
-        if unknown:
-            raise BadValue(path, f"has unknown field(s) {unknown}; known: {known}")
+        known_keys(fields, path, (f.name for f in dataclasses.fields(cls)), "field")
         try:
             return cls(**fields)
         except BadValue as e:
@@ -131,7 +128,7 @@ class InstanceFilter:
         columns are compared first; where 4 consecutive ones match, the
         ``2 * reach - 1`` columns around them are checked.
         """
-        fast = kernel_module(kernel, compiled.filter_kernel)
+        fast = kernel_module(kernel)
         if fast is not None:
             return fast.rejected(
                 np.ascontiguousarray(targets, np.int32),

@@ -241,7 +241,9 @@ def zigzag_order(seq_len: int, context_parallel: int) -> np.ndarray:
 
 def _zigzag(values: Any, c: int, xp: Any) -> Any:
     """``values`` ``[B, L]`` in :func:`zigzag_order`, with no gather (a reverse,
-    so it keeps any sharding of the batch axis inside ``jax.jit``)."""
+    so it keeps any sharding of the batch axis inside ``jax.jit``); one rank's is the identity."""
+    if c == 1:
+        return values
     b, length = values.shape
     halves = values.reshape(b, 2, c, length // (2 * c))
     return xp.stack([halves[:, 0], halves[:, 1, ::-1]], axis=2).reshape(b, length)

@@ -1,9 +1,6 @@
-"""Where sequences start in packed rows, and the segment ids and positions
-that follow from the starts (for :func:`~flat_tokens_jax.decoding.batch.packed_fields`).
-
-Sequence starts are rare (one per ~1,000 tokens in typical data), so both work
-from the starts' flat indices rather than token by token where they can.
-"""
+"""Where sequences start in packed rows, and the segment ids and positions that follow
+(for :func:`~flat_tokens_jax.decoding.batch.packed_fields`): from the starts' flat indices
+where they can, not token by token, as starts are rare (one per ~1,000 tokens)."""
 
 from __future__ import annotations
 
@@ -51,16 +48,10 @@ def sequence_starts(flat: np.ndarray, flags: np.ndarray, scratch: np.ndarray) ->
 
 
 def write_segments(starts: np.ndarray, segment_ids: np.ndarray, positions: np.ndarray) -> None:
-    """Writes the segment ids and positions of packed rows.
-
-    Segment ids are 1 for a row's first segment and grow by one at each later
-    sequence start; positions restart at 0 at each start and at each row's
-    first column.
-
-    Args:
-        starts: sorted flat indices ``[k] int64`` of the sequence starts.
-        segment_ids, positions: ``[batch, seq_len] int32`` C-contiguous outputs.
-    """
+    """Writes the segment ids and positions of packed rows (as ``packed_fields``
+    gives them) into ``segment_ids`` and ``positions``, ``[batch, seq_len] int32``
+    C-contiguous, from ``starts``, the sorted flat indices ``[k] int64`` of the
+    sequence starts."""
     batch, seq_len = segment_ids.shape
     if starts.size * _SHORT_RUN < batch * seq_len:
         _fill_runs(starts, segment_ids, positions)
@@ -77,7 +68,7 @@ def write_segments(starts: np.ndarray, segment_ids: np.ndarray, positions: np.nd
 
 
 def _fill_runs(starts: np.ndarray, segment_ids: np.ndarray, positions: np.ndarray) -> None:
-    """Writes the segment ids and positions of packed rows, tile by tile.
+    """:func:`write_segments`, tile by tile.
 
     A run (one segment of one row) begins at each row start and at each
     sequence start inside a row. Each ``_TILE``-token tile of the flat batch is
@@ -87,10 +78,6 @@ def _fill_runs(starts: np.ndarray, segment_ids: np.ndarray, positions: np.ndarra
     (a fresh one measured ~500 page faults a half batch). Then the tokens from
     each run start inside a tile to the tile's end are rewritten, and a last
     partial tile token by token.
-
-    Args:
-        starts: sorted flat indices ``[k] int64`` of the sequence starts.
-        segment_ids, positions: ``[batch, seq_len] int32`` C-contiguous outputs.
     """
     batch, seq_len = segment_ids.shape
     size = batch * seq_len

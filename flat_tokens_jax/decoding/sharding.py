@@ -228,7 +228,11 @@ class HostBlocks:
         if source:
             out["source"] = make((batch,), rows_part, lambda b: by_rows[b.rows].source)
         if any(d.stored_mask is not None for d in data.values()):
-            out["stored_mask"] = make((batch, seq), both, lambda b: _mask_of(data[b]))
+            masks = {
+                b: np.ones(d.encoded.shape, np.uint8) if d.stored_mask is None else d.stored_mask
+                for b, d in data.items()
+            }
+            out["stored_mask"] = make((batch, seq), both, masks.__getitem__)
         return out
 
     def decoder(
@@ -279,12 +283,6 @@ class HostBlocks:
             }
 
         return decode
-
-
-def _mask_of(data: BlockData) -> np.ndarray:
-    if data.stored_mask is None:
-        return np.ones(data.encoded.shape, np.uint8)
-    return data.stored_mask
 
 
 def _decode(

@@ -1,14 +1,7 @@
-"""The block cache: under the block shuffle, this host's rows taken from
-whole blocks, each read once and held within ``block_cache_bytes``.
-
-A step's fetch reads a split's packed windows or padded sequences through a
-:class:`StepReader`: the blocks its rows need and are not held, in one batch
-of requests (bins and other records are read row by row). A block a step in
-flight still needs is never dropped; otherwise the one whose next read by
-this host's lanes is furthest ahead goes first (Belady's choice, from
-:meth:`~flat_tokens_jax.sampling.blocks.BlockSampler.next_use`). A block that
-does not fit beside those in flight is read for its step alone. Thread-safe.
-"""
+"""The block cache: under the block shuffle, this host's rows taken from whole
+blocks (a step's fetch reads those not held through a :class:`StepReader`, in one
+batch), held within ``block_cache_bytes`` as docs/guide/loading.md, "Block shuffle",
+says (Belady's choice: :meth:`~flat_tokens_jax.sampling.blocks.BlockSampler.next_use`)."""
 
 from __future__ import annotations
 
@@ -112,8 +105,9 @@ class BlockCache:
         self.passed = 0  # blocks read for their step alone: no room beside those in flight
         self.peak = 0
 
-    def readers(self, steps: StepSamples, step: int, rows: np.ndarray) -> list[Records]:
-        """Each component's records for the fetch of ``rows`` at ``step``."""
+    def readers(self, steps: StepSamples, step: int, rows: np.ndarray) -> list[Any]:
+        """What reads each component's records (``read``, ``request``) for the
+        fetch of ``rows`` at ``step``: its records, or a :class:`StepReader`."""
         g, real = steps.samples(step, rows)
         g = g[real]
         if steps.mixture is None:
@@ -257,23 +251,9 @@ class StepReader:
     def __init__(self, cache: BlockCache, component: int, records: Records, told: _Step) -> None:
         self.cache, self.component, self.told = cache, component, told
         self.records = records
-        self.seq_len = records.seq_len
-
-    @property
-    def packing(self) -> Packing:
-        return self.records.packing
-
-    def __len__(self) -> int:
-        return len(self.records)
 
     def __repr__(self) -> str:
         return f"StepReader({self.records!r})"
-
-    def token_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return self.records.token_ranges(indices)
-
-    def fingerprint(self) -> dict[str, Any]:
-        return self.records.fingerprint()
 
     def read(self, indices: np.ndarray, columns: tuple[int, int] | None = None) -> Windows:
         return self.request(indices, columns)()

@@ -15,8 +15,7 @@ import jax
 from flat_tokens_jax.core import fields
 from flat_tokens_jax.core.values import BadValue, boolean, choice, integer, known_keys
 from flat_tokens_jax.core.yamlfile import read_yaml
-from flat_tokens_jax.data.dataset import FlatTokens
-from flat_tokens_jax.data.records import Records, check_source
+from flat_tokens_jax.data.records import Records
 from flat_tokens_jax.decoding.instancefilter import InstanceFilter
 from flat_tokens_jax.decoding.layouts import (
     LAYOUTS,
@@ -25,7 +24,6 @@ from flat_tokens_jax.decoding.layouts import (
     check_max_segments,
 )
 from flat_tokens_jax.sampling.blocks import lanes
-from flat_tokens_jax.sampling.mixture import config_records
 from flat_tokens_jax.sampling.schedule import BatchSchedule, BatchSizeSpec
 from flat_tokens_jax.store.identity import recorded_tokenizers
 
@@ -39,11 +37,8 @@ class LoaderConfig:
 
     Attributes:
         batch_size: global rows per step, over all hosts: an int, or a schedule
-            ``[(start_step, size), ...]`` (first at step 0, steps increasing;
-            a mapping ``{start_step: size}`` works too), e.g. ``[(0, 256),
-            (2000, 512)]``. Step ``s`` holds global samples
-            ``[samples_before(s), samples_before(s + 1))``; the sample order
-            does not depend on the schedule, only its cut into batches does.
+            ``[(start_step, size), ...]`` (or ``{start_step: size}``), e.g.
+            ``[(0, 256), (2000, 512)]`` (docs/guide/mixtures.md, "Batch-size schedules").
         seq_len: tokens per row.
         packing: what a row is. True: consecutive windows of the concatenated
             tokens (no padding, sequences cut at window edges). False: one
@@ -55,11 +50,9 @@ class LoaderConfig:
             ``PADDED``, ``BINS``), which may also be given; saved states and
             fingerprints hold the value as written (``true``, ``false``, ``"bins"``).
         shuffle: visit records in a fresh pseudo-random order each epoch.
-            False: in order (evaluation). ``"blocks"``: the block shuffle
-            (see docs/guide/loading.md, "Block shuffle"): each epoch still a
-            keyed permutation of every record, read in blocks of
-            ``shuffle_block`` consecutive records, so an object store is asked
-            about one request a block instead of one a row.
+            False: in order (evaluation). ``"blocks"``: the block shuffle, one
+            request a block of ``shuffle_block`` records instead of one a row
+            (docs/guide/loading.md, "Block shuffle").
         seed: the shuffle's key. Recommended: one per training run.
         num_epochs: passes over the records; ``None``: unbounded. With a bound,
             the last batch is completed with padding rows (``loss_mask`` 0).
@@ -79,17 +72,12 @@ class LoaderConfig:
         vocab_size: if given, the dataset's ``max_token_id`` (and the vocabulary
             of the tokenizer it records) must fit below it.
         decode_threads: threads that decode one batch on the host, each a
-            block of rows. ``None``: for steps read ahead, as many as made
-            decoding measurably faster while the trainer waited for it (from
-            1, at most the cores this process may use less one, and at most
-            8); for a step decoded in the caller's thread, those cores.
-        decode: where the fields are decoded. ``"host"``: on this host (by
-            compiled kernels with the ``fast`` extra, else numpy), then copied
-            to the devices (5 arrays, 17 bytes a token).
-            ``"device"``: the encoded tokens go to the devices (4 bytes a
-            token, plus the stored loss mask if any) and are decoded there,
-            inside ``jax.jit``; for GPU and TPU hosts whose CPUs cannot keep
-            up.
+            block of rows. ``None``: measured for steps read ahead (see
+            docs/guide/loading.md, "Where the work runs, and read-ahead").
+        decode: where the fields are decoded. ``"host"``: on this host, then
+            copied to the devices (17 bytes a token). ``"device"``: the encoded
+            tokens (4 bytes a token) are decoded on the devices, inside
+            ``jax.jit``; for GPU and TPU hosts whose CPUs cannot keep up.
         layout: the arrays a batch holds: ``"fields"`` (``inputs``, ``targets``,
             ``segment_ids``, ``positions``, ``loss_mask``), ``"segments"`` (and
             ``sequence_start``), ``"tokens"`` (``tokens`` ``[B, L + 1] int32``
@@ -101,46 +89,32 @@ class LoaderConfig:
             With ``packing="bins"`` it also caps the sequences per bin (at
             least 2). Recommended for bins: the most your kernel takes per row.
         instance_filter: ``None`` (off), or an :class:`InstanceFilter` (or a
-            mapping of its fields, as YAML gives): rows that repeat an n-gram
-            of up to ``max_period`` tokens ``max_count`` times back to back get
-            ``loss_mask`` False on every column (OLMo's filter; see
-            :mod:`~flat_tokens_jax.decoding.instancefilter`). One that could
-            reject no row (``max_count * min_period > seq_len``) is refused.
-            Recommended for pretraining on web data: ``InstanceFilter()``.
+            mapping of its fields, as YAML gives): OLMo's filter, see
+            docs/guide/loading.md, "Load-time instance filter". Recommended
+            for pretraining on web data: ``InstanceFilter()``.
         source_field: True adds ``source`` ``[B] int32`` to every layout: the
             index in ``Loader.source_names`` of each row's component, ``-1``
             for padding rows (for :func:`~flat_tokens_jax.per_source`).
         shuffle_block: with ``shuffle="blocks"``, the records of a block
-            (read as one request). ``None`` (recommended): records that span
-            about ``2**18`` tokens and at least one inner chunk of the store
-            (a mixture: the largest of its components'); the value used is in
-            the fingerprint. A block larger than the data is the data.
+            (read as one request). ``None`` (recommended): about ``2**18``
+            tokens' worth, sized from the store.
         shuffle_window: with ``shuffle="blocks"``, the blocks whose records
-            are shuffled together. Default 1; more mixes a lane's rows over
-            more blocks, and a lane reads ``shuffle_window`` blocks at once.
+            are shuffled together (default 1).
         block_cache_bytes: with ``shuffle="blocks"``, the memory the blocks
-            held on this host may take (besides ``read_ahead_bytes``): rows
-            are taken from whole blocks, each read once while it is held.
-            ``None`` (recommended): each of this host's lanes (of every
-            component, with a mixture) holds its current window and the
-            next, and at most every block of the data. A smaller budget
-            drops blocks sooner and reads them again.
-        balance_groups: ``G``, the data-parallel groups of the batch axis (its
-            ``G`` contiguous equal row groups). Above 1, each step's rows are
-            ordered so that the groups carry near-equal attention work, a row
-            costing the sum of its segments' squared lengths; decided from
-            sequence boundaries alone, the same on every host, the step's rows
-            the same as without it (see docs/guide/multihost.md, "Long
-            context"). Every batch size must divide by it; not with
+            held on this host may take, besides ``read_ahead_bytes``. ``None``
+            (recommended): each of this host's lanes holds its current window
+            and the next. The guide gives all three in full
+            (docs/guide/loading.md, "Block shuffle").
+        balance_groups: ``G``, the data-parallel groups of the batch axis. Above
+            1, each step's rows are reordered so that its ``G`` contiguous row
+            groups carry near-equal attention work (see docs/guide/multihost.md,
+            "Long context"). Every batch size must divide by it; not with
             ``shuffle="blocks"``.
-        context_parallel: ``C``, the context-parallel ranks a trainer splits
-            the sequence axis over. Above 1, every ``[B, L]`` field is laid out
-            in :func:`~flat_tokens_jax.zigzag_order` (``2C`` equal chunks in
-            the order ``0, 2C-1, 1, 2C-2, ..., C-1, C``), so a contiguous split
-            over ``C`` ranks gives rank ``i`` chunks ``i`` and ``2C-1-i``:
-            equal causal-attention work on each. ``positions`` and
-            ``segment_ids`` keep each token's own values. ``seq_len`` must be
-            a multiple of ``2C``; not with ``layout="tokens"``.
+        context_parallel: ``C``, the context-parallel ranks a trainer splits the
+            sequence axis over. Above 1, every ``[B, L]`` field is laid out in
+            :func:`~flat_tokens_jax.zigzag_order`, each token keeping its own
+            ``positions`` and ``segment_ids``. ``seq_len`` must be a multiple of
+            ``2C``; not with ``layout="tokens"``.
     """
 
     batch_size: BatchSizeSpec
@@ -346,14 +320,6 @@ FIELDS: dict[str, Callable[[Any, str], Any]] = {
 }
 """Each :class:`LoaderConfig` field's check alone: ``check(value, path)`` gives
 the value in its one form or raises ``BadValue`` naming ``path``."""
-
-
-def records_for(source: Any, config: LoaderConfig, plan_cache: str | os.PathLike[str]) -> Records:
-    if not isinstance(source, FlatTokens):
-        check_source(source, "the Loader's source")
-    return config_records(
-        source, config.seq_len, config.packing, plan_cache, config.max_segments, "the source"
-    )
 
 
 def check_sharding(sharding: Any) -> None:

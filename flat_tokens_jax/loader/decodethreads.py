@@ -29,14 +29,9 @@ class DecodeThreads:
     """The threads that decode a step read ahead, from measured finish times.
     Not thread-safe (``Measures`` holds it under its lock).
 
-    ``pinned`` (``LoaderConfig.decode_threads``) fixes the count. Otherwise it
-    starts at 1 and, while the finish stage is what the trainer waits for,
-    tries twice as many (at most ``most``): a trial hands the two counts out
-    in turn, until each has :data:`THREAD_WINDOW` finishes, so that what drifts
-    meanwhile weighs on both alike; the doubled count is kept when its median
-    time per row is at least :data:`THREAD_GAIN` below the other's; otherwise
-    the next trial waits :data:`THREAD_RETRY` finishes (twice that after the
-    next failure).
+    ``pinned`` (``LoaderConfig.decode_threads``) fixes the count; otherwise trials
+    of twice as many (at most ``most``) as docs/guide/loading.md says, the two counts
+    handed out in turn (so what drifts meanwhile weighs on both alike).
     """
 
     def __init__(self, most: int, pinned: int | None = None) -> None:

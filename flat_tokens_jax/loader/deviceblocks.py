@@ -18,7 +18,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.data.dataset import FlatTokens
-from flat_tokens_jax.data.records import Records
 from flat_tokens_jax.decoding.batch import FIELDS, chunk_fields, padding_fields, run_carry
 from flat_tokens_jax.decoding.hostdecode import row_sources
 from flat_tokens_jax.decoding.layouts import zigzag_order
@@ -51,7 +50,7 @@ class DeviceBlocks:
         sharding: jax.sharding.Sharding | None,
         host_blocks: dict[int, HostBlocks],
         source_ids: np.ndarray,
-        readers: Callable[[int, np.ndarray], Sequence[Records]],
+        readers: Callable[[int, np.ndarray], Sequence[Any]],
     ) -> None:
         config = sources.config
         self._readers, self.source_ids = readers, source_ids
@@ -74,7 +73,8 @@ class DeviceBlocks:
         self._order = zigzag_order(config.seq_len, config.context_parallel)
         # Whether a step ships a stored loss mask: unless every component is
         # a split known to store none (custom records may).
-        self._ships_mask = not all(map(_stores_no_mask, sources.components))
+        fts = [getattr(r, "ft", None) for r in sources.components]
+        self._ships_mask = not all(isinstance(f, FlatTokens) and f.loss_mask is None for f in fts)
         self._decoding: dict[str, Any] = {
             "packing": config.packing,
             "start_token_id": sources.start_token_id,
@@ -168,7 +168,7 @@ class DeviceBlocks:
 
     @staticmethod
     def _piece(
-        reader: Records, packing: Packing, idx: np.ndarray, first: int, stop: int
+        reader: Any, packing: Packing, idx: np.ndarray, first: int, stop: int
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """Records ``idx``'s columns ``[first, stop)`` as windows (column 0 the
         token before ``first``) and their stored mask; a padded row's read holds
@@ -207,8 +207,3 @@ class DeviceBlocks:
                 mask[rows] = windows.stored_mask
         sources = row_sources(comp, real, self.source_ids)
         return BlockData(encoded, before, lengths, mask, real, sources), sources
-
-
-def _stores_no_mask(records: Records) -> bool:
-    ft = getattr(records, "ft", None)
-    return isinstance(ft, FlatTokens) and ft.loss_mask is None

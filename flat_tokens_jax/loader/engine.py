@@ -1,8 +1,6 @@
-"""The step engine: a step, this host's rows of it, their records, and their
-fields in the configured layout, in two stages (:meth:`StepEngine.request`
-starts the reads, :meth:`StepEngine.finish` decodes), which the loader's
-read-ahead runs; the engine knows nothing of it.
-"""
+"""The step engine: a step, this host's rows of it, their records and their fields in
+the configured layout, in two stages (:meth:`StepEngine.request` starts the reads,
+:meth:`StepEngine.finish` decodes) that the loader's read-ahead runs."""
 
 from __future__ import annotations
 
@@ -16,7 +14,7 @@ import numpy as np
 
 from flat_tokens_jax.core import fields
 from flat_tokens_jax.data.bins import BinRecords
-from flat_tokens_jax.data.records import Records, Windows
+from flat_tokens_jax.data.records import Windows
 from flat_tokens_jax.decoding.hostdecode import (
     BlockDecoder,
     RowDecode,
@@ -165,7 +163,7 @@ class StepEngine:
             out[here] = attention_costs(row, length, int(here.sum()))
         return out
 
-    def readers(self, step: int, rows: np.ndarray) -> Sequence[Records]:
+    def readers(self, step: int, rows: np.ndarray) -> Sequence[Any]:
         """What reads each component's records for ``rows`` at ``step`` (under the
         block shuffle, the block cache's)."""
         if self.block_cache is None:

@@ -161,9 +161,8 @@ class Loader:
         return self._in_phase(step, lambda e, s: e.steps.size(s))
 
     def samples_before(self, step: int) -> int:
-        """Global samples before ``step``'s (the global index of its first sample):
-        ``step * batch_size`` for a constant batch size; with skips, those of the data
-        steps before the one it reads, skipped batches included."""
+        """Global samples before ``step``'s, the global index of its first sample (with
+        skips, those of the data steps before the one it reads: docs/guide/steering.md)."""
         step = integer(step, "step", low=0)
         return self.schedule.samples_before(self.steps.data_step(step))
 
@@ -277,17 +276,13 @@ class Loader:
             self.prefetcher.close()
 
     def stats(self) -> dict[str, Any]:
-        """What the input pipeline did so far, JSON-ready, for a trainer to log: waits,
-        times, the read-ahead's depth and bytes, requests, tokens, the instance filter's
-        rejections; each key is described in docs/guide/loading.md, "Where the work
-        runs, and read-ahead"."""
+        """What the input pipeline did so far, JSON-ready, for a trainer to log (each key:
+        docs/guide/loading.md, "Where the work runs, and read-ahead")."""
         return {**self.prefetcher.stats(), **self.engine.stats()}
 
     def to_grain(self) -> StepsDataset:
         """This host's rows of each step from :attr:`next_step` on, read ahead, as a
-        ``grain.IterDataset`` of :meth:`host_batch` dicts; each step its iterator yields
-        advances :attr:`next_step` as :meth:`iterate` does, and its state is :meth:`state`,
-        checked by :meth:`restore` (see docs/guide/trainers.md)."""
+        ``grain.IterDataset`` of :meth:`host_batch` dicts (see docs/guide/trainers.md)."""
         from flat_tokens_jax.loader import tograin  # imports grain, only when asked
 
         return tograin.StepsDataset(self, self.next_step)
@@ -338,13 +333,9 @@ class Loader:
         )
 
     def state(self, step: int | None = None) -> dict[str, Any]:
-        """``{"step", "samples", "fingerprint", "sources"}`` (with :meth:`skip` or
-        :meth:`set_weights`, ``"skips"`` and ``"weights"``), JSON-ready; the format is in
-        :mod:`~flat_tokens_jax.loader.state`.
-
+        """The run's state, JSON-ready (its format: :mod:`~flat_tokens_jax.loader.state`).
         ``step`` is where a :meth:`restore` resumes: by default :attr:`next_step`; a loop
         that asks :meth:`batch` by step passes ``step + 1`` after training ``step``.
-        ``sources`` says where the data was (not checked: data may move).
         """
         return self.saved_state(step).to_json()
 
@@ -360,13 +351,9 @@ class Loader:
         return saved.differences(self.engine.sources.fingerprint(), self.schedule)
 
     def restore(self, state: Mapping[str, Any] | SavedState) -> int:
-        """Continues from a saved :meth:`state` (or its :meth:`saved_state`);
-        returns the step ``iterate`` resumes at.
-
-        Every field of :meth:`fingerprint` must be in it with the same value and JSON
-        type. The batch size may change from the saved step on, continuing at exactly the
-        next unseen sample. The saved weight changes and skips are replayed with this
-        loader's own (see :func:`~flat_tokens_jax.loader.steered.merged`).
+        """Continues from a saved :meth:`state` (or its :meth:`saved_state`); returns
+        the step ``iterate`` resumes at. The batch size may change from the saved step
+        on; the saved skips and weight changes join this loader's (docs/guide/steering.md).
 
         Raises:
             StateMismatch: other data or config, other batch sizes before the saved
@@ -396,12 +383,9 @@ class Loader:
         return self.engine.steps.steering
 
     def skip(self, step: int, count: int) -> None:
-        """From ``step`` on, step ``s`` reads what step ``s + count`` would have read
-        (with the skips before: what its data step plus ``count`` would have read).
-
-        Skips add up; each is kept in :meth:`state` and replayed by :meth:`restore`.
-        After a restore, the first skip at a restored skip's step restates it: the same
-        count changes nothing, another is refused (see docs/guide/steering.md).
+        """From ``step`` on, step ``s`` reads what step ``s + count`` would have read.
+        Skips add up, are kept in :meth:`state` and replayed by :meth:`restore` (see
+        docs/guide/steering.md, also for a skip restated after a restore).
 
         Raises:
             ValueError: ``step`` is before :attr:`next_step`, ``count`` is not an int
@@ -418,13 +402,9 @@ class Loader:
         self.prefetcher.drop_from(step)
 
     def set_weights(self, step: int, weights: Sequence[float] | Mapping[str, float]) -> None:
-        """From ``step`` on, the mixture blends its components by ``weights``
-        (one per component, or ``{name: weight}`` naming every component).
-
-        The change starts a weight segment at the data step ``step`` reads; a later
-        change of the mixture's declared schedule still applies. Each component's stream
-        continues where it was; a second change at one step replaces the first. Kept in
-        :meth:`state` and replayed by :meth:`restore` (see docs/guide/steering.md).
+        """From ``step`` on, the mixture blends its components by ``weights`` (one per
+        component, or ``{name: weight}`` naming every component); kept in :meth:`state`
+        and replayed by :meth:`restore` (see docs/guide/steering.md).
 
         Raises:
             ValueError: ``step`` is before :attr:`next_step`, the loader reads a single

@@ -41,7 +41,7 @@ def phases_from_config(
         raise BadValue(path, "must list at least one phase")
     out: list[Phase] = []
     given: dict[str, Any] = {}
-    data: Mapping[str, Any] | None = None
+    data: Mapping[str, Any] = {}  # the first phase states it
     opened: dict[str, Mixture] = {}
     for k, entry in enumerate(listed):
         where, label = child(path, k), f"phase {k}"
@@ -61,8 +61,6 @@ def phases_from_config(
             given.update(mapping(entry.get("loader", {}), child(where, "loader")))
             if "data" in entry:
                 data = mapping(entry["data"], child(where, "data"), "a mixture section")
-            if data is None:
-                raise BadValue(child(where, "data"), "must be given")
             key = json.dumps(data, sort_keys=True, default=str)
             if key not in opened:
                 opened[key] = mixture_from_config(data, split, options, path=child(where, "data"))

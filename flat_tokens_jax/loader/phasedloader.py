@@ -1,12 +1,7 @@
 """``PhasedLoader``, a :class:`~flat_tokens_jax.Loader` of several phases, an
 engine each (with one phase, the same batches and ``state()`` as a ``Loader``);
-and :func:`steering_at`, what a step of any run reads.
-
-Step ``s`` of the run is step ``s - first`` of the phase that holds it; each
-phase's samplers continue every stream where the earlier phases left it (see
-:mod:`~flat_tokens_jax.loader.phases`). A saved state restores into phases
-that agree with it on every step before the saved one; phases may be added
-or changed from the saved step on.
+and :func:`steering_at`, what a step of any run reads. What a run in phases
+reads and restores: docs/guide/mixtures.md, "Runs in phases".
 """
 
 from __future__ import annotations
@@ -269,9 +264,7 @@ class PhasedLoader(Loader):
             self.prefetcher.drop_from(since)
 
     def restore(self, state: Mapping[str, Any] | SavedState) -> int:
-        """Continues from a saved :meth:`state` (or a :meth:`Loader.state`, or a
-        :class:`~flat_tokens_jax.loader.state.SavedState`), with its skips and
-        weight changes; returns the step :meth:`iterate` resumes at.
+        """:meth:`Loader.restore` of a saved :meth:`state` (or a :meth:`Loader.state`).
 
         Raises:
             StateMismatch: the state is not one this version reads, or a phase begun

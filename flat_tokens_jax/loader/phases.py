@@ -1,10 +1,6 @@
-"""Runs in phases: ``Phase``, and the arithmetic of streams across phases.
-
-Inside a phase, steps count from its start. A *stream* is a split's records of
-one kind (packing, ``seq_len``) under one seed and shuffle; one that appears in
-several phases continues where the earlier phases left it, its samples drawn
-before counted at each boundary by arithmetic (a step costs the same at step
-10**12 as at step 1), under the shuffle key of the phase it first appears in.
+"""Runs in phases: ``Phase``, and the arithmetic of streams across phases: the
+samples each stream drew before a boundary, counted without a loop over steps
+(what a stream is and how it continues: docs/guide/mixtures.md, "Runs in phases").
 """
 
 from __future__ import annotations

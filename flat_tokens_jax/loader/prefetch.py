@@ -1,16 +1,12 @@
 """Steps read ahead for one loader, in order, on background threads: ``Prefetcher``.
 
-A step is made in two stages: ``read`` starts reading its records (it returns
-what waits for them), ``finish`` decodes them (and places them on the devices).
-One thread finishes step after step, in order, while the next steps are read
-beside it. On local disk one thread reads (a read is a copy, which needs a
-core); on an object store the reads of all the steps in flight run at once, so
-their round trips overlap, the first step of a burst asking for its reads first.
-
-How many steps are in flight: ``prefetch`` when set, else as many as the
-measured times ask for (:class:`~flat_tokens_jax.loader.readahead.Measures`),
-within ``read_ahead_bytes``. Taking any step but the next (a jump) drops what
-was started and reads that step in the caller's thread.
+A step's ``read`` starts reading its records, ``finish`` decodes them (and places them
+on the devices): one thread finishes step after step while the next are read beside it,
+by one thread on local disk (a read is a copy, which needs a core), all at once on an
+object store (their round trips overlap). The depth: ``prefetch``, else what the measured
+times ask for (:class:`~flat_tokens_jax.loader.readahead.Measures`) within
+``read_ahead_bytes``; taking any step but the next (a jump) drops what was started and
+reads that step in the caller's thread.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """How many steps to read ahead, what the trainer waited, and when to say so:
-:class:`Measures` times a loader's steps and decides the depth, the decode
-threads and the stall warning (:func:`stall_message`). Pure code, testable
-without a store.
-"""
+:class:`Measures` times a loader's steps and decides the depth, the decode threads
+and the stall warning (:func:`stall_message`); pure code, testable without a store."""
 
 from __future__ import annotations
 
@@ -118,13 +116,11 @@ class Measures:
     trainer's step. From them: the depth (:meth:`depth`), whether a growth of
     it made the store deliver faster (the trial), and the stall warning.
 
-    The trial: a store bound by latency answers a fetch in about the same time
-    however many run, so ``d`` steps in flight deliver ``d / fetch`` steps a
-    second; one bound by throughput (a throttled bucket, a capped link) only
-    queues more requests. After the depth grew from ``d0`` to ``d1`` it is held
-    until the fetches begun since have ended; it is kept when ``d1 / (their mean
-    fetch)`` rose over ``d0 / (the mean before)`` by :data:`PAID`, and otherwise
-    capped at ``d0`` (``ceiling``) for :data:`RETRIAL_FETCHES` fetches.
+    The trial (docs/guide/loading.md, "Where the work runs, and read-ahead"): after
+    the depth grew from ``d0`` to ``d1`` it is held until the fetches begun since have
+    ended; it is kept when ``d1 / (their mean fetch)`` rose over ``d0 / (the mean
+    before)`` by :data:`PAID`, else capped at ``d0`` (``ceiling``) for
+    :data:`RETRIAL_FETCHES` fetches.
 
     The stall window: the trainer's waits and steps are summed over windows of
     ``stall_window`` steps after the first; the first window whose waits exceed

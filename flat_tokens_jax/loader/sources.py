@@ -17,18 +17,17 @@ from flat_tokens_jax.core import fields
 from flat_tokens_jax.core.limits import check_loader_memory, largest
 from flat_tokens_jax.data.dataset import FlatTokens
 from flat_tokens_jax.data.plans import default_cache_dir
-from flat_tokens_jax.data.records import Records, recorded_info
+from flat_tokens_jax.data.records import Records, check_source, recorded_info
 from flat_tokens_jax.loader.blockcache import default_budget
 from flat_tokens_jax.loader.config import (
     LoaderConfig,
     check_sharding,
     check_vocab,
-    records_for,
     resolve_start_token_id,
 )
 from flat_tokens_jax.loader.reopen import Keep, Remix, Reopen
 from flat_tokens_jax.sampling.blocks import Sampler, default_block, sampler
-from flat_tokens_jax.sampling.mixture import Mixture
+from flat_tokens_jax.sampling.mixture import Mixture, config_records
 
 
 @dataclasses.dataclass(eq=False)
@@ -75,7 +74,12 @@ class Sources:
             )
             names = source.names
         else:
-            components = (records_for(source, config, cache),)
+            if not isinstance(source, FlatTokens):
+                check_source(source, "the Loader's source")
+            made = config_records(
+                source, config.seq_len, config.packing, cache, config.max_segments, "the source"
+            )
+            components = (made,)
             names = ("0",)
         for records in components:
             if len(records) == 0:

@@ -15,11 +15,8 @@ The JSON form::
 ``components``, ``weights``, ``steps``, ``periods`` and ``seed``), and
 :meth:`~flat_tokens_jax.PhasedLoader.state` of several phases ``{"step",
 "samples", "phases": [{"start_step", "fingerprint", "sources"}, ...]}``.
-A run its trainer steered (see :mod:`~flat_tokens_jax.loader.steered`) also
-holds, in either shape, ``"weights": [[step, [n, ...]], ...]`` (each weight
-change: from trainer ``step`` on, ``n`` samples of each component per period
-of their sum) and ``"skips": [[step, count], ...]``, steps strictly
-increasing; a state without them is a run without changes.
+A run its trainer steered also holds, in either shape, ``"weights"`` and
+``"skips"`` (docs/guide/steering.md, "What the state holds").
 
 A state carries no version of its own: one this version cannot read is refused
 by what is wrong with it, each field named by its path (see

@@ -1,8 +1,6 @@
-"""Each field of a saved loader state checked (:func:`checked`, what
-``SavedState.read`` runs): a field missing, of another type or out of bounds,
-or one the format does not hold, is a line naming its path
-(``phases[1].sources[0].split``); config fields by ``FIELDS``, as YAML's.
-"""
+"""Each field of a saved loader state checked (:func:`checked`, what ``SavedState.read``
+runs): a field missing, of another type or out of bounds, or one the format does not hold,
+is a line naming its path (``phases[1].sources[0].split``); config fields as YAML's."""
 
 from __future__ import annotations
 
@@ -295,32 +293,29 @@ def _field(
     return None
 
 
-# The shapes a state holds; :func:`_field` names what was expected.
+def _shape(ok: Callable[[Any], bool]) -> Callable[[Any, str], Any]:
+    """The check of a shape a state holds: the value if ``ok``, else a
+    ``TypeError`` (:func:`_field` names what was expected)."""
+
+    def check(value: Any, path: str) -> Any:
+        if ok(value):
+            return value
+        raise TypeError
+
+    return check
 
 
-def _mapping(value: Any, path: str) -> Mapping[str, Any]:
-    if isinstance(value, Mapping):
-        return value
-    raise TypeError
-
-
-def _list(value: Any, path: str) -> list[Any]:
-    if isinstance(value, list) and value:  # every list a state holds has an entry
-        return value
-    raise TypeError
-
-
-def _text(value: Any, path: str) -> str:
-    if isinstance(value, str):
-        return value
-    raise TypeError
-
-
-def _range(value: Any, path: str) -> list[int]:
-    pair = isinstance(value, list) and len(value) == 2 and all(is_integer(v, low=0) for v in value)
-    if pair and value[0] <= value[1]:
-        return value
-    raise TypeError
+_mapping = _shape(lambda v: isinstance(v, Mapping))
+_list = _shape(lambda v: isinstance(v, list) and bool(v))  # every list a state holds has an entry
+_text = _shape(lambda v: isinstance(v, str))
+_range = _shape(
+    lambda v: (
+        isinstance(v, list)
+        and len(v) == 2
+        and all(is_integer(x, low=0) for x in v)
+        and v[0] <= v[1]
+    )
+)
 
 
 def json_type(value: Any) -> str:

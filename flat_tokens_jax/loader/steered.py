@@ -1,8 +1,6 @@
-"""A run its trainer steers: weight changes and skipped batches checked,
-merged on restore (:func:`merged`) and read from a YAML ``skip`` list. The
-arithmetic is :mod:`~flat_tokens_jax.sampling.steering`'s; what users see is
-in docs/guide/steering.md.
-"""
+"""A run its trainer steers: weight changes and skipped batches checked, merged on
+restore (:func:`merged`) and read from a YAML ``skip`` list (the arithmetic:
+:mod:`~flat_tokens_jax.sampling.steering`; what users see: docs/guide/steering.md)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """A loader's steps as a ``grain.IterDataset`` of host numpy dicts
 (``Loader.to_grain``), read ahead by the loader's own read-ahead; under
-``mp_prefetch`` each worker reads its steps with the loader opened again there.
-The behaviour users see is in docs/guide/trainers.md. This module imports
-grain; ``Loader.to_grain`` imports it only when called.
+``mp_prefetch`` each worker reads its steps with the loader opened again there
+(docs/guide/trainers.md). It imports grain: ``Loader.to_grain`` imports it when called.
 """
 
 from __future__ import annotations
@@ -15,13 +14,6 @@ import numpy as np
 
 from flat_tokens_jax.loader.grainprocess import prepare_grain
 from flat_tokens_jax.loader.state import SavedState
-
-NO_WORKERS = (
-    "a PhasedLoader's grain dataset (to_grain) cannot go to grain's worker processes: "
-    "it reads ahead on threads of its own already. Use it without mp_prefetch (.map and "
-    "other transformations run in this process), or each phase's Loader(...).to_grain() "
-    "under mp_prefetch"
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +68,12 @@ class StepsDataset(grain.IterDataset):
 
     def __reduce__(self) -> Any:
         if not self.owner._to_workers:
-            raise TypeError(NO_WORKERS)
+            raise TypeError(
+                "a PhasedLoader's grain dataset (to_grain) cannot go to grain's worker "
+                "processes: it reads ahead on threads of its own already. Use it without "
+                "mp_prefetch (.map and other transformations run in this process), or each "
+                "phase's Loader(...).to_grain() under mp_prefetch"
+            )
         return WorkerSteps, (Reopened.of(self.owner), self.start)
 
 

@@ -1,11 +1,6 @@
 """Rows ordered so that the data-parallel groups of a batch carry about the same
-attention work: :func:`balanced_rows` of each row's cost, :func:`attention_costs`.
-
-The cost model: causal attention over a row's segments costs about the sum of
-their squared lengths (a segment attends only within itself), so a row's cost is
-``sum(length ** 2)`` over its segments (runs of one nonzero segment id); padding
-costs nothing. The linear work of a row (its MLP, its projections) is the same
-for every full row, so it cannot unbalance groups and is left out.
+attention work: :func:`balanced_rows` of each row's cost, :func:`attention_costs`
+(the cost model: docs/guide/multihost.md, "Long context").
 """
 
 from __future__ import annotations
@@ -32,9 +27,8 @@ def balanced_rows(costs: np.ndarray, groups: int) -> np.ndarray:
     Rows are dealt costliest first to the cheapest group with room (ties: the
     lower row, the lower group), then the costliest group swaps a row with
     another group while that lowers the larger of the two (until it is within
-    :data:`TOLERANCE` of the mean); the rows' own order
-    is kept where it is as good. A pure function of ``costs``: every host
-    computes the same order."""
+    :data:`TOLERANCE` of the mean); the rows' own order is kept where it is as
+    good. A pure function of ``costs``: every host computes the same order."""
     costs = np.asarray(costs, np.int64)
     n = costs.size
     if groups < 1 or n % groups:

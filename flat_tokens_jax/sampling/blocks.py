@@ -1,12 +1,8 @@
 """The block shuffle (``LoaderConfig(shuffle="blocks")``): each epoch a keyed
 permutation that reads records in blocks of ``B`` consecutive ones, one request
-each, while a batch still draws from many blocks, one a lane (docs/guide/loading.md
-gives the order). Every quantity is O(1) per index, as :class:`~.sampling.IndexSampler`'s.
-
-Epoch ``e``'s record sequence ``R_e`` is its full blocks in keyed order, the
-partial one last, cut into windows of ``w`` blocks whose records are permuted
-together. Lane ``l`` (of ``L``) reads the contiguous segment of ``R_e`` after
-the samples of lanes ``< l``, so a host of a range of lanes reads their blocks only.
+each, while a batch still draws from many blocks, one a lane (docs/guide/loading.md,
+"Block shuffle", gives the order, ``R_e``, windows and lanes). Every quantity is
+O(1) per index, as :class:`~.sampling.IndexSampler`'s.
 """
 
 from __future__ import annotations

@@ -46,16 +46,12 @@ def mixture_from_config(
     path: str = "data",
     **option_fields: Any,
 ) -> Mixture:
-    """Builds a mixture from a Nanoset-style mapping (e.g. a YAML ``data`` section;
-    its keys: docs/guide/mixtures.md and ``configs/mixture.yaml``): everything
+    """Builds a mixture from a Nanoset-style mapping ``config`` (e.g. a YAML ``data``
+    section; its keys: docs/guide/mixtures.md and ``configs/mixture.yaml``): everything
     :class:`Mixture` takes, ``seq_len`` and ``packing`` left to the loader config.
-
-    Args:
-        config: the mapping.
-        split: which split (or part of a ``split`` cut) the components read.
-        options: how to reach the datasets, or its fields as keywords
-            (``**option_fields``).
-        path: the mapping's name in errors (``data.seed must be ...``).
+    ``split``: which split (or part of a ``split`` cut) the components read;
+    ``options``: how to reach the datasets, or its fields as keywords; ``path``: the
+    mapping's name in errors (``data.seed must be ...``).
     """
     config = mapping(config, path, "a mapping with 'datasets'")
     known_keys(config, path, _CONFIG_KEYS)

@@ -1,10 +1,6 @@
-"""Weighted blending of record sources, O(1) per sample from any step.
-
-Over a period of ``P`` samples component ``c`` gets ``n_c``: its weight times
-``P``, rounded by largest remainder. Its ``k``-th sample sits at ``(k + 1/2) /
-n_c`` of the period (ties to the lower component), which spreads every
-component evenly; global sample ``g`` is then two table lookups of size ``P``.
-A weight schedule's segments are routed by :mod:`~flat_tokens_jax.sampling.steering`.
+"""Weighted blending of record sources, O(1) per sample from any step: a period's
+layout (docs/guide/mixtures.md) makes global sample ``g`` two table lookups of size
+``P``; a weight schedule's segments are routed by :mod:`~flat_tokens_jax.sampling.steering`.
 """
 
 from __future__ import annotations
@@ -222,7 +218,12 @@ class Mixture:
         int64 samples of each component per period)``; a positive weight with
         no sample per period is refused, naming the period it needs."""
         w = _check_weights(self._by_name(weights, step), self.names, step)
-        period = self.period or _default_period(w)
+        period = self.period
+        if period is None:  # 100 samples of the smallest share, at least 1000
+            shares = _shares(w)
+            smallest = float(shares[shares > 0].min())
+            fits = smallest * MAX_DEFAULT_PERIOD > 100
+            period = max(1000, math.ceil(100 / smallest)) if fits else MAX_DEFAULT_PERIOD
         counts = period_counts(w, period)
         lost = [i for i, x in enumerate(w) if x > 0 and counts[i] == 0]
         if lost:
@@ -367,7 +368,9 @@ def _named_components(components: Components) -> list[tuple[str, Source, float]]
     if twice:
         raise ValueError(f"component names must be unique, {twice} appear more than once")
     for name, source, _ in entries:
-        _check_source(name, source)
+        if isinstance(source, Mixture):
+            raise TypeError(f"component {name!r}: {_NESTED}")
+        check_source(source, f"component {name!r}")
     return entries
 
 
@@ -386,12 +389,6 @@ _NESTED = (
     "a Mixture cannot hold a Mixture: list the inner Mixture's components in the outer "
     "one, each with its weight times the inner Mixture's share"
 )
-
-
-def _check_source(name: str, source: Any) -> None:
-    if isinstance(source, Mixture):
-        raise TypeError(f"component {name!r}: {_NESTED}")
-    check_source(source, f"component {name!r}")
 
 
 def _check_records_agree(sources: Sequence[Source], names: Sequence[str]) -> None:
@@ -423,14 +420,6 @@ def _check_weights(weights: Sequence[Any], names: Sequence[str], step: int) -> n
     if not (w > 0).any():
         raise ValueError(f"{where} are all zero: at least one component needs weight > 0")
     return w
-
-
-def _default_period(weights: np.ndarray) -> int:
-    shares = _shares(weights)
-    smallest = float(shares[shares > 0].min())
-    if smallest * MAX_DEFAULT_PERIOD <= 100:
-        return MAX_DEFAULT_PERIOD
-    return max(1000, math.ceil(100 / smallest))
 
 
 def _shares(weights: np.ndarray) -> np.ndarray:

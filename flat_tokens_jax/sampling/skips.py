@@ -1,9 +1,6 @@
-"""Skipped batches: the data step each trainer step reads (:class:`Skips`), and
-the rows that immutable values share and extend at their end (:class:`SharedRows`).
-
-Skips, ``(step, count)`` pairs, define the *data step* ``d(t) = t + sum(count
-for (s, count) in skips if s <= t)``, strictly increasing: a skip of 3 at step 5
-makes step 7 read the data of step 10.
+"""Skipped batches: the data step ``d(t) = t + sum(count for (s, count) in skips if
+s <= t)`` each trainer step ``t`` reads (:class:`Skips`), and the rows that immutable
+values share and extend at their end (:class:`SharedRows`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""A run steered while it trains: skipped batches and weight changes, as arithmetic.
-
-Skips (:mod:`~flat_tokens_jax.sampling.skips`) give the *data step* ``d(t)`` that
-trainer step ``t`` reads. A weight change from step ``t`` starts a weight segment
-at ``d(t)``, merged with the mixture's declared schedule; each component's stream
-continues across segments. Pure arithmetic, no I/O.
+"""A run steered while it trains, as arithmetic (no I/O): :class:`Steering`, the weight
+segments and skips a run routes with; skips (:mod:`~flat_tokens_jax.sampling.skips`) give
+the *data step* ``d(t)`` that trainer step ``t`` reads (docs/guide/steering.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Which record each row of a step reads: ``StepSamples``.
-
-Global sample ``g = samples_before(d) + row`` (``d`` the data step the trainer's
-step reads) goes through the mixture, if any, to a component's sample, and
-through its stateless sampler to a record. A sampler call costs about the same
-for 256 samples as for 2,048, so steps asked for in order share one call.
+"""Which record each row of a step reads: ``StepSamples``. Global sample ``g =
+samples_before(d) + row`` (``d`` the data step read) goes through the mixture, if any, and
+a stateless sampler to a record; a sampler call costs about the same for 256 samples as
+for 2,048, so steps asked for in order share one call.
 """
 
 from __future__ import annotations

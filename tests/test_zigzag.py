@@ -313,8 +313,3 @@ def test_show_prints_the_stored_order_and_the_filter_reads_it(tmp_path: Any) -> 
     assert shown[1]["rows"] == shown[0]["rows"]
     assert any(r.get("filtered") for r in shown[0]["rows"])
     assert not all(r.get("filtered") for r in shown[0]["rows"])
-
-
-def test_one_rank_is_the_plain_order_for_any_seq_len() -> None:
-    for seq_len in (1, 5, 7, 64):
-        assert ftj.zigzag_order(seq_len, 1).tolist() == list(range(seq_len))

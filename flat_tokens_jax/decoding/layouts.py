@@ -235,8 +235,7 @@ def zigzag_order(seq_len: int, context_parallel: int) -> np.ndarray:
     seq_len = integer(seq_len, "seq_len", low=1)
     c = integer(context_parallel, "context_parallel", low=1)
     check_context_parallel(c, seq_len, "fields", "context_parallel")
-    columns = np.arange(seq_len, dtype=np.int64)
-    return columns if c == 1 else np.asarray(_zigzag(columns[None], c, np)[0])
+    return np.asarray(_zigzag(np.arange(seq_len, dtype=np.int64)[None], c, np)[0])
 
 
 def _zigzag(values: Any, c: int, xp: Any) -> Any:

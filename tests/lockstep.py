@@ -16,6 +16,8 @@ from proxies import ManyClients, answer, forward
 LOOKS = 3  # looks in a row that find the client settled before a round is answered
 LOOK_EVERY = 0.01  # seconds between looks: the proxy lets go of the GIL in between
 GIVE_UP = 120.0  # seconds a round waits for the client to settle before it is answered anyway
+# Every proxy's threads (another's looks run every LOOK_EVERY: they are no client).
+PROXY_THREADS: set[int] = set()
 
 
 class Record(NamedTuple):
@@ -41,19 +43,23 @@ def timeline(records: list[Record]) -> str:
     )
 
 
-def _asleep(own: set[int]) -> bool:
-    """Whether every thread of this process but ``own`` sleeps (state ``S``):
-    none runs or waits for a core."""
-    for stat in Path("/proc/self/task").glob("*/stat"):
-        if int(stat.parent.name) in own:
+def _asleep(own: set[int]) -> dict[int, int] | None:
+    """How many times each thread of this process but ``own`` has run (its
+    timeslices, from ``schedstat``), when every one sleeps (state ``S``): none
+    runs or waits for a core; ``None`` otherwise."""
+    ran = {}
+    for task in Path("/proc/self/task").iterdir():
+        tid = int(task.name)
+        if tid in own:
             continue
         try:
-            state = stat.read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:  # the thread ended while we looked
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            ran[tid] = int((task / "schedstat").read_text().split()[2])
+        except (OSError, IndexError, ValueError):  # the thread ended while we looked
             continue
         if state != "S":
-            return False
-    return True
+            return None
+    return ran
 
 
 class LockstepProxy:
@@ -62,9 +68,11 @@ class LockstepProxy:
 
     It holds each request until the client, a thread of this process, can
     send no more: no connection is waiting to be accepted or read, and every
-    thread of the process but the proxy's own sleeps, in :data:`LOOKS` looks
-    in a row. Then it forwards the requests held, answers them all, and only
-    then holds the next round. Requests that a client sends without waiting
+    thread of the process but the proxies' own sleeps, in :data:`LOOKS` looks
+    in a row, none having run in between (a thread that woke, sent a request
+    and slept again between two looks was never seen running). Then it
+    forwards the requests held, answers them all, and only then holds the
+    next round. Requests that a client sends without waiting
     for an answer share a round however slowly a loaded machine lets it send
     them; one sent after an answer is in a later round. Off, requests pass
     through (round 0). Every request is recorded (:class:`Record`) until
@@ -85,7 +93,7 @@ class LockstepProxy:
         self._held = 0
         self._answering = 0  # requests of the rounds released, not answered yet
         self._unread = 0  # connections accepted whose request is not held yet
-        self._own: set[int] = set()  # the proxy's threads
+        self._ran: dict[int, int] | None = None  # what the last look saw the client's threads run
         self._closed = False
         proxy = self
 
@@ -103,14 +111,14 @@ class LockstepProxy:
                 pass
 
             def handle(self) -> None:
-                proxy._own.add(threading.get_native_id())
+                PROXY_THREADS.add(threading.get_native_id())
                 try:
                     super().handle()
                 finally:
                     with proxy._state:
                         if self.unread:  # the client hung up before its request
                             self._read()
-                    proxy._own.discard(threading.get_native_id())
+                    PROXY_THREADS.discard(threading.get_native_id())
 
             def _read(self) -> None:
                 """Counts this connection's request as read (called with ``_state`` held)."""
@@ -170,8 +178,11 @@ class LockstepProxy:
             thread.join(5)
 
     def _serve(self) -> None:
-        self._own.add(threading.get_native_id())
-        self._server.serve_forever()
+        PROXY_THREADS.add(threading.get_native_id())
+        try:
+            self._server.serve_forever()
+        finally:
+            PROXY_THREADS.discard(threading.get_native_id())
 
     def _hold(self, read: Callable[[], None]) -> int:
         """Calls ``read`` and waits until the round of this request is
@@ -198,16 +209,28 @@ class LockstepProxy:
         self._state.notify_all()
 
     def _settled(self) -> bool:
-        """Whether the client can send no more requests before an answer."""
+        """Whether the client can send no more requests before an answer: it
+        slept at this look and the one before, and ran in neither's meantime."""
+        seen, self._ran = self._ran, None
         with self._state:
             if not (self.lockstep and self._held and not self._answering and not self._unread):
                 return False
         waiting, _, _ = select.select([self._server.socket], [], [], 0)
-        return not waiting and _asleep(set(self._own))
+        if waiting:
+            return False
+        # A thread that ran between two looks and slept again was not seen running.
+        self._ran = _asleep(set(PROXY_THREADS))
+        return self._ran is not None and self._ran == seen
 
     def _pace(self) -> None:
         """Answers each round once the client has settled."""
-        self._own.add(threading.get_native_id())
+        PROXY_THREADS.add(threading.get_native_id())
+        try:
+            self._look()
+        finally:
+            PROXY_THREADS.discard(threading.get_native_id())
+
+    def _look(self) -> None:
         looks, since = 0, time.monotonic()
         while not self._closed:
             time.sleep(LOOK_EVERY)

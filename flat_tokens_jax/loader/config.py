@@ -88,6 +88,8 @@ class LoaderConfig:
             varlen attention (``cu_seqlens``); a row of more runs is refused.
             With ``packing="bins"`` it also caps the sequences per bin (at
             least 2). Recommended for bins: the most your kernel takes per row.
+        sequence_start: True adds ``sequence_start`` ``[B, L] bool`` (True where
+            a sequence starts) to ``"fields"`` and ``"maxtext"``.
         instance_filter: ``None`` (off), or an :class:`InstanceFilter` (or a
             mapping of its fields, as YAML gives): OLMo's filter, see
             docs/guide/loading.md, "Load-time instance filter". Recommended

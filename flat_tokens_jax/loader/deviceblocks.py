@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from flat_tokens_jax.core.fields import Packing
 from flat_tokens_jax.data.dataset import FlatTokens
+from flat_tokens_jax.data.records import request_windows
 from flat_tokens_jax.decoding.batch import FIELDS, chunk_fields, padding_fields, run_carry
 from flat_tokens_jax.decoding.hostdecode import row_sources
 from flat_tokens_jax.decoding.layouts import zigzag_order
@@ -40,8 +41,8 @@ class Blocks:
 
 
 class DeviceBlocks:
-    """A loader's steps as encoded blocks, decoded on the devices (the
-    engine's ``host_blocks`` per batch size, ``source_ids`` and ``readers``)."""
+    """A loader's steps as encoded blocks, decoded on the devices or here (the
+    engine's ``host_blocks`` per size, ``source_ids``, ``readers``, ``segments``)."""
 
     def __init__(
         self,
@@ -51,13 +52,13 @@ class DeviceBlocks:
         host_blocks: dict[int, HostBlocks],
         source_ids: np.ndarray,
         readers: Callable[[int, np.ndarray], Sequence[Any]],
+        segments: Sequence[Any],
     ) -> None:
         config = sources.config
         self._readers, self.source_ids = readers, source_ids
         self.components, self.steps, self.sharding = sources.components, steps, sharding
         self.config, self.layout = config, config.batch_layout
         self._host_blocks = host_blocks if sharding is not None else None
-        segments = [getattr(r, "segments", None) for r in sources.components]
         # Decoded here from its columns alone: what a block needs of whole rows is known.
         self.here = (
             config.decode == "host"
@@ -98,8 +99,11 @@ class DeviceBlocks:
 
     def read(self, step: int, held: HostBlocks, here: bool = False) -> Blocks:
         """The blocks of ``step``; ``here``: decoded on this host (see the module)."""
-        read = self._block_fields if here else self._block_data
-        found = {b: read(step, b) for b in held.blocks}
+        rows_of: dict[tuple[int, int], Any] = {}
+        found = {
+            b: self._block_fields(step, b, rows_of) if here else self._block_data(step, b)
+            for b in held.blocks
+        }
         data = {b: d for b, (d, _) in found.items()}
         if self.layout.max_segments is not None and not here:
             where = f"step {step}"
@@ -126,61 +130,87 @@ class DeviceBlocks:
         """The fields of ``blocks``; it runs collectives: call it in step order."""
         return blocks.host_blocks.assemble_blocks(blocks.data, **self._decoding)
 
-    def _block_fields(self, step: int, block: Block) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        """A block's layout, decoded here from its columns alone, and its rows' sources."""
-        rows = np.arange(*block.rows, dtype=np.int64)
-        g, real = self.steps.samples(step, rows)
-        comp, records, _ = self.steps.lookup(g[real])
-        (c0, c1), seq_len = block.cols, self.config.seq_len
-        out = padding_fields(rows.size, c1 - c0, self.config.pad_id)
-        row_starts = np.zeros(rows.size, bool)
-        at, readers = np.flatnonzero(real), self._readers(step, rows)
+    def _block_fields(
+        self, step: int, block: Block, rows_of: dict[tuple[int, int], Any]
+    ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """A block's layout, decoded here from its columns alone, and its rows'
+        sources; ``rows_of``: what blocks of the same rows share (their records
+        and sequence boundaries), filled by the first."""
+        if block.rows not in rows_of:
+            rows_of[block.rows] = self._rows_of(step, block.rows)
+        real, comp, parts, readers = rows_of[block.rows]
+        (c0, c1), n = block.cols, real.size
+        out = padding_fields(n, c1 - c0, self.config.pad_id)
+        row_starts = np.zeros(n, bool)
         # The block's columns in the batch's order, as runs of the rows' own columns.
         cols = self._order[c0:c1]
         cuts = np.flatnonzero(np.diff(cols) != 1) + 1
         pieces = list(zip(np.r_[0, cuts].tolist(), np.r_[cuts, cols.size].tolist(), strict=True))
-        for c in np.unique(comp).tolist():
-            mine, idx = at[comp == c], records[comp == c]
-            run_row, run_length = self._segments[c](idx)
-            packing = self.components[c].packing
-            lengths = np.full(idx.size, seq_len)
-            if packing is not Packing.WINDOWS:
-                lengths = np.bincount(run_row, run_length, idx.size).astype(np.int64)
-            for lo, hi in pieces:
-                first = int(cols[lo])
-                encoded, mask = self._piece(readers[c], packing, idx, first, first + hi - lo)
-                fields = chunk_fields(
-                    encoded,
-                    lengths,
-                    first,
-                    run_carry(run_row, run_length, idx.size, first - 1),
-                    start_token_id=self._start_token_id,
-                    pad_id=self.config.pad_id,
-                    stored_mask=mask,
-                )
-                for key in FIELDS:
-                    out[key][mine, lo:hi] = fields[key]
-                if lo == 0:
-                    row_starts[mine] = (encoded[:, 1] & 1) == 1
+        # Every piece's reads requested before any is waited for: one round trip.
+        asked = [
+            (c, lo, hi, self._piece(readers[c], part[0], part[1], int(cols[lo]), hi - lo))
+            for c, part in parts.items()
+            for lo, hi in pieces
+        ]
+        for c, lo, hi, waiting in asked:
+            _, idx, mine, run_row, run_length, lengths = parts[c]
+            encoded, mask = waiting()
+            first = int(cols[lo])
+            fields = chunk_fields(
+                encoded,
+                lengths,
+                first,
+                run_carry(run_row, run_length, idx.size, first - 1),
+                start_token_id=self._start_token_id,
+                pad_id=self.config.pad_id,
+                stored_mask=mask,
+            )
+            for key in FIELDS:
+                out[key][mine, lo:hi] = fields[key]
+            if lo == 0:
+                row_starts[mine] = (encoded[:, 1] & 1) == 1
         sources = row_sources(comp, real, self.source_ids)
         laid_out = self._block_layout.apply(out, row_starts, where=f"step {step}", sources=sources)
         return laid_out, sources
 
+    def _rows_of(self, step: int, span: tuple[int, int]) -> tuple[Any, ...]:
+        """Rows ``span`` at ``step``: which are real, their components, per
+        component ``(packing, records, rows, segments' rows and lengths, lengths
+        before padding)``, and the readers."""
+        rows = np.arange(*span, dtype=np.int64)
+        g, real = self.steps.samples(step, rows)
+        comp, records, _ = self.steps.lookup(g[real])
+        at, parts = np.flatnonzero(real), {}
+        for c in np.unique(comp).tolist():
+            idx, packing = records[comp == c], self.components[c].packing
+            run_row, run_length = self._segments[c](idx)
+            lengths = np.full(idx.size, self.config.seq_len)
+            if packing is not Packing.WINDOWS:
+                lengths = np.bincount(run_row, run_length, idx.size).astype(np.int64)
+            parts[c] = (packing, idx, at[comp == c], run_row, run_length, lengths)
+        return real, comp, parts, self._readers(step, rows)
+
     @staticmethod
     def _piece(
-        reader: Any, packing: Packing, idx: np.ndarray, first: int, stop: int
-    ) -> tuple[np.ndarray, np.ndarray | None]:
-        """Records ``idx``'s columns ``[first, stop)`` as windows (column 0 the
-        token before ``first``) and their stored mask; a padded row's read holds
-        no token before its columns, so one more is read."""
+        reader: Any, packing: Packing, idx: np.ndarray, first: int, width: int
+    ) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
+        """Starts reading records ``idx``'s columns ``[first, first + width)``;
+        the function returned gives them as windows (column 0 the token before
+        ``first``) and their stored mask. A padded row's read holds no token
+        before its columns, so one more is read."""
         early = int(packing is Packing.PADDED and first > 0)
-        windows = reader.read(idx, columns=(first - early, stop))
-        encoded, mask = windows.encoded, windows.stored_mask
-        if packing is Packing.PADDED and not early:
-            encoded = np.pad(encoded, ((0, 0), (1, 0)))
-        elif early and mask is not None:
-            mask = mask[:, 1:]
-        return encoded, mask
+        waiting = request_windows(reader, idx, (first - early, first + width))
+
+        def windows() -> tuple[np.ndarray, np.ndarray | None]:
+            read = waiting()
+            encoded, mask = read.encoded, read.stored_mask
+            if packing is Packing.PADDED and not early:
+                encoded = np.pad(encoded, ((0, 0), (1, 0)))
+            elif early and mask is not None:
+                mask = mask[:, 1:]
+            return encoded, mask
+
+        return windows
 
     def _block_data(self, step: int, block: Block) -> tuple[BlockData, np.ndarray]:
         g, real = self.steps.samples(step, np.arange(*block.rows, dtype=np.int64))

@@ -93,9 +93,10 @@ class StepEngine:
             fixed.setflags(write=False)
             self._fixed = (held, fixed)
         balance = None
+        # Each component's segments(indices), where its records have one.
+        self._segments = [getattr(r, "segments", None) for r in self.components]
         if config.balance_groups > 1:
             balance = (config.balance_groups, self._costs)
-            self._segments = [getattr(r, "segments", None) for r in self.components]
             for name, records, segments in zip(
                 self.names, self.components, self._segments, strict=True
             ):
@@ -119,7 +120,13 @@ class StepEngine:
             else None
         )
         self.blocks = DeviceBlocks(
-            sources, self.steps, sharding, self._host_blocks, self.source_ids, self.readers
+            sources,
+            self.steps,
+            sharding,
+            self._host_blocks,
+            self.source_ids,
+            self.readers,
+            self._segments,
         )
         self.block_decoder = BlockDecoder(config.decode_threads or default_threads())
         self.filter = FilteredRows(config.instance_filter, self.block_decoder.run_blocks)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from flat_tokens_jax.core.format import FormatError
-from flat_tokens_jax.store.arrays import Done, Pending
+from flat_tokens_jax.store.arrays import Pending
 from flat_tokens_jax.store.checks import Checks
 from flat_tokens_jax.store.localshards import touched
 
@@ -107,10 +107,6 @@ class ShardProbes:
         bad = self._compare(shards, values)
         if bad:
             raise FormatError(f"{self.where}: {bad[0]}")
-
-    def check(self, read: ReadRanges, starts: np.ndarray, stops: np.ndarray) -> None:
-        """:meth:`start_check` with ``read``, which returns the values it reads, waited for."""
-        self.start_check(lambda lo, hi: Done(list(read(lo, hi))), starts, stops)()
 
     def verify_all(self, read: ReadRanges) -> list[str]:
         """Reads every shard's probe; a message for each that differs (for ``validate``)."""

@@ -163,35 +163,25 @@ def _check_split(ft: FlatTokens, block: int, digests: dict[str, ChunkDigests]) -
 
 
 def _check_sample(ft: FlatTokens, samples: int, digests: dict[str, ChunkDigests]) -> list[Problem]:
-    """The checks of :func:`validate` on ``samples`` sequences of ``ft``."""
+    """The checks of :func:`validate` on ``samples`` sequences of ``ft`` and both ends."""
     tokens_where = f"{ft.split_name}/{ft.tokens_name}"
     starts_where = f"{ft.split_name}/{SEQ_STARTS}"
     n, num_tokens = ft.starts.size - 1, ft.encoded.size
-    ends = ft.starts.read_points(np.array([0, n]))
-    problems = check_starts_block(ends[:1], 0, None, num_tokens, starts_where)
-    if int(ends[1]) != num_tokens:
-        last = f"last entry must equal the token count {num_tokens}"
-        problems.append(Problem(starts_where, last, n, ends[1]))
+    drawn = np.random.default_rng(0).choice(n, min(samples, n), replace=False)
+    seqs = np.unique(np.concatenate([[0, n - 1], drawn])) if n else drawn
+    at = np.unique(np.concatenate([[0], seqs, seqs + 1]))  # ascending seq_starts indices
+    values = ft.starts.read_points(at)
+    runs = np.flatnonzero(np.diff(at) > 1) + 1  # where consecutive indices break off
+    problems: list[Problem] = []
+    previous = None
+    for run, run_values in zip(np.split(at, runs), np.split(values, runs), strict=True):
+        problems += check_starts_block(run_values, int(run[0]), previous, num_tokens, starts_where)
+        previous = int(run_values[-1])
+    problems += _last_start(starts_where, n, previous, num_tokens)
     if n == 0 or problems:
         return problems
-    drawn = np.random.default_rng(0).choice(n, min(samples, n), replace=False)
-    seqs = np.unique(np.concatenate([[0, n - 1], drawn]))
-    at = np.concatenate([seqs, seqs + 1])
-    values = ft.starts.read_points(at)
-    for i in range(seqs.size):
-        pair = values[[i, seqs.size + i]]
-        problems += check_starts_block(
-            pair[1:], int(seqs[i]) + 1, int(pair[0]), num_tokens, starts_where
-        )
-    problems += [
-        Problem(starts_where, f"beyond the {num_tokens} tokens of the split", int(at[i]), int(v))
-        for i, v in enumerate(values[: seqs.size])
-        if int(v) > num_tokens
-    ]
-    if problems:
-        return problems
-    lo = values[: seqs.size].astype(np.int64)
-    hi = np.minimum(values[seqs.size :].astype(np.int64), lo + QUICK_TOKENS)
+    lo = values[np.searchsorted(at, seqs)].astype(np.int64)
+    hi = np.minimum(values[np.searchsorted(at, seqs + 1)].astype(np.int64), lo + QUICK_TOKENS)
     problems += _check_digests(digests.get(SEQ_STARTS), ft.starts, at, at + 1)
     problems += _check_digests(digests.get(ft.tokens_name), ft.encoded, lo, hi)
     for start, enc in zip(lo.tolist(), ft.encoded.read_ranges(lo, hi), strict=True):
@@ -235,10 +225,13 @@ def _check_arrays(
     for s_offset, values in starts_iter:
         problems += check_starts_block(values, s_offset, previous, num_tokens, starts_where)
         previous = int(values[-1])
-    if previous is not None and previous != num_tokens:
-        last = f"last entry must equal the token count {num_tokens}"
-        problems.append(Problem(starts_where, last, starts.size - 1, previous))
-    return problems
+    return problems + _last_start(starts_where, starts.size - 1, previous, num_tokens)
+
+
+def _last_start(where: str, index: int, last: int | None, num_tokens: int) -> list[Problem]:
+    if last is None or last == num_tokens:
+        return []
+    return [Problem(where, f"last entry must equal the token count {num_tokens}", index, last)]
 
 
 def _blocks(

@@ -167,19 +167,13 @@ def _blend(data: Mapping[str, Any], path: str, count: int, sources: str, out: li
                 out.append(f"{here}: expected {count} numbers, one per component, got {shown(w)}")
             else:
                 for j, x in enumerate(w):
-                    try:
-                        number(x, child(here, j), low=0)
-                    except BadValue as e:
-                        out.append(str(e))
+                    _checked(functools.partial(number, low=0), x, child(here, j), out)
     for name, low in (("steps", 0), ("periods", 1)):
         values = _field(data, name, path, _list, "a list of ints, one per weight list", out)
         if not isinstance(values, list):
             continue
         for i, value in enumerate(values):
-            try:
-                integer(value, child(child(path, name), i), low=low)
-            except BadValue as e:
-                out.append(str(e))
+            _checked(functools.partial(integer, low=low), value, child(child(path, name), i), out)
         if isinstance(weights, list) and len(values) != len(weights):
             out.append(
                 f"{path}.{name}: expected {len(weights)} ints >= {low}, one per weight list "

@@ -96,7 +96,6 @@ class Loader:
         self._open([StepEngine(sources, sharding)], sharding)
 
     def _open(self, engines: list[StepEngine], sharding: Any) -> None:
-        """The run of ``engines``, one a phase (its phases, starts, firsts and end set)."""
         self.engines, self.sharding = engines, sharding
         first = self.engine = engines[0]
         self.source_names = first.source_names
@@ -218,12 +217,10 @@ class Loader:
         return self._in_phase(step, StepEngine.provenance)
 
     def _read(self, step: int, ahead: bool) -> Callable[[], Fetched | Blocks]:
-        """A step's first stage (see :meth:`StepEngine.request`)."""
         engine, local = self.locate(step)
         return engine.request(local, engine.lookup if ahead else 0, self._host)
 
     def _finish(self, step: int, part: Fetched | Blocks, threads: int | None) -> Any:
-        """A step's second stage (see :meth:`StepEngine.finish`): safe in any thread."""
         engine, local = self.locate(step)
         return engine.finish(part, local, threads, self._host)
 
@@ -363,18 +360,19 @@ class Loader:
         """
         saved = SavedState.of(state, "loader")
         saved.check(self.engine.sources.fingerprint(), self.schedule)
-        skips, changes = merged(saved, self.steering.skips, self.steering.changes)
         now = self.steering
+        skips, changes = merged(saved, now.skips, now.changes)
         if (skips, changes) != (now.skips, now.changes):
             self.engine.steer(now.steered(skips, changes, 0))
             self.prefetcher.drop_from(0)
-        self._restored = dict(self.steering.skips.entries)
+        self._restored = dict(skips.entries)
         self.next_step = saved.step
         return saved.step
 
     def _steered(self) -> tuple[Skips, tuple[Change, ...]]:
         """The run's skips and weight changes, by its trainer steps."""
-        return self.steering.skips, self.steering.changes
+        steering = self.steering
+        return steering.skips, steering.changes
 
     @property
     def steering(self) -> Steering:

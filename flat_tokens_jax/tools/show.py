@@ -402,29 +402,16 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         const="blocks",
         help="the block shuffle: records read in blocks of consecutive ones (shuffle: blocks)",
     )
-    parser.add_argument(
-        "--shuffle-block",
-        type=int,
-        help="with --blocks, records per block (default: about 2**18 tokens)",
-    )
-    parser.add_argument(
-        "--shuffle-window",
-        type=int,
-        help="with --blocks, blocks shuffled together (default 1)",
-    )
-    parser.add_argument("--seed", type=int, help="the shuffle's seed (LoaderConfig.seed)")
-    parser.add_argument(
-        "--num-epochs", type=int, help="passes over the records (default: unbounded)"
-    )
-    parser.add_argument(
-        "--start-token-id",
-        type=int,
-        help="the input token at a sequence's start (default: the one the dataset records)",
-    )
-    parser.add_argument("--pad-id", type=int, help="input and target id of padding (default 0)")
-    parser.add_argument(
-        "--vocab-size", type=int, help="check that the data's token ids fit below it"
-    )
+    for flag, text in (
+        ("--shuffle-block", "with --blocks, records per block (default: about 2**18 tokens)"),
+        ("--shuffle-window", "with --blocks, blocks shuffled together (default 1)"),
+        ("--seed", "the shuffle's seed (LoaderConfig.seed)"),
+        ("--num-epochs", "passes over the records (default: unbounded)"),
+        ("--start-token-id", "the input token at a sequence's start (default: the recorded one)"),
+        ("--pad-id", "input and target id of padding (default 0)"),
+        ("--vocab-size", "check that the data's token ids fit below it"),
+    ):
+        parser.add_argument(flag, type=int, help=text)
 
 
 def decoder(path: str, loader: Loader) -> Any:

@@ -175,7 +175,8 @@ def _count(
 ) -> StepReads:
     """Requests and bytes of reading ``record`` of component ``comp``, each in
     batch ``group`` (``step index * hosts + host``); with ``block`` (records per
-    block, per component), ``record`` are blocks, each read as one range."""
+    block, per component), ``record`` are blocks, each read as one range. Without:
+    each host reads its rows' ranges at their step, a component's in one batch per array."""
     groups = samples.steps.size * samples.hosts
     totals = np.zeros((groups, 2), np.int64)
     for c, records in enumerate(loader.components):
@@ -199,7 +200,9 @@ def _count(
         for array, (row, lo, hi) in reads.items():
             totals += Chunking.of(ft, array).count(owner[row], lo, hi, groups)
     shape = (samples.steps.size, samples.hosts)
-    return StepReads(totals[:, 0].reshape(shape), totals[:, 1].reshape(shape), np.zeros(shape))
+    return StepReads(
+        totals[:, 0].reshape(shape), totals[:, 1].reshape(shape), _useful(loader, samples)
+    )
 
 
 def _block_span(
@@ -228,14 +231,6 @@ def _useful(loader: StepEngine, samples: HostSamples) -> np.ndarray:
     return out.reshape(samples.steps.size, samples.hosts)
 
 
-def row_reads(loader: StepEngine, samples: HostSamples) -> StepReads:
-    """Full shuffle (or none): each host reads each of its rows' ranges at its
-    step, a step's rows of a component in one batch per array."""
-    group = samples.at * samples.hosts + samples.host
-    counted = _count(loader, samples, samples.component, samples.record, group, None)
-    return dataclasses.replace(counted, useful=_useful(loader, samples))
-
-
 def block_reads(loader: StepEngine, samples: HostSamples) -> StepReads:
     """Block shuffle: each host reads each block of the loader's block samplers
     that its rows need whole, once per epoch, at the first sampled step that
@@ -250,8 +245,7 @@ def block_reads(loader: StepEngine, samples: HostSamples) -> StepReads:
     # Rows come in step order, so each block's first row is its first need.
     _, first = np.unique(key, axis=1, return_index=True)
     group = samples.at[first] * samples.hosts + samples.host[first]
-    counted = _count(loader, samples, samples.component[first], blocks[first], group, block)
-    return dataclasses.replace(counted, useful=_useful(loader, samples))
+    return _count(loader, samples, samples.component[first], blocks[first], group, block)
 
 
 def _block_samplers(loader: StepEngine) -> list[BlockSampler]:
@@ -302,8 +296,9 @@ def count_requests(
         block = [s.block for s in _block_samplers(loader)]
         reads = block_reads(loader, samples)
         window = loader.config.shuffle_window
-    else:
-        reads = row_reads(loader, samples)
+    else:  # the full shuffle, or none
+        group = samples.at * samples.hosts + samples.host
+        reads = _count(loader, samples, samples.component, samples.record, group, None)
     counted = slice(1 if block is not None and len(steps) > 1 else 0, None)
     pod = {name: getattr(reads, name)[counted].sum(axis=1) for name in ("requests", "bytes")}
     useful = reads.useful[counted].sum(axis=1).mean()

@@ -177,15 +177,7 @@ class HostBlocks:
         """Global fields decoded on the devices from per-block encoded tokens."""
         key = (packing, start_token_id, pad_id, instance_filter, layout)
         if key not in self._decode:
-            self._decode[key] = jax.jit(
-                self.decoder(
-                    packing=packing,
-                    start_token_id=start_token_id,
-                    pad_id=pad_id,
-                    instance_filter=instance_filter,
-                    layout=layout,
-                )
-            )
+            self._decode[key] = jax.jit(self.decoder(*key))
         encoded = self.encoded_arrays(data, source=layout.source)
         out: dict[str, jax.Array] = self._decode[key](encoded)
         return out
@@ -237,7 +229,6 @@ class HostBlocks:
 
     def decoder(
         self,
-        *,
         packing: Packing,
         start_token_id: int,
         pad_id: int,

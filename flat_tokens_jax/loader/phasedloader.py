@@ -13,14 +13,16 @@ from typing import Any
 
 import jax
 
+from flat_tokens_jax.core.limits import largest
 from flat_tokens_jax.loader.engine import StepEngine
 from flat_tokens_jax.loader.loader import Loader
-from flat_tokens_jax.loader.phases import Phase, PhaseStreams, check_phases, drawn, stream_key
+from flat_tokens_jax.loader.phases import Phase, check_phases, drawn, steps_within, stream_key
 from flat_tokens_jax.loader.sources import Sources
 from flat_tokens_jax.loader.state import SavedState, StateMismatch, StepSteering
 from flat_tokens_jax.loader.steered import check_step, merged, restated, skip_count, weight_counts
 from flat_tokens_jax.sampling.skips import NO_SKIPS, Skips
 from flat_tokens_jax.sampling.steering import Change, with_weights
+from flat_tokens_jax.sampling.stepsamples import MAX_SAMPLE
 
 
 class PhasedLoader(Loader):
@@ -110,13 +112,68 @@ class PhasedLoader(Loader):
         name = self.phases[k].name
         return f"phase {k}{'' if name is None else f' {name!r}'} (from step {self.starts[k]})"
 
-    def _reach(self) -> PhaseStreams:
-        """The phases' streams as the reach checks read them."""
-        labels = [self.label(k) for k in range(len(self.phases))]
-        steerings = [engine.steps.steering for engine in self.engines]
-        return PhaseStreams(
-            self.starts, steerings, self.streams, self.offsets, self._drawn_before, labels
-        )
+    def _reach(self) -> int:
+        """The first data step the run cannot read (a sample index, a phase's own or
+        a stream's, would pass ``2**63 - 1``), after refusing (naming the latest
+        start that works) a phase that cannot read all its steps."""
+        for k, engine in enumerate(self.engines):
+            last = k + 1 == len(self.engines)
+            most = MAX_SAMPLE + 1 if last else self.starts[k + 1] - self.starts[k]
+            n = steps_within(engine.steps.steering, self.offsets[k], most)
+            if n == 0:
+                latest = self._latest_start(k)
+                fix = (
+                    f"start it at step {latest} at most"
+                    if latest is not None
+                    else f"no start after phases[{k - 1}]'s works: give it other streams"
+                )
+                raise ValueError(
+                    f"{self.label(k)} cannot read its first step: {self._past(k, 0)}; {fix}"
+                )
+            if not last and n < most:
+                raise ValueError(
+                    f"{self.label(k)} cannot read its steps from step {self.starts[k] + n} "
+                    f"on: {self._past(k, n)}; phases[{k + 1}] starts at step "
+                    f"{self.starts[k + 1]}: start it at step {self.starts[k] + n} at most"
+                )
+        return self.starts[-1] + n
+
+    def _past(self, k: int, local: int) -> str:
+        """Which sample index phase ``k``'s data step ``local`` would take past ``2**63 - 1``."""
+        steering = self.engines[k].steps.steering
+        schedule, mixture = steering.schedule, steering.mixture
+        if schedule.samples_before(local + 1) - 1 > MAX_SAMPLE:
+            return (
+                f"the phase's sample indices would pass 2**63 - 1 (batch_size "
+                f"{schedule}, {schedule.samples_before(local):,} samples before)"
+            )
+        counts = drawn(steering, local + 1)
+        for c, (before, n) in enumerate(zip(self.offsets[k], counts, strict=True)):
+            if before + n - 1 > MAX_SAMPLE:
+                stream = "its stream" if mixture is None else f"{mixture.names[c]!r}'s stream"
+                return (
+                    f"{stream} would pass sample index 2**63 - 1 (it continues from "
+                    f"{before:,} samples drawn in earlier phases)"
+                )
+        raise AssertionError("a step within every sample index")
+
+    def _latest_start(self, k: int) -> int | None:
+        """The latest start after phase ``k - 1``'s at which phase ``k`` reads
+        its first step; ``None`` when there is none."""
+        if k == 0:
+            return None
+        earlier = self.starts[k - 1]
+
+        def fits(start: int) -> bool:
+            counts = dict(self._drawn_before[k - 1])
+            taken = drawn(self.engines[k - 1].steps.steering, start - earlier)
+            for key, n in zip(self.streams[k - 1], taken, strict=True):
+                counts[key] = counts.get(key, 0) + n
+            offsets = [counts.get(key, 0) for key in self.streams[k]]
+            return steps_within(self.engines[k].steps.steering, offsets, 1) == 1
+
+        first = earlier + 1
+        return None if first == self.starts[k] else largest(fits, first, self.starts[k] - 1)
 
     def __repr__(self) -> str:
         return f"PhasedLoader({len(self.phases)} phases from steps {self.starts})"
@@ -128,7 +185,7 @@ class PhasedLoader(Loader):
             raise ValueError(
                 f"step {step} is past the last step this run can read, {self.end_step - 1}: "
                 f"at step {self.end_step}, in {self.label(k)}, "
-                f"{self._reach().past(k, self._data_end - self.starts[k])}"
+                f"{self._past(k, self._data_end - self.starts[k])}"
             )
         return self.engines[k], int(step) - self.firsts[k]
 
@@ -222,7 +279,7 @@ class PhasedLoader(Loader):
                     changes[-1] = (step, counts)
                 else:
                     changes.append((step, counts))
-                self._data_end = self._reach().reach()
+                self._data_end = self._reach()
                 self.end_step = self._skips.trainer_step(self._data_end)
                 self.prefetcher.drop_from(step)
             return
@@ -258,7 +315,7 @@ class PhasedLoader(Loader):
                 for key, n in zip(self.streams[k], taken, strict=True):
                     counts[key] = counts.get(key, 0) + n
         self.firsts, self._skips, self._changes = firsts, skips, list(changes)
-        self._data_end = self._reach().reach()
+        self._data_end = self._reach()
         self.end_step = skips.trainer_step(self._data_end)
         if hasattr(self, "prefetcher"):  # not while the run opens
             self.prefetcher.drop_from(since)

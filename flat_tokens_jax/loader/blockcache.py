@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,6 +24,7 @@ from flat_tokens_jax.data.blockreads import (
 from flat_tokens_jax.data.records import Records, Windows
 from flat_tokens_jax.sampling.blocks import NEVER, BlockSampler, Sampler
 from flat_tokens_jax.sampling.stepsamples import StepSamples
+from flat_tokens_jax.store.checks import Once
 
 
 class _Entry:
@@ -34,39 +34,23 @@ class _Entry:
         self.nbytes, self.pins, self.kept = nbytes, 1, False
         self.epoch, self.window = 0, 0
         self._ready = threading.Event()
-        self._get: Callable[[], BlockTokens] | None = None
-        self._value: BlockTokens | None = None
+        self._read: Once[list[BlockTokens]] | None = None  # the batch of reads it is in
+        self._at = 0
         self._error: BaseException | None = None
-        self._lock = threading.Lock()
 
-    def started(self, get: Callable[[], BlockTokens] | None, error: BaseException | None) -> None:
-        self._get, self._error = get, error
+    def started(
+        self, read: Once[list[BlockTokens]] | None, at: int, error: BaseException | None
+    ) -> None:
+        self._read, self._at, self._error = read, at, error
         self._ready.set()
 
     def tokens(self) -> BlockTokens:
         """The block, read once whoever asks first."""
         self._ready.wait()
-        with self._lock:
-            if self._value is None:
-                if self._error is not None:
-                    raise self._error
-                assert self._get is not None
-                self._value = self._get()
-            return self._value
-
-
-class _Shared:
-    """A batch of block reads waited for once."""
-
-    def __init__(self, waiting: Callable[[], list[BlockTokens]]) -> None:
-        self._waiting, self._lock = waiting, threading.Lock()
-        self._got: list[BlockTokens] | None = None
-
-    def get(self, i: int) -> BlockTokens:
-        with self._lock:
-            if self._got is None:
-                self._got = self._waiting()
-            return self._got[i]
+        if self._error is not None:
+            raise self._error
+        assert self._read is not None
+        return self._read.result()[self._at]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,12 +148,12 @@ class BlockCache:
         missing = blocks[fresh]
         try:
             ranges = block_ranges(records, missing, self.block)
-            shared = _Shared(ranges.request())
+            shared = Once(ranges.request())
         except BaseException as e:
             with self._lock:
                 for i, b in zip(fresh, missing.tolist(), strict=True):
                     self._held.pop((c, b), None)
-                    out[i].started(None, e)
+                    out[i].started(None, 0, e)
             self.release(out, told)
             raise
         with self._lock:
@@ -184,7 +168,7 @@ class BlockCache:
                 else:
                     self.passed += 1
                     self._held.pop((c, b), None)
-                entry.started(functools.partial(shared.get, k), None)
+                entry.started(shared, k, None)
         return out
 
     def release(self, entries: Sequence[_Entry], told: _Step) -> None:

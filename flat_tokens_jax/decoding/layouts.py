@@ -221,12 +221,9 @@ def check_context_parallel(context_parallel: int, seq_len: int, layout: str, pat
 
 def zigzag_order(seq_len: int, context_parallel: int) -> np.ndarray:
     """``[seq_len] int64``: the columns of a batch in the order ``context_parallel``
-    lays them out (``batch_cp[:, j] == batch[:, order[j]]``).
-
-    The sequence axis is cut into ``2C`` equal chunks laid out in the order
-    ``0, 2C-1, 1, 2C-2, ..., C-1, C``, so a contiguous split over ``C``
-    context-parallel ranks gives rank ``i`` the chunks ``i`` and ``2C-1-i``:
-    under causal attention, one cheap chunk and one costly one each.
+    lays them out (``batch_cp[:, j] == batch[:, order[j]]``): ``2C`` equal chunks in
+    the order ``0, 2C-1, 1, 2C-2, ..., C-1, C`` (why: docs/guide/loading.md,
+    "Context parallelism: the zigzag order").
 
     Example:
         >>> zigzag_order(8, 2).tolist()

@@ -1,10 +1,6 @@
 """Flat-tokens records as a grain random-access data source: ``FlatTokensSource``.
-
-grain 0.2's ``MapDataset.batch`` calls the batched-read hook ``_getitems`` only
-behind an experiment flag left off, so ``.batch(B)`` costs ``B`` single reads;
-mapping :meth:`~FlatTokensSource.read_batch` over batched indices costs one::
-
-    grain.MapDataset.range(len(src)).shuffle(seed=0).batch(B).map(src.read_batch)
+Batch indices and map :meth:`~FlatTokensSource.read_batch` for one read a batch
+(grain's ``.batch`` reads each record alone: docs/guide/trainers.md, "What a batch costs").
 """
 
 from __future__ import annotations

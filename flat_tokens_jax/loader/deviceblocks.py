@@ -112,14 +112,8 @@ class DeviceBlocks:
         return Blocks(held, data, np.concatenate(list(by_rows.values())), here)
 
     def encoded(self, step: int) -> dict[str, jax.Array]:
-        """``Loader.encoded_batch``: ``encoded`` ``[batch_size, seq_len] uint32``
-        (encoded tokens), ``before`` ``[batch_size, column shards] uint32`` (the
-        token before each column shard), ``lengths`` ``[batch_size] int32`` (tokens
-        of padded rows and bins), ``real`` ``[batch_size] bool`` (False for padding
-        rows past the last epoch), ``stored_mask`` ``[batch_size, seq_len] uint8``
-        when the data stores a loss mask, and ``source`` ``[batch_size] int32`` with
-        ``config.source_field``; laid out as the loader's sharding (whole rows on
-        one device without one)."""
+        """``Loader.encoded_batch``: its arrays and their shapes are docs/guide/multihost.md's
+        (``lengths``: tokens of padded rows and bins; ``real``: False for padding rows)."""
         blocks = self.read(step, self.host_blocks_at(step))
         return blocks.host_blocks.encoded_arrays(blocks.data, source=self.layout.source)
 

@@ -194,10 +194,9 @@ class Loader:
         self._start(step, self._end())
 
     def encoded_batch(self, step: int) -> dict[str, jax.Array]:
-        """The batch at ``step`` still encoded, as global arrays (see
-        :meth:`~flat_tokens_jax.loader.deviceblocks.DeviceBlocks.encoded`): 4 bytes a
-        token to the devices against 17. Decode inside your jitted step: ``fields =
-        loader.decoder(step)(encoded)``."""
+        """The batch at ``step`` still encoded, as global arrays (docs/guide/multihost.md,
+        "Decoding on the accelerator"): 4 bytes a token to the devices against 17.
+        Decode inside your jitted step: ``fields = loader.decoder(step)(encoded)``."""
         return self._in_phase(step, lambda e, s: e.blocks.encoded(s))
 
     def decoder(self, step: int = 0) -> Callable[[Mapping[str, jax.Array]], dict[str, jax.Array]]:

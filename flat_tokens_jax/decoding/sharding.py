@@ -7,7 +7,6 @@ import dataclasses
 import importlib
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -110,7 +109,6 @@ class HostBlocks:
         self.columns_sharded = any(b.cols != (0, seq_len) for b in self.blocks)
         if self.columns_sharded and not isinstance(sharding, NamedSharding):
             raise ValueError("sharding the sequence dimension needs a NamedSharding")
-        self._decode: dict[tuple[Packing, int, int, Any, BatchLayout], Callable[..., Any]] = {}
 
     def __repr__(self) -> str:
         return f"HostBlocks({len(self.blocks)} blocks, {self.rows.size} rows of {self.shape})"
@@ -163,24 +161,6 @@ class HostBlocks:
             )
         spec = tuple(self.sharding.spec) + (None,) * 2
         return NamedSharding(self.sharding.mesh, PartitionSpec(spec[0], *[None] * (ndim - 1)))
-
-    def assemble_blocks(
-        self,
-        data: Mapping[Block, BlockData],
-        *,
-        packing: Packing,
-        start_token_id: int,
-        pad_id: int,
-        instance_filter: InstanceFilter | None = None,
-        layout: BatchLayout = PLAIN,
-    ) -> dict[str, jax.Array]:
-        """Global fields decoded on the devices from per-block encoded tokens."""
-        key = (packing, start_token_id, pad_id, instance_filter, layout)
-        if key not in self._decode:
-            self._decode[key] = jax.jit(self.decoder(*key))
-        encoded = self.encoded_arrays(data, source=layout.source)
-        out: dict[str, jax.Array] = self._decode[key](encoded)
-        return out
 
     def encoded_arrays(
         self, data: Mapping[Block, BlockData], source: bool = False

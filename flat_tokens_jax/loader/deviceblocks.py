@@ -83,6 +83,7 @@ class DeviceBlocks:
             "instance_filter": config.instance_filter,
             "layout": self.layout,
         }
+        self._jitted: dict[HostBlocks, Callable[..., Any]] = {}  # decoder, by batch size
 
     def host_blocks_at(self, step: int) -> HostBlocks:
         if self._host_blocks is None:  # no sharding: whole batches on the default device
@@ -122,7 +123,13 @@ class DeviceBlocks:
 
     def decode(self, blocks: Blocks) -> dict[str, jax.Array]:
         """The fields of ``blocks``; it runs collectives: call it in step order."""
-        return blocks.host_blocks.assemble_blocks(blocks.data, **self._decoding)
+        held = blocks.host_blocks
+        if held not in self._jitted:
+            self._jitted[held] = jax.jit(held.decoder(**self._decoding))
+        out: dict[str, jax.Array] = self._jitted[held](
+            held.encoded_arrays(blocks.data, source=self.layout.source)
+        )
+        return out
 
     def _block_fields(
         self, step: int, block: Block, rows_of: dict[tuple[int, int], Any]

@@ -441,3 +441,60 @@ def test_split_names_used_inconsistently_name_the_fix() -> None:
     ftj.write_dataset(url, {"train": [[1, 2]], "validation": [[3]]})
     with pytest.raises(KeyError, match=r"has no split 'valid'.*: use 'validation'"):
         ftj.open_dataset(url)["valid"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(weights=weight_lists, period=st.integers(1, 9), data=st.data())
+def test_a_mixture_of_num_epochs_ends_where_a_component_would_begin_another(
+    weights: list[float], period: int, data: st.DataObject
+) -> None:
+    k = len(weights)
+    later = data.draw(st.lists(weight_lists.filter(lambda w: len(w) == k), max_size=2))
+    steps = sorted(data.draw(st.sets(st.integers(1, 6), min_size=len(later), max_size=len(later))))
+    if any(
+        c == 0 and w > 0
+        for ws in [weights, *later]
+        for c, w in zip(reference_counts(ws, period), ws, strict=True)
+    ):
+        return  # a positive weight that gets no slot is refused
+    sizes = data.draw(st.lists(st.integers(1, 5), min_size=k, max_size=k))
+    batch, epochs = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 2))
+    comps = [make_split(n, base=1 + 10 * c) for c, n in enumerate(sizes)]
+    mix = Mixture(
+        list(zip(comps, weights, strict=True)),
+        period=period,
+        schedule=list(zip(steps, later, strict=True)),
+    )
+    config = ftj.LoaderConfig(batch_size=batch, seq_len=4, num_epochs=epochs, seed=2)
+    loader = ftj.Loader(mix, config)
+    starts = [0, *(s * batch for s in steps)]
+    comp, sample = reference_schedule([weights, *later], starts, period, 40 * batch * 5)
+    pairs = enumerate(zip(comp, sample, strict=True))
+    end = next(g for g, (c, j) in pairs if j >= epochs * sizes[c])
+    assert loader.num_batches == -(-end // batch)
+    read: list[list[int]] = [[] for _ in range(k)]
+    for step in range(loader.num_batches):
+        for r in loader.provenance(step):
+            g = step * batch + r["row"]
+            assert r.get("padding", False) == (g >= end)
+            if g < end:
+                assert (r["component"], r["epoch"]) == (comp[g], sample[g] // sizes[comp[g]])
+                read[comp[g]].append(r["record"])
+    for c, records in enumerate(read):  # each epoch of a component reads each record once
+        counts = np.bincount(records, minlength=sizes[c])
+        assert counts.max() - counts.min() <= 1
+    with pytest.raises(IndexError, match="a mixture ends where a component would begin"):
+        loader.provenance(loader.num_batches)
+
+
+def test_a_weight_change_moves_the_end_of_a_mixture_of_num_epochs() -> None:
+    small, big = make_split(3, base=1), make_split(40, base=100)
+    config = ftj.LoaderConfig(batch_size=2, seq_len=4, num_epochs=1, shuffle=False)
+    steered = ftj.Loader(Mixture([(small, 1), (big, 1)], period=2), config)
+    assert steered.num_batches == 3  # small's 4th sample would be global sample 6
+    steered.set_weights(2, [0, 1])  # from step 2 small is not read: big's 40 end it
+    declared = ftj.Loader(Mixture([(small, 1), (big, 1)], period=2, schedule=[(2, [0, 1])]), config)
+    assert steered.num_batches == declared.num_batches == 2 + (40 - 2) // 2
+    last = steered.num_batches - 1
+    assert steered.provenance(last) == declared.provenance(last)
+    assert [r["record"] for r in steered.provenance(last)] == [38, 39]

@@ -55,7 +55,8 @@ class LoaderConfig:
             (docs/guide/loading.md, "Block shuffle").
         seed: the shuffle's key. Recommended: one per training run.
         num_epochs: passes over the records; ``None``: unbounded. With a bound,
-            the last batch is completed with padding rows (``loss_mask`` 0).
+            the last batch is completed with padding rows (``loss_mask`` 0); a
+            mixture ends where its first component would begin another pass.
         prefetch: steps prepared ahead on background threads. ``None``
             (recommended): automatic, ``ceil(1.5 * (fetch + decode) / step) + 1``
             steps as measured, at least 2, within ``read_ahead_bytes``. An int

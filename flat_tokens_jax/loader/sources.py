@@ -64,11 +64,6 @@ class Sources:
         check_loader_memory(*memory, row_bytes=row, block_cache_bytes=config.block_cache_bytes or 0)
         cache = default_cache_dir() if plan_cache is None else plan_cache
         if isinstance(source, Mixture):
-            if config.num_epochs is not None:
-                raise ValueError(
-                    "num_epochs does not apply to a Mixture: each component "
-                    "runs its own epochs, without end; set num_epochs=None"
-                )
             components = source.records(
                 config.seq_len, config.packing, plan_cache=cache, max_segments=config.max_segments
             )

@@ -263,6 +263,29 @@ class Steering:
         more = consumed(self._counts(key), num_samples - start)
         return [int(a) + b for a, b in zip(offsets.tolist(), more, strict=True)]
 
+    def first_past(self, limits: Sequence[int]) -> int | None:
+        """The first global sample that draws component ``c``'s sample
+        ``limits[c]`` (its first past ``limits[c]``) for some ``c``; ``None``
+        if none does below ``2**63``."""
+        assert self.mixture is not None
+        found = MAX_SAMPLE + 1
+        count = self._kept + len(self._tail.lists[0])
+        for j in range(count):
+            _, key, start, drawn = self._row(j)
+            if start >= found:
+                break
+            stop = self._row(j + 1)[2] if j + 1 < count else found
+            counts = self._counts(key)
+            for c, limit in enumerate(limits):
+                if counts[c] and drawn[c] <= limit:
+                    whole, rank = divmod(limit - int(drawn[c]), int(counts[c]))
+                    table = self._table(j)
+                    at = int(np.flatnonzero(table.component == c)[rank])
+                    g = start + whole * table.period + at
+                    if g < stop:  # else in a later segment
+                        found = min(found, g)
+        return found if found <= MAX_SAMPLE else None
+
     def _stretch(self, j: int) -> Stretch:
         """Segment ``j`` as the trainer steps that read it."""
         step, key, _, _ = self._row(j)

@@ -21,8 +21,9 @@ from flat_tokens_jax.sampling.steering import Steering
 # Steps whose records one sampler call finds when steps are asked for in order.
 LOOKUP_AHEAD = 8
 
-# A steering, whether it skips, the run's end (None: unbounded) and its last step.
-_Route = tuple[Steering, bool, int | None, int]
+# A steering, whether it skips, the run's end (None: unbounded), its last step
+# and its samples (None: unbounded).
+_Route = tuple[Steering, bool, int | None, int, int | None]
 
 # The balanced orders kept, of the data steps looked up last.
 BALANCED_KEPT = 64
@@ -55,7 +56,6 @@ class StepSamples:
         # schedule to look up. The samplers may be replaced (a phase's streams
         # go on), never their number of samples.
         self._constant = schedule.constant
-        self._total = first.num_samples
         self._lock = threading.Lock()
         self._steer(Steering(mixture, schedule) if steering is None else steering)
 
@@ -67,14 +67,17 @@ class StepSamples:
 
     def _steer(self, steering: Steering) -> None:
         skips, schedule = steering.skips, self.schedule
-        total = self._total
+        total = self.samplers[0].num_samples
+        if self.mixture is not None and self.num_epochs is not None:
+            # The run ends where the first component would start another epoch.
+            total = steering.first_past([s.num_records * self.num_epochs for s in self.samplers])
         end = None if total is None else skips.trainer_step(schedule.steps_to_cover(total))
         last = skips.trainer_step(schedule.step_of(MAX_SAMPLE)) - 1
         self.steering = steering
         # What a step's samples need of the steering, worked out once and read
         # as one piece without the lock: it, whether it skips (without skips a
         # step reads its own data), the run's end and its last step.
-        self._route: _Route = (steering, bool(skips), end, last)
+        self._route: _Route = (steering, bool(skips), end, last, total)
         # Records of the steps after the last one found in order: see `records`.
         self._kept: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._last: int | None = None
@@ -83,7 +86,7 @@ class StepSamples:
     def data_step(self, step: int) -> int:
         """The data step that ``step`` (an int >= 0) reads."""
         step = integer(step, "step", low=0)
-        steering, skipping, _, _ = self._route
+        steering, skipping, _, _, _ = self._route
         return steering.data_step(step) if skipping else step
 
     def size(self, step: int) -> int:
@@ -102,7 +105,7 @@ class StepSamples:
 
     def _samples(self, step: int, rows: np.ndarray, route: _Route) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`samples` of a step checked before, under ``route``."""
-        steering, skipping, end, _ = route
+        steering, skipping, end, _, total = route
         data = steering.data_step(step) if skipping else step
         size = self._constant
         if size is None:
@@ -111,7 +114,6 @@ class StepSamples:
         else:
             first = data * size
         last = first + size - 1
-        total = self._total
         if last > MAX_SAMPLE or (total is not None and first >= total):
             read = "" if data == step else f" (it reads data step {data})"
             if last > MAX_SAMPLE:
@@ -122,10 +124,13 @@ class StepSamples:
                     f"the largest sample index 2**63 - 1; with batch_size {self.schedule} "
                     f"the last step is {shown}"
                 )
+            epochs = f"{self.num_epochs} epoch(s)"
+            if self.mixture is None:
+                epochs += f" of {self.samplers[0].num_records} records"
+            else:
+                epochs += ": a mixture ends where a component would begin another"
             raise IndexError(
-                f"step {step}{read} is past the end: this run has {end} "
-                f"steps ({self.num_epochs} epoch(s) of "
-                f"{self.samplers[0].num_records} records)"
+                f"step {step}{read} is past the end: this run has {end} steps ({epochs})"
             )
         if self.balance is not None:
             rows = self._balanced(first, size, route)[rows]
@@ -143,7 +148,8 @@ class StepSamples:
         assert self.balance is not None
         groups, costs = self.balance
         g = np.arange(first, first + size, dtype=np.int64)
-        real = g < self._total if self._total is not None else np.ones(size, bool)
+        total = route[4]
+        real = g < total if total is not None else np.ones(size, bool)
         comp, records, _ = self.lookup(g[real], route[0])
         cost = np.zeros(size, np.int64)
         cost[real] = costs(comp, records)
@@ -198,7 +204,7 @@ class StepSamples:
             comp, records, _ = self.lookup(g[real])
             return comp, records, real
         # Up to `ahead` steps after it, before the run's end and the largest sample index.
-        _, _, end, last = route
+        _, _, end, last, _ = route
         stop = step + 1 + ahead if end is None else min(step + 1 + ahead, end)
         later = range(step + 1, min(stop, last + 1))
         samples = [g[real]]

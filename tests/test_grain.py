@@ -562,8 +562,9 @@ def test_to_grain_steps_equal_brute_force_reference(
 
 def test_the_source_carries_the_datas_vocabulary(tmp_path: Path) -> None:
     """Issue 36: a trainer sizes its embedding from the source, without opening
-    the dataset again: the recorded tokenizer's facts, else the largest id + 1
-    (counted here from the sequences written), in every copy of the source."""
+    the dataset again: the recorded tokenizer's facts (``vocab_size`` ``None``
+    when none is recorded, as the loader's) and the largest id (counted here from
+    the sequences written), in every copy of the source."""
     seqs = [[1, 2], [3, 4, 70], [6, 7, 8]]
     tok = ftj.TokenizerInfo("tok.json", "sha256:0123456789abcdef", 500, bos_id=1, eos_id=2)
     ftj.write_dataset(tmp_path / "tok", {"train": seqs}, info=ftj.DatasetInfo(tokenizer=tok))
@@ -575,4 +576,5 @@ def test_the_source_carries_the_datas_vocabulary(tmp_path: Path) -> None:
     ftj.write_dataset(tmp_path / "bare", {"train": seqs})
     bare = FlatTokensSource(ftj.PackedRecords(ftj.open_dataset(tmp_path / "bare")["train"], 2))
     assert bare.tokenizer is None and bare.info is not None
-    assert bare.vocab_size == max(t for s in seqs for t in s) + 1 == 71
+    assert bare.vocab_size is None
+    assert bare.max_token_id == max(t for s in seqs for t in s) == 70

@@ -36,7 +36,7 @@ from flat_tokens_jax.loader.config import LoaderConfig, resolve_start_token_id
 from flat_tokens_jax.loader.grainprocess import prepare_grain
 from flat_tokens_jax.loader.reopen import Keep, Reopen
 from flat_tokens_jax.sampling.mixture import Mixture, config_records
-from flat_tokens_jax.store.identity import DatasetInfo, TokenizerInfo
+from flat_tokens_jax.store.identity import DatasetInfo, TokenizerInfo, recorded_vocab_size
 from flat_tokens_jax.store.options import StoreOptions, resolve_options
 
 
@@ -165,11 +165,9 @@ class FlatTokensSource:
         return int(records.fingerprint()["max_token_id"]) if found is None else found
 
     @property
-    def vocab_size(self) -> int:
-        """The ids a model must embed: the recorded tokenizer's ``vocab_size``,
-        else ``max_token_id + 1``."""
-        tokenizer = self.tokenizer
-        return self.max_token_id + 1 if tokenizer is None else tokenizer.vocab_size
+    def vocab_size(self) -> int | None:
+        """As ``Loader.vocab_size``: the recorded tokenizer's, ``None`` when none is recorded."""
+        return recorded_vocab_size([("the source", self.info)])
 
     def __len__(self) -> int:
         return self._size

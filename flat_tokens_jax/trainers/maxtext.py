@@ -97,7 +97,13 @@ def make_grain_eval_iterator(
 
 def _source(config: Any, key: str, split: str) -> Any:
     """The split of one store, or a Mixture of MaxText's ``"path,weight;path,weight"``
-    (or of the JSON ``{name: {"path", "weight"}}`` at ``grain_train_mixture_config_path``)."""
+    (or of the JSON ``{name: {"path", "weight"}}`` at ``grain_train_mixture_config_path``);
+    first, the keys the adapter cannot honour are refused."""
+    for name in _REFUSED:
+        if getattr(config, name, False):
+            raise BadValue(name, "must be False with flat_tokens_jax's MaxText iterators")
+    if getattr(config, "expansion_factor_real_data", -1) not in (-1, 1):
+        raise BadValue("expansion_factor_real_data", "must be -1: every host loads its rows")
     named = getattr(config, "grain_train_mixture_config_path", "") if split == "train" else ""
     if named:
         with open(named) as f:
@@ -119,11 +125,6 @@ def _source(config: Any, key: str, split: str) -> Any:
 def _iterator(
     config: Any, mesh: Mesh, source: Any, shuffle: bool, epochs: int | None, suffix: str
 ) -> MultiHostDataLoadIterator:
-    for key in _REFUSED:
-        if getattr(config, key, False):
-            raise BadValue(key, "must be False with flat_tokens_jax's MaxText iterators")
-    if getattr(config, "expansion_factor_real_data", -1) not in (-1, 1):
-        raise BadValue("expansion_factor_real_data", "must be -1: every host loads its rows")
     keys = [u + suffix if hasattr(config, u + suffix) else u for u in _UNUSED]
     unused = [f"{k}={getattr(config, k)!r}" for k in keys if hasattr(config, k)]
     if isinstance(source, Mixture) and epochs is not None:

@@ -10,6 +10,7 @@ are the recorded call shapes of the revisions read: MaxText e591f30
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -340,3 +341,22 @@ def test_seqaxs_get_loader_loads_by_step_and_restores(tmp_path: Path) -> None:
             SimpleNamespace(**{**vars(params), "seed": 6}),
             SimpleNamespace(len=16, batch=8),
         ).restore(loader.state(4))
+
+
+def test_the_signatures_are_the_trainers_own() -> None:
+    """Parameter names and kinds as the revisions read define them (an adapter
+    adds only a trailing ``sharding``)."""
+
+    def shape(f: Any) -> list[tuple[str, Any]]:
+        return [(p.name, p.kind) for p in inspect.signature(f).parameters.values()]
+
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    for f in (maxtext.make_grain_train_iterator, maxtext.make_grain_eval_iterator):
+        assert shape(f) == [(n, positional) for n in ("config", "global_mesh", "process_indices")]
+    nanodos = "tfds_name split context_size worker_count vocab_path batch_size seed num_epochs"
+    nanodos += " num_records preprocessing worker_buffer_size shuffle sharding"
+    assert shape(nanodo.py_batched_tfds) == [
+        (n, inspect.Parameter.KEYWORD_ONLY) for n in nanodos.split()
+    ]
+    seqaxs = ("split", "config", "token_batch_params", "sharding")
+    assert shape(seqax.get_loader) == [(n, positional) for n in seqaxs]

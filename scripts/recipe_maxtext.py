@@ -1,15 +1,15 @@
-"""A grain recipe of MaxText's shape: its grain iterator on ``Loader.to_grain()``; a resume check.
+"""A grain recipe of MaxText's shape, through ``flat_tokens_jax.trainers.maxtext``; a resume check.
 
-MaxText's ``make_grain_train_iterator`` returns a ``MultiHostDataLoadIterator``:
-each step it takes this host's rows from a grain iterator (``local_iterator``)
-and makes every field a global ``jax.Array`` ``[global_batch,
-max_target_length] int32`` (``inputs``, ``inputs_position``,
+MaxText's ``make_grain_train_iterator(config, mesh, process_indices)`` returns a
+``MultiHostDataLoadIterator``: each step it takes this host's rows from a grain
+iterator (``local_iterator``) and makes every field a global ``jax.Array``
+``[global_batch, max_target_length] int32`` (``inputs``, ``inputs_position``,
 ``inputs_segmentation``, ``targets``, ``targets_position``,
 ``targets_segmentation``); orbax saves ``local_iterator`` with grain's handler
-beside the train state. Here that grain iterator is
-``Loader(...).to_grain()``'s in the ``"maxtext"`` layout, configured by
-MaxText's own keys (``configs/recipe_maxtext.yaml``): its checkpointed state is
-the loader's (step, samples, fingerprint), so a restore with another
+beside the train state. The package's ``make_grain_train_iterator`` has that
+signature and shape, reading MaxText's own keys (``configs/recipe_maxtext.yaml``,
+``grain_train_files`` a flat-tokens store): its checkpointed state is the
+loader's (step, samples, fingerprint), so a restore with another
 ``data_shuffle_seed`` is refused. The toy model weights its loss by
 ``targets_segmentation != 0``, as MaxText does (0 on padding and on tokens the
 loss mask leaves out). It ends with the resume check of ``recipecheck.py``::
@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
 
 import grain
 import jax
 import orbax.checkpoint as ocp
 import yaml
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-import flat_tokens_jax as ftj
+from flat_tokens_jax.trainers import maxtext
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from recipecheck import Run, init_params, main, sgd_step
@@ -37,45 +37,12 @@ from recipecheck import Run, init_params, main, sgd_step
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "recipe_maxtext.yaml"
 
 
-class MultiHostDataLoadIterator:
-    """MaxText's: this host's rows of each step from ``local_iterator``, as global arrays."""
-
-    def __init__(self, dataset: grain.IterDataset, sharding: NamedSharding) -> None:
-        self.local_iterator, self.sharding = iter(dataset), sharding
-
-    def __iter__(self) -> MultiHostDataLoadIterator:
-        return self
-
-    def __next__(self) -> dict[str, jax.Array]:
-        local = next(self.local_iterator)  # {field: [rows of this host, max_target_length]}
-        return {
-            k: jax.make_array_from_process_local_data(self.sharding, v) for k, v in local.items()
-        }
-
-
-def make_grain_train_iterator(config: dict[str, Any], mesh: Mesh) -> MultiHostDataLoadIterator:
-    """MaxText's grain train iterator, reading the flat-tokens store ``dataset_path``."""
-    sharding = NamedSharding(mesh, PartitionSpec("data"))
-    loader_config = ftj.LoaderConfig(
-        batch_size=config["per_device_batch_size"] * mesh.devices.size,
-        seq_len=config["max_target_length"],
-        packing=config["packing"],
-        seed=config["data_shuffle_seed"],
-        layout="maxtext",
-    )
-    train = ftj.open_dataset(config["dataset_path"])["train"]
-    return MultiHostDataLoadIterator(
-        ftj.Loader(train, loader_config, sharding).to_grain(), sharding
-    )
-
-
 def train(run: Run) -> None:
-    config = {**yaml.safe_load(CONFIG.read_text()), "dataset_path": str(run.data)}
-    config["data_shuffle_seed"] = run.seed
+    config = SimpleNamespace(**yaml.safe_load(CONFIG.read_text()))  # MaxText's pyconfig
+    config.grain_train_files, config.data_shuffle_seed = str(run.data), run.seed
     mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Auto,))
-    data_iterator = make_grain_train_iterator(config, mesh)
-    vocab = ftj.open_dataset(run.data)["train"].max_token_id + 1
-    state = jax.device_put(init_params(vocab), NamedSharding(mesh, PartitionSpec()))
+    data_iterator = maxtext.make_grain_train_iterator(config, mesh, [jax.process_index()])
+    state = jax.device_put(init_params(config.vocab_size), NamedSharding(mesh, PartitionSpec()))
     options = ocp.CheckpointManagerOptions(save_interval_steps=run.every)
     with ocp.CheckpointManager(run.ckpt.absolute(), options=options) as manager:
         start = manager.latest_step() or 0

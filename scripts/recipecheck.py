@@ -14,10 +14,10 @@ step. :func:`main` runs the script again as fresh processes in ``DIR``:
 
 It prints ``resume: identical`` when the resumed steps' losses and batches
 equal the full run's bit for bit, and ``other seed: refused`` when the run of
-seed 1 stopped on ``StateMismatch`` naming the seed; exit 0 when both hold,
-else 1 (``--stale-iterator`` resumes wrongly, to see the check fail). Each
-process writes ``DIR/NAME.jsonl``: a line a step, with its loss and the sha256
-of its arrays (by sorted key).
+seed 1 stopped on ``StateMismatch`` naming the seed, the last error it raised
+(not the cause of another); exit 0 when both hold, else 1 (``--stale-iterator``
+resumes wrongly, to see the check fail). Each process writes ``DIR/NAME.jsonl``:
+a line a step, with its loss and the sha256 of its arrays (by sorted key).
 """
 
 from __future__ import annotations
@@ -166,7 +166,8 @@ def check(args: argparse.Namespace) -> bool:
     shutil.copytree(args.dir / "killed", args.dir / "other-seed")
     err = child("other-seed", "other-seed", 1, seed=1) or ""
     tail = err[err.rfind("StateMismatch: ") :]  # the error and the fields that differ
-    why = " ".join(tail.split()) if "StateMismatch" in tail else "no StateMismatch"
+    last = "StateMismatch" in tail and "Traceback" not in tail  # no error raised after it
+    why = " ".join(tail.split()) if last else "no StateMismatch as the last error"
     refused = "fingerprint.config.seed" in why and not read_log(args.dir / "other-seed.jsonl")
     print(f"other seed: {'refused' if refused else 'NOT REFUSED'}: {why}")
     return same and refused

@@ -1,12 +1,14 @@
-"""A step-indexed trainer (seqax's shape) on ``loader.batch(step)``, and a resume check.
+"""A step-indexed trainer (seqax's shape) on ``flat_tokens_jax.trainers.seqax``; a resume check.
 
-The batch is a pure function of the step, so a resume needs only the saved step.
-An embedding and a linear read-out, trained by plain SGD (``jax.grad``), see
-batches sharded over a ``"data"`` mesh of every device. A first run trains
-``--steps`` steps and saves ``{step, params, loader.state(step)}`` with numpy at
-step ``--save-at``; a second run, with a new loader, restores it and trains the rest.
-Prints ``resume: identical`` (exit 0) when its losses and batches equal the
-first run's bit for bit, else ``resume: DIFFERENT`` (exit 1)::
+seqax's ``get_loader(split, config, token_batch_params)`` (its
+``FlatTokensParams`` and ``TokenBatchParams``, here as seqax defines them)
+gives ``loader.load(step)``, a pure function of the step, so a resume needs only
+the saved step. An embedding and a linear read-out, trained by plain SGD
+(``jax.grad``), see batches sharded over a ``"d"`` mesh of every device. A first
+run trains ``--steps`` steps and saves ``{step, params, loader.state(step)}``
+with numpy at step ``--save-at``; a second run, with a new loader, restores it
+and trains the rest. Prints ``resume: identical`` (exit 0) when its losses and
+batches equal the first run's bit for bit, else ``resume: DIFFERENT`` (exit 1)::
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/train_steps.py /tmp/ts
 """
@@ -14,6 +16,7 @@ first run's bit for bit, else ``resume: DIFFERENT`` (exit 1)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import sys
@@ -22,9 +25,31 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import flat_tokens_jax as ftj
+from flat_tokens_jax.trainers import seqax
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatTokensParams:
+    """seqax's (``input_loader.py``): the store, its shuffle, and packing."""
+
+    filespec: str
+    streams: int  # not used: each host reads its own rows
+    read_blocks_per_shuffle_buffer: int  # blocks shuffled together
+    sequences_per_read_block: int  # records read as one request
+    seed: int
+    sequence_packing: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenBatchParams:
+    """seqax's: the shape of a batch."""
+
+    len: int
+    batch: int
 
 
 def loss_fn(params: dict[str, jax.Array], batch: dict[str, jax.Array]) -> jax.Array:
@@ -37,11 +62,11 @@ def loss_fn(params: dict[str, jax.Array], batch: dict[str, jax.Array]) -> jax.Ar
 
 def train(args: argparse.Namespace, start: int) -> list[tuple[float, str]]:
     """(loss, batch digest) of steps ``[start, args.steps)``, restored if ``start > 0``."""
-    mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Auto,))
-    split = ftj.open_dataset(args.data)["train"]
-    cfg = ftj.LoaderConfig(batch_size=args.batch_size, seq_len=args.seq_len, seed=0)
-    loader = ftj.Loader(split, cfg, sharding=NamedSharding(mesh, PartitionSpec("data")))
-    w = np.random.default_rng(0).normal(0, 0.1, (2, split.max_token_id + 1, 16)).astype("f4")
+    mesh = jax.make_mesh((jax.device_count(),), ("d",), axis_types=(AxisType.Auto,))
+    params = FlatTokensParams(str(args.data), 1, 4, 8, seed=0, sequence_packing=True)
+    batch_params = TokenBatchParams(len=args.seq_len, batch=args.batch_size)
+    loader = seqax.get_loader("train", params, batch_params, NamedSharding(mesh, P("d")))
+    w = np.random.default_rng(0).normal(0, 0.1, (2, loader.max_token_id + 1, 16)).astype("f4")
     params = {"embed": w[0], "out": w[1].T}
     if start:
         saved = np.load(args.dir / "checkpoint.npz")
@@ -49,7 +74,7 @@ def train(args: argparse.Namespace, start: int) -> list[tuple[float, str]]:
         if at != start or int(saved["step"]) != start:
             sys.exit(f"checkpoint at step {int(saved['step'])}, loader at {at}, not {start}")
         params = {name: saved[name] for name in params}
-    params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))  # replicated
+    params = jax.device_put(params, NamedSharding(mesh, P()))  # replicated
 
     @jax.jit
     def sgd_step(params: dict, batch: dict) -> tuple[dict, jax.Array]:
@@ -58,7 +83,7 @@ def train(args: argparse.Namespace, start: int) -> list[tuple[float, str]]:
 
     out = []
     for step in range(start, args.steps):
-        batch = loader.batch(step)  # [batch_size, seq_len] arrays sharded over "data"
+        batch = loader.load(step)  # [batch_size, seq_len] arrays sharded over "d"
         params, loss = sgd_step(params, batch)
         digest = hashlib.sha256(b"".join(np.asarray(batch[k]).tobytes() for k in sorted(batch)))
         out.append((float(loss), digest.hexdigest()))

@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import re
-import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 import yaml
 
 import flat_tokens_jax as ftj
+from flat_tokens_jax.trainers.nanodo import get_in_out
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
@@ -26,19 +26,23 @@ STEPS, EVERY, KILL_AT = 8, 2, 5
 
 
 def maxtext_config() -> ftj.LoaderConfig:
-    """What configs/recipe_maxtext.yaml means to MaxText, written out by hand."""
+    """What configs/recipe_maxtext.yaml means to MaxText, written out by hand
+    (``grain_packing_type: first_fit`` packs whole sequences: bins)."""
     c = yaml.safe_load((ROOT / "configs" / "recipe_maxtext.yaml").read_text())
+    assert c["packing"] is True and c["grain_packing_type"] == "first_fit"
     return ftj.LoaderConfig(
-        batch_size=c["per_device_batch_size"] * 8,
+        batch_size=c["global_batch_size_to_load"],
         seq_len=c["max_target_length"],
-        packing=c["packing"],
+        packing="bins",
         seed=c["data_shuffle_seed"],
+        num_epochs=c["num_epoch"],
+        vocab_size=c["vocab_size"],
         layout="maxtext",
     )
 
 
 def nanodo_config() -> ftj.LoaderConfig:
-    """recipe_nanodo.py's Config(), written out by hand."""
+    """recipe_nanodo.py's Config() through nanodo's ``py_batched_tfds``, written out by hand."""
     return ftj.LoaderConfig(batch_size=16, seq_len=32, seed=0, layout="tokens")
 
 
@@ -130,11 +134,10 @@ def test_the_guides_excerpt_is_the_scripts(name: str) -> None:
 
 
 def test_nanodos_get_in_out_is_the_loaders_inputs_targets_and_mask(tmp_path: Path) -> None:
-    """recipe_nanodo.py's ``get_in_out`` of a ``"tokens"`` batch: targets and
+    """The nanodo adapter's ``get_in_out`` of a ``"tokens"`` batch: targets and
     weights are the ``"fields"`` layout's targets and loss mask, inputs the
     targets shifted by one after the first column's input; targets of id 0 (a
     real token in its data) are weighted, which ``targets != pad_id`` would drop."""
-    get_in_out = runpy.run_path(str(ROOT / "scripts" / "recipe_nanodo.py"))["get_in_out"]
     r = np.random.default_rng(0)
     ftj.write_dataset(
         tmp_path, {"train": [(r.integers(64) + np.arange(n)) % 64 for n in r.integers(8, 99, 400)]}

@@ -206,6 +206,35 @@ def test_an_orbax_checkpoint_manager_saves_and_restores_it(tmp_path: Path) -> No
     assert_steps([next(resumed) for _ in range(3)], loader, 5)
 
 
+def test_an_orbax_v1_restore_of_another_seed_raises_state_mismatch_itself(tmp_path: Path) -> None:
+    """orbax v1 (``load_checkpointables``, grain's ``StatefulCheckpointable``
+    hooks) continues a saved iterator exactly; another seed's restore raises
+    ``StateMismatch`` out of the call, not orbax's ``NoEntryError`` around it."""
+    v1 = pytest.importorskip("orbax.checkpoint.experimental.v1")
+    loader = ftj.Loader(split("a"), config())
+    it = iter(loader.to_grain())
+    for _ in range(3):
+        next(it)
+    v1.save_checkpointables(tmp_path / "ckpt", {"iter": it})
+    resumed = iter(ftj.Loader(split("a"), config()).to_grain())
+    v1.load_checkpointables(tmp_path / "ckpt", {"iter": resumed})
+    assert_steps([next(resumed) for _ in range(2)], loader, 3)
+    other = iter(ftj.Loader(split("a"), config(seed=2)).to_grain())
+    with pytest.raises(Exception) as raised:
+        v1.load_checkpointables(tmp_path / "ckpt", {"iter": other})
+    assert type(raised.value) is ftj.StateMismatch, repr(raised.value)
+    assert "fingerprint.config.seed: saved 1, now 2" in str(raised.value)
+
+
+def test_it_has_no_parent_and_says_so_without_an_assertion() -> None:
+    """``hasattr(it, "_parent")`` (code that walks a pipeline asks it) is
+    False: grain's ``_parent`` asserts exactly one parent, and this iterator has none."""
+    it = iter(ftj.Loader(split("a"), config()).to_grain())
+    next(it)
+    assert not hasattr(it, "_parent")
+    it.close()
+
+
 def on_disk(path: Path, count: int = 40, seed: int = 3) -> ftj.FlatTokens:
     """A split as ``split`` makes it, in a store on disk, which worker processes reopen."""
     rng = np.random.default_rng(seed)

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
@@ -117,6 +118,18 @@ class StepsIterator(grain.DatasetIterator):
         if step != self._step:
             self._stop_reading()
         self._step = step
+
+    async def load(self, directory: Any) -> Any:
+        """grain's orbax v1 hook: reads and sets the saved state before it returns,
+        so a ``StateMismatch`` reaches the caller as it is (orbax wraps an error of
+        the returned awaitable in its own ``NoEntryError``)."""
+        await (await super().load(directory))
+        return asyncio.sleep(0)
+
+    @property
+    def _parent(self) -> grain.DatasetIterator:
+        # grain's asserts one parent; code that walks a pipeline asks hasattr(it, "_parent").
+        raise AttributeError("a loader's steps iterator has no parent iterator")
 
     def _stop_reading(self, wait: bool = True) -> None:
         if self._reading:

@@ -123,15 +123,17 @@ def test_maxtexts_train_iterator_is_the_loader_of_its_keys(
 def test_maxtexts_mixture_syntax_and_json_are_a_mixture(tmp_path: Path) -> None:
     """``"path,weight;path,weight"`` is a Mixture named by path, the JSON of
     ``grain_train_mixture_config_path`` one named as it names them; each
-    without num_epochs (said in the log line); a malformed part is refused."""
+    for num_epoch epochs (ended by the first component to finish them); a
+    malformed part is refused."""
     a, b = store(tmp_path, "a", 0), store(tmp_path, "b", 1)
     splits = {a: ftj.open_dataset(a)["train"], b: ftj.open_dataset(b)["train"]}
     mix = ftj.Mixture({a: (splits[a], 0.7), b: (splits[b], 0.3)})
-    want = ftj.Loader(mix, by_hand(num_epochs=None))
+    want = ftj.Loader(mix, by_hand(num_epochs=1))
     it = maxtext.make_grain_train_iterator(
         maxtext_config(grain_train_files=f"{a},0.7;{b},0.3"), mesh(), [0]
     )
     assert it.loader.source_names == (a, b)
+    assert it.loader.num_batches == want.num_batches is not None
     assert_batches(next(it), want.host_batch(0))
     named = tmp_path / "mixture.json"
     named.write_text(
@@ -140,7 +142,7 @@ def test_maxtexts_mixture_syntax_and_json_are_a_mixture(tmp_path: Path) -> None:
     config = maxtext_config(grain_train_mixture_config_path=str(named))
     it = maxtext.make_grain_train_iterator(config, mesh(), [0])
     named_mix = ftj.Mixture({"web": (splits[a], 7), "code": (splits[b], 3)})
-    assert_batches(next(it), ftj.Loader(named_mix, by_hand(num_epochs=None)).host_batch(0))
+    assert_batches(next(it), ftj.Loader(named_mix, by_hand(num_epochs=1)).host_batch(0))
     with pytest.raises(
         ValueError, match=r"grain_train_files must be 'path,weight;path,weight', got part 1 "
     ):

@@ -127,9 +127,6 @@ def _iterator(
 ) -> MultiHostDataLoadIterator:
     keys = [u + suffix if hasattr(config, u + suffix) else u for u in _UNUSED]
     unused = [f"{k}={getattr(config, k)!r}" for k in keys if hasattr(config, k)]
-    if isinstance(source, Mixture) and epochs is not None:
-        unused.append(f"num_epoch={epochs!r} (a Mixture's components run their own epochs)")
-        epochs = None
     if unused:
         log.info("MaxText settings flat_tokens_jax does not use: %s", ", ".join(unused))
     packing = choice(

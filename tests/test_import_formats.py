@@ -23,6 +23,7 @@ from datatrove.pipeline.tokens.tokenizer import TokenizedFile
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from servers import gcs_through
+from textdata import files
 
 import flat_tokens_jax as ftj
 from flat_tokens_jax.cli import main as cli
@@ -369,3 +370,43 @@ def test_cli_imports_each_format_as_json(
     assert "already holds a flat-tokens dataset" in capsys.readouterr().err
     assert cli(["import-levanter", str(tmp_path / "lev"), str(tmp_path / "d")]) == 0
     assert "imported 1 Levanter cache into" in capsys.readouterr().out
+
+
+SMALL = ftj.StorageFormat(shard_tokens=64, chunk_tokens=16)
+TWO_PROCESSES = [
+    "--runner=FnApiRunner",
+    "--direct_running_mode=multi_processing",
+    "--direct_num_workers=2",
+]
+
+
+def test_beam_writes_the_local_imports_bytes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each file a part, the parts assembled: the local import's bytes, loss masks,
+    info and all (part boundaries fall inside output shards)."""
+    rng = np.random.default_rng(9)
+    shards = [documents(rng, n, 3000, loss=True) for n in (9, 0, 4, 13)]
+    shards[2].append(([], []))
+    write_datatrove(tmp_path / "dt", shards, loss=True)
+    local = import_datatrove(tmp_path / "dt", tmp_path / "local", storage_format=SMALL)
+    beam = import_datatrove(
+        tmp_path / "dt",
+        tmp_path / "beam",
+        storage_format=SMALL,
+        runner="beam",
+        pipeline_args=TWO_PROCESSES,
+    )
+    assert files(tmp_path / "beam") == files(tmp_path / "local")
+    for key in ("sequences_written", "tokens", "skipped_empty", "inputs"):
+        assert beam[key] == local[key], key
+    assert beam["skipped_empty"] > 0 and beam["runner"] == "FnApiRunner"
+    for k in range(3):
+        write_dolma(tmp_path / f"part-{k}", documents(rng, 6, 60000), "uint16")
+    argv = ["import-dolma", str(tmp_path / "part-*.npy"), "--dtype", "uint16"]
+    assert cli([*argv, str(tmp_path / "d_local")]) == 0
+    assert cli([*argv, str(tmp_path / "d_beam"), "--runner", "beam", "--", *TWO_PROCESSES]) == 0
+    assert "imported 3 dolma file(s) into" in capsys.readouterr().out
+    assert files(tmp_path / "d_beam") == files(tmp_path / "d_local")
+    assert cli([*argv, str(tmp_path / "d2"), "--", "--direct_num_workers=2"]) == 1
+    assert "are Beam's: add runner beam" in capsys.readouterr().err

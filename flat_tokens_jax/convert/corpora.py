@@ -10,6 +10,7 @@ import argparse
 import csv
 import functools
 import gzip
+import importlib
 import io
 import os
 from collections.abc import Callable, Sequence
@@ -29,7 +30,7 @@ from flat_tokens_jax.convert.importer import (
     expand,
     import_files,
 )
-from flat_tokens_jax.convert.inputs import InputError
+from flat_tokens_jax.convert.inputs import InputError, require
 from flat_tokens_jax.convert.tokenizer import identity, load_tokenizer
 from flat_tokens_jax.data.writer import StorageFormat
 from flat_tokens_jax.store.identity import DatasetInfo
@@ -39,12 +40,6 @@ from flat_tokens_jax.store.store import Store
 UNKNOWN_TOKENIZER = "Unknown Tokenizer"  # what datatrove's metadata names when it had none
 WHAT = {"datatrove": "datatrove file(s)", "dolma": "dolma file(s)", "levanter": "Levanter cache"}
 LEDGER = "shard_ledger.json"  # a Levanter cache's CacheLedger
-
-
-def _tokens(blob: Blob, dtype: np.dtype[Any], lo: int, hi: int) -> np.ndarray:
-    """Tokens ``[lo, hi)`` of a file of ``dtype`` tokens back to back, checked."""
-    raw = blob.read(lo * dtype.itemsize, hi * dtype.itemsize)
-    return checked_ids(np.frombuffer(raw, dtype), blob.url, lo)
 
 
 def _ends(ends: np.ndarray, where: str, what: str, first: int = 0, start: int = 0) -> np.ndarray:
@@ -79,7 +74,11 @@ class _Ends:
     def read(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray | None]:
         a, b = self._bounds(lo, hi)
         mask = None if self.loss is None else np.frombuffer(self.loss.read(a, b), np.uint8)
-        return _tokens(self.blob, self.dtype, a, b), mask
+        raw = self.blob.read(a * self.dtype.itemsize, b * self.dtype.itemsize)
+        return checked_ids(np.frombuffer(raw, self.dtype), self.blob.url, a), mask
+
+    def stats(self) -> dict[str, Any]:
+        return {"file": self.blob.url, "documents": self.num_documents, "dtype": self.dtype.name}
 
 
 class DatatroveFile(_Ends):
@@ -116,15 +115,6 @@ class DatatroveFile(_Ends):
         if self.loss is not None:
             self.loss.check_size(end, f"{why} (one loss byte a token)")
 
-    def stats(self) -> dict[str, Any]:
-        return {
-            "file": self.blob.url,
-            "documents": self.num_documents,
-            "tokenizer": self.tokenizer,
-            "dtype": self.dtype.name,
-            "loss_mask": self.loss is not None,
-        }
-
 
 def _metadata(url: str, meta: bytes | None) -> tuple[str | None, np.dtype[Any], int | None]:
     """``(tokenizer, dtype, token count)`` of a datatrove ``.ds.metadata`` file."""
@@ -158,27 +148,21 @@ class DolmaFile(_Ends):
     def __init__(self, url: str, options: StoreOptions, dtype: np.dtype[Any]) -> None:
         self.blob, self.dtype = Blob(url, options), dtype
         table = _csv_name(url)
-        starts, ends = [], []
+        rows: list[tuple[int, int]] = []
         with io.TextIOWrapper(gzip.GzipFile(fileobj=Blob(table, options).stream())) as f:
             try:
-                for row in csv.reader(f):
-                    start, end = int(row[0]), int(row[1])
-                    starts.append(start)
-                    ends.append(end)
+                rows.extend((int(row[0]), int(row[1])) for row in csv.reader(f))
             except (ValueError, IndexError, OSError, EOFError) as e:
-                why = f"row {len(starts) + 1} is not start,end,id,src,loc ({e})"
+                why = f"row {len(rows) + 1} is not start,end,id,src,loc ({e})"
                 raise InputError(f"{table}: {why}") from e
-        self.ends = _ends(np.array(ends, np.int64), table, "row")
-        gaps = np.flatnonzero(np.array(starts, np.int64) != np.concatenate([[0], self.ends[:-1]]))
+        starts, ends = np.array(rows, np.int64).reshape(-1, 2).T
+        self.ends = _ends(ends, table, "row")
+        gaps = np.flatnonzero(starts != np.concatenate([[0], ends[:-1]]))
         if gaps.size:
-            at = int(gaps[0])
-            was = int(self.ends[at - 1]) if at else 0
+            at, was = int(gaps[0]), int(ends[gaps[0] - 1]) if gaps[0] else 0
             raise InputError(f"{table}: row {at + 1} starts at {starts[at]}, not at {was}")
         end = int(self.ends[-1]) if self.ends.size else 0
         self.blob.check_size(end * dtype.itemsize, f"{table} ends at token {end:,} ({dtype.name})")
-
-    def stats(self) -> dict[str, Any]:
-        return {"file": self.blob.url, "documents": self.num_documents, "dtype": self.dtype.name}
 
 
 def _csv_name(url: str) -> str:
@@ -250,32 +234,36 @@ class LevanterCache:
         }
 
 
-def _one_tokenizer(names: dict[str, str | None]) -> str | None:
-    """The tokenizer the inputs name (by file), refused where two differ."""
-    named = {name: file for file, name in names.items() if name is not None}
-    if len(named) > 1:
-        (x, a), (y, b) = list(named.items())[:2]
-        raise InputError(f"{a} was made by tokenizer {x!r} but {b} by {y!r}: import them apart")
-    return next(iter(named), None)
-
-
 def _import(
     converter: str,
     files: Sequence[Callable[[], TokenFile]],
+    hashed: Sequence[Sequence[str]],
     output: str | os.PathLike[str],
     found: dict[str, Any],
     tokenizer: str | os.PathLike[str] | None,
+    runner: str = "local",
+    pipeline_args: Sequence[str] = (),
     **inputs: Any,
 ) -> dict[str, Any]:
     """Records ``tokenizer`` (if given) and the flags ``found`` in the inputs, and
-    runs the import (``inputs``: the rest of what :func:`import_files` takes)."""
+    runs the import (``hashed``: each file's files to hash; ``inputs``: the rest of
+    what :func:`import_files` takes) here or, with ``runner="beam"``, on Beam."""
     tok = None if tokenizer is None else identity(load_tokenizer(tokenizer))
     info = DatasetInfo(tokenizer=tok, flags={"converter": converter, **found})
-    return import_files(files, output, info=lambda _: info, **inputs)
-
-
-def _paths(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Any]:
-    return [paths] if isinstance(paths, str | os.PathLike) else list(paths)
+    if runner not in ("local", "beam"):
+        raise ValueError(f"runner must be 'local' or 'beam', got {runner!r}")
+    if runner == "local":
+        if pipeline_args:
+            raise ValueError(f"pipeline_args {list(pipeline_args)} are Beam's: add runner beam")
+        every = [f for own in hashed for f in own]
+        return import_files(files, output, hashed=every, info=lambda _: info, **inputs)
+    require("apache_beam", "beam")
+    # Imported only now: it imports apache_beam, an optional dependency.
+    beam = importlib.import_module("flat_tokens_jax.convert.beam")
+    summary: dict[str, Any] = beam.import_beam(
+        files, hashed, output, info=info, pipeline_args=pipeline_args, **inputs
+    )
+    return summary
 
 
 def import_datatrove(
@@ -288,6 +276,8 @@ def import_datatrove(
     overwrite: bool = False,
     options: StoreOptions | None = None,
     chunk_tokens: int = CHUNK_TOKENS,
+    runner: str = "local",
+    pipeline_args: Sequence[str] = (),
     **option_fields: Any,
 ) -> dict[str, Any]:
     """Writes datatrove tokenized files (:class:`DatatroveFile`), concatenated in
@@ -298,6 +288,9 @@ def import_datatrove(
             or ``gs://``/``s3://``/``file://`` URLs read with ``options``.
         output, split, tokenizer, storage_format, overwrite, options,
             chunk_tokens, **option_fields: as for :func:`import_megatron`.
+        runner: ``"local"``, or ``"beam"``: an Apache Beam pipeline (the ``beam``
+            extra) of ``pipeline_args``, as ``convert --runner beam`` runs, each
+            file a part made in parallel; the output is byte for byte the local one.
 
     The ``.ds.loss`` files, when every input has one, become the split's loss
     mask. The output's info records the tokenizer the metadata names (flag
@@ -314,7 +307,7 @@ def import_datatrove(
             inputs only; nothing valid is left at ``output``.
     """
     options = resolve_options(options, option_fields, "import_datatrove")
-    urls = expand(_paths(paths), ".ds", options)
+    urls = expand(paths, ".ds", options)
     metas = {u: Blob(u + ".metadata", options) for u in urls}
     meta = {u: m.read() if m.exists() else None for u, m in metas.items()}
     loss = {u: Blob(u + ".loss", options).exists() for u in urls}
@@ -325,16 +318,18 @@ def import_datatrove(
     if len(names) > 1:
         (x, a), (y, b) = list(names.items())[:2]
         raise InputError(f"{a} was made by tokenizer {x!r} but {b} by {y!r}: import them apart")
-    hashed = []
-    for u in urls:
-        hashed += [u, u + ".index", *[u + ".loss"][: loss[u]], *[u + ".metadata"][: bool(meta[u])]]
+    extras = {
+        u: [".index", *[".loss"][: loss[u]], *[".metadata"][: meta[u] is not None]] for u in urls
+    }
     return _import(
         "import-datatrove",
         [functools.partial(DatatroveFile, u, options, loss=loss[u], meta=meta[u]) for u in urls],
+        [[u, *(u + e for e in extras[u])] for u in urls],
         output,
         {"tokenizer": next(iter(names), None), "loss_mask": loss[urls[0]]},
         tokenizer,
-        hashed=hashed,
+        runner,
+        pipeline_args,
         names=urls,
         split=split,
         storage_format=storage_format,
@@ -355,6 +350,8 @@ def import_dolma(
     overwrite: bool = False,
     options: StoreOptions | None = None,
     chunk_tokens: int = CHUNK_TOKENS,
+    runner: str = "local",
+    pipeline_args: Sequence[str] = (),
     **option_fields: Any,
 ) -> dict[str, Any]:
     """Writes dolma/OLMo token memmaps (:class:`DolmaFile`), concatenated in
@@ -368,30 +365,25 @@ def import_dolma(
             ``--dtype``, OLMo's ``memmap_dtype``).
         output, split, tokenizer, storage_format, overwrite, options,
             chunk_tokens, **option_fields: as for :func:`import_megatron`.
+        runner, pipeline_args: as for :func:`import_datatrove`.
 
     The output's info records ``dtype`` and the inputs, each hashed as its
-    ``.npy`` and ``.csv.gz``.
-
-    Returns:
-        A JSON-ready summary: per file its documents, tokens and skipped empty
-        documents; in all, the sequences and tokens written.
-
-    Raises:
-        ValueError: another ``dtype``.
-        InputError: metadata rows that do not tile their file (named with both
-            values); nothing valid is left at ``output``.
+    ``.npy`` and ``.csv.gz``. Returns and raises as :func:`import_datatrove`
+    (InputError for rows that do not tile their file), ValueError for another ``dtype``.
     """
     if dtype not in ("uint16", "uint32"):
         raise ValueError(f"dtype must be 'uint16' or 'uint32' (dolma's --dtype), got {dtype!r}")
     options = resolve_options(options, option_fields, "import_dolma")
-    urls = expand(_paths(paths), ".npy", options)
+    urls = expand(paths, ".npy", options)
     return _import(
         "import-dolma",
         [functools.partial(DolmaFile, u, options, np.dtype(dtype).newbyteorder("<")) for u in urls],
+        [[u, _csv_name(u)] for u in urls],
         output,
         {"dtype": dtype},
         tokenizer,
-        hashed=[f for u in urls for f in (u, _csv_name(u))],
+        runner,
+        pipeline_args,
         names=urls,
         split=split,
         storage_format=storage_format,
@@ -424,15 +416,9 @@ def import_levanter(
 
     The output's info records the tokenizer and vocabulary size the ledger
     names (flags ``tokenizer``, ``vocab_size``) and the cache, hashed as every
-    file under ``input_ids/`` and its ledger, by name.
-
-    Returns:
-        A JSON-ready summary: the cache's rows, tokens, tokenizer, dtype and
-        skipped empty rows; in all, the sequences and tokens written.
-
-    Raises:
-        InputError: an unfinished cache, or a ledger whose row count disagrees
-            with the offsets; nothing valid is left at ``output``.
+    file under ``input_ids/`` and its ledger, by name. Returns and raises as
+    :func:`import_datatrove` (InputError for an unfinished cache, a ledger whose
+    row count disagrees with the offsets, or offsets past the data).
     """
     options = resolve_options(options, option_fields, "import_levanter")
     url = os.fspath(cache).rstrip("/")
@@ -443,10 +429,10 @@ def import_levanter(
     return _import(
         "import-levanter",
         [lambda: levanter],
+        [[f"{url}/{k}" for k in keys if k.startswith("input_ids/") or k == LEDGER]],
         output,
         {"tokenizer": meta.get("tokenizer"), "vocab_size": meta.get("vocab_size")},
         tokenizer,
-        hashed=[f"{url}/{k}" for k in keys if k.startswith("input_ids/") or k == LEDGER],
         names=[url],
         key="caches",
         split=split,
@@ -473,8 +459,17 @@ def add_commands(subparsers: Any) -> None:
                 choices=("uint16", "uint32"),
                 help="the tokens' type, which the files do not record (dolma's --dtype)",
             )
+        if name != "levanter":  # a cache is one input: nothing to spread
+            p.add_argument(
+                "--runner",
+                choices=("local", "beam"),
+                default="local",
+                help="local: this process; beam: an Apache Beam pipeline, one part per file, "
+                "whose options follow '--' (e.g. -- --runner=DataflowRunner --project=P ...)",
+            )
+            p.set_defaults(takes_pipeline_args=True)
         add_import_flags(p)
-        p.set_defaults(run=functools.partial(_cmd_import, name))
+        p.set_defaults(run=functools.partial(_cmd_import, name), pipeline_args=[])
 
 
 def _cmd_import(name: str, args: argparse.Namespace) -> int:
@@ -483,7 +478,9 @@ def _cmd_import(name: str, args: argparse.Namespace) -> int:
         "dolma": import_dolma,
         "levanter": import_levanter,
     }
-    dtype = {"dtype": args.dtype} if name == "dolma" else {}
+    extra = {"dtype": args.dtype} if name == "dolma" else {}
+    if name != "levanter":
+        extra.update(runner=args.runner, pipeline_args=args.pipeline_args)
     return run_command(
         args,
         lambda: run[name](
@@ -493,7 +490,9 @@ def _cmd_import(name: str, args: argparse.Namespace) -> int:
             tokenizer=args.tokenizer,
             overwrite=args.overwrite,
             options=store_options(args),
-            **dtype,
+            **extra,
         ),
         describe(WHAT[name]),
+        errors=(ValueError, OSError, ImportError, RuntimeError),  # a Beam job's failure too
+        output=args.output,
     )

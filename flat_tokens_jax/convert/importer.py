@@ -128,13 +128,20 @@ class Blob:
         return io.BufferedReader(Raw(), _READ)
 
 
+def blob_opener(options: StoreOptions) -> Callable[[str], IO[bytes]]:
+    """The :data:`~flat_tokens_jax.convert.inputs.Opener` of :class:`Blob` streams."""
+    return lambda url: Blob(url, options).stream()
+
+
 def expand(
-    patterns: Sequence[str | os.PathLike[str]], suffix: str, options: StoreOptions
+    patterns: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    suffix: str,
+    options: StoreOptions,
 ) -> list[str]:
     """Files of ``patterns``, each a file, a folder (its ``*{suffix}`` files) or a
     glob (of one folder, for a URL); sorted within each pattern, in pattern order."""
     out: list[str] = []
-    for given in patterns:
+    for given in [patterns] if isinstance(patterns, str | os.PathLike) else patterns:
         pattern = os.fspath(given)
         if pattern.endswith("/") or ("://" not in pattern and os.path.isdir(pattern)):
             pattern = pattern.rstrip("/") + "/*" + suffix
@@ -169,9 +176,8 @@ def describe(what: str) -> Callable[[dict[str, Any]], str]:
     """The line an ``import-*`` command prints of its summary; ``what`` names the inputs."""
 
     def line(s: dict[str, Any]) -> str:
-        inputs = len(next(v for v in s.values() if isinstance(v, list)))
         return (
-            f"imported {inputs} {what} into {s['output']} [{s['split']}]: "
+            f"imported {s['inputs']} {what} into {s['output']} [{s['split']}]: "
             f"{s['sequences_written']:,} sequences, {s['tokens']:,} tokens, "
             f"{s['skipped_empty']:,} empty skipped, in {s['seconds']:.1f}s"
         )
@@ -232,7 +238,7 @@ def import_files(
             splits=[split],
             attributes=attributes or {},
         ) as writer,
-        hash_inputs(hashed, lambda url: Blob(url, options).stream()) as digests,
+        hash_inputs(hashed, blob_opener(options)) as digests,
     ):
         for open_file in files:
             file, tokens, skipped = open_file(), 0, 0
@@ -258,6 +264,7 @@ def import_files(
     return {
         "output": os.fspath(output),
         "split": split,
+        "inputs": len(stats),
         key: stats,
         "sequences_written": written,
         "tokens": done,

@@ -332,16 +332,30 @@ def test_datatrove_from_gcs_and_dolma_from_s3(gcs: str, s3: S3, tmp_path: Path) 
     assert stored(tmp_path / "from_s3") == nonempty(docs)
 
 
-def test_an_imported_corpus_loads_through_the_loader(tmp_path: Path) -> None:
-    docs = documents(np.random.default_rng(7), 60, 500, loss=True)
-    write_datatrove(tmp_path / "in", [docs])
-    import_datatrove(tmp_path / "in", tmp_path / "out")
+@pytest.mark.parametrize("kind", ["datatrove", "dolma", "levanter"])
+def test_an_imported_corpus_of_each_format_loads_through_the_loader(
+    tmp_path: Path, kind: str
+) -> None:
+    docs = documents(np.random.default_rng(7), 60, 500, loss=kind == "datatrove")
+    if kind == "datatrove":
+        write_datatrove(tmp_path / "in", [docs])
+        import_datatrove(tmp_path / "in", tmp_path / "out")
+    elif kind == "dolma":
+        write_dolma(tmp_path / "in", docs, "uint16")
+        import_dolma(tmp_path / "in.npy", tmp_path / "out", dtype="uint16")
+    else:
+        write_levanter(tmp_path / "in", docs)
+        import_levanter(tmp_path / "in", tmp_path / "out")
     ft = ftj.open_dataset(tmp_path / "out")["train"]
     loader = ftj.Loader(ft, LoaderConfig(batch_size=2, seq_len=8, shuffle=False))
     tokens = [t for ids, _ in nonempty(docs) for t in ids]
+    masks = [m for _, mask in nonempty(docs) for m in mask or []]
     for step in range(3):
-        rows = loader.host_batch(step)["targets"].tolist()
-        assert rows == [tokens[(2 * step + r) * 8 : (2 * step + r + 1) * 8] for r in range(2)]
+        batch = loader.host_batch(step)
+        rows = [(2 * step + r) * 8 for r in range(2)]
+        assert batch["targets"].tolist() == [tokens[r : r + 8] for r in rows]
+        if masks:  # the loss mask of each target token
+            assert batch["loss_mask"].astype(int).tolist() == [masks[r : r + 8] for r in rows]
 
 
 def test_cli_imports_each_format_as_json(

@@ -204,7 +204,7 @@ class LevanterCache:
                 f"holds {self.num_documents} rows"
             )
 
-    def _ends(self, lo: int, hi: int) -> np.ndarray:
+    def _offsets(self, lo: int, hi: int) -> np.ndarray:
         """``[hi - lo + 1] int64``: where document ``lo`` starts, then where each of
         ``[lo, hi)`` ends."""
         ends = np.asarray(self.wait(self.offsets[lo : hi + 1].read()), np.int64)
@@ -213,10 +213,10 @@ class LevanterCache:
         return np.concatenate([[start], _ends(ends[1:], where, "row", lo, start)])
 
     def lengths(self, lo: int, hi: int) -> np.ndarray:
-        return np.diff(self._ends(lo, hi))
+        return np.diff(self._offsets(lo, hi))
 
     def read(self, lo: int, hi: int) -> tuple[np.ndarray, None]:
-        ends = self._ends(lo, hi)
+        ends = self._offsets(lo, hi)
         try:
             data = self.wait(self.data[int(ends[0]) : int(ends[-1])].read())
         except StoreError as e:
@@ -298,8 +298,9 @@ def import_datatrove(
     ``.ds.loss`` and ``.ds.metadata`` (those there).
 
     Returns:
-        A JSON-ready summary: per file its documents, tokens, tokenizer, dtype
-        and skipped empty documents; in all, the sequences and tokens written.
+        A JSON-ready summary: the inputs, sequences and tokens written and the
+        empty documents skipped; locally, per file (``files``) its documents,
+        dtype, tokens and skipped empties; on Beam, the ``runner``.
 
     Raises:
         InputError: a file whose index, metadata and sizes disagree (named with
@@ -318,13 +319,11 @@ def import_datatrove(
     if len(names) > 1:
         (x, a), (y, b) = list(names.items())[:2]
         raise InputError(f"{a} was made by tokenizer {x!r} but {b} by {y!r}: import them apart")
-    extras = {
-        u: [".index", *[".loss"][: loss[u]], *[".metadata"][: meta[u] is not None]] for u in urls
-    }
+    kept = {".loss": loss, ".metadata": {u: meta[u] is not None for u in urls}}
     return _import(
         "import-datatrove",
         [functools.partial(DatatroveFile, u, options, loss=loss[u], meta=meta[u]) for u in urls],
-        [[u, *(u + e for e in extras[u])] for u in urls],
+        [[u, u + ".index", *(u + e for e, there in kept.items() if there[u])] for u in urls],
         output,
         {"tokenizer": next(iter(names), None), "loss_mask": loss[urls[0]]},
         tokenizer,

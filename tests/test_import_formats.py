@@ -295,6 +295,10 @@ def test_levanter_refusals(tmp_path: Path) -> None:
     write_levanter(tmp_path / "b", docs, ledger={"total_num_rows": 5, "is_finished": True})
     with pytest.raises(InputError, match=r"total_num_rows is 5 but .*b/input_ids/offsets holds 4"):
         import_levanter(tmp_path / "b", tmp_path / "out")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "cache_ledger.json").write_text('{"chunks": []}')
+    with pytest.raises(InputError, match=r"old/cache_ledger.json: a cache older than levanter#716"):
+        import_levanter(tmp_path / "old", tmp_path / "out")
     write_levanter(tmp_path / "c", docs)
     where = {"driver": "file", "path": str(tmp_path / "c/input_ids/offsets")}
     offsets = ts.open({"driver": "zarr3", "kvstore": where}).result()

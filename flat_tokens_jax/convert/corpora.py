@@ -178,7 +178,8 @@ class LevanterCache:
     and ``input_ids/data`` (the tokens back to back), each of a huge nominal
     length. Its ``shard_ledger.json`` (``CacheLedger``), when there, must say
     ``is_finished`` and ``total_num_rows`` ``n``; its
-    ``metadata.preprocessor_metadata`` names the tokenizer.
+    ``metadata.preprocessor_metadata`` names the tokenizer. The layout since
+    levanter#716 (September 2024): older caches (``cache_ledger.json``) are refused.
     """
 
     def __init__(self, url: str, options: StoreOptions) -> None:
@@ -188,6 +189,8 @@ class LevanterCache:
         where = f"{self.url}/{LEDGER}"
         if ledger is not None and not ledger.get("is_finished"):
             raise InputError(f"{where}: the cache is not finished (is_finished is not true)")
+        if ledger is None and store.read_json("cache_ledger.json") is not None:
+            raise InputError(f"{self.url}/cache_ledger.json: a cache older than levanter#716")
 
         def array(name: str) -> Any:
             # A read past the data written fails, not reads zeros.

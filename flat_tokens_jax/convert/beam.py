@@ -192,7 +192,7 @@ class _Import(beam.DoFn):
                 [open_file],
                 url,
                 hashed=[],
-                info=lambda _: DatasetInfo(),
+                info=DatasetInfo(),
                 names=[],
                 split=self.split,
                 storage_format=PART_STORAGE_FORMAT,

@@ -259,7 +259,7 @@ def _import(
         if pipeline_args:
             raise ValueError(f"pipeline_args {list(pipeline_args)} are Beam's: add runner beam")
         every = [f for own in hashed for f in own]
-        return import_files(files, output, hashed=every, info=lambda _: info, **inputs)
+        return import_files(files, output, hashed=every, info=info, **inputs)
     require("apache_beam", "beam")
     # Imported only now: it imports apache_beam, an optional dependency.
     beam = importlib.import_module("flat_tokens_jax.convert.beam")

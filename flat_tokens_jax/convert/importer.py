@@ -9,6 +9,7 @@ object store, through the store's kvstore.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fnmatch
 import io
 import itertools
@@ -201,7 +202,7 @@ def import_files(
     output: str | os.PathLike[str],
     *,
     hashed: Sequence[str],
-    info: Callable[[list[dict[str, Any]]], DatasetInfo],
+    info: DatasetInfo,
     names: Sequence[str],
     key: str = "files",
     split: str = "train",
@@ -218,8 +219,8 @@ def import_files(
 
     Empty documents cannot be stored: they are skipped and counted. ``hashed``:
     the input files whose SHA-256 digests the output records (hashed on a thread
-    as the import runs); ``info(stats)``, from the per-file summaries, what the
-    output records but its ``inputs`` (``names`` with those digests). Returns the
+    as the import runs); ``info``: what it records but its ``inputs`` (``names``
+    with those digests). Returns the
     summary: per file (under ``key``) its :meth:`TokenFile.stats`, tokens and
     skipped empties; in all, the sequences and tokens written.
     """
@@ -255,12 +256,7 @@ def import_files(
                     progress(done + tokens, total)
             done += tokens
             stats.append({**file.stats(), "tokens": tokens, "skipped_empty": skipped})
-        recorded = info(stats)
-        writer.info = DatasetInfo(
-            tokenizer=recorded.tokenizer,
-            flags=recorded.flags,
-            inputs=inputs_field(list(names), digests()),
-        )
+        writer.info = dataclasses.replace(info, inputs=inputs_field(list(names), digests()))
     return {
         "output": os.fspath(output),
         "split": split,

@@ -145,7 +145,7 @@ def import_megatron(
         [functools.partial(_MegatronFile, ix, per_sequence) for ix in indexes],
         output,
         hashed=[f"{os.fspath(p)}{ext}" for p in prefixes for ext in (".idx", ".bin")],
-        info=lambda _: DatasetInfo(tokenizer=tok, flags=flags),
+        info=DatasetInfo(tokenizer=tok, flags=flags),
         names=[os.fspath(p) for p in prefixes],
         key="prefixes",
         split=split,

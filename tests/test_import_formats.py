@@ -62,14 +62,14 @@ def nonempty(docs: list[Doc]) -> list[Doc]:
 
 def write_datatrove(
     folder: Path,
-    files: list[list[Doc]],
+    shards: list[list[Doc]],
     token_size: int = 2,
     tokenizer: str | None = "gpt2",
     loss: bool | None = None,
 ) -> None:
     """Each file's documents written by datatrove's own ``TokenizedFile``, with a
     loss file where ``loss`` (by default: where the documents have masks)."""
-    for k, docs in enumerate(files):
+    for k, docs in enumerate(shards):
         with_loss = any(mask is not None for _, mask in docs) if loss is None else loss
         out = TokenizedFile(
             str(folder),
@@ -158,7 +158,7 @@ def test_datatrove_gives_every_document_and_loss_mask_in_order(
 ) -> None:
     rng = np.random.default_rng(len(shape))
     top = 2**16 if token_size == 2 else 2**31
-    files = [
+    shards = [
         [
             (rng.integers(0, top, n).tolist(), rng.integers(0, 2, n).tolist() if loss else None)
             for n in lengths
@@ -166,17 +166,17 @@ def test_datatrove_gives_every_document_and_loss_mask_in_order(
         for lengths in shape
     ]
     with tempfile.TemporaryDirectory() as tmp:
-        write_datatrove(Path(tmp) / "in", files, token_size, loss=loss)
+        write_datatrove(Path(tmp) / "in", shards, token_size, loss=loss)
         out = Path(tmp) / "out"
         summary = import_datatrove(Path(tmp) / "in", out, chunk_tokens=chunk_tokens)
-        docs = [d for f in files for d in f]
+        docs = [d for f in shards for d in f]
         assert stored(out) == nonempty(docs)
         assert summary["skipped_empty"] == len(docs) - len(nonempty(docs))
-        assert [f["documents"] for f in summary["files"]] == [len(f) for f in files]
+        assert [f["documents"] for f in summary["files"]] == [len(f) for f in shards]
         info = ftj.open_dataset(out).info
         assert info is not None and info.flags["tokenizer"] == "gpt2"
         assert info.flags["loss_mask"] is loss
-        assert info.inputs["count"] == len(files)
+        assert info.inputs["count"] == len(shards)
 
 
 def test_datatrove_refusals_name_the_file_and_both_values(tmp_path: Path) -> None:
@@ -235,12 +235,12 @@ def test_dolma_gives_every_document_in_order(shape: list[list[int]], wide: bool)
     dtype = "uint32" if wide else "uint16"
     rng = np.random.default_rng(sum(map(len, shape)))
     top = 2**31 if wide else 2**16
-    files = [[(rng.integers(0, top, n).tolist(), None) for n in lengths] for lengths in shape]
+    shards = [[(rng.integers(0, top, n).tolist(), None) for n in lengths] for lengths in shape]
     with tempfile.TemporaryDirectory() as tmp:
-        for k, docs in enumerate(files):
+        for k, docs in enumerate(shards):
             write_dolma(Path(tmp) / f"part-{k:05d}-00000", docs, dtype)
         summary = import_dolma(tmp, Path(tmp) / "out", dtype=dtype, chunk_tokens=5)
-        docs = [d for f in files for d in f]
+        docs = [d for f in shards for d in f]
         assert stored(Path(tmp) / "out") == nonempty(docs)
         assert summary["sequences_written"] == len(nonempty(docs))
         info = ftj.open_dataset(Path(tmp) / "out").info
@@ -311,15 +311,15 @@ def test_levanter_refusals(tmp_path: Path) -> None:
 @pytest.mark.remote
 def test_datatrove_from_gcs_and_dolma_from_s3(gcs: str, s3: S3, tmp_path: Path) -> None:
     rng = np.random.default_rng(6)
-    files = [documents(rng, 7, 5000, loss=True) for _ in range(2)]
-    write_datatrove(tmp_path / "dt", files)
+    shards = [documents(rng, 7, 5000, loss=True) for _ in range(2)]
+    write_datatrove(tmp_path / "dt", shards)
     with gcs_through(gcs):
         bucket = Store("gs://bucket/dt/", ftj.StoreOptions())
         for path in sorted((tmp_path / "dt").iterdir()):
             bucket.wait(bucket.kv.write(path.name, path.read_bytes()))
         summary = import_datatrove("gs://bucket/dt/*.ds", tmp_path / "from_gcs")
         local = import_datatrove(tmp_path / "dt", tmp_path / "local")
-    assert stored(tmp_path / "from_gcs") == nonempty([d for f in files for d in f])
+    assert stored(tmp_path / "from_gcs") == nonempty([d for f in shards for d in f])
     assert [f["file"] for f in summary["files"]] == [
         f"gs://bucket/dt/{k:03d}_shuffled.ds" for k in range(2)
     ]
@@ -334,6 +334,16 @@ def test_datatrove_from_gcs_and_dolma_from_s3(gcs: str, s3: S3, tmp_path: Path) 
         bucket.wait(bucket.kv.write("part-0" + suffix, (tmp_path / f"part-0{suffix}").read_bytes()))
     import_dolma("s3://bucket/dolma/", tmp_path / "from_s3", dtype="uint16", options=s3.options)
     assert stored(tmp_path / "from_s3") == nonempty(docs)
+    beam = ["--runner=FnApiRunner"]  # its workers read s3 with the options given
+    import_dolma(
+        "s3://bucket/dolma/*.npy",
+        tmp_path / "beam",
+        dtype="uint16",
+        options=s3.options,
+        runner="beam",
+        pipeline_args=beam,
+    )
+    assert files(tmp_path / "beam") == files(tmp_path / "from_s3")
 
 
 @pytest.mark.parametrize("kind", ["datatrove", "dolma", "levanter"])

@@ -387,7 +387,7 @@ def test_cli_imports_each_format_as_json(
         assert cli([*argv, "--json"]) == 0
         summary = json.loads(capsys.readouterr().out)
         assert summary["sequences_written"] == len(nonempty(docs))
-        assert summary["split"] == argv[-1] if "--split" in argv else "train"
+        assert summary["split"] == ("test" if "--split" in argv else "train")
     assert stored(tmp_path / "c", "test") == nonempty(docs)
     assert (
         cli(

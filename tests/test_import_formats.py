@@ -217,9 +217,12 @@ def test_datatrove_refusals_name_the_file_and_both_values(tmp_path: Path) -> Non
     write_datatrove(tmp_path / "d", [docs[:2]], tokenizer="llama")
     both = [tmp_path / "c", tmp_path / "d"]
     refused(r"made by tokenizer 'gpt2' but .*d/000_shuffled.ds by 'llama'", both)
+    write_datatrove(tmp_path / "e", [[([1, 2], None), ([3, 2**31, 4], None)]], token_size=4)
+    big = tmp_path / "e" / "000_shuffled.ds"
+    refused(rf"{big}: token 3 is {2**31}, outside \[0, {2**31 - 1}\]", big)
 
 
-def test_datatrove_without_a_tokenizer_name_and_the_megatron_flags(tmp_path: Path) -> None:
+def test_datatrove_without_a_tokenizer_name_through_a_glob(tmp_path: Path) -> None:
     docs = documents(np.random.default_rng(2), 5, 300)
     write_datatrove(tmp_path / "in", [docs], tokenizer=None)  # "Unknown Tokenizer|2|2"
     assert "Unknown Tokenizer|2|2" in (tmp_path / "in" / "000_shuffled.ds.metadata").read_text()

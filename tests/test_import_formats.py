@@ -441,3 +441,6 @@ def test_beam_writes_the_local_imports_bytes(
     assert files(tmp_path / "d_beam") == files(tmp_path / "d_local")
     assert cli([*argv, str(tmp_path / "d2"), "--", "--direct_num_workers=2"]) == 1
     assert "are Beam's: add runner beam" in capsys.readouterr().err
+    inside = str(tmp_path / "part-0.npy" / "out")
+    assert cli([*argv, inside, "--runner", "beam", "--", *TWO_PROCESSES]) == 1
+    assert "lies inside the input" in capsys.readouterr().err

@@ -40,7 +40,7 @@ from flat_tokens_jax.convert.tokenizer import BatchTokenizer
 from flat_tokens_jax.data.dataset import open_dataset
 from flat_tokens_jax.data.writer import DatasetWriter, StorageFormat
 from flat_tokens_jax.store.identity import DatasetInfo, inputs_field
-from flat_tokens_jax.store.location import STAGING, Claim, claim_location
+from flat_tokens_jax.store.location import STAGING, Claim, claim_location, refuse_overlap
 from flat_tokens_jax.store.options import StoreOptions, context_spec, resolve_options
 from flat_tokens_jax.store.store import Store
 
@@ -469,6 +469,7 @@ def import_beam(
     out = os.fspath(output)
     beam_options, runner = _runner(out, pipeline_args)
     _reachable(runner, list(names), out)
+    refuse_overlap([f for own in hashed for f in own], [out])
     store = Store(out, options)
     job = _Job(out, storage_format or StorageFormat(), store.options, info, tuple(names))
     pipeline = beam.Pipeline(options=beam_options)

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from flat_tokens_jax.convert import chat, megatron, merge, text
+from flat_tokens_jax.convert import chat, corpora, megatron, merge, text
 from flat_tokens_jax.convert.commands import (
     add_store_flags,
     at_least,
@@ -451,6 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_commands(sub)
     merge.add_commands(sub)
     megatron.add_commands(sub)
+    corpora.add_commands(sub)
     return parser
 
 

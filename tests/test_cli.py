@@ -119,6 +119,9 @@ COMMANDS = {
     "merge": ["U", "U2"],
     "import-megatron": ["P", "U"],
     "export-megatron": ["U", "P"],
+    "import-datatrove": ["P", "U"],
+    "import-dolma": ["P", "U", "--dtype", "uint16"],
+    "import-levanter": ["C", "U"],
     "pack": ["U", "--seq-len", "8"],
 }
 

@@ -61,20 +61,21 @@ class SplitCounts(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class PartInfo:
     """One part: its input's position (parts join in this order), its dataset, its
-    counts, its input's skipped records and SHA-256 (if computed)."""
+    counts, its input's skipped records and the SHA-256 digests of its files (if
+    computed), in the order the output's info combines them."""
 
     index: int
     url: str
     splits: Mapping[str, SplitCounts]
     skipped_empty: int = 0
     skipped_bad: int = 0
-    sha256: str | None = None
+    digests: tuple[str, ...] | None = None
 
     @classmethod
     def read(
         cls, index: int, url: str, options: StoreOptions | None = None, **rest: Any
     ) -> PartInfo:
-        """The part written at ``url``, with ``rest`` of its fields (skipped counts, sha256)."""
+        """The part written at ``url``, with ``rest`` of its fields (skipped counts, digests)."""
         ds = open_dataset(url, options)
         splits = {
             name: SplitCounts(

@@ -12,8 +12,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
 import apache_beam as beam
@@ -34,16 +33,14 @@ from flat_tokens_jax.convert.assemble import (
     part_url,
     place_parts,
 )
-from flat_tokens_jax.convert.inputs import (
-    InputPath,
-    require,
-)
+from flat_tokens_jax.convert.importer import TokenFile, blob_opener, import_files
+from flat_tokens_jax.convert.inputs import InputPath, hash_inputs, require
 from flat_tokens_jax.convert.parts import Conversion, ConvertOptions, Totals, write_documents
 from flat_tokens_jax.convert.tokenizer import BatchTokenizer
 from flat_tokens_jax.data.dataset import open_dataset
 from flat_tokens_jax.data.writer import DatasetWriter, StorageFormat
 from flat_tokens_jax.store.identity import DatasetInfo, inputs_field
-from flat_tokens_jax.store.location import STAGING, Claim, claim_location
+from flat_tokens_jax.store.location import STAGING, Claim, claim_location, refuse_overlap
 from flat_tokens_jax.store.options import StoreOptions, context_spec, resolve_options
 from flat_tokens_jax.store.store import Store
 
@@ -69,17 +66,23 @@ _PART_CACHE_BYTES = 64 << 20
 
 @dataclasses.dataclass(frozen=True)
 class _Job:
-    """Everything a worker needs; pickled into the pipeline."""
+    """What every stage needs; pickled into the pipeline."""
 
     output: str
     storage_format: StorageFormat
     options: StoreOptions
+    info: DatasetInfo
+    input_names: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Conversion:
+    """What the tokenizing stage of a conversion needs besides the :class:`_Job`."""
+
     convert: ConvertOptions
     tokenize: BatchTokenizer  # its tokenizer (if any) is read from TOKENIZER_KEY
     text_tokenizer: bool
     opener: UrlOpener
-    info: DatasetInfo
-    input_names: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,32 +116,32 @@ class UrlOpener:
 class _Tokenize(beam.DoFn):
     """(index, input file, all to validation) -> the :class:`PartInfo` of its part."""
 
-    def __init__(self, job: _Job) -> None:
-        self.job = job
+    def __init__(self, job: _Job, conversion: _Conversion) -> None:
+        self.job, self.conversion = job, conversion
         self.tokenize: BatchTokenizer | None = None
         self.tokens = Metrics.counter(NAMESPACE, "tokens_tokenized")
 
     def setup(self) -> None:
         job = self.job
         tokenizer = None
-        if job.text_tokenizer:
+        if self.conversion.text_tokenizer:
             store = Store(job.output, job.options)
             got = store.wait(store.kv.read(TOKENIZER_KEY))
             if got.state != "value":
                 raise FileNotFoundError(f"{job.output}/{TOKENIZER_KEY}: the tokenizer is missing")
             tokenizers = require("tokenizers", "convert")
             tokenizer = tokenizers.Tokenizer.from_str(bytes(got.value).decode("utf-8"))
-        self.tokenize = dataclasses.replace(job.tokenize, tokenizer=tokenizer)
+        self.tokenize = dataclasses.replace(self.conversion.tokenize, tokenizer=tokenizer)
 
     def process(self, element: tuple[int, InputPath, bool]) -> Iterator[PartInfo]:
         index, path, all_validation = element
-        job = self.job
+        job, conversion = self.job, self.conversion
         if self.tokenize is None:
             raise RuntimeError("_Tokenize.process ran before setup")
         # A fresh name per attempt: a retried or duplicated attempt never meets
         # another's files; the info names the part that finished.
         url = part_url(job.output, index, uuid.uuid4().hex[:12])
-        fraction = 0.0 if all_validation else job.convert.validation_fraction
+        fraction = 0.0 if all_validation else conversion.convert.validation_fraction
         totals = Totals()
         started = time.perf_counter()
         with DatasetWriter(url, storage_format=PART_STORAGE_FORMAT, options=job.options) as writer:
@@ -146,9 +149,9 @@ class _Tokenize(beam.DoFn):
                 writer,
                 [([path], fraction, all_validation)],
                 self.tokenize,
-                job.convert,
+                conversion.convert,
                 totals,
-                opener=job.opener,
+                opener=conversion.opener,
             )
         tokens = sum(totals.tokens.values())
         self.tokens.inc(tokens)
@@ -166,8 +169,40 @@ class _Tokenize(beam.DoFn):
             job.options,
             skipped_empty=totals.skipped_empty,
             skipped_bad=totals.skipped_bad,
-            sha256=totals.digests[0] if totals.digests else None,
+            digests=None if totals.digests is None else tuple(totals.digests),
         )
+
+
+class _Import(beam.DoFn):
+    """(index, a :class:`TokenFile`'s opener, its files to hash) -> the :class:`PartInfo`
+    of its part, imported as :func:`import_files` imports it."""
+
+    def __init__(self, job: _Job, split: str, chunk_tokens: int) -> None:
+        self.job, self.split, self.chunk_tokens = job, split, chunk_tokens
+        self.tokens = Metrics.counter(NAMESPACE, "tokens_imported")
+
+    def process(
+        self, element: tuple[int, Callable[[], TokenFile], Sequence[str]]
+    ) -> Iterator[PartInfo]:
+        index, open_file, hashed = element
+        job = self.job
+        url = part_url(job.output, index, uuid.uuid4().hex[:12])  # as in _Tokenize
+        with hash_inputs(hashed, blob_opener(job.options)) as digests:
+            summary = import_files(
+                [open_file],
+                url,
+                hashed=[],
+                info=DatasetInfo(),
+                names=[],
+                split=self.split,
+                storage_format=PART_STORAGE_FORMAT,
+                options=job.options,
+                chunk_tokens=self.chunk_tokens,
+            )
+            found = tuple(digests())
+        self.tokens.inc(summary["tokens"])
+        skipped = summary["skipped_empty"]
+        yield PartInfo.read(index, url, job.options, skipped_empty=skipped, digests=found)
 
 
 def _place(parts: list[PartInfo], job: _Job) -> Placement:
@@ -201,8 +236,8 @@ def _finish(shards: int, job: _Job, placement: Placement) -> None:
     expected = len(placement.tasks())
     if shards != expected:
         raise RuntimeError(f"{job.output}: {shards} shards were written, expected {expected}")
-    digests = [p.sha256 for p in placement.parts]
-    hashed = None if None in digests else [d for d in digests if d is not None]
+    found = [p.digests for p in placement.parts]
+    hashed = None if None in found else [d for digests in found for d in digests or ()]
     info = dataclasses.replace(job.info, inputs=inputs_field(job.input_names, hashed))
     finish(placement, Store(job.output, job.options), info=info)
     for name in ("skipped_empty", "skipped_bad"):
@@ -210,14 +245,15 @@ def _finish(shards: int, job: _Job, placement: Placement) -> None:
 
 
 def build_pipeline(
-    pipeline: beam.Pipeline, job: _Job, inputs: Sequence[tuple[int, InputPath, bool]]
+    pipeline: beam.Pipeline, job: _Job, inputs: Sequence[Any], make_part: beam.DoFn
 ) -> None:
-    """Adds the conversion's four stages to ``pipeline``."""
+    """Adds the four stages to ``pipeline``: each of ``inputs`` made a part by
+    ``make_part`` (which yields its :class:`PartInfo`), then placed, assembled, finished."""
     parts = (
         pipeline
         | "Inputs" >> beam.Create(list(inputs))
         | "Spread inputs" >> beam.Reshuffle()
-        | "Tokenize" >> beam.ParDo(_Tokenize(job))
+        | "Make parts" >> beam.ParDo(make_part)
     )
     placement = parts | "Gather parts" >> beam.combiners.ToList() | "Place" >> beam.Map(_place, job)
     placement_view = beam.pvalue.AsSingleton(placement)
@@ -277,6 +313,29 @@ def _run(pipeline: beam.Pipeline, claim: Claim) -> Any:
                 raise
         claim.discard()
         raise
+
+
+def _runner(out: str, pipeline_args: Sequence[str]) -> tuple[PipelineOptions, str]:
+    """Beam's options from ``pipeline_args`` and the runner's name; refuses an
+    output in ``memory://``, which Beam's worker processes cannot see."""
+    if out.startswith("memory://"):
+        raise ValueError(
+            f"{out}: Beam workers are other processes, which cannot see this one's "
+            "memory:// stores; write to a path, gs:// or s3://"
+        )
+    beam_options = pipeline_options(pipeline_args)
+    runner = beam_options.view_as(StandardOptions).runner
+    return beam_options, runner if isinstance(runner, str) else type(runner).__name__
+
+
+def _reachable(runner: str, inputs: Sequence[str], out: str) -> None:
+    """Refuses local inputs or output for a runner whose workers run elsewhere."""
+    local = [p for p in inputs if "://" not in p]
+    if runner.lower() not in LOCAL_RUNNERS and (local or "://" not in out):
+        raise ValueError(
+            f"{runner} runs workers on other machines, which cannot reach "
+            f"{local[0] if local else out}: give inputs and output as gs:// or s3:// URLs"
+        )
 
 
 def convert_beam(
@@ -348,40 +407,26 @@ def convert_beam(
     )
     started = time.perf_counter()
     out = os.fspath(output)
-    if out.startswith("memory://"):
-        raise ValueError(
-            f"{out}: Beam workers are other processes, which cannot see this one's "
-            "memory:// stores; write to a path, gs:// or s3://"
-        )
-    beam_options = pipeline_options(pipeline_args)
-    runner = beam_options.view_as(StandardOptions).runner
-    runner = runner if isinstance(runner, str) else type(runner).__name__
+    beam_options, runner = _runner(out, pipeline_args)
     opener = UrlOpener(tuple(pipeline_args))
     conv = Conversion.start(opts, inputs, validation_inputs, out, opener.match)
-    if runner.lower() not in LOCAL_RUNNERS:
-        local = [str(p) for p in [*conv.train, *conv.validation] if isinstance(p, Path)]
-        if local or "://" not in out:
-            where = local[0] if local else out
-            raise ValueError(
-                f"{runner} runs workers on other machines, which cannot reach {where}: "
-                "give inputs and output as gs:// or s3:// URLs"
-            )
+    _reachable(runner, [str(p) for p in [*conv.train, *conv.validation]], out)
     tokenize = conv.tokenize
     store = Store(out, options)
     job = _Job(
         out,
         storage_format or StorageFormat(),
         store.options,
-        opts,
-        dataclasses.replace(tokenize, tokenizer=None),
-        tokenize.tokenizer is not None,
-        opener,
         conv.info(None),
         tuple(conv.input_names),
     )
+    tokenizing = _Conversion(
+        opts, dataclasses.replace(tokenize, tokenizer=None), tokenize.tokenizer is not None, opener
+    )
     files = [(path, everything) for paths, _, everything in conv.passes for path in paths]
     pipeline = beam.Pipeline(options=beam_options)
-    build_pipeline(pipeline, job, [(i, p, v) for i, (p, v) in enumerate(files)])
+    elements = [(i, p, v) for i, (p, v) in enumerate(files)]
+    build_pipeline(pipeline, job, elements, _Tokenize(job, tokenizing))
     claim = claim_location(store, overwrite)
     if tokenize.tokenizer is not None:
         text = tokenize.tokenizer.to_str().encode("utf-8")
@@ -399,3 +444,46 @@ def convert_beam(
         skipped_bad=counters.get("skipped_bad", 0),
     )
     return conv.summary(out, totals, time.perf_counter() - started, runner=runner)
+
+
+def import_beam(
+    files: Sequence[Callable[[], TokenFile]],
+    hashed: Sequence[Sequence[str]],
+    output: str | os.PathLike[str],
+    *,
+    info: DatasetInfo,
+    names: Sequence[str],
+    split: str,
+    storage_format: StorageFormat | None,
+    overwrite: bool,
+    options: StoreOptions,
+    chunk_tokens: int,
+    pipeline_args: Sequence[str] = (),
+) -> dict[str, Any]:
+    """:func:`import_files`, run on Apache Beam: each of ``files`` (whose own
+    files to hash are ``hashed``) imported into a part in parallel, then the parts
+    assembled; the output is byte for byte what :func:`import_files` writes with
+    ``info``. Returns the summary: the sequences and tokens written, the inputs,
+    the skipped empty documents, and ``runner``."""
+    started = time.perf_counter()
+    out = os.fspath(output)
+    beam_options, runner = _runner(out, pipeline_args)
+    _reachable(runner, list(names), out)
+    refuse_overlap([f for own in hashed for f in own], [out])
+    store = Store(out, options)
+    job = _Job(out, storage_format or StorageFormat(), store.options, info, tuple(names))
+    pipeline = beam.Pipeline(options=beam_options)
+    elements = [(i, f, list(h)) for i, (f, h) in enumerate(zip(files, hashed, strict=True))]
+    build_pipeline(pipeline, job, elements, _Import(job, split, chunk_tokens))
+    counters = _counters(_run(pipeline, claim_location(store, overwrite)))
+    ft = open_dataset(out, options)[split]
+    return {
+        "output": out,
+        "split": split,
+        "inputs": len(files),
+        "sequences_written": ft.num_sequences,
+        "tokens": ft.num_tokens,
+        "skipped_empty": counters.get("skipped_empty", 0),
+        "runner": runner,
+        "seconds": round(time.perf_counter() - started, 3),
+    }

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
+import dataclasses
+import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,7 +21,12 @@ from flat_tokens_jax.convert.commands import (
     run_command,
     store_options,
 )
-from flat_tokens_jax.convert.inputs import hash_inputs
+from flat_tokens_jax.convert.importer import (
+    CHUNK_TOKENS,
+    add_import_flags,
+    describe,
+    import_files,
+)
 from flat_tokens_jax.convert.mmidx import (
     DTYPES,
     HEADER,
@@ -31,44 +36,52 @@ from flat_tokens_jax.convert.mmidx import (
     read_tokens,
 )
 from flat_tokens_jax.convert.tokenizer import identity, load_tokenizer
-from flat_tokens_jax.core.format import check_split_name, decode, encode_concatenated
+from flat_tokens_jax.core.format import decode
 from flat_tokens_jax.data.dataset import open_dataset
-from flat_tokens_jax.data.writer import DatasetWriter, StorageFormat
-from flat_tokens_jax.store.identity import DatasetInfo, inputs_field
+from flat_tokens_jax.data.writer import StorageFormat
+from flat_tokens_jax.store.identity import DatasetInfo
 from flat_tokens_jax.store.location import refuse_overlap
 from flat_tokens_jax.store.options import StoreOptions, resolve_options
 
 log = logging.getLogger(__name__)
 
-CHUNK_TOKENS = 1 << 20
-_BLOCK = 1 << 20  # index entries converted or written at a time
+_BLOCK = 1 << 20  # index entries written at a time
 
 
-def _runs(
-    index: MegatronIndex, per_sequence: bool, chunk_tokens: int
-) -> Iterator[tuple[int, int, np.ndarray]]:
-    """Runs of whole units (documents, or sequences) of about ``chunk_tokens`` tokens.
+@dataclasses.dataclass(frozen=True)
+class _MegatronFile:
+    """A checked index as the importer's :class:`TokenFile`: its documents (each
+    document's sequences concatenated), or with ``per_sequence`` its sequences."""
 
-    Yields ``(first, stop, lengths)``: the run is sequences ``[first, stop)`` and
-    ``lengths`` ``[k] int64`` the token counts of its ``k`` units (at least one).
-    """
-    units = index.sizes.size if per_sequence else index.doc_idx.size - 1
-    doc = index.doc_idx
-    lo = 0
-    while lo < units:
-        hi = min(lo + _BLOCK, units)  # also at most about _BLOCK sequences:
-        if not per_sequence:
-            hi = min(hi, int(np.searchsorted(doc, doc[lo] + _BLOCK, "right")) - 1)
-        hi = max(hi, lo + 1)
-        bounds = np.arange(lo, hi + 1) if per_sequence else doc[lo : hi + 1].astype(np.int64)
+    index: MegatronIndex
+    per_sequence: bool
+
+    @property
+    def num_documents(self) -> int:
+        return self.index.sizes.size if self.per_sequence else self.index.doc_idx.size - 1
+
+    def _sequences(self, lo: int, hi: int) -> np.ndarray:
+        return np.arange(lo, hi + 1) if self.per_sequence else self.index.doc_idx[lo : hi + 1]
+
+    def lengths(self, lo: int, hi: int) -> np.ndarray:
+        bounds = self._sequences(lo, hi).astype(np.int64)
         tokens = np.zeros(bounds[-1] - bounds[0] + 1, np.int64)
-        np.cumsum(index.sizes[bounds[0] : bounds[-1]], out=tokens[1:])
-        at = tokens[bounds - bounds[0]]
-        window = at[:-1] // chunk_tokens
-        cuts = [0, *(np.flatnonzero(np.diff(window)) + 1).tolist(), hi - lo]
-        for a, b in itertools.pairwise(cuts):
-            yield int(bounds[a]), int(bounds[b]), np.diff(at[a : b + 1])
-        lo = hi
+        np.cumsum(self.index.sizes[bounds[0] : bounds[-1]], out=tokens[1:])
+        return np.diff(tokens[bounds - bounds[0]])
+
+    def read(self, lo: int, hi: int) -> tuple[np.ndarray, None]:
+        bounds = self._sequences(lo, hi)
+        return read_tokens(self.index, int(bounds[0]), int(bounds[-1])), None
+
+    def stats(self) -> dict[str, Any]:
+        ix = self.index
+        return {
+            "prefix": ix.prefix,
+            "dtype": ix.dtype.name,
+            "dtype_code": ix.dtype_code,
+            "documents": ix.doc_idx.size - 1,
+            "sequences": ix.sizes.size,
+        }
 
 
 def import_megatron(
@@ -120,76 +133,31 @@ def import_megatron(
         ValueError: ``output`` is, contains or lies inside an input file.
     """
     options = resolve_options(options, option_fields, "import_megatron")
-    began = time.perf_counter()
-    check_split_name(split)
     prefixes = [prefixes] if isinstance(prefixes, str | os.PathLike) else list(prefixes)
     if not prefixes:
         raise ValueError("import_megatron needs at least one prefix")
-    files = [Path(f"{os.fspath(p)}{ext}") for p in prefixes for ext in (".idx", ".bin")]
-    refuse_overlap(files, [output])
     indexes = [read_index(p) for p in prefixes]
     tok = None if tokenizer is None else identity(load_tokenizer(tokenizer))
     codes = sorted({ix.dtype_code for ix in indexes})
     code = codes[0] if len(codes) == 1 else None
-    totals = [int(ix.sizes.sum(dtype=np.int64)) for ix in indexes]
-    done = written = 0
-    stats: list[dict[str, Any]] = []
-    attributes = {} if code is None else {"megatron": {"dtype_code": code}}
-    with (
-        DatasetWriter(
-            output,
-            storage_format=storage_format,
-            overwrite=overwrite,
-            options=options,
-            splits=[split],
-            attributes=attributes,
-        ) as writer,
-        hash_inputs(files) as digests,
-    ):
-        for ix, tokens in zip(indexes, totals, strict=True):
-            skipped = 0
-            for first, stop, lengths in _runs(ix, per_sequence, chunk_tokens):
-                ids = read_tokens(ix, first, stop)
-                kept = lengths[lengths > 0]
-                if kept.size:
-                    encoded = encode_concatenated(ids, np.cumsum(kept) - kept)
-                    writer.extend_encoded(split, encoded, kept)
-                skipped += lengths.size - kept.size
-                written += kept.size
-                done += ids.size
-                if progress is not None:
-                    progress(done, sum(totals))
-            stats.append(
-                {
-                    "prefix": ix.prefix,
-                    "dtype": ix.dtype.name,
-                    "dtype_code": ix.dtype_code,
-                    "documents": ix.doc_idx.size - 1,
-                    "sequences": ix.sizes.size,
-                    "tokens": tokens,
-                    "skipped_empty": skipped,
-                }
-            )
-        writer.info = DatasetInfo(
-            tokenizer=tok,
-            flags={
-                "converter": "import-megatron",
-                "per_sequence": per_sequence,
-                "dtype_code": code,
-            },
-            inputs=inputs_field([os.fspath(p) for p in prefixes], digests()),
-        )
-    return {
-        "output": os.fspath(output),
-        "split": split,
-        "per_sequence": per_sequence,
-        "prefixes": stats,
-        "sequences_written": written,
-        "tokens": done,
-        "skipped_empty": sum(s["skipped_empty"] for s in stats),
-        "dtype_code": code,
-        "seconds": round(time.perf_counter() - began, 3),
-    }
+    flags = {"converter": "import-megatron", "per_sequence": per_sequence, "dtype_code": code}
+    summary = import_files(
+        [functools.partial(_MegatronFile, ix, per_sequence) for ix in indexes],
+        output,
+        hashed=[f"{os.fspath(p)}{ext}" for p in prefixes for ext in (".idx", ".bin")],
+        info=DatasetInfo(tokenizer=tok, flags=flags),
+        names=[os.fspath(p) for p in prefixes],
+        key="prefixes",
+        split=split,
+        storage_format=storage_format,
+        overwrite=overwrite,
+        options=options,
+        chunk_tokens=chunk_tokens,
+        attributes={} if code is None else {"megatron": {"dtype_code": code}},
+        progress=progress,
+        total=sum(int(ix.sizes.sum(dtype=np.int64)) for ix in indexes),
+    )
+    return {**summary, "per_sequence": per_sequence, "dtype_code": code}
 
 
 def _largest_id(dtype: np.dtype[Any]) -> int:
@@ -312,13 +280,7 @@ def add_commands(subparsers: Any) -> None:
         action="store_true",
         help="one sequence per Megatron sequence, not per document",
     )
-    p.add_argument("--split", default="train", help="the split to write (e.g. test)")
-    p.add_argument(
-        "--tokenizer",
-        help="the tokenizer that made the ids (JSON file or transformers directory), recorded "
-        "in the dataset's info so that merge and Mixture can check it",
-    )
-    add_output_flags(p)
+    add_import_flags(p)
     p.set_defaults(run=_cmd_import)
     p = subparsers.add_parser("export-megatron", help="one split to Megatron PREFIX.idx/.bin")
     p.add_argument("url", metavar="URL", help="dataset path or URL")
@@ -336,13 +298,6 @@ def add_commands(subparsers: Any) -> None:
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
-    def describe(s: dict[str, Any]) -> str:
-        return (
-            f"imported {len(s['prefixes'])} Megatron dataset(s) into {s['output']} "
-            f"[{s['split']}]: {s['sequences_written']:,} sequences, {s['tokens']:,} tokens, "
-            f"{s['skipped_empty']:,} empty skipped, in {s['seconds']:.1f}s"
-        )
-
     return run_command(
         args,
         lambda: import_megatron(
@@ -354,7 +309,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
             options=store_options(args),
             tokenizer=args.tokenizer,
         ),
-        describe,
+        describe("Megatron dataset(s)"),
     )
 
 

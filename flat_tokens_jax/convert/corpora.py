@@ -1,12 +1,8 @@
-"""Corpora other tools tokenized, imported: ``import-datatrove``, ``import-dolma`` and
-``import-levanter``, each a reader of its format for the one import loop of
-:mod:`.importer`. Inputs are local or on ``gs://``/``s3://``; each format's layout,
-as its writer's source writes it, is in its reader's docstring.
-"""
+"""``import-datatrove``, ``import-dolma`` and ``import-levanter``: a reader of each format
+(its layout, as its writer writes it, in its docstring) for :func:`.importer.import_files`."""
 
 from __future__ import annotations
 
-import argparse
 import csv
 import functools
 import gzip
@@ -19,32 +15,30 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from flat_tokens_jax.convert.commands import run_command, store_options
 from flat_tokens_jax.convert.importer import (
     CHUNK_TOKENS,
     Blob,
     TokenFile,
     add_import_flags,
     checked_ids,
-    describe,
     expand,
     import_files,
+    run_import,
 )
 from flat_tokens_jax.convert.inputs import InputError, require
 from flat_tokens_jax.convert.tokenizer import identity, load_tokenizer
+from flat_tokens_jax.core.values import choice
 from flat_tokens_jax.data.writer import StorageFormat
 from flat_tokens_jax.store.identity import DatasetInfo
 from flat_tokens_jax.store.options import StoreError, StoreOptions, resolve_options
 from flat_tokens_jax.store.store import Store
 
 UNKNOWN_TOKENIZER = "Unknown Tokenizer"  # what datatrove's metadata names when it had none
-WHAT = {"datatrove": "datatrove file(s)", "dolma": "dolma file(s)", "levanter": "Levanter cache"}
 LEDGER = "shard_ledger.json"  # a Levanter cache's CacheLedger
 
 
 def _ends(ends: np.ndarray, where: str, what: str, first: int = 0, start: int = 0) -> np.ndarray:
-    """The ends of documents ``first, first + 1, ...`` ``[k] int64``, refused
-    unless they never decrease from ``start``, where the first one starts."""
+    """``ends`` of documents ``first, ...`` as int64, refused if one decreases from ``start``."""
     bad = np.flatnonzero(np.diff(ends.astype(np.int64), prepend=start) < 0)
     if bad.size:
         at = int(bad[0])
@@ -95,8 +89,6 @@ class DatatroveFile(_Ends):
       ``TOKENIZER|TOKEN_SIZE`` (``Unknown Tokenizer|2|2`` without one), the token
       count, and the count humanized. Without it the token size is 2, as the
       merger assumes.
-
-    The index, the token count and the sizes of ``.ds`` and ``.ds.loss`` must agree.
     """
 
     def __init__(self, url: str, options: StoreOptions, *, loss: bool, meta: bytes | None):
@@ -139,10 +131,7 @@ class DolmaFile(_Ends):
       back to back, with no numpy header (``np.memmap``);
     - ``NAME.csv.gz`` beside it (same stem): one CSV row a document,
       ``start,end,id,src,loc`` (``MemmapMetadata``), ``start``/``end`` its token
-      offsets in the ``.npy``, documents back to back from 0.
-
-    The rows must tile the file: each starts where the last ended, and the
-    file holds exactly the last end's tokens.
+      offsets in the ``.npy``, documents back to back from 0 (checked).
     """
 
     def __init__(self, url: str, options: StoreOptions, dtype: np.dtype[Any]) -> None:
@@ -166,7 +155,6 @@ class DolmaFile(_Ends):
 
 
 def _csv_name(url: str) -> str:
-    """dolma's metadata file of a memmap: its stem and ``.csv.gz``."""
     return url.removesuffix(".npy") + ".csv.gz"
 
 
@@ -208,8 +196,7 @@ class LevanterCache:
             )
 
     def _offsets(self, lo: int, hi: int) -> np.ndarray:
-        """``[hi - lo + 1] int64``: where document ``lo`` starts, then where each of
-        ``[lo, hi)`` ends."""
+        """``[hi - lo + 1] int64``: where document ``lo`` starts, then each one's end."""
         ends = np.asarray(self.wait(self.offsets[lo : hi + 1].read()), np.int64)
         start = 0 if lo == 0 else int(ends[0])  # offsets[0] holds the row count
         where = f"{self.url}/input_ids/offsets"
@@ -228,13 +215,9 @@ class LevanterCache:
         return checked_ids(np.asarray(data), f"{self.url}/input_ids/data", int(ends[0])), None
 
     def stats(self) -> dict[str, Any]:
-        meta = self.tokenizer_meta or {}
-        return {
-            "cache": self.url,
-            "documents": self.num_documents,
-            "tokenizer": meta.get("tokenizer"),
-            "dtype": self.data.dtype.numpy_dtype.name,
-        }
+        tokenizer = (self.tokenizer_meta or {}).get("tokenizer")
+        dtype, n = self.data.dtype.numpy_dtype.name, self.num_documents
+        return {"cache": self.url, "documents": n, "tokenizer": tokenizer, "dtype": dtype}
 
 
 def _import(
@@ -248,21 +231,17 @@ def _import(
     pipeline_args: Sequence[str] = (),
     **inputs: Any,
 ) -> dict[str, Any]:
-    """Records ``tokenizer`` (if given) and the flags ``found`` in the inputs, and
-    runs the import (``hashed``: each file's files to hash; ``inputs``: the rest of
-    what :func:`import_files` takes) here or, with ``runner="beam"``, on Beam."""
+    """Runs the import here or on Beam, recording ``tokenizer`` and the flags ``found``;
+    ``hashed``: each file's files to hash."""
     tok = None if tokenizer is None else identity(load_tokenizer(tokenizer))
     info = DatasetInfo(tokenizer=tok, flags={"converter": converter, **found})
-    if runner not in ("local", "beam"):
-        raise ValueError(f"runner must be 'local' or 'beam', got {runner!r}")
-    if runner == "local":
+    if choice(runner, "runner", ("local", "beam")) == "local":
         if pipeline_args:
             raise ValueError(f"pipeline_args {list(pipeline_args)} are Beam's: add runner beam")
         every = [f for own in hashed for f in own]
         return import_files(files, output, hashed=every, info=info, **inputs)
     require("apache_beam", "beam")
-    # Imported only now: it imports apache_beam, an optional dependency.
-    beam = importlib.import_module("flat_tokens_jax.convert.beam")
+    beam = importlib.import_module("flat_tokens_jax.convert.beam")  # apache_beam is optional
     summary: dict[str, Any] = beam.import_beam(
         files, hashed, output, info=info, pipeline_args=pipeline_args, **inputs
     )
@@ -291,24 +270,15 @@ def import_datatrove(
             or ``gs://``/``s3://``/``file://`` URLs read with ``options``.
         output, split, tokenizer, storage_format, overwrite, options,
             chunk_tokens, **option_fields: as for :func:`import_megatron`.
-        runner: ``"local"``, or ``"beam"``: an Apache Beam pipeline (the ``beam``
-            extra) of ``pipeline_args``, as ``convert --runner beam`` runs, each
-            file a part made in parallel; the output is byte for byte the local one.
+        runner: ``"local"``, or ``"beam"``: an Apache Beam pipeline of ``pipeline_args``,
+            each file a part, writing byte for byte the local import's output.
 
-    The ``.ds.loss`` files, when every input has one, become the split's loss
-    mask. The output's info records the tokenizer the metadata names (flag
-    ``tokenizer``) and the inputs, each hashed as its ``.ds``, ``.ds.index``,
-    ``.ds.loss`` and ``.ds.metadata`` (those there).
-
-    Returns:
-        A JSON-ready summary: the inputs, sequences and tokens written and the
-        empty documents skipped; locally, per file (``files``) its documents,
-        dtype, tokens and skipped empties; on Beam, the ``runner``.
-
-    Raises:
-        InputError: a file whose index, metadata and sizes disagree (named with
-            both values), inputs of two tokenizers, or loss files for some
-            inputs only; nothing valid is left at ``output``.
+    The ``.ds.loss`` files, when every input has one, become the loss mask. The info
+    records the metadata's tokenizer (flag ``tokenizer``) and the inputs, each hashed as
+    its ``.ds``, ``.ds.index``, ``.ds.loss`` and ``.ds.metadata`` (those there).
+    Returns a summary as :func:`import_megatron`'s (per file: ``files``; on Beam,
+    ``runner`` instead). Raises InputError for a file whose index, metadata and sizes
+    disagree, inputs of two tokenizers, or loss files for some inputs only.
     """
     options = resolve_options(options, option_fields, "import_datatrove")
     urls = expand(paths, ".ds", options)
@@ -357,8 +327,7 @@ def import_dolma(
     **option_fields: Any,
 ) -> dict[str, Any]:
     """Writes dolma/OLMo token memmaps (:class:`DolmaFile`), concatenated in
-    order, as a new flat-tokens dataset: one sequence a document, where the
-    ``.csv.gz`` metadata puts them.
+    order, as a new flat-tokens dataset: one sequence a document.
 
     Args:
         paths: ``.npy`` files, globs of them, or folders (their ``*.npy``): paths,
@@ -408,14 +377,8 @@ def import_levanter(
     **option_fields: Any,
 ) -> dict[str, Any]:
     """Writes a Levanter cache's ``input_ids`` (:class:`LevanterCache`) as a new
-    flat-tokens dataset: one sequence a row.
-
-    Args:
-        cache: the cache's folder (one split's: Levanter's ``cache_dir/train``),
-            a path or ``gs://``/``s3://``/``file://`` URL read with ``options``.
-        output, split, tokenizer, storage_format, overwrite, options,
-            chunk_tokens, **option_fields: as for :func:`import_megatron`.
-
+    flat-tokens dataset: one sequence a row. ``cache``: one split's folder
+    (Levanter's ``cache_dir/train``), a path or URL; the rest as :func:`import_datatrove`.
     The output's info records the tokenizer and vocabulary size the ledger
     names (flags ``tokenizer``, ``vocab_size``) and the cache, hashed as every
     file under ``input_ids/`` and its ledger, by name. Returns and raises as
@@ -447,12 +410,17 @@ def import_levanter(
 
 def add_commands(subparsers: Any) -> None:
     """Registers ``flat-tokens import-datatrove``, ``import-dolma`` and ``import-levanter``."""
-    for name, what in WHAT.items():
+    for name, what, function in (
+        ("datatrove", "datatrove file(s)", import_datatrove),
+        ("dolma", "dolma file(s)", import_dolma),
+        ("levanter", "Levanter cache", import_levanter),
+    ):
         p = subparsers.add_parser(f"import-{name}", help=f"{what} to flat-tokens")
+        own = ["dtype"] if name == "dolma" else []
         if name == "levanter":
-            p.add_argument("paths", metavar="CACHE", help="the cache folder (path or URL)")
+            p.add_argument("inputs", metavar="CACHE", help="the cache folder (path or URL)")
         else:
-            p.add_argument("paths", nargs="+", metavar="PATH", help="files, globs or folders")
+            p.add_argument("inputs", nargs="+", metavar="PATH", help="files, globs or folders")
         p.add_argument("output", metavar="OUTPUT", help="the new dataset")
         if name == "dolma":
             p.add_argument(
@@ -470,31 +438,6 @@ def add_commands(subparsers: Any) -> None:
                 "whose options follow '--' (e.g. -- --runner=DataflowRunner --project=P ...)",
             )
             p.set_defaults(takes_pipeline_args=True)
+            own += ["runner", "pipeline_args"]
         add_import_flags(p)
-        p.set_defaults(run=functools.partial(_cmd_import, name), pipeline_args=[])
-
-
-def _cmd_import(name: str, args: argparse.Namespace) -> int:
-    run: dict[str, Callable[..., dict[str, Any]]] = {
-        "datatrove": import_datatrove,
-        "dolma": import_dolma,
-        "levanter": import_levanter,
-    }
-    extra = {"dtype": args.dtype} if name == "dolma" else {}
-    if name != "levanter":
-        extra.update(runner=args.runner, pipeline_args=args.pipeline_args)
-    return run_command(
-        args,
-        lambda: run[name](
-            args.paths,
-            args.output,
-            split=args.split,
-            tokenizer=args.tokenizer,
-            overwrite=args.overwrite,
-            options=store_options(args),
-            **extra,
-        ),
-        describe(WHAT[name]),
-        errors=(ValueError, OSError, ImportError, RuntimeError),  # a Beam job's failure too
-        output=args.output,
-    )
+        p.set_defaults(run=functools.partial(run_import, function, what, own), pipeline_args=[])

@@ -1,10 +1,7 @@
-"""The one loop of every importer of corpora another tool tokenized (Megatron,
-datatrove, dolma, Levanter): each input is a :class:`TokenFile` (its documents'
-lengths, a range of documents' tokens, an optional loss mask), written in runs of
-whole documents of about ``chunk_tokens`` tokens, so memory stays bounded whatever
-the corpus; and :class:`Blob`, an input file read by byte range, local or on an
-object store, through the store's kvstore.
-"""
+"""The one loop of every importer of corpora another tool tokenized (Megatron, datatrove,
+dolma, Levanter): each :class:`TokenFile` is written in runs of whole documents of about
+``chunk_tokens`` tokens, so memory stays bounded; a :class:`Blob` is an input file read by
+byte range, local or on an object store."""
 
 from __future__ import annotations
 
@@ -20,7 +17,7 @@ from typing import IO, Any, Protocol
 
 import numpy as np
 
-from flat_tokens_jax.convert.commands import add_output_flags
+from flat_tokens_jax.convert.commands import add_output_flags, run_command, store_options
 from flat_tokens_jax.convert.inputs import InputError, hash_inputs
 from flat_tokens_jax.core.format import MAX_TOKEN_ID, check_split_name, encode_concatenated
 from flat_tokens_jax.data.writer import DatasetWriter, StorageFormat
@@ -39,24 +36,20 @@ class TokenFile(Protocol):
 
     def lengths(self, lo: int, hi: int) -> np.ndarray:
         """Tokens ``[hi - lo] int64`` of documents ``[lo, hi)`` (0 for an empty one)."""
-        ...
 
     def read(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Documents ``[lo, hi)`` concatenated: token ids ``[n] int64`` in
         ``[0, MAX_TOKEN_ID]``, and their loss mask ``[n] uint8`` or ``None``."""
-        ...
 
     @property
     def num_documents(self) -> int: ...
 
     def stats(self) -> dict[str, Any]:
         """The file's entry of the summary (``tokens`` and ``skipped_empty`` are added)."""
-        ...
 
 
 def checked_ids(values: np.ndarray, where: str, first: int) -> np.ndarray:
-    """``values`` (integers read from ``where`` from its token ``first`` on) as
-    ``int64``, refused (InputError) where one is outside ``[0, MAX_TOKEN_ID]``."""
+    """``values`` (``where``'s, from token ``first``) as int64, each in [0, MAX_TOKEN_ID]."""
     ids = values.astype(np.int64)
     bad = np.flatnonzero((ids < 0) | (ids > MAX_TOKEN_ID))
     if bad.size:
@@ -67,9 +60,8 @@ def checked_ids(values: np.ndarray, where: str, first: int) -> np.ndarray:
 
 
 class Blob:
-    """One input file, a local path or a ``file://``, ``gs://`` or ``s3://`` URL,
-    read by byte range through the kvstore the dataset stores use (so the store
-    options' endpoint, region and credentials apply)."""
+    """One input file, a path or ``file://``, ``gs://`` or ``s3://`` URL, read by byte range
+    through the stores' kvstore (so the store options' endpoint and credentials apply)."""
 
     def __init__(self, url: str, options: StoreOptions) -> None:
         self.url = url
@@ -77,8 +69,7 @@ class Blob:
         self.store = Store(folder + "/" if folder or url.startswith("/") else ".", options)
 
     def _get(self, lo: int, hi: int | None) -> bytes | None:
-        """Bytes ``[lo, hi)`` (to the end when ``hi`` is None); ``None`` when the
-        file ends before ``hi`` (or before ``lo``)."""
+        """Bytes ``[lo, hi)`` (to the end when ``hi`` is None); ``None`` past the end."""
         future = self.store.kv.read(self.key, byte_range=slice(lo, hi))
         try:
             got = future.result(timeout=self.store.options.timeout)
@@ -95,7 +86,7 @@ class Blob:
         return bool(got.state == "value")
 
     def read(self, lo: int = 0, hi: int | None = None) -> bytes:
-        """Bytes ``[lo, hi)``, all of them there (else InputError); the whole file by default."""
+        """Bytes ``[lo, hi)``, all there (else InputError); the whole file by default."""
         got = self._get(lo, hi) if hi is None or hi > lo else b""
         if got is None:
             raise InputError(f"{self.url} ends before byte {hi}")
@@ -120,17 +111,15 @@ class Blob:
 
             def readinto(self, buffer: Any) -> int:
                 n = min(len(buffer), _READ)
-                got = blob._get(self.at, self.at + n)
-                got = blob._get(self.at, None) if got is None else got  # the tail
-                buffer[: len(got or b"")] = got or b""
-                self.at += len(got or b"")
-                return len(got or b"")
+                got = blob._get(self.at, self.at + n) or blob._get(self.at, None) or b""  # tail
+                buffer[: len(got)] = got
+                self.at += len(got)
+                return len(got)
 
         return io.BufferedReader(Raw(), _READ)
 
 
 def blob_opener(options: StoreOptions) -> Callable[[str], IO[bytes]]:
-    """The :data:`~flat_tokens_jax.convert.inputs.Opener` of :class:`Blob` streams."""
     return lambda url: Blob(url, options).stream()
 
 
@@ -173,8 +162,14 @@ def add_import_flags(parser: argparse.ArgumentParser) -> None:
     add_output_flags(parser)
 
 
-def describe(what: str) -> Callable[[dict[str, Any]], str]:
-    """The line an ``import-*`` command prints of its summary; ``what`` names the inputs."""
+def run_import(
+    function: Callable[..., dict[str, Any]],
+    what: str,
+    own: Sequence[str],
+    args: argparse.Namespace,
+) -> int:
+    """Runs an ``import-*`` command: ``function`` of ``args.inputs``, ``args.output``, the
+    flags of :func:`add_import_flags` and its ``own``; ``what`` names the inputs."""
 
     def line(s: dict[str, Any]) -> str:
         return (
@@ -183,7 +178,21 @@ def describe(what: str) -> Callable[[dict[str, Any]], str]:
             f"{s['skipped_empty']:,} empty skipped, in {s['seconds']:.1f}s"
         )
 
-    return line
+    return run_command(
+        args,
+        lambda: function(
+            args.inputs,
+            args.output,
+            split=args.split,
+            tokenizer=args.tokenizer,
+            overwrite=args.overwrite,
+            options=store_options(args),
+            **{name: getattr(args, name) for name in own},
+        ),
+        line,
+        errors=(ValueError, OSError, ImportError, RuntimeError),  # a Beam job's failure too
+        output=args.output,
+    )
 
 
 def _runs(file: TokenFile, chunk_tokens: int) -> Iterator[tuple[int, int, np.ndarray]]:
@@ -214,15 +223,12 @@ def import_files(
     progress: Callable[[int, int], None] | None = None,
     total: int = 0,
 ) -> dict[str, Any]:
-    """Writes the documents of ``files`` (each opened when its turn comes, so one
-    file's index is held at a time), in order, as ``split`` of a new dataset.
+    """Writes the documents of ``files`` (each opened in its turn, so one index is held at
+    a time), in order, as ``split`` of a new dataset; empty ones are skipped and counted.
 
-    Empty documents cannot be stored: they are skipped and counted. ``hashed``:
-    the input files whose SHA-256 digests the output records (hashed on a thread
-    as the import runs); ``info``: what it records but its ``inputs`` (``names``
-    with those digests). Returns the
-    summary: per file (under ``key``) its :meth:`TokenFile.stats`, tokens and
-    skipped empties; in all, the sequences and tokens written.
+    The output's info is ``info`` with ``inputs``: ``names`` and the SHA-256 digests of
+    ``hashed`` (hashed on a thread meanwhile). Returns the summary: per file (under
+    ``key``) its :meth:`TokenFile.stats`, tokens and skipped empties; the totals.
     """
     began = time.perf_counter()
     check_split_name(split)

@@ -24,8 +24,8 @@ from flat_tokens_jax.convert.commands import (
 from flat_tokens_jax.convert.importer import (
     CHUNK_TOKENS,
     add_import_flags,
-    describe,
     import_files,
+    run_import,
 )
 from flat_tokens_jax.convert.mmidx import (
     DTYPES,
@@ -273,7 +273,7 @@ def export_megatron(
 def add_commands(subparsers: Any) -> None:
     """Registers ``flat-tokens import-megatron`` and ``flat-tokens export-megatron``."""
     p = subparsers.add_parser("import-megatron", help="Megatron .idx/.bin pairs to flat-tokens")
-    p.add_argument("prefixes", nargs="+", metavar="PREFIX", help="paths without .idx/.bin")
+    p.add_argument("inputs", nargs="+", metavar="PREFIX", help="paths without .idx/.bin")
     p.add_argument("output", metavar="OUTPUT", help="the new dataset")
     p.add_argument(
         "--per-sequence",
@@ -281,7 +281,8 @@ def add_commands(subparsers: Any) -> None:
         help="one sequence per Megatron sequence, not per document",
     )
     add_import_flags(p)
-    p.set_defaults(run=_cmd_import)
+    run = functools.partial(run_import, import_megatron, "Megatron dataset(s)", ["per_sequence"])
+    p.set_defaults(run=run)
     p = subparsers.add_parser("export-megatron", help="one split to Megatron PREFIX.idx/.bin")
     p.add_argument("url", metavar="URL", help="dataset path or URL")
     p.add_argument("prefix", metavar="PREFIX", help="output path without .idx/.bin")
@@ -295,22 +296,6 @@ def add_commands(subparsers: Any) -> None:
     )
     add_output_flags(p, overwrite=False)
     p.set_defaults(run=_cmd_export)
-
-
-def _cmd_import(args: argparse.Namespace) -> int:
-    return run_command(
-        args,
-        lambda: import_megatron(
-            args.prefixes,
-            args.output,
-            per_sequence=args.per_sequence,
-            overwrite=args.overwrite,
-            split=args.split,
-            options=store_options(args),
-            tokenizer=args.tokenizer,
-        ),
-        describe("Megatron dataset(s)"),
-    )
 
 
 def _cmd_export(args: argparse.Namespace) -> int:

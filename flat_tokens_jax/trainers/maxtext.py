@@ -1,10 +1,6 @@
-"""MaxText's grain entry points on a flat-tokens loader: :func:`make_grain_train_iterator`
-and :func:`make_grain_eval_iterator`, with MaxText's signatures and config keys (those of
-AI-Hypercomputer/maxtext e591f30, ``src/maxtext/input_pipeline/grain_data_processing.py``).
-A path of ``grain_train_files`` or ``grain_eval_files`` is a flat-tokens store, its
-``"train"`` or ``"validation"`` split read; the keys read, ignored and refused:
-docs/guide/trainers.md, "MaxText".
-"""
+"""MaxText's grain iterators on a flat-tokens loader, with the signatures and config keys of
+AI-Hypercomputer/maxtext e591f30 (``src/maxtext/input_pipeline/grain_data_processing.py``);
+the keys read, ignored and refused: docs/guide/trainers.md, "MaxText"."""
 
 from __future__ import annotations
 
@@ -44,11 +40,9 @@ _PACKING = {
 
 
 class MultiHostDataLoadIterator:
-    """MaxText's iterator: ``local_iterator`` (the grain iterator orbax saves with grain's
-    handler) and ``next()``, the next step as global ``jax.Array``\\ s under ``sharding``
-    (six fields ``[global batch, max_target_length] int32``, the ``"maxtext"`` layout).
-    Past the end, with ``generate_padding_batch``, a batch of zeros; else ``StopIteration``.
-    ``iter()`` starts again from the first step, as MaxText's does."""
+    """MaxText's iterator: ``local_iterator`` (the grain iterator orbax saves) and ``next()``,
+    the next step as global ``jax.Array``\\ s, ``[global batch, max_target_length] int32``;
+    past the end, with ``generate_padding_batch``, zeros. ``iter()`` starts again."""
 
     def __init__(self, loader: Loader, generate_padding_batch: bool) -> None:
         self.loader, self.dataset = loader, loader.to_grain()
@@ -78,9 +72,7 @@ class MultiHostDataLoadIterator:
 def make_grain_train_iterator(
     config: Any, global_mesh: Mesh, process_indices: Any
 ) -> MultiHostDataLoadIterator:
-    """MaxText's train iterator: ``grain_train_files`` (or the JSON of
-    ``grain_train_mixture_config_path``), shuffled by ``data_shuffle_seed`` when
-    ``enable_data_shuffling``, for ``num_epoch`` epochs."""
+    """``grain_train_files`` (or ``grain_train_mixture_config_path``), for ``num_epoch`` epochs."""
     source = _source(config, "grain_train_files", "train")
     shuffle = config.enable_data_shuffling
     return _iterator(config, global_mesh, source, shuffle, config.num_epoch, "")
@@ -89,15 +81,13 @@ def make_grain_train_iterator(
 def make_grain_eval_iterator(
     config: Any, global_mesh: Mesh, process_indices: Any
 ) -> MultiHostDataLoadIterator:
-    """MaxText's eval iterator: ``grain_eval_files`` in order, once, its last
-    batch completed with padding rows (``targets_segmentation`` 0)."""
+    """``grain_eval_files`` in order, once, the last batch padded (``targets_segmentation`` 0)."""
     source = _source(config, "grain_eval_files", "validation")
     return _iterator(config, global_mesh, source, False, 1, "_eval")
 
 
 def _source(config: Any, key: str, split: str) -> Any:
-    """The split of one store, or a Mixture of MaxText's ``"path,weight;path,weight"``
-    (or of the JSON ``{name: {"path", "weight"}}`` at ``grain_train_mixture_config_path``);
+    """The split of one store, or a Mixture of MaxText's ``"path,weight;path,weight"`` or JSON;
     first, the keys the adapter cannot honour are refused."""
     for name in _REFUSED:
         if getattr(config, name, False):

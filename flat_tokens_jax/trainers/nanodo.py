@@ -1,8 +1,5 @@
-"""nanodo's data entry on a flat-tokens loader: :func:`py_batched_tfds` with nanodo's
-signature (google-deepmind/nanodo 8fd56f3, ``nanodo/data.py``), its ``Preprocess``, and
-:func:`get_in_out` of a ``"tokens"`` batch. ``tfds_name`` is a flat-tokens store;
-docs/guide/trainers.md, "nanodo".
-"""
+"""nanodo's data entry points (google-deepmind/nanodo 8fd56f3, ``nanodo/data.py``) on a
+flat-tokens loader: docs/guide/trainers.md, "nanodo"."""
 
 from __future__ import annotations
 
@@ -46,12 +43,9 @@ def py_batched_tfds(
     shuffle: bool = True,
     sharding: jax.sharding.Sharding | None = None,
 ) -> Any:
-    """The steps of split ``split`` of the store ``tfds_name``, a grain dataset
-    (``Loader.to_grain()``) of dicts: ``tokens`` ``[batch_size, context_size + 1]
-    int32`` and ``loss_mask`` ``[batch_size, context_size] bool``. Every host gets
-    every row, as nanodo's (with ``sharding``: its own rows); its ``vocab_size`` is
-    the recorded tokenizer's. ``worker_count``, ``worker_buffer_size`` and
-    ``vocab_path`` are not used (one log line)."""
+    """The steps of ``split`` of the store ``tfds_name``, a grain dataset of ``tokens``
+    ``[batch_size, context_size + 1] int32`` and ``loss_mask`` ``[batch_size, context_size]
+    bool``; every host gets every row, as nanodo's (with ``sharding``: its own rows)."""
     if num_records is not None:
         raise BadValue("num_records", f"must be None (the whole split), got {num_records!r}")
     log.info(
@@ -74,8 +68,7 @@ def py_batched_tfds(
 
 
 def get_in_out(in_BxL: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """nanodo's split of a batch: inputs and targets ``[batch, context_size]`` int32,
-    weights ``[batch, context_size]`` float32 from ``loss_mask`` (not ``targets !=
-    pad_id``: id 0 is a real token, and padding has ``loss_mask`` False)."""
+    """nanodo's inputs, targets ``[batch, context_size]`` int32 and weights, float32 from
+    ``loss_mask`` (not ``targets != pad_id``: id 0 is a real token)."""
     tokens = in_BxL["tokens"]
     return tokens[:, :-1], tokens[:, 1:], jnp.asarray(in_BxL["loss_mask"], jnp.float32)

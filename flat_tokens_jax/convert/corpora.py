@@ -171,7 +171,8 @@ class LevanterCache:
     """
 
     def __init__(self, url: str, options: StoreOptions) -> None:
-        self.url, store = url.rstrip("/"), Store(url, options)
+        self.url, self.store = url.rstrip("/"), Store(url, options)
+        store = self.store
         ledger = store.read_json(LEDGER)
         self.tokenizer_meta = ((ledger or {}).get("metadata") or {}).get("preprocessor_metadata")
         where = f"{self.url}/{LEDGER}"
@@ -334,9 +335,7 @@ def import_dolma(
             or ``gs://``/``s3://``/``file://`` URLs read with ``options``.
         dtype: ``"uint16"`` or ``"uint32"``: the files carry no dtype (dolma's
             ``--dtype``, OLMo's ``memmap_dtype``).
-        output, split, tokenizer, storage_format, overwrite, options,
-            chunk_tokens, **option_fields: as for :func:`import_megatron`.
-        runner, pipeline_args: as for :func:`import_datatrove`.
+        The others: as for :func:`import_datatrove`.
 
     The output's info records ``dtype`` and the inputs, each hashed as its
     ``.npy`` and ``.csv.gz``. Returns and raises as :func:`import_datatrove`
@@ -388,8 +387,7 @@ def import_levanter(
     options = resolve_options(options, option_fields, "import_levanter")
     url = os.fspath(cache).rstrip("/")
     levanter = LevanterCache(url, options)
-    store = Store(url, options)
-    keys = sorted(k.decode() for k in store.wait(store.kv.list()))
+    keys = sorted(k.decode() for k in levanter.wait(levanter.store.kv.list()))
     meta = levanter.tokenizer_meta or {}
     return _import(
         "import-levanter",
@@ -410,26 +408,26 @@ def import_levanter(
 
 def add_commands(subparsers: Any) -> None:
     """Registers ``flat-tokens import-datatrove``, ``import-dolma`` and ``import-levanter``."""
-    for name, what, function in (
-        ("datatrove", "datatrove file(s)", import_datatrove),
-        ("dolma", "dolma file(s)", import_dolma),
-        ("levanter", "Levanter cache", import_levanter),
+    beam = ["runner", "pipeline_args"]  # a Levanter cache is one input: nothing to spread
+    for name, what, function, own in (
+        ("datatrove", "datatrove file(s)", import_datatrove, beam),
+        ("dolma", "dolma file(s)", import_dolma, ["dtype", *beam]),
+        ("levanter", "Levanter cache", import_levanter, []),
     ):
         p = subparsers.add_parser(f"import-{name}", help=f"{what} to flat-tokens")
-        own = ["dtype"] if name == "dolma" else []
         if name == "levanter":
             p.add_argument("inputs", metavar="CACHE", help="the cache folder (path or URL)")
         else:
             p.add_argument("inputs", nargs="+", metavar="PATH", help="files, globs or folders")
         p.add_argument("output", metavar="OUTPUT", help="the new dataset")
-        if name == "dolma":
+        if "dtype" in own:
             p.add_argument(
                 "--dtype",
                 required=True,
                 choices=("uint16", "uint32"),
                 help="the tokens' type, which the files do not record (dolma's --dtype)",
             )
-        if name != "levanter":  # a cache is one input: nothing to spread
+        if "runner" in own:
             p.add_argument(
                 "--runner",
                 choices=("local", "beam"),
@@ -438,6 +436,5 @@ def add_commands(subparsers: Any) -> None:
                 "whose options follow '--' (e.g. -- --runner=DataflowRunner --project=P ...)",
             )
             p.set_defaults(takes_pipeline_args=True)
-            own += ["runner", "pipeline_args"]
         add_import_flags(p)
         p.set_defaults(run=functools.partial(run_import, function, what, own), pipeline_args=[])

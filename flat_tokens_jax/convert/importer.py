@@ -18,7 +18,7 @@ from typing import IO, Any, Protocol
 import numpy as np
 
 from flat_tokens_jax.convert.commands import add_output_flags, run_command, store_options
-from flat_tokens_jax.convert.inputs import InputError, hash_inputs
+from flat_tokens_jax.convert.inputs import InputError, Patterns, hash_inputs
 from flat_tokens_jax.core.format import MAX_TOKEN_ID, check_split_name, encode_concatenated
 from flat_tokens_jax.data.writer import DatasetWriter, StorageFormat
 from flat_tokens_jax.store.identity import DatasetInfo, inputs_field
@@ -123,11 +123,7 @@ def blob_opener(options: StoreOptions) -> Callable[[str], IO[bytes]]:
     return lambda url: Blob(url, options).stream()
 
 
-def expand(
-    patterns: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-    suffix: str,
-    options: StoreOptions,
-) -> list[str]:
+def expand(patterns: Patterns, suffix: str, options: StoreOptions) -> list[str]:
     """Files of ``patterns``, each a file, a folder (its ``*{suffix}`` files) or a
     glob (of one folder, for a URL); sorted within each pattern, in pattern order."""
     out: list[str] = []

@@ -50,8 +50,7 @@ _BLOCK = 1 << 20  # index entries written at a time
 
 @dataclasses.dataclass(frozen=True)
 class _MegatronFile:
-    """A checked index as the importer's :class:`TokenFile`: its documents (each
-    document's sequences concatenated), or with ``per_sequence`` its sequences."""
+    """A checked index's documents (sequences concatenated) or sequences, as a TokenFile."""
 
     index: MegatronIndex
     per_sequence: bool
@@ -109,8 +108,8 @@ def import_megatron(
     Args:
         prefixes: paths without ``.idx``/``.bin``.
         output: the new dataset's path or URL.
-        storage_format, overwrite, options: as for :class:`DatasetWriter`.
-        **option_fields: or the fields of ``options`` as keywords.
+        storage_format, overwrite, options: as for :class:`DatasetWriter`
+            (or ``options``' fields as keywords: ``**option_fields``).
         split: the split that receives everything (``train`` and ``validation``
             are written even when empty).
         progress: called after each chunk with ``(tokens_done, tokens_total)``.

@@ -174,8 +174,7 @@ class _Tokenize(beam.DoFn):
 
 
 class _Import(beam.DoFn):
-    """(index, a :class:`TokenFile`'s opener, its files to hash) -> the :class:`PartInfo`
-    of its part, imported as :func:`import_files` imports it."""
+    """(index, a :class:`TokenFile`'s opener, its files to hash) -> its part's :class:`PartInfo`."""
 
     def __init__(self, job: _Job, split: str, chunk_tokens: int) -> None:
         self.job, self.split, self.chunk_tokens = job, split, chunk_tokens
@@ -460,11 +459,8 @@ def import_beam(
     chunk_tokens: int,
     pipeline_args: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """:func:`import_files`, run on Apache Beam: each of ``files`` (whose own
-    files to hash are ``hashed``) imported into a part in parallel, then the parts
-    assembled; the output is byte for byte what :func:`import_files` writes with
-    ``info``. Returns the summary: the sequences and tokens written, the inputs,
-    the skipped empty documents, and ``runner``."""
+    """:func:`import_files` on Apache Beam, into the same bytes: each of ``files`` (its own
+    files to hash in ``hashed``) a part made in parallel; the summary has ``runner``."""
     started = time.perf_counter()
     out = os.fspath(output)
     beam_options, runner = _runner(out, pipeline_args)

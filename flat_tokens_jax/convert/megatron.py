@@ -99,11 +99,10 @@ def import_megatron(
 ) -> dict[str, Any]:
     """Writes Megatron indexed datasets, concatenated in order, as a new flat-tokens dataset.
 
-    Every index is checked before anything is written. Each Megatron document
-    (its sequences concatenated), or with ``per_sequence`` each sequence, becomes
-    one flat-tokens sequence; empty ones cannot be stored and are skipped and
-    counted. The root attribute ``{"megatron": {"dtype_code": c}}`` records the
-    source dtype when all prefixes agree, for :func:`export_megatron`.
+    Every index is checked before anything is written. Each Megatron document (its
+    sequences concatenated), or with ``per_sequence`` each sequence, becomes one sequence;
+    empty ones are skipped and counted. The root attribute ``{"megatron": {"dtype_code": c}}``
+    records the source dtype when all prefixes agree, for :func:`export_megatron`.
 
     Args:
         prefixes: paths without ``.idx``/``.bin``.
@@ -117,8 +116,7 @@ def import_megatron(
         tokenizer: the tokenizer that made the ids (a ``tokenizers`` JSON file
             or ``transformers`` directory), only to record its identity.
 
-    The output records what made it (:class:`DatasetInfo`), each prefix hashed as its
-    ``.idx`` then its ``.bin``.
+    The output's :class:`DatasetInfo` hashes each prefix as its ``.idx`` then its ``.bin``.
 
     Returns:
         A JSON-ready summary: per prefix its dtype, documents, sequences, tokens

@@ -19,7 +19,7 @@ import numpy as np
 
 from flat_tokens_jax.convert.commands import add_output_flags, run_command, store_options
 from flat_tokens_jax.convert.inputs import InputError, Patterns, hash_inputs
-from flat_tokens_jax.core.format import MAX_TOKEN_ID, check_split_name, encode_concatenated
+from flat_tokens_jax.core.format import MAX_TOKEN_ID, encode_concatenated
 from flat_tokens_jax.data.writer import DatasetWriter, StorageFormat
 from flat_tokens_jax.store.identity import DatasetInfo, inputs_field
 from flat_tokens_jax.store.location import refuse_overlap
@@ -227,7 +227,6 @@ def import_files(
     ``key``) its :meth:`TokenFile.stats`, tokens and skipped empties; the totals.
     """
     began = time.perf_counter()
-    check_split_name(split)
     options = options or StoreOptions()
     refuse_overlap(hashed, [output])
     done = written = 0

@@ -403,6 +403,34 @@ def test_cli_imports_each_format_as_json(
     assert "imported 1 Levanter cache into" in capsys.readouterr().out
 
 
+def test_cli_names_the_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The file a user named when it is missing, else the one beside it the tool writes."""
+    docs = documents(np.random.default_rng(9), 3, 300)
+    write_datatrove(tmp_path / "dt", [docs])
+    (tmp_path / "dt" / "000_shuffled.ds.index").unlink()
+    write_dolma(tmp_path / "part-0", docs, "uint16")
+    (tmp_path / "part-0.csv.gz").unlink()
+    out = str(tmp_path / "out")
+    for argv, said in (
+        (["import-dolma", "nothere.npy", out, "--dtype", "uint16"], "nothere.npy: no such file"),
+        (["import-datatrove", "nothere.ds", out], "nothere.ds: no such file"),
+        (
+            ["import-datatrove", str(tmp_path / "dt"), out],
+            "000_shuffled.ds.index: no such file, which datatrove writes beside",
+        ),
+        (
+            ["import-dolma", str(tmp_path / "part-0.npy"), out, "--dtype", "uint16"],
+            "part-0.csv.gz: no such file, which dolma writes beside",
+        ),
+        (["import-levanter", str(tmp_path), out], "no Levanter cache (neither"),
+    ):
+        assert cli(argv) == 1
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err
+        with pytest.raises(ftj.FormatError, match="no flat-tokens dataset here"):
+            ftj.open_dataset(out)
+
+
 SMALL = ftj.StorageFormat(shard_tokens=64, chunk_tokens=16)
 TWO_PROCESSES = [
     "--runner=FnApiRunner",

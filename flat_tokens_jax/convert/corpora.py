@@ -95,7 +95,10 @@ class DatatroveFile(_Ends):
         self.blob = Blob(url, options)
         self.loss = Blob(url + ".loss", options) if loss else None
         self.tokenizer, self.dtype, count = _metadata(url, meta)
-        index = Blob(url + ".index", options).read()
+        try:
+            index = Blob(url + ".index", options).read()
+        except FileNotFoundError:
+            raise _missing(self.blob, ".index", "datatrove") from None
         if len(index) % 8:
             raise InputError(f"{url}.index holds {len(index)} bytes, not whole uint64 ends")
         self.ends = _ends(np.frombuffer(index, "<u8"), f"{url}.index", "document")
@@ -141,6 +144,8 @@ class DolmaFile(_Ends):
         with io.TextIOWrapper(gzip.GzipFile(fileobj=Blob(table, options).stream())) as f:
             try:
                 rows.extend((int(row[0]), int(row[1])) for row in csv.reader(f))
+            except FileNotFoundError:
+                raise _missing(self.blob, ".csv.gz", "dolma") from None
             except (ValueError, IndexError, OSError, EOFError) as e:
                 why = f"row {len(rows) + 1} is not start,end,id,src,loc ({e})"
                 raise InputError(f"{table}: {why}") from e
@@ -152,6 +157,15 @@ class DolmaFile(_Ends):
             raise InputError(f"{table}: row {at + 1} starts at {starts[at]}, not at {was}")
         end = int(self.ends[-1]) if self.ends.size else 0
         self.blob.check_size(end * dtype.itemsize, f"{table} ends at token {end:,} ({dtype.name})")
+
+
+def _missing(blob: Blob, suffix: str, tool: str) -> FileNotFoundError:
+    """The error for a data file whose ``suffix`` file is missing: the data file's
+    own when it is missing too."""
+    if not blob.exists():
+        return FileNotFoundError(f"{blob.url}: no such file")
+    beside = blob.url.removesuffix(".npy") + suffix if suffix == ".csv.gz" else blob.url + suffix
+    return FileNotFoundError(f"{beside}: no such file, which {tool} writes beside {blob.url}")
 
 
 def _csv_name(url: str) -> str:
@@ -180,6 +194,10 @@ class LevanterCache:
             raise InputError(f"{where}: the cache is not finished (is_finished is not true)")
         if ledger is None and store.read_json("cache_ledger.json") is not None:
             raise InputError(f"{self.url}/cache_ledger.json: a cache older than levanter#716")
+        if ledger is None and store.read_json("input_ids/offsets/zarr.json") is None:
+            raise InputError(
+                f"{self.url}: no Levanter cache (neither {LEDGER} nor input_ids/offsets)"
+            )
 
         def array(name: str) -> Any:
             # A read past the data written fails, not reads zeros.

@@ -107,11 +107,14 @@ def test_every_module_is_in_the_table_and_every_entry_exists() -> None:
     assert {place for place, _ in table if place.endswith("/")} == folders
 
 
-def test_no_module_is_over_500_lines_and_the_package_over_22000() -> None:
+def test_no_module_is_over_500_lines_and_the_package_over_23000() -> None:
+    """Issue 47's bound of 22,000 lines held the engine's features of then; issue 49
+    added the corpus importers (datatrove, dolma, Levanter, on Beam too) and the
+    trainer adapters in about 1,000 lines more."""
     lines = {p.relative_to(ROOT): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
     assert len(lines) > 50, "the package looks empty"
     assert {p: n for p, n in lines.items() if n > 500} == {}
-    assert sum(lines.values()) <= 22_000
+    assert sum(lines.values()) <= 23_000
 
 
 def test_every_import_goes_down_the_table() -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import functools
 import gzip
 import importlib
@@ -185,8 +186,9 @@ class LevanterCache:
     """
 
     def __init__(self, url: str, options: StoreOptions) -> None:
-        self.url, self.store = url.rstrip("/"), Store(url, options)
-        store = self.store
+        # Read once, in order: chunks kept in a cache would only hold memory.
+        store = self.store = Store(url, dataclasses.replace(options, cache_bytes=0))
+        self.url = url.rstrip("/")
         ledger = store.read_json(LEDGER)
         self.tokenizer_meta = ((ledger or {}).get("metadata") or {}).get("preprocessor_metadata")
         where = f"{self.url}/{LEDGER}"

@@ -312,7 +312,7 @@ def test_levanter_refusals(tmp_path: Path) -> None:
 
 
 @pytest.mark.remote
-def test_datatrove_from_gcs_and_dolma_from_s3(gcs: str, s3: S3, tmp_path: Path) -> None:
+def test_datatrove_from_gcs_dolma_and_levanter_from_s3(gcs: str, s3: S3, tmp_path: Path) -> None:
     rng = np.random.default_rng(6)
     shards = [documents(rng, 7, 5000, loss=True) for _ in range(2)]
     write_datatrove(tmp_path / "dt", shards)
@@ -347,6 +347,13 @@ def test_datatrove_from_gcs_and_dolma_from_s3(gcs: str, s3: S3, tmp_path: Path) 
         pipeline_args=beam,
     )
     assert files(tmp_path / "beam") == files(tmp_path / "from_s3")
+    write_levanter(tmp_path / "lev", docs)
+    bucket = Store("s3://bucket/lev/", s3.options)
+    for path in sorted(p for p in (tmp_path / "lev").rglob("*") if p.is_file()):
+        key = path.relative_to(tmp_path / "lev").as_posix()
+        bucket.wait(bucket.kv.write(key, path.read_bytes()))
+    import_levanter("s3://bucket/lev", tmp_path / "lev_from_s3", options=s3.options)
+    assert stored(tmp_path / "lev_from_s3") == nonempty(docs)
 
 
 @pytest.mark.parametrize("kind", ["datatrove", "dolma", "levanter"])

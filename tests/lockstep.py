@@ -45,16 +45,20 @@ def timeline(records: list[Record]) -> str:
 
 def _asleep(own: set[int]) -> dict[int, int] | None:
     """How many times each thread of this process but ``own`` has run (its
-    timeslices, from ``schedstat``), when every one sleeps (state ``S``): none
-    runs or waits for a core; ``None`` otherwise."""
+    timeslices, from ``schedstat``), when every thread but the caller sleeps
+    (state ``S``): none runs or waits for a core; ``None`` otherwise. ``own``
+    threads count too: one that holds the GIL while it waits for a core keeps a
+    client thread asleep on the GIL with a request still to send."""
     ran = {}
+    me = threading.get_native_id()
     for task in Path("/proc/self/task").iterdir():
         tid = int(task.name)
-        if tid in own:
+        if tid == me:
             continue
         try:
             state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            ran[tid] = int((task / "schedstat").read_text().split()[2])
+            if tid not in own:
+                ran[tid] = int((task / "schedstat").read_text().split()[2])
         except (OSError, IndexError, ValueError):  # the thread ended while we looked
             continue
         if state != "S":

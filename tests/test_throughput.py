@@ -182,12 +182,14 @@ def test_the_stall_warning_names_the_store_when_a_growth_did_not_pay(
     ``read_ahead_bytes`` is not what holds it: the warning names the store."""
     records = Modelled(latency=0.0, service=0.03)
     loader = ftj.Loader(records, ftj.LoaderConfig(batch_size=BATCH, seq_len=SEQ, seed=7))
+    ceilings = []  # a ceiling is lifted again after RETRIAL_FETCHES fetches: seen at each step
     with caplog.at_level(logging.WARNING, logger="flat_tokens_jax"):
         for step, _ in loader.iterate(0):
             time.sleep(0.005)  # a trainer's step, longer than a decode
+            ceilings.append(loader.stats()["depth_ceiling"])
             if step == 120:
                 break
-    assert loader.stats()["depth_ceiling"] > 0
+    assert max(ceilings) > 0, ceilings
     warnings = [r.getMessage() for r in caplog.records if r.name.startswith("flat_tokens_jax")]
     assert len(warnings) == 1, warnings
     assert "(bandwidth or store)" in warnings[0] and "read_ahead_bytes" not in warnings[0]

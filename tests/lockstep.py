@@ -72,8 +72,8 @@ class LockstepProxy:
 
     It holds each request until the client, a thread of this process, can
     send no more: no connection is waiting to be accepted or read, and every
-    thread of the process but the proxies' own sleeps, in :data:`LOOKS` looks
-    in a row, none having run in between (a thread that woke, sent a request
+    thread of the process sleeps (the proxies' own too), in :data:`LOOKS` looks
+    in a row, no client thread having run in between (one that woke, sent a request
     and slept again between two looks was never seen running). Then it
     forwards the requests held, answers them all, and only then holds the
     next round. Requests that a client sends without waiting

@@ -274,16 +274,15 @@ class Steering:
             _, key, start, drawn = self._row(j)
             if start >= found:
                 break
-            stop = self._row(j + 1)[2] if j + 1 < count else found
+            after = self._row(j + 1)[3] if j + 1 < count else None  # drawn before the next
             counts = self._counts(key)
             for c, limit in enumerate(limits):
-                if counts[c] and drawn[c] <= limit:
+                # Only the segment that draws the sample builds its period's table.
+                if drawn[c] <= limit and (after is None or limit < after[c]) and counts[c]:
                     whole, rank = divmod(limit - int(drawn[c]), int(counts[c]))
                     table = self._table(j)
                     at = int(np.flatnonzero(table.component == c)[rank])
-                    g = start + whole * table.period + at
-                    if g < stop:  # else in a later segment
-                        found = min(found, g)
+                    found = min(found, start + whole * table.period + at)
         return found if found <= MAX_SAMPLE else None
 
     def _stretch(self, j: int) -> Stretch:
